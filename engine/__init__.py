@@ -1,0 +1,78 @@
+"""safetensors-engine: a strict, fast reader, streamer and writer of safetensors weights.
+
+``import engine`` stays light: it imports numpy and ml_dtypes, never torch, CuPy or
+Numba.  Public names are resolved on first use from the module that owns them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .errors import (
+    DeviceError,
+    HeaderError,
+    MissingDependencyError,
+    ReadError,
+    SafetensorError,
+    SerializationError,
+    TensorNotFoundError,
+    WriteError,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it; imported on first attribute access
+_LAZY = {
+    "read_header": "engine.header",
+    "Header": "engine.header",
+    "TensorInfo": "engine.header",
+    "MAX_HEADER_SIZE": "engine.header",
+    "safe_open": "engine.api",
+    "load_file": "engine.numpy",
+    "load": "engine.numpy",
+    "save_file": "engine.writer",
+    "save": "engine.writer",
+    # kernels (Numba is imported only when one of these is used)
+    "stats": "engine.stats",
+    "Stats": "engine.stats",
+    "stats_file": "engine.stats",
+    "quantize_int8": "engine.quantize",
+    "dequantize_int8": "engine.quantize",
+    "quantize_file": "engine.quantize",
+    "load_quantized": "engine.quantize",
+    "WeightValidator": "engine.validator",
+    "ValidationReport": "engine.validator",
+}
+
+__all__ = [
+    "DeviceError",
+    "HeaderError",
+    "MissingDependencyError",
+    "ReadError",
+    "SafetensorError",
+    "SerializationError",
+    "TensorNotFoundError",
+    "WriteError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .api import safe_open
+    from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
+    from .numpy import load, load_file
+    from .writer import save, save_file

@@ -1,0 +1,187 @@
+"""The 22 dtypes of the safetensors format and their numpy, torch and CuPy counterparts.
+
+Each dtype has a small integer *code*.  Codes follow the reference implementation's
+dtype order (``BOOL < F4 < ... < U64``), which is also the order its writer uses to
+lay tensors out (descending code, then name), so sorting by code reproduces the
+reference's files byte for byte.
+
+Sub-byte dtypes (``F4``, ``F6_E2M3``, ``F6_E3M2``) have no byte-addressable element; the
+engine hands them out as their packed bytes (``uint8``), see :func:`packed_shape`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import ml_dtypes
+import numpy as np
+
+from .errors import MissingDependencyError, SerializationError
+
+__all__ = [
+    "DType",
+    "DTYPES",
+    "BY_NAME",
+    "NAMES",
+    "BITS",
+    "code_of",
+    "numpy_dtype",
+    "from_numpy",
+    "torch_dtype",
+    "from_torch",
+    "packed_shape",
+]
+
+
+class DType(NamedTuple):
+    code: int
+    name: str  # the format's spelling, e.g. "BF16"
+    bits: int  # bits per element; 4 and 6 for the sub-byte dtypes
+    numpy: str  # numpy / ml_dtypes type name the engine uses for this dtype
+    torch: Optional[str]  # attribute of the torch module, None where torch has none
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element, 1 for packed sub-byte dtypes (their storage unit)."""
+        return max(self.bits // 8, 1)
+
+    @property
+    def sub_byte(self) -> bool:
+        return self.bits % 8 != 0
+
+
+# Order matters: it is the reference's enum order (see module docstring).
+DTYPES: tuple[DType, ...] = tuple(
+    DType(code, *row)
+    for code, row in enumerate(
+        [
+            ("BOOL", 8, "bool", "bool"),
+            ("F4", 4, "uint8", None),
+            ("F6_E2M3", 6, "uint8", None),
+            ("F6_E3M2", 6, "uint8", None),
+            ("U8", 8, "uint8", "uint8"),
+            ("I8", 8, "int8", "int8"),
+            ("F8_E5M2", 8, "float8_e5m2", "float8_e5m2"),
+            ("F8_E4M3", 8, "float8_e4m3fn", "float8_e4m3fn"),
+            ("F8_E8M0", 8, "float8_e8m0fnu", "float8_e8m0fnu"),
+            ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz", "float8_e4m3fnuz"),
+            ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz", "float8_e5m2fnuz"),
+            ("I16", 16, "int16", "int16"),
+            ("U16", 16, "uint16", "uint16"),
+            ("F16", 16, "float16", "float16"),
+            ("BF16", 16, "bfloat16", "bfloat16"),
+            ("I32", 32, "int32", "int32"),
+            ("U32", 32, "uint32", "uint32"),
+            ("F32", 32, "float32", "float32"),
+            ("C64", 64, "complex64", "complex64"),
+            ("F64", 64, "float64", "float64"),
+            ("I64", 64, "int64", "int64"),
+            ("U64", 64, "uint64", "uint64"),
+        ]
+    )
+)
+
+BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
+#: Format names indexed by code; the Cython parser hands out codes.
+NAMES: tuple[str, ...] = tuple(d.name for d in DTYPES)
+#: Bits per element indexed by code.
+BITS: tuple[int, ...] = tuple(d.bits for d in DTYPES)
+
+
+def code_of(name: str) -> int:
+    """Code of a format dtype name such as ``"BF16"``."""
+    try:
+        return BY_NAME[name].code
+    except KeyError:
+        raise SerializationError(f"unknown safetensors dtype {name!r}", reason="InvalidDtype") from None
+
+
+def _np_type(name: str) -> np.dtype:
+    if hasattr(ml_dtypes, name):
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name).newbyteorder("<")
+
+
+_NUMPY: tuple[np.dtype, ...] = tuple(_np_type(d.numpy) for d in DTYPES)
+_FROM_NUMPY: dict[np.dtype, int] = {}
+for _d in DTYPES:
+    if not _d.sub_byte:  # uint8 maps back to U8, not to a packed dtype
+        _FROM_NUMPY[_NUMPY[_d.code]] = _d.code
+_FROM_NUMPY[np.dtype(np.uint8)] = BY_NAME["U8"].code
+
+
+def numpy_dtype(code: int) -> np.dtype:
+    """numpy dtype for a code; little-endian; ``uint8`` for packed sub-byte dtypes."""
+    return _NUMPY[code]
+
+
+def from_numpy(dtype: np.dtype) -> int:
+    """Code for a numpy dtype (any byte order); raises SerializationError if unsupported."""
+    dtype = np.dtype(dtype)
+    key = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+    try:
+        return _FROM_NUMPY[key]
+    except KeyError:
+        raise SerializationError(f"numpy dtype {dtype} has no safetensors equivalent", reason="InvalidDtype") from None
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - exercised only without the extra
+        raise MissingDependencyError("torch", "torch", "torch tensors") from None
+    return torch
+
+
+_TORCH_CACHE: dict = {}
+
+
+def torch_dtype(code: int):
+    """torch dtype for a code; ``torch.uint8`` for packed sub-byte dtypes.
+
+    Raises ``SerializationError`` where this torch build has no such dtype.
+    """
+    if code in _TORCH_CACHE:
+        return _TORCH_CACHE[code]
+    torch = _torch()
+    d = DTYPES[code]
+    attr = "uint8" if d.sub_byte else d.torch
+    tdt = getattr(torch, attr, None) if attr else None
+    if tdt is None:
+        raise SerializationError(f"this torch build has no dtype for {d.name}", reason="InvalidDtype")
+    _TORCH_CACHE[code] = tdt
+    return tdt
+
+
+def from_torch(dtype) -> int:
+    """Code for a torch dtype; raises SerializationError if the format has none."""
+    if not _TORCH_REVERSE:
+        torch = _torch()
+        for d in DTYPES:
+            if d.torch and getattr(torch, d.torch, None) is not None:
+                _TORCH_REVERSE[getattr(torch, d.torch)] = d.code
+        # torch's packed FP4 (two values per byte) is the format's F4
+        if getattr(torch, "float4_e2m1fn_x2", None) is not None:
+            _TORCH_REVERSE[torch.float4_e2m1fn_x2] = BY_NAME["F4"].code
+    try:
+        return _TORCH_REVERSE[dtype]
+    except KeyError:
+        raise SerializationError(f"torch dtype {dtype} has no safetensors equivalent", reason="InvalidDtype") from None
+
+
+_TORCH_REVERSE: dict = {}
+
+
+def packed_shape(code: int, shape: tuple[int, ...], nbytes: int) -> tuple[int, ...]:
+    """Shape under which a tensor's packed bytes are handed out.
+
+    For byte-sized dtypes this is ``shape``.  For sub-byte dtypes it is ``shape`` with the
+    last dimension replaced by its packed byte count when that dimension fills whole bytes
+    (``F4[4096, 4096]`` -> ``uint8[4096, 2048]``), else the flat ``(nbytes,)``.
+    """
+    d = DTYPES[code]
+    if not d.sub_byte:
+        return shape
+    if shape and (shape[-1] * d.bits) % 8 == 0:
+        return shape[:-1] + (shape[-1] * d.bits // 8,)
+    return (nbytes,)

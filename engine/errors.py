@@ -1,0 +1,151 @@
+"""The one error hierarchy of the engine.
+
+Every class derives from :class:`SafetensorError` and from the builtin exception that
+callers already catch (``ValueError``, ``KeyError``, ``OSError``, ...), so code written
+against the reference ``safetensors`` package keeps working.  ``.reason`` carries the
+reference implementation's error name where one exists (``HeaderTooLarge``,
+``InvalidOffset``, ``MetadataIncompleteBuffer``, ...), so that callers can branch on the
+kind of defect without parsing messages.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional
+
+__all__ = [
+    "SafetensorError",
+    "HeaderError",
+    "TensorNotFoundError",
+    "SerializationError",
+    "ReadError",
+    "WriteError",
+    "DeviceError",
+    "MissingDependencyError",
+    "HEADER_REASONS",
+]
+
+#: Every ``.reason`` a :class:`HeaderError` can carry.  The first group are the reference
+#: implementation's names; the rest are checks the reference does not make.
+HEADER_REASONS = frozenset(
+    {
+        "HeaderTooSmall",
+        "HeaderTooLarge",
+        "InvalidHeaderLength",
+        "InvalidHeader",  # header bytes are not valid UTF-8
+        "InvalidHeaderStart",
+        "InvalidHeaderDeserialization",  # not JSON, or JSON of the wrong shape
+        "TensorInvalidInfo",
+        "InvalidOffset",
+        "MetadataIncompleteBuffer",
+        "ValidationOverflow",
+        "MisalignedSlice",
+        # stricter than the reference
+        "DuplicateKey",
+        "InvalidDtype",
+        "InvalidMetadata",
+        "NestingTooDeep",
+    }
+)
+
+
+class SafetensorError(Exception):
+    """Base class of every error the engine raises.
+
+    Parameters
+    ----------
+    message : str
+        What went wrong, in words.
+    reason : str, optional
+        Machine-readable kind of failure; for header defects the reference's name.
+    path : str or os.PathLike, optional
+        The file involved.  Can be set after construction by a caller that knows it.
+    tensors : iterable of str, optional
+        Names of the tensors involved.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: Optional[str] = None,
+        path: "Optional[str | os.PathLike[str]]" = None,
+        tensors: Iterable[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+        self.path = os.fspath(path) if path is not None else None
+        self.tensors = tuple(tensors)
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ would repr() the message; every subclass shows plain text.
+        prefix = f"{self.path}: " if self.path else ""
+        suffix = f" [{self.reason}]" if self.reason else ""
+        return f"{prefix}{self.message}{suffix}"
+
+    def __reduce__(self):  # keep errors picklable across worker processes
+        return (
+            _rebuild,
+            (type(self), self.message, self.__dict__.copy()),
+        )
+
+
+def _rebuild(cls, message, state):
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+class HeaderError(SafetensorError, ValueError):
+    """The header violates a rule of the format.
+
+    ``.reason`` is one of :data:`HEADER_REASONS`; ``.position`` is the byte offset inside
+    the header (counted from the first byte after the 8-byte length) where the parser
+    stopped, or ``None`` when the defect is not tied to one place.
+    """
+
+    def __init__(self, message: str, *, reason: str, position: Optional[int] = None, **kw) -> None:
+        super().__init__(message, reason=reason, **kw)
+        self.position = position
+
+
+class TensorNotFoundError(SafetensorError, KeyError):
+    """A tensor name that the file does not hold."""
+
+
+class SerializationError(SafetensorError, ValueError):
+    """Tensors or metadata that cannot be written (non-contiguous, shared memory, bad names)."""
+
+
+class ReadError(SafetensorError, OSError):
+    """Reading tensor bytes failed: I/O error, short read, file changed underneath.
+
+    Carries ``.offset`` and ``.size`` of the failed request, counted in bytes from the start
+    of the file.
+    """
+
+    def __init__(self, message: str, *, offset: Optional[int] = None, size: Optional[int] = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.offset = offset
+        self.size = size
+
+
+class WriteError(SafetensorError, OSError):
+    """Writing a file failed; any previous file at the destination is left intact."""
+
+
+class DeviceError(SafetensorError, RuntimeError):
+    """A device was asked for that is not there or cannot be used."""
+
+
+class MissingDependencyError(SafetensorError, ImportError):
+    """An optional dependency is needed; the message names the extra to install."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs {package}; install it with `pip install safetensors-engine[{extra}]`",
+            reason="MissingDependency",
+        )
+        self.name = package

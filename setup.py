@@ -1,0 +1,45 @@
+"""Build of the Cython extensions; all metadata lives in pyproject.toml.
+
+Set ``ENGINE_CYTHON_CHECKS=1`` to compile with bounds and wraparound checks on and
+assertions enabled; CI runs the test suite a second time in that mode.
+"""
+
+import os
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+CHECKS = os.environ.get("ENGINE_CYTHON_CHECKS", "0") == "1"
+
+directives = {
+    "language_level": "3",
+    "boundscheck": CHECKS,
+    "wraparound": CHECKS,
+    "initializedcheck": CHECKS,
+    "cdivision": not CHECKS,
+    "embedsignature": True,
+}
+macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+if not CHECKS:
+    macros.append(("NDEBUG", None))
+compile_args = ["-O3"] if not CHECKS else ["-O1", "-g", "-UNDEBUG"]
+
+extensions = [
+    Extension(
+        "engine._header",
+        ["engine/_header.pyx"],
+        include_dirs=[np.get_include()],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives=directives,
+        # a checked build must not reuse C files generated without checks
+        force=CHECKS,
+    ),
+)
