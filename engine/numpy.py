@@ -1,0 +1,82 @@
+"""numpy flavour of the reference API: ``load_file``, ``load``, ``save_file``, ``save``.
+
+Unlike the reference, every dtype of the format loads: BF16 and the FP8 types come back as
+``ml_dtypes`` arrays, sub-byte types (F4, F6_*) as their packed bytes (``uint8``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from . import writer
+from .api import safe_open
+from .errors import SerializationError
+from .header import parse_buffer
+from .sinks.numpy import NumpySink
+
+__all__ = ["load_file", "load", "save_file", "save"]
+
+
+def load_file(filename, *, backend: str = "mmap") -> dict[str, np.ndarray]:
+    """Load every tensor of a file as numpy arrays.
+
+    Parameters
+    ----------
+    filename : str or os.PathLike
+    backend : {"mmap", "pread"}
+        ``"mmap"``: read-only zero-copy views of a mapping; ``"pread"``: owned writable arrays.
+
+    Returns
+    -------
+    dict of str to numpy.ndarray, in file order.
+
+    Notes
+    -----
+    Copies of tensor bytes: 0 with "mmap", 1 with "pread" (page cache to the array).
+    """
+    with safe_open(filename, framework="numpy", backend=backend) as f:
+        return f.get_tensors()
+
+
+def load(data: bytes) -> dict[str, np.ndarray]:
+    """Load tensors from the bytes of a whole safetensors file.
+
+    Notes
+    -----
+    Copies of tensor bytes: 0; the arrays are read-only views of ``data`` and keep it alive.
+    """
+    header = parse_buffer(data)
+    view = memoryview(data)
+    t = header.table
+    sink = NumpySink()
+    start = header.data_start
+    out = {}
+    for r in t.order.tolist():
+        b, e = int(t.begins[r]), int(t.ends[r])
+        out[t.names[r]] = sink.from_bytes(int(t.codes[r]), t.shapes[r], view[start + b : start + e])
+    return out
+
+
+def _check(tensor_dict) -> None:
+    if not isinstance(tensor_dict, dict):
+        raise SerializationError(f"expected a dict of str to numpy.ndarray, got {type(tensor_dict).__name__}")
+    for name, arr in tensor_dict.items():
+        if not isinstance(arr, np.ndarray):
+            raise SerializationError(
+                f"tensor {name!r} is a {type(arr).__name__}, expected numpy.ndarray", tensors=(name,)
+            )
+
+
+def save_file(tensor_dict: dict, filename, metadata: Optional[dict[str, str]] = None) -> None:
+    """Write numpy arrays to ``filename`` atomically; see :func:`engine.writer.save_file`."""
+    _check(tensor_dict)
+    writer.save_file(tensor_dict, os.fspath(filename), metadata)
+
+
+def save(tensor_dict: dict, metadata: Optional[dict[str, str]] = None) -> bytes:
+    """The bytes of a safetensors file holding ``tensor_dict``; see :func:`engine.writer.save`."""
+    _check(tensor_dict)
+    return writer.save(tensor_dict, metadata)

@@ -1,0 +1,164 @@
+"""Read plans: which byte ranges of a file a request needs.
+
+A plan is computed from header numbers alone and never touches the file.  This module
+holds the slicing logic shared by every backend: an index such as ``t[2:10, ::4]`` is
+turned into the list of contiguous byte runs it covers, so a reader fetches exactly
+those bytes (a row block is one run, a column block a set of strided runs).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import SafetensorError
+
+__all__ = ["SlicePlan", "plan_slice", "InvalidSliceError"]
+
+
+class InvalidSliceError(SafetensorError, IndexError):
+    """An index that does not fit the tensor (out of range, wrong type, too many dims)."""
+
+
+class SlicePlan(NamedTuple):
+    """How to read ``tensor[index]`` from a C-contiguous tensor stored at byte 0.
+
+    ``out_shape`` is the shape of the dense block that the runs fill, in order: run ``i``
+    starts at byte ``src[i]`` of the tensor and has ``run_bytes`` bytes; runs are laid end to
+    end in the destination.  ``squeeze`` names the axes indexed by an integer (dropped
+    after reading) and ``flip`` those with a negative step (reversed after reading, since
+    runs are always read forwards).
+    """
+
+    out_shape: tuple[int, ...]
+    src: np.ndarray  # int64 byte offsets of each run, relative to the tensor's first byte
+    run_bytes: int
+    squeeze: tuple[int, ...]
+    flip: tuple[int, ...]
+    #: the same selection with every step positive (ints for squeezed axes), for backends
+    #: that slice a view instead of reading runs; apply ``flip`` afterwards
+    forward_index: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.src.size) * self.run_bytes
+
+    @property
+    def result_shape(self) -> tuple[int, ...]:
+        return tuple(n for axis, n in enumerate(self.out_shape) if axis not in self.squeeze)
+
+
+def _normalize(index, shape: tuple[int, ...]):
+    """Per-axis (start, count, step>0, squeezed, flipped) with numpy's semantics."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    n_ellipsis = sum(1 for ix in index if ix is Ellipsis)
+    if n_ellipsis > 1:
+        raise InvalidSliceError("an index can only have a single ellipsis ('...')")
+    explicit = len(index) - n_ellipsis
+    if explicit > len(shape):
+        raise InvalidSliceError(f"too many indices for a tensor of {len(shape)} dimension(s): {len(index) - n_ellipsis}")
+    if n_ellipsis:
+        at = next(i for i, ix in enumerate(index) if ix is Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - explicit) + index[at + 1 :]
+    else:
+        index = index + (slice(None),) * (len(shape) - explicit)
+
+    axes = []
+    for axis, (ix, dim) in enumerate(zip(index, shape)):
+        if isinstance(ix, slice):
+            start, stop, step = ix.indices(dim)
+            count = len(range(start, stop, step))
+            if step < 0:
+                # read the same elements forwards, reverse afterwards
+                first = start + (count - 1) * step if count else 0
+                axes.append((first, count, -step, False, True))
+            else:
+                axes.append((start, count, step, False, False))
+            continue
+        try:
+            i = operator.index(ix)
+        except TypeError:
+            raise InvalidSliceError(
+                f"unsupported index {ix!r}: use integers, slices and '...' (no arrays, None or booleans)"
+            ) from None
+        if isinstance(ix, (bool, np.bool_)):
+            raise InvalidSliceError("boolean indices are not supported")
+        if not -dim <= i < dim:
+            raise InvalidSliceError(f"index {i} is out of bounds for axis {axis} with size {dim}")
+        axes.append((i % dim, 1, 1, True, False))
+    return axes
+
+
+def plan_slice(shape: tuple[int, ...], itemsize: int, index) -> SlicePlan:
+    """Plan the byte runs that ``tensor[index]`` covers.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        Shape of the stored (C-contiguous) tensor.
+    itemsize : int
+        Bytes per element.
+    index : int, slice, Ellipsis or tuple of those
+        numpy-style basic index; negative integers and steps are allowed.
+
+    Returns
+    -------
+    SlicePlan
+
+    Raises
+    ------
+    InvalidSliceError
+        Out-of-range integers, too many indices, or unsupported index types.
+
+    Notes
+    -----
+    The innermost axes that are selected whole are merged into each run, so a row block
+    is a single run and a column block is one run per row.  The number of runs is the
+    product of the selected counts of the outer axes: it is computed with numpy in
+    O(runs) memory, which is at most the number of elements returned.
+    """
+    shape = tuple(int(d) for d in shape)
+    axes = _normalize(index, shape)
+    out_shape = tuple(count for (_, count, _, _, _) in axes)
+    squeeze = tuple(a for a, ax in enumerate(axes) if ax[3])
+    flip = tuple(a for a, ax in enumerate(axes) if ax[4])
+    forward = tuple(
+        start if squeezed else slice(start, start + count * step, step)
+        for (start, count, step, squeezed, _) in axes
+    )
+    if any(c == 0 for c in out_shape):
+        return SlicePlan(out_shape, np.zeros(0, np.int64), 0, squeeze, flip, forward)
+
+    # strides in bytes of the stored tensor
+    strides = [itemsize] * len(shape)
+    for a in range(len(shape) - 2, -1, -1):
+        strides[a] = strides[a + 1] * shape[a + 1]
+
+    # merge the whole-selected innermost axes (and one partially selected contiguous axis) into the run
+    run_bytes = itemsize
+    j = len(shape) - 1
+    while j >= 0:
+        start, count, step, _, _ = axes[j]
+        if start == 0 and count == shape[j] and step == 1:
+            run_bytes *= shape[j]
+            j -= 1
+            continue
+        if step == 1:
+            run_bytes *= count
+            src = np.array([start * strides[j]], np.int64)
+            j -= 1
+        else:
+            src = np.zeros(1, np.int64)
+        break
+    else:
+        return SlicePlan(out_shape, np.zeros(1, np.int64), run_bytes, squeeze, flip, forward)
+
+    # outer axes, from j outwards: every combination of their selected indices
+    for a in range(j, -1, -1):
+        start, count, step, _, _ = axes[a]
+        offs = (start + step * np.arange(count, dtype=np.int64)) * strides[a]
+        src = (offs[:, None] + src[None, :]).reshape(-1)
+    return SlicePlan(out_shape, src, run_bytes, squeeze, flip, forward)

@@ -1,0 +1,37 @@
+"""Destinations for tensor bytes: numpy arrays, torch tensors (and later CuPy).
+
+A sink knows how to make a framework's tensor that *views* a mapped file and how to
+allocate an owned tensor whose raw bytes a reader fills.  Each framework lives in its
+own module, which imports its framework at the top: importing it is the opt-in.
+"""
+
+from __future__ import annotations
+
+from ..errors import DeviceError, SafetensorError
+
+_FRAMEWORKS = {
+    "np": "numpy",
+    "numpy": "numpy",
+    "pt": "torch",
+    "torch": "torch",
+}
+
+
+def get_sink(framework: str, device="cpu"):
+    """The sink for a framework name as the reference spells it (``"np"``, ``"pt"``, ...)."""
+    try:
+        kind = _FRAMEWORKS[framework]
+    except (KeyError, TypeError):
+        raise SafetensorError(
+            f"unsupported framework {framework!r}; expected one of {sorted(_FRAMEWORKS)}",
+            reason="InvalidFramework",
+        ) from None
+    if kind == "numpy":
+        from .numpy import NumpySink
+
+        if str(device) != "cpu":
+            raise DeviceError(f"numpy arrays live on the CPU; device {device!r} needs framework='pt'")
+        return NumpySink()
+    from .torch import TorchSink
+
+    return TorchSink(device)

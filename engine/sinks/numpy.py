@@ -1,0 +1,45 @@
+"""numpy destination: read-only views of a mapping, or owned writable arrays."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from .. import dtypes
+
+
+class NumpySink:
+    name = "numpy"
+    # numpy views are read-only, so a read-only shared mapping is enough (and costs no commit charge)
+    mmap_access = mmap.ACCESS_READ
+
+    def map(self, mm: mmap.mmap):
+        return mm
+
+    def view(self, base, code: int, shape: tuple, offset: int, nbytes: int) -> np.ndarray:
+        """Zero-copy read-only array over ``nbytes`` at absolute ``offset`` of the mapping."""
+        arr = np.ndarray(dtypes.packed_shape(code, shape, nbytes), dtypes.numpy_dtype(code), buffer=base, offset=offset)
+        return arr
+
+    def empty(self, code: int, shape: tuple, nbytes: int) -> np.ndarray:
+        return np.empty(dtypes.packed_shape(code, shape, nbytes), dtypes.numpy_dtype(code))
+
+    @staticmethod
+    def raw(arr: np.ndarray) -> memoryview:
+        """Writable byte view of an owned C-contiguous array (no copy)."""
+        return memoryview(arr.reshape(-1).view(np.uint8))
+
+    def from_bytes(self, code: int, shape: tuple, data) -> np.ndarray:
+        """Array over ``data`` (a bytes-like holding exactly the tensor), zero-copy."""
+        return np.frombuffer(data, dtypes.numpy_dtype(code)).reshape(dtypes.packed_shape(code, shape, len(data)))
+
+    @staticmethod
+    def finish(arr, flip: tuple, result_shape: tuple):
+        if flip:
+            arr = np.flip(arr, flip)
+        return arr.reshape(result_shape)
+
+    @staticmethod
+    def to_device(arr):
+        return arr

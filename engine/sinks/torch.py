@@ -1,0 +1,95 @@
+"""torch destination: tensors over a private mapping, or owned tensors, on CPU or CUDA."""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from .. import dtypes
+from ..errors import DeviceError
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides = []
+    step = 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+class TorchSink:
+    name = "torch"
+    # torch tensors are writable, as the reference hands them out: a private (copy-on-write)
+    # mapping lets callers write without touching the file
+    mmap_access = mmap.ACCESS_COPY
+
+    def __init__(self, device="cpu") -> None:
+        try:
+            self.device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        except (RuntimeError, TypeError) as exc:
+            raise DeviceError(f"invalid torch device {device!r}: {exc}") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
+
+    def map(self, mm: mmap.mmap):
+        return _MappedStorage(torch.frombuffer(mm, dtype=torch.uint8))
+
+    def view(self, base: "_MappedStorage", code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
+        return base.view(code, dtypes.packed_shape(code, shape, nbytes), offset, nbytes)
+
+    def empty(self, code: int, shape: tuple, nbytes: int) -> torch.Tensor:
+        return torch.empty(dtypes.packed_shape(code, shape, nbytes), dtype=dtypes.torch_dtype(code))
+
+    @staticmethod
+    def raw(t: torch.Tensor) -> memoryview:
+        """Writable byte view of an owned contiguous CPU tensor (no copy)."""
+        if t.numel() == 0:
+            return memoryview(bytearray())
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+    def from_bytes(self, code: int, shape: tuple, data) -> torch.Tensor:
+        shape = dtypes.packed_shape(code, shape, len(data))
+        if len(data) == 0:
+            return torch.empty(shape, dtype=dtypes.torch_dtype(code))
+        return torch.frombuffer(data, dtype=dtypes.torch_dtype(code)).reshape(shape)
+
+    @staticmethod
+    def finish(t, flip: tuple, result_shape: tuple):
+        if flip:
+            t = torch.flip(t, flip)  # torch has no negative strides: this copies
+        return t.reshape(result_shape)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.to(self.device)
+
+
+class _MappedStorage:
+    """One uint8 tensor over the whole mapping plus lazily made per-dtype views of it.
+
+    Tensors are cut from the per-dtype view with ``as_strided``, one torch call per tensor,
+    which keeps opening files of many small tensors cheap.
+    """
+
+    def __init__(self, u8: torch.Tensor) -> None:
+        self.u8 = u8
+        self.storage = u8.untyped_storage()
+        self.typed: dict = {}
+
+    def view(self, code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
+        tdt = dtypes.torch_dtype(code)
+        itemsize = tdt.itemsize
+        if offset % itemsize:
+            # a file laid out without alignment: torch cannot view it, so copy (1 copy)
+            out = torch.empty(shape, dtype=tdt)
+            if nbytes:
+                out.reshape(-1).view(torch.uint8).copy_(self.u8[offset : offset + nbytes])
+            return out
+        typed = self.typed.get(code)
+        if typed is None:
+            typed = torch.empty(0, dtype=tdt).set_(self.storage, 0, (len(self.u8) // itemsize,), (1,))
+            self.typed[code] = typed
+        return typed.as_strided(shape, _contiguous_strides(shape), offset // itemsize)

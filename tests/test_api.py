@@ -1,0 +1,418 @@
+"""safe_open, load_file/load and get_slice against the reference safetensors package."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine
+import engine.numpy
+from engine.errors import HeaderError, SafetensorError, TensorNotFoundError
+from engine.plan import InvalidSliceError
+
+safetensors = pytest.importorskip("safetensors", reason="the reference package is a test extra")
+import safetensors.numpy as ref_np  # noqa: E402
+
+torch = pytest.importorskip("torch", reason="torch is an optional extra")
+import safetensors.torch as ref_pt  # noqa: E402
+
+import engine.torch  # noqa: E402
+
+BACKENDS = ["mmap", "pread"]
+
+# numpy dtypes the reference can write and read
+REF_NUMPY_DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.float16, np.int32, np.uint32,
+                    np.float32, np.complex64, np.float64, np.int64, np.uint64]
+TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16, torch.bfloat16,
+                torch.int32, torch.uint32, torch.float32, torch.complex64, torch.float64, torch.int64, torch.uint64,
+                torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+                torch.float8_e8m0fnu]
+
+
+def _np_sample(dtype, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    raw = rng.integers(0, 256, n * np.dtype(dtype).itemsize, dtype=np.uint8)
+    if np.dtype(dtype) == np.bool_:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def _torch_sample(dtype, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) if a.numel() else True
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+SHAPES = [(), (0,), (3, 0, 2), (7,), (4, 5), (2, 3, 4)]
+
+
+# -- reading what the reference wrote ---------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", REF_NUMPY_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_numpy_reads_reference_files(tmp_path, dtype, backend):
+    tensors = {f"t{i}": _np_sample(dtype, s, i) for i, s in enumerate(SHAPES)}
+    path = tmp_path / "ref.safetensors"
+    ref_np.save_file(tensors, str(path), metadata={"k": "v"})
+    loaded = engine.numpy.load_file(path, backend=backend)
+    assert loaded.keys() == tensors.keys()
+    for name, arr in tensors.items():
+        assert _bits_equal(loaded[name], arr), name
+    with engine.safe_open(path, framework="np", backend=backend) as f:
+        assert f.metadata() == {"k": "v"}
+        assert f.keys() == sorted(tensors)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_torch_reads_reference_files(tmp_path, dtype, backend):
+    tensors = {f"t{i}": _torch_sample(dtype, s, i) for i, s in enumerate(SHAPES)}
+    path = tmp_path / "ref.safetensors"
+    ref_pt.save_file(tensors, str(path))
+    loaded = engine.torch.load_file(path, backend=backend)
+    expected = ref_pt.load_file(str(path))
+    assert loaded.keys() == expected.keys()
+    for name in tensors:
+        assert _bits_equal(loaded[name], expected[name]), name
+        assert _bits_equal(loaded[name], tensors[name]), name
+
+
+# -- the reference reading what we wrote --------------------------------------------------------
+@pytest.mark.parametrize("dtype", REF_NUMPY_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_reference_reads_our_numpy_files(tmp_path, dtype):
+    tensors = {f"t{i}": _np_sample(dtype, s, i) for i, s in enumerate(SHAPES)}
+    path = tmp_path / "ours.safetensors"
+    engine.numpy.save_file(tensors, path, metadata={"a": "b"})
+    loaded = ref_np.load_file(str(path))
+    for name, arr in tensors.items():
+        assert _bits_equal(loaded[name], arr), name
+    assert engine.numpy.save(tensors, {"a": "b"}) == path.read_bytes()
+    assert ref_np.save(tensors, {"a": "b"}) == path.read_bytes()
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_reference_reads_our_torch_files(tmp_path, dtype):
+    tensors = {f"t{i}": _torch_sample(dtype, s, i) for i, s in enumerate(SHAPES)}
+    path = tmp_path / "ours.safetensors"
+    engine.torch.save_file(tensors, path)
+    loaded = ref_pt.load_file(str(path))
+    for name in tensors:
+        assert _bits_equal(loaded[name], tensors[name]), name
+    assert ref_pt.save(tensors) == path.read_bytes()
+
+
+def test_numpy_gets_bf16_and_fp8_which_the_reference_cannot(tmp_path):
+    tensors = {
+        "bf16": torch.randn(4, 3).to(torch.bfloat16),
+        "e4m3": torch.randn(5).to(torch.float8_e4m3fn),
+        "e5m2": torch.randn(2, 2).to(torch.float8_e5m2),
+    }
+    path = tmp_path / "m.safetensors"
+    ref_pt.save_file(tensors, str(path))
+    loaded = engine.numpy.load_file(path)
+    assert loaded["bf16"].dtype == ml_dtypes.bfloat16
+    assert loaded["e4m3"].dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_array_equal(loaded["bf16"].astype(np.float32), tensors["bf16"].float().numpy())
+    np.testing.assert_array_equal(loaded["e5m2"].astype(np.float32), tensors["e5m2"].float().numpy())
+
+
+# -- load from bytes ------------------------------------------------------------------------------
+def test_load_from_bytes_matches_reference():
+    tensors = {"a": _np_sample(np.float32, (3, 4)), "b": _np_sample(np.int64, (5,)), "c": np.zeros((0,), np.int8)}
+    data = ref_np.save(tensors)
+    for name, arr in engine.numpy.load(data).items():
+        assert _bits_equal(arr, tensors[name])
+        assert not arr.flags.writeable  # views of immutable bytes
+    pt = engine.torch.load(data)
+    for name, t in ref_pt.load(data).items():
+        assert _bits_equal(pt[name], t)
+    pt["a"].add_(1)  # owned copy: writable, and `data` untouched
+    assert engine.numpy.load(data)["a"].tobytes() == tensors["a"].tobytes()
+
+
+def test_load_from_bytes_rejects_garbage():
+    with pytest.raises(HeaderError) as info:
+        engine.numpy.load(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")
+    assert info.value.reason == "InvalidHeaderLength"
+
+
+# -- handle semantics ---------------------------------------------------------------------------
+@pytest.fixture
+def sample_file(tmp_path):
+    tensors = {
+        "w": _np_sample(np.float32, (6, 8), 1),
+        "b": _np_sample(np.float16, (8,), 2),
+        "ids": _np_sample(np.int64, (3, 4, 5), 3),
+        "s": np.array(3.5, np.float64),
+        "empty": np.zeros((2, 0), np.float32),
+    }
+    path = tmp_path / "sample.safetensors"
+    ref_np.save_file(tensors, str(path), metadata={"format": "np"})
+    return path, tensors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_safe_open_api(sample_file, backend):
+    path, tensors = sample_file
+    with ref_np.safe_open(str(path), framework="np") as r, engine.safe_open(path, "np", backend=backend) as f:
+        assert f.keys() == r.keys() == sorted(tensors)
+        assert f.offset_keys() == r.offset_keys()
+        assert f.metadata() == r.metadata()
+        for k in f.keys():
+            assert f.get_slice(k).get_shape() == r.get_slice(k).get_shape()
+            assert f.get_slice(k).get_dtype() == r.get_slice(k).get_dtype()
+            assert _bits_equal(f.get_tensor(k), tensors[k])
+        got = f.get_tensors()
+        assert list(got) == f.offset_keys()
+
+
+def test_mmap_views_are_zero_copy_and_read_only(sample_file):
+    path, _ = sample_file
+    with engine.safe_open(path, "np") as f:
+        w1, w2 = f.get_tensor("w"), f.get_tensor("w")
+    assert not w1.flags.writeable
+    assert np.shares_memory(w1, w2)  # both view the one mapping
+    with pytest.raises(ValueError):
+        w1[0, 0] = 1.0
+
+
+def test_pread_gives_owned_writable_memory(sample_file):
+    path, tensors = sample_file
+    with engine.safe_open(path, "np", backend="pread") as f:
+        w = f.get_tensor("w")
+    assert w.flags.writeable and w.flags.owndata or w.base is not None
+    w[0, 0] = 42.0
+    assert engine.numpy.load_file(path)["w"][0, 0] == tensors["w"][0, 0]
+
+
+def test_torch_mmap_tensors_are_writable_but_never_write_the_file(sample_file):
+    path, tensors = sample_file
+    before = path.read_bytes()
+    t = engine.torch.load_file(path)["w"]
+    t.fill_(7.0)
+    del t
+    gc.collect()
+    assert path.read_bytes() == before
+
+
+def test_tensors_outlive_the_handle(sample_file):
+    path, tensors = sample_file
+    with engine.safe_open(path, "np") as f:
+        w = f.get_tensor("w")
+    gc.collect()
+    assert _bits_equal(w, tensors["w"])
+    with pytest.raises(SafetensorError, match="closed"):
+        f.get_tensor("w")
+
+
+def test_missing_tensor_names_file_and_tensor(sample_file):
+    path, _ = sample_file
+    with engine.safe_open(path, "np") as f:
+        with pytest.raises(TensorNotFoundError) as info:
+            f.get_tensor("ww")
+        with pytest.raises(KeyError):  # drop-in: callers catching KeyError keep working
+            f.get_slice("nope")
+    assert str(path) in str(info.value) and "ww" in str(info.value)
+
+
+def test_bad_framework_backend_device(sample_file):
+    path, _ = sample_file
+    with pytest.raises(SafetensorError, match="framework"):
+        engine.safe_open(path, "tf")
+    with pytest.raises(SafetensorError, match="backend"):
+        engine.safe_open(path, "np", backend="cufile")
+    with pytest.raises(engine.DeviceError):
+        engine.safe_open(path, "np", device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where no GPU exists")
+def test_cuda_without_gpu_is_a_clear_error(sample_file):
+    path, _ = sample_file
+    with pytest.raises(engine.DeviceError, match="CUDA"):
+        engine.safe_open(path, "pt", device="cuda:0")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_load(sample_file):
+    path, tensors = sample_file
+    got = engine.torch.load_file(path, device="cuda:0")
+    for k, v in tensors.items():
+        assert got[k].device.type == "cuda"
+        assert got[k].cpu().numpy().tobytes() == v.tobytes()
+
+
+def test_no_fd_leak(sample_file):
+    path, _ = sample_file
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        with engine.safe_open(path, "np", backend="pread") as f:
+            f.get_tensors()
+        f = engine.safe_open(path, "pt")
+        f.get_tensor("w")
+        del f
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+# -- slicing -----------------------------------------------------------------------------------------
+INDICES = [
+    0, -1, slice(None), slice(1, 3), slice(None, None, 2), slice(None, None, -1), slice(-2, None),
+    (slice(None), 1), (Ellipsis, 2), (1, Ellipsis), (slice(0, 6, 4), slice(1, 8, 3)), (slice(5, 0, -2), -1),
+    (slice(3, 3),), (2, 3), Ellipsis, (slice(10, 20),),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index", INDICES, ids=repr)
+def test_get_slice_numpy_matches_numpy_indexing(sample_file, backend, index):
+    path, tensors = sample_file
+    with engine.safe_open(path, "np", backend=backend) as f:
+        got = f.get_slice("w")[index]
+    np.testing.assert_array_equal(got, tensors["w"][index])
+    assert got.shape == tensors["w"][index].shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index", [i for i in INDICES], ids=repr)
+def test_get_slice_torch(sample_file, backend, index):
+    path, tensors = sample_file
+    expected = tensors["w"][index]
+    with engine.safe_open(path, "pt", backend=backend) as f:
+        got = f.get_slice("w")[index]
+    assert isinstance(got, torch.Tensor)
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def test_get_slice_agrees_with_reference_torch(sample_file):
+    path, _ = sample_file
+    with ref_pt.safe_open(str(path), framework="pt") as r, engine.safe_open(path, "pt") as f:
+        for index in [(slice(1, 4),), (slice(None), slice(2, 6)), (slice(None, None, 2), slice(0, 8, 3)), (Ellipsis, 1)]:
+            assert torch.equal(f.get_slice("ids")[index], r.get_slice("ids")[index])
+
+
+@pytest.mark.parametrize("bad", [(0, 0, 0), 6, -7, (slice(None), 8), "a", 1.5, [0, 1], None, (Ellipsis, Ellipsis)])
+def test_get_slice_rejects_bad_indices(sample_file, bad):
+    path, _ = sample_file
+    with engine.safe_open(path, "np") as f:
+        with pytest.raises((InvalidSliceError, IndexError)) as info:
+            f.get_slice("w")[bad]
+    assert isinstance(info.value, SafetensorError)
+    assert "w" in str(info.value)
+
+
+def test_pread_slice_reads_only_needed_bytes(tmp_path, monkeypatch):
+    arr = _np_sample(np.float32, (256, 1024))
+    path = tmp_path / "big.safetensors"
+    ref_np.save_file({"m": arr}, str(path))
+    seen = []
+    real = os.preadv
+
+    def counting(fd, buffers, offset):
+        n = real(fd, buffers, offset)
+        seen.append(n)
+        return n
+
+    monkeypatch.setattr(os, "preadv", counting)
+    with engine.safe_open(path, "np", backend="pread") as f:
+        rows = f.get_slice("m")[10:20]
+        assert sum(seen) == 10 * 1024 * 4
+        seen.clear()
+        col = f.get_slice("m")[:, 5:9]
+        assert sum(seen) == 256 * 4 * 4
+    np.testing.assert_array_equal(rows, arr[10:20])
+    np.testing.assert_array_equal(col, arr[:, 5:9])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_get_slice_property(tmp_path_factory, data):
+    shape = tuple(data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)))
+    arr = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    path = tmp_path_factory.mktemp("s") / "t.safetensors"
+    ref_np.save_file({"x": arr}, str(path))
+
+    def axis_index(dim):
+        ints = st.integers(-dim, dim - 1) if dim else st.nothing()
+        bound = st.none() | st.integers(-dim - 2, dim + 2)
+        step = st.none() | st.integers(-3, 3).filter(bool)
+        return ints | st.builds(slice, bound, bound, step)
+
+    index = tuple(data.draw(axis_index(d)) for d in shape[: data.draw(st.integers(0, len(shape)))])
+    for backend in BACKENDS:
+        with engine.safe_open(path, "np", backend=backend) as f:
+            np.testing.assert_array_equal(f.get_slice("x")[index], arr[index])
+
+
+# -- robustness ----------------------------------------------------------------------------------
+def test_pread_truncated_file_is_a_read_error(tmp_path):
+    arr = _np_sample(np.float32, (64, 64))
+    path = tmp_path / "t.safetensors"
+    ref_np.save_file({"a": arr, "b": arr}, str(path))
+    f = engine.safe_open(path, "np", backend="pread")
+    os.truncate(path, os.path.getsize(path) - 100)  # another process truncates it while open
+    with pytest.raises(engine.ReadError) as info:
+        f.get_tensors()
+    f.close()
+    assert info.value.offset is not None and info.value.size
+    assert str(path) in str(info.value)
+    assert isinstance(info.value, OSError)
+
+
+def test_truncated_file_is_a_header_error_at_open(tmp_path):
+    path = tmp_path / "t.safetensors"
+    ref_np.save_file({"a": np.zeros(10, np.float32)}, str(path))
+    os.truncate(path, os.path.getsize(path) - 1)
+    with pytest.raises(HeaderError) as info:
+        engine.safe_open(path, "np")
+    assert info.value.reason == "MetadataIncompleteBuffer"
+
+
+def test_concurrent_handles(tmp_path):
+    tensors = {f"t{i}": _np_sample(np.float32, (32, 32), i) for i in range(20)}
+    path = tmp_path / "c.safetensors"
+    ref_np.save_file(tensors, str(path))
+    errors = []
+
+    def work(backend):
+        try:
+            for _ in range(20):
+                got = engine.numpy.load_file(path, backend=backend)
+                assert all(_bits_equal(got[k], v) for k, v in tensors.items())
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in BACKENDS * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_import_engine_stays_light():
+    code = "import engine, sys; print(sorted(m for m in ('torch', 'cupy', 'numba') if m in sys.modules))"
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
