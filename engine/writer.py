@@ -25,12 +25,13 @@ import stat
 import sys
 import tempfile
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
 from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
-from .errors import SafetensorError, SerializationError, WriteError
+from .errors import SerializationError, WriteError
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter"]
 
@@ -50,7 +51,7 @@ _F4 = BY_NAME["F4"].code
 
 def build_header(
     entries: Iterable[tuple[str, int, Sequence[int], int]],
-    metadata: Optional[Mapping[str, str]] = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> tuple[bytes, list[tuple[int, int]]]:
     """Header bytes and tensor placement for a file holding ``entries``.
 
@@ -95,7 +96,9 @@ def build_header(
     for index, (name, dtype, shape, nbytes) in enumerate(entries):
         _check_name(name)
         if name in seen:
-            raise SerializationError(f"tensor {name!r} is listed twice", reason="DuplicateKey", tensors=(name,))
+            raise SerializationError(
+                f"tensor {name!r} is listed twice", reason="DuplicateKey", tensors=(name,)
+            )
         seen.add(name)
         code = _code(name, dtype)
         shape = _shape(name, shape)
@@ -149,7 +152,8 @@ def _check_name(name: object) -> None:
 def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
     if not isinstance(metadata, Mapping):
         raise SerializationError(
-            f"metadata must be a mapping of str to str, got {type(metadata).__name__}", reason="InvalidMetadata"
+            f"metadata must be a mapping of str to str, got {type(metadata).__name__}",
+            reason="InvalidMetadata",
         )
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
@@ -166,13 +170,15 @@ def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
     return dict(metadata)
 
 
-def _code(name: str, dtype: Union[int, str]) -> int:
+def _code(name: str, dtype: int | str) -> int:
     try:
         code = code_of(dtype) if isinstance(dtype, str) else operator.index(dtype)
     except (SerializationError, TypeError):
         code = -1
     if not 0 <= code < len(DTYPES):
-        raise SerializationError(f"tensor {name!r}: unknown dtype {dtype!r}", reason="InvalidDtype", tensors=(name,))
+        raise SerializationError(
+            f"tensor {name!r}: unknown dtype {dtype!r}", reason="InvalidDtype", tensors=(name,)
+        )
     return code
 
 
@@ -182,7 +188,9 @@ def _shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
     except TypeError:
         dims = (-1,)
     if any(d < 0 for d in dims):
-        raise SerializationError(f"tensor {name!r}: invalid shape {shape!r}", reason="InvalidShape", tensors=(name,))
+        raise SerializationError(
+            f"tensor {name!r}: invalid shape {shape!r}", reason="InvalidShape", tensors=(name,)
+        )
     return dims
 
 
@@ -211,7 +219,7 @@ class _Raw(NamedTuple):
     nbytes: int
     #: (address space, first byte, end) of the memory read, None when there is none;
     #: used to find tensors that share memory.
-    span: Optional[tuple[object, int, int]]
+    span: tuple[object, int, int] | None
     #: chunks(limit) yields the little-endian bytes as 'B' memoryviews of at most ``limit``
     #: bytes; each is valid until the next is requested (staging buffers are reused).
     chunks: Callable[[int], Iterator[memoryview]]
@@ -248,7 +256,7 @@ def _raw_numpy(name: str, a: np.ndarray) -> _Raw:
         span = ("cpu", start, start + a.nbytes)
     # reshape(-1) of a C-contiguous array is a view; uint8 because the buffer protocol
     # refuses ml_dtypes' types.
-    view = memoryview(a.reshape(-1).view(np.uint8))
+    view = a.reshape(-1).view(np.uint8).data
     return _Raw(code, tuple(a.shape), a.nbytes, span, _host_chunks(view, swap))
 
 
@@ -260,17 +268,23 @@ def _raw_torch(name: str, t: Any, torch: Any) -> _Raw:
             tensors=(name,),
         )
     if t.device.type == "meta":
-        raise SerializationError(f"tensor {name!r} is on the meta device and has no data", reason="NoData", tensors=(name,))
+        raise SerializationError(
+            f"tensor {name!r} is on the meta device and has no data", reason="NoData", tensors=(name,)
+        )
     if not t.is_contiguous():
         raise SerializationError(
-            f"tensor {name!r} is not contiguous; pass .contiguous() to write it", reason="NonContiguous", tensors=(name,)
+            f"tensor {name!r} is not contiguous; pass .contiguous() to write it",
+            reason="NonContiguous",
+            tensors=(name,),
         )
     code = _named(name, from_torch, t.dtype)
     shape = tuple(t.shape)
     if code == _F4:  # float4_e2m1fn_x2 counts bytes; the format counts values, two per byte
         if not shape:
             raise SerializationError(
-                f"tensor {name!r}: a float4_e2m1fn_x2 scalar cannot be written", reason="MisalignedSlice", tensors=(name,)
+                f"tensor {name!r}: a float4_e2m1fn_x2 scalar cannot be written",
+                reason="MisalignedSlice",
+                tensors=(name,),
             )
         shape = shape[:-1] + (shape[-1] * 2,)
     nbytes = t.numel() * t.element_size()
@@ -279,12 +293,20 @@ def _raw_torch(name: str, t: Any, torch: Any) -> _Raw:
         start = t.data_ptr()
         space = "cpu" if t.device.type == "cpu" else str(t.device)
         span = (space, start, start + nbytes)
+    if not nbytes:
+        return _Raw(code, shape, 0, None, _host_chunks(memoryview(b""), 1))
     t = t.detach()
     if t.is_conj() or t.is_neg():
-        # The lazy conjugate/negation bit is not in memory; the values are (a copy).
-        t = t.resolve_conj().resolve_neg()
+        # A lazy conjugate/negation bit is not in memory: write the resolved values, copied
+        # only when this tensor's turn comes.
+        def resolved(limit: int) -> Iterator[memoryview]:
+            return _raw_torch(name, t.resolve_conj().resolve_neg(), torch).chunks(limit)
+
+        return _Raw(code, shape, nbytes, span, resolved)
     swap = _swap_unit(t.element_size(), t.is_complex()) if sys.byteorder == "big" else 1
-    flat = t.reshape(-1).view(torch.uint8)
+    # as_strided, not reshape: a contiguous tensor may carry any stride on a dimension of
+    # size 1, which view(uint8) refuses.
+    flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
     if t.device.type == "cpu":
         return _Raw(code, shape, nbytes, span, _host_chunks(memoryview(flat.numpy()), swap))
     return _Raw(code, shape, nbytes, span, _device_chunks(flat, swap, torch))
@@ -294,7 +316,9 @@ def _named(name: str, convert: Callable[[Any], int], dtype: Any) -> int:
     try:
         return convert(dtype)
     except SerializationError as exc:
-        raise SerializationError(f"tensor {name!r}: {exc.message}", reason=exc.reason, tensors=(name,)) from None
+        raise SerializationError(
+            f"tensor {name!r}: {exc.message}", reason=exc.reason, tensors=(name,)
+        ) from None
 
 
 def _swap_unit(itemsize: int, complex_: bool) -> int:
@@ -305,7 +329,7 @@ def _swap_unit(itemsize: int, complex_: bool) -> int:
 def _swapped(piece: memoryview, unit: int) -> memoryview:
     if unit == 1:
         return piece
-    return memoryview(np.frombuffer(piece, dtype=f"u{unit}").byteswap().view(np.uint8))
+    return np.frombuffer(piece, dtype=f"u{unit}").byteswap().view(np.uint8).data
 
 
 def _host_chunks(view: memoryview, swap: int) -> Callable[[int], Iterator[memoryview]]:
@@ -334,7 +358,10 @@ def _device_chunks(flat: Any, swap: int, torch: Any) -> Callable[[int], Iterator
     return chunks
 
 
-def _prepare(tensors: Mapping[str, Any]) -> tuple[list[tuple[str, _Raw]], bytes, list[tuple[int, int]], Optional[dict]]:
+def _prepare(
+    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None
+) -> tuple[list[tuple[str, _Raw]], bytes, list[tuple[int, int]]]:
+    """Validate everything, before any file is touched; return the items, header and layout."""
     if not isinstance(tensors, Mapping):
         raise SerializationError(
             f"expected a mapping of names to tensors, got {type(tensors).__name__}", reason="UnsupportedType"
@@ -344,7 +371,8 @@ def _prepare(tensors: Mapping[str, Any]) -> tuple[list[tuple[str, _Raw]], bytes,
         _check_name(name)
         items.append((name, _raw(name, x)))
     _check_shared(items)
-    return items, *build_header((name, r.code, r.shape, r.nbytes) for name, r in items)
+    header, layout = build_header(((name, r.code, r.shape, r.nbytes) for name, r in items), metadata)
+    return items, header, layout
 
 
 def _check_shared(items: list[tuple[str, _Raw]]) -> None:
@@ -418,7 +446,7 @@ def _write_error(action: str, path: str, exc: BaseException) -> WriteError:
     return err
 
 
-def _discard(fd: Optional[int], tmp: str) -> None:
+def _discard(fd: int | None, tmp: str) -> None:
     if fd is not None:
         try:
             os.close(fd)
@@ -457,21 +485,34 @@ class TensorWriter:
     def __init__(
         self,
         path: PathLike,
-        entries: Iterable[tuple[str, Union[int, str], Sequence[int]]],
-        metadata: Optional[Mapping[str, str]] = None,
+        entries: Iterable[tuple[str, int | str, Sequence[int]]],
+        metadata: Mapping[str, str] | None = None,
         *,
         fsync: bool = True,
     ) -> None:
-        self.path = os.fspath(path)
-        self._fsync = fsync
         rows = []
         for name, dtype, shape in entries:
             _check_name(name)
             code, dims = _code(name, dtype), _shape(name, shape)
             rows.append((name, code, dims, _packed_nbytes(name, code, dims)))
         header, layout = build_header(rows, metadata)
-        self._entries = {rows[i][0]: _Entry(rows[i][1], rows[i][2], rows[i][3], offset) for i, offset in layout}
-        self._filled = dict.fromkeys(self._entries, 0)
+        placed = {rows[i][0]: _Entry(rows[i][1], rows[i][2], rows[i][3], offset) for i, offset in layout}
+        self._open(path, header, placed, fsync)
+
+    @classmethod
+    def _from_header(
+        cls, path: PathLike, header: bytes, entries: dict[str, _Entry], fsync: bool
+    ) -> TensorWriter:
+        self = cls.__new__(cls)
+        self._open(path, header, entries, fsync)
+        return self
+
+    def _open(self, path: PathLike, header: bytes, entries: dict[str, _Entry], fsync: bool) -> None:
+        self.path = os.fspath(path)
+        self._fsync = fsync
+        self._entries = entries  # in layout order
+        self._filled = dict.fromkeys(entries, 0)
+        self._fd: int | None = None
 
         # Through a symlink, replace its target (as an in-place write would), not the link.
         self._dest = os.path.realpath(self.path)
@@ -483,14 +524,14 @@ class TensorWriter:
         except OSError as exc:
             raise _write_error("inspect the destination", self.path, exc) from exc
         try:
-            self._fd: Optional[int]
             self._fd, self._tmp = tempfile.mkstemp(dir=directory, prefix=f".{base[:200]}.", suffix=".tmp")
         except OSError as exc:
             raise _write_error("create a temporary file", self.path, exc) from exc
         # A writer dropped without commit() or abort() must not leave its temporary file.
         self._finalizer = weakref.finalize(self, _discard, self._fd, self._tmp)
         try:
-            os.fchmod(self._fd, mode)  # mkstemp creates 0600
+            if hasattr(os, "fchmod"):  # mkstemp creates 0600
+                os.fchmod(self._fd, mode)
             _write_all(self._fd, memoryview(header), 0)
         except BaseException as exc:
             self.abort()
@@ -510,6 +551,7 @@ class TensorWriter:
 
     @property
     def closed(self) -> bool:
+        """True once committed or aborted."""
         return self._fd is None
 
     def write(self, name: str, data: Any) -> None:
@@ -542,7 +584,10 @@ class TensorWriter:
         entry = self._entries.get(name)
         if entry is None:
             raise SerializationError(
-                f"tensor {name!r} was not declared to open_writer", reason="UnknownTensor", tensors=(name,), path=self.path
+                f"tensor {name!r} was not declared to open_writer",
+                reason="UnknownTensor",
+                tensors=(name,),
+                path=self.path,
             )
         raw = self._raw_piece(name, entry, data)
         done = self._filled[name]
@@ -585,6 +630,7 @@ class TensorWriter:
                 _write_all(self._fd, piece, offset)
                 offset += len(piece)
                 self._filled[name] += len(piece)
+                del piece  # else a staging copy lives on while the next one is made
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
@@ -651,14 +697,16 @@ class TensorWriter:
             self.abort()
 
     def __repr__(self) -> str:
-        state = "closed" if self._fd is None else f"{len(self.missing)} of {len(self._entries)} tensors to write"
+        state = (
+            "closed" if self._fd is None else f"{len(self.missing)} of {len(self._entries)} tensors to write"
+        )
         return f"<TensorWriter {self.path!r}: {state}>"
 
 
 def open_writer(
     path: PathLike,
-    entries: Iterable[tuple[str, Union[int, str], Sequence[int]]],
-    metadata: Optional[Mapping[str, str]] = None,
+    entries: Iterable[tuple[str, int | str, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = True,
 ) -> TensorWriter:
@@ -711,7 +759,7 @@ def open_writer(
 def save_file(
     tensors: Mapping[str, Any],
     filename: PathLike,
-    metadata: Optional[Mapping[str, str]] = None,
+    metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = True,
 ) -> None:
@@ -755,23 +803,30 @@ def save_file(
     Copies of tensor bytes: 0 for CPU little-endian arrays and tensors, which are written
     from their own memory in slices of at most 64 MiB; 1 for big-endian numpy arrays
     (byte-swapped slice by slice), for device tensors (each slice copied into one pinned
-    host buffer) and for conjugate/negative-bit torch views (resolved as a whole).
+    host buffer) and for conjugate/negative-bit torch views (resolved as a whole, one
+    tensor at a time).
 
     Memory: independent of the total size.  Apart from those per-slice staging buffers
     (at most 64 MiB, one at a time) the writer holds the header and a few objects per
     tensor; saving a 2 GB dict allocates no buffer in proportion to it.  The written pages
     sit in the OS page cache, not in the process.
     """
-    items, header, layout = _prepare(tensors)[0:3]
-    writer = TensorWriter.__new__(TensorWriter)
-    _open_prepared(writer, filename, items, header, layout, metadata, fsync)
+    items, header, layout = _prepare(tensors, metadata)
+    entries = {
+        items[i][0]: _Entry(items[i][1].code, items[i][1].shape, items[i][1].nbytes, offset)
+        for i, offset in layout
+    }
+    writer = TensorWriter._from_header(filename, header, entries, fsync)
+    try:
+        for index, _ in layout:
+            writer._write_raw(*items[index])
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
 
 
-def _open_prepared(writer, filename, items, header, layout, metadata, fsync):  # pragma: no cover - replaced below
-    raise NotImplementedError
-
-
-def save(tensors: Mapping[str, Any], metadata: Optional[Mapping[str, str]] = None) -> bytes:
+def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
     """The bytes of a safetensors file holding ``tensors``.
 
     Parameters
@@ -798,7 +853,7 @@ def save(tensors: Mapping[str, Any], metadata: Optional[Mapping[str, str]] = Non
     the returned ``bytes`` without a further copy.  Peak memory: the tensors plus the
     result plus, for big-endian or device tensors, one staging slice of at most 64 MiB.
     """
-    items, header, layout = _prepare(tensors)
+    items, header, layout = _prepare(tensors, metadata)
     total = len(header) + sum(raw.nbytes for _, raw in items)
     # BytesIO adopts an unshared bytes object as its buffer, writes into it in place and
     # hands it back from getvalue() when the size matches: one allocation, no final copy.
@@ -808,4 +863,5 @@ def save(tensors: Mapping[str, Any], metadata: Optional[Mapping[str, str]] = Non
         out.seek(offset)
         for piece in items[index][1].chunks(_CHUNK):
             out.write(piece)
+            del piece  # else a staging copy lives on while the next one is made
     return out.getvalue()
