@@ -23,7 +23,7 @@ from typing import Any, Optional
 from . import dtypes
 from .errors import SafetensorError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from .plan import plan_slice
+from .plan import InvalidSliceError, plan_slice
 from .reader import read_requests
 from .sinks import get_sink
 
@@ -205,9 +205,13 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             )
         try:
             plan = plan_slice(t.shapes[row], d.itemsize, index)
-        except SafetensorError as err:
-            err.path, err.tensors = self._path, (name,)
-            raise
+        except InvalidSliceError as err:
+            raise InvalidSliceError(
+                f"tensor {name!r} {list(t.shapes[row])}: {err.message}",
+                reason="InvalidSlice",
+                path=self._path,
+                tensors=(name,),
+            ) from None
         begin, end = int(t.begins[row]), int(t.ends[row])
         offset = self.header.data_start + begin
         sink = self._sink

@@ -162,3 +162,135 @@ def plan_slice(shape: tuple[int, ...], itemsize: int, index) -> SlicePlan:
         offs = (start + step * np.arange(count, dtype=np.int64)) * strides[a]
         src = (offs[:, None] + src[None, :]).reshape(-1)
     return SlicePlan(out_shape, src, run_bytes, squeeze, flip, forward)
+
+
+# -- whole-tensor read plans --------------------------------------------------------------------
+
+#: Default bytes per read request.  Measured on a 2-core machine (see scripts/bench_reader.py):
+#: 8-16 MiB requests saturate the page cache copy; larger ones only delay the first tensor.
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+
+
+class Piece(NamedTuple):
+    """Part of one tensor carried by a request: ``nbytes`` bytes at ``tensor_offset``."""
+
+    row: int
+    tensor_offset: int
+    request_offset: int
+    nbytes: int
+
+
+class Request(NamedTuple):
+    """One positional read: ``nbytes`` bytes at absolute file ``offset``, split into pieces."""
+
+    offset: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+
+def select_rows(table, names=None, *, patterns=None, predicate=None, layers=None) -> list[int]:
+    """Rows of a header table chosen by names, glob patterns, a predicate or a layer range.
+
+    Parameters
+    ----------
+    table : HeaderTable
+        From :func:`engine.header.read_header` (``header.table``).
+    names : iterable of str, optional
+        Exact names; an unknown name is an error (a typo should not load nothing).
+    patterns : str or iterable of str, optional
+        ``fnmatch`` globs such as ``"model.layers.*.mlp.*"``; each must match something.
+    predicate : callable, optional
+        ``predicate(name) -> bool``.
+    layers : range or (start, stop), optional
+        Keeps tensors whose name holds ``.layers.{i}.`` (or ``.h.{i}.``, ``.blocks.{i}.``) with
+        ``i`` in the range, plus nothing else; combine with ``names`` for embeddings.
+
+    Returns
+    -------
+    list of int
+        Selected rows in file order.  With no criterion, every tensor.  Criteria combine
+        with "or": a tensor is loaded when any of them selects it.
+    """
+    import fnmatch
+    import re
+
+    from .errors import TensorNotFoundError
+
+    all_names = table.names
+    order = table.order.tolist()
+    if names is None and patterns is None and predicate is None and layers is None:
+        return order
+    chosen: set[int] = set()
+    if names is not None:
+        if isinstance(names, str):
+            names = [names]
+        index = table.index
+        for name in names:
+            row = index.get(name)
+            if row is None:
+                raise TensorNotFoundError(f"no tensor {name!r} to select", tensors=(name,))
+            chosen.add(row)
+    if patterns is not None:
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        for pattern in patterns:
+            rx = re.compile(fnmatch.translate(pattern))
+            hits = [r for r, n in enumerate(all_names) if rx.match(n)]
+            if not hits:
+                raise TensorNotFoundError(f"pattern {pattern!r} matches no tensor", tensors=(pattern,))
+            chosen.update(hits)
+    if predicate is not None:
+        chosen.update(r for r, n in enumerate(all_names) if predicate(n))
+    if layers is not None:
+        wanted = layers if isinstance(layers, range) else range(*layers)
+        rx = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+        for r, n in enumerate(all_names):
+            m = rx.search(n)
+            if m and int(m.group(1)) in wanted:
+                chosen.add(r)
+    return [r for r in order if r in chosen]
+
+
+def plan_reads(
+    begins, ends, rows, data_start: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> list[Request]:
+    """Requests that read the tensors ``rows`` (in file order) and nothing else.
+
+    Neighbouring tensors that touch in the file are coalesced into one request of at most
+    ``chunk_bytes``; a larger tensor is split into chunk-sized requests.  A gap between
+    selected tensors always ends a request, so a selective load reads exactly the bytes of
+    the selected tensors.
+
+    Notes
+    -----
+    The plan is O(number of requests + tensors) Python objects; it never allocates tensor
+    memory.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    requests: list[Request] = []
+    cur_start = cur_end = -1
+    pieces: list[Piece] = []
+
+    def flush():
+        if pieces:
+            requests.append(Request(cur_start, cur_end - cur_start, tuple(pieces)))
+
+    for row in rows:
+        b = int(begins[row]) + data_start
+        e = int(ends[row]) + data_start
+        if b == e:
+            continue
+        pos = b
+        while pos < e:
+            if pieces and (pos != cur_end or cur_end - cur_start >= chunk_bytes):
+                flush()
+                pieces = []
+            if not pieces:
+                cur_start = cur_end = pos
+            take = min(e - pos, chunk_bytes - (cur_end - cur_start))
+            pieces.append(Piece(row, pos - b, cur_end - cur_start, take))
+            cur_end += take
+            pos += take
+    flush()
+    return requests

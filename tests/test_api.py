@@ -318,7 +318,7 @@ def test_get_slice_rejects_bad_indices(sample_file, bad):
         with pytest.raises((InvalidSliceError, IndexError)) as info:
             f.get_slice("w")[bad]
     assert isinstance(info.value, SafetensorError)
-    assert "w" in str(info.value)
+    assert "'w'" in str(info.value) and str(path) in str(info.value)
 
 
 def test_pread_slice_reads_only_needed_bytes(tmp_path, monkeypatch):
