@@ -23,13 +23,17 @@ from typing import Any, Optional
 from . import dtypes
 from .errors import SafetensorError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from .plan import InvalidSliceError, plan_slice
-from .reader import read_requests
+from . import pipeline
+from .loader import load_rows
+from .plan import InvalidSliceError, Piece, Request, plan_slice
+from .reader import default_threads
 from .sinks import get_sink
 
 __all__ = ["safe_open", "TensorSlice"]
 
 _BACKENDS = ("mmap", "pread")
+# below this a slice is read on the calling thread: threads cost more than they save
+_PARALLEL_SLICE_BYTES = 32 * 1024 * 1024
 
 
 class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replacement
@@ -164,32 +168,24 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     # -- internals ---------------------------------------------------------------------
     def _get_rows(self, rows: list[int]) -> dict:
-        self._check_open()
+        fd = self._check_open()
         t = self.header.table
-        names, codes, shapes = t.names, t.codes, t.shapes
-        begins, ends = t.begins, t.ends
-        start = self.header.data_start
+        names = t.names
         sink = self._sink
-        out = {}
-        if self._backend == "mmap":
+        on_device = sink.name == "torch" and sink.device.type != "cpu"
+        if self._backend == "mmap" and not on_device:
+            codes, shapes, begins, ends = t.codes, t.shapes, t.begins, t.ends
+            start = self.header.data_start
             base = self._mapping()
             view = sink.view
+            out = {}
             for r in rows:
                 b = int(begins[r])
                 out[names[r]] = view(base, int(codes[r]), shapes[r], start + b, int(ends[r]) - b)
-        else:
-            requests = []
-            for r in rows:
-                b = int(begins[r])
-                nbytes = int(ends[r]) - b
-                arr = sink.empty(int(codes[r]), shapes[r], nbytes)
-                out[names[r]] = arr
-                if nbytes:
-                    requests.append((start + b, sink.raw(arr)))
-            read_requests(self._fd, requests, path=self._path)
-        if sink.name == "torch" and sink.device.type != "cpu":
-            out = {k: sink.to_device(v) for k, v in out.items()}
-        return out
+            return out
+        # owned memory and devices: the threaded pipeline, never a mapping
+        got = load_rows(fd, self.header, rows, sink, path=self._path)
+        return {names[r]: got[r] for r in rows}
 
     def _read_slice(self, row: int, index):
         t = self.header.table
@@ -222,9 +218,18 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             return sink.to_device(sink.finish(whole[plan.forward_index], plan.flip, plan.result_shape))
         block = sink.empty(code, plan.out_shape, plan.nbytes)
         if plan.nbytes:
-            raw, run = sink.raw(block), plan.run_bytes
-            requests = [(offset + s, raw[i * run : (i + 1) * run]) for i, s in enumerate(plan.src.tolist())]
-            read_requests(self._check_open(), requests, path=self._path)
+            run = plan.run_bytes
+            requests = [
+                Request(offset + src, run, (Piece(0, i * run, 0, run),)) for i, src in enumerate(plan.src.tolist())
+            ]
+            pipeline.run(
+                self._check_open(),
+                requests,
+                pipeline.Destination(host_views={0: sink.raw(block)}),
+                path=self._path,
+                threads=1 if plan.nbytes < _PARALLEL_SLICE_BYTES else default_threads(),
+                chunk_bytes=run,
+            )
         return sink.to_device(sink.finish(block, plan.flip, plan.result_shape))
 
     def __repr__(self) -> str:

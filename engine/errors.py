@@ -22,6 +22,7 @@ __all__ = [
     "WriteError",
     "DeviceError",
     "MissingDependencyError",
+    "TensorMismatchError",
     "HEADER_REASONS",
 ]
 
@@ -149,3 +150,7 @@ class MissingDependencyError(SafetensorError, ImportError):
             reason="MissingDependency",
         )
         self.name = package
+
+
+class TensorMismatchError(SafetensorError, ValueError):
+    """A destination tensor does not match the file's tensor (shape, dtype, layout)."""

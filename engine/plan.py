@@ -252,12 +252,13 @@ def select_rows(table, names=None, *, patterns=None, predicate=None, layers=None
 
 
 def plan_reads(
-    begins, ends, rows, data_start: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    begins, ends, rows, data_start: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_pieces: int = 1024
 ) -> list[Request]:
     """Requests that read the tensors ``rows`` (in file order) and nothing else.
 
     Neighbouring tensors that touch in the file are coalesced into one request of at most
-    ``chunk_bytes``; a larger tensor is split into chunk-sized requests.  A gap between
+    ``chunk_bytes`` and ``max_pieces`` tensors (one ``preadv`` takes at most ``IOV_MAX``
+    buffers); a larger tensor is split into chunk-sized requests.  A gap between
     selected tensors always ends a request, so a selective load reads exactly the bytes of
     the selected tensors.
 
@@ -283,7 +284,7 @@ def plan_reads(
             continue
         pos = b
         while pos < e:
-            if pieces and (pos != cur_end or cur_end - cur_start >= chunk_bytes):
+            if pieces and (pos != cur_end or cur_end - cur_start >= chunk_bytes or len(pieces) >= max_pieces):
                 flush()
                 pieces = []
             if not pieces:

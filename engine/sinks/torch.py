@@ -93,3 +93,70 @@ class _MappedStorage:
             typed = torch.empty(0, dtype=tdt).set_(self.storage, 0, (len(self.u8) // itemsize,), (1,))
             self.typed[code] = typed
         return typed.as_strided(shape, _contiguous_strides(shape), offset // itemsize)
+
+
+# -- CUDA destinations ---------------------------------------------------------------------------
+
+#: Alignment of each tensor inside the one device allocation of a load (cudaMalloc's own).
+DEVICE_ALIGNMENT = 256
+
+
+class TorchCudaOps:
+    """The pipeline's device operations on torch CUDA (see :class:`engine.pipeline.DeviceOps`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def alloc_staging(self, nbytes: int):
+        slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return slot, memoryview(slot.numpy())
+
+    def new_stream(self):
+        return torch.cuda.Stream(device=self.device)
+
+    def copy_to_device(self, dst, dst_offset: int, src, src_offset: int, nbytes: int, stream) -> None:
+        with torch.cuda.stream(stream):
+            dst[dst_offset : dst_offset + nbytes].copy_(src[src_offset : src_offset + nbytes], non_blocking=True)
+
+    def record(self, stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, event) -> None:
+        event.synchronize()
+
+
+def allocate_device(specs, device: torch.device, per_tensor: bool = False):
+    """Device tensors for ``specs`` = [(row, code, shape, nbytes)] and their byte targets.
+
+    By default one allocation holds every tensor, each at an offset aligned to
+    :data:`DEVICE_ALIGNMENT`; ``per_tensor=True`` makes one allocation per tensor.
+
+    Returns
+    -------
+    (dict row -> tensor, dict row -> uint8 device tensor that receives its bytes)
+    """
+    tensors, targets = {}, {}
+    if per_tensor:
+        for row, code, shape, nbytes in specs:
+            t = torch.empty(dtypes.packed_shape(code, shape, nbytes), dtype=dtypes.torch_dtype(code), device=device)
+            tensors[row] = t
+            targets[row] = t.reshape(-1).view(torch.uint8) if nbytes else t
+        return tensors, targets
+    offsets, total = [], 0
+    for _, _, _, nbytes in specs:
+        offsets.append(total)
+        total += -(-nbytes // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
+    block = torch.empty(total, dtype=torch.uint8, device=device)
+    for (row, code, shape, nbytes), off in zip(specs, offsets):
+        target = block[off : off + nbytes]
+        targets[row] = target
+        shape = dtypes.packed_shape(code, shape, nbytes)
+        tensors[row] = target.view(dtypes.torch_dtype(code)).view(shape) if nbytes else torch.empty(
+            shape, dtype=dtypes.torch_dtype(code), device=device
+        )
+    return tensors, targets

@@ -1,0 +1,316 @@
+"""Loads through the threaded pipeline: ``stream``, owned loads and ``load_into``.
+
+Every path here reads with ``preadv`` from worker threads and never maps the file, so a
+file that shrinks during a load raises :class:`~engine.errors.ReadError`, never SIGBUS.
+
+Which path to use
+-----------------
+* Warm page cache, CPU, reading part of a file: ``safe_open(..., backend="mmap")`` (no copy).
+* Private writable CPU memory, network file systems, files that may change: the owned load
+  (``backend="pread"``), one copy from the page cache straight into the tensors.
+* Cold cache: the owned load or ``load_into``; the file is read in large sequential requests
+  with read-ahead advice, on several threads.
+* GPU: ``stream`` / ``load_file(device="cuda")``: pinned staging ring, reads overlapped with
+  host-to-device copies.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+
+from . import dtypes, pipeline
+from .errors import SafetensorError, TensorMismatchError, TensorNotFoundError
+from .header import MAX_HEADER_SIZE, Header, read_header_fd
+from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
+from .reader import IOV_MAX, default_threads
+from .sinks import get_sink
+
+__all__ = ["stream", "load_into", "load_rows"]
+
+
+def _open(path) -> tuple[int, str]:
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    return fd, path
+
+
+def _advise_sequential(fd: int) -> None:
+    # a larger kernel read-ahead window helps a cold page cache and costs nothing on a warm one
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            pass
+
+
+def _destination(sink, header: Header, rows: list[int], per_tensor: bool):
+    """Allocate the tensors of ``rows`` for ``sink``; returns (row -> tensor, Destination)."""
+    t = header.table
+    specs = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows]
+    if getattr(sink, "device", None) is not None and sink.device.type != "cpu":
+        from .sinks.torch import TorchCudaOps, allocate_device
+
+        tensors, targets = allocate_device(specs, sink.device, per_tensor)
+        return tensors, pipeline.Destination(device_targets=targets, device_ops=TorchCudaOps(sink.device))
+    tensors = {r: sink.empty(code, shape, nbytes) for r, code, shape, nbytes in specs}
+    views = {r: sink.raw(tensors[r]) for r, _, _, nbytes in specs if nbytes}
+    return tensors, pipeline.Destination(host_views=views)
+
+
+def load_rows(
+    fd: int,
+    header: Header,
+    rows: list[int],
+    sink,
+    *,
+    path: Optional[str] = None,
+    threads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    per_tensor: bool = False,
+    on_complete: Optional[Callable[[int], None]] = None,
+    cancel: Optional[threading.Event] = None,
+    destination=None,
+) -> dict[int, Any]:
+    """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor."""
+    if destination is None:
+        tensors, destination = _destination(sink, header, rows, per_tensor)
+    else:
+        tensors, destination = destination
+    requests = plan_reads(
+        header.table.begins, header.table.ends, rows, header.data_start, chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX
+    )
+    pipeline.run(
+        fd,
+        requests,
+        destination,
+        path=path,
+        threads=threads or default_threads(),
+        chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+        on_complete=on_complete,
+        cancel=cancel,
+    )
+    return tensors
+
+
+_DONE = object()
+
+
+def stream(
+    path,
+    *,
+    framework: str = "pt",
+    device: Any = "cuda",
+    names: Optional[Iterable[str]] = None,
+    patterns: Union[str, Iterable[str], None] = None,
+    predicate: Optional[Callable[[str], bool]] = None,
+    layers=None,
+    threads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    per_tensor: bool = False,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` as each tensor of a file finishes loading.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    framework : {"pt", "torch", "np", "numpy"}
+    device : str, int or torch.device, default "cuda"
+        Destination device for torch; numpy is always "cpu".
+    names, patterns, predicate, layers
+        Selection, see :func:`engine.plan.select_rows`; by default every tensor.
+    threads : int, optional
+        Reader threads (default: one per core, 2 to 8).
+    chunk_bytes : int, optional
+        Bytes per read request (default 16 MiB); also the size of each staging slot.
+    per_tensor : bool, default False
+        On a GPU: one allocation per tensor instead of one per file.
+
+    Yields
+    ------
+    (str, tensor)
+        In completion order, which is close to file order.
+
+    Raises
+    ------
+    HeaderError, ReadError, TensorNotFoundError, DeviceError
+
+    Notes
+    -----
+    Copies of tensor bytes: CPU destinations 1 (page cache to tensor); GPU destinations 2
+    (page cache to a pinned staging slot, then DMA to the device).  Host staging memory on a
+    GPU load is ``threads * 2 * chunk_bytes``.  Breaking out of the loop stops the readers,
+    joins their threads and releases the file and the staging buffers.
+    """
+    sink = get_sink(framework, device)
+    fd, spath = _open(path)
+    cancel = threading.Event()
+    worker: Optional[threading.Thread] = None
+    try:
+        header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+        rows = _select(header, spath, names, patterns, predicate, layers)
+        _advise_sequential(fd)
+        tensors, destination = _destination(sink, header, rows, per_tensor)
+        t = header.table
+        # tensors with no bytes are complete before anything is read
+        for r in rows:
+            if int(t.ends[r]) == int(t.begins[r]):
+                yield t.names[r], tensors[r]
+        done: "queue.SimpleQueue" = queue.SimpleQueue()
+
+        def work() -> None:
+            try:
+                load_rows(
+                    fd, header, rows, sink, path=spath, threads=threads, chunk_bytes=chunk_bytes,
+                    on_complete=done.put, cancel=cancel, destination=(tensors, destination),
+                )
+                done.put(_DONE)
+            except BaseException as exc:  # handed to the consumer
+                done.put(exc)
+
+        worker = threading.Thread(target=work, name="engine-stream", daemon=True)
+        worker.start()
+        while True:
+            item = done.get()
+            if item is _DONE:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield t.names[item], tensors[item]
+    finally:
+        cancel.set()
+        if worker is not None:
+            worker.join()
+        os.close(fd)
+
+
+def _select(header: Header, path: str, names, patterns, predicate, layers) -> list[int]:
+    try:
+        return select_rows(header.table, names, patterns=patterns, predicate=predicate, layers=layers)
+    except SafetensorError as err:
+        err.path = path
+        raise
+
+
+def _code_of(x) -> tuple[int, tuple, bool, bool]:
+    """(dtype code, shape, contiguous, on a device) of a numpy array or torch tensor."""
+    import numpy as np
+
+    if isinstance(x, np.ndarray):
+        return dtypes.from_numpy(x.dtype), x.shape, x.flags.c_contiguous and x.flags.writeable, False
+    torch = __import__("sys").modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return dtypes.from_torch(x.dtype), tuple(x.shape), x.is_contiguous(), x.device.type != "cpu"
+    raise TensorMismatchError(f"cannot load into a {type(x).__name__}; expected a numpy array or torch tensor")
+
+
+def load_into(
+    path,
+    tensors: Mapping[str, Any],
+    *,
+    strict: bool = False,
+    threads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> list[str]:
+    """Fill existing tensors in place from a file (a model's parameters, on CPU or CUDA).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    tensors : mapping of str to numpy.ndarray or torch.Tensor
+        Destinations, contiguous and writable, with the file's shapes and dtypes (for
+        sub-byte dtypes: ``uint8`` of the packed shape).
+    strict : bool, default False
+        Also fail when the file holds tensors that ``tensors`` does not name.
+
+    Returns
+    -------
+    list of str
+        The names filled, in file order.
+
+    Raises
+    ------
+    TensorNotFoundError
+        A destination name that the file does not hold (or, with ``strict``, the reverse).
+    TensorMismatchError
+        A destination of the wrong shape, dtype or layout; nothing is read then.
+
+    Notes
+    -----
+    Copies of tensor bytes: CPU destinations 1 (page cache to the tensor, no staging, no
+    allocation); CUDA destinations 2 (through the pinned staging ring).
+    """
+    fd, spath = _open(path)
+    try:
+        header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+        t = header.table
+        missing = [n for n in tensors if n not in t.index]
+        if missing:
+            raise TensorNotFoundError(
+                f"{len(missing)} destination tensor(s) not in the file: {missing[:5]}", path=spath, tensors=missing
+            )
+        if strict:
+            extra = [n for n in t.names if n not in tensors]
+            if extra:
+                raise TensorNotFoundError(
+                    f"{len(extra)} tensor(s) of the file have no destination: {extra[:5]}", path=spath, tensors=extra
+                )
+        host_rows, device_rows = [], []
+        for name, dst in tensors.items():
+            row = t.index[name]
+            code, shape, ok_layout, on_device = _code_of(dst)
+            nbytes = int(t.ends[row]) - int(t.begins[row])
+            want_code = int(t.codes[row])
+            want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
+            if dtypes.DTYPES[want_code].sub_byte:
+                want_code = dtypes.BY_NAME["U8"].code
+            if code != want_code or tuple(shape) != tuple(want_shape):
+                raise TensorMismatchError(
+                    f"tensor {name!r}: the file has {dtypes.NAMES[int(t.codes[row])]}{list(t.shapes[row])}, "
+                    f"the destination is {dtypes.NAMES[code]}{list(shape)}",
+                    path=spath,
+                    tensors=(name,),
+                )
+            if not ok_layout:
+                raise TensorMismatchError(
+                    f"tensor {name!r}: the destination must be contiguous and writable", path=spath, tensors=(name,)
+                )
+            (device_rows if on_device else host_rows).append(row)
+        _advise_sequential(fd)
+        names = t.names
+        if host_rows:
+            host_rows.sort(key=lambda r: int(t.begins[r]))
+            views = {r: _host_bytes(tensors[names[r]]) for r in host_rows if int(t.ends[r]) > int(t.begins[r])}
+            load_rows(fd, header, host_rows, None, path=spath, threads=threads, chunk_bytes=chunk_bytes,
+                      destination=({}, pipeline.Destination(host_views=views)))
+        if device_rows:
+            from .sinks.torch import TorchCudaOps
+
+            device_rows.sort(key=lambda r: int(t.begins[r]))
+            targets = {r: _device_bytes(tensors[names[r]]) for r in device_rows}
+            ops = TorchCudaOps(tensors[names[device_rows[0]]].device)
+            load_rows(fd, header, device_rows, None, path=spath, threads=threads, chunk_bytes=chunk_bytes,
+                      destination=({}, pipeline.Destination(device_targets=targets, device_ops=ops)))
+        return [names[r] for r in sorted(host_rows + device_rows, key=lambda r: int(t.begins[r]))]
+    finally:
+        os.close(fd)
+
+
+def _host_bytes(x) -> memoryview:
+    import numpy as np
+
+    if isinstance(x, np.ndarray):
+        return memoryview(x.reshape(-1).view(np.uint8))
+    import torch
+
+    return memoryview(x.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _device_bytes(x):
+    import torch
+
+    return x.detach().reshape(-1).view(torch.uint8)
