@@ -290,11 +290,14 @@ def load_into(
         if device_rows:
             from .sinks.torch import TorchCudaOps
 
-            device_rows.sort(key=lambda r: int(t.begins[r]))
-            targets = {r: _device_bytes(tensors[names[r]]) for r in device_rows}
-            ops = TorchCudaOps(tensors[names[device_rows[0]]].device)
-            load_rows(fd, header, device_rows, None, path=spath, threads=threads, chunk_bytes=chunk_bytes,
-                      destination=({}, pipeline.Destination(device_targets=targets, device_ops=ops)))
+            by_device: dict = {}
+            for r in sorted(device_rows, key=lambda r: int(t.begins[r])):
+                by_device.setdefault(tensors[names[r]].device, []).append(r)
+            for device, rows in by_device.items():
+                targets = {r: _device_bytes(tensors[names[r]]) for r in rows}
+                load_rows(fd, header, rows, None, path=spath, threads=threads, chunk_bytes=chunk_bytes,
+                          destination=({}, pipeline.Destination(device_targets=targets,
+                                                                device_ops=TorchCudaOps(device))))
         return [names[r] for r in sorted(host_rows + device_rows, key=lambda r: int(t.begins[r]))]
     finally:
         os.close(fd)

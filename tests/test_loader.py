@@ -1,0 +1,205 @@
+"""stream(), owned loads and load_into, on CPU destinations (CUDA ones skip without a GPU)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import engine
+import engine.numpy
+from engine.errors import ReadError, TensorMismatchError, TensorNotFoundError
+
+torch = pytest.importorskip("torch", reason="torch is an optional extra")
+import engine.torch  # noqa: E402
+
+
+def _model(n_layers=8, width=64):
+    rng = np.random.default_rng(0)
+    sd = {"model.embed_tokens.weight": rng.standard_normal((100, width), dtype=np.float32)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"] = rng.standard_normal((width, width), dtype=np.float32)
+        sd[p + "mlp.up_proj.weight"] = rng.standard_normal((2 * width, width), dtype=np.float32)
+        sd[p + "input_layernorm.weight"] = np.ones(width, np.float32)
+    sd["model.norm.weight"] = np.ones(width, np.float32)
+    sd["empty"] = np.zeros((0, 3), np.float32)
+    sd["ids"] = np.arange(10, dtype=np.int64)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    sd = _model()
+    path = tmp_path_factory.mktemp("loader") / "model.safetensors"
+    engine.numpy.save_file(sd, path)
+    return path, sd
+
+
+class CountingReads:
+    """Counts the bytes os.preadv returns (what a load really reads)."""
+
+    def __init__(self, monkeypatch):
+        self.bytes = 0
+        self.lock = threading.Lock()
+        real = os.preadv
+
+        def counting(fd, buffers, offset):
+            n = real(fd, buffers, offset)
+            with self.lock:
+                self.bytes += n
+            return n
+
+        monkeypatch.setattr(os, "preadv", counting)
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+@pytest.mark.parametrize("threads, chunk", [(1, None), (3, 4096), (2, 1 << 20)])
+def test_stream_yields_every_tensor_once(model_file, framework, threads, chunk):
+    path, sd = model_file
+    got = dict(engine.stream(path, framework=framework, device="cpu", threads=threads, chunk_bytes=chunk))
+    assert got.keys() == sd.keys()
+    for name, arr in sd.items():
+        value = got[name].numpy() if framework == "pt" else got[name]
+        np.testing.assert_array_equal(value, arr)
+        if framework == "np":
+            assert value.flags.writeable and value.flags.c_contiguous
+
+
+def test_selective_load_reads_only_the_selected_bytes(model_file, monkeypatch):
+    path, sd = model_file
+    counter = CountingReads(monkeypatch)
+    chosen = dict(engine.stream(path, framework="np", device="cpu", patterns="model.layers.3.*", chunk_bytes=4096))
+    assert sorted(chosen) == sorted(n for n in sd if n.startswith("model.layers.3."))
+    assert counter.bytes == sum(sd[n].nbytes for n in chosen)
+
+
+def test_selection_by_names_predicate_and_layers(model_file):
+    path, sd = model_file
+    by_names = dict(engine.stream(path, framework="np", device="cpu", names=["ids", "model.norm.weight"]))
+    assert sorted(by_names) == ["ids", "model.norm.weight"]
+    by_pred = dict(engine.stream(path, framework="np", device="cpu", predicate=lambda n: n.endswith("up_proj.weight")))
+    assert len(by_pred) == 8
+    by_layers = dict(engine.stream(path, framework="np", device="cpu", layers=range(2, 4)))
+    assert sorted({n.split(".")[2] for n in by_layers}) == ["2", "3"]
+    with pytest.raises(TensorNotFoundError) as info:
+        list(engine.stream(path, framework="np", device="cpu", names=["nope"]))
+    assert str(path) in str(info.value)
+    with pytest.raises(TensorNotFoundError):
+        list(engine.stream(path, framework="np", device="cpu", patterns="*.nothing"))
+
+
+def test_early_break_leaks_no_thread_or_descriptor(model_file):
+    path, _ = model_file
+    fds = len(os.listdir("/proc/self/fd"))
+    threads = threading.active_count()
+    for _ in range(10):
+        for _name, _t in engine.stream(path, framework="np", device="cpu", chunk_bytes=4096, threads=3):
+            break
+    gc.collect()
+    assert threading.active_count() == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch, framework):
+    sd = {f"t{i}": np.full((256, 256), i, np.float32) for i in range(8)}
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file(sd, path)
+    real = os.preadv
+    calls = [0]
+
+    def truncating(fd, buffers, offset):  # another process cuts the file during the load
+        calls[0] += 1
+        if calls[0] == 3:
+            os.truncate(path, os.path.getsize(path) // 2)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", truncating)
+    with pytest.raises(ReadError) as info:
+        list(engine.stream(path, framework=framework, device="cpu", threads=2, chunk_bytes=65_536))
+    assert str(path) in str(info.value) and info.value.size and info.value.offset
+
+
+def test_concurrent_loads_from_several_threads(model_file):
+    path, sd = model_file
+    errors = []
+
+    def work():
+        try:
+            for _ in range(5):
+                got = engine.torch.load_file(path, backend="pread")
+                assert all(np.array_equal(got[k].numpy(), v) for k, v in sd.items())
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+
+
+# -- load_into -----------------------------------------------------------------------------------
+def test_load_into_numpy_and_torch_in_place(model_file):
+    path, sd = model_file
+    dst_np = {k: np.empty_like(v) for k, v in sd.items()}
+    filled = engine.load_into(path, dst_np)
+    assert sorted(filled) == sorted(sd)
+    for k, v in sd.items():
+        np.testing.assert_array_equal(dst_np[k], v)
+    params = {k: torch.nn.Parameter(torch.empty(v.shape)) for k, v in sd.items() if v.dtype == np.float32}
+    ptrs = {k: p.data_ptr() for k, p in params.items()}
+    engine.load_into(path, params)
+    for k, p in params.items():
+        assert p.data_ptr() == ptrs[k]  # in place: no new allocation
+        np.testing.assert_array_equal(p.detach().numpy(), sd[k])
+
+
+def test_load_into_checks_before_reading(model_file, monkeypatch):
+    path, sd = model_file
+    counter = CountingReads(monkeypatch)
+    with pytest.raises(TensorMismatchError, match="q_proj") as info:
+        engine.load_into(path, {"model.layers.0.self_attn.q_proj.weight": np.empty((64, 65), np.float32)})
+    assert str(path) in str(info.value)
+    with pytest.raises(TensorMismatchError, match="F64"):
+        engine.load_into(path, {"ids": np.empty(10, np.float64)})
+    with pytest.raises(TensorMismatchError, match="contiguous"):
+        engine.load_into(path, {"ids": np.empty(20, np.int64)[::2]})
+    with pytest.raises(TensorMismatchError, match="contiguous and writable"):
+        ro = np.empty(10, np.int64)
+        ro.flags.writeable = False
+        engine.load_into(path, {"ids": ro})
+    with pytest.raises(TensorNotFoundError):
+        engine.load_into(path, {"nope": np.empty(1)})
+    with pytest.raises(TensorNotFoundError, match="no destination"):
+        engine.load_into(path, {"ids": np.empty(10, np.int64)}, strict=True)
+    assert counter.bytes == 0  # every check happens before a byte of tensor data is read
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_stream_to_cuda(model_file, per_tensor):
+    path, sd = model_file
+    got = dict(engine.stream(path, framework="pt", device="cuda:0", per_tensor=per_tensor, chunk_bytes=8192))
+    for k, v in sd.items():
+        assert got[k].is_cuda
+        np.testing.assert_array_equal(got[k].cpu().numpy(), v)
+    if not per_tensor:
+        ptrs = [t.data_ptr() for t in got.values() if t.numel()]
+        assert all(p % 256 == 0 for p in ptrs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_load_into_cuda(model_file):
+    path, sd = model_file
+    dst = {k: torch.empty(v.shape, dtype=torch.float32, device="cuda") for k, v in sd.items() if v.dtype == np.float32}
+    engine.load_into(path, dst)
+    for k, t in dst.items():
+        np.testing.assert_array_equal(t.cpu().numpy(), sd[k])
