@@ -215,7 +215,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             # basic indexing of the mapped view selects without copying; only the pages the
             # selection touches are ever read
             whole = sink.view(self._mapping(), code, t.shapes[row], offset, end - begin)
-            return sink.to_device(sink.finish(whole[plan.forward_index], plan.flip, plan.result_shape))
+            return sink.to_device(sink.finish(whole[plan.forward_index], plan.flip_squeezed, plan.result_shape))
         block = sink.empty(code, plan.out_shape, plan.nbytes)
         if plan.nbytes:
             run = plan.run_bytes

@@ -55,8 +55,7 @@ def _destination(sink, header: Header, rows: list[int], per_tensor: bool):
 
         tensors, targets = allocate_device(specs, sink.device, per_tensor)
         return tensors, pipeline.Destination(device_targets=targets, device_ops=TorchCudaOps(sink.device))
-    tensors = {r: sink.empty(code, shape, nbytes) for r, code, shape, nbytes in specs}
-    views = {r: sink.raw(tensors[r]) for r, _, _, nbytes in specs if nbytes}
+    tensors, views = sink.allocate(specs, t.begins)
     return tensors, pipeline.Destination(host_views=views)
 
 

@@ -46,6 +46,11 @@ class SlicePlan(NamedTuple):
         return int(self.src.size) * self.run_bytes
 
     @property
+    def flip_squeezed(self) -> tuple[int, ...]:
+        """``flip`` renumbered for the array with the ``squeeze`` axes already dropped."""
+        return tuple(a - sum(1 for s in self.squeeze if s < a) for a in self.flip)
+
+    @property
     def result_shape(self) -> tuple[int, ...]:
         return tuple(n for axis, n in enumerate(self.out_shape) if axis not in self.squeeze)
 

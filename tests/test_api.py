@@ -279,7 +279,7 @@ def test_no_fd_leak(sample_file):
 INDICES = [
     0, -1, slice(None), slice(1, 3), slice(None, None, 2), slice(None, None, -1), slice(-2, None),
     (slice(None), 1), (Ellipsis, 2), (1, Ellipsis), (slice(0, 6, 4), slice(1, 8, 3)), (slice(5, 0, -2), -1),
-    (slice(3, 3),), (2, 3), Ellipsis, (slice(10, 20),),
+    (slice(3, 3),), (2, 3), Ellipsis, (slice(10, 20),), (2, slice(None, None, -1)), (-1, slice(6, 1, -2)),
 ]
 
 

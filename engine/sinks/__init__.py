@@ -7,7 +7,13 @@ own module, which imports its framework at the top: importing it is the opt-in.
 
 from __future__ import annotations
 
+import mmap
+
 from ..errors import DeviceError, SafetensorError
+
+#: Alignment of each tensor inside an owned host block when it cannot simply follow its
+#: neighbour (a cache line; also enough for every dtype's itemsize).
+HOST_ALIGNMENT = 64
 
 _FRAMEWORKS = {
     "np": "numpy",
@@ -35,3 +41,42 @@ def get_sink(framework: str, device="cpu"):
     from .torch import TorchSink
 
     return TorchSink(device)
+
+
+def host_block(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory for an owned load, backed by transparent huge pages.
+
+    One block per load instead of one allocation per tensor: the kernel then faults in 2 MiB
+    pages instead of 4 KiB ones, which measured ~9x cheaper for first-touch of fresh memory
+    on this project's CI machine (scripts/bench_reader.py).  This is not a mapping of the
+    file: reads fill it with ``preadv``.
+    """
+    block = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            block.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # kernels without transparent huge pages: ordinary pages
+            pass
+    return block
+
+
+def pack_offsets(specs, file_begins) -> tuple[list[int], int]:
+    """Offsets of tensors ``specs`` = [(row, code, shape, nbytes)] (file order) in one block.
+
+    A tensor that follows its predecessor directly in the file follows it in the block too
+    (when its itemsize allows), so a coalesced read lands in one contiguous span; others
+    start at the next :data:`HOST_ALIGNMENT` boundary.
+    """
+    from .. import dtypes
+
+    offsets, pos, prev_end = [], 0, None
+    for row, code, _shape, nbytes in specs:
+        itemsize = dtypes.DTYPES[code].itemsize
+        if prev_end is not None and int(file_begins[row]) == prev_end and pos % itemsize == 0:
+            off = pos
+        else:
+            off = -(-pos // HOST_ALIGNMENT) * HOST_ALIGNMENT
+        offsets.append(off)
+        pos = off + nbytes
+        prev_end = int(file_begins[row]) + nbytes
+    return offsets, pos

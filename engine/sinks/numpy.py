@@ -22,6 +22,23 @@ class NumpySink:
         arr = np.ndarray(dtypes.packed_shape(code, shape, nbytes), dtypes.numpy_dtype(code), buffer=base, offset=offset)
         return arr
 
+    def allocate(self, specs, file_begins):
+        """Owned arrays for ``specs`` = [(row, code, shape, nbytes)], views of one block.
+
+        Returns (row -> array, row -> writable byte memoryview).
+        """
+        from . import host_block, pack_offsets
+
+        offsets, total = pack_offsets(specs, file_begins)
+        block = host_block(total)
+        tensors, views = {}, {}
+        whole = memoryview(block)
+        for (row, code, shape, nbytes), off in zip(specs, offsets):
+            tensors[row] = self.view(block, code, shape, off, nbytes)
+            if nbytes:
+                views[row] = whole[off : off + nbytes]
+        return tensors, views
+
     def empty(self, code: int, shape: tuple, nbytes: int) -> np.ndarray:
         return np.empty(dtypes.packed_shape(code, shape, nbytes), dtypes.numpy_dtype(code))
 

@@ -39,6 +39,24 @@ class TorchSink:
     def view(self, base: "_MappedStorage", code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
         return base.view(code, dtypes.packed_shape(code, shape, nbytes), offset, nbytes)
 
+    def allocate(self, specs, file_begins):
+        """Owned CPU tensors for ``specs`` = [(row, code, shape, nbytes)], views of one block.
+
+        Returns (row -> tensor, row -> writable byte memoryview).
+        """
+        from . import host_block, pack_offsets
+
+        offsets, total = pack_offsets(specs, file_begins)
+        block = host_block(total)
+        base = _MappedStorage(torch.frombuffer(block, dtype=torch.uint8))
+        whole = memoryview(block)
+        tensors, views = {}, {}
+        for (row, code, shape, nbytes), off in zip(specs, offsets):
+            tensors[row] = base.view(code, dtypes.packed_shape(code, shape, nbytes), off, nbytes)
+            if nbytes:
+                views[row] = whole[off : off + nbytes]
+        return tensors, views
+
     def empty(self, code: int, shape: tuple, nbytes: int) -> torch.Tensor:
         return torch.empty(dtypes.packed_shape(code, shape, nbytes), dtype=dtypes.torch_dtype(code))
 

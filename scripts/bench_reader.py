@@ -1,0 +1,223 @@
+"""Streaming-reader benchmarks against the reference safetensors, in one run.
+
+Prints a table of medians (and GB/s) for: owned CPU load (warm), load_into (warm and cold),
+selective load, row and column slices, and on a machine with a GPU the CUDA load against the
+reference's safe_open(device="cuda"), load_file + .to("cuda") and the pinned host-to-device
+bandwidth.  Cold-cache runs evict the file with posix_fadvise(POSIX_FADV_DONTNEED).
+
+    python scripts/bench_reader.py                 # 2 GB BF16 checkpoint, 5 runs
+    python scripts/bench_reader.py --quick         # 128 MB, 3 runs (smoke)
+    python scripts/bench_reader.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def make_checkpoint(path: str, total_bytes: int, width: int = 4096) -> None:
+    import torch
+
+    import engine.torch
+
+    if os.path.exists(path) and os.path.getsize(path) > total_bytes * 0.9:
+        return
+    rng = np.random.default_rng(0)
+    sd = {}
+    per_layer = 4 * width * width * 2  # q, k, v, o in BF16
+    layers = max(1, total_bytes // per_layer)
+    for i in range(layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            raw = rng.integers(0, 1 << 14, (width, width), dtype=np.int16)  # finite BF16 bit patterns
+            sd[f"model.layers.{i}.self_attn.{proj}.weight"] = torch.from_numpy(raw).view(torch.bfloat16)
+        sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(width, dtype=torch.bfloat16)
+    engine.torch.save_file(sd, path)
+
+
+def evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm(path: str) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def median_time(fn, runs: int, before=None) -> float:
+    times = []
+    for _ in range(runs):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    size = (128 << 20) if args.quick else (2 << 30)
+    runs = args.runs or (3 if args.quick else 5)
+
+    import safetensors
+    import safetensors.torch as ref
+    import torch
+
+    import engine
+    import engine.torch
+
+    path = os.path.join(args.dir, f"bench-reader-{size >> 20}M.safetensors")
+    make_checkpoint(path, size)
+    nbytes = os.path.getsize(path)
+    header = engine.read_header(path)
+    rows = []
+
+    def row(name, ours, theirs, note=""):
+        rows.append(dict(case=name, engine_s=ours, reference_s=theirs,
+                         ratio=(theirs / ours) if theirs else None, gbps=nbytes / ours / 1e9, note=note))
+
+    def touch(d):  # read every byte of the loaded tensors, same work for both sides
+        for t in d.values():
+            t.view(-1).view(torch.uint8)[::4096].sum()
+
+    warm(path)
+    row("owned CPU load, warm (pread)",
+        median_time(lambda: engine.torch.load_file(path, backend="pread"), runs),
+        median_time(lambda: ref.load_file(path, backend="pread"), runs),
+        "reference load_file(backend='pread')")
+
+    dst = {k: torch.empty(header[k].shape, dtype=torch.bfloat16) for k in header.keys()}
+    for t in dst.values():
+        t.zero_()  # fault the pages in once: load_into fills memory a model already owns
+
+    def ref_into():
+        loaded = ref.load_file(path)
+        for k, t in loaded.items():
+            dst[k].copy_(t)
+
+    row("load_into, warm", median_time(lambda: engine.load_into(path, dst), runs),
+        median_time(ref_into, runs), "reference load_file + copy_")
+    row("load_into, cold", median_time(lambda: engine.load_into(path, dst), runs, before=lambda: evict(path)),
+        median_time(lambda: touch(ref.load_file(path)), runs, before=lambda: evict(path)),
+        "reference load_file, every page touched")
+    warm(path)
+
+    eighth = header.keys()[: max(1, len(header) // 8)]
+    sel_bytes = sum(header[k].nbytes for k in eighth)
+    row("selective load 1/8 (names)",
+        median_time(lambda: dict(engine.stream(path, framework="pt", device="cpu", names=eighth)), runs),
+        median_time(lambda: _ref_names(ref, path, eighth), runs),
+        f"{sel_bytes / 1e6:.0f} MB selected; reference safe_open + get_tensor")
+
+    big = next(k for k in header.offset_keys() if len(header[k].shape) == 2)
+    n0 = header[big].shape[0]
+
+    def slice_ours(backend, index):
+        with engine.safe_open(path, framework="pt", backend=backend) as f:
+            return f.get_slice(big)[index]
+
+    def slice_ref(index):
+        with safetensors.safe_open(path, framework="pt") as f:
+            return f.get_slice(big)[index]
+
+    for label, index in (("rows [:n/4]", (slice(0, n0 // 4),)), ("columns [:, :n/4]", (slice(None), slice(0, n0 // 4)))):
+        for backend in ("mmap", "pread"):
+            row(f"get_slice {label}, {backend}",
+                median_time(lambda: slice_ours(backend, index).sum(), runs),
+                median_time(lambda: slice_ref(index).sum(), runs), "then .sum()")
+
+    if torch.cuda.is_available():
+        _cuda_rows(path, runs, row, ref, engine, torch, safetensors)
+
+    info = dict(
+        date=time.strftime("%Y-%m-%d"), python=platform.python_version(), torch=torch.__version__,
+        safetensors=safetensors.__version__, cores=os.cpu_count(), machine=platform.machine(),
+        cpu=_cpu_model(), gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        file_bytes=nbytes, runs=runs,
+    )
+    print(f"# {info}")
+    print(f"{'case':<38} {'engine s':>9} {'ref s':>9} {'ref/eng':>8} {'GB/s':>7}  note")
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        ref_s = f"{r['reference_s']:.3f}" if r["reference_s"] else "-"
+        print(f"{r['case']:<38} {r['engine_s']:>9.3f} {ref_s:>9} {ratio:>8} {r['gbps']:>7.2f}  {r['note']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(info=info, rows=rows), f, indent=2)
+    return 0
+
+
+def _ref_names(ref, path, names):
+    import safetensors
+
+    with safetensors.safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k).clone() for k in names}
+
+
+def _cuda_rows(path, runs, row, ref, engine, torch, safetensors):
+    sync = torch.cuda.synchronize
+    n = os.path.getsize(path)
+    pinned = torch.empty(min(n, 1 << 30), dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(pinned, device="cuda")
+
+    def h2d():
+        dev.copy_(pinned, non_blocking=True)
+        sync()
+
+    h2d()
+    t = median_time(h2d, runs)
+    h2d_gbps = pinned.numel() / t / 1e9
+
+    def ours():
+        engine.torch.load_file(path, device="cuda:0")
+        sync()
+
+    def ref_cuda():
+        ref.load_file(path, device="cuda:0")
+        sync()
+
+    def ref_to():
+        {k: v.to("cuda") for k, v in ref.load_file(path).items()}
+        sync()
+
+    ours()
+    t_ours = median_time(ours, runs)
+    row("CUDA load, warm", t_ours, median_time(ref_cuda, runs), "reference load_file(device='cuda')")
+    row("CUDA load vs load_file + .to", t_ours, median_time(ref_to, runs), "reference load_file then .to('cuda')")
+    row("pinned H2D bandwidth", n / (h2d_gbps * 1e9), None,
+        f"{h2d_gbps:.1f} GB/s measured; engine reaches {n / t_ours / 1e9 / h2d_gbps:.0%} of it")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
