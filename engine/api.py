@@ -172,8 +172,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         t = self.header.table
         names = t.names
         sink = self._sink
-        on_device = sink.name == "torch" and sink.device.type != "cpu"
-        if self._backend == "mmap" and not on_device:
+        if self._backend == "mmap" and not sink.on_device:
             codes, shapes, begins, ends = t.codes, t.shapes, t.begins, t.ends
             start = self.header.data_start
             base = self._mapping()

@@ -50,11 +50,9 @@ def _destination(sink, header: Header, rows: list[int], per_tensor: bool):
     """Allocate the tensors of ``rows`` for ``sink``; returns (row -> tensor, Destination)."""
     t = header.table
     specs = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows]
-    if getattr(sink, "device", None) is not None and sink.device.type != "cpu":
-        from .sinks.torch import TorchCudaOps, allocate_device
-
-        tensors, targets = allocate_device(specs, sink.device, per_tensor)
-        return tensors, pipeline.Destination(device_targets=targets, device_ops=TorchCudaOps(sink.device))
+    if sink.on_device:
+        tensors, targets, ops = sink.allocate_device(specs, per_tensor)
+        return tensors, pipeline.Destination(device_targets=targets, device_ops=ops)
     tensors, views = sink.allocate(specs, t.begins)
     return tensors, pipeline.Destination(host_views=views)
 

@@ -203,3 +203,17 @@ def test_load_into_cuda(model_file):
     engine.load_into(path, dst)
     for k, t in dst.items():
         np.testing.assert_array_equal(t.cpu().numpy(), sd[k])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_stream_to_cupy(model_file, per_tensor):
+    cupy = pytest.importorskip("cupy", reason="CuPy is an optional extra")
+    if cupy.cuda.runtime.getDeviceCount() == 0:  # pragma: no cover - depends on hardware
+        pytest.skip("needs an NVIDIA GPU")
+    path, sd = model_file
+    got = dict(engine.stream(path, framework="cupy", device="cuda:0", per_tensor=per_tensor, chunk_bytes=8192))
+    for k, v in sd.items():
+        np.testing.assert_array_equal(cupy.asnumpy(got[k]), v)
+    with engine.safe_open(path, framework="cupy", device=0) as f:
+        np.testing.assert_array_equal(cupy.asnumpy(f.get_slice("ids")[2:5]), sd["ids"][2:5])

@@ -20,6 +20,8 @@ _FRAMEWORKS = {
     "numpy": "numpy",
     "pt": "torch",
     "torch": "torch",
+    "cp": "cupy",
+    "cupy": "cupy",
 }
 
 
@@ -38,6 +40,10 @@ def get_sink(framework: str, device="cpu"):
         if str(device) != "cpu":
             raise DeviceError(f"numpy arrays live on the CPU; device {device!r} needs framework='pt'")
         return NumpySink()
+    if kind == "cupy":
+        from .cupy import CupySink
+
+        return CupySink(device)
     from .torch import TorchSink
 
     return TorchSink(device)

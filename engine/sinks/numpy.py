@@ -11,6 +11,7 @@ from .. import dtypes
 
 class NumpySink:
     name = "numpy"
+    on_device = False
     # numpy views are read-only, so a read-only shared mapping is enough (and costs no commit charge)
     mmap_access = mmap.ACCESS_READ
 

@@ -32,6 +32,9 @@ class TorchSink:
             raise DeviceError(f"invalid torch device {device!r}: {exc}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
+        if self.device.type not in ("cpu", "cuda"):
+            raise DeviceError(f"device {device!r}: the engine loads torch tensors to 'cpu' or 'cuda' only")
+        self.on_device = self.device.type != "cpu"
 
     def map(self, mm: mmap.mmap):
         return _MappedStorage(torch.frombuffer(mm, dtype=torch.uint8))
@@ -83,6 +86,11 @@ class TorchSink:
         if self.device.type == "cpu":
             return t
         return t.to(self.device)
+
+    def allocate_device(self, specs, per_tensor: bool = False):
+        """(row -> device tensor, row -> uint8 target, DeviceOps) for a device load."""
+        tensors, targets = allocate_device(specs, self.device, per_tensor)
+        return tensors, targets, TorchCudaOps(self.device)
 
 
 class _MappedStorage:

@@ -1,0 +1,110 @@
+"""CuPy destination: arrays in CUDA memory, filled through the pinned staging ring."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import DeviceError, MissingDependencyError
+from .numpy import NumpySink
+
+try:
+    import cupy
+except ImportError:  # pragma: no cover - exercised only without the extra
+    raise MissingDependencyError("cupy", "cupy", "CuPy arrays") from None
+
+#: Alignment of each array inside the one device allocation of a load.
+DEVICE_ALIGNMENT = 256
+
+
+def _device_id(device) -> int:
+    if isinstance(device, int):
+        return device
+    text = str(device)
+    if text == "cuda":
+        return cupy.cuda.runtime.getDevice()
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    raise DeviceError(f"invalid CuPy device {device!r}; expected 'cuda', 'cuda:N' or an int")
+
+
+_RAW_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def cupy_dtype(code: int) -> np.dtype:
+    """The dtype CuPy arrays get: CuPy has no BF16 or FP8, so those come back as their raw
+    bits in an unsigned integer of the same width (documented in the README)."""
+    dt = dtypes.numpy_dtype(code)
+    try:
+        cupy.dtype(dt)
+        return dt
+    except TypeError:
+        return np.dtype(_RAW_BITS[dt.itemsize])
+
+
+class CupyOps:
+    """The pipeline's device operations on CuPy (see :class:`engine.pipeline.DeviceOps`)."""
+
+    def __init__(self, device_id: int) -> None:
+        self.device = cupy.cuda.Device(device_id)
+
+    def bind_thread(self) -> None:
+        self.device.use()
+
+    def alloc_staging(self, nbytes: int):
+        mem = cupy.cuda.alloc_pinned_memory(nbytes)
+        host = np.frombuffer(mem, np.uint8, nbytes)
+        return (mem, host.ctypes.data), memoryview(host)
+
+    def new_stream(self):
+        return cupy.cuda.Stream(non_blocking=True)
+
+    def copy_to_device(self, dst, dst_offset: int, src, src_offset: int, nbytes: int, stream) -> None:
+        cupy.cuda.runtime.memcpyAsync(
+            dst.data.ptr + dst_offset, src[1] + src_offset, nbytes, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr
+        )
+
+    def record(self, stream):
+        return stream.record()
+
+    def wait(self, event) -> None:
+        event.synchronize()
+
+
+class CupySink(NumpySink):
+    """Host-side work as numpy (mapping views, owned blocks); results moved to the GPU."""
+
+    name = "cupy"
+    on_device = True
+
+    def __init__(self, device="cuda") -> None:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            raise DeviceError("CuPy sees no CUDA device")
+        self.device_id = _device_id(device)
+
+    def to_device(self, arr):
+        code = dtypes.from_numpy(arr.dtype) if arr.dtype != np.uint8 else dtypes.BY_NAME["U8"].code
+        with cupy.cuda.Device(self.device_id):
+            return cupy.asarray(arr.view(cupy_dtype(code)))
+
+    def allocate_device(self, specs, per_tensor: bool = False):
+        """(row -> cupy array, row -> uint8 target array, CupyOps) for a device load."""
+        tensors, targets = {}, {}
+        with cupy.cuda.Device(self.device_id):
+            if per_tensor:
+                for row, code, shape, nbytes in specs:
+                    arr = cupy.empty(dtypes.packed_shape(code, shape, nbytes), cupy_dtype(code))
+                    tensors[row], targets[row] = arr, arr.reshape(-1).view(cupy.uint8)
+            else:
+                offsets, total = [], 0
+                for _, _, _, nbytes in specs:
+                    offsets.append(total)
+                    total += -(-nbytes // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
+                block = cupy.empty(max(total, 1), cupy.uint8)
+                for (row, code, shape, nbytes), off in zip(specs, offsets):
+                    target = block[off : off + nbytes]
+                    targets[row] = target
+                    tensors[row] = target.view(cupy_dtype(code)).reshape(
+                        dtypes.packed_shape(code, shape, nbytes)
+                    )
+        return tensors, targets, CupyOps(self.device_id)
