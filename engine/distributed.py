@@ -1,0 +1,410 @@
+"""Tensor-parallel loading on ``torch.distributed``: every rank reads only its own shard.
+
+A :class:`ShardingPlan` says, per tensor name, whether a tensor is replicated or split along
+a dimension into ``world_size`` equal parts (fused tensors such as ``qkv_proj`` split part
+by part).  :func:`load_tensor_parallel` then reads, on each rank, only the bytes of that
+rank's shard of each tensor: a block of rows is one contiguous range, a block of columns is a
+set of strided ranges, both read by the threaded reader.  For shared storage that is slow
+under many parallel readers, ``mode="broadcast"`` reads each tensor once per node and hands
+the shards out with ``scatter`` / ``broadcast``.
+
+Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from .errors import SafetensorError
+
+__all__ = [
+    "Replicate",
+    "Split",
+    "Fused",
+    "ShardingPlan",
+    "ShardingError",
+    "llama_plan",
+    "shard_index",
+    "load_tensor_parallel",
+]
+
+
+class ShardingError(SafetensorError, ValueError):
+    """A tensor that the plan cannot split as asked (uneven, bad dimension, bad fused sizes)."""
+
+
+class Replicate(NamedTuple):
+    """Every rank gets the whole tensor."""
+
+
+class Split(NamedTuple):
+    """Split along ``dim`` into ``world_size`` equal parts; ``pad`` allows uneven sizes.
+
+    With ``pad=True`` each part has ``ceil(size / world_size)`` entries along ``dim``; the
+    ranks past the end get zeros where the tensor has no data.
+    """
+
+    dim: int
+    pad: bool = False
+
+
+class Fused(NamedTuple):
+    """A fused tensor (``qkv_proj``, ``gate_up_proj``): ``sizes`` parts along ``dim``, each
+    split separately; a rank's shard is its part of each, concatenated in order.
+
+    ``replicate`` marks parts that are replicated rather than split (grouped-query
+    attention with fewer key/value heads than ranks).
+    """
+
+    dim: int
+    sizes: tuple[int, ...]
+    replicate: tuple[bool, ...] = ()
+
+
+Action = Union[Replicate, Split, Fused]
+
+
+@dataclass
+class ShardingPlan:
+    """Rules from name patterns to actions; the first rule that matches wins.
+
+    Parameters
+    ----------
+    rules : sequence of (pattern, action)
+        ``pattern`` is an ``fnmatch`` glob (``"*.q_proj.weight"``) or a compiled regex.
+    default : action, default Replicate()
+        For names no rule matches.
+    """
+
+    rules: Sequence[tuple[Union[str, "re.Pattern[str]"], Action]] = field(default_factory=list)
+    default: Action = field(default_factory=Replicate)
+
+    def __post_init__(self) -> None:
+        compiled = []
+        for pattern, action in self.rules:
+            rx = pattern if isinstance(pattern, re.Pattern) else re.compile(fnmatch.translate(pattern))
+            compiled.append((rx, action))
+        self._compiled = compiled
+
+    def action(self, name: str) -> Action:
+        for rx, action in self._compiled:
+            if rx.match(name):
+                return action
+        return self.default
+
+
+def llama_plan(
+    config: Optional[Mapping[str, Any]] = None,
+    *,
+    world_size: Optional[int] = None,
+    pad: bool = False,
+) -> ShardingPlan:
+    """The usual tensor-parallel layout of LLaMA-family checkpoints.
+
+    q/k/v/gate/up projections are column-parallel (split dim 0 of the ``[out, in]`` weight,
+    and their biases), o/down projections row-parallel (split dim 1), ``embed_tokens`` and
+    ``lm_head`` along the vocabulary (dim 0), norms and everything else replicated.  With a
+    ``config`` (Hugging Face ``config.json`` as a dict) and ``world_size``, grouped-query
+    attention is handled: k/v are split by heads when the key/value heads divide evenly
+    among the ranks, and replicated when there are fewer heads than ranks.  Fused
+    ``qkv_proj`` and ``gate_up_proj`` tensors are described by their part sizes.
+    """
+    kv_split: Action = Split(0, pad)
+    fused_qkv: Optional[Fused] = None
+    fused_gate_up: Optional[Fused] = None
+    if config is not None:
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads", heads))
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        replicate_kv = world_size is not None and kv_heads < world_size
+        if replicate_kv:
+            kv_split = Replicate()
+        fused_qkv = Fused(0, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim),
+                          (False, replicate_kv, replicate_kv))
+        inter = int(config["intermediate_size"])
+        fused_gate_up = Fused(0, (inter, inter))
+    column = Split(0, pad)
+    rules: list = [
+        ("*.self_attn.q_proj.*", column),
+        ("*.self_attn.k_proj.*", kv_split),
+        ("*.self_attn.v_proj.*", kv_split),
+        ("*.mlp.gate_proj.*", column),
+        ("*.mlp.up_proj.*", column),
+        ("*.self_attn.o_proj.weight", Split(1, pad)),
+        ("*.mlp.down_proj.weight", Split(1, pad)),
+        ("*embed_tokens.weight", Split(0, pad)),
+        ("lm_head.weight", Split(0, pad)),
+    ]
+    if fused_qkv is not None:
+        rules.append(("*.self_attn.qkv_proj.weight", fused_qkv))
+        rules.append(("*.mlp.gate_up_proj.weight", fused_gate_up))
+    return ShardingPlan(rules)
+
+
+def _split_bounds(size: int, rank: int, world_size: int, pad: bool, what: str) -> tuple[int, int, int]:
+    """(start, stop, padded part size) of ``rank``'s part of ``size`` entries."""
+    if size % world_size and not pad:
+        raise ShardingError(
+            f"{what}: {size} entries do not split evenly into {world_size} ranks (ask for padding with pad=True)",
+            reason="UnevenSplit",
+        )
+    part = -(-size // world_size)
+    start = min(rank * part, size)
+    return start, min(start + part, size), part
+
+
+def shard_index(name: str, shape: Sequence[int], action: Action, rank: int, world_size: int):
+    """The pieces of a tensor that ``rank`` gets.
+
+    Returns
+    -------
+    list of (index, pad_to)
+        ``index`` is a tuple of slices for :meth:`get_slice`; ``pad_to`` is the part size
+        along the split dimension (larger than the slice only with padding).  Several pieces
+        for a fused tensor, to be concatenated along its dimension.  ``[]`` never happens:
+        a replicated tensor is one piece covering everything.
+    """
+    shape = tuple(shape)
+    if isinstance(action, Replicate):
+        return [((slice(None),) * len(shape), None)]
+    if action.dim < -len(shape) or action.dim >= len(shape) or not shape:
+        raise ShardingError(f"tensor {name!r} {list(shape)} has no dimension {action.dim} to split",
+                            reason="InvalidDim", tensors=(name,))
+    dim = action.dim % len(shape)
+    if isinstance(action, Split):
+        start, stop, part = _split_bounds(shape[dim], rank, world_size, action.pad, f"tensor {name!r} dim {dim}")
+        index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
+        return [(index, part if action.pad else None)]
+    if sum(action.sizes) != shape[dim]:
+        raise ShardingError(
+            f"fused tensor {name!r}: parts {list(action.sizes)} do not add up to {shape[dim]} along dim {dim}",
+            reason="InvalidFused", tensors=(name,),
+        )
+    pieces, offset = [], 0
+    flags = action.replicate or (False,) * len(action.sizes)
+    for size, replicated in zip(action.sizes, flags):
+        if replicated:
+            start, stop = offset, offset + size
+        else:
+            a, b, _ = _split_bounds(size, rank, world_size, False, f"fused tensor {name!r} part of {size}")
+            start, stop = offset + a, offset + b
+        pieces.append((tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape))), None))
+        offset += size
+    return pieces
+
+
+def _pad(t: torch.Tensor, dim: int, to: Optional[int]) -> torch.Tensor:
+    if to is None or t.shape[dim] == to:
+        return t
+    shape = list(t.shape)
+    shape[dim] = to - t.shape[dim]
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim=dim)
+
+
+def _open(path, backend: str):
+    path = os.fspath(path)
+    if os.path.isdir(path) or path.endswith(".index.json"):
+        from .checkpoint import open_checkpoint
+
+        return open_checkpoint(path, framework="pt", backend=backend)
+    from .api import safe_open
+
+    return safe_open(path, framework="pt", backend=backend)
+
+
+def _rank_world(rank, world_size, process_group):
+    import torch.distributed as dist
+
+    if rank is None or world_size is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ShardingError("give rank and world_size, or initialise torch.distributed first",
+                                reason="NoProcessGroup")
+        rank = dist.get_rank(process_group) if rank is None else rank
+        world_size = dist.get_world_size(process_group) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ShardingError(f"rank {rank} is outside world size {world_size}", reason="InvalidRank")
+    return rank, world_size
+
+
+def load_tensor_parallel(
+    path_or_index,
+    plan: ShardingPlan,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    process_group=None,
+    device: Union[str, int, torch.device] = "cpu",
+    mode: str = "direct",
+    names: Optional[Callable[[str], bool]] = None,
+) -> dict[str, torch.Tensor]:
+    """Load this rank's shard of every tensor of a checkpoint.
+
+    Parameters
+    ----------
+    path_or_index : str or os.PathLike
+        A ``.safetensors`` file, a ``model.safetensors.index.json`` or a directory holding one.
+    plan : ShardingPlan
+        E.g. :func:`llama_plan`.
+    rank, world_size : int, optional
+        Default: from ``torch.distributed`` (``process_group`` or the default group).
+    device : default "cpu"
+        Where the shards go ("cuda:N" on GPU servers; one host-to-device copy per shard).
+    mode : {"direct", "broadcast"}
+        ``"direct"``: each rank reads only its own bytes (positional reads, no mapping).
+        ``"broadcast"``: the first rank of each node reads every tensor once and hands out
+        shards with ``scatter`` (split tensors) and ``broadcast`` (replicated ones); needs an
+        initialised process group.  Node membership comes from ``LOCAL_WORLD_SIZE`` as set by
+        torchrun (default: one node).
+    names : callable, optional
+        ``names(name) -> bool`` keeps only some tensors.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        This rank's shards, contiguous, on ``device``.
+
+    Raises
+    ------
+    ShardingError
+        Uneven splits without padding, a split of a missing dimension, bad fused sizes.
+
+    Notes
+    -----
+    Copies of tensor bytes, direct mode: 1 per byte (page cache to the shard), plus the
+    host-to-device copy for CUDA; fused tensors one more (the concatenation).  Broadcast mode
+    adds the collective's transfer.  Peak host memory in broadcast mode on the reading rank:
+    one whole tensor at a time.
+    """
+    if mode not in ("direct", "broadcast"):
+        raise ShardingError(f"unknown mode {mode!r}; expected 'direct' or 'broadcast'", reason="InvalidMode")
+    rank, world_size = _rank_world(rank, world_size, process_group)
+    device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    if mode == "broadcast":
+        return _load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names)
+    out: dict[str, torch.Tensor] = {}
+    with _open(path_or_index, "pread") as f:
+        for name in f.offset_keys() if hasattr(f, "offset_keys") else f.keys():
+            if names is not None and not names(name):
+                continue
+            sl = f.get_slice(name)
+            action = plan.action(name)
+            pieces = shard_index(name, sl.get_shape(), action, rank, world_size)
+            if isinstance(action, Replicate):
+                t = sl[...]
+            else:
+                parts = [_pad(sl[index], action.dim, to) for index, to in pieces]
+                t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)
+            out[name] = t.to(device) if device.type != "cpu" else t
+    return out
+
+
+def _node_group(world_size: int, process_group):
+    """(group of this node, global rank of its reader) from LOCAL_WORLD_SIZE."""
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local >= world_size or world_size % local:
+        return process_group, 0
+    me = dist.get_rank(process_group)
+    mine = None
+    for node in range(world_size // local):
+        ranks = list(range(node * local, (node + 1) * local))
+        group = dist.new_group(ranks)  # every rank must create every group, in the same order
+        if me in ranks:
+            mine = (group, ranks[0])
+    return mine
+
+
+def _load_broadcast(path, plan, rank, world_size, process_group, device, names):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ShardingError("mode='broadcast' needs an initialised torch.distributed", reason="NoProcessGroup")
+    group, reader = _node_group(world_size, process_group)
+    local_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+    local_rank = local_ranks.index(dist.get_rank())
+    comm_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    # collectives move raw bytes (uint8): see _bytes_of
+    out: dict[str, torch.Tensor] = {}
+    handle = _open(path, "pread") if dist.get_rank() == reader else None
+    try:
+        # every rank walks the same header: read it once on each rank (a few KB to MB)
+        from .header import read_header
+
+        keys, shapes, dtype_of = _catalogue(path, read_header)
+        for name in keys:
+            if names is not None and not names(name):
+                continue
+            action = plan.action(name)
+            shape, dt = shapes[name], dtype_of[name]
+            pieces_of = [shard_index(name, shape, action, r, len(local_ranks)) for r in range(len(local_ranks))]
+            whole = handle.get_tensor(name).to(comm_device) if handle is not None else None
+            if isinstance(action, Replicate):
+                buf = _bytes_of(whole) if whole is not None else torch.empty(
+                    _nbytes(shape, dt), dtype=torch.uint8, device=comm_device)
+                dist.broadcast(buf, src=reader, group=group)
+                out[name] = buf.view(dt).view(shape).to(device)
+                continue
+            mine_shape = _shard_shape(shape, action, pieces_of[local_rank])
+            recv = torch.empty(_nbytes(mine_shape, dt), dtype=torch.uint8, device=comm_device)
+            scatter_list = None
+            if whole is not None:
+                scatter_list = [_bytes_of(_assemble(whole, action, pieces)) for pieces in pieces_of]
+            dist.scatter(recv, scatter_list, src=reader, group=group)
+            out[name] = recv.view(dt).view(mine_shape).to(device)
+    finally:
+        if handle is not None:
+            handle.close()
+    return out
+
+
+def _catalogue(path, read_header):
+    from . import dtypes
+
+    path = os.fspath(path)
+    if os.path.isdir(path) or path.endswith(".index.json"):
+        from .checkpoint import open_checkpoint
+
+        with open_checkpoint(path, framework="pt") as ck:
+            keys = ck.keys()
+            shapes = {k: tuple(ck.get_slice(k).get_shape()) for k in keys}
+            dts = {k: dtypes.torch_dtype(dtypes.code_of(ck.get_slice(k).get_dtype())) for k in keys}
+        return keys, shapes, dts
+    header = read_header(path)
+    keys = header.offset_keys()
+    return keys, {k: header[k].shape for k in keys}, {k: dtypes.torch_dtype(header[k].code) for k in keys}
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor: collectives move bytes, so every dtype
+    works on every backend (gloo has no bfloat16 or float8)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _nbytes(shape, dt) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dt).element_size()
+
+
+def _shard_shape(shape, action, pieces):
+    dim = action.dim % len(shape)
+    out = list(shape)
+    total = 0
+    for index, to in pieces:
+        s = index[dim]
+        total += to if to is not None else s.stop - s.start
+    out[dim] = total
+    return tuple(out)
+
+
+def _assemble(whole: torch.Tensor, action, pieces) -> torch.Tensor:
+    parts = [_pad(whole[index], action.dim, to) for index, to in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)

@@ -1,0 +1,202 @@
+"""Tensor-parallel loading: 2 and 4 gloo processes on CPU, shards exact, bytes counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is an optional extra")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import engine.torch  # noqa: E402
+from engine.distributed import (  # noqa: E402
+    Fused,
+    Replicate,
+    ShardingError,
+    ShardingPlan,
+    Split,
+    llama_plan,
+    load_tensor_parallel,
+    shard_index,
+)
+
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
+
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+
+
+def llama_state_dict(cfg=CONFIG, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    sd = {"model.embed_tokens.weight": torch.randn(v, h, generator=g), "model.norm.weight": torch.randn(h, generator=g),
+          "lm_head.weight": torch.randn(v, h, generator=g)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for name, shape in [("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (kv, h)),
+                            ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, h)),
+                            ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)),
+                            ("mlp.down_proj.weight", (h, i)), ("input_layernorm.weight", (h,)),
+                            ("post_attention_layernorm.weight", (h,))]:
+            sd[p + name] = torch.randn(shape, generator=g).to(torch.bfloat16 if "proj" in name else torch.float32)
+    return sd
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, path, modes, out_dir):
+    counted = [0]
+    real = os.preadv
+
+    def counting(fd, buffers, offset):
+        n = real(fd, buffers, offset)
+        counted[0] += n
+        return n
+
+    os.preadv = counting
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        plan = llama_plan(CONFIG, world_size=world)
+        for mode in modes:
+            counted[0] = 0
+            shards = load_tensor_parallel(path, plan, mode=mode)
+            report = {"bytes_read": counted[0], "exact": [], "gathered": []}
+            full = engine.torch.load_file(path)
+            for name, t in full.items():
+                action = plan.action(name)
+                mine = shards[name]
+                if isinstance(action, Replicate):
+                    report["exact"].append([name, bool(torch.equal(mine.float(), t.float()))])
+                    continue
+                dim = action.dim
+                part = t.shape[dim] // world
+                expect = t.narrow(dim, rank * part, part)
+                report["exact"].append([name, bool(torch.equal(mine.float(), expect.float()))])
+                # all_gather rebuilds the full tensor exactly (gloo has no bf16: gather float32, exact for bf16)
+                values = mine.float().contiguous()
+                gathered = [torch.empty_like(values) for _ in range(world)]
+                dist.all_gather(gathered, values)
+                report["gathered"].append([name, bool(torch.equal(torch.cat(gathered, dim=dim), t.float()))])
+            with open(os.path.join(out_dir, f"{mode}-rank{rank}.json"), "w") as f:
+                json.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory):
+    sd = llama_state_dict()
+    path = tmp_path_factory.mktemp("tp") / "model.safetensors"
+    engine.torch.save_file(sd, path)
+    return str(path), sd
+
+
+def _expected_bytes(sd, world, plan):
+    split = replicated = 0
+    for name, t in sd.items():
+        nbytes = t.numel() * t.element_size()
+        if isinstance(plan.action(name), Replicate):
+            replicated += nbytes
+        else:
+            split += nbytes
+    return split, replicated
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_reads_only_its_shard_and_broadcast_reads_once(llama_file, tmp_path, world):
+    path, sd = llama_file
+    modes = ["direct", "broadcast"] if world == 4 else ["direct"]
+    mp.spawn(_worker, args=(world, _free_port(), path, modes, str(tmp_path)), nprocs=world, join=True)
+    split, replicated = _expected_bytes(sd, world, llama_plan(CONFIG, world_size=world))
+    total = split + replicated
+    for mode in modes:
+        reads = []
+        for rank in range(world):
+            report = json.loads((tmp_path / f"{mode}-rank{rank}.json").read_text())
+            assert all(ok for _, ok in report["exact"]), (mode, report["exact"])
+            assert all(ok for _, ok in report["gathered"]), (mode, report["gathered"])
+            reads.append(report["bytes_read"])
+        if mode == "direct":
+            # exactly 1/world of the split tensors plus the replicated ones
+            assert reads == [split // world + replicated] * world
+        else:
+            # one reader per node reads each byte once; the others read nothing
+            assert reads == [total] + [0] * (world - 1)
+
+
+def test_gqa_kv_replicated_when_fewer_heads_than_ranks():
+    plan4 = llama_plan(CONFIG, world_size=4)
+    plan2 = llama_plan(CONFIG, world_size=2)
+    assert isinstance(plan4.action("model.layers.0.self_attn.k_proj.weight"), Replicate)
+    assert plan2.action("model.layers.0.self_attn.k_proj.weight") == Split(0)
+    assert plan2.action("model.layers.0.self_attn.o_proj.weight") == Split(1)
+    assert plan2.action("model.embed_tokens.weight") == Split(0)
+    assert isinstance(plan2.action("model.norm.weight"), Replicate)
+
+
+def test_uneven_split_is_an_error_unless_padding():
+    with pytest.raises(ShardingError, match="evenly") as info:
+        shard_index("w", (10, 4), Split(0), 0, 3)
+    assert info.value.reason == "UnevenSplit"
+    pieces = [shard_index("w", (10, 4), Split(0, pad=True), r, 3) for r in range(3)]
+    assert [p[0][0][0] for p in pieces] == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    assert all(p[0][1] == 4 for p in pieces)
+
+
+def test_padding_pads_with_zeros(tmp_path):
+    path = tmp_path / "p.safetensors"
+    w = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    engine.torch.save_file({"w": w}, path)
+    plan = ShardingPlan([("w", Split(0, pad=True))])
+    last = load_tensor_parallel(path, plan, rank=2, world_size=3)["w"]
+    assert last.shape == (4, 4)
+    assert torch.equal(last[:2], w[8:]) and torch.equal(last[2:], torch.zeros(2, 4))
+
+
+def test_fused_qkv_splits_each_part(tmp_path):
+    hd, heads, kv_heads = 4, 4, 2
+    qkv = torch.arange((heads + 2 * kv_heads) * hd * 3, dtype=torch.float32).reshape(-1, 3)
+    path = tmp_path / "f.safetensors"
+    engine.torch.save_file({"model.layers.0.self_attn.qkv_proj.weight": qkv}, path)
+    cfg = dict(CONFIG, hidden_size=heads * hd, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    q, k, v = qkv[:16], qkv[16:24], qkv[24:32]
+    for rank in range(2):
+        got = load_tensor_parallel(path, llama_plan(cfg, world_size=2), rank=rank, world_size=2)
+        t = got["model.layers.0.self_attn.qkv_proj.weight"]
+        expect = torch.cat([q[rank * 8:(rank + 1) * 8], k[rank * 4:(rank + 1) * 4], v[rank * 4:(rank + 1) * 4]])
+        assert torch.equal(t, expect)
+    with pytest.raises(ShardingError, match="add up"):
+        shard_index("x", (10, 3), Fused(0, (4, 4)), 0, 2)
+
+
+def test_column_split_reads_strided_ranges(tmp_path, monkeypatch):
+    w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    path = tmp_path / "c.safetensors"
+    engine.torch.save_file({"w": w}, path)
+    counted = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, b, o: counted.append(real(fd, b, o)) or counted[-1])
+    got = load_tensor_parallel(path, ShardingPlan([("w", Split(1))]), rank=1, world_size=4)["w"]
+    assert torch.equal(got, w[:, 8:16])
+    assert sum(counted) == 64 * 8 * 4 and len(counted) == 64  # one strided range per row
+
+
+def test_rank_and_world_are_checked(tmp_path):
+    with pytest.raises(ShardingError, match="initialise"):
+        load_tensor_parallel(tmp_path / "x", ShardingPlan())
+    with pytest.raises(ShardingError, match="outside"):
+        load_tensor_parallel(tmp_path / "x", ShardingPlan(), rank=4, world_size=4)
+    with pytest.raises(ShardingError, match="mode"):
+        load_tensor_parallel(tmp_path / "x", ShardingPlan(), rank=0, world_size=1, mode="x")
