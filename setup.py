@@ -33,6 +33,12 @@ extensions = [
         define_macros=macros,
         extra_compile_args=compile_args,
     ),
+    Extension(
+        "engine._io",
+        ["engine/_io.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
 ]
 
 setup(

@@ -23,10 +23,9 @@ from typing import Any, Optional
 from . import dtypes
 from .errors import SafetensorError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from . import pipeline
 from .loader import load_rows
-from .plan import InvalidSliceError, Piece, Request, plan_slice
-from .reader import default_threads
+from .plan import InvalidSliceError, plan_slice
+from .reader import default_threads, pread_runs
 from .sinks import get_sink
 
 __all__ = ["safe_open", "TensorSlice"]
@@ -217,18 +216,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             return sink.to_device(sink.finish(whole[plan.forward_index], plan.flip_squeezed, plan.result_shape))
         block = sink.empty(code, plan.out_shape, plan.nbytes)
         if plan.nbytes:
-            run = plan.run_bytes
-            requests = [
-                Request(offset + src, run, (Piece(0, i * run, 0, run),)) for i, src in enumerate(plan.src.tolist())
-            ]
-            pipeline.run(
-                self._check_open(),
-                requests,
-                pipeline.Destination(host_views={0: sink.raw(block)}),
-                path=self._path,
-                threads=1 if plan.nbytes < _PARALLEL_SLICE_BYTES else default_threads(),
-                chunk_bytes=run,
-            )
+            threads = 1 if plan.nbytes < _PARALLEL_SLICE_BYTES else default_threads()
+            pread_runs(self._check_open(), sink.raw(block), plan.src, plan.run_bytes, offset,
+                       path=self._path, threads=threads)
         return sink.to_device(sink.finish(block, plan.flip, plan.result_shape))
 
     def __repr__(self) -> str:

@@ -334,10 +334,8 @@ def _load_broadcast(path, plan, rank, world_size, process_group, device, names):
     out: dict[str, torch.Tensor] = {}
     handle = _open(path, "pread") if dist.get_rank() == reader else None
     try:
-        # every rank walks the same header: read it once on each rank (a few KB to MB)
-        from .header import read_header
-
-        keys, shapes, dtype_of = _catalogue(path, read_header)
+        # every rank walks the same tensors in the same order; the reader reuses its open handle
+        keys, shapes, dtype_of = _catalogue(handle if handle is not None else path)
         for name in keys:
             if names is not None and not names(name):
                 continue
@@ -364,21 +362,29 @@ def _load_broadcast(path, plan, rank, world_size, process_group, device, names):
     return out
 
 
-def _catalogue(path, read_header):
+def _catalogue(source):
+    """(names in file order, name -> shape, name -> torch dtype) of a path or an open handle."""
     from . import dtypes
 
-    path = os.fspath(path)
-    if os.path.isdir(path) or path.endswith(".index.json"):
-        from .checkpoint import open_checkpoint
+    opened = None
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not (os.path.isdir(path) or path.endswith(".index.json")):
+            from .header import read_header
 
-        with open_checkpoint(path, framework="pt") as ck:
-            keys = ck.keys()
-            shapes = {k: tuple(ck.get_slice(k).get_shape()) for k in keys}
-            dts = {k: dtypes.torch_dtype(dtypes.code_of(ck.get_slice(k).get_dtype())) for k in keys}
+            header = read_header(path)
+            keys = header.offset_keys()
+            return keys, {k: header[k].shape for k in keys}, {k: dtypes.torch_dtype(header[k].code) for k in keys}
+        source = opened = _open(path, "mmap")
+    try:
+        keys = source.offset_keys() if hasattr(source, "offset_keys") else source.keys()
+        slices = {k: source.get_slice(k) for k in keys}
+        shapes = {k: tuple(sl.get_shape()) for k, sl in slices.items()}
+        dts = {k: dtypes.torch_dtype(dtypes.code_of(sl.get_dtype())) for k, sl in slices.items()}
         return keys, shapes, dts
-    header = read_header(path)
-    keys = header.offset_keys()
-    return keys, {k: header[k].shape for k in keys}, {k: dtypes.torch_dtype(header[k].code) for k in keys}
+    finally:
+        if opened is not None:
+            opened.close()
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

@@ -56,23 +56,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rchar() -> int:
+    """Bytes this process has read with read-family system calls (the kernel's count)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def _counted(fn):
+    """(result, bytes read by fn) net of the reads of /proc/self/io itself."""
+    first = _rchar()
+    probe = _rchar() - first  # what one look at /proc/self/io reads
+    before = _rchar()
+    result = fn()
+    return result, _rchar() - before - probe
+
+
 def _worker(rank, world, port, path, modes, out_dir):
-    counted = [0]
-    real = os.preadv
+    import engine._io  # noqa: F401  (imported up front so its loading is not counted)
+    from engine.reader import default_threads
 
-    def counting(fd, buffers, offset):
-        n = real(fd, buffers, offset)
-        counted[0] += n
-        return n
+    default_threads()  # reads /sys once (cached): not a tensor byte, keep it out of the count
 
-    os.preadv = counting
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         plan = llama_plan(CONFIG, world_size=world)
         for mode in modes:
-            counted[0] = 0
-            shards = load_tensor_parallel(path, plan, mode=mode)
-            report = {"bytes_read": counted[0], "exact": [], "gathered": []}
+            dist.barrier()
+            shards, nbytes = _counted(lambda: load_tensor_parallel(path, plan, mode=mode))
+            report = {"bytes_read": nbytes, "exact": [], "gathered": []}
             full = engine.torch.load_file(path)
             for name, t in full.items():
                 action = plan.action(name)
@@ -103,6 +114,10 @@ def llama_file(tmp_path_factory):
     return str(path), sd
 
 
+def _header_bytes(path) -> int:
+    return 8 + engine.read_header(path).header_size
+
+
 def _expected_bytes(sd, world, plan):
     split = replicated = 0
     for name, t in sd.items():
@@ -128,12 +143,13 @@ def test_each_rank_reads_only_its_shard_and_broadcast_reads_once(llama_file, tmp
             assert all(ok for _, ok in report["exact"]), (mode, report["exact"])
             assert all(ok for _, ok in report["gathered"]), (mode, report["gathered"])
             reads.append(report["bytes_read"])
+        header = _header_bytes(path)
         if mode == "direct":
-            # exactly 1/world of the split tensors plus the replicated ones
-            assert reads == [split // world + replicated] * world
+            # exactly 1/world of the split tensors plus the replicated ones (plus the header)
+            assert reads == [split // world + replicated + header] * world
         else:
-            # one reader per node reads each byte once; the others read nothing
-            assert reads == [total] + [0] * (world - 1)
+            # one reader per node reads each byte once; the others read only the header
+            assert reads == [total + header] + [header] * (world - 1)
 
 
 def test_gqa_kv_replicated_when_fewer_heads_than_ranks():
@@ -181,16 +197,16 @@ def test_fused_qkv_splits_each_part(tmp_path):
         shard_index("x", (10, 3), Fused(0, (4, 4)), 0, 2)
 
 
-def test_column_split_reads_strided_ranges(tmp_path, monkeypatch):
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's /proc/self/io to count reads")
+def test_column_split_reads_strided_ranges(tmp_path):
+    import engine._io  # noqa: F401  (loaded before counting)
+
     w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
     path = tmp_path / "c.safetensors"
     engine.torch.save_file({"w": w}, path)
-    counted = []
-    real = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, b, o: counted.append(real(fd, b, o)) or counted[-1])
-    got = load_tensor_parallel(path, ShardingPlan([("w", Split(1))]), rank=1, world_size=4)["w"]
-    assert torch.equal(got, w[:, 8:16])
-    assert sum(counted) == 64 * 8 * 4 and len(counted) == 64  # one strided range per row
+    got, nbytes = _counted(lambda: load_tensor_parallel(path, ShardingPlan([("w", Split(1))]), rank=1, world_size=4))
+    assert torch.equal(got["w"], w[:, 8:16])
+    assert nbytes == 64 * 8 * 4 + _header_bytes(path)  # 64 strided runs, nothing between them
 
 
 def test_rank_and_world_are_checked(tmp_path):

@@ -66,3 +66,51 @@ def test_io_error_is_a_read_error_with_cause(data_file, monkeypatch):
 
 def test_default_threads_is_bounded():
     assert 2 <= reader.default_threads() <= 8
+
+
+def test_pread_runs_matches_slicing_and_reports_eof(data_file):
+    fd, data, path = data_file
+    src = np.arange(0, 900_000, 3000, dtype=np.int64)
+    out = bytearray(len(src) * 100)
+    reader.pread_runs(fd, memoryview(out), src, 100, 17, path=path, threads=3)
+    expect = b"".join(data[17 + s : 17 + s + 100].tobytes() for s in src.tolist())
+    assert bytes(out) == expect
+    with pytest.raises(ReadError) as info:
+        reader.pread_runs(fd, memoryview(bytearray(200)), np.array([0, 999_950]), 100, 0, path=path)
+    assert info.value.reason == "ShortRead" and info.value.offset == 1_000_000 and info.value.size == 50
+
+
+def test_pread_runs_releases_the_gil(data_file):
+    """The spinner gives the GIL back after every tick (sleep(0)) and, with a 100 s switch
+    interval, the main thread never hands it over on its own: so the counter can only move
+    while the main thread has released the GIL, i.e. inside the native loop."""
+    import sys
+    import threading
+    import time
+
+    fd, _, path = data_file
+    src = np.zeros(20_000, dtype=np.int64)  # 20k reads of the same 4 KiB: a long native loop
+    out = bytearray(len(src) * 4096)
+    ticks = [0]
+    started, stop = threading.Event(), threading.Event()
+
+    def spin():
+        started.set()
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(100)
+    t = threading.Thread(target=spin)
+    try:
+        t.start()
+        started.wait()
+        before = ticks[0]
+        reader.pread_runs(fd, memoryview(out), src, 4096, 0, path=path)
+        during = ticks[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        t.join()
+    assert during > 100

@@ -1,0 +1,3 @@
+import numpy as np
+
+def pread_runs(fd: int, dst: np.ndarray | memoryview, src: np.ndarray, run_bytes: int, base: int) -> tuple[int, int, int]: ...
