@@ -36,6 +36,11 @@ _LAZY = {
     "load": "engine.numpy",
     "save_file": "engine.writer",
     "save": "engine.writer",
+    # sharded checkpoints (index + shards, or one file, as one checkpoint)
+    "open_checkpoint": "engine.checkpoint",
+    "save_sharded": "engine.checkpoint",
+    "Checkpoint": "engine.checkpoint",
+    "read_checkpoint_info": "engine.checkpoint",
     # kernels (Numba is imported only when one of these is used)
     "stats": "engine.stats",
     "Stats": "engine.stats",
@@ -77,6 +82,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import safe_open
+    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, save_sharded
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .numpy import load, load_file
     from .writer import save, save_file

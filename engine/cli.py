@@ -1,13 +1,136 @@
-"""The ``engine`` command line (also ``python -m engine``)."""
+"""The ``engine`` command line (also ``python -m engine``).
+
+Subcommands: ``demo``, ``inspect``, ``validate``, ``stats``, ``quantize``, ``convert``,
+``bench``.  Expected failures (format errors, missing files, bad arguments, unreachable
+URLs) print one line on stderr and exit with status 2, never a traceback; ``validate``
+exits with 1 when the checkpoint has problems.  Progress bars (tqdm, when installed) are
+drawn only when stderr is a terminal.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
+import math
+import os
+import statistics
 import sys
-from typing import Optional, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NoReturn
 
-from .errors import SafetensorError
+from .errors import MissingDependencyError, SafetensorError
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _NoBar:
+    """Stands in for a tqdm bar when stderr is not a terminal or tqdm is not installed."""
+
+    def __init__(self, iterable: Iterable | None = None) -> None:
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable or ())
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _progress(iterable: Iterable | None = None, **kw: Any):
+    """A tqdm bar on stderr when it is a terminal; silent (and tqdm not imported) otherwise."""
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return _NoBar(iterable)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar(iterable)
+    return tqdm(iterable, file=sys.stderr, leave=False, dynamic_ncols=True, **kw)
+
+
+def _is_url(path: str) -> bool:
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and len(scheme) > 1 and scheme.replace("+", "").isalnum()
+
+
+def _http_headers(values: Sequence[str] | None) -> dict[str, str]:
+    out = {}
+    for value in values or ():
+        name, sep, text = value.partition(":")
+        if not sep or not name.strip():
+            raise _UsageError(f"--header expects 'Name: value', got {value!r}")
+        out[name.strip()] = text.strip()
+    return out
+
+
+class _UsageError(Exception):
+    """A bad argument found after parsing (exit 2, one line)."""
+
+
+def _checkpoint_info(args):
+    """:class:`~engine.checkpoint.CheckpointInfo` of a file, directory, index or URL."""
+    if _is_url(args.path):
+        from .remote import read_metadata
+
+        return read_metadata(
+            args.path,
+            timeout=args.timeout,
+            headers=_http_headers(args.header),
+            max_header_size=args.max_header_size,
+        )
+    from .checkpoint import read_checkpoint_info
+
+    return read_checkpoint_info(args.path, max_header_size=args.max_header_size)
+
+
+def _optional(module: str, attr: str, command: str):
+    """``module.attr`` if that module exists and has it, else ``None``.
+
+    A module that exists but needs a missing package (numba) is a MissingDependencyError.
+    """
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return None
+        raise MissingDependencyError(exc.name or "a package", "kernels", f"engine {command}") from None
+    return getattr(mod, attr, None)
+
+
+def _not_available(command: str, what: str) -> int:
+    print(f"engine {command}: error: not available in this build ({what} is missing)", file=sys.stderr)
+    return 2
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+def _table(rows: list[list[str]], header: list[str], right: Sequence[int] = ()) -> list[str]:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return [line(header)] + [line(r) for r in rows]
+
+
+# --------------------------------------------------------------------------- demo
 
 
 def _cmd_demo(args) -> int:
@@ -16,32 +139,447 @@ def _cmd_demo(args) -> int:
     return run(args.dir, keep=args.keep, small=args.small)
 
 
-def _cmd_inspect(args) -> int:
-    from .header import read_header
+# --------------------------------------------------------------------------- inspect
 
-    header = read_header(args.path)
+
+def _cmd_inspect(args) -> int:
+    info = _checkpoint_info(args)
     if args.json:
-        json.dump(header.to_dict(), sys.stdout, indent=2)
+        json.dump(info.to_dict(), sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
         return 0
-    rows = [(n, header[n]) for n in header.offset_keys()]
-    width = max([len(n) for n, _ in rows] + [4])
-    print(f"{'name':<{width}}  {'dtype':<11} {'shape':<20} {'params':>14}  bytes")
-    for name, info in rows:
-        print(f"{name:<{width}}  {info.dtype:<11} {str(list(info.shape)):<20} {info.numel:>14,}  "
-              f"{info.data_offsets[0]}..{info.data_offsets[1]}")
-    params = header.parameters()
-    total = params.pop("total", sum(params.values()))
-    print(f"\n{len(rows)} tensors, {total:,} parameters ("
-          + ", ".join(f"{k}: {v:,}" for k, v in params.items()) + ")")
-    if header.metadata:
-        print("metadata: " + json.dumps(header.metadata, ensure_ascii=False))
+    sharded = info.is_sharded
+    rows = []
+    for shard, t in info.tensors():
+        row = [t.name, t.dtype, str(list(t.shape)), f"{t.numel:,}", f"{t.data_offsets[0]}..{t.data_offsets[1]}"]
+        if sharded:
+            row.append(shard)
+        rows.append(row)
+    header = ["name", "dtype", "shape", "params", "bytes"] + (["shard"] if sharded else [])
+    for line in _table(rows, header, right=(3,)):
+        print(line)
+    params = info.parameters()
+    total = params.pop("total")
+    where = f" in {len(info.shards)} shards" if sharded else ""
+    print(
+        f"\n{len(rows)} tensors{where}, {total:,} parameters ("
+        + ", ".join(f"{k}: {v:,}" for k, v in params.items())
+        + f"), {_fmt_bytes(info.nbytes)} of data"
+    )
+    metadata = info.metadata()
+    if metadata:
+        print("metadata: " + json.dumps(metadata, ensure_ascii=False))
+    if sharded and info.index_metadata:
+        print("index metadata: " + json.dumps(info.index_metadata, ensure_ascii=False, sort_keys=True))
     return 0
 
 
+# --------------------------------------------------------------------------- validate
+
+
+def _cmd_validate(args) -> int:
+    from .checkpoint import check_checkpoint, read_checkpoint_info
+
+    if _is_url(args.path):
+        try:
+            info = _checkpoint_info(args)
+            problems: list[SafetensorError] = []
+        except SafetensorError as err:
+            info, problems = None, [err]
+    else:
+        if not os.path.exists(args.path):
+            raise FileNotFoundError(2, "No such file or directory", args.path)
+        problems = check_checkpoint(args.path, max_header_size=args.max_header_size)
+        info = None if problems else read_checkpoint_info(args.path, max_header_size=args.max_header_size)
+    for problem in problems:
+        print(f"problem: {_one_line(problem)}")
+    if info is not None:
+        for shard, header in info.headers.items():
+            print(f"ok: {shard}: {len(header)} tensors, {header.file_size:,} bytes, header and data region valid")
+        if info.is_sharded:
+            print(f"ok: index: {len(info)} tensors in {len(info.shards)} shards, consistent with every shard")
+    weight_ok = _weight_checks(args)
+    if problems or not weight_ok:
+        print(f"invalid: {len(problems)} format problem(s)" + ("" if weight_ok else ", weight checks failed"))
+        return 1
+    print("valid")
+    return 0
+
+
+def _weight_checks(args) -> bool:
+    """Run engine.validator.WeightValidator where it exists; True when it passes or is absent."""
+    validator_cls = _optional("engine.validator", "WeightValidator", "validate")
+    if validator_cls is None:
+        print("weight checks: skipped (engine.validator is not available in this build)", file=sys.stderr)
+        return True
+    config = None
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            try:
+                config = json.load(f)
+            except ValueError as exc:
+                raise _UsageError(f"--config {args.config}: not valid JSON ({exc})") from None
+    try:
+        validator = validator_cls(config=config)
+        check = validator.validate
+    except (TypeError, AttributeError) as exc:
+        raise _UsageError(
+            f"engine.validator.WeightValidator does not have the interface this command expects "
+            f"(WeightValidator(config=...).validate(path)): {exc}"
+        ) from None
+    report = check(args.path)
+    print(f"weight checks: {report}")
+    ok = getattr(report, "ok", None)
+    if ok is None:
+        ok = not getattr(report, "problems", None) and not getattr(report, "errors", None)
+    return bool(ok)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split("\n"))
+
+
+# --------------------------------------------------------------------------- stats, quantize
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.6g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _cmd_stats(args) -> int:
+    stats_file = _optional("engine.stats", "stats_file", "stats")
+    if stats_file is None:
+        return _not_available("stats", "engine.stats_file")
+    result = stats_file(args.path, names=args.names) if args.names else stats_file(args.path)
+    if args.json:
+        out = {
+            k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+            for k, v in dict(result).items()
+        } if isinstance(result, Mapping) else result
+        json.dump(out, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+        return 0
+    if isinstance(result, Mapping) and result and all(dataclasses.is_dataclass(v) for v in result.values()):
+        fields = [f.name for f in dataclasses.fields(next(iter(result.values())))]
+        rows = [[name] + [_cell(getattr(s, f)) for f in fields] for name, s in result.items()]
+        for line in _table(rows, ["name", *fields], right=range(1, len(fields) + 1)):
+            print(line)
+    elif isinstance(result, Mapping):
+        for name, value in result.items():
+            print(f"{name}: {value}")
+    else:
+        print(result)
+    return 0
+
+
+def _cmd_quantize(args) -> int:
+    quantize_file = _optional("engine.quantize", "quantize_file", "quantize")
+    if quantize_file is None:
+        return _not_available("quantize", "engine.quantize_file")
+    result = quantize_file(args.src, args.dst)
+    if result is not None:
+        print(result)
+    print(f"wrote {args.dst}")
+    return 0
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("torch", "torch", "engine convert") from None
+    return torch
+
+
+def _load_pickle_checkpoint(path: str, torch) -> Any:
+    """``torch.load`` with ``weights_only=True`` (no code is ever unpickled), mmap if possible."""
+    import pickle
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (RuntimeError, ValueError) as exc:
+            # mmap needs the zip format of torch >= 1.6; older (legacy) files load without it
+            if "mmap" not in str(exc) and "zip" not in str(exc):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SafetensorError(
+            f"refusing to load: the pickle needs more than plain tensors and containers "
+            f"(torch.load(weights_only=True) said: {first})",
+            reason="UnsafePickle",
+            path=path,
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise SafetensorError(
+            f"not a PyTorch checkpoint torch.load can read: {_one_line(exc)[:300]}", reason="InvalidCheckpoint", path=path
+        ) from None
+
+
+def _state_dict(obj: Any, torch, path: str) -> tuple[dict, list[str]]:
+    """The flat ``name -> tensor`` mapping inside what ``torch.load`` returned."""
+    if isinstance(obj, Mapping) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
+        for key in ("state_dict", "model", "module"):
+            inner = obj.get(key)
+            if isinstance(inner, Mapping) and any(isinstance(v, torch.Tensor) for v in inner.values()):
+                print(f"note: converting the tensors under {key!r}", file=sys.stderr)
+                obj = inner
+                break
+    if not isinstance(obj, Mapping):
+        raise SafetensorError(
+            f"expected a state dict (a mapping of names to tensors), got {type(obj).__name__}",
+            reason="InvalidCheckpoint",
+            path=path,
+        )
+    tensors, skipped = {}, []
+    for name, value in obj.items():
+        if isinstance(name, str) and isinstance(value, torch.Tensor):
+            tensors[name] = value
+        else:
+            skipped.append(str(name))
+    if not tensors:
+        raise SafetensorError("the checkpoint holds no tensors", reason="InvalidCheckpoint", path=path)
+    return tensors, skipped
+
+
+def deduplicate(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Make a torch state dict writable as safetensors: no shared bytes, all contiguous.
+
+    Parameters
+    ----------
+    tensors : mapping of str to torch.Tensor
+
+    Returns
+    -------
+    tensors : dict
+        What to write.
+    aliases : dict of str to str
+        Dropped name -> kept name, for names that are the *same view* of the same memory
+        (tied weights); the reference's ``save_model`` records these in the metadata too.
+    copied : list of str
+        Names written from a copy: non-contiguous tensors, and views that overlap another
+        tensor's bytes without being identical to it (a slice of a kept tensor).
+
+    Notes
+    -----
+    The kept name of a group of identical views is the first in sorted order among those
+    covering their whole storage, else the first in sorted order (the reference's rule).
+    Unlike the reference's ``save_model``, partial views are kept (copied), not dropped, so
+    every name of the input is in the output or in ``aliases``.
+    """
+    out: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    copied: list[str] = []
+    groups: dict[tuple, list[str]] = {}
+    for name, t in tensors.items():
+        if t.device.type == "meta" or t.numel() == 0:
+            out[name] = t
+            continue
+        key = (str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        groups.setdefault(key, []).append(name)
+    for names in groups.values():
+        t = tensors[names[0]]
+        storage = t.untyped_storage()
+        complete = [n for n in sorted(names) if t.data_ptr() == storage.data_ptr() and t.nbytes == storage.nbytes()]
+        keep = (complete or sorted(names))[0]
+        for n in names:
+            if n != keep:
+                aliases[n] = keep
+        out[keep] = t
+    # views that overlap a kept tensor without being it: keep the bytes, as a copy
+    spans = []
+    for name, t in out.items():
+        if t.numel() and t.device.type != "meta":
+            start = t.data_ptr()
+            extent = sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True)) + 1
+            spans.append((str(t.device), start, start + extent * t.element_size(), name))
+    spans.sort()
+    end_by_device: dict[str, int] = {}
+    for device, start, end, name in spans:
+        if start < end_by_device.get(device, -1):
+            out[name] = out[name].clone()
+            copied.append(name)
+        else:
+            end_by_device[device] = max(end, end_by_device.get(device, -1))
+    for name, t in out.items():
+        if not t.is_contiguous():
+            out[name] = t.contiguous()
+            if name not in copied:
+                copied.append(name)
+    return {n: out[n] for n in tensors if n in out}, aliases, copied
+
+
+def _cmd_convert(args) -> int:
+    torch = _torch()
+    from . import writer
+    from .dtypes import BY_NAME, from_torch
+
+    obj = _load_pickle_checkpoint(args.src, torch)
+    tensors, skipped = _state_dict(obj, torch, args.src)
+    if skipped:
+        print(f"note: skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:8])}", file=sys.stderr)
+    tensors, aliases, copied = deduplicate(tensors)
+    metadata = {"format": "pt"}
+    for dropped, kept in aliases.items():
+        metadata.setdefault(dropped, kept)
+    entries = []
+    for name, t in tensors.items():
+        code = from_torch(t.dtype)
+        shape = tuple(t.shape)
+        if code == BY_NAME["F4"].code and shape:  # float4_e2m1fn_x2 counts bytes, the format values
+            shape = shape[:-1] + (shape[-1] * 2,)
+        entries.append((name, code, shape))
+    total = sum(t.nbytes for t in tensors.values())
+    with writer.open_writer(args.dst, entries, metadata) as w, _progress(
+        total=total, unit="B", unit_scale=True, desc="convert"
+    ) as bar:
+        for name, t in tensors.items():
+            w.write(name, t)
+            bar.update(t.nbytes)
+    print(f"wrote {args.dst}: {len(tensors)} tensors, {_fmt_bytes(total)}")
+    if aliases:
+        print("shared tensors stored once (dropped -> kept, also in the metadata): "
+              + ", ".join(f"{d} -> {k}" for d, k in aliases.items()))
+    if copied:
+        print(f"copied to contiguous memory: {', '.join(copied)}")
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def _median_time(fn, runs: int, bar) -> float:
+    fn()  # warm-up: page cache, imports, first-touch allocations
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        bar.update(1)
+    return statistics.median(times)
+
+
+def _cmd_bench(args) -> int:
+    from .checkpoint import open_checkpoint, read_checkpoint_info
+
+    info = read_checkpoint_info(args.path)
+    nbytes = info.nbytes
+    if info.index:
+        base = os.path.dirname(info.index)
+    elif os.path.isdir(args.path):
+        base = args.path
+    else:
+        base = os.path.dirname(args.path)
+    files = [os.path.join(base or ".", s) for s in info.shards]
+    framework = args.framework
+    if framework is None:
+        try:
+            import torch  # noqa: F401
+
+            framework = "pt"
+        except ImportError:
+            framework = "np"
+    # (label, kind, load): a ratio compares only loads of one kind, since a lazy mapping
+    # reads nothing up front and owned memory reads every byte
+    cases: list[tuple[str, str, Any]] = []
+
+    def engine_load(backend: str, device: str = "cpu"):
+        def run():
+            with open_checkpoint(args.path, framework=framework, device=device, backend=backend) as c:
+                out = c.get_tensors()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            return out
+
+        return run
+
+    cases.append(("engine mmap", "lazy", engine_load("mmap")))
+    cases.append(("engine pread", "owned", engine_load("pread")))
+    cuda = False
+    if framework == "pt":
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            cases.append(("engine pread -> cuda", "cuda", engine_load("pread", "cuda")))
+    if not args.no_reference:
+        try:
+            ref = importlib.import_module("safetensors.torch" if framework == "pt" else "safetensors.numpy")
+        except ImportError:
+            print("note: the reference safetensors is not installed; no comparison", file=sys.stderr)
+        else:
+
+            def ref_load(device: str = "cpu"):
+                def run():
+                    out = {}
+                    for f in files:
+                        out.update(ref.load_file(f, device=device) if framework == "pt" else ref.load_file(f))
+                    if device != "cpu":
+                        torch.cuda.synchronize()
+                    return out
+
+                return run
+
+            # the reference's torch loader maps the file (lazy); its numpy loader copies (owned)
+            cases.append(("reference safetensors", "lazy" if framework == "pt" else "owned", ref_load()))
+            if cuda:
+                cases.append(("reference safetensors -> cuda", "cuda", ref_load("cuda")))
+    results: dict[str, float | Exception] = {}
+    with _progress(total=len(cases) * args.runs, desc="bench") as bar:
+        for label, _, fn in cases:
+            try:
+                results[label] = _median_time(fn, args.runs, bar)
+            except SafetensorError:
+                raise
+            except Exception as exc:  # e.g. the reference cannot load a dtype: report, go on
+                results[label] = exc
+    reference = {kind: results[label] for label, kind, _ in cases if label.startswith("reference")}
+    print(f"{args.path}: {len(info)} tensors, {_fmt_bytes(nbytes)} in {len(info.shards)} file(s), "
+          f"framework={framework}, median of {args.runs} runs, warm page cache")
+    rows = []
+    for label, kind, _ in cases:
+        t = results[label]
+        what = {"lazy": "lazy (mapped, read on first touch)", "owned": "owned (every byte read)", "cuda": "on the GPU"}[kind]
+        if isinstance(t, Exception):
+            rows.append([label, what, "-", "-", f"failed: {_one_line(t)[:60]}"])
+            continue
+        ref_t = reference.get(kind)
+        ratio = f"{ref_t / t:.2f}x" if isinstance(ref_t, float) and t > 0 else "-"
+        rows.append([label, what, f"{t * 1e3:.2f}", f"{nbytes / t / 1e9:.2f}" if t > 0 else "inf", ratio])
+    for line in _table(rows, ["load", "kind", "median ms", "GB/s", "vs reference (same kind)"], right=(2, 3, 4)):
+        print(line)
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_remote_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP request (URLs only)")
+    p.add_argument("-H", "--header", action="append", metavar="'NAME: VALUE'",
+                   help="extra HTTP request header, e.g. 'Authorization: Bearer hf_...' (repeatable)")
+    p.add_argument("--max-header-size", type=int, default=100_000_000, help="largest header accepted, in bytes")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engine", description="Read, check and write safetensors files.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="engine", description="Read, check, convert and write safetensors checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="write, inspect, load and verify a generated GPT-2-sized checkpoint")
     p.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory, removed after)")
@@ -49,22 +587,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="a tiny model instead of GPT-2 small (for smoke tests)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("inspect", help="table of the tensors of a file")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true", help="print the parsed header as JSON")
+    p = sub.add_parser("inspect", help="table of the tensors of a file, directory, index or URL")
+    p.add_argument("path", help="a .safetensors file, a *.safetensors.index.json, a directory, or a URL")
+    p.add_argument("--json", action="store_true", help="print the parsed header(s) as JSON")
+    _add_remote_options(p)
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("validate", help="check the format of every shard and the index (exit 1 on problems)")
+    p.add_argument("path", help="a .safetensors file, a *.safetensors.index.json, a directory, or a URL")
+    p.add_argument("--config", help="model config.json for the weight checks (engine.validator)")
+    _add_remote_options(p)
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("stats", help="statistics of every tensor (min, max, mean, std, NaN/Inf counts)")
+    p.add_argument("path")
+    p.add_argument("--names", nargs="+", metavar="NAME", help="only these tensors")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_stats)
+
+    p = sub.add_parser("quantize", help="write an int8-quantized copy of a checkpoint")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.set_defaults(func=_cmd_quantize)
+
+    p = sub.add_parser("convert", help="PyTorch .bin/.pt state dict to .safetensors (never unpickles code)")
+    p.add_argument("src", help="a file written by torch.save")
+    p.add_argument("dst", help="the .safetensors file to write")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("bench", help="load throughput of engine backends against the reference safetensors")
+    p.add_argument("path", help="a .safetensors file, an index or a directory")
+    p.add_argument("--runs", type=_positive_int, default=5, help="timed runs per case (median reported)")
+    p.add_argument("--framework", choices=["np", "pt"], help="default: pt when torch is installed")
+    p.add_argument("--no-reference", action="store_true", help="skip the reference safetensors")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 invalid checkpoint, 2 error)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except SafetensorError as err:
-        print(f"engine: error: {err}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as err:
-        print(f"engine: error: {err}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # e.g. `engine inspect x | head`
+    except KeyboardInterrupt:
+        print(f"engine {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `engine inspect x | head`: stop quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
         return 0
+    except (SafetensorError, OSError, _UsageError) as err:
+        print(f"engine {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 2

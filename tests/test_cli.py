@@ -57,3 +57,268 @@ def test_broken_file_is_one_line_and_nonzero_exit(tmp_path):
 def test_missing_file(tmp_path):
     out = run("inspect", str(tmp_path / "nope.safetensors"))
     assert out.returncode == 2 and "Traceback" not in out.stderr and "nope.safetensors" in out.stderr
+
+
+# --------------------------------------------------------------------------- checkpoints, URLs
+
+import os  # noqa: E402
+import shutil  # noqa: E402
+
+from engine.checkpoint import save_sharded  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rangeserver import serve  # noqa: E402
+
+
+def table(stdout: str) -> str:
+    return stdout
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    rng = np.random.default_rng(0)
+    sd = {f"layers.{i}.weight": rng.standard_normal((8, 4 + i)).astype(np.float32) for i in range(6)}
+    sd["embed"] = np.arange(40, dtype=np.int64).reshape(10, 4)
+    (root / "single").mkdir()
+    engine.numpy.save_file(sd, root / "single" / "model.safetensors", metadata={"format": "np"})
+    save_sharded(sd, root / "sharded", max_shard_size=400, metadata={"format": "np"})
+    server = serve(str(root))
+    yield root, server, sd
+    server.stop()
+
+
+def test_inspect_same_table_for_file_directory_and_url(checkpoints):
+    root, server, _ = checkpoints
+    outs = [
+        run("inspect", str(root / "single" / "model.safetensors"), check=True).stdout,
+        run("inspect", str(root / "single"), check=True).stdout,
+        run("inspect", server.url("single/model.safetensors"), "--timeout", "5", check=True).stdout,
+    ]
+    assert outs[0] == outs[1] == outs[2]
+    assert "embed" in outs[0] and "I64" in outs[0] and "[10, 4]" in outs[0] and "0..320" in outs[0]
+
+
+def test_inspect_same_table_for_directory_index_and_url(checkpoints):
+    root, server, sd = checkpoints
+    outs = [
+        run("inspect", str(root / "sharded"), check=True).stdout,
+        run("inspect", str(root / "sharded" / "model.safetensors.index.json"), check=True).stdout,
+        run("inspect", server.url("sharded/model.safetensors.index.json"), "--timeout", "5", check=True).stdout,
+    ]
+    assert outs[0] == outs[1] == outs[2]
+    total = sum(a.size for a in sd.values())
+    assert f"{len(sd)} tensors in " in outs[0] and f"{total:,} parameters" in outs[0]
+    assert "model-00001-of-" in outs[0] and '"total_size"' in outs[0]
+    # the sharded and the single checkpoint list the same tensors, dtypes, shapes, counts
+    single = run("inspect", str(root / "single"), check=True).stdout
+
+    def cells(text):
+        return sorted(tuple(line.split()[:4]) for line in text.splitlines()[1:] if line and "[" in line)
+
+    assert cells(single) == cells(outs[0])
+
+
+def test_inspect_json_sharded(checkpoints):
+    root, server, sd = checkpoints
+    local = json.loads(run("inspect", str(root / "sharded"), "--json", check=True).stdout)
+    remote = json.loads(run("inspect", server.url("sharded/model.safetensors.index.json"), "--json", check=True).stdout)
+    assert local == remote
+    assert set(local["weight_map"]) == set(sd) and local["metadata"]["total_size"] > 0
+
+
+def test_inspect_url_errors_are_one_line(checkpoints):
+    _, server, _ = checkpoints
+    out = run("inspect", server.url("nope.safetensors"), "--timeout", "5")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and "404" in out.stderr and "nope.safetensors" in out.stderr
+
+
+def test_validate_ok_and_problems(checkpoints, tmp_path):
+    root, server, _ = checkpoints
+    out = run("validate", str(root / "sharded"))
+    assert out.returncode == 0, out.stderr
+    assert "valid" in out.stdout.splitlines()[-1] and "ok: index" in out.stdout
+    out = run("validate", server.url("sharded/model.safetensors.index.json"), "--timeout", "5")
+    assert out.returncode == 0, out.stderr
+
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "sharded", broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"]["ghost"] = sorted(set(index["weight_map"].values()))[0]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    shard = broken / sorted(set(index["weight_map"].values()))[-1]
+    shard.write_bytes(shard.read_bytes()[:-4])  # truncated data region
+    out = run("validate", str(broken))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    problems = [line for line in out.stdout.splitlines() if line.startswith("problem:")]
+    assert len(problems) == 2
+    assert any("MetadataIncompleteBuffer" in p for p in problems) and any("ghost" in p for p in problems)
+
+    out = run("validate", str(tmp_path / "missing"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+
+
+def test_validate_weight_checks_skipped_or_run(model):
+    out = run("validate", str(model))
+    assert out.returncode in (0, 1) and "Traceback" not in out.stderr
+    try:
+        import engine.validator  # noqa: F401
+    except ModuleNotFoundError:
+        assert "weight checks: skipped" in out.stderr and out.returncode == 0
+
+
+@pytest.mark.parametrize("command, attr", [("stats", "stats_file"), ("quantize", "quantize_file")])
+def test_stats_and_quantize_wiring(model, tmp_path, command, attr):
+    import importlib
+
+    try:
+        available = hasattr(importlib.import_module(f"engine.{command}"), attr)
+    except ModuleNotFoundError:
+        available = False
+    args = [str(model)] if command == "stats" else [str(model), str(tmp_path / "q.safetensors")]
+    out = run(command, *args)
+    assert "Traceback" not in out.stderr
+    if available:
+        assert out.returncode == 0, out.stderr
+    else:
+        assert out.returncode == 2 and "not available" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_bad_arguments_are_one_line():
+    out = run("inspect")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and "required: path" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["nope"], ["bench", "x", "--runs", "0"], ["inspect", "x", "--timeout", "soon"], []]
+)
+def test_bad_arguments_in_process(capsys, args):
+    from engine.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error" in err
+
+
+def test_bad_header_option(checkpoints):
+    _, server, _ = checkpoints
+    out = run("inspect", server.url("single/model.safetensors"), "--header", "no-colon")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Name: value" in out.stderr
+
+
+def test_bench(checkpoints):
+    root, _, _ = checkpoints
+    out = run("bench", str(root / "sharded"), "--runs", "2", "--framework", "np", check=True)
+    assert "engine mmap" in out.stdout and "engine pread" in out.stdout and "GB/s" in out.stdout
+    assert "reference safetensors" in out.stdout and "1.00x" in out.stdout
+    assert out.stderr == ""  # no progress bar when not on a terminal
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def test_convert_shared_and_non_contiguous(tmp_path):
+    torch = pytest.importorskip("torch")
+    emb = torch.randn(10, 4)
+    fused = torch.randn(12, 4)
+    sd = {
+        "embed.weight": emb,
+        "lm_head.weight": emb,  # tied: the same view of the same memory
+        "fused": fused,
+        "q": fused[:4],  # a slice of another tensor: kept, as a copy
+        "t": torch.randn(4, 6).t(),  # non-contiguous
+        "step": 7,  # not a tensor: skipped
+    }
+    src = tmp_path / "pytorch_model.bin"
+    torch.save(sd, src)
+    dst = tmp_path / "model.safetensors"
+    out = run("convert", str(src), str(dst))
+    assert out.returncode == 0, out.stderr
+    assert "lm_head.weight -> embed.weight" in out.stdout and "skipped 1 non-tensor" in out.stderr
+    from safetensors import safe_open as ref_open
+
+    with ref_open(str(dst), framework="pt") as f:
+        assert sorted(f.keys()) == ["embed.weight", "fused", "q", "t"]
+        assert f.metadata() == {"format": "pt", "lm_head.weight": "embed.weight"}
+        assert torch.equal(f.get_tensor("embed.weight"), emb)
+        assert torch.equal(f.get_tensor("q"), fused[:4])
+        assert torch.equal(f.get_tensor("t"), sd["t"])
+
+
+# torch takes seconds to import: the variations below run main() in this process, which
+# is what the subprocess runs too
+
+
+def in_process(capsys, *args):
+    from engine.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_convert_legacy_format_and_wrapped_state_dict(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    w = torch.arange(6.0).reshape(2, 3)
+    src = tmp_path / "old.pt"
+    torch.save({"state_dict": {"w": w}, "epoch": 3}, src, _use_new_zipfile_serialization=False)
+    code, _, err = in_process(capsys, "convert", str(src), str(tmp_path / "out.safetensors"))
+    assert code == 0, err
+    got = engine.numpy.load_file(tmp_path / "out.safetensors")
+    np.testing.assert_array_equal(got["w"], w.numpy())
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_convert_refuses_code(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "evil.bin"
+    torch.save({"w": torch.zeros(2), "x": Evil()}, src)
+    code, out, err = in_process(capsys, "convert", str(src), str(tmp_path / "out.safetensors"))
+    assert code == 2 and "pwned" not in out
+    assert err.count("\n") == 1 and "refusing" in err
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("content", [b"\x00garbage" * 10, b""])
+def test_convert_not_a_checkpoint(tmp_path, capsys, content):
+    pytest.importorskip("torch")
+    src = tmp_path / "junk.bin"
+    src.write_bytes(content)
+    code, _, err = in_process(capsys, "convert", str(src), str(tmp_path / "out.safetensors"))
+    assert code == 2 and err.count("\n") == 1
+    code, _, err = in_process(capsys, "convert", str(tmp_path / "missing.bin"), str(tmp_path / "out.safetensors"))
+    assert code == 2 and "missing.bin" in err
+
+
+def test_deduplicate_rules():
+    torch = pytest.importorskip("torch")
+    from engine.cli import deduplicate
+
+    base = torch.randn(8, 4)
+    sd = {"b": base, "a": base, "c": base.view(8, 4), "half": base[4:], "t": base.t(), "other": torch.zeros(3)}
+    out, aliases, copied = deduplicate(sd)
+    assert aliases == {"b": "a", "c": "a"}  # identical views: the first name in sorted order kept
+    assert set(out) == {"a", "half", "t", "other"} and list(out) == ["a", "half", "t", "other"]
+    assert sorted(copied) == ["half", "t"]
+    assert out["half"].data_ptr() != base.data_ptr() + 16 * 4 and torch.equal(out["half"], base[4:])
+    assert out["t"].is_contiguous() and torch.equal(out["t"], base.t())
+    assert out["a"] is base
+    # a view that is the only name for its storage, but not all of it, is simply kept
+    out, aliases, copied = deduplicate({"x": torch.randn(10)[2:5]})
+    assert aliases == {} and copied == []
+
+
+def test_console_script_entry_point(model):
+    exe = shutil.which("engine")
+    if exe is None:
+        pytest.skip("the `engine` console script is not installed (pip install -e .)")
+    out = subprocess.run([exe, "inspect", str(model)], capture_output=True, text=True)
+    assert out.returncode == 0 and "a.weight" in out.stdout

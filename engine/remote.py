@@ -1,0 +1,798 @@
+"""Headers and single tensors of remote checkpoints, with ranged reads.
+
+The way huggingface.js reads a checkpoint on the Hub: one ``Range: bytes=0-7`` request for
+the header length (its ``Content-Range: bytes 0-7/TOTAL`` also gives the file size), one
+``Range: bytes=8-(7+N)`` request for the header, never a byte of tensor data.  An index URL
+(``...index.json``) costs one request for the index, then two per shard, shards fetched
+concurrently.  The header bytes go through the same Cython parser and checks as local files
+and come back as the same :class:`~engine.header.Header` objects.
+
+Transports:
+
+``http://``, ``https://``
+    A small direct client on :mod:`urllib` (standard library; environment proxies apply),
+    so the request count is exact: no ``HEAD``, no read-ahead, redirects followed by hand
+    (a bounded number; ``Authorization`` is dropped when a redirect leaves the host), and
+    a deadline on every request.  A server that ignores ``Range`` and answers ``200`` with
+    the whole file is read only as far as needed, then the connection is closed.
+any other fsspec protocol (``s3://``, ``gs://``, ``hf://``, ``memory://``, ``file://`` ...)
+    Through :mod:`fsspec` (the ``remote`` extra), imported on first use: the file size from
+    ``fs.size``, then ``fs.cat_file`` of each range.  Request counts and timeouts are the
+    implementation's (pass ``storage_options``).
+"""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import ipaddress
+import os
+import posixpath
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import __version__
+from ._header import header_length, parse_header
+from .checkpoint import (
+    CheckpointIndexError,
+    CheckpointInfo,
+    MissingShardError,
+    _Failed,
+    _index_problems,
+    _run_all,
+    parse_index,
+    read_checkpoint_info,
+)
+from .errors import HeaderError, MissingDependencyError, ReadError, SafetensorError
+from .header import MAX_HEADER_SIZE, Header
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_MAX_SHARDS",
+    "DEFAULT_MAX_REDIRECTS",
+    "RemoteFileNotFoundError",
+    "read_metadata",
+    "read_header",
+    "get_tensor",
+]
+
+#: Seconds allowed for each request: connecting, every wait for data and the whole body.
+DEFAULT_TIMEOUT = 30.0
+#: Largest number of shards an index may name.
+DEFAULT_MAX_SHARDS = 4096
+#: Redirects followed per request (the Hub answers ``/resolve/`` with one or two).
+DEFAULT_MAX_REDIRECTS = 5
+_MAX_WORKERS = 8
+_CHUNK = 1 << 20
+_REDIRECTS = (301, 302, 303, 307, 308)
+_USER_AGENT = f"safetensors-engine/{__version__}"
+
+
+class RemoteFileNotFoundError(ReadError, FileNotFoundError):
+    """The server answered 404 (or 410), or the fsspec file system has no such file.
+
+    ``.reason`` is ``"NotFound"``; also a ``FileNotFoundError`` (``errno.ENOENT``).
+    """
+
+    def __init__(self, message: str, **kw) -> None:
+        super().__init__(message, reason=kw.pop("reason", "NotFound"), **kw)
+        self.errno = errno.ENOENT
+        self.strerror = os.strerror(errno.ENOENT)
+
+
+def _is_index(url: str) -> bool:
+    return urllib.parse.urlsplit(url).path.endswith(".json")
+
+
+# --------------------------------------------------------------------------- content checks
+
+
+def _sniff(prefix: bytes, content_type: str | None) -> str | None:
+    """Name what a non-safetensors body is, from its first bytes, for a clearer error."""
+    if prefix.startswith(b"version "):
+        return (
+            "a Git LFS pointer file, not the weights (on the Hugging Face Hub use a /resolve/ URL, "
+            "not /raw/ or /blob/)"
+        )
+    head = prefix.lstrip()
+    if (content_type and "html" in content_type.lower()) or head[:1] == b"<":
+        return "an HTML page, not a safetensors file (an error or login page?)"
+    if head[:1] in (b"{", b"["):
+        return "JSON, not a safetensors file"
+    return None
+
+
+def _length(prefix: bytes, total: int, max_header_size: int, url: str, content_type: str | None) -> int:
+    """Header length ``N`` from the first bytes, validated; the error names what the body is."""
+    try:
+        return header_length(prefix, total, max_header_size)
+    except HeaderError as err:
+        what = _sniff(prefix, content_type) if total >= 8 else None
+        if what is not None:
+            raise HeaderError(
+                f"the server sent {what}: {err.message}", reason=err.reason or "HeaderTooLarge", path=url
+            ) from None
+        err.path = url
+        raise
+
+
+def _parse(buf: bytes, total: int, n: int, url: str) -> Header:
+    try:
+        table = parse_header(buf, total - 8 - n)
+    except HeaderError as err:
+        err.path = url
+        raise
+    return Header(table, file_size=total, path=url)
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def _read_error(message: str, url: str, reason: str, **kw) -> ReadError:
+    return ReadError(message, reason=reason, path=url, **kw)
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    # redirects are followed by _Http.open, which counts them and drops credentials
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+def _content_range(value: str | None) -> tuple[int | None, int | None, int | None]:
+    """``(first, last, total)`` from ``bytes a-b/T`` or ``bytes */T``; ``None`` where unknown."""
+    if not value:
+        return None, None, None
+    unit, _, spec = value.strip().partition(" ")
+    if unit.lower() != "bytes":
+        return None, None, None
+    span, _, total_s = spec.strip().partition("/")
+    total = int(total_s) if total_s.strip().isdigit() else None
+    first = last = None
+    if "-" in span:
+        a, _, b = span.partition("-")
+        if a.strip().isdigit() and b.strip().isdigit():
+            first, last = int(a), int(b)
+    return first, last, total
+
+
+class _Response:
+    """One answered GET: status 206 (ranged) or 200 (the whole body from byte 0)."""
+
+    def __init__(self, resp, url: str, deadline: float, timeout: float) -> None:
+        self.resp = resp
+        self.url = url  # as the caller named it, for messages
+        self.deadline = deadline
+        self.timeout = timeout
+        self.status = resp.status
+        self.partial = resp.status == 206
+        self.content_type = resp.headers.get("Content-Type")
+        self.encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
+        length = resp.headers.get("Content-Length")
+        self.length = int(length) if length and length.strip().isdigit() else None
+        if self.partial:
+            self.first, self.last, self.total = _content_range(resp.headers.get("Content-Range"))
+        else:
+            self.first, self.last, self.total = 0, None, self.length
+        self.pos = self.first or 0  # file offset of the next byte of the body
+
+    def __enter__(self) -> _Response:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        # closing mid-body drops the connection: the rest of a 200 body is never read
+        self.resp.close()
+
+    def _arm(self) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._timeout()
+        # the socket of this response: each wait for data ends at the request's deadline
+        sock = getattr(getattr(getattr(self.resp, "fp", None), "raw", None), "_sock", None)
+        if sock is not None:
+            try:
+                sock.settimeout(remaining)
+            except OSError:
+                pass
+
+    def _timeout(self) -> ReadError:
+        return _read_error(
+            f"the server did not send the data within {self.timeout:g} s (timeout)", self.url, "Timeout"
+        )
+
+    def check_identity(self) -> None:
+        """Byte ranges are only meaningful in an uncompressed body."""
+        if self.encoding != "identity":
+            raise _read_error(
+                f"the server compressed the body (Content-Encoding: {self.encoding}) although it was asked "
+                "for identity; byte ranges cannot be read from it",
+                self.url,
+                "HTTPError",
+            )
+
+    def readinto(self, view: memoryview) -> None:
+        """Fill ``view`` with the next bytes of the body; a body that ends early is an error."""
+        self.check_identity()
+        got, want = 0, len(view)
+        while got < want:
+            self._arm()
+            try:
+                n = self.resp.readinto(view[got : min(want, got + _CHUNK)])
+            except http.client.IncompleteRead as exc:
+                n = len(exc.partial) if exc.partial else 0
+                view[got : got + n] = exc.partial or b""
+                got += n
+                n = 0
+            except TimeoutError:
+                raise self._timeout() from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise _read_error(
+                    f"the connection failed after {got} of {want} bytes at offset {self.pos}: {exc}",
+                    self.url,
+                    "ConnectionError",
+                    offset=self.pos,
+                    size=want,
+                ) from None
+            if not n:
+                raise _read_error(
+                    f"the body ended after {got} of {want} bytes at offset {self.pos} (truncated)",
+                    self.url,
+                    "ShortRead",
+                    offset=self.pos,
+                    size=want,
+                )
+            got += n
+        self.pos += want
+
+    def read_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.readinto(memoryview(buf))
+        return bytes(buf)
+
+    def skip(self, n: int) -> None:
+        """Discard ``n`` bytes (a server that ignored Range sends them before the ones wanted)."""
+        scratch = memoryview(bytearray(min(n, _CHUNK) or 1))
+        while n:
+            step = min(n, len(scratch))
+            self.readinto(scratch[:step])
+            n -= step
+
+    def read_all(self, limit: int, what: str) -> bytes:
+        """The whole body, refusing more than ``limit`` bytes."""
+        if self.length is not None and self.length > limit:
+            raise _read_error(f"{what} is {self.length} bytes, more than the limit of {limit}", self.url, "TooLarge")
+        parts, got = [], 0
+        while True:
+            self._arm()
+            try:
+                chunk = self.resp.read1(_CHUNK) if hasattr(self.resp, "read1") else self.resp.read(_CHUNK)
+            except http.client.IncompleteRead as exc:
+                raise _read_error(
+                    f"the body ended after {got + len(exc.partial or b'')} bytes (truncated)", self.url, "ShortRead"
+                ) from None
+            except TimeoutError:
+                raise self._timeout() from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise _read_error(f"the connection failed: {exc}", self.url, "ConnectionError") from None
+            if not chunk:
+                break
+            got += len(chunk)
+            if got > limit:
+                raise _read_error(f"{what} is larger than the limit of {limit} bytes", self.url, "TooLarge")
+            parts.append(chunk)
+        data = b"".join(parts)
+        if self.length is not None and len(data) != self.length:
+            raise _read_error(
+                f"the body ended after {len(data)} of {self.length} bytes (truncated)", self.url, "ShortRead"
+            )
+        if self.encoding in ("gzip", "x-gzip", "deflate"):
+            # a whole small document (the index) may come compressed despite the request
+            try:
+                # bounded: a small compressed body must not inflate past the limit
+                wbits = 15 if self.encoding == "deflate" else 47
+                data = zlib.decompressobj(wbits=wbits).decompress(data, limit + 1)
+            except zlib.error as exc:
+                raise _read_error(f"cannot decompress the {self.encoding} body: {exc}", self.url, "HTTPError") from None
+            if len(data) > limit:
+                raise _read_error(f"{what} is larger than the limit of {limit} bytes", self.url, "TooLarge")
+        elif self.encoding != "identity":
+            self.check_identity()
+        return data
+
+
+class _Http:
+    """A minimal HTTP client: exact request counts, manual redirects, a deadline per request."""
+
+    def __init__(self, headers: Mapping[str, str] | None, timeout: float, max_redirects: int) -> None:
+        self.headers = dict(headers or {})
+        self.timeout = float(timeout)
+        self.max_redirects = max_redirects
+        # where each URL ended up after redirects, so a file's second request goes straight there
+        self.resolved: dict[str, tuple[str, dict[str, str]]] = {}
+        self.lock = threading.Lock()
+
+    def _opener(self, url: str) -> urllib.request.OpenerDirector:
+        host = urllib.parse.urlsplit(url).hostname
+        proxies: dict[str, str] | None = {} if _is_loopback(host) else None  # None: the environment's
+        return urllib.request.build_opener(urllib.request.ProxyHandler(proxies), _NoRedirect)
+
+    def open(self, url: str, first: int | None = None, last: int | None = None, *, not_found=None) -> _Response:
+        """GET ``url`` (bytes ``first..last`` inclusive when given), following redirects."""
+        deadline = time.monotonic() + self.timeout
+        with self.lock:
+            current, headers = self.resolved.get(url, (url, self.headers))
+        for _ in range(self.max_redirects + 1):
+            req_headers = {"User-Agent": _USER_AGENT, "Accept-Encoding": "identity", **headers}
+            if first is not None:
+                req_headers["Range"] = f"bytes={first}-{last}"
+            request = urllib.request.Request(current, headers=req_headers, method="GET")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _read_error(f"no answer within {self.timeout:g} s (timeout)", url, "Timeout")
+            try:
+                resp = self._opener(current).open(request, timeout=remaining)
+            except urllib.error.HTTPError as exc:
+                try:
+                    if exc.code in _REDIRECTS:
+                        current, headers = self._redirect(url, current, headers, exc.headers.get("Location"))
+                        continue
+                    raise self._status_error(url, exc, first, not_found) from None
+                finally:
+                    exc.close()
+            except urllib.error.URLError as exc:
+                raise self._connection_error(url, exc.reason) from None
+            except (TimeoutError, OSError, http.client.HTTPException, ValueError) as exc:
+                raise self._connection_error(url, exc) from None
+            if resp.status not in (200, 206):
+                resp.close()
+                raise _read_error(f"unexpected HTTP status {resp.status} {resp.reason}", url, "HTTPError")
+            with self.lock:
+                self.resolved[url] = (current, headers)
+            return _Response(resp, url, deadline, self.timeout)
+        raise _read_error(
+            f"more than {self.max_redirects} redirects (a redirect loop?); last location {current}",
+            url,
+            "TooManyRedirects",
+        )
+
+    def _redirect(self, url: str, current: str, headers: dict, location: str | None) -> tuple[str, dict]:
+        if not location:
+            raise _read_error("a redirect without a Location header", url, "HTTPError")
+        target = urllib.parse.urljoin(current, location)
+        parts = urllib.parse.urlsplit(target)
+        if parts.scheme not in ("http", "https"):
+            raise _read_error(f"a redirect to {target!r}, which is not http(s)", url, "HTTPError")
+        if parts.netloc != urllib.parse.urlsplit(current).netloc:
+            # credentials are for the host they were given for (as requests does)
+            headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
+        return target, headers
+
+    def _status_error(self, url: str, exc: urllib.error.HTTPError, first, not_found) -> SafetensorError:
+        code, text = exc.code, exc.reason
+        err: Any
+        if code in (404, 410):
+            cls = not_found or RemoteFileNotFoundError
+            err = cls(f"not found (HTTP {code} {text})", path=url)
+        elif code in (401, 403):
+            err = _read_error(
+                f"access denied (HTTP {code} {text}); a private or gated file needs credentials, e.g. "
+                "headers={'Authorization': 'Bearer <token>'}",
+                url,
+                "AccessDenied",
+            )
+        elif code == 416:
+            _, _, total = _content_range(exc.headers.get("Content-Range"))
+            if first == 0 and total is not None and total < 8:
+                err = HeaderError(
+                    f"the file holds {total} bytes, fewer than the 8-byte header length",
+                    reason="HeaderTooSmall",
+                    path=url,
+                )
+            else:
+                size = f" (the file holds {total} bytes)" if total is not None else ""
+                err = _read_error(f"range not satisfiable (HTTP 416){size}", url, "RangeNotSatisfiable")
+        else:
+            err = _read_error(f"HTTP {code} {text}", url, "HTTPError")
+        err.status = code
+        return err
+
+    def _connection_error(self, url: str, reason: object) -> ReadError:
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            return _read_error(f"no answer within {self.timeout:g} s (timeout)", url, "Timeout")
+        return _read_error(f"cannot reach the server: {reason}", url, "ConnectionError")
+
+
+def _http_header(http: _Http, url: str, max_header_size: int, not_found=None) -> Header:
+    """Two ranged GETs (one if the server ignores Range): the length, then the header."""
+    with http.open(url, 0, 7, not_found=not_found) as r:
+        total = r.total
+        if total is None:
+            what = "Content-Range total" if r.partial else "Content-Length"
+            raise _read_error(
+                f"the server did not say how large the file is (no {what}); the size is needed to check "
+                "the header against the data region",
+                url,
+                "UnknownSize",
+            )
+        if r.partial and r.first != 0:
+            raise _read_error(f"asked for bytes 0-7, the server sent bytes {r.first}-{r.last}", url, "BadRange")
+        prefix = r.read_exact(min(8, total))
+        n = _length(prefix, total, max_header_size, url, r.content_type)
+        if not r.partial:
+            # the server ignored Range: keep reading this body for the header, then hang up
+            return _parse(r.read_exact(n), total, n, url)
+    if n == 0:
+        return _parse(b"", total, n, url)
+    with http.open(url, 8, 7 + n) as r:
+        if r.partial:
+            if r.first != 8 or r.last != 7 + n:
+                raise _read_error(f"asked for bytes 8-{7 + n}, the server sent {r.first}-{r.last}", url, "BadRange")
+        else:
+            r.skip(8)
+        if r.total is not None and r.total != total:
+            raise _read_error(
+                f"the file changed between two requests ({total} bytes, then {r.total})", url, "FileChanged"
+            )
+        return _parse(r.read_exact(n), total, n, url)
+
+
+def _http_range_into(http: _Http, url: str, offset: int, view: memoryview, total: int) -> None:
+    with http.open(url, offset, offset + len(view) - 1) as r:
+        if r.partial:
+            if r.first != offset:
+                raise _read_error(
+                    f"asked for bytes from {offset}, the server sent bytes from {r.first}", url, "BadRange"
+                )
+        else:
+            r.skip(offset)
+        if r.total is not None and r.total != total:
+            raise _read_error(
+                f"the file changed since its header was read ({total} bytes, now {r.total})", url, "FileChanged"
+            )
+        r.readinto(view)
+
+
+# --------------------------------------------------------------------------- fsspec
+
+
+def _fsspec():
+    try:
+        import fsspec
+    except ImportError:
+        raise MissingDependencyError("fsspec", "remote", "reading remote checkpoints other than http(s)") from None
+    return fsspec
+
+
+class _Fs:
+    """Ranged reads through an fsspec file system."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        fsspec = _fsspec()
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        except ImportError as exc:
+            scheme = urllib.parse.urlsplit(url).scheme
+            err = MissingDependencyError(str(getattr(exc, "name", None) or scheme), "remote", f"{scheme}://")
+            err.message = f"the {scheme}:// protocol needs an fsspec implementation: {exc}"
+            err.args = (err.message,)
+            raise err from None
+        except ValueError as exc:
+            raise _read_error(f"fsspec cannot open this URL: {exc}", url, "InvalidURL") from None
+
+    def _call(self, url: str, fn: Callable[[], Any], not_found=None):
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise (not_found or RemoteFileNotFoundError)("not found", path=url) from None
+        except (OSError, TimeoutError) as exc:
+            raise _read_error(f"reading failed: {exc}", url, "IoError") from None
+
+    def url(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def header(self, path: str, max_header_size: int, not_found=None) -> Header:
+        url = self.url(path)
+        total = int(self._call(url, lambda: self.fs.size(path), not_found))
+        prefix = self.read(path, 0, min(8, total))
+        n = _length(prefix, total, max_header_size, url, None)
+        return _parse(self.read(path, 8, n), total, n, url)
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        if size == 0:
+            return b""
+        url = self.url(path)
+        data = self._call(url, lambda: self.fs.cat_file(path, start=offset, end=offset + size))
+        if len(data) != size:
+            raise _read_error(
+                f"asked for {size} bytes at offset {offset}, got {len(data)} (truncated?)",
+                url,
+                "ShortRead",
+                offset=offset,
+                size=size,
+            )
+        return data
+
+    def read_all(self, path: str, limit: int, what: str) -> bytes:
+        url = self.url(path)
+        size = int(self._call(url, lambda: self.fs.size(path)))
+        if size > limit:
+            raise _read_error(f"{what} is {size} bytes, more than the limit of {limit}", url, "TooLarge")
+        return self._call(url, lambda: self.fs.cat_file(path))
+
+
+# --------------------------------------------------------------------------- public
+
+
+class _Source:
+    """One remote checkpoint: the transport and how shard names become locations."""
+
+    def __init__(self, url: str, *, headers, timeout, max_redirects, storage_options) -> None:
+        self.url = url
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        if scheme in ("http", "https"):
+            self.http: _Http | None = _Http(headers, timeout, max_redirects)
+            self.fs: _Fs | None = None
+        elif len(scheme) > 1:
+            self.http = None
+            self.fs = _Fs(url, storage_options)
+        else:
+            raise ReadError(f"{url!r} is not a URL (expected http(s):// or an fsspec protocol)", reason="InvalidURL")
+
+    def shard(self, name: str) -> str:
+        """Location of a shard named by the index (the name is already checked as safe)."""
+        if self.http is not None:
+            return urllib.parse.urljoin(self.url, urllib.parse.quote(name, safe="/"))
+        assert self.fs is not None
+        return posixpath.join(posixpath.dirname(self.fs.root), name)
+
+    def header(self, where: str, max_header_size: int, *, shard: bool = False) -> Header:
+        not_found = MissingShardError if shard else None
+        if self.http is not None:
+            return _http_header(self.http, where, max_header_size, not_found)
+        assert self.fs is not None
+        return self.fs.header(where, max_header_size, not_found)
+
+    def index(self, max_size: int) -> tuple[dict[str, Any], dict[str, str]]:
+        if self.http is not None:
+            with self.http.open(self.url) as r:
+                data = r.read_all(max_size, "the index")
+        else:
+            assert self.fs is not None
+            data = self.fs.read_all(self.fs.root, max_size, "the index")
+        return parse_index(data, source=self.url)
+
+    def read_into(self, where: str, offset: int, view: memoryview, total: int) -> None:
+        if not len(view):
+            return
+        if self.http is not None:
+            _http_range_into(self.http, where, offset, view, total)
+        else:
+            assert self.fs is not None
+            view[:] = self.fs.read(where, offset, len(view))
+
+
+def _source(url, headers, timeout, max_redirects, storage_options) -> _Source:
+    return _Source(
+        os.fspath(url), headers=headers, timeout=timeout, max_redirects=max_redirects, storage_options=storage_options
+    )
+
+
+def read_header(
+    url: str,
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
+    timeout: float = DEFAULT_TIMEOUT,
+    headers: Mapping[str, str] | None = None,
+    max_redirects: int = DEFAULT_MAX_REDIRECTS,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Header:
+    """The validated header of one remote safetensors file.
+
+    Parameters
+    ----------
+    url : str
+        ``http(s)://`` or any fsspec URL of a ``.safetensors`` file.
+    max_header_size, timeout, headers, max_redirects, storage_options
+        As for :func:`read_metadata`.
+
+    Returns
+    -------
+    Header
+        ``header.path`` is ``url``; ``file_size`` is the remote file's size.
+
+    Raises
+    ------
+    As :func:`read_metadata`.
+
+    Notes
+    -----
+    Over HTTP exactly two requests (one when the server ignores Range), plus any redirects
+    of the first; copies of tensor bytes: 0.
+    """
+    src = _source(url, headers, timeout, max_redirects, storage_options)
+    return src.header(src.url if src.http is not None else src.fs.root, max_header_size)  # type: ignore[union-attr]
+
+
+def read_metadata(
+    url: str,
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
+    max_shards: int = DEFAULT_MAX_SHARDS,
+    timeout: float = DEFAULT_TIMEOUT,
+    headers: Mapping[str, str] | None = None,
+    max_redirects: int = DEFAULT_MAX_REDIRECTS,
+    max_workers: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Headers of a remote checkpoint, a single file or an index and its shards.
+
+    Parameters
+    ----------
+    url : str
+        ``http(s)://`` or any fsspec URL of a ``.safetensors`` file or of a
+        ``*.safetensors.index.json``; a local path is read with
+        :func:`engine.checkpoint.read_checkpoint_info`.
+    max_header_size : int, optional
+        Largest header accepted per file, and largest index, in bytes.
+    max_shards : int, default 4096
+        Largest number of shards an index may name.
+    timeout : float, default 30
+        Seconds allowed for each HTTP request: connecting, each wait for data, and the whole
+        body (a deadline).  fsspec protocols use their own settings (``storage_options``).
+    headers : mapping of str to str, optional
+        Extra HTTP request headers, e.g. ``{"Authorization": "Bearer hf_..."}`` for a gated
+        repository; dropped on a redirect to another host.
+    max_redirects : int, default 5
+        Redirects followed per request.
+    max_workers : int, optional
+        Shards fetched concurrently (default: up to 8).
+    storage_options : mapping, optional
+        Passed to ``fsspec.core.url_to_fs`` for non-HTTP URLs.
+
+    Returns
+    -------
+    CheckpointInfo
+        ``.headers`` maps shard names to :class:`~engine.header.Header` objects equal to
+        those of local parsing (``path`` is the URL); ``.parameters()`` counts elements per
+        dtype and in total; ``.weight_map`` and ``.index_metadata`` come from the index.
+
+    Raises
+    ------
+    HeaderError
+        A header breaks a rule of the format, or the body is not safetensors at all (a Git
+        LFS pointer, an HTML page, JSON: the message says which).
+    CheckpointIndexError
+        The index is malformed, names an unsafe shard (``..``, absolute, another URL: shards
+        are always fetched next to the index), names more than ``max_shards`` shards, or
+        disagrees with the shards.
+    RemoteFileNotFoundError, MissingShardError
+        HTTP 404/410 for the file or index, or for a shard.  Both are ``FileNotFoundError``.
+    ReadError
+        ``.reason``: ``Timeout``, ``ConnectionError``, ``AccessDenied`` (401/403),
+        ``RangeNotSatisfiable`` (416), ``HTTPError`` (other statuses), ``TooManyRedirects``,
+        ``ShortRead`` (a truncated body), ``UnknownSize`` (no ``Content-Range`` total nor
+        ``Content-Length``), ``FileChanged``, ``TooLarge``.  ``.path`` is the URL; HTTP
+        errors carry ``.status``.
+    MissingDependencyError
+        A non-HTTP URL without fsspec (``pip install safetensors-engine[remote]``) or
+        without the protocol's implementation (``s3fs``, ``gcsfs``, ...).
+
+    Notes
+    -----
+    HTTP requests: exactly 2 for a file, ``1 + 2 * N`` for an index of ``N`` shards, when
+    the server honours ``Range`` and does not redirect; a redirect costs one request more
+    for the first request of a file (the second goes straight to where the first ended).
+    Copies of tensor bytes: 0; not a byte of tensor data is requested.
+    """
+    spath = os.fspath(url)
+    if len(urllib.parse.urlsplit(spath).scheme) <= 1:  # no scheme, or a Windows drive letter
+        return read_checkpoint_info(spath, max_header_size=max_header_size, max_workers=max_workers)
+    src = _source(spath, headers, timeout, max_redirects, storage_options)
+    if not _is_index(spath):
+        root = src.url if src.http is not None else src.fs.root  # type: ignore[union-attr]
+        header = src.header(root, max_header_size)
+        name = posixpath.basename(urllib.parse.urlsplit(spath).path) or spath
+        return CheckpointInfo(spath, {name: header})
+    metadata, weight_map = src.index(max_header_size)
+    shards = sorted(set(weight_map.values()))
+    if len(shards) > max_shards:
+        raise CheckpointIndexError(
+            f"the index names {len(shards)} shards, more than the limit of {max_shards} (raise max_shards)",
+            reason="TooManyShards",
+            path=spath,
+        )
+    results = _run_all(lambda s: src.header(src.shard(s), max_header_size, shard=True), shards, max_workers or _MAX_WORKERS)
+    for r in results:
+        if isinstance(r, _Failed):
+            raise r.exc
+    by_shard = dict(zip(shards, results, strict=True))
+    problems = _index_problems(weight_map, by_shard, spath)
+    if problems:
+        raise problems[0]
+    return CheckpointInfo(spath, by_shard, index=spath, index_metadata=metadata, weight_map=weight_map)
+
+
+def get_tensor(
+    url: str,
+    name: str,
+    framework: str = "np",
+    device: Any = "cpu",
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
+    timeout: float = DEFAULT_TIMEOUT,
+    headers: Mapping[str, str] | None = None,
+    max_redirects: int = DEFAULT_MAX_REDIRECTS,
+    storage_options: Mapping[str, Any] | None = None,
+):
+    """One tensor of a remote checkpoint, through a ranged read of just its bytes.
+
+    Parameters
+    ----------
+    url : str
+        A remote ``.safetensors`` file or ``*.safetensors.index.json`` (see
+        :func:`read_metadata`).
+    name : str
+        The tensor.
+    framework : {"np", "numpy", "pt", "torch"}
+        Kind of tensor returned.
+    device : str, int or torch.device, default "cpu"
+        For torch, where the tensor goes.
+    max_header_size, timeout, headers, max_redirects, storage_options
+        As for :func:`read_metadata`; ``timeout`` bounds each request, also the data one.
+
+    Returns
+    -------
+    numpy.ndarray or torch.Tensor
+        Owned and writable; sub-byte dtypes as packed ``uint8`` as everywhere in the engine.
+
+    Raises
+    ------
+    TensorNotFoundError
+        The checkpoint has no tensor ``name``.
+    Everything :func:`read_metadata` raises.
+
+    Notes
+    -----
+    HTTP requests: 3 for a file (length, header, the tensor's byte range), 4 for an index
+    (index, then the length, header and range of the one shard that holds ``name``); a
+    0-byte tensor needs no data request.  Copies of tensor bytes: 1 (from the socket into
+    the tensor's memory; a CUDA device adds the host-to-device copy).
+    """
+    from .sinks import get_sink
+
+    sink = get_sink(framework, device)
+    spath = os.fspath(url)
+    src = _source(spath, headers, timeout, max_redirects, storage_options)
+    root = src.url if src.http is not None else src.fs.root  # type: ignore[union-attr]
+    where, shard = root, False
+    if _is_index(spath):
+        _, weight_map = src.index(max_header_size)
+        if name not in weight_map:
+            raise CheckpointInfo(spath, {}, index=spath, weight_map=weight_map)._not_found(name)
+        where, shard = src.shard(weight_map[name]), True
+    header = src.header(where, max_header_size, shard=shard)
+    info = header[name]  # TensorNotFoundError names the file
+    begin, end = info.data_offsets
+    arr = sink.empty(info.code, info.shape, end - begin)
+    src.read_into(where, header.data_start + begin, sink.raw(arr), header.file_size)
+    return sink.to_device(arr)

@@ -1,0 +1,182 @@
+"""A real HTTP server with Range support for the remote tests, counting what it is asked.
+
+Serves a directory on 127.0.0.1 (ephemeral port).  ``server.modes`` maps a URL path (or
+``"*"``) to a misbehaviour, so one server covers the well-behaved and the broken cases:
+
+``ignore-range``   answer 200 with the whole file, whatever the Range
+``no-total``       206 with ``Content-Range: bytes a-b/*`` (size unknown)
+``no-length``      200 without Content-Length (HTTP/1.0, body until close)
+``truncate``       declare the full length, send half, hang up
+``416``            always 416 Range Not Satisfiable
+``404``            always 404
+``slow``           wait (until the test ends) before answering
+``redirect:/p``    302 to ``/p`` (``redirect:http://host:port/p`` for another host)
+``html``           200 with an HTML error page
+``gzip``           200 with the whole file gzip-compressed (Content-Encoding: gzip)
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shutil
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class RangeServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, root: str) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.root = root
+        self.modes: dict[str, str] = {}
+        self.requests: list[dict] = []
+        self.aborted = 0  # bodies the client hung up on
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def base(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def url(self, path: str) -> str:
+        return f"{self.base}/{path.lstrip('/')}"
+
+    def start(self) -> RangeServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.release.set()
+        self.shutdown()
+        self.server_close()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.aborted = 0
+
+    def paths(self) -> list[str]:
+        return [r["path"] for r in self.requests]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: RangeServer
+    protocol_version = "HTTP/1.0"  # one request per connection, body ends at close
+
+    def log_message(self, *args) -> None:  # keep test output clean
+        pass
+
+    def do_HEAD(self) -> None:
+        self._record("HEAD")
+        self.send_response(405)
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        path = urllib.parse.urlsplit(self.path).path
+        self._record("GET")
+        mode = self.server.modes.get(path, self.server.modes.get("*", ""))
+        if mode == "slow":
+            self.server.release.wait(10)
+            return
+        if mode == "404":
+            return self._status(404)
+        if mode.startswith("redirect:"):
+            self.send_response(302)
+            self.send_header("Location", mode.partition(":")[2])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if mode == "html":
+            body = b"<!DOCTYPE html><html><body>Sign in to continue</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        file = os.path.join(self.server.root, urllib.parse.unquote(path).lstrip("/"))
+        if not os.path.isfile(file):
+            return self._status(404)
+        size = os.path.getsize(file)
+        if mode == "gzip":
+            with open(file, "rb") as f:
+                body = gzip.compress(f.read())
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if mode == "416":
+            return self._status(416, {"Content-Range": f"bytes */{size}"})
+        first, last = 0, size - 1
+        rng = self.headers.get("Range")
+        ranged = rng is not None and mode not in ("ignore-range", "no-length")
+        if ranged:
+            m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip())
+            if not m or (not m.group(1) and not m.group(2)):
+                return self._status(416, {"Content-Range": f"bytes */{size}"})
+            if m.group(1):
+                first = int(m.group(1))
+                last = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+            else:
+                first = max(0, size - int(m.group(2)))
+            if first >= size or first > last:
+                return self._status(416, {"Content-Range": f"bytes */{size}"})
+        length = last - first + 1
+        self.send_response(206 if ranged else 200)
+        self.send_header("Content-Type", "application/octet-stream")
+        if mode != "no-length":
+            self.send_header("Content-Length", str(length))
+        if ranged:
+            total = "*" if mode == "no-total" else str(size)
+            self.send_header("Content-Range", f"bytes {first}-{last}/{total}")
+        self.end_headers()
+        send = length // 2 if mode == "truncate" else length
+        try:
+            with open(file, "rb") as f:
+                f.seek(first)
+                left = send
+                while left:
+                    chunk = f.read(min(left, 1 << 16))
+                    if not chunk:
+                        break
+                    self.wfile.write(chunk)
+                    left -= len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            with self.server.lock:
+                self.server.aborted += 1
+
+    def _status(self, code: int, headers: dict | None = None) -> None:
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _record(self, method: str) -> None:
+        with self.server.lock:
+            self.server.requests.append(
+                {
+                    "method": method,
+                    "path": urllib.parse.urlsplit(self.path).path,
+                    "range": self.headers.get("Range"),
+                    "authorization": self.headers.get("Authorization"),
+                }
+            )
+
+
+def serve(root: str) -> RangeServer:
+    """Start a server on ``root``; call ``.stop()`` when done."""
+    return RangeServer(root).start()
+
+
+def copy_tree(src: str, dst: str) -> None:
+    shutil.copytree(src, dst, dirs_exist_ok=True)
