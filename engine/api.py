@@ -41,7 +41,8 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     Parameters
     ----------
     filename : str or os.PathLike
-        The file.
+        The file; or a ``model.safetensors.index.json``, or a directory holding a checkpoint,
+        which opens as an :class:`engine.checkpoint.Checkpoint` with the same methods.
     framework : {"np", "numpy", "pt", "torch"}
         Kind of tensors handed out.
     device : str, int or torch.device, default "cpu"
@@ -71,6 +72,16 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     >>> with engine.safe_open("model.safetensors", framework="pt") as f:  # doctest: +SKIP
     ...     w = f.get_slice("lm_head.weight")[:, :1024]
     """
+
+    def __new__(cls, filename, *args, **kwargs):
+        # an index or a directory is one logical checkpoint over several files
+        if cls is safe_open:
+            path = os.fspath(filename)
+            if path.endswith(".json") or os.path.isdir(path):
+                from .checkpoint import Checkpoint
+
+                return Checkpoint(path, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -420,3 +420,15 @@ def test_import_engine_stays_light():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_safe_open_takes_an_index_or_a_directory(tmp_path):
+    tensors = {f"layer{i}.w": _np_sample(np.float32, (64, 64), i) for i in range(4)}
+    engine.save_sharded(tensors, tmp_path / "ck", max_shard_size=40_000)
+    assert (tmp_path / "ck" / "model.safetensors.index.json").exists()
+    for target in (tmp_path / "ck", tmp_path / "ck" / "model.safetensors.index.json"):
+        with engine.safe_open(target, framework="np") as f:
+            assert f.keys() == sorted(tensors)
+            for k, v in tensors.items():
+                assert _bits_equal(f.get_tensor(k), v)
+                np.testing.assert_array_equal(f.get_slice(k)[3:5, ::7], v[3:5, ::7])
