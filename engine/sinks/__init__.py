@@ -53,9 +53,9 @@ def host_block(nbytes: int) -> mmap.mmap:
     """Private anonymous memory for an owned load, backed by transparent huge pages.
 
     One block per load instead of one allocation per tensor: the kernel then faults in 2 MiB
-    pages instead of 4 KiB ones, which measured ~9x cheaper for first-touch of fresh memory
-    on this project's CI machine (scripts/bench_reader.py).  This is not a mapping of the
-    file: reads fill it with ``preadv``.
+    pages instead of 4 KiB ones, and first touch of fresh memory is most of the cost of an
+    owned load (``scripts/bench_reader.py`` measures both: "first touch" row).  This is not a
+    mapping of the file: reads fill it with ``preadv``.
     """
     block = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
