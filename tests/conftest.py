@@ -1,0 +1,137 @@
+"""Shared fixtures and helpers: write valid and deliberately corrupt safetensors files.
+
+The helpers are plain functions so that any test module can import them
+(``from conftest import write_raw, layout``); the fixtures wrap them around ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import pytest
+
+HeaderLike = Union[Mapping[str, Any], str, bytes]  # noqa: UP007 - a runtime alias
+
+#: Bits per element of each format dtype (kept here so helpers do not depend on the engine).
+DTYPE_BITS = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
+    "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
+    "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
+    "U64": 64,
+}  # fmt: skip
+
+
+def encode_header(header: HeaderLike) -> bytes:
+    """Header bytes: a mapping is dumped as compact JSON (key order kept); str is UTF-8
+    encoded; bytes are taken as they are (for deliberately broken headers)."""
+    if isinstance(header, bytes):
+        return header
+    if isinstance(header, str):
+        return header.encode("utf-8")
+    return json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def build_file(
+    header: HeaderLike,
+    data: bytes | int = b"",
+    *,
+    pad: bool = True,
+    length: int | None = None,
+) -> bytes:
+    """The bytes of a safetensors file.
+
+    Parameters
+    ----------
+    header : mapping, str or bytes
+        See :func:`encode_header`.
+    data : bytes or int
+        The data region, or its size (filled with a byte pattern).
+    pad : bool
+        Pad the header with spaces to a multiple of 8, like the reference writer.
+    length : int, optional
+        The 8-byte length to write instead of the true one (for corrupt files).
+    """
+    head = encode_header(header)
+    if pad:
+        head += b" " * (-len(head) % 8)
+    if isinstance(data, int):
+        data = bytes(i % 251 for i in range(data))
+    n = len(head) if length is None else length
+    return struct.pack("<Q", n) + head + data
+
+
+def write_raw(
+    path: str | os.PathLike,
+    header: HeaderLike,
+    data: bytes | int = b"",
+    **kw: Any,
+) -> Path:
+    """Write :func:`build_file` ``(header, data, **kw)`` to ``path``; returns the path."""
+    path = Path(path)
+    path.write_bytes(build_file(header, data, **kw))
+    return path
+
+
+def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
+    return math.prod(shape) * DTYPE_BITS[dtype] // 8
+
+
+def layout(
+    tensors: Mapping[str, tuple[str, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[dict[str, Any], int]:
+    """A valid header for ``{name: (dtype, shape)}``, laid out contiguously in the given
+    order, and the size of its data region."""
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = nbytes_of(dtype, shape)
+        header[name] = entry(dtype, shape, offset, offset + size)
+        offset += size
+    return header, offset
+
+
+def entry(dtype: str, shape: Sequence[int], begin: int, end: int) -> dict[str, Any]:
+    """One tensor entry of a header."""
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def st_file(tmp_path):
+    """Factory: ``st_file(header, data=b"", **kw) -> Path`` writes a (possibly corrupt)
+    file with :func:`write_raw` under a fresh name in ``tmp_path``."""
+
+    def make(header: HeaderLike, data: bytes | int = b"", *, name: str | None = None, **kw: Any):
+        return write_raw(tmp_path / (name or f"f{next(_counter)}.safetensors"), header, data, **kw)
+
+    return make
+
+
+@pytest.fixture
+def valid_file(st_file):
+    """A small valid file with metadata, mixed dtypes, a scalar and a zero-size tensor."""
+    header, size = layout(
+        {
+            "embed.weight": ("BF16", (4, 3)),
+            "layer.0.bias": ("F32", (3,)),
+            "layer.0.weight": ("F32", (3, 3)),
+            "scale": ("F64", ()),
+            "empty": ("I8", (0, 5)),
+            "mask": ("BOOL", (5,)),
+            "packed": ("F4", (2, 4)),
+        },
+        metadata={"format": "pt", "note": "ünïcode ✓"},
+    )
+    return st_file(header, size)
