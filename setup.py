@@ -45,7 +45,8 @@ setup(
     ext_modules=cythonize(
         extensions,
         compiler_directives=directives,
-        # a checked build must not reuse C files generated without checks
-        force=CHECKS,
+        # checked and optimised builds generate their C in separate folders, so switching
+        # between them never compiles a stale C file of the other kind
+        build_dir=os.path.join("build", "cython-checks" if CHECKS else "cython"),
     ),
 )

@@ -44,8 +44,6 @@ HEADER_REASONS = frozenset(
         # stricter than the reference
         "DuplicateKey",
         "InvalidDtype",
-        "InvalidMetadata",
-        "NestingTooDeep",
     }
 )
 
