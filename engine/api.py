@@ -107,6 +107,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         except BaseException:
             self.close()
             raise
+        # per-name lookups are the hot path of callers that walk every key
+        self._index = self.header.table.index
+        self._shapes = self.header.table.shapes
 
     # -- context manager -------------------------------------------------------------
     def __enter__(self) -> "safe_open":
@@ -151,7 +154,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         return dict(md) if md is not None else None
 
     def _row(self, name: str) -> int:
-        row = self.header.table.index.get(name)
+        row = self._index.get(name)
         if row is None:
             self.header[name]  # raises TensorNotFoundError with the file and a suggestion
             raise TensorNotFoundError(f"no tensor {name!r}", path=self._path, tensors=(name,))  # pragma: no cover
@@ -251,14 +254,14 @@ class TensorSlice:
         self._row = row
 
     def get_shape(self) -> list[int]:
-        return list(self._handle.header.table.shapes[self._row])
+        return list(self._handle._shapes[self._row])
 
     def get_dtype(self) -> str:
-        return dtypes.NAMES[self._handle.header.table.codes[self._row]]
+        return self._handle.header.dtypes[self._row]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._handle.header.table.shapes[self._row]
+        return self._handle._shapes[self._row]
 
     @property
     def dtype(self) -> str:

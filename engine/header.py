@@ -86,13 +86,14 @@ class Header:
         The compact table: names, dtype codes, shapes, offsets, file order.
     """
 
-    __slots__ = ("path", "file_size", "table", "_sorted", "_infos")
+    __slots__ = ("path", "file_size", "table", "_sorted", "_infos", "_dtype_names")
 
     def __init__(self, table: HeaderTable, *, file_size: int, path: str | None = None) -> None:
         self.table = table
         self.file_size = file_size
         self.path = path
         self._sorted: list[str] | None = None
+        self._dtype_names: list[str] | None = None
         self._infos: list[TensorInfo] | None = None
 
     # -- sizes ---------------------------------------------------------------------------
@@ -128,6 +129,18 @@ class Header:
         if self._sorted is None:
             self._sorted = sorted(self.table.names)
         return list(self._sorted)
+
+    @property
+    def dtypes(self) -> list[str]:
+        """Dtype names (``"BF16"``, ...) in header order, parallel to ``table.shapes``.
+
+        With ``table.names`` and ``table.shapes`` this reads every tensor's dtype and shape
+        without one Python object per tensor beyond those lists.
+        """
+        if self._dtype_names is None:
+            names = NAMES
+            self._dtype_names = [names[c] for c in self.table.codes.tolist()]
+        return self._dtype_names
 
     def offset_keys(self) -> list[str]:
         """Tensor names in file order (by data offset)."""
