@@ -50,20 +50,14 @@ def get_sink(framework: str, device="cpu"):
 
 
 def host_block(nbytes: int) -> mmap.mmap:
-    """Private anonymous memory for an owned load, backed by transparent huge pages.
+    """Private anonymous memory for an owned load: one block per load, tensors are views.
 
-    One block per load instead of one allocation per tensor: the kernel then faults in 2 MiB
-    pages instead of 4 KiB ones, and first touch of fresh memory is most of the cost of an
-    owned load (``scripts/bench_reader.py`` measures both: "first touch" row).  This is not a
-    mapping of the file: reads fill it with ``preadv``.
+    Not a mapping of the file: reads fill it with ``preadv``.  First touch of this fresh
+    memory (page faults) is most of the cost of an owned load from a warm page cache;
+    transparent huge pages (``MADV_HUGEPAGE``) were tried and measured several times slower
+    in a fresh process here, because the kernel compacts memory to find them.
     """
-    block = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            block.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # kernels without transparent huge pages: ordinary pages
-            pass
-    return block
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def pack_offsets(specs, file_begins) -> tuple[list[int], int]:
