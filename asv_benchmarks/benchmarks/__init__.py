@@ -1,0 +1,1 @@
+"""asv benchmark suites of safetensors-engine; data generators live in ``common``."""
