@@ -13,6 +13,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import warnings
 
 import ml_dtypes
@@ -731,3 +732,38 @@ def test_dropped_writer_removes_its_temporary_file(tmp_path):
     assert only_entry(tmp_path)[0].startswith(".m.") and only_entry(tmp_path)[0].endswith(".tmp")
     del w
     assert only_entry(tmp_path) == []
+
+
+def test_background_flush_overlaps_writing(tmp_path, monkeypatch):
+    from engine import writer as w
+
+    monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
+    monkeypatch.setattr(w, "_CHUNK", 1 << 15)
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    tensors = {f"t{i}": np.full(1 << 16, i, np.float32) for i in range(6)}
+    path = tmp_path / "big.safetensors"
+    w.save_file(tensors, path)
+    assert synced, "no background flush ran"
+    assert all(t.name != "engine-fsync" for t in threading.enumerate())  # joined at commit
+    loaded = ref_np.load_file(str(path))
+    assert all(np.array_equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_background_flush_error_fails_the_save_atomically(tmp_path, monkeypatch):
+    from engine import writer as w
+
+    monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
+    monkeypatch.setattr(w, "_CHUNK", 1 << 15)
+
+    def failing(fd):
+        raise OSError(errno.EIO, "writeback failed")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(b"previous")
+    with pytest.raises(WriteError, match="writeback failed"):
+        w.save_file({f"t{i}": np.zeros(1 << 16, np.float32) for i in range(4)}, path)
+    assert path.read_bytes() == b"previous"
+    assert os.listdir(tmp_path) == ["m.safetensors"]
