@@ -1,0 +1,752 @@
+"""Numba kernels: fused statistics and symmetric int8 quantization.
+
+Every kernel lives in this one module because Numba's on-disk cache (``cache=True``) is keyed
+on the file that defines a function and does not notice edits to helpers in other files.
+
+Conventions shared by all kernels
+---------------------------------
+* Inputs are flat, C-contiguous 1-D arrays (a whole tensor or one chunk of it while a file
+  streams in); the callers in :mod:`engine.stats` and :mod:`engine.quantize` pass read-only
+  views, so a kernel that wrote to its input would fail to compile, and each dtype compiles
+  once instead of once per writeability.
+* F16 and BF16 arrive as ``uint16`` views.  Anything that only needs ordering (min, max,
+  absmax, zero and NaN/Inf tests) runs on the integer bit patterns, which also vectorizes
+  without any fast-math flag (LLVM will not vectorize a float min/max reduction unless it
+  may assume no NaN).  Values needed as floats are widened a *tile* (a few thousand
+  elements, L1-resident) at a time into a per-task float32 scratch buffer: never a copy of
+  the tensor.
+* Work is split into blocks of ``block`` elements; each block writes its own partial
+  result row and the rows are merged serially at the end (Chan et al.'s pairwise update
+  for mean and M2), so ``prange`` needs no atomics and a caller can merge results of
+  chunks the same way.  ``block`` and ``tile`` are arguments, not module globals.
+* ``parallel=False`` runs the same code on the calling thread only.  Callers that already
+  run one kernel per worker thread want that: the kernels are ``nogil``.
+* The only fast-math flags are ``reassoc`` and ``contract`` on the moment sums, which run on
+  finite values only; they let LLVM vectorize the float64 accumulation and never change how
+  NaN or Inf are handled.  Quantization uses no fast-math flag at all: ``x / scale`` stays a
+  true IEEE division (``arcp`` would turn it into a multiplication by the reciprocal and
+  break bit-identity with NumPy).
+* Loops index slices from 0 (``t = x[lo:hi]; t[i]``): with ``x[lo + i]`` Numba cannot prove
+  the index non-negative and emits wraparound code that stops vectorization.
+* Integer arithmetic on bit patterns is written for ``int64`` so that Numba and plain Python
+  (``NUMBA_DISABLE_JIT=1``, which the test suite also runs under) compute the same values;
+  every constant compared with a ``uint64`` is passed in with that type, because Numba
+  compares ``uint64`` with ``int64`` in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = [
+    "F16",
+    "BF16",
+    "widen_half",
+    "stats_float",
+    "stats_half",
+    "stats_int",
+    "absmax_grid",
+    "quantize_grid",
+    "quantize_grid_half",
+    "quantize_rows_fused",
+    "quantize_rows_fused_half",
+]
+
+#: ``fmt`` codes of the two 16-bit float formats read as ``uint16``.
+F16 = 0
+BF16 = 1
+
+# error_model="numpy": a float division is a plain IEEE division.  Numba's default
+# ("python") tests every divisor for zero to raise ZeroDivisionError, and that branch keeps
+# LLVM from vectorizing ``f[j] / scale[j]``.  No kernel divides by zero (scales are >= the
+# smallest subnormal, counts are >= 1).
+_OPTS = dict(cache=True, nogil=True, error_model="numpy")
+_MOMENT_MATH = {"reassoc", "contract"}  # never nnan/ninf: see module docstring
+
+# Layout of the small typed constant arrays handed to the float statistics kernels
+# (built by engine.stats._float_consts; typed like the integer views of the input):
+#   sc (signed view's dtype):   [LIM, SMIN, SMAX]
+#   uc (unsigned view's dtype): [ABSMASK, LIM, NEGLIM, 0]
+# LIM is the bit pattern of +Inf (every larger magnitude is a NaN), NEGLIM that of -Inf,
+# ABSMASK clears the sign bit, SMIN/SMAX are the signed type's limits (identities of the
+# max/min reductions; SMIN is also the pattern of -0.0).
+
+
+# --------------------------------------------------------------------------- widening
+
+
+@njit(**_OPTS)
+def widen_half(fmt, src, out, bits):
+    """Widen ``uint16`` F16/BF16 bit patterns in ``src`` to float32 in ``out[:src.size]``.
+
+    ``bits`` is the ``uint32`` view of ``out``: the conversion is done on bit patterns,
+    which is exact for every input including subnormals, infinities and NaN payloads.
+    """
+    n = src.size
+    if fmt == BF16:
+        # bfloat16 is the top half of a float32
+        for j in range(n):
+            bits[j] = np.uint32(src[j]) << 16
+        return
+    nsub = 0
+    for j in range(n):
+        h = np.int64(src[j])
+        em = h & 0x7FFF
+        # Rebias the exponent from 15 to 127 (+112 << 23); Inf/NaN (exponent 31) go to 255
+        # with the payload kept; subnormals are given exponent 1 here and fixed below.
+        if em >= 0x7C00:
+            adj = 0x70000000
+        elif em >= 0x0400:
+            adj = 0x38000000
+        else:
+            adj = 0x38800000
+        b = (em << 13) + adj if em != 0 else 0
+        nsub += (em != 0) & (em < 0x0400)
+        bits[j] = ((h & 0x8000) << 16) | b
+    if nsub:
+        # A subnormal half m * 2**-24 was written as +-(2**-14 + m * 2**-24); subtracting
+        # 2**-14 is exact (Sterbenz) and leaves the right value.  Rare, so a second loop.
+        two_m14 = np.float32(2.0**-14)
+        for j in range(n):
+            em = np.int64(src[j]) & 0x7FFF
+            if em != 0 and em < 0x0400:
+                f = out[j]
+                out[j] = f - two_m14 if f > 0 else f + two_m14
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@njit(**_OPTS)
+def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Merge (count, mean, M2) of two disjoint sets (Chan, Golub & LeVeque)."""
+    if n_b == 0:
+        return n_a, mean_a, m2_a
+    if n_a == 0:
+        return n_b, mean_b, m2_b
+    n = n_a + n_b
+    d = mean_b - mean_a
+    frac = n_b / n
+    if np.isfinite(d):
+        mean = mean_a + d * frac
+    else:  # float64 data near the overflow threshold: the weighted form cannot overflow
+        mean = mean_a * (n_a / n) + mean_b * frac
+    return n, mean, m2_a + m2_b + d * d * (n_a * frac)
+
+
+@njit(**_OPTS)
+def _keys(ki, ku):
+    """Ordering keys of a float tile: max and min of the signed view of its bit patterns,
+    max and min of the unsigned view.
+
+    Integer min/max reductions vectorize without fast-math (a float min/max does not:
+    LLVM would need to assume no NaN); engine.stats decodes the float min and max from the
+    keys.  They also tell, exactly and for free, whether the tile holds a NaN or an Inf
+    (patterns at or above +-Inf's) and whether it holds a zero: +0.0 is the smallest
+    unsigned pattern, -0.0 the smallest signed one.  Pure comparisons on purpose: Numba
+    widens ``uint32 & uint32`` to uint64, which would halve the vector width.
+    """
+    max_i = ki[0]
+    min_i = ki[0]
+    max_u = ku[0]
+    min_u = ku[0]
+    for i in range(ki.size):
+        k = ki[i]
+        u = ku[i]
+        max_i = k if k > max_i else max_i
+        min_i = k if k < min_i else min_i
+        max_u = u if u > max_u else max_u
+        min_u = u if u < min_u else min_u
+    return max_i, min_i, max_u, min_u
+
+
+@njit(**_OPTS, fastmath=_MOMENT_MATH)
+def _sums(f):
+    """Sums of d = x - x[0] and d**2 in float64 over a tile of finite values (or integers).
+
+    mean = x[0] + sum(d) / n and M2 = sum(d**2) - sum(d)**2 / n.  Any shift inside
+    [min, max] keeps that subtraction sound: n * (mean - shift)**2 <= n * range**2 <=
+    2 * n * M2, so it loses at most log2(2 n) bits -- 13 of float64's 53 for a
+    4096-element tile.  A separate sweep from :func:`_keys` (the tile is in L1 by then):
+    LLVM vectorizes the two loops apart much better than one loop mixing both.
+    """
+    shift = np.float64(f[0])
+    sd = 0.0
+    sd2 = 0.0
+    for i in range(f.size):
+        d = np.float64(f[i]) - shift
+        sd += d
+        sd2 += d * d
+    n = f.size
+    m2 = sd2 - sd * (sd / n)
+    return shift + sd / n, m2 if m2 > 0.0 else 0.0
+
+
+@njit(**_OPTS)
+def _zeros(f):
+    """Number of elements equal to zero (-0.0 == 0.0); only run on tiles that have one."""
+    nz = 0
+    for i in range(f.size):
+        nz += f[i] == 0
+    return nz
+
+
+@njit(**_OPTS)
+def _classify(f, ki, ku, sc, uc):
+    """Slow path for a tile holding NaN or Inf: count them and reduce the finite values.
+
+    Returns (max_i, min_i, max_u, n_finite, n_nan, n_posinf, n_neginf, n_zero, mean, m2).
+    """
+    absmask = uc[0]
+    lim_u = uc[1]
+    max_i = sc[1]
+    min_i = sc[2]
+    max_u = uc[3]
+    nfin = 0
+    nnan = 0
+    npos = 0
+    nneg = 0
+    nz = 0
+    shift = 0.0
+    sd = 0.0
+    sd2 = 0.0
+    for i in range(ki.size):
+        u = ku[i]
+        a = u & absmask
+        if a > lim_u:
+            nnan += 1
+        elif a == lim_u:
+            if u == a:
+                npos += 1
+            else:
+                nneg += 1
+        else:
+            k = ki[i]
+            max_i = k if k > max_i else max_i
+            min_i = k if k < min_i else min_i
+            max_u = u if u > max_u else max_u
+            v = np.float64(f[i])
+            if nfin == 0:
+                shift = v
+            nfin += 1
+            nz += v == 0
+            d = v - shift
+            sd += d
+            sd2 += d * d
+    mean = np.nan
+    m2 = 0.0
+    if nfin > 0:
+        mean = shift + sd / nfin
+        m2 = sd2 - sd * (sd / nfin)
+        if m2 < 0.0:
+            m2 = 0.0
+    return max_i, min_i, max_u, nfin, nnan, npos, nneg, nz, mean, m2
+
+
+@njit(**_OPTS)
+def _float_tile(f, ki, ku, sc, uc, cnt, mom, skey, ukey):
+    """Fold one tile (``f`` floats, ``ki``/``ku`` the same elements' bit patterns) into the
+    block accumulators ``cnt`` [finite, nan, +inf, -inf, zero], ``mom`` [mean, M2],
+    ``skey`` [max_i, min_i] and ``ukey`` [max_u]."""
+    max_i, min_i, max_u, min_u = _keys(ki, ku)
+    if max_i < sc[0] and max_u < uc[2]:  # below +Inf and below -Inf: all finite
+        nfin = f.size
+        mean, m2 = _sums(f)
+        if min_u == uc[3] or min_i == sc[1]:  # +0.0 or -0.0 present
+            cnt[4] += _zeros(f)
+    else:
+        max_i, min_i, max_u, nfin, nnan, npos, nneg, nz, mean, m2 = _classify(f, ki, ku, sc, uc)
+        cnt[1] += nnan
+        cnt[2] += npos
+        cnt[3] += nneg
+        cnt[4] += nz
+        if nfin == 0:
+            return
+    n, mean, m2 = _chan(np.float64(cnt[0]), mom[0], mom[1], np.float64(nfin), mean, m2)
+    cnt[0] += nfin
+    mom[0] = mean
+    mom[1] = m2
+    skey[0] = max_i if max_i > skey[0] else skey[0]
+    skey[1] = min_i if min_i < skey[1] else skey[1]
+    ukey[0] = max_u if max_u > ukey[0] else ukey[0]
+
+
+@njit(**_OPTS)
+def _merge_float_blocks(cnt, mom, skey, ukey):
+    n = 0.0
+    mean = np.nan
+    m2 = 0.0
+    tot = np.zeros(5, np.int64)
+    max_i = skey[0, 0]
+    min_i = skey[0, 1]
+    max_u = ukey[0]
+    for b in range(cnt.shape[0]):
+        for j in range(5):
+            tot[j] += cnt[b, j]
+        if cnt[b, 0] > 0:
+            n, mean, m2 = _chan(n, mean, m2, np.float64(cnt[b, 0]), mom[b, 0], mom[b, 1])
+            max_i = skey[b, 0] if skey[b, 0] > max_i else max_i
+            min_i = skey[b, 1] if skey[b, 1] < min_i else min_i
+            max_u = ukey[b] if ukey[b] > max_u else max_u
+    return tot[0], tot[1], tot[2], tot[3], tot[4], mean, m2, max_i, min_i, max_u
+
+
+@njit(**_OPTS)
+def _float_block(f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+    skey[0] = sc[1]
+    skey[1] = sc[2]
+    ukey[0] = uc[3]
+    for t0 in range(lo, hi, tile):
+        t1 = min(t0 + tile, hi)
+        _float_tile(f[t0:t1], ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+
+
+@njit(**_OPTS, parallel=True)
+def stats_float(f, ki, ku, sc, uc, block, tile, parallel):
+    """Fused statistics of a float32 or float64 array.
+
+    Parameters
+    ----------
+    f : float32[::1] or float64[::1]
+    ki, ku : the same memory viewed as the signed and unsigned integer of its width
+    sc, uc : typed constants, see the layout note at the top of this module
+    block, tile : elements per parallel task and per cache-resident tile
+    parallel : use Numba's thread pool (``prange``) or only the calling thread
+
+    Returns
+    -------
+    (n_finite, n_nan, n_posinf, n_neginf, n_zero, mean, m2, max_i, min_i, max_u)
+        Over the finite values; the keys are decoded to min/max by engine.stats.
+    """
+    n = f.size
+    nb = (n + block - 1) // block
+    cnt = np.zeros((max(nb, 1), 5), np.int64)
+    mom = np.zeros((max(nb, 1), 2))
+    skey = np.empty((max(nb, 1), 2), ki.dtype)
+    ukey = np.empty(max(nb, 1), ku.dtype)
+    skey[0, 0] = sc[1]
+    skey[0, 1] = sc[2]
+    ukey[0] = uc[3]
+    if parallel:
+        for b in prange(nb):
+            lo = b * block
+            _float_block(f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+    else:
+        for b in range(nb):
+            lo = b * block
+            _float_block(f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+    return _merge_float_blocks(cnt, mom, skey, ukey)
+
+
+@njit(**_OPTS)
+def _half_block(fmt, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+    skey[0] = sc[1]
+    skey[1] = sc[2]
+    ukey[0] = uc[3]
+    buf = np.empty(tile, np.float32)  # per-task scratch: one tile, never the tensor
+    bits = buf.view(np.uint32)
+    for t0 in range(lo, hi, tile):
+        t1 = min(t0 + tile, hi)
+        m = t1 - t0
+        widen_half(fmt, ku[t0:t1], buf, bits)
+        _float_tile(buf[:m], ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+
+
+@njit(**_OPTS, parallel=True)
+def stats_half(fmt, ki, ku, sc, uc, block, tile, parallel):
+    """Fused statistics of F16 (``fmt=F16``) or BF16 (``fmt=BF16``) data given as its
+    ``int16`` (``ki``) and ``uint16`` (``ku``) views; same result layout as
+    :func:`stats_float` (keys are 16-bit patterns of the source format)."""
+    n = ku.size
+    nb = (n + block - 1) // block
+    cnt = np.zeros((max(nb, 1), 5), np.int64)
+    mom = np.zeros((max(nb, 1), 2))
+    skey = np.empty((max(nb, 1), 2), ki.dtype)
+    ukey = np.empty(max(nb, 1), ku.dtype)
+    skey[0, 0] = sc[1]
+    skey[0, 1] = sc[2]
+    ukey[0] = uc[3]
+    if parallel:
+        for b in prange(nb):
+            lo = b * block
+            _half_block(fmt, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+    else:
+        for b in range(nb):
+            lo = b * block
+            _half_block(fmt, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+    return _merge_float_blocks(cnt, mom, skey, ukey)
+
+
+@njit(**_OPTS)
+def _int_tile(t):
+    """min, max and zeros of an integer tile (its moments come from :func:`_sums`)."""
+    mn = t[0]
+    mx = t[0]
+    nz = 0
+    for i in range(t.size):
+        v = t[i]
+        mn = v if v < mn else mn
+        mx = v if v > mx else mx
+        nz += v == 0
+    return mn, mx, nz
+
+
+@njit(**_OPTS)
+def _int_block(x, lo, hi, tile, cnt, mom, ext):
+    for t0 in range(lo, hi, tile):
+        t = x[t0 : min(t0 + tile, hi)]
+        mn, mx, nz = _int_tile(t)
+        mean, m2 = _sums(t)
+        if cnt[0] == 0:
+            ext[0] = mn
+            ext[1] = mx
+        else:
+            ext[0] = mn if mn < ext[0] else ext[0]
+            ext[1] = mx if mx > ext[1] else ext[1]
+        n, mean, m2 = _chan(np.float64(cnt[0]), mom[0], mom[1], np.float64(t.size), mean, m2)
+        cnt[0] += t.size
+        cnt[1] += nz
+        mom[0] = mean
+        mom[1] = m2
+
+
+@njit(**_OPTS, parallel=True)
+def stats_int(x, block, tile, parallel):
+    """Fused statistics of an integer array (bool as ``uint8``).
+
+    Returns ``(n, n_zero, mean, m2, min, max)``; min and max keep the input's type (exact
+    for 64-bit values), mean and M2 are float64.  ``n == 0`` for an empty array, in which
+    case min and max are meaningless.
+    """
+    n = x.size
+    nb = (n + block - 1) // block
+    cnt = np.zeros((max(nb, 1), 2), np.int64)
+    mom = np.zeros((max(nb, 1), 2))
+    ext = np.zeros((max(nb, 1), 2), x.dtype)
+    if parallel:
+        for b in prange(nb):
+            lo = b * block
+            _int_block(x, lo, min(lo + block, n), tile, cnt[b], mom[b], ext[b])
+    else:
+        for b in range(nb):
+            lo = b * block
+            _int_block(x, lo, min(lo + block, n), tile, cnt[b], mom[b], ext[b])
+    tot = 0.0
+    nzero = 0
+    mean = np.nan
+    m2 = 0.0
+    mn = ext[0, 0]
+    mx = ext[0, 1]
+    for b in range(nb):
+        tot, mean, m2 = _chan(tot, mean, m2, np.float64(cnt[b, 0]), mom[b, 0], mom[b, 1])
+        nzero += cnt[b, 1]
+        mn = ext[b, 0] if ext[b, 0] < mn else mn
+        mx = ext[b, 1] if ext[b, 1] > mx else mx
+    return n, nzero, mean, m2, mn, mx
+
+
+# --------------------------------------------------------------------------- quantization
+#
+# A tensor to quantize is seen as (outer, C, inner): C channels (C == 1 per tensor), each
+# channel c made of the ``outer`` contiguous runs x[o, c, :] of ``inner`` elements.  Work is
+# cut into a grid of tasks of oc x cc x ic (o, c, i) elements, sized by the caller so that a
+# task holds about ``block`` elements and the per-task partial maxima stay small.
+# Partial maxima of a task live in part[row, c] with row = o_task * n_i_tasks + i_task.
+
+
+@njit(**_OPTS)
+def _task(t, outer, C, inner, oc, cc, ic):
+    pc = (C + cc - 1) // cc
+    pi = (inner + ic - 1) // ic
+    a = t // (pc * pi)
+    r = t - a * (pc * pi)
+    b = r // pi
+    d = r - b * pi
+    o0 = a * oc
+    c0 = b * cc
+    i0 = d * ic
+    return o0, min(o0 + oc, outer), c0, min(c0 + cc, C), i0, min(i0 + ic, inner), a * pi + d
+
+
+@njit(**_OPTS)
+def _max_mag(ki, ku, absmask, sign):
+    """Largest magnitude in a segment, as a bit-pattern key (``pattern & absmask``).
+
+    Two pure comparison reductions, as in :func:`_keys`: the signed max is the largest
+    non-negative value, the unsigned max (when it has the sign bit) the most negative one.
+    Reducing ``pattern & absmask`` directly would be slower, Numba widening it to uint64.
+    """
+    mi = ki[0]
+    mu = ku[0]
+    for i in range(ki.size):
+        k = ki[i]
+        u = ku[i]
+        mi = k if k > mi else mi
+        mu = u if u > mu else mu
+    pos = np.uint64(mi) if mi > 0 else np.uint64(0)
+    neg = np.uint64(mu) & np.uint64(absmask) if mu >= sign else np.uint64(0)
+    return pos if pos > neg else neg
+
+
+@njit(**_OPTS)
+def _count_nonfinite(ku, absmask, lim, bad):
+    """Max magnitude key over the finite values of ``ku``; NaN, +Inf, -Inf counted in bad."""
+    m = absmask & 0
+    for i in range(ku.size):
+        u = ku[i]
+        a = u & absmask
+        if a > lim:
+            bad[0] += 1
+        elif a == lim:
+            if u == a:
+                bad[1] += 1
+            else:
+                bad[2] += 1
+        else:
+            m = a if a > m else m
+    return m
+
+
+@njit(**_OPTS)
+def _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad):
+    o0, o1, c0, c1, i0, i1, row = _task(t, outer, C, inner, oc, cc, ic)
+    prow = part[row]
+    if inner == 1:
+        # one element per (o, c): vectorize across channels
+        for o in range(o0, o1):
+            seg = ku[o * C + c0 : o * C + c1]
+            acc = prow[c0:c1]
+            for j in range(seg.size):
+                a = seg[j] & absmask
+                acc[j] = a if a > acc[j] else acc[j]
+        anybad = False
+        for c in range(c0, c1):
+            anybad |= prow[c] >= lim
+        if anybad:  # rare: redo the task, counting NaN/Inf and keeping them out of the max
+            for c in range(c0, c1):
+                prow[c] = 0
+            for o in range(o0, o1):
+                for c in range(c0, c1):
+                    m = _count_nonfinite(ku[o * C + c : o * C + c + 1], absmask, lim, bad)
+                    prow[c] = m if m > prow[c] else prow[c]
+        return
+    for o in range(o0, o1):
+        for c in range(c0, c1):
+            base = (o * C + c) * inner
+            seg = ku[base + i0 : base + i1]
+            m = _max_mag(ki[base + i0 : base + i1], seg, absmask, sign)
+            if m >= lim:
+                m = _count_nonfinite(seg, absmask, lim, bad)
+            prow[c] = m if m > prow[c] else prow[c]
+
+
+@njit(**_OPTS, parallel=True)
+def absmax_grid(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, parallel):
+    """Per-channel maximum magnitude of the finite values, as bit-pattern keys.
+
+    ``ki``/``ku`` are the signed and unsigned views of float32 (``int32``/``uint32``) or
+    F16/BF16 (``int16``/``uint16``) data; ``absmask`` clears the sign bit, ``sign`` is the
+    sign bit and ``lim`` the pattern of +Inf (all three of ``ku``'s type).
+    Magnitude order equals the order of ``pattern & absmask`` for every IEEE-like format,
+    subnormals included, so no value is widened.
+
+    Returns ``(part, bad)``: ``part[rows, C]`` partial maxima (reduce with ``max(axis=0)``),
+    ``bad[tasks, 3]`` counts of NaN, +Inf and -Inf.
+    """
+    po = (outer + oc - 1) // oc
+    pc = (C + cc - 1) // cc
+    pi = (inner + ic - 1) // ic
+    ntask = po * pc * pi
+    part = np.zeros((max(po * pi, 1), C), ku.dtype)
+    bad = np.zeros((max(ntask, 1), 3), np.int64)
+    if parallel:
+        for t in prange(ntask):
+            _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad[t])
+    else:
+        for t in range(ntask):
+            _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad[t])
+    return part, bad
+
+
+@njit(**_OPTS)
+def _quant(f, s, q):
+    """q = clip(rint(f / s), -127, 127) with NaN -> 0; float32 throughout, true division."""
+    lo = np.float32(-127.0)
+    hi = np.float32(127.0)
+    zero = np.float32(0.0)
+    for j in range(f.size):
+        r = np.rint(f[j] / s)
+        r = r if r == r else zero  # NaN (only reaches here with on_nonfinite="clamp")
+        r = r if r < hi else hi  # +Inf / s -> 127
+        r = r if r > lo else lo
+        q[j] = np.int8(r)
+
+
+@njit(**_OPTS)
+def _quant_per_element(f, s, q):
+    """As :func:`_quant` with one scale per element (the ``inner == 1`` layout)."""
+    lo = np.float32(-127.0)
+    hi = np.float32(127.0)
+    zero = np.float32(0.0)
+    for j in range(f.size):
+        r = np.rint(f[j] / s[j])
+        r = r if r == r else zero
+        r = r if r < hi else hi
+        r = r if r > lo else lo
+        q[j] = np.int8(r)
+
+
+@njit(**_OPTS)
+def _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q):
+    o0, o1, c0, c1, i0, i1, _ = _task(t, outer, C, inner, oc, cc, ic)
+    if inner == 1:
+        for o in range(o0, o1):
+            _quant_per_element(f[o * C + c0 : o * C + c1], scale[c0:c1], q[o * C + c0 : o * C + c1])
+        return
+    for o in range(o0, o1):
+        for c in range(c0, c1):
+            base = (o * C + c) * inner
+            _quant(f[base + i0 : base + i1], scale[c], q[base + i0 : base + i1])
+
+
+@njit(**_OPTS, parallel=True)
+def quantize_grid(f, scale, outer, C, inner, oc, cc, ic, q, parallel):
+    """Second pass for float32 input: write int8 ``q`` (same flat layout as ``f``) given
+    the float32 per-channel ``scale[C]``."""
+    po = (outer + oc - 1) // oc
+    ntask = po * ((C + cc - 1) // cc) * ((inner + ic - 1) // ic)
+    if parallel:
+        for t in prange(ntask):
+            _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q)
+    else:
+        for t in range(ntask):
+            _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q)
+
+
+@njit(**_OPTS)
+def _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q):
+    o0, o1, c0, c1, i0, i1, _ = _task(t, outer, C, inner, oc, cc, ic)
+    buf = np.empty(tile, np.float32)
+    bits = buf.view(np.uint32)
+    for o in range(o0, o1):
+        if inner == 1:
+            for j0 in range(c0, c1, tile):
+                j1 = min(j0 + tile, c1)
+                widen_half(fmt, u[o * C + j0 : o * C + j1], buf, bits)
+                _quant_per_element(buf[: j1 - j0], scale[j0:j1], q[o * C + j0 : o * C + j1])
+            continue
+        for c in range(c0, c1):
+            base = (o * C + c) * inner
+            for j0 in range(base + i0, base + i1, tile):
+                j1 = min(j0 + tile, base + i1)
+                widen_half(fmt, u[j0:j1], buf, bits)
+                _quant(buf[: j1 - j0], scale[c], q[j0:j1])
+
+
+@njit(**_OPTS, parallel=True)
+def quantize_grid_half(fmt, u, scale, outer, C, inner, oc, cc, ic, tile, q, parallel):
+    """Second pass for F16/BF16 input given as ``uint16``: widened a tile at a time in
+    registers/L1, then quantized exactly as :func:`quantize_grid`."""
+    po = (outer + oc - 1) // oc
+    ntask = po * ((C + cc - 1) // cc) * ((inner + ic - 1) // ic)
+    if parallel:
+        for t in prange(ntask):
+            _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q)
+    else:
+        for t in range(ntask):
+            _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q)
+
+
+# --------------------------------------------------------------------------- fused rows
+#
+# When every channel is one contiguous run (outer == 1: x is (C, inner), e.g. one scale per
+# row of a matrix) and a run fits in L2, both passes run back to back on each run: its max
+# magnitude, its scale, then its int8 values, reading x from memory once instead of twice.
+# Same formula, same bits as absmax_grid + quantize_grid.
+
+
+@njit(**_OPTS)
+def _scale_of(amax):
+    """float32(amax) / float32(127), or 1 where that is 0 (all zero, or underflow)."""
+    s = amax / np.float32(127.0)
+    return s if s != 0 else np.float32(1.0)
+
+
+@njit(**_OPTS)
+def _fused_rows_task(f, ki, ku, absmask, lim, sign, inner, c0, c1, scale, bad, q):
+    kb = np.empty(1, ku.dtype)  # max-magnitude pattern -> float32 through a 1-element view
+    kf = kb.view(np.float32)
+    for c in range(c0, c1):
+        lo = c * inner
+        hi = lo + inner
+        m = _max_mag(ki[lo:hi], ku[lo:hi], absmask, sign)
+        if m >= lim:
+            m = _count_nonfinite(ku[lo:hi], absmask, lim, bad)
+        kb[0] = m
+        s = _scale_of(kf[0])
+        scale[c] = s
+        _quant(f[lo:hi], s, q[lo:hi])
+
+
+@njit(**_OPTS, parallel=True)
+def quantize_rows_fused(f, ki, ku, absmask, lim, sign, C, inner, cc, q, parallel):
+    """Per-channel quantization of float32 ``f`` seen as (C, inner), fused per channel.
+
+    ``ki``/``ku`` are the ``int32``/``uint32`` views of ``f``; ``cc`` channels per task.  Writes ``q`` and
+    returns ``(scale[C], bad[tasks, 3])`` (NaN, +Inf, -Inf counts).
+    """
+    ntask = (C + cc - 1) // cc
+    scale = np.empty(C, np.float32)
+    bad = np.zeros((max(ntask, 1), 3), np.int64)
+    if parallel:
+        for t in prange(ntask):
+            _fused_rows_task(
+                f, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), scale, bad[t], q
+            )
+    else:
+        for t in range(ntask):
+            _fused_rows_task(
+                f, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), scale, bad[t], q
+            )
+    return scale, bad
+
+
+@njit(**_OPTS)
+def _fused_rows_task_half(fmt, ki, ku, absmask, lim, sign, inner, c0, c1, tile, scale, bad, q):
+    buf = np.empty(tile, np.float32)
+    bits = buf.view(np.uint32)
+    kb = np.empty(1, ku.dtype)
+    for c in range(c0, c1):
+        lo = c * inner
+        hi = lo + inner
+        m = _max_mag(ki[lo:hi], ku[lo:hi], absmask, sign)
+        if m >= lim:
+            m = _count_nonfinite(ku[lo:hi], absmask, lim, bad)
+        kb[0] = m
+        widen_half(fmt, kb, buf, bits)
+        s = _scale_of(buf[0])
+        scale[c] = s
+        for j0 in range(lo, hi, tile):
+            j1 = min(j0 + tile, hi)
+            widen_half(fmt, ku[j0:j1], buf, bits)
+            _quant(buf[: j1 - j0], s, q[j0:j1])
+
+
+@njit(**_OPTS, parallel=True)
+def quantize_rows_fused_half(fmt, ki, ku, absmask, lim, sign, C, inner, cc, tile, q, parallel):
+    """:func:`quantize_rows_fused` for F16/BF16 given as ``uint16``."""
+    ntask = (C + cc - 1) // cc
+    scale = np.empty(C, np.float32)
+    bad = np.zeros((max(ntask, 1), 3), np.int64)
+    if parallel:
+        for t in prange(ntask):
+            _fused_rows_task_half(
+                fmt, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q
+            )
+    else:
+        for t in range(ntask):
+            _fused_rows_task_half(
+                fmt, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q
+            )
+    return scale, bad

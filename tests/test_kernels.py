@@ -1,0 +1,322 @@
+"""The Numba kernels of engine.kernels against the NumPy oracles in tests/naive.py.
+
+The whole suite also runs with NUMBA_DISABLE_JIT=1 (kernels as plain Python, so coverage
+sees them): arrays stay small unless a test is guarded by ``needs_jit``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import threading
+import time
+
+import ml_dtypes
+import naive
+import numba
+import numpy as np
+import pytest
+
+from engine import kernels as K
+from engine import quantize as Q
+
+# not `from engine import stats`: that name is also the public function (see engine/stats.py)
+S = importlib.import_module("engine.stats")
+
+JIT = not numba.config.DISABLE_JIT
+needs_jit = pytest.mark.skipif(not JIT, reason="too slow with NUMBA_DISABLE_JIT=1")
+ALL_U16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def ro(a):
+    v = np.ascontiguousarray(a).view()
+    v.flags.writeable = False
+    return v
+
+
+# --------------------------------------------------------------------------- widening
+
+
+def _widen(fmt, bits, tile=None):
+    out = np.empty(bits.size, np.float32)
+    K.widen_half(fmt, ro(bits), out, out.view(np.uint32))
+    return out
+
+
+def test_widen_f16_all_bit_patterns():
+    got = _widen(K.F16, ALL_U16)
+    want = naive.widen_half(ALL_U16, "F16")
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    # every non-NaN pattern (normals, subnormals, +-0, +-Inf) converts bit-exactly
+    assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+    # NaN keeps its sign and payload (numpy may quiet a signalling NaN; we never do)
+    gb = got.view(np.uint32)[nan]
+    assert np.array_equal(gb >> 31, ALL_U16[nan] >> 15)
+    assert np.array_equal((gb >> 13) & 0x3FF, ALL_U16[nan] & 0x3FF)
+
+
+def test_widen_bf16_all_bit_patterns():
+    got = _widen(K.BF16, ALL_U16)
+    assert np.array_equal(got.view(np.uint32), ALL_U16.astype(np.uint32) << 16)
+    want = naive.widen_half(ALL_U16, "BF16")
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan], want[~nan])
+
+
+def test_widen_f16_subnormals_exact():
+    sub = np.arange(1, 0x400, dtype=np.uint16)
+    sub = np.concatenate([sub, sub | 0x8000])
+    got = _widen(K.F16, sub)
+    mag = (sub & 0x3FF).astype(np.float64) * 2.0**-24
+    assert np.array_equal(got, np.where(sub & 0x8000, -mag, mag).astype(np.float32))
+
+
+def test_widen_writes_only_its_length():
+    out = np.full(8, 7.0, np.float32)
+    K.widen_half(K.BF16, ro(np.array([0x3F80, 0xBF80], np.uint16)), out, out.view(np.uint32))
+    assert out.tolist() == [1.0, -1.0] + [7.0] * 6
+
+
+# --------------------------------------------------------------------------- statistics kernels
+
+
+def _run_float(x, block, tile, parallel):
+    kind = {np.float32: "F32", np.float64: "F64"}.get(x.dtype.type)
+    if kind is None:
+        kind = "F16" if x.dtype == np.float16 else "BF16"
+    return S._stats_flat(x.reshape(-1), kind, parallel, block, tile)
+
+
+def assert_stats(got, want, rtol=1e-9):
+    for f in ("count", "nan_count", "posinf_count", "neginf_count", "zero_count"):
+        assert getattr(got, f) == want[f], f
+    for f in ("min", "max", "absmax"):
+        g, w = getattr(got, f), want[f]
+        assert (math.isnan(g) and math.isnan(w)) or g == w, (f, g, w)
+        assert type(g) is type(w), (f, type(g), type(w))
+    for f in ("mean", "std"):
+        g, w = getattr(got, f), want[f]
+        if math.isnan(w):
+            assert math.isnan(g), f
+        elif g != w:  # equal covers both being inf (float64 variance overflow)
+            # float64 accumulation: the kernels' error and numpy's pairwise sum are both a
+            # few ulp times log2(n); 1e-9 relative (plus a floor for values near zero)
+            # leaves a wide margin while still catching any float32 accumulation.
+            scale = max(abs(w), want["absmax"] if not math.isnan(want["absmax"]) else 0.0)
+            assert abs(g - w) <= rtol * scale + 1e-300, (f, g, w)
+
+
+FLOATS = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16]
+
+
+def _special(dtype, n, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10).astype(dtype)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, -np.nan], dtype=np.float64).astype(dtype)
+    idx = rng.choice(n, size=min(n, 12), replace=False)
+    x[idx] = np.resize(specials, idx.size)
+    return x
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("block,tile", [(7, 3), (16, 16), (1000, 64), (1 << 16, 1 << 12)])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_float_kernel_blocks_and_tiles(dtype, block, tile, parallel):
+    x = _special(dtype, 517, seed=block + tile)
+    assert_stats(_run_float(x, block, tile, parallel), naive.stats(x))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the oracle's np.std
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_float_kernel_min_max_sign_cases(dtype):
+    cases = [
+        [1.0, 2.0, 3.0],
+        [-1.0, -2.0, -3.0],
+        [-5.0, 2.0, 0.5],
+        [0.0, 0.0],
+        [-0.0, -0.0],
+        [-0.0, 3.0],
+        [-3.0, -0.0],
+        [np.nan, -2.0, np.inf],
+        [np.nan, np.nan],
+        [np.inf, -np.inf],
+        # float64 stops at 1e300: differences of values near its max overflow (std is inf
+        # here anyway, as for numpy: the variance exceeds the float64 range)
+        [min(float(ml_dtypes.finfo(dtype).max), 1e300), -min(float(ml_dtypes.finfo(dtype).max), 1e300)],
+        [ml_dtypes.finfo(dtype).smallest_subnormal, -ml_dtypes.finfo(dtype).smallest_subnormal],
+    ]
+    for c in cases:
+        x = np.array(c, np.float64).astype(dtype)
+        got = _run_float(x, 2, 1, False)
+        assert_stats(got, naive.stats(x))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # NUMBA_DISABLE_JIT=1
+def test_float64_mean_near_overflow():
+    # per-tile moments are exact here (one value per tile); the merge of +max and -max
+    # must not form max - (-max) = inf in the mean (the variance does overflow, as in numpy)
+    big = np.finfo(np.float64).max
+    s = _run_float(np.array([big, -big, big, -big]), 4, 1, False)
+    assert abs(s.mean) <= 1e-12 * big and s.std == np.inf
+
+
+def test_float_kernel_tile_entirely_nonfinite():
+    x = np.array([np.nan] * 8 + [1.0, 2.0] + [np.inf] * 8, np.float32)
+    for tile in (1, 3, 8):
+        assert_stats(_run_float(x, 8, tile, False), naive.stats(x))
+
+
+INTS = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64]
+
+
+@pytest.mark.parametrize("dtype", INTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("block,tile", [(5, 2), (1 << 16, 1 << 12)])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_int_kernel(dtype, block, tile, parallel):
+    info = np.iinfo(dtype) if dtype is not np.bool_ else None
+    rng = np.random.default_rng(3)
+    if info is None:
+        x = rng.integers(0, 2, 301).astype(np.bool_)
+    else:
+        x = rng.integers(info.min, info.max, 301, dtype=dtype, endpoint=True)
+        x[:3] = [info.min, info.max, 0]
+    kind = S._kind(x.dtype, S._INT, "test")
+    got = S._stats_flat(x, kind, parallel, block, tile)
+    assert_stats(got, naive.stats(x))
+
+
+def test_merge_kernel_parallel_equals_serial():
+    x = _special(np.float32, 5000, seed=9)
+    a = _run_float(x, 64, 16, True)
+    b = _run_float(x, 64, 16, False)
+    assert (a.min, a.max, a.nan_count, a.zero_count) == (b.min, b.max, b.nan_count, b.zero_count)
+    assert a.mean == pytest.approx(b.mean, rel=1e-12)
+
+
+def test_decode_minmax_exhaustive_bf16():
+    # all pairs of a few interesting BF16 patterns, decoded through the key trick
+    pats = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x3F80, 0xBF80, 0x7F7F, 0xFF7F], np.uint16)
+    for i in range(pats.size):
+        for j in range(pats.size):
+            x = pats[[i, j]].view(ml_dtypes.bfloat16)
+            got = _run_float(x, 2, 2, False)
+            w = x.astype(np.float64)
+            assert (got.min, got.max) == (w.min(), w.max())
+
+
+@needs_jit
+def test_mean_std_accuracy_large_offset():
+    # catastrophic-cancellation trap for a naive sum of squares: std 1 around 1e4 in float32
+    rng = np.random.default_rng(0)
+    x = (1e4 + rng.standard_normal(3_000_000)).astype(np.float32)
+    got = S.stats(x)
+    w = naive.stats(x)
+    assert got.mean == pytest.approx(w["mean"], rel=1e-12)
+    assert got.std == pytest.approx(w["std"], rel=1e-9)
+
+
+# --------------------------------------------------------------------------- quantization kernels
+
+SHAPES = [(3, 5, 7), (1, 1, 9), (4, 1, 1), (2, 3, 1), (0, 3, 2)]
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("grid", [(1, 1, 1), (2, 2, 3), (64, 64, 64), (100, 100, 4)])
+def test_absmax_and_quantize_grid(kind, shape, grid):
+    dt = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}[kind]
+    x = (np.random.default_rng(1).standard_normal(shape) * 4).astype(dt)
+    k = Q._KEYS[kind]
+    for axis in [None, 0, 1, 2]:
+        outer, C, inner = Q._dims(x.shape, axis)
+        oc, cc, ic = (max(1, min(g, n)) for g, n in zip(grid, (outer, C, inner), strict=True))
+        ki, ku = ro(x.reshape(-1)).view(k.it), ro(x.reshape(-1)).view(k.ut)
+        part, bad = K.absmax_grid(ki, ku, k.absmask, k.lim, k.sign, outer, C, inner, oc, cc, ic, True)
+        amax = part.max(axis=0).view(k.ft).astype(np.float32)
+        want = naive.absmax(x, axis).reshape(-1)
+        assert np.array_equal(amax, want)
+        assert not bad.any()
+        q0, s0 = naive.quantize_int8(x, axis)
+        q = np.full(x.size, 99, np.int8)
+        scale = np.ascontiguousarray(s0.reshape(-1))
+        if kind == "F32":
+            K.quantize_grid(ro(x.reshape(-1)), scale, outer, C, inner, oc, cc, ic, q, False)
+        else:
+            fmt = K.F16 if kind == "F16" else K.BF16
+            K.quantize_grid_half(fmt, ku, scale, outer, C, inner, oc, cc, ic, 4, q, True)
+        assert np.array_equal(q.reshape(x.shape), q0)
+
+
+@pytest.mark.parametrize("inner", [1, 6])
+def test_absmax_grid_counts_nonfinite(inner):
+    x = np.arange(4 * 3 * inner, dtype=np.float32).reshape(4, 3, inner) - 10
+    x[0, 0, 0] = np.nan
+    x[1, 2, -1] = np.inf
+    x[3, 1, 0] = -np.inf
+    x[3, 2, 0] = -np.nan
+    k = Q._KEYS["F32"]
+    flat = ro(x.reshape(-1))
+    part, bad = K.absmax_grid(
+        flat.view(np.int32),
+        flat.view(np.uint32),
+        k.absmask,
+        k.lim,
+        k.sign,
+        4,
+        3,
+        inner,
+        2,
+        2,
+        max(1, inner // 2),
+        False,
+    )
+    assert bad.sum(axis=0).tolist() == [2, 1, 1]
+    amax = part.max(axis=0).view(np.float32)
+    assert np.array_equal(amax, naive.absmax(x, 1))
+
+
+def test_quant_ties_round_half_even():
+    # scale 1: rint of exact halves goes to the even neighbour, and clamps at +-127
+    f = np.array(
+        [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, 300, -300, np.inf, -np.inf, np.nan], np.float32
+    )
+    q = np.zeros(f.size, np.int8)
+    K.quantize_grid(ro(f), np.ones(1, np.float32), 1, 1, f.size, 1, 1, f.size, q, False)
+    assert q.tolist() == [0, 2, 2, 0, -2, -2, 126, 127, 127, -127, 127, -127, 0]
+
+
+# --------------------------------------------------------------------------- GIL
+
+
+@needs_jit
+def test_serial_kernel_releases_the_gil():
+    x = ro(np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32))
+    it, ut, sc, uc = S._float_consts("F32")
+
+    def call():  # tile=1 makes the kernel slow enough to observe, without a big array
+        return K.stats_float(x, x.view(it), x.view(ut), sc, uc, 1 << 16, 1, False)
+
+    call()  # compile outside the measurement
+    start = time.perf_counter()
+    call()
+    alone = time.perf_counter() - start
+    if alone < 0.05:
+        pytest.skip("kernel too fast to observe on this machine")
+    started = threading.Event()
+    end = []
+
+    def work():
+        started.set()
+        call()
+        end.append(time.perf_counter())
+
+    t = threading.Thread(target=work)
+    t.start()
+    started.wait()
+    time.sleep(alone / 10)
+    # Waking up needs the GIL: if the kernel held it, we would only get here after it ended.
+    woke = time.perf_counter()
+    t.join()
+    assert woke < end[0]
