@@ -251,7 +251,7 @@ def _cell(value: Any) -> str:
 
 
 def _cmd_stats(args) -> int:
-    stats_file = _optional("engine.stats", "stats_file", "stats")
+    stats_file = _optional("engine.statistics", "stats_file", "stats")
     if stats_file is None:
         return _not_available("stats", "engine.stats_file")
     result = stats_file(args.path, names=args.names) if args.names else stats_file(args.path)

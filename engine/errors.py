@@ -23,6 +23,7 @@ __all__ = [
     "DeviceError",
     "MissingDependencyError",
     "TensorMismatchError",
+    "NonFiniteError",
     "HEADER_REASONS",
 ]
 
@@ -152,3 +153,20 @@ class MissingDependencyError(SafetensorError, ImportError):
 
 class TensorMismatchError(SafetensorError, ValueError):
     """A destination tensor does not match the file's tensor (shape, dtype, layout)."""
+
+
+class NonFiniteError(SafetensorError, ValueError):
+    """A tensor to quantize holds NaN or infinite values.
+
+    ``.tensors`` names the tensor (when a ``name`` was given); ``.nan_count``,
+    ``.posinf_count`` and ``.neginf_count`` say how many of each.
+    """
+
+    def __init__(
+        self, message: str, *, nan_count: int = 0, posinf_count: int = 0, neginf_count: int = 0, **kw
+    ):
+        kw.setdefault("reason", "NonFinite")
+        super().__init__(message, **kw)
+        self.nan_count = nan_count
+        self.posinf_count = posinf_count
+        self.neginf_count = neginf_count

@@ -6,7 +6,7 @@ on the file that defines a function and does not notice edits to helpers in othe
 Conventions shared by all kernels
 ---------------------------------
 * Inputs are flat, C-contiguous 1-D arrays (a whole tensor or one chunk of it while a file
-  streams in); the callers in :mod:`engine.stats` and :mod:`engine.quantize` pass read-only
+  streams in); the callers in :mod:`engine.statistics` and :mod:`engine.quantize` pass read-only
   views, so a kernel that wrote to its input would fail to compile, and each dtype compiles
   once instead of once per writeability.
 * F16 and BF16 arrive as ``uint16`` views.  Anything that only needs ordering (min, max,
@@ -65,7 +65,7 @@ _OPTS = dict(cache=True, nogil=True, error_model="numpy")
 _MOMENT_MATH = {"reassoc", "contract"}  # never nnan/ninf: see module docstring
 
 # Layout of the small typed constant arrays handed to the float statistics kernels
-# (built by engine.stats._float_consts; typed like the integer views of the input):
+# (built by engine.statistics._float_consts; typed like the integer views of the input):
 #   sc (signed view's dtype):   [LIM, SMIN, SMAX]
 #   uc (unsigned view's dtype): [ABSMASK, LIM, NEGLIM, 0]
 # LIM is the bit pattern of +Inf (every larger magnitude is a NaN), NEGLIM that of -Inf,
@@ -141,7 +141,7 @@ def _keys(ki, ku):
     max and min of the unsigned view.
 
     Integer min/max reductions vectorize without fast-math (a float min/max does not:
-    LLVM would need to assume no NaN); engine.stats decodes the float min and max from the
+    LLVM would need to assume no NaN); engine.statistics decodes the float min and max from the
     keys.  They also tell, exactly and for free, whether the tile holds a NaN or an Inf
     (patterns at or above +-Inf's) and whether it holds a zero: +0.0 is the smallest
     unsigned pattern, -0.0 the smallest signed one.  Pure comparisons on purpose: Numba
@@ -317,7 +317,7 @@ def stats_float(f, ki, ku, sc, uc, block, tile, parallel):
     Returns
     -------
     (n_finite, n_nan, n_posinf, n_neginf, n_zero, mean, m2, max_i, min_i, max_u)
-        Over the finite values; the keys are decoded to min/max by engine.stats.
+        Over the finite values; the keys are decoded to min/max by engine.statistics.
     """
     n = f.size
     nb = (n + block - 1) // block

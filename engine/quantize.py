@@ -22,8 +22,8 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import kernels as _k
-from .errors import SafetensorError
-from .stats import BLOCK, CHUNK, TILE, _as_numpy, _check_tunables, _kind, _pieces, _pool, _readonly
+from .errors import NonFiniteError
+from .statistics import BLOCK, CHUNK, TILE, _as_numpy, _check_tunables, _kind, _pieces, _pool, _readonly
 
 try:  # numpy >= 2
     from numpy.lib.array_utils import normalize_axis_index
@@ -35,23 +35,6 @@ __all__ = ["quantize_int8", "dequantize_int8", "NonFiniteError", "NonFiniteWarni
 _INPUTS = ("F32", "F16", "BF16")
 _OUTPUTS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _ON_NONFINITE = ("raise", "clamp")
-
-
-class NonFiniteError(SafetensorError, ValueError):
-    """A tensor to quantize holds NaN or infinite values.
-
-    ``.tensors`` names the tensor (when a ``name`` was given); ``.nan_count``,
-    ``.posinf_count`` and ``.neginf_count`` say how many of each.
-    """
-
-    def __init__(
-        self, message: str, *, nan_count: int = 0, posinf_count: int = 0, neginf_count: int = 0, **kw
-    ):
-        kw.setdefault("reason", "NonFinite")
-        super().__init__(message, **kw)
-        self.nan_count = nan_count
-        self.posinf_count = posinf_count
-        self.neginf_count = neginf_count
 
 
 class NonFiniteWarning(RuntimeWarning):

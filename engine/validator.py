@@ -272,7 +272,7 @@ class WeightValidator:
         return report
 
     def _summarise(self, report: ValidationReport, name: str, dtype: str, shape: list, ck) -> None:
-        from .stats import stats
+        from .statistics import stats
 
         try:
             s = stats(ck.get_tensor(name))

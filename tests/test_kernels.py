@@ -20,8 +20,7 @@ import pytest
 from engine import kernels as K
 from engine import quantize as Q
 
-# not `from engine import stats`: that name is also the public function (see engine/stats.py)
-S = importlib.import_module("engine.stats")
+S = importlib.import_module("engine.statistics")
 
 JIT = not numba.config.DISABLE_JIT
 needs_jit = pytest.mark.skipif(not JIT, reason="too slow with NUMBA_DISABLE_JIT=1")

@@ -1,5 +1,7 @@
 """Fused one-pass statistics of a tensor: ``engine.stats(x)`` -> :class:`Stats`.
 
+(The module is ``engine.statistics`` so that ``engine.stats`` stays the function.)
+
 Importing this module imports Numba (the kernels live in :mod:`engine.kernels`); torch is
 imported only when a torch tensor is passed in.
 """
@@ -7,9 +9,7 @@ imported only when a torch tensor is passed in.
 from __future__ import annotations
 
 import math
-import sys
 import threading
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -400,20 +400,3 @@ def stats(
         for _, piece in _pieces(a, chunk, any_order=True):
             result = result.merge(_stats_flat(piece.reshape(-1), kind, parallel, block, tile))
     return result
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`stats`.
-
-    ``engine.stats`` is both this submodule and the public function.  Importing the
-    submodule (``engine.Stats``, ``engine.quantize_int8`` or ``import engine.stats`` all do)
-    makes the import system bind the *module* to ``engine.stats``, shadowing the function
-    that ``engine.__init__``'s lazy lookup would return.  Making the module callable keeps
-    ``engine.stats(x)`` working whichever import happened first.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Stats:
-        return stats(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

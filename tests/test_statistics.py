@@ -17,7 +17,7 @@ from hypothesis.extra import numpy as hnp
 from test_kernels import FLOATS, INTS, assert_stats
 
 import engine
-from engine.stats import Stats, stats
+from engine.statistics import Stats, stats
 
 
 def _data(dtype, shape, seed=0):
@@ -50,10 +50,10 @@ def test_import_engine_stays_light():
 
 
 @pytest.mark.parametrize(
-    "first", ["engine.Stats", "engine.quantize_int8", "import engine.stats", "engine.stats"]
+    "first", ["engine.Stats", "engine.quantize_int8", "import engine.statistics", "engine.stats"]
 )
 def test_engine_stats_callable_whatever_was_imported_first(first):
-    # engine.stats is both a submodule and the public function (see engine/stats.py)
+    # engine.stats is the function whatever was imported first (the module is engine.statistics)
     pre = first if first.startswith("import") else f"import engine; {first}"
     code = f"{pre}\nimport engine, numpy as np\nassert engine.stats(np.arange(4.0)).max == 3.0\n"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -291,7 +291,7 @@ def test_torch_tensors(name):
 
 def test_torch_bf16_is_zero_copy_view():
     torch = _torch()
-    from engine.stats import _as_numpy
+    from engine.statistics import _as_numpy
 
     t = torch.randn(10).to(torch.bfloat16)
     a, is_torch = _as_numpy(t)
