@@ -70,6 +70,7 @@ def load_rows(
     on_complete: Optional[Callable[[int], None]] = None,
     cancel: Optional[threading.Event] = None,
     destination=None,
+    on_piece=None,
 ) -> dict[int, Any]:
     """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor."""
     if destination is None:
@@ -88,6 +89,7 @@ def load_rows(
         chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
         on_complete=on_complete,
         cancel=cancel,
+        on_piece=on_piece,
     )
     return tensors
 
@@ -107,8 +109,9 @@ def stream(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     per_tensor: bool = False,
+    stats: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
-) -> Iterator[tuple[str, Any]]:
+) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` as each tensor of a file finishes loading.
 
     Parameters
@@ -125,10 +128,16 @@ def stream(
         Bytes per read request (default 16 MiB); also the size of each staging slot.
     per_tensor : bool, default False
         On a GPU: one allocation per tensor instead of one per file.
+    stats : bool, default False
+        Also compute each tensor's :class:`~engine.statistics.Stats` (needs Numba): every
+        chunk is summarised by the reader thread that read it, right after it landed and
+        while it is still in cache, and the partial results merge, so there is no second
+        pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
+        sub-byte, complex).
 
     Yields
     ------
-    (str, tensor)
+    (str, tensor) or (str, tensor, Stats or None)
         In completion order, which is close to file order.
 
     Raises
@@ -152,10 +161,17 @@ def stream(
         _advise_sequential(fd)
         tensors, destination = _destination(sink, header, rows, per_tensor)
         t = header.table
+        collector = _StatsCollector(header, rows) if stats else None
+
+        def result(row):
+            if collector is None:
+                return t.names[row], tensors[row]
+            return t.names[row], tensors[row], collector.result(row)
+
         # tensors with no bytes are complete before anything is read
         for r in rows:
             if int(t.ends[r]) == int(t.begins[r]):
-                yield t.names[r], tensors[r]
+                yield result(r)
         done: "queue.SimpleQueue" = queue.SimpleQueue()
 
         def work() -> None:
@@ -163,6 +179,7 @@ def stream(
                 load_rows(
                     fd, header, rows, sink, path=spath, threads=threads, chunk_bytes=chunk_bytes,
                     on_complete=done.put, cancel=cancel, destination=(tensors, destination),
+                    on_piece=collector.piece if collector is not None else None,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer
@@ -176,12 +193,45 @@ def stream(
                 break
             if isinstance(item, BaseException):
                 raise item
-            yield t.names[item], tensors[item]
+            yield result(item)
     finally:
         cancel.set()
         if worker is not None:
             worker.join()
         os.close(fd)
+
+
+class _StatsCollector:
+    """Statistics of tensors as their chunks land, merged per tensor."""
+
+    def __init__(self, header: Header, rows: list[int]) -> None:
+        import numpy as np
+
+        from . import statistics
+
+        self._stats = statistics.stats
+        self._empty = statistics.Stats.empty()
+        t = header.table
+        self.dtype: dict[int, Any] = {}
+        for r in rows:
+            d = dtypes.DTYPES[int(t.codes[r])]
+            if not d.sub_byte and d.name in statistics.SUPPORTED_NAMES:
+                self.dtype[r] = dtypes.numpy_dtype(d.code)
+        self.partial: dict[int, Any] = {r: self._empty for r in self.dtype}
+        self.lock = threading.Lock()
+        self._np = np
+
+    def piece(self, row: int, tensor_offset: int, data: memoryview) -> None:
+        dt = self.dtype.get(row)
+        if dt is None:
+            return
+        # threads=1: the kernel runs on this reader thread with the GIL released
+        s = self._stats(self._np.frombuffer(data, dt), threads=1)
+        with self.lock:
+            self.partial[row] = self.partial[row].merge(s)
+
+    def result(self, row: int):
+        return self.partial.get(row)
 
 
 def _select(header: Header, path: str, names, patterns, predicate, layers) -> list[int]:

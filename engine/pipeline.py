@@ -114,8 +114,14 @@ def run(
     chunk_bytes: int,
     on_complete: Optional[Callable[[int], None]] = None,
     cancel: Optional[threading.Event] = None,
+    on_piece: Optional[Callable[[int, int, memoryview], None]] = None,
 ) -> int:
     """Execute ``requests`` into ``dest`` on ``threads`` worker threads; returns bytes read.
+
+    ``on_piece(row, tensor_offset, data)``, if given, sees every piece of a tensor in host
+    memory right after it was read (for devices: in the staging slot, before the copy), on
+    the worker thread that read it, before the tensor is reported complete: the place for
+    work that must not take a second pass over memory, such as statistics.
 
     Raises the first worker error (a :class:`~engine.errors.ReadError` names the file,
     offset and size) after every worker has stopped; raises :class:`Cancelled` when
@@ -148,12 +154,11 @@ def run(
     def host_worker() -> None:
         views = dest.host_views
         while (req := take()) is not None:
-            pread_into(
-                fd,
-                req.offset,
-                [views[p.row][p.tensor_offset : p.tensor_offset + p.nbytes] for p in req.pieces],
-                path=path,
-            )
+            targets = [views[p.row][p.tensor_offset : p.tensor_offset + p.nbytes] for p in req.pieces]
+            pread_into(fd, req.offset, targets, path=path)
+            if on_piece is not None:
+                for p, data in zip(req.pieces, targets):
+                    on_piece(p.row, p.tensor_offset, data)
             tracker.landed(req.pieces)
 
     def device_worker() -> None:
@@ -174,6 +179,9 @@ def run(
                     tracker.landed(pieces)
                 handle, view = ring[slot]
                 pread_into(fd, req.offset, [view[: req.nbytes]], path=path)
+                if on_piece is not None:
+                    for p in req.pieces:
+                        on_piece(p.row, p.tensor_offset, view[p.request_offset : p.request_offset + p.nbytes])
                 targets = dest.device_targets
                 for p in req.pieces:
                     ops.copy_to_device(targets[p.row], p.tensor_offset, handle, p.request_offset, p.nbytes, stream)

@@ -274,6 +274,8 @@ def plan_reads(
     """
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
+    # a multiple of 64 keeps every piece of a split tensor on whole elements (and cache lines)
+    chunk_bytes = max(64, chunk_bytes - chunk_bytes % 64)
     requests: list[Request] = []
     cur_start = cur_end = -1
     pieces: list[Piece] = []
@@ -285,8 +287,6 @@ def plan_reads(
     for row in rows:
         b = int(begins[row]) + data_start
         e = int(ends[row]) + data_start
-        if b == e:
-            continue
         pos = b
         while pos < e:
             if pieces and (pos != cur_end or cur_end - cur_start >= chunk_bytes or len(pieces) >= max_pieces):
@@ -294,7 +294,17 @@ def plan_reads(
                 pieces = []
             if not pieces:
                 cur_start = cur_end = pos
-            take = min(e - pos, chunk_bytes - (cur_end - cur_start))
+            room = chunk_bytes - (cur_end - cur_start)
+            take = e - pos
+            if take > room:
+                # split the tensor on a 64-byte boundary of its own, so every piece holds
+                # whole elements; if none fits in this request, start the next one
+                done = pos - b
+                take = (done + room) // 64 * 64 - done
+                if take <= 0:
+                    flush()
+                    pieces = []
+                    continue
             pieces.append(Piece(row, pos - b, cur_end - cur_start, take))
             cur_end += take
             pos += take

@@ -323,6 +323,8 @@ def _stats_flat(flat: np.ndarray, kind: str, parallel: bool, block: int, tile: i
 
 
 _SUPPORTED = _FLOAT + _HALF + _INT
+#: Format dtype names (``"BF16"``, ``"I64"``, ...) that :func:`stats` summarises.
+SUPPORTED_NAMES = frozenset(_SUPPORTED)
 
 
 def stats(
@@ -400,3 +402,38 @@ def stats(
         for _, piece in _pieces(a, chunk, any_order=True):
             result = result.merge(_stats_flat(piece.reshape(-1), kind, parallel, block, tile))
     return result
+
+
+def stats_file(path, names=None, *, threads: int | None = None) -> dict[str, Stats]:
+    """Statistics of every tensor of a file, an index or a checkpoint directory.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    names : iterable of str, optional
+        Only these tensors (default: all).
+    threads : int, optional
+        As for :func:`stats`.
+
+    Returns
+    -------
+    dict of str to Stats
+        In file order; tensors whose dtype the kernel does not summarise (FP8, sub-byte,
+        complex) are left out.
+
+    Notes
+    -----
+    Copies of tensor bytes: 0.  Each tensor is a read-only view of a mapping that the kernel
+    reads once; memory is bounded by the page cache, not by the model's size.  To get
+    statistics while loading tensors for use, see ``engine.stream(..., stats=True)``.
+    """
+    from .checkpoint import open_checkpoint
+
+    out: dict[str, Stats] = {}
+    with open_checkpoint(path, framework="numpy") as ck:
+        wanted = list(names) if names is not None else (
+            ck.offset_keys() if hasattr(ck, "offset_keys") else ck.keys())
+        for name in wanted:
+            if ck.get_slice(name).get_dtype() in SUPPORTED_NAMES:
+                out[name] = stats(ck.get_tensor(name), threads=threads)
+    return out

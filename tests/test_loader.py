@@ -217,3 +217,40 @@ def test_stream_to_cupy(model_file, per_tensor):
         np.testing.assert_array_equal(cupy.asnumpy(got[k]), v)
     with engine.safe_open(path, framework="cupy", device=0) as f:
         np.testing.assert_array_equal(cupy.asnumpy(f.get_slice("ids")[2:5]), sd["ids"][2:5])
+
+
+# -- statistics while loading -------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [64, 4096, None])
+def test_stream_stats_equal_stats_of_the_loaded_tensors(tmp_path, chunk):
+    pytest.importorskip("numba", reason="statistics need Numba (a test extra)")
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    sd = {
+        "f32": rng.standard_normal((300, 7)).astype(np.float32),
+        "bf16": rng.standard_normal((50, 33)).astype(ml_dtypes.bfloat16),
+        "ids": rng.integers(-5, 5, 1000),
+        "nan": np.array([1.0, np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32),
+        "fp8": rng.standard_normal(16).astype(ml_dtypes.float8_e4m3fn),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+    path = tmp_path / "s.safetensors"
+    engine.numpy.save_file(sd, path)
+    got = {n: (t, s) for n, t, s in engine.stream(path, framework="np", device="cpu", stats=True, chunk_bytes=chunk,
+                                                   threads=3)}
+    assert got.keys() == sd.keys()
+    assert got["fp8"][1] is None  # not summarised
+    for name in ("f32", "bf16", "ids", "nan", "empty"):
+        whole = engine.stats(sd[name])
+        piecewise = got[name][1]
+        assert (piecewise.count, piecewise.nan_count, piecewise.posinf_count, piecewise.neginf_count,
+                piecewise.zero_count) == (whole.count, whole.nan_count, whole.posinf_count, whole.neginf_count,
+                                          whole.zero_count), name
+        for field in ("min", "max", "absmax"):
+            a, b = getattr(piecewise, field), getattr(whole, field)
+            assert (np.isnan(a) and np.isnan(b)) or a == b, (name, field)
+        for field in ("mean", "std"):
+            a, b = getattr(piecewise, field), getattr(whole, field)
+            assert (np.isnan(a) and np.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=1e-12), (name, field)
+    files = engine.stats_file(path)
+    assert "fp8" not in files and files["ids"].max == sd["ids"].max()

@@ -96,3 +96,48 @@ def test_invalid_indices(index, match):
 def test_numpy_integer_types_are_indices():
     plan = plan_slice((5, 3), 4, (np.int64(2), np.int32(-1)))
     assert plan.result_shape == () and plan.src.tolist() == [(2 * 3 + 2) * 4]
+
+
+# -- whole-tensor read plans -------------------------------------------------------------------------
+from engine.plan import plan_reads  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=0, max_size=30),
+    pick=st.data(),
+    chunk=st.integers(1, 9000),
+    max_pieces=st.integers(1, 5),
+)
+def test_plan_reads_covers_exactly_the_selected_bytes(sizes, pick, chunk, max_pieces):
+    ends = np.cumsum(sizes).astype(np.int64) if sizes else np.zeros(0, np.int64)
+    begins = ends - np.asarray(sizes, dtype=np.int64)
+    rows = sorted(pick.draw(st.sets(st.integers(0, max(len(sizes) - 1, 0)))) if sizes else set())
+    reqs = plan_reads(begins, ends, rows, 100, chunk, max_pieces)
+    effective = max(64, chunk - chunk % 64)
+    covered = {}
+    prev_end = -1
+    for r in reqs:
+        assert r.nbytes <= effective and len(r.pieces) <= max_pieces
+        assert r.offset >= prev_end  # file order, no overlap
+        prev_end = r.offset + r.nbytes
+        assert sum(p.nbytes for p in r.pieces) == r.nbytes
+        pos = r.offset
+        for p in r.pieces:
+            assert p.request_offset == pos - r.offset
+            assert pos == 100 + begins[p.row] + p.tensor_offset  # piece sits where its bytes are
+            assert p.tensor_offset % 64 == 0 or p.tensor_offset == 0  # whole elements per piece
+            covered.setdefault(p.row, []).append((p.tensor_offset, p.nbytes))
+            pos += p.nbytes
+    for row in rows:
+        parts = sorted(covered.get(row, []))
+        assert sum(n for _, n in parts) == sizes[row]
+        assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
+    assert set(covered) == {r for r in rows if sizes[r]}
+
+
+def test_plan_reads_gap_ends_a_request():
+    begins, ends = np.array([0, 10, 20]), np.array([10, 20, 30])
+    reqs = plan_reads(begins, ends, [0, 2], 8, 1 << 20)
+    assert [(r.offset, r.nbytes) for r in reqs] == [(8, 10), (28, 10)]
+    assert [(r.offset, r.nbytes) for r in plan_reads(begins, ends, [0, 1, 2], 8, 1 << 20)] == [(8, 30)]
