@@ -168,12 +168,13 @@ def test_validate_weight_checks_skipped_or_run(model):
         assert "weight checks: skipped" in out.stderr and out.returncode == 0
 
 
-@pytest.mark.parametrize("command, attr", [("stats", "stats_file"), ("quantize", "quantize_file")])
-def test_stats_and_quantize_wiring(model, tmp_path, command, attr):
+@pytest.mark.parametrize("command, module, attr", [("stats", "statistics", "stats_file"),
+                                                    ("quantize", "quantize", "quantize_file")])
+def test_stats_and_quantize_wiring(model, tmp_path, command, module, attr):
     import importlib
 
     try:
-        available = hasattr(importlib.import_module(f"engine.{command}"), attr)
+        available = hasattr(importlib.import_module(f"engine.{module}"), attr)
     except ModuleNotFoundError:
         available = False
     args = [str(model)] if command == "stats" else [str(model), str(tmp_path / "q.safetensors")]
