@@ -441,6 +441,7 @@ class _BackgroundSync:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.wake = threading.Event()
+        self.pending = False
         self.closing = False
         self.error: OSError | None = None
         self.thread = threading.Thread(target=self._run, name="engine-fsync", daemon=True)
@@ -450,15 +451,19 @@ class _BackgroundSync:
         while True:
             self.wake.wait()
             self.wake.clear()
+            # a flush asked for before close() still runs: what was kicked is flushed
+            if self.pending:
+                self.pending = False
+                try:
+                    os.fdatasync(self.fd)
+                except OSError as exc:  # reported by close(), which commit() calls
+                    self.error = exc
+                    return
             if self.closing:
-                return
-            try:
-                os.fdatasync(self.fd)
-            except OSError as exc:  # reported by close(), which commit() calls
-                self.error = exc
                 return
 
     def kick(self) -> None:
+        self.pending = True
         self.wake.set()
 
     def close(self) -> OSError | None:

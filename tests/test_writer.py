@@ -132,11 +132,12 @@ def test_big_endian_numpy_matches_reference(dtype):
 
 
 @needs_torch
-@pytest.mark.parametrize("shape", [(), (0, 3), (2, 3)], ids=str)
-@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [(d, s) for d in TORCH_DTYPES for s in [(), (0, 3), (2, 3)] if not (d == "float4_e2m1fn_x2" and s == ())],
+    ids=str,
+)  # a packed FP4 scalar cannot be written: tested on its own below
 def test_torch_matches_reference(dtype, shape):
-    if dtype == "float4_e2m1fn_x2" and shape == ():
-        pytest.skip("a packed FP4 scalar cannot be written (tested below)")
     tensors = {"t": random_tensor(dtype, shape), "v": random_tensor(dtype, (4,), seed=1)}
     assert writer.save(tensors) == ref_torch.save(tensors)
     assert writer.save(tensors, {"k": "v"}) == ref_torch.save(tensors, {"k": "v"})
