@@ -18,7 +18,6 @@ its shard, every tensor of a shard is in the index, and no name is in two shards
 
 from __future__ import annotations
 
-import difflib
 import errno
 import json
 import os
@@ -467,18 +466,7 @@ class CheckpointInfo:
             raise self._not_found(name) from None
 
     def _not_found(self, name: object) -> TensorNotFoundError:
-        hint = ""
-        # difflib compares with every name: cheap enough below this many
-        if isinstance(name, str) and len(self.weight_map) <= 20_000:
-            close = difflib.get_close_matches(name, list(self.weight_map), n=1)
-            if close:
-                hint = f"; did you mean {close[0]!r}?"
-        return TensorNotFoundError(
-            f"no tensor named {name!r} in the checkpoint{hint}",
-            reason="TensorNotFound",
-            path=self.source,
-            tensors=(str(name),),
-        )
+        return TensorNotFoundError.for_name(name, self.weight_map, where="checkpoint", path=self.source)
 
     def __getitem__(self, name: str) -> TensorInfo:
         """:class:`~engine.header.TensorInfo` of ``name`` (offsets are within its shard)."""

@@ -114,6 +114,22 @@ class HeaderError(SafetensorError, ValueError):
 class TensorNotFoundError(SafetensorError, KeyError):
     """A tensor name that the file does not hold."""
 
+    #: difflib compares the missing name with every name; above this many it is not cheap
+    SUGGEST_LIMIT = 20_000
+
+    @classmethod
+    def for_name(cls, name: object, names, *, where: str, path=None) -> "TensorNotFoundError":
+        """The error for a missing ``name``, suggesting the closest of ``names`` when cheap."""
+        import difflib
+
+        hint = ""
+        if isinstance(name, str) and len(names) <= cls.SUGGEST_LIMIT:
+            close = difflib.get_close_matches(name, list(names), n=1)
+            if close:
+                hint = f"; did you mean {close[0]!r}?"
+        return cls(f"no tensor named {name!r} in the {where}{hint}", reason="TensorNotFound", path=path,
+                   tensors=(str(name),))
+
 
 class SerializationError(SafetensorError, ValueError):
     """Tensors or metadata that cannot be written (non-contiguous, shared memory, bad names)."""

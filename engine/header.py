@@ -9,7 +9,6 @@ lives in the private Cython module :mod:`engine._header`.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 from collections.abc import Iterator
@@ -32,8 +31,6 @@ __all__ = [
 #: Largest header (the JSON part, in bytes) accepted unless ``max_header_size`` says otherwise.
 MAX_HEADER_SIZE: int = _header.MAX_HEADER_SIZE
 
-# difflib compares the missing name with every name; above this many it is not cheap.
-_SUGGEST_LIMIT = 20_000
 
 
 class TensorInfo(NamedTuple):
@@ -200,18 +197,7 @@ class Header:
         return self.infos()
 
     def _not_found(self, name: object) -> TensorNotFoundError:
-        hint = ""
-        if isinstance(name, str) and len(self.table.names) <= _SUGGEST_LIMIT:
-            close = difflib.get_close_matches(name, self.table.names, n=1)
-            if close:
-                hint = f"; did you mean {close[0]!r}?"
-        # str(err) starts with the path when there is one
-        return TensorNotFoundError(
-            f"no tensor named {name!r} in the file{hint}",
-            reason="TensorNotFound",
-            path=self.path,
-            tensors=(str(name),),
-        )
+        return TensorNotFoundError.for_name(name, self.table.names, where="file", path=self.path)
 
     # -- summaries -----------------------------------------------------------------------
     def parameters(self) -> dict[str, int]:

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from .errors import SafetensorError
 from .plan import Request
-from .reader import pread_into
+from .reader import pread_into, run_threads
 
 __all__ = ["DeviceOps", "Destination", "run", "Cancelled"]
 
@@ -137,7 +137,6 @@ def run(
     tracker = _Tracker(requests, on_complete)
     lock = threading.Lock()
     next_index = [0]
-    errors: list[BaseException] = []
     total = sum(r.nbytes for r in requests)
     if not requests:
         return 0
@@ -191,29 +190,11 @@ def run(
             for item in in_flight:
                 if item is not None:
                     ops.wait(item[0])
-                    if not errors and not cancel.is_set():
+                    if not cancel.is_set():
                         tracker.landed(item[1])
 
     body = device_worker if dest.on_device else host_worker
-
-    def guarded() -> None:
-        try:
-            body()
-        except BaseException as exc:  # reported to the caller below
-            with lock:
-                errors.append(exc)
-            cancel.set()
-
-    if threads == 1:
-        guarded()
-    else:
-        workers = [threading.Thread(target=guarded, name=f"engine-read-{i}", daemon=True) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    if errors:
-        raise errors[0]
+    run_threads([body] * threads, on_error=cancel.set)
     if cancel.is_set():
         raise Cancelled("the load was cancelled", reason="Cancelled", path=path)
     return total

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from .errors import ReadError
 
-__all__ = ["default_threads", "pread_into", "pread_runs", "IOV_MAX"]
+__all__ = ["default_threads", "pread_into", "pread_runs", "run_threads", "IOV_MAX"]
 
 #: Most buffers one ``preadv`` call takes.
 IOV_MAX = 1024
@@ -138,24 +138,37 @@ def pread_runs(
                 reason="IoError", path=path, offset=at, size=missing,
             )
 
-    if threads == 1:
-        part(0, n)
-        return
-    import threading
-
     bounds = [n * k // threads for k in range(threads + 1)]
+    run_threads([lambda lo=lo, hi=hi: part(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])])
+
+
+def run_threads(jobs, *, name: str = "engine-read", on_error=None) -> None:
+    """Run each job on a thread of its own (a single job on the calling thread) and join.
+
+    The first exception of any job is re-raised once every thread has ended, so no thread
+    outlives the call; ``on_error()`` runs as soon as a job fails (e.g. to tell the others
+    to stop).
+    """
     errors: list[BaseException] = []
 
-    def guarded(lo: int, hi: int) -> None:
+    def guarded(job) -> None:
         try:
-            part(lo, hi)
-        except BaseException as exc:  # re-raised in the caller
+            job()
+        except BaseException as exc:  # re-raised in the caller below
             errors.append(exc)
+            if on_error is not None:
+                on_error()
 
-    workers = [threading.Thread(target=guarded, args=(bounds[k], bounds[k + 1])) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    if len(jobs) == 1:
+        guarded(jobs[0])
+    else:
+        import threading
+
+        workers = [threading.Thread(target=guarded, args=(job,), name=f"{name}-{i}", daemon=True)
+                   for i, job in enumerate(jobs)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
     if errors:
         raise errors[0]
