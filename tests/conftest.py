@@ -135,3 +135,19 @@ def valid_file(st_file):
         metadata={"format": "pt", "note": "ünïcode ✓"},
     )
     return st_file(header, size)
+
+
+def pytest_collection_modifyitems(config, items):
+    """With NUMBA_DISABLE_JIT=1 (the coverage run of the kernels) leave out the tests marked
+    ``jit_only``: they need compiled kernels (large inputs, allocation counts) and run in
+    the ordinary pass."""
+    import os
+
+    if os.environ.get("NUMBA_DISABLE_JIT", "0") in ("", "0"):
+        return
+    kept, dropped = [], []
+    for item in items:
+        (dropped if item.get_closest_marker("jit_only") else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

@@ -23,7 +23,8 @@ from engine import quantize as Q
 S = importlib.import_module("engine.statistics")
 
 JIT = not numba.config.DISABLE_JIT
-needs_jit = pytest.mark.skipif(not JIT, reason="too slow with NUMBA_DISABLE_JIT=1")
+# compiled kernels only: deselected (not skipped) when NUMBA_DISABLE_JIT=1, see conftest.py
+needs_jit = pytest.mark.jit_only
 ALL_U16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
 
