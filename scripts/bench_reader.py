@@ -160,15 +160,6 @@ def main() -> int:
                 median_time(lambda: slice_ours(backend, index).sum(), runs),
                 median_time(lambda: slice_ref(index).sum(), runs), "then .sum()")
 
-    # the floor of an owned load from a warm cache: first touch of as much fresh memory
-    from engine.sinks import host_block
-
-    def fresh_block():
-        np.frombuffer(host_block(nbytes), np.uint8)[::4096] = 1
-
-    row("floor: first touch of fresh memory", median_time(fresh_block, runs), None,
-        "page faults of a new block as large as the file (no reading)")
-
     if torch.cuda.is_available():
         _cuda_rows(path, runs, row, ref, engine, torch, safetensors)
 

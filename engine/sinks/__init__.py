@@ -53,9 +53,9 @@ def host_block(nbytes: int) -> mmap.mmap:
     """Private anonymous memory for an owned load: one block per load, tensors are views.
 
     Not a mapping of the file: reads fill it with ``preadv``.  First touch of this fresh
-    memory (page faults) is most of the cost of an owned load from a warm page cache;
-    transparent huge pages (``MADV_HUGEPAGE``) were tried and measured several times slower
-    in a fresh process here, because the kernel compacts memory to find them.
+    memory (page faults) is most of the cost of an owned load from a warm page cache.
+    Transparent huge pages (``MADV_HUGEPAGE``) were tried and dropped: in a fresh process
+    on the CI machine the kernel's memory compaction made loads several times slower.
     """
     return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
