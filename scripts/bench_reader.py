@@ -86,6 +86,7 @@ def main() -> int:
     import engine
     import engine.torch
 
+    os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, f"bench-reader-{size >> 20}M.safetensors")
     make_checkpoint(path, size)
     nbytes = os.path.getsize(path)

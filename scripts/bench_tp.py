@@ -43,18 +43,9 @@ def make(path: str, cfg: dict) -> None:
 
     if os.path.exists(path):
         return
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    sd = {"model.embed_tokens.weight": torch.randn(v, h).bfloat16(), "model.norm.weight": torch.ones(h).bfloat16(),
-          "lm_head.weight": torch.randn(v, h).bfloat16()}
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        for name, shape in [("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (kv, h)),
-                            ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, h)),
-                            ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)),
-                            ("mlp.down_proj.weight", (h, i)), ("input_layernorm.weight", (h,)),
-                            ("post_attention_layernorm.weight", (h,))]:
-            sd[p + name] = torch.randn(shape).bfloat16()
+    from engine.validator import expected_tensors
+
+    sd = {name: torch.randn(shape).bfloat16() for name, shape in expected_tensors(cfg).items()}
     engine.torch.save_file(sd, path)
 
 
@@ -126,6 +117,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = config_for(args.quick)
     world = args.world or (2 if args.quick else 4)
+    os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, f"bench-tp-{'quick' if args.quick else 'full'}.safetensors")
     make(path, cfg)
     with socket.socket() as s:

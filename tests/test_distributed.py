@@ -33,21 +33,12 @@ CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def llama_state_dict(cfg=CONFIG, seed=0):
+    """Random weights with the names and shapes a LLaMA config implies (BF16 projections)."""
+    from engine.validator import expected_tensors
+
     g = torch.Generator().manual_seed(seed)
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
-    sd = {"model.embed_tokens.weight": torch.randn(v, h, generator=g), "model.norm.weight": torch.randn(h, generator=g),
-          "lm_head.weight": torch.randn(v, h, generator=g)}
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        for name, shape in [("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (kv, h)),
-                            ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, h)),
-                            ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)),
-                            ("mlp.down_proj.weight", (h, i)), ("input_layernorm.weight", (h,)),
-                            ("post_attention_layernorm.weight", (h,))]:
-            sd[p + name] = torch.randn(shape, generator=g).to(torch.bfloat16 if "proj" in name else torch.float32)
-    return sd
+    return {name: torch.randn(shape, generator=g).to(torch.bfloat16 if "proj" in name else torch.float32)
+            for name, shape in expected_tensors(cfg).items()}
 
 
 def _free_port() -> int:
