@@ -156,8 +156,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def _row(self, name: str) -> int:
         row = self._index.get(name)
         if row is None:
-            self.header[name]  # raises TensorNotFoundError with the file and a suggestion
-            raise TensorNotFoundError(f"no tensor {name!r}", path=self._path, tensors=(name,))  # pragma: no cover
+            raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
         return row
 
     def _mapping(self):
@@ -186,15 +185,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         names = t.names
         sink = self._sink
         if self._backend == "mmap" and not sink.on_device:
-            codes, shapes, begins, ends = t.codes, t.shapes, t.begins, t.ends
-            start = self.header.data_start
-            base = self._mapping()
-            view = sink.view
-            out = {}
-            for r in rows:
-                b = int(begins[r])
-                out[names[r]] = view(base, int(codes[r]), shapes[r], start + b, int(ends[r]) - b)
-            return out
+            return views(sink, self._mapping(), self.header, rows, self.header.data_start)
         # owned memory and devices: the threaded pipeline, never a mapping
         got = load_rows(fd, self.header, rows, sink, path=self._path)
         return {names[r]: got[r] for r in rows}
@@ -238,6 +229,20 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def __repr__(self) -> str:
         state = "closed" if self._fd is None else f"{len(self.header)} tensors"
         return f"<engine.safe_open {self._path!r} {self._sink.name} {self._backend} ({state})>"
+
+
+def views(sink, base, header: Header, rows, data_start: int) -> dict:
+    """Tensors of ``rows`` as zero-copy views of ``base``, whose byte ``data_start`` is the
+    first byte of the data region (a mapped file, the bytes of a whole file, or a copy of its
+    data region); keyed by name, in the order of ``rows``."""
+    t = header.table
+    names, codes, shapes, begins, ends = t.names, t.codes, t.shapes, t.begins, t.ends
+    view = sink.view
+    out = {}
+    for r in rows:
+        b = int(begins[r])
+        out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
+    return out
 
 
 class TensorSlice:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
@@ -248,7 +249,7 @@ def _code_of(x) -> tuple[int, tuple, bool, bool]:
 
     if isinstance(x, np.ndarray):
         return dtypes.from_numpy(x.dtype), x.shape, x.flags.c_contiguous and x.flags.writeable, False
-    torch = __import__("sys").modules.get("torch")
+    torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         return dtypes.from_torch(x.dtype), tuple(x.shape), x.is_contiguous(), x.device.type != "cpu"
     raise TensorMismatchError(f"cannot load into a {type(x).__name__}; expected a numpy array or torch tensor")

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from . import writer
-from .api import safe_open
+from .api import safe_open, views
 from .errors import SerializationError
 from .header import parse_buffer
 from .sinks.numpy import NumpySink
@@ -49,15 +49,7 @@ def load(data: bytes) -> dict[str, np.ndarray]:
     Copies of tensor bytes: 0; the arrays are read-only views of ``data`` and keep it alive.
     """
     header = parse_buffer(data)
-    view = memoryview(data)
-    t = header.table
-    sink = NumpySink()
-    start = header.data_start
-    out = {}
-    for r in t.order.tolist():
-        b, e = int(t.begins[r]), int(t.ends[r])
-        out[t.names[r]] = sink.from_bytes(int(t.codes[r]), t.shapes[r], view[start + b : start + e])
-    return out
+    return views(NumpySink(), data, header, header.table.order.tolist(), header.data_start)
 
 
 def _check(tensor_dict) -> None:

@@ -171,8 +171,9 @@ def plan_slice(shape: tuple[int, ...], itemsize: int, index) -> SlicePlan:
 
 # -- whole-tensor read plans --------------------------------------------------------------------
 
-#: Default bytes per read request.  Measured on a 2-core machine (see scripts/bench_reader.py):
-#: 8-16 MiB requests saturate the page cache copy; larger ones only delay the first tensor.
+#: Default bytes per read request: large enough that the system call costs nothing next to
+#: the copy, small enough to spread one big tensor over the reader threads and to keep the
+#: staging slots of a GPU load (threads x 2 x this) modest.
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 
 

@@ -11,7 +11,7 @@ from typing import Optional, Union
 import torch
 
 from . import writer
-from .api import safe_open
+from .api import safe_open, views
 from .errors import SerializationError
 from .header import parse_buffer
 from .sinks.torch import TorchSink
@@ -54,15 +54,10 @@ def load(data: bytes) -> dict[str, torch.Tensor]:
     the data region is copied once into one ``bytearray`` that the tensors share.
     """
     header = parse_buffer(data)
-    owned = bytearray(memoryview(data)[header.data_start :])
-    t = header.table
+    # one owned copy of the data region (at least one byte: torch cannot wrap an empty buffer)
+    owned = bytearray(memoryview(data)[header.data_start :]) or bytearray(1)
     sink = TorchSink()
-    view = memoryview(owned)
-    out = {}
-    for r in t.order.tolist():
-        b, e = int(t.begins[r]), int(t.ends[r])
-        out[t.names[r]] = sink.from_bytes(int(t.codes[r]), t.shapes[r], view[b:e])
-    return out
+    return views(sink, sink.map(owned), header, header.table.order.tolist(), 0)
 
 
 def _check(tensors) -> None:

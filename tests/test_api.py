@@ -432,3 +432,11 @@ def test_safe_open_takes_an_index_or_a_directory(tmp_path):
             for k, v in tensors.items():
                 assert _bits_equal(f.get_tensor(k), v)
                 np.testing.assert_array_equal(f.get_slice(k)[3:5, ::7], v[3:5, ::7])
+
+
+def test_load_from_bytes_with_no_tensor_bytes():
+    for tensors in ({"e": np.zeros((0, 3), np.float32)}, {}):
+        data = engine.numpy.save(tensors)
+        assert {k: v.shape for k, v in engine.numpy.load(data).items()} == {k: v.shape for k, v in tensors.items()}
+        assert {k: tuple(v.shape) for k, v in engine.torch.load(data).items()} == {
+            k: v.shape for k, v in tensors.items()}

@@ -55,7 +55,7 @@ def host_block(nbytes: int) -> mmap.mmap:
     Not a mapping of the file: reads fill it with ``preadv``.  First touch of this fresh
     memory (page faults) is most of the cost of an owned load from a warm page cache.
     Transparent huge pages (``MADV_HUGEPAGE``) were tried and dropped: in a fresh process
-    on the CI machine the kernel's memory compaction made loads several times slower.
+    the kernel compacts memory to find them, which made loads slower, not faster.
     """
     return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 

@@ -48,10 +48,6 @@ class NumpySink:
         """Writable byte view of an owned C-contiguous array (no copy)."""
         return memoryview(arr.reshape(-1).view(np.uint8))
 
-    def from_bytes(self, code: int, shape: tuple, data) -> np.ndarray:
-        """Array over ``data`` (a bytes-like holding exactly the tensor), zero-copy."""
-        return np.frombuffer(data, dtypes.numpy_dtype(code)).reshape(dtypes.packed_shape(code, shape, len(data)))
-
     @staticmethod
     def finish(arr, flip: tuple, result_shape: tuple):
         if flip:

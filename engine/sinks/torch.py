@@ -36,8 +36,9 @@ class TorchSink:
             raise DeviceError(f"device {device!r}: the engine loads torch tensors to 'cpu' or 'cuda' only")
         self.on_device = self.device.type != "cpu"
 
-    def map(self, mm: mmap.mmap):
-        return _MappedStorage(torch.frombuffer(mm, dtype=torch.uint8))
+    def map(self, buffer):
+        """Views over a writable buffer (a private mapping of the file, or owned bytes)."""
+        return _MappedStorage(torch.frombuffer(buffer, dtype=torch.uint8))
 
     def view(self, base: "_MappedStorage", code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
         return base.view(code, dtypes.packed_shape(code, shape, nbytes), offset, nbytes)
@@ -51,7 +52,7 @@ class TorchSink:
 
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)
-        base = _MappedStorage(torch.frombuffer(block, dtype=torch.uint8))
+        base = self.map(block)
         whole = memoryview(block)
         tensors, views = {}, {}
         for (row, code, shape, nbytes), off in zip(specs, offsets):
@@ -69,12 +70,6 @@ class TorchSink:
         if t.numel() == 0:
             return memoryview(bytearray())
         return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-    def from_bytes(self, code: int, shape: tuple, data) -> torch.Tensor:
-        shape = dtypes.packed_shape(code, shape, len(data))
-        if len(data) == 0:
-            return torch.empty(shape, dtype=dtypes.torch_dtype(code))
-        return torch.frombuffer(data, dtype=dtypes.torch_dtype(code)).reshape(shape)
 
     @staticmethod
     def finish(t, flip: tuple, result_shape: tuple):
