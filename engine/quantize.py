@@ -34,7 +34,7 @@ import numpy as np
 from . import dtypes as _dt
 from . import kernels as _k
 from .errors import NonFiniteError, SerializationError
-from .statistics import BLOCK, CHUNK, TILE, _as_numpy, _check_tunables, _kind, _pieces, _pool, _readonly
+from .statistics import BLOCK, CHUNK, FLOAT_FORMATS, TILE, _as_numpy, _check_tunables, _kind, _pieces, _pool, _readonly
 
 try:  # numpy >= 2
     from numpy.lib.array_utils import normalize_axis_index
@@ -85,32 +85,13 @@ class _Keys(NamedTuple):
     ft: np.dtype  # the float type itself
 
 
-_KEYS = {
-    "F32": _Keys(
-        np.uint32(0x7FFFFFFF),
-        np.uint32(0x7F800000),
-        np.uint32(0x80000000),
-        np.dtype(np.int32),
-        np.dtype(np.uint32),
-        np.dtype(np.float32),
-    ),
-    "F16": _Keys(
-        np.uint16(0x7FFF),
-        np.uint16(0x7C00),
-        np.uint16(0x8000),
-        np.dtype(np.int16),
-        np.dtype(np.uint16),
-        np.dtype(np.float16),
-    ),
-    "BF16": _Keys(
-        np.uint16(0x7FFF),
-        np.uint16(0x7F80),
-        np.uint16(0x8000),
-        np.dtype(np.int16),
-        np.dtype(np.uint16),
-        np.dtype(ml_dtypes.bfloat16),
-    ),
-}
+def _keys(kind: str) -> _Keys:
+    it, ut, lim, ft = FLOAT_FORMATS[kind]
+    sign = 1 << (np.iinfo(it).bits - 1)
+    return _Keys(ut(sign - 1), ut(lim), ut(sign), np.dtype(it), np.dtype(ut), np.dtype(ft))
+
+
+_KEYS = {kind: _keys(kind) for kind in ("F32", "F16", "BF16")}
 
 
 def _dims(shape: tuple, axis: int | None) -> tuple[int, int, int]:

@@ -244,16 +244,19 @@ def _check_tunables(block: int, tile: int, chunk: int) -> None:
 # --------------------------------------------------------------------------- float keys
 
 
+#: Bit layout of each float format: (signed view, unsigned view, +Inf bit pattern, float type).
+#: The one source for the kernels' constants here and in engine.quantize.
+FLOAT_FORMATS = {
+    "F32": (np.int32, np.uint32, 0x7F800000, np.float32),
+    "F64": (np.int64, np.uint64, 0x7FF0000000000000, np.float64),
+    "F16": (np.int16, np.uint16, 0x7C00, np.float16),
+    "BF16": (np.int16, np.uint16, 0x7F80, ml_dtypes.bfloat16),
+}
+
+
 def _float_consts(kind: str):
     """Integer views and typed constants for the float kernels (see engine.kernels)."""
-    if kind == "F32":
-        it, ut, lim = np.int32, np.uint32, 0x7F800000
-    elif kind == "F64":
-        it, ut, lim = np.int64, np.uint64, 0x7FF0000000000000
-    elif kind == "F16":
-        it, ut, lim = np.int16, np.uint16, 0x7C00
-    else:  # BF16
-        it, ut, lim = np.int16, np.uint16, 0x7F80
+    it, ut, lim, _ = FLOAT_FORMATS[kind]
     info = np.iinfo(it)
     sign = 1 << (info.bits - 1)
     sc = np.array([lim, info.min, info.max], dtype=it)
@@ -261,12 +264,7 @@ def _float_consts(kind: str):
     return it, ut, sc, uc
 
 
-_FLOAT_DTYPE = {
-    "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-}
+_FLOAT_DTYPE = {kind: np.dtype(fmt[3]) for kind, fmt in FLOAT_FORMATS.items()}
 
 
 def _decode_minmax(kind: str, max_i: int, min_i: int, max_u: int) -> tuple[float, float]:
