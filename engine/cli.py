@@ -94,23 +94,13 @@ def _checkpoint_info(args):
     return read_checkpoint_info(args.path, max_header_size=args.max_header_size)
 
 
-def _optional(module: str, attr: str, command: str):
-    """``module.attr`` if that module exists and has it, else ``None``.
-
-    A module that exists but needs a missing package (numba) is a MissingDependencyError.
-    """
+def _kernel_api(module: str, attr: str, command: str):
+    """``module.attr`` of a module built on the Numba kernels; a clear error without Numba."""
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name == module:
-            return None
-        raise MissingDependencyError(exc.name or "a package", "kernels", f"engine {command}") from None
-    return getattr(mod, attr, None)
-
-
-def _not_available(command: str, what: str) -> int:
-    print(f"engine {command}: error: not available in this build ({what} is missing)", file=sys.stderr)
-    return 2
+        raise MissingDependencyError(exc.name or "numba", "kernels", f"engine {command}") from None
+    return getattr(mod, attr)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -246,38 +236,23 @@ def _cell(value: Any) -> str:
 
 
 def _cmd_stats(args) -> int:
-    stats_file = _optional("engine.statistics", "stats_file", "stats")
-    if stats_file is None:
-        return _not_available("stats", "engine.stats_file")
-    result = stats_file(args.path, names=args.names) if args.names else stats_file(args.path)
+    stats_file = _kernel_api("engine.statistics", "stats_file", "stats")
+    result = stats_file(args.path, names=args.names)
     if args.json:
-        out = {
-            k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
-            for k, v in dict(result).items()
-        } if isinstance(result, Mapping) else result
-        json.dump(out, sys.stdout, indent=2, default=str)
+        json.dump({k: dataclasses.asdict(v) for k, v in result.items()}, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
         return 0
-    if isinstance(result, Mapping) and result and all(dataclasses.is_dataclass(v) for v in result.values()):
+    if result:
         fields = [f.name for f in dataclasses.fields(next(iter(result.values())))]
         rows = [[name] + [_cell(getattr(s, f)) for f in fields] for name, s in result.items()]
         for line in _table(rows, ["name", *fields], right=range(1, len(fields) + 1)):
             print(line)
-    elif isinstance(result, Mapping):
-        for name, value in result.items():
-            print(f"{name}: {value}")
-    else:
-        print(result)
     return 0
 
 
 def _cmd_quantize(args) -> int:
-    quantize_file = _optional("engine.quantize", "quantize_file", "quantize")
-    if quantize_file is None:
-        return _not_available("quantize", "engine.quantize_file")
-    result = quantize_file(args.src, args.dst)
-    if result is not None:
-        print(result)
+    quantize_file = _kernel_api("engine.quantize", "quantize_file", "quantize")
+    print(quantize_file(args.src, args.dst))
     print(f"wrote {args.dst}")
     return 0
 
