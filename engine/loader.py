@@ -26,7 +26,7 @@ from . import dtypes, pipeline
 from .errors import SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
-from .reader import IOV_MAX, default_threads
+from .reader import IOV_MAX, default_threads, pread_into
 from .sinks import get_sink
 
 __all__ = ["stream", "load_into", "load_rows"]
@@ -71,7 +71,7 @@ def load_rows(
     on_complete: Optional[Callable[[int], None]] = None,
     cancel: Optional[threading.Event] = None,
     destination=None,
-    on_piece=None,
+    fill=None,
 ) -> dict[int, Any]:
     """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor."""
     if destination is None:
@@ -90,7 +90,7 @@ def load_rows(
         chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
         on_complete=on_complete,
         cancel=cancel,
-        on_piece=on_piece,
+        fill=fill,
     )
     return tensors
 
@@ -162,7 +162,7 @@ def stream(
         _advise_sequential(fd)
         tensors, destination = _destination(sink, header, rows, per_tensor)
         t = header.table
-        collector = _StatsCollector(header, rows) if stats else None
+        collector = _StatsCollector(header, rows, spath) if stats else None
 
         def result(row):
             if collector is None:
@@ -180,7 +180,7 @@ def stream(
                 load_rows(
                     fd, header, rows, sink, path=spath, threads=threads, chunk_bytes=chunk_bytes,
                     on_complete=done.put, cancel=cancel, destination=(tensors, destination),
-                    on_piece=collector.piece if collector is not None else None,
+                    fill=collector.fill if collector is not None else None,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer
@@ -203,36 +203,80 @@ def stream(
 
 
 class _StatsCollector:
-    """Statistics of tensors as their chunks land, merged per tensor."""
+    """Statistics of tensors as their pieces are read, on the reader threads.
 
-    def __init__(self, header: Header, rows: list[int]) -> None:
-        import numpy as np
+    Its :meth:`fill` is the pipeline's read hook.  A piece of at least ``WINDOW`` bytes is
+    read and summarised in one native call, a window at a time, so that the kernel finds
+    each window in the L2 cache where the read just left it (summarising a whole 16 MiB
+    request after reading it would fetch it back from memory).  Smaller pieces are read
+    together with one ``preadv`` and summarised right after.  Each reader thread has its
+    own accumulator per tensor; they merge when the tensor is complete.
+    """
 
+    #: bytes per window: well inside a core's L2 with room for the kernel's scratch
+    WINDOW = 256 << 10
+
+    def __init__(self, header: Header, rows: list[int], path: Optional[str]) -> None:
         from . import statistics
 
-        self._stats = statistics.stats
+        self._new = statistics.Accumulator
         self._empty = statistics.Stats.empty()
+        self.path = path
         t = header.table
-        self.dtype: dict[int, Any] = {}
+        self.kind: dict[int, str] = {}
         for r in rows:
             d = dtypes.DTYPES[int(t.codes[r])]
             if not d.sub_byte and d.name in statistics.SUPPORTED_NAMES:
-                self.dtype[r] = dtypes.numpy_dtype(d.code)
-        self.partial: dict[int, Any] = {r: self._empty for r in self.dtype}
-        self.lock = threading.Lock()
-        self._np = np
+                self.kind[r] = d.name
+        self._acc: dict[int, dict[int, Any]] = {}  # row -> thread id -> Accumulator
 
-    def piece(self, row: int, tensor_offset: int, data: memoryview) -> None:
-        dt = self.dtype.get(row)
-        if dt is None:
-            return
-        # threads=1: the kernel runs on this reader thread with the GIL released
-        s = self._stats(self._np.frombuffer(data, dt), threads=1)
-        with self.lock:
-            self.partial[row] = self.partial[row].merge(s)
+    def _accumulator(self, row: int):
+        per_thread = self._acc.setdefault(row, {})  # atomic: both threads get the same dict
+        me = threading.get_ident()
+        acc = per_thread.get(me)
+        if acc is None:  # only this thread adds its own key
+            acc = per_thread[me] = self._new(self.kind[row])
+        return acc
+
+    def fill(self, fd: int, req, targets: list) -> None:
+        import numpy as np
+
+        kind = self.kind
+        run: list = []  # small pieces, contiguous in the file, read together
+        run_offset = req.offset
+
+        def flush() -> None:
+            if run:
+                pread_into(fd, run_offset, [v for _, v in run], path=self.path)
+                for row, v in run:
+                    if row in kind:
+                        self._accumulator(row).add(v)
+                run.clear()
+
+        for p, view in zip(req.pieces, targets):
+            if p.nbytes < self.WINDOW or p.row not in kind:
+                if not run:
+                    run_offset = req.offset + p.request_offset
+                run.append((p.row, view))
+                continue
+            flush()
+            offset = req.offset + p.request_offset
+            dest = np.frombuffer(view, np.uint8)
+            acc = self._accumulator(p.row)
+            done = acc.read(fd, offset, dest, self.WINDOW)
+            if done < p.nbytes:  # a short read or an error: read the rest the usual way
+                pread_into(fd, offset + done, [view[done:]], path=self.path)
+                acc.add(view[done:])
+        flush()
 
     def result(self, row: int):
-        return self.partial.get(row)
+        """Statistics of a complete tensor (asked once per tensor: its accumulators go)."""
+        if row not in self.kind:
+            return None
+        out = self._empty
+        for acc in self._acc.pop(row, {}).values():
+            out = out.merge(acc.result())
+        return out
 
 
 def _select(header: Header, path: str, names, patterns, predicate, layers) -> list[int]:

@@ -114,14 +114,16 @@ def run(
     chunk_bytes: int,
     on_complete: Optional[Callable[[int], None]] = None,
     cancel: Optional[threading.Event] = None,
-    on_piece: Optional[Callable[[int, int, memoryview], None]] = None,
+    fill: Optional[Callable[[int, Request, list], None]] = None,
 ) -> int:
     """Execute ``requests`` into ``dest`` on ``threads`` worker threads; returns bytes read.
 
-    ``on_piece(row, tensor_offset, data)``, if given, sees every piece of a tensor in host
-    memory right after it was read (for devices: in the staging slot, before the copy), on
-    the worker thread that read it, before the tensor is reported complete: the place for
-    work that must not take a second pass over memory, such as statistics.
+    ``fill(fd, request, targets)``, if given, replaces the plain read of each request: it
+    must fill ``targets`` (one writable host memoryview per piece of ``request``; for
+    devices, parts of the staging slot) with the request's bytes or raise.  It runs on the
+    worker thread, before the pieces are copied to a device or reported complete: the place
+    for work that must see the bytes while they are still in the CPU cache, such as
+    statistics (see ``engine.loader``).
 
     Raises the first worker error (a :class:`~engine.errors.ReadError` names the file,
     offset and size) after every worker has stopped; raises :class:`Cancelled` when
@@ -154,10 +156,10 @@ def run(
         views = dest.host_views
         while (req := take()) is not None:
             targets = [views[p.row][p.tensor_offset : p.tensor_offset + p.nbytes] for p in req.pieces]
-            pread_into(fd, req.offset, targets, path=path)
-            if on_piece is not None:
-                for p, data in zip(req.pieces, targets):
-                    on_piece(p.row, p.tensor_offset, data)
+            if fill is None:
+                pread_into(fd, req.offset, targets, path=path)
+            else:
+                fill(fd, req, targets)
             tracker.landed(req.pieces)
 
     def device_worker() -> None:
@@ -177,10 +179,10 @@ def run(
                     in_flight[slot] = None
                     tracker.landed(pieces)
                 handle, view = ring[slot]
-                pread_into(fd, req.offset, [view[: req.nbytes]], path=path)
-                if on_piece is not None:
-                    for p in req.pieces:
-                        on_piece(p.row, p.tensor_offset, view[p.request_offset : p.request_offset + p.nbytes])
+                if fill is None:
+                    pread_into(fd, req.offset, [view[: req.nbytes]], path=path)
+                else:
+                    fill(fd, req, [view[p.request_offset : p.request_offset + p.nbytes] for p in req.pieces])
                 targets = dest.device_targets
                 for p in req.pieces:
                     ops.copy_to_device(targets[p.row], p.tensor_offset, handle, p.request_offset, p.nbytes, stream)

@@ -22,7 +22,7 @@ from . import dtypes as _dt
 from . import kernels as _k
 from .errors import DeviceError, SerializationError
 
-__all__ = ["Stats", "stats"]
+__all__ = ["Accumulator", "Stats", "stats", "stats_file"]
 
 #: Default tunables (arguments of the public functions, not read by the kernels).
 BLOCK = 1 << 16  # elements per parallel task
@@ -287,30 +287,17 @@ def _decode_minmax(kind: str, max_i: int, min_i: int, max_u: int) -> tuple[float
 # --------------------------------------------------------------------------- core
 
 
-def _stats_flat(flat: np.ndarray, kind: str, parallel: bool, block: int, tile: int) -> Stats:
-    """Statistics of one C-contiguous 1-D array of safetensors dtype ``kind``.
-
-    The unit the streaming reader will call per chunk; merge results with
-    :meth:`Stats.merge`.
-    """
-    n = flat.size
+def _int_result(n, nzero, mean, m2, mn, mx) -> Stats:
     if n == 0:
         return Stats.empty()
-    flat = _readonly(flat)
-    if kind in _INT:
-        if kind == "BOOL":
-            flat = flat.view(np.uint8)
-        cnt, nzero, mean, m2, mn, mx = _k.stats_int(flat, block, tile, parallel)
-        mn, mx = int(mn), int(mx)
-        return Stats(n, mn, mx, float(mean), math.sqrt(m2 / n), max(abs(mn), abs(mx)), 0, 0, 0, int(nzero))
-    it, ut, sc, uc = _float_consts(kind)
-    ki, ku = flat.view(it), flat.view(ut)
-    if kind in _HALF:
-        fmt = _k.F16 if kind == "F16" else _k.BF16
-        res = _k.stats_half(fmt, ki, ku, sc, uc, block, tile, parallel)
-    else:
-        res = _k.stats_float(flat, ki, ku, sc, uc, block, tile, parallel)
-    nfin, nnan, npos, nneg, nzero, mean, m2, max_i, min_i, max_u = res
+    mn, mx = int(mn), int(mx)
+    return Stats(int(n), mn, mx, float(mean), math.sqrt(m2 / n), max(abs(mn), abs(mx)), 0, 0, 0, int(nzero))
+
+
+def _float_result(kind, nfin, nnan, npos, nneg, nzero, mean, m2, max_i, min_i, max_u) -> Stats:
+    n = int(nfin) + int(nnan) + int(npos) + int(nneg)
+    if n == 0:
+        return Stats.empty()
     if nfin == 0:
         mn = mx = absmax = mean = std = math.nan
     else:
@@ -318,6 +305,112 @@ def _stats_flat(flat: np.ndarray, kind: str, parallel: bool, block: int, tile: i
         absmax = max(abs(mn), abs(mx))
         std = math.sqrt(m2 / nfin)
     return Stats(n, mn, mx, float(mean), std, absmax, int(nnan), int(npos), int(nneg), int(nzero))
+
+
+def _stats_flat(flat: np.ndarray, kind: str, parallel: bool, block: int, tile: int) -> Stats:
+    """Statistics of one C-contiguous 1-D array of safetensors dtype ``kind``."""
+    if flat.size == 0:
+        return Stats.empty()
+    flat = _readonly(flat)
+    if kind in _INT:
+        if kind == "BOOL":
+            flat = flat.view(np.uint8)
+        return _int_result(*_k.stats_int(flat, block, tile, parallel))
+    it, ut, sc, uc = _float_consts(kind)
+    ki, ku = flat.view(it), flat.view(ut)
+    if kind in _HALF:
+        fmt = _k.F16 if kind == "F16" else _k.BF16
+        res = _k.stats_half(fmt, ki, ku, sc, uc, block, tile, parallel)
+    else:
+        res = _k.stats_float(flat, ki, ku, sc, uc, block, tile, parallel)
+    return _float_result(kind, *res)
+
+
+class Accumulator:
+    """Statistics of one tensor fed piece by piece, as its bytes arrive.
+
+    Parameters
+    ----------
+    kind : str
+        The tensor's format dtype name, one of :data:`SUPPORTED_NAMES`.
+    tile : int, optional
+        Elements per cache-resident tile, as for :func:`stats`.
+
+    Notes
+    -----
+    Pieces may come in any order (statistics do not depend on it) but must be whole
+    elements.  One accumulator must not be fed from two threads at once: give each thread
+    its own and combine their :meth:`result` with :meth:`Stats.merge`.  The kernels run
+    without the GIL.  Copies of tensor bytes: :meth:`add` 0; :meth:`read` 1 (page cache to
+    ``dest``, the same copy a plain read makes).
+    """
+
+    def __init__(self, kind: str, *, tile: int = TILE) -> None:
+        if kind not in SUPPORTED_NAMES:
+            raise TypeError(f"statistics support {', '.join(_SUPPORTED)} data, not {kind}")
+        _check_tunables(BLOCK, tile, CHUNK)
+        self.kind = kind
+        self.tile = tile
+        self._mom = np.zeros(2)
+        if kind in _INT:
+            self._cnt = np.zeros(2, np.int64)
+            self._ext = np.zeros(2, np.uint8 if kind == "BOOL" else _dt.numpy_dtype(_dt.code_of(kind)))
+            return
+        it, ut, self._sc, self._uc = _float_consts(kind)
+        self._cnt = np.zeros(5, np.int64)
+        self._skey = np.empty(2, it)
+        self._ukey = np.empty(1, ut)
+        _k.init_keys(self._sc, self._uc, self._skey, self._ukey)
+        if kind in _HALF:
+            self._fmt = _k.F16 if kind == "F16" else _k.BF16
+        else:
+            self._like = np.empty(0, _FLOAT_DTYPE[kind])
+
+    def add(self, data) -> None:
+        """Fold a piece already in memory: a 1-D C-contiguous array of the tensor's dtype, or
+        its raw bytes (any buffer)."""
+        flat = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+        if flat.size == 0:
+            return
+        if self.kind in _INT:
+            x = flat.view(self._ext.dtype)
+            _k.int_block(x, 0, x.size, self.tile, self._cnt, self._mom, self._ext)
+            return
+        ki, ku = flat.view(self._sc.dtype), flat.view(self._uc.dtype)
+        if self.kind in _HALF:
+            _k.half_block(self._fmt, ki, ku, self._sc, self._uc, 0, ku.size, self.tile, self._cnt, self._mom,
+                          self._skey, self._ukey)
+        else:
+            _k.float_block(flat.view(self._like.dtype), ki, ku, self._sc, self._uc, 0, ku.size, self.tile,
+                           self._cnt, self._mom, self._skey, self._ukey)
+
+    def read(self, fd: int, offset: int, dest: np.ndarray, window: int) -> int:
+        """Read ``dest.size`` bytes of the file ``fd`` at ``offset`` into the byte array
+        ``dest``, folding every ``window`` bytes as soon as they land, while they are still
+        in the CPU cache.
+
+        Returns the number of bytes read and folded: ``dest.size``, or fewer when a read
+        came up short or failed; the caller then reads the rest itself (to raise the
+        error with its reason) and passes it to :meth:`add`.  ``window`` must be a
+        multiple of 64.
+        """
+        if window <= 0 or window % 64:
+            raise ValueError(f"window must be a positive multiple of 64, got {window}")
+        if self.kind in _INT:
+            return _k.read_fold_int(fd, offset, dest, window, self.tile, self._cnt, self._mom, self._ext)
+        if self.kind in _HALF:
+            return _k.read_fold_half(fd, offset, dest, window, self._fmt, self._sc, self._uc, self.tile, self._cnt,
+                                     self._mom, self._skey, self._ukey)
+        return _k.read_fold_float(fd, offset, dest, window, self._like, self._sc, self._uc, self.tile, self._cnt,
+                                  self._mom, self._skey, self._ukey)
+
+    def result(self) -> Stats:
+        """Statistics of everything folded so far."""
+        if self.kind in _INT:
+            return _int_result(self._cnt[0], self._cnt[1], self._mom[0], self._mom[1], self._ext[0], self._ext[1])
+        c = self._cnt
+        return _float_result(self.kind, c[0], c[1], c[2], c[3], c[4], self._mom[0], self._mom[1], self._skey[0],
+                             self._skey[1], self._ukey[0])
 
 
 _SUPPORTED = _FLOAT + _HALF + _INT
