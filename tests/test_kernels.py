@@ -217,6 +217,27 @@ def test_mean_std_accuracy_large_offset():
     assert got.std == pytest.approx(w["std"], rel=1e-9)
 
 
+@pytest.mark.parametrize("kind", ["F32", "F64", "BF16", "F16"])
+def test_tiles_with_both_signs_and_a_far_mean(kind):
+    # A tile holding values of both signs sums without a shift (0 lies in [min, max]); the
+    # worst case for that is one tiny negative value among large, tightly spread positives.
+    # A tile of one sign keeps the shift: unshifted, its variance would lose ~1e-8.
+    dt = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "BF16": ml_dtypes.bfloat16}[kind]
+    center, spread = {"F32": (1e6, 1.0), "F64": (1e7, 1.0), "F16": (1000.0, 1.0), "BF16": (1000.0, 8.0)}[kind]
+    rng = np.random.default_rng(5)
+    x = (center + spread * rng.standard_normal(4096)).astype(dt)
+    x[17] = dt(-1e-3)
+    y = x.copy()
+    y[17] = dt(center)  # one sign only, spread `spread`
+    for data in (x, y):
+        want = naive.stats(data)
+        for tile in (4096, 64):
+            got = S.stats(data, tile=tile, threads=1)
+            assert_stats(got, want)
+            # relative to the spread itself, not to the magnitude as assert_stats allows
+            assert got.std == pytest.approx(want["std"], rel=1e-10), (tile, got.std, want["std"])
+
+
 # --------------------------------------------------------------------------- quantization kernels
 
 SHAPES = [(3, 5, 7), (1, 1, 9), (4, 1, 1), (2, 3, 1), (0, 3, 2)]
@@ -320,4 +341,40 @@ def test_serial_kernel_releases_the_gil():
     # Waking up needs the GIL: if the kernel held it, we would only get here after it ended.
     woke = time.perf_counter()
     t.join()
+    assert woke < end[0]
+
+
+@needs_jit
+def test_read_fold_releases_the_gil(tmp_path):
+    import os
+
+    from engine.statistics import Accumulator
+
+    # tile=1 makes the fold slow enough to observe without a huge file
+    data = np.random.default_rng(0).standard_normal(1 << 21).astype(np.float32)
+    path = tmp_path / "f32.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    dest = np.empty(data.nbytes, np.uint8)
+    try:
+        Accumulator("F32", tile=1).read(fd, 0, dest[:4096], 4096)  # compile outside the measurement
+        start = time.perf_counter()
+        Accumulator("F32", tile=1).read(fd, 0, dest, 1 << 16)
+        alone = time.perf_counter() - start
+        started = threading.Event()
+        end = []
+
+        def work():
+            started.set()
+            Accumulator("F32", tile=1).read(fd, 0, dest, 1 << 16)
+            end.append(time.perf_counter())
+
+        t = threading.Thread(target=work)
+        t.start()
+        started.wait()
+        time.sleep(alone / 10)
+        woke = time.perf_counter()  # needs the GIL: only after the fold if it held the GIL
+        t.join()
+    finally:
+        os.close(fd)
     assert woke < end[0]

@@ -124,6 +124,33 @@ def test_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch, framework):
     assert str(path) in str(info.value) and info.value.size and info.value.offset
 
 
+def test_stream_stats_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch):
+    pytest.importorskip("numba", reason="statistics need Numba (a test extra)")
+    sd = {f"t{i}": np.full((256, 256), i, np.float32) for i in range(8)}
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file(sd, path)
+    from engine.statistics import Accumulator
+
+    monkeypatch.setattr(engine.loader._StatsCollector, "WINDOW", 4096)
+    real = Accumulator.read
+    calls = [0]
+
+    def truncating(self, fd, offset, dest, window):  # another process cuts the file during the load
+        calls[0] += 1
+        if calls[0] == 12:  # in t2 (4 pieces per tensor): cut inside t5
+            os.truncate(path, os.path.getsize(path) - 3 * 256 * 256 * 4 - 100)
+        return real(self, fd, offset, dest, window)
+
+    monkeypatch.setattr(Accumulator, "read", truncating)
+    got = {}
+    with pytest.raises(ReadError) as info:
+        for name, t, s in engine.stream(path, framework="np", device="cpu", stats=True, threads=1,
+                                        chunk_bytes=65_536):
+            got[name] = s
+    assert str(path) in str(info.value) and info.value.size and info.value.offset
+    assert got and all(s.max == int(n[1:]) and s.count == 256 * 256 for n, s in got.items())  # before the cut
+
+
 def test_concurrent_loads_from_several_threads(model_file):
     path, sd = model_file
     errors = []
@@ -221,8 +248,11 @@ def test_stream_to_cupy(model_file, per_tensor):
 
 # -- statistics while loading -------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [64, 4096, None])
-def test_stream_stats_equal_stats_of_the_loaded_tensors(tmp_path, chunk):
+@pytest.mark.parametrize("window", [None, 64, 1024])
+def test_stream_stats_equal_stats_of_the_loaded_tensors(tmp_path, monkeypatch, chunk, window):
     pytest.importorskip("numba", reason="statistics need Numba (a test extra)")
+    if window:  # pieces of at least `window` bytes take the native read-and-fold path
+        monkeypatch.setattr(engine.loader._StatsCollector, "WINDOW", window)
     import ml_dtypes
 
     rng = np.random.default_rng(3)

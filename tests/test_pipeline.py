@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from engine import pipeline
 from engine.errors import ReadError
 from engine.plan import plan_reads
+from engine.reader import pread_into
 
 
 class _Stream:
@@ -136,6 +137,37 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(layout, rows,
         assert bytes(dst[r]) == _expected(data, begins, ends, r), r
     if device:  # staging is bounded by threads * slots * chunk, whatever the model size
         assert emu.staging_bytes <= max(1, min(threads, len(requests))) * slots * chunk
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_fill_hook_replaces_the_read_and_sees_one_target_per_piece(layout, device):
+    fd, path, begins, ends, data = layout
+    rows = [r for r in range(40) if ends[r] > begins[r]]
+    dst = {r: bytearray(int(ends[r] - begins[r])) for r in rows}
+    requests = plan_reads(begins, ends, rows, 64, 65_536)
+    seen = []
+    lock = threading.Lock()
+
+    def fill(fd_, req, targets):
+        assert len(targets) == len(req.pieces)
+        pread_into(fd_, req.offset, targets, path=path)
+        with lock:  # what the hook saw is what a plain read would have landed
+            seen.extend((p.row, p.tensor_offset, bytes(t)) for p, t in zip(req.pieces, targets, strict=True))
+
+    emu = EmulatedDevice() if device else None
+    if device:
+        dest = pipeline.Destination(device_targets=dst, device_ops=emu)
+    else:
+        dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in dst.items()})
+    try:
+        pipeline.run(fd, requests, dest, path=path, threads=3, chunk_bytes=65_536, fill=fill)
+    finally:
+        if emu:
+            emu.close()
+    for r in rows:
+        assert bytes(dst[r]) == _expected(data, begins, ends, r), r
+        parts = sorted((off, b) for row, off, b in seen if row == r)
+        assert b"".join(b for _, b in parts) == _expected(data, begins, ends, r), r
 
 
 def test_completion_is_reported_only_after_the_device_copy(layout):

@@ -314,3 +314,85 @@ def test_torch_unsupported_dtype():
     if hasattr(torch, "float8_e4m3fn"):
         with pytest.raises(TypeError):
             stats(torch.zeros(3, dtype=torch.float8_e4m3fn))
+
+
+# --------------------------------------------------------------------------- Accumulator
+
+
+def _kind_of(dtype):
+    return engine.dtypes.NAMES[engine.dtypes.from_numpy(np.dtype(dtype))]
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", [0, 1, 37, 5000])
+def test_accumulator_add_in_pieces_equals_stats(dtype, n):
+    from engine.statistics import Accumulator
+
+    x = _data(dtype, (n,), seed=n)
+    acc = Accumulator(_kind_of(dtype), tile=16)
+    rng = np.random.default_rng(n)
+    cuts = np.sort(rng.integers(0, n + 1, 4)) if n else []
+    for part in np.split(x, cuts):
+        acc.add(part)  # arrays
+    assert_stats(acc.result(), naive.stats(x))
+    raw = Accumulator(_kind_of(dtype))
+    for part in np.split(x, cuts):
+        raw.add(memoryview(part.view(np.uint8)))  # raw bytes
+    assert_stats(raw.result(), naive.stats(x))
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("window", [64, 192, 4096])
+def test_accumulator_read_folds_file_bytes(tmp_path, dtype, window):
+    import os
+
+    from engine.statistics import Accumulator
+
+    x = _data(dtype, (3001,), seed=7)
+    raw = x.view(np.uint8).tobytes()
+    path = tmp_path / "raw.bin"
+    path.write_bytes(b"\x00" * 13 + raw)
+    dest = np.empty(len(raw), np.uint8)
+    acc = Accumulator(_kind_of(dtype))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = acc.read(fd, 13, dest, window)
+    finally:
+        os.close(fd)
+    assert done == len(raw)
+    assert dest.tobytes() == raw  # the bytes land, and they are what was summarised
+    assert_stats(acc.result(), naive.stats(x))
+
+
+def test_accumulator_read_stops_at_end_of_file(tmp_path):
+    import os
+
+    from engine.statistics import Accumulator
+
+    x = np.arange(1000, dtype=np.float32)
+    path = tmp_path / "short.bin"
+    path.write_bytes(x[:700].tobytes())  # the file ends inside the sixth 512-byte window
+    acc = Accumulator("F32")
+    dest = np.zeros(x.nbytes, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = acc.read(fd, 0, dest, 512)
+        bad = acc.read(-1, 0, np.zeros(64, np.uint8), 64)  # a failing read folds nothing
+    finally:
+        os.close(fd)
+    assert done == 5 * 512  # whole windows only: the partial one is left to the caller
+    assert bad == 0
+    assert_stats(acc.result(), naive.stats(x[: done // 4]))
+
+
+def test_accumulator_rejects_bad_arguments():
+    from engine.statistics import Accumulator
+
+    with pytest.raises(TypeError, match="F8_E4M3"):
+        Accumulator("F8_E4M3")
+    with pytest.raises(ValueError, match="tile"):
+        Accumulator("F32", tile=0)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Accumulator("F32").read(0, 0, np.zeros(64, np.uint8), 100)
+    empty = Accumulator("BF16").result()
+    assert empty.count == 0 and math.isnan(empty.mean) and math.isnan(empty.min)
