@@ -19,6 +19,10 @@ Conventions shared by all kernels
   result row and the rows are merged serially at the end (Chan et al.'s pairwise update
   for mean and M2), so ``prange`` needs no atomics and a caller can merge results of
   chunks the same way.  ``block`` and ``tile`` are arguments, not module globals.
+* The ``*_block`` kernels fold data into accumulators that the caller owns, so one tensor
+  can be fed in any number of calls (``engine.statistics.Accumulator``); the ``read_fold_*``
+  kernels read a piece of a file themselves, window by window, and fold each window while
+  it is still in L2.
 * ``parallel=False`` runs the same code on the calling thread only.  Callers that already
   run one kernel per worker thread want that: the kernels are ``nogil``.
 * The only fast-math flags are ``reassoc`` and ``contract`` on the moment sums, which run on

@@ -130,10 +130,11 @@ def stream(
     per_tensor : bool, default False
         On a GPU: one allocation per tensor instead of one per file.
     stats : bool, default False
-        Also compute each tensor's :class:`~engine.statistics.Stats` (needs Numba): every
-        chunk is summarised by the reader thread that read it, right after it landed and
-        while it is still in cache, and the partial results merge, so there is no second
-        pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
+        Also compute each tensor's :class:`~engine.statistics.Stats` (needs Numba).  The
+        reader threads read each piece in 256 KiB windows and summarise every window right
+        after it lands, while it is still in the core's L2 cache, in one native call without
+        the GIL; per-thread partial results merge when the tensor is complete.  There is no
+        second pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
         sub-byte, complex).
 
     Yields
@@ -148,7 +149,8 @@ def stream(
     Notes
     -----
     Copies of tensor bytes: CPU destinations 1 (page cache to tensor); GPU destinations 2
-    (page cache to a pinned staging slot, then DMA to the device).  Host staging memory on a
+    (page cache to a pinned staging slot, then DMA to the device).  ``stats=True`` adds no
+    copy: the kernels read the bytes where they landed.  Host staging memory on a
     GPU load is ``threads * 2 * chunk_bytes``.  Breaking out of the loop stops the readers,
     joins their threads and releases the file and the staging buffers.
     """
@@ -253,7 +255,7 @@ class _StatsCollector:
                         self._accumulator(row).add(v)
                 run.clear()
 
-        for p, view in zip(req.pieces, targets):
+        for p, view in zip(req.pieces, targets, strict=True):
             if p.nbytes < self.WINDOW or p.row not in kind:
                 if not run:
                     run_offset = req.offset + p.request_offset

@@ -470,9 +470,14 @@ def stats(
 
     Each tile is swept twice while it sits in L1: once on the integer bit patterns (min,
     max, zeros, and detection of NaN/Inf, all vectorized without fast-math), once on the
-    values for the shifted float64 sums.  Tiles merge into per-block partials and blocks
-    into the result with Chan's pairwise update, so the result is accurate for any size
-    (relative error of mean and std about 1e-12 or better for float32 data).
+    values for the shifted float64 sums (the shift is the tile's first value, or 0 when the
+    tile holds values of both signs, which saves a subtraction per element and keeps the
+    same error bound).  Tiles merge into per-block partials and blocks into the result with
+    Chan's pairwise update, so the result is accurate for any size (relative error of mean
+    and std about 1e-12 or better for float32 data).
+
+    To summarise a tensor that arrives in pieces (from a file, a socket...), feed an
+    :class:`Accumulator`.
 
     Memory and copies: none for C- or F-contiguous inputs (numpy, ml_dtypes and torch
     inputs are read in place through zero-copy views; F16/BF16 are widened a tile at a time

@@ -8,6 +8,7 @@ bandwidth.  Cold-cache runs evict the file with posix_fadvise(POSIX_FADV_DONTNEE
     python scripts/bench_reader.py                 # 2 GB BF16 checkpoint, 5 runs
     python scripts/bench_reader.py --quick         # 128 MB, 3 runs (smoke)
     python scripts/bench_reader.py --json out.json
+    python scripts/bench_reader.py --only stats    # statistics during a streaming load
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ import time
 import numpy as np
 
 
-def make_checkpoint(path: str, total_bytes: int, width: int = 4096) -> None:
+def make_checkpoint(path: str, total_bytes: int, width: int = 4096, weights: bool = False) -> None:
+    """A BF16 checkpoint of LLaMA-like attention layers.
+
+    Values are random finite BF16 bit patterns (all positive, many zeros and subnormals), or
+    with ``weights`` like trained weights: normal, mean 0, std 0.02.  Only the statistics
+    depend on which.
+    """
     import torch
 
     import engine.torch
@@ -37,6 +44,11 @@ def make_checkpoint(path: str, total_bytes: int, width: int = 4096) -> None:
     layers = max(1, total_bytes // per_layer)
     for i in range(layers):
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if weights:
+                w = rng.standard_normal((width, width), dtype=np.float32)
+                w *= 0.02
+                sd[f"model.layers.{i}.self_attn.{proj}.weight"] = torch.from_numpy(w).to(torch.bfloat16)
+                continue
             raw = rng.integers(0, 1 << 14, (width, width), dtype=np.int16)  # finite BF16 bit patterns
             sd[f"model.layers.{i}.self_attn.{proj}.weight"] = torch.from_numpy(raw).view(torch.bfloat16)
         sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(width, dtype=torch.bfloat16)
@@ -58,6 +70,18 @@ def warm(path: str) -> None:
             pass
 
 
+def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float]:
+    """Medians of ``fn_a`` and ``fn_b`` run alternately, and the median of the per-pair
+    ratios b/a: drift on a shared machine then affects both sides of each ratio alike."""
+    ta, tb = [], []
+    for _ in range(runs):
+        for fn, out in ((fn_a, ta), (fn_b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb), statistics.median(b / a for a, b in zip(ta, tb))
+
+
 def median_time(fn, runs: int, before=None) -> float:
     times = []
     for _ in range(runs):
@@ -75,6 +99,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
+    ap.add_argument("--only", choices=["load", "stats", "slice"], help="run one group of cases")
     args = ap.parse_args()
     size = (128 << 20) if args.quick else (2 << 30)
     runs = args.runs or (3 if args.quick else 5)
@@ -97,11 +122,41 @@ def main() -> int:
         rows.append(dict(case=name, engine_s=ours, reference_s=theirs,
                          ratio=(theirs / ours) if theirs else None, gbps=nbytes / ours / 1e9, note=note))
 
+    def want(group: str) -> bool:
+        return args.only in (None, group)
+
+    warm(path)
+    if want("load"):
+        _load_rows(path, header, runs, row, ref, engine, torch)
+    if want("stats"):
+        _stats_rows(path, args.dir, size, runs, row, engine)
+    if want("slice"):
+        _slice_rows(path, header, runs, row, ref, engine, safetensors)
+    if want("load") and torch.cuda.is_available():
+        _cuda_rows(path, runs, row, ref, engine, torch, safetensors)
+    info = dict(
+        date=time.strftime("%Y-%m-%d"), python=platform.python_version(), torch=torch.__version__,
+        safetensors=safetensors.__version__, cores=os.cpu_count(), machine=platform.machine(),
+        cpu=_cpu_model(), gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        file_bytes=nbytes, runs=runs,
+    )
+    print(f"# {info}")
+    print(f"{'case':<38} {'engine s':>9} {'ref s':>9} {'ref/eng':>8} {'GB/s':>7}  note")
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        ref_s = f"{r['reference_s']:.3f}" if r["reference_s"] else "-"
+        print(f"{r['case']:<38} {r['engine_s']:>9.3f} {ref_s:>9} {ratio:>8} {r['gbps']:>7.2f}  {r['note']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(info=info, rows=rows), f, indent=2)
+    return 0
+
+
+def _load_rows(path, header, runs, row, ref, engine, torch):
     def touch(d):  # read every byte of the loaded tensors, same work for both sides
         for t in d.values():
             t.view(-1).view(torch.uint8)[::4096].sum()
 
-    warm(path)
     row("owned CPU load, warm (pread)",
         median_time(lambda: engine.torch.load_file(path, backend="pread"), runs),
         median_time(lambda: ref.load_file(path, backend="pread"), runs),
@@ -123,20 +178,33 @@ def main() -> int:
         "reference load_file, every page touched")
     warm(path)
 
-    # statistics computed during the streaming load (issue target: at most +15% load time)
-    def plain():
-        for _ in engine.stream(path, framework="pt", device="cpu"):
-            pass
 
-    def with_stats():
-        for _ in engine.stream(path, framework="pt", device="cpu", stats=True):
-            pass
 
-    with_stats()  # compile the kernels outside the measurement
-    t_plain, t_stats = median_time(plain, runs), median_time(with_stats, runs)
-    row("stream(stats=True) vs stream()", t_stats, t_plain,
-        f"statistics add {100 * (t_stats / t_plain - 1):+.0f}% to the load")
+def _stats_rows(path, directory, size, runs, row, engine):
+    # statistics computed during the streaming load (issue target: at most +15% load time),
+    # on the bit-pattern checkpoint and on one whose values look like trained weights
+    weights_path = os.path.join(directory, f"bench-reader-weights-{size >> 20}M.safetensors")
+    make_checkpoint(weights_path, size, weights=True)
+    for label, p in (("random bit patterns", path), ("weight-like values", weights_path)):
+        warm(p)
 
+        def plain(p=p):
+            for _ in engine.stream(p, framework="pt", device="cpu"):
+                pass
+
+        def with_stats(p=p):
+            for _ in engine.stream(p, framework="pt", device="cpu", stats=True):
+                pass
+
+        with_stats()  # compile (or load) the kernels outside the measurement
+        t_plain, t_stats, ratio = paired_medians(plain, with_stats, 3 * runs)
+        row(f"stream(stats=True), {label}", t_stats, t_plain,
+            f"vs stream(); statistics add {100 * (ratio - 1):+.0f}% to the load (median of {3 * runs} pairs)")
+    warm(path)
+
+
+
+def _slice_rows(path, header, runs, row, ref, engine, safetensors):
     eighth = header.keys()[: max(1, len(header) // 8)]
     sel_bytes = sum(header[k].nbytes for k in eighth)
     row("selective load 1/8 (names)",
@@ -158,28 +226,8 @@ def main() -> int:
     for label, index in (("rows [:n/4]", (slice(0, n0 // 4),)), ("columns [:, :n/4]", (slice(None), slice(0, n0 // 4)))):
         for backend in ("mmap", "pread"):
             row(f"get_slice {label}, {backend}",
-                median_time(lambda: slice_ours(backend, index).sum(), runs),
-                median_time(lambda: slice_ref(index).sum(), runs), "then .sum()")
-
-    if torch.cuda.is_available():
-        _cuda_rows(path, runs, row, ref, engine, torch, safetensors)
-
-    info = dict(
-        date=time.strftime("%Y-%m-%d"), python=platform.python_version(), torch=torch.__version__,
-        safetensors=safetensors.__version__, cores=os.cpu_count(), machine=platform.machine(),
-        cpu=_cpu_model(), gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        file_bytes=nbytes, runs=runs,
-    )
-    print(f"# {info}")
-    print(f"{'case':<38} {'engine s':>9} {'ref s':>9} {'ref/eng':>8} {'GB/s':>7}  note")
-    for r in rows:
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-        ref_s = f"{r['reference_s']:.3f}" if r["reference_s"] else "-"
-        print(f"{r['case']:<38} {r['engine_s']:>9.3f} {ref_s:>9} {ratio:>8} {r['gbps']:>7.2f}  {r['note']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(info=info, rows=rows), f, indent=2)
-    return 0
+                median_time(lambda b=backend, i=index: slice_ours(b, i).sum(), runs),
+                median_time(lambda i=index: slice_ref(i).sum(), runs), "then .sum()")
 
 
 def _ref_names(ref, path, names):

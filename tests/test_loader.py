@@ -124,6 +124,45 @@ def test_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch, framework):
     assert str(path) in str(info.value) and info.value.size and info.value.offset
 
 
+@pytest.mark.parametrize("window", [None, 64])
+def test_stream_stats_of_tensors_at_odd_file_offsets(tmp_path, monkeypatch, window):
+    # Files from other writers need not align tensors: a BF16/F32 tensor may start at an odd
+    # offset, so the kernels see unaligned memory in a staging slot or a packed block.
+    pytest.importorskip("numba", reason="statistics need Numba (a test extra)")
+    import json
+    import struct
+
+    import ml_dtypes
+
+    if window:
+        monkeypatch.setattr(engine.loader._StatsCollector, "WINDOW", window)
+    rng = np.random.default_rng(9)
+    parts = {
+        "u8": np.arange(3, dtype=np.uint8),
+        "bf16": rng.standard_normal(301).astype(ml_dtypes.bfloat16),
+        "f32": rng.standard_normal(77).astype(np.float32),
+    }
+    names = {"u8": "U8", "bf16": "BF16", "f32": "F32"}
+    header, blobs, pos = {}, [], 0
+    for k, v in parts.items():
+        b = v.tobytes()
+        header[k] = {"dtype": names[k], "shape": list(v.shape), "data_offsets": [pos, pos + len(b)]}
+        blobs.append(b)
+        pos += len(b)
+    h = json.dumps(header).encode()
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    got = {n: (t, s) for n, t, s in engine.stream(path, framework="np", device="cpu", stats=True, threads=2,
+                                                   chunk_bytes=128)}
+    for k, v in parts.items():
+        assert got[k][0].tobytes() == v.tobytes()
+        piecewise, whole = got[k][1], engine.stats(v)
+        assert (piecewise.count, piecewise.min, piecewise.max, piecewise.zero_count) == (
+            whole.count, whole.min, whole.max, whole.zero_count), k
+        assert piecewise.mean == pytest.approx(whole.mean, rel=1e-9, abs=1e-12), k
+        assert piecewise.std == pytest.approx(whole.std, rel=1e-9), k
+
+
 def test_stream_stats_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch):
     pytest.importorskip("numba", reason="statistics need Numba (a test extra)")
     sd = {f"t{i}": np.full((256, 256), i, np.float32) for i in range(8)}
