@@ -14,6 +14,7 @@ The baselines live here as plain functions so that ``scripts/bench_kernels.py`` 
 exactly the same code.
 """
 
+import os
 import statistics
 import time
 
@@ -279,3 +280,76 @@ class KernelSpeedup:
     def track_quantize_row_f32_vs_torch(self):
         x = make_data("F32", F32_ELEMS).reshape(ROWS, -1)
         return self._ratio({"engine": quantize_op("engine", x, 0), "baseline": quantize_op("torch", x, 0)})
+
+
+def _weights_checkpoint() -> str:
+    """A cached 256 MiB BF16 checkpoint of weight-like values (normal, std 0.02)."""
+    import engine.numpy
+
+    path = os.path.join(common.cache_dir(), f"v{common.GEN_VERSION}-weights-256M.safetensors")
+    if not os.path.exists(path):
+        bf16 = make_data("BF16", 1).dtype
+        tensors = {f"model.layers.{i}.mlp.weight": (make_data("F32", 1 << 24, seed=i) * np.float32(0.02))
+                   .astype(bf16).reshape(4096, 4096) for i in range(8)}
+        engine.numpy.save_file(tensors, path)
+    return path
+
+
+def _stream(path, stats):
+    import engine
+
+    for _ in engine.stream(path, framework="np", device="cpu", stats=stats):
+        pass
+
+
+class StreamStats:
+    """``engine.stream(device="cpu")`` of the weight-like checkpoint, with and without
+    ``stats=True``."""
+
+    params = [[False, True]]
+    param_names = ["stats"]
+    number = 1
+    repeat = (3, 10, 20.0)
+    warmup_time = 0
+    timeout = 600
+
+    def setup_cache(self):
+        return _weights_checkpoint()
+
+    def setup(self, path, stats):
+        common.warm_cache(path)
+        _stream(path, True)  # load the compiled kernels outside the measurement
+
+    def time_stream(self, path, stats):
+        _stream(path, stats)
+
+
+class StreamStatsOverhead:
+    """What ``stats=True`` adds to the load, in percent: the median of paired ratios (the
+    full-size figure comes from ``scripts/bench_reader.py --only stats``)."""
+
+    number = 1
+    repeat = 1
+    warmup_time = 0
+    timeout = 600
+    PAIRS = 7
+
+    def setup_cache(self):
+        return _weights_checkpoint()
+
+    def setup(self, path):
+        common.warm_cache(path)
+        _stream(path, True)
+
+    def track_overhead_percent(self, path):
+        ratios = []
+        for _ in range(self.PAIRS):
+            times = []
+            for with_stats in (False, True):
+                t0 = time.perf_counter()
+                _stream(path, with_stats)
+                times.append(time.perf_counter() - t0)
+            ratios.append(times[1] / times[0])
+        return 100 * (statistics.median(ratios) - 1)
+
+    track_overhead_percent.unit = "%"
