@@ -396,6 +396,12 @@ class Accumulator:
         """
         if window <= 0 or window % 64:
             raise ValueError(f"window must be a positive multiple of 64, got {window}")
+        if not (isinstance(dest, np.ndarray) and dest.dtype == np.uint8 and dest.ndim == 1
+                and dest.flags.c_contiguous and dest.flags.writeable):
+            raise TypeError("dest must be a writable, C-contiguous 1-D uint8 numpy array")
+        itemsize = self._like.itemsize if self.kind in _FLOAT else self._ext.itemsize if self.kind in _INT else 2
+        if dest.size % itemsize:
+            raise ValueError(f"dest holds {dest.size} bytes, not a whole number of {self.kind} elements")
         if self.kind in _INT:
             return _k.read_fold_int(fd, offset, dest, window, self.tile, self._cnt, self._mom, self._ext)
         if self.kind in _HALF:

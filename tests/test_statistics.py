@@ -394,5 +394,10 @@ def test_accumulator_rejects_bad_arguments():
         Accumulator("F32", tile=0)
     with pytest.raises(ValueError, match="multiple of 64"):
         Accumulator("F32").read(0, 0, np.zeros(64, np.uint8), 100)
+    with pytest.raises(ValueError, match="whole number of F64"):
+        Accumulator("F64").read(0, 0, np.zeros(12, np.uint8), 64)
+    for bad in (np.zeros(16, np.float32), np.zeros((4, 4), np.uint8), np.zeros(32, np.uint8)[::2], b"\0" * 16):
+        with pytest.raises(TypeError, match="uint8"):
+            Accumulator("F32").read(0, 0, bad, 64)
     empty = Accumulator("BF16").result()
     assert empty.count == 0 and math.isnan(empty.mean) and math.isnan(empty.min)
