@@ -250,9 +250,19 @@ def _cmd_stats(args) -> int:
     return 0
 
 
+def _axis(text: str) -> int | None:
+    if text == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
 def _cmd_quantize(args) -> int:
     quantize_file = _kernel_api("engine.quantize", "quantize_file", "quantize")
-    print(quantize_file(args.src, args.dst))
+    print(quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
+                        on_nonfinite="clamp" if args.clamp else "raise"))
     print(f"wrote {args.dst}")
     return 0
 
@@ -578,6 +588,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="write an int8-quantized copy of a checkpoint")
     p.add_argument("src")
     p.add_argument("dst")
+    p.add_argument("--axis", type=_axis, default=0,
+                   help="channel axis of the scales: 0 (default) one per row, 'none' one per tensor")
+    p.add_argument("--include", nargs="+", metavar="GLOB",
+                   help="names to quantize (default: every F32/F16/BF16 tensor of 2+ dimensions)")
+    p.add_argument("--exclude", nargs="+", metavar="GLOB", help="names never to quantize, e.g. 'lm_head.*'")
+    p.add_argument("--clamp", action="store_true",
+                   help="quantize NaN to 0 and +-Inf to +-127 and list the tensors, instead of failing")
     p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("convert", help="PyTorch .bin/.pt state dict to .safetensors (never unpickles code)")

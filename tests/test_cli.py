@@ -178,6 +178,39 @@ def test_stats_and_quantize_wiring(model, tmp_path, command):
         assert (tmp_path / "q.safetensors").exists()
 
 
+def test_quantize_options(tmp_path):
+    pytest.importorskip("numba", reason="quantization needs Numba (a test extra)")
+    rng = np.random.default_rng(0)
+    src = tmp_path / "m.safetensors"
+    tensors = {
+        "layer.q.weight": rng.standard_normal((4, 6)).astype(np.float32),
+        "layer.k.weight": rng.standard_normal((4, 6)).astype(np.float32),
+        "lm_head.weight": rng.standard_normal((4, 6)).astype(np.float32),
+    }
+    engine.numpy.save_file(tensors, src)
+    dst = tmp_path / "q.safetensors"
+    out = run("quantize", str(src), str(dst), "--axis", "none", "--include", "layer.*", "--exclude", "*.k.*")
+    assert out.returncode == 0, out.stderr
+    got = engine.numpy.load_file(dst)
+    assert got["layer.q.weight"].dtype == np.int8 and got["layer.q.weight.scale"].shape == ()  # per tensor
+    assert got["layer.k.weight"].dtype == np.float32 and "layer.k.weight.scale" not in got  # excluded
+    assert got["lm_head.weight"].dtype == np.float32  # not included
+    out = run("quantize", str(src), str(dst), "--axis", "1")
+    assert out.returncode == 0, out.stderr
+    assert engine.numpy.load_file(dst)["lm_head.weight.scale"].shape == (6,)  # one scale per column
+
+    tensors["layer.q.weight"][1, 2] = np.nan
+    engine.numpy.save_file(tensors, src)
+    before = dst.read_bytes()
+    out = run("quantize", str(src), str(dst))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "layer.q.weight" in out.stderr
+    assert dst.read_bytes() == before  # a failed run leaves the previous output intact
+    out = run("quantize", str(src), str(dst), "--clamp")
+    assert out.returncode == 0 and "layer.q.weight" in out.stdout
+    out = run("quantize", str(src), str(dst), "--axis", "rows")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "'none'" in out.stderr
+
+
 def test_bad_arguments_are_one_line():
     out = run("inspect")
     assert out.returncode == 2 and "Traceback" not in out.stderr
