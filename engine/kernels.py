@@ -371,6 +371,19 @@ def float_block(f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
         _float_tile(f[t0:t1], ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
 
 
+@njit(**_OPTS)
+def _float_partials(n, block, ki, ku, sc, uc):
+    """Number of blocks of ``n`` elements and their zeroed partial-result rows (see
+    :func:`float_block`), shared by :func:`stats_float` and :func:`stats_half`."""
+    nb = (n + block - 1) // block
+    cnt = np.zeros((max(nb, 1), 5), np.int64)
+    mom = np.zeros((max(nb, 1), 2))
+    skey = np.empty((max(nb, 1), 2), ki.dtype)
+    ukey = np.empty(max(nb, 1), ku.dtype)
+    init_keys(sc, uc, skey, ukey)
+    return nb, cnt, mom, skey, ukey
+
+
 @njit(**_OPTS, parallel=True)
 def stats_float(f, ki, ku, sc, uc, block, tile, parallel):
     """Fused statistics of a float32 or float64 array.
@@ -389,12 +402,7 @@ def stats_float(f, ki, ku, sc, uc, block, tile, parallel):
         Over the finite values; the keys are decoded to min/max by engine.statistics.
     """
     n = f.size
-    nb = (n + block - 1) // block
-    cnt = np.zeros((max(nb, 1), 5), np.int64)
-    mom = np.zeros((max(nb, 1), 2))
-    skey = np.empty((max(nb, 1), 2), ki.dtype)
-    ukey = np.empty(max(nb, 1), ku.dtype)
-    init_keys(sc, uc, skey, ukey)
+    nb, cnt, mom, skey, ukey = _float_partials(n, block, ki, ku, sc, uc)
     if parallel:
         for b in prange(nb):
             lo = b * block
@@ -424,12 +432,7 @@ def stats_half(fmt, ki, ku, sc, uc, block, tile, parallel):
     ``int16`` (``ki``) and ``uint16`` (``ku``) views; same result layout as
     :func:`stats_float` (keys are 16-bit patterns of the source format)."""
     n = ku.size
-    nb = (n + block - 1) // block
-    cnt = np.zeros((max(nb, 1), 5), np.int64)
-    mom = np.zeros((max(nb, 1), 2))
-    skey = np.empty((max(nb, 1), 2), ki.dtype)
-    ukey = np.empty(max(nb, 1), ku.dtype)
-    init_keys(sc, uc, skey, ukey)
+    nb, cnt, mom, skey, ukey = _float_partials(n, block, ki, ku, sc, uc)
     if parallel:
         for b in prange(nb):
             lo = b * block

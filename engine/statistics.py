@@ -355,8 +355,10 @@ class Accumulator:
         if kind in _INT:
             self._cnt = np.zeros(2, np.int64)
             self._ext = np.zeros(2, np.uint8 if kind == "BOOL" else _dt.numpy_dtype(_dt.code_of(kind)))
+            self._itemsize = self._ext.itemsize
             return
         it, ut, self._sc, self._uc = _float_consts(kind)
+        self._itemsize = np.dtype(it).itemsize
         self._cnt = np.zeros(5, np.int64)
         self._skey = np.empty(2, it)
         self._ukey = np.empty(1, ut)
@@ -399,8 +401,7 @@ class Accumulator:
         if not (isinstance(dest, np.ndarray) and dest.dtype == np.uint8 and dest.ndim == 1
                 and dest.flags.c_contiguous and dest.flags.writeable):
             raise TypeError("dest must be a writable, C-contiguous 1-D uint8 numpy array")
-        itemsize = self._like.itemsize if self.kind in _FLOAT else self._ext.itemsize if self.kind in _INT else 2
-        if dest.size % itemsize:
+        if dest.size % self._itemsize:
             raise ValueError(f"dest holds {dest.size} bytes, not a whole number of {self.kind} elements")
         if self.kind in _INT:
             return _k.read_fold_int(fd, offset, dest, window, self.tile, self._cnt, self._mom, self._ext)
