@@ -204,7 +204,7 @@ def _keys(ki, ku):
 
 @njit(**_OPTS, fastmath=_MOMENT_MATH)
 def _sums(f):
-    """Sums of d = x - x[0] and d**2 in float64 over a tile of finite values (or integers).
+    """Mean and M2 of a tile of finite values (or integers), summed around d = x - x[0].
 
     mean = x[0] + sum(d) / n and M2 = sum(d**2) - sum(d)**2 / n.  Any shift inside
     [min, max] keeps that subtraction sound: n * (mean - shift)**2 <= n * range**2 <=
@@ -225,19 +225,16 @@ def _sums(f):
 
 
 @njit(**_OPTS, fastmath=_MOMENT_MATH)
-def _sums_unshifted(f):
-    """:func:`_sums` with the shift 0, for a tile whose values have both signs (or a zero):
-    0 then lies in [min, max], which is all the error bound of :func:`_sums` asks of a
-    shift, and the subtraction per element goes away."""
-    sd = 0.0
-    sd2 = 0.0
+def _raw_sums(f):
+    """Sums of x and x**2 in float64 over a tile of finite values: the unshifted sums that
+    :func:`_fold` adds up over a whole block and checks once in :func:`_settle`."""
+    s = 0.0
+    s2 = 0.0
     for i in range(f.size):
-        d = np.float64(f[i])
-        sd += d
-        sd2 += d * d
-    n = f.size
-    m2 = sd2 - sd * (sd / n)
-    return sd / n, m2 if m2 > 0.0 else 0.0
+        x = np.float64(f[i])
+        s += x
+        s2 += x * x
+    return s, s2
 
 
 @njit(**_OPTS)
@@ -302,18 +299,36 @@ def _classify(f, ki, ku, sc, uc):
 
 
 @njit(**_OPTS)
+def _fold_keys(max_i, min_i, max_u, skey, ukey):
+    skey[0] = max_i if max_i > skey[0] else skey[0]
+    skey[1] = min_i if min_i < skey[1] else skey[1]
+    ukey[0] = max_u if max_u > ukey[0] else ukey[0]
+
+
+@njit(**_OPTS)
+def _fold_moments(n, mean, m2, cnt, mom):
+    """Merge (n, mean, M2) of finite values into ``cnt[0]`` and ``mom``."""
+    _, mean, m2 = _chan(np.float64(cnt[0]), mom[0], mom[1], np.float64(n), mean, m2)
+    cnt[0] += n
+    mom[0] = mean
+    mom[1] = m2
+
+
+@njit(**_OPTS)
+def _all_finite(max_i, max_u, sc, uc):
+    return max_i < sc[0] and max_u < uc[2]  # below +Inf and below -Inf
+
+
+@njit(**_OPTS)
 def _float_tile(f, ki, ku, sc, uc, cnt, mom, skey, ukey):
     """Fold one tile (``f`` floats, ``ki``/``ku`` the same elements' bit patterns) into the
     block accumulators ``cnt`` [finite, nan, +inf, -inf, zero], ``mom`` [mean, M2],
-    ``skey`` [max_i, min_i] and ``ukey`` [max_u]."""
+    ``skey`` [max_i, min_i] and ``ukey`` [max_u], with the moments summed around the
+    tile's first value (:func:`_sums`)."""
     max_i, min_i, max_u, min_u = _keys(ki, ku)
-    if max_i < sc[0] and max_u < uc[2]:  # below +Inf and below -Inf: all finite
+    if _all_finite(max_i, max_u, sc, uc):
         nfin = f.size
-        # a non-negative value (signed max >= 0) and a negative one (unsigned max has the sign bit)
-        if max_i >= 0 and max_u > uc[0]:
-            mean, m2 = _sums_unshifted(f)
-        else:
-            mean, m2 = _sums(f)
+        mean, m2 = _sums(f)
         if min_u == uc[3] or min_i == sc[1]:  # +0.0 or -0.0 present
             cnt[4] += _zeros(f)
     else:
@@ -324,13 +339,116 @@ def _float_tile(f, ki, ku, sc, uc, cnt, mom, skey, ukey):
         cnt[4] += nz
         if nfin == 0:
             return
-    n, mean, m2 = _chan(np.float64(cnt[0]), mom[0], mom[1], np.float64(nfin), mean, m2)
-    cnt[0] += nfin
-    mom[0] = mean
-    mom[1] = m2
-    skey[0] = max_i if max_i > skey[0] else skey[0]
-    skey[1] = min_i if min_i < skey[1] else skey[1]
-    ukey[0] = max_u if max_u > ukey[0] else ukey[0]
+    _fold_moments(nfin, mean, m2, cnt, mom)
+    _fold_keys(max_i, min_i, max_u, skey, ukey)
+
+
+@njit(**_OPTS)
+def _raw_tile(f, ki, ku, sc, uc, cnt, skey, ukey):
+    """Fast path of :func:`_fold`: for an all-finite tile fold its keys and zeros and return
+    ``(True, sum x, sum x**2)``; otherwise change nothing and return ``(False, 0, 0)``."""
+    max_i, min_i, max_u, min_u = _keys(ki, ku)
+    if not _all_finite(max_i, max_u, sc, uc):
+        return False, 0.0, 0.0
+    s, s2 = _raw_sums(f)
+    if min_u == uc[3] or min_i == sc[1]:  # +0.0 or -0.0 present
+        cnt[4] += _zeros(f)
+    _fold_keys(max_i, min_i, max_u, skey, ukey)
+    return True, s, s2
+
+
+#: Unshifted sums are kept when sum(x**2) <= this * M2, i.e. when M2 = sum(x**2) - n mean**2
+#: loses at most log2 of it (8 bits of float64's 53); otherwise the block is summed again
+#: around each tile's first value (:func:`_sums`).
+_UNSHIFTED_RATIO = 256.0
+
+
+@njit(**_OPTS)
+def _settle(n, s, s2, cnt, mom):
+    """Merge the unshifted sums of ``n`` finite values if they are sound; False (nothing
+    merged) when the cancellation in sum(x**2) - n mean**2 would cost more than
+    :data:`_UNSHIFTED_RATIO` allows, or the squares overflowed."""
+    if n == 0:
+        return True
+    mean = s / n
+    m2 = s2 - s * mean
+    if not (np.isfinite(s2) and s2 <= _UNSHIFTED_RATIO * m2):  # s2 == 0: all zeros, m2 == 0
+        return False
+    _fold_moments(n, mean, m2, cnt, mom)
+    return True
+
+
+@njit(**_OPTS)
+def _near_zero(cnt, mom):
+    """Whether unshifted sums are expected to pass :func:`_settle` for more data like that
+    already folded: none yet, or a running mean within a few standard deviations of 0."""
+    n = cnt[0]
+    return n == 0 or mom[0] * mom[0] * n <= 0.25 * _UNSHIFTED_RATIO * mom[1]
+
+
+#: ``fmt`` of :func:`_fold` for float32/float64 data (its tiles are slices of ``f``)
+FLOAT = -1
+
+
+def _tile_values(fmt, f, ku, t0, t1, buf, bits):
+    """The tile ``[t0, t1)`` as floats: a slice of ``f`` when there is no scratch ``buf``
+    (float data), else the F16/BF16 patterns ``ku`` widened into ``buf``."""
+    if buf is None:
+        return f[t0:t1]
+    widen_half(fmt, ku[t0:t1], buf, bits)
+    return buf[: t1 - t0]
+
+
+@overload(_tile_values)
+def _tile_values_jit(fmt, f, ku, t0, t1, buf, bits):
+    # chosen by type when compiling, so float data never compiles the widening
+    if isinstance(buf, types.NoneType):
+        return lambda fmt, f, ku, t0, t1, buf, bits: f[t0:t1]
+
+    def widened(fmt, f, ku, t0, t1, buf, bits):
+        widen_half(fmt, ku[t0:t1], buf, bits)
+        return buf[: t1 - t0]
+
+    return widened
+
+
+@njit(**_OPTS)
+def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey):
+    """Fold elements ``[lo, hi)`` into the accumulators of :func:`_float_tile`.
+
+    Data near zero (every weight matrix) is summed without a shift: each all-finite tile
+    adds its raw sums, and the block merges once (:func:`_settle`).  A tile holding NaN or
+    Inf goes through :func:`_classify`; a block whose unshifted sums would lose precision is
+    summed again tile by tile around a shift, and later blocks of the same accumulator go
+    there directly (:func:`_near_zero`).
+    """
+    if _near_zero(cnt, mom):
+        n = 0
+        s = 0.0
+        s2 = 0.0
+        for t0 in range(lo, hi, tile):
+            t1 = min(t0 + tile, hi)
+            v = _tile_values(fmt, f, ku, t0, t1, buf, bits)
+            ok, a, b = _raw_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, cnt, skey, ukey)
+            if ok:
+                n += t1 - t0
+                s += a
+                s2 += b
+            else:
+                _float_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+        if _settle(n, s, s2, cnt, mom):
+            return
+        # the keys and zeros of the all-finite tiles are in; only their moments are redone
+        for t0 in range(lo, hi, tile):
+            t1 = min(t0 + tile, hi)
+            max_i, _, max_u, _ = _keys(ki[t0:t1], ku[t0:t1])
+            if _all_finite(max_i, max_u, sc, uc):
+                mean, m2 = _sums(_tile_values(fmt, f, ku, t0, t1, buf, bits))
+                _fold_moments(t1 - t0, mean, m2, cnt, mom)
+        return
+    for t0 in range(lo, hi, tile):
+        t1 = min(t0 + tile, hi)
+        _float_tile(_tile_values(fmt, f, ku, t0, t1, buf, bits), ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
 
 
 @njit(**_OPTS)
@@ -364,11 +482,9 @@ def _merge_float_blocks(cnt, mom, skey, ukey):
 
 @njit(**_OPTS)
 def float_block(f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
-    """Fold ``f[lo:hi]`` into the accumulators (see :func:`_float_tile`); the caller sets
-    them up once with :func:`init_keys`, so a block can be fed in any number of calls."""
-    for t0 in range(lo, hi, tile):
-        t1 = min(t0 + tile, hi)
-        _float_tile(f[t0:t1], ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+    """Fold ``f[lo:hi]`` into the accumulators (see :func:`_fold`); the caller sets them up
+    once with :func:`init_keys`, so a block can be fed in any number of calls."""
+    _fold(FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, cnt, mom, skey, ukey)
 
 
 @njit(**_OPTS)
@@ -418,12 +534,7 @@ def stats_float(f, ki, ku, sc, uc, block, tile, parallel):
 def half_block(fmt, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
     """:func:`float_block` for F16/BF16 patterns, widened a tile at a time."""
     buf = np.empty(tile, np.float32)  # per-task scratch: one tile, never the tensor
-    bits = buf.view(np.uint32)
-    for t0 in range(lo, hi, tile):
-        t1 = min(t0 + tile, hi)
-        m = t1 - t0
-        widen_half(fmt, ku[t0:t1], buf, bits)
-        _float_tile(buf[:m], ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+    _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), cnt, mom, skey, ukey)
 
 
 @njit(**_OPTS, parallel=True)

@@ -477,11 +477,13 @@ def stats(
 
     Each tile is swept twice while it sits in L1: once on the integer bit patterns (min,
     max, zeros, and detection of NaN/Inf, all vectorized without fast-math), once on the
-    values for the shifted float64 sums (the shift is the tile's first value, or 0 when the
-    tile holds values of both signs, which saves a subtraction per element and keeps the
-    same error bound).  Tiles merge into per-block partials and blocks into the result with
-    Chan's pairwise update, so the result is accurate for any size (relative error of mean
-    and std about 1e-12 or better for float32 data).
+    values for the float64 sums.  Data near zero (weights) is summed without a shift and
+    each block checks that ``sum(x**2) <= 256 * M2``, i.e. that the subtraction in
+    ``M2 = sum(x**2) - n * mean**2`` loses at most 8 bits; a block that fails the check, and
+    later blocks of data like it, are summed tile by tile around each tile's first value,
+    which bounds the loss by ``log2(2 * tile)`` bits.  Tiles and blocks merge with Chan's
+    pairwise update, so the result is accurate for any size (relative error of mean and std
+    about 1e-12 or better for float32 data).
 
     To summarise a tensor that arrives in pieces (from a file, a socket...), feed an
     :class:`Accumulator`.

@@ -219,9 +219,9 @@ def test_mean_std_accuracy_large_offset():
 
 @pytest.mark.parametrize("kind", ["F32", "F64", "BF16", "F16"])
 def test_tiles_with_both_signs_and_a_far_mean(kind):
-    # A tile holding values of both signs sums without a shift (0 lies in [min, max]); the
-    # worst case for that is one tiny negative value among large, tightly spread positives.
-    # A tile of one sign keeps the shift: unshifted, its variance would lose ~1e-8.
+    # Unshifted sums are kept only when sum(x**2) <= 256 * M2.  One tiny negative value among
+    # large, tightly spread positives fails that check (the block is summed again around a
+    # shift); so does data of one sign far from zero: unshifted, its variance would lose ~1e-8.
     dt = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "BF16": ml_dtypes.bfloat16}[kind]
     center, spread = {"F32": (1e6, 1.0), "F64": (1e7, 1.0), "F16": (1000.0, 1.0), "BF16": (1000.0, 8.0)}[kind]
     rng = np.random.default_rng(5)
@@ -236,6 +236,45 @@ def test_tiles_with_both_signs_and_a_far_mean(kind):
             assert_stats(got, want)
             # relative to the spread itself, not to the magnitude as assert_stats allows
             assert got.std == pytest.approx(want["std"], rel=1e-10), (tile, got.std, want["std"])
+
+
+@pytest.mark.parametrize("kind", ["F32", "BF16"])
+@pytest.mark.parametrize("pieces", [1, 7])
+def test_accumulator_mixes_near_zero_and_far_blocks(kind, pieces):
+    # Pieces near zero take the unshifted path, a far piece fails the check and is summed
+    # again around a shift, and the pieces after it go to the shifted path directly; each
+    # switch must leave the merged moments exact.  Also covers a NaN tile inside a block
+    # that is summed unshifted, and a zero-variance far block (all values equal).
+    dt = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[kind]
+    rng = np.random.default_rng(11)
+    near = (0.02 * rng.standard_normal(20_000)).astype(dt)
+    near[5_000] = np.nan
+    far = (300.0 + 0.5 * rng.standard_normal(20_000)).astype(dt)
+    flat = np.full(9_000, 7.0, dt)
+    data = np.concatenate([near, far, flat, near[::-1]])
+    acc = S.Accumulator(kind, tile=1024)
+    for part in np.array_split(data, pieces):
+        acc.add(part)
+    got = acc.result()
+    want = naive.stats(data)
+    assert_stats(got, want)
+    assert got.nan_count == 2
+    assert got.std == pytest.approx(want["std"], rel=1e-10)
+    assert got.mean == pytest.approx(want["mean"], rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["F32", "F64"])
+def test_unshifted_check_rejects_a_far_block(kind):
+    # one block, of one sign and far from zero: the unshifted sums fail the check, and the
+    # block is summed again around a shift.  Without the check the std would be off by ~1e-8
+    # (float32 data) or entirely (float64 data around 1e7).  16-bit formats cannot hold a
+    # mean far enough from zero relative to their spread for the check to matter.
+    dt = {"F32": np.float32, "F64": np.float64}[kind]
+    center = {"F32": 1e4, "F64": 1e7}[kind]
+    x = (center + np.random.default_rng(2).standard_normal(50_000)).astype(dt)
+    got = S.stats(x, threads=1)
+    want = naive.stats(x)
+    assert got.std == pytest.approx(want["std"], rel=1e-10)
 
 
 # --------------------------------------------------------------------------- quantization kernels
