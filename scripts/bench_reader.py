@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -70,16 +71,21 @@ def warm(path: str) -> None:
             pass
 
 
-def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float]:
-    """Medians of ``fn_a`` and ``fn_b`` run alternately, and the median of the per-pair
-    ratios b/a: drift on a shared machine then affects both sides of each ratio alike."""
-    ta, tb = [], []
+def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float, float, float]:
+    """Medians of ``fn_a`` and ``fn_b`` run alternately, the median of the per-pair ratios
+    b/a (drift on a shared machine then affects both sides of each ratio alike), and the
+    median CPU seconds (user + system, all threads of this process) of each side."""
+    ta, tb, ca, cb = [], [], [], []
     for _ in range(runs):
-        for fn, out in ((fn_a, ta), (fn_b, tb)):
+        for fn, out, cpu in ((fn_a, ta, ca), (fn_b, tb, cb)):
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb), statistics.median(b / a for a, b in zip(ta, tb))
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+    ratio = statistics.median(b / a for a, b in zip(ta, tb))
+    return statistics.median(ta), statistics.median(tb), ratio, statistics.median(ca), statistics.median(cb)
 
 
 def median_time(fn, runs: int, before=None) -> float:
@@ -197,9 +203,10 @@ def _stats_rows(path, directory, size, runs, row, engine):
                 pass
 
         with_stats()  # compile (or load) the kernels outside the measurement
-        t_plain, t_stats, ratio = paired_medians(plain, with_stats, 3 * runs)
+        t_plain, t_stats, ratio, cpu_plain, cpu_stats = paired_medians(plain, with_stats, 3 * runs)
         row(f"stream(stats=True), {label}", t_stats, t_plain,
-            f"vs stream(); statistics add {100 * (ratio - 1):+.0f}% to the load (median of {3 * runs} pairs)")
+            f"vs stream(); statistics add {100 * (ratio - 1):+.0f}% to the load (median of {3 * runs} pairs); "
+            f"CPU s {cpu_plain:.2f} -> {cpu_stats:.2f}")
     warm(path)
 
 
