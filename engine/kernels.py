@@ -420,8 +420,14 @@ def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey)
     adds its raw sums, and the block merges once (:func:`_settle`).  A tile holding NaN or
     Inf goes through :func:`_classify`; a block whose unshifted sums would lose precision is
     summed again tile by tile around a shift, and later blocks of the same accumulator go
-    there directly (:func:`_near_zero`).
+    there directly (:func:`_near_zero`).  The first tile of a fresh accumulator is summed
+    around a shift, so that its mean and spread predict the rest: a block of data far from
+    zero (norm weights near 1) is then never summed twice.
     """
+    if cnt[0] == 0 and lo < hi:
+        t1 = min(lo + tile, hi)
+        _float_tile(_tile_values(fmt, f, ku, lo, t1, buf, bits), ki[lo:t1], ku[lo:t1], sc, uc, cnt, mom, skey, ukey)
+        lo = t1
     if _near_zero(cnt, mom):
         n = 0
         s = 0.0

@@ -263,12 +263,29 @@ def test_accumulator_mixes_near_zero_and_far_blocks(kind, pieces):
     assert got.mean == pytest.approx(want["mean"], rel=1e-12)
 
 
+def test_settle_rejects_unshifted_sums_that_cancel():
+    # the check behind the unshifted path: sums of data far from zero relative to its spread
+    # are refused (nothing merged), sums of data near zero are merged
+    rng = np.random.default_rng(4)
+    for center, accepted in ((0.0, True), (3.0, True), (1e4, False)):
+        x = center + rng.standard_normal(4096)
+        cnt = np.zeros(5, np.int64)
+        mom = np.zeros(2)
+        assert K._settle(x.size, x.sum(), (x * x).sum(), cnt, mom) is accepted
+        assert cnt[0] == (x.size if accepted else 0)
+        if accepted:
+            assert mom[0] == pytest.approx(x.mean(), rel=1e-12, abs=1e-12)
+            assert mom[1] == pytest.approx(((x - x.mean()) ** 2).sum(), rel=1e-9)
+    cnt = np.zeros(5, np.int64)
+    assert K._settle(3, 1e200, np.inf, cnt, np.zeros(2)) is False  # squares overflowed
+
+
 @pytest.mark.parametrize("kind", ["F32", "F64"])
 def test_unshifted_check_rejects_a_far_block(kind):
-    # one block, of one sign and far from zero: the unshifted sums fail the check, and the
-    # block is summed again around a shift.  Without the check the std would be off by ~1e-8
-    # (float32 data) or entirely (float64 data around 1e7).  16-bit formats cannot hold a
-    # mean far enough from zero relative to their spread for the check to matter.
+    # one block, of one sign and far from zero: its first tile predicts that, and it is summed
+    # around a shift.  Summed unshifted the std would be off by ~1e-8 (float32 data) or
+    # entirely (float64 data around 1e7).  16-bit formats cannot hold a mean far enough from
+    # zero relative to their spread for this to matter.
     dt = {"F32": np.float32, "F64": np.float64}[kind]
     center = {"F32": 1e4, "F64": 1e7}[kind]
     x = (center + np.random.default_rng(2).standard_normal(50_000)).astype(dt)
