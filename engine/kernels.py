@@ -20,7 +20,7 @@ Conventions shared by all kernels
   for mean and M2), so ``prange`` needs no atomics and a caller can merge results of
   chunks the same way.  ``block`` and ``tile`` are arguments, not module globals.
 * The ``*_block`` kernels fold data into accumulators that the caller owns, so one tensor
-  can be fed in any number of calls (``engine.statistics.Accumulator``); the ``read_fold_*``
+  can be fed in any number of calls (``engine.statistics.Accumulator``); the ``read_fold``/``read_fold_int``
   kernels read a piece of a file themselves, window by window, and fold each window while
   it is still in L2.
 * ``parallel=False`` runs the same code on the calling thread only.  Callers that already
@@ -52,15 +52,12 @@ __all__ = [
     "F16",
     "BF16",
     "widen_half",
-    "stats_float",
-    "stats_half",
+    "stats_values",
     "stats_int",
     "init_keys",
-    "float_block",
-    "half_block",
+    "fold_block",
     "int_block",
-    "read_fold_float",
-    "read_fold_half",
+    "read_fold",
     "read_fold_int",
     "absmax_grid",
     "quantize_grid",
@@ -486,17 +483,47 @@ def _merge_float_blocks(cnt, mom, skey, ukey):
     return tot[0], tot[1], tot[2], tot[3], tot[4], mean, m2, max_i, min_i, max_u
 
 
+def _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+    """:func:`fold_block` body.  Plain Python here (``NUMBA_DISABLE_JIT=1``); compiled code
+    picks one of the two branches by the dtype of ``f`` (below)."""
+    if f.dtype == np.uint16:
+        buf = np.empty(tile, np.float32)  # per-task scratch: one tile, never the tensor
+        _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), cnt, mom, skey, ukey)
+    else:
+        _fold(FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, cnt, mom, skey, ukey)
+
+
+@overload(_values_block)
+def _values_block_jit(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+    # chosen by type when compiling, so float data never compiles the widening
+    if f.dtype == types.uint16:
+
+        def widened(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+            buf = np.empty(tile, np.float32)
+            _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), cnt, mom, skey, ukey)
+
+        return widened
+    return lambda fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey: _fold(
+        FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, cnt, mom, skey, ukey)
+
+
 @njit(**_OPTS)
-def float_block(f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
-    """Fold ``f[lo:hi]`` into the accumulators (see :func:`_fold`); the caller sets them up
-    once with :func:`init_keys`, so a block can be fed in any number of calls."""
-    _fold(FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, cnt, mom, skey, ukey)
+def fold_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+    """Fold elements ``[lo, hi)`` into the accumulators (see :func:`_fold`); the caller sets
+    them up once with :func:`init_keys`, so a block can be fed in any number of calls.
+
+    ``f`` holds the values: float32 or float64 (``fmt`` is then ignored), or F16
+    (``fmt=F16``) / BF16 (``fmt=BF16``) bit patterns as ``uint16``, widened a tile at a
+    time into a per-call float32 scratch buffer.  ``ki``/``ku`` are the signed and unsigned
+    integer views of the same memory.
+    """
+    _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey)
 
 
 @njit(**_OPTS)
 def _float_partials(n, block, ki, ku, sc, uc):
     """Number of blocks of ``n`` elements and their zeroed partial-result rows (see
-    :func:`float_block`), shared by :func:`stats_float` and :func:`stats_half`."""
+    :func:`fold_block`), for :func:`stats_values`."""
     nb = (n + block - 1) // block
     cnt = np.zeros((max(nb, 1), 5), np.int64)
     mom = np.zeros((max(nb, 1), 2))
@@ -507,12 +534,12 @@ def _float_partials(n, block, ki, ku, sc, uc):
 
 
 @njit(**_OPTS, parallel=True)
-def stats_float(f, ki, ku, sc, uc, block, tile, parallel):
-    """Fused statistics of a float32 or float64 array.
+def stats_values(fmt, f, ki, ku, sc, uc, block, tile, parallel):
+    """Fused statistics of float32, float64, F16 or BF16 data.
 
     Parameters
     ----------
-    f : float32[::1] or float64[::1]
+    fmt, f : the values, as for :func:`fold_block`
     ki, ku : the same memory viewed as the signed and unsigned integer of its width
     sc, uc : typed constants, see the layout note at the top of this module
     block, tile : elements per parallel task and per cache-resident tile
@@ -521,43 +548,19 @@ def stats_float(f, ki, ku, sc, uc, block, tile, parallel):
     Returns
     -------
     (n_finite, n_nan, n_posinf, n_neginf, n_zero, mean, m2, max_i, min_i, max_u)
-        Over the finite values; the keys are decoded to min/max by engine.statistics.
+        Over the finite values; the keys (bit patterns of the source format) are decoded
+        to min/max by engine.statistics.
     """
     n = f.size
     nb, cnt, mom, skey, ukey = _float_partials(n, block, ki, ku, sc, uc)
     if parallel:
         for b in prange(nb):
             lo = b * block
-            float_block(f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
     else:
         for b in range(nb):
             lo = b * block
-            float_block(f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
-    return _merge_float_blocks(cnt, mom, skey, ukey)
-
-
-@njit(**_OPTS)
-def half_block(fmt, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
-    """:func:`float_block` for F16/BF16 patterns, widened a tile at a time."""
-    buf = np.empty(tile, np.float32)  # per-task scratch: one tile, never the tensor
-    _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), cnt, mom, skey, ukey)
-
-
-@njit(**_OPTS, parallel=True)
-def stats_half(fmt, ki, ku, sc, uc, block, tile, parallel):
-    """Fused statistics of F16 (``fmt=F16``) or BF16 (``fmt=BF16``) data given as its
-    ``int16`` (``ki``) and ``uint16`` (``ku``) views; same result layout as
-    :func:`stats_float` (keys are 16-bit patterns of the source format)."""
-    n = ku.size
-    nb, cnt, mom, skey, ukey = _float_partials(n, block, ki, ku, sc, uc)
-    if parallel:
-        for b in prange(nb):
-            lo = b * block
-            half_block(fmt, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
-    else:
-        for b in range(nb):
-            lo = b * block
-            half_block(fmt, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
     return _merge_float_blocks(cnt, mom, skey, ukey)
 
 
@@ -691,10 +694,11 @@ def _read_full(fd, buf, offset):
 
 
 @njit(**_OPTS)
-def read_fold_float(fd, offset, dest, window, like, sc, uc, tile, cnt, mom, skey, ukey):
+def read_fold(fd, offset, dest, window, fmt, like, sc, uc, tile, cnt, mom, skey, ukey):
     """Read ``dest.size`` bytes at file ``offset`` into the byte array ``dest``, ``window``
-    bytes at a time, folding each window of float32/float64 (the type of ``like``) into the
-    accumulators of :func:`float_block`.
+    bytes at a time, folding each window into the accumulators of :func:`fold_block`; the
+    values are of the dtype of ``like`` (float32, float64, or ``uint16`` for F16/BF16 with
+    ``fmt``).
 
     ``window`` is a multiple of the item size and ``dest.size`` a multiple of it.  Returns
     the bytes read and folded: ``dest.size``, or less after a short read (that window is not
@@ -705,27 +709,14 @@ def read_fold_float(fd, offset, dest, window, like, sc, uc, tile, cnt, mom, skey
         w = dest[pos : min(pos + window, n)]
         if _read_full(fd, w, offset + pos) < w.size:
             return pos
-        float_block(w.view(like.dtype), w.view(sc.dtype), w.view(uc.dtype), sc, uc, 0, w.size // like.itemsize,
-                     tile, cnt, mom, skey, ukey)
-    return n
-
-
-@njit(**_OPTS)
-def read_fold_half(fd, offset, dest, window, fmt, sc, uc, tile, cnt, mom, skey, ukey):
-    """:func:`read_fold_float` for F16 (``fmt=F16``) or BF16 (``fmt=BF16``) data."""
-    n = dest.size
-    for pos in range(0, n, window):
-        w = dest[pos : min(pos + window, n)]
-        if _read_full(fd, w, offset + pos) < w.size:
-            return pos
-        ku = w.view(np.uint16)
-        half_block(fmt, ku.view(np.int16), ku, sc, uc, 0, ku.size, tile, cnt, mom, skey, ukey)
+        f = w.view(like.dtype)
+        fold_block(fmt, f, w.view(sc.dtype), w.view(uc.dtype), sc, uc, 0, f.size, tile, cnt, mom, skey, ukey)
     return n
 
 
 @njit(**_OPTS)
 def read_fold_int(fd, offset, dest, window, tile, cnt, mom, ext):
-    """:func:`read_fold_float` for integers of the type of ``ext`` (bool as ``uint8``),
+    """:func:`read_fold` for integers of the type of ``ext`` (bool as ``uint8``),
     folded into the accumulators of :func:`int_block`."""
     n = dest.size
     for pos in range(0, n, window):

@@ -267,6 +267,14 @@ def _float_consts(kind: str):
 _FLOAT_DTYPE = {kind: np.dtype(fmt[3]) for kind, fmt in FLOAT_FORMATS.items()}
 
 
+def _kernel_format(kind: str) -> tuple[int, np.dtype]:
+    """``fmt`` and the dtype of the values array that :func:`engine.kernels.fold_block`
+    takes for float data of ``kind``: F16/BF16 as their ``uint16`` bit patterns."""
+    if kind in _HALF:
+        return (_k.F16 if kind == "F16" else _k.BF16), np.dtype(np.uint16)
+    return _k.FLOAT, _FLOAT_DTYPE[kind]
+
+
 def _decode_minmax(kind: str, max_i: int, min_i: int, max_u: int) -> tuple[float, float]:
     """Min and max float from the kernels' ordering keys.
 
@@ -317,12 +325,8 @@ def _stats_flat(flat: np.ndarray, kind: str, parallel: bool, block: int, tile: i
             flat = flat.view(np.uint8)
         return _int_result(*_k.stats_int(flat, block, tile, parallel))
     it, ut, sc, uc = _float_consts(kind)
-    ki, ku = flat.view(it), flat.view(ut)
-    if kind in _HALF:
-        fmt = _k.F16 if kind == "F16" else _k.BF16
-        res = _k.stats_half(fmt, ki, ku, sc, uc, block, tile, parallel)
-    else:
-        res = _k.stats_float(flat, ki, ku, sc, uc, block, tile, parallel)
+    fmt, values = _kernel_format(kind)
+    res = _k.stats_values(fmt, flat.view(values), flat.view(it), flat.view(ut), sc, uc, block, tile, parallel)
     return _float_result(kind, *res)
 
 
@@ -363,10 +367,8 @@ class Accumulator:
         self._skey = np.empty(2, it)
         self._ukey = np.empty(1, ut)
         _k.init_keys(self._sc, self._uc, self._skey, self._ukey)
-        if kind in _HALF:
-            self._fmt = _k.F16 if kind == "F16" else _k.BF16
-        else:
-            self._like = np.empty(0, _FLOAT_DTYPE[kind])
+        self._fmt, values = _kernel_format(kind)
+        self._like = np.empty(0, values)  # carries the values' dtype into read_fold
 
     def add(self, data) -> None:
         """Fold a piece already in memory: a 1-D C-contiguous array of the tensor's dtype, or
@@ -378,13 +380,9 @@ class Accumulator:
             x = flat.view(self._ext.dtype)
             _k.int_block(x, 0, x.size, self.tile, self._cnt, self._mom, self._ext)
             return
-        ki, ku = flat.view(self._sc.dtype), flat.view(self._uc.dtype)
-        if self.kind in _HALF:
-            _k.half_block(self._fmt, ki, ku, self._sc, self._uc, 0, ku.size, self.tile, self._cnt, self._mom,
-                          self._skey, self._ukey)
-        else:
-            _k.float_block(flat.view(self._like.dtype), ki, ku, self._sc, self._uc, 0, ku.size, self.tile,
-                           self._cnt, self._mom, self._skey, self._ukey)
+        f = flat.view(self._like.dtype)
+        _k.fold_block(self._fmt, f, flat.view(self._sc.dtype), flat.view(self._uc.dtype), self._sc, self._uc, 0,
+                      f.size, self.tile, self._cnt, self._mom, self._skey, self._ukey)
 
     def read(self, fd: int, offset: int, dest: np.ndarray, window: int) -> int:
         """Read ``dest.size`` bytes of the file ``fd`` at ``offset`` into the byte array
@@ -405,11 +403,8 @@ class Accumulator:
             raise ValueError(f"dest holds {dest.size} bytes, not a whole number of {self.kind} elements")
         if self.kind in _INT:
             return _k.read_fold_int(fd, offset, dest, window, self.tile, self._cnt, self._mom, self._ext)
-        if self.kind in _HALF:
-            return _k.read_fold_half(fd, offset, dest, window, self._fmt, self._sc, self._uc, self.tile, self._cnt,
-                                     self._mom, self._skey, self._ukey)
-        return _k.read_fold_float(fd, offset, dest, window, self._like, self._sc, self._uc, self.tile, self._cnt,
-                                  self._mom, self._skey, self._ukey)
+        return _k.read_fold(fd, offset, dest, window, self._fmt, self._like, self._sc, self._uc, self.tile, self._cnt,
+                            self._mom, self._skey, self._ukey)
 
     def result(self) -> Stats:
         """Statistics of everything folded so far."""
