@@ -115,31 +115,100 @@ def _bf16_bits_jit(h):
     return lambda h: _bf16_bits_i32(h)
 
 
+def _host_converts_half() -> bool:
+    """Whether LLVM turns ``fpext half -> float`` into an instruction on this host (x86
+    with F16C, any aarch64) rather than a call into a runtime library the JIT lacks."""
+    try:
+        import llvmlite.binding as llb
+
+        triple = llb.get_process_triple()
+        if triple.startswith(("aarch64", "arm64")):
+            return True
+        return triple.startswith("x86_64") and bool(llb.get_host_cpu_features().get("f16c"))
+    except Exception:  # an llvmlite that cannot tell: keep the portable integer path
+        return False
+
+
+#: F16 is widened by the CPU's own conversion (one ``vcvtph2ps`` per 8 values on x86)
+#: instead of integer bit arithmetic; about 3x faster.  Frozen into compiled code, and
+#: Numba's cache is keyed on the host CPU and its features, so the two never mix.
+_F16_NATIVE = _host_converts_half()
+
+
+def _f16_bits(h):
+    """float32 bit pattern of the F16 bit pattern ``h`` (int), exact for every input; a
+    NaN keeps its sign and payload and comes out quiet, as an IEEE conversion (and F16C)
+    delivers it.  Plain Python: the reference for both compiled paths of
+    :func:`widen_half`."""
+    h = int(h)
+    sign = (h & 0x8000) << 16
+    em = h & 0x7FFF
+    if em >= 0x7C00:  # Inf, NaN
+        return np.uint32(sign | 0x7F800000 | ((em & 0x3FF) << 13) | (0x400000 if em > 0x7C00 else 0))
+    if em >= 0x0400:  # normal: rebias the exponent from 15 to 127
+        return np.uint32(sign | ((em << 13) + 0x38000000))
+    if em == 0:
+        return np.uint32(sign)
+    shift = 11 - em.bit_length()  # subnormal m * 2**-24: normalise the mantissa
+    return np.uint32(sign | (((em << shift) & 0x3FF) << 13) | ((113 - shift) << 23))
+
+
+@intrinsic
+def _f16_value(typingctx, h):
+    # the CPU's own half -> float conversion (exact: every half is a float)
+    if not (isinstance(h, types.Integer) and h.bitwidth == 16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
 @njit(**_OPTS)
 def widen_half(fmt, src, out, bits):
     """Widen ``uint16`` F16/BF16 bit patterns in ``src`` to float32 in ``out[:src.size]``.
 
-    ``bits`` is the ``uint32`` view of ``out``: the conversion is done on bit patterns,
-    which is exact for every input including subnormals, infinities and NaN payloads.
+    ``bits`` is the ``uint32`` view of ``out``: the conversion is exact for every input,
+    subnormals and infinities included.  A NaN keeps its sign and payload; F16 NaNs come
+    out quiet (an IEEE conversion signals on a signalling NaN and delivers it quiet; BF16
+    is only the top half of a float32, so its NaNs are kept bit for bit).
     """
     n = src.size
     if fmt == BF16:
         for j in range(n):
             bits[j] = _bf16_bits(src[j])
         return
+    if _F16_NATIVE:
+        _widen_f16_native(src, out, bits)
+    else:
+        _widen_f16_portable(src, out, bits)
+
+
+@njit(**_OPTS)
+def _widen_f16_portable(src, out, bits):
+    """F16 widening in integer bit arithmetic, for hosts whose CPU has no conversion."""
+    n = src.size
     nsub = 0
     for j in range(n):
         h = np.int64(src[j])
         em = h & 0x7FFF
         # Rebias the exponent from 15 to 127 (+112 << 23); Inf/NaN (exponent 31) go to 255
-        # with the payload kept; subnormals are given exponent 1 here and fixed below.
-        if em >= 0x7C00:
+        # with the payload kept (and a NaN made quiet); subnormals are given exponent 1 here
+        # and fixed below.
+        if em > 0x7C00:
             adj = 0x70000000
+            quiet = 0x400000
+        elif em == 0x7C00:
+            adj = 0x70000000
+            quiet = 0
         elif em >= 0x0400:
             adj = 0x38000000
+            quiet = 0
         else:
             adj = 0x38800000
-        b = (em << 13) + adj if em != 0 else 0
+            quiet = 0
+        b = ((em << 13) + adj) | quiet if em != 0 else 0
         nsub += (em != 0) & (em < 0x0400)
         bits[j] = ((h & 0x8000) << 16) | b
     if nsub:
@@ -151,6 +220,21 @@ def widen_half(fmt, src, out, bits):
             if em != 0 and em < 0x0400:
                 f = out[j]
                 out[j] = f - two_m14 if f > 0 else f + two_m14
+
+
+def _widen_f16_native(src, out, bits):
+    """Plain Python (``NUMBA_DISABLE_JIT=1``): the bit-exact reference conversion."""
+    for j in range(src.size):
+        bits[j] = _f16_bits(src[j])
+
+
+@overload(_widen_f16_native)
+def _widen_f16_native_jit(src, out, bits):
+    def impl(src, out, bits):
+        for j in range(src.size):
+            out[j] = _f16_value(src[j])
+
+    return impl
 
 
 # --------------------------------------------------------------------------- statistics

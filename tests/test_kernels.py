@@ -43,17 +43,42 @@ def _widen(fmt, bits, tile=None):
     return out
 
 
-def test_widen_f16_all_bit_patterns():
-    got = _widen(K.F16, ALL_U16)
+def _check_f16_widening(got_bits):
     want = naive.widen_half(ALL_U16, "F16")
     nan = np.isnan(want)
-    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(np.isnan(got_bits.view(np.float32)), nan)
     # every non-NaN pattern (normals, subnormals, +-0, +-Inf) converts bit-exactly
-    assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
-    # NaN keeps its sign and payload (numpy may quiet a signalling NaN; we never do)
-    gb = got.view(np.uint32)[nan]
+    assert np.array_equal(got_bits[~nan], want.view(np.uint32)[~nan])
+    # NaN keeps its sign and payload and comes out quiet, as an IEEE conversion delivers it
+    gb = got_bits[nan]
     assert np.array_equal(gb >> 31, ALL_U16[nan] >> 15)
-    assert np.array_equal((gb >> 13) & 0x3FF, ALL_U16[nan] & 0x3FF)
+    assert np.array_equal((gb >> 13) & 0x3FF, (ALL_U16[nan] & 0x3FF) | 0x200)
+    assert np.array_equal(gb & 0x1FFF, np.zeros_like(gb))
+
+
+def test_widen_f16_all_bit_patterns():
+    _check_f16_widening(_widen(K.F16, ALL_U16).view(np.uint32))
+
+
+def test_widen_f16_reference_all_bit_patterns():
+    _check_f16_widening(np.array([K._f16_bits(h) for h in ALL_U16.tolist()], np.uint32))
+
+
+def test_widen_f16_portable_path_all_bit_patterns():
+    # the integer path serves hosts without a half->float instruction; run it here too
+    out = np.empty(ALL_U16.size, np.float32)
+    K._widen_f16_portable(ro(ALL_U16), out, out.view(np.uint32))
+    _check_f16_widening(out.view(np.uint32))
+
+
+def test_widen_f16_paths_agree_on_tiles():
+    rng = np.random.default_rng(5)
+    bits = rng.integers(0, 1 << 16, 10_000, dtype=np.uint16)
+    a = np.empty(bits.size, np.float32)
+    b = np.empty(bits.size, np.float32)
+    K.widen_half(K.F16, ro(bits), a, a.view(np.uint32))
+    K._widen_f16_portable(ro(bits), b, b.view(np.uint32))
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def test_widen_bf16_all_bit_patterns():
