@@ -207,7 +207,55 @@ def _stats_rows(path, directory, size, runs, row, engine):
         row(f"stream(stats=True), {label}", t_stats, t_plain,
             f"vs stream(); statistics add {100 * (ratio - 1):+.0f}% to the load (median of {3 * runs} pairs); "
             f"CPU s {cpu_plain:.2f} -> {cpu_stats:.2f}")
+        if label.startswith("weight"):
+            t_plain, t_stats, ratio, cpu_plain, cpu_stats = paired_medians(
+                lambda: _bare_load(p, engine, fold=False), lambda: _bare_load(p, engine, fold=True), 3 * runs)
+            row(f"bare reads + fold, {label}", t_stats, t_plain,
+                f"vs bare reads; the fold alone adds {100 * (ratio - 1):+.0f}% (median of {3 * runs} pairs); "
+                f"CPU s {cpu_plain:.2f} -> {cpu_stats:.2f}")
     warm(path)
+
+
+def _bare_load(path, engine, fold: bool, threads: int = 2, request: int = 16 << 20) -> None:
+    """The least work a 2-thread owned load of ``path`` can do, with or without statistics.
+
+    One anonymous block for all data (as engine loads use), ``threads`` threads taking
+    ``request``-byte reads in turn, one ``preadv`` each, or with ``fold`` the same reads
+    made and folded window by window by :meth:`engine.statistics.Accumulator.read` (one
+    accumulator per thread for the whole file: no tensors, plans, queues or merges).  The
+    ratio of the two is the floor the statistics kernel itself sets on the overhead of
+    ``stream(stats=True)`` on this machine.
+    """
+    import mmap
+    import threading
+
+    from engine import loader, statistics as est
+
+    start = engine.read_header(path).data_start
+    size = os.path.getsize(path) - start
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    dest = np.frombuffer(block, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+
+    def worker(i: int) -> None:
+        acc = est.Accumulator("BF16")
+        for lo in range(i * request, size, threads * request):
+            hi = min(lo + request, size)
+            if fold:
+                acc.read(fd, start + lo, dest[lo:hi], loader._StatsCollector.WINDOW)
+            else:
+                os.preadv(fd, [memoryview(dest[lo:hi])], start + lo)
+
+    try:
+        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        os.close(fd)
+        del dest
+        block.close()
 
 
 
