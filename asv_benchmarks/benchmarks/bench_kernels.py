@@ -182,7 +182,7 @@ class Quantize(_Kernel):
     """``engine.quantize_int8`` per tensor and per row vs NumPy / torch array code."""
 
     param_names = ["dtype", "granularity", "impl"]
-    params = [["F32", "BF16"], ["tensor", "row"], ["engine", "numpy", "torch"]]
+    params = [["F32", "BF16", "F16"], ["tensor", "row"], ["engine", "numpy", "torch"]]
 
     def setup(self, dtype, granularity, impl):
         if impl == "torch" and not _have_torch():
