@@ -71,10 +71,12 @@ def warm(path: str) -> None:
             pass
 
 
-def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float, float, float]:
+def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float, tuple, tuple]:
     """Medians of ``fn_a`` and ``fn_b`` run alternately, the median of the per-pair ratios
     b/a (drift on a shared machine then affects both sides of each ratio alike), and the
-    median CPU seconds (user + system, all threads of this process) of each side."""
+    median user and system CPU seconds (all threads of this process) of each side, as
+    ``(user, sys)`` pairs: the statistics kernels are user time, an owned load's page
+    faults and copies are system time."""
     ta, tb, ca, cb = [], [], [], []
     for _ in range(runs):
         for fn, out, cpu in ((fn_a, ta, ca), (fn_b, tb, cb)):
@@ -83,9 +85,13 @@ def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float, float, f
             fn()
             out.append(time.perf_counter() - t0)
             r1 = resource.getrusage(resource.RUSAGE_SELF)
-            cpu.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+            cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
     ratio = statistics.median(b / a for a, b in zip(ta, tb))
-    return statistics.median(ta), statistics.median(tb), ratio, statistics.median(ca), statistics.median(cb)
+
+    def med_cpu(c):
+        return statistics.median(u for u, _ in c), statistics.median(s for _, s in c)
+
+    return statistics.median(ta), statistics.median(tb), ratio, med_cpu(ca), med_cpu(cb)
 
 
 def median_time(fn, runs: int, before=None) -> float:
@@ -206,14 +212,19 @@ def _stats_rows(path, directory, size, runs, row, engine):
         t_plain, t_stats, ratio, cpu_plain, cpu_stats = paired_medians(plain, with_stats, 3 * runs)
         row(f"stream(stats=True), {label}", t_stats, t_plain,
             f"vs stream(); statistics add {100 * (ratio - 1):+.0f}% to the load (median of {3 * runs} pairs); "
-            f"CPU s {cpu_plain:.2f} -> {cpu_stats:.2f}")
+            + _cpu_note(cpu_plain, cpu_stats))
         if label.startswith("weight"):
             t_plain, t_stats, ratio, cpu_plain, cpu_stats = paired_medians(
                 lambda: _bare_load(p, engine, fold=False), lambda: _bare_load(p, engine, fold=True), 3 * runs)
             row(f"bare reads + fold, {label}", t_stats, t_plain,
                 f"vs bare reads; the fold alone adds {100 * (ratio - 1):+.0f}% (median of {3 * runs} pairs); "
-                f"CPU s {cpu_plain:.2f} -> {cpu_stats:.2f}")
+                + _cpu_note(cpu_plain, cpu_stats))
     warm(path)
+
+
+def _cpu_note(plain: tuple, with_stats: tuple) -> str:
+    return (f"user s {plain[0]:.2f} -> {with_stats[0]:.2f}, "
+            f"sys s {plain[1]:.2f} -> {with_stats[1]:.2f}")
 
 
 def _bare_load(path, engine, fold: bool, threads: int = 2, request: int = 16 << 20) -> None:
