@@ -116,15 +116,22 @@ def _bf16_bits_jit(h):
 
 
 def _host_converts_half() -> bool:
-    """Whether LLVM turns ``fpext half -> float`` into an instruction on this host (x86
-    with F16C, any aarch64) rather than a call into a runtime library the JIT lacks."""
+    """Whether LLVM turns ``fpext half -> float`` into an instruction for the CPU Numba
+    compiles for (x86 with F16C, any aarch64) rather than a call into a runtime library
+    the JIT lacks.  ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES`` (portable caches) are
+    honoured: a named CPU converts only if its listed features include ``+f16c``."""
     try:
         import llvmlite.binding as llb
+        from numba.core import config
 
         triple = llb.get_process_triple()
         if triple.startswith(("aarch64", "arm64")):
             return True
-        return triple.startswith("x86_64") and bool(llb.get_host_cpu_features().get("f16c"))
+        if not triple.startswith("x86_64"):
+            return False
+        if config.CPU_NAME and config.CPU_NAME != "host":
+            return "+f16c" in (config.CPU_FEATURES or "").split(",")
+        return bool(llb.get_host_cpu_features().get("f16c"))
     except Exception:  # an llvmlite that cannot tell: keep the portable integer path
         return False
 

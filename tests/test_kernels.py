@@ -71,6 +71,20 @@ def test_widen_f16_portable_path_all_bit_patterns():
     _check_f16_widening(out.view(np.uint32))
 
 
+def test_f16_conversion_follows_numba_target_cpu(monkeypatch):
+    # a portable cache (NUMBA_CPU_NAME=generic) must not get the F16C instruction
+    import platform
+
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", "generic")
+    monkeypatch.setattr(config, "CPU_FEATURES", "")
+    arm = platform.machine().lower() in ("aarch64", "arm64")
+    assert K._host_converts_half() is arm
+    monkeypatch.setattr(config, "CPU_FEATURES", "+sse2,+avx,+f16c")
+    assert K._host_converts_half() is (arm or platform.machine() == "x86_64")
+
+
 def test_widen_f16_paths_agree_on_tiles():
     rng = np.random.default_rng(5)
     bits = rng.integers(0, 1 << 16, 10_000, dtype=np.uint16)
