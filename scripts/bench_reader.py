@@ -214,11 +214,13 @@ def _stats_rows(path, directory, size, runs, row, engine):
             f"vs stream(); statistics add {100 * (ratio - 1):+.0f}% to the load (median of {3 * runs} pairs); "
             + _cpu_note(cpu_plain, cpu_stats))
         if label.startswith("weight"):
-            t_plain, t_stats, ratio, cpu_plain, cpu_stats = paired_medians(
-                lambda: _bare_load(p, engine, fold=False), lambda: _bare_load(p, engine, fold=True), 3 * runs)
-            row(f"bare reads + fold, {label}", t_stats, t_plain,
-                f"vs bare reads; the fold alone adds {100 * (ratio - 1):+.0f}% (median of {3 * runs} pairs); "
-                + _cpu_note(cpu_plain, cpu_stats))
+            for mode, what in (("fold", "the fold alone adds"), ("windows", "reading in windows alone adds")):
+                t_plain, t_mode, ratio, cpu_plain, cpu_mode = paired_medians(
+                    lambda: _bare_load(p, engine, "requests"), lambda m=mode: _bare_load(p, engine, m), 3 * runs)
+                name = "bare reads + fold" if mode == "fold" else "bare window reads"
+                row(f"{name}, {label}", t_mode, t_plain,
+                    f"vs bare reads; {what} {100 * (ratio - 1):+.0f}% (median of {3 * runs} pairs); "
+                    + _cpu_note(cpu_plain, cpu_mode))
     warm(path)
 
 
@@ -227,15 +229,18 @@ def _cpu_note(plain: tuple, with_stats: tuple) -> str:
             f"sys s {plain[1]:.2f} -> {with_stats[1]:.2f}")
 
 
-def _bare_load(path, engine, fold: bool, threads: int = 2, request: int = 16 << 20) -> None:
+def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 20) -> None:
     """The least work a 2-thread owned load of ``path`` can do, with or without statistics.
 
     One anonymous block for all data (as engine loads use), ``threads`` threads taking
-    ``request``-byte reads in turn, one ``preadv`` each, or with ``fold`` the same reads
-    made and folded window by window by :meth:`engine.statistics.Accumulator.read` (one
-    accumulator per thread for the whole file: no tensors, plans, queues or merges).  The
-    ratio of the two is the floor the statistics kernel itself sets on the overhead of
-    ``stream(stats=True)`` on this machine.
+    ``request``-byte reads in turn.  ``mode``: ``"requests"``, one ``preadv`` per request;
+    ``"fold"``, the same reads made and folded window by window by
+    :meth:`engine.statistics.Accumulator.read` (one accumulator per thread for the whole
+    file: no tensors, plans, queues or merges); ``"windows"``, the window-sized reads of
+    ``"fold"`` without the fold (from Python: a little user time per call).  ``"fold"``
+    against ``"requests"`` is the floor the statistics kernel sets on the overhead of
+    ``stream(stats=True)`` on this machine; ``"windows"`` tells how much of it is the
+    smaller reads rather than the fold.
     """
     import mmap
     import threading
@@ -248,12 +253,17 @@ def _bare_load(path, engine, fold: bool, threads: int = 2, request: int = 16 << 
     dest = np.frombuffer(block, np.uint8)
     fd = os.open(path, os.O_RDONLY)
 
+    window = loader._StatsCollector.WINDOW
+
     def worker(i: int) -> None:
         acc = est.Accumulator("BF16")
         for lo in range(i * request, size, threads * request):
             hi = min(lo + request, size)
-            if fold:
-                acc.read(fd, start + lo, dest[lo:hi], loader._StatsCollector.WINDOW)
+            if mode == "fold":
+                acc.read(fd, start + lo, dest[lo:hi], window)
+            elif mode == "windows":
+                for w in range(lo, hi, window):
+                    os.preadv(fd, [memoryview(dest[w : min(w + window, hi)])], start + w)
             else:
                 os.preadv(fd, [memoryview(dest[lo:hi])], start + lo)
 
@@ -267,7 +277,6 @@ def _bare_load(path, engine, fold: bool, threads: int = 2, request: int = 16 << 
         os.close(fd)
         del dest
         block.close()
-
 
 
 def _slice_rows(path, header, runs, row, ref, engine, safetensors):
