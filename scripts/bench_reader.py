@@ -8,7 +8,8 @@ bandwidth.  Cold-cache runs evict the file with posix_fadvise(POSIX_FADV_DONTNEE
     python scripts/bench_reader.py                 # 2 GB BF16 checkpoint, 5 runs
     python scripts/bench_reader.py --quick         # 128 MB, 3 runs (smoke)
     python scripts/bench_reader.py --json out.json
-    python scripts/bench_reader.py --only stats    # statistics during a streaming load
+    python scripts/bench_reader.py --only stats    # statistics during a streaming load, and the
+                                                   # same reads bare (no engine) with and without the fold
 """
 
 from __future__ import annotations
@@ -242,17 +243,15 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
     ``stream(stats=True)`` on this machine; ``"windows"`` tells how much of it is the
     smaller reads rather than the fold.
     """
-    import mmap
-    import threading
-
     from engine import loader, statistics as est
+    from engine.reader import pread_into, run_threads
+    from engine.sinks import host_block
 
     start = engine.read_header(path).data_start
     size = os.path.getsize(path) - start
-    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block = host_block(size)  # the anonymous block an owned load fills
     dest = np.frombuffer(block, np.uint8)
     fd = os.open(path, os.O_RDONLY)
-
     window = loader._StatsCollector.WINDOW
 
     def worker(i: int) -> None:
@@ -260,19 +259,16 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
         for lo in range(i * request, size, threads * request):
             hi = min(lo + request, size)
             if mode == "fold":
-                acc.read(fd, start + lo, dest[lo:hi], window)
+                if acc.read(fd, start + lo, dest[lo:hi], window) != hi - lo:
+                    raise OSError(f"{path}: short read at {start + lo}")
             elif mode == "windows":
                 for w in range(lo, hi, window):
-                    os.preadv(fd, [memoryview(dest[w : min(w + window, hi)])], start + w)
+                    pread_into(fd, start + w, [memoryview(dest[w : min(w + window, hi)])], path=path)
             else:
-                os.preadv(fd, [memoryview(dest[lo:hi])], start + lo)
+                pread_into(fd, start + lo, [memoryview(dest[lo:hi])], path=path)
 
     try:
-        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        run_threads([lambda i=i: worker(i) for i in range(threads)], name="bench-bare")
     finally:
         os.close(fd)
         del dest
