@@ -1,3 +1,15 @@
 import numpy as np
 
 def pread_runs(fd: int, dst: np.ndarray | memoryview, src: np.ndarray, run_bytes: int, base: int) -> tuple[int, int, int]: ...
+
+# split copies (one chunk over many native threads) and page-cache residency
+def pread_split(
+    fd: int,
+    dst: np.ndarray | memoryview,
+    file_offsets: np.ndarray,
+    dst_offsets: np.ndarray,
+    sizes: np.ndarray,
+    threads: int,
+    align: int = ...,
+) -> tuple[int, int, int]: ...
+def resident_pages(region: np.ndarray | memoryview | bytes) -> tuple[int, int]: ...

@@ -50,3 +50,194 @@ def pread_runs(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run_
             if err:
                 break
     return (err, at, missing)
+
+
+# ---------------------------------------------------------------------------------------------
+# Split copies: one large chunk of a load spread over many native threads.
+#
+# A staging slot of a device load is hundreds of MiB; one thread copying it out of the page
+# cache runs at a fraction of the host's memory bandwidth, so the slot is cut into equal byte
+# ranges, one per thread, and each thread reads its range with pread.  The threads are plain
+# pthreads started and joined inside one call, with the GIL released for the whole of it: the
+# per-slot cost in Python is one call.  pread (not a copy out of a mapping) keeps a file that
+# is truncated underneath an error code instead of a SIGBUS.
+# ---------------------------------------------------------------------------------------------
+
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    int pthread_create(pthread_t* thread, const void* attr, void* (*start)(void*) noexcept nogil, void* arg)
+    int pthread_join(pthread_t thread, void** retval)
+
+cdef extern from "<sys/mman.h>" nogil:
+    int mincore(void* addr, size_t length, unsigned char* vec)
+
+cdef extern from "<unistd.h>" nogil:
+    long sysconf(int name)
+    enum: _SC_PAGESIZE
+
+# one pread asks for at most this much (Linux caps a single read at 2 GiB - 4 KiB anyway)
+cdef int64_t _MAX_PREAD = 1 << 30
+# most threads one split read starts
+cdef int _MAX_SPLIT_THREADS = 256
+
+
+cdef struct _Part:
+    int fd
+    uint8_t* dst
+    const int64_t* file_off
+    const int64_t* dst_off
+    const int64_t* sizes
+    const int64_t* starts    # starts[i]: position of segment i in the concatenation
+    Py_ssize_t nseg
+    int64_t lo               # this part: bytes [lo, hi) of the concatenation
+    int64_t hi
+    int err                  # 0, errno, or -1 for the end of the file
+    int64_t at               # file offset of the failure
+    int64_t missing          # bytes of the failing segment's share still unread
+
+
+cdef void* _read_part(void* arg) noexcept nogil:
+    cdef _Part* p = <_Part*>arg
+    cdef Py_ssize_t i = 0
+    cdef int64_t a, b, pos, want
+    cdef ssize_t got
+    # first segment that ends after lo (segments are few: a linear scan is enough)
+    while i < p.nseg and p.starts[i] + p.sizes[i] <= p.lo:
+        i += 1
+    while i < p.nseg and p.starts[i] < p.hi:
+        a = p.lo if p.lo > p.starts[i] else p.starts[i]
+        b = p.starts[i] + p.sizes[i]
+        if b > p.hi:
+            b = p.hi
+        pos = a
+        while pos < b:
+            want = b - pos
+            if want > _MAX_PREAD:
+                want = _MAX_PREAD
+            got = pread(p.fd, p.dst + p.dst_off[i] + (pos - p.starts[i]), <size_t>want,
+                        <off_t>(p.file_off[i] + (pos - p.starts[i])))
+            if got > 0:
+                pos += got
+                continue
+            if got < 0 and errno == EINTR:
+                continue
+            p.err = errno if got < 0 else -1
+            p.at = p.file_off[i] + (pos - p.starts[i])
+            p.missing = b - pos
+            return NULL
+        i += 1
+    return NULL
+
+
+def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
+                const int64_t[::1] sizes, int threads, int64_t align=65536):
+    """Read segment ``i`` (``sizes[i]`` bytes at file offset ``file_offsets[i]``) into
+    ``dst[dst_offsets[i]:]``, the total split into ``threads`` equal byte ranges (cut at
+    multiples of ``align``) read by as many native threads at once.
+
+    Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
+    bytes missing)`` of the failure lowest in the concatenation of the segments.  The GIL is
+    released for the whole call; no thread outlives it.
+    """
+    cdef Py_ssize_t n = sizes.shape[0], i, k
+    cdef int64_t total = 0, step, cut
+    cdef int64_t* starts = NULL
+    cdef _Part* parts = NULL
+    cdef pthread_t* tids = NULL
+    cdef char* started = NULL
+    cdef uint8_t* out = NULL
+    cdef int nthreads
+    if file_offsets.shape[0] != n or dst_offsets.shape[0] != n:
+        raise ValueError("file_offsets, dst_offsets and sizes differ in length")
+    for i in range(n):
+        if sizes[i] < 0 or file_offsets[i] < 0 or dst_offsets[i] < 0:
+            raise ValueError("negative offset or size")
+        if dst_offsets[i] + sizes[i] > dst.shape[0]:
+            raise ValueError("destination too small for the segments")
+        total += sizes[i]
+    if total == 0:
+        return (0, 0, 0)
+    if align < 1:
+        align = 1
+    nthreads = threads
+    if nthreads > _MAX_SPLIT_THREADS:
+        nthreads = _MAX_SPLIT_THREADS
+    if nthreads < 1:
+        nthreads = 1
+    if nthreads > (total + align - 1) // align:
+        nthreads = <int>((total + align - 1) // align)
+    out = &dst[0]
+    starts = <int64_t*>calloc(n, sizeof(int64_t))
+    parts = <_Part*>calloc(nthreads, sizeof(_Part))
+    tids = <pthread_t*>calloc(nthreads, sizeof(pthread_t))
+    started = <char*>calloc(nthreads, 1)
+    if starts == NULL or parts == NULL or tids == NULL or started == NULL:
+        free(starts); free(parts); free(tids); free(started)
+        raise MemoryError()
+    try:
+        for i in range(1, n):
+            starts[i] = starts[i - 1] + sizes[i - 1]
+        # equal shares, each cut rounded to a multiple of align
+        step = total // nthreads
+        for k in range(nthreads):
+            parts[k].fd = fd
+            parts[k].dst = out
+            parts[k].file_off = &file_offsets[0]
+            parts[k].dst_off = &dst_offsets[0]
+            parts[k].sizes = &sizes[0]
+            parts[k].starts = starts
+            parts[k].nseg = n
+            cut = (step * k) // align * align
+            parts[k].lo = cut
+            if k > 0:
+                parts[k - 1].hi = cut
+        parts[nthreads - 1].hi = total
+        with nogil:
+            for k in range(1, nthreads):
+                if pthread_create(&tids[k], NULL, _read_part, &parts[k]) == 0:
+                    started[k] = 1
+            _read_part(&parts[0])
+            for k in range(1, nthreads):
+                if started[k]:
+                    pthread_join(tids[k], NULL)
+                else:  # no thread to be had: this thread reads that share too
+                    _read_part(&parts[k])
+        for k in range(nthreads):
+            if parts[k].err:
+                return (parts[k].err, parts[k].at, parts[k].missing)
+        return (0, 0, 0)
+    finally:
+        free(starts); free(parts); free(tids); free(started)
+
+
+def resident_pages(const uint8_t[::1] region):
+    """``(resident, total)``: pages of a file mapping's ``region`` in the page cache now, by
+    ``mincore``; ``(-errno, total)`` when the kernel refuses.  Touches no page, so it
+    cannot fault, whatever happened to the file."""
+    cdef size_t page = <size_t>sysconf(_SC_PAGESIZE)
+    cdef size_t addr, first, length, npages, i, count = 0
+    cdef unsigned char* vec = NULL
+    cdef int rc
+    if region.shape[0] == 0:
+        return (0, 0)
+    addr = <size_t>&region[0]
+    first = addr - addr % page
+    length = addr + <size_t>region.shape[0] - first
+    npages = (length + page - 1) // page
+    vec = <unsigned char*>calloc(npages, 1)
+    if vec == NULL:
+        raise MemoryError()
+    try:
+        with nogil:
+            rc = mincore(<void*>first, length, vec)
+            if rc == 0:
+                for i in range(npages):
+                    count += vec[i] & 1
+        if rc != 0:
+            return (-errno, npages)
+        return (count, npages)
+    finally:
+        free(vec)

@@ -1,31 +1,80 @@
-"""The threaded chunked pipeline: requests -> worker threads -> destinations.
+"""The threaded pipeline: read plans of one or many files -> destinations.
 
-Worker threads take read requests (see :func:`engine.plan.plan_reads`) in file order.
+Host destinations (numpy arrays, CPU torch tensors) are filled straight from the file by
+worker threads that take read requests (see :func:`engine.plan.plan_reads`) in file order:
+each piece of a request is a slice of its tensor's memory and one ``preadv`` scatters the
+request into them.  No staging, one copy (page cache to destination).
 
-* Host destinations (numpy arrays, CPU torch tensors) are filled straight from the file:
-  each piece of a request is a slice of its tensor's memory and one ``preadv`` scatters the
-  request into them.  No staging, one copy (page cache to destination).
-* Device destinations (CUDA) go through a ring of staging slots per worker, in pinned host
-  memory allocated once per load: a worker reads a request into a free slot, issues
-  asynchronous host-to-device copies on its own stream and records an event; the slot is
-  reused only once that event has completed, so disk reads and PCIe copies overlap.  Host
-  staging memory is ``threads * slots * chunk_bytes``, whatever the model's size.
+Device destinations (CUDA) are fed by two paths at once, on disjoint parts of the load:
+
+*copy path*
+    Large pinned staging slots (hundreds of MiB, :func:`default_slot_bytes`).  Each slot is
+    filled by one native call that splits it over every core (``engine._io.pread_split``,
+    GIL released, ``pread`` so that a truncated file is an error and never a SIGBUS); its
+    host-to-device copies are then issued on the path's stream and the next slot is filled
+    while they run.  Three passes over host memory per byte (page cache read, slot write,
+    DMA read).
+*register path*
+    For bytes already in the page cache (``mincore``), the file's read-only mapping itself
+    is page-locked (``cudaHostRegister(..., cudaHostRegisterReadOnly)``) one slot-sized
+    unit at a time and the device copies straight from it; the range is unregistered once
+    the copy's event completes.  One pass over host memory; bounded by how fast one thread
+    can page-lock.  Pages past the end of a truncated file cannot be page-locked: the
+    refusal sends the unit to the copy path, whose read then raises
+    :class:`~engine.errors.ReadError`.
+
+Both paths take units from one queue, the copy path from the front and the register path
+from the back, so each runs at its own measured pace and the copy engine is never idle;
+near the end a path leaves the last units to the other one when the rates say the other
+would finish them sooner.  A unit the register path cannot page-lock goes back to the copy
+path.  ``gpu_path="copy"`` or ``"register"`` forces one path (the register path still hands
+refused units to the copy path, so the load completes).
 
 A tensor is *complete* when every byte of it has landed (for a device: when the events of
 all its copies have completed); completions are reported through a callback as they happen,
-which is what :func:`engine.stream` yields from.
+which is what :func:`engine.stream` yields from.  Several files (the shards of a
+checkpoint) run as one pipeline: :func:`run_sources`.
+
+Memory bounds of a device load: pinned staging ``slots * slot_bytes`` (allocated lazily,
+page-locked by the engine and unlocked when the load ends); page-locked page cache
+``REGISTER_DEPTH * slot_bytes`` plus a page at each end.  Nothing stays page-locked after
+the load returns, raises, or is stopped.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+import mmap
+import os
 import threading
-from typing import Callable, Optional, Protocol, Sequence
+import time
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
-from .errors import SafetensorError
-from .plan import Request
+import numpy as np
+
+from .errors import DeviceError, ReadError, SafetensorError
+from .plan import Piece, Request
 from .reader import pread_into, run_threads
 
-__all__ = ["DeviceOps", "Destination", "run", "Cancelled"]
+__all__ = [
+    "DeviceOps",
+    "Destination",
+    "Source",
+    "run",
+    "run_sources",
+    "Cancelled",
+    "GPU_PATHS",
+    "REGISTER_DEPTH",
+    "default_slot_bytes",
+    "default_copy_threads",
+]
+
+#: Ways to feed a device: both paths at once, or one alone.
+GPU_PATHS = ("auto", "copy", "register")
+#: Units the register path keeps page-locked at once (one copying, one being page-locked).
+REGISTER_DEPTH = 2
+_PAGE = mmap.PAGESIZE
 
 
 class Cancelled(SafetensorError):
@@ -33,15 +82,32 @@ class Cancelled(SafetensorError):
 
 
 class DeviceOps(Protocol):
-    """What the pipeline needs from a device framework (torch CUDA, CuPy, or a test double)."""
+    """What the pipeline needs from a device framework (torch CUDA, CuPy, or a test double).
+
+    ``free_staging``, ``wrap_host``, ``register`` and ``unregister`` are optional: without
+    the last three the register path is off.
+    """
 
     def alloc_staging(self, nbytes: int):
         """A pinned host buffer; returns ``(handle, writable memoryview)``."""
 
+    def free_staging(self, handle) -> None:
+        """Release a buffer from :meth:`alloc_staging` (unlock its pages)."""
+
+    def wrap_host(self, view: memoryview):
+        """A handle for read-only host memory (a file mapping) usable as a copy source."""
+
+    def register(self, handle, offset: int, nbytes: int) -> bool:
+        """Page-lock bytes ``[offset, offset + nbytes)`` of a :meth:`wrap_host` handle for
+        DMA; ``False`` when refused (nothing is then locked)."""
+
+    def unregister(self, handle, offset: int, nbytes: int) -> None:
+        """Undo :meth:`register` of the same range."""
+
     def new_stream(self): ...
 
     def copy_to_device(self, dst, dst_offset: int, src_handle, src_offset: int, nbytes: int, stream) -> None:
-        """Asynchronously copy ``nbytes`` from the staging buffer to byte ``dst_offset`` of ``dst``."""
+        """Asynchronously copy ``nbytes`` from a staging or wrapped buffer to byte ``dst_offset`` of ``dst``."""
 
     def record(self, stream):
         """An event that completes when everything issued on ``stream`` so far is done."""
@@ -58,11 +124,14 @@ class Destination:
 
     Parameters
     ----------
-    host_views : dict of row -> writable byte memoryview, optional
+    host_views : dict of key -> writable byte memoryview, optional
         For host destinations.
-    device_targets : dict of row -> device byte buffer, optional
+    device_targets : dict of key -> device byte buffer, optional
         For device destinations, with ``device_ops``.
     device_ops : DeviceOps, optional
+
+    Keys are the rows of the file (plus the file's ``row_base`` when several files run as
+    one pipeline, see :class:`Source`).
     """
 
     def __init__(self, host_views=None, device_targets=None, device_ops: Optional[DeviceOps] = None) -> None:
@@ -79,28 +148,72 @@ class Destination:
         return self.device_targets is not None
 
 
+class Source(NamedTuple):
+    """One file of a load: an open descriptor, its name, its read plan, and the number added
+    to each piece's row to key the destination (distinct per file of one pipeline)."""
+
+    fd: int
+    path: Optional[str]
+    requests: Sequence[Request]
+    row_base: int = 0
+
+
+@functools.lru_cache(maxsize=None)
+def default_copy_threads() -> int:
+    """Native threads that split each staging slot: every core (at least 1)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=None)
+def default_slot_bytes() -> int:
+    """Bytes per staging slot when the caller does not say: 1/64 of the machine's memory,
+    a power of two between 64 MiB and 512 MiB (512 MiB from 32 GiB of memory up).
+
+    Large slots amortise the per-slot synchronisation and let every core share a slot;
+    two of them (pinned) plus two registered units is all the page-locked memory a device
+    load holds.
+    """
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
+        phys = 16 << 30
+    want = max(64 << 20, min(512 << 20, phys // 64))
+    return 1 << (want.bit_length() - 1)
+
+
 class _Tracker:
     """Outstanding bytes per tensor; reports each tensor once, when its last byte lands."""
 
-    def __init__(self, requests: Sequence[Request], on_complete: Optional[Callable[[int], None]]) -> None:
-        self.remaining: dict[int, int] = {}
-        for req in requests:
-            for p in req.pieces:
-                self.remaining[p.row] = self.remaining.get(p.row, 0) + p.nbytes
+    def __init__(self, sizes: dict[int, int], on_complete: Optional[Callable[[int], None]]) -> None:
+        self.remaining = sizes
         self.on_complete = on_complete
         self.lock = threading.Lock()
 
-    def landed(self, pieces) -> None:
+    @classmethod
+    def of(cls, sources: Sequence[Source], on_complete) -> "_Tracker":
+        remaining: dict[int, int] = {}
+        for src in sources:
+            base = src.row_base
+            for req in src.requests:
+                for p in req.pieces:
+                    remaining[base + p.row] = remaining.get(base + p.row, 0) + p.nbytes
+        return cls(remaining, on_complete)
+
+    def landed(self, parts) -> None:
+        """``parts``: iterable of ``(key, nbytes)``."""
         done = []
         with self.lock:
-            for p in pieces:
-                left = self.remaining[p.row] - p.nbytes
-                self.remaining[p.row] = left
+            for key, nbytes in parts:
+                left = self.remaining[key] - nbytes
+                self.remaining[key] = left
                 if left == 0:
-                    done.append(p.row)
+                    done.append(key)
         if self.on_complete is not None:
-            for row in done:
-                self.on_complete(row)
+            for key in done:
+                self.on_complete(key)
 
 
 def run(
@@ -109,94 +222,603 @@ def run(
     dest: Destination,
     *,
     path: Optional[str] = None,
-    threads: int = 2,
+    threads: Optional[int] = None,
     slots: int = 2,
-    chunk_bytes: int,
+    chunk_bytes: Optional[int] = None,
+    slot_bytes: Optional[int] = None,
+    gpu_path: str = "auto",
     on_complete: Optional[Callable[[int], None]] = None,
     cancel: Optional[threading.Event] = None,
     fill: Optional[Callable[[int, Request, list], None]] = None,
+    residency: Optional[Callable[[memoryview, int, int], bool]] = None,
 ) -> int:
-    """Execute ``requests`` into ``dest`` on ``threads`` worker threads; returns bytes read.
+    """Execute ``requests`` of one open file into ``dest``; returns bytes read.
 
-    ``fill(fd, request, targets)``, if given, replaces the plain read of each request: it
-    must fill ``targets`` (one writable host memoryview per piece of ``request``; for
-    devices, parts of the staging slot) with the request's bytes or raise.  It runs on the
-    worker thread, before the pieces are copied to a device or reported complete: the place
-    for work that must see the bytes while they are still in the CPU cache, such as
-    statistics (see ``engine.loader``).
+    See :func:`run_sources`, which this calls with one :class:`Source`.
+    """
+    return run_sources(
+        [Source(fd, path, requests)], dest, threads=threads, slots=slots, chunk_bytes=chunk_bytes,
+        slot_bytes=slot_bytes, gpu_path=gpu_path, on_complete=on_complete, cancel=cancel, fill=fill,
+        residency=residency,
+    )
 
-    Raises the first worker error (a :class:`~engine.errors.ReadError` names the file,
-    offset and size) after every worker has stopped; raises :class:`Cancelled` when
-    ``cancel`` is set.  No thread outlives the call, and staging buffers are released when
-    it returns.
+
+def run_sources(
+    sources: Sequence[Source],
+    dest: Destination,
+    *,
+    threads: Optional[int] = None,
+    slots: int = 2,
+    chunk_bytes: Optional[int] = None,
+    slot_bytes: Optional[int] = None,
+    gpu_path: str = "auto",
+    on_complete: Optional[Callable[[int], None]] = None,
+    cancel: Optional[threading.Event] = None,
+    fill: Optional[Callable[[int, Request, list], None]] = None,
+    residency: Optional[Callable[[memoryview, int, int], bool]] = None,
+) -> int:
+    """Execute the read plans of one or more files into ``dest``; returns bytes read.
+
+    Parameters
+    ----------
+    sources : sequence of Source
+        Files and their plans; rows are keyed ``row_base + row`` in ``dest``.
+    dest : Destination
+    threads : int, optional
+        Host destinations: worker threads (default 2).  Device destinations: native threads
+        that split each staging slot (default every core, :func:`default_copy_threads`).
+    slots : int, default 2
+        Staging slots of the device copy path.
+    chunk_bytes : int, optional
+        Unused: request sizes are the plan's, device slots are ``slot_bytes`` (accepted
+        for callers written for the earlier per-request ring).
+    slot_bytes : int, optional
+        Bytes per staging slot and per register unit (default :func:`default_slot_bytes`,
+        never more than the load rounded up to a page).
+    gpu_path : {"auto", "copy", "register"}, default "auto"
+        Device destinations: both paths, the copy path alone, or the register path alone
+        (units it cannot page-lock still go through the copy path).  ``"auto"`` sends only
+        fully resident units to the register path.
+    on_complete : callable, optional
+        ``on_complete(key)`` once per tensor, when its last byte has landed.
+    cancel : threading.Event, optional
+        Set it to stop the load; :class:`Cancelled` is raised.
+    fill : callable, optional
+        ``fill(fd, request, targets)`` replaces the plain read of each request: it must
+        fill ``targets`` (one writable host memoryview per piece; for devices, parts of the
+        staging slot) or raise.  It runs on worker threads before the pieces are copied to
+        a device or reported complete: the place for work that must see the bytes while
+        they are in the CPU cache (statistics, see ``engine.loader``).  With ``fill``,
+        device loads use the copy path alone.
+    residency : callable, optional
+        ``residency(mapping, offset, nbytes) -> bool``: whether those bytes of a file's
+        read-only mapping are all in the page cache; default ``mincore``.
+
+    Returns
+    -------
+    int
+        Bytes of tensor data moved.
+
+    Raises
+    ------
+    ReadError
+        Names the file, offset and size of the first failed read (after every thread has
+        stopped and every issued copy has completed).
+    Cancelled
+        ``cancel`` was set.
+    DeviceError
+        A device operation failed.
 
     Notes
     -----
     Copies of tensor bytes: host destinations 1 (page cache to tensor); device destinations
-    2 (page cache to pinned slot, slot to device by DMA).
+    2 on the copy path (page cache to a pinned slot, slot to device by DMA) and 1 on the
+    register path (page cache to device by DMA).  No thread outlives the call; staging
+    buffers are freed and every registered range is unregistered before it returns.
     """
+    if gpu_path not in GPU_PATHS:
+        raise ValueError(f"gpu_path must be one of {GPU_PATHS}, not {gpu_path!r}")
     cancel = cancel or threading.Event()
-    tracker = _Tracker(requests, on_complete)
+    tracker = _Tracker.of(sources, on_complete)
+    total = sum(r.nbytes for s in sources for r in s.requests)
+    if not total:
+        return 0
+    if dest.on_device:
+        _DeviceLoad(sources, dest, tracker, cancel, threads=threads, slots=slots,
+                    slot_bytes=slot_bytes, gpu_path=gpu_path, fill=fill,
+                    residency=residency).run()
+    else:
+        _run_host(sources, dest, tracker, cancel, threads or 2, fill)
+    if cancel.is_set():
+        raise Cancelled("the load was cancelled", reason="Cancelled", path=sources[0].path if sources else None)
+    return total
+
+
+# -- host destinations ---------------------------------------------------------------------------
+
+
+def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
+    work = [(s, req) for s in sources for req in s.requests]
     lock = threading.Lock()
     next_index = [0]
-    total = sum(r.nbytes for r in requests)
-    if not requests:
-        return 0
-    threads = max(1, min(threads, len(requests)))
 
-    def take() -> Optional[Request]:
+    def take():
         with lock:
             i = next_index[0]
-            if i >= len(requests) or cancel.is_set():
+            if i >= len(work) or cancel.is_set():
                 return None
             next_index[0] = i + 1
-        return requests[i]
+        return work[i]
 
-    def host_worker() -> None:
+    def worker() -> None:
         views = dest.host_views
-        while (req := take()) is not None:
-            targets = [views[p.row][p.tensor_offset : p.tensor_offset + p.nbytes] for p in req.pieces]
+        while (item := take()) is not None:
+            src, req = item
+            base = src.row_base
+            targets = [views[base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes] for p in req.pieces]
             if fill is None:
-                pread_into(fd, req.offset, targets, path=path)
+                pread_into(src.fd, req.offset, targets, path=src.path)
             else:
-                fill(fd, req, targets)
-            tracker.landed(req.pieces)
+                fill(src.fd, req, targets)
+            tracker.landed((base + p.row, p.nbytes) for p in req.pieces)
 
-    def device_worker() -> None:
-        ops = dest.device_ops
+    run_threads([worker] * max(1, min(threads, len(work))), on_error=cancel.set)
+
+
+# -- device destinations -------------------------------------------------------------------------
+
+
+class _Unit:
+    """Up to one slot of consecutive requests of one file.
+
+    ``requests`` are whole requests of the plan or, where a unit boundary falls inside one,
+    parts of it cut at a page boundary (so that the register path's page-rounded ranges of
+    neighbouring units rarely share a page).  ``slot_offsets[i]`` is where request ``i``
+    lands in a staging slot.
+    """
+
+    __slots__ = ("source", "requests", "slot_offsets", "nbytes", "resident")
+
+    def __init__(self, source: int, requests: list[Request]) -> None:
+        self.source = source
+        self.requests = requests
+        offs, pos = [], 0
+        for r in requests:
+            offs.append(pos)
+            pos += r.nbytes
+        self.slot_offsets = offs
+        self.nbytes = pos
+        self.resident = False
+
+    def spans(self) -> list[tuple[int, int]]:
+        """File ranges ``(offset, nbytes)`` the unit reads, neighbours merged."""
+        out: list[list[int]] = []
+        for r in self.requests:
+            if out and out[-1][0] + out[-1][1] == r.offset:
+                out[-1][1] += r.nbytes
+            else:
+                out.append([r.offset, r.nbytes])
+        return [(a, n) for a, n in out]
+
+    def copies(self, row_base: int, from_file: bool) -> list[tuple[int, int, int, int]]:
+        """``(key, tensor_offset, source_offset, nbytes)`` per device copy; a tensor's pieces
+        that follow each other in the unit are merged into one copy.  The source offset is
+        in the file (``from_file``) or in the staging slot."""
+        out: list[list[int]] = []
+        for r, slot_off in zip(self.requests, self.slot_offsets):
+            at = r.offset if from_file else slot_off
+            for p in r.pieces:
+                key = row_base + p.row
+                src = at + p.request_offset
+                if out:
+                    k, t, s, n = out[-1]
+                    if k == key and t + n == p.tensor_offset and s + n == src:
+                        out[-1][3] += p.nbytes
+                        continue
+                out.append([key, p.tensor_offset, src, p.nbytes])
+        return [tuple(c) for c in out]  # type: ignore[misc]
+
+
+def _split_request(r: Request, cut: int) -> tuple[Request, Request]:
+    """``r`` as two requests, the first ending at file offset ``cut`` (inside ``r``)."""
+    at = cut - r.offset
+    left, right = [], []
+    for p in r.pieces:
+        end = p.request_offset + p.nbytes
+        if end <= at:
+            left.append(p)
+        elif p.request_offset >= at:
+            right.append(Piece(p.row, p.tensor_offset, p.request_offset - at, p.nbytes))
+        else:
+            first = at - p.request_offset
+            left.append(Piece(p.row, p.tensor_offset, p.request_offset, first))
+            right.append(Piece(p.row, p.tensor_offset + first, 0, p.nbytes - first))
+    return Request(r.offset, at, tuple(left)), Request(cut, r.nbytes - at, tuple(right))
+
+
+def _units(index: int, requests: Sequence[Request], slot_bytes: int, splittable: bool) -> list[_Unit]:
+    """Group a file's requests (in file order) into units of at most ``slot_bytes``.
+
+    With ``splittable``, a request that does not fit is cut at the last page boundary that
+    fits; otherwise it starts the next unit (a request larger than a slot is a unit alone:
+    the caller sizes slots to the largest request then).
+    """
+    units: list[_Unit] = []
+    cur: list[Request] = []
+    size = 0
+    pending = collections.deque(r for r in requests if r.nbytes)
+    while pending:
+        r = pending.popleft()
+        room = slot_bytes - size
+        if r.nbytes <= room:
+            cur.append(r)
+            size += r.nbytes
+            continue
+        if splittable:
+            cut = (r.offset + room) // _PAGE * _PAGE
+            if cut <= r.offset and not cur:  # a slot smaller than a page: cut anywhere
+                cut = r.offset + room
+            if cut > r.offset:
+                head, tail = _split_request(r, cut)
+                units.append(_Unit(index, cur + [head]))
+                cur, size = [], 0
+                pending.appendleft(tail)
+                continue
+        if cur:  # close this unit; r starts the next one
+            units.append(_Unit(index, cur))
+            cur, size = [], 0
+            pending.appendleft(r)
+            continue
+        units.append(_Unit(index, [r]))
+    if cur:
+        units.append(_Unit(index, cur))
+    return units
+
+
+class _Rate:
+    """Bytes per second of one path, from its finished units."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self.busy_until = 0.0  # when the unit in hand should be done (monotonic)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+
+    @property
+    def value(self) -> Optional[float]:
+        return self.bytes / self.seconds if self.seconds > 0 and self.bytes else None
+
+
+class _Queue:
+    """The units of a device load, shared by the two paths.
+
+    The copy path takes from the front (first the units that must be copied: not resident,
+    or refused by the register path), the register path from the back of the units it may
+    take.  A path asking for one of the last units is refused when the other path, at its
+    measured rate, would finish that unit sooner after its current one; the copy path
+    waits while the register path holds a unit it might still hand back.
+    """
+
+    def __init__(self, copy_only: list[_Unit], shared: list[_Unit], cancel: threading.Event) -> None:
+        self.copy_only = collections.deque(copy_only)
+        self.shared = collections.deque(shared)
+        self.cancel = cancel
+        self.cond = threading.Condition()
+        self.register_holding = 0
+        self.register_active = False
+        self.rates = {"copy": _Rate(), "register": _Rate()}
+
+    def _worth_it(self, me: str, other: str, unit: _Unit) -> bool:
+        # the last unit in the queue goes to whichever path would land it first
+        if len(self.shared) > 1:
+            return True
+        mine, theirs = self.rates[me].value, self.rates[other].value
+        if mine is None or theirs is None:
+            return True
+        now = time.monotonic()
+        other_free = max(now, self.rates[other].busy_until)
+        return now + unit.nbytes / mine <= other_free + unit.nbytes / theirs
+
+    def take_copy(self) -> Optional[_Unit]:
+        # The copy path never leaves a unit behind: it may decline the last shared unit to
+        # the register path, but then waits until that path takes it or ends; and it waits
+        # while the register path holds a unit it may still hand back.
+        with self.cond:
+            while not self.cancel.is_set():
+                if self.copy_only:
+                    return self._start("copy", self.copy_only.popleft())
+                if self.shared:
+                    if not self.register_active or self._worth_it("copy", "register", self.shared[0]):
+                        return self._start("copy", self.shared.popleft())
+                elif not self.register_holding:
+                    return None
+                self.cond.wait(0.05)
+            return None
+
+    def take_register(self) -> Optional[_Unit]:
+        with self.cond:
+            if self.cancel.is_set() or not self.shared:
+                return None
+            if not self._worth_it("register", "copy", self.shared[-1]):
+                return None
+            self.register_holding += 1
+            return self._start("register", self.shared.pop())
+
+    def _start(self, path: str, unit: _Unit) -> _Unit:
+        rate = self.rates[path].value
+        self.rates[path].busy_until = time.monotonic() + (unit.nbytes / rate if rate else 0.0)
+        return unit
+
+    def register_settled(self, unit: _Unit, accepted: bool) -> None:
+        """The register path page-locked ``unit`` (or was refused: the copy path gets it)."""
+        with self.cond:
+            self.register_holding -= 1
+            if not accepted:
+                self.copy_only.append(unit)
+            self.cond.notify_all()
+
+    def register_done(self) -> None:
+        with self.cond:
+            self.register_active = False
+            self.cond.notify_all()
+
+    def finished(self, path: str, nbytes: int, seconds: float) -> None:
+        with self.cond:
+            self.rates[path].add(nbytes, seconds)
+
+
+def _resident(mapping: memoryview, offset: int, nbytes: int) -> bool:
+    from . import _io
+
+    resident, pages = _io.resident_pages(mapping[offset : offset + nbytes])
+    return pages > 0 and resident == pages
+
+
+class _DeviceLoad:
+    """One device load: the units, the two paths, their threads and their clean-up."""
+
+    def __init__(self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, residency):
+        self.sources = sources
+        self.dest = dest
+        self.ops = dest.device_ops
+        self.tracker = tracker
+        self.cancel = cancel
+        self.threads = threads or default_copy_threads()
+        self.slots = max(1, slots)
+        self.fill = fill
+        self.residency = residency or _resident
+        total = sum(r.nbytes for s in sources for r in s.requests)
+        want = slot_bytes or default_slot_bytes()
+        # never a slot larger than the load (rounded up to a page); a fill hook sees whole
+        # requests, so then a slot holds at least the largest one
+        self.slot_bytes = max(1, min(want, -(-max(total, 1) // _PAGE) * _PAGE))
+        if fill is not None:
+            self.slot_bytes = max([self.slot_bytes] + [r.nbytes for s in sources for r in s.requests])
+        can_register = all(hasattr(self.ops, m) for m in ("wrap_host", "register", "unregister"))
+        self.use_register = gpu_path != "copy" and fill is None and can_register
+        if gpu_path == "register" and not can_register:
+            raise DeviceError("gpu_path='register' asked for, but the device cannot page-lock host memory")
+        self.gpu_path = gpu_path
+        self.units = [u for i, s in enumerate(sources)
+                      for u in _units(i, s.requests, self.slot_bytes, splittable=fill is None)]
+
+    # -- set-up and tear-down --------------------------------------------------------------
+
+    def run(self) -> None:
+        maps: dict[int, tuple] = {}  # source -> (mmap, handle)
+        try:
+            copy_only, shared = self.units, []
+            if self.use_register:
+                copy_only, shared = [], []
+                for u in self.units:
+                    if self._registrable(u, maps):
+                        shared.append(u)
+                    else:
+                        copy_only.append(u)
+            self.maps = maps
+            self.queue = _Queue(copy_only, shared, self.cancel)
+            jobs = [self._copy_path]
+            if shared:
+                self.queue.register_active = True
+                jobs.append(self._register_path)
+            run_threads(jobs, name="engine-device", on_error=self._stop)
+        finally:
+            mappings = [m for m, _ in maps.values() if m is not None]
+            maps.clear()  # drops the handles (and their exports of the mappings) first
+            self.maps = {}
+            for m in mappings:
+                try:
+                    m.close()
+                except BufferError:  # a view is still alive somewhere: the GC unmaps it
+                    pass
+
+    def _stop(self) -> None:
+        self.cancel.set()
+        queue = getattr(self, "queue", None)
+        if queue is not None:
+            with queue.cond:
+                queue.cond.notify_all()
+
+    def _mapping(self, index: int, maps: dict):
+        if index not in maps:
+            src = self.sources[index]
+            try:
+                size = os.fstat(src.fd).st_size
+                m = mmap.mmap(src.fd, size, access=mmap.ACCESS_READ) if size else None
+            except (OSError, ValueError):
+                m = None
+            maps[index] = (m, self.ops.wrap_host(memoryview(m)) if m is not None else None)
+        return maps[index]
+
+    def _registrable(self, unit: _Unit, maps: dict) -> bool:
+        m, _ = self._mapping(unit.source, maps)
+        if m is None:
+            return False
+        spans = unit.spans()
+        if spans[-1][0] + spans[-1][1] > len(m):  # the file is shorter than its plan
+            return False
+        if self.gpu_path == "register":
+            return True
+        view = memoryview(m)
+        try:
+            return all(self.residency(view, off, n) for off, n in spans)
+        finally:
+            view.release()
+
+    # -- the copy path ---------------------------------------------------------------------
+
+    def _copy_path(self) -> None:
+        ops, queue = self.ops, self.queue
         ops.bind_thread()
         stream = ops.new_stream()
-        ring = [ops.alloc_staging(chunk_bytes) for _ in range(max(1, slots))]
-        in_flight: list = [None] * len(ring)  # (event, pieces) per slot
+        ring: list = [None] * self.slots
+        in_flight: list = [None] * self.slots  # (event, landed parts) per slot
         k = 0
         try:
-            while (req := take()) is not None:
-                slot = k % len(ring)
+            while (unit := queue.take_copy()) is not None:
+                began = time.monotonic()
+                s = k % self.slots
                 k += 1
-                if in_flight[slot] is not None:  # the slot's last copy must finish first
-                    event, pieces = in_flight[slot]
+                if in_flight[s] is not None:  # the slot's last copies must finish first
+                    event, parts = in_flight[s]
                     ops.wait(event)
-                    in_flight[slot] = None
-                    tracker.landed(pieces)
-                handle, view = ring[slot]
-                if fill is None:
-                    pread_into(fd, req.offset, [view[: req.nbytes]], path=path)
-                else:
-                    fill(fd, req, [view[p.request_offset : p.request_offset + p.nbytes] for p in req.pieces])
-                targets = dest.device_targets
-                for p in req.pieces:
-                    ops.copy_to_device(targets[p.row], p.tensor_offset, handle, p.request_offset, p.nbytes, stream)
-                in_flight[slot] = (ops.record(stream), req.pieces)
+                    in_flight[s] = None
+                    self.tracker.landed(parts)
+                if ring[s] is None:  # allocated on first use: the next slot's page-locking
+                    ring[s] = ops.alloc_staging(self.slot_bytes)  # overlaps the first copies
+                handle, view = ring[s]
+                self._read_unit(unit, view)
+                src = self.sources[unit.source]
+                targets = self.dest.device_targets
+                parts = []
+                for key, toff, soff, n in unit.copies(src.row_base, from_file=False):
+                    ops.copy_to_device(targets[key], toff, handle, soff, n, stream)
+                    parts.append((key, n))
+                in_flight[s] = (ops.record(stream), parts)
+                queue.finished("copy", unit.nbytes, time.monotonic() - began)
         finally:
-            # drain: every issued copy completes before its staging slot is released
+            # every issued copy completes before its slot is released
             for item in in_flight:
                 if item is not None:
                     ops.wait(item[0])
-                    if not cancel.is_set():
-                        tracker.landed(item[1])
+                    if not self.cancel.is_set():
+                        self.tracker.landed(item[1])
+            free = getattr(ops, "free_staging", None)
+            for slot in ring:
+                if slot is not None and free is not None:
+                    free(slot[0])
 
-    body = device_worker if dest.on_device else host_worker
-    run_threads([body] * threads, on_error=cancel.set)
-    if cancel.is_set():
-        raise Cancelled("the load was cancelled", reason="Cancelled", path=path)
-    return total
+    def _read_unit(self, unit: _Unit, view: memoryview) -> None:
+        src = self.sources[unit.source]
+        if self.fill is not None:
+            fill, reqs = self.fill, unit.requests
+
+            def part(lo: int, hi: int) -> None:
+                for r, off in zip(reqs[lo:hi], unit.slot_offsets[lo:hi]):
+                    fill(src.fd, r, [view[off + p.request_offset : off + p.request_offset + p.nbytes]
+                                     for p in r.pieces])
+
+            n = max(1, min(self.threads, len(reqs)))
+            bounds = [len(reqs) * i // n for i in range(n + 1)]
+            run_threads([functools.partial(part, a, b) for a, b in zip(bounds[:-1], bounds[1:])])
+            return
+        from . import _io
+
+        reqs = unit.requests
+        file_offsets = np.fromiter((r.offset for r in reqs), np.int64, len(reqs))
+        sizes = np.fromiter((r.nbytes for r in reqs), np.int64, len(reqs))
+        slot_offsets = np.asarray(unit.slot_offsets, dtype=np.int64)
+        out = np.frombuffer(view, np.uint8)
+        err, at, missing = _io.pread_split(src.fd, out, file_offsets, slot_offsets, sizes, self.threads)
+        if err == -1:
+            raise ReadError(
+                f"file ended at offset {at} with {missing} bytes of the load still to read there"
+                " (truncated or replaced while reading?)",
+                reason="ShortRead", path=src.path, offset=at, size=missing,
+            )
+        if err:
+            raise ReadError(
+                f"reading {missing} bytes at offset {at} failed: {os.strerror(err)}",
+                reason="IoError", path=src.path, offset=at, size=missing,
+            )
+
+    # -- the register path -----------------------------------------------------------------
+
+    def _register_path(self) -> None:
+        ops, queue = self.ops, self.queue
+        ops.bind_thread()
+        stream = ops.new_stream()
+        in_flight: collections.deque = collections.deque()  # (event, handle, ranges, parts)
+        try:
+            while (unit := queue.take_register()) is not None:
+                began = time.monotonic()
+                m, handle = self.maps[unit.source]
+                ranges = self._page_ranges(unit, len(m))
+                # the oldest unit is retired first: the depth bound, and a neighbour that
+                # shares a page with this unit must be unregistered before it is registered
+                while in_flight and (len(in_flight) >= REGISTER_DEPTH or _overlaps(in_flight, handle, ranges)):
+                    self._retire(in_flight.popleft())
+                done = []
+                for off, n in ranges:
+                    if self.cancel.is_set() or not ops.register(handle, off, n):
+                        break
+                    done.append((off, n))
+                if len(done) < len(ranges):
+                    for off, n in done:
+                        ops.unregister(handle, off, n)
+                    queue.register_settled(unit, accepted=False)
+                    continue
+                queue.register_settled(unit, accepted=True)
+                src = self.sources[unit.source]
+                targets = self.dest.device_targets
+                parts = []
+                try:
+                    for key, toff, foff, n in unit.copies(src.row_base, from_file=True):
+                        ops.copy_to_device(targets[key], toff, handle, foff, n, stream)
+                        parts.append((key, n))
+                finally:  # whatever was issued is waited for before its range is unregistered
+                    in_flight.append((ops.record(stream), handle, ranges, parts))
+                queue.finished("register", unit.nbytes, time.monotonic() - began)
+        finally:
+            queue.register_done()
+            while in_flight:
+                self._retire(in_flight.popleft())
+
+    @staticmethod
+    def _page_ranges(unit: _Unit, limit: int) -> list[tuple[int, int]]:
+        """The unit's spans widened to whole pages (the last one clipped to the mapping's
+        pages), as ``(offset, nbytes)``."""
+        end_limit = -(-limit // _PAGE) * _PAGE
+        out: list[tuple[int, int]] = []
+        for off, n in unit.spans():
+            a = off // _PAGE * _PAGE
+            b = min(-(-(off + n) // _PAGE) * _PAGE, end_limit)
+            if out and out[-1][0] + out[-1][1] >= a:  # spans that share a page: one range
+                a = out[-1][0]
+                out.pop()
+            out.append((a, b - a))
+        return out
+
+    def _retire(self, item) -> None:
+        event, handle, ranges, parts = item
+        try:
+            self.ops.wait(event)
+        finally:
+            for off, n in ranges:
+                self.ops.unregister(handle, off, n)
+        if not self.cancel.is_set():
+            self.tracker.landed(parts)
+
+
+def _overlaps(in_flight, handle, ranges) -> bool:
+    for _, h, held, _ in in_flight:
+        if h is not handle:
+            continue
+        for a, n in held:
+            for b, m in ranges:
+                if a < b + m and b < a + n:
+                    return True
+    return False

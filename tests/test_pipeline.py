@@ -8,6 +8,7 @@ before its copy finished would corrupt the data, and these tests would see it.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import queue
 import random
@@ -20,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import pipeline
-from engine.errors import ReadError
+from engine.errors import DeviceError, ReadError
 from engine.plan import plan_reads
 from engine.reader import pread_into
 
@@ -41,13 +42,36 @@ class _Stream:
         self.thread.join()
 
 
-class EmulatedDevice:
-    """DeviceOps whose copies are asynchronous, like cudaMemcpyAsync on a stream."""
+class _Wrapped:
+    """A read-only host range handed to the device (the file's mapping)."""
 
-    def __init__(self, delay: float = 0.0005) -> None:
+    def __init__(self, view) -> None:
+        self.view = view
+
+
+class EmulatedDevice:
+    """DeviceOps whose copies are asynchronous, like cudaMemcpyAsync on a stream.
+
+    Registration emulates page-locking: it is refused past the end of the file (as pinning
+    pages beyond EOF is) or where ``refuse(offset, nbytes)`` says so; it takes the bytes
+    then (locked pages stay readable whatever happens to the file), and a copy that runs
+    after its range was unregistered, or from a range never registered, is recorded in
+    ``errors``.
+    """
+
+    PAGE = mmap.PAGESIZE
+
+    def __init__(self, delay: float = 0.0005, refuse=None, file_size=None) -> None:
         self.delay = delay
         self.streams: list[_Stream] = []
-        self.staging_bytes = 0
+        self.staging_bytes = 0  # peak of live staging
+        self.live_staging: dict[int, int] = {}
+        self.registered: dict[tuple[int, int], tuple[int, bytes, list]] = {}
+        self.register_calls: list[tuple[int, int, bool]] = []
+        self.copies_from: dict[str, int] = {"staging": 0, "mapping": 0}
+        self.errors: list[str] = []
+        self.refuse = refuse or (lambda off, n: False)
+        self.file_size = file_size
         self.lock = threading.Lock()
 
     def bind_thread(self) -> None:
@@ -56,8 +80,37 @@ class EmulatedDevice:
     def alloc_staging(self, nbytes):
         buf = bytearray(nbytes)
         with self.lock:
-            self.staging_bytes += nbytes
+            self.live_staging[id(buf)] = nbytes
+            self.staging_bytes = max(self.staging_bytes, sum(self.live_staging.values()))
         return buf, memoryview(buf)
+
+    def free_staging(self, handle) -> None:
+        with self.lock:
+            del self.live_staging[id(handle)]
+
+    def wrap_host(self, view):
+        assert view.readonly
+        return _Wrapped(view)
+
+    def register(self, handle, offset, nbytes) -> bool:
+        with self.lock:
+            size = self.file_size() if self.file_size else len(handle.view)
+            ok = not self.refuse(offset, nbytes) and offset + nbytes <= -(-size // self.PAGE) * self.PAGE
+            for (h, off), (n, _, _) in self.registered.items():
+                if h == id(handle) and off < offset + nbytes and offset < off + n:
+                    self.errors.append(f"[{offset}, +{nbytes}) overlaps registered [{off}, +{n})")
+                    ok = False
+            self.register_calls.append((offset, nbytes, ok))
+            if ok:
+                pinned = bytes(handle.view[offset : min(offset + nbytes, len(handle.view))])
+                self.registered[(id(handle), offset)] = (nbytes, pinned, [True])
+            return ok
+
+    def unregister(self, handle, offset, nbytes) -> None:
+        with self.lock:
+            n, _, alive = self.registered.pop((id(handle), offset))
+            assert n == nbytes
+            alive[0] = False
 
     def new_stream(self):
         s = _Stream(self.delay)
@@ -66,9 +119,28 @@ class EmulatedDevice:
         return s
 
     def copy_to_device(self, dst, dst_offset, src, src_offset, nbytes, stream) -> None:
-        def job():
-            time.sleep(random.random() * stream.delay)
-            dst[dst_offset : dst_offset + nbytes] = src[src_offset : src_offset + nbytes]
+        if isinstance(src, _Wrapped):
+            with self.lock:
+                self.copies_from["mapping"] += 1
+                hit = [(off, n, pinned, alive) for (h, off), (n, pinned, alive) in self.registered.items()
+                       if h == id(src) and off <= src_offset and src_offset + nbytes <= off + n]
+            if not hit:
+                self.errors.append(f"copy from unregistered bytes at {src_offset}")
+                return
+            off, _, pinned, alive = hit[0]
+
+            def job():
+                time.sleep(random.random() * stream.delay)
+                if not alive[0]:
+                    self.errors.append(f"range at {off} unregistered before its copy ran")
+                dst[dst_offset : dst_offset + nbytes] = pinned[src_offset - off : src_offset - off + nbytes]
+        else:
+            with self.lock:
+                self.copies_from["staging"] += 1
+
+            def job():
+                time.sleep(random.random() * stream.delay)
+                dst[dst_offset : dst_offset + nbytes] = src[src_offset : src_offset + nbytes]
 
         stream.q.put(job)
 
@@ -83,6 +155,12 @@ class EmulatedDevice:
     def close(self) -> None:
         for s in self.streams:
             s.close()
+
+    def assert_clean(self) -> None:
+        """Nothing left registered or allocated, and no copy saw unlocked memory."""
+        assert not self.registered, self.registered.keys()
+        assert not self.live_staging
+        assert not self.errors, self.errors[:3]
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +183,23 @@ def _expected(data, begins, ends, row):
     return data[64 + begins[row] : 64 + ends[row]].tobytes()
 
 
-@settings(max_examples=25, deadline=None)
+def _all_resident(mapping, offset, nbytes):
+    return True
+
+
+@settings(max_examples=40, deadline=None)
 @given(
     rows=st.lists(st.integers(0, 39), unique=True),
     threads=st.sampled_from([1, 2, 3, 8]),
     chunk=st.sampled_from([4096, 65_536, 1 << 20]),
     device=st.booleans(),
     slots=st.sampled_from([1, 2, 3]),
+    slot_bytes=st.sampled_from([5000, 65_536, 1 << 20, 1 << 24]),
+    gpu_path=st.sampled_from(["auto", "copy", "register"]),
 )
-def test_every_selected_byte_lands_and_every_tensor_completes_once(layout, rows, threads, chunk, device, slots):
+def test_every_selected_byte_lands_and_every_tensor_completes_once(
+    layout, rows, threads, chunk, device, slots, slot_bytes, gpu_path
+):
     fd, path, begins, ends, data = layout
     rows = sorted(rows, key=lambda r: begins[r])
     dst = {r: bytearray(int(ends[r] - begins[r])) for r in rows}
@@ -125,8 +211,8 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(layout, rows,
     else:
         dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in dst.items() if len(b)})
     try:
-        n = pipeline.run(fd, requests, dest, path=path, threads=threads, slots=slots, chunk_bytes=chunk,
-                         on_complete=completed.append)
+        n = pipeline.run(fd, requests, dest, path=path, threads=threads, slots=slots, slot_bytes=slot_bytes,
+                         gpu_path=gpu_path, on_complete=completed.append, residency=_all_resident)
     finally:
         if emu:
             emu.close()
@@ -135,8 +221,12 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(layout, rows,
     assert sorted(completed) == sorted(nonempty)  # once each, and only when complete
     for r in rows:
         assert bytes(dst[r]) == _expected(data, begins, ends, r), r
-    if device:  # staging is bounded by threads * slots * chunk, whatever the model size
-        assert emu.staging_bytes <= max(1, min(threads, len(requests))) * slots * chunk
+    if device:
+        emu.assert_clean()
+        # pinned staging is bounded by slots * slot_bytes, whatever the model size
+        assert emu.staging_bytes <= slots * slot_bytes
+        if gpu_path == "copy":
+            assert not emu.register_calls and not emu.copies_from["mapping"]
 
 
 @pytest.mark.parametrize("device", [False, True])
@@ -209,35 +299,6 @@ def test_worker_error_reaches_caller_and_threads_end(layout, monkeypatch):
     assert threading.active_count() == before
 
 
-def test_device_error_drains_copies_before_releasing_slots(layout, monkeypatch):
-    fd, path, begins, ends, _ = layout
-    real = os.preadv
-    calls = [0]
-
-    def flaky(fd_, buffers, offset):
-        calls[0] += 1
-        if calls[0] == 5:
-            raise OSError(errno.EIO, "boom")
-        return real(fd_, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", flaky)
-    rows = list(range(40))
-    dst = {r: bytearray(int(ends[r] - begins[r])) for r in rows}
-    emu = EmulatedDevice()
-    pending = []
-    orig_wait = emu.wait
-    emu.wait = lambda ev: (pending.append(ev), orig_wait(ev))
-    try:
-        with pytest.raises(ReadError):
-            pipeline.run(fd, plan_reads(begins, ends, rows, 64, 65_536),
-                         pipeline.Destination(device_targets=dst, device_ops=emu),
-                         path=path, threads=2, chunk_bytes=65_536)
-        # every recorded event was waited on before run() returned
-        assert all(ev.is_set() for ev in pending)
-    finally:
-        emu.close()
-
-
 def test_cancel_stops_the_workers(layout):
     fd, path, begins, ends, _ = layout
     rows = list(range(40))
@@ -261,3 +322,351 @@ def test_destination_arguments():
         pipeline.Destination()
     with pytest.raises(ValueError):
         pipeline.Destination(device_targets={})
+
+
+# -- device loads: the copy path and the register path ---------------------------------------------
+
+
+def _device_load(layout, emu, *, rows=None, slot_bytes=65_536, **kw):
+    fd, path, begins, ends, data = layout
+    rows = list(range(40)) if rows is None else rows
+    dst = {r: bytearray(int(ends[r] - begins[r])) for r in rows}
+    try:
+        pipeline.run(fd, plan_reads(begins, ends, rows, 64, 1 << 20),
+                     pipeline.Destination(device_targets=dst, device_ops=emu),
+                     path=path, slot_bytes=slot_bytes, **kw)
+    finally:
+        emu.close()
+    for r in rows:
+        assert bytes(dst[r]) == _expected(data, begins, ends, r), r
+    return dst
+
+
+def test_auto_sends_resident_units_to_the_register_path_and_the_rest_to_the_copy_path(layout):
+    _, _, _, ends, _ = layout
+    half = (int(ends[-1]) + 64) // 2
+    asked = []
+
+    def resident(mapping, offset, nbytes):  # the second half of the file is in the page cache
+        asked.append((offset, nbytes))
+        return offset >= half
+
+    emu = EmulatedDevice()
+    _device_load(layout, emu, residency=resident)
+    emu.assert_clean()
+    assert asked
+    assert all(off + (-off % emu.PAGE) >= half - emu.PAGE for off, _, _ in emu.register_calls)
+    assert emu.copies_from["staging"] and emu.copies_from["mapping"]
+
+
+def test_both_paths_share_a_fully_resident_load(layout):
+    emu = EmulatedDevice(delay=0.001)
+    _device_load(layout, emu, slot_bytes=32_768, residency=_all_resident)
+    emu.assert_clean()
+    assert emu.copies_from["staging"] > 0 and emu.copies_from["mapping"] > 0
+    assert all(ok for _, _, ok in emu.register_calls)
+
+
+def test_default_residency_is_mincore_on_the_mapping(layout):
+    # the file was just written: its pages are in the page cache, so auto registers them
+    emu = EmulatedDevice()
+    _device_load(layout, emu)
+    emu.assert_clean()
+    assert emu.register_calls
+
+
+@pytest.mark.parametrize("refuse", [lambda off, n: True, lambda off, n: (off // 65_536) % 2 == 0])
+def test_refused_registrations_fall_back_to_the_copy_path(layout, refuse):
+    emu = EmulatedDevice(refuse=refuse)
+    _device_load(layout, emu, residency=_all_resident)
+    emu.assert_clean()
+    assert any(not ok for _, _, ok in emu.register_calls)
+    assert emu.copies_from["staging"] > 0
+
+
+def test_gpu_path_copy_never_registers_and_register_ignores_residency(layout):
+    emu = EmulatedDevice()
+    _device_load(layout, emu, gpu_path="copy", residency=_all_resident)
+    emu.assert_clean()
+    assert not emu.register_calls and emu.copies_from["mapping"] == 0
+    emu = EmulatedDevice()
+    _device_load(layout, emu, gpu_path="register", residency=lambda m, o, n: False)
+    emu.assert_clean()
+    assert emu.register_calls and emu.copies_from["mapping"] > 0
+
+
+def test_gpu_path_is_checked(layout):
+    with pytest.raises(ValueError, match="gpu_path"):
+        _device_load(layout, EmulatedDevice(), gpu_path="fast")
+
+
+def test_a_device_that_cannot_register_uses_the_copy_path(layout):
+    emu = EmulatedDevice()
+
+    class Ops:  # only what the copy path needs
+        alloc_staging, free_staging, new_stream = emu.alloc_staging, emu.free_staging, emu.new_stream
+        copy_to_device, record, wait, bind_thread = emu.copy_to_device, emu.record, emu.wait, emu.bind_thread
+
+    fd, path, begins, ends, data = layout
+    dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
+    try:
+        pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
+                     pipeline.Destination(device_targets=dst, device_ops=Ops()), path=path, slot_bytes=65_536)
+        with pytest.raises(DeviceError):
+            pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
+                         pipeline.Destination(device_targets=dst, device_ops=Ops()), path=path,
+                         gpu_path="register")
+    finally:
+        emu.close()
+    assert all(bytes(dst[r]) == _expected(data, begins, ends, r) for r in range(40))
+    assert not emu.live_staging
+
+
+@pytest.fixture
+def copy_of_layout(layout, tmp_path):
+    """A private copy of the layout's file (the tests truncate it)."""
+    _, _, begins, ends, data = layout
+    path = tmp_path / "g.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDWR)
+    yield fd, str(path), begins, ends, data
+    os.close(fd)
+
+
+@pytest.mark.parametrize("gpu_path", ["auto", "copy", "register"])
+def test_truncation_mid_load_is_a_read_error_and_releases_everything(copy_of_layout, gpu_path):
+    fd, path, begins, ends, data = copy_of_layout
+    cut = len(data) // 2
+    emu = EmulatedDevice(file_size=lambda: os.fstat(fd).st_size)
+    truncated = []
+
+    def on_complete(row):
+        if not truncated:  # the file shrinks under the load after its first tensor landed
+            with emu.lock:  # (not while the emulated device is taking registered bytes)
+                os.ftruncate(fd, cut)
+            truncated.append(row)
+
+    dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
+    with pytest.raises(ReadError) as info:
+        try:
+            pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
+                         pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
+                         slot_bytes=65_536, gpu_path=gpu_path, on_complete=on_complete, residency=_all_resident)
+        finally:
+            emu.close()
+    assert truncated
+    assert info.value.path == path and path in str(info.value)
+    assert info.value.offset >= cut and info.value.reason == "ShortRead"
+    emu.assert_clean()
+
+
+def test_a_file_shorter_than_its_plan_never_registers_past_its_end(copy_of_layout):
+    fd, path, begins, ends, data = copy_of_layout
+    os.ftruncate(fd, len(data) - 100_000)
+    emu = EmulatedDevice(file_size=lambda: os.fstat(fd).st_size)
+    dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
+    with pytest.raises(ReadError) as info:
+        try:
+            pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
+                         pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
+                         slot_bytes=65_536, gpu_path="register")
+        finally:
+            emu.close()
+    assert info.value.offset == len(data) - 100_000
+    size = len(data) - 100_000
+    assert all(off + n <= size + emu.PAGE for off, n, ok in emu.register_calls if ok)
+    emu.assert_clean()
+
+
+@pytest.mark.parametrize("gpu_path", ["auto", "copy", "register"])
+def test_cancel_of_a_device_load_unregisters_and_frees_everything(layout, gpu_path):
+    fd, path, begins, ends, _ = layout
+    emu = EmulatedDevice()
+    cancel = threading.Event()
+    done = []
+
+    def on_complete(row):
+        done.append(row)
+        if len(done) == 2:
+            cancel.set()
+
+    dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
+    with pytest.raises(pipeline.Cancelled):
+        try:
+            pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
+                         pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
+                         slot_bytes=16_384, gpu_path=gpu_path, on_complete=on_complete, cancel=cancel,
+                         residency=_all_resident)
+        finally:
+            emu.close()
+    assert len(done) < 38
+    emu.assert_clean()
+
+
+def test_a_failing_device_copy_still_unregisters_and_frees(layout):
+    emu = EmulatedDevice()
+    real = emu.copy_to_device
+    calls = [0]
+
+    def flaky(*args):
+        calls[0] += 1
+        if calls[0] == 7:
+            raise DeviceError("copy engine on fire")
+        return real(*args)
+
+    emu.copy_to_device = flaky
+    with pytest.raises(DeviceError, match="on fire"):
+        _device_load(layout, emu, residency=_all_resident)
+    emu.assert_clean()
+
+
+# -- several files as one pipeline ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_several_files_run_as_one_pipeline(layout, tmp_path, device):
+    fd, path, begins, ends, data = layout
+    other = np.random.default_rng(7).integers(0, 256, len(data), dtype=np.uint8)
+    path2 = tmp_path / "h.bin"
+    path2.write_bytes(other.tobytes())
+    fd2 = os.open(path2, os.O_RDONLY)
+    rows = [r for r in range(40) if ends[r] > begins[r]]
+    dst = {base + r: bytearray(int(ends[r] - begins[r])) for base in (0, 100) for r in rows}
+    emu = EmulatedDevice() if device else None
+    if device:
+        dest = pipeline.Destination(device_targets=dst, device_ops=emu)
+    else:
+        dest = pipeline.Destination(host_views={k: memoryview(b) for k, b in dst.items()})
+    completed = []
+    try:
+        n = pipeline.run_sources(
+            [pipeline.Source(fd, path, plan_reads(begins, ends, rows, 64, 65_536)),
+             pipeline.Source(fd2, str(path2), plan_reads(begins, ends, rows, 64, 65_536), 100)],
+            dest, threads=3, slot_bytes=100_000, on_complete=completed.append, residency=_all_resident,
+        )
+    finally:
+        os.close(fd2)
+        if emu:
+            emu.close()
+    assert n == 2 * sum(int(ends[r] - begins[r]) for r in rows)
+    assert sorted(completed) == sorted(dst)
+    for r in rows:
+        assert bytes(dst[r]) == _expected(data, begins, ends, r)
+        assert bytes(dst[100 + r]) == _expected(other, begins, ends, r)
+    if device:
+        emu.assert_clean()
+
+
+# -- units ----------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 39), unique=True, min_size=1),
+    chunk=st.sampled_from([4096, 65_536, 1 << 20]),
+    slot_bytes=st.sampled_from([100, 4096, 5000, 65_536, 1 << 20]),
+    splittable=st.booleans(),
+)
+def test_units_cover_every_planned_byte_once_within_their_slot(layout, rows, chunk, slot_bytes, splittable):
+    _, _, begins, ends, _ = layout
+    rows = sorted(rows, key=lambda r: begins[r])
+    requests = plan_reads(begins, ends, rows, 64, chunk)
+    units = pipeline._units(0, requests, slot_bytes, splittable)
+    got_bytes: dict[int, list] = {}
+    for u in units:
+        assert u.nbytes <= slot_bytes or (not splittable and len(u.requests) == 1)
+        for key, toff, foff, n in u.copies(0, from_file=True):
+            assert foff == 64 + int(begins[key]) + toff  # the file offset of the tensor's bytes
+            got_bytes.setdefault(key, []).append((toff, n))
+        for key, toff, soff, n in u.copies(0, from_file=False):
+            assert 0 <= soff and soff + n <= u.nbytes
+    for r in (r for r in rows if ends[r] > begins[r]):
+        spans = sorted(got_bytes[r])
+        pos = 0
+        for toff, n in spans:
+            assert toff == pos
+            pos += n
+        assert pos == int(ends[r] - begins[r])
+    assert sum(u.nbytes for u in units) == sum(r.nbytes for r in requests)
+
+
+# -- the native split read -----------------------------------------------------------------------
+
+
+def test_pread_split_reads_segments_over_threads_and_reports_the_first_short_read(layout):
+    from engine import _io
+
+    fd, _, _, _, data = layout
+    file_offsets = np.array([100, 2_000_000, 3_000_000, 5], dtype=np.int64)
+    sizes = np.array([1_500_000, 700_000, 0, 4000], dtype=np.int64)
+    dst_offsets = np.array([0, 1_600_000, 2_400_000, 2_400_000], dtype=np.int64)
+    for threads in (1, 3, 16):
+        out = np.zeros(2_500_000, np.uint8)
+        assert _io.pread_split(fd, out, file_offsets, dst_offsets, sizes, threads) == (0, 0, 0)
+        for f, d, n in zip(file_offsets, dst_offsets, sizes):
+            assert (out[d : d + n] == data[f : f + n]).all()
+    end = len(data)
+    err, at, missing = _io.pread_split(fd, np.zeros(1 << 20, np.uint8), np.array([end - 300_000], np.int64),
+                                       np.array([0], np.int64), np.array([1 << 20], np.int64), 4, 4096)
+    assert (err, at) == (-1, end)
+    assert 0 < missing <= (1 << 20) - 300_000
+    with pytest.raises(ValueError):
+        _io.pread_split(fd, np.zeros(10, np.uint8), np.array([0], np.int64), np.array([5], np.int64),
+                        np.array([6], np.int64), 2)
+
+
+def test_pread_split_releases_the_gil(layout):
+    """As in test_reader: with a 100 s switch interval the spinner can only count while the
+    main thread is inside the native call with the GIL released."""
+    import sys
+
+    from engine import _io
+
+    fd, _, _, _, data = layout
+    n = len(data) // 4096
+    file_offsets = np.zeros(n * 8, dtype=np.int64)  # the same pages many times: a long call
+    sizes = np.full(n * 8, 4096, dtype=np.int64)
+    dst_offsets = np.zeros(n * 8, dtype=np.int64)
+    out = np.zeros(4096, np.uint8)
+    ticks = [0]
+    started, stop = threading.Event(), threading.Event()
+
+    def spin():
+        started.set()
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(100)
+    t = threading.Thread(target=spin)
+    try:
+        t.start()
+        started.wait()
+        before = ticks[0]
+        for _ in range(20):
+            assert _io.pread_split(fd, out, file_offsets, dst_offsets, sizes, 2)[0] == 0
+        during = ticks[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        t.join()
+    assert during > 100
+
+
+def test_resident_pages_of_a_fresh_file_and_of_an_empty_range(layout):
+    from engine import _io
+
+    fd, _, _, _, data = layout
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)
+        resident, pages = _io.resident_pages(view[123 : 123 + 3 * mmap.PAGESIZE])
+        assert pages == 4 and 0 <= resident <= pages
+        assert _io.resident_pages(view[:0]) == (0, 0)
+        view.release()
+
+
+def test_default_sizes():
+    assert pipeline.default_copy_threads() >= 1
+    slot = pipeline.default_slot_bytes()
+    assert 64 << 20 <= slot <= 512 << 20 and slot & (slot - 1) == 0

@@ -1,0 +1,113 @@
+"""The few CUDA runtime calls the engine makes itself: page-locking host memory it did not
+allocate (``cudaHostRegister`` / ``cudaHostUnregister``).
+
+Nothing here is linked at build time (CI and most hosts have no CUDA).  The runtime is
+found at run time, in this order:
+
+1. the ``libcudart`` that torch or CuPy has already loaded into the process (read from
+   ``/proc/self/maps``), called through :mod:`ctypes`, which releases the GIL for the call,
+   so a thread page-locking a range does not stall the threads that copy;
+2. ``torch.cuda.cudart()``, the runtime bindings torch ships;
+3. ``cupy.cuda.runtime``.
+
+Registering the same CUDA context's memory through any of them is the same driver call, so
+copies that torch or CuPy issue see the pages as page-locked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from typing import Optional
+
+__all__ = ["HOST_REGISTER_DEFAULT", "HOST_REGISTER_READ_ONLY", "Runtime", "runtime"]
+
+#: ``cudaHostRegisterDefault``: page-lock memory the process may write (staging slots).
+HOST_REGISTER_DEFAULT = 0
+#: ``cudaHostRegisterReadOnly``: the device only reads the pages, so a read-only file
+#: mapping can be page-locked without copying its pages out of the page cache.
+HOST_REGISTER_READ_ONLY = 0x08
+
+
+class Runtime:
+    """``host_register`` / ``host_unregister`` over one of the bindings; 0 means success,
+    anything else is the CUDA error code (the error is also cleared, so it cannot surface
+    later in an unrelated torch or CuPy call)."""
+
+    def __init__(self, register, unregister, clear, name: str) -> None:
+        self._register = register
+        self._unregister = unregister
+        self._clear = clear
+        self.name = name
+
+    def host_register(self, addr: int, nbytes: int, flags: int) -> int:
+        try:
+            err = int(self._register(addr, nbytes, flags))
+        except Exception:  # CuPy raises where the others return a code
+            err = -1
+        if err:
+            self._clear()
+        return err
+
+    def host_unregister(self, addr: int) -> int:
+        try:
+            err = int(self._unregister(addr))
+        except Exception:
+            err = -1
+        if err:
+            self._clear()
+        return err
+
+
+def _loaded_cudart_path() -> Optional[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(" ")[-1]
+                if "libcudart.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _ctypes_runtime(path: str) -> Runtime:
+    lib = ctypes.CDLL(path)  # already mapped: the same library instance torch/CuPy use
+    reg = lib.cudaHostRegister
+    reg.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    reg.restype = ctypes.c_int
+    unreg = lib.cudaHostUnregister
+    unreg.argtypes = [ctypes.c_void_p]
+    unreg.restype = ctypes.c_int
+    last = lib.cudaGetLastError
+    last.restype = ctypes.c_int
+    return Runtime(reg, unreg, last, f"ctypes:{os.path.basename(path)}")
+
+
+@functools.lru_cache(maxsize=None)
+def runtime() -> Optional[Runtime]:
+    """The process's CUDA runtime, or ``None`` when none can be reached (then every
+    registration is refused and loads use the copy path alone)."""
+    path = _loaded_cudart_path()
+    if path is not None:
+        try:
+            return _ctypes_runtime(path)
+        except (OSError, AttributeError):
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            rt = torch.cuda.cudart()
+            clear = getattr(rt, "cudaGetLastError", lambda: 0)
+            return Runtime(rt.cudaHostRegister, rt.cudaHostUnregister, clear, "torch.cuda.cudart")
+        except Exception:
+            pass
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        rt = cupy.cuda.runtime
+        clear = getattr(rt, "getLastError", lambda: 0)
+        return Runtime(lambda a, n, f: rt.hostRegister(a, n, f) or 0, lambda a: rt.hostUnregister(a) or 0,
+                       clear, "cupy.cuda.runtime")
+    return None
