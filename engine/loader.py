@@ -72,8 +72,14 @@ def load_rows(
     cancel: Optional[threading.Event] = None,
     destination=None,
     fill=None,
+    gpu_path: str = "auto",
+    slot_bytes: Optional[int] = None,
 ) -> dict[int, Any]:
-    """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor."""
+    """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor.
+
+    Device loads: ``threads`` native threads split each staging slot (default every core),
+    ``gpu_path`` and ``slot_bytes`` as in :func:`engine.pipeline.run_sources`.
+    """
     if destination is None:
         tensors, destination = _destination(sink, header, rows, per_tensor)
     else:
@@ -86,11 +92,12 @@ def load_rows(
         requests,
         destination,
         path=path,
-        threads=threads or default_threads(),
-        chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+        threads=threads if destination.on_device else threads or default_threads(),
         on_complete=on_complete,
         cancel=cancel,
         fill=fill,
+        gpu_path=gpu_path,
+        slot_bytes=slot_bytes,
     )
     return tensors
 
@@ -112,30 +119,46 @@ def stream(
     per_tensor: bool = False,
     stats: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
+    gpu_path: str = "auto",
+    slot_bytes: Optional[int] = None,
 ) -> Iterator[tuple]:
-    """Yield ``(name, tensor)`` as each tensor of a file finishes loading.
+    """Yield ``(name, tensor)`` as each tensor of a file (or of several files) finishes loading.
 
     Parameters
     ----------
-    path : str or os.PathLike
+    path : str or os.PathLike, or a list of them
+        One file, or the shards of a checkpoint: several files are read as one pipeline
+        (one queue of reads, one device allocation), not one after the other.
     framework : {"pt", "torch", "np", "numpy"}
     device : str, int or torch.device, default "cuda"
         Destination device for torch; numpy is always "cpu".
     names, patterns, predicate, layers
-        Selection, see :func:`engine.plan.select_rows`; by default every tensor.
+        Selection, see :func:`engine.plan.select_rows`; by default every tensor.  Across
+        several files a name or pattern must be found in at least one of them.
     threads : int, optional
-        Reader threads (default: one per core, 2 to 8).
+        CPU destinations: reader threads (default one per core, 2 to 8).  GPU destinations:
+        native threads that split each staging slot (default every core).
     chunk_bytes : int, optional
-        Bytes per read request (default 16 MiB); also the size of each staging slot.
+        Bytes per read request (default 16 MiB).
     per_tensor : bool, default False
-        On a GPU: one allocation per tensor instead of one per file.
+        On a GPU: one allocation per tensor instead of one per load.
     stats : bool, default False
-        Also compute each tensor's :class:`~engine.statistics.Stats` (needs Numba).  The
-        reader threads read each piece in 256 KiB windows and summarise every window right
-        after it lands, while it is still in the core's L2 cache, in one native call without
-        the GIL; per-thread partial results merge when the tensor is complete.  There is no
-        second pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
-        sub-byte, complex).
+        Also compute each tensor's :class:`~engine.statistics.Stats` (needs Numba; one file
+        only).  The reader threads read each piece in 256 KiB windows and summarise every
+        window right after it lands, while it is still in the core's L2 cache, in one
+        native call without the GIL; per-thread partial results merge when the tensor is
+        complete.  There is no second pass over memory.  ``None`` for dtypes the kernel
+        does not summarise (FP8, sub-byte, complex).  A GPU load with statistics uses the
+        copy path alone.
+    gpu_path : {"auto", "copy", "register"}, default "auto"
+        GPU destinations: how bytes reach the device, see :mod:`engine.pipeline`.
+        ``"auto"`` copies through pinned slots and, at the same time, DMAs ranges already in
+        the page cache straight from the file's page-locked mapping; ``"copy"`` or
+        ``"register"`` forces one path (for measurement, or where page-locking is
+        restricted).
+    slot_bytes : int, optional
+        GPU destinations: bytes per pinned staging slot (default from the machine's memory,
+        256-512 MiB on a large host, see :func:`engine.pipeline.default_slot_bytes`).
 
     Yields
     ------
@@ -149,40 +172,72 @@ def stream(
     Notes
     -----
     Copies of tensor bytes: CPU destinations 1 (page cache to tensor); GPU destinations 2
-    (page cache to a pinned staging slot, then DMA to the device).  ``stats=True`` adds no
-    copy: the kernels read the bytes where they landed.  Host staging memory on a
-    GPU load is ``threads * 2 * chunk_bytes``.  Breaking out of the loop stops the readers,
-    joins their threads and releases the file and the staging buffers.
+    on the copy path (page cache to a pinned slot, then DMA to the device) and 1 on the
+    register path (DMA from the page cache).  ``stats=True`` adds no copy: the kernels read
+    the bytes where they landed.  Page-locked host memory of a GPU load: at most
+    ``2 * slot_bytes`` of staging plus ``2 * slot_bytes`` of the page cache, whatever the
+    model's size, all unlocked when the load ends.  Breaking out of the loop stops the
+    readers, joins their threads, unlocks and releases everything, and closes the files.
     """
+    many = not isinstance(path, (str, bytes, os.PathLike))
+    paths = list(path) if many else [path]
+    if stats and len(paths) != 1:
+        raise ValueError("stats=True streams one file at a time")
     sink = get_sink(framework, device)
-    fd, spath = _open(path)
+    opened: list[tuple[int, str]] = []
     cancel = threading.Event()
     worker: Optional[threading.Thread] = None
     try:
-        header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
-        rows = _select(header, spath, names, patterns, predicate, layers)
-        _advise_sequential(fd)
-        tensors, destination = _destination(sink, header, rows, per_tensor)
-        t = header.table
-        collector = _StatsCollector(header, rows, spath) if stats else None
+        for p in paths:
+            opened.append(_open(p))
+        headers = [
+            read_header_fd(fd, path=sp, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+            for fd, sp in opened
+        ]
+        if many:
+            selected = _select_many(headers, [sp for _, sp in opened], names, patterns, predicate, layers)
+        else:
+            selected = [_select(headers[0], opened[0][1], names, patterns, predicate, layers)]
+        # one key space over every file: file i's row r is key bases[i] + r
+        bases, where = [], {}
+        base = 0
+        for i, (h, rows) in enumerate(zip(headers, selected)):
+            bases.append(base)
+            for r in rows:
+                where[base + r] = (i, r)
+            base += len(h.table.names)
+        for fd, _ in opened:
+            _advise_sequential(fd)
+        tensors, destination = _destination_many(sink, headers, selected, bases, per_tensor)
+        collector = _StatsCollector(headers[0], selected[0], opened[0][1]) if stats else None
 
-        def result(row):
+        def result(key):
+            i, r = where[key]
+            name = headers[i].table.names[r]
             if collector is None:
-                return t.names[row], tensors[row]
-            return t.names[row], tensors[row], collector.result(row)
+                return name, tensors[key]
+            return name, tensors[key], collector.result(r)
 
         # tensors with no bytes are complete before anything is read
-        for r in rows:
+        for key, (i, r) in where.items():
+            t = headers[i].table
             if int(t.ends[r]) == int(t.begins[r]):
-                yield result(r)
+                yield result(key)
+        sources = [
+            pipeline.Source(fd, sp, plan_reads(h.table.begins, h.table.ends, rows, h.data_start,
+                                               chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX), b)
+            for (fd, sp), h, rows, b in zip(opened, headers, selected, bases)
+        ]
         done: "queue.SimpleQueue" = queue.SimpleQueue()
 
         def work() -> None:
             try:
-                load_rows(
-                    fd, header, rows, sink, path=spath, threads=threads, chunk_bytes=chunk_bytes,
-                    on_complete=done.put, cancel=cancel, destination=(tensors, destination),
+                pipeline.run_sources(
+                    sources, destination,
+                    threads=threads if destination.on_device else threads or default_threads(),
+                    on_complete=done.put, cancel=cancel,
                     fill=collector.fill if collector is not None else None,
+                    gpu_path=gpu_path, slot_bytes=slot_bytes,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer
@@ -201,7 +256,56 @@ def stream(
         cancel.set()
         if worker is not None:
             worker.join()
-        os.close(fd)
+        for fd, _ in opened:
+            os.close(fd)
+
+
+def _destination_many(sink, headers: list[Header], selected: list[list[int]], bases: list[int], per_tensor: bool):
+    """Tensors for every selected row of every file, keyed ``bases[i] + row``, in one
+    allocation (unless ``per_tensor``); returns (key -> tensor, Destination)."""
+    specs, begins = [], {}
+    for i, (h, rows) in enumerate(zip(headers, selected)):
+        t = h.table
+        for r in rows:
+            key = bases[i] + r
+            specs.append((key, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])))
+            # distinct files never count as neighbours when the host block is packed
+            begins[key] = (i << 50) + int(t.begins[r])
+    if sink.on_device:
+        tensors, targets, ops = sink.allocate_device(specs, per_tensor)
+        return tensors, pipeline.Destination(device_targets=targets, device_ops=ops)
+    tensors, views = sink.allocate(specs, begins)
+    return tensors, pipeline.Destination(host_views=views)
+
+
+def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:
+    """Per-file rows for a selection over several files; each name and pattern must be
+    found in some file."""
+    import fnmatch
+
+    if names is not None:
+        names = [names] if isinstance(names, str) else list(names)
+        known = set().union(*(h.table.index for h in headers))
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise TensorNotFoundError(f"no tensor {missing[0]!r} to select in {len(paths)} files", tensors=missing)
+    if patterns is not None:
+        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for h in headers for n in h.table.names):
+                raise TensorNotFoundError(f"pattern {pattern!r} matches no tensor", tensors=(pattern,))
+    out = []
+    for h, p in zip(headers, paths):
+        mine = None if names is None else [n for n in names if n in h.table.index]
+        pats = None
+        if patterns is not None:
+            pats = [q for q in patterns if any(fnmatch.fnmatchcase(n, q) for n in h.table.names)]
+        everything = names is None and patterns is None and predicate is None and layers is None
+        if everything:
+            out.append(_select(h, p, None, None, None, None))
+        else:
+            out.append(_select(h, p, mine or [], pats or [], predicate, layers))
+    return out
 
 
 class _StatsCollector:
@@ -309,6 +413,7 @@ def load_into(
     threads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
     max_header_size: int = MAX_HEADER_SIZE,
+    gpu_path: str = "auto",
 ) -> list[str]:
     """Fill existing tensors in place from a file (a model's parameters, on CPU or CUDA).
 
@@ -320,6 +425,8 @@ def load_into(
         sub-byte dtypes: ``uint8`` of the packed shape).
     strict : bool, default False
         Also fail when the file holds tensors that ``tensors`` does not name.
+    gpu_path : {"auto", "copy", "register"}, default "auto"
+        CUDA destinations: see :func:`stream`.
 
     Returns
     -------
@@ -391,7 +498,8 @@ def load_into(
                 targets = {r: _device_bytes(tensors[names[r]]) for r in rows}
                 load_rows(fd, header, rows, None, path=spath, threads=threads, chunk_bytes=chunk_bytes,
                           destination=({}, pipeline.Destination(device_targets=targets,
-                                                                device_ops=TorchCudaOps(device))))
+                                                                device_ops=TorchCudaOps(device))),
+                          gpu_path=gpu_path)
         return [names[r] for r in sorted(host_rows + device_rows, key=lambda r: int(t.begins[r]))]
     finally:
         os.close(fd)

@@ -323,3 +323,78 @@ def test_stream_stats_equal_stats_of_the_loaded_tensors(tmp_path, monkeypatch, c
             assert (np.isnan(a) and np.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=1e-12), (name, field)
     files = engine.stats_file(path)
     assert "fp8" not in files and files["ids"].max == sd["ids"].max()
+
+
+# -- several files as one load ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    sd = _model()
+    names = list(sd)
+    folder = tmp_path_factory.mktemp("shards")
+    paths = []
+    for i, part in enumerate((names[:10], names[10:20], names[20:])):
+        p = folder / f"model-{i + 1:05d}-of-00003.safetensors"
+        engine.numpy.save_file({n: sd[n] for n in part}, p)
+        paths.append(p)
+    return paths, sd
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_stream_over_several_files_is_one_load(shards, framework):
+    paths, sd = shards
+    got = dict(engine.stream(paths, framework=framework, device="cpu", threads=3, chunk_bytes=4096))
+    assert got.keys() == sd.keys()
+    for name, arr in sd.items():
+        np.testing.assert_array_equal(got[name].numpy() if framework == "pt" else got[name], arr)
+
+
+def test_selection_over_several_files(shards):
+    paths, sd = shards
+    got = dict(engine.stream(paths, framework="np", device="cpu", names=["ids"], patterns="model.layers.7.*"))
+    assert set(got) == {"ids"} | {n for n in sd if n.startswith("model.layers.7.")}
+    with pytest.raises(TensorNotFoundError):
+        list(engine.stream(paths, framework="np", device="cpu", names=["nope"]))
+    with pytest.raises(TensorNotFoundError):
+        list(engine.stream(paths, framework="np", device="cpu", patterns="nope.*"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("gpu_path", ["auto", "copy", "register"])
+def test_stream_several_files_to_cuda_by_each_path(shards, gpu_path):
+    paths, sd = shards
+    got = dict(engine.stream(paths, framework="pt", device="cuda:0", gpu_path=gpu_path, slot_bytes=1 << 16))
+    assert got.keys() == sd.keys()
+    for k, v in sd.items():
+        assert got[k].is_cuda
+        np.testing.assert_array_equal(got[k].cpu().numpy(), v)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("gpu_path", ["auto", "copy", "register"])
+def test_every_dtype_and_a_selection_to_cuda_equal_the_reference(tmp_path, gpu_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch", reason="the reference is a test dependency")
+    gen = torch.Generator().manual_seed(0)
+    sd = {}
+    for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+               torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2):
+        raw = torch.randint(0, 256, (1 + 3 * 1024 * 1024 // 8 * 8,), dtype=torch.uint8, generator=gen)
+        n = raw.numel() // dt.itemsize * dt.itemsize
+        t = raw[:n].view(dt) if dt is not torch.bool else raw[:n] % 2 == 1
+        sd[f"t.{dt}".replace("torch.", "")] = t.reshape(-1, 8) if t.numel() % 8 == 0 else t
+    path = tmp_path / "all.safetensors"
+    safetensors_torch.save_file(sd, path)
+    want = safetensors_torch.load_file(path, device="cuda:0")
+    got = dict(engine.stream(path, framework="pt", device="cuda:0", gpu_path=gpu_path, slot_bytes=1 << 20))
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+    picked = ["t.bfloat16", "t.int8"]
+    some = dict(engine.stream(path, framework="pt", device="cuda:0", names=picked, gpu_path=gpu_path))
+    assert sorted(some) == picked
+    for k in picked:
+        assert torch.equal(some[k].view(torch.uint8), want[k].view(torch.uint8)), k

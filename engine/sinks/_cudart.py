@@ -111,3 +111,38 @@ def runtime() -> Optional[Runtime]:
         return Runtime(lambda a, n, f: rt.hostRegister(a, n, f) or 0, lambda a: rt.hostUnregister(a) or 0,
                        clear, "cupy.cuda.runtime")
     return None
+
+
+def address_of(view: memoryview) -> int:
+    """Address of the first byte of a (possibly read-only) contiguous buffer."""
+    import numpy as np
+
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
+
+
+class PinnedBlock:
+    """Anonymous host memory page-locked by the engine for one load, unlocked by
+    :meth:`release`.
+
+    Not ``cudaHostAlloc`` through torch or CuPy: their caching allocators keep freed pinned
+    blocks locked for the rest of the process, and a load must leave nothing page-locked.
+    ``locked`` is false when the runtime refused (the memory still works as a copy source,
+    at pageable speed).
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        import mmap
+
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self.block = mmap.mmap(-1, max(1, nbytes), flags=flags)
+        self.view = memoryview(self.block)[:nbytes]
+        self.addr = address_of(memoryview(self.block))
+        rt = runtime()
+        self.locked = rt is not None and rt.host_register(self.addr, max(1, nbytes), HOST_REGISTER_DEFAULT) == 0
+
+    def release(self) -> None:
+        if self.locked:
+            rt = runtime()
+            if rt is not None:
+                rt.host_unregister(self.addr)
+            self.locked = False

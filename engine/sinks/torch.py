@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import mmap
+import warnings
 
 import torch
 
 from .. import dtypes
 from ..errors import DeviceError
+from . import _cudart
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -122,8 +124,29 @@ class _MappedStorage:
 DEVICE_ALIGNMENT = 256
 
 
+
+
+
+class _HostSource:
+    """A host buffer the device copies from: a uint8 tensor over it and its address."""
+
+    __slots__ = ("tensor", "addr", "block")
+
+    def __init__(self, tensor: torch.Tensor, addr: int, block=None) -> None:
+        self.tensor = tensor
+        self.addr = addr
+        self.block = block
+
+
 class TorchCudaOps:
-    """The pipeline's device operations on torch CUDA (see :class:`engine.pipeline.DeviceOps`)."""
+    """The pipeline's device operations on torch CUDA (see :class:`engine.pipeline.DeviceOps`).
+
+    Staging slots are anonymous memory page-locked by the engine (unlocked when the load
+    frees them); file mappings are page-locked read-only, range by range, through the CUDA
+    runtime that torch loaded (:mod:`engine.sinks._cudart`).  Copies are
+    ``Tensor.copy_(..., non_blocking=True)`` on the path's stream: ``cudaMemcpyAsync`` from
+    page-locked memory.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -132,15 +155,39 @@ class TorchCudaOps:
         torch.cuda.set_device(self.device)
 
     def alloc_staging(self, nbytes: int):
-        slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return slot, memoryview(slot.numpy())
+        block = _cudart.PinnedBlock(nbytes)
+        if not block.locked:  # page-locking refused: torch's pinned memory (cached by torch)
+            slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return _HostSource(slot, slot.data_ptr()), memoryview(slot.numpy())
+        tensor = torch.frombuffer(block.view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return _HostSource(tensor, block.addr, block), block.view
+
+    def free_staging(self, handle: _HostSource) -> None:
+        if handle.block is not None:
+            handle.block.release()
+
+    def wrap_host(self, view: memoryview) -> _HostSource:
+        with warnings.catch_warnings():
+            # the mapping is read-only and torch warns so; the device only ever reads it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(view, dtype=torch.uint8)
+        return _HostSource(tensor, tensor.data_ptr())
+
+    def register(self, handle: _HostSource, offset: int, nbytes: int) -> bool:
+        rt = _cudart.runtime()
+        return rt is not None and rt.host_register(handle.addr + offset, nbytes, _cudart.HOST_REGISTER_READ_ONLY) == 0
+
+    def unregister(self, handle: _HostSource, offset: int, nbytes: int) -> None:
+        rt = _cudart.runtime()
+        if rt is not None:
+            rt.host_unregister(handle.addr + offset)
 
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)
 
-    def copy_to_device(self, dst, dst_offset: int, src, src_offset: int, nbytes: int, stream) -> None:
+    def copy_to_device(self, dst, dst_offset: int, src: _HostSource, src_offset: int, nbytes: int, stream) -> None:
         with torch.cuda.stream(stream):
-            dst[dst_offset : dst_offset + nbytes].copy_(src[src_offset : src_offset + nbytes], non_blocking=True)
+            dst[dst_offset : dst_offset + nbytes].copy_(src.tensor[src_offset : src_offset + nbytes], non_blocking=True)
 
     def record(self, stream):
         event = torch.cuda.Event()
