@@ -22,13 +22,24 @@ import os
 import sys
 from typing import Optional
 
-__all__ = ["HOST_REGISTER_DEFAULT", "HOST_REGISTER_READ_ONLY", "Runtime", "runtime"]
+__all__ = [
+    "HOST_REGISTER_DEFAULT",
+    "HOST_REGISTER_PORTABLE",
+    "HOST_REGISTER_READ_ONLY",
+    "PinnedBlock",
+    "Runtime",
+    "address_of",
+    "runtime",
+]
 
-#: ``cudaHostRegisterDefault``: page-lock memory the process may write (staging slots).
-HOST_REGISTER_DEFAULT = 0
+#: ``cudaHostRegisterPortable``: the pages count as page-locked in every CUDA context, so
+#: copies issued through another runtime instance (or to another device) are DMA too.
+HOST_REGISTER_PORTABLE = 0x01
+#: Staging slots: memory the process writes and the device reads.
+HOST_REGISTER_DEFAULT = HOST_REGISTER_PORTABLE
 #: ``cudaHostRegisterReadOnly``: the device only reads the pages, so a read-only file
 #: mapping can be page-locked without copying its pages out of the page cache.
-HOST_REGISTER_READ_ONLY = 0x08
+HOST_REGISTER_READ_ONLY = 0x08 | HOST_REGISTER_PORTABLE
 
 
 class Runtime:

@@ -1,0 +1,508 @@
+"""File to GPU: every engine entry point against the reference and the peer loaders, in one run.
+
+Generates a checkpoint of Llama-3-8B shapes (BF16, 291 tensors, 16.06 GB in 4 shards plus
+``model.safetensors.index.json``; ``--size`` scales the layer count) and prints, for each
+implementation, the median of ``--runs`` samples, warm and cold page cache, every sample in
+a fresh process: the CUDA context is up before the clock starts, the clock stops after
+``torch.cuda.synchronize()`` with every tensor on the GPU, and a checksum of every tensor
+(computed after the clock) is printed so that all rows can be seen to have loaded the same
+bytes.  Limits are measured the same way: pinned and pageable host-to-device copies of
+1 GiB, and page cache to pinned memory with the engine's split read on 1 / 8 / 16 threads.
+
+Cold samples drop the page cache before each run (``/proc/sys/vm/drop_caches`` as root,
+else ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard); warm samples read the shards
+once before the first run.
+
+Peers (``fastsafetensors``, ``instanttensor``, ``runai_model_streamer``) are optional; a row
+whose package is missing says so.  On the lent GPU machine (Python 3.12, no package index)
+install the wheels of ``../shared/wheels`` (carried in an ignored folder of the checkout) and
+build the extensions there first::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    python3 setup.py -q build_ext --inplace
+    PYTHONPATH=/tmp/site:$PWD python3 scripts/bench_gpu.py --runs 3 --modes warm
+    PYTHONPATH=/tmp/site:$PWD python3 scripts/bench_gpu.py --runs 3 --modes cold
+
+Other options: ``--size 4GB`` (smaller checkpoint), ``--only engine,reference`` (rows whose
+name contains one of the words), ``--dir`` (where the checkpoint lives, reused between
+runs), ``--json out.json`` (append the results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+GiB = 1 << 30
+
+# Llama-3-8B
+HIDDEN, INTER, VOCAB, KV = 4096, 14336, 128256, 1024
+LAYER_SHAPES = [
+    ("input_layernorm.weight", (HIDDEN,)),
+    ("mlp.down_proj.weight", (HIDDEN, INTER)),
+    ("mlp.gate_proj.weight", (INTER, HIDDEN)),
+    ("mlp.up_proj.weight", (INTER, HIDDEN)),
+    ("post_attention_layernorm.weight", (HIDDEN,)),
+    ("self_attn.k_proj.weight", (KV, HIDDEN)),
+    ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+    ("self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+    ("self_attn.v_proj.weight", (KV, HIDDEN)),
+]
+
+
+def _nbytes(shape) -> int:
+    n = 2
+    for d in shape:
+        n *= d
+    return n
+
+
+def model_shapes(total_bytes: int) -> list[tuple[str, tuple]]:
+    """Tensor names and shapes of a Llama-3-8B-like model of about ``total_bytes`` (BF16)."""
+    per_layer = sum(_nbytes(s) for _, s in LAYER_SHAPES)
+    vocab = VOCAB
+    if total_bytes < 2 * _nbytes((VOCAB, HIDDEN)) + per_layer:  # small runs: a smaller vocabulary
+        vocab = max(1024, (total_bytes // 4) // (2 * HIDDEN) // 64 * 64)
+    layers = max(1, round((total_bytes - 2 * _nbytes((vocab, HIDDEN))) / per_layer))
+    out = [("model.embed_tokens.weight", (vocab, HIDDEN))]
+    for i in range(layers):
+        out += [(f"model.layers.{i}.{n}", s) for n, s in LAYER_SHAPES]
+    out += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (vocab, HIDDEN))]
+    return out
+
+
+def make_checkpoint(folder: str, total_bytes: int, shards: int = 4) -> list[str]:
+    """Write the checkpoint (once; reused when its index exists) and return the shard paths."""
+    import ml_dtypes
+    import numpy as np
+
+    import engine.numpy
+
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, n) for n in names]
+    os.makedirs(folder, exist_ok=True)
+    shapes = model_shapes(total_bytes)
+    total = sum(_nbytes(s) for _, s in shapes)
+    # a pool of random finite BF16 bit patterns; each tensor starts at a different place in it
+    rng = np.random.default_rng(0)
+    pool = rng.integers(0, 1 << 14, 96 << 20, dtype=np.uint16)
+    groups: list[list[tuple[str, tuple]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        if size >= total / shards * len(groups) and len(groups) < shards:
+            groups.append([])
+        groups[-1].append((name, shape))
+        size += _nbytes(shape)
+    weight_map, files = {}, []
+    for k, group in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        sd = {}
+        for j, (name, shape) in enumerate(group):
+            n = _nbytes(shape) // 2
+            start = (j * 7919 + k * 104729) % pool.size
+            sd[name] = np.resize(np.roll(pool, -start)[: min(n, pool.size)], n).view(ml_dtypes.bfloat16).reshape(shape)
+            weight_map[name] = fname
+        engine.numpy.save_file(sd, os.path.join(folder, fname))
+        files.append(os.path.join(folder, fname))
+        del sd
+    with open(index_path + ".tmp", "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    os.replace(index_path + ".tmp", index_path)
+    return files
+
+
+def tensor_bytes(files: list[str]) -> int:
+    import engine
+
+    total = 0
+    for p in files:
+        t = engine.read_header(p).table
+        total += int(sum(int(e) - int(b) for b, e in zip(t.begins, t.ends)))
+    return total
+
+
+def warm(files: list[str]) -> None:
+    buf = bytearray(64 << 20)
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def drop_cache(files: list[str]) -> str:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in files:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise"
+
+
+# -- implementations (each runs in a fresh child process) ---------------------------------------------
+
+
+def _engine_per_file(files, dev, **kw):
+    import engine.torch
+
+    out = {}
+    for f in files:
+        out.update(engine.torch.load_file(f, device=dev, **kw))
+    return out
+
+
+def _engine_stream(files, dev, **kw):
+    import engine
+
+    return dict(engine.stream(files, framework="pt", device=dev, **kw))
+
+
+def _engine_stream_per_file(files, dev, **kw):
+    import engine
+
+    out = {}
+    for f in files:
+        out.update(engine.stream(f, framework="pt", device=dev, **kw))
+    return out
+
+
+def _engine_safe_open(target):
+    def load(files, dev):
+        import engine
+
+        where = os.path.dirname(files[0]) if target == "directory" else os.path.join(
+            os.path.dirname(files[0]), "model.safetensors.index.json")
+        with engine.safe_open(where, framework="pt", device=dev) as f:
+            return f.get_tensors()
+
+    return load
+
+
+def _engine_load_file_directory(files, dev):
+    import engine.torch
+
+    return engine.torch.load_file(os.path.dirname(files[0]), device=dev)
+
+
+def _engine_load_into_prepare(files, dev):
+    import torch
+
+    import engine
+
+    dst = {}
+    for f in files:
+        for name, info in engine.read_header(f).items():
+            dst[name] = torch.empty(info.shape, dtype=torch.bfloat16, device=dev)
+    return dst
+
+
+def _engine_load_into(files, dev, prepared):
+    import engine
+
+    for f in files:
+        engine.load_into(f, {k: prepared[k] for k in engine.read_header(f).keys()})
+    return prepared
+
+
+def _reference(files, dev):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in files:
+        out.update(load_file(f, device=dev))
+    return out
+
+
+def _reference_then_to(files, dev):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in files:
+        out.update({k: v.to(dev) for k, v in load_file(f).items()})
+    return out
+
+
+def _fastsafetensors(files, dev):
+    from fastsafetensors import SafeTensorsFileLoader
+
+    names = _names(files)  # header reads, outside fastsafetensors' own work
+    loader = SafeTensorsFileLoader(None, dev, nogds=True)
+    loader.add_filenames({0: files})
+    fb = loader.copy_files_to_device()
+    # fb and loader stay open: their device buffers back the tensors until the process ends
+    return {k: fb.get_tensor(k) for k in names}
+
+
+def _names(files):
+    import engine
+
+    return [n for f in files for n in engine.read_header(f).keys()]
+
+
+def _instanttensor(policy):
+    def load(files, dev):
+        import instanttensor
+
+        kw = {}
+        if policy == "BUFFERED":
+            kw["backend"] = instanttensor.BackendPolicy.BUFFERED
+        elif policy == "MMAP":
+            kw["backend"] = instanttensor.Backend.MMAP
+        out = {}
+        with instanttensor.safe_open(files, framework="pt", device=int(dev.split(":")[1]), **kw) as f:
+            got = f.tensors()
+            for name, t in (got.items() if hasattr(got, "items") else got):
+                out[name] = t
+        return out
+
+    return load
+
+
+def _runai(files, dev):
+    from runai_model_streamer import SafetensorsStreamer
+
+    out = {}
+    with SafetensorsStreamer() as s:
+        s.stream_files(files, device=dev)
+        for name, t in s.get_tensors():
+            out[name] = t if t.is_cuda else t.to(dev)
+    return out
+
+
+def _limit_h2d(pinned: bool):
+    def run(files, dev):
+        import torch
+
+        src = torch.empty(GiB, dtype=torch.uint8, pin_memory=pinned)
+        src.fill_(1)
+        dst = torch.empty(GiB, dtype=torch.uint8, device=dev)
+        dst.copy_(src, non_blocking=pinned)  # first copy outside the clock
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pinned)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return GiB, statistics.median(times)
+
+    return run
+
+
+def _limit_page_cache_to_pinned(threads: int):
+    def run(files, dev):
+        import numpy as np
+        import torch
+
+        from engine import _io
+
+        slot = 512 << 20
+        buf = torch.empty(slot, dtype=torch.uint8, pin_memory=True)
+        out = buf.numpy()
+        out.fill(0)
+        fds = [os.open(f, os.O_RDONLY) for f in files]
+        total = 0
+        t0 = time.perf_counter()
+        for fd in fds:
+            size = os.fstat(fd).st_size
+            for off in range(0, size, slot):
+                n = min(slot, size - off)
+                err, _, _ = _io.pread_split(fd, out, np.array([off], np.int64), np.array([0], np.int64),
+                                            np.array([n], np.int64), threads)
+                assert err == 0
+                total += n
+        seconds = time.perf_counter() - t0
+        for fd in fds:
+            os.close(fd)
+        return total, seconds
+
+    return run
+
+
+IMPLEMENTATIONS = {
+    "engine load_file(f) per shard": _engine_per_file,
+    "engine load_file(directory)": _engine_load_file_directory,
+    "engine safe_open(directory).get_tensors()": _engine_safe_open("directory"),
+    "engine safe_open(index).get_tensors()": _engine_safe_open("index"),
+    "engine stream(shards) auto": lambda files, dev: _engine_stream(files, dev),
+    "engine stream(shards) gpu_path=copy": lambda files, dev: _engine_stream(files, dev, gpu_path="copy"),
+    "engine stream(shards) gpu_path=register": lambda files, dev: _engine_stream(files, dev, gpu_path="register"),
+    "engine stream(f) per shard": lambda files, dev: _engine_stream_per_file(files, dev),
+    "engine load_into(f) per shard": (_engine_load_into_prepare, _engine_load_into),
+    "reference load_file(f, device) per shard": _reference,
+    "reference load_file(f) then .to(device)": _reference_then_to,
+    "fastsafetensors (nogds, buffered)": _fastsafetensors,
+    "InstantTensor default": _instanttensor(None),
+    "InstantTensor BackendPolicy.BUFFERED": _instanttensor("BUFFERED"),
+    "InstantTensor Backend.MMAP": _instanttensor("MMAP"),
+    "Run:ai streamer": _runai,
+    "Run:ai streamer (io_uring_buffered)": _runai,
+}
+ENV = {
+    "fastsafetensors (nogds, buffered)": {"FASTSAFETENSORS_ODIRECT": "0"},
+    "Run:ai streamer (io_uring_buffered)": {"RUNAI_STREAMER_FS_STRATEGY": "io_uring_buffered"},
+}
+LIMITS = {
+    "limit: pinned host-to-device 1 GiB": _limit_h2d(True),
+    "limit: pageable host-to-device 1 GiB": _limit_h2d(False),
+    "limit: page cache to pinned, split read, 1 thread": _limit_page_cache_to_pinned(1),
+    "limit: page cache to pinned, split read, 8 threads": _limit_page_cache_to_pinned(8),
+    "limit: page cache to pinned, split read, 16 threads": _limit_page_cache_to_pinned(16),
+}
+
+
+def checksum(tensors: dict) -> str:
+    """Over every tensor in name order, each byte weighted by its position in its tensor (so
+    a swapped tensor or shifted bytes change it); computed on the GPU in 64 Mi-word chunks."""
+    import torch
+
+    mod = (1 << 61) - 1
+    acc = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous().view(-1).view(torch.uint8)
+        n = t.numel() // 4 * 4
+        words = t[:n].view(torch.int32)
+        s = int(t[n:].to(torch.int64).sum().item())
+        step = 64 << 20
+        for lo in range(0, words.numel(), step):
+            w = words[lo : lo + step].to(torch.int64)
+            weights = torch.arange(lo + 1, lo + 1 + w.numel(), device=t.device, dtype=torch.int64) % 65521
+            s += int((w * weights).sum().item())
+        acc = (acc * 1000003 + s % mod) % mod
+    return f"{acc:016x}"
+
+
+def _sync(dev: str) -> None:
+    import torch
+
+    if dev != "cpu":
+        torch.cuda.synchronize()
+
+
+def child(impl: str, files: list[str], dev: str) -> dict:
+    import torch
+
+    if dev != "cpu":  # (--device cpu: a smoke test of the script on a machine without a GPU)
+        torch.cuda.init()
+        torch.empty(1, device=dev)  # the CUDA context is up before the clock
+    _sync(dev)
+    if impl in LIMITS:
+        nbytes, seconds = LIMITS[impl](files, dev)
+        return {"seconds": seconds, "bytes": nbytes, "checksum": ""}
+    fn = IMPLEMENTATIONS[impl]
+    prepared = None
+    if isinstance(fn, tuple):  # load_into: the destinations exist before the clock
+        prepare, fn = fn
+        prepared = prepare(files, dev)
+        _sync(dev)
+    t0 = time.perf_counter()
+    out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    on_gpu = all(t.device.type == "cuda" for t in out.values())
+    return {"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in out.values()),
+            "checksum": checksum(out), "tensors": len(out), "all_on_gpu": on_gpu}
+
+
+def sample(impl: str, files: list[str], dev: str, timeout: int) -> dict:
+    env = dict(os.environ, **ENV.get(impl, {}))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--device", dev, "--files", *files]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"rc={proc.returncode}: {tail[0][:160]}"}
+    return json.loads(lines[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="16.06GB", help="checkpoint size, e.g. 16.06GB or 4GB")
+    ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "engine-bench-gpu"))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--modes", default="warm,cold")
+    ap.add_argument("--only", default="", help="comma-separated words; rows whose name contains one")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per sample")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--files", nargs="*", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.child:
+        try:
+            print(json.dumps(child(args.child, args.files, args.device)))
+        except ImportError as exc:
+            print(json.dumps({"error": f"not installed: {exc.name or exc}"}))
+        return 0
+
+    size_text = args.size.upper().replace("B", "")
+    scale = {"G": 10**9, "M": 10**6, "K": 10**3}
+    size = int(float(size_text[:-1]) * scale[size_text[-1]]) if size_text[-1] in scale else int(float(size_text))
+    folder = os.path.join(args.dir, f"llama3-shapes-{size}")
+    t0 = time.perf_counter()
+    files = make_checkpoint(folder, size)
+    nbytes = tensor_bytes(files)
+    print(f"checkpoint: {folder}: {len(files)} shards, {nbytes / 1e9:.2f} GB of tensors"
+          f" (ready in {time.perf_counter() - t0:.0f} s)", flush=True)
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA'};"
+          f" torch {torch.__version__}; python {sys.version.split()[0]}; cores {os.cpu_count()};"
+          f" date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    words = [w.strip() for w in args.only.split(",") if w.strip()]
+    rows = [n for n in [*IMPLEMENTATIONS, *LIMITS] if not words or any(w.lower() in n.lower() for w in words)]
+    modes = [m for m in args.modes.split(",") if m in ("warm", "cold")]
+    results: dict = {}
+    for mode in modes:
+        if mode == "warm":
+            warm(files)
+        for impl in rows:
+            if mode == "cold" and impl.startswith("limit: p") and "host-to-device" in impl:
+                continue  # no file involved
+            samples, how = [], ""
+            for _ in range(args.runs):
+                if mode == "cold":
+                    how = drop_cache(files)
+                samples.append(sample(impl, files, args.device, args.timeout))
+                if "error" in samples[-1]:
+                    break
+            results.setdefault(impl, {})[mode] = samples
+            ok = [s for s in samples if "error" not in s]
+            if ok and len(ok) == len(samples):
+                sec = statistics.median(s["seconds"] for s in ok)
+                gbs = statistics.median(s["bytes"] / s["seconds"] / 1e9 for s in ok)
+                sums = sorted({s["checksum"] for s in ok})
+                print(f"| {impl} | {mode}{' (' + how + ')' if how else ''} | {sec:.3f} | {gbs:.1f} |"
+                      f" {','.join(sums) or '-'} |", flush=True)
+            else:
+                print(f"| {impl} | {mode} | - | - | {samples[-1]['error']} |", flush=True)
+    ref = {s["checksum"] for m in results.get("reference load_file(f, device) per shard", {}).values()
+           for s in m if "checksum" in s}
+    if ref:
+        print(f"reference checksum: {', '.join(sorted(ref))}; rows with another checksum loaded other bytes")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"size": size, "device": args.device, "runs": args.runs, "results": results}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
