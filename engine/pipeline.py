@@ -502,8 +502,12 @@ class _Queue:
     waits while the register path holds a unit it might still hand back.
     """
 
-    def __init__(self, copy_only: list[_Unit], shared: list[_Unit], cancel: threading.Event) -> None:
+    def __init__(self, copy_only: list[_Unit], shared: list[_Unit], cancel: threading.Event,
+                 copy_shares: bool = True) -> None:
         self.copy_only = collections.deque(copy_only)
+        # False when the register path is forced: the copy path then takes only the units
+        # the register path hands back (or leaves behind if it stops)
+        self.copy_shares = copy_shares
         self.shared = collections.deque(shared)
         self.cancel = cancel
         self.cond = threading.Condition()
@@ -531,7 +535,9 @@ class _Queue:
                 if self.copy_only:
                     return self._start("copy", self.copy_only.popleft())
                 if self.shared:
-                    if not self.register_active or self._worth_it("copy", "register", self.shared[0]):
+                    if not self.register_active or (
+                        self.copy_shares and self._worth_it("copy", "register", self.shared[0])
+                    ):
                         return self._start("copy", self.shared.popleft())
                 elif not self.register_holding:
                     return None
@@ -542,7 +548,7 @@ class _Queue:
         with self.cond:
             if self.cancel.is_set() or not self.shared:
                 return None
-            if not self._worth_it("register", "copy", self.shared[-1]):
+            if self.copy_shares and not self._worth_it("register", "copy", self.shared[-1]):
                 return None
             self.register_holding += 1
             return self._start("register", self.shared.pop())
@@ -619,7 +625,7 @@ class _DeviceLoad:
                     else:
                         copy_only.append(u)
             self.maps = maps
-            self.queue = _Queue(copy_only, shared, self.cancel)
+            self.queue = _Queue(copy_only, shared, self.cancel, copy_shares=self.gpu_path != "register")
             jobs = [self._copy_path]
             if shared:
                 self.queue.register_active = True

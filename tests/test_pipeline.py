@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from engine import pipeline
 from engine.errors import DeviceError, ReadError
-from engine.plan import plan_reads
+from engine.plan import Piece, Request, plan_reads
 from engine.reader import pread_into
 
 
@@ -227,6 +227,8 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(
         assert emu.staging_bytes <= slots * slot_bytes
         if gpu_path == "copy":
             assert not emu.register_calls and not emu.copies_from["mapping"]
+        if gpu_path == "register":  # nothing refused: nothing goes through a staging slot
+            assert not emu.copies_from["staging"] and not emu.staging_bytes
 
 
 @pytest.mark.parametrize("device", [False, True])
@@ -392,7 +394,7 @@ def test_gpu_path_copy_never_registers_and_register_ignores_residency(layout):
     emu = EmulatedDevice()
     _device_load(layout, emu, gpu_path="register", residency=lambda m, o, n: False)
     emu.assert_clean()
-    assert emu.register_calls and emu.copies_from["mapping"] > 0
+    assert emu.register_calls and emu.copies_from["mapping"] > 0 and emu.copies_from["staging"] == 0
 
 
 def test_gpu_path_is_checked(layout):
@@ -670,3 +672,17 @@ def test_default_sizes():
     assert pipeline.default_copy_threads() >= 1
     slot = pipeline.default_slot_bytes()
     assert 64 << 20 <= slot <= 512 << 20 and slot & (slot - 1) == 0
+
+
+def test_the_last_unit_goes_to_the_path_that_lands_it_first():
+    u = pipeline._Unit(0, [Request(0, 1 << 20, (Piece(0, 0, 0, 1 << 20),))])
+    q = pipeline._Queue([], [u], threading.Event())
+    q.register_active = True
+    assert q._worth_it("copy", "register", u)  # no rates yet: anyone
+    q.finished("copy", 1 << 30, 1.0)  # 1 GiB/s
+    q.finished("register", 10 << 30, 1.0)  # 10 GiB/s, idle now
+    assert not q._worth_it("copy", "register", u) and q._worth_it("register", "copy", u)
+    q.rates["register"].busy_until = time.monotonic() + 5.0  # busy for a long while yet
+    assert q._worth_it("copy", "register", u)
+    q.shared.append(u)  # with more than one unit left both paths take freely
+    assert q._worth_it("copy", "register", u) and q._worth_it("register", "copy", u)
