@@ -201,7 +201,7 @@ def stream(
         # one key space over every file: file i's row r is key bases[i] + r
         bases, where = [], {}
         base = 0
-        for i, (h, rows) in enumerate(zip(headers, selected)):
+        for i, (h, rows) in enumerate(zip(headers, selected, strict=True)):
             bases.append(base)
             for r in rows:
                 where[base + r] = (i, r)
@@ -226,7 +226,7 @@ def stream(
         sources = [
             pipeline.Source(fd, sp, plan_reads(h.table.begins, h.table.ends, rows, h.data_start,
                                                chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX), b)
-            for (fd, sp), h, rows, b in zip(opened, headers, selected, bases)
+            for (fd, sp), h, rows, b in zip(opened, headers, selected, bases, strict=True)
         ]
         done: "queue.SimpleQueue" = queue.SimpleQueue()
 
@@ -264,7 +264,7 @@ def _destination_many(sink, headers: list[Header], selected: list[list[int]], ba
     """Tensors for every selected row of every file, keyed ``bases[i] + row``, in one
     allocation (unless ``per_tensor``); returns (key -> tensor, Destination)."""
     specs, begins = [], {}
-    for i, (h, rows) in enumerate(zip(headers, selected)):
+    for i, (h, rows) in enumerate(zip(headers, selected, strict=True)):
         t = h.table
         for r in rows:
             key = bases[i] + r
@@ -295,7 +295,7 @@ def _select_many(headers: list[Header], paths: list[str], names, patterns, predi
             if not any(fnmatch.fnmatchcase(n, pattern) for h in headers for n in h.table.names):
                 raise TensorNotFoundError(f"pattern {pattern!r} matches no tensor", tensors=(pattern,))
     out = []
-    for h, p in zip(headers, paths):
+    for h, p in zip(headers, paths, strict=True):
         mine = None if names is None else [n for n in names if n in h.table.index]
         pats = None
         if patterns is not None:

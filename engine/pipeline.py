@@ -107,7 +107,7 @@ class DeviceOps(Protocol):
     def new_stream(self): ...
 
     def copy_to_device(self, dst, dst_offset: int, src_handle, src_offset: int, nbytes: int, stream) -> None:
-        """Asynchronously copy ``nbytes`` from a staging or wrapped buffer to byte ``dst_offset`` of ``dst``."""
+        """Asynchronously copy ``nbytes`` of a staging or wrapped buffer to byte ``dst_offset`` of ``dst``."""
 
     def record(self, stream):
         """An event that completes when everything issued on ``stream`` so far is done."""
@@ -330,7 +330,8 @@ def run_sources(
     else:
         _run_host(sources, dest, tracker, cancel, threads or 2, fill)
     if cancel.is_set():
-        raise Cancelled("the load was cancelled", reason="Cancelled", path=sources[0].path if sources else None)
+        path = sources[0].path if sources else None
+        raise Cancelled("the load was cancelled", reason="Cancelled", path=path)
     return total
 
 
@@ -405,7 +406,7 @@ class _Unit:
         that follow each other in the unit are merged into one copy.  The source offset is
         in the file (``from_file``) or in the staging slot."""
         out: list[list[int]] = []
-        for r, slot_off in zip(self.requests, self.slot_offsets):
+        for r, slot_off in zip(self.requests, self.slot_offsets, strict=True):
             at = r.offset if from_file else slot_off
             for p in r.pieces:
                 key = row_base + p.row
@@ -586,7 +587,9 @@ def _resident(mapping: memoryview, offset: int, nbytes: int) -> bool:
 class _DeviceLoad:
     """One device load: the units, the two paths, their threads and their clean-up."""
 
-    def __init__(self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, residency):
+    def __init__(
+        self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, residency
+    ) -> None:
         self.sources = sources
         self.dest = dest
         self.ops = dest.device_ops
@@ -616,7 +619,7 @@ class _DeviceLoad:
     def run(self) -> None:
         maps: dict[int, tuple] = {}  # source -> (mmap, handle)
         try:
-            copy_only, shared = self.units, []
+            copy_only, shared = self.units, []  # type: list[_Unit], list[_Unit]
             if self.use_register:
                 copy_only, shared = [], []
                 for u in self.units:
@@ -723,13 +726,13 @@ class _DeviceLoad:
             fill, reqs = self.fill, unit.requests
 
             def part(lo: int, hi: int) -> None:
-                for r, off in zip(reqs[lo:hi], unit.slot_offsets[lo:hi]):
+                for r, off in zip(reqs[lo:hi], unit.slot_offsets[lo:hi], strict=True):
                     fill(src.fd, r, [view[off + p.request_offset : off + p.request_offset + p.nbytes]
                                      for p in r.pieces])
 
             n = max(1, min(self.threads, len(reqs)))
             bounds = [len(reqs) * i // n for i in range(n + 1)]
-            run_threads([functools.partial(part, a, b) for a, b in zip(bounds[:-1], bounds[1:])])
+            run_threads([functools.partial(part, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
             return
         from . import _io
 
@@ -765,7 +768,9 @@ class _DeviceLoad:
                 ranges = self._page_ranges(unit, len(m))
                 # the oldest unit is retired first: the depth bound, and a neighbour that
                 # shares a page with this unit must be unregistered before it is registered
-                while in_flight and (len(in_flight) >= REGISTER_DEPTH or _overlaps(in_flight, handle, ranges)):
+                while in_flight and (
+                    len(in_flight) >= REGISTER_DEPTH or _overlaps(in_flight, handle, ranges)
+                ):
                     self._retire(in_flight.popleft())
                 done = []
                 for off, n in ranges:

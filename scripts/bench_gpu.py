@@ -108,7 +108,7 @@ def make_checkpoint(folder: str, total_bytes: int, shards: int = 4) -> list[str]
         for j, (name, shape) in enumerate(group):
             n = _nbytes(shape) // 2
             start = (j * 7919 + k * 104729) % pool.size
-            sd[name] = np.resize(np.roll(pool, -start)[: min(n, pool.size)], n).view(ml_dtypes.bfloat16).reshape(shape)
+            sd[name] = np.resize(pool[start:], n).view(ml_dtypes.bfloat16).reshape(shape)
             weight_map[name] = fname
         engine.numpy.save_file(sd, os.path.join(folder, fname))
         files.append(os.path.join(folder, fname))
@@ -125,7 +125,7 @@ def tensor_bytes(files: list[str]) -> int:
     total = 0
     for p in files:
         t = engine.read_header(p).table
-        total += int(sum(int(e) - int(b) for b, e in zip(t.begins, t.ends)))
+        total += int(sum(int(e) - int(b) for b, e in zip(t.begins, t.ends, strict=True)))
     return total
 
 
@@ -340,7 +340,8 @@ IMPLEMENTATIONS = {
     "engine safe_open(index).get_tensors()": _engine_safe_open("index"),
     "engine stream(shards) auto": lambda files, dev: _engine_stream(files, dev),
     "engine stream(shards) gpu_path=copy": lambda files, dev: _engine_stream(files, dev, gpu_path="copy"),
-    "engine stream(shards) gpu_path=register": lambda files, dev: _engine_stream(files, dev, gpu_path="register"),
+    "engine stream(shards) gpu_path=register": lambda files, dev: _engine_stream(
+        files, dev, gpu_path="register"),
     "engine stream(f) per shard": lambda files, dev: _engine_stream_per_file(files, dev),
     "engine load_into(f) per shard": (_engine_load_into_prepare, _engine_load_into),
     "reference load_file(f, device) per shard": _reference,
@@ -455,7 +456,10 @@ def main() -> int:
 
     size_text = args.size.upper().replace("B", "")
     scale = {"G": 10**9, "M": 10**6, "K": 10**3}
-    size = int(float(size_text[:-1]) * scale[size_text[-1]]) if size_text[-1] in scale else int(float(size_text))
+    if size_text[-1] in scale:
+        size = int(float(size_text[:-1]) * scale[size_text[-1]])
+    else:
+        size = int(float(size_text))
     folder = os.path.join(args.dir, f"llama3-shapes-{size}")
     t0 = time.perf_counter()
     files = make_checkpoint(folder, size)
@@ -500,7 +504,8 @@ def main() -> int:
         print(f"reference checksum: {', '.join(sorted(ref))}; rows with another checksum loaded other bytes")
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps({"size": size, "device": args.device, "runs": args.runs, "results": results}) + "\n")
+            record = {"size": size, "device": args.device, "runs": args.runs, "results": results}
+            f.write(json.dumps(record) + "\n")
     return 0
 
 

@@ -453,7 +453,8 @@ def test_truncation_mid_load_is_a_read_error_and_releases_everything(copy_of_lay
         try:
             pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
                          pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
-                         slot_bytes=65_536, gpu_path=gpu_path, on_complete=on_complete, residency=_all_resident)
+                         slot_bytes=65_536, gpu_path=gpu_path, on_complete=on_complete,
+                         residency=_all_resident)
         finally:
             emu.close()
     assert truncated
@@ -580,7 +581,7 @@ def test_units_cover_every_planned_byte_once_within_their_slot(layout, rows, chu
         for key, toff, foff, n in u.copies(0, from_file=True):
             assert foff == 64 + int(begins[key]) + toff  # the file offset of the tensor's bytes
             got_bytes.setdefault(key, []).append((toff, n))
-        for key, toff, soff, n in u.copies(0, from_file=False):
+        for _key, _toff, soff, n in u.copies(0, from_file=False):
             assert 0 <= soff and soff + n <= u.nbytes
     for r in (r for r in rows if ends[r] > begins[r]):
         spans = sorted(got_bytes[r])
@@ -605,7 +606,7 @@ def test_pread_split_reads_segments_over_threads_and_reports_the_first_short_rea
     for threads in (1, 3, 16):
         out = np.zeros(2_500_000, np.uint8)
         assert _io.pread_split(fd, out, file_offsets, dst_offsets, sizes, threads) == (0, 0, 0)
-        for f, d, n in zip(file_offsets, dst_offsets, sizes):
+        for f, d, n in zip(file_offsets, dst_offsets, sizes, strict=True):
             assert (out[d : d + n] == data[f : f + n]).all()
     end = len(data)
     err, at, missing = _io.pread_split(fd, np.zeros(1 << 20, np.uint8), np.array([end - 300_000], np.int64),

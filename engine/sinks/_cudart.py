@@ -149,7 +149,8 @@ class PinnedBlock:
         self.view = memoryview(self.block)[:nbytes]
         self.addr = address_of(memoryview(self.block))
         rt = runtime()
-        self.locked = rt is not None and rt.host_register(self.addr, max(1, nbytes), HOST_REGISTER_DEFAULT) == 0
+        flags = HOST_REGISTER_DEFAULT
+        self.locked = rt is not None and rt.host_register(self.addr, max(1, nbytes), flags) == 0
 
     def release(self) -> None:
         if self.locked:
