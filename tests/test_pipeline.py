@@ -687,3 +687,31 @@ def test_the_last_unit_goes_to_the_path_that_lands_it_first():
     assert q._worth_it("copy", "register", u)
     q.shared.append(u)  # with more than one unit left both paths take freely
     assert q._worth_it("copy", "register", u) and q._worth_it("register", "copy", u)
+
+
+def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, monkeypatch):
+    """Slow emulated copies: with two slots, the next unit is read while the previous unit's
+    copies are still queued on the stream (its event not yet set)."""
+    from engine import _io
+
+    emu = EmulatedDevice(delay=0.02)
+    events = []
+    real_record = emu.record
+
+    def record(stream):
+        ev = real_record(stream)
+        events.append(ev)
+        return ev
+
+    overlapped = []
+    real_read = _io.pread_split
+
+    def read(*args):
+        overlapped.append(any(not ev.is_set() for ev in events))
+        return real_read(*args)
+
+    emu.record = record
+    monkeypatch.setattr(_io, "pread_split", read)
+    _device_load(layout, emu, gpu_path="copy", slots=2, slot_bytes=1 << 20)
+    emu.assert_clean()
+    assert len(overlapped) > 3 and any(overlapped[1:])
