@@ -342,8 +342,10 @@ IMPLEMENTATIONS = {
     "engine stream(shards) gpu_path=copy": lambda files, dev: _engine_stream(files, dev, gpu_path="copy"),
     "engine stream(shards) gpu_path=register": lambda files, dev: _engine_stream(
         files, dev, gpu_path="register"),
-    "engine stream(shards) slot_bytes=128MiB": lambda files, dev: _engine_stream(files, dev, slot_bytes=128 << 20),
-    "engine stream(shards) slot_bytes=256MiB": lambda files, dev: _engine_stream(files, dev, slot_bytes=256 << 20),
+    "engine stream(shards) slot_bytes=128MiB": lambda files, dev: _engine_stream(
+        files, dev, slot_bytes=128 << 20),
+    "engine stream(shards) slot_bytes=256MiB": lambda files, dev: _engine_stream(
+        files, dev, slot_bytes=256 << 20),
     "engine stream(f) per shard": lambda files, dev: _engine_stream_per_file(files, dev),
     "engine load_into(f) per shard": (_engine_load_into_prepare, _engine_load_into),
     "reference load_file(f, device) per shard": _reference,
