@@ -35,8 +35,9 @@ all its copies have completed); completions are reported through a callback as t
 which is what :func:`engine.stream` yields from.  Several files (the shards of a
 checkpoint) run as one pipeline: :func:`run_sources`.
 
-Memory bounds of a device load: pinned staging ``slots * slot_bytes`` (allocated lazily,
-page-locked by the engine and unlocked when the load ends); page-locked page cache
+Memory bounds of a device load: pinned staging ``slots * slot_bytes`` (the first slot
+allocated on first use, the others by helper threads meanwhile; page-locked by the engine
+and unlocked when the load ends); page-locked page cache
 ``REGISTER_DEPTH * slot_bytes`` plus a page at each end.  Nothing stays page-locked after
 the load returns, raises, or is stopped.
 """
@@ -577,6 +578,52 @@ class _Queue:
             self.rates[path].add(nbytes, seconds)
 
 
+class _Ring:
+    """The copy path's staging slots.  Slot 0 is allocated on first use; the others are
+    allocated at once on helper threads (page-locking hundreds of MiB takes tens of
+    milliseconds), so they are ready when the first slot's copies are issued."""
+
+    def __init__(self, ops, slots: int, nbytes: int, ahead: bool) -> None:
+        self.ops = ops
+        self.nbytes = nbytes
+        self.slots: list = [None] * slots
+        self.errors: list = [None] * slots
+        self.helpers: list[Optional[threading.Thread]] = [None] * slots
+        if ahead:
+            for s in range(1, slots):
+                t = threading.Thread(target=self._allocate, args=(s,), name="engine-staging", daemon=True)
+                t.start()
+                self.helpers[s] = t
+
+    def _allocate(self, s: int) -> None:
+        try:
+            self.ops.bind_thread()
+            self.slots[s] = self.ops.alloc_staging(self.nbytes)
+        except BaseException as exc:  # re-raised when the slot is asked for
+            self.errors[s] = exc
+
+    def slot(self, s: int):
+        helper = self.helpers[s]
+        if helper is not None:
+            helper.join()
+            self.helpers[s] = None
+            if self.errors[s] is not None:
+                raise self.errors[s]
+        if self.slots[s] is None:
+            self.slots[s] = self.ops.alloc_staging(self.nbytes)
+        return self.slots[s]
+
+    def free(self) -> None:
+        for helper in self.helpers:
+            if helper is not None:
+                helper.join()
+        free = getattr(self.ops, "free_staging", None)
+        for slot in self.slots:
+            if slot is not None and free is not None:
+                free(slot[0])
+        self.slots = [None] * len(self.slots)
+
+
 def _resident(mapping: memoryview, offset: int, nbytes: int) -> bool:
     from . import _io
 
@@ -628,7 +675,11 @@ class _DeviceLoad:
                     else:
                         copy_only.append(u)
             self.maps = maps
-            self.queue = _Queue(copy_only, shared, self.cancel, copy_shares=self.gpu_path != "register")
+            copy_shares = self.gpu_path != "register"
+            self.queue = _Queue(copy_only, shared, self.cancel, copy_shares=copy_shares)
+            # slots beyond the first are worth page-locking ahead only if the copy path
+            # may take more than one unit
+            self.copy_units = len(copy_only) + (len(shared) if copy_shares else 0)
             jobs = [self._copy_path]
             if shared:
                 self.queue.register_active = True
@@ -683,7 +734,7 @@ class _DeviceLoad:
         ops, queue = self.ops, self.queue
         ops.bind_thread()
         stream = ops.new_stream()
-        ring: list = [None] * self.slots
+        ring = _Ring(ops, self.slots, self.slot_bytes, ahead=self.copy_units > 1)
         in_flight: list = [None] * self.slots  # (event, landed parts) per slot
         k = 0
         try:
@@ -696,9 +747,7 @@ class _DeviceLoad:
                     ops.wait(event)
                     in_flight[s] = None
                     self.tracker.landed(parts)
-                if ring[s] is None:  # allocated on first use: the next slot's page-locking
-                    ring[s] = ops.alloc_staging(self.slot_bytes)  # overlaps the first copies
-                handle, view = ring[s]
+                handle, view = ring.slot(s)
                 self._read_unit(unit, view)
                 src = self.sources[unit.source]
                 targets = self.dest.device_targets
@@ -715,10 +764,7 @@ class _DeviceLoad:
                     ops.wait(item[0])
                     if not self.cancel.is_set():
                         self.tracker.landed(item[1])
-            free = getattr(ops, "free_staging", None)
-            for slot in ring:
-                if slot is not None and free is not None:
-                    free(slot[0])
+            ring.free()
 
     def _read_unit(self, unit: _Unit, view: memoryview) -> None:
         src = self.sources[unit.source]

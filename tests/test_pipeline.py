@@ -715,3 +715,23 @@ def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, mon
     _device_load(layout, emu, gpu_path="copy", slots=2, slot_bytes=1 << 20)
     emu.assert_clean()
     assert len(overlapped) > 3 and any(overlapped[1:])
+
+
+def test_a_staging_slot_that_cannot_be_allocated_fails_the_load_and_frees_the_others(layout):
+    emu = EmulatedDevice()
+    real = emu.alloc_staging
+    calls = [0]
+
+    def alloc(nbytes):
+        with emu.lock:
+            calls[0] += 1
+            n = calls[0]
+        if n == 2:  # the slot page-locked ahead on a helper thread
+            raise DeviceError("out of page-locked memory")
+        return real(nbytes)
+
+    emu.alloc_staging = alloc
+    with pytest.raises(DeviceError, match="page-locked"):
+        _device_load(layout, emu, gpu_path="copy", slots=3, slot_bytes=1 << 20)
+    assert calls[0] == 3
+    emu.assert_clean()

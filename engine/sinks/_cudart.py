@@ -144,8 +144,8 @@ class PinnedBlock:
     def __init__(self, nbytes: int) -> None:
         import mmap
 
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self.block = mmap.mmap(-1, max(1, nbytes), flags=flags)
+        # not populated first: page-locking faults the pages in itself, in one pass
+        self.block = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self.block)[:nbytes]
         self.addr = address_of(memoryview(self.block))
         rt = runtime()
