@@ -4,6 +4,7 @@ at all, errors are cleared, and engine-locked blocks are unlocked when released.
 from __future__ import annotations
 
 import mmap
+import os
 
 import pytest
 
@@ -15,10 +16,14 @@ class FakeRuntime:
         self.fail = fail
         self.locked: dict[int, tuple[int, int]] = {}
         self.cleared = 0
+        self.flags_seen: set[int] = set()
 
     def register(self, addr, nbytes, flags):
         if self.fail:
             return 1  # cudaErrorInvalidValue
+        if any(a < addr + nbytes and addr < a + n for a, (n, _) in self.locked.items()):
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.flags_seen.add(flags)
         self.locked[addr] = (nbytes, flags)
         return 0
 
@@ -91,3 +96,49 @@ def test_no_runtime_without_cuda():
     _cudart.runtime.cache_clear()
     assert _cudart._loaded_cudart_path() is None
     assert _cudart.runtime() is None
+
+
+# -- the torch ops over the runtime, with the CUDA calls stubbed ------------------------------------
+
+
+def test_torch_cuda_ops_drive_both_paths_with_cuda_stubbed(tmp_path, monkeypatch):
+    """TorchCudaOps on CPU tensors: streams, events and the device stubbed, page-locking by
+    a fake runtime.  Checks the torch side (tensors over the staging block and over the
+    read-only mapping, slicing, copy_) and that every lock is undone."""
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    import numpy as np
+
+    from engine import pipeline
+    from engine.plan import plan_reads
+    from engine.sinks import torch as torch_sink
+
+    fake = FakeRuntime()
+    monkeypatch.setattr(_cudart, "runtime", lambda: _runtime(fake))
+    ops = torch_sink.TorchCudaOps(torch.device("cpu"))
+    monkeypatch.setattr(ops, "bind_thread", lambda: None)
+    monkeypatch.setattr(ops, "new_stream", lambda: None)  # torch.cuda.stream(None) is a no-op
+    monkeypatch.setattr(ops, "record", lambda stream: None)
+    monkeypatch.setattr(ops, "wait", lambda event: None)
+
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 3_000_000, dtype=np.uint8)
+    path = tmp_path / "w.bin"
+    path.write_bytes(data.tobytes())
+    sizes = [0, 700_000, 1, 1_200_000, 99_999, 900_000]
+    ends = np.cumsum(sizes)
+    begins = ends - np.array(sizes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for gpu_path in ("copy", "register", "auto"):
+            dst = {r: torch.zeros(n, dtype=torch.uint8) for r, n in enumerate(sizes)}
+            pipeline.run(fd, plan_reads(begins, ends, range(len(sizes)), 17, 1 << 18),
+                         pipeline.Destination(device_targets=dst, device_ops=ops),
+                         path=str(path), slot_bytes=1 << 19, gpu_path=gpu_path,
+                         residency=lambda m, o, n: True)
+            for r, n in enumerate(sizes):
+                b = 17 + int(begins[r])
+                assert bytes(dst[r].numpy()) == data[b : b + n].tobytes(), (gpu_path, r)
+            assert not fake.locked, gpu_path  # staging and mapping ranges all unlocked
+    finally:
+        os.close(fd)
+    assert fake.flags_seen == {_cudart.HOST_REGISTER_DEFAULT, _cudart.HOST_REGISTER_READ_ONLY}
