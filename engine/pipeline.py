@@ -275,7 +275,8 @@ def run_sources(
         for callers written for the earlier per-request ring).
     slot_bytes : int, optional
         Bytes per staging slot and per register unit (default :func:`default_slot_bytes`,
-        never more than the load rounded up to a page).
+        or a 16th of the load when that is smaller, with a 64 MiB floor; never more than
+        the load rounded up to a page).
     gpu_path : {"auto", "copy", "register"}, default "auto"
         Device destinations: both paths, the copy path alone, or the register path alone
         (units it cannot page-lock still go through the copy path).  ``"auto"`` sends only
@@ -647,7 +648,12 @@ class _DeviceLoad:
         self.fill = fill
         self.residency = residency or _resident
         total = sum(r.nbytes for s in sources for r in s.requests)
-        want = slot_bytes or default_slot_bytes()
+        if slot_bytes:
+            want = slot_bytes
+        else:
+            # by default at least 16 units per load (a 64 MiB floor): smaller slots for a
+            # smaller load are page-locked sooner, and the two paths share more units
+            want = min(default_slot_bytes(), max(64 << 20, -(-total // (16 * _PAGE)) * _PAGE))
         # never a slot larger than the load (rounded up to a page); a fill hook sees whole
         # requests, so then a slot holds at least the largest one
         self.slot_bytes = max(1, min(want, -(-max(total, 1) // _PAGE) * _PAGE))

@@ -735,3 +735,13 @@ def test_a_staging_slot_that_cannot_be_allocated_fails_the_load_and_frees_the_ot
         _device_load(layout, emu, gpu_path="copy", slots=3, slot_bytes=1 << 20)
     assert calls[0] == 3
     emu.assert_clean()
+
+
+def test_default_slots_are_never_larger_than_the_load(layout):
+    _, _, begins, ends, _ = layout
+    total = int(ends[-1])
+    emu = EmulatedDevice()
+    _device_load(layout, emu, gpu_path="copy", residency=_all_resident)
+    emu.assert_clean()
+    page = mmap.PAGESIZE
+    assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page)
