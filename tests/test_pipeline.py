@@ -741,7 +741,7 @@ def test_default_slots_are_never_larger_than_the_load(layout):
     _, _, begins, ends, _ = layout
     total = int(ends[-1])
     emu = EmulatedDevice()
-    _device_load(layout, emu, gpu_path="copy", residency=_all_resident)
+    _device_load(layout, emu, slot_bytes=None, gpu_path="copy", residency=_all_resident)
     emu.assert_clean()
     page = mmap.PAGESIZE
     assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page)
