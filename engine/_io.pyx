@@ -68,8 +68,21 @@ from libc.string cimport memset
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef unsigned long pthread_t
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
     int pthread_create(pthread_t* thread, const void* attr, void* (*start)(void*) noexcept nogil, void* arg)
     int pthread_join(pthread_t thread, void** retval)
+    int pthread_mutex_init(pthread_mutex_t* m, const void* attr)
+    int pthread_mutex_destroy(pthread_mutex_t* m)
+    int pthread_mutex_lock(pthread_mutex_t* m)
+    int pthread_mutex_unlock(pthread_mutex_t* m)
+    int pthread_cond_init(pthread_cond_t* c, const void* attr)
+    int pthread_cond_destroy(pthread_cond_t* c)
+    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
+    int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_cond_signal(pthread_cond_t* c)
 
 cdef extern from "<sys/mman.h>" nogil:
     int mincore(void* addr, size_t length, unsigned char* vec)
@@ -132,24 +145,10 @@ cdef void* _read_part(void* arg) noexcept nogil:
     return NULL
 
 
-def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
-                const int64_t[::1] sizes, int threads, int64_t align=65536):
-    """Read segment ``i`` (``sizes[i]`` bytes at file offset ``file_offsets[i]``) into
-    ``dst[dst_offsets[i]:]``, the total split into ``threads`` equal byte ranges (cut at
-    multiples of ``align``) read by as many native threads at once.
-
-    Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
-    bytes missing)`` of the failure lowest in the concatenation of the segments.  The GIL is
-    released for the whole call; no thread outlives it.
-    """
-    cdef Py_ssize_t n = sizes.shape[0], i, k
-    cdef int64_t total = 0, step, cut
-    cdef int64_t* starts = NULL
-    cdef _Part* parts = NULL
-    cdef pthread_t* tids = NULL
-    cdef char* started = NULL
-    cdef uint8_t* out = NULL
-    cdef int nthreads
+cdef int _check_segments(uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
+                         const int64_t[::1] sizes, int64_t* total) except -1:
+    cdef Py_ssize_t n = sizes.shape[0], i
+    total[0] = 0
     if file_offsets.shape[0] != n or dst_offsets.shape[0] != n:
         raise ValueError("file_offsets, dst_offsets and sizes differ in length")
     for i in range(n):
@@ -157,19 +156,72 @@ def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const
             raise ValueError("negative offset or size")
         if dst_offsets[i] + sizes[i] > dst.shape[0]:
             raise ValueError("destination too small for the segments")
-        total += sizes[i]
+        total[0] += sizes[i]
+    return 0
+
+
+cdef int _plan_parts(_Part* parts, int nparts, int fd, uint8_t* out, const int64_t* file_offsets,
+                     const int64_t* dst_offsets, const int64_t* sizes, int64_t* starts, Py_ssize_t n,
+                     int64_t total, int64_t align) noexcept nogil:
+    """Equal shares of the concatenated segments, each cut rounded down to ``align``."""
+    cdef Py_ssize_t i
+    cdef int k
+    cdef int64_t step = total // nparts, cut
+    starts[0] = 0
+    for i in range(1, n):
+        starts[i] = starts[i - 1] + sizes[i - 1]
+    for k in range(nparts):
+        memset(&parts[k], 0, sizeof(_Part))
+        parts[k].fd = fd
+        parts[k].dst = out
+        parts[k].file_off = file_offsets
+        parts[k].dst_off = dst_offsets
+        parts[k].sizes = sizes
+        parts[k].starts = starts
+        parts[k].nseg = n
+        cut = (step * k) // align * align
+        parts[k].lo = cut
+        if k > 0:
+            parts[k - 1].hi = cut
+    parts[nparts - 1].hi = total
+    return 0
+
+
+cdef int _share_count(int threads, int64_t total, int64_t align) noexcept nogil:
+    cdef int n = threads
+    if n > _MAX_SPLIT_THREADS:
+        n = _MAX_SPLIT_THREADS
+    if n < 1:
+        n = 1
+    if n > (total + align - 1) // align:
+        n = <int>((total + align - 1) // align)
+    return n
+
+
+def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
+                const int64_t[::1] sizes, int threads, int64_t align=65536):
+    """Read segment ``i`` (``sizes[i]`` bytes at file offset ``file_offsets[i]``) into
+    ``dst[dst_offsets[i]:]``, the total split into ``threads`` equal byte ranges (cut at
+    multiples of ``align``) read by as many native threads at once, started and joined in
+    this call (:class:`SplitReader` keeps its threads between calls).
+
+    Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
+    bytes missing)`` of the failure lowest in the concatenation of the segments.  The GIL is
+    released for the whole call; no thread outlives it.
+    """
+    cdef Py_ssize_t n = sizes.shape[0]
+    cdef int64_t total = 0
+    cdef int64_t* starts = NULL
+    cdef _Part* parts = NULL
+    cdef pthread_t* tids = NULL
+    cdef char* started = NULL
+    cdef int nthreads, k
+    _check_segments(dst, file_offsets, dst_offsets, sizes, &total)
     if total == 0:
         return (0, 0, 0)
     if align < 1:
         align = 1
-    nthreads = threads
-    if nthreads > _MAX_SPLIT_THREADS:
-        nthreads = _MAX_SPLIT_THREADS
-    if nthreads < 1:
-        nthreads = 1
-    if nthreads > (total + align - 1) // align:
-        nthreads = <int>((total + align - 1) // align)
-    out = &dst[0]
+    nthreads = _share_count(threads, total, align)
     starts = <int64_t*>calloc(n, sizeof(int64_t))
     parts = <_Part*>calloc(nthreads, sizeof(_Part))
     tids = <pthread_t*>calloc(nthreads, sizeof(pthread_t))
@@ -178,24 +230,9 @@ def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const
         free(starts); free(parts); free(tids); free(started)
         raise MemoryError()
     try:
-        for i in range(1, n):
-            starts[i] = starts[i - 1] + sizes[i - 1]
-        # equal shares, each cut rounded to a multiple of align
-        step = total // nthreads
-        for k in range(nthreads):
-            parts[k].fd = fd
-            parts[k].dst = out
-            parts[k].file_off = &file_offsets[0]
-            parts[k].dst_off = &dst_offsets[0]
-            parts[k].sizes = &sizes[0]
-            parts[k].starts = starts
-            parts[k].nseg = n
-            cut = (step * k) // align * align
-            parts[k].lo = cut
-            if k > 0:
-                parts[k - 1].hi = cut
-        parts[nthreads - 1].hi = total
         with nogil:
+            _plan_parts(parts, nthreads, fd, &dst[0], &file_offsets[0], &dst_offsets[0], &sizes[0], starts, n,
+                        total, align)
             for k in range(1, nthreads):
                 if pthread_create(&tids[k], NULL, _read_part, &parts[k]) == 0:
                     started[k] = 1
@@ -211,6 +248,170 @@ def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const
         return (0, 0, 0)
     finally:
         free(starts); free(parts); free(tids); free(started)
+
+
+# A pool of native threads kept for the length of a load: each read wakes them instead of
+# starting new ones (a staging slot is read dozens of times per load).
+
+cdef struct _PoolState:
+    pthread_mutex_t lock
+    pthread_cond_t go
+    pthread_cond_t done
+    _Part* parts          # the current read's shares; worker i reads share i (the caller share 0)
+    int nparts
+    long generation       # bumped for each read
+    int remaining         # worker shares of the current read not finished yet
+    int stop
+
+
+cdef struct _WorkerArg:
+    _PoolState* st
+    int index
+
+
+cdef void* _pool_worker(void* arg) noexcept nogil:
+    cdef _WorkerArg* w = <_WorkerArg*>arg
+    cdef _PoolState* st = w.st
+    cdef long seen = 0
+    cdef _Part* part
+    while True:
+        pthread_mutex_lock(&st.lock)
+        while st.generation == seen and not st.stop:
+            pthread_cond_wait(&st.go, &st.lock)
+        if st.stop:
+            pthread_mutex_unlock(&st.lock)
+            return NULL
+        seen = st.generation
+        part = &st.parts[w.index] if w.index < st.nparts else NULL
+        pthread_mutex_unlock(&st.lock)
+        if part != NULL:
+            _read_part(part)
+            pthread_mutex_lock(&st.lock)
+            st.remaining -= 1
+            if st.remaining == 0:
+                pthread_cond_signal(&st.done)
+            pthread_mutex_unlock(&st.lock)
+
+
+cdef class SplitReader:
+    """:func:`pread_split` on threads started once: ``threads - 1`` native workers plus the
+    calling thread.  One read at a time; :meth:`close` (or the end of a ``with`` block)
+    stops and joins the workers."""
+
+    cdef _PoolState* st
+    cdef _WorkerArg* args
+    cdef pthread_t* tids
+    cdef int nworkers
+    cdef bint busy
+
+    def __cinit__(self, int threads):
+        cdef int k, want = threads - 1
+        if want > _MAX_SPLIT_THREADS - 1:
+            want = _MAX_SPLIT_THREADS - 1
+        if want < 0:
+            want = 0
+        self.st = <_PoolState*>calloc(1, sizeof(_PoolState))
+        self.args = <_WorkerArg*>calloc(want + 1, sizeof(_WorkerArg))
+        self.tids = <pthread_t*>calloc(want + 1, sizeof(pthread_t))
+        if self.st == NULL or self.args == NULL or self.tids == NULL:
+            free(self.st); free(self.args); free(self.tids)
+            self.st = NULL
+            raise MemoryError()
+        pthread_mutex_init(&self.st.lock, NULL)
+        pthread_cond_init(&self.st.go, NULL)
+        pthread_cond_init(&self.st.done, NULL)
+        self.nworkers = 0
+        for k in range(want):
+            self.args[self.nworkers + 1].st = self.st
+            self.args[self.nworkers + 1].index = self.nworkers + 1
+            if pthread_create(&self.tids[self.nworkers + 1], NULL, _pool_worker, &self.args[self.nworkers + 1]) == 0:
+                self.nworkers += 1
+
+    @property
+    def threads(self) -> int:
+        """Threads that share each read (the workers that started, plus the caller)."""
+        return self.nworkers + 1
+
+    def read(self, int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
+             const int64_t[::1] sizes, int64_t align=65536):
+        """As :func:`pread_split` with this reader's threads; same return value."""
+        cdef Py_ssize_t n = sizes.shape[0]
+        cdef int64_t total = 0
+        cdef int64_t* starts = NULL
+        cdef _Part* parts = NULL
+        cdef int nparts, k
+        cdef _PoolState* st = self.st
+        if st == NULL:
+            raise ValueError("the reader is closed")
+        if self.busy:
+            raise RuntimeError("one read at a time per SplitReader")
+        self.busy = True
+        try:
+            _check_segments(dst, file_offsets, dst_offsets, sizes, &total)
+            if total == 0:
+                return (0, 0, 0)
+            if align < 1:
+                align = 1
+            nparts = _share_count(self.nworkers + 1, total, align)
+            starts = <int64_t*>calloc(n, sizeof(int64_t))
+            parts = <_Part*>calloc(nparts, sizeof(_Part))
+            if starts == NULL or parts == NULL:
+                raise MemoryError()
+            with nogil:
+                _plan_parts(parts, nparts, fd, &dst[0], &file_offsets[0], &dst_offsets[0], &sizes[0], starts, n,
+                            total, align)
+                pthread_mutex_lock(&st.lock)
+                st.parts = parts
+                st.nparts = nparts
+                st.remaining = nparts - 1
+                st.generation += 1
+                pthread_cond_broadcast(&st.go)
+                pthread_mutex_unlock(&st.lock)
+                _read_part(&parts[0])
+                pthread_mutex_lock(&st.lock)
+                while st.remaining > 0:
+                    pthread_cond_wait(&st.done, &st.lock)
+                st.parts = NULL
+                st.nparts = 0
+                pthread_mutex_unlock(&st.lock)
+            for k in range(nparts):
+                if parts[k].err:
+                    return (parts[k].err, parts[k].at, parts[k].missing)
+            return (0, 0, 0)
+        finally:
+            self.busy = False
+            free(starts); free(parts)
+
+    def close(self) -> None:
+        """Stop and join the workers (idempotent)."""
+        cdef int k
+        cdef _PoolState* st = self.st
+        if st == NULL:
+            return
+        with nogil:
+            pthread_mutex_lock(&st.lock)
+            st.stop = 1
+            pthread_cond_broadcast(&st.go)
+            pthread_mutex_unlock(&st.lock)
+            for k in range(1, self.nworkers + 1):
+                pthread_join(self.tids[k], NULL)
+        pthread_cond_destroy(&st.go)
+        pthread_cond_destroy(&st.done)
+        pthread_mutex_destroy(&st.lock)
+        free(st); free(self.args); free(self.tids)
+        self.st = NULL
+        self.args = NULL
+        self.tids = NULL
+        self.nworkers = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __dealloc__(self):
+        self.close()
 
 
 def resident_pages(const uint8_t[::1] region):

@@ -9,8 +9,9 @@ Device destinations (CUDA) are fed by two paths at once, on disjoint parts of th
 
 *copy path*
     Large pinned staging slots (hundreds of MiB, :func:`default_slot_bytes`).  Each slot is
-    filled by one native call that splits it over every core (``engine._io.pread_split``,
-    GIL released, ``pread`` so that a truncated file is an error and never a SIGBUS); its
+    filled by one native call that splits it over every core (``engine._io.SplitReader``:
+    native threads started once per load, GIL released, ``pread`` so that a truncated file
+    is an error and never a SIGBUS); its
     host-to-device copies are then issued on the path's stream and the next slot is filled
     while they run.  Three passes over host memory per byte (page cache read, slot write,
     DMA read).
@@ -742,6 +743,11 @@ class _DeviceLoad:
         stream = ops.new_stream()
         ring = _Ring(ops, self.slots, self.slot_bytes, ahead=self.copy_units > 1)
         in_flight: list = [None] * self.slots  # (event, landed parts) per slot
+        reader = None
+        if self.fill is None:
+            from . import _io
+
+            reader = _io.SplitReader(self.threads)  # native threads for the whole load
         k = 0
         try:
             while (unit := queue.take_copy()) is not None:
@@ -754,7 +760,7 @@ class _DeviceLoad:
                     in_flight[s] = None
                     self.tracker.landed(parts)
                 handle, view = ring.slot(s)
-                self._read_unit(unit, view)
+                self._read_unit(unit, view, reader)
                 src = self.sources[unit.source]
                 targets = self.dest.device_targets
                 parts = []
@@ -771,8 +777,10 @@ class _DeviceLoad:
                     if not self.cancel.is_set():
                         self.tracker.landed(item[1])
             ring.free()
+            if reader is not None:
+                reader.close()
 
-    def _read_unit(self, unit: _Unit, view: memoryview) -> None:
+    def _read_unit(self, unit: _Unit, view: memoryview, reader) -> None:
         src = self.sources[unit.source]
         if self.fill is not None:
             fill, reqs = self.fill, unit.requests
@@ -786,14 +794,13 @@ class _DeviceLoad:
             bounds = [len(reqs) * i // n for i in range(n + 1)]
             run_threads([functools.partial(part, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
             return
-        from . import _io
-
         reqs = unit.requests
         file_offsets = np.fromiter((r.offset for r in reqs), np.int64, len(reqs))
         sizes = np.fromiter((r.nbytes for r in reqs), np.int64, len(reqs))
         slot_offsets = np.asarray(unit.slot_offsets, dtype=np.int64)
         out = np.frombuffer(view, np.uint8)
-        err, at, missing = _io.pread_split(src.fd, out, file_offsets, slot_offsets, sizes, self.threads)
+        # one native call: the unit's bytes split evenly over the reader's threads, GIL released
+        err, at, missing = reader.read(src.fd, out, file_offsets, slot_offsets, sizes)
         if err == -1:
             raise ReadError(
                 f"file ended at offset {at} with {missing} bytes of the load still to read there"

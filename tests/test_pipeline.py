@@ -481,9 +481,21 @@ def test_a_file_shorter_than_its_plan_never_registers_past_its_end(copy_of_layou
     emu.assert_clean()
 
 
+def _os_threads(until: int = 1 << 30) -> int:
+    """Threads of this process, native ones included; waits up to 2 s for the count to come
+    down to ``until`` (a joined Python thread may take a moment to leave the kernel's list)."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        n = len(os.listdir("/proc/self/task"))
+        if n <= until or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("gpu_path", ["auto", "copy", "register"])
 def test_cancel_of_a_device_load_unregisters_and_frees_everything(layout, gpu_path):
     fd, path, begins, ends, _ = layout
+    before = _os_threads()
     emu = EmulatedDevice()
     cancel = threading.Event()
     done = []
@@ -504,6 +516,7 @@ def test_cancel_of_a_device_load_unregisters_and_frees_everything(layout, gpu_pa
             emu.close()
     assert len(done) < 38
     emu.assert_clean()
+    assert _os_threads(until=before) == before  # the native reader's threads were joined too
 
 
 def test_a_failing_device_copy_still_unregisters_and_frees(layout):
@@ -704,14 +717,21 @@ def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, mon
         return ev
 
     overlapped = []
-    real_read = _io.pread_split
+    real_reader = _io.SplitReader
 
-    def read(*args):
-        overlapped.append(any(not ev.is_set() for ev in events))
-        return real_read(*args)
+    class Reader:  # the native reader, noting whether a copy was pending at each read
+        def __init__(self, threads):
+            self.inner = real_reader(threads)
+
+        def read(self, *args):
+            overlapped.append(any(not ev.is_set() for ev in events))
+            return self.inner.read(*args)
+
+        def close(self):
+            self.inner.close()
 
     emu.record = record
-    monkeypatch.setattr(_io, "pread_split", read)
+    monkeypatch.setattr(_io, "SplitReader", Reader)
     _device_load(layout, emu, gpu_path="copy", slots=2, slot_bytes=1 << 20)
     emu.assert_clean()
     assert len(overlapped) > 3 and any(overlapped[1:])
@@ -745,3 +765,69 @@ def test_default_slots_are_never_larger_than_the_load(layout):
     emu.assert_clean()
     page = mmap.PAGESIZE
     assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page)
+
+
+def test_split_reader_keeps_its_threads_between_reads_and_matches_pread_split(layout):
+    from engine import _io
+
+    fd, _, _, _, data = layout
+    rng = np.random.default_rng(3)
+    with _io.SplitReader(5) as reader:
+        assert reader.threads == 5
+        for _ in range(200):
+            n = int(rng.integers(1, 6))
+            sizes = rng.integers(0, 200_000, n).astype(np.int64)
+            file_offsets = rng.integers(0, len(data) - 200_000, n).astype(np.int64)
+            dst_offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            a = np.zeros(int(sizes.sum()) + 1, np.uint8)
+            b = np.zeros_like(a)
+            align = int(rng.choice([1, 64, 4096]))
+            assert reader.read(fd, a, file_offsets, dst_offsets, sizes, align) == (0, 0, 0)
+            assert _io.pread_split(fd, b, file_offsets, dst_offsets, sizes, 3, align) == (0, 0, 0)
+            assert (a == b).all()
+        end = len(data)
+        err, at, _ = reader.read(fd, np.zeros(1 << 20, np.uint8), np.array([end - 1000], np.int64),
+                                 np.array([0], np.int64), np.array([1 << 20], np.int64))
+        assert (err, at) == (-1, end)
+    with pytest.raises(ValueError, match="closed"):
+        reader.read(fd, np.zeros(8, np.uint8), np.array([0], np.int64), np.array([0], np.int64),
+                    np.array([8], np.int64))
+    reader.close()  # again: harmless
+
+
+def test_split_reader_releases_the_gil(layout):
+    import sys
+
+    from engine import _io
+
+    fd, _, _, _, data = layout
+    n = len(data) // 4096
+    file_offsets = np.zeros(n * 8, dtype=np.int64)
+    sizes = np.full(n * 8, 4096, dtype=np.int64)
+    dst_offsets = np.zeros(n * 8, dtype=np.int64)
+    out = np.zeros(4096, np.uint8)
+    ticks = [0]
+    started, stop = threading.Event(), threading.Event()
+
+    def spin():
+        started.set()
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(100)
+    t = threading.Thread(target=spin)
+    try:
+        with _io.SplitReader(2) as reader:
+            t.start()
+            started.wait()
+            before = ticks[0]
+            for _ in range(20):
+                assert reader.read(fd, out, file_offsets, dst_offsets, sizes)[0] == 0
+            during = ticks[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        t.join()
+    assert during > 100
