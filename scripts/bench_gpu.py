@@ -316,16 +316,18 @@ def _limit_page_cache_to_pinned(threads: int):
         out.fill(0)
         fds = [os.open(f, os.O_RDONLY) for f in files]
         total = 0
+        reader = _io.SplitReader(threads)  # the engine's copy path, without the DMA
         t0 = time.perf_counter()
         for fd in fds:
             size = os.fstat(fd).st_size
             for off in range(0, size, slot):
                 n = min(slot, size - off)
-                err, _, _ = _io.pread_split(fd, out, np.array([off], np.int64), np.array([0], np.int64),
-                                            np.array([n], np.int64), threads)
+                err, _, _ = reader.read(fd, out, np.array([off], np.int64), np.array([0], np.int64),
+                                        np.array([n], np.int64))
                 assert err == 0
                 total += n
         seconds = time.perf_counter() - t0
+        reader.close()
         for fd in fds:
             os.close(fd)
         return total, seconds
