@@ -17,8 +17,10 @@ from .errors import (
     ReadError,
     SafetensorError,
     SerializationError,
+    SharedTensorsError,
     TensorMismatchError,
     TensorNotFoundError,
+    UnrepresentableTensorError,
     WriteError,
 )
 
@@ -62,8 +64,10 @@ __all__ = [
     "ReadError",
     "SafetensorError",
     "SerializationError",
+    "SharedTensorsError",
     "TensorMismatchError",
     "TensorNotFoundError",
+    "UnrepresentableTensorError",
     "WriteError",
     *_LAZY,
 ]

@@ -21,7 +21,7 @@ import os
 from typing import Any, Optional
 
 from . import dtypes
-from .errors import SafetensorError, TensorNotFoundError
+from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .loader import load_rows
 from .plan import InvalidSliceError, plan_slice
@@ -185,10 +185,14 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         names = t.names
         sink = self._sink
         if self._backend == "mmap" and not sink.on_device:
-            return views(sink, self._mapping(), self.header, rows, self.header.data_start)
-        # owned memory and devices: the threaded pipeline, never a mapping
-        got = load_rows(fd, self.header, rows, sink, path=self._path)
-        return {names[r]: got[r] for r in rows}
+            out = views(sink, self._mapping(), self.header, rows, self.header.data_start, path=self._path)
+        else:
+            # owned memory and CUDA: the threaded pipeline, never a mapping
+            got = load_rows(fd, self.header, rows, sink, path=self._path)
+            out = {names[r]: got[r] for r in rows}
+        if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
+            out = {name: sink.to_device(x) for name, x in out.items()}
+        return out
 
     def _read_slice(self, row: int, index):
         t = self.header.table
@@ -231,17 +235,25 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         return f"<engine.safe_open {self._path!r} {self._sink.name} {self._backend} ({state})>"
 
 
-def views(sink, base, header: Header, rows, data_start: int) -> dict:
+def views(sink, base, header: Header, rows, data_start: int, path=None) -> dict:
     """Tensors of ``rows`` as zero-copy views of ``base``, whose byte ``data_start`` is the
     first byte of the data region (a mapped file, the bytes of a whole file, or a copy of its
-    data region); keyed by name, in the order of ``rows``."""
+    data region); keyed by name, in the order of ``rows``.
+
+    Raises ``UnrepresentableTensorError`` naming the tensor (and ``path``) for a valid
+    entry the framework cannot build."""
     t = header.table
     names, codes, shapes, begins, ends = t.names, t.codes, t.shapes, t.begins, t.ends
     view = sink.view
     out = {}
     for r in rows:
         b = int(begins[r])
-        out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
+        try:
+            out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
+        except UnrepresentableTensorError as err:
+            raise UnrepresentableTensorError(
+                f"tensor {names[r]!r}: {err.message}", reason=err.reason, path=path, tensors=(names[r],)
+            ) from None
     return out
 
 

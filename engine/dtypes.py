@@ -20,6 +20,7 @@ from .errors import MissingDependencyError, SerializationError
 
 __all__ = [
     "DType",
+    "shape_text",
     "DTYPES",
     "BY_NAME",
     "NAMES",
@@ -185,3 +186,11 @@ def packed_shape(code: int, shape: tuple[int, ...], nbytes: int) -> tuple[int, .
     if shape and (shape[-1] * d.bits) % 8 == 0:
         return shape[:-1] + (shape[-1] * d.bits // 8,)
     return (nbytes,)
+
+
+def shape_text(shape) -> str:
+    """A shape for messages: ``[4096, 11008]``, or its rank and ends when it is long."""
+    dims = list(shape)
+    if len(dims) <= 8:
+        return str(dims)
+    return f"rank-{len(dims)} [{dims[0]}, {dims[1]}, ..., {dims[-1]}]"

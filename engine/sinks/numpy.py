@@ -7,6 +7,7 @@ import mmap
 import numpy as np
 
 from .. import dtypes
+from ..errors import UnrepresentableTensorError
 
 
 class NumpySink:
@@ -20,8 +21,14 @@ class NumpySink:
 
     def view(self, base, code: int, shape: tuple, offset: int, nbytes: int) -> np.ndarray:
         """Zero-copy read-only array over ``nbytes`` at absolute ``offset`` of the mapping."""
-        arr = np.ndarray(dtypes.packed_shape(code, shape, nbytes), dtypes.numpy_dtype(code), buffer=base, offset=offset)
-        return arr
+        shape = dtypes.packed_shape(code, shape, nbytes)
+        try:
+            return np.ndarray(shape, dtypes.numpy_dtype(code), buffer=base, offset=offset)
+        except (ValueError, OverflowError) as exc:
+            # rank above numpy's limit, dimensions past 63 bits, or more bytes than it can index
+            raise UnrepresentableTensorError(
+                f"numpy cannot build an array of shape {dtypes.shape_text(shape)}: {exc}", reason="UnrepresentableShape"
+            ) from None
 
     def allocate(self, specs, file_begins):
         """Owned arrays for ``specs`` = [(row, code, shape, nbytes)], views of one block.
