@@ -16,8 +16,10 @@ tensors through one of two backends:
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
+import tempfile
 from typing import Any, Optional
 
 from . import dtypes
@@ -28,7 +30,7 @@ from .plan import InvalidSliceError, plan_slice
 from .reader import default_threads, pread_runs
 from .sinks import get_sink
 
-__all__ = ["safe_open", "TensorSlice"]
+__all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
 
 _BACKENDS = ("mmap", "pread")
 # below this a slice is read on the calling thread: threads cost more than they save
@@ -41,8 +43,8 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     Parameters
     ----------
     filename : str or os.PathLike
-        The file; or a ``model.safetensors.index.json``, or a directory holding a checkpoint,
-        which opens as an :class:`engine.checkpoint.Checkpoint` with the same methods.
+        The file.  (``engine.safe_open`` also opens a ``model.safetensors.index.json`` or a
+        directory holding a checkpoint, as an :class:`engine.checkpoint.Checkpoint`.)
     framework : {"np", "numpy", "pt", "torch"}
         Kind of tensors handed out.
     device : str, int or torch.device, default "cpu"
@@ -73,16 +75,6 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     ...     w = f.get_slice("lm_head.weight")[:, :1024]
     """
 
-    def __new__(cls, filename, *args, **kwargs):
-        # an index or a directory is one logical checkpoint over several files
-        if cls is safe_open:
-            path = os.fspath(filename)
-            if path.endswith(".json") or os.path.isdir(path):
-                from .checkpoint import Checkpoint
-
-                return Checkpoint(path, *args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(
         self,
         filename,
@@ -92,18 +84,24 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         backend: str = "mmap",
         max_header_size: int = MAX_HEADER_SIZE,
     ) -> None:
-        if backend not in _BACKENDS:
-            raise SafetensorError(f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend")
-        self._sink = get_sink(framework, device)
-        self._path = os.fspath(filename)
-        self._backend = backend
-        self._fd: Optional[int] = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        path = os.fspath(filename)
+        self._setup(path, os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), framework, device, backend,
+                    max_header_size)
+
+    def _setup(self, path: str, fd: int, framework, device, backend: str, max_header_size: int) -> None:
+        """Take ownership of the open ``fd`` (closed on failure) and read its header."""
+        self._fd: Optional[int] = fd
+        self._path = path
         self._base = None
         try:
-            size = os.fstat(self._fd).st_size
-            self.header: Header = read_header_fd(
-                self._fd, path=self._path, file_size=size, max_header_size=max_header_size
-            )
+            if backend not in _BACKENDS:
+                raise SafetensorError(
+                    f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend"
+                )
+            self._sink = get_sink(framework, device)
+            self._backend = backend
+            size = os.fstat(fd).st_size
+            self.header: Header = read_header_fd(fd, path=path, file_size=size, max_header_size=max_header_size)
         except BaseException:
             self.close()
             raise
@@ -142,20 +140,24 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     # -- the reference's API -----------------------------------------------------------
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
+        self._check_open()
         return self.header.keys()
 
     def offset_keys(self) -> list[str]:
         """Tensor names in the order of their bytes in the file."""
+        self._check_open()
         return self.header.offset_keys()
 
     def metadata(self) -> Optional[dict[str, str]]:
         """The ``__metadata__`` mapping, or None when the file has none."""
+        self._check_open()
         md = self.header.metadata
         return dict(md) if md is not None else None
 
     def _row(self, name: str) -> int:
         row = self._index.get(name)
-        if row is None:
+        if row is None or self._fd is None:
+            self._check_open()
             raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
         return row
 
@@ -296,3 +298,67 @@ class TensorSlice:
     def __repr__(self) -> str:
         name = self._handle.header.table.names[self._row]
         return f"<TensorSlice {name!r} {self.get_dtype()}{list(self.shape)}>"
+
+
+class _safe_open_handle(safe_open):  # noqa: N801 - the reference's spelling
+    """:class:`safe_open` over an open file object instead of a path (the reference's API).
+
+    Parameters
+    ----------
+    f : file object
+        A file opened by the caller: a real file (anything with a working ``fileno()``) is
+        read through a duplicate of its descriptor; any other readable object (an fsspec
+        file, ``io.BytesIO``) is read once, from its start, into anonymous memory.
+    framework, device, backend, max_header_size
+        As for :class:`safe_open`.
+
+    Notes
+    -----
+    The caller's file object is neither moved nor closed when it has a descriptor.  Copies
+    of tensor bytes: as :class:`safe_open` for real files; one more (the file into memory)
+    for other objects.
+    """
+
+    def __init__(
+        self,
+        f,
+        framework: str = "numpy",
+        device: Any = "cpu",
+        *,
+        backend: str = "mmap",
+        max_header_size: int = MAX_HEADER_SIZE,
+    ) -> None:
+        name = getattr(f, "name", None)
+        path = os.fspath(name) if isinstance(name, (str, os.PathLike)) else repr(f)
+        self._setup(path, _handle_fd(f), framework, device, backend, max_header_size)
+
+
+def _handle_fd(f) -> int:
+    """A descriptor of our own for the file object ``f`` (see :class:`_safe_open_handle`)."""
+    try:
+        return os.dup(f.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    try:
+        f.seek(0)
+    except (AttributeError, OSError, ValueError):
+        pass
+    data = f.read()
+    if isinstance(data, str):
+        raise SafetensorError("the file object was opened in text mode and has no descriptor; open it with 'rb'",
+                              reason="InvalidFile")
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("safetensors", getattr(os, "MFD_CLOEXEC", 0))
+    else:  # pragma: no cover - not Linux
+        tmp = tempfile.TemporaryFile()
+        fd = os.dup(tmp.fileno())
+        tmp.close()
+    try:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

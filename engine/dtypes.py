@@ -137,16 +137,27 @@ def _torch():
 _TORCH_CACHE: dict = {}
 
 
-def torch_dtype(code: int):
-    """torch dtype for a code; ``torch.uint8`` for packed sub-byte dtypes.
+#: torch's own packed dtypes for sub-byte formats (one element per byte of packed values)
+_TORCH_PACKED = {"F4": "float4_e2m1fn_x2"}
 
+
+def torch_dtype(code: int):
+    """torch dtype for a code.
+
+    Sub-byte dtypes come as torch's packed dtype where it has one (``F4`` as
+    ``float4_e2m1fn_x2``, as the reference hands it out), else as ``torch.uint8`` bytes.
     Raises ``SerializationError`` where this torch build has no such dtype.
     """
     if code in _TORCH_CACHE:
         return _TORCH_CACHE[code]
     torch = _torch()
     d = DTYPES[code]
-    attr = "uint8" if d.sub_byte else d.torch
+    if d.sub_byte:
+        attr = _TORCH_PACKED.get(d.name, "uint8")
+        if getattr(torch, attr, None) is None:
+            attr = "uint8"
+    else:
+        attr = d.torch
     tdt = getattr(torch, attr, None) if attr else None
     if tdt is None:
         raise SerializationError(f"this torch build has no dtype for {d.name}", reason="InvalidDtype")
@@ -161,9 +172,10 @@ def from_torch(dtype) -> int:
         for d in DTYPES:
             if d.torch and getattr(torch, d.torch, None) is not None:
                 _TORCH_REVERSE[getattr(torch, d.torch)] = d.code
-        # torch's packed FP4 (two values per byte) is the format's F4
-        if getattr(torch, "float4_e2m1fn_x2", None) is not None:
-            _TORCH_REVERSE[torch.float4_e2m1fn_x2] = BY_NAME["F4"].code
+        # torch's packed sub-byte dtypes (FP4 two values per byte) are the format's
+        for name, attr in _TORCH_PACKED.items():
+            if getattr(torch, attr, None) is not None:
+                _TORCH_REVERSE[getattr(torch, attr)] = BY_NAME[name].code
     try:
         return _TORCH_REVERSE[dtype]
     except KeyError:

@@ -73,6 +73,10 @@ def _normalize(index, shape: tuple[int, ...]):
 
     axes = []
     for axis, (ix, dim) in enumerate(zip(index, shape)):
+        if isinstance(ix, list) and not ix:
+            # an empty list selects nothing along its axis, as in numpy and the reference
+            axes.append((0, 0, 1, False, False))
+            continue
         if isinstance(ix, slice):
             start, stop, step = ix.indices(dim)
             count = len(range(start, stop, step))
