@@ -34,10 +34,10 @@ _LAZY = {
     "MAX_HEADER_SIZE": "engine.header",
     "safe_open": "engine.checkpoint",
     "_safe_open_handle": "engine.api",
-    "TensorSpec": "engine.serialize",
-    "serialize": "engine.serialize",
-    "serialize_file": "engine.serialize",
-    "deserialize": "engine.serialize",
+    "TensorSpec": "engine.tensorspec",
+    "serialize": "engine.tensorspec",
+    "serialize_file": "engine.tensorspec",
+    "deserialize": "engine.tensorspec",
     "stream": "engine.loader",
     "load_into": "engine.loader",
     "load_file": "engine.numpy",
@@ -94,7 +94,7 @@ def __dir__():
 if TYPE_CHECKING:  # pragma: no cover
     from .api import _safe_open_handle
     from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, safe_open, save_sharded
-    from .serialize import TensorSpec, deserialize, serialize, serialize_file
+    from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .numpy import load, load_file
     from .writer import save, save_file

@@ -442,3 +442,37 @@ def test_load_from_bytes_with_no_tensor_bytes():
         assert {k: v.shape for k, v in engine.numpy.load(data).items()} == {k: v.shape for k, v in tensors.items()}
         assert {k: tuple(v.shape) for k, v in engine.torch.load(data).items()} == {
             k: v.shape for k, v in tensors.items()}
+
+
+def test_safe_open_handle_reads_file_objects(valid_file, tmp_path):
+    """The reference's _safe_open_handle: a real file through its descriptor (text mode
+    too, as the reference allows), anything else read into memory; the caller's object is
+    left open."""
+    import io
+
+    from engine import _safe_open_handle
+
+    with engine.safe_open(valid_file, framework="np") as f:
+        expected = {k: f.get_tensor(k).copy() for k in f.keys()}
+    for mode in ("rb", "r"):
+        with open(valid_file, mode) as fobj:
+            with _safe_open_handle(fobj, framework="np", device="cpu") as g:
+                got = {k: g.get_tensor(k) for k in g.keys()}
+                assert str(valid_file) in repr(g)
+            assert not fobj.closed
+        assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
+    memory = io.BytesIO(valid_file.read_bytes())
+    memory.seek(5)  # read from the start whatever the position
+    with _safe_open_handle(memory, framework="np", backend="pread") as g:
+        assert all(np.array_equal(g.get_tensor(k), expected[k]) for k in expected)
+    with pytest.raises(engine.HeaderError):
+        _safe_open_handle(io.BytesIO(b"\x04" + b"\0" * 10), framework="np")
+
+
+def test_closed_handle_refuses_everything(valid_file):
+    f = engine.safe_open(valid_file, framework="np")
+    name = f.keys()[0]
+    f.close()
+    for call in (f.keys, f.offset_keys, f.metadata, lambda: f.get_tensor(name), lambda: f.get_slice(name)):
+        with pytest.raises(engine.SafetensorError, match="closed"):
+            call()
