@@ -23,11 +23,9 @@ import tempfile
 from typing import Any, Optional
 
 from . import dtypes
+from ._api import Slicer, TensorSlice
 from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from .loader import load_rows
-from .plan import InvalidSliceError, plan_slice
-from .reader import default_threads, pread_runs
 from .sinks import get_sink
 
 __all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
@@ -105,9 +103,10 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         except BaseException:
             self.close()
             raise
-        # per-name lookups are the hot path of callers that walk every key
+        # per-name lookups are the hot path of callers that walk every key: get_slice is a
+        # C callable bound to this handle (see engine._api)
         self._index = self.header.table.index
-        self._shapes = self.header.table.shapes
+        self.get_slice = Slicer(self, self._index, self.header.table.shapes, self.header.dtypes)
 
     # -- context manager -------------------------------------------------------------
     def __enter__(self) -> "safe_open":
@@ -120,6 +119,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         """Close the file.  Tensors already handed out stay valid (a mapping lives as
         long as any view of it)."""
         self._base = None
+        slicer = self.__dict__.get("get_slice")
+        if slicer is not None:
+            slicer.closed = True
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -157,9 +159,13 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def _row(self, name: str) -> int:
         row = self._index.get(name)
         if row is None or self._fd is None:
-            self._check_open()
-            raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
+            self._missing(name)
         return row
+
+    def _missing(self, name):
+        """Raise what a lookup of ``name`` that found no open tensor must raise."""
+        self._check_open()
+        raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
 
     def _mapping(self):
         if self._base is None:
@@ -176,9 +182,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         """Every tensor, keyed by name, in file order."""
         return self._get_rows(self.header.table.order.tolist())
 
-    def get_slice(self, name: str) -> "TensorSlice":
+    def get_slice(self, name: str) -> TensorSlice:  # replaced per handle by a C callable
         """A lazy slice handle: ``f.get_slice(name)[0:8, ::2]`` reads only those bytes."""
-        return TensorSlice(self, self._row(name))
+        return self.__dict__["get_slice"](name)
 
     # -- internals ---------------------------------------------------------------------
     def _get_rows(self, rows: list[int]) -> dict:
@@ -189,7 +195,10 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         if self._backend == "mmap" and not sink.on_device:
             out = views(sink, self._mapping(), self.header, rows, self.header.data_start, path=self._path)
         else:
-            # owned memory and CUDA: the threaded pipeline, never a mapping
+            # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
+            # opening a file and reading its header need none of it)
+            from .loader import load_rows
+
             got = load_rows(fd, self.header, rows, sink, path=self._path)
             out = {names[r]: got[r] for r in rows}
         if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
@@ -197,6 +206,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         return out
 
     def _read_slice(self, row: int, index):
+        from .plan import InvalidSliceError, plan_slice
+        from .reader import default_threads, pread_runs
+
         t = self.header.table
         code = int(t.codes[row])
         d = dtypes.DTYPES[code]
@@ -257,47 +269,6 @@ def views(sink, base, header: Header, rows, data_start: int, path=None) -> dict:
                 f"tensor {names[r]!r}: {err.message}", reason=err.reason, path=path, tensors=(names[r],)
             ) from None
     return out
-
-
-class TensorSlice:
-    """Lazy handle on one tensor, as returned by :meth:`safe_open.get_slice`.
-
-    Indexing (ints, negative ints, slices with steps, ``...``) reads only the bytes the
-    index covers.
-    """
-
-    __slots__ = ("_handle", "_row")
-
-    def __init__(self, handle: safe_open, row: int) -> None:
-        self._handle = handle
-        self._row = row
-
-    def get_shape(self) -> list[int]:
-        return list(self._handle._shapes[self._row])
-
-    def get_dtype(self) -> str:
-        return self._handle.header.dtypes[self._row]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._handle._shapes[self._row]
-
-    @property
-    def dtype(self) -> str:
-        return self.get_dtype()
-
-    def __len__(self) -> int:
-        shape = self.shape
-        if not shape:
-            raise TypeError("len() of a 0-d tensor")
-        return shape[0]
-
-    def __getitem__(self, index):
-        return self._handle._read_slice(self._row, index)
-
-    def __repr__(self) -> str:
-        name = self._handle.header.table.names[self._row]
-        return f"<TensorSlice {name!r} {self.get_dtype()}{list(self.shape)}>"
 
 
 class _safe_open_handle(safe_open):  # noqa: N801 - the reference's spelling

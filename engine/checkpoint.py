@@ -26,7 +26,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Union
 
 from . import api
@@ -358,6 +357,8 @@ def _run_all(fn, items: list, max_workers: int | None, *, parallel: bool = True)
 
     if not parallel or len(items) <= 1 or max_workers == 1:
         return [call(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor  # only for several shards: opening one file needs none
+
     with ThreadPoolExecutor(_pool_size(len(items), max_workers), thread_name_prefix="engine-shard") as pool:
         return list(pool.map(call, items))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-import ml_dtypes
 import numpy as np
 
 from .errors import MissingDependencyError, SerializationError
@@ -98,26 +97,39 @@ def code_of(name: str) -> int:
 
 
 def _np_type(name: str) -> np.dtype:
+    import ml_dtypes
+
     if hasattr(ml_dtypes, name):
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name).newbyteorder("<")
 
 
-_NUMPY: tuple[np.dtype, ...] = tuple(_np_type(d.numpy) for d in DTYPES)
+# numpy dtypes per code, and back; built on first use, so that reading headers imports
+# neither ml_dtypes nor builds dtype objects
+_NUMPY: tuple[np.dtype, ...] = ()
 _FROM_NUMPY: dict[np.dtype, int] = {}
-for _d in DTYPES:
-    if not _d.sub_byte:  # uint8 maps back to U8, not to a packed dtype
-        _FROM_NUMPY[_NUMPY[_d.code]] = _d.code
-_FROM_NUMPY[np.dtype(np.uint8)] = BY_NAME["U8"].code
+
+
+def _numpy_tables() -> tuple[np.dtype, ...]:
+    global _NUMPY
+    if not _NUMPY:
+        table = tuple(_np_type(d.numpy) for d in DTYPES)
+        for d in DTYPES:
+            if not d.sub_byte:  # uint8 maps back to U8, not to a packed dtype
+                _FROM_NUMPY[table[d.code]] = d.code
+        _FROM_NUMPY[np.dtype(np.uint8)] = BY_NAME["U8"].code
+        _NUMPY = table
+    return _NUMPY
 
 
 def numpy_dtype(code: int) -> np.dtype:
     """numpy dtype for a code; little-endian; ``uint8`` for packed sub-byte dtypes."""
-    return _NUMPY[code]
+    return (_NUMPY or _numpy_tables())[code]
 
 
 def from_numpy(dtype: np.dtype) -> int:
     """Code for a numpy dtype (any byte order); raises SerializationError if unsupported."""
+    _NUMPY or _numpy_tables()
     dtype = np.dtype(dtype)
     key = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
     try:
