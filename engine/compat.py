@@ -142,10 +142,6 @@ def _make_package() -> types.ModuleType:
     """
     spec = importlib.machinery.ModuleSpec(_PACKAGE, _LOADER, is_package=True)
     package = importlib.util.module_from_spec(spec)
-    package.__doc__ = "safetensors, served by safetensors-engine (engine.compat)."
-    package.__version__ = REFERENCE_VERSION
-    package.__engine_version__ = engine.__version__
-    package.__all__ = [name for name in _TOP_LEVEL if not name.startswith("_")]
 
     def __getattr__(name: str):
         if name not in _TOP_LEVEL:
@@ -157,8 +153,14 @@ def _make_package() -> types.ModuleType:
     def __dir__():
         return sorted(set(vars(package)) | set(_TOP_LEVEL))
 
-    package.__getattr__ = __getattr__
-    package.__dir__ = __dir__
+    vars(package).update(
+        __doc__="safetensors, served by safetensors-engine (engine.compat).",
+        __version__=REFERENCE_VERSION,
+        __engine_version__=engine.__version__,
+        __all__=[name for name in _TOP_LEVEL if not name.startswith("_")],
+        __getattr__=__getattr__,
+        __dir__=__dir__,
+    )
     return package
 
 

@@ -106,7 +106,7 @@ def test_install_and_uninstall_do_not_nest(restores_modules):
 
 def test_installed_context_manager_restores_even_on_error(restores_modules):
     with pytest.raises(LookupError, match="inside the block"):
-        with compat.installed() as shim:
+        with compat.installed(warn=False) as shim:
             assert sys.modules["safetensors"] is shim
             import safetensors.torch  # noqa: F401
 
@@ -116,8 +116,8 @@ def test_installed_context_manager_restores_even_on_error(restores_modules):
 
 
 def test_inner_installed_block_leaves_the_outer_one_in_place(restores_modules):
-    with compat.installed() as outer:
-        with compat.installed() as inner:
+    with compat.installed(warn=False) as outer:
+        with compat.installed(warn=False) as inner:
             assert inner is outer
         assert compat.is_installed()
         assert sys.modules["safetensors"] is outer
@@ -125,11 +125,11 @@ def test_inner_installed_block_leaves_the_outer_one_in_place(restores_modules):
 
 
 def test_each_install_starts_from_a_fresh_module(restores_modules):
-    with compat.installed() as first:
+    with compat.installed(warn=False) as first:
         import safetensors.numpy  # noqa: F401
 
         assert first.numpy is engine.numpy
-    with compat.installed() as second:
+    with compat.installed(warn=False) as second:
         assert second is not first
         assert "numpy" not in vars(second)
         assert "safetensors.numpy" not in sys.modules
@@ -139,10 +139,11 @@ def test_where_the_reference_was_never_imported_uninstall_leaves_nothing():
     # a fresh process: the reference must not be imported before install() for this case
     out = _run(
         """
-        import json, sys
+        import json, sys, warnings
         import engine, engine.compat
         owned = lambda: sorted(m for m in sys.modules if m == "safetensors" or m.startswith("safetensors."))
         facts = {"before": owned(), "torch_after_import": "torch" in sys.modules}
+        warnings.simplefilter("error")  # nothing is bound to the reference: install() must not warn
         with engine.compat.installed():
             import safetensors
             facts["torch_after_import_safetensors"] = "torch" in sys.modules
@@ -186,7 +187,7 @@ def test_where_the_reference_was_never_imported_uninstall_leaves_nothing():
     ],
 )
 def test_top_level_names_are_the_engines(restores_modules, name):
-    with compat.installed():
+    with compat.installed(warn=False):
         import safetensors
 
         assert getattr(safetensors, name) is getattr(engine, name)
@@ -195,7 +196,7 @@ def test_top_level_names_are_the_engines(restores_modules, name):
 
 
 def test_submodules_are_the_engines_modules_unchanged(restores_modules):
-    with compat.installed():
+    with compat.installed(warn=False):
         import safetensors.numpy
         import safetensors.torch
         from safetensors import torch as st_torch
@@ -213,7 +214,7 @@ def test_submodules_are_the_engines_modules_unchanged(restores_modules):
 def test_version_is_the_reference_api_level(restores_modules):
     from packaging.version import Version
 
-    with compat.installed():
+    with compat.installed(warn=False):
         import safetensors
 
         assert safetensors.__version__ == compat.REFERENCE_VERSION
@@ -224,13 +225,13 @@ def test_version_is_the_reference_api_level(restores_modules):
 
 def test_find_spec_sees_the_shim(restores_modules):
     # huggingface_hub and transformers probe with importlib.util.find_spec
-    with compat.installed() as shim:
+    with compat.installed(warn=False) as shim:
         spec = importlib.util.find_spec("safetensors")
         assert spec is shim.__spec__ and spec.submodule_search_locations == []
 
 
 def test_import_safetensors_again_after_its_entry_was_dropped(restores_modules):
-    with compat.installed() as shim:
+    with compat.installed(warn=False) as shim:
         del sys.modules["safetensors"]
         import safetensors
 
@@ -239,14 +240,14 @@ def test_import_safetensors_again_after_its_entry_was_dropped(restores_modules):
 
 @pytest.mark.parametrize("sub", ["flax", "tensorflow", "paddle", "mlx", "_safetensors_rust"])
 def test_other_submodules_raise_a_clear_import_error(restores_modules, sub):
-    with compat.installed():
+    with compat.installed(warn=False):
         with pytest.raises(ModuleNotFoundError, match=r"engine\.compat\.uninstall\(\)") as info:
             importlib.import_module(f"safetensors.{sub}")
         assert info.value.name == f"safetensors.{sub}"
 
 
 def test_unknown_attribute_is_an_attribute_error(restores_modules):
-    with compat.installed():
+    with compat.installed(warn=False):
         import safetensors
 
         assert not hasattr(safetensors, "no_such_name")
@@ -257,7 +258,7 @@ def test_except_safetensors_error_catches_engine_errors(restores_modules, tmp_pa
     bad = write_raw(tmp_path / "bad.safetensors", b'{"w": {"dtype": "F32"', 0)
     good = tmp_path / "good.safetensors"
     engine.numpy.save_file({"w": np.ones(3, np.float32)}, good)
-    with compat.installed():
+    with compat.installed(warn=False):
         import safetensors
         import safetensors.numpy
 
@@ -283,7 +284,7 @@ def test_round_trip_through_the_shim_reads_back_with_the_reference(restores_modu
         "b": torch.ones(5, dtype=torch.bfloat16),
     }
     path = tmp_path / "m.safetensors"
-    with compat.installed():
+    with compat.installed(warn=False):
         import safetensors
         import safetensors.torch
 
@@ -309,7 +310,7 @@ def test_install_reports_modules_bound_to_the_reference(restores_modules):
     client.unrelated = len
     sys.modules[client.__name__] = client
     try:
-        with pytest.warns(RuntimeWarning, match="compat_test_client.safe_open"):
+        with pytest.warns(RuntimeWarning, match="bound to the reference safetensors before install"):
             compat.install()
         try:
             stale = compat.bound_to_reference()
