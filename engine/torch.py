@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from . import dtypes, writer
+from . import writer
 from .api import safe_open, views
 from .errors import SerializationError
 from .header import parse_buffer
@@ -38,7 +39,7 @@ __all__ = [
 
 
 def load_file(
-    filename, device: Union[str, int, torch.device] = "cpu", *, backend: str = "mmap"
+    filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap"
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a file as torch tensors.
 
@@ -89,7 +90,7 @@ def _check(tensors) -> None:
             raise SerializationError(f"tensor {name!r} is a {type(t).__name__}, expected torch.Tensor", tensors=(name,))
 
 
-def save_file(tensors: dict, filename, metadata: Optional[dict[str, str]] = None) -> None:
+def save_file(tensors: dict, filename, metadata: dict[str, str] | None = None) -> None:
     """Write torch tensors to ``filename`` atomically; see :func:`engine.writer.save_file`.
 
     Raises
@@ -104,7 +105,7 @@ def save_file(tensors: dict, filename, metadata: Optional[dict[str, str]] = None
     writer.save_file(tensors, os.fspath(filename), metadata)
 
 
-def save(tensors: dict, metadata: Optional[dict[str, str]] = None) -> bytes:
+def save(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
     """The bytes of a safetensors file holding ``tensors``; see :func:`engine.writer.save`."""
     _check(tensors)
     return writer.save(tensors, metadata)
@@ -180,8 +181,8 @@ def _find_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[set[str
 def _remove_duplicate_names(
     state_dict: Mapping[str, torch.Tensor],
     *,
-    preferred_names: Optional[list[str]] = None,
-    discard_names: Optional[list[str]] = None,
+    preferred_names: list[str] | None = None,
+    discard_names: list[str] | None = None,
 ) -> dict[str, list[str]]:
     """For each group of shared tensors, the name to keep -> the names to drop.
 
@@ -218,7 +219,7 @@ def _remove_duplicate_names(
 
 
 def save_model(
-    model: torch.nn.Module, filename: str, metadata: Optional[dict[str, str]] = None, force_contiguous: bool = True
+    model: torch.nn.Module, filename: str, metadata: dict[str, str] | None = None, force_contiguous: bool = True
 ) -> None:
     """Save a model's state dict, dropping duplicate names of shared (tied) tensors.
 
@@ -264,9 +265,9 @@ def save_model(
 
 def load_model(
     model: torch.nn.Module,
-    filename: Union[str, os.PathLike],
+    filename: str | os.PathLike,
     strict: bool = True,
-    device: Union[str, int] = "cpu",
+    device: str | int = "cpu",
     *,
     backend: str = "mmap",
 ) -> tuple[list[str], list[str]]:

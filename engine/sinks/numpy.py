@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import UnrepresentableTensorError
+from ._host import host_block, pack_offsets
 
 
 class NumpySink:
@@ -35,13 +36,11 @@ class NumpySink:
 
         Returns (row -> array, row -> writable byte memoryview).
         """
-        from . import host_block, pack_offsets
-
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)
         tensors, views = {}, {}
         whole = memoryview(block)
-        for (row, code, shape, nbytes), off in zip(specs, offsets):
+        for (row, code, shape, nbytes), off in zip(specs, offsets, strict=True):
             tensors[row] = self.view(block, code, shape, off, nbytes)
             if nbytes:
                 views[row] = whole[off : off + nbytes]

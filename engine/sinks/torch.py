@@ -8,6 +8,7 @@ import torch
 
 from .. import dtypes
 from ..errors import DeviceError, UnrepresentableTensorError
+from ._host import host_block, pack_offsets
 
 
 class TorchSink:
@@ -41,13 +42,11 @@ class TorchSink:
         Each tensor has its own storage over its range of the block (see :func:`host_tensor`).
         Returns (row -> tensor, row -> writable byte memoryview).
         """
-        from . import host_block, pack_offsets
-
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)
         whole = memoryview(block)
         tensors, views = {}, {}
-        for (row, code, shape, nbytes), off in zip(specs, offsets):
+        for (row, code, shape, nbytes), off in zip(specs, offsets, strict=True):
             tensors[row] = host_tensor(block, code, dtypes.packed_shape(code, shape, nbytes), off, nbytes)
             if nbytes:
                 views[row] = whole[off : off + nbytes]
@@ -184,7 +183,7 @@ def allocate_device(specs, device: torch.device, per_tensor: bool = False):
         offsets.append(total)
         total += -(-nbytes // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
     block = torch.empty(total, dtype=torch.uint8, device=device)
-    for (row, code, shape, nbytes), off in zip(specs, offsets):
+    for (row, code, shape, nbytes), off in zip(specs, offsets, strict=True):
         shape = dtypes.packed_shape(code, shape, nbytes)
         tdt = dtypes.torch_dtype(code)
         if not nbytes:
