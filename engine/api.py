@@ -221,7 +221,8 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
                 tensors=(name,),
             )
         try:
-            plan = plan_slice(t.shapes[row], d.itemsize, index)
+            # as the reference: numpy slices refuse bounds past an axis, torch slices clamp them
+            plan = plan_slice(t.shapes[row], d.itemsize, index, strict_bounds=self._sink.name != "torch")
         except InvalidSliceError as err:
             raise InvalidSliceError(
                 f"tensor {name!r} {list(t.shapes[row])}: {err.message}",

@@ -19,6 +19,7 @@ from engine.errors import HeaderError, SafetensorError, TensorNotFoundError
 from engine.plan import InvalidSliceError
 
 safetensors = pytest.importorskip("safetensors", reason="the reference package is a test extra")
+import safetensors  # noqa: E402
 import safetensors.numpy as ref_np  # noqa: E402
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra")
@@ -290,6 +291,11 @@ INDICES = [
 def test_get_slice_numpy_matches_numpy_indexing(sample_file, backend, index):
     path, tensors = sample_file
     with engine.safe_open(path, "np", backend=backend) as f:
+        if _past_an_axis(tensors["w"].shape, index):
+            # as the reference's numpy slices: a bound past the axis is refused, not clamped
+            with pytest.raises(InvalidSliceError, match="out of bounds"):
+                f.get_slice("w")[index]
+            return
         got = f.get_slice("w")[index]
     np.testing.assert_array_equal(got, tensors["w"][index])
     assert got.shape == tensors["w"][index].shape
@@ -367,7 +373,42 @@ def test_get_slice_property(tmp_path_factory, data):
     index = tuple(data.draw(axis_index(d)) for d in shape[: data.draw(st.integers(0, len(shape)))])
     for backend in BACKENDS:
         with engine.safe_open(path, "np", backend=backend) as f:
-            np.testing.assert_array_equal(f.get_slice("x")[index], arr[index])
+            if _past_an_axis(shape, index):
+                with pytest.raises(InvalidSliceError):
+                    f.get_slice("x")[index]
+            else:
+                np.testing.assert_array_equal(f.get_slice("x")[index], arr[index])
+        with engine.safe_open(path, "pt", backend=backend) as f:  # torch slices clamp, as the reference's
+            np.testing.assert_array_equal(f.get_slice("x")[index].numpy(), arr[index])
+
+
+def _past_an_axis(shape, index) -> bool:
+    """True when a slice bound of ``index`` (no ellipsis) lies past its axis."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
+    return any(
+        isinstance(ix, slice) and any(b is not None and not -d <= b <= d for b in (ix.start, ix.stop))
+        for ix, d in zip(index, shape)
+    )
+
+
+def test_numpy_slices_refuse_bounds_past_the_axis_like_the_reference(tmp_path):
+    arr = np.arange(50, dtype=np.float32).reshape(10, 5)
+    path = tmp_path / "a.safetensors"
+    ref_np.save_file({"a": arr}, str(path))
+    for index in (np.s_[:20], np.s_[:11], np.s_[:, :6], np.s_[3:12], np.s_[:10], np.s_[2:, :5]):
+        for lib, err in ((engine, InvalidSliceError), (safetensors, Exception)):
+            with lib.safe_open(path, framework="np") as f:
+                past = _past_an_axis(arr.shape, index)
+                if past:
+                    with pytest.raises(err):
+                        f.get_slice("a")[index]
+                else:
+                    np.testing.assert_array_equal(f.get_slice("a")[index], arr[index])
+            with lib.safe_open(path, framework="pt") as f:
+                np.testing.assert_array_equal(f.get_slice("a")[index].numpy(), arr[index])
 
 
 # -- robustness ----------------------------------------------------------------------------------
