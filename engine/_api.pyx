@@ -11,12 +11,15 @@ the loop, so they are C methods here: a dict lookup, one small object, a list or
 
 import weakref
 
+cimport cython
 from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 
 
+@cython.freelist(64)
+@cython.final
 cdef class TensorSlice:
     """Lazy handle on one tensor, as returned by ``safe_open.get_slice``.
 
@@ -29,9 +32,6 @@ cdef class TensorSlice:
     cdef readonly Py_ssize_t _row
     cdef tuple _shape
     cdef str _dtype
-
-    def __cinit__(self):
-        self._row = -1
 
     def get_shape(self):
         """The shape as a list of ints, as the reference returns it."""
@@ -62,6 +62,7 @@ cdef class TensorSlice:
         return f"<TensorSlice {name!r} {self._dtype}{list(self._shape)}>"
 
 
+@cython.final
 cdef class Slicer:
     """``get_slice`` of one open handle: name -> :class:`TensorSlice`.
 
