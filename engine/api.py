@@ -20,7 +20,7 @@ import io
 import mmap
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from . import dtypes
 from ._api import Slicer, TensorSlice
@@ -106,7 +106,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         # per-name lookups are the hot path of callers that walk every key: get_slice is a
         # C callable bound to this handle (see engine._api)
         self._index = self.header.table.index
-        self.get_slice = Slicer(self, self._index, self.header.table.shapes, self.header.dtypes)
+        self.get_slice = Slicer(  # type: ignore[method-assign]
+            self, self._index, self.header.table.shapes, self.header.dtypes
+        )
 
     # -- context manager -------------------------------------------------------------
     def __enter__(self) -> "safe_open":
@@ -162,7 +164,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             self._missing(name)
         return row
 
-    def _missing(self, name):
+    def _missing(self, name) -> NoReturn:
         """Raise what a lookup of ``name`` that found no open tensor must raise."""
         self._check_open()
         raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)

@@ -164,6 +164,7 @@ def torch_dtype(code: int):
         return _TORCH_CACHE[code]
     torch = _torch()
     d = DTYPES[code]
+    attr: str | None
     if d.sub_byte:
         attr = _TORCH_PACKED.get(d.name, "uint8")
         if getattr(torch, attr, None) is None:

@@ -270,14 +270,14 @@ def load_model(
     device: str | int = "cpu",
     *,
     backend: str = "mmap",
-) -> tuple[list[str], list[str]]:
+) -> tuple[set[str], list[str]]:
     """Load a file into ``model``, restoring tensors that the model shares.
 
     Returns
     -------
     (missing, unexpected)
-        ``missing``: names of the model the file did not fill; ``unexpected``: names in the
-        file the model does not use.  Names the model shares with a loaded name count as
+        ``missing`` (a set, as the reference returns it): names of the model the file did
+        not fill; ``unexpected`` (a list): names in the file the model does not use.  Names the model shares with a loaded name count as
         filled.
 
     Raises
