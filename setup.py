@@ -34,6 +34,12 @@ extensions = [
         extra_compile_args=compile_args,
     ),
     Extension(
+        "engine._api",
+        ["engine/_api.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
+    Extension(
         "engine._io",
         ["engine/_io.pyx"],
         define_macros=macros,

@@ -17,8 +17,10 @@ from .errors import (
     ReadError,
     SafetensorError,
     SerializationError,
+    SharedTensorsError,
     TensorMismatchError,
     TensorNotFoundError,
+    UnrepresentableTensorError,
     WriteError,
 )
 
@@ -30,7 +32,12 @@ _LAZY = {
     "Header": "engine.header",
     "TensorInfo": "engine.header",
     "MAX_HEADER_SIZE": "engine.header",
-    "safe_open": "engine.api",
+    "safe_open": "engine.checkpoint",
+    "_safe_open_handle": "engine.api",
+    "TensorSpec": "engine.tensorspec",
+    "serialize": "engine.tensorspec",
+    "serialize_file": "engine.tensorspec",
+    "deserialize": "engine.tensorspec",
     "stream": "engine.loader",
     "load_into": "engine.loader",
     "load_file": "engine.numpy",
@@ -62,8 +69,10 @@ __all__ = [
     "ReadError",
     "SafetensorError",
     "SerializationError",
+    "SharedTensorsError",
     "TensorMismatchError",
     "TensorNotFoundError",
+    "UnrepresentableTensorError",
     "WriteError",
     *_LAZY,
 ]
@@ -83,8 +92,9 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import safe_open
-    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, save_sharded
+    from .api import _safe_open_handle
+    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, safe_open, save_sharded
+    from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .numpy import load, load_file
     from .writer import save, save_file

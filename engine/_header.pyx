@@ -78,6 +78,9 @@ cdef enum:
     F_SHAPE = 2
     F_OFFSETS = 4
     F_ALL = 7
+    # deepest nesting of an ignored field's value (serde_json, which the reference uses,
+    # stops at 128 too)
+    SKIP_DEPTH_MAX = 128
 
 # ---------------------------------------------------------------------------------------
 # dtype table, filled from engine.dtypes at import so there is one source of truth
@@ -182,6 +185,7 @@ cdef struct Scanner:
     size_t cap_meta
     bint has_meta
     size_t meta_pos
+    bint strict            # reject unknown fields in tensor entries
     # first error met; phase 2 turns it into a HeaderError
     int reason
     size_t err_pos
@@ -673,6 +677,115 @@ cdef int check_tensor(Scanner* s, size_t row) noexcept nogil:
     return 0
 
 
+cdef int skip_number(Scanner* s) noexcept nogil:
+    """A JSON number (RFC 8259 grammar), consumed and discarded."""
+    cdef size_t start = s.pos
+    cdef int c = peek(s)
+    if c == 0x2D:  # '-'
+        s.pos += 1
+        c = peek(s)
+    if c == 0x30:  # a leading zero stands alone
+        s.pos += 1
+    elif 0x31 <= c <= 0x39:
+        while 0x30 <= peek(s) <= 0x39:
+            s.pos += 1
+    else:
+        return fail(s, R_DESER, start, "invalid number")
+    if peek(s) == 0x2E:  # '.'
+        s.pos += 1
+        if not 0x30 <= peek(s) <= 0x39:
+            return fail(s, R_DESER, start, "invalid number: a digit must follow '.'")
+        while 0x30 <= peek(s) <= 0x39:
+            s.pos += 1
+    c = peek(s)
+    if c == 0x65 or c == 0x45:  # 'e' / 'E'
+        s.pos += 1
+        c = peek(s)
+        if c == 0x2B or c == 0x2D:
+            s.pos += 1
+        if not 0x30 <= peek(s) <= 0x39:
+            return fail(s, R_DESER, start, "invalid number: a digit must follow the exponent")
+        while 0x30 <= peek(s) <= 0x39:
+            s.pos += 1
+    return 0
+
+
+cdef int skip_value(Scanner* s) noexcept nogil:
+    """Validate and discard any JSON value: the value of a field the format does not define.
+
+    Iterative, with the open brackets kept in a fixed array, so a hostile nesting depth
+    costs neither stack nor heap: past ``SKIP_DEPTH_MAX`` levels it is an error.
+    """
+    cdef uint8_t stack[SKIP_DEPTH_MAX]
+    cdef int depth = 0
+    cdef int c
+    cdef Span sp
+    while True:
+        # a value
+        skip_ws(s)
+        c = peek(s)
+        if c == 0x7B or c == 0x5B:  # '{' or '['
+            if depth == SKIP_DEPTH_MAX:
+                return fail(s, R_DESER, s.pos, "a field's value nests deeper than 128 levels")
+            stack[depth] = <uint8_t>c
+            depth += 1
+            s.pos += 1
+            skip_ws(s)
+            if peek(s) == (0x7D if c == 0x7B else 0x5D):  # empty object or array
+                s.pos += 1
+                depth -= 1
+            elif c == 0x7B:
+                if peek(s) != 0x22:
+                    return unexpected(s, "expected a string key in an object")
+                if scan_string(s, &sp) < 0:
+                    return -1
+                skip_ws(s)
+                if peek(s) != 0x3A:
+                    return unexpected(s, "expected ':' after an object key")
+                s.pos += 1
+                continue  # its value
+            else:
+                continue  # the array's first value
+        elif c == 0x22:
+            if scan_string(s, &sp) < 0:
+                return -1
+        elif c == 0x2D or 0x30 <= c <= 0x39:
+            if skip_number(s) < 0:
+                return -1
+        elif c == 0x74 and s.n - s.pos >= 4 and memcmp(s.buf + s.pos, b"true", 4) == 0:
+            s.pos += 4
+        elif c == 0x66 and s.n - s.pos >= 5 and memcmp(s.buf + s.pos, b"false", 5) == 0:
+            s.pos += 5
+        elif c == 0x6E and s.n - s.pos >= 4 and memcmp(s.buf + s.pos, b"null", 4) == 0:
+            s.pos += 4
+        else:
+            return unexpected(s, "expected a JSON value")
+        # after a value: close what is complete, or move on to the next element
+        while True:
+            if depth == 0:
+                return 0
+            skip_ws(s)
+            c = peek(s)
+            if c == 0x2C:  # ','
+                s.pos += 1
+                if stack[depth - 1] == 0x7B:
+                    skip_ws(s)
+                    if peek(s) != 0x22:
+                        return unexpected(s, "expected a string key in an object")
+                    if scan_string(s, &sp) < 0:
+                        return -1
+                    skip_ws(s)
+                    if peek(s) != 0x3A:
+                        return unexpected(s, "expected ':' after an object key")
+                    s.pos += 1
+                break  # the next value
+            if c == (0x7D if stack[depth - 1] == 0x7B else 0x5D):
+                s.pos += 1
+                depth -= 1
+                continue
+            return unexpected(s, "expected ',' or a closing bracket")
+
+
 cdef int scan_entry(Scanner* s, size_t row) noexcept nogil:
     """``{"dtype": str, "shape": [int...], "data_offsets": [int, int]}``, fields in any order."""
     cdef int seen = 0, which, code
@@ -695,10 +808,26 @@ cdef int scan_entry(Scanner* s, size_t row) noexcept nogil:
                 which = F_SHAPE
             elif span_is(s, key, "data_offsets", 12):
                 which = F_OFFSETS
-            else:
+            elif s.strict:
                 return fail_span(s, R_DESER, key.pos,
                                  "unknown field {span}; an entry has exactly dtype, shape and data_offsets",
                                  key)
+            else:
+                # the format does not forbid other fields and the reference ignores them;
+                # their values are still checked to be JSON
+                skip_ws(s)
+                if peek(s) != 0x3A:
+                    return unexpected(s, "expected ':' after the field name")
+                s.pos += 1
+                if skip_value(s) < 0:
+                    return -1
+                skip_ws(s)
+                if peek(s) == 0x2C:
+                    s.pos += 1
+                    continue
+                elif peek(s) == 0x7D:
+                    break
+                return unexpected(s, "expected ',' or '}' in the tensor entry")
             if seen & which:
                 return fail_span(s, R_DUP, key.pos, "field {span} appears twice", key)
             seen |= which
@@ -1444,11 +1573,13 @@ cdef const uint8_t[::1] as_byte_view(buf) except *:
     return mv.cast("B")
 
 
-def parse_header(buf, data_size):
+def parse_header(buf, data_size, strict=False):
     """Parse and validate the ``N`` header bytes; ``data_size`` is the data region's length.
 
     ``buf`` is any C-contiguous bytes-like object (``bytes``, ``memoryview``, ``mmap``
     slice) holding exactly the header; it is scanned in place and not retained.
+    Fields of a tensor entry other than dtype, shape and data_offsets are checked to be
+    JSON and ignored, as the reference does; ``strict=True`` rejects them.
     Raises ``HeaderError`` for every rule of the format (see ``engine.header``).
     """
     cdef const uint8_t[::1] view = as_byte_view(buf)
@@ -1463,6 +1594,7 @@ def parse_header(buf, data_size):
     s.n = view.shape[0]
     s.buf = &view[0] if s.n else empty
     s.err_row = -1
+    s.strict = bool(strict)
     try:
         with nogil:
             rc = scan_header(&s)

@@ -16,19 +16,19 @@ tensors through one of two backends:
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
-from typing import Any, Optional
+import tempfile
+from typing import Any, NoReturn, Optional
 
 from . import dtypes
-from .errors import SafetensorError, TensorNotFoundError
+from ._api import Slicer, TensorSlice
+from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from .loader import load_rows
-from .plan import InvalidSliceError, plan_slice
-from .reader import default_threads, pread_runs
 from .sinks import get_sink
 
-__all__ = ["safe_open", "TensorSlice"]
+__all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
 
 _BACKENDS = ("mmap", "pread")
 # below this a slice is read on the calling thread: threads cost more than they save
@@ -41,8 +41,8 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     Parameters
     ----------
     filename : str or os.PathLike
-        The file; or a ``model.safetensors.index.json``, or a directory holding a checkpoint,
-        which opens as an :class:`engine.checkpoint.Checkpoint` with the same methods.
+        The file.  (``engine.safe_open`` also opens a ``model.safetensors.index.json`` or a
+        directory holding a checkpoint, as an :class:`engine.checkpoint.Checkpoint`.)
     framework : {"np", "numpy", "pt", "torch"}
         Kind of tensors handed out.
     device : str, int or torch.device, default "cpu"
@@ -73,16 +73,6 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     ...     w = f.get_slice("lm_head.weight")[:, :1024]
     """
 
-    def __new__(cls, filename, *args, **kwargs):
-        # an index or a directory is one logical checkpoint over several files
-        if cls is safe_open:
-            path = os.fspath(filename)
-            if path.endswith(".json") or os.path.isdir(path):
-                from .checkpoint import Checkpoint
-
-                return Checkpoint(path, *args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(
         self,
         filename,
@@ -92,24 +82,33 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         backend: str = "mmap",
         max_header_size: int = MAX_HEADER_SIZE,
     ) -> None:
-        if backend not in _BACKENDS:
-            raise SafetensorError(f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend")
-        self._sink = get_sink(framework, device)
-        self._path = os.fspath(filename)
-        self._backend = backend
-        self._fd: Optional[int] = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        path = os.fspath(filename)
+        self._setup(path, os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), framework, device, backend,
+                    max_header_size)
+
+    def _setup(self, path: str, fd: int, framework, device, backend: str, max_header_size: int) -> None:
+        """Take ownership of the open ``fd`` (closed on failure) and read its header."""
+        self._fd: Optional[int] = fd
+        self._path = path
         self._base = None
         try:
-            size = os.fstat(self._fd).st_size
-            self.header: Header = read_header_fd(
-                self._fd, path=self._path, file_size=size, max_header_size=max_header_size
-            )
+            if backend not in _BACKENDS:
+                raise SafetensorError(
+                    f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend"
+                )
+            self._sink = get_sink(framework, device)
+            self._backend = backend
+            size = os.fstat(fd).st_size
+            self.header: Header = read_header_fd(fd, path=path, file_size=size, max_header_size=max_header_size)
         except BaseException:
             self.close()
             raise
-        # per-name lookups are the hot path of callers that walk every key
+        # per-name lookups are the hot path of callers that walk every key: get_slice is a
+        # C callable bound to this handle (see engine._api)
         self._index = self.header.table.index
-        self._shapes = self.header.table.shapes
+        self.get_slice = Slicer(  # type: ignore[method-assign]
+            self, self._index, self.header.table.shapes, self.header.dtypes
+        )
 
     # -- context manager -------------------------------------------------------------
     def __enter__(self) -> "safe_open":
@@ -122,6 +121,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         """Close the file.  Tensors already handed out stay valid (a mapping lives as
         long as any view of it)."""
         self._base = None
+        slicer = self.__dict__.get("get_slice")
+        if slicer is not None:
+            slicer.closed = True
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -142,22 +144,30 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     # -- the reference's API -----------------------------------------------------------
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
+        self._check_open()
         return self.header.keys()
 
     def offset_keys(self) -> list[str]:
         """Tensor names in the order of their bytes in the file."""
+        self._check_open()
         return self.header.offset_keys()
 
     def metadata(self) -> Optional[dict[str, str]]:
         """The ``__metadata__`` mapping, or None when the file has none."""
+        self._check_open()
         md = self.header.metadata
         return dict(md) if md is not None else None
 
     def _row(self, name: str) -> int:
         row = self._index.get(name)
-        if row is None:
-            raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
+        if row is None or self._fd is None:
+            self._missing(name)
         return row
+
+    def _missing(self, name) -> NoReturn:
+        """Raise what a lookup of ``name`` that found no open tensor must raise."""
+        self._check_open()
+        raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
 
     def _mapping(self):
         if self._base is None:
@@ -174,9 +184,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         """Every tensor, keyed by name, in file order."""
         return self._get_rows(self.header.table.order.tolist())
 
-    def get_slice(self, name: str) -> "TensorSlice":
+    def get_slice(self, name: str) -> TensorSlice:  # replaced per handle by a C callable
         """A lazy slice handle: ``f.get_slice(name)[0:8, ::2]`` reads only those bytes."""
-        return TensorSlice(self, self._row(name))
+        return self.__dict__["get_slice"](name)
 
     # -- internals ---------------------------------------------------------------------
     def _get_rows(self, rows: list[int]) -> dict:
@@ -185,12 +195,22 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         names = t.names
         sink = self._sink
         if self._backend == "mmap" and not sink.on_device:
-            return views(sink, self._mapping(), self.header, rows, self.header.data_start)
-        # owned memory and devices: the threaded pipeline, never a mapping
-        got = load_rows(fd, self.header, rows, sink, path=self._path)
-        return {names[r]: got[r] for r in rows}
+            out = views(sink, self._mapping(), self.header, rows, self.header.data_start, path=self._path)
+        else:
+            # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
+            # opening a file and reading its header need none of it)
+            from .loader import load_rows
+
+            got = load_rows(fd, self.header, rows, sink, path=self._path)
+            out = {names[r]: got[r] for r in rows}
+        if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
+            out = {name: sink.to_device(x) for name, x in out.items()}
+        return out
 
     def _read_slice(self, row: int, index):
+        from .plan import InvalidSliceError, plan_slice
+        from .reader import default_threads, pread_runs
+
         t = self.header.table
         code = int(t.codes[row])
         d = dtypes.DTYPES[code]
@@ -203,7 +223,8 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
                 tensors=(name,),
             )
         try:
-            plan = plan_slice(t.shapes[row], d.itemsize, index)
+            # as the reference: numpy slices refuse bounds past an axis, torch slices clamp them
+            plan = plan_slice(t.shapes[row], d.itemsize, index, strict_bounds=self._sink.name != "torch")
         except InvalidSliceError as err:
             raise InvalidSliceError(
                 f"tensor {name!r} {list(t.shapes[row])}: {err.message}",
@@ -231,56 +252,87 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         return f"<engine.safe_open {self._path!r} {self._sink.name} {self._backend} ({state})>"
 
 
-def views(sink, base, header: Header, rows, data_start: int) -> dict:
+def views(sink, base, header: Header, rows, data_start: int, path=None) -> dict:
     """Tensors of ``rows`` as zero-copy views of ``base``, whose byte ``data_start`` is the
     first byte of the data region (a mapped file, the bytes of a whole file, or a copy of its
-    data region); keyed by name, in the order of ``rows``."""
+    data region); keyed by name, in the order of ``rows``.
+
+    Raises ``UnrepresentableTensorError`` naming the tensor (and ``path``) for a valid
+    entry the framework cannot build."""
     t = header.table
     names, codes, shapes, begins, ends = t.names, t.codes, t.shapes, t.begins, t.ends
     view = sink.view
     out = {}
     for r in rows:
         b = int(begins[r])
-        out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
+        try:
+            out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
+        except UnrepresentableTensorError as err:
+            raise UnrepresentableTensorError(
+                f"tensor {names[r]!r}: {err.message}", reason=err.reason, path=path, tensors=(names[r],)
+            ) from None
     return out
 
 
-class TensorSlice:
-    """Lazy handle on one tensor, as returned by :meth:`safe_open.get_slice`.
+class _safe_open_handle(safe_open):  # noqa: N801 - the reference's spelling
+    """:class:`safe_open` over an open file object instead of a path (the reference's API).
 
-    Indexing (ints, negative ints, slices with steps, ``...``) reads only the bytes the
-    index covers.
+    Parameters
+    ----------
+    f : file object
+        A file opened by the caller: a real file (anything with a working ``fileno()``) is
+        read through a duplicate of its descriptor; any other readable object (an fsspec
+        file, ``io.BytesIO``) is read once, from its start, into anonymous memory.
+    framework, device, backend, max_header_size
+        As for :class:`safe_open`.
+
+    Notes
+    -----
+    The caller's file object is neither moved nor closed when it has a descriptor.  Copies
+    of tensor bytes: as :class:`safe_open` for real files; one more (the file into memory)
+    for other objects.
     """
 
-    __slots__ = ("_handle", "_row")
+    def __init__(
+        self,
+        f,
+        framework: str = "numpy",
+        device: Any = "cpu",
+        *,
+        backend: str = "mmap",
+        max_header_size: int = MAX_HEADER_SIZE,
+    ) -> None:
+        name = getattr(f, "name", None)
+        path = os.fspath(name) if isinstance(name, (str, os.PathLike)) else repr(f)
+        self._setup(path, _handle_fd(f), framework, device, backend, max_header_size)
 
-    def __init__(self, handle: safe_open, row: int) -> None:
-        self._handle = handle
-        self._row = row
 
-    def get_shape(self) -> list[int]:
-        return list(self._handle._shapes[self._row])
-
-    def get_dtype(self) -> str:
-        return self._handle.header.dtypes[self._row]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._handle._shapes[self._row]
-
-    @property
-    def dtype(self) -> str:
-        return self.get_dtype()
-
-    def __len__(self) -> int:
-        shape = self.shape
-        if not shape:
-            raise TypeError("len() of a 0-d tensor")
-        return shape[0]
-
-    def __getitem__(self, index):
-        return self._handle._read_slice(self._row, index)
-
-    def __repr__(self) -> str:
-        name = self._handle.header.table.names[self._row]
-        return f"<TensorSlice {name!r} {self.get_dtype()}{list(self.shape)}>"
+def _handle_fd(f) -> int:
+    """A descriptor of our own for the file object ``f`` (see :class:`_safe_open_handle`)."""
+    try:
+        return os.dup(f.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    try:
+        f.seek(0)
+    except (AttributeError, OSError, ValueError):
+        pass
+    data = f.read()
+    if isinstance(data, str):
+        raise SafetensorError("the file object was opened in text mode and has no descriptor; open it with 'rb'",
+                              reason="InvalidFile")
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("safetensors", getattr(os, "MFD_CLOEXEC", 0))
+    else:  # pragma: no cover - not Linux
+        tmp = tempfile.TemporaryFile()
+        fd = os.dup(tmp.fileno())
+        tmp.close()
+    try:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

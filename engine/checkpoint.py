@@ -26,9 +26,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Union
 
+from . import api
 from .dtypes import BY_NAME
 from .errors import ReadError, SafetensorError, SerializationError, TensorNotFoundError, WriteError
 from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
@@ -43,6 +43,8 @@ __all__ = [
     "Checkpoint",
     "ShardSplit",
     "open_checkpoint",
+    "safe_open",
+    "is_checkpoint_path",
     "read_checkpoint_info",
     "check_checkpoint",
     "parse_index",
@@ -355,6 +357,8 @@ def _run_all(fn, items: list, max_workers: int | None, *, parallel: bool = True)
 
     if not parallel or len(items) <= 1 or max_workers == 1:
         return [call(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor  # only for several shards: opening one file needs none
+
     with ThreadPoolExecutor(_pool_size(len(items), max_workers), thread_name_prefix="engine-shard") as pool:
         return list(pool.map(call, items))
 
@@ -651,8 +655,6 @@ class Checkpoint:
         max_header_size: int = MAX_HEADER_SIZE,
         max_workers: int | None = None,
     ) -> None:
-        from .api import safe_open
-
         layout, metadata, weight_map = _open_layout(path, max_header_size)
         self._layout = layout
         self._max_workers = max_workers
@@ -661,7 +663,7 @@ class Checkpoint:
 
         def open_one(shard: str):
             try:
-                return safe_open(
+                return api.safe_open(
                     os.path.join(layout.directory, shard),
                     framework=framework,
                     device=device,
@@ -824,7 +826,7 @@ class Checkpoint:
 
 def open_checkpoint(
     path: PathLike,
-    framework: str = "np",
+    framework: str = "numpy",
     device: Any = "cpu",
     *,
     backend: str = "mmap",
@@ -884,6 +886,26 @@ def open_checkpoint(
     return Checkpoint(
         path, framework, device, backend=backend, max_header_size=max_header_size, max_workers=max_workers
     )
+
+
+def is_checkpoint_path(path: PathLike) -> bool:
+    """True for what opens as a whole checkpoint rather than one file: an index or a directory."""
+    text = os.fspath(path)
+    return text.endswith(".json") or os.path.isdir(text)
+
+
+class safe_open(api.safe_open):  # noqa: N801 - the reference's spelling, for a drop-in replacement
+    """:class:`engine.api.safe_open` for a file, and :class:`Checkpoint` for an index or a
+    directory: ``engine.safe_open(path)`` opens whatever a model ships as.
+
+    Parameters and methods are those of :class:`engine.api.safe_open`; an index or a
+    directory gives a :class:`Checkpoint` with the same methods across its shards.
+    """
+
+    def __new__(cls, filename, *args, **kwargs):
+        if cls is safe_open and is_checkpoint_path(filename):
+            return Checkpoint(filename, *args, **kwargs)
+        return super().__new__(cls)
 
 
 # --------------------------------------------------------------------------- writing

@@ -332,73 +332,6 @@ def _state_dict(obj: Any, torch, path: str) -> tuple[dict, list[str]]:
     return tensors, skipped
 
 
-def deduplicate(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """Make a torch state dict writable as safetensors: no shared bytes, all contiguous.
-
-    Parameters
-    ----------
-    tensors : mapping of str to torch.Tensor
-
-    Returns
-    -------
-    tensors : dict
-        What to write.
-    aliases : dict of str to str
-        Dropped name -> kept name, for names that are the *same view* of the same memory
-        (tied weights); the reference's ``save_model`` records these in the metadata too.
-    copied : list of str
-        Names written from a copy: non-contiguous tensors, and views that overlap another
-        tensor's bytes without being identical to it (a slice of a kept tensor).
-
-    Notes
-    -----
-    The kept name of a group of identical views is the first in sorted order among those
-    covering their whole storage, else the first in sorted order (the reference's rule).
-    Unlike the reference's ``save_model``, partial views are kept (copied), not dropped, so
-    every name of the input is in the output or in ``aliases``.
-    """
-    out: dict[str, Any] = {}
-    aliases: dict[str, str] = {}
-    copied: list[str] = []
-    groups: dict[tuple, list[str]] = {}
-    for name, t in tensors.items():
-        if t.device.type == "meta" or t.numel() == 0:
-            out[name] = t
-            continue
-        key = (str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        groups.setdefault(key, []).append(name)
-    for names in groups.values():
-        t = tensors[names[0]]
-        storage = t.untyped_storage()
-        complete = [n for n in sorted(names) if t.data_ptr() == storage.data_ptr() and t.nbytes == storage.nbytes()]
-        keep = (complete or sorted(names))[0]
-        for n in names:
-            if n != keep:
-                aliases[n] = keep
-        out[keep] = t
-    # views that overlap a kept tensor without being it: keep the bytes, as a copy
-    spans = []
-    for name, t in out.items():
-        if t.numel() and t.device.type != "meta":
-            start = t.data_ptr()
-            extent = sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True)) + 1
-            spans.append((str(t.device), start, start + extent * t.element_size(), name))
-    spans.sort()
-    end_by_device: dict[str, int] = {}
-    for device, start, end, name in spans:
-        if start < end_by_device.get(device, -1):
-            out[name] = out[name].clone()
-            copied.append(name)
-        else:
-            end_by_device[device] = max(end, end_by_device.get(device, -1))
-    for name, t in out.items():
-        if not t.is_contiguous():
-            out[name] = t.contiguous()
-            if name not in copied:
-                copied.append(name)
-    return {n: out[n] for n in tensors if n in out}, aliases, copied
-
-
 def _cmd_convert(args) -> int:
     torch = _torch()
     from . import writer
@@ -408,6 +341,8 @@ def _cmd_convert(args) -> int:
     tensors, skipped = _state_dict(obj, torch, args.src)
     if skipped:
         print(f"note: skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:8])}", file=sys.stderr)
+    from .torch import deduplicate
+
     tensors, aliases, copied = deduplicate(tensors)
     metadata = {"format": "pt"}
     for dropped, kept in aliases.items():

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-import ml_dtypes
 import numpy as np
 
 from .errors import MissingDependencyError, SerializationError
 
 __all__ = [
     "DType",
+    "shape_text",
     "DTYPES",
     "BY_NAME",
     "NAMES",
@@ -97,26 +97,39 @@ def code_of(name: str) -> int:
 
 
 def _np_type(name: str) -> np.dtype:
+    import ml_dtypes
+
     if hasattr(ml_dtypes, name):
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name).newbyteorder("<")
 
 
-_NUMPY: tuple[np.dtype, ...] = tuple(_np_type(d.numpy) for d in DTYPES)
+# numpy dtypes per code, and back; built on first use, so that reading headers imports
+# neither ml_dtypes nor builds dtype objects
+_NUMPY: tuple[np.dtype, ...] = ()
 _FROM_NUMPY: dict[np.dtype, int] = {}
-for _d in DTYPES:
-    if not _d.sub_byte:  # uint8 maps back to U8, not to a packed dtype
-        _FROM_NUMPY[_NUMPY[_d.code]] = _d.code
-_FROM_NUMPY[np.dtype(np.uint8)] = BY_NAME["U8"].code
+
+
+def _numpy_tables() -> tuple[np.dtype, ...]:
+    global _NUMPY
+    if not _NUMPY:
+        table = tuple(_np_type(d.numpy) for d in DTYPES)
+        for d in DTYPES:
+            if not d.sub_byte:  # uint8 maps back to U8, not to a packed dtype
+                _FROM_NUMPY[table[d.code]] = d.code
+        _FROM_NUMPY[np.dtype(np.uint8)] = BY_NAME["U8"].code
+        _NUMPY = table
+    return _NUMPY
 
 
 def numpy_dtype(code: int) -> np.dtype:
     """numpy dtype for a code; little-endian; ``uint8`` for packed sub-byte dtypes."""
-    return _NUMPY[code]
+    return (_NUMPY or _numpy_tables())[code]
 
 
 def from_numpy(dtype: np.dtype) -> int:
     """Code for a numpy dtype (any byte order); raises SerializationError if unsupported."""
+    _NUMPY or _numpy_tables()
     dtype = np.dtype(dtype)
     key = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
     try:
@@ -136,16 +149,28 @@ def _torch():
 _TORCH_CACHE: dict = {}
 
 
-def torch_dtype(code: int):
-    """torch dtype for a code; ``torch.uint8`` for packed sub-byte dtypes.
+#: torch's own packed dtypes for sub-byte formats (one element per byte of packed values)
+_TORCH_PACKED = {"F4": "float4_e2m1fn_x2"}
 
+
+def torch_dtype(code: int):
+    """torch dtype for a code.
+
+    Sub-byte dtypes come as torch's packed dtype where it has one (``F4`` as
+    ``float4_e2m1fn_x2``, as the reference hands it out), else as ``torch.uint8`` bytes.
     Raises ``SerializationError`` where this torch build has no such dtype.
     """
     if code in _TORCH_CACHE:
         return _TORCH_CACHE[code]
     torch = _torch()
     d = DTYPES[code]
-    attr = "uint8" if d.sub_byte else d.torch
+    attr: str | None
+    if d.sub_byte:
+        attr = _TORCH_PACKED.get(d.name, "uint8")
+        if getattr(torch, attr, None) is None:
+            attr = "uint8"
+    else:
+        attr = d.torch
     tdt = getattr(torch, attr, None) if attr else None
     if tdt is None:
         raise SerializationError(f"this torch build has no dtype for {d.name}", reason="InvalidDtype")
@@ -160,9 +185,10 @@ def from_torch(dtype) -> int:
         for d in DTYPES:
             if d.torch and getattr(torch, d.torch, None) is not None:
                 _TORCH_REVERSE[getattr(torch, d.torch)] = d.code
-        # torch's packed FP4 (two values per byte) is the format's F4
-        if getattr(torch, "float4_e2m1fn_x2", None) is not None:
-            _TORCH_REVERSE[torch.float4_e2m1fn_x2] = BY_NAME["F4"].code
+        # torch's packed sub-byte dtypes (FP4 two values per byte) are the format's
+        for name, attr in _TORCH_PACKED.items():
+            if getattr(torch, attr, None) is not None:
+                _TORCH_REVERSE[getattr(torch, attr)] = BY_NAME[name].code
     try:
         return _TORCH_REVERSE[dtype]
     except KeyError:
@@ -185,3 +211,11 @@ def packed_shape(code: int, shape: tuple[int, ...], nbytes: int) -> tuple[int, .
     if shape and (shape[-1] * d.bits) % 8 == 0:
         return shape[:-1] + (shape[-1] * d.bits // 8,)
     return (nbytes,)
+
+
+def shape_text(shape) -> str:
+    """A shape for messages: ``[4096, 11008]``, or its rank and ends when it is long."""
+    dims = list(shape)
+    if len(dims) <= 8:
+        return str(dims)
+    return f"rank-{len(dims)} [{dims[0]}, {dims[1]}, ..., {dims[-1]}]"

@@ -24,6 +24,8 @@ __all__ = [
     "MissingDependencyError",
     "TensorMismatchError",
     "NonFiniteError",
+    "SharedTensorsError",
+    "UnrepresentableTensorError",
     "HEADER_REASONS",
 ]
 
@@ -133,6 +135,24 @@ class TensorNotFoundError(SafetensorError, KeyError):
 
 class SerializationError(SafetensorError, ValueError):
     """Tensors or metadata that cannot be written (non-contiguous, shared memory, bad names)."""
+
+
+class SharedTensorsError(SerializationError, RuntimeError):
+    """Tensors to save share memory.
+
+    A ``RuntimeError`` as well, as the reference raises for the same case, so that callers'
+    ``except RuntimeError`` keeps catching it; ``.tensors`` names every tensor involved.
+    """
+
+
+class UnrepresentableTensorError(SafetensorError, ValueError, TypeError):
+    """A valid header entry whose tensor the framework cannot build.
+
+    The header opens and ``get_slice(name).get_shape()`` works; only materialising the
+    tensor fails, for example a rank above numpy's limit of 64 dimensions or a dimension
+    beyond the 63 bits torch and numpy index with.  A ``ValueError`` and a ``TypeError``,
+    which numpy and torch raise for such shapes.
+    """
 
 
 class ReadError(SafetensorError, OSError):

@@ -3,7 +3,8 @@
 A safetensors file is an 8-byte little-endian length ``N``, ``N`` bytes of JSON, then the
 data region.  :func:`read_header` reads exactly those ``8 + N`` bytes (never a tensor byte)
 and checks every rule of the format, stricter than the reference implementation where the
-reference is silent (duplicate keys, unknown fields, trailing garbage).  The parsing itself
+reference is silent (duplicate keys, trailing garbage); fields of a tensor entry that the
+format does not define are ignored, as by the reference (``strict=True`` rejects them).  The parsing itself
 lives in the private Cython module :mod:`engine._header`.
 """
 
@@ -269,6 +270,7 @@ def read_header_fd(
     path: str | os.PathLike[str] | None = None,
     file_size: int | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
+    strict: bool = False,
 ) -> Header:
     """Read and validate the header of an already-open file.
 
@@ -283,6 +285,10 @@ def read_header_fd(
         Size of the file; taken from ``os.fstat(fd)`` when omitted.
     max_header_size : int, optional
         Largest header length ``N`` accepted (default :data:`MAX_HEADER_SIZE`).
+    strict : bool, default False
+        Reject fields of a tensor entry other than ``dtype``, ``shape`` and
+        ``data_offsets``; by default they are checked to be JSON and ignored, as the
+        reference ignores them.
 
     Returns
     -------
@@ -309,14 +315,16 @@ def read_header_fd(
         prefix = _pread_exact(fd, min(8, file_size), 0, spath)
         n = header_length(prefix, file_size, max_header_size)
         buf = _pread_exact(fd, n, 8, spath)
-        table = parse_header(buf, file_size - 8 - n)
+        table = parse_header(buf, file_size - 8 - n, strict)
     except HeaderError as err:
         _set_path(err, spath)
         raise
     return Header(table, file_size=file_size, path=spath)
 
 
-def read_header(path: str | os.PathLike[str], *, max_header_size: int = MAX_HEADER_SIZE) -> Header:
+def read_header(
+    path: str | os.PathLike[str], *, max_header_size: int = MAX_HEADER_SIZE, strict: bool = False
+) -> Header:
     """Read and validate the header of a safetensors file.
 
     Parameters
@@ -326,6 +334,9 @@ def read_header(path: str | os.PathLike[str], *, max_header_size: int = MAX_HEAD
     max_header_size : int, optional
         Largest header length ``N`` accepted (default :data:`MAX_HEADER_SIZE`, 100 MB like
         the reference); raise it for files with very many tensors.
+    strict : bool, default False
+        Reject fields of a tensor entry beyond ``dtype``, ``shape`` and ``data_offsets``
+        (by default ignored, as by the reference).
 
     Returns
     -------
@@ -358,7 +369,7 @@ def read_header(path: str | os.PathLike[str], *, max_header_size: int = MAX_HEAD
     spath = os.fspath(path)
     fd = os.open(spath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
     try:
-        return read_header_fd(fd, path=spath, max_header_size=max_header_size)
+        return read_header_fd(fd, path=spath, max_header_size=max_header_size, strict=strict)
     finally:
         os.close(fd)
 
@@ -368,6 +379,7 @@ def parse_buffer(
     *,
     path: str | os.PathLike[str] | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
+    strict: bool = False,
 ) -> Header:
     """Parse the header of a whole safetensors file held in memory.
 
@@ -380,6 +392,8 @@ def parse_buffer(
         Name of the file, for messages and ``Header.path``.
     max_header_size : int, optional
         Largest header length ``N`` accepted.
+    strict : bool, default False
+        Reject unknown fields in tensor entries (see :func:`read_header_fd`).
 
     Returns
     -------
@@ -400,12 +414,12 @@ def parse_buffer(
     with memoryview(buffer) as mv:
         if mv.ndim != 1 or mv.itemsize != 1 or not mv.c_contiguous:
             with mv.cast("B") as flat:
-                return parse_buffer(flat, path=spath, max_header_size=max_header_size)
+                return parse_buffer(flat, path=spath, max_header_size=max_header_size, strict=strict)
         size = mv.nbytes
         try:
             n = header_length(mv[:8], size, max_header_size)
             with mv[8 : 8 + n] as head:
-                table = parse_header(head, size - 8 - n)
+                table = parse_header(head, size - 8 - n, strict)
         except HeaderError as err:
             _set_path(err, spath)
             raise

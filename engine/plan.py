@@ -55,8 +55,9 @@ class SlicePlan(NamedTuple):
         return tuple(n for axis, n in enumerate(self.out_shape) if axis not in self.squeeze)
 
 
-def _normalize(index, shape: tuple[int, ...]):
-    """Per-axis (start, count, step>0, squeezed, flipped) with numpy's semantics."""
+def _normalize(index, shape: tuple[int, ...], strict_bounds: bool = False):
+    """Per-axis (start, count, step>0, squeezed, flipped) with numpy's semantics; with
+    ``strict_bounds`` a slice bound past its axis is an error instead of being clamped."""
     if not isinstance(index, tuple):
         index = (index,)
     n_ellipsis = sum(1 for ix in index if ix is Ellipsis)
@@ -73,7 +74,15 @@ def _normalize(index, shape: tuple[int, ...]):
 
     axes = []
     for axis, (ix, dim) in enumerate(zip(index, shape)):
+        if isinstance(ix, list) and not ix:
+            # an empty list selects nothing along its axis, as in numpy and the reference
+            axes.append((0, 0, 1, False, False))
+            continue
         if isinstance(ix, slice):
+            if strict_bounds:
+                for bound in (ix.start, ix.stop):
+                    if bound is not None and not -dim <= operator.index(bound) <= dim:
+                        raise InvalidSliceError(f"slice bound {bound} is out of bounds for axis {axis} with size {dim}")
             start, stop, step = ix.indices(dim)
             count = len(range(start, stop, step))
             if step < 0:
@@ -97,7 +106,7 @@ def _normalize(index, shape: tuple[int, ...]):
     return axes
 
 
-def plan_slice(shape: tuple[int, ...], itemsize: int, index) -> SlicePlan:
+def plan_slice(shape: tuple[int, ...], itemsize: int, index, *, strict_bounds: bool = False) -> SlicePlan:
     """Plan the byte runs that ``tensor[index]`` covers.
 
     Parameters
@@ -106,8 +115,11 @@ def plan_slice(shape: tuple[int, ...], itemsize: int, index) -> SlicePlan:
         Shape of the stored (C-contiguous) tensor.
     itemsize : int
         Bytes per element.
-    index : int, slice, Ellipsis or tuple of those
+    index : int, slice, Ellipsis, empty list, or tuple of those
         numpy-style basic index; negative integers and steps are allowed.
+    strict_bounds : bool, default False
+        Refuse slice bounds past their axis instead of clamping them as numpy does (the
+        reference's numpy slices refuse them, its torch slices clamp).
 
     Returns
     -------
@@ -126,7 +138,7 @@ def plan_slice(shape: tuple[int, ...], itemsize: int, index) -> SlicePlan:
     O(runs) memory, which is at most the number of elements returned.
     """
     shape = tuple(int(d) for d in shape)
-    axes = _normalize(index, shape)
+    axes = _normalize(index, shape, strict_bounds)
     out_shape = tuple(count for (_, count, _, _, _) in axes)
     squeeze = tuple(a for a, ax in enumerate(axes) if ax[3])
     flip = tuple(a for a, ax in enumerate(axes) if ax[4])

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Union
 import numpy as np
 
 from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
-from .errors import SerializationError, WriteError
+from .errors import DeviceError, SerializationError, SharedTensorsError, WriteError
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter"]
 
@@ -218,8 +218,8 @@ class _Raw(NamedTuple):
     code: int
     shape: tuple[int, ...]
     nbytes: int
-    #: (address space, first byte, end) of the memory read, None when there is none;
-    #: used to find tensors that share memory.
+    #: (address space, first byte, end) of a torch tensor's memory, None otherwise; used
+    #: to find tensors that share memory.
     span: tuple[object, int, int] | None
     #: chunks(limit) yields the little-endian bytes as 'B' memoryviews of at most ``limit``
     #: bytes; each is valid until the next is requested (staging buffers are reused).
@@ -251,14 +251,12 @@ def _raw_numpy(name: str, a: np.ndarray) -> _Raw:
         )
     big = a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big")
     swap = _swap_unit(a.dtype.itemsize, a.dtype.kind == "c") if big else 1
-    span = None
-    if a.nbytes:
-        start = a.__array_interface__["data"][0]
-        span = ("cpu", start, start + a.nbytes)
+    # no span: numpy arrays have no storages to alias, and the reference writes an array
+    # given under two names twice, as asked
     # reshape(-1) of a C-contiguous array is a view; uint8 because the buffer protocol
     # refuses ml_dtypes' types.
     view = a.reshape(-1).view(np.uint8).data
-    return _Raw(code, tuple(a.shape), a.nbytes, span, _host_chunks(view, swap))
+    return _Raw(code, tuple(a.shape), a.nbytes, None, _host_chunks(view, swap))
 
 
 def _raw_torch(name: str, t: Any, torch: Any) -> _Raw:
@@ -269,8 +267,11 @@ def _raw_torch(name: str, t: Any, torch: Any) -> _Raw:
             tensors=(name,),
         )
     if t.device.type == "meta":
-        raise SerializationError(
-            f"tensor {name!r} is on the meta device and has no data", reason="NoData", tensors=(name,)
+        # a RuntimeError, as torch's own "Cannot copy out of meta tensor" that the reference lets through
+        raise DeviceError(
+            f"tensor {name!r} is on the meta device: Cannot copy out of meta tensor; it has no data",
+            reason="NoData",
+            tensors=(name,),
         )
     if not t.is_contiguous():
         raise SerializationError(
@@ -394,7 +395,7 @@ def _check_shared(items: list[tuple[str, _Raw]]) -> None:
         groups.append(group)
     if groups:
         shown = "; ".join(", ".join(repr(n) for n in g) for g in groups)
-        raise SerializationError(
+        raise SharedTensorsError(
             f"tensors share memory, which would store the same bytes twice: {shown}. "
             "Save one of each group, or .clone()/.copy() the others",
             reason="SharedMemory",

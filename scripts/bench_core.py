@@ -6,6 +6,8 @@ interleaved rep by rep so that drift and neighbours' load hit both alike:
 
   header100k    open a file of 100,000 tensors and read every dtype and shape
   header_small  open a file of a few hundred tensors (microseconds per open)
+  first_open    import + first safe_open + every dtype and shape of that file, in a bare
+                fresh interpreter (what a short-lived tool pays)
   lazy2g        lazy (mmap) load of a 2 GB BF16 checkpoint, then read every byte
   many_load     load_file of 100,000 tiny tensors
   save2g        save_file of a 2 GB BF16 checkpoint, time and extra peak RSS
@@ -93,6 +95,16 @@ CASES = {
             "reference": "safe_open(..., 'pt') + keys()",
             "engine": "engine.safe_open(..., 'pt') + keys()",
             "engine-header": "engine.read_header + keys()",
+        },
+    },
+    "first_open": {
+        "title": "import + first open of {small_n} tensors, every dtype+shape",
+        "file": "small",
+        "impls": ["reference", "engine"],
+        "goal": ("ratio", 1.0),
+        "notes": {
+            "reference": "import safetensors; safe_open(..., 'np'); get_slice(k).get_dtype()/get_shape() for all keys",
+            "engine": "import engine; the identical calls",
         },
     },
     "lazy2g": {
@@ -261,8 +273,26 @@ def worker(spec: dict) -> dict:
 # --------------------------------------------------------------------------- parent side
 
 
+# first_open runs in a bare interpreter (nothing imported beyond site), so that every
+# import the library makes on the way to its first open is counted
+FIRST_OPEN = """
+import time
+t0 = time.perf_counter()
+import {lib} as lib
+with lib.safe_open({path!r}, framework="np") as f:
+    rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]
+seconds = time.perf_counter() - t0
+import hashlib, json
+digest = hashlib.sha1(repr(sorted(rows)).encode()).hexdigest()[:12]
+print("RESULT " + json.dumps({{"seconds": seconds, "count": len(rows), "digest": digest}}))
+"""
+
+
 def run_child(spec: dict, timeout: float = 1200) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    if spec.get("case") == "first_open":
+        lib = "safetensors" if spec["impl"] == "reference" else "engine"
+        cmd = [sys.executable, "-c", FIRST_OPEN.format(lib=lib, path=spec["path"])]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -389,7 +419,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if {"header100k", "many_load"} & set(cases):
         files["many"] = common.many_tensors_file(sz["many"], base=bench_dir)
-    if "header_small" in cases:
+    if {"header_small", "first_open"} & set(cases):
         files["small"] = common.small_model_file(sz["small_layers"], base=bench_dir)
     if big:
         files["ckpt"] = common.checkpoint_file(sz["ckpt"], base=bench_dir)

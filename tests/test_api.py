@@ -19,6 +19,7 @@ from engine.errors import HeaderError, SafetensorError, TensorNotFoundError
 from engine.plan import InvalidSliceError
 
 safetensors = pytest.importorskip("safetensors", reason="the reference package is a test extra")
+import safetensors  # noqa: E402
 import safetensors.numpy as ref_np  # noqa: E402
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra")
@@ -290,6 +291,11 @@ INDICES = [
 def test_get_slice_numpy_matches_numpy_indexing(sample_file, backend, index):
     path, tensors = sample_file
     with engine.safe_open(path, "np", backend=backend) as f:
+        if _past_an_axis(tensors["w"].shape, index):
+            # as the reference's numpy slices: a bound past the axis is refused, not clamped
+            with pytest.raises(InvalidSliceError, match="out of bounds"):
+                f.get_slice("w")[index]
+            return
         got = f.get_slice("w")[index]
     np.testing.assert_array_equal(got, tensors["w"][index])
     assert got.shape == tensors["w"][index].shape
@@ -367,7 +373,42 @@ def test_get_slice_property(tmp_path_factory, data):
     index = tuple(data.draw(axis_index(d)) for d in shape[: data.draw(st.integers(0, len(shape)))])
     for backend in BACKENDS:
         with engine.safe_open(path, "np", backend=backend) as f:
-            np.testing.assert_array_equal(f.get_slice("x")[index], arr[index])
+            if _past_an_axis(shape, index):
+                with pytest.raises(InvalidSliceError):
+                    f.get_slice("x")[index]
+            else:
+                np.testing.assert_array_equal(f.get_slice("x")[index], arr[index])
+        with engine.safe_open(path, "pt", backend=backend) as f:  # torch slices clamp, as the reference's
+            np.testing.assert_array_equal(f.get_slice("x")[index].numpy(), arr[index])
+
+
+def _past_an_axis(shape, index) -> bool:
+    """True when a slice bound of ``index`` (no ellipsis) lies past its axis."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
+    return any(
+        isinstance(ix, slice) and any(b is not None and not -d <= b <= d for b in (ix.start, ix.stop))
+        for ix, d in zip(index, shape)
+    )
+
+
+def test_numpy_slices_refuse_bounds_past_the_axis_like_the_reference(tmp_path):
+    arr = np.arange(50, dtype=np.float32).reshape(10, 5)
+    path = tmp_path / "a.safetensors"
+    ref_np.save_file({"a": arr}, str(path))
+    for index in (np.s_[:20], np.s_[:11], np.s_[:, :6], np.s_[3:12], np.s_[:10], np.s_[2:, :5]):
+        for lib, err in ((engine, InvalidSliceError), (safetensors, Exception)):
+            with lib.safe_open(path, framework="np") as f:
+                past = _past_an_axis(arr.shape, index)
+                if past:
+                    with pytest.raises(err):
+                        f.get_slice("a")[index]
+                else:
+                    np.testing.assert_array_equal(f.get_slice("a")[index], arr[index])
+            with lib.safe_open(path, framework="pt") as f:
+                np.testing.assert_array_equal(f.get_slice("a")[index].numpy(), arr[index])
 
 
 # -- robustness ----------------------------------------------------------------------------------
@@ -442,3 +483,37 @@ def test_load_from_bytes_with_no_tensor_bytes():
         assert {k: v.shape for k, v in engine.numpy.load(data).items()} == {k: v.shape for k, v in tensors.items()}
         assert {k: tuple(v.shape) for k, v in engine.torch.load(data).items()} == {
             k: v.shape for k, v in tensors.items()}
+
+
+def test_safe_open_handle_reads_file_objects(valid_file, tmp_path):
+    """The reference's _safe_open_handle: a real file through its descriptor (text mode
+    too, as the reference allows), anything else read into memory; the caller's object is
+    left open."""
+    import io
+
+    from engine import _safe_open_handle
+
+    with engine.safe_open(valid_file, framework="np") as f:
+        expected = {k: f.get_tensor(k).copy() for k in f.keys()}
+    for mode in ("rb", "r"):
+        with open(valid_file, mode) as fobj:
+            with _safe_open_handle(fobj, framework="np", device="cpu") as g:
+                got = {k: g.get_tensor(k) for k in g.keys()}
+                assert str(valid_file) in repr(g)
+            assert not fobj.closed
+        assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
+    memory = io.BytesIO(valid_file.read_bytes())
+    memory.seek(5)  # read from the start whatever the position
+    with _safe_open_handle(memory, framework="np", backend="pread") as g:
+        assert all(np.array_equal(g.get_tensor(k), expected[k]) for k in expected)
+    with pytest.raises(engine.HeaderError):
+        _safe_open_handle(io.BytesIO(b"\x04" + b"\0" * 10), framework="np")
+
+
+def test_closed_handle_refuses_everything(valid_file):
+    f = engine.safe_open(valid_file, framework="np")
+    name = f.keys()[0]
+    f.close()
+    for call in (f.keys, f.offset_keys, f.metadata, lambda: f.get_tensor(name), lambda: f.get_slice(name)):
+        with pytest.raises(engine.SafetensorError, match="closed"):
+            call()

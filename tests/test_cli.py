@@ -324,24 +324,6 @@ def test_convert_not_a_checkpoint(tmp_path, capsys, content):
     assert code == 2 and "missing.bin" in err
 
 
-def test_deduplicate_rules():
-    torch = pytest.importorskip("torch")
-    from engine.cli import deduplicate
-
-    base = torch.randn(8, 4)
-    sd = {"b": base, "a": base, "c": base.view(8, 4), "half": base[4:], "t": base.t(), "other": torch.zeros(3)}
-    out, aliases, copied = deduplicate(sd)
-    assert aliases == {"b": "a", "c": "a"}  # identical views: the first name in sorted order kept
-    assert set(out) == {"a", "half", "t", "other"} and list(out) == ["a", "half", "t", "other"]
-    assert sorted(copied) == ["half", "t"]
-    assert out["half"].data_ptr() != base.data_ptr() + 16 * 4 and torch.equal(out["half"], base[4:])
-    assert out["t"].is_contiguous() and torch.equal(out["t"], base.t())
-    assert out["a"] is base
-    # a view that is the only name for its storage, but not all of it, is simply kept
-    out, aliases, copied = deduplicate({"x": torch.randn(10)[2:5]})
-    assert aliases == {} and copied == []
-
-
 def test_console_script_entry_point(model):
     exe = shutil.which("engine")
     if exe is None:

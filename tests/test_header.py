@@ -58,6 +58,7 @@ class Case(NamedTuple):
     tensors: tuple[str, ...] = ()
     position: Any = ANY  # int, None, or ANY
     ref_rejects: bool = True  # the reference (safetensors 0.8) rejects it too
+    strict: bool = False  # rejected only with strict=True
 
 
 def at(header: bytes, marker: bytes, occurrence: int = 1, delta: int = 0) -> int:
@@ -71,8 +72,8 @@ def at(header: bytes, marker: bytes, occurrence: int = 1, delta: int = 0) -> int
 def _cases() -> list[Case]:
     c: list[Case] = []
 
-    def add(id, header, data=b"", reason="", tensors=(), position=ANY, ref_rejects=True, **kw):
-        c.append(Case(id, build_file(header, data, **kw), reason, tuple(tensors), position, ref_rejects))
+    def add(id, header, data=b"", reason="", tensors=(), position=ANY, ref_rejects=True, strict=False, **kw):
+        c.append(Case(id, build_file(header, data, **kw), reason, tuple(tensors), position, ref_rejects, strict))
 
     # -- the 8-byte length ---------------------------------------------------------------
     c.append(Case("empty-file", b"", "HeaderTooSmall", position=None))
@@ -143,6 +144,7 @@ def _cases() -> list[Case]:
         tensors=["a"],
         position=53,
         ref_rejects=False,
+        strict=True,
     )
     add(
         "missing-shape",
@@ -466,12 +468,14 @@ def test_malformed_file(case: Case, tmp_path):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(case.file)
     with pytest.raises(HeaderError) as info:
-        read_header(path)
+        read_header(path, strict=case.strict)
     _check(info.value, case, str(path))
     # the same defect in memory
     with pytest.raises(HeaderError) as info:
-        parse_buffer(case.file)
+        parse_buffer(case.file, strict=case.strict)
     _check(info.value, case, None)
+    if case.strict:  # a rule of strict mode only: the default accepts it, as the reference
+        assert len(read_header(path)) == len(parse_buffer(case.file))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -1246,3 +1250,76 @@ def test_header_class_is_exported():
 
     assert engine.read_header is read_header and engine.Header is Header and engine.TensorInfo is TensorInfo
     assert engine.MAX_HEADER_SIZE == MAX_HEADER_SIZE == 100_000_000
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=12,
+)
+
+
+def _entry_with(field: str) -> bytes:
+    return ('{"a":{"dtype":"F32","extra":' + field + ',"shape":[1],"data_offsets":[0,4]}}').encode()
+
+
+@settings(FAST, max_examples=80)
+@given(JSON_VALUES)
+def test_unknown_fields_are_ignored(value):
+    """Any JSON value under a field the format does not define is skipped, as the reference
+    does; strict mode rejects the field."""
+    raw = _entry_with(json.dumps(value, ensure_ascii=bool(value) and isinstance(value, str)))
+    table = _header.parse_header(raw, 4)
+    assert table.names == ["a"] and table.shapes[0] == (1,) and (table.begins[0], table.ends[0]) == (0, 4)
+    with pytest.raises(HeaderError) as info:
+        _header.parse_header(raw, 4, strict=True)
+    assert info.value.reason == "InvalidHeaderDeserialization" and "extra" in str(info.value)
+
+
+@settings(FAST, max_examples=300)
+@given(st.text(alphabet='{}[]",:-+.eE0123 tfalsnu\\', max_size=14))
+def test_ignored_values_are_checked_like_json_loads(junk):
+    """An ignored field's value is still strict JSON: accepted exactly when json.loads
+    accepts it (no NaN/Infinity in the alphabet: Python's extensions)."""
+    try:
+        json.loads(junk)
+        valid = bool(junk.strip())
+    except ValueError:
+        valid = False
+    raw = _entry_with(junk)
+    if valid:
+        assert _header.parse_header(raw, 4).names == ["a"]
+    else:
+        with pytest.raises(HeaderError) as info:
+            _header.parse_header(raw, 4)
+        assert info.value.reason == "InvalidHeaderDeserialization"
+
+
+def test_ignored_values_nest_at_most_128_levels():
+    assert _header.parse_header(_entry_with("[" * 128 + "]" * 128), 4).names == ["a"]
+    with pytest.raises(HeaderError) as info:
+        _header.parse_header(_entry_with("[" * 129 + "]" * 129), 4)
+    assert "128" in str(info.value)
+    # a hostile depth fails fast, on a fixed-size stack
+    with pytest.raises(HeaderError):
+        _header.parse_header(_entry_with("[" * 5_000_000), 4)
+
+
+def test_unrepresentable_shapes_open(st_file):
+    """Valid headers whose tensors numpy or torch cannot build still open; the shape is
+    readable, and only building the tensor is an error naming the file and tensor."""
+    import engine
+
+    cases = {
+        "rank1000": ('{"a":{"dtype":"F32","shape":[' + ",".join(["1"] * 1000) + '],"data_offsets":[0,4]}}', 4),
+        "huge-empty": ('{"a":{"dtype":"F32","shape":[0,18446744073709551615],"data_offsets":[0,0]}}', 0),
+    }
+    for text, size in cases.values():
+        path = st_file(text.encode(), b"\0" * size)
+        with engine.safe_open(path, framework="np") as f:
+            shape = f.get_slice("a").get_shape()
+            assert shape == list(json.loads(text)["a"]["shape"])
+            with pytest.raises(engine.UnrepresentableTensorError) as info:
+                f.get_tensor("a")
+            assert info.value.path == str(path) and info.value.tensors == ("a",)
+            assert isinstance(info.value, ValueError) and len(str(info.value)) < 400

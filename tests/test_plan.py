@@ -141,3 +141,13 @@ def test_plan_reads_gap_ends_a_request():
     reqs = plan_reads(begins, ends, [0, 2], 8, 1 << 20)
     assert [(r.offset, r.nbytes) for r in reqs] == [(8, 10), (28, 10)]
     assert [(r.offset, r.nbytes) for r in plan_reads(begins, ends, [0, 1, 2], 8, 1 << 20)] == [(8, 30)]
+
+
+def test_empty_list_selects_nothing():
+    """``t[[]]`` selects no rows, as numpy and the reference do; other lists stay refused."""
+    plan = plan_slice((10, 5), 4, [])
+    assert plan.out_shape == (0, 5) and plan.nbytes == 0
+    plan = plan_slice((10, 5), 4, (slice(2, 4), []))
+    assert plan.out_shape == (2, 0) and plan.nbytes == 0
+    with pytest.raises(InvalidSliceError):
+        plan_slice((10, 5), 4, [0, 1])

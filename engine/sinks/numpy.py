@@ -7,6 +7,8 @@ import mmap
 import numpy as np
 
 from .. import dtypes
+from ..errors import UnrepresentableTensorError
+from ._host import host_block, pack_offsets
 
 
 class NumpySink:
@@ -20,21 +22,25 @@ class NumpySink:
 
     def view(self, base, code: int, shape: tuple, offset: int, nbytes: int) -> np.ndarray:
         """Zero-copy read-only array over ``nbytes`` at absolute ``offset`` of the mapping."""
-        arr = np.ndarray(dtypes.packed_shape(code, shape, nbytes), dtypes.numpy_dtype(code), buffer=base, offset=offset)
-        return arr
+        shape = dtypes.packed_shape(code, shape, nbytes)
+        try:
+            return np.ndarray(shape, dtypes.numpy_dtype(code), buffer=base, offset=offset)
+        except (ValueError, OverflowError) as exc:
+            # rank above numpy's limit, dimensions past 63 bits, or more bytes than it can index
+            raise UnrepresentableTensorError(
+                f"numpy cannot build an array of shape {dtypes.shape_text(shape)}: {exc}", reason="UnrepresentableShape"
+            ) from None
 
     def allocate(self, specs, file_begins):
         """Owned arrays for ``specs`` = [(row, code, shape, nbytes)], views of one block.
 
         Returns (row -> array, row -> writable byte memoryview).
         """
-        from . import host_block, pack_offsets
-
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)
         tensors, views = {}, {}
         whole = memoryview(block)
-        for (row, code, shape, nbytes), off in zip(specs, offsets):
+        for (row, code, shape, nbytes), off in zip(specs, offsets, strict=True):
             tensors[row] = self.view(block, code, shape, off, nbytes)
             if nbytes:
                 views[row] = whole[off : off + nbytes]

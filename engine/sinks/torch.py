@@ -8,17 +8,9 @@ import warnings
 import torch
 
 from .. import dtypes
-from ..errors import DeviceError
+from ..errors import DeviceError, UnrepresentableTensorError
 from . import _cudart
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides = []
-    step = 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
+from ._host import host_block, pack_offsets
 
 
 class TorchSink:
@@ -34,31 +26,30 @@ class TorchSink:
             raise DeviceError(f"invalid torch device {device!r}: {exc}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
-        if self.device.type not in ("cpu", "cuda"):
-            raise DeviceError(f"device {device!r}: the engine loads torch tensors to 'cpu' or 'cuda' only")
-        self.on_device = self.device.type != "cpu"
+        # CUDA loads stream through the pinned staging ring; any other torch device (mps,
+        # xpu, meta, ...) gets the CPU tensors handed over with .to(), as the reference does
+        self.on_device = self.device.type == "cuda"
+        self.moves = self.device.type not in ("cpu", "cuda")
 
     def map(self, buffer):
-        """Views over a writable buffer (a private mapping of the file, or owned bytes)."""
-        return _MappedStorage(torch.frombuffer(buffer, dtype=torch.uint8))
+        """The base that :meth:`view` cuts tensors from: the writable buffer itself."""
+        return buffer
 
-    def view(self, base: "_MappedStorage", code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
-        return base.view(code, dtypes.packed_shape(code, shape, nbytes), offset, nbytes)
+    def view(self, base, code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
+        return host_tensor(base, code, dtypes.packed_shape(code, shape, nbytes), offset, nbytes)
 
     def allocate(self, specs, file_begins):
-        """Owned CPU tensors for ``specs`` = [(row, code, shape, nbytes)], views of one block.
+        """Owned CPU tensors for ``specs`` = [(row, code, shape, nbytes)], cut from one block.
 
+        Each tensor has its own storage over its range of the block (see :func:`host_tensor`).
         Returns (row -> tensor, row -> writable byte memoryview).
         """
-        from . import host_block, pack_offsets
-
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)
-        base = self.map(block)
         whole = memoryview(block)
         tensors, views = {}, {}
-        for (row, code, shape, nbytes), off in zip(specs, offsets):
-            tensors[row] = base.view(code, dtypes.packed_shape(code, shape, nbytes), off, nbytes)
+        for (row, code, shape, nbytes), off in zip(specs, offsets, strict=True):
+            tensors[row] = host_tensor(block, code, dtypes.packed_shape(code, shape, nbytes), off, nbytes)
             if nbytes:
                 views[row] = whole[off : off + nbytes]
         return tensors, views
@@ -82,7 +73,10 @@ class TorchSink:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
             return t
-        return t.to(self.device)
+        try:
+            return t.to(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise DeviceError(f"cannot move a tensor to {self.device}: {exc}") from None
 
     def allocate_device(self, specs, per_tensor: bool = False):
         """(row -> device tensor, row -> uint8 target, DeviceOps) for a device load."""
@@ -90,32 +84,47 @@ class TorchSink:
         return tensors, targets, TorchCudaOps(self.device)
 
 
-class _MappedStorage:
-    """One uint8 tensor over the whole mapping plus lazily made per-dtype views of it.
+_INT64_MAX = 2**63 - 1
 
-    Tensors are cut from the per-dtype view with ``as_strided``, one torch call per tensor,
-    which keeps opening files of many small tensors cheap.
+
+def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
+    """A tensor over ``nbytes`` of the writable ``buffer`` at ``offset``, with a storage of its own.
+
+    The storage covers exactly the tensor's bytes and holds a reference to ``buffer``, so
+    the memory lives until the last tensor cut from it goes.  Libraries that decide what
+    to save, or what is shared, by storage (``storage_ptr``/``storage_size``, accelerate,
+    ``torch.save``) then see each tensor alone, as with the reference.
+
+    Copies of tensor bytes: 0; 1 when ``offset`` is not a multiple of the item size (a file
+    laid out without alignment, which torch cannot view).
+
+    Raises
+    ------
+    UnrepresentableTensorError
+        A shape torch cannot hold (a dimension of 2**63 or more).
     """
-
-    def __init__(self, u8: torch.Tensor) -> None:
-        self.u8 = u8
-        self.storage = u8.untyped_storage()
-        self.typed: dict = {}
-
-    def view(self, code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
-        tdt = dtypes.torch_dtype(code)
-        itemsize = tdt.itemsize
-        if offset % itemsize:
-            # a file laid out without alignment: torch cannot view it, so copy (1 copy)
-            out = torch.empty(shape, dtype=tdt)
-            if nbytes:
-                out.reshape(-1).view(torch.uint8).copy_(self.u8[offset : offset + nbytes])
-            return out
-        typed = self.typed.get(code)
-        if typed is None:
-            typed = torch.empty(0, dtype=tdt).set_(self.storage, 0, (len(self.u8) // itemsize,), (1,))
-            self.typed[code] = typed
-        return typed.as_strided(shape, _contiguous_strides(shape), offset // itemsize)
+    tdt = dtypes.torch_dtype(code)
+    if any(d > _INT64_MAX for d in shape):
+        raise UnrepresentableTensorError(
+            f"shape {dtypes.shape_text(shape)} has a dimension of 2**63 or more, which torch cannot index",
+            reason="UnrepresentableShape",
+        )
+    if not nbytes:
+        # as the reference: an empty tensor reshaped, which torch allows for any shape of
+        # zero elements (torch.empty(shape) would compute strides that overflow)
+        try:
+            return torch.empty(0, dtype=tdt).reshape(shape)
+        except RuntimeError as exc:
+            raise UnrepresentableTensorError(
+                f"torch cannot build an empty tensor of shape {dtypes.shape_text(shape)}: {exc}", reason="UnrepresentableShape"
+            ) from None
+    itemsize = tdt.itemsize
+    if offset % itemsize:
+        out = torch.empty(shape, dtype=tdt)
+        out.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset))
+        return out
+    flat = torch.frombuffer(buffer, dtype=tdt, count=nbytes // itemsize, offset=offset)
+    return flat.view(*shape) if shape else flat.view(())
 
 
 # -- CUDA destinations ---------------------------------------------------------------------------
@@ -202,7 +211,8 @@ def allocate_device(specs, device: torch.device, per_tensor: bool = False):
     """Device tensors for ``specs`` = [(row, code, shape, nbytes)] and their byte targets.
 
     By default one allocation holds every tensor, each at an offset aligned to
-    :data:`DEVICE_ALIGNMENT`; ``per_tensor=True`` makes one allocation per tensor.
+    :data:`DEVICE_ALIGNMENT`, and each tensor still has a storage of its own over exactly
+    its bytes (see :func:`own_storage`); ``per_tensor=True`` makes one allocation per tensor.
 
     Returns
     -------
@@ -220,11 +230,25 @@ def allocate_device(specs, device: torch.device, per_tensor: bool = False):
         offsets.append(total)
         total += -(-nbytes // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
     block = torch.empty(total, dtype=torch.uint8, device=device)
-    for (row, code, shape, nbytes), off in zip(specs, offsets):
-        target = block[off : off + nbytes]
-        targets[row] = target
+    for (row, code, shape, nbytes), off in zip(specs, offsets, strict=True):
         shape = dtypes.packed_shape(code, shape, nbytes)
-        tensors[row] = target.view(dtypes.torch_dtype(code)).view(shape) if nbytes else torch.empty(
-            shape, dtype=dtypes.torch_dtype(code), device=device
-        )
+        tdt = dtypes.torch_dtype(code)
+        if not nbytes:
+            targets[row] = tensors[row] = torch.empty(0, dtype=tdt, device=device).reshape(shape)
+            continue
+        target = own_storage(block[off : off + nbytes])
+        targets[row] = target
+        tensors[row] = target.view(tdt).view(shape)
     return tensors, targets
+
+
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a contiguous slice of a larger allocation) as a tensor with its own storage.
+
+    The new storage covers exactly the view's bytes and keeps the whole allocation alive
+    until the last tensor over it goes; made through DLPack, which any device supports.
+    Copies: 0.
+    """
+    from torch.utils.dlpack import from_dlpack
+
+    return from_dlpack(view.__dlpack__())
