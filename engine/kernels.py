@@ -48,6 +48,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ._arrays import BF16, F16, FLOAT  # ``fmt`` codes, shared with the device kernels
+
 __all__ = [
     "F16",
     "BF16",
@@ -66,9 +68,6 @@ __all__ = [
     "quantize_rows_fused_half",
 ]
 
-#: ``fmt`` codes of the two 16-bit float formats read as ``uint16``.
-F16 = 0
-BF16 = 1
 
 # error_model="numpy": a float division is a plain IEEE division.  Numba's default
 # ("python") tests every divisor for zero to raise ZeroDivisionError, and that branch keeps
@@ -473,10 +472,6 @@ def _near_zero(cnt, mom):
     already folded: none yet, or a running mean within a few standard deviations of 0."""
     n = cnt[0]
     return n == 0 or mom[0] * mom[0] * n <= 0.25 * _UNSHIFTED_RATIO * mom[1]
-
-
-#: ``fmt`` of :func:`_fold` for float32/float64 data (its tiles are slices of ``f``)
-FLOAT = -1
 
 
 def _tile_values(fmt, f, ku, t0, t1, buf, bits):

@@ -21,6 +21,7 @@ from engine import kernels as K
 from engine import quantize as Q
 
 S = importlib.import_module("engine.statistics")
+A = importlib.import_module("engine._arrays")
 
 JIT = not numba.config.DISABLE_JIT
 # compiled kernels only: deselected (not skipped) when NUMBA_DISABLE_JIT=1, see conftest.py
@@ -221,7 +222,7 @@ def test_int_kernel(dtype, block, tile, parallel):
     else:
         x = rng.integers(info.min, info.max, 301, dtype=dtype, endpoint=True)
         x[:3] = [info.min, info.max, 0]
-    kind = S._kind(x.dtype, S._INT, "test")
+    kind = A.kind_of(x.dtype, S._INT, "test")
     got = S._stats_flat(x, kind, parallel, block, tile)
     assert_stats(got, naive.stats(x))
 
@@ -408,7 +409,7 @@ def test_quant_ties_round_half_even():
 
 @needs_jit
 def test_serial_kernel_releases_the_gil():
-    it, ut, sc, uc = S._float_consts("F32")
+    it, ut, sc, uc = A.float_consts("F32")
     for log2 in (22, 24, 26):  # grow the input until one call lasts long enough to observe
         x = ro(np.random.default_rng(0).standard_normal(1 << log2).astype(np.float32))
 
