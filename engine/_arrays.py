@@ -21,6 +21,11 @@ import numpy as np
 from . import dtypes as _dt
 from .errors import DeviceError, SerializationError
 
+try:  # numpy >= 2
+    from numpy.lib.array_utils import normalize_axis_index
+except ImportError:  # pragma: no cover - numpy 1.26
+    from numpy.core.multiarray import normalize_axis_index  # type: ignore[no-redef]
+
 #: Default tunables (arguments of the public functions, not read by the kernels).
 BLOCK = 1 << 16  # elements per parallel task
 TILE = 1 << 12  # elements per L1-resident tile (16 KiB of float32)

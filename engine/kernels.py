@@ -57,6 +57,7 @@ __all__ = [
     "stats_values",
     "stats_int",
     "init_keys",
+    "merge_float_blocks",
     "fold_block",
     "int_block",
     "read_fold",
@@ -551,7 +552,10 @@ def init_keys(sc, uc, skey, ukey):
 
 
 @njit(**_OPTS)
-def _merge_float_blocks(cnt, mom, skey, ukey):
+def merge_float_blocks(cnt, mom, skey, ukey):
+    """Merge partial-result rows (``cnt`` [n, 5], ``mom`` [n, 2], ``skey`` [n, 2], ``ukey``
+    [n]; see :func:`fold_block`) into the tuple :func:`stats_values` returns.  Also merges
+    the rows that the device kernels of :mod:`engine.cuda_kernels` fill."""
     n = 0.0
     mean = np.nan
     m2 = 0.0
@@ -648,7 +652,7 @@ def stats_values(fmt, f, ki, ku, sc, uc, block, tile, parallel):
         for b in range(nb):
             lo = b * block
             fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
-    return _merge_float_blocks(cnt, mom, skey, ukey)
+    return merge_float_blocks(cnt, mom, skey, ukey)
 
 
 @njit(**_OPTS)

@@ -30,7 +30,7 @@ from ._arrays import (
     readonly,
 )
 
-__all__ = ["Accumulator", "Stats", "stats"]
+__all__ = ["Accumulator", "Stats", "stats", "stats_from_partials"]
 
 _FLOAT = ("F32", "F64")
 _HALF = ("F16", "BF16")
@@ -189,6 +189,13 @@ def _stats_flat(flat: np.ndarray, kind: str, parallel: bool, block: int, tile: i
     fmt, values = _kernel_format(kind)
     res = _k.stats_values(fmt, flat.view(values), flat.view(it), flat.view(ut), sc, uc, block, tile, parallel)
     return _float_result(kind, *res)
+
+
+def stats_from_partials(kind: str, cnt, mom, skey, ukey) -> Stats:
+    """:class:`Stats` of float data of format ``kind`` from partial-result rows (numpy
+    arrays laid out as for :func:`engine.kernels.fold_block`, one row per block), such as
+    the device kernels return."""
+    return _float_result(kind, *_k.merge_float_blocks(cnt, mom, skey, ukey))
 
 
 class Accumulator:
