@@ -24,7 +24,7 @@ from numba import cuda
 from . import cuda_kernels as _ck
 from ._arrays import BF16, F16, FLOAT, FLOAT_FORMATS, float_consts, normalize_axis_index
 from .errors import DeviceError
-from .quantize import INPUTS, QuantizedTensor, raise_nonfinite
+from .quantize import INPUTS, QuantizedTensor, raise_if_nonfinite
 from .statistics import Stats, stats_from_partials
 
 __all__ = [
@@ -395,7 +395,7 @@ def quantize_int8_device(
     scale = empty_like_framework(x, (C,), np.float32)
     bad = DeviceQuantizer(launch).quantize(x, kind, shape, axis, q, scale, stream)
     if on_nonfinite == "raise":
-        raise_nonfinite(bad, name)
+        raise_if_nonfinite(bad, name)
     return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, kind)
 
 

@@ -277,7 +277,7 @@ def quantize_array(a, kind, axis, raise_nonfinite, name, threads, block=BLOCK, t
             scale, bad = _fused(a, kind, axis, q, parallel, block, tile)
             bad = _counts(bad)
             if raise_nonfinite:
-                raise_nonfinite(bad, name)
+                raise_if_nonfinite(bad, name)
             return q, scale, bad
 
         tasks = 4 * pool_threads(threads) if parallel else 1
@@ -289,7 +289,7 @@ def quantize_array(a, kind, axis, raise_nonfinite, name, threads, block=BLOCK, t
             amax[sel] = np.maximum(amax[sel], pmax if sub is not None else pmax[0])
             bad += pbad
         if raise_nonfinite:
-            raise_nonfinite(bad, name)  # before the int8 output is allocated
+            raise_if_nonfinite(bad, name)  # before the int8 output is allocated
         scale = amax / np.float32(127.0)
         scale[scale == 0] = np.float32(1.0)
 
@@ -318,7 +318,7 @@ def _counts(bad) -> np.ndarray:
     return np.asarray(bad, dtype=np.int64).reshape(-1, 3).sum(axis=0)
 
 
-def raise_nonfinite(bad: np.ndarray, name: str | None) -> None:
+def raise_if_nonfinite(bad: np.ndarray, name: str | None) -> None:
     """Raise NonFiniteError when any of the (NaN, +Inf, -Inf) counts is nonzero."""
     if not bad.any():
         return
