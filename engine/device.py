@@ -15,6 +15,7 @@ runs on numpy arrays standing for device memory; the test suite runs it that way
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -111,13 +112,27 @@ def as_device_array(x: Any):
 def numba_stream(stream: Any):
     """The Numba stream for a framework's stream (torch, CuPy, Numba) or None (default)."""
     if stream is None or SIMULATOR:
-        return 0 if stream is None or not hasattr(stream, "synchronize") else stream
+        return 0  # the simulator runs each launch to completion: one stream is as good as any
     handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
     if handle is None:
         handle = getattr(stream, "ptr", None)  # cupy.cuda.Stream
     if handle is None:
         return stream  # a Numba stream already
     return cuda.external_stream(handle)
+
+
+#: The simulator runs one kernel at a time (it asserts so); loads launch from several
+#: reader threads, so simulated launches take turns.  Real launches need no lock.
+_SIM_LOCK = threading.Lock()
+
+
+def _launch(kernel, config: tuple, *args) -> None:
+    """``kernel[config](*args)``: an asynchronous launch on the stream named in ``config``."""
+    if SIMULATOR:
+        with _SIM_LOCK:
+            kernel[config](*args)
+    else:
+        kernel[config](*args)
 
 
 def _sync(stream) -> None:
@@ -212,7 +227,7 @@ class DeviceAccumulator:
             self.skey = cuda.device_array((g, 2), np.int64, stream=s)
             self.ukey = cuda.device_array(g, np.uint64, stream=s)
         threads = min(launch.threads, 128)
-        _ck.init_stats[-(-g // threads), threads, s](self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey)
+        _launch(_ck.init_stats, (-(-g // threads), threads, s), self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey)
         self._fmt = _fmt(kind)
 
     def add(self, buf, stream: Any = None) -> None:
@@ -227,7 +242,7 @@ class DeviceAccumulator:
             return
         f, ki, ku = _views(d, self.kind)
         lc = self.launch
-        _ck.stats_fold[lc.blocks, lc.threads, numba_stream(stream)](
+        _launch(_ck.stats_fold, (lc.blocks, lc.threads, numba_stream(stream)), 
             self._fmt, f, ki, ku, self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey
         )
 
@@ -336,20 +351,20 @@ class DeviceQuantizer:
                 # long runs: blocks stride each run, one atomic max per block
                 runs = outer * C
                 per_run = max(1, min(-(-inner // nt), lc.blocks // runs))
-                _ck.absmax_runs[runs * per_run, nt, s](ku, absmask, lim, C, inner, per_run, keys, bad)
+                _launch(_ck.absmax_runs, (runs * per_run, nt, s), ku, absmask, lim, C, inner, per_run, keys, bad)
             else:
                 # short runs: a thread per element of an outer row, down a slab of rows
                 width = C * inner
                 bx = -(-width // nt)
                 rows = max(1, -(-outer // max(1, lc.blocks // bx)))
-                _ck.absmax_columns[(bx, -(-outer // rows)), nt, s](ku, absmask, lim, outer, C, inner, rows, keys, bad)
+                _launch(_ck.absmax_columns, ((bx, -(-outer // rows)), nt, s), ku, absmask, lim, outer, C, inner, rows, keys, bad)
         mbits, bias = _MANTISSA[kind]
         sd = _flat(as_device_array(scale))
         if C:
-            _ck.scales_from_keys[-(-C // nt), nt, s](keys, mbits, bias, sd)
+            _launch(_ck.scales_from_keys, (-(-C // nt), nt, s), keys, mbits, bias, sd)
         if n:
             blocks = max(1, min(lc.blocks * 4, -(-n // nt)))
-            _ck.quantize_elements[blocks, nt, s](_fmt(kind), f, ku, absmask, lim, C, inner, sd, _flat(as_device_array(q)))
+            _launch(_ck.quantize_elements, (blocks, nt, s), _fmt(kind), f, ku, absmask, lim, C, inner, sd, _flat(as_device_array(q)))
         out = _to_host(bad, s)
         if not SIMULATOR:
             _sync(s)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 from . import dtypes, pipeline
 from .errors import SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
+from .onload import plan as onload_plan
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
 from .reader import IOV_MAX, default_threads, pread_into
 from .sinks import get_sink
@@ -72,6 +73,7 @@ def load_rows(
     cancel: Optional[threading.Event] = None,
     destination=None,
     fill=None,
+    after_copy=None,
 ) -> dict[int, Any]:
     """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor."""
     if destination is None:
@@ -91,6 +93,7 @@ def load_rows(
         on_complete=on_complete,
         cancel=cancel,
         fill=fill,
+        after_copy=after_copy,
     )
     return tensors
 
@@ -111,6 +114,7 @@ def stream(
     chunk_bytes: Optional[int] = None,
     per_tensor: bool = False,
     stats: bool = False,
+    quantize=None,
     max_header_size: int = MAX_HEADER_SIZE,
 ) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` as each tensor of a file finishes loading.
@@ -135,7 +139,15 @@ def stream(
         after it lands, while it is still in the core's L2 cache, in one native call without
         the GIL; per-thread partial results merge when the tensor is complete.  There is no
         second pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
-        sub-byte, complex).
+        sub-byte, complex).  On a GPU, F64/F32/F16/BF16 tensors are summarised on the
+        device instead, by CUDA kernels queued on each copy's stream right after it (see
+        :mod:`engine.onload`); other dtypes keep the CPU fold.
+    quantize : None, "int8" or engine.quantize.Int8, optional
+        Quantize the selected tensors (default selection: F32/F16/BF16 weights of 2 or more
+        dimensions, not embeddings; one scale per row) to symmetric int8 while loading,
+        bit-identical to :func:`engine.quantize_int8`; each is yielded as a
+        :class:`~engine.quantize.QuantizedTensor`.  On a GPU the quantization runs on the
+        device and only a bounded window of source-dtype staging is held there.
 
     Yields
     ------
@@ -162,14 +174,28 @@ def stream(
         header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
         rows = _select(header, spath, names, patterns, predicate, layers)
         _advise_sequential(fd)
-        tensors, destination = _destination(sink, header, rows, per_tensor)
+        hooks = onload_plan(header, rows, sink, stats=stats, quantize=quantize, path=spath)
+        if hooks is not None and sink.on_device:
+            tensors, destination = hooks.destination(header, rows, per_tensor)
+        else:
+            tensors, destination = _destination(sink, header, rows, per_tensor)
         t = header.table
-        collector = _StatsCollector(header, rows, spath) if stats else None
+        collector = None
+        if stats:
+            collector = _StatsCollector(header, rows if hooks is None else hooks.host_stats_rows(rows), spath)
 
         def result(row):
+            tensor = tensors.get(row) if hooks is None else hooks.tensor(row, tensors.get(row))
             if collector is None:
-                return t.names[row], tensors[row]
-            return t.names[row], tensors[row], collector.result(row)
+                return t.names[row], tensor
+            if hooks is not None and hooks.has_device_stats(row):
+                return t.names[row], tensor, hooks.stats(row)
+            return t.names[row], tensor, collector.result(row)
+
+        def landed(row):
+            if hooks is not None:
+                hooks.landed(row)
+            done.put(row)
 
         # tensors with no bytes are complete before anything is read
         for r in rows:
@@ -181,8 +207,9 @@ def stream(
             try:
                 load_rows(
                     fd, header, rows, sink, path=spath, threads=threads, chunk_bytes=chunk_bytes,
-                    on_complete=done.put, cancel=cancel, destination=(tensors, destination),
+                    on_complete=landed, cancel=cancel, destination=(tensors, destination),
                     fill=collector.fill if collector is not None else None,
+                    after_copy=hooks.after_copy if hooks is not None else None,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer

@@ -115,6 +115,7 @@ def run(
     on_complete: Optional[Callable[[int], None]] = None,
     cancel: Optional[threading.Event] = None,
     fill: Optional[Callable[[int, Request, list], None]] = None,
+    after_copy: Optional[Callable[[Request, object], None]] = None,
 ) -> int:
     """Execute ``requests`` into ``dest`` on ``threads`` worker threads; returns bytes read.
 
@@ -124,6 +125,12 @@ def run(
     worker thread, before the pieces are copied to a device or reported complete: the place
     for work that must see the bytes while they are still in the CPU cache, such as
     statistics (see ``engine.loader``).
+
+    ``after_copy(request, stream)``, if given, runs on a device worker right after the
+    request's host-to-device copies are issued, before the event that frees the staging
+    slot is recorded: work it queues on ``stream`` (kernels reading the bytes where they
+    landed, see ``engine.onload``) is ordered after the copies and complete when the
+    tensor is reported complete.
 
     Raises the first worker error (a :class:`~engine.errors.ReadError` names the file,
     offset and size) after every worker has stopped; raises :class:`Cancelled` when
@@ -186,6 +193,8 @@ def run(
                 targets = dest.device_targets
                 for p in req.pieces:
                     ops.copy_to_device(targets[p.row], p.tensor_offset, handle, p.request_offset, p.nbytes, stream)
+                if after_copy is not None:
+                    after_copy(req, stream)
                 in_flight[slot] = (ops.record(stream), req.pieces)
         finally:
             # drain: every issued copy completes before its staging slot is released
