@@ -41,6 +41,7 @@ from ._arrays import BF16, F16
 
 __all__ = [
     "MAX_THREADS",
+    "fill_zero",
     "init_stats",
     "stats_fold",
     "absmax_runs",
@@ -110,6 +111,14 @@ def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 @cuda.jit
+def fill_zero(a):
+    """``a[:] = 0`` (a 1-D array of any number type)."""
+    i = cuda.grid(1)
+    if i < a.size:
+        a[i] = 0
+
+
+@cuda.jit
 def init_stats(sc, uc, cnt, mom, skey, ukey):
     """Reset accumulator rows: zero counts and moments, identities of the key reductions."""
     r = cuda.grid(1)
@@ -129,8 +138,8 @@ def stats_fold(fmt, f, ki, ku, sc, uc, cnt, mom, skey, ukey):
 
     ``f`` is the float view (float32/float64 data) or ``ku`` again (F16/BF16, ``fmt``);
     ``ki``/``ku`` the signed and unsigned integer views of the same memory; ``sc``/``uc``
-    the constants of :func:`engine._arrays.float_consts` (``[LIM, SMIN, SMAX]`` and
-    ``[ABSMASK, LIM, NEGLIM, 0]``).  Block ``b`` merges its part into ``cnt[b]`` [finite,
+    the constants of :func:`engine._arrays.float_consts` as tuples, passed by value
+    (``(LIM, SMIN, SMAX)`` and ``(ABSMASK, LIM, NEGLIM, 0)``).  Block ``b`` merges its part into ``cnt[b]`` [finite,
     nan, +inf, -inf, zero], ``mom[b]`` [mean, M2], ``skey[b]`` [max_i, min_i] (int64) and
     ``ukey[b]`` [max_u] (uint64): the partial-row layout of :func:`engine.kernels.stats_values`,
     merged on the host by the same code.  Launches that share rows must be ordered (one

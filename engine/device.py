@@ -33,6 +33,9 @@ __all__ = [
     "DeviceQuantizer",
     "LaunchConfig",
     "device_stats",
+    "default_empty",
+    "empty_like_framework",
+    "on_gpu",
     "quantize_int8_device",
     "SUPPORTED_NAMES",
 ]
@@ -118,7 +121,23 @@ def numba_stream(stream: Any):
         handle = getattr(stream, "ptr", None)  # cupy.cuda.Stream
     if handle is None:
         return stream  # a Numba stream already
-    return cuda.external_stream(handle)
+    s = _EXTERNAL.get(handle)
+    if s is None:  # a load's reader threads keep their streams: wrap each once
+        s = _EXTERNAL[handle] = cuda.external_stream(handle)
+    return s
+
+
+_EXTERNAL: dict[int, Any] = {}
+
+
+def on_gpu(index: int | None):
+    """Context that makes GPU ``index`` current for Numba in this thread (a reader thread
+    starts on GPU 0); nothing under the simulator or for ``None``."""
+    from contextlib import nullcontext
+
+    if SIMULATOR or index is None:
+        return nullcontext()
+    return cuda.gpus[index]
 
 
 #: The simulator runs one kernel at a time (it asserts so); loads launch from several
@@ -174,9 +193,20 @@ def _flat(d):
     return d if len(d.shape) == 1 else d.reshape(d.size)
 
 
-def _zeros(shape, dtype, stream):
-    host = np.zeros(shape, dtype)
-    return host if SIMULATOR else cuda.to_device(host, stream=stream)
+def default_empty(shape: tuple, dtype) -> Any:
+    """Device memory from Numba's own allocator (numpy arrays under the simulator).  Loads
+    pass their framework's allocator instead (torch's caching allocator, CuPy's pool), which
+    neither calls cudaMalloc per array nor synchronises to free it."""
+    return np.empty(shape, dtype) if SIMULATOR else cuda.device_array(shape, dtype)
+
+
+def _zeros(empty, shape, dtype, stream):
+    """A zeroed device array from ``empty`` (the fill is a launch on ``stream``)."""
+    a = as_device_array(empty(shape, dtype))
+    flat = _flat(a)
+    if flat.size:
+        _launch(_ck.fill_zero, (-(-flat.size // 128), 128, stream), flat)
+    return a
 
 
 def _to_host(d, stream):
@@ -206,28 +236,22 @@ class DeviceAccumulator:
     the CPU kernels' code.
     """
 
-    def __init__(self, kind: str, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None) -> None:
+    def __init__(self, kind: str, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None,
+                 empty: Any = None) -> None:
         if kind not in SUPPORTED_NAMES:
             raise TypeError(f"device statistics support {', '.join(sorted(SUPPORTED_NAMES))} data, not {kind}")
         self.kind = kind
         self.launch = launch
         _, _, sc, uc = float_consts(kind)
+        self._sc, self._uc = tuple(sc), tuple(uc)  # kernel arguments by value: no device copy
         s = numba_stream(stream)
         g = launch.blocks
-        if SIMULATOR:
-            self._sc, self._uc = sc, uc
-            self.cnt = np.empty((g, 5), np.int64)
-            self.mom = np.empty((g, 2), np.float64)
-            self.skey = np.empty((g, 2), np.int64)
-            self.ukey = np.empty(g, np.uint64)
-        else:
-            self._sc, self._uc = cuda.to_device(sc, stream=s), cuda.to_device(uc, stream=s)
-            self.cnt = cuda.device_array((g, 5), np.int64, stream=s)
-            self.mom = cuda.device_array((g, 2), np.float64, stream=s)
-            self.skey = cuda.device_array((g, 2), np.int64, stream=s)
-            self.ukey = cuda.device_array(g, np.uint64, stream=s)
-        threads = min(launch.threads, 128)
-        _launch(_ck.init_stats, (-(-g // threads), threads, s), self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey)
+        empty = empty or default_empty
+        self._keep = [empty((g, 5), np.int64), empty((g, 2), np.float64), empty((g, 2), np.int64),
+                      empty((g,), np.int64)]  # the framework's arrays own the memory
+        self.cnt, self.mom, self.skey, ukey = (as_device_array(a) for a in self._keep)
+        self.ukey = ukey.view(np.uint64)
+        _launch(_ck.init_stats, (-(-g // 128), 128, s), self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey)
         self._fmt = _fmt(kind)
 
     def add(self, buf, stream: Any = None) -> None:
@@ -321,8 +345,9 @@ class DeviceQuantizer:
     float32 scales, and ``4 * C`` bytes of keys.
     """
 
-    def __init__(self, launch: LaunchConfig = DEFAULT_LAUNCH) -> None:
+    def __init__(self, launch: LaunchConfig = DEFAULT_LAUNCH, empty: Any = None) -> None:
         self.launch = launch
+        self.empty = empty or default_empty
 
     def quantize(self, src, kind: str, shape: tuple, axis: int | None, q, scale, stream: Any = None):
         """Quantize ``src`` (C-contiguous device array of format ``kind``, any view dtype,
@@ -336,8 +361,8 @@ class DeviceQuantizer:
         n = math.prod(shape)
         outer, C, inner = (1, 1, n) if axis is None else (
             math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
-        bad = _zeros(3, np.int64, s)
-        keys = _zeros(C, np.uint32, s)
+        bad = _zeros(self.empty, (3,), np.int64, s)
+        keys = _zeros(self.empty, (max(C, 1),), np.int32, s).view(np.uint32)
         lc = self.launch
         nt = lc.threads
         _, ut, lim, _ = FLOAT_FORMATS[kind]
@@ -361,7 +386,7 @@ class DeviceQuantizer:
         mbits, bias = _MANTISSA[kind]
         sd = _flat(as_device_array(scale))
         if C:
-            _launch(_ck.scales_from_keys, (-(-C // nt), nt, s), keys, mbits, bias, sd)
+            _launch(_ck.scales_from_keys, (-(-C // nt), nt, s), keys[:C], mbits, bias, sd)
         if n:
             blocks = max(1, min(lc.blocks * 4, -(-n // nt)))
             _launch(_ck.quantize_elements, (blocks, nt, s), _fmt(kind), f, ku, absmask, lim, C, inner, sd, _flat(as_device_array(q)))
@@ -414,9 +439,6 @@ def quantize_int8_device(
     return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, kind)
 
 
-_TORCH_DTYPES = {"int8": "int8", "float32": "float32", "uint8": "uint8"}
-
-
 def empty_like_framework(like: Any, shape: tuple, dtype) -> Any:
     """An empty array of ``shape`` and numpy ``dtype`` in the framework and on the device
     of ``like``."""
@@ -425,7 +447,7 @@ def empty_like_framework(like: Any, shape: tuple, dtype) -> Any:
     if kind == "torch":
         import torch
 
-        return torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype.name]), device=like.device)
+        return torch.empty(shape, dtype=getattr(torch, dtype.name), device=like.device)
     if kind == "cupy":
         import cupy
 

@@ -36,9 +36,6 @@ from .errors import NonFiniteError
 
 __all__ = ["LoadWork", "plan"]
 
-_TORCH = {"int8": "int8", "float32": "float32", "uint8": "uint8"}
-
-
 def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: Optional[str] = None,
          launch=None) -> Optional["LoadWork"]:
     """The work a load of ``rows`` into ``sink`` does besides landing bytes, or None.
@@ -62,7 +59,7 @@ def _allocator(sink) -> Callable[[tuple, Any], Any]:
         import torch
 
         device = sink.device
-        return lambda shape, dt: torch.empty(shape, dtype=getattr(torch, _TORCH[np.dtype(dt).name]), device=device)
+        return lambda shape, dt: torch.empty(shape, dtype=getattr(torch, np.dtype(dt).name), device=device)
     if getattr(sink, "name", None) == "cupy":
         import cupy
 
@@ -129,7 +126,13 @@ class LoadWork:
         self._views: dict[int, Any] = {}
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
         self._targets: Optional[_Staging] = None
-        self._empty = _allocator(sink) if self.on_device and self._quant else None
+        self._empty = _allocator(sink) if self.on_device else None
+        dev = getattr(sink, "device", None)
+        self._gpu = getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
+        if self._gpu is None and self.on_device and getattr(sink, "name", None) == "torch":
+            import torch
+
+            self._gpu = torch.cuda.current_device()  # "cuda" without an index
         self._streams = threading.local()
 
     # ---------------------------------------------------------------- what the loader asks
@@ -153,8 +156,12 @@ class LoadWork:
         """Pipeline hook: fold the pieces of ``req`` just copied, on their ``stream``."""
         if not self._stats_kind:
             return
-        from .device import DeviceAccumulator, as_device_array
+        from .device import DeviceAccumulator, as_device_array, on_gpu
 
+        with on_gpu(self._gpu):
+            self._fold(req, stream, DeviceAccumulator, as_device_array)
+
+    def _fold(self, req, stream, DeviceAccumulator, as_device_array) -> None:
         me = threading.get_ident()
         for p in req.pieces:
             kind = self._stats_kind.get(p.row)
@@ -166,7 +173,7 @@ class LoadWork:
             per_thread = self._acc.setdefault(p.row, {})  # atomic: both threads get the same dict
             acc = per_thread.get(me)
             if acc is None:  # only this thread adds its own key
-                acc = per_thread[me] = DeviceAccumulator(kind, self._launch_config(), stream)
+                acc = per_thread[me] = DeviceAccumulator(kind, self._launch_config(), stream, self._empty)
             acc.add(view[p.tensor_offset : p.tensor_offset + p.nbytes], stream)
 
     def landed(self, row: int) -> None:
@@ -175,8 +182,11 @@ class LoadWork:
         self._views.pop(row, None)  # no piece of it comes any more; the view would keep staging alive
         if row not in self._quant or not self.on_device:
             return
+        from .device import on_gpu
+
         src = self._targets.pop(row, None)
-        self._done[row] = self._quantize_device(row, src)
+        with on_gpu(self._gpu):
+            self._done[row] = self._quantize_device(row, src)
 
     def tensor(self, row: int, tensor: Any) -> Any:
         """What the load hands out for ``row``: its tensor, or its QuantizedTensor."""
@@ -184,7 +194,12 @@ class LoadWork:
             return tensor
         if self.on_device:
             done = self._done.pop(row, None)
-            return done if done is not None else self._quantize_device(row, None)  # empty tensors
+            if done is None:  # a tensor without bytes never lands
+                from .device import on_gpu
+
+                with on_gpu(self._gpu):
+                    done = self._quantize_device(row, None)
+            return done
         from .quantize import QuantizedTensor, quantize_int8
 
         kind, _, axis = self._quant[row]
@@ -203,9 +218,12 @@ class LoadWork:
             return None
         from .statistics import Stats
 
+        from .device import on_gpu
+
         out = Stats.empty()
-        for acc in self._acc.pop(row, {}).values():
-            out = out.merge(acc.result(self._stream()))
+        with on_gpu(self._gpu):
+            for acc in self._acc.pop(row, {}).values():
+                out = out.merge(acc.result(self._stream()))
         return out
 
     def has_device_stats(self, row: int) -> bool:
@@ -246,7 +264,8 @@ class LoadWork:
         scale = self._empty((C,), np.float32)
         if math.prod(shape) and src is None:  # pragma: no cover - a tensor with bytes always lands
             raise RuntimeError(f"tensor {self._names[row]!r} was never staged")
-        bad = DeviceQuantizer(self._launch_config()).quantize(src, kind, shape, axis, q, scale, self._stream())
+        bad = DeviceQuantizer(self._launch_config(), self._empty).quantize(src, kind, shape, axis, q, scale,
+                                                                          self._stream())
         if self.spec.on_nonfinite == "raise":
             try:
                 raise_if_nonfinite(bad, self._names[row])
