@@ -58,7 +58,7 @@ _POW2 = np.ldexp(np.float32(1.0), np.arange(-149, 128)).astype(np.float32)
 _POW2_BIAS = 149
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, cache=True)
 def _decode(bits, mbits, bias):
     """float32 value of the non-negative finite pattern ``bits`` of a format with ``mbits``
     mantissa bits and exponent ``bias``: ``mantissa * 2**(e - bias - mbits)``, exact."""
@@ -72,7 +72,7 @@ def _decode(bits, mbits, bias):
     return float32(m) * _POW2[e - bias - mbits + _POW2_BIAS]
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, cache=True)
 def _half_value(fmt, u):
     """float32 value of the finite F16 (``fmt == F16``) or BF16 pattern ``u``."""
     b = int64(u)
@@ -83,7 +83,7 @@ def _half_value(fmt, u):
     return -v if b & 0x8000 else v
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, cache=True)
 def _value(fmt, f, u, i):
     """float64 value of element ``i``: from the float view ``f``, or decoded from the
     F16/BF16 pattern ``u``."""
@@ -92,7 +92,7 @@ def _value(fmt, f, u, i):
     return float64(f[i])
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, cache=True)
 def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
     """Merge (count, mean, M2) of two disjoint sets (Chan, Golub & LeVeque); the same
     update as :func:`engine.kernels._chan`."""
@@ -110,7 +110,7 @@ def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
     return n, mean, m2_a + m2_b + d * d * (float64(n_a) * frac)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_zero(a):
     """``a[:] = 0`` (a 1-D array of any number type)."""
     i = cuda.grid(1)
@@ -118,7 +118,7 @@ def fill_zero(a):
         a[i] = 0
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def init_stats(sc, uc, cnt, mom, skey, ukey):
     """Reset accumulator rows: zero counts and moments, identities of the key reductions."""
     r = cuda.grid(1)
@@ -132,7 +132,7 @@ def init_stats(sc, uc, cnt, mom, skey, ukey):
         ukey[r] = uint64(uc[3])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def stats_fold(fmt, f, ki, ku, sc, uc, cnt, mom, skey, ukey):
     """Fold the elements of ``ku`` into accumulator rows, one row per block.
 
@@ -251,7 +251,7 @@ def stats_fold(fmt, f, ki, ku, sc, uc, cnt, mom, skey, ukey):
 # magnitude), into ``keys[C]`` (uint32, zeroed by the caller) with atomic max.
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, cache=True)
 def _classify_max(u, absmask, lim, bad):
     """Magnitude key of a finite ``u`` (0 for NaN/Inf, which are counted into ``bad``)."""
     a = u & absmask
@@ -266,7 +266,7 @@ def _classify_max(u, absmask, lim, bad):
     return uint64(0)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def absmax_runs(ku, absmask, lim, C, inner, per_run, keys, bad):
     """Channel maxima when runs are long (``inner`` large, or one run per tensor).
 
@@ -299,7 +299,7 @@ def absmax_runs(ku, absmask, lim, C, inner, per_run, keys, bad):
         cuda.atomic.max(keys, c, np.uint32(s_max[0]))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def absmax_columns(ku, absmask, lim, outer, C, inner, rows_per_block, keys, bad):
     """Channel maxima when runs are short (``inner`` small, e.g. a scale per column).
 
@@ -324,7 +324,7 @@ def absmax_columns(ku, absmask, lim, outer, C, inner, rows_per_block, keys, bad)
         cuda.atomic.max(keys, j // inner, np.uint32(m))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def scales_from_keys(keys, mbits, bias, scale):
     """``scale = float32(amax) / float32(127)``, 1 where that is 0, from the maximum
     magnitude patterns ``keys`` of a format with ``mbits`` mantissa bits and ``bias``."""
@@ -335,7 +335,7 @@ def scales_from_keys(keys, mbits, bias, scale):
     scale[c] = s if s != 0 else float32(1.0)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def quantize_elements(fmt, f, ku, absmask, lim, C, inner, scale, q):
     """``q = clip(rint(float32(x) / scale[c]), -127, 127)`` with NaN -> 0 and +-Inf ->
     +-127, element by element (grid-stride), ``c = (i // inner) % C``.
