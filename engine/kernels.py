@@ -41,6 +41,7 @@ Conventions shared by all kernels
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -62,11 +63,11 @@ __all__ = [
     "int_block",
     "read_fold",
     "read_fold_int",
+    "Grid",
+    "Keys",
     "absmax_grid",
     "quantize_grid",
-    "quantize_grid_half",
     "quantize_rows_fused",
-    "quantize_rows_fused_half",
 ]
 
 
@@ -826,20 +827,45 @@ def read_fold_int(fd, offset, dest, window, tile, cnt, mom, ext):
 # cut into a grid of tasks of oc x cc x ic (o, c, i) elements, sized by the caller so that a
 # task holds about ``block`` elements and the per-task partial maxima stay small.
 # Partial maxima of a task live in part[row, c] with row = o_task * n_i_tasks + i_task.
+#
+# One definition per pass for every input format: ``x`` holds float32 values, or F16/BF16
+# bit patterns as ``uint16`` (``fmt``) that are widened a tile at a time into a per-task
+# float32 scratch buffer (:func:`_scratch`, :func:`_tile_values`, chosen by type when
+# compiling, so float32 input never compiles the widening).
+
+
+class Grid(NamedTuple):
+    """The (outer, C, inner) view of a tensor and its task extents (oc, cc, ic)."""
+
+    outer: int
+    C: int
+    inner: int
+    oc: int
+    cc: int
+    ic: int
+
+
+class Keys(NamedTuple):
+    """Bit-pattern constants of an input format, typed like its unsigned view: ``absmask``
+    clears the sign bit, ``lim`` is +Inf (larger magnitudes are NaN), ``sign`` the sign bit."""
+
+    absmask: Any
+    lim: Any
+    sign: Any
 
 
 @njit(**_OPTS)
-def _task(t, outer, C, inner, oc, cc, ic):
-    pc = (C + cc - 1) // cc
-    pi = (inner + ic - 1) // ic
+def _task(t, g):
+    pc = (g.C + g.cc - 1) // g.cc
+    pi = (g.inner + g.ic - 1) // g.ic
     a = t // (pc * pi)
     r = t - a * (pc * pi)
     b = r // pi
     d = r - b * pi
-    o0 = a * oc
-    c0 = b * cc
-    i0 = d * ic
-    return o0, min(o0 + oc, outer), c0, min(c0 + cc, C), i0, min(i0 + ic, inner), a * pi + d
+    o0 = a * g.oc
+    c0 = b * g.cc
+    i0 = d * g.ic
+    return o0, min(o0 + g.oc, g.outer), c0, min(c0 + g.cc, g.C), i0, min(i0 + g.ic, g.inner), a * pi + d
 
 
 @njit(**_OPTS)
@@ -882,8 +908,12 @@ def _count_nonfinite(ku, absmask, lim, bad):
 
 
 @njit(**_OPTS)
-def _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad):
-    o0, o1, c0, c1, i0, i1, row = _task(t, outer, C, inner, oc, cc, ic)
+def _absmax_task(ki, ku, keys, g, t, part, bad):
+    o0, o1, c0, c1, i0, i1, row = _task(t, g)
+    C = g.C
+    inner = g.inner
+    absmask = keys.absmask
+    lim = keys.lim
     prow = part[row]
     if inner == 1:
         # one element per (o, c): vectorize across channels
@@ -908,127 +938,123 @@ def _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, par
         for c in range(c0, c1):
             base = (o * C + c) * inner
             seg = ku[base + i0 : base + i1]
-            m = _max_mag(ki[base + i0 : base + i1], seg, absmask, sign)
+            m = _max_mag(ki[base + i0 : base + i1], seg, absmask, keys.sign)
             if m >= lim:
                 m = _count_nonfinite(seg, absmask, lim, bad)
             prow[c] = m if m > prow[c] else prow[c]
 
 
 @njit(**_OPTS, parallel=True)
-def absmax_grid(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, parallel):
+def absmax_grid(ki, ku, keys, g, parallel):
     """Per-channel maximum magnitude of the finite values, as bit-pattern keys.
 
     ``ki``/``ku`` are the signed and unsigned views of float32 (``int32``/``uint32``) or
-    F16/BF16 (``int16``/``uint16``) data; ``absmask`` clears the sign bit, ``sign`` is the
-    sign bit and ``lim`` the pattern of +Inf (all three of ``ku``'s type).
+    F16/BF16 (``int16``/``uint16``) data; ``keys`` (:class:`Keys`) holds the format's
+    constants typed like ``ku``, ``g`` (:class:`Grid`) the layout and task extents.
     Magnitude order equals the order of ``pattern & absmask`` for every IEEE-like format,
     subnormals included, so no value is widened.
 
     Returns ``(part, bad)``: ``part[rows, C]`` partial maxima (reduce with ``max(axis=0)``),
     ``bad[tasks, 3]`` counts of NaN, +Inf and -Inf.
     """
-    po = (outer + oc - 1) // oc
-    pc = (C + cc - 1) // cc
-    pi = (inner + ic - 1) // ic
+    po = (g.outer + g.oc - 1) // g.oc
+    pc = (g.C + g.cc - 1) // g.cc
+    pi = (g.inner + g.ic - 1) // g.ic
     ntask = po * pc * pi
-    part = np.zeros((max(po * pi, 1), C), ku.dtype)
+    part = np.zeros((max(po * pi, 1), g.C), ku.dtype)
     bad = np.zeros((max(ntask, 1), 3), np.int64)
     if parallel:
         for t in prange(ntask):
-            _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad[t])
+            _absmax_task(ki, ku, keys, g, t, part, bad[t])
     else:
         for t in range(ntask):
-            _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad[t])
+            _absmax_task(ki, ku, keys, g, t, part, bad[t])
     return part, bad
+
+
+def _scale_at(s, j):
+    """Scale of element ``j``: ``s`` itself (one scale for the run) or ``s[j]`` (a scale
+    per element, the ``inner == 1`` layout).  Plain Python here; compiled code picks by type."""
+    return s[j] if isinstance(s, np.ndarray) else s
+
+
+@overload(_scale_at)
+def _scale_at_jit(s, j):
+    if isinstance(s, types.Array):
+        return lambda s, j: s[j]
+    return lambda s, j: s
 
 
 @njit(**_OPTS)
 def _quant(f, s, q):
-    """q = clip(rint(f / s), -127, 127) with NaN -> 0; float32 throughout, true division."""
+    """q = clip(rint(f / s), -127, 127) with NaN -> 0; float32 throughout, true division.
+    ``s`` is one scale, or one per element."""
     lo = np.float32(-127.0)
     hi = np.float32(127.0)
     zero = np.float32(0.0)
     for j in range(f.size):
-        r = np.rint(f[j] / s)
+        r = np.rint(f[j] / _scale_at(s, j))
         r = r if r == r else zero  # NaN (only reaches here with on_nonfinite="clamp")
         r = r if r < hi else hi  # +Inf / s -> 127
         r = r if r > lo else lo
         q[j] = np.int8(r)
 
 
-@njit(**_OPTS)
-def _quant_per_element(f, s, q):
-    """As :func:`_quant` with one scale per element (the ``inner == 1`` layout)."""
-    lo = np.float32(-127.0)
-    hi = np.float32(127.0)
-    zero = np.float32(0.0)
-    for j in range(f.size):
-        r = np.rint(f[j] / s[j])
-        r = r if r == r else zero
-        r = r if r < hi else hi
-        r = r if r > lo else lo
-        q[j] = np.int8(r)
+def _scratch(x, tile):
+    """Per-task widening buffer and its ``uint32`` view for F16/BF16 input (``uint16``),
+    ``(None, None)`` for float32.  Plain Python here; compiled code picks by type."""
+    if x.dtype == np.uint16:
+        buf = np.empty(tile, np.float32)
+        return buf, buf.view(np.uint32)
+    return None, None
+
+
+@overload(_scratch)
+def _scratch_jit(x, tile):
+    if x.dtype == types.uint16:
+
+        def widened(x, tile):
+            buf = np.empty(tile, np.float32)
+            return buf, buf.view(np.uint32)
+
+        return widened
+    return lambda x, tile: (None, None)
 
 
 @njit(**_OPTS)
-def _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q):
-    o0, o1, c0, c1, i0, i1, _ = _task(t, outer, C, inner, oc, cc, ic)
-    if inner == 1:
-        for o in range(o0, o1):
-            _quant_per_element(f[o * C + c0 : o * C + c1], scale[c0:c1], q[o * C + c0 : o * C + c1])
-        return
-    for o in range(o0, o1):
-        for c in range(c0, c1):
-            base = (o * C + c) * inner
-            _quant(f[base + i0 : base + i1], scale[c], q[base + i0 : base + i1])
-
-
-@njit(**_OPTS, parallel=True)
-def quantize_grid(f, scale, outer, C, inner, oc, cc, ic, q, parallel):
-    """Second pass for float32 input: write int8 ``q`` (same flat layout as ``f``) given
-    the float32 per-channel ``scale[C]``."""
-    po = (outer + oc - 1) // oc
-    ntask = po * ((C + cc - 1) // cc) * ((inner + ic - 1) // ic)
-    if parallel:
-        for t in prange(ntask):
-            _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q)
-    else:
-        for t in range(ntask):
-            _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q)
-
-
-@njit(**_OPTS)
-def _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q):
-    o0, o1, c0, c1, i0, i1, _ = _task(t, outer, C, inner, oc, cc, ic)
-    buf = np.empty(tile, np.float32)
-    bits = buf.view(np.uint32)
+def _quantize_task(fmt, x, scale, g, t, tile, q):
+    o0, o1, c0, c1, i0, i1, _ = _task(t, g)
+    C = g.C
+    inner = g.inner
+    buf, bits = _scratch(x, tile)
     for o in range(o0, o1):
         if inner == 1:
+            base = o * C
             for j0 in range(c0, c1, tile):
                 j1 = min(j0 + tile, c1)
-                widen_half(fmt, u[o * C + j0 : o * C + j1], buf, bits)
-                _quant_per_element(buf[: j1 - j0], scale[j0:j1], q[o * C + j0 : o * C + j1])
+                v = _tile_values(fmt, x, x, base + j0, base + j1, buf, bits)
+                _quant(v, scale[j0:j1], q[base + j0 : base + j1])
             continue
         for c in range(c0, c1):
             base = (o * C + c) * inner
             for j0 in range(base + i0, base + i1, tile):
                 j1 = min(j0 + tile, base + i1)
-                widen_half(fmt, u[j0:j1], buf, bits)
-                _quant(buf[: j1 - j0], scale[c], q[j0:j1])
+                _quant(_tile_values(fmt, x, x, j0, j1, buf, bits), scale[c], q[j0:j1])
 
 
 @njit(**_OPTS, parallel=True)
-def quantize_grid_half(fmt, u, scale, outer, C, inner, oc, cc, ic, tile, q, parallel):
-    """Second pass for F16/BF16 input given as ``uint16``: widened a tile at a time in
-    registers/L1, then quantized exactly as :func:`quantize_grid`."""
-    po = (outer + oc - 1) // oc
-    ntask = po * ((C + cc - 1) // cc) * ((inner + ic - 1) // ic)
+def quantize_grid(fmt, x, scale, g, tile, q, parallel):
+    """Second pass: write int8 ``q`` (same flat layout as ``x``) given the float32
+    per-channel ``scale[C]``.  ``x`` is float32, or F16/BF16 (``fmt``) as ``uint16``, widened
+    ``tile`` elements at a time in L1 and then quantized exactly as float32 input."""
+    po = (g.outer + g.oc - 1) // g.oc
+    ntask = po * ((g.C + g.cc - 1) // g.cc) * ((g.inner + g.ic - 1) // g.ic)
     if parallel:
         for t in prange(ntask):
-            _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q)
+            _quantize_task(fmt, x, scale, g, t, tile, q)
     else:
         for t in range(ntask):
-            _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q)
+            _quantize_task(fmt, x, scale, g, t, tile, q)
 
 
 # --------------------------------------------------------------------------- fused rows
@@ -1047,79 +1073,38 @@ def _scale_of(amax):
 
 
 @njit(**_OPTS)
-def _fused_rows_task(f, ki, ku, absmask, lim, sign, inner, c0, c1, scale, bad, q):
-    kb = np.empty(1, ku.dtype)  # max-magnitude pattern -> float32 through a 1-element view
-    kf = kb.view(np.float32)
+def _fused_rows_task(fmt, x, ki, ku, keys, inner, c0, c1, tile, scale, bad, q):
+    buf, bits = _scratch(x, tile)
+    kb = np.empty(1, ku.dtype)  # max-magnitude pattern -> float32 through a 1-element array
     for c in range(c0, c1):
         lo = c * inner
         hi = lo + inner
-        m = _max_mag(ki[lo:hi], ku[lo:hi], absmask, sign)
-        if m >= lim:
-            m = _count_nonfinite(ku[lo:hi], absmask, lim, bad)
+        m = _max_mag(ki[lo:hi], ku[lo:hi], keys.absmask, keys.sign)
+        if m >= keys.lim:
+            m = _count_nonfinite(ku[lo:hi], keys.absmask, keys.lim, bad)
         kb[0] = m
-        s = _scale_of(kf[0])
+        s = _scale_of(_tile_values(fmt, kb.view(x.dtype), kb, 0, 1, buf, bits)[0])
         scale[c] = s
-        _quant(f[lo:hi], s, q[lo:hi])
+        for j0 in range(lo, hi, tile):
+            j1 = min(j0 + tile, hi)
+            _quant(_tile_values(fmt, x, x, j0, j1, buf, bits), s, q[j0:j1])
 
 
 @njit(**_OPTS, parallel=True)
-def quantize_rows_fused(f, ki, ku, absmask, lim, sign, C, inner, cc, q, parallel):
-    """Per-channel quantization of float32 ``f`` seen as (C, inner), fused per channel.
+def quantize_rows_fused(fmt, x, ki, ku, keys, C, inner, cc, tile, q, parallel):
+    """Per-channel quantization of ``x`` seen as (C, inner), fused per channel.
 
-    ``ki``/``ku`` are the ``int32``/``uint32`` views of ``f``; ``cc`` channels per task.  Writes ``q`` and
-    returns ``(scale[C], bad[tasks, 3])`` (NaN, +Inf, -Inf counts).
+    ``x`` as for :func:`quantize_grid`; ``ki``/``ku`` its signed and unsigned integer views,
+    ``keys`` (:class:`Keys`) the format's constants; ``cc`` channels per task.  Writes ``q``
+    and returns ``(scale[C], bad[tasks, 3])`` (NaN, +Inf, -Inf counts).
     """
     ntask = (C + cc - 1) // cc
     scale = np.empty(C, np.float32)
     bad = np.zeros((max(ntask, 1), 3), np.int64)
     if parallel:
         for t in prange(ntask):
-            _fused_rows_task(
-                f, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), scale, bad[t], q
-            )
+            _fused_rows_task(fmt, x, ki, ku, keys, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q)
     else:
         for t in range(ntask):
-            _fused_rows_task(
-                f, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), scale, bad[t], q
-            )
-    return scale, bad
-
-
-@njit(**_OPTS)
-def _fused_rows_task_half(fmt, ki, ku, absmask, lim, sign, inner, c0, c1, tile, scale, bad, q):
-    buf = np.empty(tile, np.float32)
-    bits = buf.view(np.uint32)
-    kb = np.empty(1, ku.dtype)
-    for c in range(c0, c1):
-        lo = c * inner
-        hi = lo + inner
-        m = _max_mag(ki[lo:hi], ku[lo:hi], absmask, sign)
-        if m >= lim:
-            m = _count_nonfinite(ku[lo:hi], absmask, lim, bad)
-        kb[0] = m
-        widen_half(fmt, kb, buf, bits)
-        s = _scale_of(buf[0])
-        scale[c] = s
-        for j0 in range(lo, hi, tile):
-            j1 = min(j0 + tile, hi)
-            widen_half(fmt, ku[j0:j1], buf, bits)
-            _quant(buf[: j1 - j0], s, q[j0:j1])
-
-
-@njit(**_OPTS, parallel=True)
-def quantize_rows_fused_half(fmt, ki, ku, absmask, lim, sign, C, inner, cc, tile, q, parallel):
-    """:func:`quantize_rows_fused` for F16/BF16 given as ``uint16``."""
-    ntask = (C + cc - 1) // cc
-    scale = np.empty(C, np.float32)
-    bad = np.zeros((max(ntask, 1), 3), np.int64)
-    if parallel:
-        for t in prange(ntask):
-            _fused_rows_task_half(
-                fmt, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q
-            )
-    else:
-        for t in range(ntask):
-            _fused_rows_task_half(
-                fmt, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q
-            )
+            _fused_rows_task(fmt, x, ki, ku, keys, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q)
     return scale, bad

@@ -78,24 +78,26 @@ class NonFiniteWarning(RuntimeWarning):
         self.neginf_count = neginf_count
 
 
-class _Keys(NamedTuple):
-    """Bit-pattern constants of an input format, typed like its unsigned view."""
+class _Format(NamedTuple):
+    """What the kernels need to know of an input format."""
 
-    absmask: np.unsignedinteger  # clears the sign bit
-    lim: np.unsignedinteger  # +Inf; larger magnitudes are NaN
-    sign: np.unsignedinteger  # the sign bit
+    keys: _k.Keys  # bit-pattern constants, typed like the unsigned view
+    fmt: int  # the kernels' format code (FLOAT for float32)
     it: np.dtype  # signed view
     ut: np.dtype  # unsigned view
     ft: np.dtype  # the float type itself
+    xt: np.dtype  # the values array the kernels take: float32, or uint16 bit patterns
 
 
-def _keys(kind: str) -> _Keys:
+def _format(kind: str) -> _Format:
     it, ut, lim, ft = FLOAT_FORMATS[kind]
     sign = 1 << (np.iinfo(it).bits - 1)
-    return _Keys(ut(sign - 1), ut(lim), ut(sign), np.dtype(it), np.dtype(ut), np.dtype(ft))
+    fmt = _k.F16 if kind == "F16" else _k.BF16 if kind == "BF16" else _k.FLOAT
+    xt = np.dtype(ut) if fmt != _k.FLOAT else np.dtype(ft)
+    return _Format(_k.Keys(ut(sign - 1), ut(lim), ut(sign)), fmt, np.dtype(it), np.dtype(ut), np.dtype(ft), xt)
 
 
-_KEYS = {kind: _keys(kind) for kind in ("F32", "F16", "BF16")}
+_FORMATS = {kind: _format(kind) for kind in ("F32", "F16", "BF16")}
 
 
 def _dims(shape: tuple, axis: int | None) -> tuple[int, int, int]:
@@ -142,29 +144,22 @@ def _channels(key: tuple, axis: int | None):
 
 
 def _amax_piece(piece: np.ndarray, kind: str, sub_axis, parallel: bool, block: int, tasks: int):
-    k = _KEYS[kind]
+    k = _FORMATS[kind]
     outer, C, inner = _dims(piece.shape, sub_axis)
-    oc, cc, ic = _grid(outer, C, inner, block, tasks)
+    g = _k.Grid(outer, C, inner, *_grid(outer, C, inner, block, tasks))
     flat = readonly(piece.reshape(-1))
-    part, bad = _k.absmax_grid(
-        flat.view(k.it), flat.view(k.ut), k.absmask, k.lim, k.sign, outer, C, inner, oc, cc, ic, parallel
-    )
+    part, bad = _k.absmax_grid(flat.view(k.it), flat.view(k.ut), k.keys, g, parallel)
     # keys are |x| bit patterns: their max is the pattern of the largest magnitude
     amax = part.max(axis=0).view(k.ft).astype(np.float32)
     return amax, bad.sum(axis=0)
 
 
 def _quantize_piece(piece, kind, sub_axis, scale, out, parallel, block, tile, tasks) -> None:
+    k = _FORMATS[kind]
     outer, C, inner = _dims(piece.shape, sub_axis)
-    oc, cc, ic = _grid(outer, C, inner, block, tasks)
+    g = _k.Grid(outer, C, inner, *_grid(outer, C, inner, block, tasks))
     flat = readonly(piece.reshape(-1))
-    if kind == "F32":
-        _k.quantize_grid(flat, scale, outer, C, inner, oc, cc, ic, out, parallel)
-    else:
-        fmt = _k.F16 if kind == "F16" else _k.BF16
-        _k.quantize_grid_half(
-            fmt, flat.view(np.uint16), scale, outer, C, inner, oc, cc, ic, tile, out, parallel
-        )
+    _k.quantize_grid(k.fmt, flat.view(k.xt), scale, g, tile, out, parallel)
 
 
 def _nonfinite_message(name, nan, pos, neg) -> str:
@@ -363,18 +358,12 @@ def _fusable(a: np.ndarray, axis: int | None) -> bool:
 
 
 def _fused(a, kind, axis, q, parallel, block, tile):
-    k = _KEYS[kind]
+    k = _FORMATS[kind]
     _, C, inner = _dims(a.shape, axis)
     cc = max(1, block // inner)
     flat = readonly(a.reshape(-1))
-    ki, ku = flat.view(k.it), flat.view(k.ut)
-    out = q.reshape(-1)
-    if kind == "F32":
-        return _k.quantize_rows_fused(flat, ki, ku, k.absmask, k.lim, k.sign, C, inner, cc, out, parallel)
-    fmt = _k.F16 if kind == "F16" else _k.BF16
-    return _k.quantize_rows_fused_half(
-        fmt, ki, ku, k.absmask, k.lim, k.sign, C, inner, cc, tile, out, parallel
-    )
+    return _k.quantize_rows_fused(k.fmt, flat.view(k.xt), flat.view(k.it), flat.view(k.ut), k.keys, C, inner, cc, tile,
+                                  q.reshape(-1), parallel)
 
 
 def _out_dtype(dtype) -> np.dtype:
