@@ -59,6 +59,7 @@ __all__ = [
     "stats_int",
     "init_keys",
     "merge_float_blocks",
+    "Acc",
     "fold_block",
     "int_block",
     "read_fold",
@@ -409,12 +410,24 @@ def _all_finite(max_i, max_u, sc, uc):
     return max_i < sc[0] and max_u < uc[2]  # below +Inf and below -Inf
 
 
+class Acc(NamedTuple):
+    """Accumulators of one block of float statistics, owned by the caller: ``cnt``
+    [finite, nan, +inf, -inf, zero] (int64), ``mom`` [mean, M2] (float64), ``skey``
+    [max_i, min_i] (signed view's type) and ``ukey`` [max_u] (unsigned view's type)."""
+
+    cnt: Any
+    mom: Any
+    skey: Any
+    ukey: Any
+
+
 @njit(**_OPTS)
-def _float_tile(f, ki, ku, sc, uc, cnt, mom, skey, ukey):
+def _float_tile(f, ki, ku, sc, uc, acc):
     """Fold one tile (``f`` floats, ``ki``/``ku`` the same elements' bit patterns) into the
     block accumulators ``cnt`` [finite, nan, +inf, -inf, zero], ``mom`` [mean, M2],
-    ``skey`` [max_i, min_i] and ``ukey`` [max_u], with the moments summed around the
-    tile's first value (:func:`_sums`)."""
+    ``skey`` [max_i, min_i] and ``ukey`` [max_u] of ``acc``, with the moments summed
+    around the tile's first value (:func:`_sums`)."""
+    cnt = acc.cnt
     max_i, min_i, max_u, min_u = _keys(ki, ku)
     if _all_finite(max_i, max_u, sc, uc):
         nfin = f.size
@@ -429,12 +442,12 @@ def _float_tile(f, ki, ku, sc, uc, cnt, mom, skey, ukey):
         cnt[4] += nz
         if nfin == 0:
             return
-    _fold_moments(nfin, mean, m2, cnt, mom)
-    _fold_keys(max_i, min_i, max_u, skey, ukey)
+    _fold_moments(nfin, mean, m2, cnt, acc.mom)
+    _fold_keys(max_i, min_i, max_u, acc.skey, acc.ukey)
 
 
 @njit(**_OPTS)
-def _raw_tile(f, ki, ku, sc, uc, cnt, skey, ukey):
+def _raw_tile(f, ki, ku, sc, uc, acc):
     """Fast path of :func:`_fold`: for an all-finite tile fold its keys and zeros and return
     ``(True, sum x, sum x**2)``; otherwise change nothing and return ``(False, 0, 0)``."""
     max_i, min_i, max_u, min_u = _keys(ki, ku)
@@ -442,8 +455,8 @@ def _raw_tile(f, ki, ku, sc, uc, cnt, skey, ukey):
         return False, 0.0, 0.0
     s, s2 = _raw_sums(f)
     if min_u == uc[3] or min_i == sc[1]:  # +0.0 or -0.0 present
-        cnt[4] += _zeros(f)
-    _fold_keys(max_i, min_i, max_u, skey, ukey)
+        acc.cnt[4] += _zeros(f)
+    _fold_keys(max_i, min_i, max_u, acc.skey, acc.ukey)
     return True, s, s2
 
 
@@ -499,7 +512,7 @@ def _tile_values_jit(fmt, f, ku, t0, t1, buf, bits):
 
 
 @njit(**_OPTS)
-def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey):
+def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, acc):
     """Fold elements ``[lo, hi)`` into the accumulators of :func:`_float_tile`.
 
     Data near zero (every weight matrix) is summed without a shift: each all-finite tile
@@ -510,9 +523,11 @@ def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey)
     around a shift, so that its mean and spread predict the rest: a block of data far from
     zero (norm weights near 1) is then never summed twice.
     """
+    cnt = acc.cnt
+    mom = acc.mom
     if cnt[0] == 0 and lo < hi:
         t1 = min(lo + tile, hi)
-        _float_tile(_tile_values(fmt, f, ku, lo, t1, buf, bits), ki[lo:t1], ku[lo:t1], sc, uc, cnt, mom, skey, ukey)
+        _float_tile(_tile_values(fmt, f, ku, lo, t1, buf, bits), ki[lo:t1], ku[lo:t1], sc, uc, acc)
         lo = t1
     if _near_zero(cnt, mom):
         n = 0
@@ -521,13 +536,13 @@ def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey)
         for t0 in range(lo, hi, tile):
             t1 = min(t0 + tile, hi)
             v = _tile_values(fmt, f, ku, t0, t1, buf, bits)
-            ok, a, b = _raw_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, cnt, skey, ukey)
+            ok, a, b = _raw_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, acc)
             if ok:
                 n += t1 - t0
                 s += a
                 s2 += b
             else:
-                _float_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+                _float_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, acc)
         if _settle(n, s, s2, cnt, mom):
             return
         # the keys and zeros of the all-finite tiles are in; only their moments are redone
@@ -540,7 +555,7 @@ def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey)
         return
     for t0 in range(lo, hi, tile):
         t1 = min(t0 + tile, hi)
-        _float_tile(_tile_values(fmt, f, ku, t0, t1, buf, bits), ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+        _float_tile(_tile_values(fmt, f, ku, t0, t1, buf, bits), ki[t0:t1], ku[t0:t1], sc, uc, acc)
 
 
 @njit(**_OPTS)
@@ -575,41 +590,42 @@ def merge_float_blocks(cnt, mom, skey, ukey):
     return tot[0], tot[1], tot[2], tot[3], tot[4], mean, m2, max_i, min_i, max_u
 
 
-def _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+def _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc):
     """:func:`fold_block` body.  Plain Python here (``NUMBA_DISABLE_JIT=1``); compiled code
     picks one of the two branches by the dtype of ``f`` (below)."""
     if f.dtype == np.uint16:
         buf = np.empty(tile, np.float32)  # per-task scratch: one tile, never the tensor
-        _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), cnt, mom, skey, ukey)
+        _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), acc)
     else:
-        _fold(FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, cnt, mom, skey, ukey)
+        _fold(FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, acc)
 
 
 @overload(_values_block)
-def _values_block_jit(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+def _values_block_jit(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc):
     # chosen by type when compiling, so float data never compiles the widening
     if f.dtype == types.uint16:
 
-        def widened(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+        def widened(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc):
             buf = np.empty(tile, np.float32)
-            _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), cnt, mom, skey, ukey)
+            _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), acc)
 
         return widened
-    return lambda fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey: _fold(
-        FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, cnt, mom, skey, ukey)
+    return lambda fmt, f, ki, ku, sc, uc, lo, hi, tile, acc: _fold(
+        FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, acc)
 
 
 @njit(**_OPTS)
-def fold_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
-    """Fold elements ``[lo, hi)`` into the accumulators (see :func:`_fold`); the caller sets
-    them up once with :func:`init_keys`, so a block can be fed in any number of calls.
+def fold_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc):
+    """Fold elements ``[lo, hi)`` into the accumulators ``acc`` (:class:`Acc`, see
+    :func:`_fold`); the caller sets them up once with :func:`init_keys`, so a block can be
+    fed in any number of calls.
 
     ``f`` holds the values: float32 or float64 (``fmt`` is then ignored), or F16
     (``fmt=F16``) / BF16 (``fmt=BF16``) bit patterns as ``uint16``, widened a tile at a
     time into a per-call float32 scratch buffer.  ``ki``/``ku`` are the signed and unsigned
     integer views of the same memory.
     """
-    _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey)
+    _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc)
 
 
 @njit(**_OPTS)
@@ -648,11 +664,11 @@ def stats_values(fmt, f, ki, ku, sc, uc, block, tile, parallel):
     if parallel:
         for b in prange(nb):
             lo = b * block
-            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, Acc(cnt[b], mom[b], skey[b], ukey[b:]))
     else:
         for b in range(nb):
             lo = b * block
-            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, Acc(cnt[b], mom[b], skey[b], ukey[b:]))
     return merge_float_blocks(cnt, mom, skey, ukey)
 
 
@@ -786,7 +802,7 @@ def _read_full(fd, buf, offset):
 
 
 @njit(**_OPTS)
-def read_fold(fd, offset, dest, window, fmt, like, sc, uc, tile, cnt, mom, skey, ukey):
+def read_fold(fd, offset, dest, window, fmt, like, sc, uc, tile, acc):
     """Read ``dest.size`` bytes at file ``offset`` into the byte array ``dest``, ``window``
     bytes at a time, folding each window into the accumulators of :func:`fold_block`; the
     values are of the dtype of ``like`` (float32, float64, or ``uint16`` for F16/BF16 with
@@ -802,7 +818,7 @@ def read_fold(fd, offset, dest, window, fmt, like, sc, uc, tile, cnt, mom, skey,
         if _read_full(fd, w, offset + pos) < w.size:
             return pos
         f = w.view(like.dtype)
-        fold_block(fmt, f, w.view(sc.dtype), w.view(uc.dtype), sc, uc, 0, f.size, tile, cnt, mom, skey, ukey)
+        fold_block(fmt, f, w.view(sc.dtype), w.view(uc.dtype), sc, uc, 0, f.size, tile, acc)
     return n
 
 

@@ -235,6 +235,7 @@ class Accumulator:
         self._skey = np.empty(2, it)
         self._ukey = np.empty(1, ut)
         _k.init_keys(self._sc, self._uc, self._skey, self._ukey)
+        self._acc = _k.Acc(self._cnt, self._mom, self._skey, self._ukey)
         self._fmt, values = _kernel_format(kind)
         self._like = np.empty(0, values)  # carries the values' dtype into read_fold
 
@@ -250,7 +251,7 @@ class Accumulator:
             return
         f = flat.view(self._like.dtype)
         _k.fold_block(self._fmt, f, flat.view(self._sc.dtype), flat.view(self._uc.dtype), self._sc, self._uc, 0,
-                      f.size, self.tile, self._cnt, self._mom, self._skey, self._ukey)
+                      f.size, self.tile, self._acc)
 
     def read(self, fd: int, offset: int, dest: np.ndarray, window: int) -> int:
         """Read ``dest.size`` bytes of the file ``fd`` at ``offset`` into the byte array
@@ -271,8 +272,7 @@ class Accumulator:
             raise ValueError(f"dest holds {dest.size} bytes, not a whole number of {self.kind} elements")
         if self.kind in _INT:
             return _k.read_fold_int(fd, offset, dest, window, self.tile, self._cnt, self._mom, self._ext)
-        return _k.read_fold(fd, offset, dest, window, self._fmt, self._like, self._sc, self._uc, self.tile, self._cnt,
-                            self._mom, self._skey, self._ukey)
+        return _k.read_fold(fd, offset, dest, window, self._fmt, self._like, self._sc, self._uc, self.tile, self._acc)
 
     def result(self) -> Stats:
         """Statistics of everything folded so far."""
