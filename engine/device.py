@@ -102,14 +102,27 @@ def as_device_array(x: Any):
         if not SIMULATOR:
             raise DeviceError("expected a CUDA array (torch CUDA tensor, CuPy or Numba device array), got numpy")
         return x
-    if kind == "numba" and cuda.is_cuda_array(x) and not hasattr(x, "__cuda_array_interface__"):
+    if kind == "torch":
+        import torch
+
+        if x.device.type != "cuda":
+            raise DeviceError(f"expected a CUDA tensor, got one on {x.device}")
+        if x.dtype == torch.bfloat16:  # no array-interface type for bfloat16: its bits as int16
+            x = x.view(torch.int16)
+    if _is_numba_array(x):
         return x
-    if kind == "torch" and x.device.type != "cuda":
-        raise DeviceError(f"expected a CUDA tensor, got one on {x.device}")
     if not cuda.is_cuda_array(x):
         raise DeviceError(f"expected a CUDA array, got {type(x).__name__}")
     # sync=False: the caller orders the work with streams; importing must not wait on them
     return cuda.as_cuda_array(x, sync=False)
+
+
+def _is_numba_array(x) -> bool:
+    if SIMULATOR:
+        return cuda.is_cuda_array(x) and not isinstance(x, np.ndarray)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return isinstance(x, DeviceNDArray)
 
 
 def numba_stream(stream: Any):
@@ -225,6 +238,9 @@ class DeviceAccumulator:
     launch : LaunchConfig, optional
     stream : torch/CuPy/Numba stream, optional
         Where the accumulator rows are set up (default: the default stream).
+    empty : callable, optional
+        ``empty(shape, numpy dtype)`` making device arrays: a framework's allocator (loads
+        pass torch's or CuPy's); default :func:`default_empty`.
 
     Notes
     -----
@@ -336,6 +352,8 @@ class DeviceQuantizer:
     Parameters
     ----------
     launch : LaunchConfig, optional
+    empty : callable, optional
+        Allocator of the scratch arrays (keys, counts), as for :class:`DeviceAccumulator`.
 
     Notes
     -----
