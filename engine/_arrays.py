@@ -24,7 +24,7 @@ from .errors import DeviceError, SerializationError
 try:  # numpy >= 2
     from numpy.lib.array_utils import normalize_axis_index
 except ImportError:  # pragma: no cover - numpy 1.26
-    from numpy.core.multiarray import normalize_axis_index  # type: ignore[no-redef]
+    from numpy.core.multiarray import normalize_axis_index  # type: ignore[no-redef]  # noqa: F401
 
 #: Default tunables (arguments of the public functions, not read by the kernels).
 BLOCK = 1 << 16  # elements per parallel task

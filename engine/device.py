@@ -282,7 +282,7 @@ class DeviceAccumulator:
             return
         f, ki, ku = _views(d, self.kind)
         lc = self.launch
-        _launch(_ck.stats_fold, (lc.blocks, lc.threads, numba_stream(stream)), 
+        _launch(_ck.stats_fold, (lc.blocks, lc.threads, numba_stream(stream)),
             self._fmt, f, ki, ku, self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey
         )
 

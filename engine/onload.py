@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -36,8 +37,8 @@ from .errors import NonFiniteError
 
 __all__ = ["LoadWork", "plan"]
 
-def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: Optional[str] = None,
-         launch=None) -> Optional["LoadWork"]:
+def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str | None = None,
+         launch=None) -> LoadWork | None:
     """The work a load of ``rows`` into ``sink`` does besides landing bytes, or None.
 
     ``quantize`` is None, ``"int8"`` or an :class:`~engine.quantize.Int8`; a selected tensor
@@ -107,7 +108,7 @@ class LoadWork:
         self.on_device = bool(sink.on_device)
         self._launch = launch
         self._names = t.names
-        self._quant: dict[int, tuple[str, tuple, Optional[int]]] = {}
+        self._quant: dict[int, tuple[str, tuple, int | None]] = {}
         if spec is not None:
             for r in rows:
                 kind = _dt.NAMES[int(t.codes[r])]
@@ -125,7 +126,7 @@ class LoadWork:
         self._acc: dict[int, dict[int, Any]] = {}  # row -> reader thread -> DeviceAccumulator
         self._views: dict[int, Any] = {}
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
-        self._targets: Optional[_Staging] = None
+        self._targets: _Staging | None = None
         self._empty = _allocator(sink) if self.on_device else None
         dev = getattr(sink, "device", None)
         self._gpu = getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
@@ -216,9 +217,8 @@ class LoadWork:
         None when the CPU fold summarises it (or nothing does)."""
         if row not in self._stats_kind:
             return None
-        from .statistics import Stats
-
         from .device import on_gpu
+        from .statistics import Stats
 
         out = Stats.empty()
         with on_gpu(self._gpu):

@@ -46,7 +46,6 @@ from ._arrays import (
 )
 from .errors import NonFiniteError, SerializationError
 
-
 __all__ = [
     "quantize_int8",
     "dequantize_int8",

@@ -74,7 +74,7 @@ def device_stats(x: np.ndarray, cuts=(), launch=None):
     acc = D.DeviceAccumulator(kind, launch or LAUNCH)
     b = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
     edges = [0, *(c * x.itemsize for c in cuts), b.size]
-    for lo, hi in zip(edges, edges[1:]):
+    for lo, hi in zip(edges, edges[1:], strict=False):
         if hi > lo:
             acc.add(dev(b[lo:hi]))
     return acc.result()
