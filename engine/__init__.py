@@ -52,11 +52,11 @@ _LAZY = {
     # kernels (Numba is imported only when one of these is used)
     "stats": "engine.statistics",
     "Stats": "engine.statistics",
-    "stats_file": "engine.statistics",
+    "stats_file": "engine.filestats",
     "quantize_int8": "engine.quantize",
     "dequantize_int8": "engine.quantize",
-    "quantize_file": "engine.quantize",
-    "load_quantized": "engine.quantize",
+    "quantize_file": "engine.quantized",
+    "load_quantized": "engine.quantized",
     "WeightValidator": "engine.validator",
     "ValidationReport": "engine.validator",
 }

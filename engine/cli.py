@@ -236,7 +236,7 @@ def _cell(value: Any) -> str:
 
 
 def _cmd_stats(args) -> int:
-    stats_file = _kernel_api("engine.statistics", "stats_file", "stats")
+    stats_file = _kernel_api("engine.filestats", "stats_file", "stats")
     result = stats_file(args.path, names=args.names)
     if args.json:
         json.dump({k: dataclasses.asdict(v) for k, v in result.items()}, sys.stdout, indent=2, default=str)
@@ -260,7 +260,7 @@ def _axis(text: str) -> int | None:
 
 
 def _cmd_quantize(args) -> int:
-    quantize_file = _kernel_api("engine.quantize", "quantize_file", "quantize")
+    quantize_file = _kernel_api("engine.quantized", "quantize_file", "quantize")
     print(quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
                         on_nonfinite="clamp" if args.clamp else "raise"))
     print(f"wrote {args.dst}")

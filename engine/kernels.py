@@ -41,12 +41,15 @@ Conventions shared by all kernels
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+from ._arrays import BF16, F16, FLOAT  # ``fmt`` codes, shared with the device kernels
 
 __all__ = [
     "F16",
@@ -55,20 +58,19 @@ __all__ = [
     "stats_values",
     "stats_int",
     "init_keys",
+    "merge_float_blocks",
+    "Acc",
     "fold_block",
     "int_block",
     "read_fold",
     "read_fold_int",
+    "Grid",
+    "Keys",
     "absmax_grid",
     "quantize_grid",
-    "quantize_grid_half",
     "quantize_rows_fused",
-    "quantize_rows_fused_half",
 ]
 
-#: ``fmt`` codes of the two 16-bit float formats read as ``uint16``.
-F16 = 0
-BF16 = 1
 
 # error_model="numpy": a float division is a plain IEEE division.  Numba's default
 # ("python") tests every divisor for zero to raise ZeroDivisionError, and that branch keeps
@@ -408,12 +410,24 @@ def _all_finite(max_i, max_u, sc, uc):
     return max_i < sc[0] and max_u < uc[2]  # below +Inf and below -Inf
 
 
+class Acc(NamedTuple):
+    """Accumulators of one block of float statistics, owned by the caller: ``cnt``
+    [finite, nan, +inf, -inf, zero] (int64), ``mom`` [mean, M2] (float64), ``skey``
+    [max_i, min_i] (signed view's type) and ``ukey`` [max_u] (unsigned view's type)."""
+
+    cnt: Any
+    mom: Any
+    skey: Any
+    ukey: Any
+
+
 @njit(**_OPTS)
-def _float_tile(f, ki, ku, sc, uc, cnt, mom, skey, ukey):
+def _float_tile(f, ki, ku, sc, uc, acc):
     """Fold one tile (``f`` floats, ``ki``/``ku`` the same elements' bit patterns) into the
     block accumulators ``cnt`` [finite, nan, +inf, -inf, zero], ``mom`` [mean, M2],
-    ``skey`` [max_i, min_i] and ``ukey`` [max_u], with the moments summed around the
-    tile's first value (:func:`_sums`)."""
+    ``skey`` [max_i, min_i] and ``ukey`` [max_u] of ``acc``, with the moments summed
+    around the tile's first value (:func:`_sums`)."""
+    cnt = acc.cnt
     max_i, min_i, max_u, min_u = _keys(ki, ku)
     if _all_finite(max_i, max_u, sc, uc):
         nfin = f.size
@@ -428,12 +442,12 @@ def _float_tile(f, ki, ku, sc, uc, cnt, mom, skey, ukey):
         cnt[4] += nz
         if nfin == 0:
             return
-    _fold_moments(nfin, mean, m2, cnt, mom)
-    _fold_keys(max_i, min_i, max_u, skey, ukey)
+    _fold_moments(nfin, mean, m2, cnt, acc.mom)
+    _fold_keys(max_i, min_i, max_u, acc.skey, acc.ukey)
 
 
 @njit(**_OPTS)
-def _raw_tile(f, ki, ku, sc, uc, cnt, skey, ukey):
+def _raw_tile(f, ki, ku, sc, uc, acc):
     """Fast path of :func:`_fold`: for an all-finite tile fold its keys and zeros and return
     ``(True, sum x, sum x**2)``; otherwise change nothing and return ``(False, 0, 0)``."""
     max_i, min_i, max_u, min_u = _keys(ki, ku)
@@ -441,8 +455,8 @@ def _raw_tile(f, ki, ku, sc, uc, cnt, skey, ukey):
         return False, 0.0, 0.0
     s, s2 = _raw_sums(f)
     if min_u == uc[3] or min_i == sc[1]:  # +0.0 or -0.0 present
-        cnt[4] += _zeros(f)
-    _fold_keys(max_i, min_i, max_u, skey, ukey)
+        acc.cnt[4] += _zeros(f)
+    _fold_keys(max_i, min_i, max_u, acc.skey, acc.ukey)
     return True, s, s2
 
 
@@ -475,10 +489,6 @@ def _near_zero(cnt, mom):
     return n == 0 or mom[0] * mom[0] * n <= 0.25 * _UNSHIFTED_RATIO * mom[1]
 
 
-#: ``fmt`` of :func:`_fold` for float32/float64 data (its tiles are slices of ``f``)
-FLOAT = -1
-
-
 def _tile_values(fmt, f, ku, t0, t1, buf, bits):
     """The tile ``[t0, t1)`` as floats: a slice of ``f`` when there is no scratch ``buf``
     (float data), else the F16/BF16 patterns ``ku`` widened into ``buf``."""
@@ -502,7 +512,7 @@ def _tile_values_jit(fmt, f, ku, t0, t1, buf, bits):
 
 
 @njit(**_OPTS)
-def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey):
+def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, acc):
     """Fold elements ``[lo, hi)`` into the accumulators of :func:`_float_tile`.
 
     Data near zero (every weight matrix) is summed without a shift: each all-finite tile
@@ -513,9 +523,11 @@ def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey)
     around a shift, so that its mean and spread predict the rest: a block of data far from
     zero (norm weights near 1) is then never summed twice.
     """
+    cnt = acc.cnt
+    mom = acc.mom
     if cnt[0] == 0 and lo < hi:
         t1 = min(lo + tile, hi)
-        _float_tile(_tile_values(fmt, f, ku, lo, t1, buf, bits), ki[lo:t1], ku[lo:t1], sc, uc, cnt, mom, skey, ukey)
+        _float_tile(_tile_values(fmt, f, ku, lo, t1, buf, bits), ki[lo:t1], ku[lo:t1], sc, uc, acc)
         lo = t1
     if _near_zero(cnt, mom):
         n = 0
@@ -524,13 +536,13 @@ def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey)
         for t0 in range(lo, hi, tile):
             t1 = min(t0 + tile, hi)
             v = _tile_values(fmt, f, ku, t0, t1, buf, bits)
-            ok, a, b = _raw_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, cnt, skey, ukey)
+            ok, a, b = _raw_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, acc)
             if ok:
                 n += t1 - t0
                 s += a
                 s2 += b
             else:
-                _float_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+                _float_tile(v, ki[t0:t1], ku[t0:t1], sc, uc, acc)
         if _settle(n, s, s2, cnt, mom):
             return
         # the keys and zeros of the all-finite tiles are in; only their moments are redone
@@ -543,7 +555,7 @@ def _fold(fmt, f, ki, ku, sc, uc, lo, hi, tile, buf, bits, cnt, mom, skey, ukey)
         return
     for t0 in range(lo, hi, tile):
         t1 = min(t0 + tile, hi)
-        _float_tile(_tile_values(fmt, f, ku, t0, t1, buf, bits), ki[t0:t1], ku[t0:t1], sc, uc, cnt, mom, skey, ukey)
+        _float_tile(_tile_values(fmt, f, ku, t0, t1, buf, bits), ki[t0:t1], ku[t0:t1], sc, uc, acc)
 
 
 @njit(**_OPTS)
@@ -556,7 +568,10 @@ def init_keys(sc, uc, skey, ukey):
 
 
 @njit(**_OPTS)
-def _merge_float_blocks(cnt, mom, skey, ukey):
+def merge_float_blocks(cnt, mom, skey, ukey):
+    """Merge partial-result rows (``cnt`` [n, 5], ``mom`` [n, 2], ``skey`` [n, 2], ``ukey``
+    [n]; see :func:`fold_block`) into the tuple :func:`stats_values` returns.  Also merges
+    the rows that the device kernels of :mod:`engine.cuda_kernels` fill."""
     n = 0.0
     mean = np.nan
     m2 = 0.0
@@ -575,41 +590,42 @@ def _merge_float_blocks(cnt, mom, skey, ukey):
     return tot[0], tot[1], tot[2], tot[3], tot[4], mean, m2, max_i, min_i, max_u
 
 
-def _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+def _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc):
     """:func:`fold_block` body.  Plain Python here (``NUMBA_DISABLE_JIT=1``); compiled code
     picks one of the two branches by the dtype of ``f`` (below)."""
     if f.dtype == np.uint16:
         buf = np.empty(tile, np.float32)  # per-task scratch: one tile, never the tensor
-        _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), cnt, mom, skey, ukey)
+        _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), acc)
     else:
-        _fold(FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, cnt, mom, skey, ukey)
+        _fold(FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, acc)
 
 
 @overload(_values_block)
-def _values_block_jit(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+def _values_block_jit(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc):
     # chosen by type when compiling, so float data never compiles the widening
     if f.dtype == types.uint16:
 
-        def widened(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
+        def widened(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc):
             buf = np.empty(tile, np.float32)
-            _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), cnt, mom, skey, ukey)
+            _fold(fmt, buf, ki, ku, sc, uc, lo, hi, tile, buf, buf.view(np.uint32), acc)
 
         return widened
-    return lambda fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey: _fold(
-        FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, cnt, mom, skey, ukey)
+    return lambda fmt, f, ki, ku, sc, uc, lo, hi, tile, acc: _fold(
+        FLOAT, f, ki, ku, sc, uc, lo, hi, tile, None, None, acc)
 
 
 @njit(**_OPTS)
-def fold_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey):
-    """Fold elements ``[lo, hi)`` into the accumulators (see :func:`_fold`); the caller sets
-    them up once with :func:`init_keys`, so a block can be fed in any number of calls.
+def fold_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc):
+    """Fold elements ``[lo, hi)`` into the accumulators ``acc`` (:class:`Acc`, see
+    :func:`_fold`); the caller sets them up once with :func:`init_keys`, so a block can be
+    fed in any number of calls.
 
     ``f`` holds the values: float32 or float64 (``fmt`` is then ignored), or F16
     (``fmt=F16``) / BF16 (``fmt=BF16``) bit patterns as ``uint16``, widened a tile at a
     time into a per-call float32 scratch buffer.  ``ki``/``ku`` are the signed and unsigned
     integer views of the same memory.
     """
-    _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, cnt, mom, skey, ukey)
+    _values_block(fmt, f, ki, ku, sc, uc, lo, hi, tile, acc)
 
 
 @njit(**_OPTS)
@@ -648,12 +664,12 @@ def stats_values(fmt, f, ki, ku, sc, uc, block, tile, parallel):
     if parallel:
         for b in prange(nb):
             lo = b * block
-            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
+            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, Acc(cnt[b], mom[b], skey[b], ukey[b:]))
     else:
         for b in range(nb):
             lo = b * block
-            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, cnt[b], mom[b], skey[b], ukey[b:])
-    return _merge_float_blocks(cnt, mom, skey, ukey)
+            fold_block(fmt, f, ki, ku, sc, uc, lo, min(lo + block, n), tile, Acc(cnt[b], mom[b], skey[b], ukey[b:]))
+    return merge_float_blocks(cnt, mom, skey, ukey)
 
 
 @njit(**_OPTS)
@@ -786,7 +802,7 @@ def _read_full(fd, buf, offset):
 
 
 @njit(**_OPTS)
-def read_fold(fd, offset, dest, window, fmt, like, sc, uc, tile, cnt, mom, skey, ukey):
+def read_fold(fd, offset, dest, window, fmt, like, sc, uc, tile, acc):
     """Read ``dest.size`` bytes at file ``offset`` into the byte array ``dest``, ``window``
     bytes at a time, folding each window into the accumulators of :func:`fold_block`; the
     values are of the dtype of ``like`` (float32, float64, or ``uint16`` for F16/BF16 with
@@ -802,7 +818,7 @@ def read_fold(fd, offset, dest, window, fmt, like, sc, uc, tile, cnt, mom, skey,
         if _read_full(fd, w, offset + pos) < w.size:
             return pos
         f = w.view(like.dtype)
-        fold_block(fmt, f, w.view(sc.dtype), w.view(uc.dtype), sc, uc, 0, f.size, tile, cnt, mom, skey, ukey)
+        fold_block(fmt, f, w.view(sc.dtype), w.view(uc.dtype), sc, uc, 0, f.size, tile, acc)
     return n
 
 
@@ -827,20 +843,45 @@ def read_fold_int(fd, offset, dest, window, tile, cnt, mom, ext):
 # cut into a grid of tasks of oc x cc x ic (o, c, i) elements, sized by the caller so that a
 # task holds about ``block`` elements and the per-task partial maxima stay small.
 # Partial maxima of a task live in part[row, c] with row = o_task * n_i_tasks + i_task.
+#
+# One definition per pass for every input format: ``x`` holds float32 values, or F16/BF16
+# bit patterns as ``uint16`` (``fmt``) that are widened a tile at a time into a per-task
+# float32 scratch buffer (:func:`_scratch`, :func:`_tile_values`, chosen by type when
+# compiling, so float32 input never compiles the widening).
+
+
+class Grid(NamedTuple):
+    """The (outer, C, inner) view of a tensor and its task extents (oc, cc, ic)."""
+
+    outer: int
+    C: int
+    inner: int
+    oc: int
+    cc: int
+    ic: int
+
+
+class Keys(NamedTuple):
+    """Bit-pattern constants of an input format, typed like its unsigned view: ``absmask``
+    clears the sign bit, ``lim`` is +Inf (larger magnitudes are NaN), ``sign`` the sign bit."""
+
+    absmask: Any
+    lim: Any
+    sign: Any
 
 
 @njit(**_OPTS)
-def _task(t, outer, C, inner, oc, cc, ic):
-    pc = (C + cc - 1) // cc
-    pi = (inner + ic - 1) // ic
+def _task(t, g):
+    pc = (g.C + g.cc - 1) // g.cc
+    pi = (g.inner + g.ic - 1) // g.ic
     a = t // (pc * pi)
     r = t - a * (pc * pi)
     b = r // pi
     d = r - b * pi
-    o0 = a * oc
-    c0 = b * cc
-    i0 = d * ic
-    return o0, min(o0 + oc, outer), c0, min(c0 + cc, C), i0, min(i0 + ic, inner), a * pi + d
+    o0 = a * g.oc
+    c0 = b * g.cc
+    i0 = d * g.ic
+    return o0, min(o0 + g.oc, g.outer), c0, min(c0 + g.cc, g.C), i0, min(i0 + g.ic, g.inner), a * pi + d
 
 
 @njit(**_OPTS)
@@ -883,8 +924,12 @@ def _count_nonfinite(ku, absmask, lim, bad):
 
 
 @njit(**_OPTS)
-def _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad):
-    o0, o1, c0, c1, i0, i1, row = _task(t, outer, C, inner, oc, cc, ic)
+def _absmax_task(ki, ku, keys, g, t, part, bad):
+    o0, o1, c0, c1, i0, i1, row = _task(t, g)
+    C = g.C
+    inner = g.inner
+    absmask = keys.absmask
+    lim = keys.lim
     prow = part[row]
     if inner == 1:
         # one element per (o, c): vectorize across channels
@@ -909,127 +954,123 @@ def _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, par
         for c in range(c0, c1):
             base = (o * C + c) * inner
             seg = ku[base + i0 : base + i1]
-            m = _max_mag(ki[base + i0 : base + i1], seg, absmask, sign)
+            m = _max_mag(ki[base + i0 : base + i1], seg, absmask, keys.sign)
             if m >= lim:
                 m = _count_nonfinite(seg, absmask, lim, bad)
             prow[c] = m if m > prow[c] else prow[c]
 
 
 @njit(**_OPTS, parallel=True)
-def absmax_grid(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, parallel):
+def absmax_grid(ki, ku, keys, g, parallel):
     """Per-channel maximum magnitude of the finite values, as bit-pattern keys.
 
     ``ki``/``ku`` are the signed and unsigned views of float32 (``int32``/``uint32``) or
-    F16/BF16 (``int16``/``uint16``) data; ``absmask`` clears the sign bit, ``sign`` is the
-    sign bit and ``lim`` the pattern of +Inf (all three of ``ku``'s type).
+    F16/BF16 (``int16``/``uint16``) data; ``keys`` (:class:`Keys`) holds the format's
+    constants typed like ``ku``, ``g`` (:class:`Grid`) the layout and task extents.
     Magnitude order equals the order of ``pattern & absmask`` for every IEEE-like format,
     subnormals included, so no value is widened.
 
     Returns ``(part, bad)``: ``part[rows, C]`` partial maxima (reduce with ``max(axis=0)``),
     ``bad[tasks, 3]`` counts of NaN, +Inf and -Inf.
     """
-    po = (outer + oc - 1) // oc
-    pc = (C + cc - 1) // cc
-    pi = (inner + ic - 1) // ic
+    po = (g.outer + g.oc - 1) // g.oc
+    pc = (g.C + g.cc - 1) // g.cc
+    pi = (g.inner + g.ic - 1) // g.ic
     ntask = po * pc * pi
-    part = np.zeros((max(po * pi, 1), C), ku.dtype)
+    part = np.zeros((max(po * pi, 1), g.C), ku.dtype)
     bad = np.zeros((max(ntask, 1), 3), np.int64)
     if parallel:
         for t in prange(ntask):
-            _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad[t])
+            _absmax_task(ki, ku, keys, g, t, part, bad[t])
     else:
         for t in range(ntask):
-            _absmax_task(ki, ku, absmask, lim, sign, outer, C, inner, oc, cc, ic, t, part, bad[t])
+            _absmax_task(ki, ku, keys, g, t, part, bad[t])
     return part, bad
+
+
+def _scale_at(s, j):
+    """Scale of element ``j``: ``s`` itself (one scale for the run) or ``s[j]`` (a scale
+    per element, the ``inner == 1`` layout).  Plain Python here; compiled code picks by type."""
+    return s[j] if isinstance(s, np.ndarray) else s
+
+
+@overload(_scale_at)
+def _scale_at_jit(s, j):
+    if isinstance(s, types.Array):
+        return lambda s, j: s[j]
+    return lambda s, j: s
 
 
 @njit(**_OPTS)
 def _quant(f, s, q):
-    """q = clip(rint(f / s), -127, 127) with NaN -> 0; float32 throughout, true division."""
+    """q = clip(rint(f / s), -127, 127) with NaN -> 0; float32 throughout, true division.
+    ``s`` is one scale, or one per element."""
     lo = np.float32(-127.0)
     hi = np.float32(127.0)
     zero = np.float32(0.0)
     for j in range(f.size):
-        r = np.rint(f[j] / s)
+        r = np.rint(f[j] / _scale_at(s, j))
         r = r if r == r else zero  # NaN (only reaches here with on_nonfinite="clamp")
         r = r if r < hi else hi  # +Inf / s -> 127
         r = r if r > lo else lo
         q[j] = np.int8(r)
 
 
-@njit(**_OPTS)
-def _quant_per_element(f, s, q):
-    """As :func:`_quant` with one scale per element (the ``inner == 1`` layout)."""
-    lo = np.float32(-127.0)
-    hi = np.float32(127.0)
-    zero = np.float32(0.0)
-    for j in range(f.size):
-        r = np.rint(f[j] / s[j])
-        r = r if r == r else zero
-        r = r if r < hi else hi
-        r = r if r > lo else lo
-        q[j] = np.int8(r)
+def _scratch(x, tile):
+    """Per-task widening buffer and its ``uint32`` view for F16/BF16 input (``uint16``),
+    ``(None, None)`` for float32.  Plain Python here; compiled code picks by type."""
+    if x.dtype == np.uint16:
+        buf = np.empty(tile, np.float32)
+        return buf, buf.view(np.uint32)
+    return None, None
+
+
+@overload(_scratch)
+def _scratch_jit(x, tile):
+    if x.dtype == types.uint16:
+
+        def widened(x, tile):
+            buf = np.empty(tile, np.float32)
+            return buf, buf.view(np.uint32)
+
+        return widened
+    return lambda x, tile: (None, None)
 
 
 @njit(**_OPTS)
-def _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q):
-    o0, o1, c0, c1, i0, i1, _ = _task(t, outer, C, inner, oc, cc, ic)
-    if inner == 1:
-        for o in range(o0, o1):
-            _quant_per_element(f[o * C + c0 : o * C + c1], scale[c0:c1], q[o * C + c0 : o * C + c1])
-        return
-    for o in range(o0, o1):
-        for c in range(c0, c1):
-            base = (o * C + c) * inner
-            _quant(f[base + i0 : base + i1], scale[c], q[base + i0 : base + i1])
-
-
-@njit(**_OPTS, parallel=True)
-def quantize_grid(f, scale, outer, C, inner, oc, cc, ic, q, parallel):
-    """Second pass for float32 input: write int8 ``q`` (same flat layout as ``f``) given
-    the float32 per-channel ``scale[C]``."""
-    po = (outer + oc - 1) // oc
-    ntask = po * ((C + cc - 1) // cc) * ((inner + ic - 1) // ic)
-    if parallel:
-        for t in prange(ntask):
-            _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q)
-    else:
-        for t in range(ntask):
-            _quantize_task(f, scale, outer, C, inner, oc, cc, ic, t, q)
-
-
-@njit(**_OPTS)
-def _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q):
-    o0, o1, c0, c1, i0, i1, _ = _task(t, outer, C, inner, oc, cc, ic)
-    buf = np.empty(tile, np.float32)
-    bits = buf.view(np.uint32)
+def _quantize_task(fmt, x, scale, g, t, tile, q):
+    o0, o1, c0, c1, i0, i1, _ = _task(t, g)
+    C = g.C
+    inner = g.inner
+    buf, bits = _scratch(x, tile)
     for o in range(o0, o1):
         if inner == 1:
+            base = o * C
             for j0 in range(c0, c1, tile):
                 j1 = min(j0 + tile, c1)
-                widen_half(fmt, u[o * C + j0 : o * C + j1], buf, bits)
-                _quant_per_element(buf[: j1 - j0], scale[j0:j1], q[o * C + j0 : o * C + j1])
+                v = _tile_values(fmt, x, x, base + j0, base + j1, buf, bits)
+                _quant(v, scale[j0:j1], q[base + j0 : base + j1])
             continue
         for c in range(c0, c1):
             base = (o * C + c) * inner
             for j0 in range(base + i0, base + i1, tile):
                 j1 = min(j0 + tile, base + i1)
-                widen_half(fmt, u[j0:j1], buf, bits)
-                _quant(buf[: j1 - j0], scale[c], q[j0:j1])
+                _quant(_tile_values(fmt, x, x, j0, j1, buf, bits), scale[c], q[j0:j1])
 
 
 @njit(**_OPTS, parallel=True)
-def quantize_grid_half(fmt, u, scale, outer, C, inner, oc, cc, ic, tile, q, parallel):
-    """Second pass for F16/BF16 input given as ``uint16``: widened a tile at a time in
-    registers/L1, then quantized exactly as :func:`quantize_grid`."""
-    po = (outer + oc - 1) // oc
-    ntask = po * ((C + cc - 1) // cc) * ((inner + ic - 1) // ic)
+def quantize_grid(fmt, x, scale, g, tile, q, parallel):
+    """Second pass: write int8 ``q`` (same flat layout as ``x``) given the float32
+    per-channel ``scale[C]``.  ``x`` is float32, or F16/BF16 (``fmt``) as ``uint16``, widened
+    ``tile`` elements at a time in L1 and then quantized exactly as float32 input."""
+    po = (g.outer + g.oc - 1) // g.oc
+    ntask = po * ((g.C + g.cc - 1) // g.cc) * ((g.inner + g.ic - 1) // g.ic)
     if parallel:
         for t in prange(ntask):
-            _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q)
+            _quantize_task(fmt, x, scale, g, t, tile, q)
     else:
         for t in range(ntask):
-            _quantize_task_half(fmt, u, scale, outer, C, inner, oc, cc, ic, t, tile, q)
+            _quantize_task(fmt, x, scale, g, t, tile, q)
 
 
 # --------------------------------------------------------------------------- fused rows
@@ -1048,79 +1089,38 @@ def _scale_of(amax):
 
 
 @njit(**_OPTS)
-def _fused_rows_task(f, ki, ku, absmask, lim, sign, inner, c0, c1, scale, bad, q):
-    kb = np.empty(1, ku.dtype)  # max-magnitude pattern -> float32 through a 1-element view
-    kf = kb.view(np.float32)
+def _fused_rows_task(fmt, x, ki, ku, keys, inner, c0, c1, tile, scale, bad, q):
+    buf, bits = _scratch(x, tile)
+    kb = np.empty(1, ku.dtype)  # max-magnitude pattern -> float32 through a 1-element array
     for c in range(c0, c1):
         lo = c * inner
         hi = lo + inner
-        m = _max_mag(ki[lo:hi], ku[lo:hi], absmask, sign)
-        if m >= lim:
-            m = _count_nonfinite(ku[lo:hi], absmask, lim, bad)
+        m = _max_mag(ki[lo:hi], ku[lo:hi], keys.absmask, keys.sign)
+        if m >= keys.lim:
+            m = _count_nonfinite(ku[lo:hi], keys.absmask, keys.lim, bad)
         kb[0] = m
-        s = _scale_of(kf[0])
+        s = _scale_of(_tile_values(fmt, kb.view(x.dtype), kb, 0, 1, buf, bits)[0])
         scale[c] = s
-        _quant(f[lo:hi], s, q[lo:hi])
+        for j0 in range(lo, hi, tile):
+            j1 = min(j0 + tile, hi)
+            _quant(_tile_values(fmt, x, x, j0, j1, buf, bits), s, q[j0:j1])
 
 
 @njit(**_OPTS, parallel=True)
-def quantize_rows_fused(f, ki, ku, absmask, lim, sign, C, inner, cc, q, parallel):
-    """Per-channel quantization of float32 ``f`` seen as (C, inner), fused per channel.
+def quantize_rows_fused(fmt, x, ki, ku, keys, C, inner, cc, tile, q, parallel):
+    """Per-channel quantization of ``x`` seen as (C, inner), fused per channel.
 
-    ``ki``/``ku`` are the ``int32``/``uint32`` views of ``f``; ``cc`` channels per task.  Writes ``q`` and
-    returns ``(scale[C], bad[tasks, 3])`` (NaN, +Inf, -Inf counts).
+    ``x`` as for :func:`quantize_grid`; ``ki``/``ku`` its signed and unsigned integer views,
+    ``keys`` (:class:`Keys`) the format's constants; ``cc`` channels per task.  Writes ``q``
+    and returns ``(scale[C], bad[tasks, 3])`` (NaN, +Inf, -Inf counts).
     """
     ntask = (C + cc - 1) // cc
     scale = np.empty(C, np.float32)
     bad = np.zeros((max(ntask, 1), 3), np.int64)
     if parallel:
         for t in prange(ntask):
-            _fused_rows_task(
-                f, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), scale, bad[t], q
-            )
+            _fused_rows_task(fmt, x, ki, ku, keys, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q)
     else:
         for t in range(ntask):
-            _fused_rows_task(
-                f, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), scale, bad[t], q
-            )
-    return scale, bad
-
-
-@njit(**_OPTS)
-def _fused_rows_task_half(fmt, ki, ku, absmask, lim, sign, inner, c0, c1, tile, scale, bad, q):
-    buf = np.empty(tile, np.float32)
-    bits = buf.view(np.uint32)
-    kb = np.empty(1, ku.dtype)
-    for c in range(c0, c1):
-        lo = c * inner
-        hi = lo + inner
-        m = _max_mag(ki[lo:hi], ku[lo:hi], absmask, sign)
-        if m >= lim:
-            m = _count_nonfinite(ku[lo:hi], absmask, lim, bad)
-        kb[0] = m
-        widen_half(fmt, kb, buf, bits)
-        s = _scale_of(buf[0])
-        scale[c] = s
-        for j0 in range(lo, hi, tile):
-            j1 = min(j0 + tile, hi)
-            widen_half(fmt, ku[j0:j1], buf, bits)
-            _quant(buf[: j1 - j0], s, q[j0:j1])
-
-
-@njit(**_OPTS, parallel=True)
-def quantize_rows_fused_half(fmt, ki, ku, absmask, lim, sign, C, inner, cc, tile, q, parallel):
-    """:func:`quantize_rows_fused` for F16/BF16 given as ``uint16``."""
-    ntask = (C + cc - 1) // cc
-    scale = np.empty(C, np.float32)
-    bad = np.zeros((max(ntask, 1), 3), np.int64)
-    if parallel:
-        for t in prange(ntask):
-            _fused_rows_task_half(
-                fmt, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q
-            )
-    else:
-        for t in range(ntask):
-            _fused_rows_task_half(
-                fmt, ki, ku, absmask, lim, sign, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q
-            )
+            _fused_rows_task(fmt, x, ki, ku, keys, inner, t * cc, min(t * cc + cc, C), tile, scale, bad[t], q)
     return scale, bad

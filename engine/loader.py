@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 from . import dtypes, pipeline
 from .errors import SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
+from .onload import plan as onload_plan
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
 from .reader import IOV_MAX, default_threads, pread_into
 from .sinks import get_sink
@@ -74,6 +75,7 @@ def load_rows(
     fill=None,
     gpu_path: str = "auto",
     slot_bytes: Optional[int] = None,
+    after_copy=None,
 ) -> dict[int, Any]:
     """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor.
 
@@ -98,6 +100,7 @@ def load_rows(
         fill=fill,
         gpu_path=gpu_path,
         slot_bytes=slot_bytes,
+        after_copy=after_copy,
     )
     return tensors
 
@@ -109,7 +112,7 @@ def stream(
     path,
     *,
     framework: str = "pt",
-    device: Any = "cuda",
+    device: Any = "cpu",
     names: Optional[Iterable[str]] = None,
     patterns: Union[str, Iterable[str], None] = None,
     predicate: Optional[Callable[[str], bool]] = None,
@@ -118,6 +121,7 @@ def stream(
     chunk_bytes: Optional[int] = None,
     per_tensor: bool = False,
     stats: bool = False,
+    quantize=None,
     max_header_size: int = MAX_HEADER_SIZE,
     gpu_path: str = "auto",
     slot_bytes: Optional[int] = None,
@@ -130,8 +134,9 @@ def stream(
         One file, or the shards of a checkpoint: several files are read as one pipeline
         (one queue of reads, one device allocation), not one after the other.
     framework : {"pt", "torch", "np", "numpy"}
-    device : str, int or torch.device, default "cuda"
-        Destination device for torch; numpy is always "cpu".
+    device : str, int or torch.device, default "cpu"
+        Destination device for torch (``"cuda:0"``, ``0``, any torch device); numpy is
+        always "cpu".  The default is the reference's, so ``stream(path)`` works anywhere.
     names, patterns, predicate, layers
         Selection, see :func:`engine.plan.select_rows`; by default every tensor.  Across
         several files a name or pattern must be found in at least one of them.
@@ -145,11 +150,18 @@ def stream(
     stats : bool, default False
         Also compute each tensor's :class:`~engine.statistics.Stats` (needs Numba; one file
         only).  The reader threads read each piece in 256 KiB windows and summarise every
-        window right after it lands, while it is still in the core's L2 cache, in one
-        native call without the GIL; per-thread partial results merge when the tensor is
-        complete.  There is no second pass over memory.  ``None`` for dtypes the kernel
-        does not summarise (FP8, sub-byte, complex).  A GPU load with statistics uses the
-        copy path alone.
+        window right after it lands, while it is still in the core's L2 cache, in one native call without
+        the GIL; per-thread partial results merge when the tensor is complete.  There is no
+        second pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
+        sub-byte, complex).  On a GPU, F64/F32/F16/BF16 tensors are summarised on the
+        device instead, by CUDA kernels queued on each copy's stream right after it (see
+        :mod:`engine.onload`); other dtypes keep the CPU fold.
+    quantize : None, "int8" or engine.quantize.Int8, optional
+        Quantize the selected tensors (default selection: F32/F16/BF16 weights of 2 or more
+        dimensions, not embeddings; one scale per row) to symmetric int8 while loading,
+        bit-identical to :func:`engine.quantize_int8`; each is yielded as a
+        :class:`~engine.quantize.QuantizedTensor`.  On a GPU the quantization runs on the
+        device and only a bounded window of source-dtype staging is held there.
     gpu_path : {"auto", "copy", "register"}, default "auto"
         GPU destinations: how bytes reach the device, see :mod:`engine.pipeline`.
         ``"auto"`` copies through pinned slots and, at the same time, DMAs ranges already in
@@ -181,8 +193,8 @@ def stream(
     """
     many = not isinstance(path, (str, bytes, os.PathLike))
     paths = list(path) if many else [path]
-    if stats and len(paths) != 1:
-        raise ValueError("stats=True streams one file at a time")
+    if (stats or quantize is not None) and len(paths) != 1:
+        raise ValueError("stats=True and quantize= stream one file at a time")
     sink = get_sink(framework, device)
     opened: list[tuple[int, str]] = []
     cancel = threading.Event()
@@ -208,15 +220,35 @@ def stream(
             base += len(h.table.names)
         for fd, _ in opened:
             _advise_sequential(fd)
-        tensors, destination = _destination_many(sink, headers, selected, bases, per_tensor)
-        collector = _StatsCollector(headers[0], selected[0], opened[0][1]) if stats else None
+        # statistics and quantization on the way (one file: its keys are its rows)
+        hooks = None if many else onload_plan(
+            headers[0], selected[0], sink, stats=stats, quantize=quantize, path=opened[0][1]
+        )
+        if hooks is not None and sink.on_device:
+            tensors, destination = hooks.destination(headers[0], selected[0], per_tensor)
+        else:
+            tensors, destination = _destination_many(sink, headers, selected, bases, per_tensor)
+        collector = None
+        if stats:
+            rows0 = selected[0] if hooks is None else hooks.host_stats_rows(selected[0])
+            collector = _StatsCollector(headers[0], rows0, opened[0][1])
 
         def result(key):
             i, r = where[key]
             name = headers[i].table.names[r]
+            tensor = tensors.get(key) if hooks is None else hooks.tensor(r, tensors.get(key))
+            if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
+                tensor = sink.to_device(tensor)
             if collector is None:
-                return name, tensors[key]
-            return name, tensors[key], collector.result(r)
+                return name, tensor
+            if hooks is not None and hooks.has_device_stats(r):
+                return name, tensor, hooks.stats(r)
+            return name, tensor, collector.result(r)
+
+        def landed(key):
+            if hooks is not None:
+                hooks.landed(where[key][1])
+            done.put(key)
 
         # tensors with no bytes are complete before anything is read
         for key, (i, r) in where.items():
@@ -235,9 +267,10 @@ def stream(
                 pipeline.run_sources(
                     sources, destination,
                     threads=threads if destination.on_device else threads or default_threads(),
-                    on_complete=done.put, cancel=cancel,
+                    on_complete=landed, cancel=cancel,
                     fill=collector.fill if collector is not None else None,
                     gpu_path=gpu_path, slot_bytes=slot_bytes,
+                    after_copy=hooks.after_copy if hooks is not None else None,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer

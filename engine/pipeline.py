@@ -233,6 +233,7 @@ def run(
     cancel: Optional[threading.Event] = None,
     fill: Optional[Callable[[int, Request, list], None]] = None,
     residency: Optional[Callable[[memoryview, int, int], bool]] = None,
+    after_copy: Optional[Callable[[Request, object], None]] = None,
 ) -> int:
     """Execute ``requests`` of one open file into ``dest``; returns bytes read.
 
@@ -241,7 +242,7 @@ def run(
     return run_sources(
         [Source(fd, path, requests)], dest, threads=threads, slots=slots, chunk_bytes=chunk_bytes,
         slot_bytes=slot_bytes, gpu_path=gpu_path, on_complete=on_complete, cancel=cancel, fill=fill,
-        residency=residency,
+        residency=residency, after_copy=after_copy,
     )
 
 
@@ -258,6 +259,7 @@ def run_sources(
     cancel: Optional[threading.Event] = None,
     fill: Optional[Callable[[int, Request, list], None]] = None,
     residency: Optional[Callable[[memoryview, int, int], bool]] = None,
+    after_copy: Optional[Callable[[Request, object], None]] = None,
 ) -> int:
     """Execute the read plans of one or more files into ``dest``; returns bytes read.
 
@@ -296,6 +298,12 @@ def run_sources(
     residency : callable, optional
         ``residency(mapping, offset, nbytes) -> bool``: whether those bytes of a file's
         read-only mapping are all in the page cache; default ``mincore``.
+    after_copy : callable, optional
+        ``after_copy(request, stream)`` runs on a device worker right after a request's
+        host-to-device copies are issued, before the event that marks them done is
+        recorded: work it queues on ``stream`` (kernels reading the bytes where they landed,
+        see ``engine.onload``) is ordered after the copies and complete when the tensor is
+        reported complete.  Its requests carry the file's own rows: one source only.
 
     Returns
     -------
@@ -329,7 +337,7 @@ def run_sources(
     if dest.on_device:
         _DeviceLoad(sources, dest, tracker, cancel, threads=threads, slots=slots,
                     slot_bytes=slot_bytes, gpu_path=gpu_path, fill=fill,
-                    residency=residency).run()
+                    residency=residency, after_copy=after_copy).run()
     else:
         _run_host(sources, dest, tracker, cancel, threads or 2, fill)
     if cancel.is_set():
@@ -637,7 +645,8 @@ class _DeviceLoad:
     """One device load: the units, the two paths, their threads and their clean-up."""
 
     def __init__(
-        self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, residency
+        self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, residency,
+        after_copy=None,
     ) -> None:
         self.sources = sources
         self.dest = dest
@@ -647,6 +656,7 @@ class _DeviceLoad:
         self.threads = threads or default_copy_threads()
         self.slots = max(1, slots)
         self.fill = fill
+        self.after_copy = after_copy
         self.residency = residency or _resident
         total = sum(r.nbytes for s in sources for r in s.requests)
         if slot_bytes:
@@ -767,6 +777,7 @@ class _DeviceLoad:
                 for key, toff, soff, n in unit.copies(src.row_base, from_file=False):
                     ops.copy_to_device(targets[key], toff, handle, soff, n, stream)
                     parts.append((key, n))
+                self._after_copy(unit, stream)
                 in_flight[s] = (ops.record(stream), parts)
                 queue.finished("copy", unit.nbytes, time.monotonic() - began)
         finally:
@@ -779,6 +790,12 @@ class _DeviceLoad:
             ring.free()
             if reader is not None:
                 reader.close()
+
+    def _after_copy(self, unit: _Unit, stream) -> None:
+        """The ``after_copy`` hook for each request of a unit whose copies are issued."""
+        if self.after_copy is not None:
+            for r in unit.requests:
+                self.after_copy(r, stream)
 
     def _read_unit(self, unit: _Unit, view: memoryview, reader) -> None:
         src = self.sources[unit.source]
@@ -849,6 +866,7 @@ class _DeviceLoad:
                     for key, toff, foff, n in unit.copies(src.row_base, from_file=True):
                         ops.copy_to_device(targets[key], toff, handle, foff, n, stream)
                         parts.append((key, n))
+                    self._after_copy(unit, stream)
                 finally:  # whatever was issued is waited for before its range is unregistered
                     in_flight.append((ops.record(stream), handle, ranges, parts))
                 queue.finished("register", unit.nbytes, time.monotonic() - began)

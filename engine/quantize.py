@@ -8,10 +8,9 @@ The formula, shared bit for bit with the NumPy oracle in ``tests/naive.py``::
     scale = 1 where scale == 0                    # all-zero channel (or amax < 127 * 2**-150)
     q     = int8(clip(rint(float32(x) / scale), -127, 127))   # true division, half-to-even
 
-Whole checkpoints: ``engine.quantize_file(src, dst, axis=0)`` streams a file, index or
-directory into one quantized ``.safetensors`` file (each weight ``W`` becomes int8 ``W`` plus
-float32 ``W.scale``, described by the ``"engine.quantization"`` metadata key), and
-``engine.load_quantized(dst)`` reads it back.
+:class:`Int8` says which tensors of a checkpoint to quantize and how (used by the loads that
+quantize as they go and by :func:`engine.quantize_file`); :class:`QuantizedTensor` is one
+quantized tensor.  The quantized file format lives in :mod:`engine.quantized`.
 
 Importing this module imports Numba; torch only when a torch tensor is passed in.
 """
@@ -19,13 +18,11 @@ Importing this module imports Numba; torch only when a torch tensor is passed in
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import operator
-import os
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -33,27 +30,33 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import kernels as _k
+from ._arrays import (
+    BLOCK,
+    CHUNK,
+    FLOAT_FORMATS,
+    TILE,
+    as_numpy,
+    check_tunables,
+    kind_of,
+    normalize_axis_index,
+    pieces,
+    pool,
+    pool_threads,
+    readonly,
+)
 from .errors import NonFiniteError, SerializationError
-from .statistics import BLOCK, CHUNK, FLOAT_FORMATS, TILE, _as_numpy, _check_tunables, _kind, _pieces, _pool, _readonly
-
-try:  # numpy >= 2
-    from numpy.lib.array_utils import normalize_axis_index
-except ImportError:  # pragma: no cover - numpy 1.26
-    from numpy.core.multiarray import normalize_axis_index  # type: ignore[no-redef]
 
 __all__ = [
     "quantize_int8",
     "dequantize_int8",
-    "quantize_file",
-    "load_quantized",
-    "QuantizeSummary",
+    "Int8",
     "QuantizedTensor",
     "NonFiniteError",
     "NonFiniteWarning",
-    "METADATA_KEY",
 ]
 
-_INPUTS = ("F32", "F16", "BF16")
+#: Format dtypes that int8 quantization takes.
+INPUTS = ("F32", "F16", "BF16")
 _OUTPUTS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _ON_NONFINITE = ("raise", "clamp")
 
@@ -74,24 +77,26 @@ class NonFiniteWarning(RuntimeWarning):
         self.neginf_count = neginf_count
 
 
-class _Keys(NamedTuple):
-    """Bit-pattern constants of an input format, typed like its unsigned view."""
+class _Format(NamedTuple):
+    """What the kernels need to know of an input format."""
 
-    absmask: np.unsignedinteger  # clears the sign bit
-    lim: np.unsignedinteger  # +Inf; larger magnitudes are NaN
-    sign: np.unsignedinteger  # the sign bit
+    keys: _k.Keys  # bit-pattern constants, typed like the unsigned view
+    fmt: int  # the kernels' format code (FLOAT for float32)
     it: np.dtype  # signed view
     ut: np.dtype  # unsigned view
     ft: np.dtype  # the float type itself
+    xt: np.dtype  # the values array the kernels take: float32, or uint16 bit patterns
 
 
-def _keys(kind: str) -> _Keys:
+def _format(kind: str) -> _Format:
     it, ut, lim, ft = FLOAT_FORMATS[kind]
     sign = 1 << (np.iinfo(it).bits - 1)
-    return _Keys(ut(sign - 1), ut(lim), ut(sign), np.dtype(it), np.dtype(ut), np.dtype(ft))
+    fmt = _k.F16 if kind == "F16" else _k.BF16 if kind == "BF16" else _k.FLOAT
+    xt = np.dtype(ut) if fmt != _k.FLOAT else np.dtype(ft)
+    return _Format(_k.Keys(ut(sign - 1), ut(lim), ut(sign)), fmt, np.dtype(it), np.dtype(ut), np.dtype(ft), xt)
 
 
-_KEYS = {kind: _keys(kind) for kind in ("F32", "F16", "BF16")}
+_FORMATS = {kind: _format(kind) for kind in ("F32", "F16", "BF16")}
 
 
 def _dims(shape: tuple, axis: int | None) -> tuple[int, int, int]:
@@ -138,29 +143,22 @@ def _channels(key: tuple, axis: int | None):
 
 
 def _amax_piece(piece: np.ndarray, kind: str, sub_axis, parallel: bool, block: int, tasks: int):
-    k = _KEYS[kind]
+    k = _FORMATS[kind]
     outer, C, inner = _dims(piece.shape, sub_axis)
-    oc, cc, ic = _grid(outer, C, inner, block, tasks)
-    flat = _readonly(piece.reshape(-1))
-    part, bad = _k.absmax_grid(
-        flat.view(k.it), flat.view(k.ut), k.absmask, k.lim, k.sign, outer, C, inner, oc, cc, ic, parallel
-    )
+    g = _k.Grid(outer, C, inner, *_grid(outer, C, inner, block, tasks))
+    flat = readonly(piece.reshape(-1))
+    part, bad = _k.absmax_grid(flat.view(k.it), flat.view(k.ut), k.keys, g, parallel)
     # keys are |x| bit patterns: their max is the pattern of the largest magnitude
     amax = part.max(axis=0).view(k.ft).astype(np.float32)
     return amax, bad.sum(axis=0)
 
 
 def _quantize_piece(piece, kind, sub_axis, scale, out, parallel, block, tile, tasks) -> None:
+    k = _FORMATS[kind]
     outer, C, inner = _dims(piece.shape, sub_axis)
-    oc, cc, ic = _grid(outer, C, inner, block, tasks)
-    flat = _readonly(piece.reshape(-1))
-    if kind == "F32":
-        _k.quantize_grid(flat, scale, outer, C, inner, oc, cc, ic, out, parallel)
-    else:
-        fmt = _k.F16 if kind == "F16" else _k.BF16
-        _k.quantize_grid_half(
-            fmt, flat.view(np.uint16), scale, outer, C, inner, oc, cc, ic, tile, out, parallel
-        )
+    g = _k.Grid(outer, C, inner, *_grid(outer, C, inner, block, tasks))
+    flat = readonly(piece.reshape(-1))
+    _k.quantize_grid(k.fmt, flat.view(k.xt), scale, g, tile, out, parallel)
 
 
 def _nonfinite_message(name, nan, pos, neg) -> str:
@@ -243,20 +241,20 @@ def quantize_int8(
     channels at most).  A non-contiguous input (or an F-ordered one) is copied piece by
     piece, about ``chunk`` elements at a time, in each pass.
     """
-    _check_tunables(block, tile, chunk)
+    check_tunables(block, tile, chunk)
     if on_nonfinite not in _ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
-    a, is_torch = _as_numpy(x)
-    kind = _kind(a.dtype, _INPUTS, "quantize_int8()")
+    a, is_torch = as_numpy(x)
+    kind = kind_of(a.dtype, INPUTS, "quantize_int8()")
     if axis is not None:
         axis = normalize_axis_index(axis, a.ndim)
-    q, scale, bad = _quantize(a, kind, axis, on_nonfinite == "raise", name, threads, block, tile, chunk)
+    q, scale, bad = quantize_array(a, kind, axis, on_nonfinite == "raise", name, threads, block, tile, chunk)
     if bad.any():
         _warn_clamped(bad, name)
     return _result(q, scale, axis, is_torch)
 
 
-def _quantize(a, kind, axis, raise_nonfinite, name, threads, block=BLOCK, tile=TILE, chunk=CHUNK):
+def quantize_array(a, kind, axis, raise_nonfinite, name, threads, block=BLOCK, tile=TILE, chunk=CHUNK):
     """The work of :func:`quantize_int8` on a numpy array of a checked ``kind`` and axis.
 
     Returns ``(q, scale, bad)`` with ``bad`` the (NaN, +Inf, -Inf) counts; raises
@@ -266,31 +264,31 @@ def _quantize(a, kind, axis, raise_nonfinite, name, threads, block=BLOCK, tile=T
     """
     nchan = 1 if axis is None else a.shape[axis]
 
-    with _pool(threads, a.size, block) as parallel:
+    with pool(threads, a.size, block) as parallel:
         if _fusable(a, axis):
             # one read of x: both passes per row while it sits in L2
             q = np.empty(a.shape, np.int8)
             scale, bad = _fused(a, kind, axis, q, parallel, block, tile)
             bad = _counts(bad)
             if raise_nonfinite:
-                _raise_nonfinite(bad, name)
+                raise_if_nonfinite(bad, name)
             return q, scale, bad
 
-        tasks = 4 * _pool_threads(threads) if parallel else 1
+        tasks = 4 * pool_threads(threads) if parallel else 1
         amax = np.zeros(nchan, np.float32)
         bad = np.zeros(3, np.int64)
-        for key, piece in _pieces(a, chunk, any_order=False):
+        for key, piece in pieces(a, chunk, any_order=False):
             sub, sel = _channels(key, axis)
             pmax, pbad = _amax_piece(piece, kind, sub, parallel, block, tasks)
             amax[sel] = np.maximum(amax[sel], pmax if sub is not None else pmax[0])
             bad += pbad
         if raise_nonfinite:
-            _raise_nonfinite(bad, name)  # before the int8 output is allocated
+            raise_if_nonfinite(bad, name)  # before the int8 output is allocated
         scale = amax / np.float32(127.0)
         scale[scale == 0] = np.float32(1.0)
 
         q = np.empty(a.shape, np.int8)
-        for key, piece in _pieces(a, chunk, any_order=False):
+        for key, piece in pieces(a, chunk, any_order=False):
             sub, sel = _channels(key, axis)
             s = scale[sel] if sub is not None else scale[sel : sel + 1] if axis is not None else scale
             # a view: q is C-contiguous and key a prefix index (the Ellipsis keeps a 0-d
@@ -314,7 +312,7 @@ def _counts(bad) -> np.ndarray:
     return np.asarray(bad, dtype=np.int64).reshape(-1, 3).sum(axis=0)
 
 
-def _raise_nonfinite(bad: np.ndarray, name: str | None) -> None:
+def raise_if_nonfinite(bad: np.ndarray, name: str | None) -> None:
     """Raise NonFiniteError when any of the (NaN, +Inf, -Inf) counts is nonzero."""
     if not bad.any():
         return
@@ -359,24 +357,12 @@ def _fusable(a: np.ndarray, axis: int | None) -> bool:
 
 
 def _fused(a, kind, axis, q, parallel, block, tile):
-    k = _KEYS[kind]
+    k = _FORMATS[kind]
     _, C, inner = _dims(a.shape, axis)
     cc = max(1, block // inner)
-    flat = _readonly(a.reshape(-1))
-    ki, ku = flat.view(k.it), flat.view(k.ut)
-    out = q.reshape(-1)
-    if kind == "F32":
-        return _k.quantize_rows_fused(flat, ki, ku, k.absmask, k.lim, k.sign, C, inner, cc, out, parallel)
-    fmt = _k.F16 if kind == "F16" else _k.BF16
-    return _k.quantize_rows_fused_half(
-        fmt, ki, ku, k.absmask, k.lim, k.sign, C, inner, cc, tile, out, parallel
-    )
-
-
-def _pool_threads(threads: int | None) -> int:
-    import numba
-
-    return numba.get_num_threads() if threads is None else threads
+    flat = readonly(a.reshape(-1))
+    return _k.quantize_rows_fused(k.fmt, flat.view(k.xt), flat.view(k.it), flat.view(k.ut), k.keys, C, inner, cc, tile,
+                                  q.reshape(-1), parallel)
 
 
 def _out_dtype(dtype) -> np.dtype:
@@ -426,8 +412,8 @@ def dequantize_int8(q: Any, scale: Any, axis: int | None = None, dtype: Any = np
     ``amax / 127`` rounded to nearest, and ``127 * scale`` may round above ``amax``.  Values
     beyond the range of a 16-bit ``dtype`` become +-Inf as in any cast.
     """
-    qa, is_torch = _as_numpy(q)
-    sa, _ = _as_numpy(scale)
+    qa, is_torch = as_numpy(q)
+    sa, _ = as_numpy(scale)
     if qa.dtype != np.int8:
         raise TypeError(f"dequantize_int8() expects int8 values, got {qa.dtype}")
     sa = np.asarray(sa, dtype=np.float32)
@@ -454,62 +440,13 @@ def dequantize_int8(q: Any, scale: Any, axis: int | None = None, dtype: Any = np
     return out
 
 
-# --------------------------------------------------------------------------- files
-
-#: The ``__metadata__`` key that marks a quantized file and describes its tensors.
-METADATA_KEY = "engine.quantization"
-#: Value of ``"scheme"`` in that record: the formula of :func:`quantize_int8`.
-SCHEME = "int8-symmetric"
-#: Appended to a quantized tensor's name to name its scales.
-SCALE_SUFFIX = ".scale"
-
-
-@dataclass(frozen=True)
-class QuantizeSummary:
-    """What :func:`quantize_file` wrote.
-
-    Attributes
-    ----------
-    path : str
-        The file written.
-    quantized : tuple of str
-        Tensors stored as int8 plus ``name + ".scale"``, in source order.
-    copied : tuple of str
-        Tensors copied unchanged, in source order.
-    clamped : dict of str to (int, int, int)
-        With ``on_nonfinite="clamp"``: each quantized tensor that held NaN or Inf, to its
-        (NaN, +Inf, -Inf) counts.  Empty otherwise.
-    bytes_in : int
-        Tensor bytes read from the source (all tensors).
-    bytes_out : int
-        Tensor bytes written (int8 values, scales and copies; the header not counted).
-    """
-
-    path: str
-    quantized: tuple[str, ...]
-    copied: tuple[str, ...]
-    clamped: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-    def __str__(self) -> str:
-        text = (
-            f"quantized {len(self.quantized)} tensors, copied {len(self.copied)}: "
-            f"{_mb(self.bytes_in)} -> {_mb(self.bytes_out)} of tensor data"
-        )
-        if self.clamped:
-            names = ", ".join(repr(n) for n in list(self.clamped)[:5])
-            more = f" and {len(self.clamped) - 5} more" if len(self.clamped) > 5 else ""
-            text += f"; clamped NaN/Inf in {len(self.clamped)}: {names}{more}"
-        return text
-
-
-def _mb(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
+def target_dtype(dtype: Any) -> np.dtype:
+    """numpy dtype of a dequantization target: a format name, numpy or torch dtype."""
+    if isinstance(dtype, str) and dtype in _dt.BY_NAME:
+        if dtype not in INPUTS:
+            raise TypeError(f"dequantization writes F32, F16 or BF16, not {dtype}")
+        return _dt.numpy_dtype(_dt.code_of(dtype))
+    return _out_dtype(dtype)
 
 
 class QuantizedTensor(NamedTuple):
@@ -529,8 +466,13 @@ class QuantizedTensor(NamedTuple):
     def dequantize(self, dtype: Any = None):
         """:func:`dequantize_int8` into ``dtype`` (default: the original dtype)."""
         return dequantize_int8(
-            self.q, self.scale, self.axis, _target_dtype(self.dtype if dtype is None else dtype)
+            self.q, self.scale, self.axis, target_dtype(self.dtype if dtype is None else dtype)
         )
+
+
+#: Names that the default selection of :class:`Int8` treats as embeddings (kept in their
+#: dtype unless ``include`` names them): token and position embedding tables.
+EMBEDDING_PATTERNS = ("*embed*", "*wte.*", "*wpe.*")
 
 
 def _patterns(value: str | Iterable[str] | None, what: str) -> tuple[str, ...] | None:
@@ -559,371 +501,87 @@ def _check_axis(axis: Any) -> int | None:
         raise TypeError(f"axis must be an int or None, got {type(axis).__name__}") from None
 
 
-class _Job(NamedTuple):
-    """One source tensor and what becomes of it."""
+@dataclass(frozen=True)
+class Int8:
+    """Which tensors of a checkpoint to quantize to int8, and how.
 
-    path: str  # the shard holding it
-    name: str
-    kind: str  # format dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    axis: int | None  # normalized channel axis when quantized
-    quantize: bool
-
-
-def quantize_file(
-    src: Any,
-    dst: Any,
-    axis: int | None = 0,
-    include: str | Iterable[str] | None = None,
-    exclude: str | Iterable[str] | None = None,
-    *,
-    on_nonfinite: str = "raise",
-    fsync: bool = True,
-) -> QuantizeSummary:
-    """Write an int8-quantized copy of a checkpoint, one tensor at a time.
+    ``engine.stream(path, quantize=Int8(axis=0))`` (or ``quantize="int8"`` for the
+    defaults) and :func:`engine.quantize_file` take it.
 
     Parameters
     ----------
-    src : str or os.PathLike
-        A ``.safetensors`` file, a ``*.safetensors.index.json`` with its shards, or a
-        directory holding either (as for :func:`engine.open_checkpoint`).
-    dst : str or os.PathLike
-        The ``.safetensors`` file to write: always one file (sharded output is not
-        supported yet).  Written atomically: nothing appears there unless the whole file
-        is complete, and a previous file there stays intact on any error.
     axis : int or None, default 0
-        Channel axis of the scales: ``0`` is one scale per row (output channel) of a
+        Channel axis of the scales: ``0`` is one scale per row (output channel) of an
         ``[out, in]`` weight; negative counts from the end; ``None`` is one scale per
         tensor.  Every selected tensor must have this axis.
     include : str or list of str, optional
         Glob patterns (:func:`fnmatch.fnmatchcase`; ``*`` also matches dots) of the names
-        to quantize.  Default: every F32, F16 or BF16 tensor with at least 2 dimensions.
-        Only F32/F16/BF16 tensors are ever quantized: other dtypes that match are copied.
+        to quantize.  Default: every F32, F16 or BF16 tensor with at least 2 dimensions
+        (so never a norm or a bias), except embeddings unless ``embeddings=True``.  Only
+        F32/F16/BF16 tensors are ever quantized: other dtypes that match are left as they are.
     exclude : str or list of str, optional
         Glob patterns of names never to quantize (e.g. ``"lm_head.*"``); wins over
         ``include``.
     on_nonfinite : {"raise", "clamp"}, default "raise"
-        NaN or Inf in a tensor to quantize: ``"raise"`` raises :class:`NonFiniteError`
-        and writes nothing; ``"clamp"`` quantizes NaN to 0 and +-Inf to +-127 (scales from
-        the finite values, as :func:`quantize_int8`) and lists the tensor in
-        :attr:`QuantizeSummary.clamped` (no warning is issued).
-    fsync : bool, default True
-        As for :func:`engine.save_file`.
-
-    Returns
-    -------
-    QuantizeSummary
-        Names quantized and copied, tensors clamped, tensor bytes in and out.
+        NaN or Inf in a tensor to quantize: raise :class:`NonFiniteError`, or quantize NaN
+        to 0 and +-Inf to +-127 as :func:`quantize_int8` does.
+    embeddings : bool, default False
+        Whether the default selection takes tensors named like embedding tables
+        (:data:`EMBEDDING_PATTERNS`).  Ignored when ``include`` is given.
 
     Raises
     ------
-    SerializationError
-        Before anything is written: an output name that occurs twice (``W.scale`` is
-        already a tensor of ``src`` while ``W`` is quantized), a selected tensor without
-        ``axis``, or a source already carrying the ``"engine.quantization"`` metadata key.
-    NonFiniteError
-        A tensor to quantize holds NaN or Inf and ``on_nonfinite="raise"``; ``.tensors``
-        names it, ``.path`` is its file.  Nothing is left at ``dst``.
-    ValueError
-        Unknown ``on_nonfinite``.
     TypeError
         ``axis`` not an int or None; patterns that are not strings.
-    HeaderError, CheckpointIndexError, MissingShardError, WriteError, OSError
-        As :func:`engine.open_checkpoint` and :func:`engine.open_writer` raise them.
-
-    Notes
-    -----
-    The output follows the convention that :func:`load_quantized` reads: each quantized
-    tensor ``W`` becomes ``W`` (I8, same shape) and ``W.scale`` (F32, shape
-    ``(shape[axis],)``, or ``()`` per tensor), with ``q`` and ``scale`` exactly those of
-    :func:`quantize_int8`.  Every other tensor is copied byte for byte.  ``__metadata__``
-    keeps the source's (for shards: the entries all shards share) and adds
-    ``"engine.quantization"``, a JSON string ``{"scheme": "int8-symmetric",
-    "scale_suffix": ".scale", "tensors": {"W": {"dtype": "BF16", "axis": 0}, ...}}``
-    (``axis`` normalized to be non-negative; ``null`` per tensor).
-
-    Streaming, in bounded memory: the output header is computed from the source headers
-    alone, then the tensors are processed in source order (shard by shard, file order),
-    each quantized and written before the next is touched.  Copies of tensor bytes:
-
-    - source tensors are memory-mapped views: reading them copies nothing (the kernels
-      read the mapping, with no float32 copy even for F16/BF16);
-    - a quantized tensor's int8 values and scales are allocated once (they are the
-      output, not a copy) and written from that memory: 0 further copies;
-    - a copied tensor is written straight from the mapping: 0 copies in the process.
-
-    Peak extra memory is therefore one tensor's int8 output plus its scales plus the
-    kernels' scratch (a few KiB per thread), whatever the size of the model.  The pages
-    of the mapped source count in the process's resident size while it runs, but they are
-    the page cache: clean, shared and reclaimed by the OS under pressure.
+    ValueError
+        Unknown ``on_nonfinite``.
     """
-    if on_nonfinite not in _ON_NONFINITE:
-        raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
-    axis = _check_axis(axis)
-    inc = _patterns(include, "include")
-    exc = _patterns(exclude, "exclude")
 
-    from .checkpoint import open_checkpoint
-    from .writer import open_writer
+    axis: int | None = 0
+    include: str | Iterable[str] | None = None
+    exclude: str | Iterable[str] | None = None
+    on_nonfinite: str = "raise"
+    embeddings: bool = False
 
-    with open_checkpoint(src) as ckpt:
-        info = ckpt.info
-        jobs = [
-            _job(info.headers[shard].path or info.source, t, axis, inc, exc) for shard, t in info.tensors()
-        ]
-        metadata = _output_metadata(ckpt.metadata(), jobs, info.source)
-        entries = [entry for job in jobs for entry in _entries(job)]
-        _check_unique(entries, dst)
+    def __post_init__(self) -> None:
+        if self.on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {self.on_nonfinite!r}")
+        object.__setattr__(self, "axis", _check_axis(self.axis))
+        object.__setattr__(self, "include", _patterns(self.include, "include"))
+        object.__setattr__(self, "exclude", _patterns(self.exclude, "exclude"))
 
-        quantized: list[str] = []
-        copied: list[str] = []
-        clamped: dict[str, tuple[int, int, int]] = {}
-        writer = open_writer(dst, entries, metadata, fsync=fsync)
-        try:
-            for job in jobs:
-                x = ckpt.get_tensor(job.name)
-                if not job.quantize:
-                    writer.write(job.name, x)
-                    copied.append(job.name)
-                    continue
-                try:
-                    q, scale, bad = _quantize(x, job.kind, job.axis, on_nonfinite == "raise", job.name, None)
-                except NonFiniteError as err:
-                    err.path = job.path
-                    raise
-                writer.write(job.name, q)
-                writer.write(job.name + SCALE_SUFFIX, scale.reshape(_scale_shape(job)))
-                # drop this tensor's output before the next one is quantized
-                del q, scale, x
-                if bad.any():
-                    nan, pos, neg = (int(v) for v in bad)
-                    clamped[job.name] = (nan, pos, neg)
-                quantized.append(job.name)
-            writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
+    @classmethod
+    def of(cls, spec: Any) -> Int8 | None:
+        """The spec a ``quantize=`` argument names: None, ``"int8"`` or an :class:`Int8`."""
+        if spec is None or isinstance(spec, Int8):
+            return spec
+        if spec == "int8":
+            return cls()
+        raise ValueError(f"quantize must be None, 'int8' or an engine.quantize.Int8, got {spec!r}")
 
-    return QuantizeSummary(
-        path=os.fspath(dst),
-        quantized=tuple(quantized),
-        copied=tuple(copied),
-        clamped=clamped,
-        bytes_in=sum(job.nbytes for job in jobs),
-        bytes_out=sum(_nbytes(dtype, shape) for _, dtype, shape in entries),
-    )
+    def select(self, name: str, kind: str, shape: tuple, path: Any = None) -> tuple[bool, int | None]:
+        """Whether tensor ``name`` (format dtype ``kind``, ``shape``) is quantized, and its
+        normalized channel axis (None: per tensor, or not quantized).
 
-
-def _job(path: str, t: Any, axis: int | None, inc, exc) -> _Job:
-    """Decide what becomes of tensor ``t`` (a TensorInfo) of file ``path``."""
-    floating = t.dtype in _INPUTS
-    if inc is None:
-        chosen = floating and len(t.shape) >= 2
-    else:
-        chosen = floating and _matches(t.name, inc)
-    if chosen and exc is not None and _matches(t.name, exc):
-        chosen = False
-    ax = None
-    if chosen and axis is not None:
-        ndim = len(t.shape)
-        if not -ndim <= axis < ndim:
+        Raises :class:`~engine.errors.SerializationError` (``reason="InvalidAxis"``) when a
+        selected tensor has no such axis.
+        """
+        floating = kind in INPUTS
+        if self.include is None:
+            chosen = floating and len(shape) >= 2 and (self.embeddings or not _matches(name, EMBEDDING_PATTERNS))
+        else:
+            chosen = floating and _matches(name, self.include)
+        if chosen and self.exclude is not None and _matches(name, self.exclude):
+            chosen = False
+        if not chosen or self.axis is None:
+            return chosen, None
+        ndim = len(shape)
+        if not -ndim <= self.axis < ndim:
             raise SerializationError(
-                f"tensor {t.name!r} of shape {list(t.shape)} has no axis {axis}; choose another axis, "
+                f"tensor {name!r} of shape {list(shape)} has no axis {self.axis}; choose another axis, "
                 "axis=None (per tensor), or exclude it",
                 reason="InvalidAxis",
                 path=path,
-                tensors=(t.name,),
+                tensors=(name,),
             )
-        ax = axis % ndim
-    return _Job(path, t.name, t.dtype, tuple(t.shape), t.nbytes, ax, chosen)
-
-
-def _scale_shape(job: _Job) -> tuple[int, ...]:
-    return () if job.axis is None else (job.shape[job.axis],)
-
-
-def _entries(job: _Job) -> list[tuple[str, str, tuple[int, ...]]]:
-    if not job.quantize:
-        return [(job.name, job.kind, job.shape)]
-    return [(job.name, "I8", job.shape), (job.name + SCALE_SUFFIX, "F32", _scale_shape(job))]
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * _dt.BY_NAME[dtype].bits // 8
-
-
-def _check_unique(entries: list, dst: Any) -> None:
-    seen: set[str] = set()
-    twice = []
-    for name, _, _ in entries:
-        if name in seen:
-            twice.append(name)
-        seen.add(name)
-    if twice:
-        raise SerializationError(
-            f"output names collide: {', '.join(map(repr, twice[:5]))} "
-            f"{'is' if len(twice) == 1 else 'are'} both a source tensor and the scales of a quantized "
-            f"one ({SCALE_SUFFIX!r} suffix); rename or exclude them",
-            reason="DuplicateKey",
-            path=dst,
-            tensors=twice,
-        )
-
-
-def _by_name(job: _Job) -> str:
-    return job.name
-
-
-def _output_metadata(source: Mapping[str, str] | None, jobs: list[_Job], src_path: str) -> dict[str, str]:
-    out = dict(source or {})
-    if METADATA_KEY in out:
-        raise SerializationError(
-            f"the source already has {METADATA_KEY!r} metadata: it is a quantized file",
-            reason="AlreadyQuantized",
-            path=src_path,
-        )
-    record = {
-        "scheme": SCHEME,
-        "scale_suffix": SCALE_SUFFIX,
-        "tensors": {
-            j.name: {"dtype": j.kind, "axis": j.axis} for j in sorted(jobs, key=_by_name) if j.quantize
-        },
-    }
-    out[METADATA_KEY] = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
-    return out
-
-
-def _target_dtype(dtype: Any) -> np.dtype:
-    """numpy dtype of a dequantization target: a format name, numpy or torch dtype."""
-    if isinstance(dtype, str) and dtype in _dt.BY_NAME:
-        if dtype not in _INPUTS:
-            raise TypeError(f"dequantization writes F32, F16 or BF16, not {dtype}")
-        return _dt.numpy_dtype(_dt.code_of(dtype))
-    return _out_dtype(dtype)
-
-
-def _invalid(message: str, path: str, tensors=()) -> SerializationError:
-    return SerializationError(
-        message + " (not a file written by engine.quantize_file?)",
-        reason="InvalidQuantization",
-        path=path,
-        tensors=tensors,
-    )
-
-
-def _read_record(ckpt: Any) -> tuple[str, dict[str, tuple[str, int | None]]]:
-    """Parse and check the ``engine.quantization`` record against the file's tensors.
-
-    Returns ``(scale_suffix, {name: (original dtype, axis)})``.
-    """
-    path = ckpt.info.source
-    metadata = ckpt.metadata() or {}
-    if METADATA_KEY not in metadata:
-        raise _invalid(f"no {METADATA_KEY!r} key in __metadata__", path)
-    try:
-        record = json.loads(metadata[METADATA_KEY])
-    except ValueError as exc:
-        raise _invalid(f"{METADATA_KEY!r} is not valid JSON ({exc})", path) from None
-    if not isinstance(record, dict) or record.get("scheme") != SCHEME:
-        scheme = record.get("scheme") if isinstance(record, dict) else None
-        raise _invalid(
-            f"{METADATA_KEY!r} must be an object with scheme {SCHEME!r}, got scheme {scheme!r}", path
-        )
-    suffix = record.get("scale_suffix")
-    tensors = record.get("tensors")
-    if not isinstance(suffix, str) or not suffix:
-        raise _invalid(f"{METADATA_KEY!r}: scale_suffix must be a non-empty string, got {suffix!r}", path)
-    if not isinstance(tensors, dict):
-        raise _invalid(f"{METADATA_KEY!r}: tensors must be an object, got {type(tensors).__name__}", path)
-
-    specs: dict[str, tuple[str, int | None]] = {}
-    for name, spec in tensors.items():
-        dtype = spec.get("dtype") if isinstance(spec, dict) else None
-        axis = spec.get("axis", 0) if isinstance(spec, dict) else 0
-        if dtype not in _INPUTS or not (axis is None or (type(axis) is int and axis >= 0)):
-            raise _invalid(
-                f"{METADATA_KEY!r}: tensor {name!r} needs dtype F32, F16 or BF16 and axis null or "
-                f"a non-negative int, got {spec!r}",
-                path,
-                (name,),
-            )
-        if name not in ckpt or name + suffix not in ckpt:
-            missing = name if name not in ckpt else name + suffix
-            raise _invalid(
-                f"{METADATA_KEY!r} lists {name!r} but the file has no tensor {missing!r}", path, (missing,)
-            )
-        q, s = ckpt.info[name], ckpt.info[name + suffix]
-        expected = () if axis is None else (q.shape[axis],) if axis < len(q.shape) else None
-        if q.dtype != "I8" or s.dtype != "F32" or expected is None or tuple(s.shape) != expected:
-            raise _invalid(
-                f"tensor {name!r} is {q.dtype}{list(q.shape)} with scales {s.dtype}{list(s.shape)}; "
-                f"axis {axis} needs I8 values and "
-                + (f"F32{list(expected)} scales" if expected is not None else f"more than {axis} dimensions"),
-                path,
-                (name, name + suffix),
-            )
-        specs[name] = (dtype, axis)
-    return suffix, specs
-
-
-def load_quantized(path: Any, dequantize: bool = False, *, framework: str = "np", dtype: Any = None) -> dict:
-    """Read a file written by :func:`quantize_file`.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The quantized ``.safetensors`` file (an index or directory works too).
-    dequantize : bool, default False
-        ``False``: quantized tensors come back as :class:`QuantizedTensor`.  ``True``: as
-        :func:`dequantize_int8` of them, in ``dtype``.
-    framework : {"np", "numpy", "pt", "torch"}, default "np"
-        numpy arrays (``ml_dtypes.bfloat16`` for BF16) or CPU torch tensors
-        (``torch.bfloat16``).
-    dtype : str, numpy dtype or torch dtype, optional
-        With ``dequantize=True``: ``"F32"``/``float32``, ``"F16"``/``float16`` or
-        ``"BF16"``/``bfloat16`` for every quantized tensor.  Default: each tensor's
-        original dtype, as recorded in the metadata.
-
-    Returns
-    -------
-    dict
-        Name to tensor, names sorted.  Quantized tensors appear once under their own name
-        (their ``.scale`` tensors are not separate entries); every other tensor is
-        returned as stored.
-
-    Raises
-    ------
-    SerializationError
-        The ``"engine.quantization"`` metadata is missing or malformed, or disagrees with
-        the tensors (``.reason == "InvalidQuantization"``).
-    TypeError
-        ``dtype`` is not one of the three float types.
-    HeaderError, OSError
-        As :func:`engine.open_checkpoint` raises them.
-
-    Notes
-    -----
-    Tensors are memory-mapped views of the file (no copy) and stay valid after the call.
-    With ``dequantize=True`` each quantized tensor is allocated once in ``dtype`` and
-    filled in one pass (see :func:`dequantize_int8`): the result holds the whole
-    dequantized model in memory.
-    """
-    from .checkpoint import open_checkpoint
-
-    target = None if dtype is None else _target_dtype(dtype)
-    with open_checkpoint(path, framework=framework) as ckpt:
-        suffix, specs = _read_record(ckpt)
-        scales = {name + suffix for name in specs}
-        out: dict[str, Any] = {}
-        for name in ckpt.keys():
-            if name in scales and name not in specs:
-                continue
-            x = ckpt.get_tensor(name)
-            if name not in specs:
-                out[name] = x
-                continue
-            kind, axis = specs[name]
-            qt = QuantizedTensor(x, ckpt.get_tensor(name + suffix), axis, kind)
-            out[name] = qt.dequantize(target) if dequantize else qt
-    return out
+        return True, self.axis % ndim

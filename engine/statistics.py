@@ -9,25 +9,28 @@ imported only when a torch tensor is passed in.
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from . import dtypes as _dt
 from . import kernels as _k
-from .errors import DeviceError, SerializationError
+from ._arrays import (
+    BLOCK,
+    CHUNK,
+    FLOAT_FORMATS,
+    TILE,
+    as_numpy,
+    check_tunables,
+    float_consts,
+    kind_of,
+    pieces,
+    pool,
+    readonly,
+)
 
-__all__ = ["Accumulator", "Stats", "stats", "stats_file"]
-
-#: Default tunables (arguments of the public functions, not read by the kernels).
-BLOCK = 1 << 16  # elements per parallel task
-TILE = 1 << 12  # elements per L1-resident tile (16 KiB of float32)
-CHUNK = 1 << 22  # elements per contiguous copy of a non-contiguous input
+__all__ = ["Accumulator", "Stats", "stats", "stats_from_partials"]
 
 _FLOAT = ("F32", "F64")
 _HALF = ("F16", "BF16")
@@ -119,149 +122,7 @@ class Stats:
         )
 
 
-# --------------------------------------------------------------------------- input adapters
-
-
-def _from_torch(t) -> np.ndarray:
-    import torch  # only reached for a torch tensor: the caller already imported torch
-
-    if t.device.type != "cpu":
-        raise DeviceError(f"expected a CPU tensor, got one on {t.device}; call .cpu() first")
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        # numpy has no bfloat16 of its own: reinterpret the same memory (zero-copy)
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()  # zero-copy; TypeError for dtypes numpy lacks (FP8, ...)
-
-
-def _as_numpy(x: Any) -> tuple[np.ndarray, bool]:
-    """Zero-copy numpy view of ``x`` and whether ``x`` was a torch tensor."""
-    if isinstance(x, np.ndarray):
-        return x, False
-    mod = type(x).__module__
-    if mod == "torch" or mod.startswith("torch."):
-        return _from_torch(x), True
-    return np.asarray(x), False
-
-
-def _kind(dtype: np.dtype, supported: tuple[str, ...], what: str) -> str:
-    """Safetensors name of a numpy dtype, checked against ``supported``."""
-    try:
-        name = _dt.NAMES[_dt.from_numpy(dtype)]
-    except SerializationError:
-        name = None
-    if name not in supported:
-        raise TypeError(f"{what} supports {', '.join(supported)} data, not {dtype}")
-    return name
-
-
-def _native(dtype: np.dtype) -> np.dtype:
-    return dtype if dtype.isnative else dtype.newbyteorder("=")
-
-
-def _pieces(x: np.ndarray, chunk: int, any_order: bool) -> Iterator[tuple[tuple, np.ndarray]]:
-    """Cut ``x`` into C-contiguous, native-byte-order pieces of about ``chunk`` elements.
-
-    Yields ``(key, piece)`` with ``piece`` equal to ``x[key]`` (``key`` is a tuple of
-    integers, possibly ending in one slice).  A C-contiguous input is one piece with key
-    ``()`` (no copy).  With ``any_order`` an F-contiguous input is also one piece, its
-    memory-order ravel (``key`` then means nothing; fine for order-free reductions).
-    Otherwise pieces are copies: slabs of whole rows along the first axis, descending into
-    a row only when one row alone exceeds ``chunk``.
-    """
-    if x.dtype.isnative and (x.flags.c_contiguous or (any_order and x.flags.f_contiguous)):
-        yield (), (x if x.flags.c_contiguous else x.ravel(order="K"))
-        return
-    if x.ndim == 0:
-        yield (), np.ascontiguousarray(x, dtype=_native(x.dtype))
-        return
-    yield from _slabs(x, (), chunk)
-
-
-def _slabs(x: np.ndarray, key: tuple, chunk: int) -> Iterator[tuple[tuple, np.ndarray]]:
-    n0 = x.shape[0]
-    row = math.prod(x.shape[1:])
-    if row > chunk and x.ndim > 1:
-        for i in range(n0):
-            sub = x[i]
-            if sub.dtype.isnative and sub.flags.c_contiguous:
-                yield key + (i,), sub
-            else:
-                yield from _slabs(sub, key + (i,), chunk)
-        return
-    step = max(1, chunk // max(row, 1))
-    for i in range(0, n0, step):
-        j = min(i + step, n0)
-        yield key + (slice(i, j),), np.ascontiguousarray(x[i:j], dtype=_native(x.dtype))
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """Read-only view: kernels then compile once per dtype and provably never write."""
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
-_PARALLEL_LOCK = threading.Lock()
-
-
-@contextmanager
-def _pool(threads: int | None, n: int, block: int):
-    """Decide whether a kernel uses Numba's thread pool, and size it.
-
-    Yields the kernel's ``parallel`` flag.  Parallel launches are serialized by a lock:
-    Numba's fallback ``workqueue`` threading layer aborts the process on concurrent
-    launches, and on a shared machine two pools would only fight over the cores.  Callers
-    that run kernels from their own worker threads pass ``threads=1``: serial kernels take
-    no lock and release the GIL.
-    """
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    if threads == 1 or n <= block:
-        yield False
-        return
-    import numba
-
-    with _PARALLEL_LOCK:
-        old = numba.get_num_threads()
-        want = old if threads is None else min(threads, numba.config.NUMBA_NUM_THREADS)
-        if want <= 1:
-            yield False
-            return
-        numba.set_num_threads(want)
-        try:
-            yield True
-        finally:
-            numba.set_num_threads(old)
-
-
-def _check_tunables(block: int, tile: int, chunk: int) -> None:
-    for name, v in (("block", block), ("tile", tile), ("chunk", chunk)):
-        if int(v) != v or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-
-
 # --------------------------------------------------------------------------- float keys
-
-
-#: Bit layout of each float format: (signed view, unsigned view, +Inf bit pattern, float type).
-#: The one source for the kernels' constants here and in engine.quantize.
-FLOAT_FORMATS = {
-    "F32": (np.int32, np.uint32, 0x7F800000, np.float32),
-    "F64": (np.int64, np.uint64, 0x7FF0000000000000, np.float64),
-    "F16": (np.int16, np.uint16, 0x7C00, np.float16),
-    "BF16": (np.int16, np.uint16, 0x7F80, ml_dtypes.bfloat16),
-}
-
-
-def _float_consts(kind: str):
-    """Integer views and typed constants for the float kernels (see engine.kernels)."""
-    it, ut, lim, _ = FLOAT_FORMATS[kind]
-    info = np.iinfo(it)
-    sign = 1 << (info.bits - 1)
-    sc = np.array([lim, info.min, info.max], dtype=it)
-    uc = np.array([sign - 1, lim, sign | lim, 0], dtype=ut)
-    return it, ut, sc, uc
 
 
 _FLOAT_DTYPE = {kind: np.dtype(fmt[3]) for kind, fmt in FLOAT_FORMATS.items()}
@@ -284,7 +145,7 @@ def _decode_minmax(kind: str, max_i: int, min_i: int, max_u: int) -> tuple[float
     non-negative, else (all negative) the signed min; min = the unsigned max if it has the
     sign bit (some negative), else (all non-negative) the signed min.
     """
-    it, ut, _, uc = _float_consts(kind)
+    it, ut, _, uc = float_consts(kind)
     sign = int(uc[2]) & ~int(uc[1])
     fdt = _FLOAT_DTYPE[kind]
     max_bits = np.array(max_i if max_i >= 0 else min_i, dtype=it)
@@ -319,15 +180,22 @@ def _stats_flat(flat: np.ndarray, kind: str, parallel: bool, block: int, tile: i
     """Statistics of one C-contiguous 1-D array of safetensors dtype ``kind``."""
     if flat.size == 0:
         return Stats.empty()
-    flat = _readonly(flat)
+    flat = readonly(flat)
     if kind in _INT:
         if kind == "BOOL":
             flat = flat.view(np.uint8)
         return _int_result(*_k.stats_int(flat, block, tile, parallel))
-    it, ut, sc, uc = _float_consts(kind)
+    it, ut, sc, uc = float_consts(kind)
     fmt, values = _kernel_format(kind)
     res = _k.stats_values(fmt, flat.view(values), flat.view(it), flat.view(ut), sc, uc, block, tile, parallel)
     return _float_result(kind, *res)
+
+
+def stats_from_partials(kind: str, cnt, mom, skey, ukey) -> Stats:
+    """:class:`Stats` of float data of format ``kind`` from partial-result rows (numpy
+    arrays laid out as for :func:`engine.kernels.fold_block`, one row per block), such as
+    the device kernels return."""
+    return _float_result(kind, *_k.merge_float_blocks(cnt, mom, skey, ukey))
 
 
 class Accumulator:
@@ -352,7 +220,7 @@ class Accumulator:
     def __init__(self, kind: str, *, tile: int = TILE) -> None:
         if kind not in SUPPORTED_NAMES:
             raise TypeError(f"statistics support {', '.join(_SUPPORTED)} data, not {kind}")
-        _check_tunables(BLOCK, tile, CHUNK)
+        check_tunables(BLOCK, tile, CHUNK)
         self.kind = kind
         self.tile = tile
         self._mom = np.zeros(2)
@@ -361,12 +229,13 @@ class Accumulator:
             self._ext = np.zeros(2, np.uint8 if kind == "BOOL" else _dt.numpy_dtype(_dt.code_of(kind)))
             self._itemsize = self._ext.itemsize
             return
-        it, ut, self._sc, self._uc = _float_consts(kind)
+        it, ut, self._sc, self._uc = float_consts(kind)
         self._itemsize = np.dtype(it).itemsize
         self._cnt = np.zeros(5, np.int64)
         self._skey = np.empty(2, it)
         self._ukey = np.empty(1, ut)
         _k.init_keys(self._sc, self._uc, self._skey, self._ukey)
+        self._acc = _k.Acc(self._cnt, self._mom, self._skey, self._ukey)
         self._fmt, values = _kernel_format(kind)
         self._like = np.empty(0, values)  # carries the values' dtype into read_fold
 
@@ -382,7 +251,7 @@ class Accumulator:
             return
         f = flat.view(self._like.dtype)
         _k.fold_block(self._fmt, f, flat.view(self._sc.dtype), flat.view(self._uc.dtype), self._sc, self._uc, 0,
-                      f.size, self.tile, self._cnt, self._mom, self._skey, self._ukey)
+                      f.size, self.tile, self._acc)
 
     def read(self, fd: int, offset: int, dest: np.ndarray, window: int) -> int:
         """Read ``dest.size`` bytes of the file ``fd`` at ``offset`` into the byte array
@@ -403,8 +272,7 @@ class Accumulator:
             raise ValueError(f"dest holds {dest.size} bytes, not a whole number of {self.kind} elements")
         if self.kind in _INT:
             return _k.read_fold_int(fd, offset, dest, window, self.tile, self._cnt, self._mom, self._ext)
-        return _k.read_fold(fd, offset, dest, window, self._fmt, self._like, self._sc, self._uc, self.tile, self._cnt,
-                            self._mom, self._skey, self._ukey)
+        return _k.read_fold(fd, offset, dest, window, self._fmt, self._like, self._sc, self._uc, self.tile, self._acc)
 
     def result(self) -> Stats:
         """Statistics of everything folded so far."""
@@ -494,46 +362,11 @@ def stats(
     Float64 data whose spread exceeds the float64 range (values near +-1.8e308 of both
     signs) gets ``std = inf``, as with NumPy: the variance itself overflows.
     """
-    _check_tunables(block, tile, chunk)
-    a, _ = _as_numpy(x)
-    kind = _kind(a.dtype, _SUPPORTED, "stats()")
+    check_tunables(block, tile, chunk)
+    a, _ = as_numpy(x)
+    kind = kind_of(a.dtype, _SUPPORTED, "stats()")
     result = Stats.empty()
-    with _pool(threads, a.size, block) as parallel:
-        for _, piece in _pieces(a, chunk, any_order=True):
+    with pool(threads, a.size, block) as parallel:
+        for _, piece in pieces(a, chunk, any_order=True):
             result = result.merge(_stats_flat(piece.reshape(-1), kind, parallel, block, tile))
     return result
-
-
-def stats_file(path, names=None, *, threads: int | None = None) -> dict[str, Stats]:
-    """Statistics of every tensor of a file, an index or a checkpoint directory.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-    names : iterable of str, optional
-        Only these tensors (default: all).
-    threads : int, optional
-        As for :func:`stats`.
-
-    Returns
-    -------
-    dict of str to Stats
-        In file order; tensors whose dtype the kernel does not summarise (FP8, sub-byte,
-        complex) are left out.
-
-    Notes
-    -----
-    Copies of tensor bytes: 0.  Each tensor is a read-only view of a mapping that the kernel
-    reads once; memory is bounded by the page cache, not by the model's size.  To get
-    statistics while loading tensors for use, see ``engine.stream(..., stats=True)``.
-    """
-    from .checkpoint import open_checkpoint
-
-    out: dict[str, Stats] = {}
-    with open_checkpoint(path, framework="numpy") as ck:
-        wanted = list(names) if names is not None else (
-            ck.offset_keys() if hasattr(ck, "offset_keys") else ck.keys())
-        for name in wanted:
-            if ck.get_slice(name).get_dtype() in SUPPORTED_NAMES:
-                out[name] = stats(ck.get_tensor(name), threads=threads)
-    return out

@@ -21,6 +21,7 @@ from engine import kernels as K
 from engine import quantize as Q
 
 S = importlib.import_module("engine.statistics")
+A = importlib.import_module("engine._arrays")
 
 JIT = not numba.config.DISABLE_JIT
 # compiled kernels only: deselected (not skipped) when NUMBA_DISABLE_JIT=1, see conftest.py
@@ -221,7 +222,7 @@ def test_int_kernel(dtype, block, tile, parallel):
     else:
         x = rng.integers(info.min, info.max, 301, dtype=dtype, endpoint=True)
         x[:3] = [info.min, info.max, 0]
-    kind = S._kind(x.dtype, S._INT, "test")
+    kind = A.kind_of(x.dtype, S._INT, "test")
     got = S._stats_flat(x, kind, parallel, block, tile)
     assert_stats(got, naive.stats(x))
 
@@ -344,12 +345,13 @@ SHAPES = [(3, 5, 7), (1, 1, 9), (4, 1, 1), (2, 3, 1), (0, 3, 2)]
 def test_absmax_and_quantize_grid(kind, shape, grid):
     dt = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}[kind]
     x = (np.random.default_rng(1).standard_normal(shape) * 4).astype(dt)
-    k = Q._KEYS[kind]
+    k = Q._FORMATS[kind]
     for axis in [None, 0, 1, 2]:
         outer, C, inner = Q._dims(x.shape, axis)
         oc, cc, ic = (max(1, min(g, n)) for g, n in zip(grid, (outer, C, inner), strict=True))
+        g = K.Grid(outer, C, inner, oc, cc, ic)
         ki, ku = ro(x.reshape(-1)).view(k.it), ro(x.reshape(-1)).view(k.ut)
-        part, bad = K.absmax_grid(ki, ku, k.absmask, k.lim, k.sign, outer, C, inner, oc, cc, ic, True)
+        part, bad = K.absmax_grid(ki, ku, k.keys, g, True)
         amax = part.max(axis=0).view(k.ft).astype(np.float32)
         want = naive.absmax(x, axis).reshape(-1)
         assert np.array_equal(amax, want)
@@ -357,11 +359,9 @@ def test_absmax_and_quantize_grid(kind, shape, grid):
         q0, s0 = naive.quantize_int8(x, axis)
         q = np.full(x.size, 99, np.int8)
         scale = np.ascontiguousarray(s0.reshape(-1))
-        if kind == "F32":
-            K.quantize_grid(ro(x.reshape(-1)), scale, outer, C, inner, oc, cc, ic, q, False)
-        else:
-            fmt = K.F16 if kind == "F16" else K.BF16
-            K.quantize_grid_half(fmt, ku, scale, outer, C, inner, oc, cc, ic, 4, q, True)
+        # float32 serially with whole-row tiles, F16/BF16 in parallel with tiles of 4
+        K.quantize_grid(k.fmt, ro(x.reshape(-1)).view(k.xt), scale, g, 4 if k.fmt != K.FLOAT else 64, q,
+                        k.fmt != K.FLOAT)
         assert np.array_equal(q.reshape(x.shape), q0)
 
 
@@ -372,22 +372,10 @@ def test_absmax_grid_counts_nonfinite(inner):
     x[1, 2, -1] = np.inf
     x[3, 1, 0] = -np.inf
     x[3, 2, 0] = -np.nan
-    k = Q._KEYS["F32"]
+    k = Q._FORMATS["F32"]
     flat = ro(x.reshape(-1))
-    part, bad = K.absmax_grid(
-        flat.view(np.int32),
-        flat.view(np.uint32),
-        k.absmask,
-        k.lim,
-        k.sign,
-        4,
-        3,
-        inner,
-        2,
-        2,
-        max(1, inner // 2),
-        False,
-    )
+    part, bad = K.absmax_grid(flat.view(np.int32), flat.view(np.uint32), k.keys,
+                              K.Grid(4, 3, inner, 2, 2, max(1, inner // 2)), False)
     assert bad.sum(axis=0).tolist() == [2, 1, 1]
     amax = part.max(axis=0).view(np.float32)
     assert np.array_equal(amax, naive.absmax(x, 1))
@@ -399,7 +387,7 @@ def test_quant_ties_round_half_even():
         [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, 300, -300, np.inf, -np.inf, np.nan], np.float32
     )
     q = np.zeros(f.size, np.int8)
-    K.quantize_grid(ro(f), np.ones(1, np.float32), 1, 1, f.size, 1, 1, f.size, q, False)
+    K.quantize_grid(K.FLOAT, ro(f), np.ones(1, np.float32), K.Grid(1, 1, f.size, 1, 1, f.size), 5, q, False)
     assert q.tolist() == [0, 2, 2, 0, -2, -2, 126, 127, 127, -127, 127, -127, 0]
 
 
@@ -408,7 +396,7 @@ def test_quant_ties_round_half_even():
 
 @needs_jit
 def test_serial_kernel_releases_the_gil():
-    it, ut, sc, uc = S._float_consts("F32")
+    it, ut, sc, uc = A.float_consts("F32")
     for log2 in (22, 24, 26):  # grow the input until one call lasts long enough to observe
         x = ro(np.random.default_rng(0).standard_normal(1 << log2).astype(np.float32))
 

@@ -291,10 +291,10 @@ def test_torch_tensors(name):
 
 def test_torch_bf16_is_zero_copy_view():
     torch = _torch()
-    from engine.statistics import _as_numpy
+    from engine._arrays import as_numpy
 
     t = torch.randn(10).to(torch.bfloat16)
-    a, is_torch = _as_numpy(t)
+    a, is_torch = as_numpy(t)
     assert is_torch and a.dtype == np.dtype(ml_dtypes.bfloat16)
     assert a.__array_interface__["data"][0] == t.data_ptr()
 

@@ -20,20 +20,11 @@ import pytest
 from test_kernels import needs_jit
 
 import engine
-import engine.quantize as qmod
+import engine.quantized as qmod
 from engine import SerializationError, open_checkpoint, save_file
 from engine.checkpoint import save_sharded
-from engine.quantize import (
-    METADATA_KEY,
-    NonFiniteError,
-    NonFiniteWarning,
-    QuantizedTensor,
-    QuantizeSummary,
-    dequantize_int8,
-    load_quantized,
-    quantize_file,
-    quantize_int8,
-)
+from engine.quantize import NonFiniteError, NonFiniteWarning, QuantizedTensor, dequantize_int8, quantize_int8
+from engine.quantized import METADATA_KEY, QuantizeSummary, load_quantized, quantize_file
 from engine.writer import TensorWriter
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -513,7 +504,7 @@ def test_one_tensor_at_a_time(model_files, tmp_path, monkeypatch):
     src, t = model_files["float32"]
     events: list[tuple[str, str]] = []
     alive: list[weakref.ref] = []
-    real_quantize, real_write = qmod._quantize, TensorWriter.write
+    real_quantize, real_write = qmod.quantize_array, TensorWriter.write
 
     def spy_quantize(a, kind, axis, raise_nonfinite, name, *args, **kw):
         leaked = [r() for r in alive if r() is not None]
@@ -527,7 +518,7 @@ def test_one_tensor_at_a_time(model_files, tmp_path, monkeypatch):
         events.append(("write", name))
         return real_write(self, name, data)
 
-    monkeypatch.setattr(qmod, "_quantize", spy_quantize)
+    monkeypatch.setattr(qmod, "quantize_array", spy_quantize)
     monkeypatch.setattr(TensorWriter, "write", spy_write)
     s = quantize_file(src, tmp_path / "q.safetensors", fsync=False)
 

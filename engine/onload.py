@@ -1,0 +1,275 @@
+"""Work done on tensors while a load brings them in: device statistics and int8 quantization.
+
+:func:`plan` is the loaders' one entry point.  For a CUDA destination it returns a
+:class:`LoadWork` whose hooks run the kernels of :mod:`engine.device` where the bytes land:
+
+* ``after_copy(request, stream)`` (the pipeline calls it after each request's host-to-device
+  copies, on the copies' stream) folds every piece of a tensor that wants statistics into a
+  device accumulator of that reader thread; the accumulators of a tensor merge on the host
+  when it is handed out, as the CPU fold's do;
+* tensors selected for quantization land in a device staging buffer of their own source
+  dtype, allocated at their first piece; ``landed(row)`` (called when the tensor's last
+  copy has completed) quantizes it into int8 values and float32 scales and drops the
+  staging buffer.  Device memory at peak: the int8 tensors and scales, the unquantized
+  tensors, and the staging of the tensors whose reads are in flight (each reader thread
+  has at most ``slots`` requests of ``chunk_bytes`` in flight, so these are the tensors
+  overlapping a window of ``threads * slots * chunk_bytes`` of the file): never a
+  full-precision copy of the quantized tensors all at once.
+
+For CPU destinations statistics stay with the CPU fold on the reader threads
+(``engine.loader``); tensors selected for quantization are quantized on the CPU by
+:func:`engine.quantize_int8` as they are handed out.  Either way a quantized tensor is handed
+out as a :class:`~engine.quantize.QuantizedTensor`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import pipeline
+from .errors import NonFiniteError
+
+__all__ = ["LoadWork", "plan"]
+
+def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str | None = None,
+         launch=None) -> LoadWork | None:
+    """The work a load of ``rows`` into ``sink`` does besides landing bytes, or None.
+
+    ``quantize`` is None, ``"int8"`` or an :class:`~engine.quantize.Int8`; a selected tensor
+    without the spec's axis raises :class:`~engine.errors.SerializationError` here, before
+    anything is read.  Device statistics are planned for device sinks only.
+    """
+    device_stats = bool(stats) and sink.on_device
+    if quantize is None and not device_stats:
+        return None  # nothing to do: and Numba is not imported
+    from .quantize import Int8
+
+    spec = Int8.of(quantize)
+    return LoadWork(header, rows, sink, spec, device_stats, path, launch)
+
+
+def _allocator(sink) -> Callable[[tuple, Any], Any]:
+    """``empty(shape, numpy dtype)`` in the sink's framework and device."""
+    if getattr(sink, "name", None) == "torch":
+        import torch
+
+        device = sink.device
+        return lambda shape, dt: torch.empty(shape, dtype=getattr(torch, np.dtype(dt).name), device=device)
+    if getattr(sink, "name", None) == "cupy":
+        import cupy
+
+        def empty(shape, dt):
+            with cupy.cuda.Device(sink.device_id):
+                return cupy.empty(shape, np.dtype(dt))
+
+        return empty
+    return sink.empty_device  # another device framework (or a test double) brings its own
+
+
+class _Staging(dict):
+    """Row -> device byte buffer: the destinations of the unquantized tensors, and for the
+    tensors to quantize a staging buffer of their source bytes, made at first use."""
+
+    def __init__(self, targets, sizes: dict[int, int], empty) -> None:
+        super().__init__(targets)
+        self._sizes = sizes
+        self._empty = empty
+        self._lock = threading.Lock()
+
+    def __missing__(self, row: int):
+        with self._lock:  # two reader threads may bring the first pieces of one tensor
+            if dict.__contains__(self, row):
+                return dict.__getitem__(self, row)
+            if row not in self._sizes:
+                raise KeyError(row)
+            buf = self._empty((self._sizes[row],), np.uint8)
+            self[row] = buf
+            return buf
+
+
+class LoadWork:
+    """Statistics and quantization attached to one load (see the module docstring).
+
+    Built by :func:`plan`; the loader calls :meth:`destination`, passes :meth:`after_copy`
+    and :meth:`landed` to the pipeline, and hands out :meth:`tensor` and :meth:`stats`.
+    """
+
+    def __init__(self, header, rows, sink, spec, device_stats: bool, path, launch) -> None:
+        t = header.table
+        self.sink = sink
+        self.path = path
+        self.spec = spec
+        self.on_device = bool(sink.on_device)
+        self._launch = launch
+        self._names = t.names
+        self._quant: dict[int, tuple[str, tuple, int | None]] = {}
+        if spec is not None:
+            for r in rows:
+                kind = _dt.NAMES[int(t.codes[r])]
+                chosen, axis = spec.select(t.names[r], kind, tuple(t.shapes[r]), path)
+                if chosen:
+                    self._quant[r] = (kind, tuple(t.shapes[r]), axis)
+        self._stats_kind: dict[int, str] = {}
+        if device_stats:
+            from .device import SUPPORTED_NAMES
+
+            for r in rows:
+                kind = _dt.NAMES[int(t.codes[r])]
+                if kind in SUPPORTED_NAMES:
+                    self._stats_kind[r] = kind
+        self._acc: dict[int, dict[int, Any]] = {}  # row -> reader thread -> DeviceAccumulator
+        self._views: dict[int, Any] = {}
+        self._done: dict[int, Any] = {}  # row -> QuantizedTensor
+        self._targets: _Staging | None = None
+        self._empty = _allocator(sink) if self.on_device else None
+        dev = getattr(sink, "device", None)
+        self._gpu = getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
+        if self._gpu is None and self.on_device and getattr(sink, "name", None) == "torch":
+            import torch
+
+            self._gpu = torch.cuda.current_device()  # "cuda" without an index
+        self._streams = threading.local()
+
+    # ---------------------------------------------------------------- what the loader asks
+
+    def host_stats_rows(self, rows: list[int]) -> list[int]:
+        """The rows whose statistics the CPU fold still computes (those not on the device)."""
+        return [r for r in rows if r not in self._stats_kind]
+
+    def destination(self, header, rows: list[int], per_tensor: bool):
+        """(row -> tensor, pipeline.Destination) for a device load: the tensors to quantize
+        get no destination tensor, only a staging buffer made when their first piece comes."""
+        t = header.table
+        plain = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows
+                 if r not in self._quant]
+        tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
+        sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in self._quant}
+        self._targets = _Staging(targets, sizes, self._empty)
+        return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops)
+
+    def after_copy(self, req, stream) -> None:
+        """Pipeline hook: fold the pieces of ``req`` just copied, on their ``stream``."""
+        if not self._stats_kind:
+            return
+        from .device import DeviceAccumulator, as_device_array, on_gpu
+
+        with on_gpu(self._gpu):
+            self._fold(req, stream, DeviceAccumulator, as_device_array)
+
+    def _fold(self, req, stream, DeviceAccumulator, as_device_array) -> None:
+        me = threading.get_ident()
+        for p in req.pieces:
+            kind = self._stats_kind.get(p.row)
+            if kind is None:
+                continue
+            view = self._views.get(p.row)
+            if view is None:
+                view = self._views[p.row] = as_device_array(self._targets[p.row])
+            per_thread = self._acc.setdefault(p.row, {})  # atomic: both threads get the same dict
+            acc = per_thread.get(me)
+            if acc is None:  # only this thread adds its own key
+                acc = per_thread[me] = DeviceAccumulator(kind, self._launch_config(), stream, self._empty)
+            acc.add(view[p.tensor_offset : p.tensor_offset + p.nbytes], stream)
+
+    def landed(self, row: int) -> None:
+        """Completion hook (every copy of ``row`` has completed): quantize a selected tensor
+        on the device and free its staging buffer."""
+        self._views.pop(row, None)  # no piece of it comes any more; the view would keep staging alive
+        if row not in self._quant or not self.on_device:
+            return
+        from .device import on_gpu
+
+        src = self._targets.pop(row, None)
+        with on_gpu(self._gpu):
+            self._done[row] = self._quantize_device(row, src)
+
+    def tensor(self, row: int, tensor: Any) -> Any:
+        """What the load hands out for ``row``: its tensor, or its QuantizedTensor."""
+        if row not in self._quant:
+            return tensor
+        if self.on_device:
+            done = self._done.pop(row, None)
+            if done is None:  # a tensor without bytes never lands
+                from .device import on_gpu
+
+                with on_gpu(self._gpu):
+                    done = self._quantize_device(row, None)
+            return done
+        from .quantize import QuantizedTensor, quantize_int8
+
+        kind, _, axis = self._quant[row]
+        name = self._names[row]
+        try:
+            q, scale = quantize_int8(tensor, axis, on_nonfinite=self.spec.on_nonfinite, name=name)
+        except NonFiniteError as err:
+            err.path = self.path
+            raise
+        return QuantizedTensor(q, scale, axis, kind)
+
+    def stats(self, row: int):
+        """Device statistics of a complete tensor (asked once: its accumulators go), or
+        None when the CPU fold summarises it (or nothing does)."""
+        if row not in self._stats_kind:
+            return None
+        from .device import on_gpu
+        from .statistics import Stats
+
+        out = Stats.empty()
+        with on_gpu(self._gpu):
+            for acc in self._acc.pop(row, {}).values():
+                out = out.merge(acc.result(self._stream()))
+        return out
+
+    def has_device_stats(self, row: int) -> bool:
+        return row in self._stats_kind
+
+    # ---------------------------------------------------------------- device work
+
+    def _launch_config(self):
+        if self._launch is None:
+            from .device import DEFAULT_LAUNCH
+
+            self._launch = DEFAULT_LAUNCH
+        return self._launch
+
+    def _stream(self):
+        """A stream of this thread's own for the quantization kernels (the data is
+        complete: no ordering with the copies' streams is needed)."""
+        s = getattr(self._streams, "s", None)
+        if s is None:
+            from .device import SIMULATOR
+
+            if SIMULATOR:
+                s = 0
+            else:
+                from numba import cuda
+
+                s = cuda.stream()
+            self._streams.s = s
+        return s
+
+    def _quantize_device(self, row: int, src):
+        from .device import DeviceQuantizer
+        from .quantize import QuantizedTensor, raise_if_nonfinite
+
+        kind, shape, axis = self._quant[row]
+        C = 1 if axis is None else shape[axis]
+        q = self._empty(shape, np.int8)
+        scale = self._empty((C,), np.float32)
+        if math.prod(shape) and src is None:  # pragma: no cover - a tensor with bytes always lands
+            raise RuntimeError(f"tensor {self._names[row]!r} was never staged")
+        bad = DeviceQuantizer(self._launch_config(), self._empty).quantize(src, kind, shape, axis, q, scale,
+                                                                          self._stream())
+        if self.spec.on_nonfinite == "raise":
+            try:
+                raise_if_nonfinite(bad, self._names[row])
+            except NonFiniteError as err:
+                err.path = self.path
+                raise
+        return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, kind)

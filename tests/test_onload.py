@@ -1,0 +1,266 @@
+"""engine.onload through engine.stream: statistics and int8 quantization while loading.
+
+CPU destinations run in every pass.  Device destinations run on a GPU, or under Numba's
+CUDA simulator (CI's ``NUMBA_ENABLE_CUDASIM=1`` pass) with a device double whose "device
+memory" is numpy arrays: its copies are synchronous (the simulator has no streams to order
+kernels after asynchronous copies; tests/test_pipeline.py covers the ring's asynchrony).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+import ml_dtypes
+import naive
+import numba
+import numpy as np
+import pytest
+from test_kernels import assert_stats
+
+import engine
+import engine.loader  # noqa: F401  (sim_stream patches its get_sink)
+import engine.numpy
+from engine import dtypes
+from engine.errors import NonFiniteError, SerializationError
+from engine.quantize import Int8, QuantizedTensor
+
+SIM = bool(numba.config.ENABLE_CUDASIM)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+needs_device = pytest.mark.skipif(
+    not SIM, reason="needs NUMBA_ENABLE_CUDASIM=1 set before Numba is imported (CI's simulator pass)"
+)
+
+
+def model(rng, layers=3):
+    """A small Llama-shaped state dict (rows of odd widths so pieces split tensors anywhere)."""
+    sd = {"model.embed_tokens.weight": rng.standard_normal((11, 24)).astype(BF16)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(24)).astype(BF16)
+        sd[p + "self_attn.q_proj.weight"] = rng.standard_normal((24, 24)).astype(BF16)
+        sd[p + "self_attn.k_proj.weight"] = rng.standard_normal((13, 24)).astype(np.float16)
+        sd[p + "mlp.up_proj.weight"] = rng.standard_normal((37, 24)).astype(np.float32)
+        sd[p + "mlp.down_proj.weight"] = rng.standard_normal((24, 37)).astype(BF16)
+    sd["lm_head.weight"] = rng.standard_normal((11, 24)).astype(BF16)
+    sd["model.norm.weight"] = np.ones(24, np.float64)
+    sd["position_ids"] = np.arange(17, dtype=np.int64)
+    sd["empty.weight"] = np.zeros((0, 5), np.float32)
+    return sd
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    sd = model(np.random.default_rng(0))
+    sd["model.layers.1.self_attn.q_proj.weight"][3, 5] = np.nan  # stats must count it
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file(sd, path)
+    return path, sd
+
+
+def default_selection(sd):
+    return {n for n, x in sd.items() if x.ndim >= 2 and x.dtype != np.int64 and "embed" not in n}
+
+
+def assert_quantized(qt, x, axis):
+    assert isinstance(qt, QuantizedTensor) and qt.axis == axis
+    assert qt.dtype == dtypes.NAMES[dtypes.from_numpy(x.dtype)]
+    q, scale = engine.quantize_int8(x, axis, on_nonfinite="clamp") if np.isfinite(
+        x.astype(np.float32)).all() else naive.quantize_int8(x, axis)
+    assert np.array_equal(np.asarray(qt.q), q)
+    assert np.array_equal(np.asarray(qt.scale, np.float32).view(np.uint32),
+                          np.asarray(scale, np.float32).view(np.uint32))
+
+
+# --------------------------------------------------------------------------- CPU destinations
+
+
+def test_cpu_quantize_on_load_default_selection(model_file):
+    path, sd = model_file
+    del sd  # the file holds a NaN in one weight: only clamp loads it
+    path2 = path.with_name("finite.safetensors")
+    sd = model(np.random.default_rng(0))
+    engine.numpy.save_file(sd, path2)
+    got = dict(engine.stream(path2, framework="np", device="cpu", quantize="int8", chunk_bytes=4096))
+    assert got.keys() == sd.keys()
+    chosen = default_selection(sd)
+    assert "lm_head.weight" in chosen and "model.embed_tokens.weight" not in chosen
+    for name, x in sd.items():
+        if name in chosen:
+            assert_quantized(got[name], x, 0)
+        else:  # norms, embeddings, integers, 1-D: as stored
+            assert not isinstance(got[name], QuantizedTensor)
+            assert np.array_equal(got[name].view(np.uint8), x.view(np.uint8))
+
+
+def test_cpu_quantize_spec_and_nonfinite(model_file):
+    path, sd = model_file
+    with pytest.raises(NonFiniteError) as err:
+        list(engine.stream(path, framework="np", device="cpu", quantize="int8"))
+    assert list(err.value.tensors) == ["model.layers.1.self_attn.q_proj.weight"] and err.value.path == str(path)
+    spec = Int8(axis=None, include=["*proj*", "model.embed_tokens.weight"], exclude="*k_proj*", on_nonfinite="clamp")
+    with pytest.warns(engine.quantize.NonFiniteWarning):
+        got = {n: t for n, t, s in engine.stream(path, framework="np", device="cpu", quantize=spec, stats=True)}
+    for name, x in sd.items():
+        if ("proj" in name and "k_proj" not in name) or name == "model.embed_tokens.weight":
+            assert_quantized(got[name], x, None)
+        else:
+            assert not isinstance(got[name], QuantizedTensor)
+
+
+def test_quantize_spec_is_checked(model_file):
+    path, _ = model_file
+    with pytest.raises(SerializationError, match="has no axis 2"):
+        list(engine.stream(path, framework="np", device="cpu", quantize=Int8(axis=2)))
+    with pytest.raises(ValueError, match="quantize must be"):
+        list(engine.stream(path, framework="np", device="cpu", quantize="int4"))
+    with pytest.raises(TypeError):
+        Int8(axis=1.5)
+    with pytest.raises(ValueError):
+        Int8(on_nonfinite="ignore")
+    assert Int8(embeddings=True).select("wte.weight", "F32", (3, 4)) == (True, 0)
+    assert Int8().select("wte.weight", "F32", (3, 4)) == (False, None)
+    assert Int8().select("x.weight", "I32", (3, 4)) == (False, None)
+
+
+# --------------------------------------------------------------------------- device destinations
+
+
+class SimOps:
+    """DeviceOps over numpy "device memory", copying synchronously."""
+
+    def bind_thread(self):
+        pass
+
+    def alloc_staging(self, nbytes):
+        buf = np.empty(nbytes, np.uint8)
+        return buf, memoryview(buf)
+
+    def new_stream(self):
+        return object()
+
+    def copy_to_device(self, dst, dst_offset, src, src_offset, nbytes, stream):
+        dst[dst_offset : dst_offset + nbytes] = src[src_offset : src_offset + nbytes]
+
+    def record(self, stream):
+        return None
+
+    def wait(self, event):
+        pass
+
+
+class SimSink:
+    """A device sink whose device arrays are numpy arrays; counts live staging bytes."""
+
+    name = "sim"
+    on_device = True
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.live = 0
+        self.peak = 0
+        self.staged = 0
+
+    def allocate_device(self, specs, per_tensor=False):
+        tensors, targets = {}, {}
+        for row, code, shape, nbytes in specs:
+            buf = np.zeros(nbytes, np.uint8)
+            targets[row] = buf
+            tensors[row] = buf.view(dtypes.numpy_dtype(code)).reshape(dtypes.packed_shape(code, shape, nbytes))
+        return tensors, targets, SimOps()
+
+    def _freed(self, n):
+        with self.lock:
+            self.live -= n
+
+    def empty_device(self, shape, dtype):
+        a = np.empty(shape, dtype)
+        if np.dtype(dtype) == np.uint8:  # a staging buffer of source bytes
+            with self.lock:
+                self.live += a.nbytes
+                self.staged += a.nbytes
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(a, self._freed, a.nbytes)
+        return a
+
+
+def sim_stream(monkeypatch, path, **kw):
+    from engine import device
+
+    # a few simulated GPU threads (each one is a Python thread under the simulator)
+    monkeypatch.setattr(device, "DEFAULT_LAUNCH", device.LaunchConfig(threads=8, blocks=2))
+    sink = SimSink()
+    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    return sink, engine.stream(path, framework="np", device="cuda", **kw)
+
+
+@needs_device
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_device_stats_on_load(model_file, monkeypatch, chunk):
+    path, sd = model_file
+    _, it = sim_stream(monkeypatch, path, stats=True, chunk_bytes=chunk, threads=3)
+    got = {n: (t, s) for n, t, s in it}
+    assert got.keys() == sd.keys()
+    for name, x in sd.items():
+        t, s = got[name]
+        assert np.array_equal(t.view(np.uint8), x.view(np.uint8))
+        assert_stats(s, naive.stats(x))
+    assert got["model.layers.1.self_attn.q_proj.weight"][1].nan_count == 1
+    assert got["position_ids"][1].max == 16  # integers keep the CPU fold on the staging slot
+
+
+@needs_device
+def test_device_quantize_on_load_bit_identical_and_bounded(monkeypatch, tmp_path):
+    sd = model(np.random.default_rng(1), layers=4)
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file(sd, path)
+    chunk, threads = 4096, 2
+    sink, it = sim_stream(monkeypatch, path, quantize="int8", stats=True, chunk_bytes=chunk, threads=threads,
+                          slot_bytes=chunk)
+    got = {n: (t, s) for n, t, s in it}
+    chosen = default_selection(sd)
+    for name, x in sd.items():
+        t, s = got[name]
+        assert_stats(s, naive.stats(x))  # statistics of the source values, quantized or not
+        if name in chosen:
+            assert_quantized(t, x, 0)
+        else:
+            assert np.array_equal(t.view(np.uint8), x.view(np.uint8))
+    quantized_bytes = sum(sd[n].nbytes for n in chosen)
+    assert sink.staged == quantized_bytes  # each staged once
+    biggest = max(sd[n].nbytes for n in chosen)
+    # staging held at once: the tensors overlapping the units in flight (the two staging
+    # slots and the one being read), not the model
+    assert sink.peak <= 3 * chunk + 2 * biggest < quantized_bytes
+    assert sink.live == 0
+
+
+@needs_device
+def test_device_quantize_nonfinite(model_file, monkeypatch):
+    path, sd = model_file
+    _, it = sim_stream(monkeypatch, path, quantize="int8", chunk_bytes=4096)
+    with pytest.raises(NonFiniteError) as err:
+        list(it)
+    assert list(err.value.tensors) == ["model.layers.1.self_attn.q_proj.weight"] and err.value.path == str(path)
+    _, it = sim_stream(monkeypatch, path, quantize=Int8(axis=-1, on_nonfinite="clamp"), chunk_bytes=4096)
+    got = dict(it)
+    for name in default_selection(sd):
+        assert_quantized(got[name], sd[name], 1)
+    assert math.prod(got["empty.weight"].q.shape) == 0 and got["empty.weight"].scale.shape == (5,)
+
+
+def test_a_plain_load_imports_no_numba(model_file):
+    # onload is imported by every load; only stats/quantize may bring Numba in
+    import subprocess
+    import sys
+
+    path, _ = model_file
+    code = (
+        "import sys, engine\n"
+        f"n = sum(1 for _ in engine.stream({str(path)!r}, framework='np', device='cpu'))\n"
+        "assert n > 10 and 'numba' not in sys.modules, n\n"
+        f"list(engine.stream({str(path)!r}, framework='np', device='cpu', quantize='int8', names=['model.norm.weight']))\n"
+        "assert 'numba' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
