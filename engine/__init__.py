@@ -55,6 +55,8 @@ _LAZY = {
     "stats_file": "engine.filestats",
     "quantize_int8": "engine.quantize",
     "dequantize_int8": "engine.quantize",
+    "Int8": "engine.quantize",
+    "QuantizedTensor": "engine.quantize",
     "quantize_file": "engine.quantized",
     "load_quantized": "engine.quantized",
     "WeightValidator": "engine.validator",
