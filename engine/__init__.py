@@ -10,8 +10,11 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .errors import (
+    Cancelled,
+    ConfigError,
     DeviceError,
     HeaderError,
+    InvalidSliceError,
     MissingDependencyError,
     NonFiniteError,
     ReadError,
@@ -64,8 +67,11 @@ _LAZY = {
 }
 
 __all__ = [
+    "Cancelled",
+    "ConfigError",
     "DeviceError",
     "HeaderError",
+    "InvalidSliceError",
     "MissingDependencyError",
     "NonFiniteError",
     "ReadError",

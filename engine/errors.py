@@ -26,6 +26,9 @@ __all__ = [
     "NonFiniteError",
     "SharedTensorsError",
     "UnrepresentableTensorError",
+    "InvalidSliceError",
+    "Cancelled",
+    "ConfigError",
     "HEADER_REASONS",
 ]
 
@@ -206,3 +209,15 @@ class NonFiniteError(SafetensorError, ValueError):
         self.nan_count = nan_count
         self.posinf_count = posinf_count
         self.neginf_count = neginf_count
+
+
+class InvalidSliceError(SafetensorError, IndexError):
+    """An index that does not fit the tensor (out of range, wrong type, too many dims)."""
+
+
+class Cancelled(SafetensorError):
+    """The load was stopped by its consumer (an early ``break`` out of ``stream()``)."""
+
+
+class ConfigError(SafetensorError, ValueError):
+    """A config.json that is missing keys or holds impossible values."""

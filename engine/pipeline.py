@@ -55,7 +55,7 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .errors import DeviceError, ReadError, SafetensorError
+from .errors import Cancelled, DeviceError, ReadError
 from .plan import Piece, Request
 from .reader import pread_into, run_threads
 
@@ -77,10 +77,6 @@ GPU_PATHS = ("auto", "copy", "register")
 #: Units the register path keeps page-locked at once (one copying, one being page-locked).
 REGISTER_DEPTH = 2
 _PAGE = mmap.PAGESIZE
-
-
-class Cancelled(SafetensorError):
-    """The load was stopped by its consumer (an early ``break`` out of ``stream()``)."""
 
 
 class DeviceOps(Protocol):

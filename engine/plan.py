@@ -13,13 +13,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import SafetensorError
+from .errors import InvalidSliceError
 
 __all__ = ["SlicePlan", "plan_slice", "InvalidSliceError"]
-
-
-class InvalidSliceError(SafetensorError, IndexError):
-    """An index that does not fit the tensor (out of range, wrong type, too many dims)."""
 
 
 class SlicePlan(NamedTuple):

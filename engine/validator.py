@@ -19,13 +19,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Union
 
-from .errors import SafetensorError
+from .errors import ConfigError
 
 __all__ = ["WeightValidator", "ValidationReport", "ConfigError", "expected_tensors"]
-
-
-class ConfigError(SafetensorError, ValueError):
-    """A config.json that is missing keys or holds impossible values."""
 
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

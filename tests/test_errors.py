@@ -57,3 +57,32 @@ def test_header_reasons_cover_the_reference_names():
                  "InvalidHeaderDeserialization", "TensorInvalidInfo", "InvalidOffset", "MetadataIncompleteBuffer",
                  "ValidationOverflow", "MisalignedSlice"}
     assert reference <= errors.HEADER_REASONS
+
+
+def test_every_error_class_lives_in_errors_and_is_exported():
+    """One hierarchy: no module defines an error class of its own, and `engine` exports all."""
+    import ast
+    import pathlib
+
+    import engine
+    from engine import errors
+
+    package = pathlib.Path(engine.__file__).parent
+    defined_elsewhere = []
+    for path in package.rglob("*.py"):
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Cancelled")) for b in node.bases
+            ):
+                if not node.name.startswith("_"):
+                    defined_elsewhere.append(f"{path.name}:{node.name}")
+    assert defined_elsewhere == []
+    classes = [
+        v for v in vars(errors).values()
+        if isinstance(v, type) and issubclass(v, errors.SafetensorError)
+    ]
+    for cls in classes:
+        assert cls.__name__ in errors.__all__, cls
+        assert getattr(engine, cls.__name__) is cls, cls
