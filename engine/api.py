@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from typing import Any, Optional
 
 from . import dtypes
+from ._files import open_regular
 from .errors import SafetensorError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .loader import load_rows
@@ -97,7 +99,13 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._sink = get_sink(framework, device)
         self._path = os.fspath(filename)
         self._backend = backend
-        self._fd: Optional[int] = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # Reads borrow the descriptor (see _borrow): close() never frees the number while a
+        # read on another thread still uses it, so a reused number cannot feed another file's
+        # bytes into that read.
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closing = False
+        self._fd: Optional[int] = open_regular(self._path)
         self._base = None
         try:
             size = os.fstat(self._fd).st_size
@@ -120,11 +128,20 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     def close(self) -> None:
         """Close the file.  Tensors already handed out stay valid (a mapping lives as
-        long as any view of it)."""
-        self._base = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        long as any view of it).
+
+        Safe while other threads read through this handle: reads already under way finish
+        with the right bytes (the descriptor is closed when the last of them ends), and
+        reads started after ``close()`` raise ``SafetensorError`` (``reason="FileClosed"``).
+        """
+        with self._lock:
+            self._base = None
+            self._closing = True
+            fd = self._fd if self._users == 0 else None
+            if fd is not None:
+                self._fd = None
+        if fd is not None:
+            os.close(fd)
 
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
@@ -134,10 +151,26 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             except OSError:
                 pass
 
-    def _check_open(self) -> int:
-        if self._fd is None:
+    def _check_open(self) -> None:
+        if self._closing:
             raise SafetensorError("the file is closed", reason="FileClosed", path=self._path)
-        return self._fd
+
+    def _borrow(self) -> int:
+        """The descriptor, kept open until the matching :meth:`_give_back`."""
+        with self._lock:
+            if self._closing:
+                raise SafetensorError("the file is closed", reason="FileClosed", path=self._path)
+            self._users += 1
+            return self._fd  # type: ignore[return-value]  # not None while not closing
+
+    def _give_back(self) -> None:
+        fd = None
+        with self._lock:
+            self._users -= 1
+            if self._closing and self._users == 0 and self._fd is not None:
+                fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     # -- the reference's API -----------------------------------------------------------
     def keys(self) -> list[str]:
@@ -160,11 +193,15 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         return row
 
     def _mapping(self):
-        if self._base is None:
-            fd = self._check_open()
-            mm = mmap.mmap(fd, 0, access=self._sink.mmap_access)
-            self._base = self._sink.map(mm)
-        return self._base
+        base = self._base
+        if base is None:
+            fd = self._borrow()
+            try:
+                mm = mmap.mmap(fd, 0, access=self._sink.mmap_access)
+            finally:
+                self._give_back()
+            base = self._base = self._sink.map(mm)
+        return base
 
     def get_tensor(self, name: str):
         """The whole tensor ``name`` (a view for "mmap", owned memory for "pread")."""
@@ -180,14 +217,18 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     # -- internals ---------------------------------------------------------------------
     def _get_rows(self, rows: list[int]) -> dict:
-        fd = self._check_open()
+        self._check_open()
         t = self.header.table
         names = t.names
         sink = self._sink
         if self._backend == "mmap" and not sink.on_device:
             return views(sink, self._mapping(), self.header, rows, self.header.data_start)
         # owned memory and devices: the threaded pipeline, never a mapping
-        got = load_rows(fd, self.header, rows, sink, path=self._path)
+        fd = self._borrow()
+        try:
+            got = load_rows(fd, self.header, rows, sink, path=self._path)
+        finally:
+            self._give_back()
         return {names[r]: got[r] for r in rows}
 
     def _read_slice(self, row: int, index):
@@ -222,12 +263,15 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         block = sink.empty(code, plan.out_shape, plan.nbytes)
         if plan.nbytes:
             threads = 1 if plan.nbytes < _PARALLEL_SLICE_BYTES else default_threads()
-            pread_runs(self._check_open(), sink.raw(block), plan.src, plan.run_bytes, offset,
-                       path=self._path, threads=threads)
+            fd = self._borrow()
+            try:
+                pread_runs(fd, sink.raw(block), plan.src, plan.run_bytes, offset, path=self._path, threads=threads)
+            finally:
+                self._give_back()
         return sink.to_device(sink.finish(block, plan.flip, plan.result_shape))
 
     def __repr__(self) -> str:
-        state = "closed" if self._fd is None else f"{len(self.header)} tensors"
+        state = "closed" if self._closing else f"{len(self.header)} tensors"
         return f"<engine.safe_open {self._path!r} {self._sink.name} {self._backend} ({state})>"
 
 

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Union
 
+from ._files import open_regular
 from .dtypes import BY_NAME
 from .errors import ReadError, SafetensorError, SerializationError, TensorNotFoundError, WriteError
 from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
@@ -322,7 +323,7 @@ def _resolve(path: PathLike) -> _Layout:
 
 
 def _read_index(path: str, max_size: int) -> tuple[dict[str, Any], dict[str, str]]:
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_size:
             raise CheckpointIndexError(
