@@ -23,7 +23,6 @@ import operator
 import os
 import stat
 import sys
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -31,8 +30,11 @@ from typing import Any, NamedTuple, Union
 
 import numpy as np
 
+from ._atomic import AtomicFile, sync_dir
+from ._atomic import umask as _umask
 from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
 from .errors import SerializationError, WriteError
+from .header import MAX_HEADER_SIZE
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter"]
 
@@ -53,6 +55,8 @@ _F4 = BY_NAME["F4"].code
 def build_header(
     entries: Iterable[tuple[str, int, Sequence[int], int]],
     metadata: Mapping[str, str] | None = None,
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
 ) -> tuple[bytes, list[tuple[int, int]]]:
     """Header bytes and tensor placement for a file holding ``entries``.
 
@@ -65,6 +69,9 @@ def build_header(
     metadata : mapping of str to str, optional
         Written as ``__metadata__``, first and in the mapping's order.  ``None`` omits the
         key; an empty mapping writes ``"__metadata__":{}`` as the reference does.
+    max_header_size : int, default 100,000,000
+        Largest header (JSON and padding, in bytes) written; the readers' limit of the same
+        name, so that a file this writes is one they accept.
 
     Returns
     -------
@@ -82,7 +89,8 @@ def build_header(
         A name that is not a string, is ``__metadata__``, is not UTF-8 encodable or occurs
         twice; an unknown dtype; a negative dimension; ``nbytes`` that does not match the
         shape, or a sub-byte tensor that does not end on a byte boundary; metadata keys or
-        values that are not strings.
+        values that are not strings; ``reason="HeaderTooLarge"``: a header longer than
+        ``max_header_size``, which readers would refuse.
 
     Notes
     -----
@@ -125,6 +133,13 @@ def build_header(
 
     text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    if len(text) > max_header_size:
+        raise SerializationError(
+            f"the header would take {len(text)} bytes, more than the limit of {max_header_size} that "
+            "readers accept (fewer tensors per file, shorter names or metadata; or raise max_header_size "
+            "here and when reading)",
+            reason="HeaderTooLarge",
+        )
     start = 8 + len(text)
     return len(text).to_bytes(8, "little") + text, [(index, start + offset) for index, offset in layout]
 
@@ -360,7 +375,7 @@ def _device_chunks(flat: Any, swap: int, torch: Any) -> Callable[[int], Iterator
 
 
 def _prepare(
-    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None
+    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, max_header_size: int = MAX_HEADER_SIZE
 ) -> tuple[list[tuple[str, _Raw]], bytes, list[tuple[int, int]]]:
     """Validate everything, before any file is touched; return the items, header and layout."""
     if not isinstance(tensors, Mapping):
@@ -372,7 +387,9 @@ def _prepare(
         _check_name(name)
         items.append((name, _raw(name, x)))
     _check_shared(items)
-    header, layout = build_header(((name, r.code, r.shape, r.nbytes) for name, r in items), metadata)
+    header, layout = build_header(
+        ((name, r.code, r.shape, r.nbytes) for name, r in items), metadata, max_header_size=max_header_size
+    )
     return items, header, layout
 
 
@@ -473,51 +490,11 @@ class _BackgroundSync:
         return self.error
 
 
-def _umask() -> int:
-    # /proc reads it without the set-and-restore race of os.umask() against other threads.
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
-
-
 def _write_error(action: str, path: str, exc: BaseException) -> WriteError:
     err = WriteError(f"could not {action}: {exc}", path=path)
     if isinstance(exc, OSError):
         err.errno, err.strerror = exc.errno, exc.strerror
     return err
-
-
-def _discard(fd: int | None, tmp: str) -> None:
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    try:
-        os.unlink(tmp)
-    except OSError:
-        pass
-
-
-def _sync_dir(directory: str) -> None:
-    if os.name == "nt":  # pragma: no cover - directories cannot be opened there
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        # Some filesystems do not sync directories; the file itself is already synced.
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise
-    finally:
-        os.close(fd)
 
 
 class _Entry(NamedTuple):
@@ -537,13 +514,14 @@ class TensorWriter:
         metadata: Mapping[str, str] | None = None,
         *,
         fsync: bool = True,
+        max_header_size: int = MAX_HEADER_SIZE,
     ) -> None:
         rows = []
         for name, dtype, shape in entries:
             _check_name(name)
             code, dims = _code(name, dtype), _shape(name, shape)
             rows.append((name, code, dims, _packed_nbytes(name, code, dims)))
-        header, layout = build_header(rows, metadata)
+        header, layout = build_header(rows, metadata, max_header_size=max_header_size)
         placed = {rows[i][0]: _Entry(rows[i][1], rows[i][2], rows[i][3], offset) for i, offset in layout}
         self._open(path, header, placed, fsync)
 
@@ -566,7 +544,6 @@ class TensorWriter:
 
         # Through a symlink, replace its target (as an in-place write would), not the link.
         self._dest = os.path.realpath(self.path)
-        directory, base = os.path.split(self._dest)
         try:
             mode = stat.S_IMODE(os.stat(self._dest).st_mode)
         except FileNotFoundError:
@@ -574,14 +551,13 @@ class TensorWriter:
         except OSError as exc:
             raise _write_error("inspect the destination", self.path, exc) from exc
         try:
-            self._fd, self._tmp = tempfile.mkstemp(dir=directory, prefix=f".{base[:200]}.", suffix=".tmp")
+            self._file = AtomicFile(self._dest, mode)
         except OSError as exc:
             raise _write_error("create a temporary file", self.path, exc) from exc
+        self._fd = self._file.fd
         # A writer dropped without commit() or abort() must not leave its temporary file.
-        self._finalizer = weakref.finalize(self, _discard, self._fd, self._tmp)
+        self._finalizer = weakref.finalize(self, self._file.discard)
         try:
-            if hasattr(os, "fchmod"):  # mkstemp creates 0600
-                os.fchmod(self._fd, mode)
             _write_all(self._fd, memoryview(header), 0)
         except BaseException as exc:
             self.abort()
@@ -718,17 +694,14 @@ class TensorWriter:
             )
         fd, self._fd = self._fd, None
         try:
-            try:
-                background_error = self._stop_syncer()
-                if background_error is not None:
-                    raise background_error
-                if self._fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(self._tmp, self._dest)
+            background_error = self._stop_syncer()
+            if background_error is not None:
+                raise background_error
+            if self._fsync:
+                os.fsync(fd)
+            self._file.commit()
         except BaseException as exc:
-            _discard(None, self._tmp)
+            self._file.discard()
             self._finalizer.detach()
             if isinstance(exc, OSError):
                 raise _write_error("finish the file", self.path, exc) from exc
@@ -736,7 +709,7 @@ class TensorWriter:
         self._finalizer.detach()
         if self._fsync:
             try:
-                _sync_dir(os.path.dirname(self._dest))
+                sync_dir(os.path.dirname(self._dest))
             except OSError as exc:
                 raise _write_error("sync the directory (the file is in place)", self.path, exc) from exc
 
@@ -750,7 +723,7 @@ class TensorWriter:
         fd, self._fd = self._fd, None
         if fd is not None:
             self._finalizer.detach()
-            _discard(fd, self._tmp)
+            self._file.discard()
 
     def __enter__(self) -> TensorWriter:
         return self
@@ -774,6 +747,7 @@ def open_writer(
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = True,
+    max_header_size: int = MAX_HEADER_SIZE,
 ) -> TensorWriter:
     """Open a safetensors file for writing tensor by tensor, e.g. from a generator.
 
@@ -787,6 +761,8 @@ def open_writer(
     metadata : mapping of str to str, optional
         Header metadata, as for :func:`save_file`.
     fsync : bool, default True
+        As for :func:`save_file`.
+    max_header_size : int, default 100,000,000
         As for :func:`save_file`.
 
     Returns
@@ -815,7 +791,7 @@ def open_writer(
     >>> with open_writer("out.safetensors", [("w", "F32", (2, 2))]) as w:  # doctest: +SKIP
     ...     w.write("w", np.eye(2, dtype=np.float32))
     """
-    return TensorWriter(path, entries, metadata, fsync=fsync)
+    return TensorWriter(path, entries, metadata, fsync=fsync, max_header_size=max_header_size)
 
 
 # --------------------------------------------------------------------------- public
@@ -827,6 +803,7 @@ def save_file(
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = True,
+    max_header_size: int = MAX_HEADER_SIZE,
 ) -> None:
     """Write tensors to a safetensors file, atomically.
 
@@ -845,6 +822,10 @@ def save_file(
         Sync the file before renaming it into place and the directory after.  ``False``
         is faster and still atomic for readers, but a power loss may leave an empty or
         partial file under the name.
+    max_header_size : int, default 100,000,000
+        Largest header written, the limit of the same name that readers apply (the
+        reference's 100 MB); a larger header raises ``SerializationError`` with
+        ``reason="HeaderTooLarge"`` before anything is written.
 
     Raises
     ------
@@ -852,7 +833,8 @@ def save_file(
         Before anything is written: a name that is not a string, is ``__metadata__`` or is
         not UTF-8 encodable; a value that is not an array or tensor; an unsupported dtype;
         a non-contiguous, sparse or meta tensor; tensors whose bytes overlap (views of one
-        another; empty tensors never count); metadata that is not str to str.
+        another; empty tensors never count); metadata that is not str to str; a header
+        larger than ``max_header_size`` (``reason="HeaderTooLarge"``).
     WriteError
         Creating, writing, syncing or renaming failed.  The temporary file is removed and
         a previous file at ``filename`` is intact; ``__cause__`` is the original error and
@@ -860,10 +842,14 @@ def save_file(
 
     Notes
     -----
-    The file is written as ``.<name>.<random>.tmp`` in the destination's directory and
-    renamed over ``filename`` once complete, so readers see the old file or the new one.
-    On any exception, ``KeyboardInterrupt`` included, the temporary file is removed and
-    the exception re-raised.
+    Readers see the old file or the new one, never a partial file.  On Linux the file is
+    written as an unnamed file in the destination's directory (``O_TMPFILE``) and linked
+    into place once complete, so a process killed mid-save leaves nothing behind; where
+    that is not available it is written as ``.<name>.<pid>.<random>.tmp`` and renamed over
+    ``filename``, and the next save to the same destination removes such temporaries of
+    writers that no longer run (never a live writer's: each holds a lock on its own).  On
+    any exception, ``KeyboardInterrupt`` included, the temporary file is removed and the
+    exception re-raised.
 
     Copies of tensor bytes: 0 for CPU little-endian arrays and tensors, which are written
     from their own memory in slices of at most 64 MiB; 1 for big-endian numpy arrays
@@ -876,7 +862,7 @@ def save_file(
     tensor; saving a 2 GB dict allocates no buffer in proportion to it.  The written pages
     sit in the OS page cache, not in the process.
     """
-    items, header, layout = _prepare(tensors, metadata)
+    items, header, layout = _prepare(tensors, metadata, max_header_size)
     entries = {
         items[i][0]: _Entry(items[i][1].code, items[i][1].shape, items[i][1].nbytes, offset)
         for i, offset in layout
@@ -891,7 +877,12 @@ def save_file(
         raise
 
 
-def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
+def save(
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> bytes:
     """The bytes of a safetensors file holding ``tensors``.
 
     Parameters
@@ -899,6 +890,8 @@ def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) 
     tensors : mapping of str to numpy.ndarray or torch.Tensor
         As for :func:`save_file`.
     metadata : mapping of str to str, optional
+        As for :func:`save_file`.
+    max_header_size : int, default 100,000,000
         As for :func:`save_file`.
 
     Returns
@@ -918,7 +911,7 @@ def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) 
     the returned ``bytes`` without a further copy.  Peak memory: the tensors plus the
     result plus, for big-endian or device tensors, one staging slice of at most 64 MiB.
     """
-    items, header, layout = _prepare(tensors, metadata)
+    items, header, layout = _prepare(tensors, metadata, max_header_size)
     total = len(header) + sum(raw.nbytes for _, raw in items)
     # BytesIO adopts an unshared bytes object as its buffer, writes into it in place and
     # hands it back from getvalue() when the size matches: one allocation, no final copy.

@@ -27,7 +27,8 @@ from hypothesis.extra import numpy as hnp
 
 from engine import writer
 from engine.dtypes import NAMES, from_numpy
-from engine.errors import SerializationError, WriteError
+from engine.errors import HeaderError, SerializationError, WriteError
+from engine.header import read_header
 
 try:
     import safetensors.torch as ref_torch
@@ -727,12 +728,38 @@ def test_open_writer_io_error_closes_and_cleans_up(tmp_path, monkeypatch):
     assert w.closed and only_entry(tmp_path) == []
 
 
-def test_dropped_writer_removes_its_temporary_file(tmp_path):
+@pytest.fixture(params=["unnamed", "named"])
+def scheme(request, monkeypatch):
+    """Both ways of writing a temporary: an unnamed O_TMPFILE file where the platform has
+    one, and the named ``.<name>.<pid>.<random>.tmp`` file everywhere else."""
+    from engine import _atomic
+
+    if request.param == "named":
+        monkeypatch.setattr(_atomic, "_linker", lambda directory: None)
+    elif _atomic._linker(os.getcwd()) is None:
+        pytest.skip("this platform or file system cannot name an O_TMPFILE file")
+    return request.param
+
+
+def test_dropped_writer_removes_its_temporary_file(tmp_path, scheme):
     w = writer.open_writer(tmp_path / "m", entries_of(STREAM))
-    assert len(only_entry(tmp_path)) == 1
-    assert only_entry(tmp_path)[0].startswith(".m.") and only_entry(tmp_path)[0].endswith(".tmp")
+    if scheme == "named":
+        assert len(only_entry(tmp_path)) == 1
+        name = only_entry(tmp_path)[0]
+        assert name.startswith(f".m.{os.getpid()}.") and name.endswith(".tmp")
+    else:
+        assert only_entry(tmp_path) == []  # unnamed until commit
     del w
     assert only_entry(tmp_path) == []
+
+
+def test_commit_through_both_schemes_new_and_existing_destination(tmp_path, scheme):
+    dest = tmp_path / "m.safetensors"
+    for round_ in range(2):  # a new name, then replacing an existing file
+        arrays = {"x": np.full(5, round_, np.int16)}
+        writer.save_file(arrays, dest)
+        assert only_entry(tmp_path) == ["m.safetensors"]
+        assert np.array_equal(ref_np.load_file(str(dest))["x"], arrays["x"])
 
 
 def test_background_flush_overlaps_writing(tmp_path, monkeypatch):
@@ -768,3 +795,46 @@ def test_background_flush_error_fails_the_save_atomically(tmp_path, monkeypatch)
         w.save_file({f"t{i}": np.zeros(1 << 16, np.float32) for i in range(4)}, path)
     assert path.read_bytes() == b"previous"
     assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+# -- the header limit the readers apply ------------------------------------------------------
+
+
+def test_header_larger_than_the_readers_limit_is_refused_at_write_time(tmp_path):
+    from engine.header import MAX_HEADER_SIZE
+
+    # one metadata value that pushes the header just past the limit both readers enforce
+    big = {"x": "a" * (MAX_HEADER_SIZE - 40)}
+    arrays = {"w": np.zeros(2, np.float32)}
+    dest = tmp_path / "big.safetensors"
+    for write in (
+        lambda: writer.save_file(arrays, dest, big),
+        lambda: writer.save(arrays, big),
+        lambda: writer.open_writer(dest, [("w", "F32", (2,))], big),
+    ):
+        with pytest.raises(SerializationError) as e:
+            write()
+        assert e.value.reason == "HeaderTooLarge" and "max_header_size" in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_max_header_size_is_the_same_keyword_as_the_readers(tmp_path):
+    arrays = {"w": np.arange(4, dtype=np.float32)}
+    dest = tmp_path / "m.safetensors"
+    n = len(writer.save(arrays))
+    header_len = int.from_bytes(writer.save(arrays)[:8], "little")
+    with pytest.raises(SerializationError) as e:
+        writer.save_file(arrays, dest, max_header_size=header_len - 1)
+    assert e.value.reason == "HeaderTooLarge"
+    with pytest.raises(HeaderError) as r:  # the reader refuses the same size with the same reason
+        read_header(_written(tmp_path, arrays), max_header_size=header_len - 1)
+    assert r.value.reason == "HeaderTooLarge"
+    writer.save_file(arrays, dest, max_header_size=header_len)
+    assert os.path.getsize(dest) == n
+    assert read_header(dest, max_header_size=header_len).header_size == header_len
+
+
+def _written(tmp_path, arrays):
+    path = tmp_path / "plain.safetensors"
+    writer.save_file(arrays, path)
+    return path
