@@ -39,7 +39,7 @@ _LAZY = {
     "save": "engine.writer",
     # sharded checkpoints (index + shards, or one file, as one checkpoint)
     "open_checkpoint": "engine.checkpoint",
-    "save_sharded": "engine.checkpoint",
+    "save_sharded": "engine.shards",
     "Checkpoint": "engine.checkpoint",
     "read_checkpoint_info": "engine.checkpoint",
     # kernels (Numba is imported only when one of these is used)
@@ -84,7 +84,8 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import safe_open
-    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, save_sharded
+    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info
+    from .shards import save_sharded
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .numpy import load, load_file
     from .writer import save, save_file

@@ -32,11 +32,23 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["AtomicFile", "temp_name", "make_temp_dir", "remove_stale", "sync_dir", "lock", "umask"]
+from .errors import WriteError
+
+__all__ = [
+    "AtomicFile", "temp_name", "make_temp_dir", "remove_stale", "sync_dir", "lock", "umask", "write_error",
+]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_TMPFILE = getattr(os, "O_TMPFILE", 0)
 _SUFFIX = ".tmp"
+
+
+def write_error(action: str, path: str, exc: BaseException) -> WriteError:
+    """``WriteError`` for a failed ``action`` on ``path``, with the cause's ``errno``."""
+    err = WriteError(f"could not {action}: {exc}", path=path)
+    if isinstance(exc, OSError):
+        err.errno, err.strerror = exc.errno, exc.strerror
+    return err
 
 
 def umask() -> int:

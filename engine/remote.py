@@ -36,6 +36,7 @@ import urllib.parse
 import urllib.request
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import __version__
@@ -44,13 +45,11 @@ from .checkpoint import (
     CheckpointIndexError,
     CheckpointInfo,
     MissingShardError,
-    _Failed,
-    _index_problems,
-    _run_all,
+    index_problems,
     parse_index,
     read_checkpoint_info,
 )
-from .errors import HeaderError, MissingDependencyError, ReadError, SafetensorError
+from .errors import HeaderError, MissingDependencyError, ReadError, SafetensorError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header
 
 __all__ = [
@@ -591,6 +590,16 @@ class _Source:
             view[:] = self.fs.read(where, offset, len(view))
 
 
+def _all_or_first_error(fn, items: list, workers: int) -> list:
+    """``[fn(x) for x in items]`` on up to ``workers`` threads; every call finishes before the
+    first exception (in item order) is raised."""
+    if len(items) <= 1 or workers <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="engine-remote") as pool:
+        futures = [pool.submit(fn, x) for x in items]
+    return [f.result() for f in futures]
+
+
 def _source(url, headers, timeout, max_redirects, storage_options) -> _Source:
     return _Source(
         os.fspath(url), headers=headers, timeout=timeout, max_redirects=max_redirects, storage_options=storage_options
@@ -721,12 +730,11 @@ def read_metadata(
             reason="TooManyShards",
             path=spath,
         )
-    results = _run_all(lambda s: src.header(src.shard(s), max_header_size, shard=True), shards, max_workers or _MAX_WORKERS)
-    for r in results:
-        if isinstance(r, _Failed):
-            raise r.exc
+    results = _all_or_first_error(
+        lambda s: src.header(src.shard(s), max_header_size, shard=True), shards, max_workers or _MAX_WORKERS
+    )
     by_shard = dict(zip(shards, results, strict=True))
-    problems = _index_problems(weight_map, by_shard, spath)
+    problems = index_problems(weight_map, by_shard, spath)
     if problems:
         raise problems[0]
     return CheckpointInfo(spath, by_shard, index=spath, index_metadata=metadata, weight_map=weight_map)
@@ -788,7 +796,7 @@ def get_tensor(
     if _is_index(spath):
         _, weight_map = src.index(max_header_size)
         if name not in weight_map:
-            raise CheckpointInfo(spath, {}, index=spath, weight_map=weight_map)._not_found(name)
+            raise TensorNotFoundError.for_name(name, list(weight_map), where="checkpoint", path=spath)
         where, shard = src.shard(weight_map[name]), True
     header = src.header(where, max_header_size, shard=shard)
     info = header[name]  # TensorNotFoundError names the file

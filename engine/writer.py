@@ -31,12 +31,13 @@ from typing import Any, NamedTuple, Union
 import numpy as np
 
 from ._atomic import AtomicFile, sync_dir
+from ._atomic import write_error as _write_error
 from ._atomic import umask as _umask
 from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
 from .errors import SerializationError, WriteError
 from .header import MAX_HEADER_SIZE
 
-__all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter"]
+__all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -393,6 +394,35 @@ def _prepare(
     return items, header, layout
 
 
+def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> dict[str, int]:
+    """Check ``tensors`` and ``metadata`` as :func:`save_file` does, without writing.
+
+    Parameters
+    ----------
+    tensors : mapping of str to numpy.ndarray or torch.Tensor
+        As for :func:`save_file`.
+    metadata : mapping of str to str, optional
+        As for :func:`save_file`.
+
+    Returns
+    -------
+    dict of str to int
+        Bytes of each tensor, in the mapping's order.
+
+    Raises
+    ------
+    SerializationError
+        What :func:`save_file` refuses before writing, except the header size (which
+        depends on how the tensors are split into files).
+
+    Notes
+    -----
+    Reads no tensor bytes (a device tensor is not copied); memory: a few objects per tensor.
+    """
+    items, _, _ = _prepare(tensors, metadata, max_header_size=sys.maxsize)
+    return {name: raw.nbytes for name, raw in items}
+
+
 def _check_shared(items: list[tuple[str, _Raw]]) -> None:
     """Reject tensors whose bytes overlap: O(n log n) by sorting address ranges."""
     spans = sorted((r.span, name) for name, r in items if r.span is not None)
@@ -488,13 +518,6 @@ class _BackgroundSync:
         self.wake.set()
         self.thread.join()
         return self.error
-
-
-def _write_error(action: str, path: str, exc: BaseException) -> WriteError:
-    err = WriteError(f"could not {action}: {exc}", path=path)
-    if isinstance(exc, OSError):
-        err.errno, err.strerror = exc.errno, exc.strerror
-    return err
 
 
 class _Entry(NamedTuple):
