@@ -838,3 +838,64 @@ def _written(tmp_path, arrays):
     path = tmp_path / "plain.safetensors"
     writer.save_file(arrays, path)
     return path
+
+
+# -- a save killed at any moment leaves the old file or the new one, nothing else -------------
+
+KILL_SAVE = """
+path = sys.argv[1] if len(sys.argv) > 1 else os.environ["DEST"]
+seed = int(os.environ["SEED"])
+arrays = {f"t{i}": np.full((1 << 20,), seed * 16 + i, np.float32) for i in range(12)}
+print("ready", flush=True)
+engine.save_file(arrays, path, fsync=os.environ["FSYNC"] == "1")
+print("done", flush=True)
+"""
+
+
+def _expected(seed: int) -> dict:
+    return {f"t{i}": np.full((1 << 20,), seed * 16 + i, np.float32) for i in range(12)}
+
+
+def _kill_saves(tmp_path, rounds: int, scheme: str) -> int:
+    import killsave
+
+    rng = np.random.default_rng(rounds)
+    dest = tmp_path / "m.safetensors"
+    import time
+
+    t0 = time.perf_counter()
+    writer.save_file(_expected(0), dest)
+    # kill within about the time a save takes, so that most kills land during one
+    window = 1.5 * (time.perf_counter() - t0) + 0.01
+    current = 0
+    killed = 0
+    for r in range(1, rounds + 1):
+        env = {"DEST": str(dest), "SEED": str(r), "FSYNC": str(r % 2)}
+        killed += killsave.kill_during(KILL_SAVE, window, rng, scheme=scheme, env=env)
+        entries = only_entry(tmp_path)
+        loaded = ref_np.load_file(str(dest))
+        got = int(loaded["t0"][0]) // 16
+        assert got in (current, r), f"round {r}: neither the old nor the new file"
+        assert all(np.array_equal(loaded[k], v) for k, v in _expected(got).items())
+        current = got
+        others = [e for e in entries if e != "m.safetensors"]
+        if scheme == "unnamed":
+            # an unnamed file dies with its writer; only a kill between naming the finished
+            # file and renaming it over the old one can leave that (complete) file
+            assert len(others) <= 1, others
+        if others:
+            # the next save removes what a dead writer left, and only that
+            writer.save_file(_expected(current), dest)
+            assert only_entry(tmp_path) == ["m.safetensors"]
+    return killed
+
+
+def test_killed_saves_leave_old_or_new_file_only(tmp_path, scheme):
+    killed = _kill_saves(tmp_path, 5, scheme)
+    assert killed >= 1
+
+
+@pytest.mark.slow
+def test_killed_saves_leave_old_or_new_file_only_many(tmp_path, scheme):
+    killed = _kill_saves(tmp_path, 40, scheme)
+    assert killed >= 30
