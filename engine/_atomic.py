@@ -25,7 +25,7 @@ import errno
 import os
 import shutil
 import stat
-from typing import Callable
+from typing import Any, Callable
 
 try:
     import fcntl
@@ -193,13 +193,20 @@ def _link_proc(fd: int, path: str) -> None:
     os.link(f"/proc/self/fd/{fd}", path)
 
 
+_linkat: Any = None
+
+
 def _link_empty_path(fd: int, path: str) -> None:
     # linkat(fd, "", ..., AT_EMPTY_PATH): where /proc belongs to another mount namespace
     # (EXDEV); needs CAP_DAC_READ_SEARCH.  os.link has no way to pass it.
+    global _linkat
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) != 0:
+    if _linkat is None:
+        _linkat = ctypes.CDLL(None, use_errno=True).linkat
+        _linkat.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
+        _linkat.restype = ctypes.c_int
+    if _linkat(fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
 

@@ -240,6 +240,9 @@ class _Raw(NamedTuple):
     #: chunks(limit) yields the little-endian bytes as 'B' memoryviews of at most ``limit``
     #: bytes; each is valid until the next is requested (staging buffers are reused).
     chunks: Callable[[int], Iterator[memoryview]]
+    #: the bytes as they are in memory, when they can be written without staging (host
+    #: memory, little-endian); several such tensors go to the file in one system call
+    direct: memoryview | None = None
 
 
 def _raw(name: str, x: Any) -> _Raw:
@@ -274,7 +277,7 @@ def _raw_numpy(name: str, a: np.ndarray) -> _Raw:
     # reshape(-1) of a C-contiguous array is a view; uint8 because the buffer protocol
     # refuses ml_dtypes' types.
     view = a.reshape(-1).view(np.uint8).data
-    return _Raw(code, tuple(a.shape), a.nbytes, span, _host_chunks(view, swap))
+    return _Raw(code, tuple(a.shape), a.nbytes, span, _host_chunks(view, swap), view if swap == 1 else None)
 
 
 def _raw_torch(name: str, t: Any, torch: Any) -> _Raw:
@@ -311,7 +314,8 @@ def _raw_torch(name: str, t: Any, torch: Any) -> _Raw:
         space = "cpu" if t.device.type == "cpu" else str(t.device)
         span = (space, start, start + nbytes)
     if not nbytes:
-        return _Raw(code, shape, 0, None, _host_chunks(memoryview(b""), 1))
+        empty = memoryview(b"")
+        return _Raw(code, shape, 0, None, _host_chunks(empty, 1), empty)
     t = t.detach()
     if t.is_conj() or t.is_neg():
         # A lazy conjugate/negation bit is not in memory: write the resolved values, copied
@@ -325,7 +329,8 @@ def _raw_torch(name: str, t: Any, torch: Any) -> _Raw:
     # size 1, which view(uint8) refuses.
     flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
     if t.device.type == "cpu":
-        return _Raw(code, shape, nbytes, span, _host_chunks(memoryview(flat.numpy()), swap))
+        view = memoryview(flat.numpy())
+        return _Raw(code, shape, nbytes, span, _host_chunks(view, swap), view if swap == 1 else None)
     return _Raw(code, shape, nbytes, span, _device_chunks(flat, swap, torch))
 
 
@@ -471,6 +476,35 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         data = data[written:]
         offset += written
+
+
+if hasattr(os, "pwritev"):
+    _IOV_MAX = 1024
+    try:
+        _IOV_MAX = int(os.sysconf("SC_IOV_MAX")) or _IOV_MAX
+    except (AttributeError, ValueError, OSError):  # pragma: no cover
+        pass
+else:  # pragma: no cover - Windows, macOS before 11
+    _IOV_MAX = 1
+
+
+def _writev_at(fd: int, views: list[memoryview], offset: int) -> int:
+    return os.pwritev(fd, views, offset)
+
+
+def _writev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """``pwritev`` of ``views`` (back to back in the file from ``offset``), partial writes resumed."""
+    views = list(views)
+    while views:
+        written = _writev_at(fd, views, offset)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
 
 
 #: Written bytes after which a background thread starts flushing them to disk, so that the
@@ -671,6 +705,61 @@ class TensorWriter:
             )
         return raw
 
+    def _written(self, nbytes: int) -> None:
+        """Account for ``nbytes`` more in the page cache; start a background flush when due."""
+        self._unsynced += nbytes
+        if self._fsync and self._unsynced >= _SYNC_EVERY:
+            assert self._fd is not None
+            if self._syncer is None:
+                self._syncer = _BackgroundSync(self._fd)
+                weakref.finalize(self, self._syncer.close)  # a dropped writer stops it too
+            self._syncer.kick()
+            self._unsynced = 0
+
+    def _write_layout(self, items: list[tuple[str, _Raw]]) -> None:
+        """Write whole tensors that follow each other in the file, in file order.
+
+        Runs of small tensors whose bytes need no staging go out in one ``pwritev`` each
+        (up to ``IOV_MAX`` tensors or 64 MiB), so a checkpoint of many small tensors costs
+        a few system calls instead of one per tensor; the others go through
+        :meth:`_write_raw`.
+        """
+        assert self._fd is not None
+        batch: list[tuple[str, memoryview]] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal size
+            if not batch:
+                return
+            name0 = batch[0][0]
+            try:
+                _writev_all(self._fd, [v for _, v in batch], self._entries[name0].offset)
+            except BaseException as exc:
+                self.abort()
+                if isinstance(exc, OSError):
+                    names = ", ".join(repr(n) for n, _ in batch[:3]) + (", ..." if len(batch) > 3 else "")
+                    raise _write_error(f"write tensors {names}", self.path, exc) from exc
+                raise
+            for n, v in batch:
+                self._filled[n] = len(v)
+            self._written(size)
+            batch.clear()
+            size = 0
+
+        for name, raw in items:
+            view = raw.direct
+            if view is not None and raw.nbytes < _CHUNK and _IOV_MAX > 1 and self._filled[name] == 0:
+                if batch and (size + raw.nbytes > _CHUNK or len(batch) >= _IOV_MAX):
+                    flush()
+                if raw.nbytes:
+                    batch.append((name, view))
+                    size += raw.nbytes
+                continue
+            flush()
+            self._write_raw(name, raw)
+        flush()
+
     def _write_raw(self, name: str, raw: _Raw) -> None:
         assert self._fd is not None
         offset = self._entries[name].offset + self._filled[name]
@@ -679,14 +768,9 @@ class TensorWriter:
                 _write_all(self._fd, piece, offset)
                 offset += len(piece)
                 self._filled[name] += len(piece)
-                self._unsynced += len(piece)
+                n = len(piece)
                 del piece  # else a staging copy lives on while the next one is made
-                if self._fsync and self._unsynced >= _SYNC_EVERY:
-                    if self._syncer is None:
-                        self._syncer = _BackgroundSync(self._fd)
-                        weakref.finalize(self, self._syncer.close)  # a dropped writer stops it too
-                    self._syncer.kick()
-                    self._unsynced = 0
+                self._written(n)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
@@ -892,8 +976,7 @@ def save_file(
     }
     writer = TensorWriter._from_header(filename, header, entries, fsync)
     try:
-        for index, _ in layout:
-            writer._write_raw(*items[index])
+        writer._write_layout([items[index] for index, _ in layout])
         writer.commit()
     except BaseException:
         writer.abort()
