@@ -25,7 +25,8 @@ import errno
 import os
 import shutil
 import stat
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 try:
     import fcntl

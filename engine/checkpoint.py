@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Union
 
 from ._files import open_regular
 from .dtypes import BY_NAME
-from .errors import ReadError, SafetensorError, SerializationError, TensorNotFoundError, WriteError
+from .errors import ReadError, SafetensorError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
 
 # the writing half lives in engine.shards; its names stay importable from here
@@ -52,6 +52,7 @@ __all__ = [
     "check_shard_name",
     "parse_size",
     "split_into_shards",
+    "index_json",
     "save_sharded",
 ]
 

@@ -41,7 +41,7 @@ from .checkpoint import (
     parse_index,
     read_checkpoint_info,
 )
-from .errors import HeaderError, MissingDependencyError, ReadError, SafetensorError, TensorNotFoundError
+from .errors import HeaderError, MissingDependencyError, ReadError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header
 
 __all__ = [

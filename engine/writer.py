@@ -31,10 +31,10 @@ from typing import Any, NamedTuple, Union
 import numpy as np
 
 from ._atomic import AtomicFile, sync_dir
-from ._atomic import write_error as _write_error
 from ._atomic import umask as _umask
+from ._atomic import write_error as _write_error
 from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
-from .errors import SerializationError, WriteError
+from .errors import SerializationError
 from .header import MAX_HEADER_SIZE
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
@@ -611,11 +611,12 @@ class TensorWriter:
             self._file = AtomicFile(self._dest, mode)
         except OSError as exc:
             raise _write_error("create a temporary file", self.path, exc) from exc
-        self._fd = self._file.fd
+        fd = self._fd = self._file.fd
+        assert fd is not None
         # A writer dropped without commit() or abort() must not leave its temporary file.
         self._finalizer = weakref.finalize(self, self._file.discard)
         try:
-            _write_all(self._fd, memoryview(header), 0)
+            _write_all(fd, memoryview(header), 0)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
@@ -724,7 +725,8 @@ class TensorWriter:
         a few system calls instead of one per tensor; the others go through
         :meth:`_write_raw`.
         """
-        assert self._fd is not None
+        fd = self._fd
+        assert fd is not None
         batch: list[tuple[str, memoryview]] = []
         size = 0
 
@@ -734,7 +736,7 @@ class TensorWriter:
                 return
             name0 = batch[0][0]
             try:
-                _writev_all(self._fd, [v for _, v in batch], self._entries[name0].offset)
+                _writev_all(fd, [v for _, v in batch], self._entries[name0].offset)
             except BaseException as exc:
                 self.abort()
                 if isinstance(exc, OSError):

@@ -157,12 +157,12 @@ def main(argv=None) -> int:
             ref = samples[("reference", durability)]
             eng = samples[("engine", durability)]
             ratio = statistics.median(ref) / statistics.median(eng)
-            ratios = sorted(a / b for a, b in zip(ref, eng))
+            ratios = sorted(a / b for a, b in zip(ref, eng, strict=True))
             rows.append((size, durability, ref, eng, ratio, ratios, info))
     load1 = os.getloadavg()
 
     print(f"{'size':6} {'durability':10} {'reference':>20} {'engine':>20} {'ref/eng':>8}  per-round ratios")
-    for size, durability, ref, eng, ratio, ratios, info in rows:
+    for size, durability, ref, eng, ratio, ratios, _ in rows:
         def cell(xs):
             return f"{fmt(statistics.median(xs))} ({fmt(min(xs))}-{fmt(max(xs))})"
 

@@ -467,7 +467,7 @@ def _race_close_against_reads(tmp_path, seconds: float) -> tuple[int, int]:
         started = threading.Barrier(3)
         counts = [0, 0]
 
-        def reader(k: int) -> None:
+        def reader(k: int, h=h, started=started, counts=counts) -> None:
             started.wait()
             while True:
                 try:
@@ -517,7 +517,7 @@ def test_reads_after_close_raise_file_closed(tmp_path):
         h = engine.safe_open(path, "numpy", backend=backend)
         h.close()
         h.close()  # idempotent
-        for read in (lambda: h.get_tensor("x"), lambda: h.get_slice("x")[1:], h.get_tensors):
+        for read in (lambda h=h: h.get_tensor("x"), lambda h=h: h.get_slice("x")[1:], h.get_tensors):
             with pytest.raises(SafetensorError) as e:
                 read()
             assert e.value.reason == "FileClosed" and e.value.path == str(path)
