@@ -231,6 +231,7 @@ def _linker(directory: str) -> Callable[[int, str], None] | None:
     if dev in _LINKERS:
         return _LINKERS[dev]
     found = None
+    remove_stale(directory, "engine-probe")  # of a process killed while probing
     try:
         fd = os.open(directory, _O_TMPFILE | os.O_WRONLY | _CLOEXEC, 0o600)
     except OSError:
