@@ -488,6 +488,12 @@ else:  # pragma: no cover - Windows, macOS before 11
     _IOV_MAX = 1
 
 
+#: Tensors smaller than this are gathered into one ``pwritev`` of up to ``_BATCH`` bytes;
+#: larger ones are written on their own, as large writes already amortise the call.
+_SMALL = 1 << 20
+_BATCH = 8 << 20
+
+
 def _writev_at(fd: int, views: list[memoryview], offset: int) -> int:
     return os.pwritev(fd, views, offset)
 
@@ -720,9 +726,9 @@ class TensorWriter:
     def _write_layout(self, items: list[tuple[str, _Raw]]) -> None:
         """Write whole tensors that follow each other in the file, in file order.
 
-        Runs of small tensors whose bytes need no staging go out in one ``pwritev`` each
-        (up to ``IOV_MAX`` tensors or 64 MiB), so a checkpoint of many small tensors costs
-        a few system calls instead of one per tensor; the others go through
+        Runs of small tensors (under 1 MiB) whose bytes need no staging go out in one
+        ``pwritev`` each (up to ``IOV_MAX`` tensors or 8 MiB), so a checkpoint of many small
+        tensors costs a few system calls instead of one per tensor; the others go through
         :meth:`_write_raw`.
         """
         fd = self._fd
@@ -751,8 +757,8 @@ class TensorWriter:
 
         for name, raw in items:
             view = raw.direct
-            if view is not None and raw.nbytes < _CHUNK and _IOV_MAX > 1 and self._filled[name] == 0:
-                if batch and (size + raw.nbytes > _CHUNK or len(batch) >= _IOV_MAX):
+            if view is not None and raw.nbytes < _SMALL and _IOV_MAX > 1 and self._filled[name] == 0:
+                if batch and (size + raw.nbytes > _BATCH or len(batch) >= _IOV_MAX):
                     flush()
                 if raw.nbytes:
                     batch.append((name, view))

@@ -275,6 +275,7 @@ def test_writes_come_straight_from_tensor_memory(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer, "_write_at", spy)
     monkeypatch.setattr(writer, "_CHUNK", 64)
+    monkeypatch.setattr(writer, "_SMALL", 0)  # every tensor on its own, in 64-byte slices
     writer.save_file({"a": a, "t": t}, tmp_path / "m")
     tensor_pieces = pieces[1:]
     assert all(len(p) <= 64 for p in tensor_pieces)
