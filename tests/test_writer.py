@@ -784,6 +784,7 @@ def test_background_flush_overlaps_writing(tmp_path, monkeypatch):
     from engine import writer as w
 
     monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
+    monkeypatch.setattr(w, "_SYNC_FROM", 1 << 17)
     monkeypatch.setattr(w, "_CHUNK", 1 << 15)
     synced = []
     real = os.fdatasync
@@ -815,10 +816,27 @@ def test_small_tensors_go_out_in_few_system_calls(tmp_path, monkeypatch):
     assert dest.read_bytes() == ref_np.save(many)
 
 
+def test_no_background_flush_below_the_size_threshold(tmp_path, monkeypatch):
+    from engine import writer as w
+
+    monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
+    monkeypatch.setattr(w, "_CHUNK", 1 << 15)
+    synced = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd))
+    tensors = {f"t{i}": np.full(1 << 16, i, np.float32) for i in range(6)}  # 1.5 MiB
+    monkeypatch.setattr(w, "_SYNC_FROM", 2 << 20)
+    w.save_file(tensors, tmp_path / "small.safetensors")
+    assert synced == []  # the final fsync alone
+    monkeypatch.setattr(w, "_SYNC_FROM", 1 << 20)
+    w.save_file(tensors, tmp_path / "large.safetensors")
+    assert synced
+
+
 def test_background_flush_error_fails_the_save_atomically(tmp_path, monkeypatch):
     from engine import writer as w
 
     monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
+    monkeypatch.setattr(w, "_SYNC_FROM", 1 << 17)
     monkeypatch.setattr(w, "_CHUNK", 1 << 15)
 
     def failing(fd):
