@@ -85,7 +85,7 @@ def __dir__():
 if TYPE_CHECKING:  # pragma: no cover
     from .api import safe_open
     from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info
-    from .shards import save_sharded
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .numpy import load, load_file
+    from .shards import save_sharded
     from .writer import save, save_file
