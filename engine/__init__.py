@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING
 
 from .errors import (
     Cancelled,
+    CheckpointIndexError,
     ConfigError,
     DeviceError,
     HeaderError,
     InvalidSliceError,
     MissingDependencyError,
+    MissingShardError,
     NonFiniteError,
     ReadError,
+    RemoteFileNotFoundError,
     SafetensorError,
     SerializationError,
     SharedTensorsError,
@@ -49,7 +52,7 @@ _LAZY = {
     "save": "engine.writer",
     # sharded checkpoints (index + shards, or one file, as one checkpoint)
     "open_checkpoint": "engine.checkpoint",
-    "save_sharded": "engine.checkpoint",
+    "save_sharded": "engine.shards",
     "Checkpoint": "engine.checkpoint",
     "read_checkpoint_info": "engine.checkpoint",
     # kernels (Numba is imported only when one of these is used)
@@ -68,13 +71,16 @@ _LAZY = {
 
 __all__ = [
     "Cancelled",
+    "CheckpointIndexError",
     "ConfigError",
     "DeviceError",
     "HeaderError",
     "InvalidSliceError",
     "MissingDependencyError",
+    "MissingShardError",
     "NonFiniteError",
     "ReadError",
+    "RemoteFileNotFoundError",
     "SafetensorError",
     "SerializationError",
     "SharedTensorsError",
@@ -101,8 +107,9 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import _safe_open_handle
-    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, safe_open, save_sharded
+    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, safe_open
     from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .numpy import load, load_file
+    from .shards import save_sharded
     from .writer import save, save_file

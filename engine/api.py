@@ -20,10 +20,12 @@ import io
 import mmap
 import os
 import tempfile
+import threading
 from typing import Any, NoReturn, Optional
 
 from . import dtypes
 from ._api import Slicer, TensorSlice
+from ._files import open_regular
 from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .sinks import get_sink
@@ -83,11 +85,17 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         max_header_size: int = MAX_HEADER_SIZE,
     ) -> None:
         path = os.fspath(filename)
-        self._setup(path, os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), framework, device, backend,
-                    max_header_size)
+        # opened without blocking and checked to be a regular file (a FIFO would hang)
+        self._setup(path, open_regular(path), framework, device, backend, max_header_size)
 
     def _setup(self, path: str, fd: int, framework, device, backend: str, max_header_size: int) -> None:
         """Take ownership of the open ``fd`` (closed on failure) and read its header."""
+        # Reads borrow the descriptor (see _borrow): close() never frees the number while a
+        # read on another thread still uses it, so a reused number cannot feed another file's
+        # bytes into that read.
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closing = False
         self._fd: Optional[int] = fd
         self._path = path
         self._base = None
@@ -119,14 +127,23 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     def close(self) -> None:
         """Close the file.  Tensors already handed out stay valid (a mapping lives as
-        long as any view of it)."""
-        self._base = None
+        long as any view of it).
+
+        Safe while other threads read through this handle: reads already under way finish
+        with the right bytes (the descriptor is closed when the last of them ends), and
+        reads started after ``close()`` raise ``SafetensorError`` (``reason="FileClosed"``).
+        """
         slicer = self.__dict__.get("get_slice")
         if slicer is not None:
             slicer.closed = True
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._lock:
+            self._base = None
+            self._closing = True
+            fd = self._fd if self._users == 0 else None
+            if fd is not None:
+                self._fd = None
+        if fd is not None:
+            os.close(fd)
 
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
@@ -136,10 +153,26 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             except OSError:
                 pass
 
-    def _check_open(self) -> int:
-        if self._fd is None:
+    def _check_open(self) -> None:
+        if self._closing:
             raise SafetensorError("the file is closed", reason="FileClosed", path=self._path)
-        return self._fd
+
+    def _borrow(self) -> int:
+        """The descriptor, kept open until the matching :meth:`_give_back`."""
+        with self._lock:
+            if self._closing:
+                raise SafetensorError("the file is closed", reason="FileClosed", path=self._path)
+            self._users += 1
+            return self._fd  # type: ignore[return-value]  # not None while not closing
+
+    def _give_back(self) -> None:
+        fd = None
+        with self._lock:
+            self._users -= 1
+            if self._closing and self._users == 0 and self._fd is not None:
+                fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     # -- the reference's API -----------------------------------------------------------
     def keys(self) -> list[str]:
@@ -160,7 +193,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     def _row(self, name: str) -> int:
         row = self._index.get(name)
-        if row is None or self._fd is None:
+        if row is None or self._closing:
             self._missing(name)
         return row
 
@@ -170,11 +203,15 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
 
     def _mapping(self):
-        if self._base is None:
-            fd = self._check_open()
-            mm = mmap.mmap(fd, 0, access=self._sink.mmap_access)
-            self._base = self._sink.map(mm)
-        return self._base
+        base = self._base
+        if base is None:
+            fd = self._borrow()
+            try:
+                mm = mmap.mmap(fd, 0, access=self._sink.mmap_access)
+            finally:
+                self._give_back()
+            base = self._base = self._sink.map(mm)
+        return base
 
     def get_tensor(self, name: str):
         """The whole tensor ``name`` (a view for "mmap", owned memory for "pread")."""
@@ -190,7 +227,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     # -- internals ---------------------------------------------------------------------
     def _get_rows(self, rows: list[int]) -> dict:
-        fd = self._check_open()
+        self._check_open()
         t = self.header.table
         names = t.names
         sink = self._sink
@@ -201,7 +238,11 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             # opening a file and reading its header need none of it)
             from .loader import load_rows
 
-            got = load_rows(fd, self.header, rows, sink, path=self._path)
+            fd = self._borrow()
+            try:
+                got = load_rows(fd, self.header, rows, sink, path=self._path)
+            finally:
+                self._give_back()
             out = {names[r]: got[r] for r in rows}
         if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
             out = {name: sink.to_device(x) for name, x in out.items()}
@@ -243,12 +284,15 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         block = sink.empty(code, plan.out_shape, plan.nbytes)
         if plan.nbytes:
             threads = 1 if plan.nbytes < _PARALLEL_SLICE_BYTES else default_threads()
-            pread_runs(self._check_open(), sink.raw(block), plan.src, plan.run_bytes, offset,
-                       path=self._path, threads=threads)
+            fd = self._borrow()
+            try:
+                pread_runs(fd, sink.raw(block), plan.src, plan.run_bytes, offset, path=self._path, threads=threads)
+            finally:
+                self._give_back()
         return sink.to_device(sink.finish(block, plan.flip, plan.result_shape))
 
     def __repr__(self) -> str:
-        state = "closed" if self._fd is None else f"{len(self.header)} tensors"
+        state = "closed" if self._closing else f"{len(self.header)} tensors"
         return f"<engine.safe_open {self._path!r} {self._sink.name} {self._backend} ({state})>"
 
 

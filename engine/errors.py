@@ -10,6 +10,7 @@ kind of defect without parsing messages.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Iterable, Optional
 
@@ -29,6 +30,9 @@ __all__ = [
     "InvalidSliceError",
     "Cancelled",
     "ConfigError",
+    "CheckpointIndexError",
+    "MissingShardError",
+    "RemoteFileNotFoundError",
     "HEADER_REASONS",
 ]
 
@@ -221,3 +225,39 @@ class Cancelled(SafetensorError):
 
 class ConfigError(SafetensorError, ValueError):
     """A config.json that is missing keys or holds impossible values."""
+
+
+class CheckpointIndexError(SafetensorError, ValueError):
+    """The index of a sharded checkpoint breaks a rule, or disagrees with its shards.
+
+    ``.reason`` is one of ``InvalidIndex`` (not JSON, not an object, ``weight_map`` missing
+    or not a mapping of str to str, duplicate keys, too large), ``UnsafeShardName`` (a shard
+    name with ``..``, an absolute path or a URL), ``TensorNotInShard`` (listed in the index,
+    absent from its shard), ``TensorNotInIndex`` (in a shard, not listed for it) or
+    ``DuplicateTensor`` (the same name in two shards).  ``.path`` is the index (or the
+    shard), ``.tensors`` the names involved.
+    """
+
+
+class _MissingFile(ReadError, FileNotFoundError):
+    """A file that is not there: a ``ReadError`` and a ``FileNotFoundError`` (``errno.ENOENT``)."""
+
+    _reason = "NotFound"
+
+    def __init__(self, message: str, **kw) -> None:
+        super().__init__(message, reason=kw.pop("reason", self._reason), **kw)
+        self.errno = errno.ENOENT
+        self.strerror = os.strerror(errno.ENOENT)
+
+
+class MissingShardError(_MissingFile):
+    """A shard that the index names does not exist.  Also a ``FileNotFoundError``."""
+
+    _reason = "MissingShard"
+
+
+class RemoteFileNotFoundError(_MissingFile):
+    """The server answered 404 (or 410), or the fsspec file system has no such file.
+
+    ``.reason`` is ``"NotFound"``; also a ``FileNotFoundError`` (``errno.ENOENT``).
+    """

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from . import _header
+from ._files import file_size as _file_size_now
+from ._files import open_regular
 from ._header import HeaderTable, header_length, parse_header
 from .dtypes import BITS, BY_NAME, NAMES
 from .errors import HeaderError, ReadError, TensorNotFoundError
@@ -251,9 +253,11 @@ def _pread_exact(fd: int, size: int, offset: int, path: str | None) -> bytes:
     while got < size:
         chunk = os.pread(fd, size - got, offset + got)
         if not chunk:
+            now = _file_size_now(fd)
+            held = f"the file holds {now} bytes" if now is not None else f"the file ended at offset {offset + got}"
             raise ReadError(
-                f"the file ended after {offset + got} bytes while reading its header "
-                f"({size} bytes at offset {offset}); it is shorter than it claims or was truncated",
+                f"{held}, too few for its header ({size} bytes at offset {offset}); "
+                "it is shorter than it claims or was truncated",
                 reason="ShortRead",
                 path=path,
                 offset=offset,
@@ -350,7 +354,9 @@ def read_header(
         error names), ``.position`` the byte within the header for syntax errors, and
         ``str(err)`` names the file and the tensors involved.
     ReadError
-        The file is shorter than ``8 + N`` bytes when read.
+        The file is shorter than ``8 + N`` bytes when read; it is a FIFO, device or socket
+        (``reason="NotRegularFile"``, refused without blocking); a symlink loop
+        (``reason="SymlinkLoop"``).
     OSError
         The file cannot be opened or read.
 
@@ -367,7 +373,7 @@ def read_header(
     (32000, 4096)
     """
     spath = os.fspath(path)
-    fd = os.open(spath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+    fd = open_regular(spath)
     try:
         return read_header_fd(fd, path=spath, max_header_size=max_header_size, strict=strict)
     finally:

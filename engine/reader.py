@@ -12,6 +12,7 @@ import functools
 import os
 from typing import Optional, Sequence
 
+from ._files import file_size
 from .errors import ReadError
 
 __all__ = ["default_threads", "pread_into", "pread_runs", "run_threads", "IOV_MAX"]
@@ -73,7 +74,7 @@ def pread_into(fd: int, offset: int, views: Sequence[memoryview], *, path: Optio
             ) from exc
         if n == 0:
             raise ReadError(
-                f"file ended after {offset + done} bytes while reading {total} bytes at offset {offset}"
+                f"{_ended(fd, offset + done)} while reading {total} bytes at offset {offset}"
                 " (truncated or replaced while reading?)",
                 reason="ShortRead",
                 path=path,
@@ -128,7 +129,7 @@ def pread_runs(
         err, at, missing = _io.pread_runs(fd, out[lo * run_bytes : hi * run_bytes], src[lo:hi], run_bytes, base)
         if err == -1:
             raise ReadError(
-                f"file ended at offset {at} with {missing} bytes of a {run_bytes}-byte run still to read"
+                f"{_ended(fd, at)} with {missing} bytes of a {run_bytes}-byte run at offset {at} still to read"
                 " (truncated or replaced while reading?)",
                 reason="ShortRead", path=path, offset=at, size=missing,
             )
@@ -140,6 +141,12 @@ def pread_runs(
 
     bounds = [n * k // threads for k in range(threads + 1)]
     run_threads([lambda lo=lo, hi=hi: part(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])])
+
+
+def _ended(fd: int, at: int) -> str:
+    """How a short read is worded: the file's real size now, else where the read stopped."""
+    size = file_size(fd)
+    return f"the file holds {size} bytes" if size is not None else f"the file ended at offset {at}"
 
 
 def run_threads(jobs, *, name: str = "engine-read", on_error=None) -> None:

@@ -10,11 +10,12 @@ and come back as the same :class:`~engine.header.Header` objects.
 Transports:
 
 ``http://``, ``https://``
-    A small direct client on :mod:`urllib` (standard library; environment proxies apply),
+    A small direct client on :mod:`http.client` (standard library; environment proxies apply),
     so the request count is exact: no ``HEAD``, no read-ahead, redirects followed by hand
     (a bounded number; ``Authorization`` is dropped when a redirect leaves the host), and
-    a deadline on every request.  A server that ignores ``Range`` and answers ``200`` with
-    the whole file is read only as far as needed, then the connection is closed.
+    one deadline over the whole call (see :mod:`engine._http`).  A server that ignores
+    ``Range`` and answers ``200`` with the whole file is read only as far as needed, then
+    the connection is closed.
 any other fsspec protocol (``s3://``, ``gs://``, ``hf://``, ``memory://``, ``file://`` ...)
     Through :mod:`fsspec` (the ``remote`` extra), imported on first use: the file size from
     ``fs.size``, then ``fs.cat_file`` of each range.  Request counts and timeouts are the
@@ -23,34 +24,25 @@ any other fsspec protocol (``s3://``, ``gs://``, ``hf://``, ``memory://``, ``fil
 
 from __future__ import annotations
 
-import errno
-import http.client
-import ipaddress
 import os
 import posixpath
-import socket
-import threading
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
-import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import __version__
 from ._header import header_length, parse_header
-from .checkpoint import (
+from ._http import Client, read_error
+from .checkpoint import CheckpointInfo, index_problems, parse_index, read_checkpoint_info
+from .errors import (
     CheckpointIndexError,
-    CheckpointInfo,
+    HeaderError,
+    MissingDependencyError,
     MissingShardError,
-    _Failed,
-    _index_problems,
-    _run_all,
-    parse_index,
-    read_checkpoint_info,
+    ReadError,
+    RemoteFileNotFoundError,
+    TensorNotFoundError,
 )
-from .errors import HeaderError, MissingDependencyError, ReadError, SafetensorError
 from .header import MAX_HEADER_SIZE, Header
 
 __all__ = [
@@ -70,21 +62,6 @@ DEFAULT_MAX_SHARDS = 4096
 #: Redirects followed per request (the Hub answers ``/resolve/`` with one or two).
 DEFAULT_MAX_REDIRECTS = 5
 _MAX_WORKERS = 8
-_CHUNK = 1 << 20
-_REDIRECTS = (301, 302, 303, 307, 308)
-_USER_AGENT = f"safetensors-engine/{__version__}"
-
-
-class RemoteFileNotFoundError(ReadError, FileNotFoundError):
-    """The server answered 404 (or 410), or the fsspec file system has no such file.
-
-    ``.reason`` is ``"NotFound"``; also a ``FileNotFoundError`` (``errno.ENOENT``).
-    """
-
-    def __init__(self, message: str, **kw) -> None:
-        super().__init__(message, reason=kw.pop("reason", "NotFound"), **kw)
-        self.errno = errno.ENOENT
-        self.strerror = os.strerror(errno.ENOENT)
 
 
 def _is_index(url: str) -> bool:
@@ -135,307 +112,20 @@ def _parse(buf: bytes, total: int, n: int, url: str) -> Header:
 # --------------------------------------------------------------------------- HTTP
 
 
-def _read_error(message: str, url: str, reason: str, **kw) -> ReadError:
-    return ReadError(message, reason=reason, path=url, **kw)
-
-
-def _is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    # redirects are followed by _Http.open, which counts them and drops credentials
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
-
-
-def _content_range(value: str | None) -> tuple[int | None, int | None, int | None]:
-    """``(first, last, total)`` from ``bytes a-b/T`` or ``bytes */T``; ``None`` where unknown."""
-    if not value:
-        return None, None, None
-    unit, _, spec = value.strip().partition(" ")
-    if unit.lower() != "bytes":
-        return None, None, None
-    span, _, total_s = spec.strip().partition("/")
-    total = int(total_s) if total_s.strip().isdigit() else None
-    first = last = None
-    if "-" in span:
-        a, _, b = span.partition("-")
-        if a.strip().isdigit() and b.strip().isdigit():
-            first, last = int(a), int(b)
-    return first, last, total
-
-
-class _Response:
-    """One answered GET: status 206 (ranged) or 200 (the whole body from byte 0)."""
-
-    def __init__(self, resp, url: str, deadline: float, timeout: float) -> None:
-        self.resp = resp
-        self.url = url  # as the caller named it, for messages
-        self.deadline = deadline
-        self.timeout = timeout
-        self.status = resp.status
-        self.partial = resp.status == 206
-        self.content_type = resp.headers.get("Content-Type")
-        self.encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
-        length = resp.headers.get("Content-Length")
-        self.length = int(length) if length and length.strip().isdigit() else None
-        if self.partial:
-            self.first, self.last, self.total = _content_range(resp.headers.get("Content-Range"))
-        else:
-            self.first, self.last, self.total = 0, None, self.length
-        self.pos = self.first or 0  # file offset of the next byte of the body
-
-    def __enter__(self) -> _Response:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        # closing mid-body drops the connection: the rest of a 200 body is never read
-        self.resp.close()
-
-    def _arm(self) -> None:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise self._timeout()
-        # the socket of this response: each wait for data ends at the request's deadline
-        sock = getattr(getattr(getattr(self.resp, "fp", None), "raw", None), "_sock", None)
-        if sock is not None:
-            try:
-                sock.settimeout(remaining)
-            except OSError:
-                pass
-
-    def _timeout(self) -> ReadError:
-        return _read_error(
-            f"the server did not send the data within {self.timeout:g} s (timeout)", self.url, "Timeout"
-        )
-
-    def check_identity(self) -> None:
-        """Byte ranges are only meaningful in an uncompressed body."""
-        if self.encoding != "identity":
-            raise _read_error(
-                f"the server compressed the body (Content-Encoding: {self.encoding}) although it was asked "
-                "for identity; byte ranges cannot be read from it",
-                self.url,
-                "HTTPError",
-            )
-
-    def readinto(self, view: memoryview) -> None:
-        """Fill ``view`` with the next bytes of the body; a body that ends early is an error."""
-        self.check_identity()
-        got, want = 0, len(view)
-        while got < want:
-            self._arm()
-            try:
-                n = self.resp.readinto(view[got : min(want, got + _CHUNK)])
-            except http.client.IncompleteRead as exc:
-                n = len(exc.partial) if exc.partial else 0
-                view[got : got + n] = exc.partial or b""
-                got += n
-                n = 0
-            except TimeoutError:
-                raise self._timeout() from None
-            except (OSError, http.client.HTTPException) as exc:
-                raise _read_error(
-                    f"the connection failed after {got} of {want} bytes at offset {self.pos}: {exc}",
-                    self.url,
-                    "ConnectionError",
-                    offset=self.pos,
-                    size=want,
-                ) from None
-            if not n:
-                raise _read_error(
-                    f"the body ended after {got} of {want} bytes at offset {self.pos} (truncated)",
-                    self.url,
-                    "ShortRead",
-                    offset=self.pos,
-                    size=want,
-                )
-            got += n
-        self.pos += want
-
-    def read_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        self.readinto(memoryview(buf))
-        return bytes(buf)
-
-    def skip(self, n: int) -> None:
-        """Discard ``n`` bytes (a server that ignored Range sends them before the ones wanted)."""
-        scratch = memoryview(bytearray(min(n, _CHUNK) or 1))
-        while n:
-            step = min(n, len(scratch))
-            self.readinto(scratch[:step])
-            n -= step
-
-    def read_all(self, limit: int, what: str) -> bytes:
-        """The whole body, refusing more than ``limit`` bytes."""
-        if self.length is not None and self.length > limit:
-            raise _read_error(f"{what} is {self.length} bytes, more than the limit of {limit}", self.url, "TooLarge")
-        parts, got = [], 0
-        while True:
-            self._arm()
-            try:
-                chunk = self.resp.read1(_CHUNK) if hasattr(self.resp, "read1") else self.resp.read(_CHUNK)
-            except http.client.IncompleteRead as exc:
-                raise _read_error(
-                    f"the body ended after {got + len(exc.partial or b'')} bytes (truncated)", self.url, "ShortRead"
-                ) from None
-            except TimeoutError:
-                raise self._timeout() from None
-            except (OSError, http.client.HTTPException) as exc:
-                raise _read_error(f"the connection failed: {exc}", self.url, "ConnectionError") from None
-            if not chunk:
-                break
-            got += len(chunk)
-            if got > limit:
-                raise _read_error(f"{what} is larger than the limit of {limit} bytes", self.url, "TooLarge")
-            parts.append(chunk)
-        data = b"".join(parts)
-        if self.length is not None and len(data) != self.length:
-            raise _read_error(
-                f"the body ended after {len(data)} of {self.length} bytes (truncated)", self.url, "ShortRead"
-            )
-        if self.encoding in ("gzip", "x-gzip", "deflate"):
-            # a whole small document (the index) may come compressed despite the request
-            try:
-                # bounded: a small compressed body must not inflate past the limit
-                wbits = 15 if self.encoding == "deflate" else 47
-                data = zlib.decompressobj(wbits=wbits).decompress(data, limit + 1)
-            except zlib.error as exc:
-                raise _read_error(f"cannot decompress the {self.encoding} body: {exc}", self.url, "HTTPError") from None
-            if len(data) > limit:
-                raise _read_error(f"{what} is larger than the limit of {limit} bytes", self.url, "TooLarge")
-        elif self.encoding != "identity":
-            self.check_identity()
-        return data
-
-
-class _Http:
-    """A minimal HTTP client: exact request counts, manual redirects, a deadline per request."""
-
-    def __init__(self, headers: Mapping[str, str] | None, timeout: float, max_redirects: int) -> None:
-        self.headers = dict(headers or {})
-        self.timeout = float(timeout)
-        self.max_redirects = max_redirects
-        # where each URL ended up after redirects, so a file's second request goes straight there
-        self.resolved: dict[str, tuple[str, dict[str, str]]] = {}
-        self.lock = threading.Lock()
-
-    def _opener(self, url: str) -> urllib.request.OpenerDirector:
-        host = urllib.parse.urlsplit(url).hostname
-        proxies: dict[str, str] | None = {} if _is_loopback(host) else None  # None: the environment's
-        return urllib.request.build_opener(urllib.request.ProxyHandler(proxies), _NoRedirect)
-
-    def open(self, url: str, first: int | None = None, last: int | None = None, *, not_found=None) -> _Response:
-        """GET ``url`` (bytes ``first..last`` inclusive when given), following redirects."""
-        deadline = time.monotonic() + self.timeout
-        with self.lock:
-            current, headers = self.resolved.get(url, (url, self.headers))
-        for _ in range(self.max_redirects + 1):
-            req_headers = {"User-Agent": _USER_AGENT, "Accept-Encoding": "identity", **headers}
-            if first is not None:
-                req_headers["Range"] = f"bytes={first}-{last}"
-            request = urllib.request.Request(current, headers=req_headers, method="GET")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise _read_error(f"no answer within {self.timeout:g} s (timeout)", url, "Timeout")
-            try:
-                resp = self._opener(current).open(request, timeout=remaining)
-            except urllib.error.HTTPError as exc:
-                try:
-                    if exc.code in _REDIRECTS:
-                        current, headers = self._redirect(url, current, headers, exc.headers.get("Location"))
-                        continue
-                    raise self._status_error(url, exc, first, not_found) from None
-                finally:
-                    exc.close()
-            except urllib.error.URLError as exc:
-                raise self._connection_error(url, exc.reason) from None
-            except (TimeoutError, OSError, http.client.HTTPException, ValueError) as exc:
-                raise self._connection_error(url, exc) from None
-            if resp.status not in (200, 206):
-                resp.close()
-                raise _read_error(f"unexpected HTTP status {resp.status} {resp.reason}", url, "HTTPError")
-            with self.lock:
-                self.resolved[url] = (current, headers)
-            return _Response(resp, url, deadline, self.timeout)
-        raise _read_error(
-            f"more than {self.max_redirects} redirects (a redirect loop?); last location {current}",
-            url,
-            "TooManyRedirects",
-        )
-
-    def _redirect(self, url: str, current: str, headers: dict, location: str | None) -> tuple[str, dict]:
-        if not location:
-            raise _read_error("a redirect without a Location header", url, "HTTPError")
-        target = urllib.parse.urljoin(current, location)
-        parts = urllib.parse.urlsplit(target)
-        if parts.scheme not in ("http", "https"):
-            raise _read_error(f"a redirect to {target!r}, which is not http(s)", url, "HTTPError")
-        if parts.netloc != urllib.parse.urlsplit(current).netloc:
-            # credentials are for the host they were given for (as requests does)
-            headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
-        return target, headers
-
-    def _status_error(self, url: str, exc: urllib.error.HTTPError, first, not_found) -> SafetensorError:
-        code, text = exc.code, exc.reason
-        err: Any
-        if code in (404, 410):
-            cls = not_found or RemoteFileNotFoundError
-            err = cls(f"not found (HTTP {code} {text})", path=url)
-        elif code in (401, 403):
-            err = _read_error(
-                f"access denied (HTTP {code} {text}); a private or gated file needs credentials, e.g. "
-                "headers={'Authorization': 'Bearer <token>'}",
-                url,
-                "AccessDenied",
-            )
-        elif code == 416:
-            _, _, total = _content_range(exc.headers.get("Content-Range"))
-            if first == 0 and total is not None and total < 8:
-                err = HeaderError(
-                    f"the file holds {total} bytes, fewer than the 8-byte header length",
-                    reason="HeaderTooSmall",
-                    path=url,
-                )
-            else:
-                size = f" (the file holds {total} bytes)" if total is not None else ""
-                err = _read_error(f"range not satisfiable (HTTP 416){size}", url, "RangeNotSatisfiable")
-        else:
-            err = _read_error(f"HTTP {code} {text}", url, "HTTPError")
-        err.status = code
-        return err
-
-    def _connection_error(self, url: str, reason: object) -> ReadError:
-        if isinstance(reason, (TimeoutError, socket.timeout)):
-            return _read_error(f"no answer within {self.timeout:g} s (timeout)", url, "Timeout")
-        return _read_error(f"cannot reach the server: {reason}", url, "ConnectionError")
-
-
-def _http_header(http: _Http, url: str, max_header_size: int, not_found=None) -> Header:
+def _http_header(http: Client, url: str, max_header_size: int, not_found=None) -> Header:
     """Two ranged GETs (one if the server ignores Range): the length, then the header."""
     with http.open(url, 0, 7, not_found=not_found) as r:
         total = r.total
         if total is None:
             what = "Content-Range total" if r.partial else "Content-Length"
-            raise _read_error(
+            raise read_error(
                 f"the server did not say how large the file is (no {what}); the size is needed to check "
                 "the header against the data region",
                 url,
                 "UnknownSize",
             )
         if r.partial and r.first != 0:
-            raise _read_error(f"asked for bytes 0-7, the server sent bytes {r.first}-{r.last}", url, "BadRange")
+            raise read_error(f"asked for bytes 0-7, the server sent bytes {r.first}-{r.last}", url, "BadRange")
         prefix = r.read_exact(min(8, total))
         n = _length(prefix, total, max_header_size, url, r.content_type)
         if not r.partial:
@@ -446,27 +136,27 @@ def _http_header(http: _Http, url: str, max_header_size: int, not_found=None) ->
     with http.open(url, 8, 7 + n) as r:
         if r.partial:
             if r.first != 8 or r.last != 7 + n:
-                raise _read_error(f"asked for bytes 8-{7 + n}, the server sent {r.first}-{r.last}", url, "BadRange")
+                raise read_error(f"asked for bytes 8-{7 + n}, the server sent {r.first}-{r.last}", url, "BadRange")
         else:
             r.skip(8)
         if r.total is not None and r.total != total:
-            raise _read_error(
+            raise read_error(
                 f"the file changed between two requests ({total} bytes, then {r.total})", url, "FileChanged"
             )
         return _parse(r.read_exact(n), total, n, url)
 
 
-def _http_range_into(http: _Http, url: str, offset: int, view: memoryview, total: int) -> None:
+def _http_range_into(http: Client, url: str, offset: int, view: memoryview, total: int) -> None:
     with http.open(url, offset, offset + len(view) - 1) as r:
         if r.partial:
             if r.first != offset:
-                raise _read_error(
+                raise read_error(
                     f"asked for bytes from {offset}, the server sent bytes from {r.first}", url, "BadRange"
                 )
         else:
             r.skip(offset)
         if r.total is not None and r.total != total:
-            raise _read_error(
+            raise read_error(
                 f"the file changed since its header was read ({total} bytes, now {r.total})", url, "FileChanged"
             )
         r.readinto(view)
@@ -497,7 +187,7 @@ class _Fs:
             err.args = (err.message,)
             raise err from None
         except ValueError as exc:
-            raise _read_error(f"fsspec cannot open this URL: {exc}", url, "InvalidURL") from None
+            raise read_error(f"fsspec cannot open this URL: {exc}", url, "InvalidURL") from None
 
     def _call(self, url: str, fn: Callable[[], Any], not_found=None):
         try:
@@ -505,7 +195,7 @@ class _Fs:
         except FileNotFoundError:
             raise (not_found or RemoteFileNotFoundError)("not found", path=url) from None
         except (OSError, TimeoutError) as exc:
-            raise _read_error(f"reading failed: {exc}", url, "IoError") from None
+            raise read_error(f"reading failed: {exc}", url, "IoError") from None
 
     def url(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
@@ -523,7 +213,7 @@ class _Fs:
         url = self.url(path)
         data = self._call(url, lambda: self.fs.cat_file(path, start=offset, end=offset + size))
         if len(data) != size:
-            raise _read_error(
+            raise read_error(
                 f"asked for {size} bytes at offset {offset}, got {len(data)} (truncated?)",
                 url,
                 "ShortRead",
@@ -536,7 +226,7 @@ class _Fs:
         url = self.url(path)
         size = int(self._call(url, lambda: self.fs.size(path)))
         if size > limit:
-            raise _read_error(f"{what} is {size} bytes, more than the limit of {limit}", url, "TooLarge")
+            raise read_error(f"{what} is {size} bytes, more than the limit of {limit}", url, "TooLarge")
         return self._call(url, lambda: self.fs.cat_file(path))
 
 
@@ -550,7 +240,7 @@ class _Source:
         self.url = url
         scheme = urllib.parse.urlsplit(url).scheme.lower()
         if scheme in ("http", "https"):
-            self.http: _Http | None = _Http(headers, timeout, max_redirects)
+            self.http: Client | None = Client(headers, timeout, max_redirects)
             self.fs: _Fs | None = None
         elif len(scheme) > 1:
             self.http = None
@@ -589,6 +279,16 @@ class _Source:
         else:
             assert self.fs is not None
             view[:] = self.fs.read(where, offset, len(view))
+
+
+def _all_or_first_error(fn, items: list, workers: int) -> list:
+    """``[fn(x) for x in items]`` on up to ``workers`` threads; every call finishes before the
+    first exception (in item order) is raised."""
+    if len(items) <= 1 or workers <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="engine-remote") as pool:
+        futures = [pool.submit(fn, x) for x in items]
+    return [f.result() for f in futures]
 
 
 def _source(url, headers, timeout, max_redirects, storage_options) -> _Source:
@@ -657,8 +357,11 @@ def read_metadata(
     max_shards : int, default 4096
         Largest number of shards an index may name.
     timeout : float, default 30
-        Seconds allowed for each HTTP request: connecting, each wait for data, and the whole
-        body (a deadline).  fsspec protocols use their own settings (``storage_options``).
+        Seconds allowed for the whole call over HTTP: a deadline over every connection,
+        request and body, however the server paces its bytes.  A ``ReadError`` with
+        ``reason="Timeout"`` says in ``.phase`` where the time ran out (``"connect"``,
+        ``"request"``: waiting for the answer, ``"body"``).  Name resolution (DNS) is not
+        bounded.  fsspec protocols use their own settings (``storage_options``).
     headers : mapping of str to str, optional
         Extra HTTP request headers, e.g. ``{"Authorization": "Bearer hf_..."}`` for a gated
         repository; dropped on a redirect to another host.
@@ -721,12 +424,11 @@ def read_metadata(
             reason="TooManyShards",
             path=spath,
         )
-    results = _run_all(lambda s: src.header(src.shard(s), max_header_size, shard=True), shards, max_workers or _MAX_WORKERS)
-    for r in results:
-        if isinstance(r, _Failed):
-            raise r.exc
+    results = _all_or_first_error(
+        lambda s: src.header(src.shard(s), max_header_size, shard=True), shards, max_workers or _MAX_WORKERS
+    )
     by_shard = dict(zip(shards, results, strict=True))
-    problems = _index_problems(weight_map, by_shard, spath)
+    problems = index_problems(weight_map, by_shard, spath)
     if problems:
         raise problems[0]
     return CheckpointInfo(spath, by_shard, index=spath, index_metadata=metadata, weight_map=weight_map)
@@ -758,7 +460,8 @@ def get_tensor(
     device : str, int or torch.device, default "cpu"
         For torch, where the tensor goes.
     max_header_size, timeout, headers, max_redirects, storage_options
-        As for :func:`read_metadata`; ``timeout`` bounds each request, also the data one.
+        As for :func:`read_metadata`; ``timeout`` bounds the whole call, the data request
+        included.
 
     Returns
     -------
@@ -788,7 +491,7 @@ def get_tensor(
     if _is_index(spath):
         _, weight_map = src.index(max_header_size)
         if name not in weight_map:
-            raise CheckpointInfo(spath, {}, index=spath, weight_map=weight_map)._not_found(name)
+            raise TensorNotFoundError.for_name(name, list(weight_map), where="checkpoint", path=spath)
         where, shard = src.shard(weight_map[name]), True
     header = src.header(where, max_header_size, shard=shard)
     info = header[name]  # TensorNotFoundError names the file

@@ -10,6 +10,9 @@ Serves a directory on 127.0.0.1 (ephemeral port).  ``server.modes`` maps a URL p
 ``416``            always 416 Range Not Satisfiable
 ``404``            always 404
 ``slow``           wait (until the test ends) before answering
+``delay:S``        wait S seconds before answering each request
+``drip``           answer at once, then send the body one byte every 0.25 s
+``drip-head``      send the status line and headers one byte every 0.25 s
 ``redirect:/p``    302 to ``/p`` (``redirect:http://host:port/p`` for another host)
 ``html``           200 with an HTML error page
 ``gzip``           200 with the whole file gzip-compressed (Content-Encoding: gzip)
@@ -18,6 +21,7 @@ Serves a directory on 127.0.0.1 (ephemeral port).  ``server.modes`` maps a URL p
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import re
 import shutil
@@ -85,6 +89,13 @@ class _Handler(BaseHTTPRequestHandler):
         if mode == "slow":
             self.server.release.wait(10)
             return
+        if mode.startswith("delay:"):
+            self.server.release.wait(float(mode.partition(":")[2]))
+        if mode == "drip-head":
+            # bounded: at most 400 bytes (100 s), and over as soon as the client hangs up
+            head = b"HTTP/1.0 200 OK\r\n" + b"X-Padding: " + b"x" * 300 + b"\r\n\r\n"
+            self._drip(io.BytesIO(head), len(head))
+            return
         if mode == "404":
             return self._status(404)
         if mode.startswith("redirect:"):
@@ -140,6 +151,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {first}-{last}/{total}")
         self.end_headers()
         send = length // 2 if mode == "truncate" else length
+        if mode == "drip":
+            with open(file, "rb") as f:
+                f.seek(first)
+                self._drip(f, min(send, 400))
+            return
         try:
             with open(file, "rb") as f:
                 f.seek(first)
@@ -153,6 +169,20 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             with self.server.lock:
                 self.server.aborted += 1
+
+    def _drip(self, source, n: int) -> None:
+        """Send ``n`` bytes of ``source`` one at a time, 0.25 s apart; stops when the client
+        hangs up or the server stops (every loop here is bounded)."""
+        for _ in range(n):
+            if self.server.release.wait(0.25):
+                return
+            try:
+                self.wfile.write(source.read(1))
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                with self.server.lock:
+                    self.server.aborted += 1
+                return
 
     def _status(self, code: int, headers: dict | None = None) -> None:
         self.send_response(code)

@@ -19,7 +19,6 @@ from engine.errors import HeaderError, SafetensorError, TensorNotFoundError
 from engine.plan import InvalidSliceError
 
 safetensors = pytest.importorskip("safetensors", reason="the reference package is a test extra")
-import safetensors  # noqa: E402
 import safetensors.numpy as ref_np  # noqa: E402
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra")
@@ -517,3 +516,82 @@ def test_closed_handle_refuses_everything(valid_file):
     for call in (f.keys, f.offset_keys, f.metadata, lambda: f.get_tensor(name), lambda: f.get_slice(name)):
         with pytest.raises(engine.SafetensorError, match="closed"):
             call()
+
+
+# -- close() racing reads on a shared handle --------------------------------------------
+
+
+def _race_close_against_reads(tmp_path, seconds: float) -> tuple[int, int]:
+    """Threads slice a shared pread handle while the main thread closes it and at once opens
+    another file, hoping to be handed the freed descriptor number.  A read must return the
+    handle's own bytes or raise FileClosed, never the other file's bytes."""
+    import time
+
+    rows = 4096
+    good = tmp_path / "good.safetensors"
+    other = tmp_path / "other.safetensors"
+    engine.numpy.save_file({"x": np.full((rows, 8), 0xAA, np.uint8)}, good)
+    engine.numpy.save_file({"x": np.full((rows, 8), 0x55, np.uint8)}, other)  # same layout, other bytes
+    reads = closed = 0
+    wrong: list = []
+    deadline = time.monotonic() + seconds
+    rng = np.random.default_rng(0)
+    while time.monotonic() < deadline:
+        h = engine.safe_open(good, "numpy", backend="pread")
+        started = threading.Barrier(3)
+        counts = [0, 0]
+
+        def reader(k: int, h=h, started=started, counts=counts) -> None:
+            started.wait()
+            while True:
+                try:
+                    # one small read per row: a long native loop on the descriptor
+                    got = h.get_slice("x")[:, :1] if k else h.get_tensor("x")
+                except SafetensorError as exc:
+                    assert exc.reason == "FileClosed", exc
+                    return
+                counts[k] += 1
+                if not (got == 0xAA).all():
+                    wrong.append(np.unique(got).tolist())
+                    return
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(float(rng.uniform(0, 0.003)))
+        h.close()
+        # grab the freed numbers: a read that still used one would now read this file
+        fds = [os.open(other, os.O_RDONLY) for _ in range(4)]
+        for t in threads:
+            t.join()
+        for fd in fds:
+            os.close(fd)
+        reads += sum(counts)
+        closed += 1
+        assert not wrong, f"a read returned another file's bytes after close(): {wrong}"
+    return reads, closed
+
+
+def test_close_during_reads_never_returns_other_bytes(tmp_path):
+    reads, closed = _race_close_against_reads(tmp_path, 2.0)
+    assert closed > 10 and reads > closed
+
+
+@pytest.mark.slow
+def test_close_during_reads_never_returns_other_bytes_long(tmp_path):
+    reads, closed = _race_close_against_reads(tmp_path, 30.0)
+    assert closed > 100 and reads > closed
+
+
+def test_reads_after_close_raise_file_closed(tmp_path):
+    path = tmp_path / "a.safetensors"
+    engine.numpy.save_file({"x": np.arange(6, dtype=np.float32)}, path)
+    for backend in BACKENDS:
+        h = engine.safe_open(path, "numpy", backend=backend)
+        h.close()
+        h.close()  # idempotent
+        for read in (lambda h=h: h.get_tensor("x"), lambda h=h: h.get_slice("x")[1:], h.get_tensors):
+            with pytest.raises(SafetensorError) as e:
+                read()
+            assert e.value.reason == "FileClosed" and e.value.path == str(path)

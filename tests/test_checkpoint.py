@@ -254,11 +254,11 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     real = writer.save_file
     calls = []
 
-    def flaky(tensors, filename, metadata=None, *, fsync=True):
+    def flaky(tensors, filename, metadata=None, **kw):
         calls.append(filename)
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        return real(tensors, filename, metadata, fsync=fsync)
+        return real(tensors, filename, metadata, **kw)
 
     monkeypatch.setattr(writer, "save_file", flaky)
     with pytest.raises(OSError, match="No space left"):

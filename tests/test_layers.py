@@ -25,6 +25,10 @@ FLOORS: dict[str, int] = {
     # the vocabulary everything shares
     "errors": 0,
     "dtypes": 0,
+    # system plumbing: opening regular files, atomic file creation, an HTTP client
+    "_files": 0,
+    "_atomic": 0,
+    "_http": 0,
     # bytes -> validated table
     "_header": 1,
     "header": 1,
@@ -58,6 +62,7 @@ FLOORS: dict[str, int] = {
     "torch": 5,
     # several files as one checkpoint
     "checkpoint": 6,
+    "shards": 6,
     # applications
     "remote": 7,
     "distributed": 7,

@@ -114,3 +114,20 @@ def test_pread_runs_releases_the_gil(data_file):
         sys.setswitchinterval(old)
         t.join()
     assert during > 100
+
+
+def test_short_read_names_the_files_real_size(tmp_path):
+    from engine.reader import pread_into, pread_runs
+
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(100))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ReadError) as e:
+            pread_into(fd, 60, [memoryview(bytearray(80))], path=str(path))
+        assert e.value.reason == "ShortRead" and "holds 100 bytes" in str(e.value)
+        with pytest.raises(ReadError) as e:
+            pread_runs(fd, memoryview(bytearray(40)), np.array([0, 90]), 20, 0, path=str(path))
+        assert e.value.reason == "ShortRead" and "holds 100 bytes" in str(e.value)
+    finally:
+        os.close(fd)

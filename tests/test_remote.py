@@ -393,3 +393,60 @@ def test_without_fsspec(monkeypatch):
 def test_http_needs_no_fsspec(server, monkeypatch):
     monkeypatch.setitem(sys.modules, "fsspec", None)
     assert len(read_metadata(server.url("model.safetensors"), timeout=TIMEOUT)) == len(tensors())
+
+
+# -- the timeout is a deadline over the whole call ---------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "phase"), [("drip", "body"), ("drip-head", "request"), ("slow", "request")])
+def test_timeout_bounds_a_server_that_drips(server, mode, phase):
+    # one byte every 0.25 s never lets a single socket wait time out; the deadline still holds
+    server.modes["*"] = mode
+    t0 = time.monotonic()
+    with pytest.raises(ReadError) as e:
+        read_metadata(server.url("model.safetensors"), timeout=1.0)
+    elapsed = time.monotonic() - t0
+    assert e.value.reason == "Timeout" and e.value.phase == phase, str(e.value)
+    assert phase in str(e.value) and "1 s" in str(e.value)
+    assert elapsed < 1.0 + 0.5, elapsed
+
+
+def test_timeout_covers_every_request_of_the_call(server):
+    # get_tensor makes three requests; each answered in 0.45 s fits a per-request timeout of
+    # 1 s, the call (about 1.35 s) does not
+    server.modes["*"] = "delay:0.45"
+    t0 = time.monotonic()
+    with pytest.raises(ReadError) as e:
+        get_tensor(server.url("model.safetensors"), "layers.0.w", timeout=1.0)
+    assert e.value.reason == "Timeout" and time.monotonic() - t0 < 1.5
+    assert len(server.requests) == 3
+    # with time enough the same call succeeds
+    server.reset()
+    got = get_tensor(server.url("model.safetensors"), "layers.0.w", timeout=TIMEOUT)
+    np.testing.assert_array_equal(got, tensors()["layers.0.w"])
+
+
+def test_connect_timeout_names_the_phase():
+    import socket
+
+    # a listening socket whose backlog is full never completes another handshake quickly;
+    # where the system still accepts, the request phase times out instead
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(0)
+    fillers = []
+    try:
+        for _ in range(8):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(s.getsockname())
+            fillers.append(c)
+        t0 = time.monotonic()
+        with pytest.raises(ReadError) as e:
+            read_metadata(f"http://127.0.0.1:{s.getsockname()[1]}/model.safetensors", timeout=0.5)
+        assert e.value.reason == "Timeout" and e.value.phase in ("connect", "request")
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        for c in fillers:
+            c.close()
+        s.close()

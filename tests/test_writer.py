@@ -27,7 +27,8 @@ from hypothesis.extra import numpy as hnp
 
 from engine import writer
 from engine.dtypes import NAMES, from_numpy
-from engine.errors import SerializationError, SharedTensorsError, WriteError
+from engine.errors import HeaderError, SerializationError, SharedTensorsError, WriteError
+from engine.header import read_header
 
 try:
     import safetensors.torch as ref_torch
@@ -274,6 +275,7 @@ def test_writes_come_straight_from_tensor_memory(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer, "_write_at", spy)
     monkeypatch.setattr(writer, "_CHUNK", 64)
+    monkeypatch.setattr(writer, "_SMALL", 0)  # every tensor on its own, in 64-byte slices
     writer.save_file({"a": a, "t": t}, tmp_path / "m")
     tensor_pieces = pieces[1:]
     assert all(len(p) <= 64 for p in tensor_pieces)
@@ -336,6 +338,24 @@ def test_symlink_target_is_replaced(tmp_path):
 # --------------------------------------------------------------------------- atomicity
 
 
+def fail_on_write(monkeypatch, n, exc):
+    """Make the n-th write system call raise ``exc`` (1 = the header; small tensors that
+    follow each other go out together in one ``pwritev``)."""
+    count = [0]
+
+    def wrap(real):
+        def write(fd, data, offset):
+            count[0] += 1
+            if count[0] == n:
+                raise exc
+            return real(fd, data, offset)
+
+        return write
+
+    monkeypatch.setattr(writer, "_write_at", wrap(writer._write_at))
+    monkeypatch.setattr(writer, "_writev_at", wrap(writer._writev_at))
+
+
 def failing_on_call(n, exc):
     """A _write_at that raises ``exc`` on its n-th call (1 = the header)."""
     real = writer._write_at
@@ -358,9 +378,7 @@ def test_disk_full_mid_write_leaves_old_file(tmp_path, monkeypatch, fresh):
     dest = tmp_path / "m.safetensors"
     if not fresh:
         dest.write_bytes(b"previous contents")
-    monkeypatch.setattr(
-        writer, "_write_at", failing_on_call(3, OSError(errno.ENOSPC, "No space left on device"))
-    )
+    fail_on_write(monkeypatch, 2, OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(WriteError) as info:
         writer.save_file(TWO_TENSORS, dest)
     err = info.value
@@ -381,7 +399,7 @@ def test_interrupt_mid_write_is_reraised_and_cleaned_up(tmp_path, monkeypatch, f
     dest = tmp_path / "m.safetensors"
     if not fresh:
         dest.write_bytes(b"previous contents")
-    monkeypatch.setattr(writer, "_write_at", failing_on_call(3, KeyboardInterrupt()))
+    fail_on_write(monkeypatch, 2, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         writer.save_file(TWO_TENSORS, dest)
     assert only_entry(tmp_path) == ([] if fresh else ["m.safetensors"])
@@ -391,6 +409,7 @@ def test_interrupt_mid_write_is_reraised_and_cleaned_up(tmp_path, monkeypatch, f
 
 def test_zero_length_write_is_disk_full(tmp_path, monkeypatch):
     monkeypatch.setattr(writer, "_write_at", lambda fd, data, offset: 0)
+    monkeypatch.setattr(writer, "_writev_at", lambda fd, views, offset: 0)
     with pytest.raises(WriteError) as info:
         writer.save_file(TWO_TENSORS, tmp_path / "m")
     assert info.value.errno == errno.ENOSPC
@@ -749,18 +768,45 @@ def test_open_writer_io_error_closes_and_cleans_up(tmp_path, monkeypatch):
     assert w.closed and only_entry(tmp_path) == []
 
 
-def test_dropped_writer_removes_its_temporary_file(tmp_path):
+@pytest.fixture(params=["unnamed", "named"])
+def scheme(request, monkeypatch):
+    """Both ways of writing a temporary: an unnamed O_TMPFILE file where the platform has
+    one, and the named ``.<name>.<pid>.<random>.tmp`` file everywhere else."""
+    from engine import _atomic
+
+    if request.param == "named":
+        monkeypatch.setattr(_atomic, "_linker", lambda directory: None)
+    elif _atomic._linker(os.getcwd()) is None:
+        pytest.skip("this platform or file system cannot name an O_TMPFILE file")
+    return request.param
+
+
+def test_dropped_writer_removes_its_temporary_file(tmp_path, scheme):
     w = writer.open_writer(tmp_path / "m", entries_of(STREAM))
-    assert len(only_entry(tmp_path)) == 1
-    assert only_entry(tmp_path)[0].startswith(".m.") and only_entry(tmp_path)[0].endswith(".tmp")
+    if scheme == "named":
+        assert len(only_entry(tmp_path)) == 1
+        name = only_entry(tmp_path)[0]
+        assert name.startswith(f".m.{os.getpid()}.") and name.endswith(".tmp")
+    else:
+        assert only_entry(tmp_path) == []  # unnamed until commit
     del w
     assert only_entry(tmp_path) == []
+
+
+def test_commit_through_both_schemes_new_and_existing_destination(tmp_path, scheme):
+    dest = tmp_path / "m.safetensors"
+    for round_ in range(2):  # a new name, then replacing an existing file
+        arrays = {"x": np.full(5, round_, np.int16)}
+        writer.save_file(arrays, dest)
+        assert only_entry(tmp_path) == ["m.safetensors"]
+        assert np.array_equal(ref_np.load_file(str(dest))["x"], arrays["x"])
 
 
 def test_background_flush_overlaps_writing(tmp_path, monkeypatch):
     from engine import writer as w
 
     monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
+    monkeypatch.setattr(w, "_SYNC_FROM", 1 << 17)
     monkeypatch.setattr(w, "_CHUNK", 1 << 15)
     synced = []
     real = os.fdatasync
@@ -774,10 +820,45 @@ def test_background_flush_overlaps_writing(tmp_path, monkeypatch):
     assert all(np.array_equal(loaded[k], v) for k, v in tensors.items())
 
 
+def test_small_tensors_go_out_in_few_system_calls(tmp_path, monkeypatch):
+    calls = []
+    real = writer._writev_at
+
+    def spy(fd, views, offset):
+        calls.append((len(views), offset))
+        for v in views:  # slices of the arrays' own memory, no copies
+            assert any(np.shares_memory(np.frombuffer(v, np.uint8), a) for a in many.values())
+        return real(fd, views, offset)
+
+    many = {f"t{i:03d}": random_array(np.float32, (i % 7 + 1,)) for i in range(300)}
+    monkeypatch.setattr(writer, "_writev_at", spy)
+    dest = tmp_path / "m.safetensors"
+    writer.save_file(many, dest)
+    assert len(calls) == 1 and calls[0][0] == 300
+    assert dest.read_bytes() == ref_np.save(many)
+
+
+def test_no_background_flush_below_the_size_threshold(tmp_path, monkeypatch):
+    from engine import writer as w
+
+    monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
+    monkeypatch.setattr(w, "_CHUNK", 1 << 15)
+    synced = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd))
+    tensors = {f"t{i}": np.full(1 << 16, i, np.float32) for i in range(6)}  # 1.5 MiB
+    monkeypatch.setattr(w, "_SYNC_FROM", 2 << 20)
+    w.save_file(tensors, tmp_path / "small.safetensors")
+    assert synced == []  # the final fsync alone
+    monkeypatch.setattr(w, "_SYNC_FROM", 1 << 20)
+    w.save_file(tensors, tmp_path / "large.safetensors")
+    assert synced
+
+
 def test_background_flush_error_fails_the_save_atomically(tmp_path, monkeypatch):
     from engine import writer as w
 
     monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
+    monkeypatch.setattr(w, "_SYNC_FROM", 1 << 17)
     monkeypatch.setattr(w, "_CHUNK", 1 << 15)
 
     def failing(fd):
@@ -790,3 +871,111 @@ def test_background_flush_error_fails_the_save_atomically(tmp_path, monkeypatch)
         w.save_file({f"t{i}": np.zeros(1 << 16, np.float32) for i in range(4)}, path)
     assert path.read_bytes() == b"previous"
     assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+# -- the header limit the readers apply ------------------------------------------------------
+
+
+def test_header_larger_than_the_readers_limit_is_refused_at_write_time(tmp_path):
+    from engine.header import MAX_HEADER_SIZE
+
+    # one metadata value that pushes the header just past the limit both readers enforce
+    big = {"x": "a" * (MAX_HEADER_SIZE - 40)}
+    arrays = {"w": np.zeros(2, np.float32)}
+    dest = tmp_path / "big.safetensors"
+    for write in (
+        lambda: writer.save_file(arrays, dest, big),
+        lambda: writer.save(arrays, big),
+        lambda: writer.open_writer(dest, [("w", "F32", (2,))], big),
+    ):
+        with pytest.raises(SerializationError) as e:
+            write()
+        assert e.value.reason == "HeaderTooLarge" and "max_header_size" in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_max_header_size_is_the_same_keyword_as_the_readers(tmp_path):
+    arrays = {"w": np.arange(4, dtype=np.float32)}
+    dest = tmp_path / "m.safetensors"
+    n = len(writer.save(arrays))
+    header_len = int.from_bytes(writer.save(arrays)[:8], "little")
+    with pytest.raises(SerializationError) as e:
+        writer.save_file(arrays, dest, max_header_size=header_len - 1)
+    assert e.value.reason == "HeaderTooLarge"
+    with pytest.raises(HeaderError) as r:  # the reader refuses the same size with the same reason
+        read_header(_written(tmp_path, arrays), max_header_size=header_len - 1)
+    assert r.value.reason == "HeaderTooLarge"
+    writer.save_file(arrays, dest, max_header_size=header_len)
+    assert os.path.getsize(dest) == n
+    assert read_header(dest, max_header_size=header_len).header_size == header_len
+
+
+def _written(tmp_path, arrays):
+    path = tmp_path / "plain.safetensors"
+    writer.save_file(arrays, path)
+    return path
+
+
+# -- a save killed at any moment leaves the old file or the new one, nothing else -------------
+
+KILL_SAVE = """
+path = sys.argv[1] if len(sys.argv) > 1 else os.environ["DEST"]
+seed = int(os.environ["SEED"])
+arrays = {f"t{i}": np.full((1 << 20,), seed * 16 + i, np.float32) for i in range(12)}
+print("ready", flush=True)
+engine.save_file(arrays, path, fsync=os.environ["FSYNC"] == "1")
+print("done", flush=True)
+"""
+
+
+def _expected(seed: int) -> dict:
+    return {f"t{i}": np.full((1 << 20,), seed * 16 + i, np.float32) for i in range(12)}
+
+
+def _kill_saves(tmp_path, kills: int, scheme: str) -> int:
+    """Kill saves until ``kills`` kills landed during a save (at most 3x as many rounds)."""
+    import killsave
+
+    rng = np.random.default_rng(kills)
+    dest = tmp_path / "m.safetensors"
+    import time
+
+    t0 = time.perf_counter()
+    writer.save_file(_expected(0), dest)
+    # kill within about the time a save takes, so that most kills land during one
+    window = 1.5 * (time.perf_counter() - t0) + 0.01
+    current = 0
+    killed = 0
+    for r in range(1, 3 * kills + 1):
+        if killed >= kills:
+            break
+        env = {"DEST": str(dest), "SEED": str(r), "FSYNC": str(r % 2)}
+        landed = killsave.kill_during(KILL_SAVE, window, rng, scheme=scheme, env=env)
+        killed += landed
+        # keep the kills inside the saves on a machine whose speed changes under load
+        window = window * 1.1 if landed else max(0.005, window * 0.6)
+        entries = only_entry(tmp_path)
+        loaded = ref_np.load_file(str(dest))
+        got = int(loaded["t0"][0]) // 16
+        assert got in (current, r), f"round {r}: neither the old nor the new file"
+        assert all(np.array_equal(loaded[k], v) for k, v in _expected(got).items())
+        current = got
+        others = [e for e in entries if e != "m.safetensors"]
+        if scheme == "unnamed":
+            # an unnamed file dies with its writer; only a kill between naming the finished
+            # file and renaming it over the old one can leave that (complete) file
+            assert len(others) <= 1, others
+        if others:
+            # the next save removes what a dead writer left, and only that
+            writer.save_file(_expected(current), dest)
+            assert only_entry(tmp_path) == ["m.safetensors"]
+    return killed
+
+
+def test_killed_saves_leave_old_or_new_file_only(tmp_path, scheme):
+    assert _kill_saves(tmp_path, 3, scheme) == 3
+
+
+@pytest.mark.slow
+def test_killed_saves_leave_old_or_new_file_only_many(tmp_path, scheme):
+    assert _kill_saves(tmp_path, 30, scheme) == 30
