@@ -50,3 +50,72 @@ def pread_runs(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run_
             if err:
                 break
     return (err, at, missing)
+
+
+# -- read-ahead of a file mapping ----------------------------------------------------------------
+# (kept apart from the read loops above: these touch a mapping, never a file descriptor)
+
+cdef extern from "<sys/mman.h>" nogil:
+    int madvise(void* addr, size_t length, int advice)
+    int mincore(void* addr, size_t length, unsigned char* vec)
+    int MADV_WILLNEED
+
+from libc.stdint cimport uintptr_t
+from posix.unistd cimport sysconf, _SC_PAGESIZE
+
+# Linux 5.14+; the headers of older C libraries may lack the name, the number is the ABI's
+cdef enum:
+    _MADV_POPULATE_READ = 22
+
+
+cdef inline uintptr_t _page_down(uintptr_t x, Py_ssize_t page) noexcept nogil:
+    return x & ~(<uintptr_t>page - 1)
+
+
+def mapping_resident(const uint8_t[::1] buf, Py_ssize_t start, Py_ssize_t stop, int samples=16):
+    """Whether ``samples`` pages spread evenly over ``buf[start:stop]`` of a file mapping
+    are all in the page cache (``mincore``; the pages need not be mapped yet).
+
+    A sample, not a census: asking for every page of a 2 GB mapping costs tens of
+    milliseconds, which is more than a warm mapped load takes.
+    """
+    cdef Py_ssize_t n = buf.shape[0]
+    if start < 0 or stop > n or start >= stop:
+        return True
+    cdef Py_ssize_t page = sysconf(_SC_PAGESIZE)
+    cdef uintptr_t lo = _page_down(<uintptr_t>&buf[0] + start, page)
+    cdef size_t pages = (<uintptr_t>&buf[0] + stop - lo + page - 1) // page
+    cdef size_t k, steps = <size_t>(samples - 1) if samples > 1 else 1
+    cdef unsigned char vec = 0
+    cdef bint resident = True
+    with nogil:
+        for k in range(<size_t>max(samples, 1)):
+            if mincore(<void*>(lo + (k * (pages - 1) // steps) * page), 1, &vec) != 0 or not (vec & 1):
+                resident = False
+                break
+    return resident
+
+
+def populate_mapping(const uint8_t[::1] buf, Py_ssize_t start, Py_ssize_t stop):
+    """Read ``buf[start:stop]`` of a file mapping into the page cache and map it, without
+    the GIL: ``MADV_POPULATE_READ``, which blocks until the pages are in; kernels without
+    it (before 5.14: ``EINVAL``) get ``MADV_WILLNEED``, which only starts the reads.
+
+    Returns ``errno`` or 0.  Advice only: the caller may ignore an error (touching the
+    pages then reports it the way a mapping does).
+    """
+    cdef Py_ssize_t n = buf.shape[0]
+    if start < 0 or stop > n or start >= stop:
+        return 0
+    cdef Py_ssize_t page = sysconf(_SC_PAGESIZE)
+    cdef uintptr_t lo = _page_down(<uintptr_t>&buf[0] + start, page)
+    cdef size_t length = <uintptr_t>&buf[0] + stop - lo
+    cdef int err = 0
+    with nogil:
+        if madvise(<void*>lo, length, _MADV_POPULATE_READ) != 0:
+            err = errno
+            if err == 22:  # EINVAL: a kernel without MADV_POPULATE_READ
+                err = 0
+                if madvise(<void*>lo, length, MADV_WILLNEED) != 0:
+                    err = errno
+    return err

@@ -25,7 +25,7 @@ from .errors import SafetensorError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .loader import load_rows
 from .plan import InvalidSliceError, plan_slice
-from .reader import default_threads, pread_runs
+from .reader import default_threads, pread_runs, prefetch_mapping
 from .sinks import get_sink
 
 __all__ = ["safe_open", "TensorSlice"]
@@ -99,6 +99,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._backend = backend
         self._fd: Optional[int] = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._base = None
+        self._mm = None
         try:
             size = os.fstat(self._fd).st_size
             self.header: Header = read_header_fd(
@@ -121,7 +122,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def close(self) -> None:
         """Close the file.  Tensors already handed out stay valid (a mapping lives as
         long as any view of it)."""
-        self._base = None
+        self._base = self._mm = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -164,6 +165,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             fd = self._check_open()
             mm = mmap.mmap(fd, 0, access=self._sink.mmap_access)
             self._base = self._sink.map(mm)
+            self._mm = mm
         return self._base
 
     def get_tensor(self, name: str):
@@ -185,7 +187,12 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         names = t.names
         sink = self._sink
         if self._backend == "mmap" and not sink.on_device:
-            return views(sink, self._mapping(), self.header, rows, self.header.data_start)
+            base = self._mapping()
+            # a cold file is read on several threads in large pieces, not page by page as
+            # the caller touches it (a warm one costs a mincore call per 32 MiB)
+            start = self.header.data_start
+            prefetch_mapping(self._mm, [(start + int(t.begins[r]), start + int(t.ends[r])) for r in rows])
+            return views(sink, base, self.header, rows, start)
         # owned memory and devices: the threaded pipeline, never a mapping
         got = load_rows(fd, self.header, rows, sink, path=self._path)
         return {names[r]: got[r] for r in rows}
