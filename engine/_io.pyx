@@ -119,3 +119,86 @@ def populate_mapping(const uint8_t[::1] buf, Py_ssize_t start, Py_ssize_t stop):
                 if madvise(<void*>lo, length, MADV_WILLNEED) != 0:
                     err = errno
     return err
+
+
+# -- strided runs through a bounce buffer --------------------------------------------------------
+
+from libc.string cimport memcpy
+
+
+cdef int _pread_full(int fd, uint8_t* out, Py_ssize_t nbytes, int64_t offset, int64_t* at,
+                     Py_ssize_t* missing) noexcept nogil:
+    """Read exactly ``nbytes``; 0, an errno, or -1 for the end of the file (``at``/``missing`` set)."""
+    cdef Py_ssize_t done = 0
+    cdef ssize_t got
+    while done < nbytes:
+        got = pread(fd, out + done, nbytes - done, <off_t>(offset + done))
+        if got > 0:
+            done += got
+            continue
+        if got < 0 and errno == EINTR:
+            continue
+        at[0] = offset + done
+        missing[0] = nbytes - done
+        return errno if got < 0 else -1
+    return 0
+
+
+def pread_spans(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run_bytes, int64_t base,
+                uint8_t[::1] bounce):
+    """Like :func:`pread_runs`, but reads the dense span that covers consecutive runs into
+    ``bounce`` with one ``pread`` and copies the runs out of it.
+
+    Runs ``i..j`` share a read while ``src`` increases and ``src[j] + run_bytes - src[i]``
+    fits in ``bounce``; a run larger than ``bounce`` is read straight into ``dst``.  Reads
+    the gaps between runs too (more bytes, far fewer calls).  Returns ``(0, 0, 0)`` or
+    ``(errno or -1 for end of file, file offset, bytes missing)``; no GIL in the loop.
+    """
+    cdef Py_ssize_t n = src.shape[0], cap = bounce.shape[0], i = 0, j, k
+    cdef int64_t span
+    cdef int err = 0
+    cdef int64_t at = 0
+    cdef Py_ssize_t missing = 0
+    if n * run_bytes > dst.shape[0]:
+        raise ValueError("destination too small for the runs")
+    if n == 0 or run_bytes == 0:
+        return (0, 0, 0)
+    cdef uint8_t* out = &dst[0]
+    cdef uint8_t* tmp = &bounce[0] if cap else NULL
+    with nogil:
+        while i < n and not err:
+            if run_bytes > cap:
+                err = _pread_full(fd, out + i * run_bytes, run_bytes, base + src[i], &at, &missing)
+                i += 1
+                continue
+            j = i
+            while j + 1 < n and src[j + 1] >= src[j] and src[j + 1] + run_bytes - src[i] <= cap:
+                j += 1
+            span = src[j] + run_bytes - src[i]
+            err = _pread_full(fd, tmp, span, base + src[i], &at, &missing)
+            if err:
+                break
+            for k in range(i, j + 1):
+                memcpy(out + k * run_bytes, tmp + (src[k] - src[i]), run_bytes)
+            i = j + 1
+    return (err, at, missing)
+
+
+def spans_bytes(const int64_t[::1] src, Py_ssize_t run_bytes, Py_ssize_t cap):
+    """Bytes :func:`pread_spans` reads for these runs with a bounce of ``cap`` bytes."""
+    cdef Py_ssize_t n = src.shape[0], i = 0, j
+    cdef int64_t total = 0
+    if run_bytes == 0:
+        return 0
+    with nogil:
+        while i < n:
+            if run_bytes > cap:
+                total += run_bytes
+                i += 1
+                continue
+            j = i
+            while j + 1 < n and src[j + 1] >= src[j] and src[j + 1] + run_bytes - src[i] <= cap:
+                j += 1
+            total += src[j] + run_bytes - src[i]
+            i = j + 1
+    return total

@@ -15,7 +15,10 @@ from typing import Optional, Sequence
 
 from .errors import ReadError
 
-__all__ = ["default_threads", "pread_into", "pread_runs", "prefetch_mapping", "run_threads", "IOV_MAX"]
+__all__ = [
+    "default_threads", "pread_into", "pread_runs", "pread_spans", "spans_bytes", "prefetch_mapping", "run_threads",
+    "IOV_MAX",
+]
 
 #: Most buffers one ``preadv`` call takes.
 IOV_MAX = 1024
@@ -126,18 +129,8 @@ def pread_runs(
     threads = max(1, min(threads, n))
 
     def part(lo: int, hi: int) -> None:
-        err, at, missing = _io.pread_runs(fd, out[lo * run_bytes : hi * run_bytes], src[lo:hi], run_bytes, base)
-        if err == -1:
-            raise ReadError(
-                f"file ended at offset {at} with {missing} bytes of a {run_bytes}-byte run still to read"
-                " (truncated or replaced while reading?)",
-                reason="ShortRead", path=path, offset=at, size=missing,
-            )
-        if err:
-            raise ReadError(
-                f"reading {run_bytes} bytes at offset {at} failed: {os.strerror(err)}",
-                reason="IoError", path=path, offset=at, size=missing,
-            )
+        _check_runs(_io.pread_runs(fd, out[lo * run_bytes : hi * run_bytes], src[lo:hi], run_bytes, base),
+                    run_bytes, path)
 
     bounds = [n * k // threads for k in range(threads + 1)]
     run_threads([lambda lo=lo, hi=hi: part(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])])
@@ -212,6 +205,61 @@ def prefetch_mapping(buf, ranges, *, threads: Optional[int] = None) -> int:
     finally:
         view.release()
     return len(cold)
+
+
+def _check_runs(result: tuple, run_bytes: int, path: Optional[str]) -> None:
+    """Turn the ``(errno or -1, offset, missing)`` of a native run loop into a ReadError."""
+    err, at, missing = result
+    if err == -1:
+        raise ReadError(
+            f"file ended at offset {at} with {missing} bytes of a {run_bytes}-byte run still to read"
+            " (truncated or replaced while reading?)",
+            reason="ShortRead", path=path, offset=at, size=missing,
+        )
+    if err:
+        raise ReadError(
+            f"reading {run_bytes} bytes at offset {at} failed: {os.strerror(err)}",
+            reason="IoError", path=path, offset=at, size=missing,
+        )
+
+
+def pread_spans(fd: int, dst: memoryview, src, run_bytes: int, base: int, bounce, *,
+                path: Optional[str] = None) -> None:
+    """:func:`pread_runs` for short runs: one read per dense span, runs gathered from it.
+
+    Consecutive runs whose span (first run's start to last run's end) fits in ``bounce``
+    (a writable byte buffer, reused by the caller) are read with one ``pread`` into it and
+    copied out to ``dst``.  This reads the bytes between the runs as well; for a column
+    block with short rows (a tensor-parallel shard of a row-parallel weight) that is a few
+    times more bytes in hundreds of times fewer system calls.  :func:`spans_bytes` says
+    how many bytes it reads.
+
+    Raises
+    ------
+    ReadError
+        On an I/O error or the end of the file, naming the offset and the bytes missing.
+
+    Notes
+    -----
+    Copies of tensor bytes: 2 (page cache to ``bounce``, ``bounce`` to ``dst``); the
+    bounce is small enough to stay in the CPU cache.  No GIL in the loop.
+    """
+    import numpy as np
+
+    from . import _io
+
+    src = np.ascontiguousarray(src, dtype=np.int64)
+    _check_runs(_io.pread_spans(fd, np.frombuffer(dst, dtype=np.uint8), src, run_bytes, base,
+                                np.frombuffer(bounce, dtype=np.uint8)), run_bytes, path)
+
+
+def spans_bytes(src, run_bytes: int, bounce_bytes: int) -> int:
+    """Bytes :func:`pread_spans` reads for runs ``src`` of ``run_bytes`` with that bounce size."""
+    import numpy as np
+
+    from . import _io
+
+    return int(_io.spans_bytes(np.ascontiguousarray(src, dtype=np.int64), run_bytes, bounce_bytes))
 
 
 def run_threads(jobs, *, name: str = "engine-read", on_error=None) -> None:

@@ -177,3 +177,24 @@ def test_populate_makes_the_range_resident_and_an_empty_range_is_a_no_op(mapped_
         assert _io.populate_mapping(view, 5, 5) == 0 and _io.mapping_resident(view, 5, 5)  # empty range
     finally:
         view.release()
+
+
+def test_spans_gather_runs_through_a_bounce_of_any_size(data_file):
+    fd, data, path = data_file
+    src = np.array([0, 40, 90, 95, 300, 5000, 5030, 20_000], np.int64)  # uneven gaps, one overlap
+    want = b"".join(data[1234 + o : 1234 + o + 7].tobytes() for o in src)
+    for cap in (0, 6, 7, 50, 100, 1 << 16):
+        dst = bytearray(len(src) * 7)
+        reader.pread_spans(fd, memoryview(dst), src, 7, 1234, bytearray(cap), path=path)
+        assert bytes(dst) == want, cap
+    assert reader.spans_bytes(src, 7, 1 << 16) == 20_007
+    # [0, 97) [95, 102) [300, 307) [5000, 5037) [20000, 20007)
+    assert reader.spans_bytes(src, 7, 100) == 97 + 7 + 7 + 37 + 7
+    assert reader.spans_bytes(src, 7, 0) == 8 * 7
+
+
+def test_spans_past_the_end_is_a_short_read(data_file):
+    fd, _, path = data_file
+    with pytest.raises(ReadError) as info:
+        reader.pread_spans(fd, memoryview(bytearray(20)), np.array([0, 999_995]), 10, 0, bytearray(1 << 20), path=path)
+    assert info.value.reason == "ShortRead" and info.value.offset == 1_000_000 and info.value.size == 5
