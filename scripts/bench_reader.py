@@ -9,7 +9,9 @@ bandwidth.  Cold-cache runs evict the file with posix_fadvise(POSIX_FADV_DONTNEE
     python scripts/bench_reader.py --quick         # 128 MB, 3 runs (smoke)
     python scripts/bench_reader.py --json out.json
     python scripts/bench_reader.py --only stats    # statistics during a streaming load, and the
-                                                   # same reads bare (no engine) with and without the fold
+                                                   # same reads bare (no engine) with and without the fold;
+                                                   # CPU seconds (user + system, getrusage) per GB of the
+                                                   # load and of the fold
 """
 
 from __future__ import annotations
@@ -89,10 +91,13 @@ def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float, tuple, t
             cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
     ratio = statistics.median(b / a for a, b in zip(ta, tb))
 
-    def med_cpu(c):
-        return statistics.median(u for u, _ in c), statistics.median(s for _, s in c)
+    def med_cpu(c, other):
+        # (user, sys, user + sys, median over the pairs of this side's user + sys minus the other's)
+        return (statistics.median(u for u, _ in c), statistics.median(s for _, s in c),
+                statistics.median(u + s for u, s in c),
+                statistics.median((u + s) - (ou + os_) for (u, s), (ou, os_) in zip(c, other)))
 
-    return statistics.median(ta), statistics.median(tb), ratio, med_cpu(ca), med_cpu(cb)
+    return statistics.median(ta), statistics.median(tb), ratio, med_cpu(ca, cb), med_cpu(cb, ca)
 
 
 def median_time(fn, runs: int, before=None) -> float:
@@ -200,6 +205,7 @@ def _stats_rows(path, directory, size, runs, row, engine):
     make_checkpoint(weights_path, size, weights=True)
     for label, p in (("random bit patterns", path), ("weight-like values", weights_path)):
         warm(p)
+        gb = os.path.getsize(p) / 1e9
 
         def plain(p=p):
             for _ in engine.stream(p, framework="pt", device="cpu"):
@@ -213,7 +219,7 @@ def _stats_rows(path, directory, size, runs, row, engine):
         t_plain, t_stats, ratio, cpu_plain, cpu_stats = paired_medians(plain, with_stats, 3 * runs)
         row(f"stream(stats=True), {label}", t_stats, t_plain,
             f"vs stream(); statistics add {100 * (ratio - 1):+.0f}% to the load (median of {3 * runs} pairs); "
-            + _cpu_note(cpu_plain, cpu_stats))
+            + _cpu_note(cpu_plain, cpu_stats, gb))
         if label.startswith("weight"):
             for mode, what in (("fold", "the fold alone adds"), ("windows", "reading in windows alone adds")):
                 t_plain, t_mode, ratio, cpu_plain, cpu_mode = paired_medians(
@@ -221,13 +227,16 @@ def _stats_rows(path, directory, size, runs, row, engine):
                 name = "bare reads + fold" if mode == "fold" else "bare window reads"
                 row(f"{name}, {label}", t_mode, t_plain,
                     f"vs bare reads; {what} {100 * (ratio - 1):+.0f}% (median of {3 * runs} pairs); "
-                    + _cpu_note(cpu_plain, cpu_mode))
+                    + _cpu_note(cpu_plain, cpu_mode, gb, "fold" if mode == "fold" else "window reads"))
     warm(path)
 
 
-def _cpu_note(plain: tuple, with_stats: tuple) -> str:
-    return (f"user s {plain[0]:.2f} -> {with_stats[0]:.2f}, "
-            f"sys s {plain[1]:.2f} -> {with_stats[1]:.2f}")
+def _cpu_note(plain: tuple, with_stats: tuple, gb: float, added: str = "fold") -> str:
+    """CPU seconds (user + system of every thread, from getrusage) per GB of the file: the
+    load's own and what the fold adds (median of the per-pair differences), then the split."""
+    return (f"CPU s/GB: load {plain[2] / gb:.3f}, {added} {with_stats[3] / gb:+.3f} "
+            f"({100 * with_stats[3] / plain[2]:+.0f}% of the load's CPU); "
+            f"user s {plain[0]:.2f} -> {with_stats[0]:.2f}, sys s {plain[1]:.2f} -> {with_stats[1]:.2f}")
 
 
 def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 20) -> None:
