@@ -8,6 +8,8 @@ bandwidth.  Cold-cache runs evict the file with posix_fadvise(POSIX_FADV_DONTNEE
     python scripts/bench_reader.py                 # 2 GB BF16 checkpoint, 5 runs
     python scripts/bench_reader.py --quick         # 128 MB, 3 runs (smoke)
     python scripts/bench_reader.py --json out.json
+    python scripts/bench_reader.py --only fresh    # load_into warm and cold, cold load_file (both
+                                                   # backends): one fresh process per sample
     python scripts/bench_reader.py --only stats    # statistics during a streaming load, and the
                                                    # same reads bare (no engine) with and without the fold;
                                                    # CPU seconds (user + system, getrusage) per GB of the
@@ -117,8 +119,11 @@ def main() -> int:
     ap.add_argument("--runs", type=int)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
-    ap.add_argument("--only", choices=["load", "stats", "slice"], help="run one group of cases")
+    ap.add_argument("--only", choices=["load", "stats", "slice", "fresh"], help="run one group of cases")
+    ap.add_argument("--sample", nargs=3, metavar=("CASE", "IMPL", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sample:
+        return _sample(*args.sample)
     size = (128 << 20) if args.quick else (2 << 30)
     runs = args.runs or (3 if args.quick else 5)
 
@@ -144,6 +149,8 @@ def main() -> int:
         return args.only in (None, group)
 
     warm(path)
+    if args.only == "fresh":  # not part of the default run: it starts a process per sample
+        _fresh_rows(path, runs, row)
     if want("load"):
         _load_rows(path, header, runs, row, ref, engine, torch)
     if want("stats"):
@@ -196,6 +203,77 @@ def _load_rows(path, header, runs, row, ref, engine, torch):
         "reference load_file, every page touched")
     warm(path)
 
+
+
+#: (case, note): one fresh process per sample, see _sample
+FRESH_CASES = (
+    ("load_into, warm", "reference load_file + copy_ into the same pre-faulted tensors"),
+    ("load_into, cold", "reference load_file + copy_; file evicted before each sample"),
+    ("load_file default (mmap), cold", "reference load_file; both then touch every page; file evicted"),
+    ("load_file pread, cold", "reference load_file(backend='pread'); file evicted before each sample"),
+)
+
+
+def _fresh_rows(path, runs, row) -> None:
+    """Each case ``runs`` times per side, engine and reference alternated, every sample a
+    fresh process (imports, allocation and eviction outside the timed part)."""
+    import subprocess
+
+    for case, note in FRESH_CASES:
+        times: dict = {"engine": [], "reference": []}
+        for _ in range(runs):
+            for impl in ("engine", "reference"):
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--sample", case, impl, path],
+                                     check=True, capture_output=True, text=True).stdout
+                times[impl].append(json.loads(out.strip().splitlines()[-1])["seconds"])
+        ours, theirs = times["engine"], times["reference"]
+        ratio = statistics.median(r / e for e, r in zip(ours, theirs))
+        row(case + " [fresh]", statistics.median(ours), statistics.median(theirs),
+            f"{note}; ref/eng median of {runs} paired ratios {ratio:.2f}x; engine "
+            f"{min(ours):.3f}-{max(ours):.3f} s, reference {min(theirs):.3f}-{max(theirs):.3f} s")
+
+
+def _sample(case: str, impl: str, path: str) -> int:
+    """One timed sample in this (fresh) process; prints ``{"seconds": ...}``."""
+    import safetensors.torch as ref
+    import torch
+
+    import engine
+    import engine.torch
+
+    header = engine.read_header(path)
+    dst = None
+    if case.startswith("load_into"):
+        dst = {k: torch.empty(header[k].shape, dtype=torch.bfloat16) for k in header.keys()}
+        for t in dst.values():
+            t.zero_()  # fault the pages in once: load_into fills memory a model already owns
+
+    def touch(d):  # read a byte of every page of every tensor: same work for both sides
+        for t in d.values():
+            t.view(-1).view(torch.uint8)[::4096].sum()
+
+    def ref_into():
+        for k, t in ref.load_file(path).items():
+            dst[k].copy_(t)
+
+    fn = {
+        ("load_into, warm", "engine"): lambda: engine.load_into(path, dst),
+        ("load_into, warm", "reference"): ref_into,
+        ("load_into, cold", "engine"): lambda: engine.load_into(path, dst),
+        ("load_into, cold", "reference"): ref_into,
+        ("load_file default (mmap), cold", "engine"): lambda: touch(engine.torch.load_file(path)),
+        ("load_file default (mmap), cold", "reference"): lambda: touch(ref.load_file(path)),
+        ("load_file pread, cold", "engine"): lambda: engine.torch.load_file(path, backend="pread"),
+        ("load_file pread, cold", "reference"): lambda: ref.load_file(path, backend="pread"),
+    }[(case, impl)]
+    if case.endswith("cold"):
+        evict(path)
+    else:
+        warm(path)
+    t0 = time.perf_counter()
+    fn()
+    print(json.dumps(dict(seconds=time.perf_counter() - t0)))
+    return 0
 
 
 def _stats_rows(path, directory, size, runs, row, engine):
