@@ -211,6 +211,9 @@ FRESH_CASES = (
     ("load_into, cold", "reference load_file + copy_; file evicted before each sample"),
     ("load_file default (mmap), cold", "reference load_file; both then touch every page; file evicted"),
     ("load_file pread, cold", "reference load_file(backend='pread'); file evicted before each sample"),
+    ("bare reads, cold: buffered vs O_DIRECT",
+     "no engine: 2 threads of 16 MiB preadv into one block, buffered (engine column, the engine's choice) "
+     "against the same reads with O_DIRECT (ref column)"),
 )
 
 
@@ -256,7 +259,7 @@ def _sample(case: str, impl: str, path: str) -> int:
         for k, t in ref.load_file(path).items():
             dst[k].copy_(t)
 
-    fn = {
+    fn = None if case.startswith("bare reads") else {
         ("load_into, warm", "engine"): lambda: engine.load_into(path, dst),
         ("load_into, warm", "reference"): ref_into,
         ("load_into, cold", "engine"): lambda: engine.load_into(path, dst),
@@ -266,7 +269,9 @@ def _sample(case: str, impl: str, path: str) -> int:
         ("load_file pread, cold", "engine"): lambda: engine.torch.load_file(path, backend="pread"),
         ("load_file pread, cold", "reference"): lambda: ref.load_file(path, backend="pread"),
     }[(case, impl)]
-    if case.endswith("cold"):
+    if case.startswith("bare reads"):
+        fn = lambda: _bare_cold(path, direct=impl == "reference")  # noqa: E731
+    if "cold" in case:
         evict(path)
     else:
         warm(path)
@@ -274,6 +279,40 @@ def _sample(case: str, impl: str, path: str) -> int:
     fn()
     print(json.dumps(dict(seconds=time.perf_counter() - t0)))
     return 0
+
+
+def _bare_cold(path: str, *, direct: bool, threads: int = 2, request: int = 16 << 20) -> None:
+    """The whole file read by ``threads`` threads in ``request``-byte ``preadv`` calls into one
+    anonymous block, through the page cache or around it (``O_DIRECT``: aligned offsets,
+    sizes and memory; the block is page-aligned and the last request rounded up)."""
+    from engine.reader import run_threads
+    from engine.sinks import host_block
+
+    size = os.path.getsize(path)
+    padded = -(-size // 4096) * 4096
+    block = host_block(padded)
+    view = memoryview(block)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+
+    def worker(i: int) -> None:
+        for lo in range(i * request, padded, threads * request):
+            hi = min(lo + request, padded)
+            while lo < hi:
+                n = os.preadv(fd, [view[lo:hi]], lo)
+                if n <= 0:
+                    if lo >= size:
+                        break
+                    raise OSError(f"{path}: short read at {lo}")
+                lo += n
+                if lo >= size:
+                    break
+
+    try:
+        run_threads([lambda i=i: worker(i) for i in range(threads)], name="bench-cold")
+    finally:
+        os.close(fd)
+        view.release()
+        block.close()
 
 
 def _stats_rows(path, directory, size, runs, row, engine):
