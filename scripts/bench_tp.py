@@ -169,7 +169,7 @@ def _shard_bytes(header, plan, name, rank, world) -> int:
     total = 0
     for index, _ in shard_index(name, info.shape, plan.action(name), rank, world):
         n = 1
-        for s, d in zip(index, info.shape):
+        for s, d in zip(index, info.shape, strict=True):
             n *= len(range(*s.indices(d)))
         total += n * item
     return total
@@ -234,7 +234,7 @@ def main() -> int:
         ref = [s["seconds"] for s in got["reference"]]
         for impl in IMPLS:
             secs = [s["seconds"] for s in got[impl]]
-            ratio = statistics.median(r / x for r, x in zip(ref, secs))
+            ratio = statistics.median(r / x for r, x in zip(ref, secs, strict=True))
             rchar = [statistics.median(s["ranks"][r]["rchar"] for s in got[impl]) / 1e6 for r in range(world)]
             stor = [statistics.median(s["ranks"][r]["read_bytes"] for s in got[impl]) / 1e6 for r in range(world)]
             print(f"{state:<5} {impl:<12} {statistics.median(secs):>9.3f} {min(secs):>7.3f} {max(secs):>7.3f} "

@@ -75,7 +75,7 @@ def _worker(rank, world, port, path, modes, out_dir):
         for mode in modes:
             dist.barrier()
             kind, _, strided = mode.partition("-")  # "direct-runs": direct mode, strided="runs"
-            shards, nbytes = _counted(lambda: load_tensor_parallel(path, plan, mode=kind, strided=strided or "auto"))
+            shards, nbytes = _counted(lambda k=kind, s=strided: load_tensor_parallel(path, plan, mode=k, strided=s or "auto"))
             report = {"bytes_read": nbytes, "exact": [], "gathered": []}
             full = engine.torch.load_file(path)
             for name, t in full.items():
@@ -211,7 +211,7 @@ def test_column_split_reads_strided_ranges(tmp_path):
     assert nbytes == 64 * 8 * 4 + _header_bytes(path)  # 64 strided runs, nothing between them
     # as one dense span: from row 0's run to row 63's run, 63 rows of 128 bytes and one run
     for strided in ("spans", "auto"):
-        got, nbytes = _counted(lambda: load_tensor_parallel(path, plan, rank=1, world_size=4, strided=strided))
+        got, nbytes = _counted(lambda s=strided: load_tensor_parallel(path, plan, rank=1, world_size=4, strided=s))
         assert torch.equal(got["w"], w[:, 8:16])
         assert nbytes == 63 * 32 * 4 + 8 * 4 + _header_bytes(path)
         assert direct_read_bytes(path, plan, rank=1, world_size=4, strided=strided) == 63 * 32 * 4 + 8 * 4
