@@ -99,6 +99,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._fd: Optional[int] = fd
         self._path = path
         self._base = None
+        self._mm = None
         try:
             if backend not in _BACKENDS:
                 raise SafetensorError(
@@ -137,7 +138,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         if slicer is not None:
             slicer.closed = True
         with self._lock:
-            self._base = None
+            self._base = self._mm = None
             self._closing = True
             fd = self._fd if self._users == 0 else None
             if fd is not None:
@@ -210,6 +211,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
                 mm = mmap.mmap(fd, 0, access=self._sink.mmap_access)
             finally:
                 self._give_back()
+            self._mm = mm
             base = self._base = self._sink.map(mm)
         return base
 
@@ -232,7 +234,14 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         names = t.names
         sink = self._sink
         if self._backend == "mmap" and not sink.on_device:
-            out = views(sink, self._mapping(), self.header, rows, self.header.data_start, path=self._path)
+            from .reader import prefetch_mapping
+
+            base = self._mapping()
+            # a cold file is read on several threads in large pieces, not page by page as
+            # the caller touches it (a warm one costs a mincore call per 32 MiB)
+            start = self.header.data_start
+            prefetch_mapping(self._mm, [(start + int(t.begins[r]), start + int(t.ends[r])) for r in rows])
+            out = views(sink, base, self.header, rows, start, path=self._path)
         else:
             # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
             # opening a file and reading its header need none of it)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .errors import SafetensorError
+from .errors import SafetensorError, ShardingError
 
 __all__ = [
     "Replicate",
@@ -32,11 +32,8 @@ __all__ = [
     "llama_plan",
     "shard_index",
     "load_tensor_parallel",
+    "direct_read_bytes",
 ]
-
-
-class ShardingError(SafetensorError, ValueError):
-    """A tensor that the plan cannot split as asked (uneven, bad dimension, bad fused sizes)."""
 
 
 class Replicate(NamedTuple):
@@ -242,6 +239,8 @@ def load_tensor_parallel(
     device: Union[str, int, torch.device] = "cpu",
     mode: str = "direct",
     names: Optional[Callable[[str], bool]] = None,
+    strided: str = "auto",
+    threads: Optional[int] = None,
 ) -> dict[str, torch.Tensor]:
     """Load this rank's shard of every tensor of a checkpoint.
 
@@ -263,6 +262,20 @@ def load_tensor_parallel(
         torchrun (default: one node).
     names : callable, optional
         ``names(name) -> bool`` keeps only some tensors.
+    strided : {"auto", "runs", "spans"}, default "auto"
+        How a direct-mode rank reads a column block (a split along a dimension other than
+        the first: one short run per row).  ``"runs"``: one read per run, exactly the
+        shard's bytes.  ``"spans"``: one read per dense span of rows into a small bounce
+        buffer (``SPAN_BOUNCE_BYTES``), the runs gathered from it: the rank also reads the
+        bytes between its runs (for a split along the last dimension, about the whole
+        tensor less the columns before its own in the first row and after them in the
+        last), in hundreds of times fewer calls.  ``"auto"``: spans when the runs are
+        shorter than ``SPAN_MAX_RUN_BYTES`` and the span is at most ``SPAN_MAX_RATIO``
+        times the bytes wanted, runs otherwise; :func:`direct_read_bytes` says what a rank
+        reads either way.
+    threads : int, optional
+        Reader threads per rank in direct mode (default: one per core, 2 to 8); the
+        tensors are shared among them in file order, so several reads are in flight.
 
     Returns
     -------
@@ -276,18 +289,28 @@ def load_tensor_parallel(
 
     Notes
     -----
-    Copies of tensor bytes, direct mode: 1 per byte (page cache to the shard), plus the
-    host-to-device copy for CUDA; fused tensors one more (the concatenation).  Broadcast mode
+    Copies of tensor bytes, direct mode: 1 per byte (page cache to the shard), 2 for the
+    column blocks read as spans (page cache to the bounce buffer, which stays in the CPU
+    cache, then to the shard), plus the host-to-device copy for CUDA; fused tensors split
+    along a dimension other than the first, and padding along one, one more (the
+    concatenation).  A single file is read by this rank's own threads; a sharded
+    checkpoint one tensor at a time.  Broadcast mode
     adds the collective's transfer.  Peak host memory in broadcast mode on the reading rank:
     one whole tensor at a time.
     """
     if mode not in ("direct", "broadcast"):
         raise ShardingError(f"unknown mode {mode!r}; expected 'direct' or 'broadcast'", reason="InvalidMode")
+    if strided not in _STRIDED:
+        raise ShardingError(f"unknown strided {strided!r}; expected one of {_STRIDED}", reason="InvalidMode")
     rank, world_size = _rank_world(rank, world_size, process_group)
     device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     if mode == "broadcast":
         return _load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names)
-    out: dict[str, torch.Tensor] = {}
+    path = os.fspath(path_or_index)
+    if not (os.path.isdir(path) or path.endswith(".json")):
+        out = _load_file_direct(path, plan, rank, world_size, names, strided, threads)
+        return {k: v.to(device) for k, v in out.items()} if device.type != "cpu" else out
+    out = {}
     with _open(path_or_index, "pread") as f:
         for name in f.offset_keys() if hasattr(f, "offset_keys") else f.keys():
             if names is not None and not names(name):
@@ -302,6 +325,174 @@ def load_tensor_parallel(
                 t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)
             out[name] = t.to(device) if device.type != "cpu" else t
     return out
+
+
+_STRIDED = ("auto", "runs", "spans")
+#: Bounce buffer per reader thread for column blocks read as dense spans: fits in a core's
+#: L2 cache next to the rows being copied out of it.
+SPAN_BOUNCE_BYTES = 1 << 20
+#: "auto" reads a column block as spans only when its runs are shorter than this...
+SPAN_MAX_RUN_BYTES = 16 << 10
+#: ...and the spans hold at most this many times the bytes the rank wants.
+SPAN_MAX_RATIO = 8
+#: Contiguous reads are cut into requests of this size, shared among the threads.
+_CHUNK_BYTES = 8 << 20
+
+
+class _Job(NamedTuple):
+    """One read of a rank's direct load: runs ``src`` of ``run_bytes`` at file offset ``base``
+    into ``dst`` (bytes), end to end; ``spans`` reads them through the bounce buffer."""
+
+    dst: memoryview
+    src: Any  # numpy int64 offsets, relative to ``base``
+    run_bytes: int
+    base: int
+    spans: bool
+
+
+def _direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, strided: str):
+    """(name -> output tensor, jobs, names to load the slow way) for a direct load of one file."""
+    import numpy as np
+
+    from . import dtypes
+    from .plan import plan_slice
+
+    t = header.table
+    outputs: dict[str, torch.Tensor] = {}
+    jobs: list[_Job] = []
+    slow: list[str] = []
+    for row in t.order.tolist():
+        name = t.names[row]
+        if names is not None and not names(name):
+            continue
+        code = int(t.codes[row])
+        d = dtypes.DTYPES[code]
+        shape = tuple(t.shapes[row])
+        action = plan.action(name)
+        pieces = shard_index(name, shape, action, rank, world_size)
+        begin = header.data_start + int(t.begins[row])
+        if isinstance(action, Replicate):
+            if d.sub_byte:
+                slow.append(name)
+                continue
+            out_shape = shape
+        else:
+            dim = action.dim % len(shape)
+            # pieces that land end to end in the output: one piece, or several stacked along dim 0;
+            # padding only after the last piece along dim 0
+            if d.sub_byte or (dim != 0 and (len(pieces) > 1 or pieces[0][1] is not None)):
+                slow.append(name)
+                continue
+            out_shape = _shard_shape(shape, action, pieces)
+        out = (torch.zeros if any(to is not None for _, to in pieces) else torch.empty)(
+            out_shape, dtype=dtypes.torch_dtype(code))
+        outputs[name] = out
+        raw = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        at = 0
+        for index, _ in pieces:
+            sp = plan_slice(shape, d.itemsize, index)
+            nbytes = sp.nbytes
+            if not nbytes:
+                continue
+            dst = raw[at : at + nbytes]
+            at += nbytes
+            if sp.src.size == 1 or sp.run_bytes * 2 >= _CHUNK_BYTES:
+                # contiguous, or long runs: requests of about _CHUNK_BYTES
+                per = max(1, _CHUNK_BYTES // sp.run_bytes) if sp.src.size > 1 else 1
+                if sp.src.size == 1:
+                    for lo in range(0, nbytes, _CHUNK_BYTES):
+                        hi = min(lo + _CHUNK_BYTES, nbytes)
+                        jobs.append(_Job(dst[lo:hi], np.array([sp.src[0] + lo], np.int64), hi - lo, begin, False))
+                else:
+                    for i in range(0, sp.src.size, per):
+                        part = sp.src[i : i + per]
+                        jobs.append(_Job(dst[i * sp.run_bytes : (i + part.size) * sp.run_bytes], part,
+                                         sp.run_bytes, begin, False))
+                continue
+            spans = strided == "spans" or (strided == "auto" and _spans_pay(sp.src, sp.run_bytes))
+            # a share of rows per job, a few bounce buffers' worth, so threads split a tensor
+            stride = int(sp.src[1] - sp.src[0]) if sp.src.size > 1 else sp.run_bytes
+            per = max(1, (4 * SPAN_BOUNCE_BYTES) // max(stride, sp.run_bytes))
+            for i in range(0, sp.src.size, per):
+                part = sp.src[i : i + per]
+                jobs.append(_Job(dst[i * sp.run_bytes : (i + part.size) * sp.run_bytes], part, sp.run_bytes,
+                                 begin, spans))
+    return outputs, jobs, slow
+
+
+def _spans_pay(src, run_bytes: int) -> bool:
+    """Whether "auto" reads these runs as dense spans: short runs, spans not much larger."""
+    from .reader import spans_bytes
+
+    if run_bytes >= SPAN_MAX_RUN_BYTES or src.size < 2:
+        return False
+    return spans_bytes(src, run_bytes, SPAN_BOUNCE_BYTES) <= SPAN_MAX_RATIO * run_bytes * src.size
+
+
+def direct_read_bytes(path, plan: ShardingPlan, *, rank: int, world_size: int, strided: str = "auto",
+                      names: Optional[Callable[[str], bool]] = None) -> int:
+    """Bytes of tensor data one rank's direct-mode load of a single file reads (the header
+    aside): its shard exactly with ``strided="runs"``, more where column blocks are read as
+    spans.  From the header alone; reads no tensor byte."""
+    from .header import read_header
+    from .reader import spans_bytes
+
+    if strided not in _STRIDED:
+        raise ShardingError(f"unknown strided {strided!r}; expected one of {_STRIDED}", reason="InvalidMode")
+    _, jobs, slow = _direct_jobs(read_header(path), plan, rank, world_size, names, strided)
+    if slow:
+        raise ShardingError(f"{len(slow)} tensor(s) are read the slow way; no byte count for them",
+                            reason="InvalidMode", tensors=tuple(slow))
+    return sum(spans_bytes(j.src, j.run_bytes, SPAN_BOUNCE_BYTES) if j.spans else j.src.size * j.run_bytes
+               for j in jobs)
+
+
+def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
+                      threads: Optional[int]) -> dict[str, torch.Tensor]:
+    """Direct mode on one file: every read of this rank planned up front, then shared among
+    threads in file order (several reads in flight), column blocks by runs or spans."""
+    import threading
+
+    from .header import read_header_fd
+    from .reader import default_threads, pread_into, pread_runs, pread_spans, run_threads
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size)
+        outputs, jobs, slow = _direct_jobs(header, plan, rank, world_size, names, strided)
+        lock = threading.Lock()
+        todo = iter(jobs)
+
+        def work() -> None:
+            bounce = None
+            while True:
+                with lock:
+                    job = next(todo, None)
+                if job is None:
+                    return
+                if job.src.size == 1:
+                    pread_into(fd, job.base + int(job.src[0]), [job.dst], path=path)
+                elif job.spans:
+                    if bounce is None:
+                        bounce = bytearray(SPAN_BOUNCE_BYTES)
+                    pread_spans(fd, job.dst, job.src, job.run_bytes, job.base, bounce, path=path)
+                else:
+                    pread_runs(fd, job.dst, job.src, job.run_bytes, job.base, path=path)
+
+        if jobs:
+            run_threads([work] * max(1, min(threads or default_threads(), len(jobs))), name="engine-tp")
+        if slow:
+            with _open(path, "pread") as f:
+                for name in slow:
+                    sl = f.get_slice(name)
+                    action = plan.action(name)
+                    parts = [_pad(sl[index], action.dim, to)
+                             for index, to in shard_index(name, sl.get_shape(), action, rank, world_size)]
+                    outputs[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)
+        order = {n: i for i, n in enumerate(header.offset_keys())}
+        return dict(sorted(outputs.items(), key=lambda kv: order[kv[0]]))
+    finally:
+        os.close(fd)
 
 
 def _node_group(world_size: int, process_group):

@@ -33,6 +33,7 @@ __all__ = [
     "CheckpointIndexError",
     "MissingShardError",
     "RemoteFileNotFoundError",
+    "ShardingError",
     "HEADER_REASONS",
 ]
 
@@ -261,3 +262,7 @@ class RemoteFileNotFoundError(_MissingFile):
 
     ``.reason`` is ``"NotFound"``; also a ``FileNotFoundError`` (``errno.ENOENT``).
     """
+
+
+class ShardingError(SafetensorError, ValueError):
+    """A tensor that the plan cannot split as asked (uneven, bad dimension, bad fused sizes)."""

@@ -8,8 +8,13 @@ Which path to use
 * Warm page cache, CPU, reading part of a file: ``safe_open(..., backend="mmap")`` (no copy).
 * Private writable CPU memory, network file systems, files that may change: the owned load
   (``backend="pread"``), one copy from the page cache straight into the tensors.
-* Cold cache: the owned load or ``load_into``; the file is read in large sequential requests
-  with read-ahead advice, on several threads.
+* Cold cache: any of them.  The owned load and ``load_into`` read in large sequential
+  requests on several threads with sequential read-ahead advice, through the page cache.
+  (``scripts/bench_reader.py --only fresh`` compares bare buffered reads with ``O_DIRECT``;
+  direct reads need aligned offsets, sizes and memory, which tensors in a file do not
+  have, so they would cost a bounce copy.)  A mapped load of a cold file has the selected ranges read into the mapping on
+  several threads before it returns (:func:`engine.reader.prefetch_mapping`), instead of
+  page by page as the caller touches them.
 * GPU: ``stream`` / ``load_file(device="cuda")``: pinned staging ring, reads overlapped with
   host-to-device copies.
 """

@@ -8,8 +8,12 @@ bandwidth.  Cold-cache runs evict the file with posix_fadvise(POSIX_FADV_DONTNEE
     python scripts/bench_reader.py                 # 2 GB BF16 checkpoint, 5 runs
     python scripts/bench_reader.py --quick         # 128 MB, 3 runs (smoke)
     python scripts/bench_reader.py --json out.json
+    python scripts/bench_reader.py --only fresh    # load_into warm and cold, cold load_file (both
+                                                   # backends): one fresh process per sample
     python scripts/bench_reader.py --only stats    # statistics during a streaming load, and the
-                                                   # same reads bare (no engine) with and without the fold
+                                                   # same reads bare (no engine) with and without the fold;
+                                                   # CPU seconds (user + system, getrusage) per GB of the
+                                                   # load and of the fold
 """
 
 from __future__ import annotations
@@ -89,10 +93,13 @@ def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float, tuple, t
             cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
     ratio = statistics.median(b / a for a, b in zip(ta, tb))
 
-    def med_cpu(c):
-        return statistics.median(u for u, _ in c), statistics.median(s for _, s in c)
+    def med_cpu(c, other):
+        # (user, sys, user + sys, median over the pairs of this side's user + sys minus the other's)
+        return (statistics.median(u for u, _ in c), statistics.median(s for _, s in c),
+                statistics.median(u + s for u, s in c),
+                statistics.median((u + s) - (ou + os_) for (u, s), (ou, os_) in zip(c, other)))
 
-    return statistics.median(ta), statistics.median(tb), ratio, med_cpu(ca), med_cpu(cb)
+    return statistics.median(ta), statistics.median(tb), ratio, med_cpu(ca, cb), med_cpu(cb, ca)
 
 
 def median_time(fn, runs: int, before=None) -> float:
@@ -112,8 +119,11 @@ def main() -> int:
     ap.add_argument("--runs", type=int)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
-    ap.add_argument("--only", choices=["load", "stats", "slice"], help="run one group of cases")
+    ap.add_argument("--only", choices=["load", "stats", "slice", "fresh"], help="run one group of cases")
+    ap.add_argument("--sample", nargs=3, metavar=("CASE", "IMPL", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sample:
+        return _sample(*args.sample)
     size = (128 << 20) if args.quick else (2 << 30)
     runs = args.runs or (3 if args.quick else 5)
 
@@ -139,6 +149,8 @@ def main() -> int:
         return args.only in (None, group)
 
     warm(path)
+    if args.only == "fresh":  # not part of the default run: it starts a process per sample
+        _fresh_rows(path, runs, row)
     if want("load"):
         _load_rows(path, header, runs, row, ref, engine, torch)
     if want("stats"):
@@ -193,6 +205,116 @@ def _load_rows(path, header, runs, row, ref, engine, torch):
 
 
 
+#: (case, note): one fresh process per sample, see _sample
+FRESH_CASES = (
+    ("load_into, warm", "reference load_file + copy_ into the same pre-faulted tensors"),
+    ("load_into, cold", "reference load_file + copy_; file evicted before each sample"),
+    ("load_file default (mmap), cold", "reference load_file; both then touch every page; file evicted"),
+    ("load_file pread, cold", "reference load_file(backend='pread'); file evicted before each sample"),
+    ("bare reads, cold: buffered vs O_DIRECT",
+     "no engine: 2 threads of 16 MiB preadv into one block, buffered (engine column, the engine's choice) "
+     "against the same reads with O_DIRECT (ref column)"),
+)
+
+
+def _fresh_rows(path, runs, row) -> None:
+    """Each case ``runs`` times per side, engine and reference alternated, every sample a
+    fresh process (imports, allocation and eviction outside the timed part)."""
+    import subprocess
+
+    for case, note in FRESH_CASES:
+        times: dict = {"engine": [], "reference": []}
+        for _ in range(runs):
+            for impl in ("engine", "reference"):
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--sample", case, impl, path],
+                                     check=True, capture_output=True, text=True).stdout
+                times[impl].append(json.loads(out.strip().splitlines()[-1])["seconds"])
+        ours, theirs = times["engine"], times["reference"]
+        ratio = statistics.median(r / e for e, r in zip(ours, theirs))
+        row(case + " [fresh]", statistics.median(ours), statistics.median(theirs),
+            f"{note}; ref/eng median of {runs} paired ratios {ratio:.2f}x; engine "
+            f"{min(ours):.3f}-{max(ours):.3f} s, reference {min(theirs):.3f}-{max(theirs):.3f} s")
+
+
+def _sample(case: str, impl: str, path: str) -> int:
+    """One timed sample in this (fresh) process; prints ``{"seconds": ...}``."""
+    import safetensors.torch as ref
+    import torch
+
+    import engine
+    import engine.torch
+
+    header = engine.read_header(path)
+    dst = None
+    if case.startswith("load_into"):
+        dst = {k: torch.empty(header[k].shape, dtype=torch.bfloat16) for k in header.keys()}
+        for t in dst.values():
+            t.zero_()  # fault the pages in once: load_into fills memory a model already owns
+
+    def touch(d):  # read a byte of every page of every tensor: same work for both sides
+        for t in d.values():
+            t.view(-1).view(torch.uint8)[::4096].sum()
+
+    def ref_into():
+        for k, t in ref.load_file(path).items():
+            dst[k].copy_(t)
+
+    fn = None if case.startswith("bare reads") else {
+        ("load_into, warm", "engine"): lambda: engine.load_into(path, dst),
+        ("load_into, warm", "reference"): ref_into,
+        ("load_into, cold", "engine"): lambda: engine.load_into(path, dst),
+        ("load_into, cold", "reference"): ref_into,
+        ("load_file default (mmap), cold", "engine"): lambda: touch(engine.torch.load_file(path)),
+        ("load_file default (mmap), cold", "reference"): lambda: touch(ref.load_file(path)),
+        ("load_file pread, cold", "engine"): lambda: engine.torch.load_file(path, backend="pread"),
+        ("load_file pread, cold", "reference"): lambda: ref.load_file(path, backend="pread"),
+    }[(case, impl)]
+    if case.startswith("bare reads"):
+        fn = lambda: _bare_cold(path, direct=impl == "reference")  # noqa: E731
+    if "cold" in case:
+        evict(path)
+    else:
+        warm(path)
+    t0 = time.perf_counter()
+    fn()
+    print(json.dumps(dict(seconds=time.perf_counter() - t0)))
+    return 0
+
+
+def _bare_cold(path: str, *, direct: bool, threads: int = 2, request: int = 16 << 20) -> None:
+    """The whole file read by ``threads`` threads in ``request``-byte ``preadv`` calls into one
+    anonymous block, through the page cache or around it (``O_DIRECT``: aligned offsets,
+    sizes and memory; the block is page-aligned and the last request rounded up)."""
+    from engine.reader import run_threads
+    from engine.sinks import host_block
+
+    size = os.path.getsize(path)
+    padded = -(-size // 4096) * 4096
+    block = host_block(padded)
+    view = memoryview(block)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+
+    def worker(i: int) -> None:
+        for lo in range(i * request, padded, threads * request):
+            hi = min(lo + request, padded)
+            while lo < hi:
+                n = os.preadv(fd, [view[lo:hi]], lo)
+                if n <= 0:
+                    if lo >= size:
+                        break
+                    raise OSError(f"{path}: short read at {lo}")
+                lo += n
+                if lo >= size:
+                    break
+
+    try:
+        run_threads([lambda i=i: worker(i) for i in range(threads)], name="bench-cold")
+    finally:
+        os.close(fd)
+        view.release()
+        block.close()
+
+
 def _stats_rows(path, directory, size, runs, row, engine):
     # statistics computed during the streaming load (issue target: at most +15% load time),
     # on the bit-pattern checkpoint and on one whose values look like trained weights
@@ -200,6 +322,7 @@ def _stats_rows(path, directory, size, runs, row, engine):
     make_checkpoint(weights_path, size, weights=True)
     for label, p in (("random bit patterns", path), ("weight-like values", weights_path)):
         warm(p)
+        gb = os.path.getsize(p) / 1e9
 
         def plain(p=p):
             for _ in engine.stream(p, framework="pt", device="cpu"):
@@ -213,7 +336,7 @@ def _stats_rows(path, directory, size, runs, row, engine):
         t_plain, t_stats, ratio, cpu_plain, cpu_stats = paired_medians(plain, with_stats, 3 * runs)
         row(f"stream(stats=True), {label}", t_stats, t_plain,
             f"vs stream(); statistics add {100 * (ratio - 1):+.0f}% to the load (median of {3 * runs} pairs); "
-            + _cpu_note(cpu_plain, cpu_stats))
+            + _cpu_note(cpu_plain, cpu_stats, gb))
         if label.startswith("weight"):
             for mode, what in (("fold", "the fold alone adds"), ("windows", "reading in windows alone adds")):
                 t_plain, t_mode, ratio, cpu_plain, cpu_mode = paired_medians(
@@ -221,13 +344,16 @@ def _stats_rows(path, directory, size, runs, row, engine):
                 name = "bare reads + fold" if mode == "fold" else "bare window reads"
                 row(f"{name}, {label}", t_mode, t_plain,
                     f"vs bare reads; {what} {100 * (ratio - 1):+.0f}% (median of {3 * runs} pairs); "
-                    + _cpu_note(cpu_plain, cpu_mode))
+                    + _cpu_note(cpu_plain, cpu_mode, gb, "fold" if mode == "fold" else "window reads"))
     warm(path)
 
 
-def _cpu_note(plain: tuple, with_stats: tuple) -> str:
-    return (f"user s {plain[0]:.2f} -> {with_stats[0]:.2f}, "
-            f"sys s {plain[1]:.2f} -> {with_stats[1]:.2f}")
+def _cpu_note(plain: tuple, with_stats: tuple, gb: float, added: str = "fold") -> str:
+    """CPU seconds (user + system of every thread, from getrusage) per GB of the file: the
+    load's own and what the fold adds (median of the per-pair differences), then the split."""
+    return (f"CPU s/GB: load {plain[2] / gb:.3f}, {added} {with_stats[3] / gb:+.3f} "
+            f"({100 * with_stats[3] / plain[2]:+.0f}% of the load's CPU); "
+            f"user s {plain[0]:.2f} -> {with_stats[0]:.2f}, sys s {plain[1]:.2f} -> {with_stats[1]:.2f}")
 
 
 def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 20) -> None:

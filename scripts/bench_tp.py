@@ -1,17 +1,35 @@
-"""Tensor-parallel loading: per-rank time and bytes read, engine against the reference.
+"""Tensor-parallel loading: what a server waits for, engine against the reference.
 
-Spawns WORLD gloo processes on this machine.  Each rank loads its shard of every tensor of
-a generated LLaMA-shaped checkpoint with
+Every sample starts WORLD fresh gloo processes on this machine that load their shards of a
+generated LLaMA-shaped BF16 checkpoint at the same moment (after a barrier); the sample's
+time is the slowest rank's: from the common start to the last rank done (ranks stamp the
+system-wide monotonic clock).  Implementations, alternated sample by sample:
 
-* engine: ``load_tensor_parallel(path, llama_plan(config, world_size))`` (direct mode), and
-* the reference: ``safetensors.safe_open(framework="pt")`` + ``get_slice(name)[index]``
-  with the same index for every tensor (the usual way servers shard today),
+* engine: ``load_tensor_parallel(path, llama_plan(config, world_size))`` (direct mode,
+  ``strided="auto"``: column blocks with short rows read as dense spans);
+* engine-runs: the same with ``strided="runs"`` (one read per row of a column block, exactly
+  the shard's bytes);
+* reference: ``safetensors.safe_open(framework="pt")`` + ``get_slice(name)[index]`` with the
+  same index for every tensor, concatenated for fused tensors and made contiguous (owned
+  tensors, as a server keeps them);
+* floor: no engine and no tensors: each rank reads as many bytes as its shard holds, from
+  its own contiguous quarter of the file (wrapping around), into one fresh anonymous block
+  with two threads of 8 MiB ``preadv``.  The least a rank can do to end up with its bytes
+  in fresh memory of its own: a lower bound for both sides, not a competitor.
 
-from a cold page cache (the file is evicted with POSIX_FADV_DONTNEED before each run) so
-that ``read_bytes`` in /proc/self/io counts what each rank really pulled from storage.
+"warm": the file is read into the page cache before each sample.  "cold": it is evicted
+with POSIX_FADV_DONTNEED before each sample.  Bytes per rank: ``rchar`` of /proc/self/io
+(what the rank asked of read system calls; a mapping reads without them, so the reference
+shows its header only) and, cold, ``read_bytes`` (what the rank pulled from storage; ranks
+share one page cache, so a page one rank brought in is not charged to another).
 
-    python scripts/bench_tp.py                # ~1 GB checkpoint, world 4, 3 runs
-    python scripts/bench_tp.py --quick        # small, world 2
+    python scripts/bench_tp.py                      # ~1 GB checkpoint, world 4, 5 samples each
+    python scripts/bench_tp.py --quick              # small, world 2, 3 samples (smoke)
+    python scripts/bench_tp.py --only cold --runs 7
+
+Earlier versions of this script timed each rank on its own from its own start and reported
+per-rank medians; a server waits for the slowest rank of a load that all ranks start
+together, which is what is timed now.
 """
 
 from __future__ import annotations
@@ -28,6 +46,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+IMPLS = ("engine", "engine-runs", "reference", "floor")
 
 
 def config_for(quick: bool) -> dict:
@@ -49,12 +69,13 @@ def make(path: str, cfg: dict) -> None:
     engine.torch.save_file(sd, path)
 
 
-def read_bytes() -> int:
+def io_counts() -> dict:
+    out = {}
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
+            key, _, value = line.partition(":")
+            out[key] = int(value)
+    return out
 
 
 def evict(path: str) -> None:
@@ -65,74 +86,168 @@ def evict(path: str) -> None:
         os.close(fd)
 
 
-def worker(rank, world, port, path, cfg, runs, out):
+def warm(path: str) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def worker(rank, world, port, path, cfg, impl, out):
     import safetensors
 
+    import engine
+    import engine._io  # noqa: F401  (loaded before timing, as a server would have it)
     from engine.distributed import Replicate, llama_plan, load_tensor_parallel, shard_index
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     plan = llama_plan(cfg, world_size=world)
 
-    def ours():
-        return load_tensor_parallel(path, plan)
-
     def reference():
-        out = {}
+        got = {}
         with safetensors.safe_open(path, framework="pt") as f:
             for name in f.keys():
                 sl = f.get_slice(name)
                 action = plan.action(name)
                 if isinstance(action, Replicate):
-                    out[name] = sl[:]
+                    got[name] = sl[:]
                     continue
                 parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, rank, world)]
-                out[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
-        return out
+                got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
+        return got
 
-    results = {}
-    for label, fn in (("engine", ours), ("reference", reference)):
-        times, nbytes = [], []
-        for _ in range(runs):
-            dist.barrier()
-            if rank == 0:
-                evict(path)
-            dist.barrier()
-            before = read_bytes()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-            nbytes.append(read_bytes() - before)
-        results[label] = dict(seconds=statistics.median(times), read_bytes=statistics.median(nbytes))
+    def floor():
+        from engine.reader import pread_into, run_threads
+        from engine.sinks import host_block
+
+        header = engine.read_header(path)
+        total = sum(header[n].nbytes for n in header.keys())
+        want = sum(_shard_bytes(header, plan, n, rank, world) for n in header.keys())
+        block = host_block(want)
+        view = memoryview(block)
+        fd = os.open(path, os.O_RDONLY)
+        start = header.data_start + (total * rank // world)
+        chunk = 8 << 20
+
+        def job(i):
+            for lo in range(i * chunk, want, 2 * chunk):
+                hi = min(lo + chunk, want)
+                off = (start - header.data_start + lo) % (total - chunk) + header.data_start
+                pread_into(fd, off, [view[lo:hi]])
+
+        try:
+            run_threads([lambda i=i: job(i) for i in range(2)])
+        finally:
+            os.close(fd)
+        return {"block": torch.frombuffer(block, dtype=torch.uint8)}
+
+    fn = {
+        "floor": floor,
+        "engine": lambda: load_tensor_parallel(path, plan),
+        "engine-runs": lambda: load_tensor_parallel(path, plan, strided="runs"),
+        "reference": reference,
+    }[impl]
+    dist.barrier()
+    before = io_counts()
+    start = time.monotonic()
+    shards = fn()
+    end = time.monotonic()
+    after = io_counts()
+    nbytes = sum(t.numel() * t.element_size() for t in shards.values())
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+        json.dump(dict(start=start, end=end, shard_bytes=nbytes,
+                       rchar=after["rchar"] - before["rchar"],
+                       read_bytes=after["read_bytes"] - before["read_bytes"]), f)
+    dist.barrier()  # nobody leaves (and frees its shards) before the slowest rank is done
     dist.destroy_process_group()
+
+
+def _shard_bytes(header, plan, name, rank, world) -> int:
+    from engine.distributed import shard_index
+
+    info = header[name]
+    item = info.nbytes // max(1, info.numel) if info.numel else 0
+    total = 0
+    for index, _ in shard_index(name, info.shape, plan.action(name), rank, world):
+        n = 1
+        for s, d in zip(index, info.shape, strict=True):
+            n *= len(range(*s.indices(d)))
+        total += n * item
+    return total
+
+
+def sample(path: str, cfg: dict, world: int, impl: str, cold: bool) -> dict:
+    """One load by ``world`` fresh processes; the slowest rank's time and each rank's bytes."""
+    if cold:
+        evict(path)
+    else:
+        warm(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(worker, args=(world, port, path, cfg, impl, out), nprocs=world, join=True)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+    return dict(seconds=max(r["end"] for r in ranks) - min(r["start"] for r in ranks), ranks=ranks)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--world", type=int)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, help="samples per implementation and state (default 5, quick 3)")
+    ap.add_argument("--only", choices=["warm", "cold"])
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--json")
     args = ap.parse_args()
     cfg = config_for(args.quick)
     world = args.world or (2 if args.quick else 4)
+    runs = args.runs or (3 if args.quick else 5)
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, f"bench-tp-{'quick' if args.quick else 'full'}.safetensors")
     make(path, cfg)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(world, port, path, cfg, args.runs, out), nprocs=world, join=True)
-        rows = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+
+    from engine.distributed import direct_read_bytes, llama_plan
+
+    plan = llama_plan(cfg, world_size=world)
+    planned = {impl: [direct_read_bytes(path, plan, rank=r, world_size=world, strided=strided)
+                      for r in range(world)]
+               for impl, strided in (("engine", "auto"), ("engine-runs", "runs"))}
+    load_start = os.getloadavg()
+    results: dict = {}
+    for state in ("warm", "cold"):
+        if args.only not in (None, state):
+            continue
+        got = {impl: [] for impl in IMPLS}
+        for _ in range(runs):
+            for impl in IMPLS:  # alternated: drift on a shared machine hits every side alike
+                got[impl].append(sample(path, cfg, world, impl, state == "cold"))
+        results[state] = got
     size = os.path.getsize(path)
-    print(f"# {time.strftime('%Y-%m-%d')} file {size / 1e6:.0f} MB, world {world}, cold cache, median of {args.runs}")
-    print(f"{'rank':>4} {'engine s':>9} {'engine MB read':>15} {'ref s':>8} {'ref MB read':>12} {'ref/eng time':>13}")
-    for r, row in enumerate(rows):
-        e, ref = row["engine"], row["reference"]
-        print(f"{r:>4} {e['seconds']:>9.3f} {e['read_bytes'] / 1e6:>15.1f} {ref['seconds']:>8.3f} "
-              f"{ref['read_bytes'] / 1e6:>12.1f} {ref['seconds'] / e['seconds']:>12.2f}x")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} file {size / 1e6:.0f} MB, world {world} (all ranks at once), "
+          f"{runs} fresh-process samples per row, {os.cpu_count()} cores, "
+          f"load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    print("# time: slowest rank, common start to last rank done; ref/x: median of the per-sample ratios "
+          "(samples alternate implementations)")
+    print(f"{'state':<5} {'impl':<12} {'median s':>9} {'min s':>7} {'max s':>7} {'ref/x':>7}  "
+          f"{'MB asked per rank (rchar)':<30} {'MB from storage per rank':<26}")
+    for state, got in results.items():
+        ref = [s["seconds"] for s in got["reference"]]
+        for impl in IMPLS:
+            secs = [s["seconds"] for s in got[impl]]
+            ratio = statistics.median(r / x for r, x in zip(ref, secs, strict=True))
+            rchar = [statistics.median(s["ranks"][r]["rchar"] for s in got[impl]) / 1e6 for r in range(world)]
+            stor = [statistics.median(s["ranks"][r]["read_bytes"] for s in got[impl]) / 1e6 for r in range(world)]
+            print(f"{state:<5} {impl:<12} {statistics.median(secs):>9.3f} {min(secs):>7.3f} {max(secs):>7.3f} "
+                  f"{ratio:>6.2f}x  {' '.join(f'{x:.0f}' for x in rchar):<30} "
+                  f"{' '.join(f'{x:.0f}' for x in stor) if state == 'cold' else '-':<26}")
+    shard = [statistics.median(s["ranks"][r]["shard_bytes"] for s in next(iter(results.values()))["engine"]) / 1e6
+             for r in range(world)] if results else []
+    print(f"# shard MB per rank: {' '.join(f'{x:.0f}' for x in shard)}; tensor bytes each engine mode reads per "
+          f"rank (direct_read_bytes): auto {' '.join(f'{x / 1e6:.0f}' for x in planned['engine'])}, "
+          f"runs {' '.join(f'{x / 1e6:.0f}' for x in planned['engine-runs'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(world=world, file_bytes=size, runs=runs, planned=planned, results=results), f, indent=1)
     return 0
 
 

@@ -20,6 +20,7 @@ from engine.distributed import (  # noqa: E402
     ShardingError,
     ShardingPlan,
     Split,
+    direct_read_bytes,
     llama_plan,
     load_tensor_parallel,
     shard_index,
@@ -74,7 +75,8 @@ def _worker(rank, world, port, path, modes, out_dir):
         plan = llama_plan(CONFIG, world_size=world)
         for mode in modes:
             dist.barrier()
-            shards, nbytes = _counted(lambda: load_tensor_parallel(path, plan, mode=mode))
+            kind, _, strided = mode.partition("-")  # "direct-runs": direct mode, strided="runs"
+            shards, nbytes = _counted(lambda k=kind, s=strided: load_tensor_parallel(path, plan, mode=k, strided=s or "auto"))
             report = {"bytes_read": nbytes, "exact": [], "gathered": []}
             full = engine.torch.load_file(path)
             for name, t in full.items():
@@ -124,7 +126,7 @@ def _expected_bytes(sd, world, plan):
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_reads_only_its_shard_and_broadcast_reads_once(llama_file, tmp_path, world):
     path, sd = llama_file
-    modes = ["direct", "broadcast"] if world == 4 else ["direct"]
+    modes = ["direct-runs", "direct-spans", "direct", "broadcast"] if world == 4 else ["direct-runs", "direct"]
     mp.spawn(_worker, args=(world, _free_port(), path, modes, str(tmp_path)), nprocs=world, join=True)
     split, replicated = _expected_bytes(sd, world, llama_plan(CONFIG, world_size=world))
     total = split + replicated
@@ -136,9 +138,17 @@ def test_each_rank_reads_only_its_shard_and_broadcast_reads_once(llama_file, tmp
             assert all(ok for _, ok in report["gathered"]), (mode, report["gathered"])
             reads.append(report["bytes_read"])
         header = _header_bytes(path)
-        if mode == "direct":
+        if mode == "direct-runs":
             # exactly 1/world of the split tensors plus the replicated ones (plus the header)
             assert reads == [split // world + replicated + header] * world
+        elif mode.startswith("direct"):
+            # column blocks read as dense spans: the header's count, more than the shard
+            strided = mode.partition("-")[2] or "auto"
+            plan = llama_plan(CONFIG, world_size=world)
+            expect = [direct_read_bytes(path, plan, rank=r, world_size=world, strided=strided) + header
+                      for r in range(world)]
+            assert reads == expect
+            assert all(n > split // world + replicated + header for n in reads)
         else:
             # one reader per node reads each byte once; the others read only the header
             assert reads == [total + header] + [header] * (world - 1)
@@ -196,9 +206,38 @@ def test_column_split_reads_strided_ranges(tmp_path):
     w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
     path = tmp_path / "c.safetensors"
     engine.torch.save_file({"w": w}, path)
-    got, nbytes = _counted(lambda: load_tensor_parallel(path, ShardingPlan([("w", Split(1))]), rank=1, world_size=4))
+    plan = ShardingPlan([("w", Split(1))])
+    got, nbytes = _counted(lambda: load_tensor_parallel(path, plan, rank=1, world_size=4, strided="runs"))
     assert torch.equal(got["w"], w[:, 8:16])
     assert nbytes == 64 * 8 * 4 + _header_bytes(path)  # 64 strided runs, nothing between them
+    # as one dense span: from row 0's run to row 63's run, 63 rows of 128 bytes and one run
+    for strided in ("spans", "auto"):
+        got, nbytes = _counted(lambda s=strided: load_tensor_parallel(path, plan, rank=1, world_size=4, strided=s))
+        assert torch.equal(got["w"], w[:, 8:16])
+        assert nbytes == 63 * 32 * 4 + 8 * 4 + _header_bytes(path)
+        assert direct_read_bytes(path, plan, rank=1, world_size=4, strided=strided) == 63 * 32 * 4 + 8 * 4
+    assert direct_read_bytes(path, plan, rank=1, world_size=4, strided="runs") == 64 * 8 * 4
+
+
+def test_spans_through_a_small_bounce_on_several_threads(tmp_path, monkeypatch):
+    import engine.distributed as ed
+
+    monkeypatch.setattr(ed, "SPAN_BOUNCE_BYTES", 1000)  # several spans per tensor, several jobs
+    w = torch.arange(300 * 48, dtype=torch.float32).reshape(300, 48)
+    b = torch.arange(300 * 50, dtype=torch.bfloat16).reshape(300, 50)
+    path = tmp_path / "s.safetensors"
+    engine.torch.save_file({"w": w, "b": b}, path)
+    plan = ShardingPlan([("w", Split(1)), ("b", Split(-1, pad=True))])
+    for rank in range(3):
+        got = load_tensor_parallel(path, plan, rank=rank, world_size=3, strided="spans", threads=3)
+        assert torch.equal(got["w"], w[:, rank * 16 : (rank + 1) * 16])
+        expect = torch.zeros(300, 17, dtype=torch.bfloat16)
+        part = b[:, rank * 17 : (rank + 1) * 17]
+        expect[:, : part.shape[1]] = part
+        assert torch.equal(got["b"], expect)
+        assert list(got) == engine.read_header(path).offset_keys()
+    with pytest.raises(ShardingError, match="strided"):
+        load_tensor_parallel(path, plan, rank=0, world_size=3, strided="bounce")
 
 
 def test_rank_and_world_are_checked(tmp_path):

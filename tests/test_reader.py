@@ -131,3 +131,86 @@ def test_short_read_names_the_files_real_size(tmp_path):
         assert e.value.reason == "ShortRead" and "holds 100 bytes" in str(e.value)
     finally:
         os.close(fd)
+
+# -- prefetch of a file mapping ------------------------------------------------------------------
+
+
+@pytest.fixture
+def mapped_file(tmp_path, monkeypatch):
+    import mmap
+
+    monkeypatch.setattr(reader, "PREFETCH_PIECE", 1 << 20)  # several pieces from a small file
+    monkeypatch.setattr(reader, "PREFETCH_MIN_BYTES", 1)
+    data = np.random.default_rng(1).integers(0, 256, (6 << 20) + 12_345, dtype=np.uint8)
+    path = tmp_path / "mapped"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold where the file system allows
+    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    yield mm, data
+    mm.close()
+    os.close(fd)
+
+
+def _cold_pieces(mm, lo, hi):
+    from engine import _io
+
+    view = memoryview(mm)
+    try:
+        return sum(not _io.mapping_resident(view, p, min(p + reader.PREFETCH_PIECE, hi))
+                   for p in range(lo, hi, reader.PREFETCH_PIECE))
+    finally:
+        view.release()
+
+
+def test_prefetch_reads_exactly_the_cold_pieces_and_leaves_them_resident(mapped_file):
+    mm, data = mapped_file
+    lo, hi = 1000, len(data) - 7
+    before = _cold_pieces(mm, lo, hi)
+    assert reader.prefetch_mapping(mm, [(lo, 5 << 20), (5 << 20, hi)], threads=3) == before
+    assert _cold_pieces(mm, lo, hi) == 0
+    assert reader.prefetch_mapping(mm, [(lo, hi)]) == 0  # warm: nothing to do
+    assert np.array_equal(np.frombuffer(mm, np.uint8), data)
+
+
+def test_prefetch_ignores_empty_and_small_ranges(mapped_file, monkeypatch):
+    mm, _ = mapped_file
+    assert reader.prefetch_mapping(mm, []) == 0
+    assert reader.prefetch_mapping(mm, [(10, 10), (50, 40)]) == 0
+    monkeypatch.setattr(reader, "PREFETCH_MIN_BYTES", 1 << 30)
+    assert reader.prefetch_mapping(mm, [(0, len(mm))]) == 0
+
+
+def test_populate_makes_the_range_resident_and_an_empty_range_is_a_no_op(mapped_file):
+    from engine import _io
+
+    mm, _ = mapped_file
+    view = memoryview(mm)
+    try:
+        assert _io.populate_mapping(view, 0, len(mm)) == 0
+        assert _io.mapping_resident(view, 0, len(mm))
+        assert _io.populate_mapping(view, 5, 5) == 0 and _io.mapping_resident(view, 5, 5)  # empty range
+    finally:
+        view.release()
+
+
+def test_spans_gather_runs_through_a_bounce_of_any_size(data_file):
+    fd, data, path = data_file
+    src = np.array([0, 40, 90, 95, 300, 5000, 5030, 20_000], np.int64)  # uneven gaps, one overlap
+    want = b"".join(data[1234 + o : 1234 + o + 7].tobytes() for o in src)
+    for cap in (0, 6, 7, 50, 100, 1 << 16):
+        dst = bytearray(len(src) * 7)
+        reader.pread_spans(fd, memoryview(dst), src, 7, 1234, bytearray(cap), path=path)
+        assert bytes(dst) == want, cap
+    assert reader.spans_bytes(src, 7, 1 << 16) == 20_007
+    # [0, 97) [95, 102) [300, 307) [5000, 5037) [20000, 20007)
+    assert reader.spans_bytes(src, 7, 100) == 97 + 7 + 7 + 37 + 7
+    assert reader.spans_bytes(src, 7, 0) == 8 * 7
+
+
+def test_spans_past_the_end_is_a_short_read(data_file):
+    fd, _, path = data_file
+    with pytest.raises(ReadError) as info:
+        reader.pread_spans(fd, memoryview(bytearray(20)), np.array([0, 999_995]), 10, 0, bytearray(1 << 20), path=path)
+    assert info.value.reason == "ShortRead" and info.value.offset == 1_000_000 and info.value.size == 5
