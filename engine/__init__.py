@@ -110,8 +110,8 @@ def __dir__():
 if TYPE_CHECKING:  # pragma: no cover
     from .api import _safe_open_handle
     from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, safe_open
-    from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .numpy import load, load_file
     from .shards import save_sharded
+    from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
     from .writer import save, save_file

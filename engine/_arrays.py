@@ -174,7 +174,7 @@ FLOAT_FORMATS = {
 def float_consts(kind: str):
     """Integer views and typed constants for the float kernels (see engine.kernels)."""
     it, ut, lim, _ = FLOAT_FORMATS[kind]
-    info = np.iinfo(it)
+    info = np.iinfo(it)  # type: ignore[type-var]  # it is an integer type
     sign = 1 << (info.bits - 1)
     sc = np.array([lim, info.min, info.max], dtype=it)
     uc = np.array([sign - 1, lim, sign | lim, 0], dtype=ut)

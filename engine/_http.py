@@ -23,10 +23,8 @@ Public surface: :class:`Client` (``open``), :class:`Response` (``readinto``, ``r
 from __future__ import annotations
 
 import base64
-import errno
 import http.client
 import ipaddress
-import os
 import socket
 import ssl
 import threading

@@ -21,7 +21,7 @@ import mmap
 import os
 import tempfile
 import threading
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 from . import dtypes
 from ._api import Slicer, TensorSlice
@@ -96,7 +96,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._lock = threading.Lock()
         self._users = 0
         self._closing = False
-        self._fd: Optional[int] = fd
+        self._fd: int | None = fd
         self._path = path
         self._base = None
         self._mm = None
@@ -120,7 +120,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         )
 
     # -- context manager -------------------------------------------------------------
-    def __enter__(self) -> "safe_open":
+    def __enter__(self) -> safe_open:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -186,7 +186,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._check_open()
         return self.header.offset_keys()
 
-    def metadata(self) -> Optional[dict[str, str]]:
+    def metadata(self) -> dict[str, str] | None:
         """The ``__metadata__`` mapping, or None when the file has none."""
         self._check_open()
         md = self.header.metadata

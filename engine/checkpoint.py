@@ -18,7 +18,6 @@ its shard, every tensor of a shard is in the index, and no name is in two shards
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re

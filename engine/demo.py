@@ -7,7 +7,6 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -57,7 +56,7 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def run(directory: Optional[str] = None, *, keep: bool = False, small: bool = False, echo=print) -> int:
+def run(directory: str | None = None, *, keep: bool = False, small: bool = False, echo=print) -> int:
     """Run the demo; returns a process exit code (0 when every check passed)."""
     import engine
     import engine.numpy
@@ -86,8 +85,8 @@ def run(directory: Optional[str] = None, *, keep: bool = False, small: bool = Fa
         expected = _digest(sd)
         ok = True
         for backend in ("mmap", "pread"):
-            loaded, t = _timed(lambda: engine.numpy.load_file(path, backend=backend))
-            digest, t_read = _timed(lambda: _digest(loaded))
+            loaded, t = _timed(lambda backend=backend: engine.numpy.load_file(path, backend=backend))
+            digest, t_read = _timed(lambda loaded=loaded: _digest(loaded))
             same = digest == expected and loaded.keys() == sd.keys()
             ok &= same
             echo(f"load_file   backend={backend:<5} {t:.3f} s, read every byte {t_read:.3f} s: "

@@ -385,7 +385,7 @@ class DeviceQuantizer:
         nt = lc.threads
         _, ut, lim, _ = FLOAT_FORMATS[kind]
         absmask = ut((1 << (8 * np.dtype(ut).itemsize - 1)) - 1)
-        lim = ut(lim)
+        lim = ut(lim)  # type: ignore[assignment]  # the limit as the kernels' unsigned type
         if n:
             d = as_device_array(src)
             d = d.reshape(d.size).view(np.uint8) if d.dtype != np.uint8 else d

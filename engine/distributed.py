@@ -16,12 +16,13 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple
 
 import torch
 
-from .errors import SafetensorError, ShardingError
+from .errors import ShardingError
 
 __all__ = [
     "Replicate",
@@ -64,7 +65,7 @@ class Fused(NamedTuple):
     replicate: tuple[bool, ...] = ()
 
 
-Action = Union[Replicate, Split, Fused]
+Action = Replicate | Split | Fused
 
 
 @dataclass
@@ -79,7 +80,7 @@ class ShardingPlan:
         For names no rule matches.
     """
 
-    rules: Sequence[tuple[Union[str, "re.Pattern[str]"], Action]] = field(default_factory=list)
+    rules: Sequence[tuple[str | re.Pattern[str], Action]] = field(default_factory=list)
     default: Action = field(default_factory=Replicate)
 
     def __post_init__(self) -> None:
@@ -97,9 +98,9 @@ class ShardingPlan:
 
 
 def llama_plan(
-    config: Optional[Mapping[str, Any]] = None,
+    config: Mapping[str, Any] | None = None,
     *,
-    world_size: Optional[int] = None,
+    world_size: int | None = None,
     pad: bool = False,
 ) -> ShardingPlan:
     """The usual tensor-parallel layout of LLaMA-family checkpoints.
@@ -113,8 +114,8 @@ def llama_plan(
     ``qkv_proj`` and ``gate_up_proj`` tensors are described by their part sizes.
     """
     kv_split: Action = Split(0, pad)
-    fused_qkv: Optional[Fused] = None
-    fused_gate_up: Optional[Fused] = None
+    fused_qkv: Fused | None = None
+    fused_gate_up: Fused | None = None
     if config is not None:
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads", heads))
@@ -185,7 +186,7 @@ def shard_index(name: str, shape: Sequence[int], action: Action, rank: int, worl
         )
     pieces, offset = [], 0
     flags = action.replicate or (False,) * len(action.sizes)
-    for size, replicated in zip(action.sizes, flags):
+    for size, replicated in zip(action.sizes, flags, strict=False):
         if replicated:
             start, stop = offset, offset + size
         else:
@@ -196,7 +197,7 @@ def shard_index(name: str, shape: Sequence[int], action: Action, rank: int, worl
     return pieces
 
 
-def _pad(t: torch.Tensor, dim: int, to: Optional[int]) -> torch.Tensor:
+def _pad(t: torch.Tensor, dim: int, to: int | None) -> torch.Tensor:
     if to is None or t.shape[dim] == to:
         return t
     shape = list(t.shape)
@@ -233,14 +234,14 @@ def load_tensor_parallel(
     path_or_index,
     plan: ShardingPlan,
     *,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
+    rank: int | None = None,
+    world_size: int | None = None,
     process_group=None,
-    device: Union[str, int, torch.device] = "cpu",
+    device: str | int | torch.device = "cpu",
     mode: str = "direct",
-    names: Optional[Callable[[str], bool]] = None,
+    names: Callable[[str], bool] | None = None,
     strided: str = "auto",
-    threads: Optional[int] = None,
+    threads: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load this rank's shard of every tensor of a checkpoint.
 
@@ -430,7 +431,7 @@ def _spans_pay(src, run_bytes: int) -> bool:
 
 
 def direct_read_bytes(path, plan: ShardingPlan, *, rank: int, world_size: int, strided: str = "auto",
-                      names: Optional[Callable[[str], bool]] = None) -> int:
+                      names: Callable[[str], bool] | None = None) -> int:
     """Bytes of tensor data one rank's direct-mode load of a single file reads (the header
     aside): its shard exactly with ``strided="runs"``, more where column blocks are read as
     spans.  From the header alone; reads no tensor byte."""
@@ -448,7 +449,7 @@ def direct_read_bytes(path, plan: ShardingPlan, *, rank: int, world_size: int, s
 
 
 def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
-                      threads: Optional[int]) -> dict[str, torch.Tensor]:
+                      threads: int | None) -> dict[str, torch.Tensor]:
     """Direct mode on one file: every read of this rank planned up front, then shared among
     threads in file order (several reads in flight), column blocks by runs or spans."""
     import threading
@@ -486,6 +487,7 @@ def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int,
                 for name in slow:
                     sl = f.get_slice(name)
                     action = plan.action(name)
+                    assert not isinstance(action, Replicate)  # replicated tensors never reach here
                     parts = [_pad(sl[index], action.dim, to)
                              for index, to in shard_index(name, sl.get_shape(), action, rank, world_size)]
                     outputs[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)

@@ -11,7 +11,7 @@ engine hands them out as their packed bytes (``uint8``), see :func:`packed_shape
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,7 +38,7 @@ class DType(NamedTuple):
     name: str  # the format's spelling, e.g. "BF16"
     bits: int  # bits per element; 4 and 6 for the sub-byte dtypes
     numpy: str  # numpy / ml_dtypes type name the engine uses for this dtype
-    torch: Optional[str]  # attribute of the torch module, None where torch has none
+    torch: str | None  # attribute of the torch module, None where torch has none
 
     @property
     def itemsize(self) -> int:

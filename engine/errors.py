@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 __all__ = [
     "SafetensorError",
@@ -78,8 +78,8 @@ class SafetensorError(Exception):
         self,
         message: str,
         *,
-        reason: Optional[str] = None,
-        path: "Optional[str | os.PathLike[str]]" = None,
+        reason: str | None = None,
+        path: str | os.PathLike[str] | None = None,
         tensors: Iterable[str] = (),
     ) -> None:
         super().__init__(message)
@@ -116,7 +116,7 @@ class HeaderError(SafetensorError, ValueError):
     stopped, or ``None`` when the defect is not tied to one place.
     """
 
-    def __init__(self, message: str, *, reason: str, position: Optional[int] = None, **kw) -> None:
+    def __init__(self, message: str, *, reason: str, position: int | None = None, **kw) -> None:
         super().__init__(message, reason=reason, **kw)
         self.position = position
 
@@ -128,7 +128,7 @@ class TensorNotFoundError(SafetensorError, KeyError):
     SUGGEST_LIMIT = 20_000
 
     @classmethod
-    def for_name(cls, name: object, names, *, where: str, path=None) -> "TensorNotFoundError":
+    def for_name(cls, name: object, names, *, where: str, path=None) -> TensorNotFoundError:
         """The error for a missing ``name``, suggesting the closest of ``names`` when cheap."""
         import difflib
 
@@ -170,7 +170,7 @@ class ReadError(SafetensorError, OSError):
     of the file.
     """
 
-    def __init__(self, message: str, *, offset: Optional[int] = None, size: Optional[int] = None, **kw) -> None:
+    def __init__(self, message: str, *, offset: int | None = None, size: int | None = None, **kw) -> None:
         super().__init__(message, **kw)
         self.offset = offset
         self.size = size

@@ -25,7 +25,8 @@ import os
 import queue
 import sys
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from . import dtypes, pipeline
 from .errors import SafetensorError, TensorMismatchError, TensorNotFoundError
@@ -70,16 +71,16 @@ def load_rows(
     rows: list[int],
     sink,
     *,
-    path: Optional[str] = None,
-    threads: Optional[int] = None,
-    chunk_bytes: Optional[int] = None,
+    path: str | None = None,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
     per_tensor: bool = False,
-    on_complete: Optional[Callable[[int], None]] = None,
-    cancel: Optional[threading.Event] = None,
+    on_complete: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
     destination=None,
     fill=None,
     gpu_path: str = "auto",
-    slot_bytes: Optional[int] = None,
+    slot_bytes: int | None = None,
     after_copy=None,
 ) -> dict[int, Any]:
     """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor.
@@ -118,18 +119,18 @@ def stream(
     *,
     framework: str = "pt",
     device: Any = "cpu",
-    names: Optional[Iterable[str]] = None,
-    patterns: Union[str, Iterable[str], None] = None,
-    predicate: Optional[Callable[[str], bool]] = None,
+    names: Iterable[str] | None = None,
+    patterns: str | Iterable[str] | None = None,
+    predicate: Callable[[str], bool] | None = None,
     layers=None,
-    threads: Optional[int] = None,
-    chunk_bytes: Optional[int] = None,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
     per_tensor: bool = False,
     stats: bool = False,
     quantize=None,
     max_header_size: int = MAX_HEADER_SIZE,
     gpu_path: str = "auto",
-    slot_bytes: Optional[int] = None,
+    slot_bytes: int | None = None,
 ) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` as each tensor of a file (or of several files) finishes loading.
 
@@ -203,7 +204,7 @@ def stream(
     sink = get_sink(framework, device)
     opened: list[tuple[int, str]] = []
     cancel = threading.Event()
-    worker: Optional[threading.Thread] = None
+    worker: threading.Thread | None = None
     try:
         for p in paths:
             opened.append(_open(p))
@@ -265,7 +266,7 @@ def stream(
                                                chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX), b)
             for (fd, sp), h, rows, b in zip(opened, headers, selected, bases, strict=True)
         ]
-        done: "queue.SimpleQueue" = queue.SimpleQueue()
+        done: queue.SimpleQueue = queue.SimpleQueue()
 
         def work() -> None:
             try:
@@ -360,7 +361,7 @@ class _StatsCollector:
     #: bytes per window: well inside a core's L2 with room for the kernel's scratch
     WINDOW = 256 << 10
 
-    def __init__(self, header: Header, rows: list[int], path: Optional[str]) -> None:
+    def __init__(self, header: Header, rows: list[int], path: str | None) -> None:
         from . import statistics
 
         self._new = statistics.Accumulator
@@ -448,8 +449,8 @@ def load_into(
     tensors: Mapping[str, Any],
     *,
     strict: bool = False,
-    threads: Optional[int] = None,
-    chunk_bytes: Optional[int] = None,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
     gpu_path: str = "auto",
 ) -> list[str]:
@@ -498,7 +499,8 @@ def load_into(
                 raise TensorNotFoundError(
                     f"{len(extra)} tensor(s) of the file have no destination: {extra[:5]}", path=spath, tensors=extra
                 )
-        host_rows, device_rows = [], []
+        host_rows: list[int] = []
+        device_rows: list[int] = []
         for name, dst in tensors.items():
             row = t.index[name]
             code, shape, ok_layout, on_device = _code_of(dst)

@@ -7,7 +7,6 @@ Unlike the reference, every dtype of the format loads: BF16 and the FP8 types co
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import numpy as np
 
@@ -62,13 +61,13 @@ def _check(tensor_dict) -> None:
             )
 
 
-def save_file(tensor_dict: dict, filename, metadata: Optional[dict[str, str]] = None) -> None:
+def save_file(tensor_dict: dict, filename, metadata: dict[str, str] | None = None) -> None:
     """Write numpy arrays to ``filename`` atomically; see :func:`engine.writer.save_file`."""
     _check(tensor_dict)
     writer.save_file(tensor_dict, os.fspath(filename), metadata)
 
 
-def save(tensor_dict: dict, metadata: Optional[dict[str, str]] = None) -> bytes:
+def save(tensor_dict: dict, metadata: dict[str, str] | None = None) -> bytes:
     """The bytes of a safetensors file holding ``tensor_dict``; see :func:`engine.writer.save`."""
     _check(tensor_dict)
     return writer.save(tensor_dict, metadata)

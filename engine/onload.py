@@ -170,7 +170,7 @@ class LoadWork:
                 continue
             view = self._views.get(p.row)
             if view is None:
-                view = self._views[p.row] = as_device_array(self._targets[p.row])
+                view = self._views[p.row] = as_device_array(self._targets[p.row])  # type: ignore[index]  # set by destination()
             per_thread = self._acc.setdefault(p.row, {})  # atomic: both threads get the same dict
             acc = per_thread.get(me)
             if acc is None:  # only this thread adds its own key
@@ -185,7 +185,7 @@ class LoadWork:
             return
         from .device import on_gpu
 
-        src = self._targets.pop(row, None)
+        src = self._targets.pop(row, None)  # type: ignore[union-attr]  # set by destination()
         with on_gpu(self._gpu):
             self._done[row] = self._quantize_device(row, src)
 
@@ -260,8 +260,8 @@ class LoadWork:
 
         kind, shape, axis = self._quant[row]
         C = 1 if axis is None else shape[axis]
-        q = self._empty(shape, np.int8)
-        scale = self._empty((C,), np.float32)
+        q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
+        scale = self._empty((C,), np.float32)  # type: ignore[misc]  # device loads only
         if math.prod(shape) and src is None:  # pragma: no cover - a tensor with bytes always lands
             raise RuntimeError(f"tensor {self._names[row]!r} was never staged")
         bad = DeviceQuantizer(self._launch_config(), self._empty).quantize(src, kind, shape, axis, q, scale,

@@ -51,7 +51,8 @@ import mmap
 import os
 import threading
 import time
-from typing import Callable, NamedTuple, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -132,7 +133,7 @@ class Destination:
     one pipeline, see :class:`Source`).
     """
 
-    def __init__(self, host_views=None, device_targets=None, device_ops: Optional[DeviceOps] = None) -> None:
+    def __init__(self, host_views=None, device_targets=None, device_ops: DeviceOps | None = None) -> None:
         if (host_views is None) == (device_targets is None):
             raise ValueError("give exactly one of host_views and device_targets")
         if device_targets is not None and device_ops is None:
@@ -151,12 +152,12 @@ class Source(NamedTuple):
     to each piece's row to key the destination (distinct per file of one pipeline)."""
 
     fd: int
-    path: Optional[str]
+    path: str | None
     requests: Sequence[Request]
     row_base: int = 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_copy_threads() -> int:
     """Native threads that split each staging slot: every core (at least 1)."""
     try:
@@ -165,7 +166,7 @@ def default_copy_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_slot_bytes() -> int:
     """Bytes per staging slot when the caller does not say: 1/64 of the machine's memory,
     a power of two between 64 MiB and 512 MiB (512 MiB from 32 GiB of memory up).
@@ -185,13 +186,13 @@ def default_slot_bytes() -> int:
 class _Tracker:
     """Outstanding bytes per tensor; reports each tensor once, when its last byte lands."""
 
-    def __init__(self, sizes: dict[int, int], on_complete: Optional[Callable[[int], None]]) -> None:
+    def __init__(self, sizes: dict[int, int], on_complete: Callable[[int], None] | None) -> None:
         self.remaining = sizes
         self.on_complete = on_complete
         self.lock = threading.Lock()
 
     @classmethod
-    def of(cls, sources: Sequence[Source], on_complete) -> "_Tracker":
+    def of(cls, sources: Sequence[Source], on_complete) -> _Tracker:
         remaining: dict[int, int] = {}
         for src in sources:
             base = src.row_base
@@ -219,17 +220,17 @@ def run(
     requests: Sequence[Request],
     dest: Destination,
     *,
-    path: Optional[str] = None,
-    threads: Optional[int] = None,
+    path: str | None = None,
+    threads: int | None = None,
     slots: int = 2,
-    chunk_bytes: Optional[int] = None,
-    slot_bytes: Optional[int] = None,
+    chunk_bytes: int | None = None,
+    slot_bytes: int | None = None,
     gpu_path: str = "auto",
-    on_complete: Optional[Callable[[int], None]] = None,
-    cancel: Optional[threading.Event] = None,
-    fill: Optional[Callable[[int, Request, list], None]] = None,
-    residency: Optional[Callable[[memoryview, int, int], bool]] = None,
-    after_copy: Optional[Callable[[Request, object], None]] = None,
+    on_complete: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
+    fill: Callable[[int, Request, list], None] | None = None,
+    residency: Callable[[memoryview, int, int], bool] | None = None,
+    after_copy: Callable[[Request, object], None] | None = None,
 ) -> int:
     """Execute ``requests`` of one open file into ``dest``; returns bytes read.
 
@@ -246,16 +247,16 @@ def run_sources(
     sources: Sequence[Source],
     dest: Destination,
     *,
-    threads: Optional[int] = None,
+    threads: int | None = None,
     slots: int = 2,
-    chunk_bytes: Optional[int] = None,
-    slot_bytes: Optional[int] = None,
+    chunk_bytes: int | None = None,
+    slot_bytes: int | None = None,
     gpu_path: str = "auto",
-    on_complete: Optional[Callable[[int], None]] = None,
-    cancel: Optional[threading.Event] = None,
-    fill: Optional[Callable[[int, Request, list], None]] = None,
-    residency: Optional[Callable[[memoryview, int, int], bool]] = None,
-    after_copy: Optional[Callable[[Request, object], None]] = None,
+    on_complete: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
+    fill: Callable[[int, Request, list], None] | None = None,
+    residency: Callable[[memoryview, int, int], bool] | None = None,
+    after_copy: Callable[[Request, object], None] | None = None,
 ) -> int:
     """Execute the read plans of one or more files into ``dest``; returns bytes read.
 
@@ -496,7 +497,7 @@ class _Rate:
         self.seconds += seconds
 
     @property
-    def value(self) -> Optional[float]:
+    def value(self) -> float | None:
         return self.bytes / self.seconds if self.seconds > 0 and self.bytes else None
 
 
@@ -534,7 +535,7 @@ class _Queue:
         other_free = max(now, self.rates[other].busy_until)
         return now + unit.nbytes / mine <= other_free + unit.nbytes / theirs
 
-    def take_copy(self) -> Optional[_Unit]:
+    def take_copy(self) -> _Unit | None:
         # The copy path never leaves a unit behind: it may decline the last shared unit to
         # the register path, but then waits until that path takes it or ends; and it waits
         # while the register path holds a unit it may still hand back.
@@ -552,7 +553,7 @@ class _Queue:
                 self.cond.wait(0.05)
             return None
 
-    def take_register(self) -> Optional[_Unit]:
+    def take_register(self) -> _Unit | None:
         with self.cond:
             if self.cancel.is_set() or not self.shared:
                 return None
@@ -594,7 +595,7 @@ class _Ring:
         self.nbytes = nbytes
         self.slots: list = [None] * slots
         self.errors: list = [None] * slots
-        self.helpers: list[Optional[threading.Thread]] = [None] * slots
+        self.helpers: list[threading.Thread | None] = [None] * slots
         if ahead:
             for s in range(1, slots):
                 t = threading.Thread(target=self._allocate, args=(s,), name="engine-staging", daemon=True)

@@ -69,7 +69,7 @@ def _normalize(index, shape: tuple[int, ...], strict_bounds: bool = False):
         index = index + (slice(None),) * (len(shape) - explicit)
 
     axes = []
-    for axis, (ix, dim) in enumerate(zip(index, shape)):
+    for axis, (ix, dim) in enumerate(zip(index, shape, strict=False)):
         if isinstance(ix, list) and not ix:
             # an empty list selects nothing along its axis, as in numpy and the reference
             axes.append((0, 0, 1, False, False))

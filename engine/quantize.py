@@ -90,7 +90,7 @@ class _Format(NamedTuple):
 
 def _format(kind: str) -> _Format:
     it, ut, lim, ft = FLOAT_FORMATS[kind]
-    sign = 1 << (np.iinfo(it).bits - 1)
+    sign = 1 << (np.iinfo(it).bits - 1)  # type: ignore[type-var]  # it is an integer type
     fmt = _k.F16 if kind == "F16" else _k.BF16 if kind == "BF16" else _k.FLOAT
     xt = np.dtype(ut) if fmt != _k.FLOAT else np.dtype(ft)
     return _Format(_k.Keys(ut(sign - 1), ut(lim), ut(sign)), fmt, np.dtype(it), np.dtype(ut), np.dtype(ft), xt)
@@ -485,7 +485,7 @@ def _patterns(value: str | Iterable[str] | None, what: str) -> tuple[str, ...] |
     return patterns
 
 
-def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+def _matches(name: str, patterns: Iterable[str]) -> bool:
     # fnmatchcase: tensor names are case-sensitive on every platform
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 

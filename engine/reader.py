@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ._files import file_size
 from .errors import ReadError
@@ -29,7 +29,7 @@ except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
     pass
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_threads() -> int:
     """Reader threads when the caller does not say: one per core, between 2 and 8.
 
@@ -38,7 +38,7 @@ def default_threads() -> int:
     return max(2, min(8, os.cpu_count() or 2))
 
 
-def pread_into(fd: int, offset: int, views: Sequence[memoryview], *, path: Optional[str] = None) -> None:
+def pread_into(fd: int, offset: int, views: Sequence[memoryview], *, path: str | None = None) -> None:
     """Fill ``views`` with the bytes that follow each other in the file from ``offset``.
 
     Parameters
@@ -101,7 +101,7 @@ def pread_runs(
     run_bytes: int,
     base: int,
     *,
-    path: Optional[str] = None,
+    path: str | None = None,
     threads: int = 1,
 ) -> None:
     """Read equal-sized runs at scattered file offsets into consecutive parts of ``dst``.
@@ -134,7 +134,7 @@ def pread_runs(
                     run_bytes, path, fd)
 
     bounds = [n * k // threads for k in range(threads + 1)]
-    run_threads([lambda lo=lo, hi=hi: part(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])])
+    run_threads([lambda lo=lo, hi=hi: part(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)])
 
 
 def _ended(fd: int, at: int) -> str:
@@ -150,7 +150,7 @@ PREFETCH_PIECE = 32 << 20
 PREFETCH_MIN_BYTES = 16 << 20
 
 
-def prefetch_mapping(buf, ranges, *, threads: Optional[int] = None) -> int:
+def prefetch_mapping(buf, ranges, *, threads: int | None = None) -> int:
     """Read the parts of a file mapping that a load will hand out, on several threads.
 
     Parameters
@@ -214,7 +214,7 @@ def prefetch_mapping(buf, ranges, *, threads: Optional[int] = None) -> int:
     return len(cold)
 
 
-def _check_runs(result: tuple, run_bytes: int, path: Optional[str], fd: int) -> None:
+def _check_runs(result: tuple, run_bytes: int, path: str | None, fd: int) -> None:
     """Turn the ``(errno or -1, offset, missing)`` of a native run loop into a ReadError."""
     err, at, missing = result
     if err == -1:
@@ -231,7 +231,7 @@ def _check_runs(result: tuple, run_bytes: int, path: Optional[str], fd: int) -> 
 
 
 def pread_spans(fd: int, dst: memoryview, src, run_bytes: int, base: int, bounce, *,
-                path: Optional[str] = None) -> None:
+                path: str | None = None) -> None:
     """:func:`pread_runs` for short runs: one read per dense span, runs gathered from it.
 
     Consecutive runs whose span (first run's start to last run's end) fits in ``bounce``

@@ -16,8 +16,9 @@ import math
 import os
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 from .errors import ConfigError
 
@@ -30,7 +31,7 @@ _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atten
 _IGNORABLE = (re.compile(r".*\.rotary_emb\.inv_freq$"), re.compile(r".*\.weight_scale$"))
 
 
-def _int(config: Mapping[str, Any], key: str, default: Optional[int] = None) -> int:
+def _int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
     value = config.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"config key {key!r} must be a positive integer, got {value!r}", reason="InvalidConfig")
@@ -211,14 +212,14 @@ class WeightValidator:
     >>> print(report); report.ok
     """
 
-    def __init__(self, config: Union[Mapping[str, Any], str, os.PathLike], *, outlier_factor: float = 10.0,
+    def __init__(self, config: Mapping[str, Any] | str | os.PathLike, *, outlier_factor: float = 10.0,
                  statistics: bool = True) -> None:
         if not isinstance(config, Mapping):
             try:
                 with open(config, encoding="utf-8") as f:
                     config = json.load(f)
             except (OSError, ValueError) as exc:
-                raise ConfigError(f"cannot read config {os.fspath(config)!r}: {exc}", reason="InvalidConfig") from exc
+                raise ConfigError(f"cannot read config {config!r}: {exc}", reason="InvalidConfig") from exc
             if not isinstance(config, Mapping):
                 raise ConfigError("config.json must hold a JSON object", reason="InvalidConfig")
         self.config = dict(config)

@@ -159,7 +159,6 @@ def _meta_rows(tensors: dict):
 
 def worker(spec: dict) -> dict:
     """Run one sample in this (fresh) process and return its measurements."""
-    import torch
     import safetensors
     import safetensors.torch as st_torch
 
@@ -189,7 +188,7 @@ def worker(spec: dict) -> dict:
             h = engine.read_header(path)
             t = h.table
             names = en_dtypes.NAMES
-            rows = list(zip(t.names, [names[c] for c in t.codes.tolist()], t.shapes))
+            rows = list(zip(t.names, [names[c] for c in t.codes.tolist()], t.shapes, strict=False))
         else:  # engine-parse
             h = engine.read_header(path)
             rows = None
@@ -508,8 +507,8 @@ def render(results: dict, info: dict, repeat: int) -> str:
             digest_ok = _agree(r["impls"], impl)
             rows.append([case, impl, fmt_time(med), f"{fmt_time(s['min'])}-{fmt_time(s['max'])}", gbs,
                          f"{ratio:.2f}" if ratio else "", peak, goal_s, check + ("" if digest_ok else " (DIFFERS)")])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=False))  # noqa: E731
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
     out.append("")
     out.append(f"median of {repeat} samples, each in a fresh process after an untimed warm-up (header_small: median "

@@ -91,13 +91,13 @@ def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float, tuple, t
             out.append(time.perf_counter() - t0)
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
-    ratio = statistics.median(b / a for a, b in zip(ta, tb))
+    ratio = statistics.median(b / a for a, b in zip(ta, tb, strict=False))
 
     def med_cpu(c, other):
         # (user, sys, user + sys, median over the pairs of this side's user + sys minus the other's)
         return (statistics.median(u for u, _ in c), statistics.median(s for _, s in c),
                 statistics.median(u + s for u, s in c),
-                statistics.median((u + s) - (ou + os_) for (u, s), (ou, os_) in zip(c, other)))
+                statistics.median((u + s) - (ou + os_) for (u, s), (ou, os_) in zip(c, other, strict=False)))
 
     return statistics.median(ta), statistics.median(tb), ratio, med_cpu(ca, cb), med_cpu(cb, ca)
 
@@ -230,7 +230,7 @@ def _fresh_rows(path, runs, row) -> None:
                                      check=True, capture_output=True, text=True).stdout
                 times[impl].append(json.loads(out.strip().splitlines()[-1])["seconds"])
         ours, theirs = times["engine"], times["reference"]
-        ratio = statistics.median(r / e for e, r in zip(ours, theirs))
+        ratio = statistics.median(r / e for e, r in zip(ours, theirs, strict=False))
         row(case + " [fresh]", statistics.median(ours), statistics.median(theirs),
             f"{note}; ref/eng median of {runs} paired ratios {ratio:.2f}x; engine "
             f"{min(ours):.3f}-{max(ours):.3f} s, reference {min(theirs):.3f}-{max(theirs):.3f} s")
@@ -340,7 +340,7 @@ def _stats_rows(path, directory, size, runs, row, engine):
         if label.startswith("weight"):
             for mode, what in (("fold", "the fold alone adds"), ("windows", "reading in windows alone adds")):
                 t_plain, t_mode, ratio, cpu_plain, cpu_mode = paired_medians(
-                    lambda: _bare_load(p, engine, "requests"), lambda m=mode: _bare_load(p, engine, m), 3 * runs)
+                    lambda p=p: _bare_load(p, engine, "requests"), lambda m=mode, p=p: _bare_load(p, engine, m), 3 * runs)
                 name = "bare reads + fold" if mode == "fold" else "bare window reads"
                 row(f"{name}, {label}", t_mode, t_plain,
                     f"vs bare reads; {what} {100 * (ratio - 1):+.0f}% (median of {3 * runs} pairs); "
@@ -369,7 +369,8 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
     ``stream(stats=True)`` on this machine; ``"windows"`` tells how much of it is the
     smaller reads rather than the fold.
     """
-    from engine import loader, statistics as est
+    from engine import loader
+    from engine import statistics as est
     from engine.reader import pread_into, run_threads
     from engine.sinks import host_block
 
@@ -397,7 +398,7 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
         run_threads([lambda i=i: worker(i) for i in range(threads)], name="bench-bare")
     finally:
         os.close(fd)
-        del dest
+        dest = None  # the array's export of the block must go before the block closes  # noqa: F841
         block.close()
 
 

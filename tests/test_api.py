@@ -389,7 +389,7 @@ def _past_an_axis(shape, index) -> bool:
         index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
     return any(
         isinstance(ix, slice) and any(b is not None and not -d <= b <= d for b in (ix.start, ix.stop))
-        for ix, d in zip(index, shape)
+        for ix, d in zip(index, shape, strict=False)
     )
 
 

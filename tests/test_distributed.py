@@ -6,7 +6,6 @@ import json
 import os
 import socket
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra")

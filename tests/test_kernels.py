@@ -400,7 +400,7 @@ def test_serial_kernel_releases_the_gil():
     for log2 in (22, 24, 26):  # grow the input until one call lasts long enough to observe
         x = ro(np.random.default_rng(0).standard_normal(1 << log2).astype(np.float32))
 
-        def call():  # tile=1 makes the kernel slow enough to observe, without a huge array
+        def call(x=x):  # tile=1 makes the kernel slow enough to observe, without a huge array
             return K.stats_values(K.FLOAT, x, x.view(it), x.view(ut), sc, uc, 1 << 16, 1, False)
 
         call()  # compile outside the measurement

@@ -183,7 +183,7 @@ def test_stream_stats_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch):
     monkeypatch.setattr(Accumulator, "read", truncating)
     got = {}
     with pytest.raises(ReadError) as info:
-        for name, t, s in engine.stream(path, framework="np", device="cpu", stats=True, threads=1,
+        for name, _t, s in engine.stream(path, framework="np", device="cpu", stats=True, threads=1,
                                         chunk_bytes=65_536):
             got[name] = s
     assert str(path) in str(info.value) and info.value.size and info.value.offset

@@ -110,7 +110,7 @@ class HeaderParse(_IO):
         """Every name, dtype and shape, from the table's columns."""
         t = self.read_header(self.path).table
         names = self.names
-        list(zip(t.names, [names[c] for c in t.codes.tolist()], t.shapes))
+        list(zip(t.names, [names[c] for c in t.codes.tolist()], t.shapes, strict=True))
 
     def peakmem_read_header(self, files, n):
         self.read_header(self.path)

@@ -17,7 +17,7 @@ import os
 import resource
 import sys
 import tempfile
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -67,7 +67,7 @@ def ensure_engine_importable() -> None:
             sys.path.insert(0, REPO_ROOT)
 
 
-def cache_dir(base: Optional[str] = None) -> str:
+def cache_dir(base: str | None = None) -> str:
     """The directory generated files live in (created on first use)."""
     path = base or os.environ.get("ENGINE_BENCH_DIR") or os.path.join(tempfile.gettempdir(), "engine-bench-cache")
     os.makedirs(path, exist_ok=True)
@@ -94,7 +94,7 @@ def many_tensor_entries(n: int) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def model_entries(
-    layers: int, hidden: int, intermediate: int, vocab: int, kv_dim: Optional[int] = None, dtype: str = "BF16"
+    layers: int, hidden: int, intermediate: int, vocab: int, kv_dim: int | None = None, dtype: str = "BF16"
 ) -> list[tuple[str, str, tuple[int, ...]]]:
     """A Llama-style decoder checkpoint (grouped-query attention), all tensors in ``dtype``."""
     kv = kv_dim or max(hidden // 8, 1)
@@ -144,7 +144,7 @@ def _entries_bytes(entries) -> int:
 
 
 def write_file(path: str, entries: Iterable[tuple[str, str, tuple[int, ...]]], seed: int = 0,
-               metadata: Optional[dict] = None) -> int:
+               metadata: dict | None = None) -> int:
     """Write a safetensors file holding ``entries`` filled with random bytes; returns its size.
 
     Tensors are laid out by decreasing item size (then in the given order) so each is
@@ -178,25 +178,25 @@ def write_file(path: str, entries: Iterable[tuple[str, str, tuple[int, ...]]], s
     return 8 + len(text) + offset
 
 
-def _cached(name: str, entries_fn, base: Optional[str], **kw) -> str:
+def _cached(name: str, entries_fn, base: str | None, **kw) -> str:
     path = os.path.join(cache_dir(base), f"v{GEN_VERSION}-{name}.safetensors")
     if not os.path.exists(path):
         write_file(path, entries_fn(), **kw)
     return path
 
 
-def many_tensors_file(n: int = 100_000, base: Optional[str] = None) -> str:
+def many_tensors_file(n: int = 100_000, base: str | None = None) -> str:
     """Path of the cached file of ``n`` tiny tensors (see :func:`many_tensor_entries`)."""
     return _cached(f"many-{n}", lambda: many_tensor_entries(n), base, metadata={"format": "pt"})
 
 
-def small_model_file(layers: int = 32, base: Optional[str] = None) -> str:
+def small_model_file(layers: int = 32, base: str | None = None) -> str:
     """A few hundred tensors (32 layers -> 291) with tiny dimensions: a small header."""
     return _cached(f"small-{layers}", lambda: model_entries(layers, 64, 176, 256, 16), base,
                    metadata={"format": "pt"})
 
 
-def checkpoint_file(target_bytes: int, base: Optional[str] = None) -> str:
+def checkpoint_file(target_bytes: int, base: str | None = None) -> str:
     """Path of the cached BF16 checkpoint of about ``target_bytes`` bytes."""
     return _cached(f"ckpt-{target_bytes}", lambda: checkpoint_entries(target_bytes), base,
                    metadata={"format": "pt"})
@@ -228,12 +228,12 @@ def checkpoint_tensors(target_bytes: int, seed: int = 0) -> dict:
 # --------------------------------------------------------------------------- measuring
 
 
-def tiny_file(base: Optional[str] = None) -> str:
+def tiny_file(base: str | None = None) -> str:
     """A one-tensor file, for warm-up calls."""
     return _cached("tiny", lambda: [("warm.weight", "F32", (4, 4))], base, metadata={"format": "pt"})
 
 
-def prepare(impl: str, base: Optional[str] = None) -> None:
+def prepare(impl: str, base: str | None = None) -> None:
     """Untimed set-up before a measurement: one torch thread, then :func:`warm_up`.
 
     One intra-op thread keeps the read loop (:func:`touch_all`) from spin-waiting on a
@@ -246,7 +246,7 @@ def prepare(impl: str, base: Optional[str] = None) -> None:
     warm_up(impl, base)
 
 
-def warm_up(impl: str, base: Optional[str] = None) -> None:
+def warm_up(impl: str, base: str | None = None) -> None:
     """Pay imports and first-use costs on a one-tensor file, alike for both libraries.
 
     ``impl`` is ``"reference"`` or an engine variant.  The engine resolves its public
@@ -265,7 +265,7 @@ def warm_up(impl: str, base: Optional[str] = None) -> None:
         import engine.torch as mod
 
         opener = engine.safe_open
-        engine.read_header(tiny).table
+        _ = engine.read_header(tiny).table  # pays the first-use costs
     for backend in ("mmap", "pread"):
         with opener(tiny, framework="pt", backend=backend) as f:
             for k in f.keys():
@@ -317,7 +317,7 @@ def drop_file(path: str) -> None:
         pass
 
 
-def _status(field: str) -> Optional[int]:
+def _status(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:

@@ -20,7 +20,6 @@ import ctypes
 import functools
 import os
 import sys
-from typing import Optional
 
 __all__ = [
     "HOST_REGISTER_DEFAULT",
@@ -72,7 +71,7 @@ class Runtime:
         return err
 
 
-def _loaded_cudart_path() -> Optional[str]:
+def _loaded_cudart_path() -> str | None:
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -97,8 +96,8 @@ def _ctypes_runtime(path: str) -> Runtime:
     return Runtime(reg, unreg, last, f"ctypes:{os.path.basename(path)}")
 
 
-@functools.lru_cache(maxsize=None)
-def runtime() -> Optional[Runtime]:
+@functools.cache
+def runtime() -> Runtime | None:
     """The process's CUDA runtime, or ``None`` when none can be reached (then every
     registration is refused and loads use the copy path alone)."""
     path = _loaded_cudart_path()

@@ -133,7 +133,7 @@ class CupySink(NumpySink):
                     offsets.append(total)
                     total += -(-nbytes // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
                 block = cupy.empty(max(total, 1), cupy.uint8)
-                for (row, code, shape, nbytes), off in zip(specs, offsets):
+                for (row, code, shape, nbytes), off in zip(specs, offsets, strict=False):
                     target = block[off : off + nbytes]
                     targets[row] = target
                     tensors[row] = target.view(cupy_dtype(code)).reshape(
