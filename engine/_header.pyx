@@ -710,6 +710,21 @@ cdef int skip_number(Scanner* s) noexcept nogil:
     return 0
 
 
+cdef int skip_key(Scanner* s) noexcept nogil:
+    """An object key and its ':' inside an ignored value, checked and consumed."""
+    cdef Span sp
+    skip_ws(s)
+    if peek(s) != 0x22:
+        return unexpected(s, "expected a string key in an object")
+    if scan_string(s, &sp) < 0:
+        return -1
+    skip_ws(s)
+    if peek(s) != 0x3A:
+        return unexpected(s, "expected ':' after an object key")
+    s.pos += 1
+    return 0
+
+
 cdef int skip_value(Scanner* s) noexcept nogil:
     """Validate and discard any JSON value: the value of a field the format does not define.
 
@@ -735,14 +750,8 @@ cdef int skip_value(Scanner* s) noexcept nogil:
                 s.pos += 1
                 depth -= 1
             elif c == 0x7B:
-                if peek(s) != 0x22:
-                    return unexpected(s, "expected a string key in an object")
-                if scan_string(s, &sp) < 0:
+                if skip_key(s) < 0:
                     return -1
-                skip_ws(s)
-                if peek(s) != 0x3A:
-                    return unexpected(s, "expected ':' after an object key")
-                s.pos += 1
                 continue  # its value
             else:
                 continue  # the array's first value
@@ -768,16 +777,8 @@ cdef int skip_value(Scanner* s) noexcept nogil:
             c = peek(s)
             if c == 0x2C:  # ','
                 s.pos += 1
-                if stack[depth - 1] == 0x7B:
-                    skip_ws(s)
-                    if peek(s) != 0x22:
-                        return unexpected(s, "expected a string key in an object")
-                    if scan_string(s, &sp) < 0:
-                        return -1
-                    skip_ws(s)
-                    if peek(s) != 0x3A:
-                        return unexpected(s, "expected ':' after an object key")
-                    s.pos += 1
+                if stack[depth - 1] == 0x7B and skip_key(s) < 0:
+                    return -1
                 break  # the next value
             if c == (0x7D if stack[depth - 1] == 0x7B else 0x5D):
                 s.pos += 1
