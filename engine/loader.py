@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import dtypes, pipeline
-from .errors import SafetensorError, TensorMismatchError, TensorNotFoundError
+from .errors import DeviceError, SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .onload import plan as onload_plan
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
@@ -504,11 +504,17 @@ def load_into(
         for name, dst in tensors.items():
             row = t.index[name]
             code, shape, ok_layout, on_device = _code_of(dst)
+            kind = getattr(getattr(dst, "device", None), "type", "cpu")
+            if kind not in ("cpu", "cuda"):
+                raise DeviceError(
+                    f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {kind!r}",
+                    reason="UnsupportedDevice", path=spath, tensors=(name,),
+                )
             nbytes = int(t.ends[row]) - int(t.begins[row])
             want_code = int(t.codes[row])
             want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
-            if dtypes.DTYPES[want_code].sub_byte:
-                want_code = dtypes.BY_NAME["U8"].code
+            if dtypes.DTYPES[want_code].sub_byte and code != want_code:
+                want_code = dtypes.BY_NAME["U8"].code  # packed bytes, or torch's own packed dtype
             if code != want_code or tuple(shape) != tuple(want_shape):
                 raise TensorMismatchError(
                     f"tensor {name!r}: the file has {dtypes.NAMES[int(t.codes[row])]}{list(t.shapes[row])}, "

@@ -398,3 +398,27 @@ def test_every_dtype_and_a_selection_to_cuda_equal_the_reference(tmp_path, gpu_p
     assert sorted(some) == picked
     for k in picked:
         assert torch.equal(some[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+def test_load_into_refuses_devices_without_memory_it_can_fill(tmp_path):
+    """A meta (or other non-CPU, non-CUDA) destination is an engine DeviceError naming the
+    file and tensor, not torch's own error about CUDA."""
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    path = tmp_path / "m.safetensors"
+    engine.torch.save_file({"a": torch.arange(4, dtype=torch.float32)}, path)
+    with pytest.raises(engine.DeviceError) as info:
+        engine.load_into(path, {"a": torch.empty(4, device="meta")})
+    assert info.value.tensors == ("a",) and info.value.path == str(path) and "meta" in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_load_into_a_float4_destination(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch build has no float4_e2m1fn_x2")
+    x = torch.arange(8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2).reshape(2, 4)
+    path = tmp_path / "f4.safetensors"
+    engine.torch.save_file({"x": x}, path)
+    for dst in (torch.empty(2, 4, dtype=torch.float4_e2m1fn_x2), torch.empty(2, 4, dtype=torch.uint8)):
+        engine.load_into(path, {"x": dst})
+        assert torch.equal(dst.view(torch.uint8), x.view(torch.uint8))
