@@ -18,7 +18,6 @@ its shard, every tensor of a shard is in the index, and no name is in two shards
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -178,6 +177,8 @@ def parse_index(data: bytes | str, *, source: str | None = None) -> tuple[dict[s
 
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data
+        import json  # only for an index: opening one file needs no JSON decoder beyond the header's
+
         doc = json.loads(text, object_pairs_hook=_no_duplicates)
     except UnicodeDecodeError as exc:
         raise invalid(f"the index is not UTF-8 ({exc.reason} at byte {exc.start})") from None

@@ -191,7 +191,7 @@ def test_opening_a_file_imports_nothing_it_does_not_need():
         "    [f.get_slice(k).get_shape() for k in f.keys()]\n"
         "new = set(sys.modules) - before\n"
         "bad = sorted(m for m in new if m.split('.')[0] in ('urllib', 'http', 'asyncio', 'unittest', 'ssl', "
-        "'email', 'certifi', 'concurrent', 'numba', 'torch', 'queue') or m in ('engine.loader', 'engine.pipeline', "
+        "'email', 'certifi', 'concurrent', 'numba', 'torch', 'queue', 'json') or m in ('engine.loader', 'engine.pipeline', "
         "'engine.remote', 'engine.statistics', 'engine.kernels'))\n"
         "print(bad)\n"
     )
