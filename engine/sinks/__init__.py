@@ -8,9 +8,18 @@ own module, which imports its framework at the top: importing it is the opt-in.
 from __future__ import annotations
 
 from ..errors import DeviceError, SafetensorError
-from ._host import HOST_ALIGNMENT, host_block, pack_offsets
 
 __all__ = ["get_sink", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
+
+
+def __getattr__(name: str):
+    # owned host blocks (engine.sinks._host) are imported on first use: opening a file and
+    # handing out mapped views needs none of them
+    if name in ("host_block", "pack_offsets", "HOST_ALIGNMENT"):
+        from . import _host
+
+        return getattr(_host, name)
+    raise AttributeError(f"module 'engine.sinks' has no attribute {name!r}")
 
 _FRAMEWORKS = {
     "np": "numpy",

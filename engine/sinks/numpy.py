@@ -8,7 +8,6 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import UnrepresentableTensorError
-from ._host import host_block, pack_offsets
 
 
 class NumpySink:
@@ -36,6 +35,8 @@ class NumpySink:
 
         Returns (row -> array, row -> writable byte memoryview).
         """
+        from ._host import host_block, pack_offsets  # owned loads only
+
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)
         tensors, views = {}, {}

@@ -10,7 +10,6 @@ import torch
 from .. import dtypes
 from ..errors import DeviceError, UnrepresentableTensorError
 from . import _cudart
-from ._host import host_block, pack_offsets
 
 
 class TorchSink:
@@ -44,6 +43,8 @@ class TorchSink:
         Each tensor has its own storage over its range of the block (see :func:`host_tensor`).
         Returns (row -> tensor, row -> writable byte memoryview).
         """
+        from ._host import host_block, pack_offsets  # owned loads only
+
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)
         whole = memoryview(block)
