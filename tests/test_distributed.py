@@ -65,6 +65,7 @@ def _counted(fn):
 def _worker(rank, world, port, path, modes, out_dir):
     import engine._io  # noqa: F401  (imported up front so its loading is not counted)
     import engine.loader  # noqa: F401  (opening a file does not import the readers: slicing does)
+    import engine.sinks._host  # noqa: F401  (nor the owned-block code: the first owned load does)
     from engine.reader import default_threads
 
     default_threads()  # reads /sys once (cached): not a tensor byte, keep it out of the count
