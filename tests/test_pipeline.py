@@ -516,7 +516,9 @@ def test_cancel_of_a_device_load_unregisters_and_frees_everything(layout, gpu_pa
             emu.close()
     assert len(done) < 38
     emu.assert_clean()
-    assert _os_threads(until=before) == before  # the native reader's threads were joined too
+    # the native reader's threads were joined too (fewer is fine: a thread an earlier test
+    # started may leave the kernel's list meanwhile)
+    assert _os_threads(until=before) <= before
 
 
 def test_a_failing_device_copy_still_unregisters_and_frees(layout):

@@ -157,3 +157,17 @@ class PinnedBlock:
             if rt is not None:
                 rt.host_unregister(self.addr)
             self.locked = False
+
+
+def register_read_only(addr: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` of read-only host memory at ``addr`` for DMA; False when there is
+    no CUDA runtime or it refuses (the caller then copies through its staging slots)."""
+    rt = runtime()
+    return rt is not None and rt.host_register(addr, nbytes, HOST_REGISTER_READ_ONLY) == 0
+
+
+def unregister(addr: int) -> None:
+    """Undo :func:`register_read_only` for the range that starts at ``addr``."""
+    rt = runtime()
+    if rt is not None:
+        rt.host_unregister(addr)

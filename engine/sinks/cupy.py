@@ -80,13 +80,10 @@ class CupyOps:
         return _HostSource(view, _cudart.address_of(view))
 
     def register(self, handle: _HostSource, offset: int, nbytes: int) -> bool:
-        rt = _cudart.runtime()
-        return rt is not None and rt.host_register(handle.addr + offset, nbytes, _cudart.HOST_REGISTER_READ_ONLY) == 0
+        return _cudart.register_read_only(handle.addr + offset, nbytes)
 
     def unregister(self, handle: _HostSource, offset: int, nbytes: int) -> None:
-        rt = _cudart.runtime()
-        if rt is not None:
-            rt.host_unregister(handle.addr + offset)
+        _cudart.unregister(handle.addr + offset)
 
     def new_stream(self):
         return cupy.cuda.Stream(non_blocking=True)
