@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from gil import ticks_during
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -636,7 +637,6 @@ def test_pread_split_reads_segments_over_threads_and_reports_the_first_short_rea
 def test_pread_split_releases_the_gil(layout):
     """As in test_reader: with a 100 s switch interval the spinner can only count while the
     main thread is inside the native call with the GIL released."""
-    import sys
 
     from engine import _io
 
@@ -646,30 +646,12 @@ def test_pread_split_releases_the_gil(layout):
     sizes = np.full(n * 8, 4096, dtype=np.int64)
     dst_offsets = np.zeros(n * 8, dtype=np.int64)
     out = np.zeros(4096, np.uint8)
-    ticks = [0]
-    started, stop = threading.Event(), threading.Event()
 
-    def spin():
-        started.set()
-        while not stop.is_set():
-            ticks[0] += 1
-            time.sleep(0)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(100)
-    t = threading.Thread(target=spin)
-    try:
-        t.start()
-        started.wait()
-        before = ticks[0]
+    def work():
         for _ in range(20):
             assert _io.pread_split(fd, out, file_offsets, dst_offsets, sizes, 2)[0] == 0
-        during = ticks[0] - before
-    finally:
-        stop.set()
-        sys.setswitchinterval(old)
-        t.join()
-    assert during > 100
+
+    assert ticks_during(work) > 100
 
 
 def test_resident_pages_of_a_fresh_file_and_of_an_empty_range(layout):
@@ -798,7 +780,6 @@ def test_split_reader_keeps_its_threads_between_reads_and_matches_pread_split(la
 
 
 def test_split_reader_releases_the_gil(layout):
-    import sys
 
     from engine import _io
 
@@ -808,28 +789,10 @@ def test_split_reader_releases_the_gil(layout):
     sizes = np.full(n * 8, 4096, dtype=np.int64)
     dst_offsets = np.zeros(n * 8, dtype=np.int64)
     out = np.zeros(4096, np.uint8)
-    ticks = [0]
-    started, stop = threading.Event(), threading.Event()
+    with _io.SplitReader(2) as reader:
 
-    def spin():
-        started.set()
-        while not stop.is_set():
-            ticks[0] += 1
-            time.sleep(0)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(100)
-    t = threading.Thread(target=spin)
-    try:
-        with _io.SplitReader(2) as reader:
-            t.start()
-            started.wait()
-            before = ticks[0]
+        def work():
             for _ in range(20):
                 assert reader.read(fd, out, file_offsets, dst_offsets, sizes)[0] == 0
-            during = ticks[0] - before
-    finally:
-        stop.set()
-        sys.setswitchinterval(old)
-        t.join()
-    assert during > 100
+
+        assert ticks_during(work) > 100

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from gil import ticks_during
 
 from engine import reader
 from engine.errors import ReadError
@@ -84,36 +85,11 @@ def test_pread_runs_releases_the_gil(data_file):
     """The spinner gives the GIL back after every tick (sleep(0)) and, with a 100 s switch
     interval, the main thread never hands it over on its own: so the counter can only move
     while the main thread has released the GIL, i.e. inside the native loop."""
-    import sys
-    import threading
-    import time
 
     fd, _, path = data_file
     src = np.zeros(20_000, dtype=np.int64)  # 20k reads of the same 4 KiB: a long native loop
     out = bytearray(len(src) * 4096)
-    ticks = [0]
-    started, stop = threading.Event(), threading.Event()
-
-    def spin():
-        started.set()
-        while not stop.is_set():
-            ticks[0] += 1
-            time.sleep(0)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(100)
-    t = threading.Thread(target=spin)
-    try:
-        t.start()
-        started.wait()
-        before = ticks[0]
-        reader.pread_runs(fd, memoryview(out), src, 4096, 0, path=path)
-        during = ticks[0] - before
-    finally:
-        stop.set()
-        sys.setswitchinterval(old)
-        t.join()
-    assert during > 100
+    assert ticks_during(lambda: reader.pread_runs(fd, memoryview(out), src, 4096, 0, path=path)) > 100
 
 
 def test_short_read_names_the_files_real_size(tmp_path):
