@@ -46,7 +46,7 @@ _LAZY = {
     "serialize_file": "engine.tensorspec",
     "deserialize": "engine.tensorspec",
     "stream": "engine.loader",
-    "load_into": "engine.loader",
+    "load_into": "engine.checkpoint",
     "load_file": "engine.numpy",
     "load": "engine.numpy",
     "save_file": "engine.writer",

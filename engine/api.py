@@ -16,6 +16,7 @@ tensors through one of two backends:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import os
@@ -229,33 +230,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     # -- internals ---------------------------------------------------------------------
     def _get_rows(self, rows: list[int]) -> dict:
-        self._check_open()
-        t = self.header.table
-        names = t.names
-        sink = self._sink
-        if self._backend == "mmap" and not sink.on_device:
-            from .reader import prefetch_mapping
-
-            base = self._mapping()
-            # a cold file is read on several threads in large pieces, not page by page as
-            # the caller touches it (a warm one costs a mincore call per 32 MiB)
-            start = self.header.data_start
-            prefetch_mapping(self._mm, [(start + int(t.begins[r]), start + int(t.ends[r])) for r in rows])
-            out = views(sink, base, self.header, rows, start, path=self._path)
-        else:
-            # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
-            # opening a file and reading its header need none of it)
-            from .loader import load_rows
-
-            fd = self._borrow()
-            try:
-                got = load_rows(fd, self.header, rows, sink, path=self._path)
-            finally:
-                self._give_back()
-            out = {names[r]: got[r] for r in rows}
-        if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
-            out = {name: sink.to_device(x) for name, x in out.items()}
-        return out
+        return get_rows_many([(self, rows)])[0]
 
     def _read_slice(self, row: int, index):
         from .plan import InvalidSliceError, plan_slice
@@ -303,6 +278,76 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def __repr__(self) -> str:
         state = "closed" if self._closing else f"{len(self.header)} tensors"
         return f"<engine.safe_open {self._path!r} {self._sink.name} {self._backend} ({state})>"
+
+
+@contextlib.contextmanager
+def _borrowed(parts: list[tuple[safe_open, list[int]]]):
+    """:class:`engine.loader.Part` of each (handle, rows), their descriptors kept open
+    against a concurrent ``close()`` until the block ends."""
+    from .loader import Part
+
+    taken: list[safe_open] = []
+    try:
+        files = []
+        for h, rows in parts:
+            files.append(Part(h._borrow(), h.header, rows, h._path))
+            taken.append(h)
+        yield files
+    finally:
+        for h in taken:
+            h._give_back()
+
+
+def load_into_many(handles: list[safe_open], tensors, *, source: str | None = None, **options) -> list[str]:
+    """:func:`engine.load_into` from several open handles (a checkpoint's shards) as one
+    load; ``options`` as :func:`engine.loader.fill_parts` takes them."""
+    from .loader import fill_parts
+
+    with _borrowed([(h, []) for h in handles]) as files:
+        return fill_parts(files, tensors, source=source, **options)
+
+
+def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
+    """The tensors of ``rows`` (name -> tensor) of each of several open handles, which share
+    one framework, device and backend (a checkpoint's shards).
+
+    ``"mmap"`` on the CPU makes views of each file's mapping (read ahead on several threads
+    when cold).  Everything else (owned ``"pread"`` loads, CUDA) is one load across every
+    file: one queue of reads, one set of threads or staging slots, one allocation
+    (:func:`engine.loader.load_parts`).
+
+    Copies of tensor bytes: ``"mmap"`` 0; ``"pread"`` 1 (page cache to owned memory); a
+    CUDA device adds the host-to-device copy (or replaces the first: see
+    :mod:`engine.pipeline`).
+    """
+    if not parts:
+        return []
+    for h, _ in parts:
+        h._check_open()
+    sink = parts[0][0]._sink
+    if parts[0][0]._backend == "mmap" and not sink.on_device:
+        from .reader import prefetch_mapping
+
+        outs = []
+        for h, rows in parts:
+            t = h.header.table
+            base = h._mapping()
+            # a cold file is read on several threads in large pieces, not page by page as
+            # the caller touches it (a warm one costs a mincore call per 32 MiB)
+            start = h.header.data_start
+            prefetch_mapping(h._mm, [(start + int(t.begins[r]), start + int(t.ends[r])) for r in rows])
+            outs.append(views(sink, base, h.header, rows, start, path=h._path))
+    else:
+        # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
+        # opening a file and reading its header need none of it)
+        from .loader import load_parts
+
+        with _borrowed(parts) as files:
+            got = load_parts(files, sink)
+        outs = [{h.header.table.names[r]: g[r] for r in rows} for (h, rows), g in zip(parts, got, strict=True)]
+    if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
+        outs = [{name: sink.to_device(x) for name, x in out.items()} for out in outs]
+    return outs
 
 
 def views(sink, base, header: Header, rows, data_start: int, path=None) -> dict:

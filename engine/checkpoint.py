@@ -54,6 +54,7 @@ __all__ = [
     "open_checkpoint",
     "safe_open",
     "is_checkpoint_path",
+    "load_into",
     "read_checkpoint_info",
     "check_checkpoint",
     "parse_index",
@@ -72,8 +73,6 @@ _MAX_THREADS = 8
 # first shard slower than this (a network file system, a cold disk) opens the rest in
 # parallel.
 _SLOW_OPEN_S = 0.002
-# Below this many bytes to read, get_tensors reads shards one after the other.
-_PARALLEL_READ_BYTES = 16 << 20
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -367,9 +366,9 @@ class _Failed(NamedTuple):
     exc: Exception
 
 
-def _map_threads(fn, items: list, max_workers: int | None, runner=None) -> list:
+def _map_threads(fn, items: list, max_workers: int | None) -> list:
     """``[fn(x) for x in items]``, adaptively parallel; the first exception (in item order) wins."""
-    results = (runner or _run_adaptive)(fn, items, max_workers)
+    results = _run_adaptive(fn, items, max_workers)
     for r in results:
         if isinstance(r, _Failed):
             raise r.exc
@@ -647,8 +646,6 @@ class Checkpoint:
     ) -> None:
         layout, metadata, weight_map = _open_layout(path, max_header_size)
         self._layout = layout
-        self._max_workers = max_workers
-        self._parallel_reads = backend != "mmap" or str(device) != "cpu"
         self._handles: dict[str, Any] = {}
 
         def open_one(shard: str):
@@ -748,7 +745,7 @@ class Checkpoint:
         return self._handles[self.info.shard_of(name)].get_slice(name)
 
     def get_tensors(self, names: Iterable[str] | None = None) -> dict:
-        """Every tensor (or those in ``names``), shards read in parallel.
+        """Every tensor (or those in ``names``), every shard in one load.
 
         Parameters
         ----------
@@ -770,45 +767,49 @@ class Checkpoint:
 
         Notes
         -----
-        Reads (``"pread"``, or any device other than the CPU) of 16 MiB or more use one
-        thread per shard, at most ``max_workers`` (default 8) at a time; each shard's handle
-        may use its own reader threads for large reads.  ``"mmap"`` on the CPU only makes
-        views, so it needs no threads; smaller reads are done one shard after the other,
-        faster than starting threads.  Copies of tensor bytes as for
-        :class:`engine.safe_open`: 0 with ``"mmap"``, 1 with ``"pread"``.
+        ``"mmap"`` on the CPU makes views of each shard's mapping, read ahead on several
+        threads when cold.  Owned (``"pread"``) and device loads read every shard through
+        one pipeline (one queue of reads over all files, one set of reader threads or
+        staging slots, one allocation), so a checkpoint loads at the rate of one file.
+        Copies of tensor bytes as for :class:`engine.safe_open`: 0 with ``"mmap"``, 1 with
+        ``"pread"``, a device adds its host-to-device copy.
         """
         if names is None:
-            groups: dict[str, list[str] | None] = {shard: None for shard in self.shards}
+            parts = [(self._handles[s], self.info.headers[s].table.order.tolist()) for s in self.shards]
             wanted = None
         else:
             wanted = list(names)
-            by_shard: dict[str, list[str]] = {}
+            by_shard: dict[str, list[int]] = {}
             for name in wanted:
-                by_shard.setdefault(self.info.shard_of(name), []).append(name)
-            groups = dict(by_shard)
-
-        def load(shard: str) -> dict:
-            h = self._handles[shard]
-            group = groups[shard]
-            if group is None:
-                return h.get_tensors()
-            return {n: h.get_tensor(n) for n in group}
-
-        # "mmap" hands out views (nothing is read here), and small reads finish before a
-        # thread would start: threads only for real reads of some size
-        nbytes = sum(
-            self.info.headers[s].data_size if g is None else sum(self.info[n].nbytes for n in g)
-            for s, g in groups.items()
-        )
-        parallel = self._parallel_reads and nbytes >= _PARALLEL_READ_BYTES
-
-        def runner(fn, items, max_workers):
-            return _run_all(fn, items, max_workers, parallel=parallel)
-
+                shard = self.info.shard_of(name)
+                by_shard.setdefault(shard, []).append(self.info.headers[shard].table.index[name])
+            parts = [(self._handles[s], rows) for s, rows in by_shard.items()]
         loaded: dict = {}
-        for part in _map_threads(load, list(groups), self._max_workers, runner):
+        for part in api.get_rows_many(parts):
             loaded.update(part)
         return loaded if wanted is None else {n: loaded[n] for n in wanted}
+
+    def load_into(
+        self,
+        tensors: Mapping[str, Any],
+        *,
+        strict: bool = False,
+        threads: int | None = None,
+        chunk_bytes: int | None = None,
+        gpu_path: str = "auto",
+    ) -> list[str]:
+        """Fill existing tensors in place from every shard, as one load; see
+        :func:`engine.load_into`.
+
+        Returns
+        -------
+        list of str
+            The names filled, shard by shard (sorted shards), in file order within each.
+        """
+        return api.load_into_many(
+            [self._handles[s] for s in self.shards], tensors, strict=strict, threads=threads,
+            chunk_bytes=chunk_bytes, gpu_path=gpu_path, source=self.info.source,
+        )
 
     def __repr__(self) -> str:
         return f"<engine.Checkpoint {self.info.source!r}: {len(self)} tensors in {len(self.shards)} files>"
@@ -839,8 +840,8 @@ def open_checkpoint(
     max_header_size : int, optional
         Largest header per shard, and largest index file, in bytes.
     max_workers : int, optional
-        Threads opening shards and loading them in :meth:`Checkpoint.get_tensors`
-        (default: up to 8).
+        Threads opening shards (default: up to 8).  Loads need none of their own:
+        :meth:`Checkpoint.get_tensors` reads every shard through one pipeline.
 
     Returns
     -------
@@ -896,3 +897,20 @@ class safe_open(api.safe_open):  # noqa: N801 - the reference's spelling, for a 
         if cls is safe_open and is_checkpoint_path(filename):
             return Checkpoint(filename, *args, **kwargs)
         return super().__new__(cls)
+
+
+def load_into(path: PathLike, tensors: Mapping[str, Any], **options) -> list[str]:
+    """Fill existing tensors in place from a file, or from a checkpoint (an index or a
+    directory) as one load across its shards.
+
+    Parameters, returns, errors and copies as :func:`engine.loader.load_into`; for a
+    checkpoint the names come shard by shard (sorted shards), in file order within each,
+    and ``strict`` counts the tensors of every shard.
+    """
+    if not is_checkpoint_path(path):
+        from . import loader  # the threaded pipeline: opening a file needs none of it
+
+        return loader.load_into(path, tensors, **options)
+    max_header_size = options.pop("max_header_size", MAX_HEADER_SIZE)
+    with Checkpoint(path, backend="pread", max_header_size=max_header_size) as c:
+        return c.load_into(tensors, **options)

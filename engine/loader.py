@@ -25,8 +25,8 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from . import dtypes, pipeline
 from .errors import DeviceError, SafetensorError, TensorMismatchError, TensorNotFoundError
@@ -36,7 +36,7 @@ from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
 from .reader import IOV_MAX, default_threads, pread_into
 from .sinks import get_sink
 
-__all__ = ["stream", "load_into", "load_rows"]
+__all__ = ["stream", "load_into", "load_parts", "fill_parts", "Part"]
 
 
 def _open(path) -> tuple[int, str]:
@@ -54,61 +54,100 @@ def _advise_sequential(fd: int) -> None:
             pass
 
 
-def _destination(sink, header: Header, rows: list[int], per_tensor: bool):
-    """Allocate the tensors of ``rows`` for ``sink``; returns (row -> tensor, Destination)."""
-    t = header.table
-    specs = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows]
+class Part(NamedTuple):
+    """One file's share of a load: an open descriptor, its header, the rows to read (file
+    order reads fastest) and the file's name for errors."""
+
+    fd: int
+    header: Header
+    rows: list[int]
+    path: str | None = None
+
+
+def _bases(parts: Sequence[Part]) -> list[int]:
+    """One key space over every file of a load: part ``i``'s row ``r`` is key ``bases[i] + r``."""
+    bases, base = [], 0
+    for p in parts:
+        bases.append(base)
+        base += len(p.header.table.names)
+    return bases
+
+
+def _destination(sink, parts: Sequence[Part], bases: list[int], per_tensor: bool):
+    """Tensors for every row of every part, keyed ``bases[i] + row``, in one allocation
+    (unless ``per_tensor``); returns (key -> tensor, Destination)."""
+    specs = []
+    for p, b in zip(parts, bases, strict=True):
+        t = p.header.table
+        specs += [(b + r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in p.rows]
     if sink.on_device:
         tensors, targets, ops = sink.allocate_device(specs, per_tensor)
         return tensors, pipeline.Destination(device_targets=targets, device_ops=ops)
-    tensors, views = sink.allocate(specs, t.begins)
+    if len(parts) == 1:
+        begins: Any = parts[0].header.table.begins  # keys are rows
+    else:
+        # distinct files never count as neighbours when the host block is packed
+        begins = {
+            b + r: (i << 50) + int(p.header.table.begins[r])
+            for i, (p, b) in enumerate(zip(parts, bases, strict=True))
+            for r in p.rows
+        }
+    tensors, views = sink.allocate(specs, begins)
     return tensors, pipeline.Destination(host_views=views)
 
 
-def load_rows(
-    fd: int,
-    header: Header,
-    rows: list[int],
+def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -> list[pipeline.Source]:
+    return [
+        pipeline.Source(
+            p.fd, p.path,
+            plan_reads(p.header.table.begins, p.header.table.ends, p.rows, p.header.data_start,
+                       chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX),
+            b,
+        )
+        for p, b in zip(parts, bases, strict=True)
+    ]
+
+
+def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int | None, **options) -> None:
+    """The reads of every part into ``destination`` (keyed as :func:`_bases` says), one pipeline."""
+    pipeline.run_sources(
+        _sources(parts, bases, options.pop("chunk_bytes", None)),
+        destination,
+        threads=threads if destination.on_device else threads or default_threads(),
+        **options,
+    )
+
+
+def load_parts(
+    parts: Sequence[Part],
     sink,
     *,
-    path: str | None = None,
     threads: int | None = None,
     chunk_bytes: int | None = None,
     per_tensor: bool = False,
-    on_complete: Callable[[int], None] | None = None,
-    cancel: threading.Event | None = None,
-    destination=None,
-    fill=None,
     gpu_path: str = "auto",
     slot_bytes: int | None = None,
-    after_copy=None,
-) -> dict[int, Any]:
-    """Read ``rows`` of an open file into new tensors of ``sink``; returns row -> tensor.
+) -> list[dict[int, Any]]:
+    """Read the rows of one or more open files into new tensors of ``sink``, as one load.
 
-    Device loads: ``threads`` native threads split each staging slot (default every core),
-    ``gpu_path`` and ``slot_bytes`` as in :func:`engine.pipeline.run_sources`.
+    Every file's reads go into one queue served by one set of reader threads (host
+    destinations) or one pair of staging slots (devices), into one allocation: a sharded
+    checkpoint loads at the rate of one file, not shard after shard.  Returns, per part,
+    row -> tensor.  Device loads: ``threads`` native threads split each staging slot
+    (default every core), ``gpu_path`` and ``slot_bytes`` as in
+    :func:`engine.pipeline.run_sources`.
+
+    Copies of tensor bytes: host destinations 1 (page cache to the tensor); device
+    destinations 2 on the copy path (page cache to a pinned slot, DMA), 1 on the register
+    path.
     """
-    if destination is None:
-        tensors, destination = _destination(sink, header, rows, per_tensor)
-    else:
-        tensors, destination = destination
-    requests = plan_reads(
-        header.table.begins, header.table.ends, rows, header.data_start, chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX
-    )
-    pipeline.run(
-        fd,
-        requests,
-        destination,
-        path=path,
-        threads=threads if destination.on_device else threads or default_threads(),
-        on_complete=on_complete,
-        cancel=cancel,
-        fill=fill,
-        gpu_path=gpu_path,
-        slot_bytes=slot_bytes,
-        after_copy=after_copy,
-    )
-    return tensors
+    bases = _bases(parts)
+    tensors, destination = _destination(sink, parts, bases, per_tensor)
+    _run(parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes, gpu_path=gpu_path,
+         slot_bytes=slot_bytes)
+    if len(parts) == 1:
+        return [tensors]
+    return [{r: tensors[b + r] for r in p.rows if b + r in tensors} for p, b in zip(parts, bases, strict=True)]
 
 
 _DONE = object()
@@ -216,14 +255,9 @@ def stream(
             selected = _select_many(headers, [sp for _, sp in opened], names, patterns, predicate, layers)
         else:
             selected = [_select(headers[0], opened[0][1], names, patterns, predicate, layers)]
-        # one key space over every file: file i's row r is key bases[i] + r
-        bases, where = [], {}
-        base = 0
-        for i, (h, rows) in enumerate(zip(headers, selected, strict=True)):
-            bases.append(base)
-            for r in rows:
-                where[base + r] = (i, r)
-            base += len(h.table.names)
+        parts = [Part(fd, h, rows, sp) for (fd, sp), h, rows in zip(opened, headers, selected, strict=True)]
+        bases = _bases(parts)
+        where = {b + r: (i, r) for i, (p, b) in enumerate(zip(parts, bases, strict=True)) for r in p.rows}
         for fd, _ in opened:
             _advise_sequential(fd)
         # statistics and quantization on the way (one file: its keys are its rows)
@@ -233,7 +267,7 @@ def stream(
         if hooks is not None and sink.on_device:
             tensors, destination = hooks.destination(headers[0], selected[0], per_tensor)
         else:
-            tensors, destination = _destination_many(sink, headers, selected, bases, per_tensor)
+            tensors, destination = _destination(sink, parts, bases, per_tensor)
         collector = None
         if stats:
             rows0 = selected[0] if hooks is None else hooks.host_stats_rows(selected[0])
@@ -261,18 +295,12 @@ def stream(
             t = headers[i].table
             if int(t.ends[r]) == int(t.begins[r]):
                 yield result(key)
-        sources = [
-            pipeline.Source(fd, sp, plan_reads(h.table.begins, h.table.ends, rows, h.data_start,
-                                               chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX), b)
-            for (fd, sp), h, rows, b in zip(opened, headers, selected, bases, strict=True)
-        ]
         done: queue.SimpleQueue = queue.SimpleQueue()
 
         def work() -> None:
             try:
-                pipeline.run_sources(
-                    sources, destination,
-                    threads=threads if destination.on_device else threads or default_threads(),
+                _run(
+                    parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes,
                     on_complete=landed, cancel=cancel,
                     fill=collector.fill if collector is not None else None,
                     gpu_path=gpu_path, slot_bytes=slot_bytes,
@@ -297,24 +325,6 @@ def stream(
             worker.join()
         for fd, _ in opened:
             os.close(fd)
-
-
-def _destination_many(sink, headers: list[Header], selected: list[list[int]], bases: list[int], per_tensor: bool):
-    """Tensors for every selected row of every file, keyed ``bases[i] + row``, in one
-    allocation (unless ``per_tensor``); returns (key -> tensor, Destination)."""
-    specs, begins = [], {}
-    for i, (h, rows) in enumerate(zip(headers, selected, strict=True)):
-        t = h.table
-        for r in rows:
-            key = bases[i] + r
-            specs.append((key, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])))
-            # distinct files never count as neighbours when the host block is packed
-            begins[key] = (i << 50) + int(t.begins[r])
-    if sink.on_device:
-        tensors, targets, ops = sink.allocate_device(specs, per_tensor)
-        return tensors, pipeline.Destination(device_targets=targets, device_ops=ops)
-    tensors, views = sink.allocate(specs, begins)
-    return tensors, pipeline.Destination(host_views=views)
 
 
 def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:
@@ -487,68 +497,116 @@ def load_into(
     fd, spath = _open(path)
     try:
         header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
-        t = header.table
-        missing = [n for n in tensors if n not in t.index]
-        if missing:
-            raise TensorNotFoundError(
-                f"{len(missing)} destination tensor(s) not in the file: {missing[:5]}", path=spath, tensors=missing
-            )
-        if strict:
-            extra = [n for n in t.names if n not in tensors]
-            if extra:
-                raise TensorNotFoundError(
-                    f"{len(extra)} tensor(s) of the file have no destination: {extra[:5]}", path=spath, tensors=extra
-                )
-        host_rows: list[int] = []
-        device_rows: list[int] = []
-        for name, dst in tensors.items():
-            row = t.index[name]
-            code, shape, ok_layout, on_device = _code_of(dst)
-            kind = getattr(getattr(dst, "device", None), "type", "cpu")
-            if kind not in ("cpu", "cuda"):
-                raise DeviceError(
-                    f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {kind!r}",
-                    reason="UnsupportedDevice", path=spath, tensors=(name,),
-                )
-            nbytes = int(t.ends[row]) - int(t.begins[row])
-            want_code = int(t.codes[row])
-            want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
-            if dtypes.DTYPES[want_code].sub_byte and code != want_code:
-                want_code = dtypes.BY_NAME["U8"].code  # packed bytes, or torch's own packed dtype
-            if code != want_code or tuple(shape) != tuple(want_shape):
-                raise TensorMismatchError(
-                    f"tensor {name!r}: the file has {dtypes.NAMES[int(t.codes[row])]}{list(t.shapes[row])}, "
-                    f"the destination is {dtypes.NAMES[code]}{list(shape)}",
-                    path=spath,
-                    tensors=(name,),
-                )
-            if not ok_layout:
-                raise TensorMismatchError(
-                    f"tensor {name!r}: the destination must be contiguous and writable", path=spath, tensors=(name,)
-                )
-            (device_rows if on_device else host_rows).append(row)
         _advise_sequential(fd)
-        names = t.names
-        if host_rows:
-            host_rows.sort(key=lambda r: int(t.begins[r]))
-            views = {r: _host_bytes(tensors[names[r]]) for r in host_rows if int(t.ends[r]) > int(t.begins[r])}
-            load_rows(fd, header, host_rows, None, path=spath, threads=threads, chunk_bytes=chunk_bytes,
-                      destination=({}, pipeline.Destination(host_views=views)))
-        if device_rows:
-            from .sinks.torch import TorchCudaOps
-
-            by_device: dict = {}
-            for r in sorted(device_rows, key=lambda r: int(t.begins[r])):
-                by_device.setdefault(tensors[names[r]].device, []).append(r)
-            for device, rows in by_device.items():
-                targets = {r: _device_bytes(tensors[names[r]]) for r in rows}
-                load_rows(fd, header, rows, None, path=spath, threads=threads, chunk_bytes=chunk_bytes,
-                          destination=({}, pipeline.Destination(device_targets=targets,
-                                                                device_ops=TorchCudaOps(device))),
-                          gpu_path=gpu_path)
-        return [names[r] for r in sorted(host_rows + device_rows, key=lambda r: int(t.begins[r]))]
+        return fill_parts(
+            [Part(fd, header, [], spath)], tensors, strict=strict, threads=threads, chunk_bytes=chunk_bytes,
+            gpu_path=gpu_path,
+        )
     finally:
         os.close(fd)
+
+
+def fill_parts(
+    files: Sequence[Part],
+    tensors: Mapping[str, Any],
+    *,
+    strict: bool = False,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
+    gpu_path: str = "auto",
+    source: str | None = None,
+) -> list[str]:
+    """:func:`load_into` over one or more open files (a checkpoint's shards) as one load.
+
+    The parts' ``rows`` are ignored: the rows are those ``tensors`` names.  A name is looked
+    up in the files in order.  Every destination is checked before anything is read.
+    ``source`` names the whole (a checkpoint directory) in errors about several files.
+    Returns the names filled, file by file, in file order within each.
+    """
+    where = source if source is not None or len(files) != 1 else files[0].path
+    found: dict[str, tuple[int, int]] = {}
+    for name in tensors:
+        for i, f in enumerate(files):
+            row = f.header.table.index.get(name)
+            if row is not None:
+                found[name] = (i, row)
+                break
+    missing = [n for n in tensors if n not in found]
+    if missing:
+        raise TensorNotFoundError(
+            f"{len(missing)} destination tensor(s) not in the file: {missing[:5]}", path=where, tensors=missing
+        )
+    if strict:
+        extra = [n for f in files for n in f.header.table.names if n not in tensors]
+        if extra:
+            raise TensorNotFoundError(
+                f"{len(extra)} tensor(s) of the file have no destination: {extra[:5]}", path=where, tensors=extra
+            )
+    host: list[list[int]] = [[] for _ in files]
+    device: dict[Any, list[list[int]]] = {}
+    for name, dst in tensors.items():
+        i, row = found[name]
+        f = files[i]
+        t = f.header.table
+        code, shape, ok_layout, on_device = _code_of(dst)
+        kind = getattr(getattr(dst, "device", None), "type", "cpu")
+        if kind not in ("cpu", "cuda"):
+            raise DeviceError(
+                f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {kind!r}",
+                reason="UnsupportedDevice", path=f.path, tensors=(name,),
+            )
+        nbytes = int(t.ends[row]) - int(t.begins[row])
+        want_code = int(t.codes[row])
+        want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
+        if dtypes.DTYPES[want_code].sub_byte and code != want_code:
+            want_code = dtypes.BY_NAME["U8"].code  # packed bytes, or torch's own packed dtype
+        if code != want_code or tuple(shape) != tuple(want_shape):
+            raise TensorMismatchError(
+                f"tensor {name!r}: the file has {dtypes.NAMES[int(t.codes[row])]}{list(t.shapes[row])}, "
+                f"the destination is {dtypes.NAMES[code]}{list(shape)}",
+                path=f.path,
+                tensors=(name,),
+            )
+        if not ok_layout:
+            raise TensorMismatchError(
+                f"tensor {name!r}: the destination must be contiguous and writable", path=f.path, tensors=(name,)
+            )
+        rows = device.setdefault(dst.device, [[] for _ in files]) if on_device else host
+        rows[i].append(row)
+
+    def parts_of(rows: list[list[int]]) -> list[Part]:
+        out = []
+        for f, r in zip(files, rows, strict=True):
+            begins = f.header.table.begins
+            out.append(Part(f.fd, f.header, sorted(r, key=lambda x: int(begins[x])), f.path))
+        return out
+
+    def targets(parts: list[Part], bases: list[int], as_bytes) -> dict[int, Any]:
+        out = {}
+        for p, b in zip(parts, bases, strict=True):
+            t = p.header.table
+            for r in p.rows:
+                if int(t.ends[r]) > int(t.begins[r]):
+                    out[b + r] = as_bytes(tensors[t.names[r]])
+        return out
+
+    options = {"threads": threads, "chunk_bytes": chunk_bytes}
+    if any(host):
+        parts = parts_of(host)
+        bases = _bases(parts)
+        _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, _host_bytes)), **options)
+    for dev, rows in device.items():
+        from .sinks.torch import TorchCudaOps
+
+        parts = parts_of(rows)
+        bases = _bases(parts)
+        dest = pipeline.Destination(device_targets=targets(parts, bases, _device_bytes), device_ops=TorchCudaOps(dev))
+        _run(parts, bases, dest, gpu_path=gpu_path, **options)
+    wanted: list[set[int]] = [set() for _ in files]
+    for i, row in found.values():
+        wanted[i].add(row)
+    return [f.header.table.names[r] for f, w in zip(files, wanted, strict=True) for r in f.header.table.order.tolist()
+            if r in w]
 
 
 def _host_bytes(x) -> memoryview:

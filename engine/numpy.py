@@ -11,7 +11,8 @@ import os
 import numpy as np
 
 from . import writer
-from .api import safe_open, views
+from .api import views
+from .checkpoint import safe_open
 from .errors import SerializationError
 from .header import parse_buffer
 from .sinks.numpy import NumpySink
@@ -20,11 +21,13 @@ __all__ = ["load_file", "load", "save_file", "save"]
 
 
 def load_file(filename, *, backend: str = "mmap") -> dict[str, np.ndarray]:
-    """Load every tensor of a file as numpy arrays.
+    """Load every tensor of a file, or of a checkpoint, as numpy arrays.
 
     Parameters
     ----------
     filename : str or os.PathLike
+        A ``.safetensors`` file, or a sharded checkpoint (its directory or its
+        ``model.safetensors.index.json``), whose shards load as one.
     backend : {"mmap", "pread"}
         ``"mmap"``: read-only zero-copy views of a mapping; ``"pread"``: owned writable arrays.
 

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from . import writer
-from .api import safe_open, views
+from .api import views
+from .checkpoint import safe_open
 from .errors import SerializationError
 from .header import parse_buffer
 from .sinks.torch import TorchSink
@@ -41,11 +42,14 @@ __all__ = [
 def load_file(
     filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap"
 ) -> dict[str, torch.Tensor]:
-    """Load every tensor of a file as torch tensors.
+    """Load every tensor of a file, or of a checkpoint, as torch tensors.
 
     Parameters
     ----------
     filename : str or os.PathLike
+        A ``.safetensors`` file, or a sharded checkpoint (its directory or its
+        ``model.safetensors.index.json``), whose shards load as one (see
+        :meth:`engine.checkpoint.Checkpoint.get_tensors`).
     device : str, int or torch.device, default "cpu"
         Any torch device: CUDA loads stream through pinned staging buffers; other devices
         (``"mps"``, ``"xpu"``, ...) receive the CPU tensors through ``.to()``.
@@ -55,7 +59,8 @@ def load_file(
 
     Returns
     -------
-    dict of str to torch.Tensor, in file order; each tensor has its own storage.
+    dict of str to torch.Tensor, in file order (shard by shard); each tensor has its own
+    storage.
 
     Notes
     -----

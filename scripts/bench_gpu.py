@@ -218,6 +218,13 @@ def _engine_load_into(files, dev, prepared):
     return prepared
 
 
+def _engine_load_into_directory(files, dev, prepared):
+    import engine
+
+    engine.load_into(os.path.dirname(files[0]), prepared, strict=True)  # every shard, one load
+    return prepared
+
+
 def _reference(files, dev):
     from safetensors.torch import load_file
 
@@ -350,6 +357,7 @@ IMPLEMENTATIONS = {
         files, dev, slot_bytes=256 << 20),
     "engine stream(f) per shard": lambda files, dev: _engine_stream_per_file(files, dev),
     "engine load_into(f) per shard": (_engine_load_into_prepare, _engine_load_into),
+    "engine load_into(directory)": (_engine_load_into_prepare, _engine_load_into_directory),
     "reference load_file(f, device) per shard": _reference,
     "reference load_file(f) then .to(device)": _reference_then_to,
     "fastsafetensors (nogds, buffered)": _fastsafetensors,

@@ -494,24 +494,117 @@ def test_metadata_common_to_all_shards(tmp_path):
         assert c.index_metadata == {}
 
 
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_numpy_load_file_of_a_checkpoint(sharded, backend):
+    path, sd, split = sharded
+    for where in (path, path / "model.safetensors.index.json"):
+        loaded = engine.numpy.load_file(where, backend=backend)
+        assert set(loaded) == set(sd)
+        for name, a in sd.items():
+            assert loaded[name].dtype == a.dtype and loaded[name].tobytes() == a.tobytes(), name
+
+
 def test_public_names():
     assert engine.open_checkpoint is open_checkpoint
     assert engine.save_sharded is save_sharded
 
 
+def count_pipelines(monkeypatch):
+    """Record the files of every pipeline run (one list of paths per run)."""
+    from engine import pipeline
+
+    runs: list[list[str]] = []
+    real = pipeline.run_sources
+
+    def spy(sources, *args, **kwargs):
+        runs.append([os.path.basename(s.path) for s in sources if s.requests])
+        return real(sources, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_sources", spy)
+    return runs
+
+
 def test_parallel_paths(tmp_path, monkeypatch):
-    # large pread loads use a thread per shard; a slow first shard opens the rest in parallel
+    # a slow first shard opens the rest in parallel; the load is one pipeline over all shards
     sd = {f"w{i}": np.full(3 << 20, i, np.float32) for i in range(4)}  # 4 x 12 MiB
     save_sharded(sd, tmp_path, max_shard_size="13MB")
     monkeypatch.setattr(ck, "_SLOW_OPEN_S", 0.0)
+    runs = count_pipelines(monkeypatch)
     with open_checkpoint(tmp_path, backend="pread", max_workers=3) as c:
         assert len(c.shards) == 4
         out = c.get_tensors()
+        assert runs == [c.shards]
         for name, a in sd.items():
             np.testing.assert_array_equal(out[name], a)
             assert out[name].flags.writeable
         sub = c.get_tensors(["w3", "w0"])
         assert list(sub) == ["w3", "w0"]
+        assert sorted(runs[1]) == sorted({c.info.shard_of("w3"), c.info.shard_of("w0")})
+        np.testing.assert_array_equal(sub["w3"], sd["w3"])
+
+
+@pytest.mark.parametrize("framework", ["numpy", "pt"])
+def test_owned_load_of_a_checkpoint_is_one_pipeline(sharded, monkeypatch, framework):
+    # every shard's reads in one run: one queue, one set of threads, one allocation
+    path, sd, split = sharded
+    runs = count_pipelines(monkeypatch)
+    with open_checkpoint(path, framework=framework, backend="pread") as c:
+        out = c.get_tensors()
+        with_bytes = [s for s in c.shards if c.info.headers[s].data_size]
+        assert runs == [with_bytes] and len(with_bytes) > 2
+        names = ["model.layers.7.weight", "lm_head.weight", "model.layers.0.bias", "empty"]
+        sub = c.get_tensors(names)
+        assert list(sub) == names and len(runs) == 2
+    assert list(out) == [n for s in c.shards for n in c.info.headers[s].offset_keys()]
+
+    def raw(x):
+        return x.reshape(-1).view(torch_u8()).numpy().tobytes() if framework == "pt" else x.tobytes()
+
+    for name, a in sd.items():
+        assert raw(out[name]) == a.tobytes(), name
+    for name in names:
+        assert raw(sub[name]) == sd[name].tobytes(), name
+    if framework == "pt":  # each tensor its own storage, as on one file
+        ptrs = {t.untyped_storage().data_ptr() for t in out.values() if t.numel()}
+        assert len(ptrs) == sum(1 for a in sd.values() if a.size)
+
+
+def torch_u8():
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    return torch.uint8
+
+
+def test_load_into_a_checkpoint(sharded, monkeypatch):
+    path, sd, split = sharded
+    runs = count_pipelines(monkeypatch)
+    dest = {n: np.zeros_like(a) for n, a in sd.items()}
+    for where in (path, path / "model.safetensors.index.json"):
+        for d in dest.values():
+            d[...] = 0
+        runs.clear()
+        filled = engine.load_into(where, dest, strict=True)
+        assert sorted(filled) == sorted(sd) and len(runs) == 1
+        for n, a in sd.items():
+            assert dest[n].tobytes() == a.tobytes(), n
+    with open_checkpoint(path) as c:
+        assert filled == [n for s in c.shards for n in c.info.headers[s].offset_keys()]
+        part = {"lm_head.weight": np.zeros((64, 64), np.float16)}
+        assert c.load_into(part) == ["lm_head.weight"]
+        assert part["lm_head.weight"].tobytes() == sd["lm_head.weight"].tobytes()
+        with pytest.raises(TensorNotFoundError) as e:
+            c.load_into(part, strict=True)
+        assert e.value.path == str(path) and "model.layers.0.bias" in e.value.tensors
+        with pytest.raises(TensorNotFoundError) as e:
+            c.load_into({"nope": np.zeros(1)})
+        assert list(e.value.tensors) == ["nope"]
+        with pytest.raises(engine.TensorMismatchError) as e:  # checked before anything is read
+            c.load_into({"lm_head.weight": np.zeros((64, 64), np.float32)})
+        assert e.value.path == str(path / c.info.shard_of("lm_head.weight"))
+    # a single file still goes through the file path
+    single = path / c.info.shard_of("lm_head.weight")
+    one = {"lm_head.weight": np.zeros((64, 64), np.float16)}
+    assert engine.load_into(single, one) == ["lm_head.weight"]
+    assert one["lm_head.weight"].tobytes() == sd["lm_head.weight"].tobytes()
 
 
 def test_read_errors_in_parallel_loads_propagate(tmp_path, monkeypatch):

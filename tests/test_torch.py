@@ -247,3 +247,19 @@ def test_deduplicate_rules():
     assert aliases == {} and copied == []
 
 
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_load_file_of_a_sharded_checkpoint(tmp_path, backend):
+    # a directory or an index loads as one; every tensor keeps its own storage across shards
+    state = _state(12)
+    split = engine.save_sharded(state, tmp_path / "ckpt", max_shard_size="1KB")
+    assert len(split.filename_to_tensors) > 2
+    for where in (tmp_path / "ckpt", tmp_path / "ckpt" / "model.safetensors.index.json"):
+        loaded = et.load_file(where, backend=backend)
+        assert set(loaded) == set(state)
+        for name, t in loaded.items():
+            assert t.dtype == state[name].dtype and torch.equal(t, state[name]), name
+            if t.numel():
+                assert t.untyped_storage().nbytes() == t.nbytes, name
+        assert all(len(group) == 1 for group in ref._find_shared_tensors(loaded))
