@@ -176,6 +176,19 @@ def worker(spec: dict) -> dict:
     gc.collect()
 
     if case == "header100k":
+        # time spent in the cyclic garbage collector during the sample: the harness keeps
+        # a row of (name, dtype, shape) per tensor in a process that imported torch, and
+        # the full collections these rows set off walk every one of torch's objects
+        gc_time = [0.0, 0, 0.0]  # seconds, full collections, start of the current one
+
+        def on_gc(phase, info):
+            if phase == "start":
+                gc_time[2] = time.perf_counter()
+            else:
+                gc_time[0] += time.perf_counter() - gc_time[2]
+                gc_time[1] += info["generation"] == 2
+
+        gc.callbacks.append(on_gc)
         t0 = time.perf_counter()
         if impl in ("reference", "engine"):
             opener = safetensors.safe_open if ref else engine.safe_open
@@ -193,6 +206,8 @@ def worker(spec: dict) -> dict:
             h = engine.read_header(path)
             rows = None
         res["seconds"] = time.perf_counter() - t0
+        gc.callbacks.remove(on_gc)
+        res["gc_seconds"], res["gc_full"] = gc_time[0], gc_time[1]
         if rows is None:
             rows = [(k, h[k].dtype, h[k].shape) for k in h.keys()]
         res["digest"] = _digest(rows)
@@ -360,10 +375,12 @@ def summarize(case: str, impl: str, samples: list[dict]) -> dict:
     else:
         times = [s["seconds"] for s in ok]
     out.update(median=statistics.median(times), min=min(times), max=max(times), times=times)
-    for key in ("extra_peak", "extra_maxrss", "load_seconds"):
+    for key in ("extra_peak", "extra_maxrss", "load_seconds", "gc_seconds", "gc_full"):
         vals = [s[key] for s in ok if key in s]
         if vals:
-            out[key] = statistics.median(vals) if key == "load_seconds" else max(vals)
+            out[key] = max(vals) if key in ("extra_peak", "extra_maxrss") else statistics.median(vals)
+    if "gc_seconds" in out:  # the sample's own work, collector time taken out
+        out["without_gc"] = statistics.median(s["seconds"] - s["gc_seconds"] for s in ok)
     for key in ("digest", "checksum", "count", "file_bytes", "hwm_reset"):
         vals = {json.dumps(s.get(key)) for s in ok if key in s}
         if vals:
@@ -527,6 +544,11 @@ def render(results: dict, info: dict, repeat: int) -> str:
                 extra.append(f"ru_maxrss extra {s['extra_maxrss'] / MB:.0f} MiB")
             if "first_seconds" in s:
                 extra.append(f"first open in process {fmt_time(s['first_seconds'])}")
+            if "gc_seconds" in s:
+                ref_wo = r["impls"].get("reference", {}).get("without_gc")
+                ratio = f", ref/x {ref_wo / s['without_gc']:.2f}" if ref_wo and impl != "reference" else ""
+                extra.append(f"cyclic GC {fmt_time(s['gc_seconds'])} ({s['gc_full']:g} full collections), "
+                             f"without it {fmt_time(s['without_gc'])}{ratio}")
             if extra:
                 out.append(f"  {case}/{impl}: " + ", ".join(extra))
     return "\n".join(out)
