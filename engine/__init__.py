@@ -39,14 +39,14 @@ _LAZY = {
     "Header": "engine.header",
     "TensorInfo": "engine.header",
     "MAX_HEADER_SIZE": "engine.header",
-    "safe_open": "engine.checkpoint",
+    "safe_open": "engine.opener",
     "_safe_open_handle": "engine.api",
     "TensorSpec": "engine.tensorspec",
     "serialize": "engine.tensorspec",
     "serialize_file": "engine.tensorspec",
     "deserialize": "engine.tensorspec",
     "stream": "engine.loader",
-    "load_into": "engine.checkpoint",
+    "load_into": "engine.opener",
     "load_file": "engine.numpy",
     "load": "engine.numpy",
     "save_file": "engine.writer",
@@ -109,9 +109,11 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import _safe_open_handle
-    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info, safe_open
+    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
+    from .loader import stream
     from .numpy import load, load_file
+    from .opener import load_into, safe_open
     from .shards import save_sharded
     from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
     from .writer import save, save_file

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import mmap
 import os
 import tempfile
 import threading
@@ -209,7 +208,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         if base is None:
             fd = self._borrow()
             try:
-                mm = mmap.mmap(fd, 0, access=self._sink.mmap_access)
+                import mmap  # opening a file and reading its header need no mapping
+
+                mm = mmap.mmap(fd, 0, access=getattr(mmap, self._sink.mmap_access))
             finally:
                 self._give_back()
             self._mm = mm

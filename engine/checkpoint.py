@@ -52,9 +52,6 @@ __all__ = [
     "CheckpointInfo",
     "Checkpoint",
     "open_checkpoint",
-    "safe_open",
-    "is_checkpoint_path",
-    "load_into",
     "read_checkpoint_info",
     "check_checkpoint",
     "parse_index",
@@ -877,40 +874,3 @@ def open_checkpoint(
     return Checkpoint(
         path, framework, device, backend=backend, max_header_size=max_header_size, max_workers=max_workers
     )
-
-
-def is_checkpoint_path(path: PathLike) -> bool:
-    """True for what opens as a whole checkpoint rather than one file: an index or a directory."""
-    text = os.fspath(path)
-    return text.endswith(".json") or os.path.isdir(text)
-
-
-class safe_open(api.safe_open):  # noqa: N801 - the reference's spelling, for a drop-in replacement
-    """:class:`engine.api.safe_open` for a file, and :class:`Checkpoint` for an index or a
-    directory: ``engine.safe_open(path)`` opens whatever a model ships as.
-
-    Parameters and methods are those of :class:`engine.api.safe_open`; an index or a
-    directory gives a :class:`Checkpoint` with the same methods across its shards.
-    """
-
-    def __new__(cls, filename, *args, **kwargs):
-        if cls is safe_open and is_checkpoint_path(filename):
-            return Checkpoint(filename, *args, **kwargs)
-        return super().__new__(cls)
-
-
-def load_into(path: PathLike, tensors: Mapping[str, Any], **options) -> list[str]:
-    """Fill existing tensors in place from a file, or from a checkpoint (an index or a
-    directory) as one load across its shards.
-
-    Parameters, returns, errors and copies as :func:`engine.loader.load_into`; for a
-    checkpoint the names come shard by shard (sorted shards), in file order within each,
-    and ``strict`` counts the tensors of every shard.
-    """
-    if not is_checkpoint_path(path):
-        from . import loader  # the threaded pipeline: opening a file needs none of it
-
-        return loader.load_into(path, tensors, **options)
-    max_header_size = options.pop("max_header_size", MAX_HEADER_SIZE)
-    with Checkpoint(path, backend="pread", max_header_size=max_header_size) as c:
-        return c.load_into(tensors, **options)

@@ -12,9 +12,9 @@ import numpy as np
 
 from . import writer
 from .api import views
-from .checkpoint import safe_open
 from .errors import SerializationError
 from .header import parse_buffer
+from .opener import safe_open
 from .sinks.numpy import NumpySink
 
 __all__ = ["load_file", "load", "save_file", "save"]

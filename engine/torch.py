@@ -21,9 +21,9 @@ import torch
 
 from . import writer
 from .api import views
-from .checkpoint import safe_open
 from .errors import SerializationError
 from .header import parse_buffer
+from .opener import safe_open
 from .sinks.torch import TorchSink
 
 __all__ = [

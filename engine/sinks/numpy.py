@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import mmap
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import UnrepresentableTensorError
 
+if TYPE_CHECKING:
+    import mmap
+
 
 class NumpySink:
     name = "numpy"
     on_device = False
-    # numpy views are read-only, so a read-only shared mapping is enough (and costs no commit charge)
-    mmap_access = mmap.ACCESS_READ
+    # numpy views are read-only, so a read-only shared mapping is enough (and costs no commit
+    # charge); the name of an ``mmap`` constant, so that opening a file needs no ``mmap`` module
+    mmap_access = "ACCESS_READ"
 
     def map(self, mm: mmap.mmap):
         return mm

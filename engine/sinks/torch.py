@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import warnings
 
 import torch
@@ -16,7 +15,7 @@ class TorchSink:
     name = "torch"
     # torch tensors are writable, as the reference hands them out: a private (copy-on-write)
     # mapping lets callers write without touching the file
-    mmap_access = mmap.ACCESS_COPY
+    mmap_access = "ACCESS_COPY"  # the name of an mmap constant, as on NumpySink
 
     def __init__(self, device="cpu") -> None:
         try:
