@@ -336,7 +336,8 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
             # a cold file is read on several threads in large pieces, not page by page as
             # the caller touches it (a warm one costs a mincore call per 32 MiB)
             start = h.header.data_start
-            prefetch_mapping(h._mm, [(start + int(t.begins[r]), start + int(t.ends[r])) for r in rows])
+            begins, ends = t.begins.tolist(), t.ends.tolist()
+            prefetch_mapping(h._mm, [(start + begins[r], start + ends[r]) for r in rows])
             outs.append(views(sink, base, h.header, rows, start, path=h._path))
     else:
         # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
@@ -359,13 +360,16 @@ def views(sink, base, header: Header, rows, data_start: int, path=None) -> dict:
     Raises ``UnrepresentableTensorError`` naming the tensor (and ``path``) for a valid
     entry the framework cannot build."""
     t = header.table
-    names, codes, shapes, begins, ends = t.names, t.codes, t.shapes, t.begins, t.ends
+    names, shapes = t.names, t.shapes
+    # Python ints per row, taken in one call per column: indexing the arrays row by row
+    # would build a numpy scalar per access (four per tensor)
+    codes, begins, ends = t.codes.tolist(), t.begins.tolist(), t.ends.tolist()
     view = sink.view
     out = {}
     for r in rows:
-        b = int(begins[r])
+        b = begins[r]
         try:
-            out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
+            out[names[r]] = view(base, codes[r], shapes[r], data_start + b, ends[r] - b)
         except UnrepresentableTensorError as err:
             raise UnrepresentableTensorError(
                 f"tensor {names[r]!r}: {err.message}", reason=err.reason, path=path, tensors=(names[r],)

@@ -24,6 +24,7 @@ __all__ = [
     "BY_NAME",
     "NAMES",
     "BITS",
+    "SUB_BYTE_CODES",
     "code_of",
     "numpy_dtype",
     "from_numpy",
@@ -86,6 +87,8 @@ BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 NAMES: tuple[str, ...] = tuple(d.name for d in DTYPES)
 #: Bits per element indexed by code.
 BITS: tuple[int, ...] = tuple(d.bits for d in DTYPES)
+#: codes of the dtypes narrower than a byte, handed out packed (see :func:`packed_shape`)
+SUB_BYTE_CODES: frozenset[int] = frozenset(d.code for d in DTYPES if d.sub_byte)
 
 
 def code_of(name: str) -> int:

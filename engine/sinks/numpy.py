@@ -25,7 +25,8 @@ class NumpySink:
 
     def view(self, base, code: int, shape: tuple, offset: int, nbytes: int) -> np.ndarray:
         """Zero-copy read-only array over ``nbytes`` at absolute ``offset`` of the mapping."""
-        shape = dtypes.packed_shape(code, shape, nbytes)
+        if code in dtypes.SUB_BYTE_CODES:
+            shape = dtypes.packed_shape(code, shape, nbytes)
         try:
             return np.ndarray(shape, dtypes.numpy_dtype(code), buffer=base, offset=offset)
         except (ValueError, OverflowError) as exc:

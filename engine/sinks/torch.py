@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
+import numpy as np
 import torch
 
 from .. import dtypes
-from ..errors import DeviceError, UnrepresentableTensorError
+from ..errors import DeviceError, SafetensorError, UnrepresentableTensorError
 from . import _cudart
 
 
@@ -34,7 +36,9 @@ class TorchSink:
         return buffer
 
     def view(self, base, code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
-        return host_tensor(base, code, dtypes.packed_shape(code, shape, nbytes), offset, nbytes)
+        if code in dtypes.SUB_BYTE_CODES:
+            shape = dtypes.packed_shape(code, shape, nbytes)
+        return host_tensor(base, code, shape, offset, nbytes)
 
     def allocate(self, specs, file_begins):
         """Owned CPU tensors for ``specs`` = [(row, code, shape, nbytes)], cut from one block.
@@ -87,6 +91,33 @@ class TorchSink:
 _INT64_MAX = 2**63 - 1
 
 
+# the numpy dtypes (plain numpy, no ml_dtypes) that torch.from_numpy takes as the format's own
+_PLAIN_NUMPY = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "C64": "<c8",
+    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+}  # fmt: skip
+
+
+@functools.cache
+def _from_numpy_dtypes() -> dict[int, np.dtype]:
+    """code -> numpy dtype for the codes whose arrays ``torch.from_numpy`` turns into the
+    code's torch dtype (checked here, on this torch build); BF16, FP8 and sub-byte are not."""
+    out = {}
+    for d in dtypes.DTYPES:
+        name = _PLAIN_NUMPY.get(d.name)
+        if name is None:
+            continue
+        npdt = np.dtype(name)
+        try:
+            ok = torch.from_numpy(np.zeros(1, npdt)).dtype == dtypes.torch_dtype(d.code)
+        except (TypeError, RuntimeError, SafetensorError):
+            ok = False
+        if ok:
+            out[d.code] = npdt
+    return out
+
+
 def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> torch.Tensor:
     """A tensor over ``nbytes`` of the writable ``buffer`` at ``offset``, with a storage of its own.
 
@@ -104,7 +135,7 @@ def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> to
         A shape torch cannot hold (a dimension of 2**63 or more).
     """
     tdt = dtypes.torch_dtype(code)
-    if any(d > _INT64_MAX for d in shape):
+    if shape and max(shape) > _INT64_MAX:
         raise UnrepresentableTensorError(
             f"shape {dtypes.shape_text(shape)} has a dimension of 2**63 or more, which torch cannot index",
             reason="UnrepresentableShape",
@@ -123,8 +154,19 @@ def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> to
         out = torch.empty(shape, dtype=tdt)
         out.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset))
         return out
-    flat = torch.frombuffer(buffer, dtype=tdt, count=nbytes // itemsize, offset=offset)
-    return flat.view(*shape) if shape else flat.view(())
+    npdt = _from_numpy_dtypes().get(code)
+    if npdt is not None:
+        # half the cost of frombuffer + view: one tensor object, already in its shape, whose
+        # storage (from the array) covers exactly its bytes
+        try:
+            return torch.from_numpy(np.ndarray(shape, npdt, buffer=buffer, offset=offset))
+        except ValueError:  # a shape numpy cannot hold (rank over 64): torch's own way below
+            pass
+    count = nbytes // itemsize
+    flat = torch.frombuffer(buffer, dtype=tdt, count=count, offset=offset)
+    if len(shape) == 1 and shape[0] == count:  # already the shape: no second tensor object
+        return flat
+    return flat.view(shape)
 
 
 # -- CUDA destinations ---------------------------------------------------------------------------
