@@ -9,6 +9,8 @@ system-wide monotonic clock).  Implementations, alternated sample by sample:
   ``strided="auto"``: column blocks with short rows read as dense spans);
 * engine-runs: the same with ``strided="runs"`` (one read per row of a column block, exactly
   the shard's bytes);
+* engine-1t: the engine row with one reader thread per rank (``threads=1``), as the
+  reference has: what oversubscribing the cores costs when ranks share them;
 * reference: ``safetensors.safe_open(framework="pt")`` + ``get_slice(name)[index]`` with the
   same index for every tensor, concatenated for fused tensors and made contiguous (owned
   tensors, as a server keeps them);
@@ -47,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-IMPLS = ("engine", "engine-runs", "reference", "floor")
+IMPLS = ("engine", "engine-runs", "engine-1t", "reference", "floor")
 
 
 def config_for(quick: bool) -> dict:
@@ -144,6 +146,7 @@ def worker(rank, world, port, path, cfg, impl, out):
         "floor": floor,
         "engine": lambda: load_tensor_parallel(path, plan),
         "engine-runs": lambda: load_tensor_parallel(path, plan, strided="runs"),
+        "engine-1t": lambda: load_tensor_parallel(path, plan, threads=1),
         "reference": reference,
     }[impl]
     dist.barrier()
