@@ -11,6 +11,8 @@ system-wide monotonic clock).  Implementations, alternated sample by sample:
   the shard's bytes);
 * engine-1t: the engine row with one reader thread per rank (``threads=1``), as the
   reference has: what oversubscribing the cores costs when ranks share them;
+* engine-mmap: ``backend="mmap"``: the shard copied out of a read-only mapping (column
+  blocks in one strided copy each), as the reference reads;
 * reference: ``safetensors.safe_open(framework="pt")`` + ``get_slice(name)[index]`` with the
   same index for every tensor, concatenated for fused tensors and made contiguous (owned
   tensors, as a server keeps them);
@@ -49,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-IMPLS = ("engine", "engine-runs", "engine-1t", "reference", "floor")
+IMPLS = ("engine", "engine-runs", "engine-1t", "engine-mmap", "reference", "floor")
 
 
 def config_for(quick: bool) -> dict:
@@ -147,6 +149,7 @@ def worker(rank, world, port, path, cfg, impl, out):
         "engine": lambda: load_tensor_parallel(path, plan),
         "engine-runs": lambda: load_tensor_parallel(path, plan, strided="runs"),
         "engine-1t": lambda: load_tensor_parallel(path, plan, threads=1),
+        "engine-mmap": lambda: load_tensor_parallel(path, plan, backend="mmap"),
         "reference": reference,
     }[impl]
     dist.barrier()

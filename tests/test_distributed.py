@@ -240,6 +240,47 @@ def test_spans_through_a_small_bounce_on_several_threads(tmp_path, monkeypatch):
         load_tensor_parallel(path, plan, rank=0, world_size=3, strided="bounce")
 
 
+def test_mapped_backend_gives_the_pread_shards(tmp_path, monkeypatch):
+    # every kind of job: chunked contiguous reads, long-run column blocks, short strided runs
+    # (one strided copy), uneven runs (padding) and replicated tensors, on several threads
+    import engine.distributed as ed
+
+    monkeypatch.setattr(ed, "_CHUNK_BYTES", 4096)  # several jobs per tensor
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "embed": torch.randn(96, 40, generator=g),
+        "w": torch.randn(300, 48, generator=g).to(torch.bfloat16),
+        "long": torch.randn(8, 1536, generator=g),
+        "b": torch.arange(300 * 50, dtype=torch.int32).reshape(300, 50),
+        "norm": torch.randn(40, generator=g),
+    }
+    path = tmp_path / "m.safetensors"
+    engine.torch.save_file(sd, path)
+    plan = ShardingPlan([("embed", Split(0)), ("w", Split(1)), ("long", Split(1)), ("b", Split(-1, pad=True)),
+                         ("norm", Replicate())])
+    for rank in range(3):
+        ref = load_tensor_parallel(path, plan, rank=rank, world_size=3, strided="runs")
+        got = load_tensor_parallel(path, plan, rank=rank, world_size=3, backend="mmap", threads=3)
+        assert list(got) == list(ref)
+        for name in ref:
+            assert got[name].dtype == ref[name].dtype and torch.equal(got[name], ref[name]), (rank, name)
+        assert torch.equal(got["w"], sd["w"][:, rank * 16 : (rank + 1) * 16])
+    with pytest.raises(ShardingError, match="backend"):
+        load_tensor_parallel(path, plan, rank=0, world_size=3, backend="cuda")
+
+
+def test_mapped_copy_of_uneven_runs():
+    import numpy as np
+
+    from engine.distributed import _copy_mapped, _Job
+
+    source = np.arange(256, dtype=np.uint8)
+    for src in ([3, 10, 40, 41 + 4], [0, 16, 32], [100]):
+        dst = bytearray(4 * len(src))
+        _copy_mapped(source, _Job(memoryview(dst), np.array(src, np.int64), 4, 7, False))
+        assert bytes(dst) == b"".join(bytes(source[7 + o : 7 + o + 4]) for o in src), src
+
+
 def test_rank_and_world_are_checked(tmp_path):
     with pytest.raises(ShardingError, match="initialise"):
         load_tensor_parallel(tmp_path / "x", ShardingPlan())
