@@ -569,6 +569,50 @@ def test_owned_load_of_a_checkpoint_is_one_pipeline(sharded, monkeypatch, framew
         assert len(ptrs) == sum(1 for a in sd.values() if a.size)
 
 
+class EmulatedSink:
+    """A device sink over the emulated asynchronous device: raw bytes per tensor; records
+    each allocation's size."""
+
+    name = "emulated"
+    on_device = True
+
+    def __init__(self):
+        from emulated import EmulatedDevice
+
+        self.ops = EmulatedDevice()
+        self.allocations: list[int] = []
+
+    def allocate_device(self, specs, per_tensor=False):
+        self.allocations.append(len(specs))
+        targets = {key: bytearray(nbytes) for key, _, _, nbytes in specs}
+        return dict(targets), targets, self.ops
+
+
+@pytest.mark.parametrize("gpu_path", ["copy", "auto"])
+def test_device_load_of_a_checkpoint_is_one_pipeline_into_one_allocation(sharded, monkeypatch, gpu_path):
+    from engine import pipeline
+
+    path, sd, split = sharded
+    sink = EmulatedSink()
+    monkeypatch.setattr(engine.api, "get_sink", lambda framework, device: sink)
+    real = pipeline.run_sources
+    monkeypatch.setattr(pipeline, "run_sources", lambda *a, **k: real(*a, **{**k, "gpu_path": gpu_path}))
+    runs = count_pipelines(monkeypatch)
+    try:
+        with open_checkpoint(path, device="emulated") as c:
+            out = c.get_tensors()
+            with_bytes = [s for s in c.shards if c.info.headers[s].data_size]
+            assert runs == [with_bytes] and sink.allocations == [len(sd)]
+            sub = c.get_tensors(["lm_head.weight", "model.layers.0.bias"])
+            assert sink.allocations == [len(sd), 2]
+    finally:
+        sink.ops.close()
+    for name, a in sd.items():
+        assert bytes(out[name]) == a.tobytes(), name
+    assert bytes(sub["lm_head.weight"]) == sd["lm_head.weight"].tobytes()
+    sink.ops.assert_clean()
+
+
 def torch_u8():
     torch = pytest.importorskip("torch", reason="torch is an optional extra")
     return torch.uint8
