@@ -767,7 +767,7 @@ class Checkpoint:
         ``"mmap"`` on the CPU makes views of each shard's mapping, read ahead on several
         threads when cold.  Owned (``"pread"``) and device loads read every shard through
         one pipeline (one queue of reads over all files, one set of reader threads or
-        staging slots, one allocation), so a checkpoint loads at the rate of one file.
+        staging slots, one allocation) instead of one per shard.
         Copies of tensor bytes as for :class:`engine.safe_open`: 0 with ``"mmap"``, 1 with
         ``"pread"``, a device adds its host-to-device copy.
         """

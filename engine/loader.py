@@ -131,8 +131,8 @@ def load_parts(
     """Read the rows of one or more open files into new tensors of ``sink``, as one load.
 
     Every file's reads go into one queue served by one set of reader threads (host
-    destinations) or one pair of staging slots (devices), into one allocation: a sharded
-    checkpoint loads at the rate of one file, not shard after shard.  Returns, per part,
+    destinations) or one pair of staging slots (devices), into one allocation: the shards of
+    a checkpoint share them instead of each starting its own.  Returns, per part,
     row -> tensor.  Device loads: ``threads`` native threads split each staging slot
     (default every core), ``gpu_path`` and ``slot_bytes`` as in
     :func:`engine.pipeline.run_sources`.
