@@ -776,11 +776,11 @@ class Checkpoint:
             wanted = None
         else:
             wanted = list(names)
-            by_shard: dict[str, list[int]] = {}
+            by_shard: dict[str, dict[int, None]] = {}  # ordered sets: a name asked twice is read once
             for name in wanted:
                 shard = self.info.shard_of(name)
-                by_shard.setdefault(shard, []).append(self.info.headers[shard].table.index[name])
-            parts = [(self._handles[s], rows) for s, rows in by_shard.items()]
+                by_shard.setdefault(shard, {})[self.info.headers[shard].table.index[name]] = None
+            parts = [(self._handles[s], list(rows)) for s, rows in by_shard.items()]
         loaded: dict = {}
         for part in api.get_rows_many(parts):
             loaded.update(part)

@@ -537,7 +537,7 @@ def test_parallel_paths(tmp_path, monkeypatch):
         for name, a in sd.items():
             np.testing.assert_array_equal(out[name], a)
             assert out[name].flags.writeable
-        sub = c.get_tensors(["w3", "w0"])
+        sub = c.get_tensors(["w3", "w0", "w3"])
         assert list(sub) == ["w3", "w0"]
         assert sorted(runs[1]) == sorted({c.info.shard_of("w3"), c.info.shard_of("w0")})
         np.testing.assert_array_equal(sub["w3"], sd["w3"])
