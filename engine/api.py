@@ -336,8 +336,8 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
             # a cold file is read on several threads in large pieces, not page by page as
             # the caller touches it (a warm one costs a mincore call per 32 MiB)
             start = h.header.data_start
-            begins, ends = t.begins.tolist(), t.ends.tolist()
-            prefetch_mapping(h._mm, [(start + begins[r], start + ends[r]) for r in rows])
+            _, begins, ends = _columns(t, rows)
+            prefetch_mapping(h._mm, [(start + int(begins[r]), start + int(ends[r])) for r in rows])
             outs.append(views(sink, base, h.header, rows, start, path=h._path))
     else:
         # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
@@ -352,6 +352,16 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
     return outs
 
 
+def _columns(table, rows) -> tuple:
+    """(codes, begins, ends) to index by row: Python lists when ``rows`` is much of the
+    table (indexing the arrays would build a numpy scalar per field; one ``tolist`` per
+    column is cheaper), else the arrays themselves (a few rows of a large file must not
+    pay for converting every row)."""
+    if len(rows) * 8 >= len(table.names):
+        return table.codes.tolist(), table.begins.tolist(), table.ends.tolist()
+    return table.codes, table.begins, table.ends
+
+
 def views(sink, base, header: Header, rows, data_start: int, path=None) -> dict:
     """Tensors of ``rows`` as zero-copy views of ``base``, whose byte ``data_start`` is the
     first byte of the data region (a mapped file, the bytes of a whole file, or a copy of its
@@ -361,15 +371,13 @@ def views(sink, base, header: Header, rows, data_start: int, path=None) -> dict:
     entry the framework cannot build."""
     t = header.table
     names, shapes = t.names, t.shapes
-    # Python ints per row, taken in one call per column: indexing the arrays row by row
-    # would build a numpy scalar per access (four per tensor)
-    codes, begins, ends = t.codes.tolist(), t.begins.tolist(), t.ends.tolist()
+    codes, begins, ends = _columns(t, rows)
     view = sink.view
     out = {}
     for r in rows:
-        b = begins[r]
+        b = int(begins[r])
         try:
-            out[names[r]] = view(base, codes[r], shapes[r], data_start + b, ends[r] - b)
+            out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
         except UnrepresentableTensorError as err:
             raise UnrepresentableTensorError(
                 f"tensor {names[r]!r}: {err.message}", reason=err.reason, path=path, tensors=(names[r],)
