@@ -263,3 +263,32 @@ def test_load_file_of_a_sharded_checkpoint(tmp_path, backend):
             if t.numel():
                 assert t.untyped_storage().nbytes() == t.nbytes, name
         assert all(len(group) == 1 for group in ref._find_shared_tensors(loaded))
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_every_byte_sized_dtype_and_rank_gets_its_own_exact_storage(tmp_path, backend):
+    # dtypes numpy has (one tensor from the array) and those it lacks (BF16, FP8: viewed)
+    from engine import dtypes
+
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for d in dtypes.DTYPES:
+        if d.sub_byte:
+            continue
+        try:
+            tdt = dtypes.torch_dtype(d.code)
+        except engine.SafetensorError:
+            continue
+        for shape in [(), (5,), (3, 4), (2, 3, 4)]:
+            raw = torch.randint(0, 256, (max(1, int(np.prod(shape))) * d.itemsize,), dtype=torch.uint8, generator=g)
+            if tdt == torch.bool:
+                raw = raw % 2
+            state[f"{d.name}.{len(shape)}"] = raw.view(tdt).reshape(shape)
+    path = tmp_path / "all.safetensors"
+    et.save_file(state, path)
+    loaded = et.load_file(path, backend=backend)
+    for name, t in state.items():
+        got = loaded[name]
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+        assert got.untyped_storage().nbytes() == t.nbytes and got.untyped_storage().data_ptr() == got.data_ptr(), name

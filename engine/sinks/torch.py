@@ -100,21 +100,29 @@ _PLAIN_NUMPY = {
 
 
 @functools.cache
-def _from_numpy_dtypes() -> dict[int, np.dtype]:
-    """code -> numpy dtype for the codes whose arrays ``torch.from_numpy`` turns into the
-    code's torch dtype (checked here, on this torch build); BF16, FP8 and sub-byte are not."""
-    out = {}
+def _from_numpy_dtypes() -> dict[int, tuple[np.dtype, torch.dtype | None]]:
+    """code -> (numpy dtype, torch dtype to view the result as, or None) for every byte-sized
+    dtype: its own numpy dtype where ``torch.from_numpy`` turns that into the code's torch
+    dtype, else an unsigned integer of its width viewed as the torch dtype (BF16, FP8).
+    Checked here, on this torch build; sub-byte dtypes are not in it."""
+    out: dict[int, tuple[np.dtype, torch.dtype | None]] = {}
     for d in dtypes.DTYPES:
-        name = _PLAIN_NUMPY.get(d.name)
-        if name is None:
+        if d.sub_byte:
             continue
-        npdt = np.dtype(name)
         try:
-            ok = torch.from_numpy(np.zeros(1, npdt)).dtype == dtypes.torch_dtype(d.code)
-        except (TypeError, RuntimeError, SafetensorError):
-            ok = False
-        if ok:
-            out[d.code] = npdt
+            tdt = dtypes.torch_dtype(d.code)
+        except SafetensorError:  # this torch build has no such dtype
+            continue
+        name = _PLAIN_NUMPY.get(d.name)
+        try:
+            if name is not None and torch.from_numpy(np.zeros(1, name)).dtype == tdt:
+                out[d.code] = (np.dtype(name), None)
+                continue
+            width = np.dtype(f"<u{d.itemsize}")
+            if torch.from_numpy(np.zeros(1, width)).view(tdt).dtype == tdt:
+                out[d.code] = (width, tdt)
+        except (TypeError, RuntimeError):  # no numpy twin of that width: frombuffer's way
+            continue
     return out
 
 
@@ -154,14 +162,16 @@ def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> to
         out = torch.empty(shape, dtype=tdt)
         out.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset))
         return out
-    npdt = _from_numpy_dtypes().get(code)
-    if npdt is not None:
-        # half the cost of frombuffer + view: one tensor object, already in its shape, whose
-        # storage (from the array) covers exactly its bytes
+    twin = _from_numpy_dtypes().get(code)
+    if twin is not None:
+        # cheaper than frombuffer + reshape: a tensor already in its shape (one object, or
+        # two for the dtypes numpy lacks), whose storage (from the array) covers exactly its bytes
         try:
-            return torch.from_numpy(np.ndarray(shape, npdt, buffer=buffer, offset=offset))
+            t = torch.from_numpy(np.ndarray(shape, twin[0], buffer=buffer, offset=offset))
         except ValueError:  # a shape numpy cannot hold (rank over 64): torch's own way below
             pass
+        else:
+            return t if twin[1] is None else t.view(twin[1])
     count = nbytes // itemsize
     flat = torch.frombuffer(buffer, dtype=tdt, count=count, offset=offset)
     if len(shape) == 1 and shape[0] == count:  # already the shape: no second tensor object
