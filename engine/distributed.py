@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .errors import ShardingError
+from .opener import is_checkpoint_path
 
 __all__ = [
     "Replicate",
@@ -206,14 +207,34 @@ def _pad(t: torch.Tensor, dim: int, to: int | None) -> torch.Tensor:
 
 
 def _open(path, backend: str):
-    path = os.fspath(path)
-    if os.path.isdir(path) or path.endswith(".index.json"):
-        from .checkpoint import open_checkpoint
+    """A file or a whole checkpoint, torch framework (see :mod:`engine.opener`)."""
+    from .opener import safe_open
 
-        return open_checkpoint(path, framework="pt", backend=backend)
-    from .api import safe_open
+    return safe_open(os.fspath(path), framework="pt", backend=backend)
 
-    return safe_open(path, framework="pt", backend=backend)
+
+def _shard(f, name: str, action, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's shard of tensor ``name`` of the open handle ``f``, read through a slice
+    handle; packed sub-byte tensors, which cannot be sliced before they are read, are read
+    whole and cut in memory (not along their packed last dimension)."""
+    from .dtypes import BY_NAME
+
+    sl = f.get_slice(name)
+    shape = sl.get_shape()
+    packed = BY_NAME[sl.get_dtype()].sub_byte
+    source: Any = sl
+    if packed:
+        source = f.get_tensor(name)
+        if isinstance(action, Replicate):
+            return source
+        if action.dim % len(shape) == len(shape) - 1:
+            raise ShardingError(f"tensor {name!r}: a packed {sl.get_dtype()} tensor cannot be split along its "
+                                f"last dimension", reason="InvalidSplit", tensors=(name,))
+    elif isinstance(action, Replicate):
+        return sl[...]
+    parts = [_pad(source[index], action.dim, to) for index, to in shard_index(name, shape, action, rank, world_size)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)
+    return out.clone() if packed and len(parts) == 1 else out  # a view would keep the whole tensor alive
 
 
 def _rank_world(rank, world_size, process_group):
@@ -318,23 +339,16 @@ def load_tensor_parallel(
     if mode == "broadcast":
         return _load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names)
     path = os.fspath(path_or_index)
-    if not (os.path.isdir(path) or path.endswith(".json")):
+    if not is_checkpoint_path(path):
         out = _load_file_direct(path, plan, rank, world_size, names, "runs" if backend == "mmap" else strided,
                                 threads, mapped=backend == "mmap")
         return {k: v.to(device) for k, v in out.items()} if device.type != "cpu" else out
     out = {}
     with _open(path_or_index, "pread") as f:
-        for name in f.offset_keys() if hasattr(f, "offset_keys") else f.keys():
+        for name in f.offset_keys():
             if names is not None and not names(name):
                 continue
-            sl = f.get_slice(name)
-            action = plan.action(name)
-            pieces = shard_index(name, sl.get_shape(), action, rank, world_size)
-            if isinstance(action, Replicate):
-                t = sl[...]
-            else:
-                parts = [_pad(sl[index], action.dim, to) for index, to in pieces]
-                t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)
+            t = _shard(f, name, plan.action(name), rank, world_size)
             out[name] = t.to(device) if device.type != "cpu" else t
     return out
 
@@ -491,10 +505,11 @@ def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int,
 
     import numpy as np
 
+    from ._files import open_regular
     from .header import read_header_fd
     from .reader import default_threads, pread_into, pread_runs, pread_spans, run_threads
 
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = open_regular(path)  # a FIFO or device is refused, never waited on
     try:
         header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size)
         outputs, jobs, slow = _direct_jobs(header, plan, rank, world_size, names, strided)
@@ -530,12 +545,7 @@ def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int,
         if slow:
             with _open(path, "pread") as f:
                 for name in slow:
-                    sl = f.get_slice(name)
-                    action = plan.action(name)
-                    assert not isinstance(action, Replicate)  # replicated tensors never reach here
-                    parts = [_pad(sl[index], action.dim, to)
-                             for index, to in shard_index(name, sl.get_shape(), action, rank, world_size)]
-                    outputs[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)
+                    outputs[name] = _shard(f, name, plan.action(name), rank, world_size)
         order = {n: i for i, n in enumerate(header.offset_keys())}
         return dict(sorted(outputs.items(), key=lambda kv: order[kv[0]]))
     finally:
@@ -607,7 +617,7 @@ def _catalogue(source):
     opened = None
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if not (os.path.isdir(path) or path.endswith(".index.json")):
+        if not is_checkpoint_path(path):
             from .header import read_header
 
             header = read_header(path)
@@ -615,7 +625,7 @@ def _catalogue(source):
             return keys, {k: header[k].shape for k in keys}, {k: dtypes.torch_dtype(header[k].code) for k in keys}
         source = opened = _open(path, "mmap")
     try:
-        keys = source.offset_keys() if hasattr(source, "offset_keys") else source.keys()
+        keys = source.offset_keys()
         slices = {k: source.get_slice(k) for k in keys}
         shapes = {k: tuple(sl.get_shape()) for k, sl in slices.items()}
         dts = {k: dtypes.torch_dtype(dtypes.code_of(sl.get_dtype())) for k, sl in slices.items()}

@@ -39,7 +39,7 @@ def stats_file(path, names=None, *, threads: int | None = None) -> dict[str, Sta
     out: dict[str, Stats] = {}
     with open_checkpoint(path, framework="numpy") as ck:
         wanted = list(names) if names is not None else (
-            ck.offset_keys() if hasattr(ck, "offset_keys") else ck.keys())
+            ck.offset_keys())
         for name in wanted:
             if ck.get_slice(name).get_dtype() in SUPPORTED_NAMES:
                 out[name] = stats(ck.get_tensor(name), threads=threads)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import dtypes, pipeline
+from ._files import open_regular
 from .errors import DeviceError, SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .onload import plan as onload_plan
@@ -41,8 +42,7 @@ __all__ = ["stream", "load_into", "load_parts", "fill_parts", "Part"]
 
 def _open(path) -> tuple[int, str]:
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    return fd, path
+    return open_regular(path), path  # a FIFO or device is refused, never waited on
 
 
 def _advise_sequential(fd: int) -> None:

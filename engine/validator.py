@@ -240,7 +240,7 @@ class WeightValidator:
         report = ValidationReport(path=os.fspath(path))
         report.expected_parameters = sum(math.prod(s) for s in self.expected.values())
         with open_checkpoint(path, framework="numpy") as ck:
-            names = ck.offset_keys() if hasattr(ck, "offset_keys") else ck.keys()
+            names = ck.offset_keys()
             present = set(names)
             report.missing = [n for n in self.expected if n not in present]
             matrix_dtypes: dict[str, str] = {}

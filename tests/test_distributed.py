@@ -269,6 +269,23 @@ def test_mapped_backend_gives_the_pread_shards(tmp_path, monkeypatch):
         load_tensor_parallel(path, plan, rank=0, world_size=3, backend="cuda")
 
 
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+def test_sub_byte_tensors_take_the_slice_path_replicated_or_split(tmp_path, backend):
+    # packed F4 bytes cannot be planned as byte runs: they are read through get_slice, both
+    # when a rank gets all of them and when it gets a row block
+    f4 = torch.arange(64, dtype=torch.uint8).reshape(8, 8).view(torch.float4_e2m1fn_x2)
+    w = torch.randn(8, 4)
+    path = tmp_path / "f4.safetensors"
+    engine.torch.save_file({"packed": f4, "w": w}, path)
+    for plan, expect in ((ShardingPlan(), f4), (ShardingPlan([("packed", Split(0))]), f4[4:])):
+        got = load_tensor_parallel(path, plan, rank=1, world_size=2, backend=backend)
+        assert got["packed"].dtype == f4.dtype
+        assert torch.equal(got["packed"].view(torch.uint8), expect.view(torch.uint8))
+        assert torch.equal(got["w"], w)
+    with pytest.raises(ShardingError, match="packed"):
+        load_tensor_parallel(path, ShardingPlan([("packed", Split(1))]), rank=0, world_size=2, backend=backend)
+
+
 def test_mapped_copy_of_uneven_runs():
     import numpy as np
 

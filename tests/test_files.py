@@ -42,6 +42,12 @@ def _returns_in_time(fn, seconds: float = 10.0, fifo=None):
     return out.get("value")
 
 
+def _tensor_parallel(path):
+    from engine.distributed import ShardingPlan, load_tensor_parallel
+
+    return load_tensor_parallel(path, ShardingPlan(), rank=0, world_size=1)
+
+
 @pytest.mark.parametrize(
     "opener",
     [
@@ -51,8 +57,12 @@ def _returns_in_time(fn, seconds: float = 10.0, fifo=None):
         lambda p: open_checkpoint(p),
         lambda p: read_checkpoint_info(p),
         lambda p: engine.numpy.load_file(p),
+        lambda p: engine.load_into(p, {}),
+        lambda p: list(engine.stream(p, framework="np")),
+        lambda p: _tensor_parallel(p),
     ],
-    ids=["safe_open-mmap", "safe_open-pread", "read_header", "open_checkpoint", "read_checkpoint_info", "load_file"],
+    ids=["safe_open-mmap", "safe_open-pread", "read_header", "open_checkpoint", "read_checkpoint_info", "load_file",
+         "load_into", "stream", "load_tensor_parallel"],
 )
 def test_fifo_is_refused_without_blocking(tmp_path, opener):
     fifo = tmp_path / "model.safetensors"
