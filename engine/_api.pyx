@@ -11,6 +11,8 @@ the loop, so they are C methods here: a dict lookup, one small object, a list or
 
 import weakref
 
+from .errors import SafetensorError
+
 cimport cython
 from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM
@@ -74,25 +76,32 @@ cdef class Slicer:
     cdef dict index
     cdef list shapes
     cdef list dtypes
+    cdef object header
     cdef object handle_ref
     cdef public bint closed
 
-    def __init__(self, handle, dict index, list shapes, list dtypes):
-        self.index = index
-        self.shapes = shapes
-        self.dtypes = dtypes
+    def __init__(self, handle, header):
+        table = header.table
+        self.index = table.index
+        self.shapes = table.shapes
+        self.dtypes = None  # the header's list of dtype names, built on the first lookup
+        self.header = header
         self.handle_ref = weakref.ref(handle)
         self.closed = False
 
     def __call__(self, name):
-        cdef PyObject* row = NULL
+        cdef PyObject* row
         cdef Py_ssize_t r
         cdef TensorSlice out
         handle = self.handle_ref()
-        if type(name) is str:
-            row = PyDict_GetItem(self.index, name)
-        if row == NULL or self.closed or handle is None:
+        if handle is None:  # the handle was dropped: its file is closed
+            raise SafetensorError("the file is closed", reason="FileClosed")
+        # any key a dict takes (a str subclass such as numpy.str_); NULL for the rest
+        row = PyDict_GetItem(self.index, name)
+        if row == NULL or self.closed:
             return handle._missing(name)  # raises
+        if self.dtypes is None:
+            self.dtypes = self.header.dtypes
         r = <object>row
         out = TensorSlice.__new__(TensorSlice)
         out._handle = handle

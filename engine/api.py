@@ -115,9 +115,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         # per-name lookups are the hot path of callers that walk every key: get_slice is a
         # C callable bound to this handle (see engine._api)
         self._index = self.header.table.index
-        self.get_slice = Slicer(  # type: ignore[method-assign]
-            self, self._index, self.header.table.shapes, self.header.dtypes
-        )
+        self.get_slice = Slicer(self, self.header)  # type: ignore[method-assign]
 
     # -- context manager -------------------------------------------------------------
     def __enter__(self) -> safe_open:
