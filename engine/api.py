@@ -66,8 +66,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     Notes
     -----
     Copies of tensor bytes: ``"mmap"`` 0 (views of the page cache); ``"pread"`` 1 (page
-    cache to owned memory); a CUDA device adds the host-to-device copy.  Opening reads only
-    the 8 + N header bytes.
+    cache to owned memory).  A CUDA device, whatever the backend: 2 on the copy path (page
+    cache to a pinned slot, then DMA), 1 on the register path (DMA from the page cache).
+    Opening reads only the 8 + N header bytes.
 
     Examples
     --------
@@ -316,8 +317,7 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
     (:func:`engine.loader.load_parts`).
 
     Copies of tensor bytes: ``"mmap"`` 0; ``"pread"`` 1 (page cache to owned memory); a
-    CUDA device adds the host-to-device copy (or replaces the first: see
-    :mod:`engine.pipeline`).
+    CUDA device 2 on the copy path, 1 on the register path (see :mod:`engine.pipeline`).
     """
     if not parts:
         return []
@@ -398,8 +398,9 @@ class _safe_open_handle(safe_open):  # noqa: N801 - the reference's spelling
     Notes
     -----
     The caller's file object is neither moved nor closed when it has a descriptor.  Copies
-    of tensor bytes: as :class:`safe_open` for real files; one more (the file into memory)
-    for other objects.
+    of tensor bytes: as :class:`safe_open` for real files; two more for other objects (their
+    bytes read into memory, then written to an anonymous in-memory file), with a peak of
+    twice the file's size.
     """
 
     def __init__(

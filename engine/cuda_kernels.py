@@ -7,7 +7,7 @@ arrays of :func:`engine._arrays.float_consts`), so that one oracle suite
 Numba's cache is keyed on the file that defines a function.  Importing it imports
 ``numba.cuda``; with ``NUMBA_ENABLE_CUDASIM=1`` set before Numba is first imported the
 kernels run on the CPU under Numba's CUDA simulator, which is how the test suite runs them
-without a GPU.  The host side (launch sizes, streams, merging) is :mod:`engine.on_device`.
+without a GPU.  The host side (launch sizes, streams, merging) is :mod:`engine.device`.
 
 Conventions
 -----------

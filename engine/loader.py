@@ -1,7 +1,10 @@
 """Loads through the threaded pipeline: ``stream``, owned loads and ``load_into``.
 
-Every path here reads with ``preadv`` from worker threads and never maps the file, so a
-file that shrinks during a load raises :class:`~engine.errors.ReadError`, never SIGBUS.
+Every host path here reads with ``preadv`` from worker threads and never maps the file, so
+a file that shrinks during a load raises :class:`~engine.errors.ReadError`, never SIGBUS.
+Device loads may also DMA from a page-locked read-only mapping of the file (the register
+path of :mod:`engine.pipeline`), where a failed registration, not a fault, reports a
+truncated file.
 
 Which path to use
 -----------------
@@ -15,8 +18,9 @@ Which path to use
   have, so they would cost a bounce copy.)  A mapped load of a cold file has the selected ranges read into the mapping on
   several threads before it returns (:func:`engine.reader.prefetch_mapping`), instead of
   page by page as the caller touches them.
-* GPU: ``stream`` / ``load_file(device="cuda")``: pinned staging ring, reads overlapped with
-  host-to-device copies.
+* GPU: ``stream`` / ``load_file(device="cuda")``: large pinned staging slots, the read into
+  one overlapped with the host-to-device copy out of the other, beside DMA straight from
+  the page cache (see :mod:`engine.pipeline`).
 """
 
 from __future__ import annotations
@@ -492,7 +496,8 @@ def load_into(
     Notes
     -----
     Copies of tensor bytes: CPU destinations 1 (page cache to the tensor, no staging, no
-    allocation); CUDA destinations 2 (through the pinned staging ring).
+    allocation); CUDA destinations 2 on the copy path (page cache to a pinned slot, then DMA),
+    1 on the register path (DMA from the page cache).
     """
     fd, spath = _open(path)
     try:

@@ -506,7 +506,8 @@ class Int8:
     """Which tensors of a checkpoint to quantize to int8, and how.
 
     ``engine.stream(path, quantize=Int8(axis=0))`` (or ``quantize="int8"`` for the
-    defaults) and :func:`engine.quantize_file` take it.
+    defaults) takes it; :func:`engine.quantize_file` builds one from its own arguments
+    (with embeddings included).
 
     Parameters
     ----------

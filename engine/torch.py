@@ -64,8 +64,9 @@ def load_file(
 
     Notes
     -----
-    Copies of tensor bytes on the CPU: 0 with "mmap", 1 with "pread"; a CUDA device adds
-    one host-to-device copy.
+    Copies of tensor bytes on the CPU: 0 with "mmap", 1 with "pread".  On a CUDA device,
+    whatever the backend: 2 on the copy path (page cache to a pinned slot, then DMA), 1 on
+    the register path (DMA from the page cache); see :mod:`engine.pipeline`.
     """
     with safe_open(filename, framework="pt", device=device, backend=backend) as f:
         return f.get_tensors()

@@ -519,7 +519,7 @@ def _writev_all(fd: int, views: list[memoryview], offset: int) -> None:
 _SYNC_EVERY = 256 << 20
 #: Files smaller than this get no background flush: flushing while writing competes with
 #: the writes (journal commits on the same file), which a smaller file does not win back
-#: (548 MB saved 2x slower with it, 2 GB faster; scripts/bench_save.py).
+#: (548 MB saved about 3x slower with it: BENCHMARKS.md, "Saves", scripts/bench_save.py).
 _SYNC_FROM = 1 << 30
 
 
@@ -953,8 +953,9 @@ def save_file(
     SerializationError
         Before anything is written: a name that is not a string, is ``__metadata__`` or is
         not UTF-8 encodable; a value that is not an array or tensor; an unsupported dtype;
-        a non-contiguous, sparse or meta tensor; tensors whose bytes overlap (views of one
-        another; empty tensors never count); metadata that is not str to str; a header
+        a non-contiguous, sparse or meta tensor; torch tensors whose bytes overlap (views
+        of one another; empty tensors never count; numpy arrays under two names are written
+        twice, as the reference writes them); metadata that is not str to str; a header
         larger than ``max_header_size`` (``reason="HeaderTooLarge"``).
     WriteError
         Creating, writing, syncing or renaming failed.  The temporary file is removed and
