@@ -236,11 +236,11 @@ class Response:
             got += n
         self.pos += want
 
-    def read_exact(self, n: int) -> bytes:
-        """The next ``n`` bytes of the body."""
+    def read_exact(self, n: int) -> bytearray:
+        """The next ``n`` bytes of the body (read once into the returned buffer)."""
         buf = bytearray(n)
         self.readinto(memoryview(buf))
-        return bytes(buf)
+        return buf
 
     def skip(self, n: int) -> None:
         """Discard ``n`` bytes (a server that ignored Range sends them before the ones wanted)."""

@@ -679,10 +679,6 @@ class Checkpoint:
         else:
             self.info = CheckpointInfo(layout.source, headers)
 
-    def _close_all(self) -> None:
-        for h in self._handles.values():
-            h.close()
-
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> Checkpoint:
         return self
@@ -692,7 +688,8 @@ class Checkpoint:
 
     def close(self) -> None:
         """Close every shard; tensors already handed out stay valid."""
-        self._close_all()
+        for h in self._handles.values():
+            h.close()
 
     # -- the reference's API -------------------------------------------------------------
     def keys(self) -> list[str]:

@@ -215,32 +215,12 @@ class _Tracker:
                 self.on_complete(key)
 
 
-def run(
-    fd: int,
-    requests: Sequence[Request],
-    dest: Destination,
-    *,
-    path: str | None = None,
-    threads: int | None = None,
-    slots: int = 2,
-    chunk_bytes: int | None = None,
-    slot_bytes: int | None = None,
-    gpu_path: str = "auto",
-    on_complete: Callable[[int], None] | None = None,
-    cancel: threading.Event | None = None,
-    fill: Callable[[int, Request, list], None] | None = None,
-    residency: Callable[[memoryview, int, int], bool] | None = None,
-    after_copy: Callable[[Request, object], None] | None = None,
-) -> int:
+def run(fd: int, requests: Sequence[Request], dest: Destination, *, path: str | None = None, **options) -> int:
     """Execute ``requests`` of one open file into ``dest``; returns bytes read.
 
-    See :func:`run_sources`, which this calls with one :class:`Source`.
+    :func:`run_sources` with one :class:`Source`; ``options`` as it takes them.
     """
-    return run_sources(
-        [Source(fd, path, requests)], dest, threads=threads, slots=slots, chunk_bytes=chunk_bytes,
-        slot_bytes=slot_bytes, gpu_path=gpu_path, on_complete=on_complete, cancel=cancel, fill=fill,
-        residency=residency, after_copy=after_copy,
-    )
+    return run_sources([Source(fd, path, requests)], dest, **options)
 
 
 def run_sources(
@@ -249,7 +229,6 @@ def run_sources(
     *,
     threads: int | None = None,
     slots: int = 2,
-    chunk_bytes: int | None = None,
     slot_bytes: int | None = None,
     gpu_path: str = "auto",
     on_complete: Callable[[int], None] | None = None,
@@ -270,9 +249,6 @@ def run_sources(
         that split each staging slot (default every core, :func:`default_copy_threads`).
     slots : int, default 2
         Staging slots of the device copy path.
-    chunk_bytes : int, optional
-        Unused: request sizes are the plan's, device slots are ``slot_bytes`` (accepted
-        for callers written for the earlier per-request ring).
     slot_bytes : int, optional
         Bytes per staging slot and per register unit (default :func:`default_slot_bytes`,
         or a 16th of the load when that is smaller, with a 64 MiB floor; never more than
@@ -386,7 +362,7 @@ class _Unit:
     lands in a staging slot.
     """
 
-    __slots__ = ("source", "requests", "slot_offsets", "nbytes", "resident")
+    __slots__ = ("source", "requests", "slot_offsets", "nbytes")
 
     def __init__(self, source: int, requests: list[Request]) -> None:
         self.source = source
@@ -397,7 +373,6 @@ class _Unit:
             pos += r.nbytes
         self.slot_offsets = offs
         self.nbytes = pos
-        self.resident = False
 
     def spans(self) -> list[tuple[int, int]]:
         """File ranges ``(offset, nbytes)`` the unit reads, neighbours merged."""

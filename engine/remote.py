@@ -100,7 +100,7 @@ def _length(prefix: bytes, total: int, max_header_size: int, url: str, content_t
         raise
 
 
-def _parse(buf: bytes, total: int, n: int, url: str) -> Header:
+def _parse(buf: bytes | bytearray, total: int, n: int, url: str) -> Header:
     try:
         table = parse_header(buf, total - 8 - n)
     except HeaderError as err:
@@ -126,7 +126,7 @@ def _http_header(http: Client, url: str, max_header_size: int, not_found=None) -
             )
         if r.partial and r.first != 0:
             raise read_error(f"asked for bytes 0-7, the server sent bytes {r.first}-{r.last}", url, "BadRange")
-        prefix = r.read_exact(min(8, total))
+        prefix = bytes(r.read_exact(min(8, total)))
         n = _length(prefix, total, max_header_size, url, r.content_type)
         if not r.partial:
             # the server ignored Range: keep reading this body for the header, then hang up

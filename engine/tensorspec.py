@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .dtypes import DTYPES
+from .dtypes import BY_NAME, DTYPES
 from .errors import SerializationError
 from .header import parse_buffer
 from .writer import build_header, open_writer
@@ -24,7 +24,7 @@ __all__ = ["TensorSpec", "serialize", "serialize_file", "deserialize"]
 
 #: dtype names a TensorSpec accepts (torch's spellings, as the reference takes them) -> format code
 _SPEC_DTYPES = {d.torch: d.code for d in DTYPES if d.torch}
-_SPEC_DTYPES["float4_e2m1fn_x2"] = next(d.code for d in DTYPES if d.name == "F4")
+_SPEC_DTYPES["float4_e2m1fn_x2"] = BY_NAME["F4"].code
 _F4 = _SPEC_DTYPES["float4_e2m1fn_x2"]
 
 
@@ -178,7 +178,7 @@ def deserialize(data: bytes) -> list[tuple[str, dict[str, Any]]]:
     header = parse_buffer(data)
     t = header.table
     start = header.data_start
-    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+    view = memoryview(data).cast("B")
     out = []
     for row in t.order.tolist():
         b, e = int(t.begins[row]), int(t.ends[row])

@@ -178,10 +178,13 @@ def _find_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[set[str
     """
     by_storage: dict[tuple, set[str]] = defaultdict(set)
     for name, t in state_dict.items():
-        if t.device.type != "meta" and storage_ptr(t) != 0 and storage_size(t) != 0:
+        if t.device.type == "meta":
+            continue
+        ptr, size = storage_ptr(t), storage_size(t)
+        if ptr != 0 and size != 0:
             # the device is part of the key: equal addresses on two GPUs are not shared
-            by_storage[(t.device, storage_ptr(t), storage_size(t))].add(name)
-    return _filter_shared_not_shared(list(sorted(by_storage.values())), state_dict)
+            by_storage[(t.device, ptr, size)].add(name)
+    return _filter_shared_not_shared(sorted(by_storage.values()), state_dict)
 
 
 def _remove_duplicate_names(

@@ -36,6 +36,7 @@ from ._atomic import write_error as _write_error
 from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
 from .errors import DeviceError, SerializationError, SharedTensorsError
 from .header import MAX_HEADER_SIZE
+from .reader import IOV_MAX
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
 
@@ -479,14 +480,8 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         offset += written
 
 
-if hasattr(os, "pwritev"):
-    _IOV_MAX = 1024
-    try:
-        _IOV_MAX = int(os.sysconf("SC_IOV_MAX")) or _IOV_MAX
-    except (AttributeError, ValueError, OSError):  # pragma: no cover
-        pass
-else:  # pragma: no cover - Windows, macOS before 11
-    _IOV_MAX = 1
+# one buffer per call where there is no pwritev (Windows, macOS before 11)
+_IOV_MAX = IOV_MAX if hasattr(os, "pwritev") else 1
 
 
 #: Tensors smaller than this are gathered into one ``pwritev`` of up to ``_BATCH`` bytes;
@@ -763,7 +758,7 @@ class TensorWriter:
 
         for name, raw in items:
             view = raw.direct
-            if view is not None and raw.nbytes < _SMALL and _IOV_MAX > 1 and self._filled[name] == 0:
+            if view is not None and raw.nbytes < _SMALL and _IOV_MAX > 1:
                 if batch and (size + raw.nbytes > _BATCH or len(batch) >= _IOV_MAX):
                     flush()
                 if raw.nbytes:

@@ -115,7 +115,7 @@ def test_fill_hook_replaces_the_read_and_sees_one_target_per_piece(layout, devic
     else:
         dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in dst.items()})
     try:
-        pipeline.run(fd, requests, dest, path=path, threads=3, chunk_bytes=65_536, fill=fill)
+        pipeline.run(fd, requests, dest, path=path, threads=3, fill=fill)
     finally:
         if emu:
             emu.close()
@@ -138,7 +138,7 @@ def test_completion_is_reported_only_after_the_device_copy(layout):
     try:
         pipeline.run(fd, plan_reads(begins, ends, rows, 64, 65_536),
                      pipeline.Destination(device_targets=dst, device_ops=emu),
-                     path=path, threads=2, slots=2, chunk_bytes=65_536, on_complete=check)
+                     path=path, threads=2, slots=2, on_complete=check)
     finally:
         emu.close()
     assert seen_complete_and_correct and all(seen_complete_and_correct)
@@ -159,7 +159,7 @@ def test_worker_error_reaches_caller_and_threads_end(layout, monkeypatch):
     dst = {r: memoryview(bytearray(int(ends[r] - begins[r]))) for r in rows if ends[r] > begins[r]}
     with pytest.raises(ReadError, match="disk on fire") as info:
         pipeline.run(fd, plan_reads(begins, ends, rows, 64, 65_536), pipeline.Destination(host_views=dst),
-                     path=path, threads=4, chunk_bytes=65_536)
+                     path=path, threads=4)
     assert info.value.offset > 2_000_000 and path in str(info.value)
     assert threading.active_count() == before
 
@@ -178,7 +178,7 @@ def test_cancel_stops_the_workers(layout):
 
     with pytest.raises(pipeline.Cancelled):
         pipeline.run(fd, plan_reads(begins, ends, rows, 64, 4096), pipeline.Destination(host_views=dst),
-                     path=path, threads=2, chunk_bytes=4096, on_complete=on_complete, cancel=cancel)
+                     path=path, threads=2, on_complete=on_complete, cancel=cancel)
     assert len(done) < 38
 
 
