@@ -334,9 +334,10 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
             # a cold file is read on several threads in large pieces, not page by page as
             # the caller touches it (a warm one costs a mincore call per 32 MiB)
             start = h.header.data_start
-            _, begins, ends = _columns(t, rows)
+            columns = _columns(t, rows)
+            _, begins, ends = columns
             prefetch_mapping(h._mm, [(start + int(begins[r]), start + int(ends[r])) for r in rows])
-            outs.append(views(sink, base, h.header, rows, start, path=h._path))
+            outs.append(views(sink, base, h.header, rows, start, path=h._path, columns=columns))
     else:
         # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
         # opening a file and reading its header need none of it)
@@ -360,16 +361,17 @@ def _columns(table, rows) -> tuple:
     return table.codes, table.begins, table.ends
 
 
-def views(sink, base, header: Header, rows, data_start: int, path=None) -> dict:
+def views(sink, base, header: Header, rows, data_start: int, path=None, columns=None) -> dict:
     """Tensors of ``rows`` as zero-copy views of ``base``, whose byte ``data_start`` is the
     first byte of the data region (a mapped file, the bytes of a whole file, or a copy of its
     data region); keyed by name, in the order of ``rows``.
 
-    Raises ``UnrepresentableTensorError`` naming the tensor (and ``path``) for a valid
-    entry the framework cannot build."""
+    ``columns``: the table's (codes, begins, ends) as :func:`_columns` gave them, when the
+    caller has them already.  Raises ``UnrepresentableTensorError`` naming the tensor (and
+    ``path``) for a valid entry the framework cannot build."""
     t = header.table
     names, shapes = t.names, t.shapes
-    codes, begins, ends = _columns(t, rows)
+    codes, begins, ends = columns if columns is not None else _columns(t, rows)
     view = sink.view
     out = {}
     for r in rows:

@@ -114,6 +114,8 @@ def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -
 
 def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int | None, **options) -> None:
     """The reads of every part into ``destination`` (keyed as :func:`_bases` says), one pipeline."""
+    for p in parts:
+        _advise_sequential(p.fd)
     pipeline.run_sources(
         _sources(parts, bases, options.pop("chunk_bytes", None)),
         destination,
@@ -262,8 +264,6 @@ def stream(
         parts = [Part(fd, h, rows, sp) for (fd, sp), h, rows in zip(opened, headers, selected, strict=True)]
         bases = _bases(parts)
         where = {b + r: (i, r) for i, (p, b) in enumerate(zip(parts, bases, strict=True)) for r in p.rows}
-        for fd, _ in opened:
-            _advise_sequential(fd)
         # statistics and quantization on the way (one file: its keys are its rows)
         hooks = None if many else onload_plan(
             headers[0], selected[0], sink, stats=stats, quantize=quantize, path=opened[0][1]
@@ -502,7 +502,6 @@ def load_into(
     fd, spath = _open(path)
     try:
         header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
-        _advise_sequential(fd)
         return fill_parts(
             [Part(fd, header, [], spath)], tensors, strict=strict, threads=threads, chunk_bytes=chunk_bytes,
             gpu_path=gpu_path,
