@@ -356,20 +356,6 @@ def fail_on_write(monkeypatch, n, exc):
     monkeypatch.setattr(writer, "_writev_at", wrap(writer._writev_at))
 
 
-def failing_on_call(n, exc):
-    """A _write_at that raises ``exc`` on its n-th call (1 = the header)."""
-    real = writer._write_at
-    count = [0]
-
-    def write_at(fd, data, offset):
-        count[0] += 1
-        if count[0] == n:
-            raise exc
-        return real(fd, data, offset)
-
-    return write_at
-
-
 TWO_TENSORS = {"first": random_array(np.float32, (8,)), "second": random_array(np.float32, (4,))}
 
 
@@ -762,7 +748,7 @@ def test_open_writer_rejects_bad_writes(tmp_path):
 
 def test_open_writer_io_error_closes_and_cleans_up(tmp_path, monkeypatch):
     w = writer.open_writer(tmp_path / "m", entries_of(STREAM))
-    monkeypatch.setattr(writer, "_write_at", failing_on_call(1, OSError(errno.EIO, "I/O error")))
+    fail_on_write(monkeypatch, 1, OSError(errno.EIO, "I/O error"))
     with pytest.raises(WriteError, match="'z'"):
         w.write("z", STREAM["z"])
     assert w.closed and only_entry(tmp_path) == []
