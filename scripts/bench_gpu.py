@@ -38,6 +38,11 @@ import subprocess
 import sys
 import time
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the asv suites' shared helpers (page-cache eviction)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
+from benchmarks.common import evict_cache  # noqa: E402
+
 GiB = 1 << 30
 
 # Llama-3-8B
@@ -145,11 +150,7 @@ def drop_cache(files: list[str]) -> str:
         return "drop_caches"
     except OSError:
         for p in files:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            evict_cache(p)
         return "fadvise"
 
 

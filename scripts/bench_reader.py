@@ -30,6 +30,12 @@ import time
 
 import numpy as np
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the asv suites' shared helpers (page-cache eviction and warming)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
+from benchmarks.common import evict_cache as evict  # noqa: E402
+from benchmarks.common import warm_cache as warm  # noqa: E402
+
 
 def make_checkpoint(path: str, total_bytes: int, width: int = 4096, weights: bool = False) -> None:
     """A BF16 checkpoint of LLaMA-like attention layers.
@@ -59,21 +65,6 @@ def make_checkpoint(path: str, total_bytes: int, width: int = 4096, weights: boo
             sd[f"model.layers.{i}.self_attn.{proj}.weight"] = torch.from_numpy(raw).view(torch.bfloat16)
         sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(width, dtype=torch.bfloat16)
     engine.torch.save_file(sd, path)
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def warm(path: str) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
 
 
 def paired_medians(fn_a, fn_b, runs: int) -> tuple[float, float, float, tuple, tuple]:

@@ -51,6 +51,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the asv suites' shared helpers (page-cache eviction and warming)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
+from benchmarks.common import evict_cache as evict  # noqa: E402
+from benchmarks.common import warm_cache as warm  # noqa: E402
+
 IMPLS = ("engine", "engine-runs", "engine-1t", "engine-mmap", "reference", "floor")
 
 
@@ -80,20 +86,6 @@ def io_counts() -> dict:
             key, _, value = line.partition(":")
             out[key] = int(value)
     return out
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def warm(path: str) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
 
 
 def worker(rank, world, port, path, cfg, impl, out):

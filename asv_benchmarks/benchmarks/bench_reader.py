@@ -10,7 +10,6 @@ Twins of ``scripts/bench_reader.py --only fresh`` at the asv suites' moderate si
   touched), ``"pread"`` copies everything into owned memory.
 """
 
-import os
 
 from . import common
 
@@ -18,14 +17,6 @@ common.ensure_engine_importable()
 
 IMPLS = ["engine", "reference"]
 CKPT_BYTES = 256 << 20
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _touch_pages(tensors) -> None:
@@ -72,7 +63,7 @@ class LoadInto(_IO):
 
             self.load = load
         if cache == "cold":
-            _evict(path)
+            common.evict_cache(path)
         else:
             common.warm_cache(path)
 
@@ -97,7 +88,7 @@ class ColdLoad(_IO):
             import safetensors.torch
 
             self.load_file = safetensors.torch.load_file
-        _evict(path)
+        common.evict_cache(path)
 
     def time_load_file(self, path, impl, backend):
         got = self.load_file(path, backend=backend)
