@@ -29,6 +29,8 @@ __all__ = [
     "read_header",
     "read_header_fd",
     "parse_buffer",
+    "parse_header",
+    "header_length",
 ]
 
 #: Largest header (the JSON part, in bytes) accepted unless ``max_header_size`` says otherwise.

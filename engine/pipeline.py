@@ -9,7 +9,7 @@ Device destinations (CUDA) are fed by two paths at once, on disjoint parts of th
 
 *copy path*
     Large pinned staging slots (hundreds of MiB, :func:`default_slot_bytes`).  Each slot is
-    filled by one native call that splits it over every core (``engine._io.SplitReader``:
+    filled by one native call that splits it over every core (:func:`engine.reader.split_reader`:
     native threads started once per load, GIL released, ``pread`` so that a truncated file
     is an error and never a SIGBUS); its
     host-to-device copies are then issued on the path's stream and the next slot is filled
@@ -56,9 +56,9 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .errors import Cancelled, DeviceError, ReadError
+from .errors import Cancelled, DeviceError
 from .plan import Piece, Request
-from .reader import pread_into, run_threads
+from .reader import check_read, pread_into, resident_pages, run_threads, split_reader
 
 __all__ = [
     "DeviceOps",
@@ -607,9 +607,7 @@ class _Ring:
 
 
 def _resident(mapping: memoryview, offset: int, nbytes: int) -> bool:
-    from . import _io
-
-    resident, pages = _io.resident_pages(mapping[offset : offset + nbytes])
+    resident, pages = resident_pages(mapping[offset : offset + nbytes])
     return pages > 0 and resident == pages
 
 
@@ -727,9 +725,7 @@ class _DeviceLoad:
         in_flight: list = [None] * self.slots  # (event, landed parts) per slot
         reader = None
         if self.fill is None:
-            from . import _io
-
-            reader = _io.SplitReader(self.threads)  # native threads for the whole load
+            reader = split_reader(self.threads)  # native threads for the whole load
         k = 0
         try:
             while (unit := queue.take_copy()) is not None:
@@ -789,18 +785,7 @@ class _DeviceLoad:
         slot_offsets = np.asarray(unit.slot_offsets, dtype=np.int64)
         out = np.frombuffer(view, np.uint8)
         # one native call: the unit's bytes split evenly over the reader's threads, GIL released
-        err, at, missing = reader.read(src.fd, out, file_offsets, slot_offsets, sizes)
-        if err == -1:
-            raise ReadError(
-                f"file ended at offset {at} with {missing} bytes of the load still to read there"
-                " (truncated or replaced while reading?)",
-                reason="ShortRead", path=src.path, offset=at, size=missing,
-            )
-        if err:
-            raise ReadError(
-                f"reading {missing} bytes at offset {at} failed: {os.strerror(err)}",
-                reason="IoError", path=src.path, offset=at, size=missing,
-            )
+        check_read(reader.read(src.fd, out, file_offsets, slot_offsets, sizes), "the load", src.path, src.fd)
 
     # -- the register path -----------------------------------------------------------------
 

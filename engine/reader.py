@@ -18,6 +18,7 @@ from .errors import ReadError
 
 __all__ = [
     "default_threads", "pread_into", "pread_runs", "pread_spans", "spans_bytes", "prefetch_mapping", "run_threads",
+    "map_threads", "check_read", "resident_pages", "split_reader",
     "IOV_MAX",
 ]
 
@@ -130,8 +131,8 @@ def pread_runs(
     threads = max(1, min(threads, n))
 
     def part(lo: int, hi: int) -> None:
-        _check_runs(_io.pread_runs(fd, out[lo * run_bytes : hi * run_bytes], src[lo:hi], run_bytes, base),
-                    run_bytes, path, fd)
+        check_read(_io.pread_runs(fd, out[lo * run_bytes : hi * run_bytes], src[lo:hi], run_bytes, base),
+                   f"a {run_bytes}-byte run", path, fd)
 
     bounds = [n * k // threads for k in range(threads + 1)]
     run_threads([lambda lo=lo, hi=hi: part(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)])
@@ -214,20 +215,37 @@ def prefetch_mapping(buf, ranges, *, threads: int | None = None) -> int:
     return len(cold)
 
 
-def _check_runs(result: tuple, run_bytes: int, path: str | None, fd: int) -> None:
-    """Turn the ``(errno or -1, offset, missing)`` of a native run loop into a ReadError."""
+def check_read(result: tuple, what: str, path: str | None, fd: int) -> None:
+    """Turn the ``(errno or -1, offset, missing)`` of a native read loop into a ReadError;
+    ``what`` names the read (``"a 4096-byte run"``, ``"the load"``)."""
     err, at, missing = result
     if err == -1:
         raise ReadError(
-            f"{_ended(fd, at)} with {missing} bytes of a {run_bytes}-byte run at offset {at} still to read"
+            f"{_ended(fd, at)} with {missing} bytes of {what} at offset {at} still to read"
             " (truncated or replaced while reading?)",
             reason="ShortRead", path=path, offset=at, size=missing,
         )
     if err:
         raise ReadError(
-            f"reading {run_bytes} bytes at offset {at} failed: {os.strerror(err)}",
+            f"reading {missing} bytes of {what} at offset {at} failed: {os.strerror(err)}",
             reason="IoError", path=path, offset=at, size=missing,
         )
+
+
+def resident_pages(buf) -> tuple[int, int]:
+    """(resident pages, pages) of a range of a file mapping, by ``mincore``; GIL released."""
+    from . import _io
+
+    return _io.resident_pages(buf)
+
+
+def split_reader(threads: int):
+    """A native reader whose ``read(fd, out, file_offsets, out_offsets, sizes)`` splits each
+    call over ``threads`` pthreads started once (``engine._io.SplitReader``); it returns
+    ``(errno or -1, offset, missing)`` for :func:`check_read`.  Close it when done."""
+    from . import _io
+
+    return _io.SplitReader(threads)
 
 
 def pread_spans(fd: int, dst: memoryview, src, run_bytes: int, base: int, bounce, *,
@@ -256,8 +274,8 @@ def pread_spans(fd: int, dst: memoryview, src, run_bytes: int, base: int, bounce
     from . import _io
 
     src = np.ascontiguousarray(src, dtype=np.int64)
-    _check_runs(_io.pread_spans(fd, np.frombuffer(dst, dtype=np.uint8), src, run_bytes, base,
-                                np.frombuffer(bounce, dtype=np.uint8)), run_bytes, path, fd)
+    check_read(_io.pread_spans(fd, np.frombuffer(dst, dtype=np.uint8), src, run_bytes, base,
+                               np.frombuffer(bounce, dtype=np.uint8)), f"a {run_bytes}-byte run", path, fd)
 
 
 def spans_bytes(src, run_bytes: int, bounce_bytes: int) -> int:
@@ -267,6 +285,20 @@ def spans_bytes(src, run_bytes: int, bounce_bytes: int) -> int:
     from . import _io
 
     return int(_io.spans_bytes(np.ascontiguousarray(src, dtype=np.int64), run_bytes, bounce_bytes))
+
+
+def map_threads(fn, items: Sequence, max_workers: int, *, name: str = "engine") -> list:
+    """``[fn(x) for x in items]`` on up to ``max_workers`` threads (inline for one item or
+    one worker).  Every call finishes before the first exception, in item order, is raised:
+    no call is left running when the caller cleans up after a failure."""
+    items = list(items)
+    if len(items) <= 1 or max_workers <= 1:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor  # opening a file needs no thread pool
+
+    with ThreadPoolExecutor(min(max_workers, len(items)), thread_name_prefix=name) as pool:
+        futures = [pool.submit(fn, x) for x in items]
+    return [f.result() for f in futures]
 
 
 def run_threads(jobs, *, name: str = "engine-read", on_error=None) -> None:

@@ -28,10 +28,8 @@ import os
 import posixpath
 import urllib.parse
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._header import header_length, parse_header
 from ._http import Client, read_error
 from .checkpoint import CheckpointInfo, index_problems, parse_index, read_checkpoint_info
 from .errors import (
@@ -43,7 +41,8 @@ from .errors import (
     RemoteFileNotFoundError,
     TensorNotFoundError,
 )
-from .header import MAX_HEADER_SIZE, Header
+from .header import MAX_HEADER_SIZE, Header, header_length, parse_header
+from .reader import map_threads
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -281,16 +280,6 @@ class _Source:
             view[:] = self.fs.read(where, offset, len(view))
 
 
-def _all_or_first_error(fn, items: list, workers: int) -> list:
-    """``[fn(x) for x in items]`` on up to ``workers`` threads; every call finishes before the
-    first exception (in item order) is raised."""
-    if len(items) <= 1 or workers <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="engine-remote") as pool:
-        futures = [pool.submit(fn, x) for x in items]
-    return [f.result() for f in futures]
-
-
 def _source(url, headers, timeout, max_redirects, storage_options) -> _Source:
     return _Source(
         os.fspath(url), headers=headers, timeout=timeout, max_redirects=max_redirects, storage_options=storage_options
@@ -424,8 +413,9 @@ def read_metadata(
             reason="TooManyShards",
             path=spath,
         )
-    results = _all_or_first_error(
-        lambda s: src.header(src.shard(s), max_header_size, shard=True), shards, max_workers or _MAX_WORKERS
+    results = map_threads(
+        lambda s: src.header(src.shard(s), max_header_size, shard=True), shards, max_workers or _MAX_WORKERS,
+        name="engine-remote",
     )
     by_shard = dict(zip(shards, results, strict=True))
     problems = index_problems(weight_map, by_shard, spath)

@@ -17,13 +17,13 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Union
 
 from . import writer
 from ._atomic import make_temp_dir, remove_stale, sync_dir, write_error
 from .errors import SerializationError, WriteError
 from .header import MAX_HEADER_SIZE
+from .reader import map_threads
 
 __all__ = [
     "FILENAME_PATTERN",
@@ -313,16 +313,8 @@ def save_sharded(
     try:
         try:
             jobs = list(split.filename_to_tensors.items())
-            workers = max(1, min(len(jobs), max_workers or _MAX_THREADS))
-            if workers == 1:
-                for job in jobs:
-                    write_shard(job)
-            else:
-                with ThreadPoolExecutor(workers, thread_name_prefix="engine-shard") as pool:
-                    futures = [pool.submit(write_shard, job) for job in jobs]
-                # every shard has finished (the pool is joined); the first failure in order wins
-                for f in futures:
-                    f.result()
+            # every shard finishes before the first failure (in order) is raised
+            map_threads(write_shard, jobs, max_workers or _MAX_THREADS, name="engine-shard")
             if split.is_sharded:
                 _fsync_write(os.path.join(tmpdir, index_name), index_json(split).encode("utf-8"))
                 new_files.append(index_name)

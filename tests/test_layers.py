@@ -135,6 +135,16 @@ def test_imports_never_climb(name):
     assert climbing == [], f"engine.{name} (floor {FLOORS[name]}) imports higher floors: {climbing}"
 
 
+#: private native modules and the one public module that wraps each
+NATIVE_OWNERS = {"_header": "header", "_api": "api", "_io": "reader"}
+
+
+def test_private_native_modules_are_reached_through_their_public_module():
+    reached = sorted((name, t) for name, targets in GRAPH.items() for t in targets
+                     if t in NATIVE_OWNERS and name not in (t, NATIVE_OWNERS[t]))
+    assert reached == [], f"import the public module instead (header, api, reader): {reached}"
+
+
 def test_no_import_cycle():
     state: dict[str, int] = {}
 
