@@ -323,10 +323,10 @@ def load_tensor_parallel(
     column blocks read as spans (page cache to the bounce buffer, which stays in the CPU
     cache, then to the shard), plus the host-to-device copy for CUDA; fused tensors split
     along a dimension other than the first, and padding along one, one more (the
-    concatenation).  A single file is read by this rank's own threads; a sharded
-    checkpoint one tensor at a time.  Broadcast mode
-    adds the collective's transfer.  Peak host memory in broadcast mode on the reading rank:
-    one whole tensor at a time.
+    concatenation).  A single file is read by this rank's own threads into host memory and
+    then moved to ``device``, so peak host memory there is the rank's whole shard; a
+    sharded checkpoint is read one tensor at a time.  Broadcast mode adds the collective's
+    transfer; its peak host memory on the reading rank is one whole tensor at a time.
     """
     if mode not in ("direct", "broadcast"):
         raise ShardingError(f"unknown mode {mode!r}; expected 'direct' or 'broadcast'", reason="InvalidMode")
