@@ -1,7 +1,8 @@
 """safetensors-engine: a strict, fast reader, streamer and writer of safetensors weights.
 
-``import engine`` stays light: it imports numpy and ml_dtypes, never torch, CuPy or
-Numba.  Public names are resolved on first use from the module that owns them.
+``import engine`` stays light: it imports no numpy, torch, CuPy or Numba.  Public names
+are resolved on first use from the module that owns them; reading headers (names, dtypes,
+shapes, metadata) imports no numpy either, and the first array does.
 """
 
 from __future__ import annotations

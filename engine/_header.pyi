@@ -22,7 +22,10 @@ __all__ = [
 MAX_HEADER_SIZE: int
 
 class HeaderTable:
-    """A validated header: one row per tensor, in header order.  Read-only."""
+    """A validated header: one row per tensor, in header order.  Read-only.
+
+    The array columns (codes, begins, ends, order) are numpy views made on first access.
+    """
 
     @property
     def names(self) -> list[str]: ...
@@ -45,6 +48,8 @@ class HeaderTable:
     @property
     def data_size(self) -> int: ...
     def __len__(self) -> int: ...
+    def dtype_names(self) -> list[str]:
+        """The format's dtype name of every row, in header order (no numpy needed)."""
     @overload
     def row(self, i: int) -> _Row: ...
     @overload

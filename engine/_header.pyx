@@ -20,6 +20,7 @@ No number read from the file sizes an allocation: every buffer grows with what h
 scanned, so memory is proportional to the header length, which the caller has capped.
 """
 
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_FromUnsignedLongLong
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
@@ -28,8 +29,6 @@ from libc.stdint cimport INT64_MAX, UINT64_MAX, int64_t, uint8_t, uint64_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcmp, memcpy, memset
-
-import numpy as np
 
 from .dtypes import BITS as _BITS
 from .dtypes import NAMES as _NAMES
@@ -53,6 +52,20 @@ cdef extern from "Python.h":
 cdef extern from "assert.h":
     # compiled out under NDEBUG (the default build); live in the ENGINE_CYTHON_CHECKS build
     void c_assert "assert" (bint) noexcept nogil
+
+
+cdef object _numpy = None
+
+
+cdef object numpy_module():
+    """numpy, imported on first use: parsing a header and reading its names, dtypes and
+    shapes import no numpy (a short-lived tool that only inspects headers never pays for
+    it); the table's columns become numpy arrays when first asked for."""
+    global _numpy
+    if _numpy is None:
+        import numpy
+        _numpy = numpy
+    return _numpy
 
 __all__ = [
     "MAX_HEADER_SIZE",
@@ -1139,14 +1152,14 @@ cdef object region_error(const RegionError* e, object names):
     return HeaderError(msg, reason=_REASONS[e.reason], tensors=tensors)
 
 
-cdef object order_array(const Rec* recs, size_t n):
-    order = np.empty(n, dtype=np.intp)
-    cdef Py_ssize_t[::1] o = order
+cdef bytes order_bytes(const Rec* recs, size_t n):
+    """The rows in file order, as native ``intp`` values in an immutable ``bytes``."""
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(n * sizeof(Py_ssize_t)))
+    cdef Py_ssize_t* o = <Py_ssize_t*>PyBytes_AS_STRING(out)
     cdef size_t i
     for i in range(n):
         o[i] = <Py_ssize_t>recs[i].row
-    order.flags.writeable = False
-    return order
+    return out
 
 
 def check_regions(begins, ends, data_size, names=None):
@@ -1162,6 +1175,7 @@ def check_regions(begins, ends, data_size, names=None):
     if data_size < 0:
         raise ValueError(f"data_size must be non-negative, got {data_size}")
     dsize = data_size
+    np = numpy_module()
     b = np.asarray(begins)
     e = np.asarray(ends)
     if b.ndim != 1 or e.ndim != 1 or b.shape[0] != e.shape[0]:
@@ -1197,7 +1211,7 @@ def check_regions(begins, ends, data_size, names=None):
                               tensors=(nm,))
         if rc < 0:
             raise region_error(&err, names)
-        return order_array(recs, n)
+        return np.frombuffer(order_bytes(recs, n), dtype=np.intp)
     finally:
         free(recs)
 
@@ -1211,27 +1225,75 @@ cdef class HeaderTable:
 
     ``codes`` index :data:`engine.dtypes.DTYPES`; ``begins``/``ends`` are relative to the
     start of the data region; ``order`` lists the rows by ``(begin, end)``, i.e. in file
-    order.  The arrays are read-only.
+    order.  The arrays are read-only numpy views of immutable ``bytes`` the table holds,
+    made on first access (``names``, ``shapes``, :meth:`dtype_names`, :meth:`row` and
+    :meth:`rows` need no numpy).
     """
 
     cdef readonly list names
     cdef readonly dict index
-    cdef readonly object codes
     cdef readonly list shapes
-    cdef readonly object begins
-    cdef readonly object ends
-    cdef readonly object order
     cdef readonly object metadata
     cdef readonly Py_ssize_t header_size
     cdef readonly int64_t data_size
-    # typed views of codes/begins/ends, so row() does not acquire buffers on every call
-    cdef const uint8_t[::1] _codes
-    cdef const int64_t[::1] _begins
-    cdef const int64_t[::1] _ends
+    # the columns: uint8 codes, int64 begins and ends, intp order, native byte order
+    cdef bytes _codes_b, _begins_b, _ends_b, _order_b
+    # pointers into those bytes (alive as long as the table), so row() reads them in C
+    cdef const uint8_t* _codes
+    cdef const int64_t* _begins
+    cdef const int64_t* _ends
+    cdef tuple _arrays  # (codes, begins, ends, order) as numpy arrays, on first use
 
-    cdef void _set_arrays(self, codes, begins, ends) except *:
-        self.codes, self.begins, self.ends = codes, begins, ends
-        self._codes, self._begins, self._ends = codes, begins, ends
+    cdef void _set_columns(self, bytes codes, bytes begins, bytes ends, bytes order) except *:
+        cdef Py_ssize_t n = len(self.names)
+        if (len(codes) != n or len(begins) != n * 8 or len(ends) != n * 8
+                or len(order) != n * <Py_ssize_t>sizeof(Py_ssize_t)):
+            raise ValueError(f"table columns do not match its {n} names")
+        self._codes_b, self._begins_b, self._ends_b, self._order_b = codes, begins, ends, order
+        self._codes = <const uint8_t*>PyBytes_AS_STRING(codes)
+        self._begins = <const int64_t*>PyBytes_AS_STRING(begins)
+        self._ends = <const int64_t*>PyBytes_AS_STRING(ends)
+        self._arrays = None
+
+    cdef object _array(self, int i):
+        if self._arrays is None:
+            np = numpy_module()
+            self._arrays = (
+                np.frombuffer(self._codes_b, dtype=np.uint8),
+                np.frombuffer(self._begins_b, dtype=np.int64),
+                np.frombuffer(self._ends_b, dtype=np.int64),
+                np.frombuffer(self._order_b, dtype=np.intp),
+            )
+        return self._arrays[i]
+
+    @property
+    def codes(self):
+        """Dtype codes (``uint8``), one per row."""
+        return self._array(0)
+
+    @property
+    def begins(self):
+        """Start of each row's bytes in the data region (``int64``)."""
+        return self._array(1)
+
+    @property
+    def ends(self):
+        """End of each row's bytes in the data region (``int64``)."""
+        return self._array(2)
+
+    @property
+    def order(self):
+        """The rows in file order (``intp``)."""
+        return self._array(3)
+
+    def dtype_names(self):
+        """The format's dtype name (``"BF16"``, ...) of every row, in header order."""
+        cdef Py_ssize_t i, n = len(self.names)
+        cdef tuple dtype_names = _NAMES
+        cdef list out = [None] * n
+        for i in range(n):
+            out[i] = dtype_names[self._codes[i]]
+        return out
 
     def __len__(self):
         return len(self.names)
@@ -1285,8 +1347,8 @@ cdef class HeaderTable:
                 f"data {self.data_size} bytes>")
 
     def __reduce__(self):
-        return (_rebuild_table, (self.names, self.index, self.codes, self.shapes, self.begins, self.ends,
-                                 self.order, self.metadata, self.header_size, self.data_size))
+        return (_rebuild_table, (self.names, self.index, self._codes_b, self.shapes, self._begins_b,
+                                 self._ends_b, self._order_b, self.metadata, self.header_size, self.data_size))
 
 
 cdef extern from *:
@@ -1352,8 +1414,8 @@ cdef inline tuple make_row(object cls, object name, object dtype, object shape, 
 def _rebuild_table(names, index, codes, shapes, begins, ends, order, metadata, header_size, data_size):
     cdef HeaderTable t = HeaderTable.__new__(HeaderTable)
     t.names, t.index, t.shapes = names, index, shapes
-    t._set_arrays(codes, begins, ends)
-    t.order, t.metadata = order, metadata
+    t._set_columns(codes, begins, ends, order)
+    t.metadata = metadata
     t.header_size, t.data_size = header_size, data_size
     return t
 
@@ -1488,8 +1550,10 @@ cdef HeaderTable build_table(Scanner* s, int64_t data_size):
     cdef Rec* recs = NULL
     cdef RegionError rerr
     cdef int rc
-    cdef uint8_t[::1] cv
-    cdef int64_t[::1] bv, ev
+    cdef bytes codes, begins, ends
+    cdef uint8_t* cp
+    cdef int64_t* bp
+    cdef int64_t* ep
     cdef list shapes
     cdef HeaderTable table
     cdef uint8_t* scratch = <uint8_t*>malloc(s.n + 1)  # proportional to the header length
@@ -1533,27 +1597,25 @@ cdef HeaderTable build_table(Scanner* s, int64_t data_size):
             raise region_error(&rerr, names)
         # from here on every offset is <= data_size <= 2**63 - 1: int64 holds them
 
-        codes = np.empty(nt, dtype=np.uint8)
-        begins = np.empty(nt, dtype=np.int64)
-        ends = np.empty(nt, dtype=np.int64)
-        cv = codes
-        bv = begins
-        ev = ends
+        codes = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>nt)
+        begins = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(nt * 8))
+        ends = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(nt * 8))
+        # new bytes objects, not yet shared with anyone: filled in place, then immutable
+        cp = <uint8_t*>PyBytes_AS_STRING(codes)
+        bp = <int64_t*>PyBytes_AS_STRING(begins)
+        ep = <int64_t*>PyBytes_AS_STRING(ends)
         for i in range(nt):
             t = &s.tensors[i]
-            cv[i] = t.code
-            bv[i] = <int64_t>t.begin
-            ev[i] = <int64_t>t.end
+            cp[i] = t.code
+            bp[i] = <int64_t>t.begin
+            ep[i] = <int64_t>t.end
         shapes = make_shapes(s)
-        for arr in (codes, begins, ends):
-            arr.flags.writeable = False
 
         table = HeaderTable.__new__(HeaderTable)
         table.names = names
         table.index = index
-        table._set_arrays(codes, begins, ends)
         table.shapes = shapes
-        table.order = order_array(recs, nt)
+        table._set_columns(codes, begins, ends, order_bytes(recs, nt))
         table.metadata = metadata
         table.header_size = <Py_ssize_t>s.n
         table.data_size = data_size

@@ -28,7 +28,7 @@ from ._api import Slicer, TensorSlice
 from ._files import open_regular
 from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from .sinks import get_sink
+from .sinks import get_sink, sink_kind
 
 __all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
 
@@ -106,7 +106,12 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
                 raise SafetensorError(
                     f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend"
                 )
-            self._sink = get_sink(framework, device)
+            self._kind = sink_kind(framework, device)
+            # numpy is imported with the first array, not at open: a tool that reads only
+            # names, dtypes, shapes and metadata never pays for it.  torch and CuPy sinks are
+            # made now, so that a missing framework or a bad device fails here, as with the
+            # reference.
+            self._sink_obj = None if self._kind == "numpy" else get_sink(framework, device)
             self._backend = backend
             size = os.fstat(fd).st_size
             self.header: Header = read_header_fd(fd, path=path, file_size=size, max_header_size=max_header_size)
@@ -202,6 +207,14 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._check_open()
         raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
 
+    @property
+    def _sink(self):
+        """This handle's sink, made on first use for numpy (see ``_setup``)."""
+        sink = self._sink_obj
+        if sink is None:  # numpy sinks hold no state: a second one made by a racing thread is as good
+            sink = self._sink_obj = get_sink("numpy")
+        return sink
+
     def _mapping(self):
         base = self._base
         if base is None:
@@ -249,7 +262,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             )
         try:
             # as the reference: numpy slices refuse bounds past an axis, torch slices clamp them
-            plan = plan_slice(t.shapes[row], d.itemsize, index, strict_bounds=self._sink.name != "torch")
+            plan = plan_slice(t.shapes[row], d.itemsize, index, strict_bounds=self._kind != "torch")
         except InvalidSliceError as err:
             raise InvalidSliceError(
                 f"tensor {name!r} {list(t.shapes[row])}: {err.message}",
@@ -277,7 +290,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     def __repr__(self) -> str:
         state = "closed" if self._closing else f"{len(self.header)} tensors"
-        return f"<engine.safe_open {self._path!r} {self._sink.name} {self._backend} ({state})>"
+        return f"<engine.safe_open {self._path!r} {self._kind} {self._backend} ({state})>"
 
 
 @contextlib.contextmanager

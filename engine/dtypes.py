@@ -11,11 +11,12 @@ engine hands them out as their packed bytes (``uint8``), see :func:`packed_shape
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import MissingDependencyError, SerializationError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "DType",
@@ -99,40 +100,42 @@ def code_of(name: str) -> int:
         raise SerializationError(f"unknown safetensors dtype {name!r}", reason="InvalidDtype") from None
 
 
-def _np_type(name: str) -> np.dtype:
-    import ml_dtypes
+def _np_type(d: DType) -> np.dtype:
+    import numpy as np
 
-    if hasattr(ml_dtypes, name):
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name).newbyteorder("<")
+    try:
+        return np.dtype(d.numpy).newbyteorder("<")
+    except TypeError:  # numpy has none (BF16, FP8): ml_dtypes' type
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, d.numpy))
 
 
-# numpy dtypes per code, and back; built on first use, so that reading headers imports
-# neither ml_dtypes nor builds dtype objects
-_NUMPY: tuple[np.dtype, ...] = ()
+# numpy dtypes per code, each made on first use: reading headers imports no numpy, and
+# arrays of numpy's own dtypes import no ml_dtypes (about 7 ms for a short-lived tool)
+_NUMPY: list[np.dtype | None] = [None] * len(DTYPES)
+# and back, for every dtype at once (saving): made on first use
 _FROM_NUMPY: dict[np.dtype, int] = {}
-
-
-def _numpy_tables() -> tuple[np.dtype, ...]:
-    global _NUMPY
-    if not _NUMPY:
-        table = tuple(_np_type(d.numpy) for d in DTYPES)
-        for d in DTYPES:
-            if not d.sub_byte:  # uint8 maps back to U8, not to a packed dtype
-                _FROM_NUMPY[table[d.code]] = d.code
-        _FROM_NUMPY[np.dtype(np.uint8)] = BY_NAME["U8"].code
-        _NUMPY = table
-    return _NUMPY
 
 
 def numpy_dtype(code: int) -> np.dtype:
     """numpy dtype for a code; little-endian; ``uint8`` for packed sub-byte dtypes."""
-    return (_NUMPY or _numpy_tables())[code]
+    dt = _NUMPY[code]
+    if dt is None:
+        dt = _NUMPY[code] = _np_type(DTYPES[code])
+    return dt
 
 
 def from_numpy(dtype: np.dtype) -> int:
     """Code for a numpy dtype (any byte order); raises SerializationError if unsupported."""
-    _NUMPY or _numpy_tables()
+    global _FROM_NUMPY
+    import numpy as np
+
+    if not _FROM_NUMPY:
+        # built whole, then published: a thread never sees a partial table
+        table = {numpy_dtype(d.code): d.code for d in DTYPES if not d.sub_byte}  # uint8 is U8, not packed
+        table[np.dtype(np.uint8)] = BY_NAME["U8"].code
+        _FROM_NUMPY = table
     dtype = np.dtype(dtype)
     key = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
     try:

@@ -140,8 +140,7 @@ class Header:
         without one Python object per tensor beyond those lists.
         """
         if self._dtype_names is None:
-            names = NAMES
-            self._dtype_names = [names[c] for c in self.table.codes.tolist()]
+            self._dtype_names = self.table.dtype_names()
         return self._dtype_names
 
     def offset_keys(self) -> list[str]:

@@ -180,8 +180,6 @@ def prefetch_mapping(buf, ranges, *, threads: int | None = None) -> int:
     Copies of tensor bytes: 0 (the pages are the page cache's).  The GIL is released in
     each call.  Advice only: an error leaves the pages to be faulted in as usual.
     """
-    from . import _io
-
     merged: list[list[int]] = []
     for lo, hi in ranges:
         if hi <= lo:
@@ -192,6 +190,8 @@ def prefetch_mapping(buf, ranges, *, threads: int | None = None) -> int:
             merged.append([lo, hi])
     if sum(hi - lo for lo, hi in merged) < PREFETCH_MIN_BYTES:
         return 0
+    from . import _io  # here: a small load (a short-lived tool's first tensor) needs no native reader
+
     pieces = [(p, min(p + PREFETCH_PIECE, hi)) for lo, hi in merged for p in range(lo, hi, PREFETCH_PIECE)]
     view = memoryview(buf).cast("B")
     try:

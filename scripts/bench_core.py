@@ -8,6 +8,8 @@ interleaved rep by rep so that drift and neighbours' load hit both alike:
   header_small  open a file of a few hundred tensors (microseconds per open)
   first_open    import + first safe_open + every dtype and shape of that file, in a bare
                 fresh interpreter (what a short-lived tool pays)
+  first_tensor  the same, then one get_tensor (numpy imported on both sides: the engine
+                imports none for headers alone)
   lazy2g        lazy (mmap) load of a 2 GB BF16 checkpoint, then read every byte
   many_load     load_file of 100,000 tiny tensors
   save2g        save_file of a 2 GB BF16 checkpoint, time and extra peak RSS
@@ -105,6 +107,16 @@ CASES = {
         "notes": {
             "reference": "import safetensors; safe_open(..., 'np'); get_slice(k).get_dtype()/get_shape() for all keys",
             "engine": "import engine; the identical calls",
+        },
+    },
+    "first_tensor": {
+        "title": "first_open, then one get_tensor ({small_n} F32 tensors)",
+        "file": "small_f32",
+        "impls": ["reference", "engine"],
+        "goal": ("ratio", 1.0),
+        "notes": {
+            "reference": "first_open's calls + get_tensor(first key)",
+            "engine": "the identical calls",
         },
     },
     "lazy2g": {
@@ -295,6 +307,7 @@ t0 = time.perf_counter()
 import {lib} as lib
 with lib.safe_open({path!r}, framework="np") as f:
     rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]
+    {extra}
 seconds = time.perf_counter() - t0
 import hashlib, json
 digest = hashlib.sha1(repr(sorted(rows)).encode()).hexdigest()[:12]
@@ -304,9 +317,10 @@ print("RESULT " + json.dumps({{"seconds": seconds, "count": len(rows), "digest":
 
 def run_child(spec: dict, timeout: float = 1200) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    if spec.get("case") == "first_open":
+    if spec.get("case") in ("first_open", "first_tensor"):
         lib = "safetensors" if spec["impl"] == "reference" else "engine"
-        cmd = [sys.executable, "-c", FIRST_OPEN.format(lib=lib, path=spec["path"])]
+        extra = "rows.append((\"~tensor\", rows[0][0], list(f.get_tensor(rows[0][0]).shape)))" if spec["case"] == "first_tensor" else ""
+        cmd = [sys.executable, "-c", FIRST_OPEN.format(lib=lib, path=spec["path"], extra=extra)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -442,6 +456,8 @@ def main(argv=None) -> int:
         files["many"] = common.many_tensors_file(sz["many"], base=bench_dir)
     if {"header_small", "first_open"} & set(cases):
         files["small"] = common.small_model_file(sz["small_layers"], base=bench_dir)
+    if "first_tensor" in cases:  # F32: the reference's numpy has no BF16
+        files["small_f32"] = common.small_model_file(sz["small_layers"], base=bench_dir, dtype="F32")
     if big:
         files["ckpt"] = common.checkpoint_file(sz["ckpt"], base=bench_dir)
     ckpt_bytes = sum(common._nbytes(d, s) for _, d, s in common.checkpoint_entries(sz["ckpt"]))

@@ -595,6 +595,7 @@ def test_device_load_of_a_checkpoint_is_one_pipeline_into_one_allocation(sharded
     path, sd, split = sharded
     sink = EmulatedSink()
     monkeypatch.setattr(engine.api, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.api, "sink_kind", lambda framework, device: sink.name)
     real = pipeline.run_sources
     monkeypatch.setattr(pipeline, "run_sources", lambda *a, **k: real(*a, **{**k, "gpu_path": gpu_path}))
     runs = count_pipelines(monkeypatch)

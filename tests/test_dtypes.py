@@ -65,3 +65,50 @@ def test_torch_mapping():
 )
 def test_packed_shape(name, shape, nbytes, expected):
     assert dtypes.packed_shape(dtypes.BY_NAME[name].code, shape, nbytes) == expected
+
+
+def test_numpy_native_dtypes_import_no_ml_dtypes():
+    """Arrays of numpy's own dtypes need no ml_dtypes (a short-lived tool pays ~7 ms for
+    it); BF16 and FP8 import it on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from engine import dtypes\n"
+        "a = [str(dtypes.numpy_dtype(dtypes.BY_NAME[n].code)) for n in ('F32', 'I64', 'BOOL', 'F4', 'C64')]\n"
+        "print(a, 'ml_dtypes' in sys.modules)\n"
+        "print(dtypes.numpy_dtype(dtypes.BY_NAME['BF16'].code), 'ml_dtypes' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "['float32', 'int64', 'bool', 'uint8', 'complex64'] False",
+        "bfloat16 True",
+    ]
+
+
+def test_from_numpy_table_is_whole_under_threads():
+    """The reverse table is published whole: threads racing on its first use all find
+    their dtype."""
+    import threading
+
+    dtypes._FROM_NUMPY = {}
+    names = [d.name for d in dtypes.DTYPES if not d.sub_byte]
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def work():
+        start.wait()
+        try:
+            for n in names:
+                assert dtypes.from_numpy(dtypes.numpy_dtype(dtypes.BY_NAME[n].code)) == dtypes.BY_NAME[n].code
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -209,3 +209,37 @@ def test_opening_a_file_imports_nothing_it_does_not_need():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_reading_headers_imports_no_numpy(tmp_path):
+    """Names, dtypes, shapes and metadata, through safe_open and read_header, import no
+    numpy (a tool that inspects headers never pays for it); the first array does."""
+    import numpy as np
+
+    import engine
+
+    p = tmp_path / "a.safetensors"
+    engine.save_file({"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.int8)}, str(p),
+                     metadata={"k": "v"})
+    code = (
+        "import sys, engine\n"
+        f"p = {str(p)!r}\n"
+        "with engine.safe_open(p, framework='np') as f:\n"
+        "    rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n"
+        "    md = f.metadata()\n"
+        "    h = engine.read_header(p)\n"
+        "    infos = [h[k] for k in h] + h.infos()\n"
+        "    print(rows, md, h.dtypes, infos[0].dtype, repr(f).split()[2])\n"
+        "    print('numpy' in sys.modules)\n"
+        "    a = f.get_tensor('a')\n"
+        "    print('numpy' in sys.modules, a.sum(), h.table.codes.tolist(), h.table.order.tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, before, after = out.stdout.strip().splitlines()
+    assert first == ("[('a', 'F32', [2, 3]), ('b', 'I8', [4])] {'k': 'v'} ['F32', 'I8'] F32 numpy")
+    assert before == "False"
+    h = engine.read_header(str(p))  # here numpy is imported: the columns as arrays
+    codes = [engine.dtypes.BY_NAME["F32"].code, engine.dtypes.BY_NAME["I8"].code]
+    assert h.table.codes.tolist() == codes and not h.table.codes.flags.writeable
+    assert after == f"True 15.0 {codes} {h.table.order.tolist()}"

@@ -190,9 +190,10 @@ def many_tensors_file(n: int = 100_000, base: str | None = None) -> str:
     return _cached(f"many-{n}", lambda: many_tensor_entries(n), base, metadata={"format": "pt"})
 
 
-def small_model_file(layers: int = 32, base: str | None = None) -> str:
+def small_model_file(layers: int = 32, base: str | None = None, dtype: str = "BF16") -> str:
     """A few hundred tensors (32 layers -> 291) with tiny dimensions: a small header."""
-    return _cached(f"small-{layers}", lambda: model_entries(layers, 64, 176, 256, 16), base,
+    name = f"small-{layers}" if dtype == "BF16" else f"small-{layers}-{dtype}"
+    return _cached(name, lambda: model_entries(layers, 64, 176, 256, 16, dtype=dtype), base,
                    metadata={"format": "pt"})
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..errors import DeviceError, SafetensorError
 
-__all__ = ["get_sink", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
+__all__ = ["get_sink", "sink_kind", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
 
 
 def __getattr__(name: str):
@@ -31,8 +31,13 @@ _FRAMEWORKS = {
 }
 
 
-def get_sink(framework: str, device="cpu"):
-    """The sink for a framework name as the reference spells it (``"np"``, ``"pt"``, ...)."""
+def sink_kind(framework: str, device="cpu") -> str:
+    """``"numpy"``, ``"torch"`` or ``"cupy"`` for a framework name as the reference spells it
+    (``"np"``, ``"pt"``, ...), checked without importing the framework.
+
+    Raises ``SafetensorError`` for an unknown name and ``DeviceError`` for numpy on a device
+    other than the CPU.
+    """
     try:
         kind = _FRAMEWORKS[framework]
     except (KeyError, TypeError):
@@ -40,11 +45,17 @@ def get_sink(framework: str, device="cpu"):
             f"unsupported framework {framework!r}; expected one of {sorted(_FRAMEWORKS)}",
             reason="InvalidFramework",
         ) from None
+    if kind == "numpy" and str(device) != "cpu":
+        raise DeviceError(f"numpy arrays live on the CPU; device {device!r} needs framework='pt'")
+    return kind
+
+
+def get_sink(framework: str, device="cpu"):
+    """The sink for a framework name as the reference spells it (``"np"``, ``"pt"``, ...)."""
+    kind = sink_kind(framework, device)
     if kind == "numpy":
         from .numpy import NumpySink
 
-        if str(device) != "cpu":
-            raise DeviceError(f"numpy arrays live on the CPU; device {device!r} needs framework='pt'")
         return NumpySink()
     if kind == "cupy":
         from .cupy import CupySink
