@@ -48,6 +48,10 @@ class HeaderTable:
     @property
     def data_size(self) -> int: ...
     def __len__(self) -> int: ...
+    def file_order(self) -> list[int]:
+        """The rows in file order (``order.tolist()`` without numpy)."""
+    def bytes_per_code(self) -> dict[int, int]:
+        """Bytes of tensor data per dtype code present, in code order."""
     def dtype_names(self) -> list[str]:
         """The format's dtype name of every row, in header order (no numpy needed)."""
     @overload

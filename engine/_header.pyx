@@ -1286,6 +1286,33 @@ cdef class HeaderTable:
         """The rows in file order (``intp``)."""
         return self._array(3)
 
+    def file_order(self):
+        """The rows in file order, as a list of ints (``order.tolist()`` without numpy)."""
+        cdef Py_ssize_t i, n = len(self.names)
+        cdef const Py_ssize_t* o = <const Py_ssize_t*>PyBytes_AS_STRING(self._order_b)
+        cdef list out = [None] * n
+        for i in range(n):
+            out[i] = o[i]
+        return out
+
+    def bytes_per_code(self):
+        """``{code: bytes}`` of tensor data per dtype code present, in code order.
+
+        Each sum is at most ``data_size`` (the regions tile the data region), so none
+        overflows.
+        """
+        cdef int64_t sums[NDTYPES_MAX]
+        cdef bint seen[NDTYPES_MAX]
+        cdef Py_ssize_t i, n = len(self.names)
+        cdef int c
+        memset(sums, 0, sizeof(sums))
+        memset(seen, 0, sizeof(seen))
+        for i in range(n):
+            c = self._codes[i]
+            sums[c] += self._ends[i] - self._begins[i]
+            seen[c] = True
+        return {c: sums[c] for c in range(n_dtypes) if seen[c]}
+
     def dtype_names(self):
         """The format's dtype name (``"BF16"``, ...) of every row, in header order."""
         cdef Py_ssize_t i, n = len(self.names)

@@ -467,7 +467,7 @@ class CheckpointInfo:
         out = []
         for shard, header in self.headers.items():
             table = header.table
-            for row in table.order.tolist():
+            for row in table.file_order():
                 out.append((shard, header[table.names[row]]))
         return out
 
@@ -769,7 +769,7 @@ class Checkpoint:
         ``"pread"``; on a device 2 on the copy path, 1 on the register path.
         """
         if names is None:
-            parts = [(self._handles[s], self.info.headers[s].table.order.tolist()) for s in self.shards]
+            parts = [(self._handles[s], self.info.headers[s].table.file_order()) for s in self.shards]
             wanted = None
         else:
             wanted = list(names)

@@ -387,7 +387,7 @@ def _direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, 
     outputs: dict[str, torch.Tensor] = {}
     jobs: list[_Job] = []
     slow: list[str] = []
-    for row in t.order.tolist():
+    for row in t.file_order():
         name = t.names[row]
         if names is not None and not names(name):
             continue

@@ -146,7 +146,7 @@ class Header:
     def offset_keys(self) -> list[str]:
         """Tensor names in file order (by data offset)."""
         names = self.table.names
-        return [names[row] for row in self.table.order.tolist()]
+        return [names[row] for row in self.table.file_order()]
 
     def __len__(self) -> int:
         return len(self.table.names)
@@ -206,17 +206,13 @@ class Header:
     # -- summaries -----------------------------------------------------------------------
     def parameters(self) -> dict[str, int]:
         """Element count per dtype name (in dtype-code order), plus ``"total"``."""
-        t = self.table
         out: dict[str, int] = {}
         total = 0
-        if len(t.names):
-            nbytes = t.ends - t.begins  # validated: each <= data_size, no overflow
-            for code in sorted(set(t.codes.tolist())):
-                size = int(nbytes[t.codes == code].sum())  # sum <= data_size
-                # nbytes * 8 == numel * bits exactly (the header check guarantees it)
-                count = size * 8 // BITS[code]
-                out[NAMES[code]] = count
-                total += count
+        for code, size in self.table.bytes_per_code().items():
+            # nbytes * 8 == numel * bits exactly (the header check guarantees it)
+            count = size * 8 // BITS[code]
+            out[NAMES[code]] = count
+            total += count
         out["total"] = total
         return out
 

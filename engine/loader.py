@@ -609,7 +609,7 @@ def fill_parts(
     wanted: list[set[int]] = [set() for _ in files]
     for i, row in found.values():
         wanted[i].add(row)
-    return [f.header.table.names[r] for f, w in zip(files, wanted, strict=True) for r in f.header.table.order.tolist()
+    return [f.header.table.names[r] for f, w in zip(files, wanted, strict=True) for r in f.header.table.file_order()
             if r in w]
 
 

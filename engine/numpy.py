@@ -51,7 +51,7 @@ def load(data: bytes) -> dict[str, np.ndarray]:
     Copies of tensor bytes: 0; the arrays are read-only views of ``data`` and keep it alive.
     """
     header = parse_buffer(data)
-    return views(NumpySink(), data, header, header.table.order.tolist(), header.data_start)
+    return views(NumpySink(), data, header, header.table.file_order(), header.data_start)
 
 
 def _check(tensor_dict) -> None:

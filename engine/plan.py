@@ -231,7 +231,7 @@ def select_rows(table, names=None, *, patterns=None, predicate=None, layers=None
     from .errors import TensorNotFoundError
 
     all_names = table.names
-    order = table.order.tolist()
+    order = table.file_order()
     if names is None and patterns is None and predicate is None and layers is None:
         return order
     chosen: set[int] = set()

@@ -180,7 +180,7 @@ def deserialize(data: bytes) -> list[tuple[str, dict[str, Any]]]:
     start = header.data_start
     view = memoryview(data).cast("B")
     out = []
-    for row in t.order.tolist():
+    for row in t.file_order():
         b, e = int(t.begins[row]), int(t.ends[row])
         out.append(
             (

@@ -671,6 +671,27 @@ def test_table_pickles(valid_file):
     assert u.row(2) == t.row(2)
 
 
+def test_table_columns_without_numpy_match_the_arrays():
+    """dtype_names, file_order and bytes_per_code (built in C, no numpy) against a numpy
+    oracle over the array columns, on a shuffled layout of mixed dtypes."""
+    rng = np.random.default_rng(5)
+    names = [f"t{i}" for i in range(200)]
+    dts = ["F32", "BF16", "I8", "F4", "BOOL", "F64", "U16"]
+    tensors = {n: (dts[i % len(dts)], [int(rng.integers(0, 5)), 2]) for i, n in enumerate(names)}
+    header, size = layout(dict(sorted(tensors.items(), key=lambda kv: rng.random())))
+    t = _header.parse_header(json.dumps(header).encode(), size)
+    assert t.dtype_names() == [NAMES[c] for c in t.codes.tolist()]
+    assert t.file_order() == t.order.tolist() == np.lexsort((t.ends, t.begins)).tolist()
+    nbytes = t.ends - t.begins
+    oracle = {int(c): int(nbytes[t.codes == c].sum()) for c in np.unique(t.codes)}
+    assert t.bytes_per_code() == oracle and list(t.bytes_per_code()) == sorted(oracle)
+    for attr in ("codes", "begins", "ends", "order"):
+        assert not getattr(t, attr).flags.writeable
+        assert getattr(t, attr) is getattr(t, attr)  # made once
+    with pytest.raises(ValueError):
+        t.codes[0] = 1
+
+
 def test_tensor_not_found(valid_file):
     h = read_header(valid_file)
     with pytest.raises(TensorNotFoundError) as info:

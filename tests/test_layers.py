@@ -212,8 +212,9 @@ def test_opening_a_file_imports_nothing_it_does_not_need():
 
 
 def test_reading_headers_imports_no_numpy(tmp_path):
-    """Names, dtypes, shapes and metadata, through safe_open and read_header, import no
-    numpy (a tool that inspects headers never pays for it); the first array does."""
+    """Names, dtypes, shapes, metadata, file order and parameter counts, through safe_open,
+    read_header and read_checkpoint_info (``engine inspect``), import no numpy (a tool that
+    inspects headers never pays for it); the first array does."""
     import numpy as np
 
     import engine
@@ -229,6 +230,9 @@ def test_reading_headers_imports_no_numpy(tmp_path):
         "    md = f.metadata()\n"
         "    h = engine.read_header(p)\n"
         "    infos = [h[k] for k in h] + h.infos()\n"
+        "    info = engine.read_checkpoint_info(p)\n"
+        "    assert [t.name for _, t in info.tensors()] == h.offset_keys() == ['a', 'b'], info.tensors()\n"
+        "    assert h.parameters() == info.parameters() == {'F32': 6, 'I8': 4, 'total': 10}, h.parameters()\n"
         "    print(rows, md, h.dtypes, infos[0].dtype, repr(f).split()[2])\n"
         "    print('numpy' in sys.modules)\n"
         "    a = f.get_tensor('a')\n"
