@@ -264,6 +264,7 @@ def load_tensor_parallel(
     strided: str = "auto",
     threads: int | None = None,
     backend: str = "pread",
+    copy: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Load this rank's shard of every tensor of a checkpoint.
 
@@ -306,6 +307,14 @@ def load_tensor_parallel(
         strided copy, ``strided`` unused), which can be faster on a warm page cache; as
         with ``safe_open(..., backend="mmap")``, a file truncated during the load then
         ends the process with ``SIGBUS``.
+    copy : bool, default True
+        ``False`` (with ``backend="mmap"``, direct mode, a single file): a shard that is one
+        contiguous range of the file (a replicated tensor, a block of rows) is handed out
+        as a view of a private copy-on-write mapping, with its own storage, as
+        ``safe_open(..., framework="pt")`` hands out tensors: no copy on the CPU, and on a
+        GPU one copy straight from the page cache.  Column blocks, padded and fused shards
+        are copied as with ``True``.  The pages are read when first touched, and a file
+        truncated while such a shard is alive ends the process with ``SIGBUS``.
 
     Returns
     -------
@@ -319,7 +328,8 @@ def load_tensor_parallel(
 
     Notes
     -----
-    Copies of tensor bytes, direct mode: 1 per byte (page cache to the shard), 2 for the
+    Copies of tensor bytes, direct mode: 0 for the shards ``copy=False`` maps, else 1 per
+    byte (page cache to the shard), 2 for the
     column blocks read as spans (page cache to the bounce buffer, which stays in the CPU
     cache, then to the shard), plus the host-to-device copy for CUDA; fused tensors split
     along a dimension other than the first, and padding along one, one more (the
@@ -334,6 +344,8 @@ def load_tensor_parallel(
         raise ShardingError(f"unknown strided {strided!r}; expected one of {_STRIDED}", reason="InvalidMode")
     if backend not in ("pread", "mmap"):
         raise ShardingError(f"unknown backend {backend!r}; expected 'pread' or 'mmap'", reason="InvalidMode")
+    if not copy and (backend != "mmap" or mode != "direct"):
+        raise ShardingError("copy=False needs backend='mmap' and mode='direct'", reason="InvalidMode")
     rank, world_size = _rank_world(rank, world_size, process_group)
     device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     if mode == "broadcast":
@@ -341,7 +353,7 @@ def load_tensor_parallel(
     path = os.fspath(path_or_index)
     if not is_checkpoint_path(path):
         out = _load_file_direct(path, plan, rank, world_size, names, "runs" if backend == "mmap" else strided,
-                                threads, mapped=backend == "mmap")
+                                threads, mapped=backend == "mmap", views=not copy)
         return {k: v.to(device) for k, v in out.items()} if device.type != "cpu" else out
     out = {}
     with _open(path_or_index, "pread") as f:
@@ -376,15 +388,27 @@ class _Job(NamedTuple):
     spans: bool
 
 
-def _direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, strided: str):
-    """(name -> output tensor, jobs, names to load the slow way) for a direct load of one file."""
+class _MappedView(NamedTuple):
+    """A shard that is one contiguous range of the file, handed out as a view of the mapping."""
+
+    code: int
+    shape: tuple
+    offset: int  # absolute, in the file
+    nbytes: int
+
+
+def _direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
+                 views: bool = False):
+    """(name -> output tensor or, with ``views``, a :class:`_MappedView` for each shard that
+    is one contiguous range of the file; jobs; names to load the slow way) for a direct load
+    of one file."""
     import numpy as np
 
     from . import dtypes
     from .plan import plan_slice
 
     t = header.table
-    outputs: dict[str, torch.Tensor] = {}
+    outputs: dict[str, Any] = {}  # tensors, and _MappedView where views are asked for
     jobs: list[_Job] = []
     slow: list[str] = []
     for row in t.file_order():
@@ -410,6 +434,12 @@ def _direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, 
                 slow.append(name)
                 continue
             out_shape = _shard_shape(shape, action, pieces)
+        if views and len(pieces) == 1 and pieces[0][1] is None:
+            sp = plan_slice(shape, d.itemsize, pieces[0][0])
+            if sp.src.size <= 1:  # one range of the file (or nothing): no bytes to move
+                at = int(sp.src[0]) if sp.src.size else 0
+                outputs[name] = _MappedView(code, tuple(out_shape), begin + at, sp.nbytes)
+                continue
         out = (torch.zeros if any(to is not None for _, to in pieces) else torch.empty)(
             out_shape, dtype=dtypes.torch_dtype(code))
         outputs[name] = out
@@ -497,10 +527,11 @@ def direct_read_bytes(path, plan: ShardingPlan, *, rank: int, world_size: int, s
 
 
 def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
-                      threads: int | None, mapped: bool = False) -> dict[str, torch.Tensor]:
+                      threads: int | None, mapped: bool = False, views: bool = False) -> dict[str, torch.Tensor]:
     """Direct mode on one file: every read of this rank planned up front, then shared among
     threads in file order (several reads in flight), column blocks by runs or spans, or
-    (``mapped``) copied out of a read-only mapping."""
+    (``mapped``) copied out of a read-only mapping; with ``views`` (and ``mapped``), shards
+    that are one range of the file are views of a private mapping instead."""
     import threading
 
     import numpy as np
@@ -512,7 +543,19 @@ def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int,
     fd = open_regular(path)  # a FIFO or device is refused, never waited on
     try:
         header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size)
-        outputs, jobs, slow = _direct_jobs(header, plan, rank, world_size, names, strided)
+        outputs, jobs, slow = _direct_jobs(header, plan, rank, world_size, names, strided, views)
+        wanted = {n: v for n, v in outputs.items() if isinstance(v, _MappedView)}
+        if wanted:
+            import mmap
+
+            from .sinks.torch import TorchSink
+
+            # a private (copy-on-write) mapping, as safe_open(..., framework="pt") makes: the
+            # shards are writable, and writes never reach the file
+            sink = TorchSink()
+            base = sink.map(mmap.mmap(fd, 0, access=getattr(mmap, sink.mmap_access)))
+            for n, v in wanted.items():
+                outputs[n] = sink.view(base, v.code, v.shape, v.offset, v.nbytes)
         lock = threading.Lock()
         todo = iter(jobs)
         source = None

@@ -13,9 +13,15 @@ system-wide monotonic clock).  Implementations, alternated sample by sample:
   reference has: what oversubscribing the cores costs when ranks share them;
 * engine-mmap: ``backend="mmap"``: the shard copied out of a read-only mapping (column
   blocks in one strided copy each), as the reference reads;
+* engine-view: ``backend="mmap", copy=False``: shards that are one range of the file
+  (replicated tensors, row blocks) are views of a private mapping, column blocks copied,
+  which is what the reference hands out;
 * reference: ``safetensors.safe_open(framework="pt")`` + ``get_slice(name)[index]`` with the
-  same index for every tensor, concatenated for fused tensors and made contiguous (owned
-  tensors, as a server keeps them);
+  same index for every tensor, concatenated for fused tensors and made contiguous.  Its
+  contiguous slices are views of its mapping of the file (``.contiguous()`` keeps them
+  so): for a replicated tensor or a row block no byte is copied, and its pages are read
+  only when touched.  Only column blocks are copied.  Compare it with engine-view; the
+  other engine rows own every byte when they return;
 * floor: no engine and no tensors: each rank reads as many bytes as its shard holds, from
   its own contiguous quarter of the file (wrapping around), into one fresh anonymous block
   with two threads of 8 MiB ``preadv``.  The least a rank can do to end up with its bytes
@@ -30,6 +36,7 @@ share one page cache, so a page one rank brought in is not charged to another).
     python scripts/bench_tp.py                      # ~1 GB checkpoint, world 4, 5 samples each
     python scripts/bench_tp.py --quick              # small, world 2, 3 samples (smoke)
     python scripts/bench_tp.py --only cold --runs 7
+    python scripts/bench_tp.py --impls engine engine-view floor   # these rows and the reference
 
 Earlier versions of this script timed each rank on its own from its own start and reported
 per-rank medians; a server waits for the slowest rank of a load that all ranks start
@@ -57,7 +64,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
 from benchmarks.common import evict_cache as evict  # noqa: E402
 from benchmarks.common import warm_cache as warm  # noqa: E402
 
-IMPLS = ("engine", "engine-runs", "engine-1t", "engine-mmap", "reference", "floor")
+IMPLS = ("engine", "engine-runs", "engine-1t", "engine-mmap", "engine-view", "reference", "floor")
 
 
 def config_for(quick: bool) -> dict:
@@ -142,6 +149,7 @@ def worker(rank, world, port, path, cfg, impl, out):
         "engine-runs": lambda: load_tensor_parallel(path, plan, strided="runs"),
         "engine-1t": lambda: load_tensor_parallel(path, plan, threads=1),
         "engine-mmap": lambda: load_tensor_parallel(path, plan, backend="mmap"),
+        "engine-view": lambda: load_tensor_parallel(path, plan, backend="mmap", copy=False),
         "reference": reference,
     }[impl]
     dist.barrier()
@@ -194,6 +202,7 @@ def main() -> int:
     ap.add_argument("--world", type=int)
     ap.add_argument("--runs", type=int, help="samples per implementation and state (default 5, quick 3)")
     ap.add_argument("--only", choices=["warm", "cold"])
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, help="rows to run (the reference always runs)")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -210,14 +219,15 @@ def main() -> int:
     planned = {impl: [direct_read_bytes(path, plan, rank=r, world_size=world, strided=strided)
                       for r in range(world)]
                for impl, strided in (("engine", "auto"), ("engine-runs", "runs"))}
+    impls = [i for i in IMPLS if args.impls is None or i in args.impls or i == "reference"]
     load_start = os.getloadavg()
     results: dict = {}
     for state in ("warm", "cold"):
         if args.only not in (None, state):
             continue
-        got = {impl: [] for impl in IMPLS}
+        got = {impl: [] for impl in impls}
         for _ in range(runs):
-            for impl in IMPLS:  # alternated: drift on a shared machine hits every side alike
+            for impl in impls:  # alternated: drift on a shared machine hits every side alike
                 got[impl].append(sample(path, cfg, world, impl, state == "cold"))
         results[state] = got
     size = os.path.getsize(path)
@@ -230,7 +240,7 @@ def main() -> int:
           f"{'MB asked per rank (rchar)':<30} {'MB from storage per rank':<26}")
     for state, got in results.items():
         ref = [s["seconds"] for s in got["reference"]]
-        for impl in IMPLS:
+        for impl in impls:
             secs = [s["seconds"] for s in got[impl]]
             ratio = statistics.median(r / x for r, x in zip(ref, secs, strict=True))
             rchar = [statistics.median(s["ranks"][r]["rchar"] for s in got[impl]) / 1e6 for r in range(world)]
@@ -238,7 +248,7 @@ def main() -> int:
             print(f"{state:<5} {impl:<12} {statistics.median(secs):>9.3f} {min(secs):>7.3f} {max(secs):>7.3f} "
                   f"{ratio:>6.2f}x  {' '.join(f'{x:.0f}' for x in rchar):<30} "
                   f"{' '.join(f'{x:.0f}' for x in stor) if state == 'cold' else '-':<26}")
-    shard = [statistics.median(s["ranks"][r]["shard_bytes"] for s in next(iter(results.values()))["engine"]) / 1e6
+    shard = [statistics.median(s["ranks"][r]["shard_bytes"] for s in next(iter(results.values()))[impls[0]]) / 1e6
              for r in range(world)] if results else []
     print(f"# shard MB per rank: {' '.join(f'{x:.0f}' for x in shard)}; tensor bytes each engine mode reads per "
           f"rank (direct_read_bytes): auto {' '.join(f'{x / 1e6:.0f}' for x in planned['engine'])}, "

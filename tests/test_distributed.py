@@ -269,6 +269,46 @@ def test_mapped_backend_gives_the_pread_shards(tmp_path, monkeypatch):
         load_tensor_parallel(path, plan, rank=0, world_size=3, backend="cuda")
 
 
+def test_mapped_views_alias_the_file_only_where_the_shard_is_one_range(tmp_path):
+    """copy=False: replicated tensors and row blocks are views of a private mapping (each
+    with a storage of exactly its bytes, writable, writes never reaching the file); column
+    blocks, padded and empty shards are owned copies; every shard equals the pread one."""
+    g = torch.Generator().manual_seed(1)
+    sd = {
+        "embed": torch.randn(96, 40, generator=g),
+        "w": torch.randn(300, 48, generator=g).to(torch.bfloat16),
+        "b": torch.arange(300 * 50, dtype=torch.int32).reshape(300, 50),
+        "rows": torch.arange(10 * 4, dtype=torch.int64).reshape(10, 4),
+        "norm": torch.randn(40, generator=g),
+        "none": torch.zeros(0, 4),
+    }
+    path = tmp_path / "v.safetensors"
+    engine.torch.save_file(sd, path)
+    before = path.read_bytes()
+    plan = ShardingPlan([("embed", Split(0)), ("w", Split(1)), ("b", Split(-1, pad=True)),
+                         ("rows", Split(0, pad=True)), ("norm", Replicate()), ("none", Split(0))])
+    for rank in range(3):
+        ref = load_tensor_parallel(path, plan, rank=rank, world_size=3)
+        got = load_tensor_parallel(path, plan, rank=rank, world_size=3, backend="mmap", copy=False)
+        assert list(got) == list(ref)
+        for name, t in got.items():
+            assert t.dtype == ref[name].dtype and torch.equal(t, ref[name]), (rank, name)
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+        with pytest.raises(ShardingError, match="copy=False"):
+            load_tensor_parallel(path, plan, rank=rank, world_size=3, copy=False)
+        got["embed"].fill_(7)  # copy-on-write: the file keeps its bytes
+        got["norm"].zero_()
+    assert path.read_bytes() == before
+    # the views really are the mapping's pages: from one rank, consecutive row blocks of
+    # "embed" and "norm" lie at their file distance from each other
+    got = load_tensor_parallel(path, plan, rank=0, world_size=3, backend="mmap", copy=False)
+    h = engine.read_header(path)
+    gap = h["norm"].data_offsets[0] - h["embed"].data_offsets[0]
+    assert got["norm"].data_ptr() - got["embed"].data_ptr() == gap
+    owned = load_tensor_parallel(path, plan, rank=0, world_size=3, backend="mmap")
+    assert owned["norm"].data_ptr() - owned["embed"].data_ptr() != gap
+
+
 @pytest.mark.parametrize("backend", ["pread", "mmap"])
 def test_sub_byte_tensors_take_the_slice_path_replicated_or_split(tmp_path, backend):
     # packed F4 bytes cannot be planned as byte runs: they are read through get_slice, both
