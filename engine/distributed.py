@@ -366,6 +366,9 @@ def load_tensor_parallel(
 
 
 _STRIDED = ("auto", "runs", "spans")
+#: A mapped copy maps its whole span in one call when the gaps between its runs average at
+#: most this (a fault's read-ahead window); else the runs fault their own pages in.
+_POPULATE_MAX_GAP = 128 << 10
 #: Bounce buffer per reader thread for column blocks read as dense spans: fits in a core's
 #: L2 cache next to the rows being copied out of it.
 SPAN_BOUNCE_BYTES = 1 << 20
@@ -482,9 +485,16 @@ def _copy_mapped(source, job: _Job) -> None:
     releases the GIL for the copy."""
     import numpy as np
 
+    from .reader import populate_mapping
+
     dst = np.frombuffer(job.dst, np.uint8)
     n, run = job.src.size, job.run_bytes
     first = job.base + int(job.src[0])
+    last = job.base + int(job.src[-1]) + run
+    if n == 1 or (last - first) - n * run <= _POPULATE_MAX_GAP * (n - 1):
+        # the pages the copy touches, mapped in one call rather than one fault each (the
+        # gaps between runs are short: the kernel's read-ahead would read them anyway)
+        populate_mapping(source, first, last)
     if n == 1:
         dst[:] = source[first : first + run]
         return

@@ -326,6 +326,27 @@ def test_sub_byte_tensors_take_the_slice_path_replicated_or_split(tmp_path, back
         load_tensor_parallel(path, ShardingPlan([("packed", Split(1))]), rank=0, world_size=2, backend=backend)
 
 
+def test_mapped_copy_maps_dense_spans_in_one_call(monkeypatch):
+    """A job whose runs lie close together has its whole span mapped in one call before
+    the copy; runs far apart fault in only their own pages."""
+    import numpy as np
+
+    import engine.reader
+    from engine.distributed import _POPULATE_MAX_GAP, _copy_mapped, _Job
+
+    calls = []
+    monkeypatch.setattr(engine.reader, "populate_mapping", lambda buf, lo, hi: calls.append((lo, hi)) or 0)
+    gap = _POPULATE_MAX_GAP
+    source = np.arange(4 * gap + 64, dtype=np.int64).view(np.uint8)
+    for src, spans in (([0], [(5, 13)]), ([0, 100, 200], [(5, 213)]), ([0, gap + 8, 2 * gap + 16], [(5, 2 * gap + 29)]),
+                       ([0, 3 * gap], [])):
+        calls.clear()
+        dst = bytearray(8 * len(src))
+        _copy_mapped(source, _Job(memoryview(dst), np.array(src, np.int64), 8, 5, False))
+        assert bytes(dst) == b"".join(source[5 + o : 13 + o].tobytes() for o in src), src
+        assert calls == spans, src
+
+
 def test_mapped_copy_of_uneven_runs():
     import numpy as np
 

@@ -164,9 +164,9 @@ def test_populate_makes_the_range_resident_and_an_empty_range_is_a_no_op(mapped_
     mm, _ = mapped_file
     view = memoryview(mm)
     try:
-        assert _io.populate_mapping(view, 0, len(mm)) == 0
+        assert reader.populate_mapping(view, 0, len(mm)) == 0
         assert _io.mapping_resident(view, 0, len(mm))
-        assert _io.populate_mapping(view, 5, 5) == 0 and _io.mapping_resident(view, 5, 5)  # empty range
+        assert reader.populate_mapping(view, 5, 5) == 0 and _io.mapping_resident(view, 5, 5)  # empty range
     finally:
         view.release()
 
