@@ -11,6 +11,8 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -26,6 +28,15 @@ DTYPE_BITS = {
     "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
     "U64": 64,
 }  # fmt: skip
+
+
+def run_python(code: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 300) -> str:
+    """Standard output of ``code`` run by a fresh interpreter (what a new process imports is
+    what these tests look at); the test fails with the child's output if the child fails."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                         timeout=timeout)
+    assert out.returncode == 0, f"child failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+    return out.stdout
 
 
 def encode_header(header: HeaderLike) -> bytes:

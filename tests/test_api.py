@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import threading
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -458,10 +458,7 @@ def test_concurrent_handles(tmp_path):
 
 def test_import_engine_stays_light():
     code = "import engine, sys; print(sorted(m for m in ('torch', 'cupy', 'numba') if m in sys.modules))"
-    import subprocess
-
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert run_python(code).strip() == "[]"
 
 
 def test_safe_open_takes_an_index_or_a_directory(tmp_path):

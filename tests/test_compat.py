@@ -12,7 +12,6 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import types
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_raw
+from conftest import run_python, write_raw
 
 import engine
 import engine.compat as compat
@@ -37,19 +36,11 @@ def _snapshot() -> dict[str, types.ModuleType]:
     return {name: module for name, module in sys.modules.items() if _owned(name)}
 
 
-def _run(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter that imports this checkout's engine."""
+def _run(code: str, *args: str, timeout: float = 300) -> str:
+    """Standard output of ``code`` in a fresh interpreter that imports this checkout's engine."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, f"subprocess failed:\n{out.stdout}\n{out.stderr}"
-    return out
+    return run_python(textwrap.dedent(code), *args, env=env, timeout=timeout)
 
 
 @pytest.fixture
@@ -159,7 +150,7 @@ def test_where_the_reference_was_never_imported_uninstall_leaves_nothing():
         print(json.dumps(facts))
         """
     )
-    facts = json.loads(out.stdout)
+    facts = json.loads(out)
     assert facts == {
         "before": [],
         "torch_after_import": False,
@@ -372,7 +363,7 @@ def test_transformers_sharded_round_trip_matches_the_reference(tmp_path):
     for mode in ("reference", "shim"):
         (tmp_path / mode).mkdir()
         out = _run(_LLAMA, mode, str(tmp_path / mode))
-        runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        runs[mode] = json.loads(out.strip().splitlines()[-1])
     # the shim run really went through the engine, the other through the reference
     assert runs["shim"]["safe_open"].startswith("engine.")
     assert runs["shim"]["safe_save_file"] == "engine.torch"
@@ -424,7 +415,7 @@ def test_accelerate_save_model_keeps_every_tensor_of_an_engine_loaded_model(tmp_
     pytest.importorskip("transformers", reason="transformers is not installed (the 'test' extra pins it)")
     pytest.importorskip("accelerate", reason="accelerate is not installed (the 'test' extra pins it)")
     out = _run(_ACCELERATE, str(tmp_path))
-    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    facts = json.loads(out.strip().splitlines()[-1])
     assert len(facts["expected"]) == 21  # embed, 2 x 9 per layer, norm, lm_head
     assert facts["saved"] == facts["expected"]
     assert facts["equal"] == facts["expected"]

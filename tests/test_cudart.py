@@ -7,6 +7,7 @@ import mmap
 import os
 
 import pytest
+from conftest import run_python
 
 from engine.sinks import _cudart
 
@@ -94,17 +95,13 @@ def test_no_runtime_without_cuda():
     if torch.cuda.is_available():  # pragma: no cover - depends on hardware
         pytest.skip("a CUDA runtime is present")
     # in a fresh process: other tests (Numba's CUDA compiler) may have mapped a libcudart here
-    import subprocess
-    import sys
 
     code = (
         "import torch\n"
         "from engine.sinks import _cudart\n"
         "print(_cudart._loaded_cudart_path(), _cudart.runtime())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["None", "None"]
+    assert run_python(code, timeout=120).split() == ["None", "None"]
 
 
 # -- the torch ops over the runtime, with the CUDA calls stubbed ------------------------------------

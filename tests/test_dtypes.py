@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import run_python
 
 from engine import dtypes
 from engine.errors import SerializationError
@@ -70,8 +71,6 @@ def test_packed_shape(name, shape, nbytes, expected):
 def test_numpy_native_dtypes_import_no_ml_dtypes():
     """Arrays of numpy's own dtypes need no ml_dtypes (a short-lived tool pays ~7 ms for
     it); BF16 and FP8 import it on first use."""
-    import subprocess
-    import sys
 
     code = (
         "import sys\n"
@@ -80,9 +79,7 @@ def test_numpy_native_dtypes_import_no_ml_dtypes():
         "print(a, 'ml_dtypes' in sys.modules)\n"
         "print(dtypes.numpy_dtype(dtypes.BY_NAME['BF16'].code), 'ml_dtypes' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == [
+    assert run_python(code).splitlines() == [
         "['float32', 'int64', 'bool', 'uint8', 'complex64'] False",
         "bfloat16 True",
     ]

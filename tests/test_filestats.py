@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import naive
 import numpy as np
+from conftest import run_python
 from test_kernels import assert_stats
 
 import engine
@@ -47,12 +48,10 @@ def test_names_and_shards(tmp_path):
 def test_the_array_modules_stay_below_checkpoint():
     # statistics and quantize are imported by the loaders, below engine.checkpoint: they must
     # not import it (the whole-file conveniences live in engine.filestats / engine.quantized)
-    import subprocess
-    import sys
 
     code = (
         "import sys, engine.statistics, engine.quantize\n"
         "bad = [m for m in ('engine.checkpoint', 'engine.api', 'engine.loader') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from conftest import run_python
 
 import engine
 
@@ -178,8 +177,7 @@ def test_modules_import_alone_in_floor_order():
         "            continue\n"
         "        raise SystemExit(f'engine.{name}: {exc!r}')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    run_python(code)
 
 
 def test_checker_sees_function_level_imports():
@@ -206,9 +204,7 @@ def test_opening_a_file_imports_nothing_it_does_not_need():
         "'engine.remote', 'engine.statistics', 'engine.kernels', 'engine.checkpoint', 'mmap'))\n"
         "print(bad)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    assert run_python(code).strip() == "[]"
 
 
 def test_reading_headers_imports_no_numpy(tmp_path):
@@ -238,9 +234,7 @@ def test_reading_headers_imports_no_numpy(tmp_path):
         "    a = f.get_tensor('a')\n"
         "    print('numpy' in sys.modules, a.sum(), h.table.codes.tolist(), h.table.order.tolist())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    first, before, after = out.stdout.strip().splitlines()
+    first, before, after = run_python(code).strip().splitlines()
     assert first == ("[('a', 'F32', [2, 3]), ('b', 'I8', [4])] {'k': 'v'} ['F32', 'I8'] F32 numpy")
     assert before == "False"
     h = engine.read_header(str(p))  # here numpy is imported: the columns as arrays

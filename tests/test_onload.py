@@ -17,6 +17,7 @@ import naive
 import numba
 import numpy as np
 import pytest
+from conftest import run_python
 from test_kernels import assert_stats
 
 import engine
@@ -252,8 +253,6 @@ def test_device_quantize_nonfinite(model_file, monkeypatch):
 
 def test_a_plain_load_imports_no_numba(model_file):
     # onload is imported by every load; only stats/quantize may bring Numba in
-    import subprocess
-    import sys
 
     path, _ = model_file
     code = (
@@ -263,4 +262,4 @@ def test_a_plain_load_imports_no_numba(model_file):
         f"list(engine.stream({str(path)!r}, framework='np', device='cpu', quantize='int8', names=['model.norm.weight']))\n"
         "assert 'numba' in sys.modules\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code)

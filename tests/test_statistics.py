@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
-import sys
 
 import ml_dtypes
 import naive
 import numpy as np
 import pytest
+from conftest import run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -46,7 +45,7 @@ def test_import_engine_stays_light():
         "engine.stats(np.ones(3, np.float32))\n"
         "assert 'torch' not in sys.modules\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +55,7 @@ def test_engine_stats_callable_whatever_was_imported_first(first):
     # engine.stats is the function whatever was imported first (the module is engine.statistics)
     pre = first if first.startswith("import") else f"import engine; {first}"
     code = f"{pre}\nimport engine, numpy as np\nassert engine.stats(np.arange(4.0)).max == 3.0\n"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code)
 
 
 def test_public_names():

@@ -11,8 +11,6 @@ import errno
 import json
 import os
 import stat
-import subprocess
-import sys
 import threading
 import warnings
 
@@ -21,6 +19,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy as ref_np
+from conftest import run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -615,7 +614,7 @@ def test_numpy_callers_never_import_torch():
         "w.save({'a': np.zeros(2), 'b': np.zeros(3, dtype='>f4')});"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code)
 
 
 # --------------------------------------------------------------------------- build_header
