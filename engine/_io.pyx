@@ -23,11 +23,9 @@ def pread_runs(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run_
     bytes missing)`` of the first failure.  The loop runs without the GIL.
     """
     cdef Py_ssize_t n = src.shape[0], i
-    cdef Py_ssize_t done
-    cdef ssize_t got
     cdef int err = 0
     cdef int64_t at = 0
-    cdef Py_ssize_t missing = 0
+    cdef int64_t missing = 0
     if n * run_bytes > dst.shape[0]:
         raise ValueError("destination too small for the runs")
     if n == 0 or run_bytes == 0:
@@ -35,18 +33,7 @@ def pread_runs(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run_
     cdef uint8_t* out = &dst[0]
     with nogil:
         for i in range(n):
-            done = 0
-            while done < run_bytes:
-                got = pread(fd, out + i * run_bytes + done, run_bytes - done, <off_t>(base + src[i] + done))
-                if got > 0:
-                    done += got
-                    continue
-                if got < 0 and errno == EINTR:
-                    continue
-                err = errno if got < 0 else -1
-                at = base + src[i] + done
-                missing = run_bytes - done
-                break
+            err = _pread_full(fd, out + i * run_bytes, run_bytes, base + src[i], &at, &missing)
             if err:
                 break
     return (err, at, missing)
@@ -115,8 +102,7 @@ cdef struct _Part:
 cdef void* _read_part(void* arg) noexcept nogil:
     cdef _Part* p = <_Part*>arg
     cdef Py_ssize_t i = 0
-    cdef int64_t a, b, pos, want
-    cdef ssize_t got
+    cdef int64_t a, b
     # first segment that ends after lo (segments are few: a linear scan is enough)
     while i < p.nseg and p.starts[i] + p.sizes[i] <= p.lo:
         i += 1
@@ -125,21 +111,9 @@ cdef void* _read_part(void* arg) noexcept nogil:
         b = p.starts[i] + p.sizes[i]
         if b > p.hi:
             b = p.hi
-        pos = a
-        while pos < b:
-            want = b - pos
-            if want > _MAX_PREAD:
-                want = _MAX_PREAD
-            got = pread(p.fd, p.dst + p.dst_off[i] + (pos - p.starts[i]), <size_t>want,
-                        <off_t>(p.file_off[i] + (pos - p.starts[i])))
-            if got > 0:
-                pos += got
-                continue
-            if got < 0 and errno == EINTR:
-                continue
-            p.err = errno if got < 0 else -1
-            p.at = p.file_off[i] + (pos - p.starts[i])
-            p.missing = b - pos
+        p.err = _pread_full(p.fd, p.dst + p.dst_off[i] + (a - p.starts[i]), b - a,
+                            p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
+        if p.err:
             return NULL
         i += 1
     return NULL
@@ -517,13 +491,19 @@ def populate_mapping(const uint8_t[::1] buf, Py_ssize_t start, Py_ssize_t stop):
 from libc.string cimport memcpy
 
 
-cdef int _pread_full(int fd, uint8_t* out, Py_ssize_t nbytes, int64_t offset, int64_t* at,
-                     Py_ssize_t* missing) noexcept nogil:
-    """Read exactly ``nbytes``; 0, an errno, or -1 for the end of the file (``at``/``missing`` set)."""
-    cdef Py_ssize_t done = 0
+cdef int _pread_full(int fd, uint8_t* out, int64_t nbytes, int64_t offset, int64_t* at,
+                     int64_t* missing) noexcept nogil:
+    """Read exactly ``nbytes`` at ``offset`` into ``out``, in calls of at most ``_MAX_PREAD``
+    bytes, again after ``EINTR`` and short reads: 0, an errno, or -1 for the end of the
+    file, with ``at``/``missing`` set to where the read stopped and what it still lacked.
+    The one pread loop of this module: every native read goes through it."""
+    cdef int64_t done = 0, want
     cdef ssize_t got
     while done < nbytes:
-        got = pread(fd, out + done, nbytes - done, <off_t>(offset + done))
+        want = nbytes - done
+        if want > _MAX_PREAD:
+            want = _MAX_PREAD
+        got = pread(fd, out + done, <size_t>want, <off_t>(offset + done))
         if got > 0:
             done += got
             continue
@@ -549,7 +529,7 @@ def pread_spans(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run
     cdef int64_t span
     cdef int err = 0
     cdef int64_t at = 0
-    cdef Py_ssize_t missing = 0
+    cdef int64_t missing = 0
     if n * run_bytes > dst.shape[0]:
         raise ValueError("destination too small for the runs")
     if n == 0 or run_bytes == 0:
