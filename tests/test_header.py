@@ -9,14 +9,12 @@ import mmap
 import os
 import pickle
 import struct
-import sys
-import threading
-import time
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 from conftest import build_file, encode_header, entry, layout, write_raw
+from gil import ticks_during
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -1192,35 +1190,9 @@ def test_utf8_position_matches_python(junk):
 # ---------------------------------------------------------------------------------------
 
 
-def _progress_during(call) -> tuple[int, float, float]:
-    """Run ``call`` in this thread while another thread counts; returns the counts made
-    during the call, the call's duration and the counter's standalone rate (counts/s)."""
-    stop = False
-    count = 0
-
-    def spin():
-        nonlocal count
-        while not stop:
-            count += 1
-
-    t = threading.Thread(target=spin, daemon=True)
-    t.start()
-    time.sleep(0.05)  # let it run: measure its rate with nothing else going on
-    c0, t0 = count, time.perf_counter()
-    time.sleep(0.05)
-    rate = (count - c0) / (time.perf_counter() - t0)
-    c0, t0 = count, time.perf_counter()
-    call()
-    c1, t1 = count, time.perf_counter()
-    stop = True
-    t.join()
-    return c1 - c0, t1 - t0, rate
-
-
 def test_region_check_releases_the_gil():
     """While check_regions sorts a few million regions, another Python thread keeps
-    running.  With the GIL held for the call, it could only count during a switch
-    interval or two; with the GIL released, it counts for most of the call."""
+    running (see tests/gil.py)."""
     n = 2_000_000
     rng = np.random.default_rng(1)
     sizes = rng.integers(0, 8, n)
@@ -1229,41 +1201,14 @@ def test_region_check_releases_the_gil():
     perm = rng.permutation(n)  # unsorted: the qsort path
     begins, ends = np.ascontiguousarray(begins[perm]), np.ascontiguousarray(ends[perm])
     data_size = int(ends.max())
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)
-    try:
-        for _attempt in range(3):
-            counted, elapsed, rate = _progress_during(lambda: _header.check_regions(begins, ends, data_size))
-            # at least 20 switch intervals' worth of counting: impossible with the GIL held
-            if elapsed > 0.1 and counted > rate * 0.1:
-                break
-        else:
-            pytest.fail(
-                f"counter advanced {counted} in {elapsed:.3f}s (rate {rate:.0f}/s): GIL not released?"
-            )
-    finally:
-        sys.setswitchinterval(old)
+    assert ticks_during(lambda: _header.check_regions(begins, ends, data_size)) > 100
 
 
 def test_scanner_releases_the_gil():
     """The same for phase 1 of the parser: a long non-ASCII metadata string (UTF-8 checked
     byte by byte), then a syntax error at the very end, so no Python objects are built."""
     head = b'{"__metadata__":{"k":"' + "é".encode() * 40_000_000 + b'"}} x'
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)
-    try:
-        for _attempt in range(3):
-            counted, elapsed, rate = _progress_during(
-                lambda: pytest.raises(HeaderError, _header.parse_header, head, 0)
-            )
-            if elapsed > 0.05 and counted > rate * 0.03:
-                break
-        else:
-            pytest.fail(
-                f"counter advanced {counted} in {elapsed:.3f}s (rate {rate:.0f}/s): GIL not released?"
-            )
-    finally:
-        sys.setswitchinterval(old)
+    assert ticks_during(lambda: pytest.raises(HeaderError, _header.parse_header, head, 0)) > 100
 
 
 def test_header_class_is_exported():

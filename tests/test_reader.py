@@ -81,6 +81,15 @@ def test_pread_runs_matches_slicing_and_reports_eof(data_file):
     assert info.value.reason == "ShortRead" and info.value.offset == 1_000_000 and info.value.size == 50
 
 
+def test_the_gil_probe_tells_holding_from_releasing():
+    """tests/gil.py, which every "releases the GIL" test uses, is able to fail: a C loop
+    that keeps the GIL (sum over a range) lets the spinner count next to nothing."""
+    import time
+
+    assert ticks_during(lambda: sum(range(5_000_000))) < 10
+    assert ticks_during(lambda: time.sleep(0.05)) > 100
+
+
 def test_pread_runs_releases_the_gil(data_file):
     """The spinner gives the GIL back after every tick (sleep(0)) and, with a 100 s switch
     interval, the main thread never hands it over on its own: so the counter can only move
