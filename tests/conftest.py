@@ -39,6 +39,30 @@ def run_python(code: str, *args: str, env: Mapping[str, str] | None = None, time
     return out.stdout
 
 
+def in_threads(*calls) -> None:
+    """Run each call on its own thread, all released together by a barrier; re-raise the
+    first exception any of them raised once all have finished."""
+    import threading
+
+    barrier = threading.Barrier(len(calls))
+    errors: list[BaseException] = []
+
+    def run(call) -> None:
+        barrier.wait()
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def encode_header(header: HeaderLike) -> bytes:
     """Header bytes: a mapping is dumped as compact JSON (key order kept); str is UTF-8
     encoded; bytes are taken as they are (for deliberately broken headers)."""

@@ -9,7 +9,7 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import in_threads, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -438,22 +438,13 @@ def test_concurrent_handles(tmp_path):
     tensors = {f"t{i}": _np_sample(np.float32, (32, 32), i) for i in range(20)}
     path = tmp_path / "c.safetensors"
     ref_np.save_file(tensors, str(path))
-    errors = []
 
     def work(backend):
-        try:
-            for _ in range(20):
-                got = engine.numpy.load_file(path, backend=backend)
-                assert all(_bits_equal(got[k], v) for k, v in tensors.items())
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for _ in range(20):
+            got = engine.numpy.load_file(path, backend=backend)
+            assert all(_bits_equal(got[k], v) for k, v in tensors.items())
 
-    threads = [threading.Thread(target=work, args=(b,)) for b in BACKENDS * 3]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    in_threads(*[lambda b=b: work(b) for b in BACKENDS * 3])
 
 
 def test_import_engine_stays_light():

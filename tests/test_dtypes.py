@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import in_threads, run_python
 
 from engine import dtypes
 from engine.errors import SerializationError
@@ -88,24 +88,12 @@ def test_numpy_native_dtypes_import_no_ml_dtypes():
 def test_from_numpy_table_is_whole_under_threads():
     """The reverse table is published whole: threads racing on its first use all find
     their dtype."""
-    import threading
 
     dtypes._FROM_NUMPY = {}
     names = [d.name for d in dtypes.DTYPES if not d.sub_byte]
-    errors: list[BaseException] = []
-    start = threading.Barrier(8)
 
     def work():
-        start.wait()
-        try:
-            for n in names:
-                assert dtypes.from_numpy(dtypes.numpy_dtype(dtypes.BY_NAME[n].code)) == dtypes.BY_NAME[n].code
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for n in names:
+            assert dtypes.from_numpy(dtypes.numpy_dtype(dtypes.BY_NAME[n].code)) == dtypes.BY_NAME[n].code
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    in_threads(*[work] * 8)

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import in_threads
 
 import engine
 import engine.numpy
@@ -192,22 +193,13 @@ def test_stream_stats_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch):
 
 def test_concurrent_loads_from_several_threads(model_file):
     path, sd = model_file
-    errors = []
 
     def work():
-        try:
-            for _ in range(5):
-                got = engine.torch.load_file(path, backend="pread")
-                assert all(np.array_equal(got[k].numpy(), v) for k, v in sd.items())
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for _ in range(5):
+            got = engine.torch.load_file(path, backend="pread")
+            assert all(np.array_equal(got[k].numpy(), v) for k, v in sd.items())
 
-    ts = [threading.Thread(target=work) for _ in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors
+    in_threads(*[work] * 4)
 
 
 # -- load_into -----------------------------------------------------------------------------------
