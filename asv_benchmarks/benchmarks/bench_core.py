@@ -138,6 +138,43 @@ class OpenShapes(_IO):
         _open_keys(self.open, self.path)
 
 
+class FirstOpen:
+    """What a short-lived tool pays: ``import`` + the first ``safe_open(..., "np")`` + every
+    dtype and shape of a 291-tensor file, timed in a fresh interpreter (asv's ``timeraw``).
+
+    The engine reads headers without numpy; the reference imports it at ``safe_open``.
+    ``first_tensor`` adds one ``get_tensor`` (of an F32 file), so both sides import numpy.
+    ``scripts/bench_core.py --only first_open first_tensor`` is the same measurement.
+    """
+
+    params = [IMPLS]
+    param_names = ["impl"]
+    number = 1
+    repeat = (5, 15, 30.0)
+    warmup_time = 0
+    timeout = 300
+
+    def setup(self, impl):
+        self.bf16 = common.small_model_file(32)
+        self.f32 = common.small_model_file(32, dtype="F32")
+        for path in (self.bf16, self.f32):
+            common.warm_cache(path)
+
+    @staticmethod
+    def _code(impl, path, extra=""):
+        lib = "safetensors" if impl == "reference" else "engine"
+        return (f"import {lib} as lib\n"
+                f"with lib.safe_open({path!r}, framework='np') as f:\n"
+                "    rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n"
+                + extra)
+
+    def timeraw_first_open(self, impl):
+        return self._code(impl, self.bf16)
+
+    def timeraw_first_tensor(self, impl):
+        return self._code(impl, self.f32, "    f.get_tensor(rows[0][0])\n")
+
+
 class LoadManyTensors(_IO):
     """``load_file`` of 100,000 tiny tensors as torch tensors (per-tensor overhead)."""
 
