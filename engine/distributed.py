@@ -437,19 +437,19 @@ def _direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, 
                 slow.append(name)
                 continue
             out_shape = _shard_shape(shape, action, pieces)
-        if views and len(pieces) == 1 and pieces[0][1] is None:
-            sp = plan_slice(shape, d.itemsize, pieces[0][0])
-            if sp.src.size <= 1:  # one range of the file (or nothing): no bytes to move
-                at = int(sp.src[0]) if sp.src.size else 0
-                outputs[name] = _MappedView(code, tuple(out_shape), begin + at, sp.nbytes)
-                continue
+        plans = [plan_slice(shape, d.itemsize, index) for index, _ in pieces]
+        if views and len(pieces) == 1 and pieces[0][1] is None and plans[0].src.size <= 1:
+            # one range of the file (or nothing): no bytes to move
+            sp = plans[0]
+            at = int(sp.src[0]) if sp.src.size else 0
+            outputs[name] = _MappedView(code, tuple(out_shape), begin + at, sp.nbytes)
+            continue
         out = (torch.zeros if any(to is not None for _, to in pieces) else torch.empty)(
             out_shape, dtype=dtypes.torch_dtype(code))
         outputs[name] = out
         raw = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         at = 0
-        for index, _ in pieces:
-            sp = plan_slice(shape, d.itemsize, index)
+        for sp in plans:
             nbytes = sp.nbytes
             if not nbytes:
                 continue

@@ -197,6 +197,18 @@ def small_model_file(layers: int = 32, base: str | None = None, dtype: str = "BF
                    metadata={"format": "pt"})
 
 
+def llama_file(config: dict, base: str | None = None) -> str:
+    """A BF16 Llama checkpoint with the shapes of a Hugging Face ``config`` (hidden_size,
+    intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+    vocab_size), for the tensor-parallel plans built from the same config."""
+    c = config
+    kv = c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"]
+    name = "llama-" + "-".join(str(c[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                    "num_attention_heads", "num_key_value_heads", "vocab_size"))
+    return _cached(name, lambda: model_entries(c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"],
+                                               c["vocab_size"], kv_dim=kv), base, metadata={"format": "pt"})
+
+
 def checkpoint_file(target_bytes: int, base: str | None = None) -> str:
     """Path of the cached BF16 checkpoint of about ``target_bytes`` bytes."""
     return _cached(f"ckpt-{target_bytes}", lambda: checkpoint_entries(target_bytes), base,

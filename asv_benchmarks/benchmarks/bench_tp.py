@@ -1,0 +1,67 @@
+"""Tensor-parallel loading: one rank's shards of a LLaMA-shaped checkpoint, in process.
+
+``scripts/bench_tp.py`` starts every rank at once in fresh processes and times the
+slowest, which is what a server waits for; this suite tracks one rank (rank 1 of 4,
+warm page cache) across commits, each engine mode beside the reference's
+``safe_open`` + ``get_slice(name)[index]``.  ``engine-view`` (``backend="mmap",
+copy=False``) hands out what the reference hands out: views for shards that are one
+range of the file, copies of column blocks; ``engine`` and ``engine-mmap`` own every byte.
+"""
+
+from . import common
+
+common.ensure_engine_importable()
+
+WORLD, RANK = 4, 1
+CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+              num_key_value_heads=2, vocab_size=8192)
+
+
+def _reference(path, plan):
+    import safetensors
+    import torch
+
+    from engine.distributed import Replicate, shard_index
+
+    got = {}
+    with safetensors.safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            sl = f.get_slice(name)
+            action = plan.action(name)
+            if isinstance(action, Replicate):
+                got[name] = sl[:]
+                continue
+            parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, RANK, WORLD)]
+            got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
+    return got
+
+
+class TensorParallelRank:
+    """One rank's ``load_tensor_parallel`` (direct mode) against the reference's slices."""
+
+    params = [["engine", "engine-mmap", "engine-view", "reference"]]
+    param_names = ["impl"]
+    number = 1
+    repeat = (3, 10, 20.0)
+    warmup_time = 0
+    timeout = 600
+
+    def setup_cache(self):
+        return common.llama_file(CONFIG)
+
+    def setup(self, path, impl):
+        from engine.distributed import llama_plan, load_tensor_parallel
+
+        common.prepare(impl)
+        plan = llama_plan(CONFIG, world_size=WORLD)
+        options = {"engine": {}, "engine-mmap": {"backend": "mmap"},
+                   "engine-view": {"backend": "mmap", "copy": False}}.get(impl)
+        if options is None:
+            self.load = lambda: _reference(path, plan)
+        else:
+            self.load = lambda: load_tensor_parallel(path, plan, rank=RANK, world_size=WORLD, **options)
+        common.warm_cache(path)
+        self.load()  # first-use costs (mappings, thread start-up paths) outside the samples
+
+    def time_rank(self, path, impl):
+        self.load()
