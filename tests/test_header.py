@@ -667,6 +667,15 @@ def test_table_pickles(valid_file):
     for attr in ("codes", "begins", "ends", "order"):
         np.testing.assert_array_equal(getattr(u, attr), getattr(t, attr))
     assert u.row(2) == t.row(2)
+    # columns that do not match the names (a doctored pickle) are refused, never read past
+    fn, args = t.__reduce__()
+    for i in (2, 4, 5, 6):
+        bad = list(args)
+        bad[i] = bad[i][:-1]
+        with pytest.raises(ValueError, match="columns"):
+            fn(*bad)
+    with pytest.raises(TypeError):
+        fn(*args[:2], np.asarray(t.codes), *args[3:])
 
 
 def test_table_columns_without_numpy_match_the_arrays():
