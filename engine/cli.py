@@ -10,12 +10,10 @@ drawn only when stderr is a terminal.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -236,6 +234,8 @@ def _cell(value: Any) -> str:
 
 
 def _cmd_stats(args) -> int:
+    import dataclasses  # here, not at the top: `engine inspect` starts without it (and inspect)
+
     stats_file = _kernel_api("engine.filestats", "stats_file", "stats")
     result = stats_file(args.path, names=args.names)
     if args.json:
@@ -374,6 +374,8 @@ def _cmd_convert(args) -> int:
 
 
 def _median_time(fn, runs: int, bar) -> float:
+    import statistics
+
     fn()  # warm-up: page cache, imports, first-touch allocations
     times = []
     for _ in range(runs):
