@@ -62,6 +62,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the asv suites' shared helpers (page-cache eviction and warming)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
 from benchmarks.common import evict_cache as evict  # noqa: E402
+from benchmarks.common import reference_shards  # noqa: E402
 from benchmarks.common import warm_cache as warm  # noqa: E402
 
 IMPLS = ("engine", "engine-runs", "engine-1t", "engine-mmap", "engine-view", "reference", "floor")
@@ -96,27 +97,14 @@ def io_counts() -> dict:
 
 
 def worker(rank, world, port, path, cfg, impl, out):
-    import safetensors
+    import safetensors  # noqa: F401  (imported before timing, as the engine is)
 
     import engine
     import engine._io  # noqa: F401  (loaded before timing, as a server would have it)
-    from engine.distributed import Replicate, llama_plan, load_tensor_parallel, shard_index
+    from engine.distributed import llama_plan, load_tensor_parallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     plan = llama_plan(cfg, world_size=world)
-
-    def reference():
-        got = {}
-        with safetensors.safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                action = plan.action(name)
-                if isinstance(action, Replicate):
-                    got[name] = sl[:]
-                    continue
-                parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, rank, world)]
-                got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
-        return got
 
     def floor():
         from engine.reader import pread_into, run_threads
@@ -150,7 +138,7 @@ def worker(rank, world, port, path, cfg, impl, out):
         "engine-1t": lambda: load_tensor_parallel(path, plan, threads=1),
         "engine-mmap": lambda: load_tensor_parallel(path, plan, backend="mmap"),
         "engine-view": lambda: load_tensor_parallel(path, plan, backend="mmap", copy=False),
-        "reference": reference,
+        "reference": lambda: reference_shards(path, plan, rank, world),
     }[impl]
     dist.barrier()
     before = io_counts()

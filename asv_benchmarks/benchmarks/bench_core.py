@@ -71,18 +71,11 @@ def _open_keys(opener, path):
         return f.keys()
 
 
-class _IO:
-    """Defaults for file benchmarks: one call per sample, a few samples, no warm-up loop.
-
-    Every ``setup`` (asv runs it before each sample) first pays imports and lazy
+class _IO(common.OneCallPerSample):
+    """Every ``setup`` (asv runs it before each sample) first pays imports and lazy
     first-use costs on a one-tensor file (:func:`common.prepare`), so a ``--quick`` run,
     which times a single call, does not time them; torch runs one intra-op thread.
     """
-
-    number = 1
-    repeat = (3, 10, 20.0)
-    warmup_time = 0
-    timeout = 600
 
 
 class HeaderParse(_IO):

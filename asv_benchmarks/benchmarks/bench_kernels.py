@@ -145,14 +145,7 @@ def _have_torch() -> bool:
 # --------------------------------------------------------------------------- suites
 
 
-class _Kernel:
-    number = 1
-    repeat = (3, 10, 20.0)
-    warmup_time = 0
-    timeout = 600
-
-
-class Stats(_Kernel):
+class Stats(common.OneCallPerSample):
     """``engine.stats`` vs the separate NumPy / torch reductions."""
 
     param_names = ["dtype", "impl"]
@@ -178,7 +171,7 @@ class Stats(_Kernel):
     track_gbps.unit = "GB/s"
 
 
-class Quantize(_Kernel):
+class Quantize(common.OneCallPerSample):
     """``engine.quantize_int8`` per tensor and per row vs NumPy / torch array code."""
 
     param_names = ["dtype", "granularity", "impl"]
@@ -211,7 +204,7 @@ class Quantize(_Kernel):
     track_extra_peak_mib.unit = "MiB"
 
 
-class Dequantize(_Kernel):
+class Dequantize(common.OneCallPerSample):
     """``engine.dequantize_int8`` per row to F32 and BF16."""
 
     param_names = ["dtype"]
@@ -302,16 +295,12 @@ def _stream(path, stats):
         pass
 
 
-class StreamStats:
+class StreamStats(common.OneCallPerSample):
     """``engine.stream(device="cpu")`` of the weight-like checkpoint, with and without
     ``stats=True``."""
 
     params = [[False, True]]
     param_names = ["stats"]
-    number = 1
-    repeat = (3, 10, 20.0)
-    warmup_time = 0
-    timeout = 600
 
     def setup_cache(self):
         return _weights_checkpoint()

@@ -26,16 +26,7 @@ def _touch_pages(tensors) -> None:
         t.reshape(-1).view(torch.uint8)[::4096].sum()
 
 
-class _IO:
-    """One call per sample; ``setup`` runs before each sample (eviction included)."""
-
-    number = 1
-    repeat = (3, 10, 20.0)
-    warmup_time = 0
-    timeout = 600
-
-
-class LoadInto(_IO):
+class LoadInto(common.OneCallPerSample):
     params = [IMPLS, ["warm", "cold"]]
     param_names = ["impl", "cache"]
 
@@ -71,7 +62,7 @@ class LoadInto(_IO):
         self.load()
 
 
-class ColdLoad(_IO):
+class ColdLoad(common.OneCallPerSample):
     params = [IMPLS, ["mmap", "pread"]]
     param_names = ["impl", "backend"]
 

@@ -17,34 +17,11 @@ CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num
               num_key_value_heads=2, vocab_size=8192)
 
 
-def _reference(path, plan):
-    import safetensors
-    import torch
-
-    from engine.distributed import Replicate, shard_index
-
-    got = {}
-    with safetensors.safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            sl = f.get_slice(name)
-            action = plan.action(name)
-            if isinstance(action, Replicate):
-                got[name] = sl[:]
-                continue
-            parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, RANK, WORLD)]
-            got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
-    return got
-
-
-class TensorParallelRank:
+class TensorParallelRank(common.OneCallPerSample):
     """One rank's ``load_tensor_parallel`` (direct mode) against the reference's slices."""
 
     params = [["engine", "engine-mmap", "engine-view", "reference"]]
     param_names = ["impl"]
-    number = 1
-    repeat = (3, 10, 20.0)
-    warmup_time = 0
-    timeout = 600
 
     def setup_cache(self):
         return common.llama_file(CONFIG)
@@ -57,7 +34,7 @@ class TensorParallelRank:
         options = {"engine": {}, "engine-mmap": {"backend": "mmap"},
                    "engine-view": {"backend": "mmap", "copy": False}}.get(impl)
         if options is None:
-            self.load = lambda: _reference(path, plan)
+            self.load = lambda: common.reference_shards(path, plan, RANK, WORLD)
         else:
             self.load = lambda: load_tensor_parallel(path, plan, rank=RANK, world_size=WORLD, **options)
         common.warm_cache(path)

@@ -371,3 +371,35 @@ def reset_hwm() -> bool:
         return True
     except OSError:
         return False
+
+
+class OneCallPerSample:
+    """asv defaults for file benchmarks: one call per sample (``setup`` runs before each
+    one, eviction included), a few samples, no warm-up loop."""
+
+    number = 1
+    repeat = (3, 10, 20.0)
+    warmup_time = 0
+    timeout = 600
+
+
+def reference_shards(path: str, plan, rank: int, world: int) -> dict:
+    """One rank's tensor-parallel shards read the reference's way: ``safetensors.safe_open``
+    + ``get_slice(name)[index]`` per piece, concatenated for fused tensors, made contiguous.
+    Contiguous slices stay views of the reference's mapping; column blocks are copies."""
+    import safetensors
+    import torch
+
+    from engine.distributed import Replicate, shard_index
+
+    got = {}
+    with safetensors.safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            sl = f.get_slice(name)
+            action = plan.action(name)
+            if isinstance(action, Replicate):
+                got[name] = sl[:]
+                continue
+            parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, rank, world)]
+            got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
+    return got
