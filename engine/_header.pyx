@@ -1249,8 +1249,13 @@ cdef class HeaderTable:
         if (len(codes) != n or len(begins) != n * 8 or len(ends) != n * 8
                 or len(order) != n * <Py_ssize_t>sizeof(Py_ssize_t)):
             raise ValueError(f"table columns do not match its {n} names")
+        cdef const uint8_t* c = <const uint8_t*>PyBytes_AS_STRING(codes)
+        cdef Py_ssize_t i
+        for i in range(n):  # every reader in C indexes dtype tables by code: none may lie outside
+            if c[i] >= n_dtypes:
+                raise ValueError(f"table columns hold an unknown dtype code {c[i]} at row {i}")
         self._codes_b, self._begins_b, self._ends_b, self._order_b = codes, begins, ends, order
-        self._codes = <const uint8_t*>PyBytes_AS_STRING(codes)
+        self._codes = c
         self._begins = <const int64_t*>PyBytes_AS_STRING(begins)
         self._ends = <const int64_t*>PyBytes_AS_STRING(ends)
         self._arrays = None
@@ -1316,10 +1321,10 @@ cdef class HeaderTable:
     def dtype_names(self):
         """The format's dtype name (``"BF16"``, ...) of every row, in header order."""
         cdef Py_ssize_t i, n = len(self.names)
-        cdef tuple dtype_names = _NAMES
+        cdef tuple names = _NAMES
         cdef list out = [None] * n
         for i in range(n):
-            out[i] = dtype_names[self._codes[i]]
+            out[i] = names[self._codes[i]]
         return out
 
     def __len__(self):

@@ -676,6 +676,10 @@ def test_table_pickles(valid_file):
             fn(*bad)
     with pytest.raises(TypeError):
         fn(*args[:2], np.asarray(t.codes), *args[3:])
+    bad = list(args)
+    bad[2] = bytes([0xF0]) + bad[2][1:]  # a dtype code past the table: C readers index by it
+    with pytest.raises(ValueError, match="unknown dtype code 240"):
+        fn(*bad)
 
 
 def test_table_columns_without_numpy_match_the_arrays():
