@@ -496,7 +496,8 @@ cdef int _pread_full(int fd, uint8_t* out, int64_t nbytes, int64_t offset, int64
     """Read exactly ``nbytes`` at ``offset`` into ``out``, in calls of at most ``_MAX_PREAD``
     bytes, again after ``EINTR`` and short reads: 0, an errno, or -1 for the end of the
     file, with ``at``/``missing`` set to where the read stopped and what it still lacked.
-    The one pread loop of this module: every native read goes through it."""
+    The one pread loop of this module: every read in native code goes through it (the
+    Python-level ``reader.pread_into`` has its own ``preadv`` loop)."""
     cdef int64_t done = 0, want
     cdef ssize_t got
     while done < nbytes:

@@ -343,10 +343,9 @@ def _run_all(fn, items: list, max_workers: int | None, *, parallel: bool = True)
 
     if not parallel or len(items) <= 1 or max_workers == 1:
         return [call(x) for x in items]
-    from concurrent.futures import ThreadPoolExecutor  # only for several shards: opening one file needs none
+    from .reader import map_threads  # only for several shards: opening one file needs no pool
 
-    with ThreadPoolExecutor(_pool_size(len(items), max_workers), thread_name_prefix="engine-shard") as pool:
-        return list(pool.map(call, items))
+    return map_threads(call, items, _pool_size(len(items), max_workers), name="engine-shard")
 
 
 def _run_adaptive(fn, items: list, max_workers: int | None) -> list:

@@ -414,16 +414,17 @@ def _direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, 
     outputs: dict[str, Any] = {}  # tensors, and _MappedView where views are asked for
     jobs: list[_Job] = []
     slow: list[str] = []
+    codes, begins = t.codes.tolist(), t.begins.tolist()  # not a numpy scalar per tensor
     for row in t.file_order():
         name = t.names[row]
         if names is not None and not names(name):
             continue
-        code = int(t.codes[row])
+        code = codes[row]
         d = dtypes.DTYPES[code]
         shape = tuple(t.shapes[row])
         action = plan.action(name)
         pieces = shard_index(name, shape, action, rank, world_size)
-        begin = header.data_start + int(t.begins[row])
+        begin = header.data_start + begins[row]
         if isinstance(action, Replicate):
             if d.sub_byte:
                 slow.append(name)
@@ -555,24 +556,27 @@ def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int,
         header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size)
         outputs, jobs, slow = _direct_jobs(header, plan, rank, world_size, names, strided, views)
         wanted = {n: v for n, v in outputs.items() if isinstance(v, _MappedView)}
+        mm = None
         if wanted:
             import mmap
 
             from .sinks.torch import TorchSink
 
             # a private (copy-on-write) mapping, as safe_open(..., framework="pt") makes: the
-            # shards are writable, and writes never reach the file
+            # shards are writable, and writes never reach the file; the copies below read it too
             sink = TorchSink()
-            base = sink.map(mmap.mmap(fd, 0, access=getattr(mmap, sink.mmap_access)))
+            mm = mmap.mmap(fd, 0, access=getattr(mmap, sink.mmap_access))
+            base = sink.map(mm)
             for n, v in wanted.items():
                 outputs[n] = sink.view(base, v.code, v.shape, v.offset, v.nbytes)
         lock = threading.Lock()
         todo = iter(jobs)
         source = None
         if mapped and jobs:
-            import mmap
+            if mm is None:
+                import mmap
 
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             source = np.frombuffer(mm, np.uint8)
 
         def work() -> None:
