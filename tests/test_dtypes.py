@@ -69,7 +69,7 @@ def test_packed_shape(name, shape, nbytes, expected):
 
 
 def test_numpy_native_dtypes_import_no_ml_dtypes():
-    """Arrays of numpy's own dtypes need no ml_dtypes (a short-lived tool pays ~7 ms for
+    """Arrays of numpy's own dtypes need no ml_dtypes (a short-lived tool pays for
     it); BF16 and FP8 import it on first use."""
 
     code = (

@@ -2,7 +2,7 @@
 
 CPU destinations run in every pass.  Device destinations run only under Numba's CUDA
 simulator (CI's ``NUMBA_ENABLE_CUDASIM=1`` pass), with a device double whose "device
-memory" is numpy arrays (on a real GPU the CUDA tests of tests/test_loader.py cover it): its copies are synchronous (the simulator has no streams to order
+memory" is numpy arrays: its copies are synchronous (the simulator has no streams to order
 kernels after asynchronous copies; tests/test_pipeline.py covers the ring's asynchrony).
 """
 
