@@ -38,6 +38,11 @@ share one page cache, so a page one rank brought in is not charged to another).
     python scripts/bench_tp.py --only cold --runs 7
     python scripts/bench_tp.py --impls engine engine-view floor   # these rows and the reference
 
+"CPU ms per rank": user + system time of the rank's process during its load (every thread,
+``getrusage``), median over the samples.  With more ranks than cores the ranks take turns,
+so the slowest rank's time is about the ranks' CPU added up over the cores: where the wall
+clock says who is faster, this column says by how much work.
+
 Earlier versions of this script timed each rank on its own from its own start and reported
 per-rank medians; a server waits for the slowest rank of a load that all ranks start
 together, which is what is timed now.
@@ -48,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -142,13 +148,16 @@ def worker(rank, world, port, path, cfg, impl, out):
     }[impl]
     dist.barrier()
     before = io_counts()
+    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.monotonic()
     shards = fn()
     end = time.monotonic()
+    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
     after = io_counts()
     nbytes = sum(t.numel() * t.element_size() for t in shards.values())
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(dict(start=start, end=end, shard_bytes=nbytes,
+                       cpu=(cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime),
                        rchar=after["rchar"] - before["rchar"],
                        read_bytes=after["read_bytes"] - before["read_bytes"]), f)
     dist.barrier()  # nobody leaves (and frees its shards) before the slowest rank is done
@@ -225,16 +234,17 @@ def main() -> int:
     print("# time: slowest rank, common start to last rank done; ref/x: median of the per-sample ratios "
           "(samples alternate implementations)")
     print(f"{'state':<5} {'impl':<12} {'median s':>9} {'min s':>7} {'max s':>7} {'ref/x':>7}  "
-          f"{'MB asked per rank (rchar)':<30} {'MB from storage per rank':<26}")
+          f"{'CPU ms per rank':<20} {'MB asked per rank (rchar)':<30} {'MB from storage per rank':<26}")
     for state, got in results.items():
         ref = [s["seconds"] for s in got["reference"]]
         for impl in impls:
             secs = [s["seconds"] for s in got[impl]]
             ratio = statistics.median(r / x for r, x in zip(ref, secs, strict=True))
+            cpu = [statistics.median(s["ranks"][r]["cpu"] for s in got[impl]) * 1e3 for r in range(world)]
             rchar = [statistics.median(s["ranks"][r]["rchar"] for s in got[impl]) / 1e6 for r in range(world)]
             stor = [statistics.median(s["ranks"][r]["read_bytes"] for s in got[impl]) / 1e6 for r in range(world)]
             print(f"{state:<5} {impl:<12} {statistics.median(secs):>9.3f} {min(secs):>7.3f} {max(secs):>7.3f} "
-                  f"{ratio:>6.2f}x  {' '.join(f'{x:.0f}' for x in rchar):<30} "
+                  f"{ratio:>6.2f}x  {' '.join(f'{x:.0f}' for x in cpu):<20} {' '.join(f'{x:.0f}' for x in rchar):<30} "
                   f"{' '.join(f'{x:.0f}' for x in stor) if state == 'cold' else '-':<26}")
     shard = [statistics.median(s["ranks"][r]["shard_bytes"] for s in next(iter(results.values()))[impls[0]]) / 1e6
              for r in range(world)] if results else []
