@@ -84,7 +84,7 @@ cdef class Slicer:
         table = header.table
         self.index = table.index
         self.shapes = table.shapes
-        self.dtypes = None  # the header's list of dtype names, built on the first lookup
+        self.dtypes = None  # this handle's list of dtype names, built on the first lookup
         self.header = header
         self.handle_ref = weakref.ref(handle)
         self.closed = False
@@ -101,7 +101,7 @@ cdef class Slicer:
         if row == NULL or self.closed:
             return handle._missing(name)  # raises
         if self.dtypes is None:
-            self.dtypes = self.header.dtypes
+            self.dtypes = self.header.table.dtype_names()  # a list of its own: read by index below
         r = <object>row
         out = TensorSlice.__new__(TensorSlice)
         out._handle = handle

@@ -403,9 +403,12 @@ class CheckpointInfo:
         Tensor name to shard name (for a single file, every name to its base name).
     headers : dict of str to Header
         Shard name to its validated :class:`~engine.header.Header`, shards sorted by name.
+    directory : str or None
+        The local directory shard names resolve in (see :meth:`shard_path`); ``None`` for
+        a remote checkpoint.
     """
 
-    __slots__ = ("source", "index", "index_metadata", "weight_map", "headers")
+    __slots__ = ("source", "index", "index_metadata", "weight_map", "headers", "directory")
 
     def __init__(
         self,
@@ -415,9 +418,11 @@ class CheckpointInfo:
         index: str | None = None,
         index_metadata: dict[str, Any] | None = None,
         weight_map: dict[str, str] | None = None,
+        directory: str | None = None,
     ) -> None:
         self.source = source
         self.index = index
+        self.directory = directory
         self.index_metadata = index_metadata
         self.headers = dict(sorted(headers.items()))
         if weight_map is None:
@@ -433,6 +438,22 @@ class CheckpointInfo:
     def shards(self) -> list[str]:
         """Shard names, sorted (one name for a single file)."""
         return list(self.headers)
+
+    def shard_path(self, shard: str) -> str:
+        """The local path of ``shard`` (one of :attr:`shards`).
+
+        Raises
+        ------
+        KeyError
+            ``shard`` is not a shard of this checkpoint.
+        ValueError
+            The checkpoint is remote: its shards have no local path.
+        """
+        if shard not in self.headers:
+            raise KeyError(shard)
+        if self.directory is None:
+            raise ValueError(f"{self.source!r} is not a local checkpoint: its shards have no local path")
+        return os.path.join(self.directory, shard)
 
     def keys(self) -> list[str]:
         """Tensor names, sorted, across all shards."""
@@ -573,11 +594,12 @@ def read_checkpoint_info(
     headers = _map_threads(lambda s: _read_shard_header(layout, s, max_header_size), layout.files, max_workers)
     by_shard = dict(zip(layout.files, headers, strict=True))
     if layout.index_path is None:
-        return CheckpointInfo(layout.source, by_shard)
+        return CheckpointInfo(layout.source, by_shard, directory=layout.directory)
     problems = index_problems(weight_map, by_shard, layout.index_path)
     if problems:
         raise problems[0]
-    return CheckpointInfo(layout.source, by_shard, index=layout.index_path, index_metadata=metadata, weight_map=weight_map)
+    return CheckpointInfo(layout.source, by_shard, index=layout.index_path, index_metadata=metadata,
+                          weight_map=weight_map, directory=layout.directory)
 
 
 def check_checkpoint(path: PathLike, *, max_header_size: int = MAX_HEADER_SIZE) -> list[SafetensorError]:
@@ -673,10 +695,11 @@ class Checkpoint:
                 self.close()
                 raise problems[0]
             self.info = CheckpointInfo(
-                layout.source, headers, index=layout.index_path, index_metadata=metadata, weight_map=weight_map
+                layout.source, headers, index=layout.index_path, index_metadata=metadata, weight_map=weight_map,
+                directory=layout.directory,
             )
         else:
-            self.info = CheckpointInfo(layout.source, headers)
+            self.info = CheckpointInfo(layout.source, headers, directory=layout.directory)
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> Checkpoint:

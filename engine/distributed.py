@@ -301,14 +301,14 @@ def load_tensor_parallel(
         Reader threads per rank in direct mode (default: one per core, 2 to 8); the
         tensors are shared among them in file order, so several reads are in flight.
     backend : {"pread", "mmap"}, default "pread"
-        Direct mode on a single file: how the bytes leave the page cache.  ``"pread"``:
+        Direct mode: how the bytes leave the page cache.  ``"pread"``:
         positional reads, and a file truncated during the load raises ``ReadError``.
         ``"mmap"``: copied out of a read-only mapping (column blocks gathered with one
         strided copy, ``strided`` unused), which can be faster on a warm page cache; as
         with ``safe_open(..., backend="mmap")``, a file truncated during the load then
         ends the process with ``SIGBUS``.
     copy : bool, default True
-        ``False`` (with ``backend="mmap"``, direct mode, a single file): a shard that is one
+        ``False`` (with ``backend="mmap"``, direct mode): a shard that is one
         contiguous range of the file (a replicated tensor, a block of rows) is handed out
         as a view of a private copy-on-write mapping, with its own storage, as
         ``safe_open(..., framework="pt")`` hands out tensors: no copy on the CPU, and on a
@@ -333,9 +333,9 @@ def load_tensor_parallel(
     column blocks read as spans (page cache to the bounce buffer, which stays in the CPU
     cache, then to the shard), plus the host-to-device copy for CUDA; fused tensors split
     along a dimension other than the first, and padding along one, one more (the
-    concatenation).  A single file is read by this rank's own threads into host memory and
-    then moved to ``device``, so peak host memory there is the rank's whole shard; a
-    sharded checkpoint is read one tensor at a time.  Broadcast mode adds the collective's
+    concatenation).  Each file (one, or each shard file of a sharded checkpoint in turn) is
+    read by this rank's own threads into host memory and then moved to ``device``, so peak
+    host memory there is the rank's shard of one file.  Broadcast mode adds the collective's
     transfer; its peak host memory on the reading rank is one whole tensor at a time.
     """
     if mode not in ("direct", "broadcast"):
@@ -351,18 +351,25 @@ def load_tensor_parallel(
     if mode == "broadcast":
         return _load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names)
     path = os.fspath(path_or_index)
-    if not is_checkpoint_path(path):
-        out = _load_file_direct(path, plan, rank, world_size, names, "runs" if backend == "mmap" else strided,
+    files: list[tuple[str, Callable[[str], bool] | None]] = [(path, names)]
+    if is_checkpoint_path(path):
+        from .checkpoint import read_checkpoint_info
+
+        # each shard file is loaded as a single file is, keeping the tensors the index puts in it
+        info = read_checkpoint_info(path)
+        files = [(info.shard_path(shard), _in_shard(info.weight_map, shard, names)) for shard in info.shards]
+    out: dict[str, torch.Tensor] = {}
+    for file, keep in files:
+        got = _load_file_direct(file, plan, rank, world_size, keep, "runs" if backend == "mmap" else strided,
                                 threads, mapped=backend == "mmap", views=not copy)
-        return {k: v.to(device) for k, v in out.items()} if device.type != "cpu" else out
-    out = {}
-    with _open(path_or_index, "pread") as f:
-        for name in f.offset_keys():
-            if names is not None and not names(name):
-                continue
-            t = _shard(f, name, plan.action(name), rank, world_size)
-            out[name] = t.to(device) if device.type != "cpu" else t
+        # one file at a time on the device: host memory holds one file's shards at most
+        out.update({k: v.to(device) for k, v in got.items()} if device.type != "cpu" else got)
     return out
+
+
+def _in_shard(weight_map: Mapping[str, str], shard: str, names: Callable[[str], bool] | None) -> Callable[[str], bool]:
+    """A ``names`` filter for one shard file: the tensors the index puts in it (and ``names``)."""
+    return lambda name: weight_map.get(name) == shard and (names is None or names(name))
 
 
 _STRIDED = ("auto", "runs", "spans")

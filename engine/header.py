@@ -134,14 +134,15 @@ class Header:
 
     @property
     def dtypes(self) -> list[str]:
-        """Dtype names (``"BF16"``, ...) in header order, parallel to ``table.shapes``.
+        """Dtype names (``"BF16"``, ...) in header order, parallel to ``table.shapes`` (a
+        copy, as :attr:`names` is: changing it changes nothing here).
 
         With ``table.names`` and ``table.shapes`` this reads every tensor's dtype and shape
         without one Python object per tensor beyond those lists.
         """
         if self._dtype_names is None:
             self._dtype_names = self.table.dtype_names()
-        return self._dtype_names
+        return list(self._dtype_names)
 
     def offset_keys(self) -> list[str]:
         """Tensor names in file order (by data offset)."""

@@ -416,6 +416,7 @@ def main(argv=None) -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
+    common.compile_engine()  # no sample compiles the engine's modules (see compile_engine)
 
     repeat = args.repeat or (3 if args.quick else 5)
     sz = sizes(args.quick)
@@ -460,7 +461,7 @@ def main(argv=None) -> int:
         files["small_f32"] = common.small_model_file(sz["small_layers"], base=bench_dir, dtype="F32")
     if big:
         files["ckpt"] = common.checkpoint_file(sz["ckpt"], base=bench_dir)
-    ckpt_bytes = sum(common._nbytes(d, s) for _, d, s in common.checkpoint_entries(sz["ckpt"]))
+    ckpt_bytes = common.entries_bytes(common.checkpoint_entries(sz["ckpt"]))
     print(f"data ready in {time.perf_counter() - t0:.1f} s: "
           + ", ".join(f"{k}={os.path.getsize(p) / MB:.1f} MiB" for k, p in files.items()))
     if "many" in files:

@@ -33,6 +33,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the asv suites' shared helpers (page-cache eviction and warming)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
+from benchmarks.common import compile_engine  # noqa: E402
 from benchmarks.common import evict_cache as evict  # noqa: E402
 from benchmarks.common import warm_cache as warm  # noqa: E402
 
@@ -115,6 +116,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.sample:
         return _sample(*args.sample)
+    compile_engine()  # no sample compiles the engine's modules (see compile_engine)
     size = (128 << 20) if args.quick else (2 << 30)
     runs = args.runs or (3 if args.quick else 5)
 

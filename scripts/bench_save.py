@@ -149,6 +149,9 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
+    from benchmarks import common
+
+    common.compile_engine()  # no sample compiles the engine's modules (see compile_engine)
 
     base = args.dir or tempfile.mkdtemp(prefix="bench-save-")
     os.makedirs(base, exist_ok=True)

@@ -67,8 +67,8 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the asv suites' shared helpers (page-cache eviction and warming)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
+from benchmarks.common import compile_engine, reference_shards  # noqa: E402
 from benchmarks.common import evict_cache as evict  # noqa: E402
-from benchmarks.common import reference_shards  # noqa: E402
 from benchmarks.common import warm_cache as warm  # noqa: E402
 
 IMPLS = ("engine", "engine-runs", "engine-1t", "engine-mmap", "engine-view", "reference", "floor")
@@ -203,6 +203,7 @@ def main() -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
     args = ap.parse_args()
+    compile_engine()  # no sample compiles the engine's modules (see compile_engine)
     cfg = config_for(args.quick)
     world = args.world or (2 if args.quick else 4)
     runs = args.runs or (3 if args.quick else 5)

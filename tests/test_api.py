@@ -318,6 +318,21 @@ def test_get_slice_agrees_with_reference_torch(sample_file):
             assert torch.equal(f.get_slice("ids")[index], r.get_slice("ids")[index])
 
 
+def test_slice_dtypes_survive_an_edit_of_header_dtypes(sample_file):
+    """get_slice reads dtype names from a list of its own, by index in C: a caller's edit of
+    the header's ``dtypes`` does not change what a slice says."""
+    sample_file, _ = sample_file
+    with engine.safe_open(sample_file, framework="np") as f:
+        name = f.header.names[0]
+        want = f.get_slice(name).get_dtype()
+        f.header.dtypes[0] = "I8" if want != "I8" else "F64"
+        assert f.get_slice(name).get_dtype() == want
+    with engine.safe_open(sample_file, framework="np") as f:
+        name = f.header.names[0]
+        f.header.dtypes[0] = "I8" if want != "I8" else "F64"  # before the first lookup too
+        assert f.get_slice(name).get_dtype() == want
+
+
 @pytest.mark.parametrize("bad", [(0, 0, 0), 6, -7, (slice(None), 8), "a", 1.5, [0, 1], None, (Ellipsis, Ellipsis)])
 def test_get_slice_rejects_bad_indices(sample_file, bad):
     path, _ = sample_file

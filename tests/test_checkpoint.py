@@ -16,6 +16,7 @@ import engine.numpy
 from engine import checkpoint as ck
 from engine.checkpoint import (
     CheckpointIndexError,
+    CheckpointInfo,
     MissingShardError,
     check_checkpoint,
     open_checkpoint,
@@ -134,6 +135,27 @@ def test_info_and_parameters(sharded):
         info["lm_head.weights"]
     doc = info.to_dict()
     assert set(doc) == {"metadata", "weight_map", "shards"}
+
+
+def test_shard_path_is_where_the_shard_lies(sharded, tmp_path):
+    path, _, split = sharded
+    for where in (path, path / "model.safetensors.index.json"):
+        with open_checkpoint(where) as c:
+            for info in (read_checkpoint_info(where), c.info):
+                assert info.directory == str(path)
+                for shard in split.filename_to_tensors:
+                    assert info.shard_path(shard) == os.path.join(str(path), shard)
+                    assert os.path.isfile(info.shard_path(shard))
+                with pytest.raises(KeyError):
+                    info.shard_path("absent.safetensors")
+    engine.numpy.save_file({"a": np.zeros(2)}, tmp_path / "one.safetensors")
+    assert read_checkpoint_info(tmp_path / "one.safetensors").shard_path("one.safetensors") == str(
+        tmp_path / "one.safetensors")
+    # a remote checkpoint's shards have no local path
+    remote = CheckpointInfo("https://example.invalid/m.safetensors", {"m.safetensors": engine.read_header(
+        tmp_path / "one.safetensors")})
+    with pytest.raises(ValueError, match="not a local checkpoint"):
+        remote.shard_path("m.safetensors")
 
 
 def test_unknown_tensor(sharded):

@@ -309,6 +309,51 @@ def test_mapped_views_alias_the_file_only_where_the_shard_is_one_range(tmp_path)
     assert owned["norm"].data_ptr() - owned["embed"].data_ptr() != gap
 
 
+@pytest.mark.parametrize("backend, copy", [("pread", True), ("mmap", True), ("mmap", False)])
+def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, backend, copy):
+    """Every shard file of an index goes the single file's way (planned reads, mapped copies,
+    views with copy=False): the same shards, in the index's shard order, each file's
+    tensors only once; ``names`` still filters; a shard missing from disk is named."""
+    from engine.checkpoint import read_checkpoint_info
+    from engine.shards import save_sharded
+
+    sd = llama_state_dict()
+    single = tmp_path / "model.safetensors"
+    engine.torch.save_file(sd, single)
+    sharded = tmp_path / "sharded"
+    save_sharded(sd, sharded, max_shard_size=40_000, fsync=False)
+    info = read_checkpoint_info(sharded)
+    assert len(info.shards) >= 3  # the test needs tensors in several files
+    plan = llama_plan(CONFIG, world_size=2)
+    for rank in range(2):
+        ref = load_tensor_parallel(single, plan, rank=rank, world_size=2)
+        got = load_tensor_parallel(sharded, plan, rank=rank, world_size=2, backend=backend, copy=copy)
+        assert sorted(got) == sorted(ref)
+        assert list(got) == [name for shard in info.shards for name in info.headers[shard].offset_keys()]
+        for name, t in got.items():
+            assert t.dtype == ref[name].dtype and torch.equal(t, ref[name]), (rank, name)
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+    # views where the shard is one range of its file, as for a single file
+    got = load_tensor_parallel(sharded, plan, rank=0, world_size=2, backend=backend, copy=copy)
+    norm = "model.norm.weight"
+    path = info.shard_path(info.weight_map[norm])
+    mapped = any(path in line and "rw-p" in line.split()[1] for line in _maps_of(got[norm].data_ptr()))
+    assert mapped == (not copy)
+    some = load_tensor_parallel(sharded / "model.safetensors.index.json", plan, rank=1, world_size=2,
+                                backend=backend, copy=copy, names=lambda n: n.endswith("norm.weight"))
+    assert sorted(some) == sorted(n for n in sd if n.endswith("norm.weight"))
+    os.unlink(info.shard_path(info.shards[-1]))
+    with pytest.raises(engine.errors.MissingShardError, match=info.shards[-1]):
+        load_tensor_parallel(sharded, plan, rank=0, world_size=2, backend=backend, copy=copy)
+
+
+def _maps_of(address: int) -> list[str]:
+    """The lines of /proc/self/maps whose range holds ``address``."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f
+                if int(line.split()[0].split("-")[0], 16) <= address < int(line.split()[0].split("-")[1], 16)]
+
+
 @pytest.mark.parametrize("backend", ["pread", "mmap"])
 def test_sub_byte_tensors_take_the_slice_path_replicated_or_split(tmp_path, backend):
     # packed F4 bytes cannot be planned as byte runs: they are read through get_slice, both

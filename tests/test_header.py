@@ -703,6 +703,16 @@ def test_table_columns_without_numpy_match_the_arrays():
         t.codes[0] = 1
 
 
+def test_dtypes_and_names_are_copies(valid_file):
+    """A caller's edit of Header.dtypes or Header.names does not reach the header."""
+    h = read_header(valid_file)
+    want, first = list(h.dtypes), h.names[0]  # snapshots
+    got = h.dtypes
+    got[0] = "F64" if got[0] != "F64" else "I8"
+    h.names[0] = "doctored"
+    assert h.dtypes == want and h.names[0] == first
+
+
 def test_tensor_not_found(valid_file):
     h = read_header(valid_file)
     with pytest.raises(TensorNotFoundError) as info:

@@ -42,6 +42,8 @@ __all__ = [
     "hwm_bytes",
     "reset_hwm",
     "ensure_engine_importable",
+    "compile_engine",
+    "entries_bytes",
 ]
 
 #: Bump when the generated content or layout changes: old cache entries are then ignored.
@@ -65,6 +67,21 @@ def ensure_engine_importable() -> None:
     except ImportError:
         if os.environ.get("ASV_ENV_TYPE", "existing") == "existing" and REPO_ROOT not in sys.path:
             sys.path.insert(0, REPO_ROOT)
+
+
+def compile_engine() -> None:
+    """Write the engine's bytecode now, so that no fresh-process sample compiles it.
+
+    An editable install whose ``.pyc`` files are older than the sources, with
+    ``PYTHONDONTWRITEBYTECODE`` set, recompiles every module it imports in every process:
+    milliseconds inside a timed load whose lazy imports (the planner, a sink) come with it.
+    An installed package has its bytecode, and so do the reference's modules.
+    """
+    import compileall
+
+    import engine
+
+    compileall.compile_dir(os.path.dirname(engine.__file__), quiet=2)
 
 
 def cache_dir(base: str | None = None) -> str:
@@ -124,10 +141,10 @@ def checkpoint_entries(target_bytes: int) -> list[tuple[str, str, tuple[int, ...
     realistic for the total.  2 GB -> 21 layers, 2.11e9 bytes, 191 tensors.
     """
     hidden, inter, vocab, kv = 2048, 5632, 32000, 256
-    while hidden > 128 and _entries_bytes(model_entries(4, hidden, inter, vocab, kv)) > target_bytes:
+    while hidden > 128 and entries_bytes(model_entries(4, hidden, inter, vocab, kv)) > target_bytes:
         hidden, inter, vocab, kv = hidden // 2, inter // 2, vocab // 2, kv // 2
-    fixed = _entries_bytes(model_entries(0, hidden, inter, vocab, kv))
-    per_layer = _entries_bytes(model_entries(1, hidden, inter, vocab, kv)) - fixed
+    fixed = entries_bytes(model_entries(0, hidden, inter, vocab, kv))
+    per_layer = entries_bytes(model_entries(1, hidden, inter, vocab, kv)) - fixed
     layers = max(1, round((target_bytes - fixed) / per_layer))
     return model_entries(layers, hidden, inter, vocab, kv)
 
@@ -136,7 +153,8 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
 
 
-def _entries_bytes(entries) -> int:
+def entries_bytes(entries) -> int:
+    """Tensor bytes of ``entries`` ([(name, dtype, shape)])."""
     return sum(_nbytes(d, s) for _, d, s in entries)
 
 
