@@ -358,12 +358,15 @@ def load_tensor_parallel(
         # each shard file is loaded as a single file is, keeping the tensors the index puts in it
         info = read_checkpoint_info(path)
         files = [(info.shard_path(shard), _in_shard(info.weight_map, shard, names)) for shard in info.shards]
+    def load(some: list[tuple[str, Callable[[str], bool] | None]]) -> dict[str, torch.Tensor]:
+        return _load_files_direct(some, plan, rank, world_size, "runs" if backend == "mmap" else strided, threads,
+                                  mapped=backend == "mmap", views=not copy)
+
+    if device.type == "cpu":  # every file in one pass: one set of threads, no wait between files
+        return load(files)
     out: dict[str, torch.Tensor] = {}
-    for file, keep in files:
-        got = _load_file_direct(file, plan, rank, world_size, keep, "runs" if backend == "mmap" else strided,
-                                threads, mapped=backend == "mmap", views=not copy)
-        # one file at a time on the device: host memory holds one file's shards at most
-        out.update({k: v.to(device) for k, v in got.items()} if device.type != "cpu" else got)
+    for file in files:  # one file at a time to the device: host memory holds one file's shards at most
+        out.update({k: v.to(device) for k, v in load([file]).items()})
     return out
 
 
@@ -544,76 +547,114 @@ def direct_read_bytes(path, plan: ShardingPlan, *, rank: int, world_size: int, s
                for j in jobs)
 
 
-def _load_file_direct(path: str, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
-                      threads: int | None, mapped: bool = False, views: bool = False) -> dict[str, torch.Tensor]:
-    """Direct mode on one file: every read of this rank planned up front, then shared among
-    threads in file order (several reads in flight), column blocks by runs or spans, or
-    (``mapped``) copied out of a read-only mapping; with ``views`` (and ``mapped``), shards
-    that are one range of the file are views of a private mapping instead."""
-    import threading
+class _FileLoad:
+    """One file of a direct load: its descriptor and header, this rank's outputs (views made
+    here), its planned jobs and, for mapped copies, the mapping they read."""
 
-    import numpy as np
+    def __init__(self, path: str, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
+                 mapped: bool, views: bool) -> None:
+        from ._files import open_regular
+        from .header import read_header_fd
 
-    from ._files import open_regular
-    from .header import read_header_fd
-    from .reader import default_threads, pread_into, pread_runs, pread_spans, run_threads
-
-    fd = open_regular(path)  # a FIFO or device is refused, never waited on
-    try:
-        header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size)
-        outputs, jobs, slow = _direct_jobs(header, plan, rank, world_size, names, strided, views)
-        wanted = {n: v for n, v in outputs.items() if isinstance(v, _MappedView)}
-        mm = None
-        if wanted:
-            import mmap
-
-            from .sinks.torch import TorchSink
-
-            # a private (copy-on-write) mapping, as safe_open(..., framework="pt") makes: the
-            # shards are writable, and writes never reach the file; the copies below read it too
-            sink = TorchSink()
-            mm = mmap.mmap(fd, 0, access=getattr(mmap, sink.mmap_access))
-            base = sink.map(mm)
-            for n, v in wanted.items():
-                outputs[n] = sink.view(base, v.code, v.shape, v.offset, v.nbytes)
-        lock = threading.Lock()
-        todo = iter(jobs)
-        source = None
-        if mapped and jobs:
-            if mm is None:
+        self.path = path
+        self.fd = open_regular(path)  # a FIFO or device is refused, never waited on
+        try:
+            self.header = read_header_fd(self.fd, path=path, file_size=os.fstat(self.fd).st_size)
+            self.outputs, self.jobs, self.slow = _direct_jobs(self.header, plan, rank, world_size, names, strided,
+                                                              views)
+            wanted = {n: v for n, v in self.outputs.items() if isinstance(v, _MappedView)}
+            mm = None
+            if wanted:
                 import mmap
 
-                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            source = np.frombuffer(mm, np.uint8)
+                from .sinks.torch import TorchSink
+
+                # a private (copy-on-write) mapping, as safe_open(..., framework="pt") makes: the
+                # shards are writable, and writes never reach the file; the copies below read it too
+                sink = TorchSink()
+                mm = mmap.mmap(self.fd, 0, access=getattr(mmap, sink.mmap_access))
+                base = sink.map(mm)
+                for n, v in wanted.items():
+                    self.outputs[n] = sink.view(base, v.code, v.shape, v.offset, v.nbytes)
+            self.source = None
+            if mapped and self.jobs:
+                import mmap
+
+                import numpy as np
+
+                if mm is None:
+                    mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+                self.source = np.frombuffer(mm, np.uint8)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def run(self, job: _Job, bounce: list) -> None:
+        """Do one job; ``bounce`` holds the calling thread's span buffer once it has one."""
+        from .reader import pread_into, pread_runs, pread_spans
+
+        if self.source is not None:
+            _copy_mapped(self.source, job)
+        elif job.src.size == 1:
+            pread_into(self.fd, job.base + int(job.src[0]), [job.dst], path=self.path)
+        elif job.spans:
+            if not bounce:
+                bounce.append(bytearray(SPAN_BOUNCE_BYTES))
+            pread_spans(self.fd, job.dst, job.src, job.run_bytes, job.base, bounce[0], path=self.path)
+        else:
+            pread_runs(self.fd, job.dst, job.src, job.run_bytes, job.base, path=self.path)
+
+    def finish(self, plan: ShardingPlan, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+        """The outputs, the tensors planned the slow way added, in file order."""
+        if self.slow:
+            with _open(self.path, "pread") as f:
+                for name in self.slow:
+                    self.outputs[name] = _shard(f, name, plan.action(name), rank, world_size)
+        order = {n: i for i, n in enumerate(self.header.offset_keys())}
+        return dict(sorted(self.outputs.items(), key=lambda kv: order[kv[0]]))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _load_files_direct(files: list[tuple[str, Any]], plan: ShardingPlan, rank: int, world_size: int,
+                       strided: str, threads: int | None, mapped: bool = False,
+                       views: bool = False) -> dict[str, torch.Tensor]:
+    """Direct mode on ``files`` ([(path, names filter)]): every read of this rank in every
+    file planned up front, then shared among one set of threads in file order (several reads
+    in flight), column blocks by runs or spans, or (``mapped``) copied out of a read-only
+    mapping; with ``views`` (and ``mapped``), shards that are one range of a file are views
+    of a private mapping instead.  The outputs come file by file, in file order."""
+    import threading
+
+    from .reader import default_threads, run_threads
+
+    loads: list[_FileLoad] = []
+    try:
+        for path, names in files:
+            loads.append(_FileLoad(path, plan, rank, world_size, names, strided, mapped, views))
+        todo = iter([(load, job) for load in loads for job in load.jobs])
+        count = sum(len(load.jobs) for load in loads)
+        lock = threading.Lock()
 
         def work() -> None:
-            bounce = None
+            bounce: list = []
             while True:
                 with lock:
-                    job = next(todo, None)
-                if job is None:
+                    item = next(todo, None)
+                if item is None:
                     return
-                if source is not None:
-                    _copy_mapped(source, job)
-                elif job.src.size == 1:
-                    pread_into(fd, job.base + int(job.src[0]), [job.dst], path=path)
-                elif job.spans:
-                    if bounce is None:
-                        bounce = bytearray(SPAN_BOUNCE_BYTES)
-                    pread_spans(fd, job.dst, job.src, job.run_bytes, job.base, bounce, path=path)
-                else:
-                    pread_runs(fd, job.dst, job.src, job.run_bytes, job.base, path=path)
+                item[0].run(item[1], bounce)
 
-        if jobs:
-            run_threads([work] * max(1, min(threads or default_threads(), len(jobs))), name="engine-tp")
-        if slow:
-            with _open(path, "pread") as f:
-                for name in slow:
-                    outputs[name] = _shard(f, name, plan.action(name), rank, world_size)
-        order = {n: i for i, n in enumerate(header.offset_keys())}
-        return dict(sorted(outputs.items(), key=lambda kv: order[kv[0]]))
+        if count:
+            run_threads([work] * max(1, min(threads or default_threads(), count)), name="engine-tp")
+        out: dict[str, torch.Tensor] = {}
+        for load in loads:
+            out.update(load.finish(plan, rank, world_size))
+        return out
     finally:
-        os.close(fd)
+        for load in loads:
+            load.close()
 
 
 def _node_group(world_size: int, process_group):

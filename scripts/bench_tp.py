@@ -16,6 +16,8 @@ system-wide monotonic clock).  Implementations, alternated sample by sample:
 * engine-view: ``backend="mmap", copy=False``: shards that are one range of the file
   (replicated tensors, row blocks) are views of a private mapping, column blocks copied,
   which is what the reference hands out;
+* engine-slices: the reference row's code with ``engine.safe_open`` in place of the
+  reference's (the drop-in, one ``get_slice`` per piece);
 * reference: ``safetensors.safe_open(framework="pt")`` + ``get_slice(name)[index]`` with the
   same index for every tensor, concatenated for fused tensors and made contiguous.  Its
   contiguous slices are views of its mapping of the file (``.contiguous()`` keeps them
@@ -37,6 +39,11 @@ share one page cache, so a page one rank brought in is not charged to another).
     python scripts/bench_tp.py --quick              # small, world 2, 3 samples (smoke)
     python scripts/bench_tp.py --only cold --runs 7
     python scripts/bench_tp.py --impls engine engine-view floor   # these rows and the reference
+    python scripts/bench_tp.py --shards 4 --impls engine engine-view engine-slices
+
+``--shards N`` writes the checkpoint as N shard files and an index (``save_sharded``) and
+loads the directory: the engine rows load it file by file, the reference row opens each
+shard file in turn (the floor row and the planned byte counts are for a single file only).
 
 "CPU ms per rank": user + system time of the rank's process during its load (every thread,
 ``getrusage``), median over the samples.  With more ranks than cores the ranks take turns,
@@ -71,7 +78,7 @@ from benchmarks.common import compile_engine, reference_shards  # noqa: E402
 from benchmarks.common import evict_cache as evict  # noqa: E402
 from benchmarks.common import warm_cache as warm  # noqa: E402
 
-IMPLS = ("engine", "engine-runs", "engine-1t", "engine-mmap", "engine-view", "reference", "floor")
+IMPLS = ("engine", "engine-runs", "engine-1t", "engine-mmap", "engine-view", "engine-slices", "reference", "floor")
 
 
 def config_for(quick: bool) -> dict:
@@ -91,6 +98,25 @@ def make(path: str, cfg: dict) -> None:
 
     sd = {name: torch.randn(shape).bfloat16() for name, shape in expected_tensors(cfg).items()}
     engine.torch.save_file(sd, path)
+
+
+def make_sharded(path: str, single: str, shards: int) -> None:
+    """The tensors of ``single`` as ``shards`` files of about equal size and an index."""
+    import engine.torch
+    from engine.shards import save_sharded
+
+    if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        return
+    sd = engine.torch.load_file(single, backend="pread")
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    save_sharded(sd, path, max_shard_size=-(-total // shards), fsync=False)
+
+
+def files_of(path: str) -> list[str]:
+    """The file, or a sharded checkpoint's shard files."""
+    if not os.path.isdir(path):
+        return [path]
+    return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
 
 
 def io_counts() -> dict:
@@ -144,6 +170,7 @@ def worker(rank, world, port, path, cfg, impl, out):
         "engine-1t": lambda: load_tensor_parallel(path, plan, threads=1),
         "engine-mmap": lambda: load_tensor_parallel(path, plan, backend="mmap"),
         "engine-view": lambda: load_tensor_parallel(path, plan, backend="mmap", copy=False),
+        "engine-slices": lambda: reference_shards(path, plan, rank, world, opener=engine.safe_open),
         "reference": lambda: reference_shards(path, plan, rank, world),
     }[impl]
     dist.barrier()
@@ -180,10 +207,11 @@ def _shard_bytes(header, plan, name, rank, world) -> int:
 
 def sample(path: str, cfg: dict, world: int, impl: str, cold: bool) -> dict:
     """One load by ``world`` fresh processes; the slowest rank's time and each rank's bytes."""
-    if cold:
-        evict(path)
-    else:
-        warm(path)
+    for file in files_of(path):
+        if cold:
+            evict(file)
+        else:
+            warm(file)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -200,6 +228,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, help="samples per implementation and state (default 5, quick 3)")
     ap.add_argument("--only", choices=["warm", "cold"])
     ap.add_argument("--impls", nargs="+", choices=IMPLS, help="rows to run (the reference always runs)")
+    ap.add_argument("--shards", type=int, default=1, help="write the checkpoint as this many files and an index")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -210,14 +239,18 @@ def main() -> int:
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, f"bench-tp-{'quick' if args.quick else 'full'}.safetensors")
     make(path, cfg)
+    if args.shards > 1:
+        single, path = path, os.path.join(args.dir, f"bench-tp-{'quick' if args.quick else 'full'}-{args.shards}shards")
+        make_sharded(path, single, args.shards)
 
     from engine.distributed import direct_read_bytes, llama_plan
 
     plan = llama_plan(cfg, world_size=world)
     planned = {impl: [direct_read_bytes(path, plan, rank=r, world_size=world, strided=strided)
-                      for r in range(world)]
+                      for r in range(world)] if args.shards == 1 else []
                for impl, strided in (("engine", "auto"), ("engine-runs", "runs"))}
-    impls = [i for i in IMPLS if args.impls is None or i in args.impls or i == "reference"]
+    impls = [i for i in IMPLS if (args.impls is None or i in args.impls or i == "reference")
+             and not (i == "floor" and args.shards > 1)]
     load_start = os.getloadavg()
     results: dict = {}
     for state in ("warm", "cold"):
@@ -228,13 +261,14 @@ def main() -> int:
             for impl in impls:  # alternated: drift on a shared machine hits every side alike
                 got[impl].append(sample(path, cfg, world, impl, state == "cold"))
         results[state] = got
-    size = os.path.getsize(path)
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')} file {size / 1e6:.0f} MB, world {world} (all ranks at once), "
+    size = sum(os.path.getsize(f) for f in files_of(path))
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {len(files_of(path))} file(s), {size / 1e6:.0f} MB, world {world} "
+          f"(all ranks at once), "
           f"{runs} fresh-process samples per row, {os.cpu_count()} cores, "
           f"load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print("# time: slowest rank, common start to last rank done; ref/x: median of the per-sample ratios "
           "(samples alternate implementations)")
-    print(f"{'state':<5} {'impl':<12} {'median s':>9} {'min s':>7} {'max s':>7} {'ref/x':>7}  "
+    print(f"{'state':<5} {'impl':<13} {'median s':>9} {'min s':>7} {'max s':>7} {'ref/x':>7}  "
           f"{'CPU ms per rank':<20} {'MB asked per rank (rchar)':<30} {'MB from storage per rank':<26}")
     for state, got in results.items():
         ref = [s["seconds"] for s in got["reference"]]
@@ -244,14 +278,15 @@ def main() -> int:
             cpu = [statistics.median(s["ranks"][r]["cpu"] for s in got[impl]) * 1e3 for r in range(world)]
             rchar = [statistics.median(s["ranks"][r]["rchar"] for s in got[impl]) / 1e6 for r in range(world)]
             stor = [statistics.median(s["ranks"][r]["read_bytes"] for s in got[impl]) / 1e6 for r in range(world)]
-            print(f"{state:<5} {impl:<12} {statistics.median(secs):>9.3f} {min(secs):>7.3f} {max(secs):>7.3f} "
+            print(f"{state:<5} {impl:<13} {statistics.median(secs):>9.3f} {min(secs):>7.3f} {max(secs):>7.3f} "
                   f"{ratio:>6.2f}x  {' '.join(f'{x:.0f}' for x in cpu):<20} {' '.join(f'{x:.0f}' for x in rchar):<30} "
                   f"{' '.join(f'{x:.0f}' for x in stor) if state == 'cold' else '-':<26}")
     shard = [statistics.median(s["ranks"][r]["shard_bytes"] for s in next(iter(results.values()))[impls[0]]) / 1e6
              for r in range(world)] if results else []
-    print(f"# shard MB per rank: {' '.join(f'{x:.0f}' for x in shard)}; tensor bytes each engine mode reads per "
-          f"rank (direct_read_bytes): auto {' '.join(f'{x / 1e6:.0f}' for x in planned['engine'])}, "
-          f"runs {' '.join(f'{x / 1e6:.0f}' for x in planned['engine-runs'])}")
+    print(f"# shard MB per rank: {' '.join(f'{x:.0f}' for x in shard)}" + (
+        f"; tensor bytes each engine mode reads per rank (direct_read_bytes): auto "
+        f"{' '.join(f'{x / 1e6:.0f}' for x in planned['engine'])}, "
+        f"runs {' '.join(f'{x / 1e6:.0f}' for x in planned['engine-runs'])}" if args.shards == 1 else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(world=world, file_bytes=size, runs=runs, planned=planned, results=results), f, indent=1)

@@ -401,23 +401,33 @@ class OneCallPerSample:
     timeout = 600
 
 
-def reference_shards(path: str, plan, rank: int, world: int) -> dict:
+def reference_shards(path: str, plan, rank: int, world: int, opener=None) -> dict:
     """One rank's tensor-parallel shards read the reference's way: ``safetensors.safe_open``
     + ``get_slice(name)[index]`` per piece, concatenated for fused tensors, made contiguous.
-    Contiguous slices stay views of the reference's mapping; column blocks are copies."""
+    Contiguous slices stay views of the reference's mapping; column blocks are copies.
+    ``path`` is a file, or a directory holding ``model.safetensors.index.json``: its shard
+    files are opened one after the other, as ``transformers`` reads the index (plain JSON).
+    ``opener``: a drop-in ``safe_open`` to run the same code on (default the reference's)."""
     import safetensors
     import torch
 
     from engine.distributed import Replicate, shard_index
 
+    files = [path]
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(path, shard) for shard in sorted(set(weight_map.values()))]
     got = {}
-    with safetensors.safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            sl = f.get_slice(name)
-            action = plan.action(name)
-            if isinstance(action, Replicate):
-                got[name] = sl[:]
-                continue
-            parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, rank, world)]
-            got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
+    for file in files:
+        with (opener or safetensors.safe_open)(file, framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                action = plan.action(name)
+                if isinstance(action, Replicate):
+                    got[name] = sl[:]
+                    continue
+                parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, rank, world)]
+                got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
     return got
