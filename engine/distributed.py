@@ -350,14 +350,8 @@ def load_tensor_parallel(
     device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     if mode == "broadcast":
         return _load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names)
-    path = os.fspath(path_or_index)
-    files: list[tuple[str, Callable[[str], bool] | None]] = [(path, names)]
-    if is_checkpoint_path(path):
-        from .checkpoint import read_checkpoint_info
+    files = _direct_files(path_or_index, names)
 
-        # each shard file is loaded as a single file is, keeping the tensors the index puts in it
-        info = read_checkpoint_info(path)
-        files = [(info.shard_path(shard), _in_shard(info.weight_map, shard, names)) for shard in info.shards]
     def load(some: list[tuple[str, Callable[[str], bool] | None]]) -> dict[str, torch.Tensor]:
         return _load_files_direct(some, plan, rank, world_size, "runs" if backend == "mmap" else strided, threads,
                                   mapped=backend == "mmap", views=not copy)
@@ -368,6 +362,19 @@ def load_tensor_parallel(
     for file in files:  # one file at a time to the device: host memory holds one file's shards at most
         out.update({k: v.to(device) for k, v in load([file]).items()})
     return out
+
+
+def _direct_files(path_or_index, names: Callable[[str], bool] | None) -> list[tuple[str, Callable[[str], bool] | None]]:
+    """The files a direct load reads, each with its ``names`` filter: the file itself, or each
+    shard file of a checkpoint keeping the tensors the index puts in it (index checked against
+    the shards' headers)."""
+    path = os.fspath(path_or_index)
+    if not is_checkpoint_path(path):
+        return [(path, names)]
+    from .checkpoint import read_checkpoint_info
+
+    info = read_checkpoint_info(path)
+    return [(info.shard_path(shard), _in_shard(info.weight_map, shard, names)) for shard in info.shards]
 
 
 def _in_shard(weight_map: Mapping[str, str], shard: str, names: Callable[[str], bool] | None) -> Callable[[str], bool]:
@@ -531,20 +538,23 @@ def _spans_pay(src, run_bytes: int) -> bool:
 
 def direct_read_bytes(path, plan: ShardingPlan, *, rank: int, world_size: int, strided: str = "auto",
                       names: Callable[[str], bool] | None = None) -> int:
-    """Bytes of tensor data one rank's direct-mode load of a single file reads (the header
-    aside): its shard exactly with ``strided="runs"``, more where column blocks are read as
-    spans.  From the header alone; reads no tensor byte."""
+    """Bytes of tensor data one rank's direct-mode load of a file or a sharded checkpoint
+    reads (the headers aside): its shard exactly with ``strided="runs"``, more where column
+    blocks are read as spans.  From the headers alone; reads no tensor byte."""
     from .header import read_header
     from .reader import spans_bytes
 
     if strided not in _STRIDED:
         raise ShardingError(f"unknown strided {strided!r}; expected one of {_STRIDED}", reason="InvalidMode")
-    _, jobs, slow = _direct_jobs(read_header(path), plan, rank, world_size, names, strided)
-    if slow:
-        raise ShardingError(f"{len(slow)} tensor(s) are read the slow way; no byte count for them",
-                            reason="InvalidMode", tensors=tuple(slow))
-    return sum(spans_bytes(j.src, j.run_bytes, SPAN_BOUNCE_BYTES) if j.spans else j.src.size * j.run_bytes
-               for j in jobs)
+    total = 0
+    for file, keep in _direct_files(path, names):
+        _, jobs, slow = _direct_jobs(read_header(file), plan, rank, world_size, keep, strided)
+        if slow:
+            raise ShardingError(f"{len(slow)} tensor(s) are read the slow way; no byte count for them",
+                                reason="InvalidMode", tensors=tuple(slow), path=file)
+        total += sum(spans_bytes(j.src, j.run_bytes, SPAN_BOUNCE_BYTES) if j.spans else j.src.size * j.run_bytes
+                     for j in jobs)
+    return total
 
 
 class _FileLoad:

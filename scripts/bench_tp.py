@@ -43,7 +43,7 @@ share one page cache, so a page one rank brought in is not charged to another).
 
 ``--shards N`` writes the checkpoint as N shard files and an index (``save_sharded``) and
 loads the directory: the engine rows load it file by file, the reference row opens each
-shard file in turn (the floor row and the planned byte counts are for a single file only).
+shard file in turn (the floor row is for a single file only).
 
 "CPU ms per rank": user + system time of the rank's process during its load (every thread,
 ``getrusage``), median over the samples.  With more ranks than cores the ranks take turns,
@@ -247,7 +247,7 @@ def main() -> int:
 
     plan = llama_plan(cfg, world_size=world)
     planned = {impl: [direct_read_bytes(path, plan, rank=r, world_size=world, strided=strided)
-                      for r in range(world)] if args.shards == 1 else []
+                      for r in range(world)]
                for impl, strided in (("engine", "auto"), ("engine-runs", "runs"))}
     impls = [i for i in IMPLS if (args.impls is None or i in args.impls or i == "reference")
              and not (i == "floor" and args.shards > 1)]
@@ -283,10 +283,9 @@ def main() -> int:
                   f"{' '.join(f'{x:.0f}' for x in stor) if state == 'cold' else '-':<26}")
     shard = [statistics.median(s["ranks"][r]["shard_bytes"] for s in next(iter(results.values()))[impls[0]]) / 1e6
              for r in range(world)] if results else []
-    print(f"# shard MB per rank: {' '.join(f'{x:.0f}' for x in shard)}" + (
-        f"; tensor bytes each engine mode reads per rank (direct_read_bytes): auto "
-        f"{' '.join(f'{x / 1e6:.0f}' for x in planned['engine'])}, "
-        f"runs {' '.join(f'{x / 1e6:.0f}' for x in planned['engine-runs'])}" if args.shards == 1 else ""))
+    print(f"# shard MB per rank: {' '.join(f'{x:.0f}' for x in shard)}; tensor bytes each engine mode reads per "
+          f"rank (direct_read_bytes): auto {' '.join(f'{x / 1e6:.0f}' for x in planned['engine'])}, "
+          f"runs {' '.join(f'{x / 1e6:.0f}' for x in planned['engine-runs'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(world=world, file_bytes=size, runs=runs, planned=planned, results=results), f, indent=1)

@@ -339,6 +339,9 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, backend, copy):
     path = info.shard_path(info.weight_map[norm])
     mapped = any(path in line and "rw-p" in line.split()[1] for line in _maps_of(got[norm].data_ptr()))
     assert mapped == (not copy)
+    for strided in ("auto", "runs", "spans"):  # the byte count adds up over the files
+        assert direct_read_bytes(sharded, plan, rank=1, world_size=2, strided=strided) == direct_read_bytes(
+            single, plan, rank=1, world_size=2, strided=strided)
     some = load_tensor_parallel(sharded / "model.safetensors.index.json", plan, rank=1, world_size=2,
                                 backend=backend, copy=copy, names=lambda n: n.endswith("norm.weight"))
     assert sorted(some) == sorted(n for n in sd if n.endswith("norm.weight"))
