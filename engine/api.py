@@ -28,7 +28,7 @@ from ._api import Slicer, TensorSlice
 from ._files import open_regular
 from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from .sinks import get_sink, sink_kind
+from .sinks import get_sink, map_file, sink_kind
 
 __all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
 
@@ -220,9 +220,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         if base is None:
             fd = self._borrow()
             try:
-                import mmap  # opening a file and reading its header need no mapping
-
-                mm = mmap.mmap(fd, 0, access=getattr(mmap, self._sink.mmap_access))
+                mm = map_file(self._sink, fd)
             finally:
                 self._give_back()
             self._mm = mm

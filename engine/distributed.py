@@ -575,14 +575,13 @@ class _FileLoad:
             wanted = {n: v for n, v in self.outputs.items() if isinstance(v, _MappedView)}
             mm = None
             if wanted:
-                import mmap
-
+                from .sinks import map_file
                 from .sinks.torch import TorchSink
 
                 # a private (copy-on-write) mapping, as safe_open(..., framework="pt") makes: the
                 # shards are writable, and writes never reach the file; the copies below read it too
                 sink = TorchSink()
-                mm = mmap.mmap(self.fd, 0, access=getattr(mmap, sink.mmap_access))
+                mm = map_file(sink, self.fd)
                 base = sink.map(mm)
                 for n, v in wanted.items():
                     self.outputs[n] = sink.view(base, v.code, v.shape, v.offset, v.nbytes)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..errors import DeviceError, SafetensorError
 
-__all__ = ["get_sink", "sink_kind", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
+__all__ = ["get_sink", "sink_kind", "map_file", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
 
 
 def __getattr__(name: str):
@@ -48,6 +48,15 @@ def sink_kind(framework: str, device="cpu") -> str:
     if kind == "numpy" and str(device) != "cpu":
         raise DeviceError(f"numpy arrays live on the CPU; device {device!r} needs framework='pt'")
     return kind
+
+
+def map_file(sink, fd: int):
+    """A mapping of the whole file ``fd`` as ``sink`` hands out views of it: read-only shared
+    for numpy, private copy-on-write for torch (``sink.mmap_access``).  ``mmap`` is imported
+    here, by the first mapping: opening a file and reading its header need none."""
+    import mmap
+
+    return mmap.mmap(fd, 0, access=getattr(mmap, sink.mmap_access))
 
 
 def get_sink(framework: str, device="cpu"):
