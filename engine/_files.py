@@ -1,6 +1,7 @@
 """Opening files for reading without the ways an open can hang or mislead.
 
-Private: shared by :mod:`engine.header`, :mod:`engine.api` and :mod:`engine.checkpoint`.
+Private: shared by :mod:`engine.header`, :mod:`engine.api` and :mod:`engine.checkpoint`
+(and :data:`IOV_MAX` by the reader and the writer).
 A FIFO named like a checkpoint would block ``open()`` until a writer appears, and reading a
 character device never ends; so the file is opened with ``O_NONBLOCK`` (which regular
 files ignore), checked with ``fstat`` and refused unless it is a regular file.  A symlink
@@ -16,7 +17,14 @@ import stat
 
 from .errors import ReadError
 
-__all__ = ["open_regular", "file_size"]
+__all__ = ["open_regular", "file_size", "IOV_MAX"]
+
+#: Most buffers one ``preadv`` or ``pwritev`` call takes (the reader's and the writer's batches).
+IOV_MAX = 1024
+try:
+    IOV_MAX = int(os.sysconf("SC_IOV_MAX")) or IOV_MAX
+except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
+    pass
 
 _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)

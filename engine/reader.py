@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from ._files import file_size
+from ._files import IOV_MAX, file_size
 from .errors import ReadError
 
 __all__ = [
@@ -22,12 +22,6 @@ __all__ = [
     "IOV_MAX",
 ]
 
-#: Most buffers one ``preadv`` call takes.
-IOV_MAX = 1024
-try:
-    IOV_MAX = int(os.sysconf("SC_IOV_MAX")) or IOV_MAX
-except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
-    pass
 
 
 @functools.cache

@@ -33,10 +33,10 @@ import numpy as np
 from ._atomic import AtomicFile, sync_dir
 from ._atomic import umask as _umask
 from ._atomic import write_error as _write_error
+from ._files import IOV_MAX
 from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
 from .errors import DeviceError, SerializationError, SharedTensorsError
 from .header import MAX_HEADER_SIZE
-from .reader import IOV_MAX
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
 
