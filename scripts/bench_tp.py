@@ -74,7 +74,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the asv suites' shared helpers (page-cache eviction and warming)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
-from benchmarks.common import compile_engine, reference_shards  # noqa: E402
+from benchmarks.common import checkpoint_files, compile_engine, reference_shards, sharded_copy  # noqa: E402
 from benchmarks.common import evict_cache as evict  # noqa: E402
 from benchmarks.common import warm_cache as warm  # noqa: E402
 
@@ -98,25 +98,6 @@ def make(path: str, cfg: dict) -> None:
 
     sd = {name: torch.randn(shape).bfloat16() for name, shape in expected_tensors(cfg).items()}
     engine.torch.save_file(sd, path)
-
-
-def make_sharded(path: str, single: str, shards: int) -> None:
-    """The tensors of ``single`` as ``shards`` files of about equal size and an index."""
-    import engine.torch
-    from engine.shards import save_sharded
-
-    if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
-        return
-    sd = engine.torch.load_file(single, backend="pread")
-    total = sum(t.numel() * t.element_size() for t in sd.values())
-    save_sharded(sd, path, max_shard_size=-(-total // shards), fsync=False)
-
-
-def files_of(path: str) -> list[str]:
-    """The file, or a sharded checkpoint's shard files."""
-    if not os.path.isdir(path):
-        return [path]
-    return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
 
 
 def io_counts() -> dict:
@@ -207,11 +188,10 @@ def _shard_bytes(header, plan, name, rank, world) -> int:
 
 def sample(path: str, cfg: dict, world: int, impl: str, cold: bool) -> dict:
     """One load by ``world`` fresh processes; the slowest rank's time and each rank's bytes."""
-    for file in files_of(path):
-        if cold:
-            evict(file)
-        else:
-            warm(file)
+    if cold:
+        evict(path)
+    else:
+        warm(path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -240,8 +220,7 @@ def main() -> int:
     path = os.path.join(args.dir, f"bench-tp-{'quick' if args.quick else 'full'}.safetensors")
     make(path, cfg)
     if args.shards > 1:
-        single, path = path, os.path.join(args.dir, f"bench-tp-{'quick' if args.quick else 'full'}-{args.shards}shards")
-        make_sharded(path, single, args.shards)
+        path = sharded_copy(path, args.shards)
 
     from engine.distributed import direct_read_bytes, llama_plan
 
@@ -261,8 +240,8 @@ def main() -> int:
             for impl in impls:  # alternated: drift on a shared machine hits every side alike
                 got[impl].append(sample(path, cfg, world, impl, state == "cold"))
         results[state] = got
-    size = sum(os.path.getsize(f) for f in files_of(path))
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {len(files_of(path))} file(s), {size / 1e6:.0f} MB, world {world} "
+    size = sum(os.path.getsize(f) for f in checkpoint_files(path))
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {len(checkpoint_files(path))} file(s), {size / 1e6:.0f} MB, world {world} "
           f"(all ranks at once), "
           f"{runs} fresh-process samples per row, {os.cpu_count()} cores, "
           f"load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end")

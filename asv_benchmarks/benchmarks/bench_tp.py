@@ -6,6 +6,7 @@ warm page cache) across commits, each engine mode beside the reference's
 ``safe_open`` + ``get_slice(name)[index]``.  ``engine-view`` (``backend="mmap",
 copy=False``) hands out what the reference hands out: views for shards that are one
 range of the file, copies of column blocks; ``engine`` and ``engine-mmap`` own every byte.
+``layout``: one file, or the same tensors as a sharded checkpoint of 4 files and an index.
 """
 
 from . import common
@@ -20,15 +21,17 @@ CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num
 class TensorParallelRank(common.OneCallPerSample):
     """One rank's ``load_tensor_parallel`` (direct mode) against the reference's slices."""
 
-    params = [["engine", "engine-mmap", "engine-view", "reference"]]
-    param_names = ["impl"]
+    params = [["engine", "engine-mmap", "engine-view", "reference"], ["file", "sharded"]]
+    param_names = ["impl", "layout"]
 
     def setup_cache(self):
-        return common.llama_file(CONFIG)
+        path = common.llama_file(CONFIG)
+        return {"file": path, "sharded": common.sharded_copy(path, 4)}
 
-    def setup(self, path, impl):
+    def setup(self, paths, impl, layout):
         from engine.distributed import llama_plan, load_tensor_parallel
 
+        path = paths[layout]
         common.prepare(impl)
         plan = llama_plan(CONFIG, world_size=WORLD)
         options = {"engine": {}, "engine-mmap": {"backend": "mmap"},
@@ -40,5 +43,5 @@ class TensorParallelRank(common.OneCallPerSample):
         common.warm_cache(path)
         self.load()  # first-use costs (mappings, thread start-up paths) outside the samples
 
-    def time_rank(self, path, impl):
+    def time_rank(self, paths, impl, layout):
         self.load()

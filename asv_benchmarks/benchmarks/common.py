@@ -38,6 +38,8 @@ __all__ = [
     "touch_all",
     "drop_file",
     "warm_cache",
+    "checkpoint_files",
+    "sharded_copy",
     "rss_bytes",
     "hwm_bytes",
     "reset_hwm",
@@ -333,22 +335,47 @@ def touch_all(tensors) -> int:
     return total & 0xFFFFFFFFFFFFFFFF
 
 
+def checkpoint_files(path: str) -> list[str]:
+    """``path``, or the ``.safetensors`` files of the directory ``path`` (a sharded checkpoint)."""
+    if not os.path.isdir(path):
+        return [path]
+    return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+
+
 def warm_cache(path: str) -> None:
-    """Read ``path`` once so that it sits in the page cache."""
+    """Read ``path`` (a file, or each file of a checkpoint directory) once so that it sits in
+    the page cache."""
     buf = bytearray(16 << 20)
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
+    for file in checkpoint_files(path):
+        with open(file, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
 
 
 def evict_cache(path: str) -> None:
-    """Drop ``path`` from the page cache (written back first, so that no dirty page stays)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Drop ``path`` (a file, or each file of a checkpoint directory) from the page cache
+    (written back first, so that no dirty page stays)."""
+    for file in checkpoint_files(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sharded_copy(path: str, shards: int) -> str:
+    """The tensors of the file ``path`` as a sharded checkpoint beside it: ``shards`` files of
+    about equal size and ``model.safetensors.index.json`` (``save_sharded``), made once."""
+    directory = path[: -len(".safetensors")] + f"-{shards}shards"
+    if not os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
+        import engine.numpy
+        from engine.shards import save_sharded
+
+        arrays = engine.numpy.load_file(path)
+        total = sum(a.nbytes for a in arrays.values())
+        save_sharded(arrays, directory, max_shard_size=-(-total // shards), fsync=False)
+    return directory
 
 
 def drop_file(path: str) -> None:
