@@ -350,6 +350,35 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, backend, copy):
         load_tensor_parallel(sharded, plan, rank=0, world_size=2, backend=backend, copy=copy)
 
 
+def test_sharded_checkpoint_that_disagrees_with_its_index_is_refused(tmp_path):
+    """The TP loader checks the index against the shards' headers before reading a byte: a
+    tensor the index puts in the wrong shard, or a shard that is a FIFO, is a clear error
+    naming it, never a hang or a silently missing tensor."""
+    from engine.errors import CheckpointIndexError, ReadError
+    from engine.shards import save_sharded
+
+    sd = llama_state_dict()
+    d = tmp_path / "ck"
+    save_sharded(sd, d, max_shard_size=40_000, fsync=False)
+    index = d / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    plan = llama_plan(CONFIG, world_size=2)
+    moved = "model.norm.weight"
+    wrong = next(s for s in sorted(set(doc["weight_map"].values())) if s != doc["weight_map"][moved])
+    index.write_text(json.dumps({**doc, "weight_map": {**doc["weight_map"], moved: wrong}}))
+    for backend, copy in (("pread", True), ("mmap", False)):
+        with pytest.raises(CheckpointIndexError, match=moved) as info:
+            load_tensor_parallel(d, plan, rank=0, world_size=2, backend=backend, copy=copy)
+        assert info.value.reason == "TensorNotInShard"
+    index.write_text(json.dumps(doc))
+    victim = d / doc["weight_map"][moved]
+    victim.unlink()
+    os.mkfifo(victim)
+    with pytest.raises(ReadError) as info:
+        load_tensor_parallel(d, plan, rank=0, world_size=2)
+    assert info.value.reason == "NotRegularFile" and victim.name in str(info.value)
+
+
 def _maps_of(address: int) -> list[str]:
     """The lines of /proc/self/maps whose range holds ``address``."""
     with open("/proc/self/maps") as f:
