@@ -28,6 +28,7 @@ __all__ = [
     "SUB_BYTE_CODES",
     "code_of",
     "numpy_dtype",
+    "own_numpy_dtype",
     "from_numpy",
     "torch_dtype",
     "from_torch",
@@ -100,15 +101,28 @@ def code_of(name: str) -> int:
         raise SerializationError(f"unknown safetensors dtype {name!r}", reason="InvalidDtype") from None
 
 
-def _np_type(d: DType) -> np.dtype:
+def own_numpy_dtype(code: int) -> np.dtype | None:
+    """numpy's own dtype for a code (little-endian), or ``None`` where numpy has none and
+    ``ml_dtypes`` supplies it (BF16, FP8); imports no ``ml_dtypes``.  Packed sub-byte
+    codes give ``uint8``, as :func:`numpy_dtype` does."""
     import numpy as np
 
     try:
-        return np.dtype(d.numpy).newbyteorder("<")
-    except TypeError:  # numpy has none (BF16, FP8): ml_dtypes' type
-        import ml_dtypes
+        dt = np.dtype(DTYPES[code].numpy)
+    except TypeError:  # not a name numpy knows (ml_dtypes not imported yet)
+        return None
+    # once ml_dtypes is imported numpy resolves its names too: keep numpy's own only
+    return dt.newbyteorder("<") if dt.type.__module__ == "numpy" else None
 
-        return np.dtype(getattr(ml_dtypes, d.numpy))
+
+def _np_type(d: DType) -> np.dtype:
+    dt = own_numpy_dtype(d.code)
+    if dt is not None:
+        return dt
+    import ml_dtypes  # numpy has none (BF16, FP8): ml_dtypes' type
+    import numpy as np
+
+    return np.dtype(getattr(ml_dtypes, d.numpy))
 
 
 # numpy dtypes per code, each made on first use: reading headers imports no numpy, and

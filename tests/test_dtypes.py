@@ -85,6 +85,28 @@ def test_numpy_native_dtypes_import_no_ml_dtypes():
     ]
 
 
+def test_own_numpy_dtype_is_numpy_s_whether_or_not_ml_dtypes_is_loaded():
+    """numpy's own dtype or None (BF16, FP8), the same before and after ml_dtypes registers
+    its names with numpy, and without importing ml_dtypes."""
+    code = (
+        "import sys\n"
+        "from engine import dtypes\n"
+        "def table():\n"
+        "    return [(d.name, str(dtypes.own_numpy_dtype(d.code))) for d in dtypes.DTYPES]\n"
+        "before = table()\n"
+        "print('ml_dtypes' in sys.modules)\n"
+        "import ml_dtypes\n"
+        "print(table() == before)\n"
+        "print(sorted(n for n, t in before if t == 'None'))\n"
+    )
+    lines = run_python(code).splitlines()
+    assert lines[0] == "False" and lines[1] == "True"
+    assert lines[2] == str(sorted(d.name for d in dtypes.DTYPES if d.name == "BF16" or d.name.startswith("F8_")))
+    for d in dtypes.DTYPES:
+        own = dtypes.own_numpy_dtype(d.code)
+        assert own is None or own == dtypes.numpy_dtype(d.code), d.name
+
+
 def test_from_numpy_table_is_whole_under_threads():
     """The reverse table is published whole: threads racing on its first use all find
     their dtype."""

@@ -91,14 +91,6 @@ class TorchSink:
 _INT64_MAX = 2**63 - 1
 
 
-# the numpy dtypes (plain numpy, no ml_dtypes) that torch.from_numpy takes as the format's own
-_PLAIN_NUMPY = {
-    "F64": "<f8", "F32": "<f4", "F16": "<f2", "C64": "<c8",
-    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
-}  # fmt: skip
-
-
 @functools.cache
 def _from_numpy_dtypes() -> dict[int, tuple[np.dtype, torch.dtype | None]]:
     """code -> (numpy dtype, torch dtype to view the result as, or None) for every byte-sized
@@ -113,10 +105,10 @@ def _from_numpy_dtypes() -> dict[int, tuple[np.dtype, torch.dtype | None]]:
             tdt = dtypes.torch_dtype(d.code)
         except SafetensorError:  # this torch build has no such dtype
             continue
-        name = _PLAIN_NUMPY.get(d.name)
+        own = dtypes.own_numpy_dtype(d.code)  # numpy's own dtype, never an ml_dtypes one
         try:
-            if name is not None and torch.from_numpy(np.zeros(1, name)).dtype == tdt:
-                out[d.code] = (np.dtype(name), None)
+            if own is not None and torch.from_numpy(np.zeros(1, own)).dtype == tdt:
+                out[d.code] = (own, None)
                 continue
             width = np.dtype(f"<u{d.itemsize}")
             if torch.from_numpy(np.zeros(1, width)).view(tdt).dtype == tdt:
