@@ -301,14 +301,10 @@ def worker(spec: dict) -> dict:
 
 # first_open runs in a bare interpreter (nothing imported beyond site), so that every
 # import the library makes on the way to its first open is counted
-FIRST_OPEN = """
-import time
+# the timed part is common.first_open_code (the same text as asv's FirstOpen)
+FIRST_OPEN = """import time
 t0 = time.perf_counter()
-import {lib} as lib
-with lib.safe_open({path!r}, framework="np") as f:
-    rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]
-    {extra}
-seconds = time.perf_counter() - t0
+{body}seconds = time.perf_counter() - t0
 import hashlib, json
 digest = hashlib.sha1(repr(sorted(rows)).encode()).hexdigest()[:12]
 print("RESULT " + json.dumps({{"seconds": seconds, "count": len(rows), "digest": digest}}))
@@ -318,9 +314,8 @@ print("RESULT " + json.dumps({{"seconds": seconds, "count": len(rows), "digest":
 def run_child(spec: dict, timeout: float = 1200) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
     if spec.get("case") in ("first_open", "first_tensor"):
-        lib = "safetensors" if spec["impl"] == "reference" else "engine"
-        extra = "rows.append((\"~tensor\", rows[0][0], list(f.get_tensor(rows[0][0]).shape)))" if spec["case"] == "first_tensor" else ""
-        cmd = [sys.executable, "-c", FIRST_OPEN.format(lib=lib, path=spec["path"], extra=extra)]
+        body = common.first_open_code(spec["impl"], spec["path"], first_tensor=spec["case"] == "first_tensor")
+        cmd = [sys.executable, "-c", FIRST_OPEN.format(body=body)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):

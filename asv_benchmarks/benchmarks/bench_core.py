@@ -153,19 +153,11 @@ class FirstOpen:
         for path in (self.bf16, self.f32):
             common.warm_cache(path)
 
-    @staticmethod
-    def _code(impl, path, extra=""):
-        lib = "safetensors" if impl == "reference" else "engine"
-        return (f"import {lib} as lib\n"
-                f"with lib.safe_open({path!r}, framework='np') as f:\n"
-                "    rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n"
-                + extra)
-
     def timeraw_first_open(self, impl):
-        return self._code(impl, self.bf16)
+        return common.first_open_code(impl, self.bf16)
 
     def timeraw_first_tensor(self, impl):
-        return self._code(impl, self.f32, "    f.get_tensor(rows[0][0])\n")
+        return common.first_open_code(impl, self.f32, first_tensor=True)
 
 
 class LoadManyTensors(_IO):

@@ -45,6 +45,7 @@ __all__ = [
     "reset_hwm",
     "ensure_engine_importable",
     "compile_engine",
+    "first_open_code",
     "entries_bytes",
 ]
 
@@ -84,6 +85,20 @@ def compile_engine() -> None:
     import engine
 
     compileall.compile_dir(os.path.dirname(engine.__file__), quiet=2)
+
+
+def first_open_code(impl: str, path: str, first_tensor: bool = False) -> str:
+    """Python source of what a short-lived tool does first: import the library (``engine``
+    or, for ``impl="reference"``, ``safetensors``), open ``path`` with ``framework="np"``
+    and read every dtype and shape into ``rows``; with ``first_tensor`` also one
+    ``get_tensor``.  One text for asv's ``FirstOpen`` and ``scripts/bench_core.py``."""
+    lib = "safetensors" if impl == "reference" else "engine"
+    code = (f"import {lib} as lib\n"
+            f"with lib.safe_open({path!r}, framework='np') as f:\n"
+            "    rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n")
+    if first_tensor:
+        code += "    rows.append(('~tensor', rows[0][0], list(f.get_tensor(rows[0][0]).shape)))\n"
+    return code
 
 
 def cache_dir(base: str | None = None) -> str:
