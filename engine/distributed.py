@@ -356,9 +356,12 @@ def load_tensor_parallel(
         return _load_files_direct(some, plan, rank, world_size, "runs" if backend == "mmap" else strided, threads,
                                   mapped=backend == "mmap", views=not copy)
 
-    if device.type == "cpu":  # every file in one pass: one set of threads, no wait between files
-        return load(files)
     out: dict[str, torch.Tensor] = {}
+    if device.type == "cpu":
+        # files planned together and read by one set of threads, up to _FILES_AT_ONCE open at a time
+        for i in range(0, len(files), _FILES_AT_ONCE):
+            out.update(load(files[i : i + _FILES_AT_ONCE]))
+        return out
     for file in files:  # one file at a time to the device: host memory holds one file's shards at most
         out.update({k: v.to(device) for k, v in load([file]).items()})
     return out
@@ -383,6 +386,9 @@ def _in_shard(weight_map: Mapping[str, str], shard: str, names: Callable[[str], 
 
 
 _STRIDED = ("auto", "runs", "spans")
+#: Shard files a CPU load keeps open (and planned) at once: a checkpoint of hundreds of small
+#: shards must not run the process out of file descriptors.
+_FILES_AT_ONCE = 64
 #: A mapped copy maps its whole span in one call when the gaps between its runs average at
 #: most this (a fault's read-ahead window); else the runs fault their own pages in.
 _POPULATE_MAX_GAP = 128 << 10

@@ -350,6 +350,41 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, backend, copy):
         load_tensor_parallel(sharded, plan, rank=0, world_size=2, backend=backend, copy=copy)
 
 
+def test_many_shard_files_are_opened_a_batch_at_a_time(tmp_path, monkeypatch):
+    """A checkpoint of many small shard files is planned and read in batches, so a load of
+    owned shards never holds more than _FILES_AT_ONCE of them open; the shards are the
+    single file's.  (copy=False views keep their file's mapping, and CPython's mmap keeps a
+    descriptor per mapping while it lives.)"""
+    import engine.distributed as ed
+    from engine.shards import save_sharded
+
+    sd = llama_state_dict()
+    single = tmp_path / "model.safetensors"
+    engine.torch.save_file(sd, single)
+    save_sharded(sd, tmp_path / "ck", max_shard_size=10_000, fsync=False)
+    shards = len(list((tmp_path / "ck").glob("*.safetensors")))
+    assert shards >= 8
+    monkeypatch.setattr(ed, "_FILES_AT_ONCE", 3)
+    most = [0]
+    real = ed._FileLoad.__init__
+
+    def counting(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        most[0] = max(most[0], len(os.listdir("/proc/self/fd")))
+
+    monkeypatch.setattr(ed._FileLoad, "__init__", counting)
+    plan = llama_plan(CONFIG, world_size=2)
+    ref = load_tensor_parallel(single, plan, rank=1, world_size=2)
+    # owned shards: a batch's descriptors (and, mapped, the mappings' own) go when it ends
+    for backend, per_file in (("pread", 1), ("mmap", 2)):
+        most[0] = 0
+        base = len(os.listdir("/proc/self/fd"))
+        got = load_tensor_parallel(tmp_path / "ck", plan, rank=1, world_size=2, backend=backend)
+        assert sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
+        assert most[0] - base <= 3 * per_file < shards, backend
+        assert len(os.listdir("/proc/self/fd")) == base
+
+
 def test_sharded_checkpoint_that_disagrees_with_its_index_is_refused(tmp_path):
     """The TP loader checks the index against the shards' headers before reading a byte: a
     tensor the index puts in the wrong shard, or a shard that is a FIFO, is a clear error
