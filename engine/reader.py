@@ -23,7 +23,6 @@ __all__ = [
 ]
 
 
-
 @functools.cache
 def default_threads() -> int:
     """Reader threads when the caller does not say: one per core, between 2 and 8.

@@ -41,26 +41,21 @@ def run_python(code: str, *args: str, env: Mapping[str, str] | None = None, time
 
 def in_threads(*calls) -> None:
     """Run each call on its own thread, all released together by a barrier; re-raise the
-    first exception any of them raised once all have finished."""
+    first exception any of them raised once all have finished (engine.reader.run_threads)."""
     import threading
 
+    from engine.reader import run_threads
+
     barrier = threading.Barrier(len(calls))
-    errors: list[BaseException] = []
 
-    def run(call) -> None:
-        barrier.wait()
-        try:
+    def released(call):
+        def run() -> None:
+            barrier.wait()
             call()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(c,)) for c in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+        return run
+
+    run_threads([released(c) for c in calls], name="test")
 
 
 def encode_header(header: HeaderLike) -> bytes:
