@@ -352,7 +352,7 @@ def load_tensor_parallel(
         return _load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names)
     files = _direct_files(path_or_index, names)
 
-    def load(some: list[tuple[str, Callable[[str], bool] | None]]) -> dict[str, torch.Tensor]:
+    def load(some: list[_DirectFile]) -> dict[str, torch.Tensor]:
         return _load_files_direct(some, plan, rank, world_size, "runs" if backend == "mmap" else strided, threads,
                                   mapped=backend == "mmap", views=not copy)
 
@@ -367,17 +367,27 @@ def load_tensor_parallel(
     return out
 
 
-def _direct_files(path_or_index, names: Callable[[str], bool] | None) -> list[tuple[str, Callable[[str], bool] | None]]:
-    """The files a direct load reads, each with its ``names`` filter: the file itself, or each
-    shard file of a checkpoint keeping the tensors the index puts in it (index checked against
-    the shards' headers)."""
+class _DirectFile(NamedTuple):
+    """One file of a direct load, the ``names`` filter for it, and its header where the
+    checkpoint's index check has read it already."""
+
+    path: str
+    names: Callable[[str], bool] | None
+    header: Any = None
+
+
+def _direct_files(path_or_index, names: Callable[[str], bool] | None) -> list[_DirectFile]:
+    """The files a direct load reads: the file itself, or each shard file of a checkpoint
+    keeping the tensors the index puts in it (index checked against the shards' headers,
+    which come along so that no header is parsed twice)."""
     path = os.fspath(path_or_index)
     if not is_checkpoint_path(path):
-        return [(path, names)]
+        return [_DirectFile(path, names)]
     from .checkpoint import read_checkpoint_info
 
     info = read_checkpoint_info(path)
-    return [(info.shard_path(shard), _in_shard(info.weight_map, shard, names)) for shard in info.shards]
+    return [_DirectFile(info.shard_path(shard), _in_shard(info.weight_map, shard, names), info.headers[shard])
+            for shard in info.shards]
 
 
 def _in_shard(weight_map: Mapping[str, str], shard: str, names: Callable[[str], bool] | None) -> Callable[[str], bool]:
@@ -553,8 +563,8 @@ def direct_read_bytes(path, plan: ShardingPlan, *, rank: int, world_size: int, s
     if strided not in _STRIDED:
         raise ShardingError(f"unknown strided {strided!r}; expected one of {_STRIDED}", reason="InvalidMode")
     total = 0
-    for file, keep in _direct_files(path, names):
-        _, jobs, slow = _direct_jobs(read_header(file), plan, rank, world_size, keep, strided)
+    for file, keep, header in _direct_files(path, names):
+        _, jobs, slow = _direct_jobs(header if header is not None else read_header(file), plan, rank, world_size, keep, strided)
         if slow:
             raise ShardingError(f"{len(slow)} tensor(s) are read the slow way; no byte count for them",
                                 reason="InvalidMode", tensors=tuple(slow), path=file)
@@ -567,15 +577,20 @@ class _FileLoad:
     """One file of a direct load: its descriptor and header, this rank's outputs (views made
     here), its planned jobs and, for mapped copies, the mapping they read."""
 
-    def __init__(self, path: str, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
+    def __init__(self, file: _DirectFile, plan: ShardingPlan, rank: int, world_size: int, strided: str,
                  mapped: bool, views: bool) -> None:
         from ._files import open_regular
         from .header import read_header_fd
 
+        path, names, header = file
         self.path = path
         self.fd = open_regular(path)  # a FIFO or device is refused, never waited on
         try:
-            self.header = read_header_fd(self.fd, path=path, file_size=os.fstat(self.fd).st_size)
+            size = os.fstat(self.fd).st_size
+            if header is None or header.file_size != size:
+                # not read yet, or the file changed since: read the header of the file now open
+                header = read_header_fd(self.fd, path=path, file_size=size)
+            self.header = header
             self.outputs, self.jobs, self.slow = _direct_jobs(self.header, plan, rank, world_size, names, strided,
                                                               views)
             wanted = {n: v for n, v in self.outputs.items() if isinstance(v, _MappedView)}
@@ -632,10 +647,10 @@ class _FileLoad:
         os.close(self.fd)
 
 
-def _load_files_direct(files: list[tuple[str, Any]], plan: ShardingPlan, rank: int, world_size: int,
+def _load_files_direct(files: list[_DirectFile], plan: ShardingPlan, rank: int, world_size: int,
                        strided: str, threads: int | None, mapped: bool = False,
                        views: bool = False) -> dict[str, torch.Tensor]:
-    """Direct mode on ``files`` ([(path, names filter)]): every read of this rank in every
+    """Direct mode on ``files``: every read of this rank in every
     file planned up front, then shared among one set of threads in file order (several reads
     in flight), column blocks by runs or spans, or (``mapped``) copied out of a read-only
     mapping; with ``views`` (and ``mapped``), shards that are one range of a file are views
@@ -646,10 +661,10 @@ def _load_files_direct(files: list[tuple[str, Any]], plan: ShardingPlan, rank: i
 
     loads: list[_FileLoad] = []
     try:
-        for path, names in files:
-            loads.append(_FileLoad(path, plan, rank, world_size, names, strided, mapped, views))
-        todo = iter([(load, job) for load in loads for job in load.jobs])
-        count = sum(len(load.jobs) for load in loads)
+        for file in files:
+            loads.append(_FileLoad(file, plan, rank, world_size, strided, mapped, views))
+        items = [(load, job) for load in loads for job in load.jobs]
+        todo = iter(items)
         lock = threading.Lock()
 
         def work() -> None:
@@ -661,8 +676,8 @@ def _load_files_direct(files: list[tuple[str, Any]], plan: ShardingPlan, rank: i
                     return
                 item[0].run(item[1], bounce)
 
-        if count:
-            run_threads([work] * max(1, min(threads or default_threads(), count)), name="engine-tp")
+        if items:
+            run_threads([work] * min(threads or default_threads(), len(items)), name="engine-tp")
         out: dict[str, torch.Tensor] = {}
         for load in loads:
             out.update(load.finish(plan, rank, world_size))

@@ -350,6 +350,35 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, backend, copy):
         load_tensor_parallel(sharded, plan, rank=0, world_size=2, backend=backend, copy=copy)
 
 
+def test_shard_headers_are_parsed_once_unless_the_file_changed(tmp_path, monkeypatch):
+    """A sharded load reuses the headers the index check read; a shard file whose size no
+    longer matches its header (rewritten in between) has its header read again from the
+    descriptor the load opened, so the offsets are the new file's."""
+    import engine.distributed as ed
+    import engine.header
+    from engine.shards import save_sharded
+
+    sd = llama_state_dict()
+    single = tmp_path / "model.safetensors"
+    engine.torch.save_file(sd, single)
+    d = tmp_path / "ck"
+    save_sharded(sd, d, max_shard_size=40_000, fsync=False)
+    plan = llama_plan(CONFIG, world_size=2)
+    ref = load_tensor_parallel(single, plan, rank=0, world_size=2)
+    files = ed._direct_files(d, None)
+    parsed = []
+    real = engine.header.read_header_fd
+    monkeypatch.setattr(engine.header, "read_header_fd", lambda fd, **kw: (parsed.append(kw["path"]), real(fd, **kw))[1])
+    got = ed._load_files_direct(files, plan, 0, 2, "auto", None)
+    assert parsed == [] and all(torch.equal(got[n], ref[n]) for n in ref)
+    # rewrite one shard with more metadata: same tensors, every offset moved
+    victim = files[0].path
+    mine = engine.torch.load_file(victim)
+    engine.torch.save_file(mine, victim, metadata={"pad": "x" * 1000})
+    got = ed._load_files_direct(files, plan, 0, 2, "auto", None)
+    assert parsed == [victim] and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
 def test_many_shard_files_are_opened_a_batch_at_a_time(tmp_path, monkeypatch):
     """A checkpoint of many small shard files is planned and read in batches, so a load of
     owned shards never holds more than _FILES_AT_ONCE of them open; the shards are the
