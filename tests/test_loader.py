@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import threading
 
@@ -111,11 +112,10 @@ def test_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch, framework):
     path = tmp_path / "m.safetensors"
     engine.numpy.save_file(sd, path)
     real = os.preadv
-    calls = [0]
+    calls = itertools.count(1)  # next() is atomic: the reader threads share the count
 
     def truncating(fd, buffers, offset):  # another process cuts the file during the load
-        calls[0] += 1
-        if calls[0] == 3:
+        if next(calls) == 3:
             os.truncate(path, os.path.getsize(path) // 2)
         return real(fd, buffers, offset)
 
@@ -173,11 +173,10 @@ def test_stream_stats_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine.loader._StatsCollector, "WINDOW", 4096)
     real = Accumulator.read
-    calls = [0]
+    calls = itertools.count(1)  # next() is atomic: the reader threads share the count
 
     def truncating(self, fd, offset, dest, window):  # another process cuts the file during the load
-        calls[0] += 1
-        if calls[0] == 12:  # in t2 (4 pieces per tensor): cut inside t5
+        if next(calls) == 12:  # in t2 (4 pieces per tensor): cut inside t5
             os.truncate(path, os.path.getsize(path) - 3 * 256 * 256 * 4 - 100)
         return real(self, fd, offset, dest, window)
 

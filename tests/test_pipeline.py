@@ -8,6 +8,7 @@ before its copy finished would corrupt the data, and these tests would see it.
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import threading
@@ -387,11 +388,10 @@ def test_cancel_of_a_device_load_unregisters_and_frees_everything(layout, gpu_pa
 def test_a_failing_device_copy_still_unregisters_and_frees(layout):
     emu = EmulatedDevice()
     real = emu.copy_to_device
-    calls = [0]
+    calls = itertools.count(1)  # next() is atomic, whichever thread copies
 
     def flaky(*args):
-        calls[0] += 1
-        if calls[0] == 7:
+        if next(calls) == 7:
             raise DeviceError("copy engine on fire")
         return real(*args)
 
