@@ -10,6 +10,7 @@ drawn only when stderr is a terminal.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import math
@@ -19,7 +20,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from .errors import MissingDependencyError, SafetensorError
+from .errors import MissingDependencyError, NonFiniteError, SafetensorError
 
 # --------------------------------------------------------------------------- helpers
 
@@ -186,7 +187,11 @@ def _cmd_validate(args) -> int:
             print(f"ok: {shard}: {len(header)} tensors, {header.file_size:,} bytes, header and data region valid")
         if info.is_sharded:
             print(f"ok: index: {len(info)} tensors in {len(info.shards)} shards, consistent with every shard")
-    weight_ok = _weight_checks(args)
+    if problems:  # the weight checks read the tensors, which a broken file cannot give
+        print("weight checks: skipped (the format problems above come first)")
+        weight_ok = True
+    else:
+        weight_ok = _weight_checks(args)
     if problems or not weight_ok:
         print(f"invalid: {len(problems)} format problem(s)" + ("" if weight_ok else ", weight checks failed"))
         return 1
@@ -261,8 +266,21 @@ def _axis(text: str) -> int | None:
 
 def _cmd_quantize(args) -> int:
     quantize_file = _kernel_api("engine.quantized", "quantize_file", "quantize")
-    print(quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
-                        on_nonfinite="clamp" if args.clamp else "raise"))
+    _check_output(args.dst)
+    try:
+        summary = quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
+                                on_nonfinite="clamp" if args.clamp else "raise")
+    except NonFiniteError as err:
+        # the library's message names the Python argument; a shell user has the flag
+        name = err.tensors[0] if err.tensors else None
+        raise NonFiniteError(
+            f"{f'tensor {name!r}' if name else 'a tensor'} holds {err.nan_count} NaN, {err.posinf_count} +Inf "
+            f"and {err.neginf_count} -Inf values; int8 quantization needs finite values "
+            "(pass --clamp to quantize NaN to 0 and +-Inf to +-127)",
+            path=err.path, tensors=err.tensors, nan_count=err.nan_count, posinf_count=err.posinf_count,
+            neginf_count=err.neginf_count,
+        ) from None
+    print(summary)
     print(f"wrote {args.dst}")
     return 0
 
@@ -278,20 +296,66 @@ def _torch():
     return torch
 
 
-def _load_pickle_checkpoint(path: str, torch) -> Any:
-    """``torch.load`` with ``weights_only=True`` (no code is ever unpickled), mmap if possible."""
+#: How the first bytes of a file tell its format: torch.save's zip archive (torch >= 1.6),
+#: its legacy pickle stream (a pickle PROTO opcode), and a safetensors header (an 8-byte
+#: length, then the JSON object).
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+_LFS_POINTER = b"version https://git-lfs"
+
+
+def _sniff(path: str) -> str:
+    """``"zip"``, ``"pickle"`` or ``"safetensors"``: which reader ``path`` needs.
+
+    Decided from the first bytes, before any reader sees the file: ``torch.load`` handed a
+    text file fails deep inside its unpickler with whatever exception the stray bytes
+    provoke (``KeyError: 101`` for an ``e``), and hands any ``.safetensors`` path to the
+    safetensors package, whose errors name no file.
+    """
+    from ._files import open_regular
+
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory, not a checkpoint file", path)
+    fd = open_regular(path)  # a FIFO would block a plain open
+    try:
+        head = os.pread(fd, 64, 0)
+    finally:
+        os.close(fd)
+    if head.startswith(_ZIP_MAGIC):
+        return "zip"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "pickle"
+    if len(head) >= 9 and head[8:9] == b"{":
+        return "safetensors"
+    if head.startswith(_LFS_POINTER):
+        what = "a Git LFS pointer, not the checkpoint (fetch the file itself, e.g. with `git lfs pull`)"
+    elif not head:
+        what = "an empty file"
+    else:
+        printable = all(32 <= b < 127 or b in b"\t\r\n" for b in head)
+        what = f"{'a text file' if printable else 'not a checkpoint'} (it starts with {head[:16]!r})"
+    raise SafetensorError(
+        f"{what}: expected a file written by torch.save or a .safetensors file", reason="InvalidCheckpoint", path=path
+    )
+
+
+def _load_torch_checkpoint(path: str, torch) -> Any:
+    """What the file at ``path`` holds, by the reader its format needs.
+
+    torch.save's files go through ``torch.load(weights_only=True)`` (no code is ever
+    unpickled), memory-mapped when they are zip archives; a ``.safetensors`` file goes
+    through the engine's own reader.
+    """
     import pickle
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(2, "No such file or directory", path)
+    kind = _sniff(path)
+    if kind == "safetensors":
+        from .torch import load_file
+
+        return load_file(path)
     try:
-        try:
+        if kind == "zip":
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except (RuntimeError, ValueError) as exc:
-            # mmap needs the zip format of torch >= 1.6; older (legacy) files load without it
-            if "mmap" not in str(exc) and "zip" not in str(exc):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SafetensorError(
@@ -300,10 +364,25 @@ def _load_pickle_checkpoint(path: str, torch) -> Any:
             reason="UnsafePickle",
             path=path,
         ) from None
-    except (RuntimeError, EOFError, ValueError) as exc:
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as exc:  # a damaged archive or stream: torch raises whatever its reader met
+        said = _one_line(exc)[:300] or type(exc).__name__
         raise SafetensorError(
-            f"not a PyTorch checkpoint torch.load can read: {_one_line(exc)[:300]}", reason="InvalidCheckpoint", path=path
+            f"not a PyTorch checkpoint torch.load can read (truncated or damaged?): {type(exc).__name__}: {said}",
+            reason="InvalidCheckpoint",
+            path=path,
         ) from None
+
+
+def _check_output(dst: str) -> None:
+    """Fail before any work when ``dst`` cannot be written: name the missing directory (the
+    writer, which writes a temporary file beside ``dst``, would name that file)."""
+    folder = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(errno.ENOENT, "the output directory does not exist", folder)
+    if os.path.isdir(dst):
+        raise IsADirectoryError(errno.EISDIR, "the output is a directory; give a file name", dst)
 
 
 def _state_dict(obj: Any, torch, path: str) -> tuple[dict, list[str]]:
@@ -337,7 +416,8 @@ def _cmd_convert(args) -> int:
     from . import writer
     from .dtypes import BY_NAME, from_torch
 
-    obj = _load_pickle_checkpoint(args.src, torch)
+    _check_output(args.dst)
+    obj = _load_torch_checkpoint(args.src, torch)
     tensors, skipped = _state_dict(obj, torch, args.src)
     if skipped:
         print(f"note: skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:8])}", file=sys.stderr)

@@ -128,7 +128,8 @@ class ValidationReport:
     dtypes: dict[str, int] = field(default_factory=dict)  # dtype of the weight matrices -> count
     mixed_dtypes: list[str] = field(default_factory=list)  # matrices not in the majority dtype
     nonfinite: list[dict] = field(default_factory=list)  # name, nan, posinf, neginf
-    parameters: int = 0
+    parameters: int = 0  # every tensor of the checkpoint, named by the config or not
+    recognised_parameters: int = 0  # the tensors the config names
     expected_parameters: int = 0
     outliers: list[dict] = field(default_factory=list)  # name, reason
     tensors: list[TensorReport] = field(default_factory=list)
@@ -146,8 +147,9 @@ class ValidationReport:
             found.append(f"mixed dtypes among weight matrices {self.dtypes}: {', '.join(self.mixed_dtypes[:5])}")
         for bad in self.nonfinite:
             found.append(f"{bad['name']}: {bad['nan']} NaN, {bad['posinf']} +Inf, {bad['neginf']} -Inf")
-        if self.parameters != self.expected_parameters:
-            found.append(f"{self.parameters:,} parameters, expected {self.expected_parameters:,}")
+        if self.recognised_parameters != self.expected_parameters:
+            found.append(f"{self.recognised_parameters:,} parameters in the tensors the config names, "
+                         f"expected {self.expected_parameters:,}")
         return found
 
     @property
@@ -173,7 +175,8 @@ class ValidationReport:
 
     def __str__(self) -> str:
         lines = [f"{self.path}: {'OK' if self.ok else 'PROBLEMS'} - {self.parameters:,} parameters "
-                 f"(expected {self.expected_parameters:,}), weight dtypes {self.dtypes}"]
+                 f"({self.recognised_parameters:,} in the tensors the config names, expected "
+                 f"{self.expected_parameters:,}), weight dtypes {self.dtypes}"]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  outlier: {o['name']}: {o['reason']}" for o in self.outliers]
         if self.ignored:
@@ -247,13 +250,14 @@ class WeightValidator:
             for name in names:
                 sl = ck.get_slice(name)
                 shape, dtype = list(sl.get_shape()), sl.get_dtype()
+                report.parameters += math.prod(shape)
                 if name not in self.expected:
                     if any(rx.match(name) for rx in _IGNORABLE):
                         report.ignored.append(name)
                     else:
                         report.unexpected.append(name)
                     continue
-                report.parameters += math.prod(shape)
+                report.recognised_parameters += math.prod(shape)
                 if tuple(shape) != self.expected[name]:
                     report.mismatched.append(dict(name=name, expected=list(self.expected[name]), actual=shape))
                 if len(shape) == 2:

@@ -325,6 +325,138 @@ def test_convert_not_a_checkpoint(tmp_path, capsys, content):
     assert code == 2 and "missing.bin" in err
 
 
+LFS_POINTER = (b"version https://git-lfs.github.com/spec/v1\n"
+               b"oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 12345\n")
+
+
+def bad_inputs(tmp_path, good: bytes) -> dict:
+    """name -> path of an input no command can read: missing, a directory, text, LFS pointer, truncated."""
+    (tmp_path / "folder").mkdir()
+    files = {
+        "text.txt": b"hello world, this is text\n",
+        "text.safetensors": b"hello world, this is text\n",
+        "lfs.safetensors": LFS_POINTER,
+        "truncated.safetensors": good[: len(good) // 2],
+        "empty.safetensors": b"",
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    return {name: tmp_path / name for name in [*files, "folder", "missing.safetensors"]}
+
+
+def one_line_error(code: int, err: str, path) -> None:
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err and err.startswith("engine ")
+    assert str(path) in err
+
+
+@pytest.mark.parametrize(
+    "name", ["text.txt", "text.safetensors", "lfs.safetensors", "truncated.safetensors", "empty.safetensors",
+             "folder", "missing.safetensors"]
+)
+def test_convert_bad_input_is_one_line(tmp_path, capsys, model, name):
+    """torch.load of a text file raised KeyError from its unpickler, and of a .safetensors
+    path the safetensors package's own error: tracebacks with exit 1."""
+    pytest.importorskip("torch")
+    src = bad_inputs(tmp_path, model.read_bytes())[name]
+    code, _, err = in_process(capsys, "convert", str(src), str(tmp_path / "out.safetensors"))
+    one_line_error(code, err, src)
+    assert not (tmp_path / "out.safetensors").exists()
+    if name.startswith("text"):
+        assert "a text file" in err
+    if name.startswith("lfs"):
+        assert "Git LFS pointer" in err
+
+
+def test_convert_truncated_torch_file(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    for legacy in (False, True):
+        src = tmp_path / "model.bin"
+        torch.save({"w": torch.randn(64, 64)}, src, _use_new_zipfile_serialization=not legacy)
+        src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+        code, _, err = in_process(capsys, "convert", str(src), str(tmp_path / "out.safetensors"))
+        one_line_error(code, err, src)  # the zip reader said only "[Errno 22] Invalid argument"
+        assert "InvalidCheckpoint" in err
+
+
+def test_convert_a_safetensors_file(tmp_path, capsys, model):
+    """A .safetensors source is read by the engine (torch.load would hand it to the reference)."""
+    pytest.importorskip("torch")
+    dst = tmp_path / "out.safetensors"
+    code, out, err = in_process(capsys, "convert", str(model), str(dst))
+    assert code == 0, err
+    got, want = engine.numpy.load_file(dst), engine.numpy.load_file(model)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_output_in_a_missing_directory_names_it(tmp_path, capsys, model, command):
+    if command == "convert":
+        torch = pytest.importorskip("torch")
+        src = tmp_path / "model.bin"
+        torch.save({"w": torch.zeros(2)}, src)
+    else:
+        pytest.importorskip("numba", reason="quantization needs Numba (a test extra)")
+        src = model
+    folder = tmp_path / "no" / "such"
+    code, _, err = in_process(capsys, command, str(src), str(folder / "out.safetensors"))
+    one_line_error(code, err, folder)
+    assert "output directory does not exist" in err and ".tmp" not in err
+    (tmp_path / "adir").mkdir()
+    code, _, err = in_process(capsys, command, str(src), str(tmp_path / "adir"))
+    one_line_error(code, err, tmp_path / "adir")
+    assert "is a directory" in err and ".tmp" not in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "stats", "quantize", "bench"])
+@pytest.mark.parametrize(
+    "name", ["text.safetensors", "lfs.safetensors", "truncated.safetensors", "empty.safetensors", "folder",
+             "missing.safetensors"]
+)
+def test_every_command_bad_input_is_one_line(tmp_path, capsys, model, command, name):
+    if command in ("stats", "quantize"):
+        pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    src = bad_inputs(tmp_path, model.read_bytes())[name]
+    args = {"quantize": [str(tmp_path / "q.safetensors")], "bench": ["--runs", "1", "--no-reference"]}
+    code, out, err = in_process(capsys, command, str(src), *args.get(command, []))
+    if command == "validate" and name not in ("folder", "missing.safetensors"):
+        assert code == 1 and "problem: " in out and err == ""  # a broken file is a finding, not a failure
+        return
+    one_line_error(code, err, src)
+
+
+def test_validate_broken_file_beside_a_config(tmp_path, capsys):
+    """The weight checks ran on a file with format problems and ended in a second error (exit 2)."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10)))
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(b"hello world, this is text\n")
+    code, out, err = in_process(capsys, "validate", str(src))
+    assert code == 1 and err == "", err
+    assert "problem: " in out and "weight checks: skipped" in out
+
+
+def test_validate_counts_every_parameter(tmp_path, capsys):
+    pytest.importorskip("numba", reason="the weight checks need Numba (a test extra)")
+    (tmp_path / "config.json").write_text(json.dumps(
+        dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10)))
+    engine.numpy.save_file({"foo.weight": np.ones((512, 1024), np.float32)}, tmp_path / "model.safetensors")
+    code, out, _ = in_process(capsys, "validate", str(tmp_path), "--config", str(tmp_path / "config.json"))
+    assert code == 1
+    assert "PROBLEMS - 524,288 parameters (0 in the tensors the config names" in out
+
+
+def test_quantize_nonfinite_names_the_flag(tmp_path, capsys):
+    pytest.importorskip("numba", reason="quantization needs Numba (a test extra)")
+    a = np.ones((4, 4), np.float32)
+    a[1, 1] = np.nan
+    src = tmp_path / "nan.safetensors"
+    engine.numpy.save_file({"w": a}, src)
+    code, _, err = in_process(capsys, "quantize", str(src), str(tmp_path / "q.safetensors"))
+    one_line_error(code, err, src)
+    assert "--clamp" in err and "on_nonfinite" not in err and "1 NaN" in err and "'w'" in err
+
+
 def test_console_script_entry_point(model):
     exe = shutil.which("engine")
     if exe is None:

@@ -34,7 +34,7 @@ def test_clean_checkpoint_passes(tmp_path):
     engine.numpy.save_file(checkpoint(), path)
     report = WeightValidator(CONFIG).validate(path)
     assert report.ok, report.problems
-    assert report.parameters == report.expected_parameters > 0
+    assert report.parameters == report.recognised_parameters == report.expected_parameters > 0
     assert report.dtypes == {"BF16": 3 * 7 + 2}
     assert not report.outliers
     assert "OK" in str(report)
@@ -62,7 +62,8 @@ def test_each_injected_fault_is_caught(tmp_path):
     assert report.mismatched == [dict(name="model.layers.0.mlp.up_proj.weight", expected=[64, 32], actual=[64, 31])]
     assert report.mixed_dtypes == ["model.layers.2.mlp.gate_proj.weight"]
     assert report.nonfinite == [dict(name="model.layers.2.mlp.down_proj.weight", nan=1, posinf=1, neginf=0)]
-    assert report.parameters != report.expected_parameters
+    assert report.recognised_parameters != report.expected_parameters
+    assert report.parameters == sum(a.size for a in sd.values())  # every tensor, "extra.weight" too
     text = str(report)
     assert "PROBLEMS" in text and "NaN" in text and "missing" in text
 
