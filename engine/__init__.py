@@ -29,6 +29,7 @@ from .errors import (
     TensorMismatchError,
     TensorNotFoundError,
     UnrepresentableTensorError,
+    UnsupportedFrameworkError,
     WriteError,
 )
 
@@ -90,6 +91,7 @@ __all__ = [
     "TensorMismatchError",
     "TensorNotFoundError",
     "UnrepresentableTensorError",
+    "UnsupportedFrameworkError",
     "WriteError",
     *_LAZY,
 ]

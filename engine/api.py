@@ -419,7 +419,7 @@ class _safe_open_handle(safe_open):  # noqa: N801 - the reference's spelling
     def __init__(
         self,
         f,
-        framework: str = "numpy",
+        framework: str,  # required, as by the reference
         device: Any = "cpu",
         *,
         backend: str = "mmap",

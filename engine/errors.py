@@ -34,6 +34,7 @@ __all__ = [
     "MissingShardError",
     "RemoteFileNotFoundError",
     "ShardingError",
+    "UnsupportedFrameworkError",
     "HEADER_REASONS",
 ]
 
@@ -266,3 +267,14 @@ class RemoteFileNotFoundError(_MissingFile):
 
 class ShardingError(SafetensorError, ValueError):
     """A tensor that the plan cannot split as asked (uneven, bad dimension, bad fused sizes)."""
+
+
+class UnsupportedFrameworkError(SafetensorError, ModuleNotFoundError):
+    """A framework the reference serves and the engine does not (``"tf"``, ``"flax"``,
+    ``"mlx"``, ``"paddle"``); raised where the reference would import that framework, and a
+    ``ModuleNotFoundError`` as the reference's error there is.  ``.name`` is the module."""
+
+    def __init__(self, message: str, *, name: str, **kw) -> None:
+        kw.setdefault("reason", "UnsupportedFramework")
+        super().__init__(message, **kw)
+        self.name = name

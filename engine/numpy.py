@@ -17,6 +17,12 @@ from .header import parse_buffer
 from .opener import safe_open
 from .sinks.numpy import NumpySink
 
+# the reference's safetensors.numpy has them too
+from .tensorspec import TensorSpec as TensorSpec
+from .tensorspec import deserialize as deserialize
+from .tensorspec import serialize as serialize
+from .tensorspec import serialize_file as serialize_file
+
 __all__ = ["load_file", "load", "save_file", "save"]
 
 

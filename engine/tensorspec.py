@@ -159,8 +159,13 @@ def serialize_file(
             w.write(name, spec._bytes())
 
 
-def deserialize(data: bytes) -> list[tuple[str, dict[str, Any]]]:
+def deserialize(bytes: bytes) -> list[tuple[str, dict[str, Any]]]:  # the reference names it so (shadows the builtin)
     """The tensors of a whole safetensors file in memory, in file order.
+
+    Parameters
+    ----------
+    bytes : bytes-like
+        The whole file (the reference's parameter name, so ``deserialize(bytes=...)`` works).
 
     Returns
     -------
@@ -175,6 +180,7 @@ def deserialize(data: bytes) -> list[tuple[str, dict[str, Any]]]:
     -----
     Copies of tensor bytes: 1 (each tensor into its own ``bytearray``, as the reference returns).
     """
+    data = bytes
     header = parse_buffer(data)
     t = header.table
     start = header.data_start

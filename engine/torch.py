@@ -19,12 +19,18 @@ from typing import Any
 
 import torch
 
-from . import writer
+from . import dtypes, writer
 from .api import views
 from .errors import SerializationError
 from .header import parse_buffer
 from .opener import safe_open
 from .sinks.torch import TorchSink
+
+# the reference's safetensors.torch has them too
+from .tensorspec import TensorSpec as TensorSpec
+from .tensorspec import deserialize as deserialize
+from .tensorspec import serialize as serialize
+from .tensorspec import serialize_file as serialize_file
 
 __all__ = [
     "load_file",
@@ -134,6 +140,13 @@ def storage_size(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):
         return tensor.nelement() * tensor.element_size()
+
+
+def _getdtype(dtype_str: str) -> torch.dtype:
+    """torch dtype of a format dtype name (``"F32"``, ``"BF16"``, ...); ``KeyError`` for an
+    unknown name.  The reference's helper of this name: ``torch.distributed.checkpoint``
+    imports it from ``safetensors.torch``."""
+    return dtypes.torch_dtype(dtypes.BY_NAME[dtype_str].code)
 
 
 def _end_ptr(tensor: torch.Tensor) -> int:

@@ -240,7 +240,7 @@ def test_missing_tensor_names_file_and_tensor(sample_file):
 def test_bad_framework_backend_device(sample_file):
     path, _ = sample_file
     with pytest.raises(SafetensorError, match="framework"):
-        engine.safe_open(path, "tf")
+        engine.safe_open(path, "tensorflow2")  # "tf" opens, as with the reference (test_compat)
     with pytest.raises(SafetensorError, match="backend"):
         engine.safe_open(path, "np", backend="cufile")
     with pytest.raises(engine.DeviceError):

@@ -419,3 +419,112 @@ def test_accelerate_save_model_keeps_every_tensor_of_an_engine_loaded_model(tmp_
     assert len(facts["expected"]) == 21  # embed, 2 x 9 per layer, norm, lm_head
     assert facts["saved"] == facts["expected"]
     assert facts["equal"] == facts["expected"]
+
+
+# -- the reference's names and signatures, under the shim ------------------------------------
+
+
+def _public(module) -> set[str]:
+    """The names a user of ``module`` calls: not private, not modules, not the typing aliases
+    and stray imports (``Dict``, ``defaultdict``) the reference's modules happen to hold."""
+    return {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and getattr(value, "__module__", None) not in ("typing", "collections")
+    }
+
+
+@pytest.mark.parametrize("sub", ["", ".torch", ".numpy"])
+def test_every_public_name_of_the_reference_is_served(restores_modules, sub):
+    """safetensors.torch.serialize, serialize_file, deserialize and TensorSpec (and the same
+    in safetensors.numpy) raised AttributeError under the shim."""
+    if sub == ".torch":
+        pytest.importorskip("torch")
+    reference = _public(sys.modules["safetensors" + sub])
+    assert {"TensorSpec", "deserialize", "serialize", "serialize_file"} <= reference
+    with compat.installed(warn=False):
+        shim = importlib.import_module("safetensors" + sub)
+        missing = sorted(name for name in reference if not hasattr(shim, name))
+        assert missing == []
+        assert shim.TensorSpec is engine.TensorSpec and shim.deserialize is engine.deserialize
+        assert shim.serialize is engine.serialize and shim.serialize_file is engine.serialize_file
+
+
+def test_getdtype_as_torch_distributed_checkpoint_imports_it(restores_modules):
+    torch = pytest.importorskip("torch")
+    reference = sys.modules["safetensors.torch"]._getdtype
+    with compat.installed(warn=False):
+        from safetensors.torch import _getdtype
+
+    for name in ("F32", "F16", "BF16", "I64", "BOOL", "F8_E4M3", "U8"):
+        assert _getdtype(name) is reference(name)
+    assert _getdtype("BF16") is torch.bfloat16
+    with pytest.raises(KeyError):
+        _getdtype("NOPE")
+
+
+@pytest.mark.parametrize("name", ["deserialize", "serialize", "serialize_file", "_safe_open_handle", "TensorSpec"])
+def test_parameters_are_named_as_the_references(restores_modules, name):
+    """deserialize's argument was ``data`` (the reference's is ``bytes``); _safe_open_handle
+    defaulted framework to "numpy" (the reference requires it)."""
+    import inspect
+
+    def params(fn):
+        return [(p.name, p.kind, p.default is inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()]
+
+    ours, theirs = params(getattr(engine, name)), params(getattr(sys.modules["safetensors"], name))
+    assert ours[: len(theirs)] == theirs  # the engine may add keyword-only options after them
+
+
+def test_deserialize_by_keyword(tmp_path):
+    data = engine.numpy.save({"a": np.arange(3, dtype=np.int32)})
+    import safetensors
+
+    assert engine.deserialize(bytes=data) == safetensors.deserialize(bytes=data)
+
+
+def test_safe_open_handle_needs_a_framework(tmp_path):
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file({"a": np.zeros(2, np.float32)}, path)
+    with open(path, "rb") as f, pytest.raises(TypeError):
+        engine._safe_open_handle(f)
+
+
+@pytest.mark.parametrize("framework", ["tf", "tensorflow", "flax", "jax", "mlx"])
+def test_frameworks_the_engine_does_not_serve_fail_at_the_first_tensor(tmp_path, framework):
+    """The reference opens a file with framework="tf" (names, metadata) and fails only where
+    it needs TensorFlow; the engine refused at open."""
+    import safetensors
+
+    module = {"tf": "tensorflow", "tensorflow": "tensorflow", "flax": "jax", "jax": "jax", "mlx": "mlx"}[framework]
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file({"a": np.zeros((2, 3), np.float32)}, path, metadata={"k": "v"})
+    with engine.safe_open(path, framework=framework) as f:
+        assert f.keys() == ["a"] and f.metadata() == {"k": "v"}
+        with pytest.raises(ModuleNotFoundError) as ours:
+            f.get_tensor("a")
+        assert isinstance(ours.value, engine.SafetensorError) and ours.value.name == module
+        assert framework in str(ours.value) and "framework='np'" in str(ours.value)
+    if importlib.util.find_spec(module) is None:  # as the reference, where the framework is missing
+        with safetensors.safe_open(str(path), framework=framework) as g:
+            assert g.keys() == ["a"]
+            with pytest.raises(ModuleNotFoundError):
+                g.get_tensor("a")
+
+
+def test_paddle_fails_at_open_and_unknown_frameworks_too(tmp_path):
+    import safetensors
+
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file({"a": np.zeros(2, np.float32)}, path)
+    if importlib.util.find_spec("paddle") is None:
+        for opener in (engine.safe_open, safetensors.safe_open):
+            with pytest.raises(ModuleNotFoundError):
+                opener(str(path), framework="paddle")
+    for name in ("paddlepaddle", "PT", ""):
+        with pytest.raises(safetensors.SafetensorError):
+            safetensors.safe_open(str(path), framework=name)
+        with pytest.raises(engine.SafetensorError, match="unsupported framework"):
+            engine.safe_open(path, framework=name)

@@ -7,7 +7,7 @@ own module, which imports its framework at the top: importing it is the opt-in.
 
 from __future__ import annotations
 
-from ..errors import DeviceError, SafetensorError
+from ..errors import DeviceError, SafetensorError, UnsupportedFrameworkError
 
 __all__ = ["get_sink", "sink_kind", "map_file", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
 
@@ -30,6 +30,19 @@ _FRAMEWORKS = {
     "cupy": "cupy",
 }
 
+#: Frameworks the reference accepts at open and imports at the first tensor (``"paddle"``
+#: at open): name -> the module it needs.  The engine opens such a file, lists its names,
+#: dtypes, shapes and metadata, and refuses the tensors (see :class:`_Unsupported`).
+_UNSUPPORTED = {
+    "tf": "tensorflow",
+    "tensorflow": "tensorflow",
+    "flax": "jax",
+    "jax": "jax",
+    "mlx": "mlx",
+    "paddle": "paddle",
+}
+_IMPORTED_AT_OPEN = ("paddle",)
+
 
 def sink_kind(framework: str, device="cpu") -> str:
     """``"numpy"``, ``"torch"`` or ``"cupy"`` for a framework name as the reference spells it
@@ -38,6 +51,8 @@ def sink_kind(framework: str, device="cpu") -> str:
     Raises ``SafetensorError`` for an unknown name and ``DeviceError`` for numpy on a device
     other than the CPU.
     """
+    if isinstance(framework, str) and framework in _UNSUPPORTED:
+        return "unsupported"
     try:
         kind = _FRAMEWORKS[framework]
     except (KeyError, TypeError):
@@ -70,6 +85,43 @@ def get_sink(framework: str, device="cpu"):
         from .cupy import CupySink
 
         return CupySink(device)
+    if kind == "unsupported":
+        return _Unsupported(framework)
     from .torch import TorchSink
 
     return TorchSink(device)
+
+
+class _Unsupported:
+    """The sink of a framework the engine does not serve: every use raises.
+
+    Its error comes where the reference's would, at the first tensor (for ``"paddle"`` when
+    the sink is made, at open, if paddle is not installed), and is a ``ModuleNotFoundError``
+    as the reference's is when the framework is missing.
+    """
+
+    def __init__(self, framework: str) -> None:
+        self._framework = framework
+        self._module = _UNSUPPORTED[framework]
+        if framework in _IMPORTED_AT_OPEN and not _installed(self._module):
+            raise self._error()
+
+    def _error(self) -> UnsupportedFrameworkError:
+        found = "is installed" if _installed(self._module) else "is not installed"
+        return UnsupportedFrameworkError(
+            f"framework {self._framework!r} needs {self._module} ({self._module} {found}); the engine hands out "
+            "numpy, torch and CuPy tensors only: open with framework='np' and convert the arrays",
+            name=self._module,
+        )
+
+    def __getattr__(self, name: str):
+        raise self._error()
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
