@@ -13,6 +13,7 @@ to the same destination removes (only when its process is gone and its lock is f
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ __all__ = [
     "parse_size",
     "split_into_shards",
     "index_json",
+    "INDEX_FORMATS",
     "save_sharded",
 ]
 
@@ -178,13 +180,51 @@ def split_into_shards(
     return ShardSplit(to_tensors, to_file, {"total_size": total})
 
 
-def index_json(split: ShardSplit) -> str:
-    """The index file's text, as ``transformers``' ``save_pretrained`` writes it.
+#: The index layouts :func:`index_json` writes, by the tool whose files they equal.
+INDEX_FORMATS = ("huggingface_hub", "transformers")
 
-    ``json.dumps({"metadata": ..., "weight_map": ...}, indent=2, sort_keys=True) + "\\n"``.
+
+def index_json(split: ShardSplit, index_format: str = "huggingface_hub", *, total_parameters: int | None = None) -> str:
+    """The index file's text, byte for byte as ``huggingface_hub`` or ``transformers`` writes it.
+
+    Parameters
+    ----------
+    split : ShardSplit
+    index_format : {"huggingface_hub", "transformers"}, default "huggingface_hub"
+        ``"huggingface_hub"``: ``save_torch_state_dict``'s ``json.dump(index, f, indent=2)``:
+        ``{"metadata": {"total_size": N}, "weight_map": {...}}`` in that order, the weight
+        map in shard order, no final newline.  ``"transformers"``: ``save_pretrained``'s
+        ``json.dumps(index, indent=2, sort_keys=True) + "\n"``, with ``total_parameters``
+        added to the metadata.
+    total_parameters : int, optional
+        The ``"transformers"`` metadata entry; required for that format.
+
+    Raises
+    ------
+    SerializationError
+        An unknown ``index_format``, or ``"transformers"`` without ``total_parameters``.
     """
-    doc = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if index_format == "huggingface_hub":
+        return json.dumps({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2)
+    if index_format == "transformers":
+        if total_parameters is None:
+            raise SerializationError("the transformers index needs total_parameters", reason="InvalidIndexFormat")
+        doc = {"metadata": {"total_parameters": total_parameters, **split.metadata},
+               "weight_map": split.tensor_to_filename}
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    raise SerializationError(
+        f"index_format must be one of {INDEX_FORMATS}, got {index_format!r}", reason="InvalidIndexFormat"
+    )
+
+
+def _default_metadata(tensors: Mapping[str, Any]) -> dict[str, str] | None:
+    """``{"format": "pt"}`` for torch tensors, as ``huggingface_hub`` and ``transformers``
+    write it (transformers refuses other formats but tf, flax and mlx); none for numpy
+    arrays, as the reference's ``safetensors.numpy.save_file`` writes."""
+    for value in tensors.values():
+        if type(value).__module__.partition(".")[0] == "torch":
+            return {"format": "pt"}
+    return None
 
 
 def _fsync_write(path: str, data: bytes) -> None:
@@ -208,6 +248,7 @@ def save_sharded(
     fsync: bool = True,
     max_workers: int | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
+    index_format: str = "huggingface_hub",
 ) -> ShardSplit:
     """Write tensors as a (possibly sharded) checkpoint, as Hugging Face tools lay it out.
 
@@ -222,7 +263,8 @@ def save_sharded(
         Largest shard, counting tensor bytes (``"5GB"`` is ``5 * 10**9``); see
         :func:`parse_size` and :func:`split_into_shards`.
     metadata : mapping of str to str, optional
-        ``__metadata__`` of every shard, e.g. ``{"format": "pt"}`` as ``transformers`` writes.
+        ``__metadata__`` of every shard.  Default: ``{"format": "pt"}`` for torch tensors,
+        as ``huggingface_hub`` and ``transformers`` write it; none for numpy arrays.
     filename_pattern : str, default "model{suffix}.safetensors"
         Shard names: ``model.safetensors`` alone, or ``model-00001-of-00004.safetensors``
         ... with the index ``model.safetensors.index.json``.
@@ -232,6 +274,11 @@ def save_sharded(
         Shards written in parallel (default: up to 8).
     max_header_size : int, default 100,000,000
         Largest header of each shard, as for :func:`engine.writer.save_file`.
+    index_format : {"huggingface_hub", "transformers"}, default "huggingface_hub"
+        The index text, byte for byte as that tool writes it (see :func:`index_json`);
+        ``"transformers"`` adds ``total_parameters``, counted here as the elements of
+        every tensor written (``save_pretrained`` counts ``model.num_parameters()``, which
+        leaves out persistent buffers).
 
     Returns
     -------
@@ -250,12 +297,14 @@ def save_sharded(
 
     Notes
     -----
-    Files and JSON are those of ``huggingface_hub.save_torch_state_dict`` and
-    ``transformers``' ``save_pretrained``: the same split (greedy in the mapping's order),
-    names, and an index ``{"metadata": {"total_size": N}, "weight_map": {...}}`` written
-    with ``indent=2, sort_keys=True`` and a final newline.  ``total_size`` counts tensor
-    bytes; ``huggingface_hub`` counts each tensor's whole storage, which is the same for
-    tensors that own their memory (a view into a larger buffer counts only its bytes here).
+    By default the files equal ``huggingface_hub.save_torch_state_dict``'s byte for byte
+    (its defaults: ``metadata`` ``{"format": "pt"}``, the index as :func:`index_json`
+    writes it): the same split (greedy in the mapping's order), names, headers and index.
+    ``total_size`` counts tensor bytes; ``huggingface_hub`` counts each tensor's whole
+    storage, which is the same for tensors that own their memory (a view into a larger
+    buffer counts only its bytes here).  With ``metadata`` given, the engine writes it
+    into every shard, where ``huggingface_hub`` writes ``{"format": "pt"}`` into the
+    shards of a sharded checkpoint and the caller's metadata into the index.
 
     What is guaranteed:
 
@@ -282,10 +331,16 @@ def save_sharded(
     """
     prefix, suffix = _check_pattern(filename_pattern)
     # validates everything, all shards at once (the header limit applies per shard, below)
+    if metadata is None:
+        metadata = _default_metadata(tensors)
     sizes = writer.tensor_sizes(tensors, metadata)
     split = split_into_shards(sizes, max_shard_size, filename_pattern=filename_pattern)
     index_name = filename_pattern.format(suffix="") + ".index.json"
     meta = dict(metadata) if metadata is not None else None
+    total_parameters = None
+    if index_format == "transformers":
+        total_parameters = sum(math.prod(tuple(t.shape)) for t in tensors.values())
+    index_text = index_json(split, index_format, total_parameters=total_parameters)  # checks index_format
 
     dest = os.fspath(directory)
     temp_base = f"{prefix}.checkpoint"
@@ -316,7 +371,7 @@ def save_sharded(
             # every shard finishes before the first failure (in order) is raised
             map_threads(write_shard, jobs, max_workers or _MAX_THREADS, name="engine-shard")
             if split.is_sharded:
-                _fsync_write(os.path.join(tmpdir, index_name), index_json(split).encode("utf-8"))
+                _fsync_write(os.path.join(tmpdir, index_name), index_text.encode("utf-8"))
                 new_files.append(index_name)
         except OSError as exc:
             if isinstance(exc, WriteError):
