@@ -4,7 +4,8 @@ Subcommands: ``demo``, ``inspect``, ``validate``, ``stats``, ``quantize``, ``con
 ``bench``.  Expected failures (format errors, missing files, bad arguments, unreachable
 URLs) print one line on stderr and exit with status 2, never a traceback; ``validate``
 exits with 1 when the checkpoint has problems.  Progress bars (tqdm, when installed) are
-drawn only when stderr is a terminal.
+drawn only when stderr is a terminal; ``stats``, ``quantize`` and ``validate`` also print a
+line on stderr as each file is done with ``--verbose``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,54 @@ def _progress(iterable: Iterable | None = None, **kw: Any):
     except ImportError:
         return _NoBar(iterable)
     return tqdm(iterable, file=sys.stderr, leave=False, dynamic_ncols=True, **kw)
+
+
+class _FileProgress:
+    """Progress of a command that walks the tensors of a checkpoint, fed by the library's
+    ``progress(name, nbytes)`` callback: a bar of bytes on a terminal (as :func:`_progress`)
+    and, with ``--verbose``, a line on stderr as each file is done."""
+
+    def __init__(self, command: str, path: str, verbose: bool, names: Iterable[str] | None = None) -> None:
+        from .checkpoint import read_checkpoint_info
+
+        info = read_checkpoint_info(path)
+        wanted = set(names) if names is not None else None
+        self._command = command
+        self._verbose = verbose
+        self._shard_of: dict[str, str] = {}
+        self._left: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+        for shard, t in info.tensors():
+            if wanted is None or t.name in wanted:
+                self._shard_of[t.name] = shard
+                self._left[shard] = self._left.get(shard, 0) + 1
+                self._bytes[shard] = self._bytes.get(shard, 0) + t.nbytes
+        self._count = dict(self._left)
+        self._done = 0
+        self._bar = _progress(total=sum(self._bytes.values()), unit="B", unit_scale=True, desc=command)
+
+    def __call__(self, name: str, nbytes: int) -> None:
+        self._bar.update(nbytes)
+        shard = self._shard_of.get(name)
+        if shard is None:
+            return
+        self._left[shard] -= 1
+        if self._left[shard] == 0 and self._verbose:
+            self._done += 1
+            line = (f"engine {self._command}: {self._done}/{len(self._left)} {shard}: "
+                    f"{self._count[shard]} tensors, "
+                    f"{_fmt_bytes(self._bytes[shard])}")
+            write = getattr(self._bar, "write", None)  # tqdm's, which keeps the bar below the line
+            if write is not None:
+                write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _FileProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()
 
 
 def _is_url(path: str) -> bool:
@@ -217,7 +266,9 @@ def _weight_checks(args) -> bool:
     if _is_url(args.path):
         print("weight checks: skipped for URLs (they need the tensor bytes)")
         return True
-    report = WeightValidator(config).validate(args.path)
+    validator = WeightValidator(config)
+    with _FileProgress("validate", args.path, args.verbose) as progress:
+        report = validator.validate(args.path, progress=progress)
     print(f"weight checks against {config}:")
     print(report)
     return report.ok
@@ -242,7 +293,8 @@ def _cmd_stats(args) -> int:
     import dataclasses  # here, not at the top: `engine inspect` starts without it (and inspect)
 
     stats_file = _kernel_api("engine.filestats", "stats_file", "stats")
-    result = stats_file(args.path, names=args.names)
+    with _FileProgress("stats", args.path, args.verbose, args.names) as progress:
+        result = stats_file(args.path, names=args.names, progress=progress)
     if args.json:
         json.dump({k: dataclasses.asdict(v) for k, v in result.items()}, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
@@ -268,8 +320,9 @@ def _cmd_quantize(args) -> int:
     quantize_file = _kernel_api("engine.quantized", "quantize_file", "quantize")
     _check_output(args.dst)
     try:
-        summary = quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
-                                on_nonfinite="clamp" if args.clamp else "raise")
+        with _FileProgress("quantize", args.src, args.verbose) as progress:
+            summary = quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
+                                    on_nonfinite="clamp" if args.clamp else "raise", progress=progress)
     except NonFiniteError as err:
         # the library's message names the Python argument; a shell user has the flag
         name = err.tensors[0] if err.tensors else None
@@ -466,6 +519,32 @@ def _median_time(fn, runs: int, bar) -> float:
     return statistics.median(times)
 
 
+_PAGE = 4096
+
+
+def _touch(tensors: Mapping[str, Any]) -> int:
+    """Read one byte of every page of every tensor, so that a lazy load is timed with its
+    reads (a mapping alone reads nothing: bytes over its time would be no throughput at all).
+    Returns the sum, so the reads cannot be skipped."""
+    total = 0
+    for t in tensors.values():
+        flat = t.reshape(-1)
+        raw = flat.view(_uint8_of(flat))
+        if len(raw):
+            total += int(raw[::_PAGE].sum()) + int(raw[-1])
+    return total
+
+
+def _uint8_of(flat):
+    if type(flat).__module__.partition(".")[0] == "torch":
+        import torch
+
+        return torch.uint8
+    import numpy as np
+
+    return np.uint8
+
+
 def _cmd_bench(args) -> int:
     from .checkpoint import open_checkpoint, read_checkpoint_info
 
@@ -486,8 +565,8 @@ def _cmd_bench(args) -> int:
             framework = "pt"
         except ImportError:
             framework = "np"
-    # (label, kind, load): a ratio compares only loads of one kind, since a lazy mapping
-    # reads nothing up front and owned memory reads every byte
+    # (label, kind, load): a ratio compares only loads of one kind, mapped (timed with a
+    # read of every page, see _touch) or owned memory
     cases: list[tuple[str, str, Any]] = []
 
     def engine_load(backend: str, device: str = "cpu"):
@@ -496,6 +575,8 @@ def _cmd_bench(args) -> int:
                 out = c.get_tensors()
             if device != "cpu":
                 torch.cuda.synchronize()
+            elif backend == "mmap":
+                _touch(out)
             return out
 
         return run
@@ -523,6 +604,8 @@ def _cmd_bench(args) -> int:
                         out.update(ref.load_file(f, device=device) if framework == "pt" else ref.load_file(f))
                     if device != "cpu":
                         torch.cuda.synchronize()
+                    elif framework == "pt":  # a mapping, as the engine's "mmap" row
+                        _touch(out)
                     return out
 
                 return run
@@ -546,7 +629,7 @@ def _cmd_bench(args) -> int:
     rows = []
     for label, kind, _ in cases:
         t = results[label]
-        what = {"lazy": "lazy (mapped, read on first touch)", "owned": "owned (every byte read)", "cuda": "on the GPU"}[kind]
+        what = {"lazy": "mapped, every page touched", "owned": "owned (every byte read)", "cuda": "on the GPU"}[kind]
         if isinstance(t, Exception):
             rows.append([label, what, "-", "-", f"failed: {_one_line(t)[:60]}"])
             continue
@@ -594,12 +677,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a .safetensors file, a *.safetensors.index.json, a directory, or a URL")
     p.add_argument("--config", help="model config.json for the weight checks (engine.validator)")
     _add_remote_options(p)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="a line on stderr as each file is done (a progress bar is drawn on a terminal anyway)")
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("stats", help="statistics of every tensor (min, max, mean, std, NaN/Inf counts)")
     p.add_argument("path")
     p.add_argument("--names", nargs="+", metavar="NAME", help="only these tensors")
     p.add_argument("--json", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="a line on stderr as each file is done (a progress bar is drawn on a terminal anyway)")
     p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("quantize", help="write an int8-quantized copy of a checkpoint")
@@ -612,6 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", nargs="+", metavar="GLOB", help="names never to quantize, e.g. 'lm_head.*'")
     p.add_argument("--clamp", action="store_true",
                    help="quantize NaN to 0 and +-Inf to +-127 and list the tensors, instead of failing")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="a line on stderr as each file is done (a progress bar is drawn on a terminal anyway)")
     p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("convert", help="PyTorch .bin/.pt state dict to .safetensors (never unpickles code)")

@@ -7,13 +7,16 @@ sits above :mod:`engine.checkpoint` (which it opens files with), so that
 
 from __future__ import annotations
 
+import math
+
 from .checkpoint import open_checkpoint
+from .dtypes import BY_NAME
 from .statistics import SUPPORTED_NAMES, Stats, stats
 
 __all__ = ["stats_file"]
 
 
-def stats_file(path, names=None, *, threads: int | None = None) -> dict[str, Stats]:
+def stats_file(path, names=None, *, threads: int | None = None, progress=None) -> dict[str, Stats]:
     """Statistics of every tensor of a file, an index or a checkpoint directory.
 
     Parameters
@@ -23,6 +26,8 @@ def stats_file(path, names=None, *, threads: int | None = None) -> dict[str, Sta
         Only these tensors (default: all).
     threads : int, optional
         As for :func:`engine.stats`.
+    progress : callable, optional
+        Called as ``progress(name, nbytes)`` after each tensor (summarised or left out).
 
     Returns
     -------
@@ -41,6 +46,9 @@ def stats_file(path, names=None, *, threads: int | None = None) -> dict[str, Sta
         wanted = list(names) if names is not None else (
             ck.offset_keys())
         for name in wanted:
-            if ck.get_slice(name).get_dtype() in SUPPORTED_NAMES:
+            sl = ck.get_slice(name)
+            if sl.get_dtype() in SUPPORTED_NAMES:
                 out[name] = stats(ck.get_tensor(name), threads=threads)
+            if progress is not None:
+                progress(name, math.prod(sl.get_shape()) * BY_NAME[sl.get_dtype()].bits // 8)
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -110,6 +110,7 @@ def quantize_file(
     *,
     on_nonfinite: str = "raise",
     fsync: bool = True,
+    progress: Callable[[str, int], None] | None = None,
 ) -> QuantizeSummary:
     """Write an int8-quantized copy of a checkpoint, one tensor at a time.
 
@@ -140,6 +141,9 @@ def quantize_file(
         :attr:`QuantizeSummary.clamped` (no warning is issued).
     fsync : bool, default True
         As for :func:`engine.save_file`.
+    progress : callable, optional
+        Called as ``progress(name, nbytes)`` after each source tensor is written
+        (``nbytes``: its size in the source).
 
     Returns
     -------
@@ -209,6 +213,8 @@ def quantize_file(
                 if not job.quantize:
                     writer.write(job.name, x)
                     copied.append(job.name)
+                    if progress is not None:
+                        progress(job.name, job.nbytes)
                     continue
                 try:
                     q, scale, bad = quantize_array(x, job.kind, job.axis, on_nonfinite == "raise", job.name, None)
@@ -223,6 +229,8 @@ def quantize_file(
                     nan, pos, neg = (int(v) for v in bad)
                     clamped[job.name] = (nan, pos, neg)
                 quantized.append(job.name)
+                if progress is not None:
+                    progress(job.name, job.nbytes)
             writer.commit()
         except BaseException:
             writer.abort()

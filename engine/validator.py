@@ -16,10 +16,11 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .dtypes import BY_NAME
 from .errors import ConfigError
 
 __all__ = ["WeightValidator", "ValidationReport", "ConfigError", "expected_tensors"]
@@ -230,8 +231,10 @@ class WeightValidator:
         self.outlier_factor = outlier_factor
         self.statistics = statistics
 
-    def validate(self, path) -> ValidationReport:
+    def validate(self, path, *, progress: Callable[[str, int], None] | None = None) -> ValidationReport:
         """Check one ``.safetensors`` file, an index, or a checkpoint directory.
+
+        ``progress``, if given, is called as ``progress(name, nbytes)`` after each tensor.
 
         Notes
         -----
@@ -251,19 +254,9 @@ class WeightValidator:
                 sl = ck.get_slice(name)
                 shape, dtype = list(sl.get_shape()), sl.get_dtype()
                 report.parameters += math.prod(shape)
-                if name not in self.expected:
-                    if any(rx.match(name) for rx in _IGNORABLE):
-                        report.ignored.append(name)
-                    else:
-                        report.unexpected.append(name)
-                    continue
-                report.recognised_parameters += math.prod(shape)
-                if tuple(shape) != self.expected[name]:
-                    report.mismatched.append(dict(name=name, expected=list(self.expected[name]), actual=shape))
-                if len(shape) == 2:
-                    matrix_dtypes[name] = dtype
-                if self.statistics:
-                    self._summarise(report, name, dtype, shape, ck)
+                self._check(report, name, dtype, shape, ck, matrix_dtypes)
+                if progress is not None:
+                    progress(name, math.prod(shape) * BY_NAME[dtype].bits // 8)
         counts = Counter(matrix_dtypes.values())
         report.dtypes = dict(counts)
         if len(counts) > 1:
@@ -271,6 +264,22 @@ class WeightValidator:
             report.mixed_dtypes = [n for n, d in matrix_dtypes.items() if d != majority]
         self._outliers(report)
         return report
+
+    def _check(self, report: ValidationReport, name: str, dtype: str, shape: list, ck,
+               matrix_dtypes: dict[str, str]) -> None:
+        if name not in self.expected:
+            if any(rx.match(name) for rx in _IGNORABLE):
+                report.ignored.append(name)
+            else:
+                report.unexpected.append(name)
+            return
+        report.recognised_parameters += math.prod(shape)
+        if tuple(shape) != self.expected[name]:
+            report.mismatched.append(dict(name=name, expected=list(self.expected[name]), actual=shape))
+        if len(shape) == 2:
+            matrix_dtypes[name] = dtype
+        if self.statistics:
+            self._summarise(report, name, dtype, shape, ck)
 
     def _summarise(self, report: ValidationReport, name: str, dtype: str, shape: list, ck) -> None:
         from .statistics import stats

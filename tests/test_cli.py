@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -479,3 +480,79 @@ def test_inspect_starts_light(tmp_path):
     out = run_python(code).strip().splitlines()
     assert out[-1] == "0 []", out
     assert any(line.startswith("w ") and "F32" in line and "[2, 3]" in line for line in out), out
+
+
+# --------------------------------------------------------------------------- progress
+
+
+@pytest.fixture
+def three_shards(tmp_path):
+    from engine.checkpoint import save_sharded
+
+    rng = np.random.default_rng(0)
+    save_sharded({f"w{i}": rng.standard_normal((64, 64)).astype(np.float32) for i in range(6)}, tmp_path / "ck",
+                 max_shard_size="40KB")
+    return tmp_path / "ck"
+
+
+@pytest.mark.parametrize("command", ["stats", "quantize", "validate"])
+def test_verbose_prints_a_line_per_file(three_shards, tmp_path, capsys, command):
+    """stats, quantize and validate printed nothing until they finished."""
+    pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    (tmp_path / "config.json").write_text(json.dumps(
+        dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10)))
+    extra = {"quantize": [str(tmp_path / "q.safetensors")], "validate": ["--config", str(tmp_path / "config.json")]}
+    code, _, err = in_process(capsys, command, str(three_shards), *extra.get(command, []), "--verbose")
+    assert code == (1 if command == "validate" else 0), err
+    lines = err.splitlines()
+    assert lines == [f"engine {command}: {i}/3 model-0000{i}-of-00003.safetensors: 2 tensors, 32.77 KB"
+                     for i in (1, 2, 3)]
+    code, _, err = in_process(capsys, command, str(three_shards), *extra.get(command, []))
+    assert err == ""  # quiet without --verbose, off a terminal
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("command", ["stats", "quantize"])
+def test_progress_bar_on_a_terminal(three_shards, tmp_path, monkeypatch, capsys, command):
+    pytest.importorskip("tqdm", reason="progress bars need tqdm (the cli extra)")
+    pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    from engine.cli import main
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    args = [str(tmp_path / "q.safetensors")] if command == "quantize" else []
+    assert main([command, str(three_shards), *args]) == 0
+    drawn = terminal.getvalue()
+    assert f"\r{command}: " in drawn and "/98.3k [" in drawn  # a bar of the 6 x 16 KiB of tensors
+
+
+def test_bench_times_the_touch_of_mapped_loads(model, monkeypatch, capsys):
+    """A lazy mmap row read nothing and reported GB/s for it (608 GB/s)."""
+    import engine.cli as cli
+
+    touched = []
+    real = cli._touch
+
+    def spy(tensors):
+        touched.append(sorted(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(cli, "_touch", spy)
+    code, out, _ = in_process(capsys, "bench", str(model), "--runs", "2", "--framework", "np")
+    assert code == 0
+    assert touched == [["a.weight", "b"]] * 3  # the engine's mmap row: warm-up and 2 runs; numpy rows of
+    assert "mapped, every page touched" in out  # the reference are owned copies, not touched
+
+
+def test_touch_reads_a_byte_of_every_page():
+    from engine.cli import _touch
+
+    a = np.zeros(3 * 4096 + 10, np.uint8)
+    a[0], a[4096], a[8192], a[12288], a[-1] = 1, 2, 3, 4, 5
+    b = np.zeros((2, 4096), np.float32)  # 32 KiB: its bytes at 0, 4096, ... are the first of each float
+    b.reshape(-1)[::1024] = np.float32(np.frombuffer(b"\x07\x00\x00\x00", np.float32)[0])
+    assert _touch({"a": a, "b": b, "empty": np.zeros((0, 3), np.float32)}) == 1 + 2 + 3 + 4 + 5 + 8 * 7
