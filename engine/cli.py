@@ -218,6 +218,9 @@ def _cmd_inspect(args) -> int:
 def _cmd_validate(args) -> int:
     from .checkpoint import check_checkpoint, read_checkpoint_info
 
+    if not _is_url(args.path) and not os.path.exists(args.path):
+        raise FileNotFoundError(2, "No such file or directory", args.path)
+    config, validator = _weight_validator(args)
     if _is_url(args.path):
         try:
             info = _checkpoint_info(args)
@@ -225,8 +228,6 @@ def _cmd_validate(args) -> int:
         except SafetensorError as err:
             info, problems = None, [err]
     else:
-        if not os.path.exists(args.path):
-            raise FileNotFoundError(2, "No such file or directory", args.path)
         problems = check_checkpoint(args.path, max_header_size=args.max_header_size)
         info = None if problems else read_checkpoint_info(args.path, max_header_size=args.max_header_size)
     for problem in problems:
@@ -240,7 +241,7 @@ def _cmd_validate(args) -> int:
         print("weight checks: skipped (the format problems above come first)")
         weight_ok = True
     else:
-        weight_ok = _weight_checks(args)
+        weight_ok = _weight_checks(args, config, validator)
     if problems or not weight_ok:
         print(f"invalid: {len(problems)} format problem(s)" + ("" if weight_ok else ", weight checks failed"))
         return 1
@@ -248,25 +249,31 @@ def _cmd_validate(args) -> int:
     return 0
 
 
-def _weight_checks(args) -> bool:
-    """The weight validator, against --config or a config.json beside the checkpoint.
-
-    True when it passes, or when there is no config to check against (format checks only).
-    """
-    from .validator import WeightValidator
-
+def _weight_validator(args) -> tuple[str | None, Any]:
+    """(config path, WeightValidator) for --config or a config.json beside the checkpoint;
+    (None, None) when there is none or the checkpoint is a URL.  Made before any check runs,
+    so that a bad config is one error line and nothing else."""
     config = args.config
     if config is None and not _is_url(args.path):
         folder = args.path if os.path.isdir(args.path) else os.path.dirname(os.path.abspath(args.path))
         candidate = os.path.join(folder, "config.json")
         config = candidate if os.path.exists(candidate) else None
+    if config is None or _is_url(args.path):
+        return config, None
+    from .validator import WeightValidator
+
+    return config, WeightValidator(config)
+
+
+def _weight_checks(args, config: str | None, validator: Any) -> bool:
+    """Run the weight validator; True when it passes, or when there is nothing to check
+    against (format checks only)."""
     if config is None:
         print("weight checks: skipped (no --config and no config.json beside the checkpoint)")
         return True
-    if _is_url(args.path):
+    if validator is None:
         print("weight checks: skipped for URLs (they need the tensor bytes)")
         return True
-    validator = WeightValidator(config)
     with _FileProgress("validate", args.path, args.verbose) as progress:
         report = validator.validate(args.path, progress=progress)
     print(f"weight checks against {config}:")

@@ -437,6 +437,15 @@ def test_validate_broken_file_beside_a_config(tmp_path, capsys):
     assert "problem: " in out and "weight checks: skipped" in out
 
 
+@pytest.mark.parametrize("config", ["missing.json", "text.txt", "folder"])
+def test_validate_bad_config_is_one_line_before_any_output(tmp_path, capsys, model, config):
+    """The format checks printed their findings, then the config failed: output, then an error."""
+    path = bad_inputs(tmp_path, model.read_bytes()).get(config, tmp_path / config)
+    code, out, err = in_process(capsys, "validate", str(model), "--config", str(path))
+    one_line_error(code, err, path)
+    assert out == "" and "InvalidConfig" in err
+
+
 def test_validate_counts_every_parameter(tmp_path, capsys):
     pytest.importorskip("numba", reason="the weight checks need Numba (a test extra)")
     (tmp_path / "config.json").write_text(json.dumps(
