@@ -357,14 +357,14 @@ def _torch():
 
 
 #: How the first bytes of a file tell its format: torch.save's zip archive (torch >= 1.6),
-#: its legacy pickle stream (a pickle PROTO opcode), and a safetensors header (an 8-byte
-#: length, then the JSON object).
+#: its legacy pickle stream (a pickle PROTO opcode) or tar archive, and a safetensors header
+#: (an 8-byte length, then the JSON object).
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 _LFS_POINTER = b"version https://git-lfs"
 
 
 def _sniff(path: str) -> str:
-    """``"zip"``, ``"pickle"`` or ``"safetensors"``: which reader ``path`` needs.
+    """``"zip"``, ``"pickle"`` (also tar) or ``"safetensors"``: which reader ``path`` needs.
 
     Decided from the first bytes, before any reader sees the file: ``torch.load`` handed a
     text file fails deep inside its unpickler with whatever exception the stray bytes
@@ -377,13 +377,13 @@ def _sniff(path: str) -> str:
         raise IsADirectoryError(errno.EISDIR, "Is a directory, not a checkpoint file", path)
     fd = open_regular(path)  # a FIFO would block a plain open
     try:
-        head = os.pread(fd, 64, 0)
+        head = os.pread(fd, 512, 0)
     finally:
         os.close(fd)
     if head.startswith(_ZIP_MAGIC):
         return "zip"
-    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        return "pickle"
+    if (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head[257:262] == b"ustar":
+        return "pickle"  # or the tar archive of torch < 0.4, which torch.load reads the same way
     if len(head) >= 9 and head[8:9] == b"{":
         return "safetensors"
     if head.startswith(_LFS_POINTER):

@@ -250,7 +250,9 @@ def install(*, warn: bool = True) -> bool:
     ``SafetensorError``, ``serialize``, ``serialize_file``, ``deserialize``, ``TensorSpec``
     and ``_safe_open_handle`` are the engine's objects and whose ``__version__`` is
     :data:`REFERENCE_VERSION`; ``safetensors.torch`` is ``engine.torch`` and
-    ``safetensors.numpy`` is ``engine.numpy`` (the same module objects).  Any other
+    ``safetensors.numpy`` is ``engine.numpy`` (the same module objects), which serve the
+    reference's public names of those modules, ``TensorSpec``, ``serialize``,
+    ``serialize_file`` and ``deserialize`` included.  Any other
     submodule (``safetensors.flax``, ``safetensors.tensorflow``, ...) raises
     ``ModuleNotFoundError`` saying so.  The reference's modules, if imported, are kept
     aside unchanged and put back by :func:`uninstall`.
