@@ -55,6 +55,18 @@ def sharded(tmp_path):
 # --------------------------------------------------------------------------- round trips
 
 
+def test_what_safe_open_returns_is_a_safe_open(sharded):
+    """engine.safe_open opens a file or a checkpoint; either way the result is an instance of it."""
+    path, sd, split = sharded
+    for where in (path, path / "model.safetensors.index.json", path / sorted(split.filename_to_tensors)[0]):
+        with engine.safe_open(where, framework="np") as f:
+            assert isinstance(f, engine.safe_open), type(f)
+            assert issubclass(type(f), engine.safe_open)
+            assert f.keys()
+    assert not isinstance(object(), engine.safe_open) and not issubclass(dict, engine.safe_open)
+    assert issubclass(engine.safe_open, engine.api.safe_open)  # subclassing keeps working
+
+
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
 def test_numpy_round_trip(sharded, backend):
     path, sd, split = sharded
