@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
+import engine.checkpoint_info
 import engine.numpy
 from engine import checkpoint as ck
 from engine.checkpoint import (
@@ -562,7 +563,7 @@ def test_parallel_paths(tmp_path, monkeypatch):
     # a slow first shard opens the rest in parallel; the load is one pipeline over all shards
     sd = {f"w{i}": np.full(3 << 20, i, np.float32) for i in range(4)}  # 4 x 12 MiB
     save_sharded(sd, tmp_path, max_shard_size="13MB")
-    monkeypatch.setattr(ck, "_SLOW_OPEN_S", 0.0)
+    monkeypatch.setattr(engine.checkpoint_info, "_SLOW_OPEN_S", 0.0)
     runs = count_pipelines(monkeypatch)
     with open_checkpoint(tmp_path, backend="pread", max_workers=3) as c:
         assert len(c.shards) == 4

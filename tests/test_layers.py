@@ -28,10 +28,12 @@ FLOORS: dict[str, int] = {
     "_files": 0,
     "_atomic": 0,
     "_http": 0,
+    "_threads": 0,
     # bytes -> validated table
     "_header": 1,
     "header": 1,
     "_api": 1,
+    "checkpoint_index": 1,
     # which byte ranges to read
     "plan": 2,
     # threads and reads
@@ -59,6 +61,7 @@ FLOORS: dict[str, int] = {
     "tensorspec": 5,
     # several files as one checkpoint
     "checkpoint": 6,
+    "checkpoint_info": 6,
     "shards": 6,
     # applications; the framework modules take a file or a whole checkpoint
     "opener": 7,
@@ -226,13 +229,13 @@ def climbing(name: str, targets: set[str]) -> list[str]:
 #: decision, written here, so that (say) a sink never quietly starts to import a kernel
 SAME_FLOOR: set[tuple[str, str]] = {
     ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"),
-    ("header", "_header"),
+    ("header", "_header"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"),
     ("cuda_kernels", "_arrays"), ("kernels", "_arrays"), ("quantize", "_arrays"), ("statistics", "_arrays"),
     ("quantize", "kernels"), ("statistics", "kernels"),
     ("device", "_arrays"), ("device", "cuda_kernels"), ("device", "quantize"), ("device", "statistics"),
     ("api", "loader"), ("loader", "onload"), ("tensorspec", "writer"),
-    ("checkpoint", "shards"),
+    ("checkpoint", "shards"), ("checkpoint", "checkpoint_info"),
     ("distributed", "opener"), ("numpy", "opener"), ("torch", "opener"),
     ("__main__", "cli"), ("cli", "demo"),
 }
