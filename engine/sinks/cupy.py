@@ -7,6 +7,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import DeviceError, MissingDependencyError
 from . import _cudart
+from ._staging import HostSource, PinnedHostOps
 from .numpy import NumpySink
 
 try:
@@ -43,18 +44,7 @@ def cupy_dtype(code: int) -> np.dtype:
         return np.dtype(_RAW_BITS[dt.itemsize])
 
 
-class _HostSource:
-    """A host buffer the device copies from, by address."""
-
-    __slots__ = ("view", "addr", "block")
-
-    def __init__(self, view, addr: int, block=None) -> None:
-        self.view = view
-        self.addr = addr
-        self.block = block
-
-
-class CupyOps:
+class CupyOps(PinnedHostOps):
     """The pipeline's device operations on CuPy (see :class:`engine.pipeline.DeviceOps`):
     the same copy and register paths as torch, with ``cudaMemcpyAsync`` by address."""
 
@@ -69,26 +59,16 @@ class CupyOps:
         if not block.locked:  # page-locking refused: CuPy's pinned memory (cached by CuPy)
             mem = cupy.cuda.alloc_pinned_memory(nbytes)
             host = np.frombuffer(mem, np.uint8, nbytes)
-            return _HostSource(mem, host.ctypes.data), memoryview(host)
-        return _HostSource(block.view, block.addr, block), block.view
+            return HostSource(mem, host.ctypes.data), memoryview(host)
+        return HostSource(block.view, block.addr, block), block.view
 
-    def free_staging(self, handle: _HostSource) -> None:
-        if handle.block is not None:
-            handle.block.release()
-
-    def wrap_host(self, view: memoryview) -> _HostSource:
-        return _HostSource(view, _cudart.address_of(view))
-
-    def register(self, handle: _HostSource, offset: int, nbytes: int) -> bool:
-        return _cudart.register_read_only(handle.addr + offset, nbytes)
-
-    def unregister(self, handle: _HostSource, offset: int, nbytes: int) -> None:
-        _cudart.unregister(handle.addr + offset)
+    def wrap_host(self, view: memoryview) -> HostSource:
+        return HostSource(view, _cudart.address_of(view))
 
     def new_stream(self):
         return cupy.cuda.Stream(non_blocking=True)
 
-    def copy_to_device(self, dst, dst_offset: int, src: _HostSource, src_offset: int, nbytes: int, stream) -> None:
+    def copy_to_device(self, dst, dst_offset: int, src: HostSource, src_offset: int, nbytes: int, stream) -> None:
         cupy.cuda.runtime.memcpyAsync(
             dst.data.ptr + dst_offset, src.addr + src_offset, nbytes, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr
         )
