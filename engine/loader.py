@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -40,7 +39,7 @@ from .onload import StatsCollector
 from .onload import plan as onload_plan
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
 from .reader import IOV_MAX, default_threads
-from .sinks import get_sink
+from .sinks import fill_target, get_sink
 
 __all__ = ["stream", "load_into", "load_parts", "fill_parts", "Part"]
 
@@ -370,18 +369,6 @@ def _select(header: Header, path: str, names, patterns, predicate, layers) -> li
         raise
 
 
-def _code_of(x) -> tuple[int, tuple, bool, bool]:
-    """(dtype code, shape, contiguous, on a device) of a numpy array or torch tensor."""
-    import numpy as np
-
-    if isinstance(x, np.ndarray):
-        return dtypes.from_numpy(x.dtype), x.shape, x.flags.c_contiguous and x.flags.writeable, False
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return dtypes.from_torch(x.dtype), tuple(x.shape), x.is_contiguous(), x.device.type != "cpu"
-    raise TensorMismatchError(f"cannot load into a {type(x).__name__}; expected a numpy array or torch tensor")
-
-
 def load_into(
     path,
     tensors: Mapping[str, Any],
@@ -397,7 +384,7 @@ def load_into(
     Parameters
     ----------
     path : str or os.PathLike
-    tensors : mapping of str to numpy.ndarray or torch.Tensor
+    tensors : mapping of str to numpy.ndarray, torch.Tensor or cupy.ndarray
         Destinations, contiguous and writable, with the file's shapes and dtypes (for
         sub-byte dtypes: ``uint8`` of the packed shape).
     strict : bool, default False
@@ -472,34 +459,37 @@ def fill_parts(
             )
     host: list[list[int]] = [[] for _ in files]
     device: dict[Any, list[list[int]]] = {}
+    fill: dict[str, Any] = {}  # name -> engine.sinks fill target
+    ops: dict[Any, Any] = {}
     for name, dst in tensors.items():
         i, row = found[name]
         f = files[i]
         t = f.header.table
-        code, shape, ok_layout, on_device = _code_of(dst)
-        kind = getattr(getattr(dst, "device", None), "type", "cpu")
-        if kind not in ("cpu", "cuda"):
+        target = fill[name] = fill_target(dst)
+        if target.device is not None and target.device not in ops:
+            ops[target.device] = target.device_ops()
+        if target.device is not None and ops[target.device] is None:
             raise DeviceError(
-                f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {kind!r}",
+                f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {target.where!r}",
                 reason="UnsupportedDevice", path=f.path, tensors=(name,),
             )
         nbytes = int(t.ends[row]) - int(t.begins[row])
         want_code = int(t.codes[row])
         want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
-        if dtypes.DTYPES[want_code].sub_byte and code != want_code:
+        if dtypes.DTYPES[want_code].sub_byte and not target.accepts(want_code):
             want_code = dtypes.BY_NAME["U8"].code  # packed bytes, or torch's own packed dtype
-        if code != want_code or tuple(shape) != tuple(want_shape):
+        if not target.accepts(want_code) or target.shape != tuple(want_shape):
             raise TensorMismatchError(
                 f"tensor {name!r}: the file has {dtypes.NAMES[int(t.codes[row])]}{list(t.shapes[row])}, "
-                f"the destination is {dtypes.NAMES[code]}{list(shape)}",
+                f"the destination is {dtypes.NAMES[target.code]}{list(target.shape)}",
                 path=f.path,
                 tensors=(name,),
             )
-        if not ok_layout:
+        if not target.ok_layout:
             raise TensorMismatchError(
                 f"tensor {name!r}: the destination must be contiguous and writable", path=f.path, tensors=(name,)
             )
-        rows = device.setdefault(dst.device, [[] for _ in files]) if on_device else host
+        rows = device.setdefault(target.device, [[] for _ in files]) if target.device is not None else host
         rows[i].append(row)
 
     def parts_of(rows: list[list[int]]) -> list[Part]:
@@ -509,45 +499,28 @@ def fill_parts(
             out.append(Part(f.fd, f.header, sorted(r, key=lambda x: int(begins[x])), f.path))
         return out
 
-    def targets(parts: list[Part], bases: list[int], as_bytes) -> dict[int, Any]:
+    def targets(parts: list[Part], bases: list[int], on_device: bool) -> dict[int, Any]:
         out = {}
         for p, b in zip(parts, bases, strict=True):
             t = p.header.table
             for r in p.rows:
                 if int(t.ends[r]) > int(t.begins[r]):
-                    out[b + r] = as_bytes(tensors[t.names[r]])
+                    target = fill[t.names[r]]
+                    out[b + r] = target.device_bytes() if on_device else target.host_bytes()
         return out
 
     options = {"threads": threads, "chunk_bytes": chunk_bytes}
     if any(host):
         parts = parts_of(host)
         bases = _bases(parts)
-        _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, _host_bytes)), **options)
+        _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, False)), **options)
     for dev, rows in device.items():
-        from .sinks.torch import TorchCudaOps
-
         parts = parts_of(rows)
         bases = _bases(parts)
-        dest = pipeline.Destination(device_targets=targets(parts, bases, _device_bytes), device_ops=TorchCudaOps(dev))
+        dest = pipeline.Destination(device_targets=targets(parts, bases, True), device_ops=ops[dev])
         _run(parts, bases, dest, gpu_path=gpu_path, **options)
     wanted: list[set[int]] = [set() for _ in files]
     for i, row in found.values():
         wanted[i].add(row)
     return [f.header.table.names[r] for f, w in zip(files, wanted, strict=True) for r in f.header.table.file_order()
             if r in w]
-
-
-def _host_bytes(x) -> memoryview:
-    import numpy as np
-
-    if isinstance(x, np.ndarray):
-        return memoryview(x.reshape(-1).view(np.uint8))
-    import torch
-
-    return memoryview(x.detach().reshape(-1).view(torch.uint8).numpy())
-
-
-def _device_bytes(x):
-    import torch
-
-    return x.detach().reshape(-1).view(torch.uint8)

@@ -45,6 +45,7 @@ FLOORS: dict[str, int] = {
     "sinks._host": 4,
     "sinks._cudart": 4,
     "sinks._staging": 4,
+    "sinks._targets": 4,
     "sinks.numpy": 4,
     "sinks.torch": 4,
     "sinks.cupy": 4,

@@ -8,6 +8,7 @@ from .. import dtypes
 from ..errors import DeviceError, MissingDependencyError
 from . import _cudart
 from ._staging import HostSource, PinnedHostOps
+from ._targets import FillTarget
 from .numpy import NumpySink
 
 try:
@@ -117,3 +118,27 @@ class CupySink(NumpySink):
                         dtypes.packed_shape(code, shape, nbytes)
                     )
         return tensors, targets, CupyOps(self.device_id)
+
+
+class CupyTarget(FillTarget):
+    """A CuPy array that a load fills in place through the pinned staging ring
+    (:class:`CupyOps`).  BF16 and FP8 arrive as their raw bits, as :func:`cupy_dtype` says."""
+
+    def __init__(self, arr) -> None:
+        code = dtypes.BY_NAME["U8"].code if arr.dtype == np.uint8 else dtypes.from_numpy(arr.dtype)
+        super().__init__(arr, code, arr.shape, bool(arr.flags.c_contiguous), "cuda")
+        self.device = ("cupy", arr.device.id)
+
+    def accepts(self, code: int) -> bool:
+        return code == self.code or cupy_dtype(code) == self.tensor.dtype
+
+    def device_bytes(self):
+        return self.tensor.reshape(-1).view(cupy.uint8)
+
+    def device_ops(self) -> CupyOps:
+        return CupyOps(self.device[1])
+
+
+def fill_target(arr) -> CupyTarget:
+    """``arr`` as a destination of ``load_into`` (see :class:`engine.sinks._targets.FillTarget`)."""
+    return CupyTarget(arr)

@@ -12,6 +12,7 @@ from .. import dtypes
 from ..errors import DeviceError, SafetensorError, UnrepresentableTensorError
 from . import _cudart
 from ._staging import HostSource, PinnedHostOps
+from ._targets import FillTarget
 
 
 class TorchSink:
@@ -270,3 +271,26 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
     from torch.utils.dlpack import from_dlpack
 
     return from_dlpack(view.__dlpack__())
+
+
+class TorchTarget(FillTarget):
+    """A torch tensor that a load fills in place: on the CPU through a byte view of its
+    memory, on CUDA through the pinned staging ring (:class:`TorchCudaOps`)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__(t, dtypes.from_torch(t.dtype), tuple(t.shape), t.is_contiguous(), t.device.type)
+        self.device = None if t.device.type == "cpu" else t.device
+
+    def host_bytes(self) -> memoryview:
+        return memoryview(self.tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+    def device_bytes(self) -> torch.Tensor:
+        return self.tensor.detach().reshape(-1).view(torch.uint8)
+
+    def device_ops(self) -> TorchCudaOps | None:
+        return TorchCudaOps(self.device) if self.where == "cuda" else None
+
+
+def fill_target(t: torch.Tensor) -> TorchTarget:
+    """``t`` as a destination of ``load_into`` (see :class:`engine.sinks._targets.FillTarget`)."""
+    return TorchTarget(t)
