@@ -40,6 +40,7 @@ FLOORS: dict[str, int] = {
     "_io": 3,
     "reader": 3,
     "pipeline": 3,
+    "device_load": 3,
     # destinations and the kernels that run where the bytes land
     "sinks": 4,
     "sinks._host": 4,
@@ -232,7 +233,7 @@ def climbing(name: str, targets: set[str]) -> list[str]:
 SAME_FLOOR: set[tuple[str, str]] = {
     ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"),
     ("header", "_header"), ("checkpoint_index", "header"),
-    ("pipeline", "reader"), ("reader", "_io"),
+    ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"),
     ("cuda_kernels", "_arrays"), ("kernels", "_arrays"), ("quantize", "_arrays"), ("statistics", "_arrays"),
     ("quantize", "kernels"), ("statistics", "kernels"),
     ("device", "_arrays"), ("device", "cuda_kernels"), ("device", "quantize"), ("device", "statistics"),
