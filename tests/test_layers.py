@@ -36,6 +36,7 @@ FLOORS: dict[str, int] = {
     "checkpoint_index": 1,
     # which byte ranges to read
     "plan": 2,
+    "sharding_plan": 2,
     # threads and reads
     "_io": 3,
     "reader": 3,
@@ -72,6 +73,9 @@ FLOORS: dict[str, int] = {
     "torch": 7,
     "remote": 7,
     "distributed": 7,
+    "tp_slices": 7,
+    "tp_direct": 7,
+    "tp_broadcast": 7,
     "validator": 7,
     "filestats": 7,
     "quantized": 7,
@@ -239,7 +243,9 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("device", "_arrays"), ("device", "cuda_kernels"), ("device", "quantize"), ("device", "statistics"),
     ("api", "loader"), ("loader", "onload"), ("tensorspec", "writer"),
     ("checkpoint", "shards"), ("checkpoint", "checkpoint_info"),
-    ("distributed", "opener"), ("numpy", "opener"), ("torch", "opener"),
+    ("distributed", "tp_broadcast"), ("distributed", "tp_direct"), ("tp_direct", "tp_slices"),
+    ("tp_broadcast", "tp_slices"), ("tp_direct", "opener"), ("tp_broadcast", "opener"), ("tp_slices", "opener"),
+    ("numpy", "opener"), ("torch", "opener"),
     ("__main__", "cli"), ("cli", "demo"),
 }
 
