@@ -2,8 +2,13 @@
 
 Every module has a floor; a module imports only modules on its own floor or below, at the
 top of the file or inside a function alike (a function-level import that climbs a floor is
-a cycle in disguise), and the import graph has no cycle.  A new module must be given a
-floor here, which is the moment to decide where it belongs.
+a cycle in disguise), and the import graph has no cycle.  An import counts however it is
+written: ``from engine import name`` reaches the module that defines ``name`` (the package
+root's lazy table), ``importlib.import_module``/``__import__`` with a literal name reach that
+module and with a computed one count as the top floor, and a Cython source's Python imports
+count at any indentation.  Imports between two modules of one floor are listed in
+``SAME_FLOOR`` (inside one subpackage they are free).  A new module must be given a floor
+here, which is the moment to decide where it belongs.
 """
 
 from __future__ import annotations
