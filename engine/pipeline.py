@@ -173,7 +173,7 @@ def run_sources(
         fill ``targets`` (one writable host memoryview per piece; for devices, parts of the
         staging slot) or raise.  It runs on worker threads before the pieces are copied to
         a device or reported complete: the place for work that must see the bytes while
-        they are in the CPU cache (statistics, see ``engine.loader``).  With ``fill``,
+        they are in the CPU cache (statistics, see :class:`engine.onload.StatsCollector`).  With ``fill``,
         device loads use the copy path alone.
     residency : callable, optional
         ``residency(mapping, offset, nbytes) -> bool``: whether those bytes of a file's
