@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -36,10 +35,11 @@ from . import dtypes, pipeline
 from ._files import open_regular
 from .errors import DeviceError, SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
+from .onload import StatsCollector
 from .onload import plan as onload_plan
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
-from .reader import IOV_MAX, default_threads, pread_into
-from .sinks import get_sink
+from .reader import IOV_MAX, default_threads
+from .sinks import fill_target, get_sink
 
 __all__ = ["stream", "load_into", "load_parts", "fill_parts", "Part"]
 
@@ -275,7 +275,7 @@ def stream(
         collector = None
         if stats:
             rows0 = selected[0] if hooks is None else hooks.host_stats_rows(selected[0])
-            collector = _StatsCollector(headers[0], rows0, opened[0][1])
+            collector = StatsCollector(headers[0], rows0, opened[0][1])
 
         def result(key):
             i, r = where[key]
@@ -361,101 +361,12 @@ def _select_many(headers: list[Header], paths: list[str], names, patterns, predi
     return out
 
 
-class _StatsCollector:
-    """Statistics of tensors as their pieces are read, on the reader threads.
-
-    Its :meth:`fill` is the pipeline's read hook.  A piece of at least ``WINDOW`` bytes is
-    read and summarised in one native call, a window at a time, so that the kernel finds
-    each window in the L2 cache where the read just left it (summarising a whole 16 MiB
-    request after reading it would fetch it back from memory).  Smaller pieces are read
-    together with one ``preadv`` and summarised right after.  Each reader thread has its
-    own accumulator per tensor; they merge when the tensor is complete.
-    """
-
-    #: bytes per window: well inside a core's L2 with room for the kernel's scratch
-    WINDOW = 256 << 10
-
-    def __init__(self, header: Header, rows: list[int], path: str | None) -> None:
-        from . import statistics
-
-        self._new = statistics.Accumulator
-        self._empty = statistics.Stats.empty()
-        self.path = path
-        t = header.table
-        self.kind: dict[int, str] = {}
-        for r in rows:
-            d = dtypes.DTYPES[int(t.codes[r])]
-            if not d.sub_byte and d.name in statistics.SUPPORTED_NAMES:
-                self.kind[r] = d.name
-        self._acc: dict[int, dict[int, Any]] = {}  # row -> thread id -> Accumulator
-
-    def _accumulator(self, row: int):
-        per_thread = self._acc.setdefault(row, {})  # atomic: both threads get the same dict
-        me = threading.get_ident()
-        acc = per_thread.get(me)
-        if acc is None:  # only this thread adds its own key
-            acc = per_thread[me] = self._new(self.kind[row])
-        return acc
-
-    def fill(self, fd: int, req, targets: list) -> None:
-        import numpy as np
-
-        kind = self.kind
-        run: list = []  # small pieces, contiguous in the file, read together
-        run_offset = req.offset
-
-        def flush() -> None:
-            if run:
-                pread_into(fd, run_offset, [v for _, v in run], path=self.path)
-                for row, v in run:
-                    if row in kind:
-                        self._accumulator(row).add(v)
-                run.clear()
-
-        for p, view in zip(req.pieces, targets, strict=True):
-            if p.nbytes < self.WINDOW or p.row not in kind:
-                if not run:
-                    run_offset = req.offset + p.request_offset
-                run.append((p.row, view))
-                continue
-            flush()
-            offset = req.offset + p.request_offset
-            dest = np.frombuffer(view, np.uint8)
-            acc = self._accumulator(p.row)
-            done = acc.read(fd, offset, dest, self.WINDOW)
-            if done < p.nbytes:  # a short read or an error: read the rest the usual way
-                pread_into(fd, offset + done, [view[done:]], path=self.path)
-                acc.add(view[done:])
-        flush()
-
-    def result(self, row: int):
-        """Statistics of a complete tensor (asked once per tensor: its accumulators go)."""
-        if row not in self.kind:
-            return None
-        out = self._empty
-        for acc in self._acc.pop(row, {}).values():
-            out = out.merge(acc.result())
-        return out
-
-
 def _select(header: Header, path: str, names, patterns, predicate, layers) -> list[int]:
     try:
         return select_rows(header.table, names, patterns=patterns, predicate=predicate, layers=layers)
     except SafetensorError as err:
         err.path = path
         raise
-
-
-def _code_of(x) -> tuple[int, tuple, bool, bool]:
-    """(dtype code, shape, contiguous, on a device) of a numpy array or torch tensor."""
-    import numpy as np
-
-    if isinstance(x, np.ndarray):
-        return dtypes.from_numpy(x.dtype), x.shape, x.flags.c_contiguous and x.flags.writeable, False
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return dtypes.from_torch(x.dtype), tuple(x.shape), x.is_contiguous(), x.device.type != "cpu"
-    raise TensorMismatchError(f"cannot load into a {type(x).__name__}; expected a numpy array or torch tensor")
 
 
 def load_into(
@@ -473,7 +384,7 @@ def load_into(
     Parameters
     ----------
     path : str or os.PathLike
-    tensors : mapping of str to numpy.ndarray or torch.Tensor
+    tensors : mapping of str to numpy.ndarray, torch.Tensor or cupy.ndarray
         Destinations, contiguous and writable, with the file's shapes and dtypes (for
         sub-byte dtypes: ``uint8`` of the packed shape).
     strict : bool, default False
@@ -548,34 +459,37 @@ def fill_parts(
             )
     host: list[list[int]] = [[] for _ in files]
     device: dict[Any, list[list[int]]] = {}
+    fill: dict[str, Any] = {}  # name -> engine.sinks fill target
+    ops: dict[Any, Any] = {}
     for name, dst in tensors.items():
         i, row = found[name]
         f = files[i]
         t = f.header.table
-        code, shape, ok_layout, on_device = _code_of(dst)
-        kind = getattr(getattr(dst, "device", None), "type", "cpu")
-        if kind not in ("cpu", "cuda"):
+        target = fill[name] = fill_target(dst)
+        if target.device is not None and target.device not in ops:
+            ops[target.device] = target.device_ops()
+        if target.device is not None and ops[target.device] is None:
             raise DeviceError(
-                f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {kind!r}",
+                f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {target.where!r}",
                 reason="UnsupportedDevice", path=f.path, tensors=(name,),
             )
         nbytes = int(t.ends[row]) - int(t.begins[row])
         want_code = int(t.codes[row])
         want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
-        if dtypes.DTYPES[want_code].sub_byte and code != want_code:
+        if dtypes.DTYPES[want_code].sub_byte and not target.accepts(want_code):
             want_code = dtypes.BY_NAME["U8"].code  # packed bytes, or torch's own packed dtype
-        if code != want_code or tuple(shape) != tuple(want_shape):
+        if not target.accepts(want_code) or target.shape != tuple(want_shape):
             raise TensorMismatchError(
                 f"tensor {name!r}: the file has {dtypes.NAMES[int(t.codes[row])]}{list(t.shapes[row])}, "
-                f"the destination is {dtypes.NAMES[code]}{list(shape)}",
+                f"the destination is {dtypes.NAMES[target.code]}{list(target.shape)}",
                 path=f.path,
                 tensors=(name,),
             )
-        if not ok_layout:
+        if not target.ok_layout:
             raise TensorMismatchError(
                 f"tensor {name!r}: the destination must be contiguous and writable", path=f.path, tensors=(name,)
             )
-        rows = device.setdefault(dst.device, [[] for _ in files]) if on_device else host
+        rows = device.setdefault(target.device, [[] for _ in files]) if target.device is not None else host
         rows[i].append(row)
 
     def parts_of(rows: list[list[int]]) -> list[Part]:
@@ -585,45 +499,28 @@ def fill_parts(
             out.append(Part(f.fd, f.header, sorted(r, key=lambda x: int(begins[x])), f.path))
         return out
 
-    def targets(parts: list[Part], bases: list[int], as_bytes) -> dict[int, Any]:
+    def targets(parts: list[Part], bases: list[int], on_device: bool) -> dict[int, Any]:
         out = {}
         for p, b in zip(parts, bases, strict=True):
             t = p.header.table
             for r in p.rows:
                 if int(t.ends[r]) > int(t.begins[r]):
-                    out[b + r] = as_bytes(tensors[t.names[r]])
+                    target = fill[t.names[r]]
+                    out[b + r] = target.device_bytes() if on_device else target.host_bytes()
         return out
 
     options = {"threads": threads, "chunk_bytes": chunk_bytes}
     if any(host):
         parts = parts_of(host)
         bases = _bases(parts)
-        _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, _host_bytes)), **options)
+        _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, False)), **options)
     for dev, rows in device.items():
-        from .sinks.torch import TorchCudaOps
-
         parts = parts_of(rows)
         bases = _bases(parts)
-        dest = pipeline.Destination(device_targets=targets(parts, bases, _device_bytes), device_ops=TorchCudaOps(dev))
+        dest = pipeline.Destination(device_targets=targets(parts, bases, True), device_ops=ops[dev])
         _run(parts, bases, dest, gpu_path=gpu_path, **options)
     wanted: list[set[int]] = [set() for _ in files]
     for i, row in found.values():
         wanted[i].add(row)
     return [f.header.table.names[r] for f, w in zip(files, wanted, strict=True) for r in f.header.table.file_order()
             if r in w]
-
-
-def _host_bytes(x) -> memoryview:
-    import numpy as np
-
-    if isinstance(x, np.ndarray):
-        return memoryview(x.reshape(-1).view(np.uint8))
-    import torch
-
-    return memoryview(x.detach().reshape(-1).view(torch.uint8).numpy())
-
-
-def _device_bytes(x):
-    import torch
-
-    return x.detach().reshape(-1).view(torch.uint8)

@@ -17,7 +17,7 @@
   full-precision copy of the quantized tensors all at once.
 
 For CPU destinations statistics stay with the CPU fold on the reader threads
-(``engine.loader``); tensors selected for quantization are quantized on the CPU by
+(:class:`StatsCollector`, the pipeline's read hook); tensors selected for quantization are quantized on the CPU by
 :func:`engine.quantize_int8` as they are handed out.  Either way a quantized tensor is handed
 out as a :class:`~engine.quantize.QuantizedTensor`.
 """
@@ -34,8 +34,10 @@ import numpy as np
 from . import dtypes as _dt
 from . import pipeline
 from .errors import NonFiniteError
+from .header import Header
+from .reader import pread_into
 
-__all__ = ["LoadWork", "plan"]
+__all__ = ["LoadWork", "StatsCollector", "plan"]
 
 def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str | None = None,
          launch=None) -> LoadWork | None:
@@ -273,3 +275,78 @@ class LoadWork:
                 err.path = self.path
                 raise
         return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, kind)
+
+
+class StatsCollector:
+    """Statistics of tensors as their pieces are read, on the reader threads.
+
+    Its :meth:`fill` is the pipeline's read hook.  A piece of at least ``WINDOW`` bytes is
+    read and summarised in one native call, a window at a time, so that the kernel finds
+    each window in the L2 cache where the read just left it (summarising a whole 16 MiB
+    request after reading it would fetch it back from memory).  Smaller pieces are read
+    together with one ``preadv`` and summarised right after.  Each reader thread has its
+    own accumulator per tensor; they merge when the tensor is complete.
+    """
+
+    #: bytes per window: well inside a core's L2 with room for the kernel's scratch
+    WINDOW = 256 << 10
+
+    def __init__(self, header: Header, rows: list[int], path: str | None) -> None:
+        from . import statistics  # Numba: only for a load that asks for statistics
+
+        self._new = statistics.Accumulator
+        self._empty = statistics.Stats.empty()
+        self.path = path
+        t = header.table
+        self.kind: dict[int, str] = {}
+        for r in rows:
+            d = _dt.DTYPES[int(t.codes[r])]
+            if not d.sub_byte and d.name in statistics.SUPPORTED_NAMES:
+                self.kind[r] = d.name
+        self._acc: dict[int, dict[int, Any]] = {}  # row -> thread id -> Accumulator
+
+    def _accumulator(self, row: int):
+        per_thread = self._acc.setdefault(row, {})  # atomic: both threads get the same dict
+        me = threading.get_ident()
+        acc = per_thread.get(me)
+        if acc is None:  # only this thread adds its own key
+            acc = per_thread[me] = self._new(self.kind[row])
+        return acc
+
+    def fill(self, fd: int, req, targets: list) -> None:
+        kind = self.kind
+        run: list = []  # small pieces, contiguous in the file, read together
+        run_offset = req.offset
+
+        def flush() -> None:
+            if run:
+                pread_into(fd, run_offset, [v for _, v in run], path=self.path)
+                for row, v in run:
+                    if row in kind:
+                        self._accumulator(row).add(v)
+                run.clear()
+
+        for p, view in zip(req.pieces, targets, strict=True):
+            if p.nbytes < self.WINDOW or p.row not in kind:
+                if not run:
+                    run_offset = req.offset + p.request_offset
+                run.append((p.row, view))
+                continue
+            flush()
+            offset = req.offset + p.request_offset
+            dest = np.frombuffer(view, np.uint8)
+            acc = self._accumulator(p.row)
+            done = acc.read(fd, offset, dest, self.WINDOW)
+            if done < p.nbytes:  # a short read or an error: read the rest the usual way
+                pread_into(fd, offset + done, [view[done:]], path=self.path)
+                acc.add(view[done:])
+        flush()
+
+    def result(self, row: int):
+        """Statistics of a complete tensor (asked once per tensor: its accumulators go)."""
+        if row not in self.kind:
+            return None
+        out = self._empty
+        for acc in self._acc.pop(row, {}).values():
+            out = out.merge(acc.result())
+        return out

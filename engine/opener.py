@@ -8,6 +8,7 @@ and the one short-lived tools pay for, never loads the checkpoint code.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,13 +23,33 @@ def is_checkpoint_path(path) -> bool:
     return text.endswith(".json") or os.path.isdir(text)
 
 
-class safe_open(api.safe_open):  # noqa: N801 - the reference's spelling, for a drop-in replacement
+class _OpensBoth(type):
+    """The type of :class:`safe_open`: what it returns is an instance of it, a file's handle
+    or a :class:`~engine.checkpoint.Checkpoint` alike, so ``isinstance`` tells the truth.
+
+    A checkpoint is recognised only once :mod:`engine.checkpoint` is imported (it must be, for
+    one to exist): this module stays below it and opening a file never loads it.
+    """
+
+    def __instancecheck__(cls, obj) -> bool:
+        return super().__instancecheck__(obj) or (cls is safe_open and _is_checkpoint(type(obj)))
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return super().__subclasscheck__(sub) or (cls is safe_open and _is_checkpoint(sub))
+
+
+def _is_checkpoint(kind) -> bool:
+    checkpoint = sys.modules.get("engine.checkpoint")
+    return checkpoint is not None and isinstance(kind, type) and issubclass(kind, checkpoint.Checkpoint)
+
+
+class safe_open(api.safe_open, metaclass=_OpensBoth):  # noqa: N801 - the reference's spelling, for a drop-in replacement
     """:class:`engine.api.safe_open` for a file, and :class:`engine.checkpoint.Checkpoint`
     for an index or a directory: ``engine.safe_open(path)`` opens whatever a model ships as.
 
     Parameters and methods are those of :class:`engine.api.safe_open`; an index or a
     directory gives a :class:`~engine.checkpoint.Checkpoint` with the same methods across
-    its shards.
+    its shards.  Both are instances of this class (``isinstance(f, engine.safe_open)``).
     """
 
     def __new__(cls, filename, *args, **kwargs):

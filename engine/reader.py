@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 
 from ._files import IOV_MAX, file_size
+from ._threads import map_threads, run_threads  # their public home is here
 from .errors import ReadError
 
 __all__ = [
@@ -291,47 +292,3 @@ def spans_bytes(src, run_bytes: int, bounce_bytes: int) -> int:
     from . import _io
 
     return int(_io.spans_bytes(np.ascontiguousarray(src, dtype=np.int64), run_bytes, bounce_bytes))
-
-
-def map_threads(fn, items: Sequence, max_workers: int, *, name: str = "engine") -> list:
-    """``[fn(x) for x in items]`` on up to ``max_workers`` threads (inline for one item or
-    one worker).  Every call finishes before the first exception, in item order, is raised:
-    no call is left running when the caller cleans up after a failure."""
-    items = list(items)
-    if len(items) <= 1 or max_workers <= 1:
-        return [fn(x) for x in items]
-    from concurrent.futures import ThreadPoolExecutor  # opening a file needs no thread pool
-
-    with ThreadPoolExecutor(min(max_workers, len(items)), thread_name_prefix=name) as pool:
-        futures = [pool.submit(fn, x) for x in items]
-    return [f.result() for f in futures]
-
-
-def run_threads(jobs, *, name: str = "engine-read", on_error=None) -> None:
-    """Run each job on a thread of its own (a single job on the calling thread) and join.
-
-    The first exception of any job is re-raised once every thread has ended, so no thread
-    outlives the call; ``on_error()`` runs as soon as a job fails (e.g. to tell the others
-    to stop).
-    """
-    errors: list[BaseException] = []
-
-    def guarded(job) -> None:
-        try:
-            job()
-        except BaseException as exc:  # re-raised in the caller below
-            errors.append(exc)
-            if on_error is not None:
-                on_error()
-
-    if len(jobs) == 1:
-        guarded(jobs[0])
-    else:
-        workers = [threading.Thread(target=guarded, args=(job,), name=f"{name}-{i}", daemon=True)
-                   for i, job in enumerate(jobs)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    if errors:
-        raise errors[0]

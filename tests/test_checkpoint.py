@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
+import engine.checkpoint_info
 import engine.numpy
 from engine import checkpoint as ck
 from engine.checkpoint import (
@@ -53,6 +54,18 @@ def sharded(tmp_path):
 
 
 # --------------------------------------------------------------------------- round trips
+
+
+def test_what_safe_open_returns_is_a_safe_open(sharded):
+    """engine.safe_open opens a file or a checkpoint; either way the result is an instance of it."""
+    path, sd, split = sharded
+    for where in (path, path / "model.safetensors.index.json", path / sorted(split.filename_to_tensors)[0]):
+        with engine.safe_open(where, framework="np") as f:
+            assert isinstance(f, engine.safe_open), type(f)
+            assert issubclass(type(f), engine.safe_open)
+            assert f.keys()
+    assert not isinstance(object(), engine.safe_open) and not issubclass(dict, engine.safe_open)
+    assert issubclass(engine.safe_open, engine.api.safe_open)  # subclassing keeps working
 
 
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
@@ -548,7 +561,7 @@ def test_parallel_paths(tmp_path, monkeypatch):
     # a slow first shard opens the rest in parallel; the load is one pipeline over all shards
     sd = {f"w{i}": np.full(3 << 20, i, np.float32) for i in range(4)}  # 4 x 12 MiB
     save_sharded(sd, tmp_path, max_shard_size="13MB")
-    monkeypatch.setattr(ck, "_SLOW_OPEN_S", 0.0)
+    monkeypatch.setattr(engine.checkpoint_info, "_SLOW_OPEN_S", 0.0)
     runs = count_pipelines(monkeypatch)
     with open_checkpoint(tmp_path, backend="pread", max_workers=3) as c:
         assert len(c.shards) == 4

@@ -220,7 +220,7 @@ def test_column_split_reads_strided_ranges(tmp_path):
 
 
 def test_spans_through_a_small_bounce_on_several_threads(tmp_path, monkeypatch):
-    import engine.distributed as ed
+    import engine.tp_direct as ed
 
     monkeypatch.setattr(ed, "SPAN_BOUNCE_BYTES", 1000)  # several spans per tensor, several jobs
     w = torch.arange(300 * 48, dtype=torch.float32).reshape(300, 48)
@@ -243,7 +243,7 @@ def test_spans_through_a_small_bounce_on_several_threads(tmp_path, monkeypatch):
 def test_mapped_backend_gives_the_pread_shards(tmp_path, monkeypatch):
     # every kind of job: chunked contiguous reads, long-run column blocks, short strided runs
     # (one strided copy), uneven runs (padding) and replicated tensors, on several threads
-    import engine.distributed as ed
+    import engine.tp_direct as ed
 
     monkeypatch.setattr(ed, "_CHUNK_BYTES", 4096)  # several jobs per tensor
     g = torch.Generator().manual_seed(0)
@@ -354,8 +354,8 @@ def test_shard_headers_are_parsed_once_unless_the_file_changed(tmp_path, monkeyp
     """A sharded load reuses the headers the index check read; a shard file whose size no
     longer matches its header (rewritten in between) has its header read again from the
     descriptor the load opened, so the offsets are the new file's."""
-    import engine.distributed as ed
     import engine.header
+    import engine.tp_direct as ed
     from engine.shards import save_sharded
 
     sd = llama_state_dict()
@@ -365,17 +365,17 @@ def test_shard_headers_are_parsed_once_unless_the_file_changed(tmp_path, monkeyp
     save_sharded(sd, d, max_shard_size=40_000, fsync=False)
     plan = llama_plan(CONFIG, world_size=2)
     ref = load_tensor_parallel(single, plan, rank=0, world_size=2)
-    files = ed._direct_files(d, None)
+    files = ed.direct_files(d, None)
     parsed = []
     real = engine.header.read_header_fd
     monkeypatch.setattr(engine.header, "read_header_fd", lambda fd, **kw: (parsed.append(kw["path"]), real(fd, **kw))[1])
-    got = ed._load_files_direct(files, plan, 0, 2, "auto", None)
+    got = ed.load_files_direct(files, plan, 0, 2, "auto", None)
     assert parsed == [] and all(torch.equal(got[n], ref[n]) for n in ref)
     # rewrite one shard with more metadata: same tensors, every offset moved
     victim = files[0].path
     mine = engine.torch.load_file(victim)
     engine.torch.save_file(mine, victim, metadata={"pad": "x" * 1000})
-    got = ed._load_files_direct(files, plan, 0, 2, "auto", None)
+    got = ed.load_files_direct(files, plan, 0, 2, "auto", None)
     assert parsed == [victim] and all(torch.equal(got[n], ref[n]) for n in ref)
 
 
@@ -385,6 +385,7 @@ def test_many_shard_files_are_opened_a_batch_at_a_time(tmp_path, monkeypatch):
     single file's.  (copy=False views keep their file's mapping, and CPython's mmap keeps a
     descriptor per mapping while it lives.)"""
     import engine.distributed as ed
+    import engine.tp_direct as td
     from engine.shards import save_sharded
 
     sd = llama_state_dict()
@@ -395,13 +396,13 @@ def test_many_shard_files_are_opened_a_batch_at_a_time(tmp_path, monkeypatch):
     assert shards >= 8
     monkeypatch.setattr(ed, "_FILES_AT_ONCE", 3)
     most = [0]
-    real = ed._FileLoad.__init__
+    real = td._FileLoad.__init__
 
     def counting(self, *args, **kwargs):
         real(self, *args, **kwargs)
         most[0] = max(most[0], len(os.listdir("/proc/self/fd")))
 
-    monkeypatch.setattr(ed._FileLoad, "__init__", counting)
+    monkeypatch.setattr(td._FileLoad, "__init__", counting)
     plan = llama_plan(CONFIG, world_size=2)
     ref = load_tensor_parallel(single, plan, rank=1, world_size=2)
     # owned shards: a batch's descriptors (and, mapped, the mappings' own) go when it ends
@@ -475,17 +476,17 @@ def test_mapped_copy_maps_dense_spans_in_one_call(monkeypatch):
     import numpy as np
 
     import engine.reader
-    from engine.distributed import _POPULATE_MAX_GAP, _copy_mapped, _Job
+    from engine.tp_direct import POPULATE_MAX_GAP, Job, copy_mapped
 
     calls = []
     monkeypatch.setattr(engine.reader, "populate_mapping", lambda buf, lo, hi: calls.append((lo, hi)) or 0)
-    gap = _POPULATE_MAX_GAP
+    gap = POPULATE_MAX_GAP
     source = np.arange(4 * gap + 64, dtype=np.int64).view(np.uint8)
     for src, spans in (([0], [(5, 13)]), ([0, 100, 200], [(5, 213)]), ([0, gap + 8, 2 * gap + 16], [(5, 2 * gap + 29)]),
                        ([0, 3 * gap], [])):
         calls.clear()
         dst = bytearray(8 * len(src))
-        _copy_mapped(source, _Job(memoryview(dst), np.array(src, np.int64), 8, 5, False))
+        copy_mapped(source, Job(memoryview(dst), np.array(src, np.int64), 8, 5, False))
         assert bytes(dst) == b"".join(source[5 + o : 13 + o].tobytes() for o in src), src
         assert calls == spans, src
 
@@ -493,12 +494,12 @@ def test_mapped_copy_maps_dense_spans_in_one_call(monkeypatch):
 def test_mapped_copy_of_uneven_runs():
     import numpy as np
 
-    from engine.distributed import _copy_mapped, _Job
+    from engine.tp_direct import Job, copy_mapped
 
     source = np.arange(256, dtype=np.uint8)
     for src in ([3, 10, 40, 41 + 4], [0, 16, 32], [100]):
         dst = bytearray(4 * len(src))
-        _copy_mapped(source, _Job(memoryview(dst), np.array(src, np.int64), 4, 7, False))
+        copy_mapped(source, Job(memoryview(dst), np.array(src, np.int64), 4, 7, False))
         assert bytes(dst) == b"".join(bytes(source[7 + o : 7 + o + 4]) for o in src), src
 
 

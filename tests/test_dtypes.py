@@ -68,23 +68,6 @@ def test_packed_shape(name, shape, nbytes, expected):
     assert dtypes.packed_shape(dtypes.BY_NAME[name].code, shape, nbytes) == expected
 
 
-def test_numpy_native_dtypes_import_no_ml_dtypes():
-    """Arrays of numpy's own dtypes need no ml_dtypes (a short-lived tool pays for
-    it); BF16 and FP8 import it on first use."""
-
-    code = (
-        "import sys\n"
-        "from engine import dtypes\n"
-        "a = [str(dtypes.numpy_dtype(dtypes.BY_NAME[n].code)) for n in ('F32', 'I64', 'BOOL', 'F4', 'C64')]\n"
-        "print(a, 'ml_dtypes' in sys.modules)\n"
-        "print(dtypes.numpy_dtype(dtypes.BY_NAME['BF16'].code), 'ml_dtypes' in sys.modules)\n"
-    )
-    assert run_python(code).splitlines() == [
-        "['float32', 'int64', 'bool', 'uint8', 'complex64'] False",
-        "bfloat16 True",
-    ]
-
-
 def test_own_numpy_dtype_is_numpy_s_whether_or_not_ml_dtypes_is_loaded():
     """numpy's own dtype or None (BF16, FP8), the same before and after ml_dtypes registers
     its names with numpy, and without importing ml_dtypes."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ml_dtypes
 import naive
 import numpy as np
-from conftest import run_python
 from test_kernels import assert_stats
 
 import engine
@@ -43,15 +42,3 @@ def test_names_and_shards(tmp_path):
     assert sorted(got) == ["a.f32", "c.ids"]
     assert got["c.ids"].max == int(sd["c.ids"].max())
     assert_stats(got["a.f32"], naive.stats(sd["a.f32"]))
-
-
-def test_the_array_modules_stay_below_checkpoint():
-    # statistics and quantize are imported by the loaders, below engine.checkpoint: they must
-    # not import it (the whole-file conveniences live in engine.filestats / engine.quantized)
-
-    code = (
-        "import sys, engine.statistics, engine.quantize\n"
-        "bad = [m for m in ('engine.checkpoint', 'engine.api', 'engine.loader') if m in sys.modules]\n"
-        "assert not bad, bad\n"
-    )
-    run_python(code)

@@ -13,6 +13,7 @@ from conftest import in_threads
 
 import engine
 import engine.numpy
+import engine.onload
 from engine.errors import ReadError, TensorMismatchError, TensorNotFoundError
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra")
@@ -136,7 +137,7 @@ def test_stream_stats_of_tensors_at_odd_file_offsets(tmp_path, monkeypatch, wind
     import ml_dtypes
 
     if window:
-        monkeypatch.setattr(engine.loader._StatsCollector, "WINDOW", window)
+        monkeypatch.setattr(engine.onload.StatsCollector, "WINDOW", window)
     rng = np.random.default_rng(9)
     parts = {
         "u8": np.arange(3, dtype=np.uint8),
@@ -171,7 +172,7 @@ def test_stream_stats_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch):
     engine.numpy.save_file(sd, path)
     from engine.statistics import Accumulator
 
-    monkeypatch.setattr(engine.loader._StatsCollector, "WINDOW", 4096)
+    monkeypatch.setattr(engine.onload.StatsCollector, "WINDOW", 4096)
     real = Accumulator.read
     calls = itertools.count(1)  # next() is atomic: the reader threads share the count
 
@@ -276,13 +277,92 @@ def test_stream_to_cupy(model_file, per_tensor):
         np.testing.assert_array_equal(cupy.asnumpy(f.get_slice("ids")[2:5]), sd["ids"][2:5])
 
 
+@pytest.mark.cuda
+def test_load_into_cupy(model_file):
+    cupy = pytest.importorskip("cupy", reason="CuPy is an optional extra")
+    if cupy.cuda.runtime.getDeviceCount() == 0:  # pragma: no cover - depends on hardware
+        pytest.skip("needs an NVIDIA GPU")
+    path, sd = model_file
+    dst = {k: cupy.empty(v.shape, v.dtype) for k, v in sd.items() if v.size}
+    assert sorted(engine.load_into(path, dst)) == sorted(dst)
+    for k, a in dst.items():
+        np.testing.assert_array_equal(cupy.asnumpy(a), sd[k])
+
+
+class EmulatedArray:
+    """A tensor of a framework the engine does not know, in the emulated device's memory."""
+
+    def __init__(self, code, shape, nbytes):
+        self.code, self.shape, self.data = code, shape, bytearray(nbytes)
+
+
+@pytest.mark.parametrize("gpu_path", ["copy", "auto"])
+def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file, monkeypatch, gpu_path):
+    """load_into knows no framework: each destination's fill target gives its bytes and, on a
+    device, the operations that copy into it (how CuPy arrays and CUDA tensors are filled).
+    Host and device destinations in one call, the device emulated on the CPU."""
+    from emulated import EmulatedDevice
+
+    import engine.loader
+    from engine import dtypes
+    from engine.sinks._targets import FillTarget
+
+    path, sd = model_file
+    emu = EmulatedDevice()
+    made: list[str] = []
+
+    class EmulatedTarget(FillTarget):
+        device = ("emulated", 0)
+
+        def __init__(self, arr):
+            super().__init__(arr, arr.code, arr.shape, True, "emulated")
+
+        def device_bytes(self):
+            return self.tensor.data
+
+        def device_ops(self):
+            made.append("ops")
+            return emu
+
+    real = engine.loader.fill_target
+    monkeypatch.setattr(engine.loader, "fill_target",
+                        lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
+    on_device = [k for k in sd if "proj" in k or k == "ids"]
+    dst = {k: EmulatedArray(dtypes.from_numpy(sd[k].dtype), sd[k].shape, sd[k].nbytes) for k in on_device}
+    host = {k: np.zeros_like(v) for k, v in sd.items() if k not in dst}
+    try:
+        filled = engine.load_into(path, {**dst, **host}, strict=True, gpu_path=gpu_path, chunk_bytes=4096)
+    finally:
+        emu.close()
+    assert sorted(filled) == sorted(sd) and made == ["ops"]  # one device load for all its tensors
+    for k in on_device:
+        assert bytes(dst[k].data) == sd[k].tobytes(), k
+    for k, a in host.items():
+        np.testing.assert_array_equal(a, sd[k])
+    assert emu.copies_from["staging"] + emu.copies_from["mapping"] > 0
+    emu.assert_clean()
+    with pytest.raises(TensorMismatchError, match="F64"):  # checked through the target too
+        engine.load_into(path, {"ids": EmulatedArray(dtypes.BY_NAME["F64"].code, (10,), 80)})
+
+
+def test_load_into_a_device_it_cannot_fill_is_a_device_error(model_file):
+    from engine.errors import DeviceError
+
+    path, _ = model_file
+    with pytest.raises(DeviceError, match="'meta'") as err:
+        engine.load_into(path, {"ids": torch.empty(10, dtype=torch.int64, device="meta")})
+    assert err.value.reason == "UnsupportedDevice" and list(err.value.tensors) == ["ids"]
+    with pytest.raises(TensorMismatchError, match="cannot load into a list"):
+        engine.load_into(path, {"ids": [0] * 10})
+
+
 # -- statistics while loading -------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [64, 4096, None])
 @pytest.mark.parametrize("window", [None, 64, 1024])
 def test_stream_stats_equal_stats_of_the_loaded_tensors(tmp_path, monkeypatch, chunk, window):
     pytest.importorskip("numba", reason="statistics need Numba (a test extra)")
     if window:  # pieces of at least `window` bytes take the native read-and-fold path
-        monkeypatch.setattr(engine.loader._StatsCollector, "WINDOW", window)
+        monkeypatch.setattr(engine.onload.StatsCollector, "WINDOW", window)
     import ml_dtypes
 
     rng = np.random.default_rng(3)

@@ -17,7 +17,6 @@ import naive
 import numba
 import numpy as np
 import pytest
-from conftest import run_python
 from test_kernels import assert_stats
 
 import engine
@@ -249,17 +248,3 @@ def test_device_quantize_nonfinite(model_file, monkeypatch):
     for name in default_selection(sd):
         assert_quantized(got[name], sd[name], 1)
     assert math.prod(got["empty.weight"].q.shape) == 0 and got["empty.weight"].scale.shape == (5,)
-
-
-def test_a_plain_load_imports_no_numba(model_file):
-    # onload is imported by every load; only stats/quantize may bring Numba in
-
-    path, _ = model_file
-    code = (
-        "import sys, engine\n"
-        f"n = sum(1 for _ in engine.stream({str(path)!r}, framework='np', device='cpu'))\n"
-        "assert n > 10 and 'numba' not in sys.modules, n\n"
-        f"list(engine.stream({str(path)!r}, framework='np', device='cpu', quantize='int8', names=['model.norm.weight']))\n"
-        "assert 'numba' in sys.modules\n"
-    )
-    run_python(code)

@@ -21,7 +21,7 @@ from gil import ticks_during
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import pipeline
+from engine import device_load, pipeline
 from engine.errors import DeviceError, ReadError
 from engine.plan import Piece, Request, plan_reads
 from engine.reader import pread_into
@@ -452,7 +452,7 @@ def test_units_cover_every_planned_byte_once_within_their_slot(layout, rows, chu
     _, _, begins, ends, _ = layout
     rows = sorted(rows, key=lambda r: begins[r])
     requests = plan_reads(begins, ends, rows, 64, chunk)
-    units = pipeline._units(0, requests, slot_bytes, splittable)
+    units = device_load.units(0, requests, slot_bytes, splittable)
     got_bytes: dict[int, list] = {}
     for u in units:
         assert u.nbytes <= slot_bytes or (not splittable and len(u.requests) == 1)
@@ -535,8 +535,8 @@ def test_default_sizes():
 
 
 def test_the_last_unit_goes_to_the_path_that_lands_it_first():
-    u = pipeline._Unit(0, [Request(0, 1 << 20, (Piece(0, 0, 0, 1 << 20),))])
-    q = pipeline._Queue([], [u], threading.Event())
+    u = device_load.Unit(0, [Request(0, 1 << 20, (Piece(0, 0, 0, 1 << 20),))])
+    q = device_load.UnitQueue([], [u], threading.Event())
     q.register_active = True
     assert q._worth_it("copy", "register", u)  # no rates yet: anyone
     q.finished("copy", 1 << 30, 1.0)  # 1 GiB/s

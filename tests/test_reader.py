@@ -199,3 +199,24 @@ def test_spans_past_the_end_is_a_short_read(data_file):
     with pytest.raises(ReadError) as info:
         reader.pread_spans(fd, memoryview(bytearray(20)), np.array([0, 999_995]), 10, 0, bytearray(1 << 20), path=path)
     assert info.value.reason == "ShortRead" and info.value.offset == 1_000_000 and info.value.size == 5
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("inline_under", [None, 0.0, 60.0])
+def test_map_threads_raises_the_first_failure_after_undoing_the_successes(workers, inline_under):
+    """The one thread map of the package: results in item order; on failures, the first in
+    item order is raised once every started call has ended, after ``undo`` of each success."""
+    assert reader.map_threads(lambda x: x * x, range(6), workers, inline_under=inline_under) == [0, 1, 4, 9, 16, 25]
+    undone: list[int] = []
+
+    def fn(x):
+        if x in (2, 4):
+            raise ValueError(x)
+        return x
+
+    with pytest.raises(ValueError) as err:
+        reader.map_threads(fn, range(6), workers, inline_under=inline_under, undo=undone.append)
+    assert err.value.args == (2,)
+    # inline calls stop at the first failure; parallel ones all run, and all successes are undone
+    parallel = workers > 1 and inline_under != 60.0
+    assert sorted(undone) == ([0, 1, 3, 5] if parallel else [0, 1])

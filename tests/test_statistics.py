@@ -37,17 +37,6 @@ def _data(dtype, shape, seed=0):
 ALL = FLOATS + INTS
 
 
-def test_import_engine_stays_light():
-    code = (
-        "import sys, engine\n"
-        "assert 'numba' not in sys.modules and 'torch' not in sys.modules\n"
-        "import numpy as np\n"
-        "engine.stats(np.ones(3, np.float32))\n"
-        "assert 'torch' not in sys.modules\n"
-    )
-    run_python(code)
-
-
 @pytest.mark.parametrize(
     "first", ["engine.Stats", "engine.quantize_int8", "import engine.statistics", "engine.stats"]
 )

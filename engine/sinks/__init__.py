@@ -7,9 +7,11 @@ own module, which imports its framework at the top: importing it is the opt-in.
 
 from __future__ import annotations
 
-from ..errors import DeviceError, SafetensorError, UnsupportedFrameworkError
+import sys
 
-__all__ = ["get_sink", "sink_kind", "map_file", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
+from ..errors import DeviceError, SafetensorError, TensorMismatchError, UnsupportedFrameworkError
+
+__all__ = ["get_sink", "sink_kind", "map_file", "fill_target", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
 
 
 def __getattr__(name: str):
@@ -125,3 +127,36 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def fill_target(x):
+    """An existing tensor (numpy, torch or CuPy) as a destination that a load fills in place
+    (:class:`engine.sinks._targets.FillTarget`): its dtype, shape, layout, memory and, on a
+    device, the operations that copy into it.
+
+    Raises
+    ------
+    TensorMismatchError
+        Anything else.
+    """
+    # no framework is imported here: a torch tensor or a CuPy array exists only if its
+    # framework is imported already
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, numpy.ndarray):
+        from .. import dtypes
+        from ._targets import NumpyTarget
+
+        return NumpyTarget(x, dtypes.from_numpy(x.dtype), x.shape, x.flags.c_contiguous and x.flags.writeable)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        from .torch import fill_target as torch_target
+
+        return torch_target(x)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        from .cupy import fill_target as cupy_target
+
+        return cupy_target(x)
+    raise TensorMismatchError(
+        f"cannot load into a {type(x).__name__}; expected a numpy array, a torch tensor or a CuPy array"
+    )

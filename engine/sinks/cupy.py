@@ -7,6 +7,8 @@ import numpy as np
 from .. import dtypes
 from ..errors import DeviceError, MissingDependencyError
 from . import _cudart
+from ._staging import HostSource, PinnedHostOps
+from ._targets import FillTarget
 from .numpy import NumpySink
 
 try:
@@ -43,18 +45,7 @@ def cupy_dtype(code: int) -> np.dtype:
         return np.dtype(_RAW_BITS[dt.itemsize])
 
 
-class _HostSource:
-    """A host buffer the device copies from, by address."""
-
-    __slots__ = ("view", "addr", "block")
-
-    def __init__(self, view, addr: int, block=None) -> None:
-        self.view = view
-        self.addr = addr
-        self.block = block
-
-
-class CupyOps:
+class CupyOps(PinnedHostOps):
     """The pipeline's device operations on CuPy (see :class:`engine.pipeline.DeviceOps`):
     the same copy and register paths as torch, with ``cudaMemcpyAsync`` by address."""
 
@@ -69,26 +60,16 @@ class CupyOps:
         if not block.locked:  # page-locking refused: CuPy's pinned memory (cached by CuPy)
             mem = cupy.cuda.alloc_pinned_memory(nbytes)
             host = np.frombuffer(mem, np.uint8, nbytes)
-            return _HostSource(mem, host.ctypes.data), memoryview(host)
-        return _HostSource(block.view, block.addr, block), block.view
+            return HostSource(mem, host.ctypes.data), memoryview(host)
+        return HostSource(block.view, block.addr, block), block.view
 
-    def free_staging(self, handle: _HostSource) -> None:
-        if handle.block is not None:
-            handle.block.release()
-
-    def wrap_host(self, view: memoryview) -> _HostSource:
-        return _HostSource(view, _cudart.address_of(view))
-
-    def register(self, handle: _HostSource, offset: int, nbytes: int) -> bool:
-        return _cudart.register_read_only(handle.addr + offset, nbytes)
-
-    def unregister(self, handle: _HostSource, offset: int, nbytes: int) -> None:
-        _cudart.unregister(handle.addr + offset)
+    def wrap_host(self, view: memoryview) -> HostSource:
+        return HostSource(view, _cudart.address_of(view))
 
     def new_stream(self):
         return cupy.cuda.Stream(non_blocking=True)
 
-    def copy_to_device(self, dst, dst_offset: int, src: _HostSource, src_offset: int, nbytes: int, stream) -> None:
+    def copy_to_device(self, dst, dst_offset: int, src: HostSource, src_offset: int, nbytes: int, stream) -> None:
         cupy.cuda.runtime.memcpyAsync(
             dst.data.ptr + dst_offset, src.addr + src_offset, nbytes, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr
         )
@@ -137,3 +118,27 @@ class CupySink(NumpySink):
                         dtypes.packed_shape(code, shape, nbytes)
                     )
         return tensors, targets, CupyOps(self.device_id)
+
+
+class CupyTarget(FillTarget):
+    """A CuPy array that a load fills in place through the pinned staging ring
+    (:class:`CupyOps`).  BF16 and FP8 arrive as their raw bits, as :func:`cupy_dtype` says."""
+
+    def __init__(self, arr) -> None:
+        code = dtypes.BY_NAME["U8"].code if arr.dtype == np.uint8 else dtypes.from_numpy(arr.dtype)
+        super().__init__(arr, code, arr.shape, bool(arr.flags.c_contiguous), "cuda")
+        self.device = ("cupy", arr.device.id)
+
+    def accepts(self, code: int) -> bool:
+        return code == self.code or cupy_dtype(code) == self.tensor.dtype
+
+    def device_bytes(self):
+        return self.tensor.reshape(-1).view(cupy.uint8)
+
+    def device_ops(self) -> CupyOps:
+        return CupyOps(self.device[1])
+
+
+def fill_target(arr) -> CupyTarget:
+    """``arr`` as a destination of ``load_into`` (see :class:`engine.sinks._targets.FillTarget`)."""
+    return CupyTarget(arr)

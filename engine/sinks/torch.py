@@ -11,6 +11,8 @@ import torch
 from .. import dtypes
 from ..errors import DeviceError, SafetensorError, UnrepresentableTensorError
 from . import _cudart
+from ._staging import HostSource, PinnedHostOps
+from ._targets import FillTarget
 
 
 class TorchSink:
@@ -177,21 +179,7 @@ def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> to
 DEVICE_ALIGNMENT = 256
 
 
-
-
-
-class _HostSource:
-    """A host buffer the device copies from: a uint8 tensor over it and its address."""
-
-    __slots__ = ("tensor", "addr", "block")
-
-    def __init__(self, tensor: torch.Tensor, addr: int, block=None) -> None:
-        self.tensor = tensor
-        self.addr = addr
-        self.block = block
-
-
-class TorchCudaOps:
+class TorchCudaOps(PinnedHostOps):
     """The pipeline's device operations on torch CUDA (see :class:`engine.pipeline.DeviceOps`).
 
     Staging slots are anonymous memory page-locked by the engine (unlocked when the load
@@ -211,33 +199,23 @@ class TorchCudaOps:
         block = _cudart.PinnedBlock(nbytes)
         if not block.locked:  # page-locking refused: torch's pinned memory (cached by torch)
             slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            return _HostSource(slot, slot.data_ptr()), memoryview(slot.numpy())
+            return HostSource(slot, slot.data_ptr()), memoryview(slot.numpy())
         tensor = torch.frombuffer(block.view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        return _HostSource(tensor, block.addr, block), block.view
+        return HostSource(tensor, block.addr, block), block.view
 
-    def free_staging(self, handle: _HostSource) -> None:
-        if handle.block is not None:
-            handle.block.release()
-
-    def wrap_host(self, view: memoryview) -> _HostSource:
+    def wrap_host(self, view: memoryview) -> HostSource:
         with warnings.catch_warnings():
             # the mapping is read-only and torch warns so; the device only ever reads it
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.frombuffer(view, dtype=torch.uint8)
-        return _HostSource(tensor, tensor.data_ptr())
-
-    def register(self, handle: _HostSource, offset: int, nbytes: int) -> bool:
-        return _cudart.register_read_only(handle.addr + offset, nbytes)
-
-    def unregister(self, handle: _HostSource, offset: int, nbytes: int) -> None:
-        _cudart.unregister(handle.addr + offset)
+        return HostSource(tensor, tensor.data_ptr())
 
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)
 
-    def copy_to_device(self, dst, dst_offset: int, src: _HostSource, src_offset: int, nbytes: int, stream) -> None:
+    def copy_to_device(self, dst, dst_offset: int, src: HostSource, src_offset: int, nbytes: int, stream) -> None:
         with torch.cuda.stream(stream):
-            dst[dst_offset : dst_offset + nbytes].copy_(src.tensor[src_offset : src_offset + nbytes], non_blocking=True)
+            dst[dst_offset : dst_offset + nbytes].copy_(src.buffer[src_offset : src_offset + nbytes], non_blocking=True)
 
     def record(self, stream):
         event = torch.cuda.Event()
@@ -293,3 +271,26 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
     from torch.utils.dlpack import from_dlpack
 
     return from_dlpack(view.__dlpack__())
+
+
+class TorchTarget(FillTarget):
+    """A torch tensor that a load fills in place: on the CPU through a byte view of its
+    memory, on CUDA through the pinned staging ring (:class:`TorchCudaOps`)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__(t, dtypes.from_torch(t.dtype), tuple(t.shape), t.is_contiguous(), t.device.type)
+        self.device = None if t.device.type == "cpu" else t.device
+
+    def host_bytes(self) -> memoryview:
+        return memoryview(self.tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+    def device_bytes(self) -> torch.Tensor:
+        return self.tensor.detach().reshape(-1).view(torch.uint8)
+
+    def device_ops(self) -> TorchCudaOps | None:
+        return TorchCudaOps(self.device) if self.where == "cuda" else None
+
+
+def fill_target(t: torch.Tensor) -> TorchTarget:
+    """``t`` as a destination of ``load_into`` (see :class:`engine.sinks._targets.FillTarget`)."""
+    return TorchTarget(t)

@@ -1,0 +1,641 @@
+"""The device side of the pipeline: two paths that feed a device at once.
+
+*copy path*
+    Large pinned staging slots (hundreds of MiB, :func:`default_slot_bytes`).  Each slot is
+    filled by one native call that splits it over every core (:func:`engine.reader.split_reader`:
+    native threads started once per load, GIL released, ``pread`` so that a truncated file
+    is an error and never a SIGBUS); its host-to-device copies are then issued on the
+    path's stream and the next slot is filled while they run.  Three passes over host
+    memory per byte (page cache read, slot write, DMA read).
+*register path*
+    For bytes already in the page cache (``mincore``), the file's read-only mapping itself
+    is page-locked (``cudaHostRegister(..., cudaHostRegisterReadOnly)``) one slot-sized
+    unit at a time and the device copies straight from it; the range is unregistered once
+    the copy's event completes.  One pass over host memory; bounded by how fast one thread
+    can page-lock.  Pages past the end of a truncated file cannot be page-locked: the
+    refusal sends the unit to the copy path, whose read then raises
+    :class:`~engine.errors.ReadError`.
+
+Both paths take :class:`Unit` s (up to a slot of consecutive requests of one file) from one
+:class:`UnitQueue`, the copy path from the front and the register path from the back, so
+each runs at its own measured pace (:class:`Rate`) and the copy engine is never idle; near
+the end a path leaves the last units to the other one when the rates say the other would
+finish them sooner.  :class:`Ring` holds the staging slots; :class:`DeviceLoad` is one load.
+What a framework provides is :class:`DeviceOps` (:mod:`engine.sinks`).
+
+:func:`engine.pipeline.run_sources` is the entry point: it builds the sources, the
+destination and the completion tracker that a :class:`DeviceLoad` is handed.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ._threads import run_threads
+from .errors import DeviceError
+from .plan import Piece, Request
+from .reader import check_read, resident_pages, split_reader
+
+__all__ = [
+    "DeviceOps", "DeviceLoad", "Unit", "units", "UnitQueue", "Ring", "Rate", "REGISTER_DEPTH",
+    "default_slot_bytes", "default_copy_threads",
+]
+
+#: Units the register path keeps page-locked at once (one copying, one being page-locked).
+REGISTER_DEPTH = 2
+_PAGE = mmap.PAGESIZE
+
+
+class DeviceOps(Protocol):
+    """What the pipeline needs from a device framework (torch CUDA, CuPy, or a test double).
+
+    ``free_staging``, ``wrap_host``, ``register`` and ``unregister`` are optional: without
+    the last three the register path is off.
+    """
+
+    def alloc_staging(self, nbytes: int):
+        """A pinned host buffer; returns ``(handle, writable memoryview)``."""
+
+    def free_staging(self, handle) -> None:
+        """Release a buffer from :meth:`alloc_staging` (unlock its pages)."""
+
+    def wrap_host(self, view: memoryview):
+        """A handle for read-only host memory (a file mapping) usable as a copy source."""
+
+    def register(self, handle, offset: int, nbytes: int) -> bool:
+        """Page-lock bytes ``[offset, offset + nbytes)`` of a :meth:`wrap_host` handle for
+        DMA; ``False`` when refused (nothing is then locked)."""
+
+    def unregister(self, handle, offset: int, nbytes: int) -> None:
+        """Undo :meth:`register` of the same range."""
+
+    def new_stream(self): ...
+
+    def copy_to_device(self, dst, dst_offset: int, src_handle, src_offset: int, nbytes: int, stream) -> None:
+        """Asynchronously copy ``nbytes`` of a staging or wrapped buffer to byte ``dst_offset`` of ``dst``."""
+
+    def record(self, stream):
+        """An event that completes when everything issued on ``stream`` so far is done."""
+
+    def wait(self, event) -> None:
+        """Block (without the GIL) until ``event`` completes."""
+
+    def bind_thread(self) -> None:
+        """Make the device current in a worker thread."""
+
+
+@functools.cache
+def default_copy_threads() -> int:
+    """Native threads that split each staging slot: every core (at least 1)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@functools.cache
+def default_slot_bytes() -> int:
+    """Bytes per staging slot when the caller does not say: 1/64 of the machine's memory,
+    a power of two between 64 MiB and 512 MiB (512 MiB from 32 GiB of memory up).
+
+    Large slots amortise the per-slot synchronisation and let every core share a slot;
+    two of them (pinned) plus two registered units is all the page-locked memory a device
+    load holds.
+    """
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
+        phys = 16 << 30
+    want = max(64 << 20, min(512 << 20, phys // 64))
+    return 1 << (want.bit_length() - 1)
+
+
+class Unit:
+    """Up to one slot of consecutive requests of one file.
+
+    ``requests`` are whole requests of the plan or, where a unit boundary falls inside one,
+    parts of it cut at a page boundary (so that the register path's page-rounded ranges of
+    neighbouring units rarely share a page).  ``slot_offsets[i]`` is where request ``i``
+    lands in a staging slot.
+    """
+
+    __slots__ = ("source", "requests", "slot_offsets", "nbytes")
+
+    def __init__(self, source: int, requests: list[Request]) -> None:
+        self.source = source
+        self.requests = requests
+        offs, pos = [], 0
+        for r in requests:
+            offs.append(pos)
+            pos += r.nbytes
+        self.slot_offsets = offs
+        self.nbytes = pos
+
+    def spans(self) -> list[tuple[int, int]]:
+        """File ranges ``(offset, nbytes)`` the unit reads, neighbours merged."""
+        out: list[list[int]] = []
+        for r in self.requests:
+            if out and out[-1][0] + out[-1][1] == r.offset:
+                out[-1][1] += r.nbytes
+            else:
+                out.append([r.offset, r.nbytes])
+        return [(a, n) for a, n in out]
+
+    def copies(self, row_base: int, from_file: bool) -> list[tuple[int, int, int, int]]:
+        """``(key, tensor_offset, source_offset, nbytes)`` per device copy; a tensor's pieces
+        that follow each other in the unit are merged into one copy.  The source offset is
+        in the file (``from_file``) or in the staging slot."""
+        out: list[list[int]] = []
+        for r, slot_off in zip(self.requests, self.slot_offsets, strict=True):
+            at = r.offset if from_file else slot_off
+            for p in r.pieces:
+                key = row_base + p.row
+                src = at + p.request_offset
+                if out:
+                    k, t, s, n = out[-1]
+                    if k == key and t + n == p.tensor_offset and s + n == src:
+                        out[-1][3] += p.nbytes
+                        continue
+                out.append([key, p.tensor_offset, src, p.nbytes])
+        return [tuple(c) for c in out]  # type: ignore[misc]
+
+
+def _split_request(r: Request, cut: int) -> tuple[Request, Request]:
+    """``r`` as two requests, the first ending at file offset ``cut`` (inside ``r``)."""
+    at = cut - r.offset
+    left, right = [], []
+    for p in r.pieces:
+        end = p.request_offset + p.nbytes
+        if end <= at:
+            left.append(p)
+        elif p.request_offset >= at:
+            right.append(Piece(p.row, p.tensor_offset, p.request_offset - at, p.nbytes))
+        else:
+            first = at - p.request_offset
+            left.append(Piece(p.row, p.tensor_offset, p.request_offset, first))
+            right.append(Piece(p.row, p.tensor_offset + first, 0, p.nbytes - first))
+    return Request(r.offset, at, tuple(left)), Request(cut, r.nbytes - at, tuple(right))
+
+
+def units(index: int, requests: Sequence[Request], slot_bytes: int, splittable: bool) -> list[Unit]:
+    """Group a file's requests (in file order) into units of at most ``slot_bytes``.
+
+    With ``splittable``, a request that does not fit is cut at the last page boundary that
+    fits; otherwise it starts the next unit (a request larger than a slot is a unit alone:
+    the caller sizes slots to the largest request then).
+    """
+    units: list[Unit] = []
+    cur: list[Request] = []
+    size = 0
+    pending = collections.deque(r for r in requests if r.nbytes)
+    while pending:
+        r = pending.popleft()
+        room = slot_bytes - size
+        if r.nbytes <= room:
+            cur.append(r)
+            size += r.nbytes
+            continue
+        if splittable:
+            cut = (r.offset + room) // _PAGE * _PAGE
+            if cut <= r.offset and not cur:  # a slot smaller than a page: cut anywhere
+                cut = r.offset + room
+            if cut > r.offset:
+                head, tail = _split_request(r, cut)
+                units.append(Unit(index, cur + [head]))
+                cur, size = [], 0
+                pending.appendleft(tail)
+                continue
+        if cur:  # close this unit; r starts the next one
+            units.append(Unit(index, cur))
+            cur, size = [], 0
+            pending.appendleft(r)
+            continue
+        units.append(Unit(index, [r]))
+    if cur:
+        units.append(Unit(index, cur))
+    return units
+
+
+class Rate:
+    """Bytes per second of one path, from its finished units."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self.busy_until = 0.0  # when the unit in hand should be done (monotonic)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+
+    @property
+    def value(self) -> float | None:
+        return self.bytes / self.seconds if self.seconds > 0 and self.bytes else None
+
+
+class UnitQueue:
+    """The units of a device load, shared by the two paths.
+
+    The copy path takes from the front (first the units that must be copied: not resident,
+    or refused by the register path), the register path from the back of the units it may
+    take.  A path asking for one of the last units is refused when the other path, at its
+    measured rate, would finish that unit sooner after its current one; the copy path
+    waits while the register path holds a unit it might still hand back.
+    """
+
+    def __init__(self, copy_only: list[Unit], shared: list[Unit], cancel: threading.Event,
+                 copy_shares: bool = True) -> None:
+        self.copy_only = collections.deque(copy_only)
+        # False when the register path is forced: the copy path then takes only the units
+        # the register path hands back (or leaves behind if it stops)
+        self.copy_shares = copy_shares
+        self.shared = collections.deque(shared)
+        self.cancel = cancel
+        self.cond = threading.Condition()
+        self.register_holding = 0
+        self.register_active = False
+        self.rates = {"copy": Rate(), "register": Rate()}
+
+    def _worth_it(self, me: str, other: str, unit: Unit) -> bool:
+        # the last unit in the queue goes to whichever path would land it first
+        if len(self.shared) > 1:
+            return True
+        mine, theirs = self.rates[me].value, self.rates[other].value
+        if mine is None or theirs is None:
+            return True
+        now = time.monotonic()
+        other_free = max(now, self.rates[other].busy_until)
+        return now + unit.nbytes / mine <= other_free + unit.nbytes / theirs
+
+    def take_copy(self) -> Unit | None:
+        # The copy path never leaves a unit behind: it may decline the last shared unit to
+        # the register path, but then waits until that path takes it or ends; and it waits
+        # while the register path holds a unit it may still hand back.
+        with self.cond:
+            while not self.cancel.is_set():
+                if self.copy_only:
+                    return self._start("copy", self.copy_only.popleft())
+                if self.shared:
+                    if not self.register_active or (
+                        self.copy_shares and self._worth_it("copy", "register", self.shared[0])
+                    ):
+                        return self._start("copy", self.shared.popleft())
+                elif not self.register_holding:
+                    return None
+                self.cond.wait(0.05)
+            return None
+
+    def take_register(self) -> Unit | None:
+        with self.cond:
+            if self.cancel.is_set() or not self.shared:
+                return None
+            if self.copy_shares and not self._worth_it("register", "copy", self.shared[-1]):
+                return None
+            self.register_holding += 1
+            return self._start("register", self.shared.pop())
+
+    def _start(self, path: str, unit: Unit) -> Unit:
+        rate = self.rates[path].value
+        self.rates[path].busy_until = time.monotonic() + (unit.nbytes / rate if rate else 0.0)
+        return unit
+
+    def register_settled(self, unit: Unit, accepted: bool) -> None:
+        """The register path page-locked ``unit`` (or was refused: the copy path gets it)."""
+        with self.cond:
+            self.register_holding -= 1
+            if not accepted:
+                self.copy_only.append(unit)
+            self.cond.notify_all()
+
+    def register_done(self) -> None:
+        with self.cond:
+            self.register_active = False
+            self.cond.notify_all()
+
+    def finished(self, path: str, nbytes: int, seconds: float) -> None:
+        with self.cond:
+            self.rates[path].add(nbytes, seconds)
+
+
+class Ring:
+    """The copy path's staging slots.  Slot 0 is allocated on first use; the others are
+    allocated at once on helper threads (page-locking hundreds of MiB takes tens of
+    milliseconds), so they are ready when the first slot's copies are issued."""
+
+    def __init__(self, ops, slots: int, nbytes: int, ahead: bool) -> None:
+        self.ops = ops
+        self.nbytes = nbytes
+        self.slots: list = [None] * slots
+        self.errors: list = [None] * slots
+        self.helpers: list[threading.Thread | None] = [None] * slots
+        if ahead:
+            for s in range(1, slots):
+                t = threading.Thread(target=self._allocate, args=(s,), name="engine-staging", daemon=True)
+                t.start()
+                self.helpers[s] = t
+
+    def _allocate(self, s: int) -> None:
+        try:
+            self.ops.bind_thread()
+            self.slots[s] = self.ops.alloc_staging(self.nbytes)
+        except BaseException as exc:  # re-raised when the slot is asked for
+            self.errors[s] = exc
+
+    def slot(self, s: int):
+        helper = self.helpers[s]
+        if helper is not None:
+            helper.join()
+            self.helpers[s] = None
+            if self.errors[s] is not None:
+                raise self.errors[s]
+        if self.slots[s] is None:
+            self.slots[s] = self.ops.alloc_staging(self.nbytes)
+        return self.slots[s]
+
+    def free(self) -> None:
+        for helper in self.helpers:
+            if helper is not None:
+                helper.join()
+        free = getattr(self.ops, "free_staging", None)
+        for slot in self.slots:
+            if slot is not None and free is not None:
+                free(slot[0])
+        self.slots = [None] * len(self.slots)
+
+
+def _resident(mapping: memoryview, offset: int, nbytes: int) -> bool:
+    resident, pages = resident_pages(mapping[offset : offset + nbytes])
+    return pages > 0 and resident == pages
+
+
+class DeviceLoad:
+    """One device load: the units, the two paths, their threads and their clean-up.
+
+    ``sources`` are :class:`engine.pipeline.Source` s, ``dest`` a device
+    :class:`engine.pipeline.Destination`, ``tracker`` reports each tensor when its last
+    copy has completed (``tracker.landed([(key, nbytes), ...])``); the other arguments are
+    those of :func:`engine.pipeline.run_sources`.
+    """
+
+    def __init__(
+        self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, residency,
+        after_copy=None,
+    ) -> None:
+        self.sources = sources
+        self.dest = dest
+        self.ops = dest.device_ops
+        self.tracker = tracker
+        self.cancel = cancel
+        self.threads = threads or default_copy_threads()
+        self.slots = max(1, slots)
+        self.fill = fill
+        self.after_copy = after_copy
+        self.residency = residency or _resident
+        total = sum(r.nbytes for s in sources for r in s.requests)
+        if slot_bytes:
+            want = slot_bytes
+        else:
+            # by default at least 16 units per load (a 64 MiB floor): smaller slots for a
+            # smaller load are page-locked sooner, and the two paths share more units
+            want = min(default_slot_bytes(), max(64 << 20, -(-total // (16 * _PAGE)) * _PAGE))
+        # never a slot larger than the load (rounded up to a page); a fill hook sees whole
+        # requests, so then a slot holds at least the largest one
+        self.slot_bytes = max(1, min(want, -(-max(total, 1) // _PAGE) * _PAGE))
+        if fill is not None:
+            self.slot_bytes = max([self.slot_bytes] + [r.nbytes for s in sources for r in s.requests])
+        can_register = all(hasattr(self.ops, m) for m in ("wrap_host", "register", "unregister"))
+        self.use_register = gpu_path != "copy" and fill is None and can_register
+        if gpu_path == "register" and not can_register:
+            raise DeviceError("gpu_path='register' asked for, but the device cannot page-lock host memory")
+        self.gpu_path = gpu_path
+        self.units = [u for i, s in enumerate(sources)
+                      for u in units(i, s.requests, self.slot_bytes, splittable=fill is None)]
+
+    # -- set-up and tear-down --------------------------------------------------------------
+
+    def run(self) -> None:
+        maps: dict[int, tuple] = {}  # source -> (mmap, handle)
+        try:
+            copy_only, shared = self.units, []  # type: list[Unit], list[Unit]
+            if self.use_register:
+                copy_only, shared = [], []
+                for u in self.units:
+                    if self._registrable(u, maps):
+                        shared.append(u)
+                    else:
+                        copy_only.append(u)
+            self.maps = maps
+            copy_shares = self.gpu_path != "register"
+            self.queue = UnitQueue(copy_only, shared, self.cancel, copy_shares=copy_shares)
+            # slots beyond the first are worth page-locking ahead only if the copy path
+            # may take more than one unit
+            self.copy_units = len(copy_only) + (len(shared) if copy_shares else 0)
+            jobs = [self._copy_path]
+            if shared:
+                self.queue.register_active = True
+                jobs.append(self._register_path)
+            run_threads(jobs, name="engine-device", on_error=self._stop)
+        finally:
+            mappings = [m for m, _ in maps.values() if m is not None]
+            maps.clear()  # drops the handles (and their exports of the mappings) first
+            self.maps = {}
+            for m in mappings:
+                try:
+                    m.close()
+                except BufferError:  # a view is still alive somewhere: the GC unmaps it
+                    pass
+
+    def _stop(self) -> None:
+        self.cancel.set()
+        queue = getattr(self, "queue", None)
+        if queue is not None:
+            with queue.cond:
+                queue.cond.notify_all()
+
+    def _mapping(self, index: int, maps: dict):
+        if index not in maps:
+            src = self.sources[index]
+            try:
+                size = os.fstat(src.fd).st_size
+                m = mmap.mmap(src.fd, size, access=mmap.ACCESS_READ) if size else None
+            except (OSError, ValueError):
+                m = None
+            maps[index] = (m, self.ops.wrap_host(memoryview(m)) if m is not None else None)
+        return maps[index]
+
+    def _registrable(self, unit: Unit, maps: dict) -> bool:
+        m, _ = self._mapping(unit.source, maps)
+        if m is None:
+            return False
+        spans = unit.spans()
+        if spans[-1][0] + spans[-1][1] > len(m):  # the file is shorter than its plan
+            return False
+        if self.gpu_path == "register":
+            return True
+        view = memoryview(m)
+        try:
+            return all(self.residency(view, off, n) for off, n in spans)
+        finally:
+            view.release()
+
+    # -- the copy path ---------------------------------------------------------------------
+
+    def _copy_path(self) -> None:
+        ops, queue = self.ops, self.queue
+        ops.bind_thread()
+        stream = ops.new_stream()
+        ring = Ring(ops, self.slots, self.slot_bytes, ahead=self.copy_units > 1)
+        in_flight: list = [None] * self.slots  # (event, landed parts) per slot
+        reader = None
+        if self.fill is None:
+            reader = split_reader(self.threads)  # native threads for the whole load
+        k = 0
+        try:
+            while (unit := queue.take_copy()) is not None:
+                began = time.monotonic()
+                s = k % self.slots
+                k += 1
+                if in_flight[s] is not None:  # the slot's last copies must finish first
+                    event, parts = in_flight[s]
+                    ops.wait(event)
+                    in_flight[s] = None
+                    self.tracker.landed(parts)
+                handle, view = ring.slot(s)
+                self._read_unit(unit, view, reader)
+                src = self.sources[unit.source]
+                targets = self.dest.device_targets
+                parts = []
+                for key, toff, soff, n in unit.copies(src.row_base, from_file=False):
+                    ops.copy_to_device(targets[key], toff, handle, soff, n, stream)
+                    parts.append((key, n))
+                self._after_copy(unit, stream)
+                in_flight[s] = (ops.record(stream), parts)
+                queue.finished("copy", unit.nbytes, time.monotonic() - began)
+        finally:
+            # every issued copy completes before its slot is released
+            for item in in_flight:
+                if item is not None:
+                    ops.wait(item[0])
+                    if not self.cancel.is_set():
+                        self.tracker.landed(item[1])
+            ring.free()
+            if reader is not None:
+                reader.close()
+
+    def _after_copy(self, unit: Unit, stream) -> None:
+        """The ``after_copy`` hook for each request of a unit whose copies are issued."""
+        if self.after_copy is not None:
+            for r in unit.requests:
+                self.after_copy(r, stream)
+
+    def _read_unit(self, unit: Unit, view: memoryview, reader) -> None:
+        src = self.sources[unit.source]
+        if self.fill is not None:
+            fill, reqs = self.fill, unit.requests
+
+            def part(lo: int, hi: int) -> None:
+                for r, off in zip(reqs[lo:hi], unit.slot_offsets[lo:hi], strict=True):
+                    fill(src.fd, r, [view[off + p.request_offset : off + p.request_offset + p.nbytes]
+                                     for p in r.pieces])
+
+            n = max(1, min(self.threads, len(reqs)))
+            bounds = [len(reqs) * i // n for i in range(n + 1)]
+            run_threads([functools.partial(part, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+            return
+        reqs = unit.requests
+        file_offsets = np.fromiter((r.offset for r in reqs), np.int64, len(reqs))
+        sizes = np.fromiter((r.nbytes for r in reqs), np.int64, len(reqs))
+        slot_offsets = np.asarray(unit.slot_offsets, dtype=np.int64)
+        out = np.frombuffer(view, np.uint8)
+        # one native call: the unit's bytes split evenly over the reader's threads, GIL released
+        check_read(reader.read(src.fd, out, file_offsets, slot_offsets, sizes), "the load", src.path, src.fd)
+
+    # -- the register path -----------------------------------------------------------------
+
+    def _register_path(self) -> None:
+        ops, queue = self.ops, self.queue
+        ops.bind_thread()
+        stream = ops.new_stream()
+        in_flight: collections.deque = collections.deque()  # (event, handle, ranges, parts)
+        try:
+            while (unit := queue.take_register()) is not None:
+                began = time.monotonic()
+                m, handle = self.maps[unit.source]
+                ranges = self._page_ranges(unit, len(m))
+                # the oldest unit is retired first: the depth bound, and a neighbour that
+                # shares a page with this unit must be unregistered before it is registered
+                while in_flight and (
+                    len(in_flight) >= REGISTER_DEPTH or _overlaps(in_flight, handle, ranges)
+                ):
+                    self._retire(in_flight.popleft())
+                done = []
+                for off, n in ranges:
+                    if self.cancel.is_set() or not ops.register(handle, off, n):
+                        break
+                    done.append((off, n))
+                if len(done) < len(ranges):
+                    for off, n in done:
+                        ops.unregister(handle, off, n)
+                    queue.register_settled(unit, accepted=False)
+                    continue
+                queue.register_settled(unit, accepted=True)
+                src = self.sources[unit.source]
+                targets = self.dest.device_targets
+                parts = []
+                try:
+                    for key, toff, foff, n in unit.copies(src.row_base, from_file=True):
+                        ops.copy_to_device(targets[key], toff, handle, foff, n, stream)
+                        parts.append((key, n))
+                    self._after_copy(unit, stream)
+                finally:  # whatever was issued is waited for before its range is unregistered
+                    in_flight.append((ops.record(stream), handle, ranges, parts))
+                queue.finished("register", unit.nbytes, time.monotonic() - began)
+        finally:
+            queue.register_done()
+            while in_flight:
+                self._retire(in_flight.popleft())
+
+    @staticmethod
+    def _page_ranges(unit: Unit, limit: int) -> list[tuple[int, int]]:
+        """The unit's spans widened to whole pages (the last one clipped to the mapping's
+        pages), as ``(offset, nbytes)``."""
+        end_limit = -(-limit // _PAGE) * _PAGE
+        out: list[tuple[int, int]] = []
+        for off, n in unit.spans():
+            a = off // _PAGE * _PAGE
+            b = min(-(-(off + n) // _PAGE) * _PAGE, end_limit)
+            if out and out[-1][0] + out[-1][1] >= a:  # spans that share a page: one range
+                a = out[-1][0]
+                out.pop()
+            out.append((a, b - a))
+        return out
+
+    def _retire(self, item) -> None:
+        event, handle, ranges, parts = item
+        try:
+            self.ops.wait(event)
+        finally:
+            for off, n in ranges:
+                self.ops.unregister(handle, off, n)
+        if not self.cancel.is_set():
+            self.tracker.landed(parts)
+
+
+def _overlaps(in_flight, handle, ranges) -> bool:
+    for _, h, held, _ in in_flight:
+        if h is not handle:
+            continue
+        for a, n in held:
+            for b, m in ranges:
+                if a < b + m and b < a + n:
+                    return True
+    return False

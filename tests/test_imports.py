@@ -1,0 +1,135 @@
+"""What each entry point imports, in a fresh interpreter: short-lived tools pay for every
+import, so each common use loads only what it needs (``import engine`` imports no numpy,
+torch, CuPy or Numba; numpy callers never import torch; a plain load imports no Numba ...).
+
+One table: each case runs ``setup`` (not counted), then ``code``, and lists the modules
+that ``code`` must not have imported (a name also stands for its submodules); ``then``,
+where given, runs next and must import each of ``present``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from conftest import run_python
+
+import engine
+import engine.numpy
+
+
+class Case(NamedTuple):
+    code: str
+    absent: tuple[str, ...]
+    setup: str = ""
+    then: str = ""
+    present: tuple[str, ...] = ()
+
+
+#: what a first safe_open of a local file must not import: no HTTP, asyncio, test modules,
+#: thread pools, kernels, checkpoint code or mmap
+_OPEN_ABSENT = (
+    "urllib", "http", "asyncio", "unittest", "ssl", "email", "certifi", "concurrent", "numba", "torch", "queue",
+    "json", "engine.loader", "engine.pipeline", "engine.remote", "engine.statistics", "engine.kernels",
+    "engine.checkpoint", "mmap",
+)
+
+CASES = {
+    "import engine": Case("import engine\n", ("torch", "cupy", "numba")),
+    "first safe_open of a file": Case(
+        "with engine.safe_open(P, framework='np') as f:\n"
+        "    [f.get_slice(k).get_shape() for k in f.keys()]\n",
+        _OPEN_ABSENT,
+        setup="import engine, numpy\n",
+    ),
+    "reading headers, then an array": Case(
+        "with engine.safe_open(P, framework='np') as f:\n"
+        "    rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n"
+        "    assert rows == [('a', 'F32', [2, 3]), ('b', 'I8', [4])] and f.metadata() == {'k': 'v'}, rows\n"
+        "    h = engine.read_header(P)\n"
+        "    assert h.dtypes == ['F32', 'I8'] and h['a'].dtype == 'F32' and len(h.infos()) == 2\n"
+        "    info = engine.read_checkpoint_info(P)\n"
+        "    assert [t.name for _, t in info.tensors()] == h.offset_keys() == ['a', 'b'], info.tensors()\n"
+        "    assert h.parameters() == info.parameters() == {'F32': 6, 'I8': 4, 'total': 10}, h.parameters()\n"
+        "    assert repr(f).split()[2] == 'numpy', repr(f)\n",
+        ("numpy",),
+        setup="import engine\n",
+        then="with engine.safe_open(P, framework='np') as f:\n"
+             "    assert f.get_tensor('a').sum() == 15.0\n"
+             "h = engine.read_header(P)\n"
+             "assert not h.table.codes.flags.writeable and len(h.table.order) == 2\n",
+        present=("numpy",),
+    ),
+    "engine inspect": Case(
+        "from engine.cli import main\n"
+        "assert main(['inspect', P]) == 0\n",
+        ("numpy", "dataclasses", "statistics", "inspect"),
+    ),
+    "numpy dtypes, then BF16": Case(
+        "from engine import dtypes\n"
+        "a = [str(dtypes.numpy_dtype(dtypes.BY_NAME[n].code)) for n in ('F32', 'I64', 'BOOL', 'F4', 'C64')]\n"
+        "assert a == ['float32', 'int64', 'bool', 'uint8', 'complex64'], a\n",
+        ("ml_dtypes",),
+        then="from engine import dtypes\n"
+             "assert str(dtypes.numpy_dtype(dtypes.BY_NAME['BF16'].code)) == 'bfloat16'\n",
+        present=("ml_dtypes",),
+    ),
+    "statistics and quantize": Case(
+        "import engine.statistics, engine.quantize\n",
+        ("engine.checkpoint", "engine.api", "engine.loader", "torch"),
+    ),
+    "engine.stats on numpy": Case(
+        "import numpy as np\n"
+        "engine.stats(np.ones(3, np.float32))\n",
+        ("torch",),
+        setup="import engine\n",
+    ),
+    "a plain load, then a quantizing one": Case(
+        "n = sum(1 for _ in engine.stream(P, framework='np', device='cpu'))\n"
+        "assert n == 2, n\n",
+        ("numba",),
+        setup="import engine\n",
+        then="list(engine.stream(P, framework='np', device='cpu', quantize='int8', names=['a']))\n",
+        present=("numba",),
+    ),
+    "saving numpy arrays": Case(
+        "import numpy as np, engine.writer as w\n"
+        "w.save({'a': np.zeros(2), 'b': np.zeros(3, dtype='>f4')})\n",
+        ("torch",),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("imports") / "a.safetensors"
+    engine.numpy.save_file({"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.int8)}, str(path),
+                           metadata={"k": "v"})
+    return str(path)
+
+
+def _script(case: Case, path: str) -> str:
+    def loaded(names) -> str:
+        return (f"sorted(n for n in {tuple(names)!r} if any(m == n or m.startswith(n + '.') for m in "
+                "set(sys.modules) - before))")
+
+    return "\n".join([
+        "import sys", f"P = {path!r}", case.setup,
+        "before = set(sys.modules)", case.code, f"print({loaded(case.absent)})",
+        "before = set()", case.then, f"print({loaded(case.present)})",
+    ])
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_each_entry_point_imports_only_what_it_needs(case, small_file):
+    absent, present = run_python(_script(case, small_file)).strip().splitlines()[-2:]
+    assert absent == "[]", f"imported: {absent}"
+    assert present == str(sorted(case.present)), f"not imported: {case.present} ({present})"
+
+
+def test_the_table_can_fail(small_file):
+    """A case whose code imports a listed module is caught (the table is not vacuous)."""
+    bad = Case("import json\n", ("json",), then="import numpy\n", present=("numpy",))
+    absent, present = run_python(_script(bad, small_file)).strip().splitlines()[-2:]
+    assert absent == "['json']" and present == "['numpy']"
