@@ -25,7 +25,8 @@ from cpython.long cimport PyLong_FromUnsignedLongLong
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from cpython.unicode cimport PyUnicode_DATA, PyUnicode_DecodeUTF8, PyUnicode_New
-from libc.stdint cimport INT64_MAX, UINT64_MAX, int64_t, uint8_t, uint64_t
+from libc.math cimport isinf
+from libc.stdint cimport INT32_MAX, INT64_MAX, UINT64_MAX, int64_t, uint8_t, uint64_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcmp, memcpy, memset
@@ -91,9 +92,12 @@ cdef enum:
     F_SHAPE = 2
     F_OFFSETS = 4
     F_ALL = 7
-    # deepest nesting of an ignored field's value (serde_json, which the reference uses,
-    # stops at 128 too)
-    SKIP_DEPTH_MAX = 128
+    # deepest nesting of an ignored field's value: serde_json, which the reference parses
+    # with, refuses a 128th level counting the header object and the tensor entry, which
+    # leaves 125 to the value
+    SKIP_DEPTH_MAX = 125
+    # powers of ten that serde_json holds as doubles (1e0 .. 1e308)
+    POW10_MAX = 308
 
 # ---------------------------------------------------------------------------------------
 # dtype table, filled from engine.dtypes at import so there is one source of truth
@@ -121,6 +125,11 @@ cdef void init_dtypes() except *:
 
 
 init_dtypes()
+
+# the doubles 1e0 .. 1e308, correctly rounded as Python parses them (and Rust spells them)
+cdef double pow10[POW10_MAX + 1]
+for _i in range(POW10_MAX + 1):
+    pow10[_i] = float(f"1e{_i}")
 
 # bytes that may appear unescaped in a JSON string and are plain ASCII: the fast path
 cdef uint8_t str_plain[256]
@@ -690,10 +699,24 @@ cdef int check_tensor(Scanner* s, size_t row) noexcept nogil:
     return 0
 
 
+cdef inline bint digit_overflows(uint64_t v, uint64_t d) noexcept nogil:
+    """Whether ``v * 10 + d`` overflows 64 bits (serde_json's test, digit by digit)."""
+    return v >= UINT64_MAX // 10 and (v > UINT64_MAX // 10 or d > UINT64_MAX % 10)
+
+
 cdef int skip_number(Scanner* s) noexcept nogil:
-    """A JSON number (RFC 8259 grammar), consumed and discarded."""
+    """A JSON number (RFC 8259 grammar), consumed and discarded.
+
+    A number that serde_json (the reference's parser) refuses as out of range is refused
+    too: its significand (the first digits that fit 64 bits), as a double, times the power
+    of ten, overflows to infinity.  The arithmetic is serde_json's own, step for step, so
+    the same numbers pass (``1e-400`` is 0, ``1.7976931348623158e308`` overflows there).
+    """
     cdef size_t start = s.pos
     cdef int c = peek(s)
+    cdef uint64_t sig = 0, d
+    cdef int64_t exp10 = 0, e = 0
+    cdef bint is_float = False, frozen = False, exp_negative = False, exp_overflow = False
     if c == 0x2D:  # '-'
         s.pos += 1
         c = peek(s)
@@ -701,25 +724,57 @@ cdef int skip_number(Scanner* s) noexcept nogil:
         s.pos += 1
     elif 0x31 <= c <= 0x39:
         while 0x30 <= peek(s) <= 0x39:
+            d = peek(s) - 0x30
+            if frozen or digit_overflows(sig, d):
+                # past 64 bits the digits only scale the number
+                frozen = is_float = True
+                exp10 += 1
+            else:
+                sig = sig * 10 + d
             s.pos += 1
     else:
         return fail(s, R_DESER, start, "invalid number")
+    frozen = False
     if peek(s) == 0x2E:  # '.'
+        is_float = True
         s.pos += 1
         if not 0x30 <= peek(s) <= 0x39:
             return fail(s, R_DESER, start, "invalid number: a digit must follow '.'")
         while 0x30 <= peek(s) <= 0x39:
+            d = peek(s) - 0x30
+            if frozen or digit_overflows(sig, d):
+                frozen = True  # later fraction digits are dropped
+            else:
+                sig = sig * 10 + d
+                exp10 -= 1
             s.pos += 1
     c = peek(s)
     if c == 0x65 or c == 0x45:  # 'e' / 'E'
+        is_float = True
         s.pos += 1
         c = peek(s)
         if c == 0x2B or c == 0x2D:
+            exp_negative = c == 0x2D
             s.pos += 1
         if not 0x30 <= peek(s) <= 0x39:
             return fail(s, R_DESER, start, "invalid number: a digit must follow the exponent")
         while 0x30 <= peek(s) <= 0x39:
+            d = peek(s) - 0x30
+            if not exp_overflow:
+                if e >= INT32_MAX // 10 and (e > INT32_MAX // 10 or <int64_t>d > INT32_MAX % 10):
+                    exp_overflow = True
+                else:
+                    e = e * 10 + <int64_t>d
             s.pos += 1
+        if exp_overflow:
+            if sig != 0 and not exp_negative:
+                return fail(s, R_DESER, start, "number out of range (beyond a 64-bit float)")
+            return 0
+        exp10 = exp10 - e if exp_negative else exp10 + e
+    if not is_float or sig == 0 or exp10 < 0:
+        return 0  # an integer that fits 64 bits, a zero, or a division: never infinite
+    if exp10 > POW10_MAX or isinf(<double>sig * pow10[exp10]):
+        return fail(s, R_DESER, start, "number out of range (beyond a 64-bit float)")
     return 0
 
 
@@ -754,7 +809,7 @@ cdef int skip_value(Scanner* s) noexcept nogil:
         c = peek(s)
         if c == 0x7B or c == 0x5B:  # '{' or '['
             if depth == SKIP_DEPTH_MAX:
-                return fail(s, R_DESER, s.pos, "a field's value nests deeper than 128 levels")
+                return fail(s, R_DESER, s.pos, "a field's value nests deeper than 125 levels (127 with the header and its entry)")
             stack[depth] = <uint8_t>c
             depth += 1
             s.pos += 1
