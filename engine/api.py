@@ -4,9 +4,9 @@ A handle parses and validates the header once (see :mod:`engine.header`), then h
 tensors through one of two backends:
 
 ``"mmap"`` (default)
-    The file is mapped once; every tensor is a zero-copy view of the mapping.  numpy views
-    are read-only; torch tensors are writable views of a private (copy-on-write) mapping,
-    so writes never reach the file.  Fastest when the file is in the page cache and the
+    The file is mapped once; every tensor is a zero-copy view of the mapping.  numpy arrays
+    and torch tensors are writable, as the reference's are: the mapping is private
+    (copy-on-write), so a write copies only the page it touches and never reaches the file.  Fastest when the file is in the page cache and the
     caller reads only part of it.  Like any mapping, a file truncated by another process
     while mapped can crash the process (SIGBUS); use ``"pread"`` where files can change.
 ``"pread"``
