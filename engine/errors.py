@@ -56,6 +56,7 @@ HEADER_REASONS = frozenset(
         # stricter than the reference
         "DuplicateKey",
         "InvalidDtype",
+        "NotSafetensors",  # a Git LFS pointer, an HTML page, JSON or text, not safetensors at all
     }
 )
 

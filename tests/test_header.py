@@ -81,6 +81,12 @@ def _cases() -> list[Case]:
     c.append(Case("length-over-cap", struct.pack("<Q", MAX_HEADER_SIZE + 1) + b"{}", "HeaderTooLarge"))
     add("length-past-eof", b"{}", length=100, reason="InvalidHeaderLength", position=None)
     add("length-one-past-eof", b"{}", length=9, reason="InvalidHeaderLength")
+    # -- not safetensors at all: named, not read as a length -----------------------------------
+    lfs = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 4\n"
+    c.append(Case("git-lfs-pointer", lfs, "NotSafetensors", position=None))
+    c.append(Case("html-page", b"<!DOCTYPE html><html><body>Not found</body></html>\n", "NotSafetensors"))
+    c.append(Case("json-file", b'{"architectures": ["LlamaForCausalLM"]}\n', "NotSafetensors"))
+    c.append(Case("text-file", b"hello world, these are not weights\n", "NotSafetensors"))
     # -- start, UTF-8 --------------------------------------------------------------------
     add("header-empty", b"", pad=False, reason="InvalidHeaderStart", position=0)
     add("first-byte-not-brace", b"[]", reason="InvalidHeaderStart", position=0)
@@ -1398,4 +1404,49 @@ def test_ignored_large_numbers_agree_with_the_reference(digits, point, exponent,
     except HeaderError:
         ok = False
     assert ok == ref_ok, text
+
+
+@pytest.mark.parametrize(
+    "body, named",
+    [
+        (b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 4\n", "Git LFS pointer"),
+        (b"<!DOCTYPE html><html><body>Sign in</body></html>", "HTML page"),
+        (b"  <html><body>502 Bad Gateway</body></html>", "HTML page"),
+        (b'{"architectures": ["LlamaForCausalLM"]}', "JSON"),
+        (b"hello world, these are not weights\n", "text file"),
+    ],
+)
+def test_files_that_are_not_safetensors_are_named(tmp_path, body, named):
+    """A pointer, a page or text saved as .safetensors is named for what it is, not taken for a
+    huge header length (no advice to raise max_header_size), by every local reader."""
+    import engine
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(body)
+    for call in (
+        lambda: read_header(path),
+        lambda: parse_buffer(body, path=path),
+        lambda: engine.safe_open(path, "np"),
+        lambda: engine.numpy.load_file(path),
+        lambda: read_header(path, max_header_size=2**64),  # no limit: still not a length
+    ):
+        with pytest.raises(HeaderError) as info:
+            call()
+        err = info.value
+        assert err.reason == "NotSafetensors" and named in str(err) and str(path) in str(err), str(err)
+        assert "max_header_size" not in str(err)
+
+
+def test_binary_garbage_keeps_the_length_errors():
+    """Only text is named as not safetensors: a damaged length keeps the reference's reasons,
+    even when its first byte happens to be '<' or '{'."""
+    for first in (b"<", b"{", b"v"):
+        data = first + b"\xff" * 7 + b"{}"
+        with pytest.raises(HeaderError) as info:
+            parse_buffer(data)
+        assert info.value.reason == "HeaderTooLarge"
+    data = struct.pack("<Q", ord("<") + 256) + b"{}"  # a length past the end of a short file
+    with pytest.raises(HeaderError) as info:
+        parse_buffer(data)
+    assert info.value.reason == "InvalidHeaderLength"
 
