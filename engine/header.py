@@ -295,7 +295,7 @@ def checked_length(
     """
     try:
         return header_length(prefix, file_size, max_header_size)
-    except HeaderError as err:
+    except HeaderError:
         what = not_safetensors(prefix, content_type, remote=remote) if file_size >= 8 else None
         if what is None:
             raise

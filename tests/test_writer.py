@@ -26,7 +26,13 @@ from hypothesis.extra import numpy as hnp
 
 from engine import writer
 from engine.dtypes import NAMES, from_numpy
-from engine.errors import HeaderError, SerializationError, SerializationTypeError, SharedTensorsError, WriteError
+from engine.errors import (
+    HeaderError,
+    SerializationError,
+    SerializationTypeError,
+    SharedTensorsError,
+    WriteError,
+)
 from engine.header import read_header
 
 try:
