@@ -1420,6 +1420,7 @@ def test_files_that_are_not_safetensors_are_named(tmp_path, body, named):
     """A pointer, a page or text saved as .safetensors is named for what it is, not taken for a
     huge header length (no advice to raise max_header_size), by every local reader."""
     import engine
+    import engine.numpy
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(body)
