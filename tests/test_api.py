@@ -485,6 +485,36 @@ def test_import_engine_stays_light():
     assert run_python(code).strip() == "[]"
 
 
+def test_torch_headers_import_no_sink_and_no_cuda_runtime(sample_file):
+    """A torch process that reads names, dtypes and shapes pays for no torch sink and no CUDA
+    bindings (first open as light as the reference's); the first tensor brings the sink only."""
+    path, _ = sample_file
+    code = (
+        "import torch, sys, engine\n"
+        f"with engine.safe_open({str(path)!r}, framework='pt') as f:\n"
+        "    rows = [(f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n"
+        "    seen = [m for m in ('engine.sinks.torch', 'engine.sinks._cudart') if m in sys.modules]\n"
+        "    t = f.get_tensor('w')\n"
+        "print(seen, [m for m in ('engine.sinks.torch', 'engine.sinks._cudart') if m in sys.modules], t.dtype)"
+    )
+    assert run_python(code).strip() == "[] ['engine.sinks.torch'] torch.float32"
+
+
+def test_missing_torch_still_fails_at_open(sample_file):
+    """The torch sink is made with the first tensor, yet a missing torch fails at open, as
+    with the reference (bad devices: test_bad_framework_backend_device)."""
+    path, _ = sample_file
+    code = (
+        "import sys, engine\n"
+        "sys.modules['torch'] = None  # torch missing\n"
+        "try:\n"
+        f"    engine.safe_open({str(path)!r}, framework='pt')\n"
+        "except ImportError as e:\n"
+        "    print('ImportError')\n"
+    )
+    assert run_python(code).strip() == "ImportError"
+
+
 def test_safe_open_takes_an_index_or_a_directory(tmp_path):
     tensors = {f"layer{i}.w": _np_sample(np.float32, (64, 64), i) for i in range(4)}
     engine.save_sharded(tensors, tmp_path / "ck", max_shard_size=40_000)

@@ -10,7 +10,6 @@ import torch
 
 from .. import dtypes
 from ..errors import DeviceError, SafetensorError, UnrepresentableTensorError
-from . import _cudart
 
 
 class TorchSink:
@@ -208,6 +207,8 @@ class TorchCudaOps:
         torch.cuda.set_device(self.device)
 
     def alloc_staging(self, nbytes: int):
+        from . import _cudart  # CUDA loads only: CPU tensors never need the runtime's bindings
+
         block = _cudart.PinnedBlock(nbytes)
         if not block.locked:  # page-locking refused: torch's pinned memory (cached by torch)
             slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -227,9 +228,13 @@ class TorchCudaOps:
         return _HostSource(tensor, tensor.data_ptr())
 
     def register(self, handle: _HostSource, offset: int, nbytes: int) -> bool:
+        from . import _cudart
+
         return _cudart.register_read_only(handle.addr + offset, nbytes)
 
     def unregister(self, handle: _HostSource, offset: int, nbytes: int) -> None:
+        from . import _cudart
+
         _cudart.unregister(handle.addr + offset)
 
     def new_stream(self):
