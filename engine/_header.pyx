@@ -25,7 +25,8 @@ from cpython.long cimport PyLong_FromUnsignedLongLong
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from cpython.unicode cimport PyUnicode_DATA, PyUnicode_DecodeUTF8, PyUnicode_New
-from libc.stdint cimport INT64_MAX, UINT64_MAX, int64_t, uint8_t, uint64_t
+from libc.math cimport isinf
+from libc.stdint cimport INT32_MAX, INT64_MAX, UINT64_MAX, int64_t, uint8_t, uint64_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcmp, memcpy, memset
@@ -91,9 +92,12 @@ cdef enum:
     F_SHAPE = 2
     F_OFFSETS = 4
     F_ALL = 7
-    # deepest nesting of an ignored field's value (serde_json, which the reference uses,
-    # stops at 128 too)
-    SKIP_DEPTH_MAX = 128
+    # deepest nesting of an ignored field's value: serde_json, which the reference parses
+    # with, refuses a 128th level counting the header object and the tensor entry, which
+    # leaves 125 to the value
+    SKIP_DEPTH_MAX = 125
+    # powers of ten that serde_json holds as doubles (1e0 .. 1e308)
+    POW10_MAX = 308
 
 # ---------------------------------------------------------------------------------------
 # dtype table, filled from engine.dtypes at import so there is one source of truth
@@ -121,6 +125,35 @@ cdef void init_dtypes() except *:
 
 
 init_dtypes()
+
+cdef extern from *:
+    """
+    /* the doubles 1e0 .. 1e308 as serde_json holds them: decimal literals, which the C
+       compiler rounds correctly (a table in the binary: nothing to compute at import) */
+    static const double engine_pow10[309] = {
+        1e0,1e1,1e2,1e3,1e4,1e5,1e6,1e7,1e8,1e9,1e10,1e11,1e12,1e13,1e14,1e15,
+        1e16,1e17,1e18,1e19,1e20,1e21,1e22,1e23,1e24,1e25,1e26,1e27,1e28,1e29,1e30,1e31,
+        1e32,1e33,1e34,1e35,1e36,1e37,1e38,1e39,1e40,1e41,1e42,1e43,1e44,1e45,1e46,1e47,
+        1e48,1e49,1e50,1e51,1e52,1e53,1e54,1e55,1e56,1e57,1e58,1e59,1e60,1e61,1e62,1e63,
+        1e64,1e65,1e66,1e67,1e68,1e69,1e70,1e71,1e72,1e73,1e74,1e75,1e76,1e77,1e78,1e79,
+        1e80,1e81,1e82,1e83,1e84,1e85,1e86,1e87,1e88,1e89,1e90,1e91,1e92,1e93,1e94,1e95,
+        1e96,1e97,1e98,1e99,1e100,1e101,1e102,1e103,1e104,1e105,1e106,1e107,1e108,1e109,1e110,1e111,
+        1e112,1e113,1e114,1e115,1e116,1e117,1e118,1e119,1e120,1e121,1e122,1e123,1e124,1e125,1e126,1e127,
+        1e128,1e129,1e130,1e131,1e132,1e133,1e134,1e135,1e136,1e137,1e138,1e139,1e140,1e141,1e142,1e143,
+        1e144,1e145,1e146,1e147,1e148,1e149,1e150,1e151,1e152,1e153,1e154,1e155,1e156,1e157,1e158,1e159,
+        1e160,1e161,1e162,1e163,1e164,1e165,1e166,1e167,1e168,1e169,1e170,1e171,1e172,1e173,1e174,1e175,
+        1e176,1e177,1e178,1e179,1e180,1e181,1e182,1e183,1e184,1e185,1e186,1e187,1e188,1e189,1e190,1e191,
+        1e192,1e193,1e194,1e195,1e196,1e197,1e198,1e199,1e200,1e201,1e202,1e203,1e204,1e205,1e206,1e207,
+        1e208,1e209,1e210,1e211,1e212,1e213,1e214,1e215,1e216,1e217,1e218,1e219,1e220,1e221,1e222,1e223,
+        1e224,1e225,1e226,1e227,1e228,1e229,1e230,1e231,1e232,1e233,1e234,1e235,1e236,1e237,1e238,1e239,
+        1e240,1e241,1e242,1e243,1e244,1e245,1e246,1e247,1e248,1e249,1e250,1e251,1e252,1e253,1e254,1e255,
+        1e256,1e257,1e258,1e259,1e260,1e261,1e262,1e263,1e264,1e265,1e266,1e267,1e268,1e269,1e270,1e271,
+        1e272,1e273,1e274,1e275,1e276,1e277,1e278,1e279,1e280,1e281,1e282,1e283,1e284,1e285,1e286,1e287,
+        1e288,1e289,1e290,1e291,1e292,1e293,1e294,1e295,1e296,1e297,1e298,1e299,1e300,1e301,1e302,1e303,
+        1e304,1e305,1e306,1e307,1e308
+    };
+    """
+    const double pow10 "engine_pow10"[309]
 
 # bytes that may appear unescaped in a JSON string and are plain ASCII: the fast path
 cdef uint8_t str_plain[256]
@@ -690,10 +723,24 @@ cdef int check_tensor(Scanner* s, size_t row) noexcept nogil:
     return 0
 
 
+cdef inline bint digit_overflows(uint64_t v, uint64_t d) noexcept nogil:
+    """Whether ``v * 10 + d`` overflows 64 bits (serde_json's test, digit by digit)."""
+    return v >= UINT64_MAX // 10 and (v > UINT64_MAX // 10 or d > UINT64_MAX % 10)
+
+
 cdef int skip_number(Scanner* s) noexcept nogil:
-    """A JSON number (RFC 8259 grammar), consumed and discarded."""
+    """A JSON number (RFC 8259 grammar), consumed and discarded.
+
+    A number that serde_json (the reference's parser) refuses as out of range is refused
+    too: its significand (the first digits that fit 64 bits), as a double, times the power
+    of ten, overflows to infinity.  The arithmetic is serde_json's own, step for step, so
+    the same numbers pass (``1e-400`` is 0, ``1.7976931348623158e308`` overflows there).
+    """
     cdef size_t start = s.pos
     cdef int c = peek(s)
+    cdef uint64_t sig = 0, d
+    cdef int64_t exp10 = 0, e = 0
+    cdef bint is_float = False, frozen = False, exp_negative = False, exp_overflow = False
     if c == 0x2D:  # '-'
         s.pos += 1
         c = peek(s)
@@ -701,25 +748,57 @@ cdef int skip_number(Scanner* s) noexcept nogil:
         s.pos += 1
     elif 0x31 <= c <= 0x39:
         while 0x30 <= peek(s) <= 0x39:
+            d = peek(s) - 0x30
+            if frozen or digit_overflows(sig, d):
+                # past 64 bits the digits only scale the number
+                frozen = is_float = True
+                exp10 += 1
+            else:
+                sig = sig * 10 + d
             s.pos += 1
     else:
         return fail(s, R_DESER, start, "invalid number")
+    frozen = False
     if peek(s) == 0x2E:  # '.'
+        is_float = True
         s.pos += 1
         if not 0x30 <= peek(s) <= 0x39:
             return fail(s, R_DESER, start, "invalid number: a digit must follow '.'")
         while 0x30 <= peek(s) <= 0x39:
+            d = peek(s) - 0x30
+            if frozen or digit_overflows(sig, d):
+                frozen = True  # later fraction digits are dropped
+            else:
+                sig = sig * 10 + d
+                exp10 -= 1
             s.pos += 1
     c = peek(s)
     if c == 0x65 or c == 0x45:  # 'e' / 'E'
+        is_float = True
         s.pos += 1
         c = peek(s)
         if c == 0x2B or c == 0x2D:
+            exp_negative = c == 0x2D
             s.pos += 1
         if not 0x30 <= peek(s) <= 0x39:
             return fail(s, R_DESER, start, "invalid number: a digit must follow the exponent")
         while 0x30 <= peek(s) <= 0x39:
+            d = peek(s) - 0x30
+            if not exp_overflow:
+                if e >= INT32_MAX // 10 and (e > INT32_MAX // 10 or <int64_t>d > INT32_MAX % 10):
+                    exp_overflow = True
+                else:
+                    e = e * 10 + <int64_t>d
             s.pos += 1
+        if exp_overflow:
+            if sig != 0 and not exp_negative:
+                return fail(s, R_DESER, start, "number out of range (beyond a 64-bit float)")
+            return 0
+        exp10 = exp10 - e if exp_negative else exp10 + e
+    if not is_float or sig == 0 or exp10 < 0:
+        return 0  # an integer that fits 64 bits, a zero, or a division: never infinite
+    if exp10 > POW10_MAX or isinf(<double>sig * pow10[exp10]):
+        return fail(s, R_DESER, start, "number out of range (beyond a 64-bit float)")
     return 0
 
 
@@ -754,7 +833,7 @@ cdef int skip_value(Scanner* s) noexcept nogil:
         c = peek(s)
         if c == 0x7B or c == 0x5B:  # '{' or '['
             if depth == SKIP_DEPTH_MAX:
-                return fail(s, R_DESER, s.pos, "a field's value nests deeper than 128 levels")
+                return fail(s, R_DESER, s.pos, "a field's value nests deeper than 125 levels (127 with the header and its entry)")
             stack[depth] = <uint8_t>c
             depth += 1
             s.pos += 1

@@ -4,9 +4,9 @@ A handle parses and validates the header once (see :mod:`engine.header`), then h
 tensors through one of two backends:
 
 ``"mmap"`` (default)
-    The file is mapped once; every tensor is a zero-copy view of the mapping.  numpy views
-    are read-only; torch tensors are writable views of a private (copy-on-write) mapping,
-    so writes never reach the file.  Fastest when the file is in the page cache and the
+    The file is mapped once; every tensor is a zero-copy view of the mapping.  numpy arrays
+    and torch tensors are writable, as the reference's are: the mapping is private
+    (copy-on-write), so a write copies only the page it touches and never reaches the file.  Fastest when the file is in the page cache and the
     caller reads only part of it.  Like any mapping, a file truncated by another process
     while mapped can crash the process (SIGBUS); use ``"pread"`` where files can change.
 ``"pread"``
@@ -107,11 +107,17 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
                     f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend"
                 )
             self._kind = sink_kind(framework, device)
-            # numpy is imported with the first array, not at open: a tool that reads only
-            # names, dtypes, shapes and metadata never pays for it.  torch and CuPy sinks are
-            # made now, so that a missing framework or a bad device fails here, as with the
-            # reference.
-            self._sink_obj = None if self._kind == "numpy" else get_sink(framework, device)
+            self._device = device
+            # The sink (and numpy, and the torch sink's module) comes with the first tensor,
+            # not at open: a tool that reads only names, dtypes, shapes and metadata never
+            # pays for it.  torch on the CPU is imported now, as the reference imports it,
+            # so that a missing torch fails here; any other torch or CuPy device is checked
+            # now by making its sink, so that a bad device fails here too.
+            self._sink_obj = None
+            if self._kind == "torch" and str(device) == "cpu":
+                import torch  # noqa: F401 - the check; free where torch is loaded already
+            elif self._kind != "numpy":
+                self._sink_obj = get_sink(framework, device)
             self._backend = backend
             size = os.fstat(fd).st_size
             self.header: Header = read_header_fd(fd, path=path, file_size=size, max_header_size=max_header_size)
@@ -209,10 +215,10 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     @property
     def _sink(self):
-        """This handle's sink, made on first use for numpy (see ``_setup``)."""
+        """This handle's sink, made on first use for numpy and CPU torch (see ``_setup``)."""
         sink = self._sink_obj
-        if sink is None:  # numpy sinks hold no state: a second one made by a racing thread is as good
-            sink = self._sink_obj = get_sink("numpy")
+        if sink is None:  # CPU sinks hold no state: a second one made by a racing thread is as good
+            sink = self._sink_obj = get_sink(self._kind, self._device)
         return sink
 
     def _mapping(self):

@@ -19,6 +19,7 @@ __all__ = [
     "HeaderError",
     "TensorNotFoundError",
     "SerializationError",
+    "SerializationTypeError",
     "ReadError",
     "WriteError",
     "DeviceError",
@@ -56,6 +57,7 @@ HEADER_REASONS = frozenset(
         # stricter than the reference
         "DuplicateKey",
         "InvalidDtype",
+        "NotSafetensors",  # a Git LFS pointer, an HTML page, JSON or text, not safetensors at all
     }
 )
 
@@ -144,6 +146,15 @@ class TensorNotFoundError(SafetensorError, KeyError):
 
 class SerializationError(SafetensorError, ValueError):
     """Tensors or metadata that cannot be written (non-contiguous, shared memory, bad names)."""
+
+
+class SerializationTypeError(SerializationError, TypeError):
+    """Metadata or a tensor name of the wrong type: metadata that is not a mapping of str to
+    str, a tensor name that is not a str.
+
+    A ``TypeError`` as well, as the reference raises for the same arguments, so that
+    callers' ``except TypeError`` keeps catching it.
+    """
 
 
 class SharedTensorsError(SerializationError, RuntimeError):

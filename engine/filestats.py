@@ -37,7 +37,7 @@ def stats_file(path, names=None, *, threads: int | None = None, progress=None) -
 
     Notes
     -----
-    Copies of tensor bytes: 0.  Each tensor is a read-only view of a mapping that the kernel
+    Copies of tensor bytes: 0.  Each tensor is a view of a mapping that the kernel
     reads once; memory is bounded by the page cache, not by the model's size.  To get
     statistics while loading tensors for use, see ``engine.stream(..., stats=True)``.
     """

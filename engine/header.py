@@ -31,6 +31,8 @@ __all__ = [
     "parse_buffer",
     "parse_header",
     "header_length",
+    "checked_length",
+    "not_safetensors",
 ]
 
 #: Largest header (the JSON part, in bytes) accepted unless ``max_header_size`` says otherwise.
@@ -235,6 +237,75 @@ class Header:
         return f"<Header{where}: {len(self)} tensors, {self.data_size} data bytes>"
 
 
+_TEXT_BYTES = frozenset(range(0x20, 0x7F)) | {0x09, 0x0A, 0x0D}
+
+
+def not_safetensors(prefix: bytes, content_type: str | None = None, *, remote: bool = False) -> str | None:
+    """Name what a file whose 8-byte length failed its checks is instead, or ``None``.
+
+    Parameters
+    ----------
+    prefix : bytes
+        The file's first 8 bytes.
+    content_type : str, optional
+        The HTTP ``Content-Type`` of the body, where there is one.
+    remote : bool, default False
+        Phrase the advice for a download (a URL) rather than for a local file.
+
+    Returns
+    -------
+    str or None
+        ``"a Git LFS pointer file, not the weights (...)"``, ``"an HTML page, ..."``,
+        ``"JSON, ..."`` or ``"a text file, ..."``; ``None`` when the bytes are not text,
+        whatever they are.
+
+    Notes
+    -----
+    Eight bytes of text read as a little-endian length are at least ``0x0909090909090909``
+    (about 6.5e17), so no real safetensors file starts with text: the answer never names a
+    damaged safetensors file as something else.  An HTML ``Content-Type`` is trusted as is.
+    """
+    head = bytes(prefix[:8])
+    is_html_type = bool(content_type) and "html" in content_type.lower()  # type: ignore[union-attr]
+    if not is_html_type and (len(head) < 8 or not _TEXT_BYTES.issuperset(head)):
+        return None
+    if head.startswith(b"version "):
+        if remote:
+            return ("a Git LFS pointer file, not the weights (on the Hugging Face Hub use a /resolve/ URL, "
+                    "not /raw/ or /blob/)")
+        return "a Git LFS pointer file, not the weights (fetch them with `git lfs pull`)"
+    stripped = head.lstrip()
+    if is_html_type or stripped[:1] == b"<":
+        return "an HTML page, not a safetensors file (an error or login page?)"
+    if stripped[:1] in (b"{", b"["):
+        return "JSON, not a safetensors file"
+    return "a text file, not a safetensors file"
+
+
+def checked_length(
+    prefix, file_size: int, max_header_size: int = MAX_HEADER_SIZE, *, content_type: str | None = None,
+    remote: bool = False,
+) -> int:
+    """:func:`header_length`, whose error names a file that is not safetensors at all.
+
+    A Git LFS pointer, an HTML page, JSON or any text saved as ``.safetensors`` (or served
+    for one) raises ``HeaderError`` with ``reason="NotSafetensors"`` naming what it is
+    (see :func:`not_safetensors`), not a header length it never meant.  Local files and
+    downloads (:mod:`engine.remote`) share this one check.
+    """
+    try:
+        return header_length(prefix, file_size, max_header_size)
+    except HeaderError:
+        what = not_safetensors(prefix, content_type, remote=remote) if file_size >= 8 else None
+        if what is None:
+            raise
+        where = "the server sent" if remote else "the file is"
+        raise HeaderError(
+            f"{where} {what}; its first bytes {bytes(prefix[:8])!r} are not a header length",
+            reason="NotSafetensors",
+        ) from None
+
+
 def _set_path(err: HeaderError, path: str | None) -> None:
     """Name the file in an error raised below (str(err) starts with the path)."""
     if path is not None and err.path is None:
@@ -315,7 +386,7 @@ def read_header_fd(
         file_size = os.fstat(fd).st_size
     try:
         prefix = _pread_exact(fd, min(8, file_size), 0, spath)
-        n = header_length(prefix, file_size, max_header_size)
+        n = checked_length(prefix, file_size, max_header_size)
         buf = _pread_exact(fd, n, 8, spath)
         table = parse_header(buf, file_size - 8 - n, strict)
     except HeaderError as err:
@@ -421,7 +492,7 @@ def parse_buffer(
                 return parse_buffer(flat, path=spath, max_header_size=max_header_size, strict=strict)
         size = mv.nbytes
         try:
-            n = header_length(mv[:8], size, max_header_size)
+            n = checked_length(mv[:8], size, max_header_size)
             with mv[8 : 8 + n] as head:
                 table = parse_header(head, size - 8 - n, strict)
         except HeaderError as err:

@@ -15,6 +15,7 @@ from .api import views
 from .errors import SerializationError
 from .header import parse_buffer
 from .opener import safe_open
+from .sinks import host_block
 from .sinks.numpy import NumpySink
 
 # the reference's safetensors.numpy has them too
@@ -35,15 +36,17 @@ def load_file(filename, *, backend: str = "mmap") -> dict[str, np.ndarray]:
         A ``.safetensors`` file, or a sharded checkpoint (its directory or its
         ``model.safetensors.index.json``), whose shards load as one.
     backend : {"mmap", "pread"}
-        ``"mmap"``: read-only zero-copy views of a mapping; ``"pread"``: owned writable arrays.
+        ``"mmap"``: zero-copy views of a private (copy-on-write) mapping, writable, a
+        write never reaching the file; ``"pread"``: owned arrays.
 
     Returns
     -------
-    dict of str to numpy.ndarray, in file order.
+    dict of str to numpy.ndarray, in file order; writable, as the reference's.
 
     Notes
     -----
-    Copies of tensor bytes: 0 with "mmap", 1 with "pread" (page cache to the array).
+    Copies of tensor bytes: 0 with "mmap" (a page written is copied then, by the kernel),
+    1 with "pread" (page cache to the array).
     """
     with safe_open(filename, framework="numpy", backend=backend) as f:
         return f.get_tensors()
@@ -52,12 +55,21 @@ def load_file(filename, *, backend: str = "mmap") -> dict[str, np.ndarray]:
 def load(data: bytes) -> dict[str, np.ndarray]:
     """Load tensors from the bytes of a whole safetensors file.
 
+    Returns
+    -------
+    dict of str to numpy.ndarray, in file order; writable, as the reference's, and
+    independent of ``data``.
+
     Notes
     -----
-    Copies of tensor bytes: 0; the arrays are read-only views of ``data`` and keep it alive.
+    Copies of tensor bytes: 1 (the data region into one private block the arrays view;
+    ``data`` itself is neither kept nor changed).
     """
     header = parse_buffer(data)
-    return views(NumpySink(), data, header, header.table.file_order(), header.data_start)
+    region = memoryview(data).cast("B")[header.data_start :]
+    block = host_block(len(region))
+    memoryview(block)[: len(region)] = region
+    return views(NumpySink(), block, header, header.table.file_order(), 0)
 
 
 def _check(tensor_dict) -> None:

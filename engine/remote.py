@@ -41,7 +41,7 @@ from .errors import (
     RemoteFileNotFoundError,
     TensorNotFoundError,
 )
-from .header import MAX_HEADER_SIZE, Header, header_length, parse_header
+from .header import MAX_HEADER_SIZE, Header, checked_length, parse_header
 from .reader import map_threads
 
 __all__ = [
@@ -70,31 +70,11 @@ def _is_index(url: str) -> bool:
 # --------------------------------------------------------------------------- content checks
 
 
-def _sniff(prefix: bytes, content_type: str | None) -> str | None:
-    """Name what a non-safetensors body is, from its first bytes, for a clearer error."""
-    if prefix.startswith(b"version "):
-        return (
-            "a Git LFS pointer file, not the weights (on the Hugging Face Hub use a /resolve/ URL, "
-            "not /raw/ or /blob/)"
-        )
-    head = prefix.lstrip()
-    if (content_type and "html" in content_type.lower()) or head[:1] == b"<":
-        return "an HTML page, not a safetensors file (an error or login page?)"
-    if head[:1] in (b"{", b"["):
-        return "JSON, not a safetensors file"
-    return None
-
-
 def _length(prefix: bytes, total: int, max_header_size: int, url: str, content_type: str | None) -> int:
     """Header length ``N`` from the first bytes, validated; the error names what the body is."""
     try:
-        return header_length(prefix, total, max_header_size)
+        return checked_length(prefix, total, max_header_size, content_type=content_type, remote=True)
     except HeaderError as err:
-        what = _sniff(prefix, content_type) if total >= 8 else None
-        if what is not None:
-            raise HeaderError(
-                f"the server sent {what}: {err.message}", reason=err.reason or "HeaderTooLarge", path=url
-            ) from None
         err.path = url
         raise
 

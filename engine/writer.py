@@ -35,7 +35,7 @@ from ._atomic import umask as _umask
 from ._atomic import write_error as _write_error
 from ._files import IOV_MAX
 from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
-from .errors import DeviceError, SerializationError, SharedTensorsError
+from .errors import DeviceError, SerializationError, SerializationTypeError, SharedTensorsError
 from .header import MAX_HEADER_SIZE
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
@@ -148,7 +148,7 @@ def build_header(
 
 def _check_name(name: object) -> None:
     if not isinstance(name, str):
-        raise SerializationError(
+        raise SerializationTypeError(
             f"tensor names must be strings, got {type(name).__name__} {name!r}", reason="InvalidTensorName"
         )
     if name == _METADATA_KEY:
@@ -169,13 +169,13 @@ def _check_name(name: object) -> None:
 
 def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
     if not isinstance(metadata, Mapping):
-        raise SerializationError(
+        raise SerializationTypeError(
             f"metadata must be a mapping of str to str, got {type(metadata).__name__}",
             reason="InvalidMetadata",
         )
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise SerializationError(
+            raise SerializationTypeError(
                 f"metadata keys and values must be strings, got {key!r}: {value!r}", reason="InvalidMetadata"
             )
         try:
@@ -611,7 +611,8 @@ class TensorWriter:
         try:
             mode = stat.S_IMODE(os.stat(self._dest).st_mode)
         except FileNotFoundError:
-            mode = 0o666 & ~_umask()
+            # owner-only, as the reference writes them (weights are often private)
+            mode = 0o600 & ~_umask()
         except OSError as exc:
             raise _write_error("inspect the destination", self.path, exc) from exc
         try:
@@ -931,7 +932,8 @@ def save_file(
         device, including ``float8_*`` and ``float4_e2m1fn_x2``.  Both kinds may be mixed.
     filename : str or os.PathLike
         Destination.  An existing file keeps its permission bits; a new one gets
-        ``0o666 & ~umask``.  A symlink's target is replaced.
+        ``0o600 & ~umask`` (owner only, as the reference writes it).  A symlink's target
+        is replaced.
     metadata : mapping of str to str, optional
         Header ``__metadata__``, written in the mapping's order.
     fsync : bool, default True

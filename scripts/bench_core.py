@@ -10,6 +10,9 @@ interleaved rep by rep so that drift and neighbours' load hit both alike:
                 fresh interpreter (what a short-lived tool pays)
   first_tensor  the same, then one get_tensor (numpy imported on both sides: the engine
                 imports none for headers alone)
+  first_open_pt   first_open with framework="pt" in a process that has imported torch
+                  (untimed): every transformers, vLLM or accelerate process
+  first_tensor_pt the same, then one get_tensor (a BF16 torch tensor)
   lazy2g        lazy (mmap) load of a 2 GB BF16 checkpoint, then read every byte
   many_load     load_file of 100,000 tiny tensors
   save2g        save_file of a 2 GB BF16 checkpoint, time and extra peak RSS
@@ -116,6 +119,26 @@ CASES = {
         "goal": ("ratio", 1.0),
         "notes": {
             "reference": "first_open's calls + get_tensor(first key)",
+            "engine": "the identical calls",
+        },
+    },
+    "first_open_pt": {
+        "title": "torch imported, then import + first open of {small_n} tensors ('pt'), every dtype+shape",
+        "file": "small",
+        "impls": ["reference", "engine"],
+        "goal": ("ratio", 1.0),
+        "notes": {
+            "reference": "import torch (untimed); import safetensors; safe_open(..., 'pt'); every get_dtype/get_shape",
+            "engine": "import torch (untimed); import engine; the identical calls",
+        },
+    },
+    "first_tensor_pt": {
+        "title": "first_open_pt, then one get_tensor ({small_n} BF16 tensors)",
+        "file": "small",
+        "impls": ["reference", "engine"],
+        "goal": ("ratio", 1.0),
+        "notes": {
+            "reference": "first_open_pt's calls + get_tensor(first key)",
             "engine": "the identical calls",
         },
     },
@@ -299,10 +322,11 @@ def worker(spec: dict) -> dict:
 # --------------------------------------------------------------------------- parent side
 
 
-# first_open runs in a bare interpreter (nothing imported beyond site), so that every
+# first_open runs in a bare interpreter (nothing imported beyond site; the _pt rows import
+# torch first, untimed, as the processes that use them have), so that every
 # import the library makes on the way to its first open is counted
 # the timed part is common.first_open_code (the same text as asv's FirstOpen)
-FIRST_OPEN = """import time
+FIRST_OPEN = """{setup}import time
 t0 = time.perf_counter()
 {body}seconds = time.perf_counter() - t0
 import hashlib, json
@@ -311,11 +335,17 @@ print("RESULT " + json.dumps({{"seconds": seconds, "count": len(rows), "digest":
 """
 
 
+FIRST_OPEN_CASES = ("first_open", "first_tensor", "first_open_pt", "first_tensor_pt")
+
+
 def run_child(spec: dict, timeout: float = 1200) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    if spec.get("case") in ("first_open", "first_tensor"):
-        body = common.first_open_code(spec["impl"], spec["path"], first_tensor=spec["case"] == "first_tensor")
-        cmd = [sys.executable, "-c", FIRST_OPEN.format(body=body)]
+    if spec.get("case") in FIRST_OPEN_CASES:
+        torch_rows = spec["case"].endswith("_pt")
+        body = common.first_open_code(spec["impl"], spec["path"], first_tensor=spec["case"].startswith("first_tensor"),
+                                      framework="pt" if torch_rows else "np")
+        setup = common.TORCH_SETUP if torch_rows else ""
+        cmd = [sys.executable, "-c", FIRST_OPEN.format(body=body, setup=setup)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -450,7 +480,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if {"header100k", "many_load"} & set(cases):
         files["many"] = common.many_tensors_file(sz["many"], base=bench_dir)
-    if {"header_small", "first_open"} & set(cases):
+    if {"header_small", "first_open", "first_open_pt", "first_tensor_pt"} & set(cases):
         files["small"] = common.small_model_file(sz["small_layers"], base=bench_dir)
     if "first_tensor" in cases:  # F32: the reference's numpy has no BF16
         files["small_f32"] = common.small_model_file(sz["small_layers"], base=bench_dir, dtype="F32")

@@ -9,7 +9,7 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import in_threads
+from conftest import in_threads, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -142,7 +142,12 @@ def test_load_from_bytes_matches_reference():
     data = ref_np.save(tensors)
     for name, arr in engine.numpy.load(data).items():
         assert _bits_equal(arr, tensors[name])
-        assert not arr.flags.writeable  # views of immutable bytes
+        assert arr.flags.writeable and ref_np.load(data)[name].flags.writeable
+    arrays = engine.numpy.load(data)
+    arrays["a"] *= 2  # as with the reference: the arrays are the caller's, `data` is untouched
+    assert data == ref_np.save(tensors)
+    assert _bits_equal(arrays["a"], tensors["a"] * 2)
+    assert _bits_equal(engine.numpy.load(bytearray(data))["a"], tensors["a"])
     pt = engine.torch.load(data)
     for name, t in ref_pt.load(data).items():
         assert _bits_equal(pt[name], t)
@@ -186,14 +191,27 @@ def test_safe_open_api(sample_file, backend):
         assert list(got) == f.offset_keys()
 
 
-def test_mmap_views_are_zero_copy_and_read_only(sample_file):
-    path, _ = sample_file
+def test_mmap_views_are_zero_copy_and_writable_but_never_write_the_file(sample_file):
+    """As the reference's, numpy arrays are writable (``a[k] *= 2``); they view a private
+    mapping, so no byte is copied up front and no write reaches the file."""
+    path, tensors = sample_file
+    before = path.read_bytes()
     with engine.safe_open(path, "np") as f:
         w1, w2 = f.get_tensor("w"), f.get_tensor("w")
-    assert not w1.flags.writeable
+        piece = f.get_slice("ids")[1:, ::2]
+    with ref_np.safe_open(str(path), framework="np") as r:
+        assert r.get_tensor("w").flags.writeable and r.get_slice("ids")[1:, ::2].flags.writeable
+    assert w1.flags.writeable and piece.flags.writeable
     assert np.shares_memory(w1, w2)  # both view the one mapping
-    with pytest.raises(ValueError):
-        w1[0, 0] = 1.0
+    w1[0, 0] = 1.0
+    piece[...] = -1
+    loaded = engine.numpy.load_file(path)
+    assert all(a.flags.writeable for a in loaded.values())
+    loaded["b"] *= 2
+    del w1, w2, piece, loaded
+    gc.collect()
+    assert path.read_bytes() == before
+    assert _bits_equal(engine.numpy.load_file(path)["w"], tensors["w"])
 
 
 def test_pread_gives_owned_writable_memory(sample_file):
@@ -460,6 +478,36 @@ def test_concurrent_handles(tmp_path):
             assert all(_bits_equal(got[k], v) for k, v in tensors.items())
 
     in_threads(*[lambda b=b: work(b) for b in BACKENDS * 3])
+
+
+def test_torch_headers_import_no_sink_and_no_cuda_runtime(sample_file):
+    """A torch process that reads names, dtypes and shapes pays for no torch sink and no CUDA
+    bindings (first open as light as the reference's); the first tensor brings the sink only."""
+    path, _ = sample_file
+    code = (
+        "import torch, sys, engine\n"
+        f"with engine.safe_open({str(path)!r}, framework='pt') as f:\n"
+        "    rows = [(f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n"
+        "    seen = [m for m in ('engine.sinks.torch', 'engine.sinks._cudart') if m in sys.modules]\n"
+        "    t = f.get_tensor('w')\n"
+        "print(seen, [m for m in ('engine.sinks.torch', 'engine.sinks._cudart') if m in sys.modules], t.dtype)"
+    )
+    assert run_python(code).strip() == "[] ['engine.sinks.torch'] torch.float32"
+
+
+def test_missing_torch_still_fails_at_open(sample_file):
+    """The torch sink is made with the first tensor, yet a missing torch fails at open, as
+    with the reference (bad devices: test_bad_framework_backend_device)."""
+    path, _ = sample_file
+    code = (
+        "import sys, engine\n"
+        "sys.modules['torch'] = None  # torch missing\n"
+        "try:\n"
+        f"    engine.safe_open({str(path)!r}, framework='pt')\n"
+        "except ImportError as e:\n"
+        "    print('ImportError')\n"
+    )
+    assert run_python(code).strip() == "ImportError"
 
 
 def test_safe_open_takes_an_index_or_a_directory(tmp_path):

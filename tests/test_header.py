@@ -81,6 +81,12 @@ def _cases() -> list[Case]:
     c.append(Case("length-over-cap", struct.pack("<Q", MAX_HEADER_SIZE + 1) + b"{}", "HeaderTooLarge"))
     add("length-past-eof", b"{}", length=100, reason="InvalidHeaderLength", position=None)
     add("length-one-past-eof", b"{}", length=9, reason="InvalidHeaderLength")
+    # -- not safetensors at all: named, not read as a length -----------------------------------
+    lfs = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 4\n"
+    c.append(Case("git-lfs-pointer", lfs, "NotSafetensors", position=None))
+    c.append(Case("html-page", b"<!DOCTYPE html><html><body>Not found</body></html>\n", "NotSafetensors"))
+    c.append(Case("json-file", b'{"architectures": ["LlamaForCausalLM"]}\n', "NotSafetensors"))
+    c.append(Case("text-file", b"hello world, these are not weights\n", "NotSafetensors"))
     # -- start, UTF-8 --------------------------------------------------------------------
     add("header-empty", b"", pad=False, reason="InvalidHeaderStart", position=0)
     add("first-byte-not-brace", b"[]", reason="InvalidHeaderStart", position=0)
@@ -1248,6 +1254,14 @@ JSON_VALUES = st.recursive(
 )
 
 
+def _finite_float(text: str) -> float:
+    """``float(text)``, refusing what overflows a double (the reference's parser refuses it)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def _entry_with(field: str) -> bytes:
     return ('{"a":{"dtype":"F32","extra":' + field + ',"shape":[1],"data_offsets":[0,4]}}').encode()
 
@@ -1271,7 +1285,7 @@ def test_ignored_values_are_checked_like_json_loads(junk):
     """An ignored field's value is still strict JSON: accepted exactly when json.loads
     accepts it (no NaN/Infinity in the alphabet: Python's extensions)."""
     try:
-        json.loads(junk)
+        json.loads(junk, parse_float=_finite_float)
         valid = bool(junk.strip())
     except ValueError:
         valid = False
@@ -1284,11 +1298,11 @@ def test_ignored_values_are_checked_like_json_loads(junk):
         assert info.value.reason == "InvalidHeaderDeserialization"
 
 
-def test_ignored_values_nest_at_most_128_levels():
-    assert _header.parse_header(_entry_with("[" * 128 + "]" * 128), 4).names == ["a"]
+def test_ignored_values_nest_at_most_125_levels():
+    assert _header.parse_header(_entry_with("[" * 125 + "]" * 125), 4).names == ["a"]
     with pytest.raises(HeaderError) as info:
-        _header.parse_header(_entry_with("[" * 129 + "]" * 129), 4)
-    assert "128" in str(info.value)
+        _header.parse_header(_entry_with("[" * 126 + "]" * 126), 4)
+    assert "125" in str(info.value)
     # a hostile depth fails fast, on a fixed-size stack
     with pytest.raises(HeaderError):
         _header.parse_header(_entry_with("[" * 5_000_000), 4)
@@ -1312,3 +1326,128 @@ def test_unrepresentable_shapes_open(st_file):
                 f.get_tensor("a")
             assert info.value.path == str(path) and info.value.tensors == ("a",)
             assert isinstance(info.value, ValueError) and len(str(info.value)) < 400
+
+
+# ---------------------------------------------------------------------------------------
+# ignored fields: the reference's JSON parser (serde_json) limits, byte for byte
+# ---------------------------------------------------------------------------------------
+
+#: (value of an ignored tensor-entry field, accepted by the reference)
+IGNORED_VALUE_LIMITS = [
+    ("[" * 125 + "]" * 125, True),  # 125 levels + the header object + the entry = 127
+    ("[" * 126 + "]" * 126, False),  # serde_json stops at its 128th level
+    ('{"k":' * 124 + "{}" + "}" * 124, True),
+    ('{"k":' * 125 + "{}" + "}" * 125, False),
+    ("[" * 124 + "1e400" + "]" * 124, False),
+    ("1e400", False),
+    ("-1e400", False),
+    ('{"k":[1e400]}', False),
+    ("1" + "0" * 309, False),  # an integer past 64 bits is read as a double: 1e309
+    ("1e99999999999999999999", False),  # the exponent overflows 32 bits
+    ("1.7976931348623158e308", False),  # serde_json's arithmetic overflows where rounding would not
+    ("1e308", True),
+    ("1.7976931348623157e308", True),
+    ("1" + "0" * 308, True),  # 1e308 as an integer
+    ("1e-400", True),  # underflow is zero, not an error
+    ("1e-99999999999999999999", True),
+    ("0e99999999999999999999", True),
+    ("0.0e9999", True),
+    ("18446744073709551616", True),  # past u64, a double
+    ("-9223372036854775809", True),
+    ("1" * 400 + "e-100", True),
+]
+
+
+def _file_with(value: str) -> bytes:
+    raw = _entry_with(value)
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * 4
+
+
+@pytest.mark.parametrize("value,accepted", IGNORED_VALUE_LIMITS, ids=lambda v: str(v)[:24])
+def test_ignored_value_limits_match_the_reference(value, accepted):
+    """Numbers out of a double's range and nesting past serde_json's recursion limit are
+    refused, as by the reference, with the engine's own error; the values next to each
+    limit are accepted, as by the reference."""
+    from safetensors.numpy import load as ref_load
+
+    data = _file_with(value)
+    if accepted:
+        assert parse_buffer(data).names == ["a"]
+        assert list(ref_load(data)) == ["a"]
+    else:
+        with pytest.raises(HeaderError) as info:
+            parse_buffer(data)
+        assert info.value.reason == "InvalidHeaderDeserialization" and info.value.tensors == ("a",)
+        with pytest.raises(Exception, match="out of range|recursion limit"):
+            ref_load(data)
+
+
+@settings(FAST, max_examples=300)
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(270, 330), st.booleans())
+def test_ignored_large_numbers_agree_with_the_reference(digits, point, exponent, negative):
+    """Numbers near a double's largest value: accepted exactly when the reference accepts them."""
+    from safetensors.numpy import load as ref_load
+
+    mantissa = "17976931348623157081452742373170435679807"[:digits]
+    point = min(point, digits)
+    text = ("-" if negative else "") + mantissa[:point] + ("." + mantissa[point:] if point < digits else "")
+    text = (text if point else ("-" if negative else "") + "0." + mantissa) + f"e{exponent}"
+    data = _file_with(text)
+    try:
+        ref_load(data)
+        ref_ok = True
+    except Exception:  # noqa: BLE001 - the reference raises its own SafetensorError
+        ref_ok = False
+    try:
+        parse_buffer(data)
+        ok = True
+    except HeaderError:
+        ok = False
+    assert ok == ref_ok, text
+
+
+@pytest.mark.parametrize(
+    "body, named",
+    [
+        (b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 4\n", "Git LFS pointer"),
+        (b"<!DOCTYPE html><html><body>Sign in</body></html>", "HTML page"),
+        (b"  <html><body>502 Bad Gateway</body></html>", "HTML page"),
+        (b'{"architectures": ["LlamaForCausalLM"]}', "JSON"),
+        (b"hello world, these are not weights\n", "text file"),
+    ],
+)
+def test_files_that_are_not_safetensors_are_named(tmp_path, body, named):
+    """A pointer, a page or text saved as .safetensors is named for what it is, not taken for a
+    huge header length (no advice to raise max_header_size), by every local reader."""
+    import engine
+    import engine.numpy
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(body)
+    for call in (
+        lambda: read_header(path),
+        lambda: parse_buffer(body, path=path),
+        lambda: engine.safe_open(path, "np"),
+        lambda: engine.numpy.load_file(path),
+        lambda: read_header(path, max_header_size=2**64),  # no limit: still not a length
+    ):
+        with pytest.raises(HeaderError) as info:
+            call()
+        err = info.value
+        assert err.reason == "NotSafetensors" and named in str(err) and str(path) in str(err), str(err)
+        assert "max_header_size" not in str(err)
+
+
+def test_binary_garbage_keeps_the_length_errors():
+    """Only text is named as not safetensors: a damaged length keeps the reference's reasons,
+    even when its first byte happens to be '<' or '{'."""
+    for first in (b"<", b"{", b"v"):
+        data = first + b"\xff" * 7 + b"{}"
+        with pytest.raises(HeaderError) as info:
+            parse_buffer(data)
+        assert info.value.reason == "HeaderTooLarge"
+    data = struct.pack("<Q", ord("<") + 256) + b"{}"  # a length past the end of a short file
+    with pytest.raises(HeaderError) as info:
+        parse_buffer(data)
+    assert info.value.reason == "InvalidHeaderLength"
+

@@ -258,7 +258,8 @@ def test_slow_server_times_out(server):
 def test_git_lfs_pointer(server):
     with pytest.raises(HeaderError, match="Git LFS pointer") as e:
         read_metadata(server.url("pointer.safetensors"), timeout=TIMEOUT)
-    assert "pointer.safetensors" in str(e.value)
+    assert "pointer.safetensors" in str(e.value) and "/resolve/" in str(e.value)
+    assert e.value.reason == "NotSafetensors"  # the reason a local pointer file gets too
     assert len(server.requests) == 1
 
 

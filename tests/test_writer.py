@@ -25,7 +25,13 @@ from hypothesis.extra import numpy as hnp
 
 from engine import writer
 from engine.dtypes import NAMES, from_numpy
-from engine.errors import HeaderError, SerializationError, SharedTensorsError, WriteError
+from engine.errors import (
+    HeaderError,
+    SerializationError,
+    SerializationTypeError,
+    SharedTensorsError,
+    WriteError,
+)
 from engine.header import read_header
 
 try:
@@ -302,9 +308,15 @@ def test_mode_of_new_and_existing_files(tmp_path):
     old = os.umask(0o027)
     try:
         writer.save_file(tensors, tmp_path / "new")
+        ref_np.save_file(tensors, tmp_path / "by-reference")
+        os.umask(0o277)
+        writer.save_file(tensors, tmp_path / "new-277")
     finally:
         os.umask(old)
-    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o640
+    # owner only, as the reference writes a new file; the umask still narrows it
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "by-reference").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "new-277").st_mode) == 0o400
 
     existing = tmp_path / "existing"
     existing.write_bytes(b"old")
@@ -484,6 +496,31 @@ def test_rejections(tmp_path, case):
         assert err.reason == reason
         assert mentioned in str(err)
     assert only_entry(tmp_path) == []  # rejected before any file is created
+
+
+TYPE_REJECTIONS = ["metadata-key", "metadata-value", "metadata-not-mapping", "non-string-name"]
+
+
+@pytest.mark.parametrize("case", [*TYPE_REJECTIONS, "metadata-string"])
+def test_argument_types_raise_type_error_as_the_reference(tmp_path, case):
+    """Metadata that is not str to str and tensor names that are not str raise a TypeError, as
+    the reference raises, that is also the engine's SerializationError (a ValueError)."""
+    tensors, metadata = REJECTIONS[case][:2] if case in REJECTIONS else ({"a": _arr()}, "x")
+    with pytest.raises(TypeError):
+        ref_np.save_file(tensors, tmp_path / "ref", metadata)
+    import engine.numpy
+
+    for call in (
+        lambda: writer.save(tensors, metadata),
+        lambda: writer.save_file(tensors, tmp_path / "m", metadata),
+        lambda: engine.numpy.save_file(tensors, tmp_path / "m", metadata),
+        lambda: engine.numpy.save(tensors, metadata),
+    ):
+        with pytest.raises(SerializationTypeError) as info:
+            call()
+        assert isinstance(info.value, TypeError) and isinstance(info.value, SerializationError)
+        assert isinstance(info.value, ValueError)
+    assert only_entry(tmp_path) == []
 
 
 @needs_torch

@@ -137,7 +137,9 @@ class FirstOpen:
 
     The engine reads headers without numpy; the reference imports it at ``safe_open``.
     ``first_tensor`` adds one ``get_tensor`` (of an F32 file), so both sides import numpy.
-    ``scripts/bench_core.py --only first_open first_tensor`` is the same measurement.
+    ``first_open_pt`` and ``first_tensor_pt``: the same with ``framework="pt"`` in a process
+    that has imported torch (untimed).  ``scripts/bench_core.py --only first_open first_tensor
+    first_open_pt first_tensor_pt`` is the same measurement.
     """
 
     params = [IMPLS]
@@ -158,6 +160,14 @@ class FirstOpen:
 
     def timeraw_first_tensor(self, impl):
         return common.first_open_code(impl, self.f32, first_tensor=True)
+
+    # a process that has torch already (transformers, vLLM, accelerate): torch imported in
+    # asv's untimed setup, then the same calls with framework="pt"
+    def timeraw_first_open_pt(self, impl):
+        return common.first_open_code(impl, self.bf16, framework="pt"), common.TORCH_SETUP
+
+    def timeraw_first_tensor_pt(self, impl):
+        return common.first_open_code(impl, self.bf16, first_tensor=True, framework="pt"), common.TORCH_SETUP
 
 
 class LoadManyTensors(_IO):

@@ -46,6 +46,7 @@ __all__ = [
     "ensure_engine_importable",
     "compile_engine",
     "first_open_code",
+    "TORCH_SETUP",
     "entries_bytes",
 ]
 
@@ -87,14 +88,21 @@ def compile_engine() -> None:
     compileall.compile_dir(os.path.dirname(engine.__file__), quiet=2)
 
 
-def first_open_code(impl: str, path: str, first_tensor: bool = False) -> str:
+#: Untimed setup of the torch rows of the first-open measurement: a process that has torch.
+TORCH_SETUP = "import torch\n"
+
+
+def first_open_code(impl: str, path: str, first_tensor: bool = False, framework: str = "np") -> str:
     """Python source of what a short-lived tool does first: import the library (``engine``
-    or, for ``impl="reference"``, ``safetensors``), open ``path`` with ``framework="np"``
+    or, for ``impl="reference"``, ``safetensors``), open ``path`` with ``framework``
     and read every dtype and shape into ``rows``; with ``first_tensor`` also one
-    ``get_tensor``.  One text for asv's ``FirstOpen`` and ``scripts/bench_core.py``."""
+    ``get_tensor``.  One text for asv's ``FirstOpen`` and ``scripts/bench_core.py``.
+
+    For ``framework="pt"`` the process is one that has torch already (transformers, vLLM,
+    accelerate): the caller runs :data:`TORCH_SETUP` first, untimed."""
     lib = "safetensors" if impl == "reference" else "engine"
     code = (f"import {lib} as lib\n"
-            f"with lib.safe_open({path!r}, framework='np') as f:\n"
+            f"with lib.safe_open({path!r}, framework={framework!r}) as f:\n"
             "    rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n")
     if first_tensor:
         code += "    rows.append(('~tensor', rows[0][0], list(f.get_tensor(rows[0][0]).shape)))\n"

@@ -68,9 +68,10 @@ def sink_kind(framework: str, device="cpu") -> str:
 
 
 def map_file(sink, fd: int):
-    """A mapping of the whole file ``fd`` as ``sink`` hands out views of it: read-only shared
-    for numpy, private copy-on-write for torch (``sink.mmap_access``).  ``mmap`` is imported
-    here, by the first mapping: opening a file and reading its header need none."""
+    """A mapping of the whole file ``fd`` as ``sink`` hands out views of it
+    (``sink.mmap_access``): private copy-on-write for numpy and torch, whose arrays and
+    tensors are writable while writes never reach the file.  ``mmap`` is imported here, by
+    the first mapping: opening a file and reading its header need none."""
     import mmap
 
     return mmap.mmap(fd, 0, access=getattr(mmap, sink.mmap_access))

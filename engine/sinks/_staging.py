@@ -5,8 +5,6 @@ how a stream, an event and an asynchronous copy are spelled."""
 
 from __future__ import annotations
 
-from . import _cudart
-
 
 class HostSource:
     """A host buffer the device copies from: the framework's object over it (a uint8
@@ -29,7 +27,11 @@ class PinnedHostOps:
             handle.block.release()
 
     def register(self, handle: HostSource, offset: int, nbytes: int) -> bool:
+        from . import _cudart  # device loads only: importing the torch sink for CPU tensors needs no runtime
+
         return _cudart.register_read_only(handle.addr + offset, nbytes)
 
     def unregister(self, handle: HostSource, offset: int, nbytes: int) -> None:
+        from . import _cudart
+
         _cudart.unregister(handle.addr + offset)

@@ -1,4 +1,4 @@
-"""numpy destination: read-only views of a mapping, or owned writable arrays."""
+"""numpy destination: writable views of a private mapping, or owned writable arrays."""
 
 from __future__ import annotations
 
@@ -16,15 +16,17 @@ if TYPE_CHECKING:
 class NumpySink:
     name = "numpy"
     on_device = False
-    # numpy views are read-only, so a read-only shared mapping is enough (and costs no commit
-    # charge); the name of an ``mmap`` constant, so that opening a file needs no ``mmap`` module
-    mmap_access = "ACCESS_READ"
+    # arrays are writable, as the reference hands them out: a private (copy-on-write)
+    # mapping lets callers write without touching the file, and copies only the pages
+    # written.  The name of an ``mmap`` constant, so that opening a file needs no ``mmap``.
+    mmap_access = "ACCESS_COPY"
 
     def map(self, mm: mmap.mmap):
         return mm
 
     def view(self, base, code: int, shape: tuple, offset: int, nbytes: int) -> np.ndarray:
-        """Zero-copy read-only array over ``nbytes`` at absolute ``offset`` of the mapping."""
+        """Zero-copy array over ``nbytes`` at absolute ``offset`` of ``base`` (writable when
+        ``base`` is: a private mapping, an owned block)."""
         if code in dtypes.SUB_BYTE_CODES:
             shape = dtypes.packed_shape(code, shape, nbytes)
         try:

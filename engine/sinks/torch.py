@@ -10,7 +10,6 @@ import torch
 
 from .. import dtypes
 from ..errors import DeviceError, SafetensorError, UnrepresentableTensorError
-from . import _cudart
 from ._staging import HostSource, PinnedHostOps
 from ._targets import FillTarget
 
@@ -196,6 +195,8 @@ class TorchCudaOps(PinnedHostOps):
         torch.cuda.set_device(self.device)
 
     def alloc_staging(self, nbytes: int):
+        from . import _cudart  # CUDA loads only: CPU tensors never need the runtime's bindings
+
         block = _cudart.PinnedBlock(nbytes)
         if not block.locked:  # page-locking refused: torch's pinned memory (cached by torch)
             slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
