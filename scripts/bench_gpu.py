@@ -9,6 +9,15 @@ a fresh process: the CUDA context is up before the clock starts, the clock stops
 bytes.  Limits are measured the same way: pinned and pageable host-to-device copies of
 1 GiB, and page cache to pinned memory with the engine's split read on 1 / 8 / 16 threads.
 
+Each sample also reports its process's resident memory before the clock and its peak
+during the load (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the clock:
+``ru_maxrss`` would carry the parent's size through fork and exec), and on a GPU the peak
+of torch's allocator (``torch.cuda.max_memory_allocated``) and the device memory in use
+after the load (``mem_get_info``, which also sees the peers' own allocators).  The
+``stats=True`` and ``quantize="int8"`` rows count the file's tensor bytes.
+scripts/gpu_check.py runs a selection of these rows in one command with the other GPU
+checks.
+
 Cold samples drop the page cache before each run (``/proc/sys/vm/drop_caches`` as root,
 else ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard); warm samples read the shards
 once before the first run.

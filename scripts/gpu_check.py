@@ -47,6 +47,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,7 +61,7 @@ sys.path.insert(0, HERE)
 import bench_gpu  # noqa: E402
 
 #: seconds per phase on a GPU host; they add up to under 9 minutes
-BUDGETS = {"wheels": 20, "build": 90, "pytest": 120, "compare": 40, "checkpoint": 70,
+BUDGETS = {"wheels": 20, "build": 75, "pytest": 115, "compare": 40, "checkpoint": 90,
            "warm": 150, "cold": 150, "onload": 40, "emulated": 30}
 #: the peers and the name their wheel starts with
 PEERS = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors",
@@ -119,13 +120,22 @@ def _tail(text: str, n: int = 300) -> str:
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str]:
-    """(exit code or None on timeout, stdout, stderr) of a command run in the checkout."""
+    """(exit code or None on timeout, stdout, stderr) of a command run in the checkout.
+
+    On timeout its whole process group is killed: a test's own children would otherwise
+    keep the pipes open and the wait would outlast the budget."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, timeout), env=env)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        return None, out, ""
-    return p.returncode, p.stdout, p.stderr
+        out, err = p.communicate(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = p.communicate()
+        return None, out, err
+    return p.returncode, out, err
 
 
 # -- phases ---------------------------------------------------------------------------------------------
@@ -138,7 +148,7 @@ def phase_wheels(rep: Report, wheels: str | None, site: str, deadline: float) ->
             rep.add("wheels", f"wheel: {peer}", "skipped", "no --wheels folder given")
         return []
     for peer, stem in PEERS.items():
-        found = sorted(glob.glob(os.path.join(wheels, f"{stem}-*.whl")))
+        found = sorted(glob.glob(os.path.join(os.path.abspath(wheels), f"{stem}-*.whl")))
         if not found:
             rep.add("wheels", f"wheel: {peer}", "skipped", f"no {stem}-*.whl in {wheels}")
             continue
@@ -504,8 +514,9 @@ def summary(meta: dict, rep: Report, total: float) -> str:
     for r in rep.rows:
         if r.get("gbps") is not None and r["phase"] in ("warm", "cold", "onload"):
             ratio = f" {r['gbps'] / ref['gbps']:.2f}x IT-MMAP" if ref else ""
+            grew = (r.get("host_peak_bytes") or 0) - (r.get("host_before_bytes") or 0)
             out.append(f"  {r['row'][:52]:52s} {r['gbps']:7.2f} GB/s{ratio} host {_gib(r.get('host_peak_bytes'))}"
-                       f" dev {_gib(r.get('device_peak_bytes'))} GiB")
+                       f" (+{_gib(grew)} in the load) device {_gib(r.get('device_peak_bytes'))} GiB")
     sums = {c for r in rep.rows if r["phase"] in ("warm", "cold") for c in r.get("checksums", [])}
     if len(sums) > 1:
         out.append(f"  checksums differ between rows: {sorted(sums)}")
