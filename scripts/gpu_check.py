@@ -307,7 +307,22 @@ def phase_loads(rep: Report, phase: str, rows: list[str], files: list[str] | Non
         status, reason = r.pop("status"), r.pop("reason")
         if status == "ok":
             reason = f"{note}{len(samples[impl])} sample(s)"
+            if dev.startswith("cuda") and impl.startswith("engine"):
+                grew = r.get("host_peak_bytes", 0) - r.get("host_before_bytes", 0)
+                r["host_bound_bytes"] = host_bound()
+                r["host_bounded"] = grew <= r["host_bound_bytes"]
+                if not r["host_bounded"]:
+                    reason += f"; host memory grew {grew / 2**30:.2f} GiB, over the staging bound"
         rep.add(phase, impl, status, reason, **r)
+
+
+def host_bound() -> int:
+    """What a device load may add to the process's resident memory, whatever the model's
+    size: two pinned staging slots and two registered units of the page cache (see
+    engine.pipeline.default_slot_bytes), plus 512 MiB for everything else."""
+    from engine.pipeline import default_slot_bytes
+
+    return 4 * default_slot_bytes() + (512 << 20)
 
 
 def phase_emulated(rep: Report, files: list[str] | None, deadline: float, env: dict) -> None:
@@ -530,6 +545,9 @@ def summary(meta: dict, rep: Report, total: float) -> str:
             grew = (r.get("host_peak_bytes") or 0) - (r.get("host_before_bytes") or 0)
             out.append(f"  {r['row'][:52]:52s} {r['gbps']:7.2f} GB/s{ratio} host {_gib(r.get('host_peak_bytes'))}"
                        f" (+{_gib(grew)} in the load) device {_gib(r.get('device_peak_bytes'))} GiB")
+    over = [r["row"] for r in rep.rows if r.get("host_bounded") is False]
+    if over:
+        out.append(f"  host memory over the staging bound ({_gib(host_bound())} GiB): {'; '.join(over)}")
     sums = {c for r in rep.rows if r["phase"] in ("warm", "cold") for c in r.get("checksums", [])}
     if len(sums) > 1:
         out.append(f"  checksums differ between rows: {sorted(sums)}")
