@@ -535,17 +535,18 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-def _host_mark() -> int:
-    """Resident memory now, bytes, after resetting the process's high-water mark to it.
+def _host_mark() -> tuple[int, bool]:
+    """Resident memory now, bytes, after resetting the process's high-water mark to it, and
+    whether the reset happened (else the peak that follows counts from the process's start).
 
-    The mark is the kernel's ``VmHWM``, reset through ``/proc/self/clear_refs``; where that
-    is refused, :func:`_peak_rss` falls back on ``ru_maxrss``."""
+    The mark is the kernel's ``VmHWM``, reset through ``/proc/self/clear_refs``."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
+        reset = True
     except OSError:
-        pass
-    return _status_bytes("VmRSS") or _peak_rss()
+        reset = False
+    return _status_bytes("VmRSS") or _peak_rss(), reset
 
 
 def _peak_rss() -> int:
@@ -575,7 +576,7 @@ def child(impl: str, files: list[str], dev: str) -> dict:
         prepare, fn = fn
         prepared = prepare(files, dev)
         _sync(dev)
-    host_before = _host_mark()
+    host_before, reset = _host_mark()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         free_before = torch.cuda.mem_get_info()[0]
@@ -584,7 +585,8 @@ def child(impl: str, files: list[str], dev: str) -> dict:
     _sync(dev)
     seconds = time.perf_counter() - t0
     # memory before the checksum, which allocates its own
-    record = {"seconds": seconds, "host_before_bytes": host_before, "host_peak_bytes": _peak_rss()}
+    record = {"seconds": seconds, "host_before_bytes": host_before, "host_peak_bytes": _peak_rss(),
+              "host_peak_from": "clock" if reset else "process start"}
     if cuda:
         # torch's allocator only; peers with their own allocator show in device_used_bytes
         record["device_peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -662,7 +664,7 @@ def summarise(samples: list[dict], cache: str) -> dict:
         values = [s[key] for s in samples if key in s]
         if values:
             out[key] = max(values)
-    for key in ("tensors", "all_on_gpu", "stats"):
+    for key in ("tensors", "all_on_gpu", "stats", "host_peak_from"):
         if key in samples[-1]:
             out[key] = samples[-1][key]
     return out

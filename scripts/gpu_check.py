@@ -307,7 +307,7 @@ def phase_loads(rep: Report, phase: str, rows: list[str], files: list[str] | Non
         status, reason = r.pop("status"), r.pop("reason")
         if status == "ok":
             reason = f"{note}{len(samples[impl])} sample(s)"
-            if dev.startswith("cuda") and impl.startswith("engine"):
+            if dev.startswith("cuda") and impl.startswith("engine") and r.get("host_peak_from") == "clock":
                 grew = r.get("host_peak_bytes", 0) - r.get("host_before_bytes", 0)
                 r["host_bound_bytes"] = host_bound()
                 r["host_bounded"] = grew <= r["host_bound_bytes"]
