@@ -9,6 +9,15 @@ a fresh process: the CUDA context is up before the clock starts, the clock stops
 bytes.  Limits are measured the same way: pinned and pageable host-to-device copies of
 1 GiB, and page cache to pinned memory with the engine's split read on 1 / 8 / 16 threads.
 
+Each sample also reports its process's resident memory before the clock and its peak
+during the load (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the clock:
+``ru_maxrss`` would carry the parent's size through fork and exec), and on a GPU the peak
+of torch's allocator (``torch.cuda.max_memory_allocated``) and the device memory in use
+after the load (``mem_get_info``, which also sees the peers' own allocators).  The
+``stats=True`` and ``quantize="int8"`` rows count the file's tensor bytes.
+scripts/gpu_check.py runs a selection of these rows in one command with the other GPU
+checks.
+
 Cold samples drop the page cache before each run (``/proc/sys/vm/drop_caches`` as root,
 else ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard); warm samples read the shards
 once before the first run.
@@ -67,17 +76,31 @@ def _nbytes(shape) -> int:
     return n
 
 
+def _layer_shapes(hidden: int, inter: int, kv: int) -> list[tuple[str, tuple]]:
+    scale = {HIDDEN: hidden, INTER: inter, KV: kv}
+    return [(n, tuple(scale[d] for d in s)) for n, s in LAYER_SHAPES]
+
+
 def model_shapes(total_bytes: int) -> list[tuple[str, tuple]]:
-    """Tensor names and shapes of a Llama-3-8B-like model of about ``total_bytes`` (BF16)."""
+    """Tensor names and shapes of a Llama-3-8B-like model of about ``total_bytes`` (BF16).
+
+    From about 2.5 GB up: Llama-3-8B's tensors, as many layers as fit.  Below (smoke runs):
+    the same names and proportions, every dimension scaled down, so that 64 MB still holds
+    several layers."""
+    hidden, inter, kv, vocab = HIDDEN, INTER, KV, VOCAB
     per_layer = sum(_nbytes(s) for _, s in LAYER_SHAPES)
-    vocab = VOCAB
-    if total_bytes < 2 * _nbytes((VOCAB, HIDDEN)) + per_layer:  # small runs: a smaller vocabulary
-        vocab = max(1024, (total_bytes // 4) // (2 * HIDDEN) // 64 * 64)
-    layers = max(1, round((total_bytes - 2 * _nbytes((vocab, HIDDEN))) / per_layer))
-    out = [("model.embed_tokens.weight", (vocab, HIDDEN))]
+    if total_bytes < 2 * _nbytes((VOCAB, HIDDEN)) + per_layer:
+        # bytes per hidden**2 of 4 layers and the two vocabulary tables (vocab = 8 * hidden)
+        unit = 4 * per_layer / HIDDEN**2 + 2 * 2 * 8
+        hidden = max(64, int((total_bytes / unit) ** 0.5) // 64 * 64)
+        inter, kv, vocab = hidden * INTER // HIDDEN // 64 * 64, max(64, hidden // 4), 8 * hidden
+    layer = _layer_shapes(hidden, inter, kv)
+    per_layer = sum(_nbytes(s) for _, s in layer)
+    layers = max(1, round((total_bytes - 2 * _nbytes((vocab, hidden))) / per_layer))
+    out = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
-        out += [(f"model.layers.{i}.{n}", s) for n, s in LAYER_SHAPES]
-    out += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (vocab, HIDDEN))]
+        out += [(f"model.layers.{i}.{n}", s) for n, s in layer]
+    out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
     return out
 
 
@@ -98,7 +121,7 @@ def make_checkpoint(folder: str, total_bytes: int, shards: int = 4) -> list[str]
     total = sum(_nbytes(s) for _, s in shapes)
     # a pool of random finite BF16 bit patterns; each tensor starts at a different place in it
     rng = np.random.default_rng(0)
-    pool = rng.integers(0, 1 << 14, 96 << 20, dtype=np.uint16)
+    pool = rng.integers(0, 1 << 14, min(96 << 20, total // 2 + 1), dtype=np.uint16)
     groups: list[list[tuple[str, tuple]]] = [[]]
     size = 0
     for name, shape in shapes:
@@ -224,6 +247,39 @@ def _engine_load_into_directory(files, dev, prepared):
 
     engine.load_into(os.path.dirname(files[0]), prepared, strict=True)  # every shard, one load
     return prepared
+
+
+def _engine_load_into_directory_path(gpu_path):
+    def load(files, dev, prepared):
+        import engine
+
+        engine.load_into(os.path.dirname(files[0]), prepared, strict=True, gpu_path=gpu_path)
+        return prepared
+
+    return load
+
+
+def _engine_stream_stats(files, dev):
+    """stream(stats=True), one shard at a time (statistics take one file per call)."""
+    import engine
+
+    out = {}
+    for f in files:
+        for name, t, st in engine.stream(f, framework="pt", device=dev, stats=True):
+            out[name] = t
+            out[name + " stats"] = st
+    return out
+
+
+def _engine_stream_int8(files, dev):
+    """stream(quantize="int8"), one shard at a time; a quantized tensor counts as its
+    int8 values and its scales."""
+    import engine
+
+    out = {}
+    for f in files:
+        out.update(engine.stream(f, framework="pt", device=dev, quantize="int8"))
+    return out
 
 
 def _reference(files, dev):
@@ -359,6 +415,11 @@ IMPLEMENTATIONS = {
     "engine stream(f) per shard": lambda files, dev: _engine_stream_per_file(files, dev),
     "engine load_into(f) per shard": (_engine_load_into_prepare, _engine_load_into),
     "engine load_into(directory)": (_engine_load_into_prepare, _engine_load_into_directory),
+    "engine load_into(directory) gpu_path=copy": (_engine_load_into_prepare, _engine_load_into_directory_path("copy")),
+    "engine load_into(directory) gpu_path=register": (
+        _engine_load_into_prepare, _engine_load_into_directory_path("register")),
+    "engine stream(f) stats=True per shard": _engine_stream_stats,
+    "engine stream(f) quantize=int8 per shard": _engine_stream_int8,
     "reference load_file(f, device) per shard": _reference,
     "reference load_file(f) then .to(device)": _reference_then_to,
     "fastsafetensors (nogds, buffered)": _fastsafetensors,
@@ -379,6 +440,46 @@ LIMITS = {
     "limit: page cache to pinned, split read, 8 threads": _limit_page_cache_to_pinned(8),
     "limit: page cache to pinned, split read, 16 threads": _limit_page_cache_to_pinned(16),
 }
+
+
+#: the package a row needs beyond torch and the engine (a row whose package is missing is skipped)
+REQUIRES = {
+    "fastsafetensors (nogds, buffered)": "fastsafetensors",
+    "InstantTensor default": "instanttensor",
+    "InstantTensor BackendPolicy.BUFFERED": "instanttensor",
+    "InstantTensor Backend.MMAP": "instanttensor",
+    "Run:ai streamer": "runai_model_streamer",
+    "Run:ai streamer (io_uring_buffered)": "runai_model_streamer",
+    "engine stream(f) stats=True per shard": "numba",
+}
+#: rows that mean nothing without a CUDA device (pinned memory, a device ordinal, GPU-only peers)
+NEEDS_CUDA = {
+    *(n for n in REQUIRES if REQUIRES[n] not in ("numba",)),
+    *(n for n in LIMITS if "pinned" in n or "host-to-device" in n),
+}
+
+
+def skip_reason(impl: str, dev: str, path: list[str] | None = None) -> str | None:
+    """Why ``impl`` cannot run on ``dev`` here (its package is missing, or it needs CUDA), or None.
+
+    ``path``: extra folders to look for packages in (the children's PYTHONPATH)."""
+    import importlib.util
+
+    module = REQUIRES.get(impl)
+    if module is not None:
+        saved = sys.path[:]
+        sys.path[:0] = path or []
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path[:] = saved
+        if not found:
+            return f"{module} not installed"
+    if impl in NEEDS_CUDA and not dev.startswith("cuda"):
+        return f"no CUDA device (--device {dev})"
+    return None
 
 
 def checksum(tensors: dict) -> str:
@@ -409,43 +510,177 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
+def _flatten(out: dict) -> tuple[dict, int]:
+    """Tensors only (a quantized tensor as its values and scales; statistics dropped), and how
+    many statistics came back."""
+    tensors, stats = {}, 0
+    for name, v in out.items():
+        if name.endswith(" stats"):
+            stats += v is not None
+        elif hasattr(v, "q") and hasattr(v, "scale"):
+            tensors[name + ".q"], tensors[name + ".scale"] = v.q, v.scale
+        else:
+            tensors[name] = v
+    return tensors, stats
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _host_mark() -> tuple[int, bool]:
+    """Resident memory now, bytes, after resetting the process's high-water mark to it, and
+    whether the reset happened (else the peak that follows counts from the process's start).
+
+    The mark is the kernel's ``VmHWM``, reset through ``/proc/self/clear_refs``."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        reset = True
+    except OSError:
+        reset = False
+    return _status_bytes("VmRSS") or _peak_rss(), reset
+
+
+def _peak_rss() -> int:
+    """The process's high-water mark of resident memory, bytes.
+
+    ``VmHWM`` of this process's own address space; not ``ru_maxrss`` first, which survives
+    ``fork`` and ``exec`` and so starts at the parent's size."""
+    import resource
+
+    return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child(impl: str, files: list[str], dev: str) -> dict:
     import torch
 
-    if dev != "cpu":  # (--device cpu: a smoke test of the script on a machine without a GPU)
+    cuda = dev != "cpu"
+    if cuda:  # (--device cpu: a smoke test of the script on a machine without a GPU)
         torch.cuda.init()
         torch.empty(1, device=dev)  # the CUDA context is up before the clock
     _sync(dev)
     if impl in LIMITS:
         nbytes, seconds = LIMITS[impl](files, dev)
-        return {"seconds": seconds, "bytes": nbytes, "checksum": ""}
+        return {"seconds": seconds, "bytes": nbytes, "checksum": "", "host_peak_bytes": _peak_rss()}
     fn = IMPLEMENTATIONS[impl]
     prepared = None
     if isinstance(fn, tuple):  # load_into: the destinations exist before the clock
         prepare, fn = fn
         prepared = prepare(files, dev)
         _sync(dev)
+    host_before, reset = _host_mark()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        free_before = torch.cuda.mem_get_info()[0]
     t0 = time.perf_counter()
     out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
     _sync(dev)
     seconds = time.perf_counter() - t0
-    on_gpu = all(t.device.type == "cuda" for t in out.values())
-    return {"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in out.values()),
-            "checksum": checksum(out), "tensors": len(out), "all_on_gpu": on_gpu}
+    # memory before the checksum, which allocates its own
+    record = {"seconds": seconds, "host_before_bytes": host_before, "host_peak_bytes": _peak_rss(),
+              "host_peak_from": "clock" if reset else "process start"}
+    if cuda:
+        # torch's allocator only; peers with their own allocator show in device_used_bytes
+        record["device_peak_bytes"] = torch.cuda.max_memory_allocated()
+        record["device_used_bytes"] = free_before - torch.cuda.mem_get_info()[0]
+    tensors, stats = _flatten(out)
+    if impl in SOURCE_BYTES:  # a rate of the file's bytes, not of what the load produced
+        record["bytes"] = tensor_bytes(files)
+    else:
+        record["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    record.update(checksum=checksum(tensors), tensors=len(tensors),
+                  all_on_gpu=all(t.device.type == "cuda" for t in tensors.values()))
+    if impl in SOURCE_BYTES:
+        record["stats"] = stats
+    return record
 
 
-def sample(impl: str, files: list[str], dev: str, timeout: int) -> dict:
-    env = dict(os.environ, **ENV.get(impl, {}))
+#: rows whose rate counts the file's tensor bytes (what they produce differs from what they read)
+SOURCE_BYTES = {"engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard"}
+
+
+def sample(impl: str, files: list[str], dev: str, timeout: float, env: dict | None = None) -> dict:
+    """One fresh-process sample of ``impl``: its record, or ``{"error": why}`` (the exception's
+    last line, the exit code, or the timeout)."""
+    env = dict(os.environ, **(env or {}), **ENV.get(impl, {}))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--device", dev, "--files", *files]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
+        return {"error": f"timed out after {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"error": f"rc={proc.returncode}: {tail[0][:160]}"}
+        return {"error": f"exit code {proc.returncode}: {tail[0][:300]}"}
     return json.loads(lines[-1])
+
+
+def run_row(impl: str, files: list[str], dev: str, mode: str, runs: int, timeout: float,
+            env: dict | None = None, path: list[str] | None = None, deadline: float | None = None) -> dict:
+    """``runs`` samples of one row in one mode (``"warm"``: the caller warmed the files;
+    ``"cold"``: the page cache is dropped before each), summarised.
+
+    Returns ``{"status": "ok" | "failed" | "skipped", "reason", "seconds", "gbps",
+    "host_peak_bytes", "device_peak_bytes", ..., "samples"}``: medians of the rates and
+    times, maxima of the memory.  A failing sample ends the row; ``deadline``
+    (``time.monotonic()``) caps each sample's timeout and stops starting new ones."""
+    why = skip_reason(impl, dev, path)
+    if why:
+        return {"status": "skipped", "reason": why, "samples": []}
+    samples, how = [], ""
+    for _ in range(runs):
+        left = timeout if deadline is None else min(timeout, deadline - time.monotonic())
+        if left < 1:
+            if samples:
+                break
+            return {"status": "skipped", "reason": "its phase's time budget was spent", "samples": []}
+        if mode == "cold":
+            how = drop_cache(files)
+        samples.append(sample(impl, files, dev, left, env))
+        if "error" in samples[-1]:
+            break
+    return summarise(samples, how or mode)
+
+
+def summarise(samples: list[dict], cache: str) -> dict:
+    """A row's result from its samples (see :func:`run_row`); failed if any sample failed."""
+    bad = [s["error"] for s in samples if "error" in s]
+    if bad or not samples:
+        return {"status": "failed", "reason": bad[0] if bad else "no sample ran", "samples": samples}
+    out: dict = {"status": "ok", "reason": None, "samples": samples, "cache": cache,
+                 "seconds": statistics.median(s["seconds"] for s in samples),
+                 "gbps": statistics.median(s["bytes"] / s["seconds"] / 1e9 for s in samples),
+                 "bytes": samples[0]["bytes"],
+                 "checksums": sorted({s["checksum"] for s in samples if s.get("checksum")})}
+    for key in ("host_before_bytes", "host_peak_bytes", "device_peak_bytes", "device_used_bytes"):
+        values = [s[key] for s in samples if key in s]
+        if values:
+            out[key] = max(values)
+    for key in ("tensors", "all_on_gpu", "stats", "host_peak_from"):
+        if key in samples[-1]:
+            out[key] = samples[-1][key]
+    return out
+
+
+def parse_size(text: str) -> int:
+    """``16.06GB``, ``64MB``, ``4G`` or a number of bytes (decimal units)."""
+    size_text = text.upper().replace("B", "")
+    scale = {"G": 10**9, "M": 10**6, "K": 10**3}
+    if size_text[-1] in scale:
+        return int(float(size_text[:-1]) * scale[size_text[-1]])
+    return int(float(size_text))
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
 
 
 def main() -> int:
@@ -463,18 +698,10 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.child:
-        try:
-            print(json.dumps(child(args.child, args.files, args.device)))
-        except ImportError as exc:
-            print(json.dumps({"error": f"not installed: {exc.name or exc}"}))
+        print(json.dumps(child(args.child, args.files, args.device)))
         return 0
 
-    size_text = args.size.upper().replace("B", "")
-    scale = {"G": 10**9, "M": 10**6, "K": 10**3}
-    if size_text[-1] in scale:
-        size = int(float(size_text[:-1]) * scale[size_text[-1]])
-    else:
-        size = int(float(size_text))
+    size = parse_size(args.size)
     folder = os.path.join(args.dir, f"llama3-shapes-{size}")
     t0 = time.perf_counter()
     files = make_checkpoint(folder, size)
@@ -490,29 +717,21 @@ def main() -> int:
     rows = [n for n in [*IMPLEMENTATIONS, *LIMITS] if not words or any(w.lower() in n.lower() for w in words)]
     modes = [m for m in args.modes.split(",") if m in ("warm", "cold")]
     results: dict = {}
+    print("| row | cache | s | GB/s | peak host GiB (before) | peak device GiB | checksum |")
     for mode in modes:
         if mode == "warm":
             warm(files)
         for impl in rows:
             if mode == "cold" and impl.startswith("limit: p") and "host-to-device" in impl:
                 continue  # no file involved
-            samples, how = [], ""
-            for _ in range(args.runs):
-                if mode == "cold":
-                    how = drop_cache(files)
-                samples.append(sample(impl, files, args.device, args.timeout))
-                if "error" in samples[-1]:
-                    break
-            results.setdefault(impl, {})[mode] = samples
-            ok = [s for s in samples if "error" not in s]
-            if ok and len(ok) == len(samples):
-                sec = statistics.median(s["seconds"] for s in ok)
-                gbs = statistics.median(s["bytes"] / s["seconds"] / 1e9 for s in ok)
-                sums = sorted({s["checksum"] for s in ok})
-                print(f"| {impl} | {mode}{' (' + how + ')' if how else ''} | {sec:.3f} | {gbs:.1f} |"
-                      f" {','.join(sums) or '-'} |", flush=True)
+            r = run_row(impl, files, args.device, mode, args.runs, args.timeout)
+            results.setdefault(impl, {})[mode] = r["samples"] or [{"error": r["reason"]}]
+            if r["status"] == "ok":
+                print(f"| {impl} | {r['cache']} | {r['seconds']:.3f} | {r['gbps']:.1f} |"
+                      f" {_gib(r.get('host_peak_bytes'))} ({_gib(r.get('host_before_bytes'))}) |"
+                      f" {_gib(r.get('device_peak_bytes'))} | {','.join(r['checksums']) or '-'} |", flush=True)
             else:
-                print(f"| {impl} | {mode} | - | - | {samples[-1]['error']} |", flush=True)
+                print(f"| {impl} | {mode} | - | - | - | - | {r['status']}: {r['reason']} |", flush=True)
     ref = {s["checksum"] for m in results.get("reference load_file(f, device) per shard", {}).values()
            for s in m if "checksum" in s}
     if ref:
