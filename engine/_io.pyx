@@ -9,8 +9,8 @@ Private: the public wrapper is :mod:`engine.reader`, which turns the error codes
 here into :class:`~engine.errors.ReadError` with the file, offset and size.
 """
 
-from libc.errno cimport EINTR, errno
-from libc.stdint cimport int64_t, uint8_t
+from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, errno
+from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from posix.types cimport off_t
 from posix.unistd cimport pread
 
@@ -73,10 +73,16 @@ cdef extern from "<pthread.h>" nogil:
 
 cdef extern from "<sys/mman.h>" nogil:
     int mincore(void* addr, size_t length, unsigned char* vec)
+    int madvise(void* addr, size_t length, int advice)
+    int MADV_WILLNEED
 
 cdef extern from "<unistd.h>" nogil:
     long sysconf(int name)
     enum: _SC_PAGESIZE
+
+# Linux 5.14+; the headers of older C libraries may lack the name, the number is the ABI's
+cdef enum:
+    _MADV_POPULATE_READ = 22
 
 # one pread asks for at most this much (Linux caps a single read at 2 GiB - 4 KiB anyway)
 cdef int64_t _MAX_PREAD = 1 << 30
@@ -86,9 +92,10 @@ cdef int _MAX_SPLIT_THREADS = 256
 
 cdef struct _Part:
     int fd
-    uint8_t* dst
+    const uint8_t* src       # a file mapping to copy from (MADV_POPULATE_READ, then memcpy), or NULL: pread
+    int64_t src_len          # bytes of that mapping
+    uint8_t** dst            # dst[i]: where segment i goes
     const int64_t* file_off
-    const int64_t* dst_off
     const int64_t* sizes
     const int64_t* starts    # starts[i]: position of segment i in the concatenation
     Py_ssize_t nseg
@@ -97,6 +104,117 @@ cdef struct _Part:
     int err                  # 0, errno, or -1 for the end of the file
     int64_t at               # file offset of the failure
     int64_t missing          # bytes of the failing segment's share still unread
+
+
+# -- copies out of a file mapping ------------------------------------------------------------
+#
+# A mapping can be faster than pread (no system call per chunk once the pages are mapped,
+# and MADV_POPULATE_READ maps a share of a warm file in one call), but a page the file no
+# longer backs (truncated underneath) raises SIGBUS instead of returning an error.  The
+# populate call reports such pages as EFAULT before any copy; for a file cut between the
+# populate and the copy, the copy runs under a SIGBUS handler that jumps back out of it on
+# that thread only (faults of anything else go on to the handler that was there before).
+
+cdef extern from *:
+    """
+    #include <setjmp.h>
+    #include <signal.h>
+    #include <string.h>
+    #include <pthread.h>
+
+    static __thread sigjmp_buf *volatile engine_bus_jump = NULL;
+    static struct sigaction engine_bus_previous;
+    static pthread_mutex_t engine_bus_lock = PTHREAD_MUTEX_INITIALIZER;
+
+    static void engine_on_sigbus(int sig, siginfo_t *info, void *context) {
+        sigjmp_buf *jump = engine_bus_jump;
+        if (jump != NULL) {
+            engine_bus_jump = NULL;
+            siglongjmp(*jump, 1);
+        }
+        /* not a guarded copy: what would have happened without the engine */
+        if (engine_bus_previous.sa_flags & SA_SIGINFO) {
+            if (engine_bus_previous.sa_sigaction != NULL) {
+                engine_bus_previous.sa_sigaction(sig, info, context);
+                return;
+            }
+        } else if (engine_bus_previous.sa_handler != SIG_DFL && engine_bus_previous.sa_handler != SIG_IGN) {
+            engine_bus_previous.sa_handler(sig);
+            return;
+        }
+        signal(sig, SIG_DFL);   /* the faulting access runs again and ends the process */
+    }
+
+    /* Put the handler first in line, in front of whatever is there now (a handler set
+       after ours, such as Python's faulthandler, would otherwise see the fault first and
+       report a crash before passing it on).  Called before each mapped copy. */
+    static int engine_bus_ready(void) {
+        struct sigaction current, action;
+        int rc = 0;
+        pthread_mutex_lock(&engine_bus_lock);
+        if (sigaction(SIGBUS, NULL, &current) != 0) {
+            rc = -1;
+        } else if (!((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == engine_on_sigbus)) {
+            memset(&action, 0, sizeof action);
+            action.sa_sigaction = engine_on_sigbus;
+            action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+            sigemptyset(&action.sa_mask);
+            engine_bus_previous = current;
+            rc = sigaction(SIGBUS, &action, NULL);
+        }
+        pthread_mutex_unlock(&engine_bus_lock);
+        return rc;
+    }
+
+    /* memcpy that returns -1 instead of dying where the source page is no longer backed */
+    static int engine_guarded_copy(void *dst, const void *src, size_t n) {
+        sigjmp_buf jump;
+        if (sigsetjmp(jump, 1) != 0)
+            return -1;
+        engine_bus_jump = &jump;
+        memcpy(dst, src, n);
+        engine_bus_jump = NULL;
+        return 0;
+    }
+    """
+    int _bus_guard_ready "engine_bus_ready"() noexcept nogil
+    int _guarded_copy "engine_guarded_copy"(void* dst, const void* src, size_t n) noexcept nogil
+
+# one populate-and-copy step of a mapped share: small enough that the pages it maps are
+# still in the TLB when they are copied, large enough that the calls cost nothing
+cdef int64_t _MAP_STEP = 16 << 20
+
+
+cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out, int64_t nbytes,
+                      int64_t offset, int64_t* at, int64_t* missing) noexcept nogil:
+    """Copy ``nbytes`` at ``offset`` of the mapping ``src`` of ``fd`` into ``out``, a step at
+    a time: populate (``MADV_POPULATE_READ``), then copy under the SIGBUS guard.  Where the
+    mapping cannot serve a step (past its end, pages the file no longer backs, a populate
+    error) the rest is read with :func:`_pread_full`, whose result is returned: the error
+    then names the exact offset where the file ends, as a plain read would."""
+    cdef int64_t done = 0, step, pos
+    cdef uintptr_t page = <uintptr_t>sysconf(_SC_PAGESIZE), lo
+    cdef int err
+    cdef bint mapped
+    while done < nbytes:
+        pos = offset + done
+        step = nbytes - done
+        if step > _MAP_STEP:
+            step = _MAP_STEP
+        mapped = pos + step <= src_len
+        if mapped:
+            lo = (<uintptr_t>(src + pos)) & ~(page - 1)
+            while madvise(<void*>lo, <uintptr_t>(src + pos + step) - lo, _MADV_POPULATE_READ) != 0:
+                err = errno
+                if err == EINTR or err == EAGAIN:
+                    continue
+                # EINVAL: a kernel without MADV_POPULATE_READ; the guarded copy faults them in
+                mapped = err == EINVAL
+                break
+        if not mapped or _guarded_copy(out + done, src + pos, <size_t>step) != 0:
+            return _pread_full(fd, out + done, nbytes - done, pos, at, missing)
+        done += step
+    return 0
 
 
 cdef void* _read_part(void* arg) noexcept nogil:
@@ -111,18 +229,53 @@ cdef void* _read_part(void* arg) noexcept nogil:
         b = p.starts[i] + p.sizes[i]
         if b > p.hi:
             b = p.hi
-        p.err = _pread_full(p.fd, p.dst + p.dst_off[i] + (a - p.starts[i]), b - a,
-                            p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
+        if p.src != NULL:
+            p.err = _copy_mapped(p.fd, p.src, p.src_len, p.dst[i] + (a - p.starts[i]), b - a,
+                                 p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
+        else:
+            p.err = _pread_full(p.fd, p.dst[i] + (a - p.starts[i]), b - a,
+                                p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
         if p.err:
             return NULL
         i += 1
     return NULL
 
 
-cdef int _check_segments(uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
-                         const int64_t[::1] sizes, int64_t* total) except -1:
+# A set of segments to copy: segment i is sizes[i] bytes at file offset file_off[i], going to
+# dst[i]; starts[i] is its position in the concatenation.  Built with the GIL (it reads Python
+# buffers), used without it.
+cdef struct _Segs:
+    Py_ssize_t n
+    const int64_t* file_off
+    int64_t* sizes
+    int64_t* starts
+    uint8_t** dst
+    int64_t total
+
+
+cdef void _free_segs(_Segs* s) noexcept:
+    free(s.sizes); free(s.starts); free(s.dst)
+    s.sizes = NULL
+    s.starts = NULL
+    s.dst = NULL
+
+
+cdef int _alloc_segs(_Segs* s, Py_ssize_t n) except -1:
+    s.n = n
+    s.total = 0
+    s.sizes = <int64_t*>calloc(n if n else 1, sizeof(int64_t))
+    s.starts = <int64_t*>calloc(n if n else 1, sizeof(int64_t))
+    s.dst = <uint8_t**>calloc(n if n else 1, sizeof(uint8_t*))
+    if s.sizes == NULL or s.starts == NULL or s.dst == NULL:
+        _free_segs(s)
+        raise MemoryError()
+    return 0
+
+
+cdef int _segs_in_buffer(_Segs* s, uint8_t[::1] dst, const int64_t[::1] file_offsets,
+                         const int64_t[::1] dst_offsets, const int64_t[::1] sizes) except -1:
+    """Segments into one buffer: segment i lands at ``dst[dst_offsets[i]:]``."""
     cdef Py_ssize_t n = sizes.shape[0], i
-    total[0] = 0
     if file_offsets.shape[0] != n or dst_offsets.shape[0] != n:
         raise ValueError("file_offsets, dst_offsets and sizes differ in length")
     for i in range(n):
@@ -130,34 +283,59 @@ cdef int _check_segments(uint8_t[::1] dst, const int64_t[::1] file_offsets, cons
             raise ValueError("negative offset or size")
         if dst_offsets[i] + sizes[i] > dst.shape[0]:
             raise ValueError("destination too small for the segments")
-        total[0] += sizes[i]
+    _alloc_segs(s, n)
+    s.file_off = &file_offsets[0] if n else NULL
+    for i in range(n):
+        s.sizes[i] = sizes[i]
+        s.starts[i] = s.total
+        s.dst[i] = &dst[0] + dst_offsets[i] if sizes[i] else NULL
+        s.total += sizes[i]
     return 0
 
 
-cdef int _plan_parts(_Part* parts, int nparts, int fd, uint8_t* out, const int64_t* file_offsets,
-                     const int64_t* dst_offsets, const int64_t* sizes, int64_t* starts, Py_ssize_t n,
-                     int64_t total, int64_t align) noexcept nogil:
+cdef int _segs_in_targets(_Segs* s, const int64_t[::1] file_offsets, list targets) except -1:
+    """Segments into many buffers: segment i fills the whole of ``targets[i]``."""
+    cdef Py_ssize_t n = len(targets), i
+    cdef uint8_t[::1] view
+    if file_offsets.shape[0] != n:
+        raise ValueError("file_offsets and targets differ in length")
+    _alloc_segs(s, n)
+    s.file_off = &file_offsets[0] if n else NULL
+    try:
+        for i in range(n):
+            if file_offsets[i] < 0:
+                raise ValueError("negative offset")
+            view = targets[i]  # writable, contiguous bytes, or TypeError/ValueError
+            s.sizes[i] = view.shape[0]
+            s.starts[i] = s.total
+            s.dst[i] = &view[0] if view.shape[0] else NULL
+            s.total += view.shape[0]
+    except BaseException:
+        _free_segs(s)
+        raise
+    return 0
+
+
+cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,
+                     int64_t align) noexcept nogil:
     """Equal shares of the concatenated segments, each cut rounded down to ``align``."""
-    cdef Py_ssize_t i
     cdef int k
-    cdef int64_t step = total // nparts, cut
-    starts[0] = 0
-    for i in range(1, n):
-        starts[i] = starts[i - 1] + sizes[i - 1]
+    cdef int64_t step = s.total // nparts, cut
     for k in range(nparts):
         memset(&parts[k], 0, sizeof(_Part))
         parts[k].fd = fd
-        parts[k].dst = out
-        parts[k].file_off = file_offsets
-        parts[k].dst_off = dst_offsets
-        parts[k].sizes = sizes
-        parts[k].starts = starts
-        parts[k].nseg = n
+        parts[k].src = src
+        parts[k].src_len = src_len
+        parts[k].dst = s.dst
+        parts[k].file_off = s.file_off
+        parts[k].sizes = s.sizes
+        parts[k].starts = s.starts
+        parts[k].nseg = s.n
         cut = (step * k) // align * align
         parts[k].lo = cut
         if k > 0:
             parts[k - 1].hi = cut
-    parts[nparts - 1].hi = total
+    parts[nparts - 1].hi = s.total
     return 0
 
 
@@ -172,6 +350,14 @@ cdef int _share_count(int threads, int64_t total, int64_t align) noexcept nogil:
     return n
 
 
+cdef tuple _first_error(_Part* parts, int nparts):
+    cdef int k
+    for k in range(nparts):
+        if parts[k].err:
+            return (parts[k].err, parts[k].at, parts[k].missing)
+    return (0, 0, 0)
+
+
 def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
                 const int64_t[::1] sizes, int threads, int64_t align=65536):
     """Read segment ``i`` (``sizes[i]`` bytes at file offset ``file_offsets[i]``) into
@@ -183,30 +369,25 @@ def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const
     bytes missing)`` of the failure lowest in the concatenation of the segments.  The GIL is
     released for the whole call; no thread outlives it.
     """
-    cdef Py_ssize_t n = sizes.shape[0]
-    cdef int64_t total = 0
-    cdef int64_t* starts = NULL
+    cdef _Segs s
     cdef _Part* parts = NULL
     cdef pthread_t* tids = NULL
     cdef char* started = NULL
     cdef int nthreads, k
-    _check_segments(dst, file_offsets, dst_offsets, sizes, &total)
-    if total == 0:
-        return (0, 0, 0)
-    if align < 1:
-        align = 1
-    nthreads = _share_count(threads, total, align)
-    starts = <int64_t*>calloc(n, sizeof(int64_t))
-    parts = <_Part*>calloc(nthreads, sizeof(_Part))
-    tids = <pthread_t*>calloc(nthreads, sizeof(pthread_t))
-    started = <char*>calloc(nthreads, 1)
-    if starts == NULL or parts == NULL or tids == NULL or started == NULL:
-        free(starts); free(parts); free(tids); free(started)
-        raise MemoryError()
+    _segs_in_buffer(&s, dst, file_offsets, dst_offsets, sizes)
     try:
+        if s.total == 0:
+            return (0, 0, 0)
+        if align < 1:
+            align = 1
+        nthreads = _share_count(threads, s.total, align)
+        parts = <_Part*>calloc(nthreads, sizeof(_Part))
+        tids = <pthread_t*>calloc(nthreads, sizeof(pthread_t))
+        started = <char*>calloc(nthreads, 1)
+        if parts == NULL or tids == NULL or started == NULL:
+            raise MemoryError()
         with nogil:
-            _plan_parts(parts, nthreads, fd, &dst[0], &file_offsets[0], &dst_offsets[0], &sizes[0], starts, n,
-                        total, align)
+            _plan_parts(parts, nthreads, fd, NULL, 0, &s, align)
             for k in range(1, nthreads):
                 if pthread_create(&tids[k], NULL, _read_part, &parts[k]) == 0:
                     started[k] = 1
@@ -216,12 +397,10 @@ def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const
                     pthread_join(tids[k], NULL)
                 else:  # no thread to be had: this thread reads that share too
                     _read_part(&parts[k])
-        for k in range(nthreads):
-            if parts[k].err:
-                return (parts[k].err, parts[k].at, parts[k].missing)
-        return (0, 0, 0)
+        return _first_error(parts, nthreads)
     finally:
-        free(starts); free(parts); free(tids); free(started)
+        _free_segs(&s)
+        free(parts); free(tids); free(started)
 
 
 # A pool of native threads kept for the length of a load: each read wakes them instead of
@@ -306,34 +485,22 @@ cdef class SplitReader:
         """Threads that share each read (the workers that started, plus the caller)."""
         return self.nworkers + 1
 
-    def read(self, int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
-             const int64_t[::1] sizes, int64_t align=65536):
-        """As :func:`pread_split` with this reader's threads; same return value."""
-        cdef Py_ssize_t n = sizes.shape[0]
-        cdef int64_t total = 0
-        cdef int64_t* starts = NULL
+    cdef tuple _run(self, int fd, const uint8_t* src, int64_t src_len, _Segs* s, int64_t align):
+        """Split ``s`` over the pool and the calling thread, GIL released; the first error."""
         cdef _Part* parts = NULL
-        cdef int nparts, k
+        cdef int nparts
         cdef _PoolState* st = self.st
-        if st == NULL:
-            raise ValueError("the reader is closed")
-        if self.busy:
-            raise RuntimeError("one read at a time per SplitReader")
-        self.busy = True
+        if s.total == 0:
+            return (0, 0, 0)
+        if align < 1:
+            align = 1
+        nparts = _share_count(self.nworkers + 1, s.total, align)
+        parts = <_Part*>calloc(nparts, sizeof(_Part))
+        if parts == NULL:
+            raise MemoryError()
         try:
-            _check_segments(dst, file_offsets, dst_offsets, sizes, &total)
-            if total == 0:
-                return (0, 0, 0)
-            if align < 1:
-                align = 1
-            nparts = _share_count(self.nworkers + 1, total, align)
-            starts = <int64_t*>calloc(n, sizeof(int64_t))
-            parts = <_Part*>calloc(nparts, sizeof(_Part))
-            if starts == NULL or parts == NULL:
-                raise MemoryError()
             with nogil:
-                _plan_parts(parts, nparts, fd, &dst[0], &file_offsets[0], &dst_offsets[0], &sizes[0], starts, n,
-                            total, align)
+                _plan_parts(parts, nparts, fd, src, src_len, s, align)
                 pthread_mutex_lock(&st.lock)
                 st.parts = parts
                 st.nparts = nparts
@@ -348,13 +515,63 @@ cdef class SplitReader:
                 st.parts = NULL
                 st.nparts = 0
                 pthread_mutex_unlock(&st.lock)
-            for k in range(nparts):
-                if parts[k].err:
-                    return (parts[k].err, parts[k].at, parts[k].missing)
-            return (0, 0, 0)
+            return _first_error(parts, nparts)
+        finally:
+            free(parts)
+
+    cdef int _enter(self) except -1:
+        if self.st == NULL:
+            raise ValueError("the reader is closed")
+        if self.busy:
+            raise RuntimeError("one read at a time per SplitReader")
+        self.busy = True
+        return 0
+
+    def read(self, int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
+             const int64_t[::1] sizes, int64_t align=65536):
+        """As :func:`pread_split` with this reader's threads; same return value."""
+        cdef _Segs s
+        self._enter()
+        try:
+            _segs_in_buffer(&s, dst, file_offsets, dst_offsets, sizes)
+            try:
+                return self._run(fd, NULL, 0, &s, align)
+            finally:
+                _free_segs(&s)
         finally:
             self.busy = False
-            free(starts); free(parts)
+
+    def copy(self, int fd, mapping, const int64_t[::1] file_offsets, list targets, int64_t align=65536):
+        """Fill each of ``targets`` (writable contiguous buffers) with the file's bytes from
+        ``file_offsets[i]`` on, the total split evenly over this reader's threads, GIL
+        released.
+
+        ``mapping`` is None (each thread ``pread``s its share) or a read-only mapping of the
+        whole file (each thread maps its share with ``MADV_POPULATE_READ`` and copies it
+        out; a page the file no longer backs is an end-of-file error, never a SIGBUS).
+        Returns as :meth:`read` does.
+        """
+        cdef _Segs s
+        cdef const uint8_t[::1] src
+        cdef const uint8_t* base = NULL
+        cdef int64_t length = 0
+        self._enter()
+        try:
+            if mapping is not None:
+                src = mapping
+                length = src.shape[0]
+                base = &src[0] if length else NULL
+                if _bus_guard_ready() != 0:
+                    raise OSError("cannot install the SIGBUS guard of mapped copies")
+            _segs_in_targets(&s, file_offsets, targets)
+            try:
+                if mapping is not None and base == NULL and s.total:
+                    return (-1, 0, s.total)  # an empty file maps to nothing
+                return self._run(fd, base, length, &s, align)
+            finally:
+                _free_segs(&s)
+        finally:
+            self.busy = False
 
     def close(self) -> None:
         """Stop and join the workers (idempotent)."""
@@ -420,18 +637,6 @@ def resident_pages(const uint8_t[::1] region):
 # -- read-ahead of a file mapping ----------------------------------------------------------------
 # (kept apart from the read loops above: these touch a mapping, never a file descriptor)
 
-cdef extern from "<sys/mman.h>" nogil:
-    int madvise(void* addr, size_t length, int advice)
-    int mincore(void* addr, size_t length, unsigned char* vec)
-    int MADV_WILLNEED
-
-from libc.stdint cimport uintptr_t
-from posix.unistd cimport sysconf, _SC_PAGESIZE
-
-# Linux 5.14+; the headers of older C libraries may lack the name, the number is the ABI's
-cdef enum:
-    _MADV_POPULATE_READ = 22
-
 
 cdef inline uintptr_t _page_down(uintptr_t x, Py_ssize_t page) noexcept nogil:
     return x & ~(<uintptr_t>page - 1)
@@ -484,6 +689,22 @@ def populate_mapping(const uint8_t[::1] buf, Py_ssize_t start, Py_ssize_t stop):
                 if madvise(<void*>lo, length, MADV_WILLNEED) != 0:
                     err = errno
     return err
+
+
+def guarded_copy(const uint8_t[::1] src, Py_ssize_t offset, uint8_t[::1] dst):
+    """Copy ``len(dst)`` bytes of the file mapping ``src`` from ``offset`` into ``dst`` under
+    the SIGBUS guard alone (no populate step first): 0, or -1 where a page is no longer
+    backed by the file.  The guard's own test; loads go through :class:`SplitReader`."""
+    if offset < 0 or offset + dst.shape[0] > src.shape[0]:
+        raise ValueError("the range is outside the mapping")
+    if dst.shape[0] == 0:
+        return 0
+    if _bus_guard_ready() != 0:
+        raise OSError("cannot install the SIGBUS guard of mapped copies")
+    cdef int rc
+    with nogil:
+        rc = _guarded_copy(&dst[0], &src[0] + offset, <size_t>dst.shape[0])
+    return rc
 
 
 # -- strided runs through a bounce buffer --------------------------------------------------------

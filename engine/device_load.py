@@ -43,7 +43,7 @@ import numpy as np
 from ._threads import run_threads
 from .errors import DeviceError
 from .plan import Piece, Request
-from .reader import check_read, resident_pages, split_reader
+from .reader import check_read, close_mapping, copy_mapping, resident_pages, split_reader
 
 __all__ = [
     "DeviceOps", "DeviceLoad", "Unit", "units", "UnitQueue", "Ring", "Rate", "REGISTER_DEPTH",
@@ -496,6 +496,7 @@ class DeviceLoad:
         ring = Ring(ops, self.slots, self.slot_bytes, ahead=self.copy_units > 1)
         in_flight: list = [None] * self.slots  # (event, landed parts) per slot
         reader = None
+        mappings: dict[int, mmap.mmap | None] = {}  # source -> the split copies' mapping
         if self.fill is None:
             reader = split_reader(self.threads)  # native threads for the whole load
         k = 0
@@ -510,7 +511,9 @@ class DeviceLoad:
                     in_flight[s] = None
                     self.tracker.landed(parts)
                 handle, view = ring.slot(s)
-                self._read_unit(unit, view, reader)
+                if reader is not None and unit.source not in mappings:
+                    mappings[unit.source] = copy_mapping(self.sources[unit.source].fd)
+                self._read_unit(unit, view, reader, mappings.get(unit.source))
                 src = self.sources[unit.source]
                 targets = self.dest.device_targets
                 parts = []
@@ -530,6 +533,8 @@ class DeviceLoad:
             ring.free()
             if reader is not None:
                 reader.close()
+            for m in mappings.values():
+                close_mapping(m)
 
     def _after_copy(self, unit: Unit, stream) -> None:
         """The ``after_copy`` hook for each request of a unit whose copies are issued."""
@@ -537,7 +542,7 @@ class DeviceLoad:
             for r in unit.requests:
                 self.after_copy(r, stream)
 
-    def _read_unit(self, unit: Unit, view: memoryview, reader) -> None:
+    def _read_unit(self, unit: Unit, view: memoryview, reader, mapping: mmap.mmap | None = None) -> None:
         src = self.sources[unit.source]
         if self.fill is not None:
             fill, reqs = self.fill, unit.requests
@@ -553,11 +558,9 @@ class DeviceLoad:
             return
         reqs = unit.requests
         file_offsets = np.fromiter((r.offset for r in reqs), np.int64, len(reqs))
-        sizes = np.fromiter((r.nbytes for r in reqs), np.int64, len(reqs))
-        slot_offsets = np.asarray(unit.slot_offsets, dtype=np.int64)
-        out = np.frombuffer(view, np.uint8)
+        targets = [view[off : off + r.nbytes] for r, off in zip(reqs, unit.slot_offsets, strict=True)]
         # one native call: the unit's bytes split evenly over the reader's threads, GIL released
-        check_read(reader.read(src.fd, out, file_offsets, slot_offsets, sizes), "the load", src.path, src.fd)
+        check_read(reader.copy(src.fd, mapping, file_offsets, targets), "the load", src.path, src.fd)
 
     # -- the register path -----------------------------------------------------------------
 

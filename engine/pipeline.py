@@ -28,11 +28,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from ._threads import run_threads
 from .device_load import REGISTER_DEPTH, DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from .errors import Cancelled
 from .plan import Request
-from .reader import pread_into
+from .reader import check_read, close_mapping, copy_mapping, split_reader
 
 __all__ = [
     "DeviceOps",
@@ -229,7 +231,58 @@ def run_sources(
 # -- host destinations ---------------------------------------------------------------------------
 
 
+#: bytes of requests per native split copy of a host load: large enough that the one Python
+#: call per batch costs nothing, small enough that tensors are reported complete (and a
+#: cancel is seen) while the load goes on
+HOST_BATCH_BYTES = 256 << 20
+
+
+def _batches(requests: Sequence[Request], limit: int):
+    batch: list[Request] = []
+    size = 0
+    for r in requests:
+        batch.append(r)
+        size += r.nbytes
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
+    """Host destinations: each batch of requests is one native call that splits its bytes
+    evenly over ``threads`` native threads (started once for the load), GIL released; with
+    ``fill``, worker threads take whole requests instead."""
+    if fill is not None:
+        _run_host_fill(sources, dest, tracker, cancel, threads, fill)
+        return
+    views = dest.host_views
+    reader = split_reader(threads)
+    try:
+        for src in sources:
+            mapping = copy_mapping(src.fd)
+            try:
+                for batch in _batches(src.requests, HOST_BATCH_BYTES):
+                    if cancel.is_set():
+                        return
+                    offsets: list[int] = []
+                    targets: list[memoryview] = []
+                    for req in batch:
+                        for p in req.pieces:
+                            if p.nbytes:
+                                offsets.append(req.offset + p.request_offset)
+                                targets.append(views[src.row_base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes])
+                    check_read(reader.copy(src.fd, mapping, np.array(offsets, dtype=np.int64), targets),
+                               "the load", src.path, src.fd)
+                    tracker.landed((src.row_base + p.row, p.nbytes) for req in batch for p in req.pieces)
+            finally:
+                close_mapping(mapping)
+    finally:
+        reader.close()
+
+
+def _run_host_fill(sources, dest, tracker, cancel, threads, fill) -> None:
     work = [(s, req) for s in sources for req in s.requests]
     lock = threading.Lock()
     next_index = [0]
@@ -248,10 +301,7 @@ def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
             src, req = item
             base = src.row_base
             targets = [views[base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes] for p in req.pieces]
-            if fill is None:
-                pread_into(src.fd, req.offset, targets, path=src.path)
-            else:
-                fill(src.fd, req, targets)
+            fill(src.fd, req, targets)
             tracker.landed((base + p.row, p.nbytes) for p in req.pieces)
 
     run_threads([worker] * max(1, min(threads, len(work))), on_error=cancel.set)

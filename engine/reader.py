@@ -1,9 +1,11 @@
 """Positional reads of tensor bytes into caller-owned memory.
 
-The one primitive under every threaded load (:mod:`engine.pipeline`): ``os.preadv``, which
+Two primitives under the threaded loads (:mod:`engine.pipeline`): ``os.preadv``, which
 releases the GIL and scatters file-contiguous bytes into several destination buffers in
-one system call.  Nothing here maps the file, so a file truncated underneath gives a
-:class:`~engine.errors.ReadError`, never a SIGBUS.
+one system call, and the native split copy (:func:`split_reader`), which spreads one large
+set of segments evenly over native threads and takes the bytes either with ``pread`` or
+out of a populated read-only mapping (:func:`copy_source`).  Either way a file truncated
+underneath gives a :class:`~engine.errors.ReadError`, never a SIGBUS.
 """
 
 from __future__ import annotations
@@ -19,9 +21,56 @@ from .errors import ReadError
 
 __all__ = [
     "default_threads", "pread_into", "pread_runs", "pread_spans", "spans_bytes", "prefetch_mapping", "run_threads",
-    "map_threads", "check_read", "resident_pages", "split_reader",
+    "map_threads", "check_read", "resident_pages", "split_reader", "copy_source", "copy_mapping", "close_mapping",
+    "COPY_SOURCES",
     "IOV_MAX",
 ]
+
+
+#: where the native copies take a warm file's bytes from
+COPY_SOURCES = ("mmap", "pread")
+
+
+def copy_source() -> str:
+    """Where native split copies take the bytes from: ``"mmap"`` or ``"pread"``.
+
+    ``"mmap"``: each thread maps its share of a read-only mapping of the file in one call
+    (``MADV_POPULATE_READ``) and copies it out; ``"pread"``: each thread reads its
+    share with ``pread``.  Both read the page cache once and write the destination once; the mapping
+    saves the system call and page-cache lookup per chunk, which shows when memory is fast
+    (``scripts/bench_host.py`` measures both).  ``ENGINE_COPY_SOURCE`` overrides the
+    default, ``"mmap"``.  A file truncated underneath is a ReadError either way (the
+    populate reports pages the file no longer backs; a copy that faults anyway is caught).
+    """
+    value = os.environ.get("ENGINE_COPY_SOURCE", "mmap").strip().lower()
+    if value not in COPY_SOURCES:
+        raise ValueError(f"ENGINE_COPY_SOURCE must be one of {COPY_SOURCES}, not {value!r}")
+    return value
+
+
+def copy_mapping(fd: int):
+    """A read-only mapping of the whole file for the split copies (``mmap.mmap``), or None
+    where they ``pread`` instead: :func:`copy_source` says ``"pread"``, the file is empty, or
+    it cannot be mapped.  Close it with :func:`close_mapping`."""
+    if copy_source() != "mmap":
+        return None
+    import mmap
+
+    try:
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+    except (OSError, ValueError):
+        return None
+
+
+def close_mapping(m) -> None:
+    """Unmap a :func:`copy_mapping` (None is fine); a view still alive somewhere leaves it to
+    the garbage collector."""
+    if m is not None:
+        try:
+            m.close()
+        except BufferError:
+            pass
 
 
 @functools.cache
@@ -247,8 +296,10 @@ def resident_pages(buf) -> tuple[int, int]:
 
 
 def split_reader(threads: int):
-    """A native reader whose ``read(fd, out, file_offsets, out_offsets, sizes)`` splits each
-    call over ``threads`` pthreads started once (``engine._io.SplitReader``); it returns
+    """A native reader whose ``read(fd, out, file_offsets, out_offsets, sizes)`` and
+    ``copy(fd, mapping, file_offsets, targets)`` split each call evenly over ``threads``
+    pthreads started once (``engine._io.SplitReader``; ``mapping`` is None for ``pread`` or
+    a read-only mapping of the file, see :func:`copy_source`); both return
     ``(errno or -1, offset, missing)`` for :func:`check_read`.  Close it when done."""
     from . import _io
 

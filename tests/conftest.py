@@ -181,3 +181,46 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+class SplitCopies:
+    """Watches the native split copies of host loads (``engine.pipeline.split_reader``):
+    counts the bytes they deliver and calls ``before(call, fd, offsets, targets)`` ahead of
+    each one (``call`` counts from 1 over every reader), which may raise or change the file.
+    The host loads' one seam at the Python level: the copies themselves run in native code."""
+
+    def __init__(self, monkeypatch, before=None) -> None:
+        import threading
+
+        import engine.pipeline
+
+        self.bytes = 0
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.before = before
+        real = engine.pipeline.split_reader
+        watch = self
+
+        class Reader:
+            def __init__(self, threads: int) -> None:
+                self.inner = real(threads)
+
+            def copy(self, fd, mapping, offsets, targets, *args):
+                with watch.lock:
+                    watch.calls += 1
+                    call = watch.calls
+                if watch.before is not None:
+                    watch.before(call, fd, offsets, targets)
+                result = self.inner.copy(fd, mapping, offsets, targets, *args)
+                if result[0] == 0:
+                    with watch.lock:
+                        watch.bytes += sum(memoryview(t).nbytes for t in targets)
+                return result
+
+            def read(self, *args):
+                return self.inner.read(*args)
+
+            def close(self) -> None:
+                self.inner.close()
+
+        monkeypatch.setattr(engine.pipeline, "split_reader", Reader)

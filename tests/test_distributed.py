@@ -69,6 +69,8 @@ def _worker(rank, world, port, path, modes, out_dir):
     from engine.reader import default_threads
 
     default_threads()  # reads /sys once (cached): not a tensor byte, keep it out of the count
+    # bytes are counted as the kernel counts reads (rchar): copies out of a mapping are not
+    os.environ["ENGINE_COPY_SOURCE"] = "pread"
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

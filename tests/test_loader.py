@@ -9,11 +9,12 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import in_threads
+from conftest import SplitCopies, in_threads
 
 import engine
 import engine.numpy
 import engine.onload
+import engine.pipeline
 from engine.errors import ReadError, TensorMismatchError, TensorNotFoundError
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra")
@@ -43,20 +44,26 @@ def model_file(tmp_path_factory):
 
 
 class CountingReads:
-    """Counts the bytes os.preadv returns (what a load really reads)."""
+    """Counts the bytes a load really reads: those os.preadv returns and those the native
+    split copies deliver."""
 
     def __init__(self, monkeypatch):
-        self.bytes = 0
         self.lock = threading.Lock()
+        self.preadv_bytes = 0
+        self.copies = SplitCopies(monkeypatch)
         real = os.preadv
 
         def counting(fd, buffers, offset):
             n = real(fd, buffers, offset)
             with self.lock:
-                self.bytes += n
+                self.preadv_bytes += n
             return n
 
         monkeypatch.setattr(os, "preadv", counting)
+
+    @property
+    def bytes(self) -> int:
+        return self.preadv_bytes + self.copies.bytes
 
 
 @pytest.mark.parametrize("framework", ["np", "pt"])
@@ -107,20 +114,20 @@ def test_early_break_leaks_no_thread_or_descriptor(model_file):
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
+@pytest.mark.parametrize("source", ["mmap", "pread"])
 @pytest.mark.parametrize("framework", ["np", "pt"])
-def test_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch, framework):
+def test_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch, framework, source):
+    monkeypatch.setenv("ENGINE_COPY_SOURCE", source)
     sd = {f"t{i}": np.full((256, 256), i, np.float32) for i in range(8)}
     path = tmp_path / "m.safetensors"
     engine.numpy.save_file(sd, path)
-    real = os.preadv
-    calls = itertools.count(1)  # next() is atomic: the reader threads share the count
+    monkeypatch.setattr(engine.pipeline, "HOST_BATCH_BYTES", 65_536)  # a copy call per request
 
-    def truncating(fd, buffers, offset):  # another process cuts the file during the load
-        if next(calls) == 3:
+    def truncating(call, fd, offsets, targets):  # another process cuts the file during the load
+        if call == 3:
             os.truncate(path, os.path.getsize(path) // 2)
-        return real(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "preadv", truncating)
+    SplitCopies(monkeypatch, before=truncating)
     with pytest.raises(ReadError) as info:
         list(engine.stream(path, framework=framework, device="cpu", threads=2, chunk_bytes=65_536))
     assert str(path) in str(info.value) and info.value.size and info.value.offset

@@ -7,7 +7,6 @@ before its copy finished would corrupt the data, and these tests would see it.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import mmap
 import os
@@ -16,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import SplitCopies
 from emulated import EmulatedDevice
 from gil import ticks_during
 from hypothesis import given, settings
@@ -147,14 +147,13 @@ def test_completion_is_reported_only_after_the_device_copy(layout):
 
 def test_worker_error_reaches_caller_and_threads_end(layout, monkeypatch):
     fd, path, begins, ends, _ = layout
-    real = os.preadv
+    monkeypatch.setattr(pipeline, "HOST_BATCH_BYTES", 65_536)
 
-    def flaky(fd_, buffers, offset):
-        if offset > 2_000_000:
-            raise OSError(errno.EIO, "disk on fire")
-        return real(fd_, buffers, offset)
+    def failing(call, fd_, offsets, targets):
+        if offsets[0] > 2_000_000:  # a disk error surfaces as the native copy's errno
+            raise ReadError("reading failed: disk on fire", reason="IoError", path=path, offset=int(offsets[0]))
 
-    monkeypatch.setattr(os, "preadv", flaky)
+    SplitCopies(monkeypatch, before=failing)
     before = threading.active_count()
     rows = list(range(40))
     dst = {r: memoryview(bytearray(int(ends[r] - begins[r]))) for r in rows if ends[r] > begins[r]}
@@ -165,8 +164,25 @@ def test_worker_error_reaches_caller_and_threads_end(layout, monkeypatch):
     assert threading.active_count() == before
 
 
-def test_cancel_stops_the_workers(layout):
+@pytest.mark.parametrize("source", ["mmap", "pread"])
+def test_host_copy_errors_name_the_file_and_offset(layout, monkeypatch, source):
+    # the native copy's own error: a plan that reaches past the end of the file, named where
+    # the file ends whichever source the copy takes
     fd, path, begins, ends, _ = layout
+    monkeypatch.setenv("ENGINE_COPY_SOURCE", source)
+    size = os.fstat(fd).st_size
+    rows = list(range(40))
+    dst = {r: memoryview(bytearray(int(ends[r] - begins[r]))) for r in rows if ends[r] > begins[r]}
+    with pytest.raises(ReadError) as info:
+        pipeline.run(fd, plan_reads(begins, ends, rows, size - 1000, 65_536), pipeline.Destination(host_views=dst),
+                     path=path, threads=2)
+    assert info.value.reason == "ShortRead" and path in str(info.value)
+    assert info.value.offset == size and info.value.size > 0
+
+
+def test_cancel_stops_the_workers(layout, monkeypatch):
+    fd, path, begins, ends, _ = layout
+    monkeypatch.setattr(pipeline, "HOST_BATCH_BYTES", 4096)
     rows = list(range(40))
     dst = {r: memoryview(bytearray(int(ends[r] - begins[r]))) for r in rows if ends[r] > begins[r]}
     cancel = threading.Event()
@@ -569,9 +585,9 @@ def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, mon
         def __init__(self, threads):
             self.inner = real_reader(threads)
 
-        def read(self, *args):
+        def copy(self, *args):
             overlapped.append(any(not ev.is_set() for ev in events))
-            return self.inner.read(*args)
+            return self.inner.copy(*args)
 
         def close(self):
             self.inner.close()
@@ -658,3 +674,97 @@ def test_split_reader_releases_the_gil(layout):
                 assert reader.read(fd, out, file_offsets, dst_offsets, sizes)[0] == 0
 
         assert ticks_during(work) > 100
+
+
+@pytest.mark.parametrize("source", ["mmap", "pread"])
+def test_split_copy_fills_every_target_from_either_source(layout, source):
+    from engine import _io
+
+    fd, _, _, _, data = layout
+    rng = np.random.default_rng(4)
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source == "mmap" else None
+    try:
+        with _io.SplitReader(3) as reader:
+            for _ in range(100):
+                n = int(rng.integers(1, 8))
+                sizes = rng.integers(0, 300_000, n)
+                offsets = rng.integers(0, len(data) - 300_000, n).astype(np.int64)
+                targets = [np.full(int(k), 7, np.uint8) for k in sizes]
+                align = int(rng.choice([1, 4096, 65_536]))
+                assert reader.copy(fd, mapping, offsets, [memoryview(t) for t in targets], align) == (0, 0, 0)
+                for t, off in zip(targets, offsets, strict=True):
+                    assert (t == data[off : off + len(t)]).all()
+            # past the end of the file: the end-of-file code, at or before the end, and no fault
+            end = len(data)
+            err, at, missing = reader.copy(fd, mapping, np.array([end - 1000], np.int64),
+                                           [memoryview(np.zeros(1 << 20, np.uint8))])
+            assert (err, at) == (-1, end) and missing > 0
+    finally:
+        if mapping is not None:
+            mapping.close()
+
+
+def test_split_copy_refuses_read_only_targets(layout):
+    from engine import _io
+
+    fd, _, _, _, _ = layout
+    with _io.SplitReader(2) as reader, pytest.raises((TypeError, ValueError, BufferError)):
+        reader.copy(fd, None, np.array([0], np.int64), [memoryview(bytes(16))])
+
+
+@pytest.mark.parametrize("source", ["mmap", "pread"])
+def test_split_copy_releases_the_gil(layout, source):
+    from engine import _io
+
+    fd, _, _, _, data = layout
+    n = len(data) // 4096
+    offsets = np.zeros(n * 8, dtype=np.int64)
+    out = np.zeros(4096 * n * 8, np.uint8)
+    targets = [memoryview(out)[i * 4096 : (i + 1) * 4096] for i in range(n * 8)]
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source == "mmap" else None
+    try:
+        with _io.SplitReader(2) as reader:
+
+            def work():
+                for _ in range(10):
+                    assert reader.copy(fd, mapping, offsets, targets)[0] == 0
+
+            assert ticks_during(work) > 100
+    finally:
+        if mapping is not None:
+            mapping.close()
+
+
+def test_a_copy_from_pages_the_file_lost_is_an_error_not_a_crash(tmp_path):
+    # The populate step reports pages past the end before any copy; a file cut between the
+    # populate and the copy faults inside the copy, and the guard turns that into -1.  Run in
+    # a fresh interpreter, with faulthandler enabled before and after the guard is first set
+    # up (it must come first in line either way, and print no crash report).
+    code = """
+import faulthandler, mmap, os, sys
+import numpy as np
+from engine import _io
+path = sys.argv[1]
+np.ones(1 << 20, np.uint8).tofile(path)
+fd = os.open(path, os.O_RDONLY)
+m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+out = np.zeros(8192, np.uint8)
+faulthandler.enable()
+assert _io.guarded_copy(m, 4096, out) == 0 and out.sum() == 8192
+faulthandler.disable(); faulthandler.enable()   # a handler set after the guard's
+os.truncate(path, 0)
+out[:] = 0
+print(_io.guarded_copy(m, 4096, out), _io.guarded_copy(m, 0, out))
+with _io.SplitReader(2) as r:
+    print(r.copy(fd, m, np.array([4096], np.int64), [memoryview(out)]))
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "f.bin")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("\n")
+    assert lines[0] == "-1 -1"
+    assert lines[1].startswith("(-1, 4096,")
+    assert "Fatal Python error" not in done.stderr
