@@ -1,0 +1,87 @@
+"""The host copy engine against this machine's own limit: twins of ``scripts/bench_host.py``
+at the asv suites' moderate size (a 256 MiB BF16 checkpoint, warm page cache).
+
+* ``HostCopy.time_copy``: the limit (a native parallel ``memcpy`` of the same bytes out of a
+  fully mapped read-only mapping into pre-faulted memory), the engine's device copy path into
+  a device whose copies move nothing (``dma=none``: page cache -> page-locked slot) or are a
+  CPU ``memcpy`` (``dma=memcpy``), and ``engine.load_into`` into pre-faulted torch tensors
+  with each copy source (``ENGINE_COPY_SOURCE``);
+* ``track_x_limit``: each row's rate as a ratio to the limit measured in the same setup.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from . import common, host
+
+common.ensure_engine_importable()
+
+CKPT_BYTES = 256 << 20
+ROWS = ["limit", "copy-path-dma-none", "copy-path-dma-memcpy", "load_into-mmap", "load_into-pread"]
+
+
+def _runner(row: str, path: str):
+    if row == "limit":
+        lim = host.Limit(path)
+        return lim.run, lim.close
+    if row.startswith("copy-path"):
+        load = host.DeviceLoad(path, dma=row.rpartition("-")[2])
+        return load.run, load.close
+    import torch
+
+    import engine
+
+    source = row.partition("-")[2]
+    h = engine.read_header(path)
+    dst = {k: torch.empty(h[k].shape, dtype=torch.bfloat16).fill_(1) for k in h.keys()}
+
+    def run():
+        os.environ["ENGINE_COPY_SOURCE"] = source
+        try:
+            engine.load_into(path, dst)
+        finally:
+            os.environ.pop("ENGINE_COPY_SOURCE", None)
+
+    return run, lambda: None
+
+
+class HostCopy:
+    params = [ROWS]
+    param_names = ["row"]
+    number = 1
+    repeat = (5, 20, 20.0)
+    timeout = 600
+
+    def setup_cache(self):
+        return common.checkpoint_file(CKPT_BYTES)
+
+    def setup(self, path, row):
+        common.warm_cache(path)
+        self.run, self.close = _runner(row, path)
+        self.run()  # first touch of the destination and of the page tables
+
+    def teardown(self, path, row):
+        self.close()
+
+    def time_copy(self, path, row):
+        self.run()
+
+    def track_x_limit(self, path, row):
+        def best(fn, n=5):
+            out = float("inf")
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                out = min(out, time.perf_counter() - t0)
+            return out
+
+        lim = host.Limit(path)
+        try:
+            lim.run()
+            return best(lim.run) / best(self.run)
+        finally:
+            lim.close()
+
+    track_x_limit.unit = "x limit"

@@ -1,0 +1,232 @@
+"""The host side of loading, against this machine's own copy limit: shared by
+``scripts/bench_host.py`` and the asv suite ``bench_host``.
+
+* :func:`limit_copy`: the machine's limit, a native parallel ``memcpy`` (pthreads, C compiled
+  here with the system's ``cc``, nothing of the engine's) from a warm read-only mapping of
+  the file, every page mapped first (``MADV_POPULATE_READ``), into pre-faulted memory:
+  the same bytes, the same thread count as the engine's rows;
+* :class:`BenchDevice`: a device for the engine's copy path on a host without one: staging
+  slots are page-locked (``mlock``) pre-faulted host memory as a driver's pinned buffers
+  are, and each "device copy" runs on a stream thread into a pre-faulted device buffer.
+  ``dma="memcpy"`` moves the bytes (a CPU copy stands in for the DMA engine: it costs this
+  host a core and a read and a write of every byte, which a real DMA engine does not);
+  ``dma="none"`` completes the copy without moving anything (the host side of the copy
+  path alone: page cache -> pinned slot, with the slot ring, events and ordering).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import queue
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+
+_LIMIT_C = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <string.h>
+#include <stdint.h>
+typedef struct { char *dst; const char *src; size_t n; } job_t;
+static void *run(void *p) { job_t *j = p; memcpy(j->dst, j->src, j->n); return 0; }
+int limit_copy(char *dst, const char *src, size_t n, int threads) {
+    pthread_t tid[256]; job_t jobs[256];
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    size_t share = (n / threads) & ~(size_t)4095;
+    for (int i = 0; i < threads; i++) {
+        size_t lo = share * i, hi = i == threads - 1 ? n : share * (i + 1);
+        jobs[i].dst = dst + lo; jobs[i].src = src + lo; jobs[i].n = hi - lo;
+    }
+    for (int i = 1; i < threads; i++)
+        if (pthread_create(&tid[i], 0, run, &jobs[i])) return -1;
+    run(&jobs[0]);
+    for (int i = 1; i < threads; i++) pthread_join(tid[i], 0);
+    return 0;
+}
+"""
+
+_lib = None
+
+
+def _limit_lib():
+    global _lib
+    if _lib is None:
+        folder = os.path.join(tempfile.gettempdir(), f"engine-bench-limit-{os.getuid()}")
+        os.makedirs(folder, exist_ok=True)
+        src = os.path.join(folder, "limit.c")
+        so = os.path.join(folder, "limit.so")
+        if not os.path.exists(so):
+            with open(src, "w") as f:
+                f.write(_LIMIT_C)
+            subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-pthread", src, "-o", so + ".tmp"],
+                           check=True)
+            os.replace(so + ".tmp", so)
+        lib = ctypes.CDLL(so)
+        lib.limit_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.limit_copy.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def threads() -> int:
+    """The thread count every row uses: every core this process may run on."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def prefaulted(nbytes: int) -> np.ndarray:
+    """``nbytes`` of anonymous memory with every page touched (written) once."""
+    out = np.empty(nbytes, np.uint8)
+    out[::4096] = 1
+    out[-1:] = 1
+    return out
+
+
+def data_range(path: str) -> tuple[int, int]:
+    """(first byte, bytes) of the file's tensor data."""
+    import engine
+
+    h = engine.read_header(path)
+    return h.data_start, h.data_size
+
+
+class Limit:
+    """The limit copy of ``path``'s tensor data, set up once: ``run()`` copies it again."""
+
+    def __init__(self, path: str, nthreads: int | None = None) -> None:
+        self.start, self.nbytes = data_range(path)
+        self.threads = nthreads or threads()
+        self.fd = os.open(path, os.O_RDONLY)
+        self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+        self.map.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))  # every page mapped first
+        self.src = np.frombuffer(self.map, np.uint8)
+        self.dst = prefaulted(self.nbytes)
+        self.lib = _limit_lib()
+
+    def run(self) -> None:
+        src = self.src.ctypes.data + self.start
+        if self.lib.limit_copy(self.dst.ctypes.data, src, self.nbytes, self.threads) != 0:
+            raise OSError("limit copy: cannot start its threads")
+
+    def check(self) -> bool:
+        return bool((self.dst[:: 1 << 20] == self.src[self.start : self.start + self.nbytes : 1 << 20]).all())
+
+    def close(self) -> None:
+        del self.src
+        self.map.close()
+        os.close(self.fd)
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.q.get()) is not None:
+            job()
+
+
+class BenchDevice:
+    """DeviceOps for the copy path on a host without a device (see the module docstring)."""
+
+    def __init__(self, dma: str = "memcpy") -> None:
+        if dma not in ("memcpy", "none"):
+            raise ValueError(dma)
+        self.dma = dma
+        self.streams: list[_Stream] = []
+        self.staging: dict[int, mmap.mmap] = {}
+        self.locked = True
+
+    def bind_thread(self) -> None:
+        pass
+
+    def alloc_staging(self, nbytes: int):
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(buf)
+        arr = np.frombuffer(view, np.uint8)
+        try:  # page-locked, as cudaHostAlloc's pinned memory is
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.mlock(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(nbytes)) != 0:
+                self.locked = False
+        except OSError:
+            self.locked = False
+        arr[::4096] = 0  # pre-faulted
+        self.staging[id(view)] = buf
+        return view, view
+
+    def free_staging(self, handle) -> None:
+        buf = self.staging.pop(id(handle))
+        handle.release()
+        buf.close()  # unmapping unlocks
+
+    def new_stream(self):
+        s = _Stream()
+        self.streams.append(s)
+        return s
+
+    def copy_to_device(self, dst, dst_offset, src, src_offset, nbytes, stream) -> None:
+        if self.dma == "memcpy":
+            def job():
+                dst[dst_offset : dst_offset + nbytes] = src[src_offset : src_offset + nbytes]
+
+            stream.q.put(job)
+
+    def record(self, stream):
+        event = threading.Event()
+        stream.q.put(event.set)
+        return event
+
+    def wait(self, event) -> None:
+        event.wait()
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.q.put(None)
+            s.thread.join()
+        self.streams = []
+
+
+class DeviceLoad:
+    """The engine's device copy path (default slots) for every tensor of ``path`` into
+    pre-faulted "device" buffers of a :class:`BenchDevice`; ``run()`` loads once."""
+
+    def __init__(self, path: str, dma: str = "memcpy", slot_bytes: int | None = None) -> None:
+        import engine
+        from engine import pipeline
+        from engine.plan import plan_reads
+
+        self.pipeline = pipeline
+        h = engine.read_header(path)
+        t = h.table
+        rows = list(t.file_order())
+        self.requests = plan_reads(t.begins, t.ends, rows, h.data_start)
+        self.nbytes = h.data_size
+        block = prefaulted(self.nbytes)
+        self.block = block
+        self.targets = {r: block[int(t.begins[r]) : int(t.ends[r])] for r in rows if int(t.ends[r]) > int(t.begins[r])}
+        self.fd = os.open(path, os.O_RDONLY)
+        self.path = path
+        self.dma = dma
+        self.slot_bytes = slot_bytes
+
+    def run(self) -> None:
+        dev = BenchDevice(self.dma)
+        try:
+            self.pipeline.run(self.fd, self.requests,
+                              self.pipeline.Destination(device_targets=self.targets, device_ops=dev),
+                              path=self.path, threads=threads(), slot_bytes=self.slot_bytes, gpu_path="copy")
+        finally:
+            dev.close()
+
+    def check(self, limit_src: np.ndarray, start: int) -> bool:
+        n = self.nbytes
+        return bool((self.block[:: 1 << 20] == limit_src[start : start + n : 1 << 20]).all())
+
+    def close(self) -> None:
+        os.close(self.fd)

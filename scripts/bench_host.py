@@ -1,0 +1,242 @@
+"""The host copy engine against this machine's own limit, in one run.
+
+Every row moves the tensor bytes of one warm BF16 checkpoint (2 GiB by default) out of the
+page cache, on every core, and is printed as GB/s and as a ratio to the machine's limit
+measured in the same run (a native parallel ``memcpy`` of the same bytes from a warm,
+fully mapped read-only mapping into pre-faulted memory, same thread count; see
+``asv_benchmarks/benchmarks/host.py``):
+
+* ``limit``: that copy, repeated in one process;
+* ``engine copy path, dma=none``: the engine's device copy path (default staging slots,
+  page-locked, pre-faulted) into a device whose copies complete without moving bytes: the
+  host side of a GPU load (page cache -> pinned slot), which is what this host can show;
+* ``engine copy path, dma=memcpy``: the same with each device copy done by a CPU
+  ``memcpy`` on a stream thread, as an emulated DMA engine (it costs this host a second
+  copy of every byte and a core, which a GPU's DMA engine does not);
+* ``load_into first`` / ``repeated``: ``engine.load_into`` into pre-faulted torch tensors,
+  in a process that has imported torch: the first call in a fresh process, and the median
+  of the calls after it;
+* ``reference first`` / ``repeated``: ``safetensors.torch.load_file`` + ``copy_`` into the
+  same kind of tensors;
+* ``cold``: ``load_into`` and the reference's first call with the file evicted from the
+  page cache first (``--cold``).
+
+Every sample is a fresh process (rows interleaved, ``--runs`` samples each), the engine's
+bytecode is compiled first, the file is read once before the first sample.  The engine's
+copy source (``ENGINE_COPY_SOURCE``) is ``mmap`` unless ``--source`` says otherwise;
+``--source both`` adds the load_into rows with each source.
+
+    python scripts/bench_host.py                       # 2 GiB, 7 samples per row
+    python scripts/bench_host.py --size 256MB --runs 3 # quick
+    python scripts/bench_host.py --cold --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
+from benchmarks import common, host  # noqa: E402
+
+
+def _size(text: str) -> int:
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+    t = text.strip().upper()
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * units[u])
+    return int(t)
+
+
+# -- children: one sample each, printed as one JSON line ------------------------------------------
+
+
+def _tensors(path: str):
+    import torch
+
+    import engine
+
+    h = engine.read_header(path)
+    dst = {k: torch.empty(h[k].shape, dtype=torch.bfloat16) for k in h.keys()}
+    for t in dst.values():
+        t.fill_(1)  # pre-faulted, as a model's parameters are
+    return dst
+
+
+def child(kind: str, path: str, reps: int, cold: bool) -> dict:
+    out: dict = {"kind": kind}
+    if kind == "limit":
+        lim = host.Limit(path)
+        lim.run()  # the destination's first touch is not part of the limit
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            lim.run()
+            times.append(time.perf_counter() - t0)
+        out.update(repeated=times, nbytes=lim.nbytes, ok=lim.check(), threads=lim.threads)
+        lim.close()
+    elif kind.startswith("device"):
+        dma = kind.partition("-")[2]
+        load = host.DeviceLoad(path, dma=dma)
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            load.run()
+            times.append(time.perf_counter() - t0)
+        ok = True
+        if dma == "memcpy":
+            lim = host.Limit(path)
+            ok = load.check(lim.src, lim.start)
+            lim.close()
+        out.update(first=times[0], repeated=times[1:], nbytes=load.nbytes, ok=ok)
+        load.close()
+    else:
+        import torch  # an inference server has torch loaded before it loads weights
+
+        lib, _, when = kind.partition("-")
+        if lib == "engine":
+            import engine
+
+            dst = _tensors(path)
+
+            def load():
+                engine.load_into(path, dst)
+        else:
+            import safetensors.torch
+
+            dst = _tensors(path)
+
+            def load():
+                for k, v in safetensors.torch.load_file(path).items():
+                    dst[k].copy_(v)
+
+        if cold:
+            common.evict_cache(path)
+        t0 = time.perf_counter()
+        load()
+        first = time.perf_counter() - t0
+        times = []
+        if not cold:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                load()
+                times.append(time.perf_counter() - t0)
+        out.update(first=first, repeated=times, nbytes=sum(t.numel() * 2 for t in dst.values()))
+        probe = next(iter(dst))
+        import safetensors
+
+        with safetensors.safe_open(path, framework="pt") as f:
+            # bytes, not values: a random BF16 pattern may be a NaN, which equals nothing
+            out["ok"] = bool(dst[probe].view(torch.uint8).equal(f.get_tensor(probe).view(torch.uint8)))
+    out["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def sample(kind: str, path: str, reps: int, cold: bool, source: str) -> dict:
+    env = dict(os.environ, ENGINE_COPY_SOURCE=source)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--path", path, "--reps", str(reps)]
+    if cold:
+        cmd.append("--cold")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind}: exit {done.returncode}: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="2GiB")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=5, help="repeated calls per sample")
+    ap.add_argument("--cold", action="store_true", help="also the cold rows")
+    ap.add_argument("--source", default="mmap", choices=["mmap", "pread", "both"])
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child, a.path, a.reps, a.cold)))
+        return 0
+
+    common.compile_engine()
+    path = common.checkpoint_file(_size(a.size), base=a.dir)
+    sources = ["mmap", "pread"] if a.source == "both" else [a.source]
+    # (label, child kind, copy source, cold)
+    plan = [("limit", "limit", sources[0], False)]
+    for s in sources:
+        tag = f" [{s}]" if len(sources) > 1 else ""
+        plan += [(f"engine copy path, dma=none{tag}", "device-none", s, False),
+                 (f"engine copy path, dma=memcpy{tag}", "device-memcpy", s, False),
+                 (f"load_into{tag}", "engine", s, False)]
+    plan.append(("reference load_file + copy_", "reference", sources[0], False))
+    if a.cold:
+        plan += [("load_into cold", "engine", sources[0], True),
+                 ("reference cold", "reference", sources[0], True)]
+    results: dict[str, list[dict]] = {label: [] for label, *_ in plan}
+    common.warm_cache(path)
+    began = time.time()
+    for i in range(a.runs):
+        for label, kind, source, cold in plan:
+            if not cold:
+                common.warm_cache(path)
+            results[label].append(sample(kind, path, a.reps, cold, source))
+        print(f"sample {i + 1}/{a.runs} done ({time.time() - began:.0f} s)", file=sys.stderr)
+
+    nbytes = results["limit"][0]["nbytes"]
+    med = statistics.median
+
+    def rep(label):  # median over samples of each sample's median repeated call
+        return med(med(r["repeated"]) for r in results[label])
+
+    def first(label):
+        return med(r["first"] for r in results[label])
+
+    limit = rep("limit")
+    ref_rep, ref_first = rep("reference load_file + copy_"), first("reference load_file + copy_")
+    rows = [("limit (native parallel memcpy, populated mapping)", limit, None)]
+    for s in sources:
+        tag = f" [{s}]" if len(sources) > 1 else ""
+        rows += [(f"engine copy path, dma=none{tag} (repeated)", rep(f"engine copy path, dma=none{tag}"), None),
+                 (f"engine copy path, dma=memcpy{tag} (repeated)", rep(f"engine copy path, dma=memcpy{tag}"), None),
+                 (f"load_into{tag}, first call", first(f"load_into{tag}"), ref_first),
+                 (f"load_into{tag}, repeated", rep(f"load_into{tag}"), ref_rep)]
+    rows += [("reference load_file + copy_, first call", ref_first, None),
+             ("reference load_file + copy_, repeated", ref_rep, None)]
+    if a.cold:
+        rows += [("load_into cold", first("load_into cold"), first("reference cold")),
+                 ("reference cold", first("reference cold"), None)]
+    threads = results["limit"][0]["threads"]
+    print(f"\n{nbytes / 1e9:.2f} GB of tensor data, {threads} threads, {a.runs} fresh-process samples per row "
+          f"(median), source {a.source}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print("| row | median ms | GB/s | x limit | x reference |\n|---|---|---|---|---|")
+    table = []
+    for label, sec, ref in rows:
+        ratio_ref = f"{ref / sec:.2f}x" if ref else ""
+        print(f"| {label} | {sec * 1e3:.1f} | {nbytes / sec / 1e9:.2f} | {limit / sec:.2f}x | {ratio_ref} |")
+        table.append({"row": label, "seconds": sec, "gbps": nbytes / sec / 1e9, "x_limit": limit / sec,
+                      "x_reference": (ref / sec) if ref else None})
+    bad = [label for label, rs in results.items() if not all(r.get("ok", True) for r in rs)]
+    rss = {label: max(r["maxrss"] for r in rs) for label, rs in results.items()}
+    print("peak RSS per row (GB): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rss.items()))
+    print("bytes checked: " + ("all rows equal the file" if not bad else f"MISMATCH in {bad}"))
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps({"nbytes": nbytes, "runs": a.runs, "source": a.source, "rows": table,
+                                "samples": results, "rss": rss}) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
