@@ -28,21 +28,24 @@ __all__ = [
 
 
 #: where the native copies take a warm file's bytes from
-COPY_SOURCES = ("mmap", "pread")
+COPY_SOURCES = ("pread", "mmap")
 
 
 def copy_source() -> str:
-    """Where native split copies take the bytes from: ``"mmap"`` or ``"pread"``.
+    """Where native split copies take the bytes from: ``"pread"`` (the default) or ``"mmap"``.
 
-    ``"mmap"``: each thread maps its share of a read-only mapping of the file in one call
-    (``MADV_POPULATE_READ``) and copies it out; ``"pread"``: each thread reads its
-    share with ``pread``.  Both read the page cache once and write the destination once; the mapping
-    saves the system call and page-cache lookup per chunk, which shows when memory is fast
-    (``scripts/bench_host.py`` measures both).  ``ENGINE_COPY_SOURCE`` overrides the
-    default, ``"mmap"``.  A file truncated underneath is a ReadError either way (the
-    populate reports pages the file no longer backs; a copy that faults anyway is caught).
+    ``"pread"``: each thread reads its share with ``pread``.  ``"mmap"``: each thread maps its
+    share of a read-only mapping of the file (``MADV_POPULATE_READ``) and copies it out with
+    ``memcpy``.  Both read the page cache once and write the destination once.  The mapping
+    copies faster once it is mapped (no system call or page-cache lookup per chunk, and the C
+    library's streaming stores), but every load pays for building its page tables and tearing
+    them down at the unmap, per 4 KiB page of the file: on this project's test machines that
+    cost more than it saved (``scripts/bench_host.py --source both`` measures both on a
+    host).  ``ENGINE_COPY_SOURCE`` chooses.  A file truncated underneath is a ReadError either
+    way (the populate reports pages the file no longer backs; a copy that faults anyway is
+    caught; the rest is read with ``pread``, which names where the file ends).
     """
-    value = os.environ.get("ENGINE_COPY_SOURCE", "mmap").strip().lower()
+    value = os.environ.get("ENGINE_COPY_SOURCE", "pread").strip().lower()
     if value not in COPY_SOURCES:
         raise ValueError(f"ENGINE_COPY_SOURCE must be one of {COPY_SOURCES}, not {value!r}")
     return value

@@ -23,7 +23,7 @@ fully mapped read-only mapping into pre-faulted memory, same thread count; see
 
 Every sample is a fresh process (rows interleaved, ``--runs`` samples each), the engine's
 bytecode is compiled first, the file is read once before the first sample.  The engine's
-copy source (``ENGINE_COPY_SOURCE``) is ``mmap`` unless ``--source`` says otherwise;
+copy source (``ENGINE_COPY_SOURCE``) is ``pread`` unless ``--source`` says otherwise;
 ``--source both`` adds the load_into rows with each source.
 
     python scripts/bench_host.py                       # 2 GiB, 7 samples per row
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--reps", type=int, default=5, help="repeated calls per sample")
     ap.add_argument("--cold", action="store_true", help="also the cold rows")
-    ap.add_argument("--source", default="mmap", choices=["mmap", "pread", "both"])
+    ap.add_argument("--source", default="pread", choices=["pread", "mmap", "both"])
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -172,7 +172,7 @@ def main() -> int:
 
     common.compile_engine()
     path = common.checkpoint_file(_size(a.size), base=a.dir)
-    sources = ["mmap", "pread"] if a.source == "both" else [a.source]
+    sources = ["pread", "mmap"] if a.source == "both" else [a.source]
     # (label, child kind, copy source, cold)
     plan = [("limit", "limit", sources[0], False)]
     for s in sources:
