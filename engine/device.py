@@ -36,6 +36,7 @@ __all__ = [
     "default_empty",
     "empty_like_framework",
     "on_gpu",
+    "probe",
     "quantize_int8_device",
     "SUPPORTED_NAMES",
 ]
@@ -220,6 +221,18 @@ def _zeros(empty, shape, dtype, stream):
     if flat.size:
         _launch(_ck.fill_zero, (-(-flat.size // 128), 128, stream), flat)
     return a
+
+
+def probe() -> None:
+    """Compile and run one small kernel now, on the current device.
+
+    Raises whatever keeps Numba's CUDA target from working in this process (no NVVM or
+    libdevice, a driver Numba does not know, no device): the loaders ask once, before any
+    byte of a load is read, and take their CPU paths where it raises.
+    """
+    a = default_empty((1,), np.uint8)
+    _launch(_ck.fill_zero, (1, 1, 0), a)
+    _sync(0)
 
 
 def _to_host(d, stream):

@@ -36,6 +36,7 @@ __all__ = [
     "RemoteFileNotFoundError",
     "ShardingError",
     "UnsupportedFrameworkError",
+    "DeviceFallbackWarning",
     "HEADER_REASONS",
 ]
 
@@ -289,3 +290,13 @@ class UnsupportedFrameworkError(SafetensorError, ModuleNotFoundError):
         kw.setdefault("reason", "UnsupportedFramework")
         super().__init__(message, **kw)
         self.name = name
+
+
+class DeviceFallbackWarning(RuntimeWarning):
+    """Not an error: work meant for the device ran elsewhere, with the same results.
+
+    Issued once per process where Numba's CUDA target cannot work (no NVVM, a driver it
+    does not know): statistics of a load to a GPU are then folded on the CPU from the
+    staging slots, and int8 quantization runs on the CPU kernels, the results copied back
+    to the device.  ``warnings.simplefilter("error", DeviceFallbackWarning)`` makes it fatal.
+    """

@@ -16,6 +16,12 @@
   are the tensors overlapping a window of a few ``slot_bytes`` of the file): never a
   full-precision copy of the quantized tensors all at once.
 
+Where Numba's CUDA target cannot run in the process (no NVVM, a driver it does not know:
+:func:`device_kernels_unusable` asks once), device loads take the CPU paths instead, with one
+:class:`~engine.errors.DeviceFallbackWarning`: statistics by the CPU fold on the staging
+slots, quantization by the CPU kernels on each tensor as it is handed out (one device to
+host copy of it, and the int8 values and scales copied back).
+
 For CPU destinations statistics stay with the CPU fold on the reader threads
 (:class:`StatsCollector`, the pipeline's read hook); tensors selected for quantization are quantized on the CPU by
 :func:`engine.quantize_int8` as they are handed out.  Either way a quantized tensor is handed
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +40,11 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import pipeline
-from .errors import NonFiniteError
+from .errors import DeviceFallbackWarning, NonFiniteError
 from .header import Header
 from .reader import pread_into
 
-__all__ = ["LoadWork", "StatsCollector", "plan"]
+__all__ = ["LoadWork", "StatsCollector", "device_kernels_unusable", "plan"]
 
 def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str | None = None,
          launch=None) -> LoadWork | None:
@@ -45,7 +52,10 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
 
     ``quantize`` is None, ``"int8"`` or an :class:`~engine.quantize.Int8`; a selected tensor
     without the spec's axis raises :class:`~engine.errors.SerializationError` here, before
-    anything is read.  Device statistics are planned for device sinks only.
+    anything is read.  Device statistics are planned for device sinks only, and only where
+    the device kernels work (:func:`device_kernels_unusable`): elsewhere statistics stay
+    with the CPU fold on the staging slots and quantization runs on the CPU, with one
+    :class:`~engine.errors.DeviceFallbackWarning` per process, and the same results.
     """
     device_stats = bool(stats) and sink.on_device
     if quantize is None and not device_stats:
@@ -53,7 +63,69 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
     from .quantize import Int8
 
     spec = Int8.of(quantize)
-    return LoadWork(header, rows, sink, spec, device_stats, path, launch)
+    on_cpu = False
+    if sink.on_device:
+        why = device_kernels_unusable()
+        if why is not None:
+            _warn_fallback(why)
+            device_stats, on_cpu = False, True
+            if spec is None:
+                return None  # statistics alone: the CPU fold on the staging slots
+    return LoadWork(header, rows, sink, spec, device_stats, path, launch, quantize_on_cpu=on_cpu)
+
+
+#: the probe's verdict for this process: [None] (the kernels work) or [why not]
+_KERNELS: list[str | None] = []
+_KERNELS_LOCK = threading.Lock()
+_WARNED: list[bool] = []
+
+
+def device_kernels_unusable() -> str | None:
+    """Why Numba's CUDA kernels cannot run in this process, or None where they can.
+
+    Asked once per process (:func:`engine.device.probe` compiles and runs one small kernel
+    on the current device); any failure, from a missing ``numba`` to a missing NVVM, counts.
+    """
+    with _KERNELS_LOCK:
+        if not _KERNELS:
+            try:
+                from . import device
+
+                device.probe()
+                _KERNELS.append(None)
+            except Exception as exc:  # every way the kernels can fail to come up is a fallback
+                _KERNELS.append(f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300])
+        return _KERNELS[0]
+
+
+def _warn_fallback(why: str) -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(
+            f"the engine's CUDA kernels cannot run here ({why}): statistics of GPU loads are folded on the CPU "
+            "and int8 quantization runs on the CPU, its results copied to the device; the results are the same",
+            DeviceFallbackWarning, stacklevel=4,
+        )
+
+
+def _host_round_trip(sink) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """``(to_host, to_device)`` of the sink's framework: a device tensor as a CPU tensor or
+    array, and a CPU array back as a device tensor of the sink's device."""
+    if getattr(sink, "name", None) == "torch":
+        import torch
+
+        device = sink.device
+        return (lambda x: x.cpu()), (lambda a: torch.as_tensor(a).to(device))
+    if getattr(sink, "name", None) == "cupy":
+        import cupy
+
+        def to_device(a):
+            with cupy.cuda.Device(sink.device_id):
+                return cupy.asarray(a)
+
+        return cupy.asnumpy, to_device
+    # another device framework (or a test double) brings its own
+    return sink.to_host, sink.from_host
 
 
 def _allocator(sink) -> Callable[[tuple, Any], Any]:
@@ -102,12 +174,17 @@ class LoadWork:
     and :meth:`landed` to the pipeline, and hands out :meth:`tensor` and :meth:`stats`.
     """
 
-    def __init__(self, header, rows, sink, spec, device_stats: bool, path, launch) -> None:
+    def __init__(self, header, rows, sink, spec, device_stats: bool, path, launch, *,
+                 quantize_on_cpu: bool = False) -> None:
         t = header.table
         self.sink = sink
         self.path = path
         self.spec = spec
         self.on_device = bool(sink.on_device)
+        # quantize selected tensors on the device where they land (staging buffers, kernels),
+        # or on the CPU: CPU loads, and device loads where the kernels cannot run
+        self._quantize_here = self.on_device and not quantize_on_cpu
+        self._round_trip = _host_round_trip(sink) if self.on_device and quantize_on_cpu else None
         self._launch = launch
         self._names = t.names
         self._quant: dict[int, tuple[str, tuple, int | None]] = {}
@@ -148,10 +225,11 @@ class LoadWork:
         """(row -> tensor, pipeline.Destination) for a device load: the tensors to quantize
         get no destination tensor, only a staging buffer made when their first piece comes."""
         t = header.table
+        staged = self._quant if self._quantize_here else {}
         plain = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows
-                 if r not in self._quant]
+                 if r not in staged]
         tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
-        sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in self._quant}
+        sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
         self._targets = _Staging(targets, sizes, self._empty)
         return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops)
 
@@ -183,7 +261,7 @@ class LoadWork:
         """Completion hook (every copy of ``row`` has completed): quantize a selected tensor
         on the device and free its staging buffer."""
         self._views.pop(row, None)  # no piece of it comes any more; the view would keep staging alive
-        if row not in self._quant or not self.on_device:
+        if row not in self._quant or not self._quantize_here:
             return
         from .device import on_gpu
 
@@ -195,7 +273,7 @@ class LoadWork:
         """What the load hands out for ``row``: its tensor, or its QuantizedTensor."""
         if row not in self._quant:
             return tensor
-        if self.on_device:
+        if self._quantize_here:
             done = self._done.pop(row, None)
             if done is None:  # a tensor without bytes never lands
                 from .device import on_gpu
@@ -207,11 +285,14 @@ class LoadWork:
 
         kind, _, axis = self._quant[row]
         name = self._names[row]
+        source = tensor if self._round_trip is None else self._round_trip[0](tensor)
         try:
-            q, scale = quantize_int8(tensor, axis, on_nonfinite=self.spec.on_nonfinite, name=name)
+            q, scale = quantize_int8(source, axis, on_nonfinite=self.spec.on_nonfinite, name=name)
         except NonFiniteError as err:
             err.path = self.path
             raise
+        if self._round_trip is not None:  # the device's own copies; the full-precision tensor goes
+            q, scale = self._round_trip[1](q), self._round_trip[1](scale)
         return QuantizedTensor(q, scale, axis, kind)
 
     def stats(self, row: int):

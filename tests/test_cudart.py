@@ -107,10 +107,13 @@ def test_no_runtime_without_cuda():
 # -- the torch ops over the runtime, with the CUDA calls stubbed ------------------------------------
 
 
-def test_torch_cuda_ops_drive_both_paths_with_cuda_stubbed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("runtime", ["fake", "refusing", "none"])
+def test_torch_cuda_ops_drive_both_paths_with_cuda_stubbed(tmp_path, monkeypatch, runtime):
     """TorchCudaOps on CPU tensors: streams, events and the device stubbed, page-locking by
     a fake runtime.  Checks the torch side (tensors over the staging block and over the
-    read-only mapping, slicing, copy_) and that every lock is undone."""
+    read-only mapping, slicing, copy_) and that every lock is undone.  Where the runtime
+    refuses every page-lock, or no libcudart can be loaded at all, the copy path carries
+    the whole load, whichever gpu_path is asked for."""
     torch = pytest.importorskip("torch", reason="torch is an optional extra")
     import numpy as np
 
@@ -118,8 +121,16 @@ def test_torch_cuda_ops_drive_both_paths_with_cuda_stubbed(tmp_path, monkeypatch
     from engine.plan import plan_reads
     from engine.sinks import torch as torch_sink
 
-    fake = FakeRuntime()
-    monkeypatch.setattr(_cudart, "runtime", lambda: _runtime(fake))
+    fake = FakeRuntime(fail=runtime == "refusing")
+    monkeypatch.setattr(_cudart, "runtime", lambda: None if runtime == "none" else _runtime(fake))
+    pinned = []
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kw):  # torch's pinned allocator needs CUDA: stubbed
+        pinned.append(pin_memory)
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
     ops = torch_sink.TorchCudaOps(torch.device("cpu"))
     monkeypatch.setattr(ops, "bind_thread", lambda: None)
     monkeypatch.setattr(ops, "new_stream", lambda: None)  # torch.cuda.stream(None) is a no-op
@@ -147,4 +158,7 @@ def test_torch_cuda_ops_drive_both_paths_with_cuda_stubbed(tmp_path, monkeypatch
             assert not fake.locked, gpu_path  # staging and mapping ranges all unlocked
     finally:
         os.close(fd)
-    assert fake.flags_seen == {_cudart.HOST_REGISTER_DEFAULT, _cudart.HOST_REGISTER_READ_ONLY}
+    if runtime == "fake":
+        assert fake.flags_seen == {_cudart.HOST_REGISTER_DEFAULT, _cudart.HOST_REGISTER_READ_ONLY}
+    else:  # nothing page-locked by the engine: the slots came from torch's pinned allocator
+        assert not fake.flags_seen and any(pinned)

@@ -248,3 +248,109 @@ def test_device_quantize_nonfinite(model_file, monkeypatch):
     for name in default_selection(sd):
         assert_quantized(got[name], sd[name], 1)
     assert math.prod(got["empty.weight"].q.shape) == 0 and got["empty.weight"].scale.shape == (5,)
+
+
+# --------------------------------------------------------------------------- no usable device kernels
+
+
+class HostRoundTripSink(SimSink):
+    """SimSink with the host round trip a sink of another framework brings (numpy both ways),
+    counting the tensors moved each way."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_host_calls = 0
+        self.from_host_calls = 0
+
+    def to_host(self, x):
+        self.to_host_calls += 1
+        return np.array(x)
+
+    def from_host(self, a):
+        self.from_host_calls += 1
+        return np.array(a)
+
+
+@pytest.fixture
+def no_device_kernels(monkeypatch):
+    """A process whose Numba CUDA target cannot compile: the probe's verdict, as it is where
+    NVVM is missing (a fresh warning state too)."""
+    from engine import onload
+
+    monkeypatch.setattr(onload, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
+    monkeypatch.setattr(onload, "_WARNED", [])
+
+
+def test_device_loads_fall_back_to_the_cpu_where_the_kernels_cannot_run(model_file, monkeypatch,
+                                                                         no_device_kernels):
+    from engine.errors import DeviceFallbackWarning
+
+    path, sd = model_file
+    spec = Int8(on_nonfinite="clamp")
+    cpu = {n: (t, s) for n, t, s in engine.stream(path, framework="np", stats=True, quantize=spec)}
+    sink = HostRoundTripSink()
+    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    with pytest.warns(DeviceFallbackWarning, match="libNVVM") as caught:
+        got = {n: (t, s) for n, t, s in engine.stream(path, framework="np", device="cuda", stats=True,
+                                                      quantize=spec, chunk_bytes=4096, threads=2)}
+    assert len([w for w in caught if w.category is DeviceFallbackWarning]) == 1
+    assert got.keys() == cpu.keys() == sd.keys()
+    chosen = default_selection(sd)
+    for name, x in sd.items():
+        (t, s), (tc, sc) = got[name], cpu[name]
+        assert_stats(s, naive.stats(x))  # the CPU fold on the staging slots, as the CPU load folds
+        assert (s.count, s.min, s.max, s.nan_count) == (sc.count, sc.min, sc.max, sc.nan_count)
+        if name in chosen:
+            assert np.array_equal(t.q, tc.q) and np.array_equal(t.scale.view(np.uint32), tc.scale.view(np.uint32))
+            assert_quantized(t, x, 0)
+        else:
+            assert np.array_equal(t.view(np.uint8), x.view(np.uint8))
+    # each quantized tensor went to the host once and came back as values and scales
+    assert sink.to_host_calls == len(chosen) and sink.from_host_calls == 2 * len(chosen)
+    assert sink.staged == 0  # no device staging buffer: nothing was quantized on the device
+    import warnings
+
+    with warnings.catch_warnings():  # once per process
+        warnings.simplefilter("error", DeviceFallbackWarning)
+        assert len(list(engine.stream(path, framework="np", device="cuda", stats=True))) == len(sd)
+
+
+def test_device_stats_alone_fall_back_to_the_cpu_fold(model_file, monkeypatch, no_device_kernels):
+    from engine.errors import DeviceFallbackWarning
+
+    path, sd = model_file
+    sink = HostRoundTripSink()
+    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    with pytest.warns(DeviceFallbackWarning):
+        got = {n: s for n, _, s in engine.stream(path, framework="np", device="cuda", stats=True)}
+    for name, x in sd.items():
+        assert_stats(got[name], naive.stats(x))
+
+
+def test_the_probe_names_why_the_kernels_cannot_run(monkeypatch):
+    from engine import device, onload
+
+    monkeypatch.setattr(onload, "_KERNELS", [])
+
+    def broken():
+        raise RuntimeError("CUDA driver version is insufficient\nsecond line")
+
+    monkeypatch.setattr(device, "probe", broken)
+    assert onload.device_kernels_unusable() == "RuntimeError: CUDA driver version is insufficient"
+    monkeypatch.setattr(device, "probe", lambda: None)
+    assert onload.device_kernels_unusable() is not None  # asked once per process
+    monkeypatch.setattr(onload, "_KERNELS", [])
+    assert onload.device_kernels_unusable() is None
+
+
+def test_the_real_probe_on_this_machine(monkeypatch):
+    from numba import cuda
+
+    from engine import onload
+
+    monkeypatch.setattr(onload, "_KERNELS", [])
+    why = onload.device_kernels_unusable()
+    if SIM or cuda.is_available():
+        assert why is None  # the simulator, or a GPU with a working toolkit, runs the kernels
+    else:
+        assert why  # no device: the load would take the CPU paths, and says why
