@@ -99,8 +99,11 @@ cdef struct _Part:
     const int64_t* sizes
     const int64_t* starts    # starts[i]: position of segment i in the concatenation
     Py_ssize_t nseg
-    int64_t lo               # this part: bytes [lo, hi) of the concatenation
-    int64_t hi
+    int64_t lo               # this part: bytes [lo + j * stride, lo + j * stride + piece) of the
+    int64_t piece            # concatenation for j = 0, 1, ..., up to total
+    int64_t stride
+    int64_t total
+    int64_t errpos           # position in the concatenation of the failure
     int err                  # 0, errno, or -1 for the end of the file
     int64_t at               # file offset of the failure
     int64_t missing          # bytes of the failing segment's share still unread
@@ -220,24 +223,32 @@ cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out,
 cdef void* _read_part(void* arg) noexcept nogil:
     cdef _Part* p = <_Part*>arg
     cdef Py_ssize_t i = 0
-    cdef int64_t a, b
-    # first segment that ends after lo (segments are few: a linear scan is enough)
-    while i < p.nseg and p.starts[i] + p.sizes[i] <= p.lo:
-        i += 1
-    while i < p.nseg and p.starts[i] < p.hi:
-        a = p.lo if p.lo > p.starts[i] else p.starts[i]
-        b = p.starts[i] + p.sizes[i]
-        if b > p.hi:
-            b = p.hi
-        if p.src != NULL:
-            p.err = _copy_mapped(p.fd, p.src, p.src_len, p.dst[i] + (a - p.starts[i]), b - a,
-                                 p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
-        else:
-            p.err = _pread_full(p.fd, p.dst[i] + (a - p.starts[i]), b - a,
-                                p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
-        if p.err:
-            return NULL
-        i += 1
+    cdef int64_t a, b, lo = p.lo, hi
+    while lo < p.total:
+        hi = lo + p.piece
+        if hi > p.total:
+            hi = p.total
+        # first segment that ends after lo (pieces go forward: the scan goes on from there)
+        while i < p.nseg and p.starts[i] + p.sizes[i] <= lo:
+            i += 1
+        while i < p.nseg and p.starts[i] < hi:
+            a = lo if lo > p.starts[i] else p.starts[i]
+            b = p.starts[i] + p.sizes[i]
+            if b > hi:
+                b = hi
+            if p.src != NULL:
+                p.err = _copy_mapped(p.fd, p.src, p.src_len, p.dst[i] + (a - p.starts[i]), b - a,
+                                     p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
+            else:
+                p.err = _pread_full(p.fd, p.dst[i] + (a - p.starts[i]), b - a,
+                                    p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
+            if p.err:
+                p.errpos = a
+                return NULL
+            if b < p.starts[i] + p.sizes[i]:
+                break  # the segment goes on past this piece
+            i += 1
+        lo += p.stride
     return NULL
 
 
@@ -316,11 +327,22 @@ cdef int _segs_in_targets(_Segs* s, const int64_t[::1] file_offsets, list target
     return 0
 
 
+# Threads take pieces of this size in turn (thread k the pieces k, k + n, k + 2n, ...), so that
+# together they move through the file as one front: a cold file is then read ahead as one
+# sequential stream, where halves read at once would be two streams the kernel's read-ahead
+# serves one window at a time.  Large enough that a piece costs a few system calls.
+cdef int64_t _PIECE = 8 << 20
+
+
 cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,
                      int64_t align) noexcept nogil:
-    """Equal shares of the concatenated segments, each cut rounded down to ``align``."""
+    """Shares of the concatenated segments: pieces of ``_PIECE`` bytes (less for a small set:
+    an equal share each) dealt out in turn, each cut a multiple of ``align``."""
     cdef int k
-    cdef int64_t step = s.total // nparts, cut
+    cdef int64_t piece = (s.total + nparts - 1) // nparts
+    if piece > _PIECE:
+        piece = _PIECE
+    piece = (piece + align - 1) // align * align
     for k in range(nparts):
         memset(&parts[k], 0, sizeof(_Part))
         parts[k].fd = fd
@@ -331,11 +353,10 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
         parts[k].sizes = s.sizes
         parts[k].starts = s.starts
         parts[k].nseg = s.n
-        cut = (step * k) // align * align
-        parts[k].lo = cut
-        if k > 0:
-            parts[k - 1].hi = cut
-    parts[nparts - 1].hi = s.total
+        parts[k].lo = piece * k
+        parts[k].piece = piece
+        parts[k].stride = piece * nparts
+        parts[k].total = s.total
     return 0
 
 
@@ -351,11 +372,14 @@ cdef int _share_count(int threads, int64_t total, int64_t align) noexcept nogil:
 
 
 cdef tuple _first_error(_Part* parts, int nparts):
-    cdef int k
+    """The failure lowest in the concatenation, or (0, 0, 0)."""
+    cdef int k, first = -1
     for k in range(nparts):
-        if parts[k].err:
-            return (parts[k].err, parts[k].at, parts[k].missing)
-    return (0, 0, 0)
+        if parts[k].err and (first < 0 or parts[k].errpos < parts[first].errpos):
+            first = k
+    if first < 0:
+        return (0, 0, 0)
+    return (parts[first].err, parts[first].at, parts[first].missing)
 
 
 def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,

@@ -53,6 +53,18 @@ __all__ = [
 #: Units the register path keeps page-locked at once (one copying, one being page-locked).
 REGISTER_DEPTH = 2
 _PAGE = mmap.PAGESIZE
+#: A request lands in a staging slot at an address that shares its file offset's place in a
+#: 64-byte line: the kernel's copy out of the page cache runs at memory speed when source
+#: and destination are aligned alike, and at two thirds of it or less when they are not
+#: (a file whose data starts 8 bytes into a line is the common case).  Slots are allocated
+#: this much larger than ``slot_bytes`` so that a lone request fits with its padding.
+SLOT_ALIGN = 64
+
+
+def slot_position(pos: int, offset: int) -> int:
+    """The first slot position at or after ``pos`` aligned as file ``offset`` is, mod
+    :data:`SLOT_ALIGN`; contiguous requests therefore follow each other with no gap."""
+    return pos + (offset - pos) % SLOT_ALIGN
 
 
 class DeviceOps(Protocol):
@@ -125,20 +137,24 @@ class Unit:
     ``requests`` are whole requests of the plan or, where a unit boundary falls inside one,
     parts of it cut at a page boundary (so that the register path's page-rounded ranges of
     neighbouring units rarely share a page).  ``slot_offsets[i]`` is where request ``i``
-    lands in a staging slot.
+    lands in a staging slot (:func:`slot_position`); ``nbytes`` counts the requests' bytes,
+    ``end`` the slot bytes used, padding included.
     """
 
-    __slots__ = ("source", "requests", "slot_offsets", "nbytes")
+    __slots__ = ("source", "requests", "slot_offsets", "nbytes", "end")
 
     def __init__(self, source: int, requests: list[Request]) -> None:
         self.source = source
         self.requests = requests
-        offs, pos = [], 0
+        offs, pos, total = [], 0, 0
         for r in requests:
+            pos = slot_position(pos, r.offset)
             offs.append(pos)
             pos += r.nbytes
+            total += r.nbytes
         self.slot_offsets = offs
-        self.nbytes = pos
+        self.nbytes = total
+        self.end = pos
 
     def spans(self) -> list[tuple[int, int]]:
         """File ranges ``(offset, nbytes)`` the unit reads, neighbours merged."""
@@ -195,14 +211,16 @@ def units(index: int, requests: Sequence[Request], slot_bytes: int, splittable: 
     """
     units: list[Unit] = []
     cur: list[Request] = []
-    size = 0
+    size = 0  # slot bytes used by ``cur``, padding included
     pending = collections.deque(r for r in requests if r.nbytes)
     while pending:
         r = pending.popleft()
-        room = slot_bytes - size
+        start = slot_position(size, r.offset)
+        # a unit's first request has the whole slot: slots are SLOT_ALIGN larger for its padding
+        room = max(0, slot_bytes - start) if cur else slot_bytes
         if r.nbytes <= room:
             cur.append(r)
-            size += r.nbytes
+            size = start + r.nbytes
             continue
         if splittable:
             cut = (r.offset + room) // _PAGE * _PAGE
@@ -493,7 +511,7 @@ class DeviceLoad:
         ops, queue = self.ops, self.queue
         ops.bind_thread()
         stream = ops.new_stream()
-        ring = Ring(ops, self.slots, self.slot_bytes, ahead=self.copy_units > 1)
+        ring = Ring(ops, self.slots, self.slot_bytes + SLOT_ALIGN, ahead=self.copy_units > 1)
         in_flight: list = [None] * self.slots  # (event, landed parts) per slot
         reader = None
         mappings: dict[int, mmap.mmap | None] = {}  # source -> the split copies' mapping

@@ -88,7 +88,7 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(
     if device:
         emu.assert_clean()
         # pinned staging is bounded by slots * slot_bytes, whatever the model size
-        assert emu.staging_bytes <= slots * slot_bytes
+        assert emu.staging_bytes <= slots * (slot_bytes + device_load.SLOT_ALIGN)
         if gpu_path == "copy":
             assert not emu.register_calls and not emu.copies_from["mapping"]
         if gpu_path == "register":  # nothing refused: nothing goes through a staging slot
@@ -470,13 +470,22 @@ def test_units_cover_every_planned_byte_once_within_their_slot(layout, rows, chu
     requests = plan_reads(begins, ends, rows, 64, chunk)
     units = device_load.units(0, requests, slot_bytes, splittable)
     got_bytes: dict[int, list] = {}
+    align = device_load.SLOT_ALIGN
     for u in units:
         assert u.nbytes <= slot_bytes or (not splittable and len(u.requests) == 1)
-        for key, toff, foff, n in u.copies(0, from_file=True):
+        # padded for alignment, a unit still fits the slot as allocated (SLOT_ALIGN larger)
+        assert u.end <= slot_bytes + align or (not splittable and len(u.requests) == 1 and u.end < u.nbytes + align)
+        in_file = u.copies(0, from_file=True)
+        for key, toff, foff, n in in_file:
             assert foff == 64 + int(begins[key]) + toff  # the file offset of the tensor's bytes
             got_bytes.setdefault(key, []).append((toff, n))
-        for _key, _toff, soff, n in u.copies(0, from_file=False):
-            assert 0 <= soff and soff + n <= u.nbytes
+        in_slot = u.copies(0, from_file=False)
+        assert len(in_slot) == len(in_file)
+        for (_key, _toff, soff, n), (_, _, foff, _) in zip(in_slot, in_file, strict=True):
+            assert 0 <= soff and soff + n <= u.end
+            assert soff % align == foff % align  # the slot byte shares its file byte's place in a line
+        ends_in_slot = sorted((soff, soff + n) for _, _, soff, n in in_slot)
+        assert all(a[1] <= b[0] for a, b in zip(ends_in_slot, ends_in_slot[1:]))  # no overlap
     for r in (r for r in rows if ends[r] > begins[r]):
         spans = sorted(got_bytes[r])
         pos = 0
@@ -626,7 +635,7 @@ def test_default_slots_are_never_larger_than_the_load(layout):
     _device_load(layout, emu, slot_bytes=None, gpu_path="copy", residency=_all_resident)
     emu.assert_clean()
     page = mmap.PAGESIZE
-    assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page)
+    assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page + device_load.SLOT_ALIGN)
 
 
 def test_split_reader_keeps_its_threads_between_reads_and_matches_pread_split(layout):
@@ -768,3 +777,34 @@ with _io.SplitReader(2) as r:
     assert lines[0] == "-1 -1"
     assert lines[1].startswith("(-1, 4096,")
     assert "Fatal Python error" not in done.stderr
+
+
+@pytest.mark.parametrize("source", ["mmap", "pread"])
+def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
+    # more than a piece (8 MiB) per thread: the threads take pieces in turn, and segments
+    # start and end anywhere inside and across pieces
+    from engine import _io
+
+    rng = np.random.default_rng(6)
+    data = rng.integers(0, 256, 60 << 20, dtype=np.uint8)
+    path = tmp_path / "big.bin"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source == "mmap" else None
+    try:
+        with _io.SplitReader(3) as reader:
+            cuts = np.sort(rng.integers(0, len(data) - 1000, 9))
+            offsets = np.concatenate([[17], cuts]).astype(np.int64)
+            sizes = np.diff(np.concatenate([offsets, [len(data) - 5]]))
+            targets = [np.zeros(int(n), np.uint8) for n in sizes]
+            assert reader.copy(fd, mapping, offsets, [memoryview(t) for t in targets], 4096) == (0, 0, 0)
+            for t, off in zip(targets, offsets, strict=True):
+                assert (t == data[off : off + len(t)]).all()
+            # a short file: the failure named is the one lowest in the set, wherever its thread is
+            os.truncate(path, 30 << 20)
+            err, at, _ = reader.copy(fd, mapping, offsets, [memoryview(t) for t in targets], 4096)
+            assert (err, at) == (-1, 30 << 20)
+    finally:
+        if mapping is not None:
+            mapping.close()
+        os.close(fd)
