@@ -485,7 +485,7 @@ def test_units_cover_every_planned_byte_once_within_their_slot(layout, rows, chu
             assert 0 <= soff and soff + n <= u.end
             assert soff % align == foff % align  # the slot byte shares its file byte's place in a line
         ends_in_slot = sorted((soff, soff + n) for _, _, soff, n in in_slot)
-        assert all(a[1] <= b[0] for a, b in zip(ends_in_slot, ends_in_slot[1:]))  # no overlap
+        assert all(a[1] <= b[0] for a, b in zip(ends_in_slot, ends_in_slot[1:], strict=False))  # no overlap
     for r in (r for r in rows if ends[r] > begins[r]):
         spans = sorted(got_bytes[r])
         pos = 0
