@@ -101,6 +101,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._path = path
         self._base = None
         self._mm = None
+        self._handed: set[int] = set()  # rows viewed out of the current mapping
         try:
             if backend not in _BACKENDS:
                 raise SafetensorError(
@@ -233,6 +234,19 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             base = self._base = self._sink.map(mm)
         return base
 
+    def _mapping_for(self, rows) -> object:
+        """The mapping to view ``rows`` out of: this handle's, or a new private one where one
+        of them was viewed before.  Views of one copy-on-write mapping share their writes,
+        and the reference hands out independent arrays each time, so a second ``get_tensor``
+        of a tensor whose first array was written to must still see the file's bytes.  The
+        views handed out before keep their mapping alive."""
+        with self._lock:
+            if not self._handed.isdisjoint(rows):
+                self._base = self._mm = None
+                self._handed = set()
+            self._handed.update(rows)
+        return self._mapping()
+
     def get_tensor(self, name: str):
         """The whole tensor ``name`` (a view for "mmap", owned memory for "pread")."""
         return self._get_rows([self._row(name)])[name]
@@ -280,7 +294,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         if self._backend == "mmap":
             # basic indexing of the mapped view selects without copying; only the pages the
             # selection touches are ever read
-            whole = sink.view(self._mapping(), code, t.shapes[row], offset, end - begin)
+            whole = sink.view(self._mapping_for((row,)), code, t.shapes[row], offset, end - begin)
             return sink.to_device(sink.finish(whole[plan.forward_index], plan.flip_squeezed, plan.result_shape))
         block = sink.empty(code, plan.out_shape, plan.nbytes)
         if plan.nbytes:
@@ -347,7 +361,7 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
         outs = []
         for h, rows in parts:
             t = h.header.table
-            base = h._mapping()
+            base = h._mapping_for(rows)
             # a cold file is read on several threads in large pieces, not page by page as
             # the caller touches it (a warm one costs a mincore call per 32 MiB)
             start = h.header.data_start

@@ -659,3 +659,35 @@ def test_reads_after_close_raise_file_closed(tmp_path):
             with pytest.raises(SafetensorError) as e:
                 read()
             assert e.value.reason == "FileClosed" and e.value.path == str(path)
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_a_second_get_of_a_tensor_written_to_gives_the_files_bytes(tmp_path, framework):
+    """The reference hands out an independent numpy array each time; mapped views of one
+    private mapping would share a write made to the first one with every later view.  (The
+    reference's torch tensors of one handle do share their memory; the engine's do not, so
+    that a write never shows up in a tensor asked for later.)"""
+    if framework == "pt":
+        pytest.importorskip("torch", reason="torch is an optional extra")
+    import safetensors
+
+    sd = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.float32)}
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file(sd, path)
+    before = path.read_bytes()
+    for lib in (safetensors, engine) if framework == "np" else (engine,):
+        with lib.safe_open(path, framework=framework) as f:
+            first = f.get_tensor("w")
+            first[0, 0] = 100.0
+            again = f.get_tensor("w")
+            part = f.get_slice("w")[0:2]
+            many = [f.get_tensor(k) for k in f.keys()]  # after a write to one of them
+            again[1, 1] = -5.0
+            third = f.get_tensor("w")
+            as_np = [np.asarray(x) for x in (first, again, part, third, many[1])]
+        assert as_np[0][0, 0] == 100.0, lib.__name__  # the first array keeps its own write
+        np.testing.assert_array_equal(as_np[1][0], sd["w"][0], err_msg=lib.__name__)
+        np.testing.assert_array_equal(as_np[2], sd["w"][0:2], err_msg=lib.__name__)
+        np.testing.assert_array_equal(as_np[3], sd["w"], err_msg=lib.__name__)
+        np.testing.assert_array_equal(as_np[4], sd["w"], err_msg=lib.__name__)
+        assert path.read_bytes() == before  # no write reaches the file
