@@ -279,6 +279,10 @@ class AtomicFile:
         self.directory, self.base = os.path.split(dest)
         self.directory = self.directory or "."
         self.temp: str | None = None
+        if not os.path.isdir(self.directory):
+            # named here: the temporary file's name, which the open would report, is not the
+            # caller's mistake
+            raise FileNotFoundError(errno.ENOENT, "no such directory to write into", self.directory)
         remove_stale(self.directory, self.base)
         fd = -1
         self._link = _linker(self.directory)

@@ -434,6 +434,9 @@ def test_missing_directory_is_a_write_error(tmp_path):
         writer.save_file(TWO_TENSORS, tmp_path / "nope" / "m")
     assert info.value.errno == errno.ENOENT
     assert isinstance(info.value.__cause__, FileNotFoundError)
+    # the directory is named, not the hidden temporary file the writer would have made there
+    assert f"no such directory to write into: '{tmp_path / 'nope'}'" in str(info.value)
+    assert ".tmp" not in str(info.value)
 
 
 # --------------------------------------------------------------------------- rejections
