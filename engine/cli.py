@@ -325,7 +325,7 @@ def _axis(text: str) -> int | None:
 
 def _cmd_quantize(args) -> int:
     quantize_file = _kernel_api("engine.quantized", "quantize_file", "quantize")
-    _check_output(args.dst)
+    _check_output(args.dst, args.src)
     try:
         with _FileProgress("quantize", args.src, args.verbose) as progress:
             summary = quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
@@ -435,14 +435,21 @@ def _load_torch_checkpoint(path: str, torch) -> Any:
         ) from None
 
 
-def _check_output(dst: str) -> None:
+def _check_output(dst: str, src: str) -> None:
     """Fail before any work when ``dst`` cannot be written: name the missing directory (the
-    writer, which writes a temporary file beside ``dst``, would name that file)."""
+    writer, which writes a temporary file beside ``dst``, would name that file), and refuse
+    to replace the input itself (the atomic writer would, losing the source weights)."""
     folder = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(folder):
         raise FileNotFoundError(errno.ENOENT, "the output directory does not exist", folder)
     if os.path.isdir(dst):
         raise IsADirectoryError(errno.EISDIR, "the output is a directory; give a file name", dst)
+    try:
+        same = os.path.samefile(src, dst)
+    except OSError:  # no output yet, or no input (its own error comes next)
+        same = False
+    if same:
+        raise FileExistsError(errno.EEXIST, "the output is the input file; write the result elsewhere", dst)
 
 
 def _state_dict(obj: Any, torch, path: str) -> tuple[dict, list[str]]:
@@ -476,7 +483,7 @@ def _cmd_convert(args) -> int:
     from . import writer
     from .dtypes import BY_NAME, from_torch
 
-    _check_output(args.dst)
+    _check_output(args.dst, args.src)
     obj = _load_torch_checkpoint(args.src, torch)
     tensors, skipped = _state_dict(obj, torch, args.src)
     if skipped:

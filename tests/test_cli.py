@@ -548,3 +548,20 @@ def test_touch_reads_a_byte_of_every_page():
     b = np.zeros((2, 4096), np.float32)  # 32 KiB: its bytes at 0, 4096, ... are the first of each float
     b.reshape(-1)[::1024] = np.float32(np.frombuffer(b"\x07\x00\x00\x00", np.float32)[0])
     assert _touch({"a": a, "b": b, "empty": np.zeros((0, 3), np.float32)}) == 1 + 2 + 3 + 4 + 5 + 8 * 7
+
+
+@pytest.mark.parametrize("command", ["quantize", "convert"])
+def test_the_output_may_not_be_the_input(tmp_path, capsys, command):
+    """`engine quantize m.safetensors m.safetensors` replaced the source weights by their int8
+    form (atomically, and silently): the input and the output must differ."""
+    pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file({"w": np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)}, str(path))
+    before = path.read_bytes()
+    link = tmp_path / "alias.safetensors"
+    os.symlink(path, link)
+    for dst in (path, link):
+        code, out, err = in_process(capsys, command, str(path), str(dst))
+        assert code == 2 and "the output is the input file" in err and str(dst) in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert path.read_bytes() == before
