@@ -50,7 +50,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the asv suites' shared helpers (page-cache eviction)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
-from benchmarks.common import evict_cache  # noqa: E402
+from benchmarks.common import evict_cache, hwm_bytes, reset_hwm, rss_bytes  # noqa: E402
 
 GiB = 1 << 30
 
@@ -524,39 +524,14 @@ def _flatten(out: dict) -> tuple[dict, int]:
     return tensors, stats
 
 
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _host_mark() -> tuple[int, bool]:
     """Resident memory now, bytes, after resetting the process's high-water mark to it, and
     whether the reset happened (else the peak that follows counts from the process's start).
 
-    The mark is the kernel's ``VmHWM``, reset through ``/proc/self/clear_refs``."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        reset = True
-    except OSError:
-        reset = False
-    return _status_bytes("VmRSS") or _peak_rss(), reset
-
-
-def _peak_rss() -> int:
-    """The process's high-water mark of resident memory, bytes.
-
-    ``VmHWM`` of this process's own address space; not ``ru_maxrss`` first, which survives
-    ``fork`` and ``exec`` and so starts at the parent's size."""
-    import resource
-
-    return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    The mark is the kernel's ``VmHWM`` of this process's own address space (not ``ru_maxrss``,
+    which survives ``fork`` and ``exec`` and so starts at the parent's size)."""
+    reset = reset_hwm()
+    return rss_bytes(), reset
 
 
 def child(impl: str, files: list[str], dev: str) -> dict:
@@ -569,7 +544,7 @@ def child(impl: str, files: list[str], dev: str) -> dict:
     _sync(dev)
     if impl in LIMITS:
         nbytes, seconds = LIMITS[impl](files, dev)
-        return {"seconds": seconds, "bytes": nbytes, "checksum": "", "host_peak_bytes": _peak_rss()}
+        return {"seconds": seconds, "bytes": nbytes, "checksum": "", "host_peak_bytes": hwm_bytes()}
     fn = IMPLEMENTATIONS[impl]
     prepared = None
     if isinstance(fn, tuple):  # load_into: the destinations exist before the clock
@@ -585,7 +560,7 @@ def child(impl: str, files: list[str], dev: str) -> dict:
     _sync(dev)
     seconds = time.perf_counter() - t0
     # memory before the checksum, which allocates its own
-    record = {"seconds": seconds, "host_before_bytes": host_before, "host_peak_bytes": _peak_rss(),
+    record = {"seconds": seconds, "host_before_bytes": host_before, "host_peak_bytes": hwm_bytes(),
               "host_peak_from": "clock" if reset else "process start"}
     if cuda:
         # torch's allocator only; peers with their own allocator show in device_used_bytes

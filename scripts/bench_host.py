@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -136,7 +135,7 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
         with safetensors.safe_open(path, framework="pt") as f:
             # bytes, not values: a random BF16 pattern may be a NaN, which equals nothing
             out["ok"] = bool(dst[probe].view(torch.uint8).equal(f.get_tensor(probe).view(torch.uint8)))
-    out["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["maxrss"] = common.hwm_bytes()  # this process's own peak (VmHWM), not the parent's
     return out
 
 
