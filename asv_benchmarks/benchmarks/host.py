@@ -94,6 +94,32 @@ def data_range(path: str) -> tuple[int, int]:
     return h.data_start, h.data_size
 
 
+def aligned_copy(path: str, align: int = 64) -> str:
+    """A copy of the checkpoint ``path`` whose data region starts on an ``align``-byte
+    boundary (its header padded with spaces, as the format allows; every reader, the
+    reference's included, reads it unchanged), made once beside it.
+
+    The kernel copies out of the page cache at memory speed when a read's file offset and
+    its destination sit alike in a 64-byte line, and at two thirds of that or less when they
+    do not: the data of a file written by the reference starts a multiple of 8 bytes into a
+    line, and a tensor's memory starts on a line, so most files are read the slower way."""
+    out = path[: -len(".safetensors")] + f"-aligned{align}.safetensors"
+    if os.path.exists(out):
+        return out
+    import struct
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = f.read(n)
+        header += b" " * (-(8 + n) % align)
+        with open(out + ".tmp", "wb") as g:
+            g.write(struct.pack("<Q", len(header)) + header)
+            while chunk := f.read(64 << 20):
+                g.write(chunk)
+    os.replace(out + ".tmp", out)
+    return out
+
+
 class Limit:
     """The limit copy of ``path``'s tensor data, set up once: ``run()`` copies it again."""
 
