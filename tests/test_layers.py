@@ -37,6 +37,7 @@ FLOORS: dict[str, int] = {
     # bytes -> validated table
     "_header": 1,
     "header": 1,
+    "_header_encode": 1,
     "_api": 1,
     "checkpoint_index": 1,
     # which byte ranges to read
@@ -62,6 +63,8 @@ FLOORS: dict[str, int] = {
     "device": 4,
     "statistics": 4,
     "quantize": 4,
+    # tensors as bytes for the writer (sinks make tensors out of bytes)
+    "_tensor_bytes": 4,
     # one file: the drop-in API, the loaders, the writer
     "api": 5,
     "loader": 5,
@@ -241,7 +244,7 @@ def climbing(name: str, targets: set[str]) -> list[str]:
 #: decision, written here, so that (say) a sink never quietly starts to import a kernel
 SAME_FLOOR: set[tuple[str, str]] = {
     ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"),
-    ("header", "_header"), ("checkpoint_index", "header"),
+    ("header", "_header"), ("_header_encode", "header"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"),
     ("cuda_kernels", "_arrays"), ("kernels", "_arrays"), ("quantize", "_arrays"), ("statistics", "_arrays"),
     ("quantize", "kernels"), ("statistics", "kernels"),
