@@ -91,6 +91,9 @@ FLOORS: dict[str, int] = {
     "compat": 8,
     "demo": 8,
     "cli": 8,
+    "_cli_output": 8,
+    "_cli_convert": 8,
+    "_cli_bench": 8,
     "__main__": 8,
 }
 
@@ -255,6 +258,8 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("tp_broadcast", "tp_slices"), ("tp_direct", "opener"), ("tp_broadcast", "opener"), ("tp_slices", "opener"),
     ("numpy", "opener"), ("torch", "opener"),
     ("__main__", "cli"), ("cli", "demo"),
+    ("cli", "_cli_output"), ("cli", "_cli_convert"), ("cli", "_cli_bench"),
+    ("_cli_convert", "_cli_output"), ("_cli_bench", "_cli_output"),
 }
 
 
