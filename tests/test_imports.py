@@ -31,7 +31,7 @@ class Case(NamedTuple):
 #: thread pools, kernels, checkpoint code or mmap
 _OPEN_ABSENT = (
     "urllib", "http", "asyncio", "unittest", "ssl", "email", "certifi", "concurrent", "numba", "torch", "queue",
-    "json", "engine.loader", "engine.pipeline", "engine.remote", "engine.statistics", "engine.kernels",
+    "json", "engine.loader", "engine.pipeline", "engine.remote", "engine.statistics", "engine.numerics",
     "engine.checkpoint", "mmap",
 )
 

@@ -186,7 +186,7 @@ class SimSink:
 
 
 def sim_stream(monkeypatch, path, **kw):
-    from engine import device
+    from engine.numerics import device
 
     # a few simulated GPU threads (each one is a Python thread under the simulator)
     monkeypatch.setattr(device, "DEFAULT_LAUNCH", device.LaunchConfig(threads=8, blocks=2))
@@ -328,7 +328,8 @@ def test_device_stats_alone_fall_back_to_the_cpu_fold(model_file, monkeypatch, n
 
 
 def test_the_probe_names_why_the_kernels_cannot_run(monkeypatch):
-    from engine import device, onload
+    from engine import onload
+    from engine.numerics import device
 
     monkeypatch.setattr(onload, "_KERNELS", [])
 
