@@ -67,8 +67,8 @@ _LAZY = {
     "dequantize_int8": "engine.quantize",
     "Int8": "engine.quantize",
     "QuantizedTensor": "engine.quantize",
-    "quantize_file": "engine.quantized",
-    "load_quantized": "engine.quantized",
+    "quantize_file": "engine.quantized_format",
+    "load_quantized": "engine.quantized_format",
     "WeightValidator": "engine.validator",
     "ValidationReport": "engine.validator",
 }

@@ -227,7 +227,7 @@ def _axis(text: str) -> int | None:
 
 
 def _cmd_quantize(args) -> int:
-    quantize_file = _kernel_api("engine.quantized", "quantize_file", "quantize")
+    quantize_file = _kernel_api("engine.quantized_format", "quantize_file", "quantize")
     check_output(args.dst)
     try:
         with FileProgress("quantize", args.src, args.verbose) as progress:

@@ -92,7 +92,7 @@ FLOORS: dict[str, int] = {
     "tp_broadcast": 7,
     "validator": 7,
     "filestats": 7,
-    "quantized": 7,
+    "quantized_format": 7,
     # the outermost shells
     "compat": 8,
     "demo": 8,

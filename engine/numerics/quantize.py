@@ -10,7 +10,7 @@ The formula, shared bit for bit with the NumPy oracle in ``tests/naive.py``::
 
 :class:`Int8` says which tensors of a checkpoint to quantize and how (used by the loads that
 quantize as they go and by :func:`engine.quantize_file`); :class:`QuantizedTensor` is one
-quantized tensor.  The quantized file format lives in :mod:`engine.quantized`.
+quantized tensor.  The quantized file format lives in :mod:`engine.quantized_format`.
 
 Importing this module imports Numba; torch only when a torch tensor is passed in.
 """
