@@ -62,7 +62,7 @@ _LAZY = {
     # kernels (Numba is imported only when one of these is used)
     "stats": "engine.statistics",
     "Stats": "engine.statistics",
-    "stats_file": "engine.filestats",
+    "stats_file": "engine.checkpoint_stats",
     "quantize_int8": "engine.quantize",
     "dequantize_int8": "engine.quantize",
     "Int8": "engine.quantize",

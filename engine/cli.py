@@ -202,7 +202,7 @@ def _cell(value: Any) -> str:
 def _cmd_stats(args) -> int:
     import dataclasses  # here, not at the top: `engine inspect` starts without it (and inspect)
 
-    stats_file = _kernel_api("engine.filestats", "stats_file", "stats")
+    stats_file = _kernel_api("engine.checkpoint_stats", "stats_file", "stats")
     with FileProgress("stats", args.path, args.verbose, args.names) as progress:
         result = stats_file(args.path, names=args.names, progress=progress)
     if args.json:

@@ -91,7 +91,7 @@ FLOORS: dict[str, int] = {
     "tp_direct": 7,
     "tp_broadcast": 7,
     "validator": 7,
-    "filestats": 7,
+    "checkpoint_stats": 7,
     "quantized_format": 7,
     # the outermost shells
     "compat": 8,
