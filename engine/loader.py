@@ -35,8 +35,8 @@ from . import dtypes, pipeline
 from ._files import open_regular
 from .errors import DeviceError, SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from .onload import StatsCollector
-from .onload import plan as onload_plan
+from .load_hooks import StatsCollector
+from .load_hooks import plan as onload_plan
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
 from .reader import IOV_MAX, default_threads
 from .sinks import fill_target, get_sink

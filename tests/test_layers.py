@@ -74,7 +74,7 @@ FLOORS: dict[str, int] = {
     # one file: the drop-in API, the loaders, the writer
     "api": 5,
     "loader": 5,
-    "onload": 5,
+    "load_hooks": 5,
     "writer": 5,
     "tensorspec": 5,
     # several files as one checkpoint
@@ -256,7 +256,7 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("header", "_header"), ("_header_encode", "header"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"),
     ("device", "numerics.device"), ("quantize", "numerics.quantize"), ("statistics", "numerics.statistics"),
-    ("api", "loader"), ("loader", "onload"), ("tensorspec", "writer"),
+    ("api", "loader"), ("loader", "load_hooks"), ("tensorspec", "writer"),
     ("checkpoint", "shards"), ("checkpoint", "checkpoint_info"),
     ("distributed", "tp_broadcast"), ("distributed", "tp_direct"), ("tp_direct", "tp_slices"),
     ("tp_broadcast", "tp_slices"), ("tp_direct", "opener"), ("tp_broadcast", "opener"), ("tp_slices", "opener"),
