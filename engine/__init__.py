@@ -43,7 +43,7 @@ _LAZY = {
     "TensorInfo": "engine.header",
     "MAX_HEADER_SIZE": "engine.header",
     "safe_open": "engine.opener",
-    "_safe_open_handle": "engine.api",
+    "_safe_open_handle": "engine.file_handle",
     "TensorSpec": "engine.tensorspec",
     "serialize": "engine.tensorspec",
     "serialize_file": "engine.tensorspec",
@@ -113,8 +113,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import _safe_open_handle
     from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info
+    from .file_handle import _safe_open_handle
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .loader import stream
     from .numpy import load, load_file

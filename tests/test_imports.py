@@ -77,7 +77,7 @@ CASES = {
     ),
     "statistics and quantize": Case(
         "import engine.statistics, engine.quantize\n",
-        ("engine.checkpoint", "engine.api", "engine.loader", "torch"),
+        ("engine.checkpoint", "engine.file_handle", "engine.loader", "torch"),
     ),
     "engine.stats on numpy": Case(
         "import numpy as np\n"

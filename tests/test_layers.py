@@ -38,7 +38,7 @@ FLOORS: dict[str, int] = {
     "_header": 1,
     "header": 1,
     "_header_encode": 1,
-    "_api": 1,
+    "_file_handle": 1,
     "checkpoint_index": 1,
     # which byte ranges to read
     "plan": 2,
@@ -72,7 +72,7 @@ FLOORS: dict[str, int] = {
     # tensors as bytes for the writer (sinks make tensors out of bytes)
     "_tensor_bytes": 4,
     # one file: the drop-in API, the loaders, the writer
-    "api": 5,
+    "file_handle": 5,
     "loader": 5,
     "load_hooks": 5,
     "writer": 5,
@@ -256,7 +256,7 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("header", "_header"), ("_header_encode", "header"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"),
     ("device", "numerics.device"), ("quantize", "numerics.quantize"), ("statistics", "numerics.statistics"),
-    ("api", "loader"), ("loader", "load_hooks"), ("tensorspec", "writer"),
+    ("file_handle", "loader"), ("loader", "load_hooks"), ("tensorspec", "writer"),
     ("checkpoint", "shards"), ("checkpoint", "checkpoint_info"),
     ("distributed", "tp_broadcast"), ("distributed", "tp_direct"), ("tp_direct", "tp_slices"),
     ("tp_broadcast", "tp_slices"), ("tp_direct", "opener"), ("tp_broadcast", "opener"), ("tp_slices", "opener"),
@@ -295,13 +295,13 @@ def test_same_floor_imports_are_the_listed_ones():
 
 
 #: private native modules and the one public module that wraps each
-NATIVE_OWNERS = {"_header": "header", "_api": "api", "_io": "reader"}
+NATIVE_OWNERS = {"_header": "header", "_file_handle": "file_handle", "_io": "reader"}
 
 
 def test_private_native_modules_are_reached_through_their_public_module():
     reached = sorted((name, t) for name, targets in GRAPH.items() for t in targets
                      if t in NATIVE_OWNERS and name not in (t, NATIVE_OWNERS[t]))
-    assert reached == [], f"import the public module instead (header, api, reader): {reached}"
+    assert reached == [], f"import the public module instead (header, file_handle, reader): {reached}"
 
 
 def test_no_import_cycle():
@@ -342,9 +342,9 @@ def test_modules_import_alone_in_floor_order():
 
 def test_checker_sees_function_level_imports():
     """The checker is able to fail: a function-level import of a higher floor is found."""
-    src = PACKAGE / "api.py"
-    assert "plan" in GRAPH["api"] and "reader" in GRAPH["api"]  # both imported inside functions
-    assert "loader" in _imports("api", src)
+    src = PACKAGE / "file_handle.py"
+    assert "plan" in GRAPH["file_handle"] and "reader" in GRAPH["file_handle"]  # both imported inside functions
+    assert "loader" in _imports("file_handle", src)
 
 
 #: planted violations in a floor-1 module (``header``): each source climbs to a floor above
