@@ -57,6 +57,7 @@ def _uint8_of(flat):
 
 
 def cmd_bench(args) -> int:
+    """``engine bench PATH``: the engine's loads (mmap, pread, CUDA) beside the reference's, median of ``--runs``."""
     from .checkpoint import open_checkpoint, read_checkpoint_info
 
     info = read_checkpoint_info(args.path)

@@ -141,6 +141,7 @@ def _state_dict(obj: Any, torch, path: str) -> tuple[dict, list[str]]:
 
 
 def cmd_convert(args) -> int:
+    """``engine convert SRC DST``: a ``torch.save`` checkpoint to one safetensors file."""
     torch = _torch()
     from . import writer
     from .dtypes import BY_NAME, from_torch

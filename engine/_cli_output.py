@@ -92,6 +92,7 @@ class FileProgress:
 
 
 def fmt_bytes(n: float) -> str:
+    """``n`` bytes in decimal units: ``"512 B"``, ``"1.50 GB"``."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -100,6 +101,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def table(rows: list[list[str]], header: list[str], right: Sequence[int] = ()) -> list[str]:
+    """``rows`` under ``header`` as aligned lines; the columns in ``right`` aligned right."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
 
     def line(cells):
@@ -109,4 +111,5 @@ def table(rows: list[list[str]], header: list[str], right: Sequence[int] = ()) -
 
 
 def one_line(err: BaseException) -> str:
+    """The message of ``err`` on one line, for stderr."""
     return " ".join(str(err).split("\n"))

@@ -115,6 +115,7 @@ def build_header(
 
 
 def check_name(name: object) -> None:
+    """Refuse a tensor name that the format cannot hold: not a string, ``__metadata__``, not UTF-8."""
     if not isinstance(name, str):
         raise SerializationTypeError(
             f"tensor names must be strings, got {type(name).__name__} {name!r}", reason="InvalidTensorName"
@@ -136,6 +137,7 @@ def check_name(name: object) -> None:
 
 
 def check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """``metadata`` as a dict, once every key and value is checked to be a UTF-8 encodable string."""
     if not isinstance(metadata, Mapping):
         raise SerializationTypeError(
             f"metadata must be a mapping of str to str, got {type(metadata).__name__}",
@@ -157,6 +159,7 @@ def check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
 
 
 def dtype_code(name: str, dtype: int | str) -> int:
+    """The :mod:`engine.dtypes` code of ``dtype`` (a code or a format name such as ``"BF16"``)."""
     try:
         code = code_of(dtype) if isinstance(dtype, str) else operator.index(dtype)
     except (SerializationError, TypeError):
@@ -169,6 +172,7 @@ def dtype_code(name: str, dtype: int | str) -> int:
 
 
 def checked_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints."""
     try:
         dims = tuple(operator.index(d) for d in shape)
     except TypeError:
@@ -181,6 +185,7 @@ def checked_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def packed_nbytes(name: str, code: int, shape: tuple[int, ...]) -> int:
+    """Bytes of a ``code`` tensor of ``shape``; refuses sub-byte tensors that end inside a byte."""
     numel = 1
     for d in shape:
         numel *= d

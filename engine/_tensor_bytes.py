@@ -148,6 +148,7 @@ def _swapped(piece: memoryview, unit: int) -> memoryview:
 
 
 def host_chunks(view: memoryview, swap: int) -> Callable[[int], Iterator[memoryview]]:
+    """``chunks(limit)`` over host memory ``view``: slices of at most ``limit`` bytes, byte-swapped by ``swap``-byte units."""
     def chunks(limit: int) -> Iterator[memoryview]:
         for start in range(0, len(view), limit):
             yield _swapped(view[start : start + limit], swap)

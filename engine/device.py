@@ -1,38 +1,9 @@
-"""Statistics and int8 quantization of a tensor on a CUDA device (Numba's CUDA target): the
-public face of :mod:`engine.numerics.device`.
+"""Statistics and int8 quantization of a tensor on a CUDA device (Numba's CUDA target).
 
-Kept whole for the callers of this path; the engine's own modules import
-:mod:`engine.numerics.device`.
+The public path of :mod:`engine.numerics.device`, which holds the code (the engine's own
+modules import it there): its ``__all__`` and its other public names.
 """
 
-from __future__ import annotations
-
-from .numerics.device import (  # noqa: F401 - its other public names
-    DEFAULT_LAUNCH,
-    SIMULATOR,
-    SUPPORTED_NAMES,
-    DeviceAccumulator,
-    DeviceQuantizer,
-    LaunchConfig,
-    as_device_array,
-    default_empty,
-    device_stats,
-    empty_like_framework,
-    numba_stream,
-    on_gpu,
-    probe,
-    quantize_int8_device,
-)
-
-__all__ = [
-    "DeviceAccumulator",
-    "DeviceQuantizer",
-    "LaunchConfig",
-    "device_stats",
-    "default_empty",
-    "empty_like_framework",
-    "on_gpu",
-    "probe",
-    "quantize_int8_device",
-    "SUPPORTED_NAMES",
-]
+from .numerics.device import *  # noqa: F403
+from .numerics.device import DEFAULT_LAUNCH, SIMULATOR, as_device_array, numba_stream  # noqa: F401
+from .numerics.device import __all__ as __all__

@@ -1,23 +1,10 @@
 """Statistics of a tensor (count, min, max, mean, standard deviation, non-finite counts), in one
-pass on the CPU: the public face of :mod:`engine.numerics.statistics`.
+pass on the CPU.
 
-Kept whole for the callers of this path; the engine's own modules import
-:mod:`engine.numerics.statistics`.
+The public path of :mod:`engine.numerics.statistics`, which holds the code (the engine's own
+modules import it there): its ``__all__`` and its other public names.
 """
 
-from __future__ import annotations
-
-from .numerics.statistics import (
-    SUPPORTED_NAMES,  # noqa: F401 - its other public names
-    Accumulator,
-    Stats,
-    stats,
-    stats_from_partials,
-)
-
-__all__ = [
-    "Accumulator",
-    "Stats",
-    "stats",
-    "stats_from_partials",
-]
+from .numerics.statistics import *  # noqa: F403
+from .numerics.statistics import SUPPORTED_NAMES  # noqa: F401
+from .numerics.statistics import __all__ as __all__
