@@ -34,8 +34,8 @@ extensions = [
         extra_compile_args=compile_args,
     ),
     Extension(
-        "engine._api",
-        ["engine/_api.pyx"],
+        "engine._file_handle",
+        ["engine/_file_handle.pyx"],
         define_macros=macros,
         extra_compile_args=compile_args,
     ),

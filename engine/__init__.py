@@ -44,7 +44,7 @@ _LAZY = {
     "TensorInfo": "engine.header",
     "MAX_HEADER_SIZE": "engine.header",
     "safe_open": "engine.opener",
-    "_safe_open_handle": "engine.api",
+    "_safe_open_handle": "engine.file_handle",
     "TensorSpec": "engine.tensorspec",
     "serialize": "engine.tensorspec",
     "serialize_file": "engine.tensorspec",
@@ -63,13 +63,13 @@ _LAZY = {
     # kernels (Numba is imported only when one of these is used)
     "stats": "engine.statistics",
     "Stats": "engine.statistics",
-    "stats_file": "engine.filestats",
+    "stats_file": "engine.checkpoint_stats",
     "quantize_int8": "engine.quantize",
     "dequantize_int8": "engine.quantize",
     "Int8": "engine.quantize",
     "QuantizedTensor": "engine.quantize",
-    "quantize_file": "engine.quantized",
-    "load_quantized": "engine.quantized",
+    "quantize_file": "engine.quantized_format",
+    "load_quantized": "engine.quantized_format",
     "WeightValidator": "engine.validator",
     "ValidationReport": "engine.validator",
 }
@@ -115,8 +115,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import _safe_open_handle
     from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info
+    from .file_handle import _safe_open_handle
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .loader import stream
     from .numpy import load, load_file

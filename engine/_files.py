@@ -1,6 +1,6 @@
 """Opening files for reading without the ways an open can hang or mislead.
 
-Private: shared by :mod:`engine.header`, :mod:`engine.api` and :mod:`engine.checkpoint`
+Private: shared by :mod:`engine.header`, :mod:`engine.file_handle` and :mod:`engine.checkpoint`
 (and :data:`IOV_MAX` by the reader and the writer).
 A FIFO named like a checkpoint would block ``open()`` until a writer appears, and reading a
 character device never ends; so the file is opened with ``O_NONBLOCK`` (which regular

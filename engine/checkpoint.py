@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import api
+from . import file_handle
 from .checkpoint_index import check_shard_name, index_problems, parse_index
 from .checkpoint_info import (
     INDEX_NAME,
@@ -91,7 +91,7 @@ class Checkpoint:
 
         def open_one(shard: str):
             try:
-                return api.safe_open(
+                return file_handle.safe_open(
                     os.path.join(layout.directory, shard),
                     framework=framework,
                     device=device,
@@ -218,7 +218,7 @@ class Checkpoint:
                 by_shard.setdefault(shard, {})[self.info.headers[shard].table.index[name]] = None
             parts = [(self._handles[s], list(rows)) for s, rows in by_shard.items()]
         loaded: dict = {}
-        for part in api.get_rows_many(parts):
+        for part in file_handle.get_rows_many(parts):
             loaded.update(part)
         return loaded if wanted is None else {n: loaded[n] for n in wanted}
 
@@ -239,7 +239,7 @@ class Checkpoint:
         list of str
             The names filled, shard by shard (sorted shards), in file order within each.
         """
-        return api.load_into_many(
+        return file_handle.load_into_many(
             [self._handles[s] for s in self.shards], tensors, strict=strict, threads=threads,
             chunk_bytes=chunk_bytes, gpu_path=gpu_path, source=self.info.source,
         )

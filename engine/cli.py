@@ -6,105 +6,27 @@ URLs) print one line on stderr and exit with status 2, never a traceback; ``vali
 exits with 1 when the checkpoint has problems.  Progress bars (tqdm, when installed) are
 drawn only when stderr is a terminal; ``stats``, ``quantize`` and ``validate`` also print a
 line on stderr as each file is done with ``--verbose``.
+
+This module parses the arguments and runs the short commands; ``convert`` lives in
+:mod:`engine._cli_convert`, ``bench`` in :mod:`engine._cli_bench`, and what every command
+prints besides its results (progress, tables, byte counts) in :mod:`engine._cli_output`.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import json
 import math
 import os
 import sys
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ._cli_bench import cmd_bench
+from ._cli_convert import check_output, cmd_convert
+from ._cli_output import FileProgress, fmt_bytes, one_line, table
 from .errors import MissingDependencyError, NonFiniteError, SafetensorError
-
-# --------------------------------------------------------------------------- helpers
-
-
-class _NoBar:
-    """Stands in for a tqdm bar when stderr is not a terminal or tqdm is not installed."""
-
-    def __init__(self, iterable: Iterable | None = None) -> None:
-        self.iterable = iterable
-
-    def __iter__(self):
-        return iter(self.iterable or ())
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
-def _progress(iterable: Iterable | None = None, **kw: Any):
-    """A tqdm bar on stderr when it is a terminal; silent (and tqdm not imported) otherwise."""
-    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
-        return _NoBar(iterable)
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar(iterable)
-    return tqdm(iterable, file=sys.stderr, leave=False, dynamic_ncols=True, **kw)
-
-
-class _FileProgress:
-    """Progress of a command that walks the tensors of a checkpoint, fed by the library's
-    ``progress(name, nbytes)`` callback: a bar of bytes on a terminal (as :func:`_progress`)
-    and, with ``--verbose``, a line on stderr as each file is done."""
-
-    def __init__(self, command: str, path: str, verbose: bool, names: Iterable[str] | None = None) -> None:
-        from .checkpoint import read_checkpoint_info
-
-        info = read_checkpoint_info(path)
-        wanted = set(names) if names is not None else None
-        self._command = command
-        self._verbose = verbose
-        self._shard_of: dict[str, str] = {}
-        self._left: dict[str, int] = {}
-        self._bytes: dict[str, int] = {}
-        for shard, t in info.tensors():
-            if wanted is None or t.name in wanted:
-                self._shard_of[t.name] = shard
-                self._left[shard] = self._left.get(shard, 0) + 1
-                self._bytes[shard] = self._bytes.get(shard, 0) + t.nbytes
-        self._count = dict(self._left)
-        self._done = 0
-        self._bar = _progress(total=sum(self._bytes.values()), unit="B", unit_scale=True, desc=command)
-
-    def __call__(self, name: str, nbytes: int) -> None:
-        self._bar.update(nbytes)
-        shard = self._shard_of.get(name)
-        if shard is None:
-            return
-        self._left[shard] -= 1
-        if self._left[shard] == 0 and self._verbose:
-            self._done += 1
-            line = (f"engine {self._command}: {self._done}/{len(self._left)} {shard}: "
-                    f"{self._count[shard]} tensors, "
-                    f"{_fmt_bytes(self._bytes[shard])}")
-            write = getattr(self._bar, "write", None)  # tqdm's, which keeps the bar below the line
-            if write is not None:
-                write(line, file=sys.stderr)
-            else:
-                print(line, file=sys.stderr, flush=True)
-
-    def __enter__(self) -> _FileProgress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._bar.close()
 
 
 def _is_url(path: str) -> bool:
@@ -151,22 +73,6 @@ def _kernel_api(module: str, attr: str, command: str):
     return getattr(mod, attr)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"  # pragma: no cover
-
-
-def _table(rows: list[list[str]], header: list[str], right: Sequence[int] = ()) -> list[str]:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
-
-    return [line(header)] + [line(r) for r in rows]
-
 
 # --------------------------------------------------------------------------- demo
 
@@ -194,7 +100,7 @@ def _cmd_inspect(args) -> int:
             row.append(shard)
         rows.append(row)
     header = ["name", "dtype", "shape", "params", "bytes"] + (["shard"] if sharded else [])
-    for line in _table(rows, header, right=(3,)):
+    for line in table(rows, header, right=(3,)):
         print(line)
     params = info.parameters()
     total = params.pop("total")
@@ -202,7 +108,7 @@ def _cmd_inspect(args) -> int:
     print(
         f"\n{len(rows)} tensors{where}, {total:,} parameters ("
         + ", ".join(f"{k}: {v:,}" for k, v in params.items())
-        + f"), {_fmt_bytes(info.nbytes)} of data"
+        + f"), {fmt_bytes(info.nbytes)} of data"
     )
     metadata = info.metadata()
     if metadata:
@@ -231,7 +137,7 @@ def _cmd_validate(args) -> int:
         problems = check_checkpoint(args.path, max_header_size=args.max_header_size)
         info = None if problems else read_checkpoint_info(args.path, max_header_size=args.max_header_size)
     for problem in problems:
-        print(f"problem: {_one_line(problem)}")
+        print(f"problem: {one_line(problem)}")
     if info is not None:
         for shard, header in info.headers.items():
             print(f"ok: {shard}: {len(header)} tensors, {header.file_size:,} bytes, header and data region valid")
@@ -274,15 +180,12 @@ def _weight_checks(args, config: str | None, validator: Any) -> bool:
     if validator is None:
         print("weight checks: skipped for URLs (they need the tensor bytes)")
         return True
-    with _FileProgress("validate", args.path, args.verbose) as progress:
+    with FileProgress("validate", args.path, args.verbose) as progress:
         report = validator.validate(args.path, progress=progress)
     print(f"weight checks against {config}:")
     print(report)
     return report.ok
 
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split("\n"))
 
 
 # --------------------------------------------------------------------------- stats, quantize
@@ -299,8 +202,8 @@ def _cell(value: Any) -> str:
 def _cmd_stats(args) -> int:
     import dataclasses  # here, not at the top: `engine inspect` starts without it (and inspect)
 
-    stats_file = _kernel_api("engine.filestats", "stats_file", "stats")
-    with _FileProgress("stats", args.path, args.verbose, args.names) as progress:
+    stats_file = _kernel_api("engine.checkpoint_stats", "stats_file", "stats")
+    with FileProgress("stats", args.path, args.verbose, args.names) as progress:
         result = stats_file(args.path, names=args.names, progress=progress)
     if args.json:
         json.dump({k: dataclasses.asdict(v) for k, v in result.items()}, sys.stdout, indent=2, default=str)
@@ -309,7 +212,7 @@ def _cmd_stats(args) -> int:
     if result:
         fields = [f.name for f in dataclasses.fields(next(iter(result.values())))]
         rows = [[name] + [_cell(getattr(s, f)) for f in fields] for name, s in result.items()]
-        for line in _table(rows, ["name", *fields], right=range(1, len(fields) + 1)):
+        for line in table(rows, ["name", *fields], right=range(1, len(fields) + 1)):
             print(line)
     return 0
 
@@ -324,10 +227,10 @@ def _axis(text: str) -> int | None:
 
 
 def _cmd_quantize(args) -> int:
-    quantize_file = _kernel_api("engine.quantized", "quantize_file", "quantize")
-    _check_output(args.dst, args.src)
+    quantize_file = _kernel_api("engine.quantized_format", "quantize_file", "quantize")
+    check_output(args.dst, args.src)
     try:
-        with _FileProgress("quantize", args.src, args.verbose) as progress:
+        with FileProgress("quantize", args.src, args.verbose) as progress:
             summary = quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
                                     on_nonfinite="clamp" if args.clamp else "raise", progress=progress)
     except NonFiniteError as err:
@@ -342,316 +245,6 @@ def _cmd_quantize(args) -> int:
         ) from None
     print(summary)
     print(f"wrote {args.dst}")
-    return 0
-
-
-# --------------------------------------------------------------------------- convert
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise MissingDependencyError("torch", "torch", "engine convert") from None
-    return torch
-
-
-#: How the first bytes of a file tell its format: torch.save's zip archive (torch >= 1.6),
-#: its legacy pickle stream (a pickle PROTO opcode) or tar archive, and a safetensors header
-#: (an 8-byte length, then the JSON object).
-_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
-_LFS_POINTER = b"version https://git-lfs"
-
-
-def _sniff(path: str) -> str:
-    """``"zip"``, ``"pickle"`` (also tar) or ``"safetensors"``: which reader ``path`` needs.
-
-    Decided from the first bytes, before any reader sees the file: ``torch.load`` handed a
-    text file fails deep inside its unpickler with whatever exception the stray bytes
-    provoke (``KeyError: 101`` for an ``e``), and hands any ``.safetensors`` path to the
-    safetensors package, whose errors name no file.
-    """
-    from ._files import open_regular
-
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "Is a directory, not a checkpoint file", path)
-    fd = open_regular(path)  # a FIFO would block a plain open
-    try:
-        head = os.pread(fd, 512, 0)
-    finally:
-        os.close(fd)
-    if head.startswith(_ZIP_MAGIC):
-        return "zip"
-    if (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head[257:262] == b"ustar":
-        return "pickle"  # or the tar archive of torch < 0.4, which torch.load reads the same way
-    if len(head) >= 9 and head[8:9] == b"{":
-        return "safetensors"
-    if head.startswith(_LFS_POINTER):
-        what = "a Git LFS pointer, not the checkpoint (fetch the file itself, e.g. with `git lfs pull`)"
-    elif not head:
-        what = "an empty file"
-    else:
-        printable = all(32 <= b < 127 or b in b"\t\r\n" for b in head)
-        what = f"{'a text file' if printable else 'not a checkpoint'} (it starts with {head[:16]!r})"
-    raise SafetensorError(
-        f"{what}: expected a file written by torch.save or a .safetensors file", reason="InvalidCheckpoint", path=path
-    )
-
-
-def _load_torch_checkpoint(path: str, torch) -> Any:
-    """What the file at ``path`` holds, by the reader its format needs.
-
-    torch.save's files go through ``torch.load(weights_only=True)`` (no code is ever
-    unpickled), memory-mapped when they are zip archives; a ``.safetensors`` file goes
-    through the engine's own reader.
-    """
-    import pickle
-
-    kind = _sniff(path)
-    if kind == "safetensors":
-        from .torch import load_file
-
-        return load_file(path)
-    try:
-        if kind == "zip":
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SafetensorError(
-            f"refusing to load: the pickle needs more than plain tensors and containers "
-            f"(torch.load(weights_only=True) said: {first})",
-            reason="UnsafePickle",
-            path=path,
-        ) from None
-    except (MemoryError, RecursionError):
-        raise
-    except Exception as exc:  # a damaged archive or stream: torch raises whatever its reader met
-        said = _one_line(exc)[:300] or type(exc).__name__
-        raise SafetensorError(
-            f"not a PyTorch checkpoint torch.load can read (truncated or damaged?): {type(exc).__name__}: {said}",
-            reason="InvalidCheckpoint",
-            path=path,
-        ) from None
-
-
-def _check_output(dst: str, src: str) -> None:
-    """Fail before any work when ``dst`` cannot be written: name the missing directory (the
-    writer, which writes a temporary file beside ``dst``, would name that file), and refuse
-    to replace the input itself (the atomic writer would, losing the source weights)."""
-    folder = os.path.dirname(os.path.abspath(dst))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(errno.ENOENT, "the output directory does not exist", folder)
-    if os.path.isdir(dst):
-        raise IsADirectoryError(errno.EISDIR, "the output is a directory; give a file name", dst)
-    try:
-        same = os.path.samefile(src, dst)
-    except OSError:  # no output yet, or no input (its own error comes next)
-        same = False
-    if same:
-        raise FileExistsError(errno.EEXIST, "the output is the input file; write the result elsewhere", dst)
-
-
-def _state_dict(obj: Any, torch, path: str) -> tuple[dict, list[str]]:
-    """The flat ``name -> tensor`` mapping inside what ``torch.load`` returned."""
-    if isinstance(obj, Mapping) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
-        for key in ("state_dict", "model", "module"):
-            inner = obj.get(key)
-            if isinstance(inner, Mapping) and any(isinstance(v, torch.Tensor) for v in inner.values()):
-                print(f"note: converting the tensors under {key!r}", file=sys.stderr)
-                obj = inner
-                break
-    if not isinstance(obj, Mapping):
-        raise SafetensorError(
-            f"expected a state dict (a mapping of names to tensors), got {type(obj).__name__}",
-            reason="InvalidCheckpoint",
-            path=path,
-        )
-    tensors, skipped = {}, []
-    for name, value in obj.items():
-        if isinstance(name, str) and isinstance(value, torch.Tensor):
-            tensors[name] = value
-        else:
-            skipped.append(str(name))
-    if not tensors:
-        raise SafetensorError("the checkpoint holds no tensors", reason="InvalidCheckpoint", path=path)
-    return tensors, skipped
-
-
-def _cmd_convert(args) -> int:
-    torch = _torch()
-    from . import writer
-    from .dtypes import BY_NAME, from_torch
-
-    _check_output(args.dst, args.src)
-    obj = _load_torch_checkpoint(args.src, torch)
-    tensors, skipped = _state_dict(obj, torch, args.src)
-    if skipped:
-        print(f"note: skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:8])}", file=sys.stderr)
-    from .torch import deduplicate
-
-    tensors, aliases, copied = deduplicate(tensors)
-    metadata = {"format": "pt"}
-    for dropped, kept in aliases.items():
-        metadata.setdefault(dropped, kept)
-    entries = []
-    for name, t in tensors.items():
-        code = from_torch(t.dtype)
-        shape = tuple(t.shape)
-        if code == BY_NAME["F4"].code and shape:  # float4_e2m1fn_x2 counts bytes, the format values
-            shape = shape[:-1] + (shape[-1] * 2,)
-        entries.append((name, code, shape))
-    total = sum(t.nbytes for t in tensors.values())
-    with writer.open_writer(args.dst, entries, metadata) as w, _progress(
-        total=total, unit="B", unit_scale=True, desc="convert"
-    ) as bar:
-        for name, t in tensors.items():
-            w.write(name, t)
-            bar.update(t.nbytes)
-    print(f"wrote {args.dst}: {len(tensors)} tensors, {_fmt_bytes(total)}")
-    if aliases:
-        print("shared tensors stored once (dropped -> kept, also in the metadata): "
-              + ", ".join(f"{d} -> {k}" for d, k in aliases.items()))
-    if copied:
-        print(f"copied to contiguous memory: {', '.join(copied)}")
-    return 0
-
-
-# --------------------------------------------------------------------------- bench
-
-
-def _median_time(fn, runs: int, bar) -> float:
-    import statistics
-
-    fn()  # warm-up: page cache, imports, first-touch allocations
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        bar.update(1)
-    return statistics.median(times)
-
-
-_PAGE = 4096
-
-
-def _touch(tensors: Mapping[str, Any]) -> int:
-    """Read one byte of every page of every tensor, so that a lazy load is timed with its
-    reads (a mapping alone reads nothing: bytes over its time would be no throughput at all).
-    Returns the sum, so the reads cannot be skipped."""
-    total = 0
-    for t in tensors.values():
-        flat = t.reshape(-1)
-        raw = flat.view(_uint8_of(flat))
-        if len(raw):
-            total += int(raw[::_PAGE].sum()) + int(raw[-1])
-    return total
-
-
-def _uint8_of(flat):
-    if type(flat).__module__.partition(".")[0] == "torch":
-        import torch
-
-        return torch.uint8
-    import numpy as np
-
-    return np.uint8
-
-
-def _cmd_bench(args) -> int:
-    from .checkpoint import open_checkpoint, read_checkpoint_info
-
-    info = read_checkpoint_info(args.path)
-    nbytes = info.nbytes
-    if info.index:
-        base = os.path.dirname(info.index)
-    elif os.path.isdir(args.path):
-        base = args.path
-    else:
-        base = os.path.dirname(args.path)
-    files = [os.path.join(base or ".", s) for s in info.shards]
-    framework = args.framework
-    if framework is None:
-        try:
-            import torch  # noqa: F401
-
-            framework = "pt"
-        except ImportError:
-            framework = "np"
-    # (label, kind, load): a ratio compares only loads of one kind, mapped (timed with a
-    # read of every page, see _touch) or owned memory
-    cases: list[tuple[str, str, Any]] = []
-
-    def engine_load(backend: str, device: str = "cpu"):
-        def run():
-            with open_checkpoint(args.path, framework=framework, device=device, backend=backend) as c:
-                out = c.get_tensors()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            elif backend == "mmap":
-                _touch(out)
-            return out
-
-        return run
-
-    cases.append(("engine mmap", "lazy", engine_load("mmap")))
-    cases.append(("engine pread", "owned", engine_load("pread")))
-    cuda = False
-    if framework == "pt":
-        import torch
-
-        cuda = torch.cuda.is_available()
-        if cuda:
-            cases.append(("engine pread -> cuda", "cuda", engine_load("pread", "cuda")))
-    if not args.no_reference:
-        try:
-            ref = importlib.import_module("safetensors.torch" if framework == "pt" else "safetensors.numpy")
-        except ImportError:
-            print("note: the reference safetensors is not installed; no comparison", file=sys.stderr)
-        else:
-
-            def ref_load(device: str = "cpu"):
-                def run():
-                    out = {}
-                    for f in files:
-                        out.update(ref.load_file(f, device=device) if framework == "pt" else ref.load_file(f))
-                    if device != "cpu":
-                        torch.cuda.synchronize()
-                    elif framework == "pt":  # a mapping, as the engine's "mmap" row
-                        _touch(out)
-                    return out
-
-                return run
-
-            # the reference's torch loader maps the file (lazy); its numpy loader copies (owned)
-            cases.append(("reference safetensors", "lazy" if framework == "pt" else "owned", ref_load()))
-            if cuda:
-                cases.append(("reference safetensors -> cuda", "cuda", ref_load("cuda")))
-    results: dict[str, float | Exception] = {}
-    with _progress(total=len(cases) * args.runs, desc="bench") as bar:
-        for label, _, fn in cases:
-            try:
-                results[label] = _median_time(fn, args.runs, bar)
-            except SafetensorError:
-                raise
-            except Exception as exc:  # e.g. the reference cannot load a dtype: report, go on
-                results[label] = exc
-    reference = {kind: results[label] for label, kind, _ in cases if label.startswith("reference")}
-    print(f"{args.path}: {len(info)} tensors, {_fmt_bytes(nbytes)} in {len(info.shards)} file(s), "
-          f"framework={framework}, median of {args.runs} runs, warm page cache")
-    rows = []
-    for label, kind, _ in cases:
-        t = results[label]
-        what = {"lazy": "mapped, every page touched", "owned": "owned (every byte read)", "cuda": "on the GPU"}[kind]
-        if isinstance(t, Exception):
-            rows.append([label, what, "-", "-", f"failed: {_one_line(t)[:60]}"])
-            continue
-        ref_t = reference.get(kind)
-        ratio = f"{ref_t / t:.2f}x" if isinstance(ref_t, float) and t > 0 else "-"
-        rows.append([label, what, f"{t * 1e3:.2f}", f"{nbytes / t / 1e9:.2f}" if t > 0 else "inf", ratio])
-    for line in _table(rows, ["load", "kind", "median ms", "GB/s", "vs reference (same kind)"], right=(2, 3, 4)):
-        print(line)
     return 0
 
 
@@ -720,14 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="PyTorch .bin/.pt state dict to .safetensors (never unpickles code)")
     p.add_argument("src", help="a file written by torch.save")
     p.add_argument("dst", help="the .safetensors file to write")
-    p.set_defaults(func=_cmd_convert)
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="load throughput of engine backends against the reference safetensors")
     p.add_argument("path", help="a .safetensors file, an index or a directory")
     p.add_argument("--runs", type=_positive_int, default=5, help="timed runs per case (median reported)")
     p.add_argument("--framework", choices=["np", "pt"], help="default: pt when torch is installed")
     p.add_argument("--no-reference", action="store_true", help="skip the reference safetensors")
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -757,5 +350,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 0
     except (SafetensorError, OSError, _UsageError) as err:
-        print(f"engine {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        print(f"engine {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -35,8 +35,8 @@ from . import dtypes, pipeline
 from ._files import open_regular
 from .errors import DeviceError, SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
-from .onload import StatsCollector
-from .onload import plan as onload_plan
+from .load_hooks import StatsCollector
+from .load_hooks import plan as onload_plan
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
 from .reader import IOV_MAX, default_threads
 from .sinks import fill_target, get_sink
@@ -206,7 +206,7 @@ def stream(
         second pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
         sub-byte, complex).  On a GPU, F64/F32/F16/BF16 tensors are summarised on the
         device instead, by CUDA kernels queued on each copy's stream right after it (see
-        :mod:`engine.onload`); other dtypes keep the CPU fold.
+        :mod:`engine.load_hooks`); other dtypes keep the CPU fold.
     quantize : None, "int8" or engine.quantize.Int8, optional
         Quantize the selected tensors (default selection: F32/F16/BF16 weights of 2 or more
         dimensions, not embeddings; one scale per row) to symmetric int8 while loading,

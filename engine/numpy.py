@@ -11,8 +11,8 @@ import os
 import numpy as np
 
 from . import writer
-from .api import views
 from .errors import SerializationError
+from .file_handle import views
 from .header import parse_buffer
 from .opener import safe_open
 from .sinks import host_block

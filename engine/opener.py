@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from . import api
+from . import file_handle
 
 __all__ = ["safe_open", "load_into", "is_checkpoint_path"]
 
@@ -43,11 +43,11 @@ def _is_checkpoint(kind) -> bool:
     return checkpoint is not None and isinstance(kind, type) and issubclass(kind, checkpoint.Checkpoint)
 
 
-class safe_open(api.safe_open, metaclass=_OpensBoth):  # noqa: N801 - the reference's spelling, for a drop-in replacement
-    """:class:`engine.api.safe_open` for a file, and :class:`engine.checkpoint.Checkpoint`
+class safe_open(file_handle.safe_open, metaclass=_OpensBoth):  # noqa: N801 - the reference's spelling, for a drop-in replacement
+    """:class:`engine.file_handle.safe_open` for a file, and :class:`engine.checkpoint.Checkpoint`
     for an index or a directory: ``engine.safe_open(path)`` opens whatever a model ships as.
 
-    Parameters and methods are those of :class:`engine.api.safe_open`; an index or a
+    Parameters and methods are those of :class:`engine.file_handle.safe_open`; an index or a
     directory gives a :class:`~engine.checkpoint.Checkpoint` with the same methods across
     its shards.  Both are instances of this class (``isinstance(f, engine.safe_open)``).
     """

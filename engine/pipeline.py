@@ -175,7 +175,7 @@ def run_sources(
         fill ``targets`` (one writable host memoryview per piece; for devices, parts of the
         staging slot) or raise.  It runs on worker threads before the pieces are copied to
         a device or reported complete: the place for work that must see the bytes while
-        they are in the CPU cache (statistics, see :class:`engine.onload.StatsCollector`).  With ``fill``,
+        they are in the CPU cache (statistics, see :class:`engine.load_hooks.StatsCollector`).  With ``fill``,
         device loads use the copy path alone.
     residency : callable, optional
         ``residency(mapping, offset, nbytes) -> bool``: whether those bytes of a file's
@@ -184,7 +184,7 @@ def run_sources(
         ``after_copy(request, stream)`` runs on a device worker right after a request's
         host-to-device copies are issued, before the event that marks them done is
         recorded: work it queues on ``stream`` (kernels reading the bytes where they landed,
-        see ``engine.onload``) is ordered after the copies and complete when the tensor is
+        see ``engine.load_hooks``) is ordered after the copies and complete when the tensor is
         reported complete.  Its requests carry the file's own rows: one source only.
 
     Returns

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from . import dtypes, writer
-from .api import views
 from .errors import SerializationError
+from .file_handle import views
 from .header import parse_buffer
 from .opener import safe_open
 from .sinks.torch import TorchSink

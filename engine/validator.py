@@ -282,7 +282,7 @@ class WeightValidator:
             self._summarise(report, name, dtype, shape, ck)
 
     def _summarise(self, report: ValidationReport, name: str, dtype: str, shape: list, ck) -> None:
-        from .statistics import stats
+        from .numerics.statistics import stats
 
         try:
             s = stats(ck.get_tensor(name))

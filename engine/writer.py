@@ -7,35 +7,37 @@ slices of at most 64 MiB; the file appears under its name only once it is comple
 
 Three layers, each usable on its own:
 
-- :func:`build_header` turns ``(name, dtype code, shape, nbytes)`` entries into the header
-  bytes and the file offset of every tensor;
+- :func:`build_header` (:mod:`engine._header_encode`) turns ``(name, dtype code, shape,
+  nbytes)`` entries into the header bytes and the file offset of every tensor;
 - :class:`TensorWriter` (from :func:`open_writer`) writes tensors one at a time, in any
   order, into a temporary file and commits it atomically: the writer for generators;
-- :func:`save_file` and :func:`save` write a whole mapping of numpy arrays or torch tensors.
+- :func:`save_file` and :func:`save` write a whole mapping of numpy arrays or torch tensors
+  (each turned into bytes by :mod:`engine._tensor_bytes`).
+
+This module is the writing itself: the checks before a file is touched, the positioned
+(vectored) writes, the background flush and the atomic commit.
 """
 
 from __future__ import annotations
 
 import errno
 import io
-import json
-import operator
 import os
 import stat
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Union
-
-import numpy as np
 
 from ._atomic import AtomicFile, sync_dir
 from ._atomic import umask as _umask
 from ._atomic import write_error as _write_error
 from ._files import IOV_MAX
-from .dtypes import BITS, BY_NAME, DTYPES, NAMES, code_of, from_numpy, from_torch
-from .errors import DeviceError, SerializationError, SerializationTypeError, SharedTensorsError
+from ._header_encode import build_header, check_name, checked_shape, dtype_code, packed_nbytes
+from ._tensor_bytes import Raw, check_shared, host_chunks, tensor_bytes
+from .dtypes import BY_NAME, DTYPES, NAMES
+from .errors import SerializationError
 from .header import MAX_HEADER_SIZE
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
@@ -46,345 +48,15 @@ PathLike = Union[str, "os.PathLike[str]"]
 #: A multiple of 8 so that slices never split an element.
 _CHUNK = 64 << 20
 
-_METADATA_KEY = "__metadata__"
 _U8 = BY_NAME["U8"].code
-_F4 = BY_NAME["F4"].code
 
 
-# --------------------------------------------------------------------------- header
-
-
-def build_header(
-    entries: Iterable[tuple[str, int, Sequence[int], int]],
-    metadata: Mapping[str, str] | None = None,
-    *,
-    max_header_size: int = MAX_HEADER_SIZE,
-) -> tuple[bytes, list[tuple[int, int]]]:
-    """Header bytes and tensor placement for a file holding ``entries``.
-
-    Parameters
-    ----------
-    entries : iterable of (name, dtype_code, shape, nbytes)
-        One tuple per tensor, in any order.  ``dtype_code`` is an :mod:`engine.dtypes`
-        code (a format name such as ``"BF16"`` is accepted too); ``shape`` counts elements,
-        also for the sub-byte dtypes; ``nbytes`` must equal the shape's packed size.
-    metadata : mapping of str to str, optional
-        Written as ``__metadata__``, first and in the mapping's order.  ``None`` omits the
-        key; an empty mapping writes ``"__metadata__":{}`` as the reference does.
-    max_header_size : int, default 100,000,000
-        Largest header (JSON and padding, in bytes) written; the readers' limit of the same
-        name, so that a file this writes is one they accept.
-
-    Returns
-    -------
-    header : bytes
-        The 8-byte little-endian length, the JSON and its space padding: the first
-        ``len(header)`` bytes of the file.
-    layout : list of (int, int)
-        ``(index into entries, absolute file offset)`` for every tensor, in layout order:
-        writing the tensors in this order after the header fills the file front to back.
-        The file is ``len(header) + sum(nbytes)`` bytes long.
-
-    Raises
-    ------
-    SerializationError
-        A name that is not a string, is ``__metadata__``, is not UTF-8 encodable or occurs
-        twice; an unknown dtype; a negative dimension; ``nbytes`` that does not match the
-        shape, or a sub-byte tensor that does not end on a byte boundary; metadata keys or
-        values that are not strings; ``reason="HeaderTooLarge"``: a header longer than
-        ``max_header_size``, which readers would refuse.
-
-    Notes
-    -----
-    Layout and JSON follow the reference: dtype code descending (the codes follow its
-    dtype enum), then name in code-point order (which is UTF-8 byte order); strings
-    escaped as by ``json.dumps(ensure_ascii=False)``, which escapes exactly what
-    ``serde_json`` escapes.  No padding between tensors: descending codes put the larger
-    item sizes first, so every tensor stays aligned to its item size.
-    """
-    checked = []
-    seen = set()
-    for index, (name, dtype, shape, nbytes) in enumerate(entries):
-        _check_name(name)
-        if name in seen:
-            raise SerializationError(
-                f"tensor {name!r} is listed twice", reason="DuplicateKey", tensors=(name,)
-            )
-        seen.add(name)
-        code = _code(name, dtype)
-        shape = _shape(name, shape)
-        expected = _packed_nbytes(name, code, shape)
-        if operator.index(nbytes) != expected:
-            raise SerializationError(
-                f"tensor {name!r}: {nbytes} bytes given, {NAMES[code]}{list(shape)} takes {expected}",
-                reason="TensorInvalidInfo",
-                tensors=(name,),
-            )
-        checked.append((-code, name, index, shape, expected))
-    checked.sort()
-
-    doc: dict[str, Any] = {}
-    if metadata is not None:
-        doc[_METADATA_KEY] = _check_metadata(metadata)
-    layout = []
-    begin = 0
-    for neg_code, name, index, shape, nbytes in checked:
-        doc[name] = {"dtype": NAMES[-neg_code], "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
-        layout.append((index, begin))
-        begin += nbytes
-
-    text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    if len(text) > max_header_size:
-        raise SerializationError(
-            f"the header would take {len(text)} bytes, more than the limit of {max_header_size} that "
-            "readers accept (fewer tensors per file, shorter names or metadata; or raise max_header_size "
-            "here and when reading)",
-            reason="HeaderTooLarge",
-        )
-    start = 8 + len(text)
-    return len(text).to_bytes(8, "little") + text, [(index, start + offset) for index, offset in layout]
-
-
-def _check_name(name: object) -> None:
-    if not isinstance(name, str):
-        raise SerializationTypeError(
-            f"tensor names must be strings, got {type(name).__name__} {name!r}", reason="InvalidTensorName"
-        )
-    if name == _METADATA_KEY:
-        raise SerializationError(
-            f"{_METADATA_KEY!r} is reserved for metadata and cannot name a tensor",
-            reason="InvalidTensorName",
-            tensors=(name,),
-        )
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise SerializationError(
-            f"tensor name {name!r} cannot be encoded as UTF-8 ({exc.reason})",
-            reason="InvalidTensorName",
-            tensors=(name,),
-        ) from None
-
-
-def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
-    if not isinstance(metadata, Mapping):
-        raise SerializationTypeError(
-            f"metadata must be a mapping of str to str, got {type(metadata).__name__}",
-            reason="InvalidMetadata",
-        )
-    for key, value in metadata.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise SerializationTypeError(
-                f"metadata keys and values must be strings, got {key!r}: {value!r}", reason="InvalidMetadata"
-            )
-        try:
-            key.encode("utf-8")
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise SerializationError(
-                f"metadata {key!r}: {value!r} cannot be encoded as UTF-8", reason="InvalidMetadata"
-            ) from None
-    return dict(metadata)
-
-
-def _code(name: str, dtype: int | str) -> int:
-    try:
-        code = code_of(dtype) if isinstance(dtype, str) else operator.index(dtype)
-    except (SerializationError, TypeError):
-        code = -1
-    if not 0 <= code < len(DTYPES):
-        raise SerializationError(
-            f"tensor {name!r}: unknown dtype {dtype!r}", reason="InvalidDtype", tensors=(name,)
-        )
-    return code
-
-
-def _shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
-    try:
-        dims = tuple(operator.index(d) for d in shape)
-    except TypeError:
-        dims = (-1,)
-    if any(d < 0 for d in dims):
-        raise SerializationError(
-            f"tensor {name!r}: invalid shape {shape!r}", reason="InvalidShape", tensors=(name,)
-        )
-    return dims
-
-
-def _packed_nbytes(name: str, code: int, shape: tuple[int, ...]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    bits = numel * BITS[code]
-    if bits % 8:
-        raise SerializationError(
-            f"tensor {name!r}: {NAMES[code]}{list(shape)} does not end on a byte boundary",
-            reason="MisalignedSlice",
-            tensors=(name,),
-        )
-    return bits // 8
-
-
-# --------------------------------------------------------------------------- tensors
-
-
-class _Raw(NamedTuple):
-    """A tensor as the writer sees it: format dtype, logical shape and its bytes."""
-
-    code: int
-    shape: tuple[int, ...]
-    nbytes: int
-    #: (address space, first byte, end) of a torch tensor's memory, None otherwise; used
-    #: to find tensors that share memory.
-    span: tuple[object, int, int] | None
-    #: chunks(limit) yields the little-endian bytes as 'B' memoryviews of at most ``limit``
-    #: bytes; each is valid until the next is requested (staging buffers are reused).
-    chunks: Callable[[int], Iterator[memoryview]]
-    #: the bytes as they are in memory, when they can be written without staging (host
-    #: memory, little-endian); several such tensors go to the file in one system call
-    direct: memoryview | None = None
-
-
-def _raw(name: str, x: Any) -> _Raw:
-    """The one place that turns a numpy array or torch tensor into a :class:`_Raw`."""
-    if isinstance(x, np.ndarray):
-        return _raw_numpy(name, x)
-    # A torch tensor exists only once torch is imported: numpy-only callers never import it.
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return _raw_torch(name, x, torch)
-    raise SerializationError(
-        f"tensor {name!r}: expected a numpy array or a torch tensor, got {type(x).__module__}.{type(x).__qualname__}",
-        reason="UnsupportedType",
-        tensors=(name,),
-    )
-
-
-def _raw_numpy(name: str, a: np.ndarray) -> _Raw:
-    code = _named(name, from_numpy, a.dtype)
-    if not a.flags.c_contiguous:
-        raise SerializationError(
-            f"tensor {name!r} is not C-contiguous; pass np.ascontiguousarray(...) to write it",
-            reason="NonContiguous",
-            tensors=(name,),
-        )
-    big = a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big")
-    swap = _swap_unit(a.dtype.itemsize, a.dtype.kind == "c") if big else 1
-    # no span: numpy arrays have no storages to alias, and the reference writes an array
-    # given under two names twice, as asked
-    # reshape(-1) of a C-contiguous array is a view; uint8 because the buffer protocol
-    # refuses ml_dtypes' types.
-    view = a.reshape(-1).view(np.uint8).data
-    return _Raw(code, tuple(a.shape), a.nbytes, None, _host_chunks(view, swap), view if swap == 1 else None)
-
-
-def _raw_torch(name: str, t: Any, torch: Any) -> _Raw:
-    if t.layout != torch.strided:
-        raise SerializationError(
-            f"tensor {name!r} is {t.layout}; only dense tensors can be written (use .to_dense())",
-            reason="SparseTensor",
-            tensors=(name,),
-        )
-    if t.device.type == "meta":
-        # a RuntimeError, as torch's own "Cannot copy out of meta tensor" that the reference lets through
-        raise DeviceError(
-            f"tensor {name!r} is on the meta device: Cannot copy out of meta tensor; it has no data",
-            reason="NoData",
-            tensors=(name,),
-        )
-    if not t.is_contiguous():
-        raise SerializationError(
-            f"tensor {name!r} is not contiguous; pass .contiguous() to write it",
-            reason="NonContiguous",
-            tensors=(name,),
-        )
-    code = _named(name, from_torch, t.dtype)
-    shape = tuple(t.shape)
-    if code == _F4:  # float4_e2m1fn_x2 counts bytes; the format counts values, two per byte
-        if not shape:
-            raise SerializationError(
-                f"tensor {name!r}: a float4_e2m1fn_x2 scalar cannot be written",
-                reason="MisalignedSlice",
-                tensors=(name,),
-            )
-        shape = shape[:-1] + (shape[-1] * 2,)
-    nbytes = t.numel() * t.element_size()
-    span = None
-    if nbytes:
-        start = t.data_ptr()
-        space = "cpu" if t.device.type == "cpu" else str(t.device)
-        span = (space, start, start + nbytes)
-    if not nbytes:
-        empty = memoryview(b"")
-        return _Raw(code, shape, 0, None, _host_chunks(empty, 1), empty)
-    t = t.detach()
-    if t.is_conj() or t.is_neg():
-        # A lazy conjugate/negation bit is not in memory: write the resolved values, copied
-        # only when this tensor's turn comes.
-        def resolved(limit: int) -> Iterator[memoryview]:
-            return _raw_torch(name, t.resolve_conj().resolve_neg(), torch).chunks(limit)
-
-        return _Raw(code, shape, nbytes, span, resolved)
-    swap = _swap_unit(t.element_size(), t.is_complex()) if sys.byteorder == "big" else 1
-    # as_strided, not reshape: a contiguous tensor may carry any stride on a dimension of
-    # size 1, which view(uint8) refuses.
-    flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
-    if t.device.type == "cpu":
-        view = memoryview(flat.numpy())
-        return _Raw(code, shape, nbytes, span, _host_chunks(view, swap), view if swap == 1 else None)
-    return _Raw(code, shape, nbytes, span, _device_chunks(flat, swap, torch))
-
-
-def _named(name: str, convert: Callable[[Any], int], dtype: Any) -> int:
-    try:
-        return convert(dtype)
-    except SerializationError as exc:
-        raise SerializationError(
-            f"tensor {name!r}: {exc.message}", reason=exc.reason, tensors=(name,)
-        ) from None
-
-
-def _swap_unit(itemsize: int, complex_: bool) -> int:
-    # complex numbers are two floats, each swapped on its own
-    return itemsize // 2 if complex_ else itemsize
-
-
-def _swapped(piece: memoryview, unit: int) -> memoryview:
-    if unit == 1:
-        return piece
-    return np.frombuffer(piece, dtype=f"u{unit}").byteswap().view(np.uint8).data
-
-
-def _host_chunks(view: memoryview, swap: int) -> Callable[[int], Iterator[memoryview]]:
-    def chunks(limit: int) -> Iterator[memoryview]:
-        for start in range(0, len(view), limit):
-            yield _swapped(view[start : start + limit], swap)
-
-    return chunks
-
-
-def _device_chunks(flat: Any, swap: int, torch: Any) -> Callable[[int], Iterator[memoryview]]:
-    def chunks(limit: int) -> Iterator[memoryview]:
-        n = flat.numel()
-        if not n:
-            return
-        # One staging buffer per tensor, reused for every slice; pinned so that the copy is
-        # a DMA (torch's host allocator caches the block across tensors).
-        staging = torch.empty(min(n, limit), dtype=torch.uint8, pin_memory=flat.device.type == "cuda")
-        host = memoryview(staging.numpy())
-        for start in range(0, n, limit):
-            size = min(limit, n - start)
-            # non_blocking=False: returns once the bytes are on the host
-            staging[:size].copy_(flat[start : start + size])
-            yield _swapped(host[:size], swap)
-
-    return chunks
+# --------------------------------------------------------------------------- checks
 
 
 def _prepare(
     tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, max_header_size: int = MAX_HEADER_SIZE
-) -> tuple[list[tuple[str, _Raw]], bytes, list[tuple[int, int]]]:
+) -> tuple[list[tuple[str, Raw]], bytes, list[tuple[int, int]]]:
     """Validate everything, before any file is touched; return the items, header and layout."""
     if not isinstance(tensors, Mapping):
         raise SerializationError(
@@ -392,9 +64,9 @@ def _prepare(
         )
     items = []
     for name, x in tensors.items():
-        _check_name(name)
-        items.append((name, _raw(name, x)))
-    _check_shared(items)
+        check_name(name)
+        items.append((name, tensor_bytes(name, x)))
+    check_shared(items)
     header, layout = build_header(
         ((name, r.code, r.shape, r.nbytes) for name, r in items), metadata, max_header_size=max_header_size
     )
@@ -428,32 +100,6 @@ def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None 
     """
     items, _, _ = _prepare(tensors, metadata, max_header_size=sys.maxsize)
     return {name: raw.nbytes for name, raw in items}
-
-
-def _check_shared(items: list[tuple[str, _Raw]]) -> None:
-    """Reject tensors whose bytes overlap: O(n log n) by sorting address ranges."""
-    spans = sorted((r.span, name) for name, r in items if r.span is not None)
-    groups: list[list[str]] = []
-    group: list[str] = []
-    space, end = None, 0
-    for (this_space, start, stop), name in spans:
-        if this_space == space and start < end:
-            group.append(name)
-            end = max(end, stop)
-            continue
-        if len(group) > 1:
-            groups.append(group)
-        group, space, end = [name], this_space, stop
-    if len(group) > 1:
-        groups.append(group)
-    if groups:
-        shown = "; ".join(", ".join(repr(n) for n in g) for g in groups)
-        raise SharedTensorsError(
-            f"tensors share memory, which would store the same bytes twice: {shown}. "
-            "Save one of each group, or .clone()/.copy() the others",
-            reason="SharedMemory",
-            tensors=[n for g in groups for n in g],
-        )
 
 
 # --------------------------------------------------------------------------- files
@@ -581,9 +227,9 @@ class TensorWriter:
     ) -> None:
         rows = []
         for name, dtype, shape in entries:
-            _check_name(name)
-            code, dims = _code(name, dtype), _shape(name, shape)
-            rows.append((name, code, dims, _packed_nbytes(name, code, dims)))
+            check_name(name)
+            code, dims = dtype_code(name, dtype), checked_shape(name, shape)
+            rows.append((name, code, dims, packed_nbytes(name, code, dims)))
         header, layout = build_header(rows, metadata, max_header_size=max_header_size)
         placed = {rows[i][0]: _Entry(rows[i][1], rows[i][2], rows[i][3], offset) for i, offset in layout}
         self._open(path, header, placed, fsync)
@@ -692,11 +338,11 @@ class TensorWriter:
             )
         self._write_raw(name, raw)
 
-    def _raw_piece(self, name: str, entry: _Entry, data: Any) -> _Raw:
+    def _raw_piece(self, name: str, entry: _Entry, data: Any) -> Raw:
         if isinstance(data, (bytes, bytearray, memoryview)):
             view = memoryview(data).cast("B")
-            return _Raw(entry.code, (len(view),), len(view), None, _host_chunks(view, 1))
-        raw = _raw(name, data)
+            return Raw(entry.code, (len(view),), len(view), None, host_chunks(view, 1))
+        raw = tensor_bytes(name, data)
         packed = DTYPES[entry.code].sub_byte and raw.code == _U8
         if raw.code != entry.code and not packed:
             raise SerializationError(
@@ -725,7 +371,7 @@ class TensorWriter:
             self._syncer.kick()
             self._unsynced = 0
 
-    def _write_layout(self, items: list[tuple[str, _Raw]]) -> None:
+    def _write_layout(self, items: list[tuple[str, Raw]]) -> None:
         """Write whole tensors that follow each other in the file, in file order.
 
         Runs of small tensors (under 1 MiB) whose bytes need no staging go out in one
@@ -770,7 +416,7 @@ class TensorWriter:
             self._write_raw(name, raw)
         flush()
 
-    def _write_raw(self, name: str, raw: _Raw) -> None:
+    def _write_raw(self, name: str, raw: Raw) -> None:
         assert self._fd is not None
         offset = self._entries[name].offset + self._filled[name]
         try:

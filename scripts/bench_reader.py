@@ -362,7 +362,7 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
     ``stream(stats=True)`` on this machine; ``"windows"`` tells how much of it is the
     smaller reads rather than the fold.
     """
-    from engine import onload
+    from engine import load_hooks
     from engine import statistics as est
     from engine.reader import pread_into, run_threads
     from engine.sinks import host_block
@@ -372,7 +372,7 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
     block = host_block(size)  # the anonymous block an owned load fills
     dest = np.frombuffer(block, np.uint8)
     fd = os.open(path, os.O_RDONLY)
-    window = onload.StatsCollector.WINDOW
+    window = load_hooks.StatsCollector.WINDOW
 
     def worker(i: int) -> None:
         acc = est.Accumulator("BF16")

@@ -87,7 +87,7 @@ GPU_PATHS = ("auto", "copy", "register")
 PYTEST_RUNS = {
     "pytest -m cuda": ["-m", "cuda", "tests"],
     "pytest device-kernel modules": ["tests/test_device.py", "tests/test_cuda_kernels.py",
-                                     "tests/test_cudart.py", "tests/test_onload.py"],
+                                     "tests/test_cudart.py", "tests/test_load_hooks.py"],
 }
 #: the reference's dtypes (torch attribute names); a torch without one leaves it out
 DTYPES = {

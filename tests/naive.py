@@ -1,7 +1,7 @@
 """Plain NumPy oracles for every Numba kernel (the stumpy ``tests/naive.py`` habit).
 
 Written for clarity, not speed: each one states the definition the kernels must meet, with
-numpy and ml_dtypes doing the conversions.  Never import engine.kernels here.
+numpy and ml_dtypes doing the conversions.  Never import engine.numerics.kernels here.
 """
 
 from __future__ import annotations

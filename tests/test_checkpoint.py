@@ -65,7 +65,7 @@ def test_what_safe_open_returns_is_a_safe_open(sharded):
             assert issubclass(type(f), engine.safe_open)
             assert f.keys()
     assert not isinstance(object(), engine.safe_open) and not issubclass(dict, engine.safe_open)
-    assert issubclass(engine.safe_open, engine.api.safe_open)  # subclassing keeps working
+    assert issubclass(engine.safe_open, engine.file_handle.safe_open)  # subclassing keeps working
 
 
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
@@ -627,8 +627,8 @@ def test_device_load_of_a_checkpoint_is_one_pipeline_into_one_allocation(sharded
 
     path, sd, split = sharded
     sink = EmulatedSink()
-    monkeypatch.setattr(engine.api, "get_sink", lambda framework, device: sink)
-    monkeypatch.setattr(engine.api, "sink_kind", lambda framework, device: sink.name)
+    monkeypatch.setattr(engine.file_handle, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.file_handle, "sink_kind", lambda framework, device: sink.name)
     real = pipeline.run_sources
     monkeypatch.setattr(pipeline, "run_sources", lambda *a, **k: real(*a, **{**k, "gpu_path": gpu_path}))
     runs = count_pipelines(monkeypatch)

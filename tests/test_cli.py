@@ -524,16 +524,16 @@ def test_progress_bar_on_a_terminal(three_shards, tmp_path, monkeypatch, capsys,
 
 def test_bench_times_the_touch_of_mapped_loads(model, monkeypatch, capsys):
     """A lazy mmap row read nothing and reported GB/s for it (608 GB/s)."""
-    import engine.cli as cli
+    import engine._cli_bench as bench
 
     touched = []
-    real = cli._touch
+    real = bench._touch
 
     def spy(tensors):
         touched.append(sorted(tensors))
         return real(tensors)
 
-    monkeypatch.setattr(cli, "_touch", spy)
+    monkeypatch.setattr(bench, "_touch", spy)
     code, out, _ = in_process(capsys, "bench", str(model), "--runs", "2", "--framework", "np")
     assert code == 0
     assert touched == [["a.weight", "b"]] * 3  # the engine's mmap row: warm-up and 2 runs; numpy rows of
@@ -541,7 +541,7 @@ def test_bench_times_the_touch_of_mapped_loads(model, monkeypatch, capsys):
 
 
 def test_touch_reads_a_byte_of_every_page():
-    from engine.cli import _touch
+    from engine._cli_bench import _touch
 
     a = np.zeros(3 * 4096 + 10, np.uint8)
     a[0], a[4096], a[8192], a[12288], a[-1] = 1, 2, 3, 4, 5

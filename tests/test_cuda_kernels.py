@@ -1,4 +1,4 @@
-"""engine.cuda_kernels compiled for a real GPU target (PTX for an H100, sm_90), without a GPU.
+"""engine.numerics.cuda_kernels compiled for a real GPU target (PTX for an H100, sm_90), without a GPU.
 
 The simulator pass (tests/test_device.py) checks what the kernels compute; this checks that
 Numba's CUDA target types and lowers them for every dtype a load feeds them, and that the
@@ -59,7 +59,7 @@ def ptx(monkeypatch):
 
 @pytest.mark.parametrize("kind", list(VIEWS))
 def test_statistics_kernels_compile(ptx, kind):
-    from engine import cuda_kernels as ck
+    from engine.numerics import cuda_kernels as ck
 
     ft, it, ut = (getattr(T, n) for n in VIEWS[kind])
     sc, uc = T.UniTuple(it, 3), T.UniTuple(ut, 4)
@@ -72,7 +72,7 @@ def test_statistics_kernels_compile(ptx, kind):
 
 @pytest.mark.parametrize("kind", ["F32", "F16", "BF16"])
 def test_quantization_kernels_compile_with_ieee_division(ptx, kind):
-    from engine import cuda_kernels as ck
+    from engine.numerics import cuda_kernels as ck
 
     ft, _, ut = (getattr(T, n) for n in VIEWS[kind])
     assert ".entry" in ptx(ck.absmax_runs, (A1(ut), ut, ut, T.int64, T.int64, T.int64, A1(T.uint32), A1(T.int64)))

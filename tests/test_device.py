@@ -37,8 +37,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 if SIM or GPU:
-    from engine import cuda_kernels as ck
-    from engine import device as D
+    from engine.numerics import cuda_kernels as ck
+    from engine.numerics import device as D
 
     LAUNCH = D.LaunchConfig(threads=8, blocks=3)
     TINY = D.LaunchConfig(threads=2, blocks=1)
@@ -140,7 +140,7 @@ def test_stats_of_pieces_split_at_odd_offsets(dtype):
 
 @pytest.mark.parametrize("kind", ["F16", "BF16", "F32", "F64"])
 def test_nan_payloads_and_signs_are_nan(kind):
-    it, ut, lim, ft = engine._arrays.FLOAT_FORMATS[kind]
+    it, ut, lim, ft = engine.numerics._arrays.FLOAT_FORMATS[kind]
     nbits = 8 * np.dtype(ut).itemsize
     sign = 1 << (nbits - 1)
     rng = np.random.default_rng(2)

@@ -67,80 +67,97 @@ def at(header: bytes, marker: bytes, occurrence: int = 1, delta: int = 0) -> int
     return pos + delta
 
 
-def _cases() -> list[Case]:
-    c: list[Case] = []
+def bad(id, header, data=b"", reason="", tensors=(), position=ANY, ref_rejects=True, strict=False, **kw) -> Case:
+    """A case whose file is ``header`` (a dict of entries or the raw JSON bytes) and ``data``,
+    laid out by :func:`conftest.build_file` (``length=``, ``pad=`` as it takes them)."""
+    return Case(id, build_file(header, data, **kw), reason, tuple(tensors), position, ref_rejects, strict)
 
-    def add(id, header, data=b"", reason="", tensors=(), position=ANY, ref_rejects=True, strict=False, **kw):
-        c.append(Case(id, build_file(header, data, **kw), reason, tuple(tensors), position, ref_rejects, strict))
 
+#: the files of the table that are too long to write in place
+LFS = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 4\n"
+DEEP = b"[" * 100_000
+DUP_TENSOR = b'{"a":' + E + b',"a":' + E + b"}"
+DUP_ESCAPED = b'{"a":' + E + b',"\\u0061":' + E + b"}"
+DUP_METADATA = b'{"__metadata__":{},"__metadata__":{}}'
+DUP_FIELD = one(b"a", b'{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}')
+DUP_METADATA_KEY = b'{"__metadata__":{"k":"1","k":"2"}}'
+
+
+def _two(a, b):
+    return {"a": entry("F32", (1,), *a), "b": entry("F32", (1,), *b)}
+
+
+#: the table of malformed files: one defect each (``bad`` builds a file from its header)
+CASES: list[Case] = [
     # -- the 8-byte length ---------------------------------------------------------------
-    c.append(Case("empty-file", b"", "HeaderTooSmall", position=None))
-    c.append(Case("file-under-8-bytes", b"\x02\x00\x00", "HeaderTooSmall", position=None))
-    c.append(Case("length-2**64-1", struct.pack("<Q", 2**64 - 1) + b"{}", "HeaderTooLarge", position=None))
-    c.append(Case("length-2**63", struct.pack("<Q", 2**63) + b"{}", "HeaderTooLarge", position=None))
-    c.append(Case("length-over-cap", struct.pack("<Q", MAX_HEADER_SIZE + 1) + b"{}", "HeaderTooLarge"))
-    add("length-past-eof", b"{}", length=100, reason="InvalidHeaderLength", position=None)
-    add("length-one-past-eof", b"{}", length=9, reason="InvalidHeaderLength")
+    Case("empty-file", b"", "HeaderTooSmall", position=None),
+    Case("file-under-8-bytes", b"\x02\x00\x00", "HeaderTooSmall", position=None),
+    Case("length-2**64-1", struct.pack("<Q", 2**64 - 1) + b"{}", "HeaderTooLarge", position=None),
+    Case("length-2**63", struct.pack("<Q", 2**63) + b"{}", "HeaderTooLarge", position=None),
+    Case("length-over-cap", struct.pack("<Q", MAX_HEADER_SIZE + 1) + b"{}", "HeaderTooLarge"),
+    bad("length-past-eof", b"{}", length=100, reason="InvalidHeaderLength", position=None),
+    bad("length-one-past-eof", b"{}", length=9, reason="InvalidHeaderLength"),
     # -- not safetensors at all: named, not read as a length -----------------------------------
-    lfs = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 4\n"
-    c.append(Case("git-lfs-pointer", lfs, "NotSafetensors", position=None))
-    c.append(Case("html-page", b"<!DOCTYPE html><html><body>Not found</body></html>\n", "NotSafetensors"))
-    c.append(Case("json-file", b'{"architectures": ["LlamaForCausalLM"]}\n', "NotSafetensors"))
-    c.append(Case("text-file", b"hello world, these are not weights\n", "NotSafetensors"))
+    Case("git-lfs-pointer", LFS, "NotSafetensors", position=None),
+    Case("html-page", b"<!DOCTYPE html><html><body>Not found</body></html>\n", "NotSafetensors"),
+    Case("json-file", b'{"architectures": ["LlamaForCausalLM"]}\n', "NotSafetensors"),
+    Case("text-file", b"hello world, these are not weights\n", "NotSafetensors"),
     # -- start, UTF-8 --------------------------------------------------------------------
-    add("header-empty", b"", pad=False, reason="InvalidHeaderStart", position=0)
-    add("first-byte-not-brace", b"[]", reason="InvalidHeaderStart", position=0)
+    bad("header-empty", b"", pad=False, reason="InvalidHeaderStart", position=0),
+    bad("first-byte-not-brace", b"[]", reason="InvalidHeaderStart", position=0),
     # the reference skips leading whitespace; the format says the header starts with '{'
-    add("leading-space", b" {}", pad=False, reason="InvalidHeaderStart", position=0, ref_rejects=False)
-    for id, bad in [
-        ("utf8-overlong-2", b"\xc0\xaf"),
-        ("utf8-overlong-3", b"\xe0\x80\xaf"),
-        ("utf8-overlong-4", b"\xf0\x80\x80\xaf"),
-        ("utf8-surrogate", b"\xed\xa0\x80"),
-        ("utf8-above-10ffff", b"\xf4\x90\x80\x80"),
-        ("utf8-f5-lead", b"\xf5\x80\x80\x80"),
-        ("utf8-lone-continuation", b"\x80"),
-        ("utf8-truncated", b"\xe2\x82"),
-        ("utf8-truncated-4", b"\xf0\x9f\x98"),
-    ]:
-        add(id, one(b"a" + bad), 4, reason="InvalidHeader", position=3)
-    add("utf8-invalid-in-padding", b"{}\xff", pad=False, reason="InvalidHeader", position=2)
-    add("utf8-cut-by-header-end", b'{"a":' + E + b',"\xe2\x82', pad=False, reason="InvalidHeader")
+    bad("leading-space", b" {}", pad=False, reason="InvalidHeaderStart", position=0, ref_rejects=False),
+    *(
+        bad(id, one(b"a" + defect), 4, reason="InvalidHeader", position=3)
+        for id, defect in [
+            ("utf8-overlong-2", b"\xc0\xaf"),
+            ("utf8-overlong-3", b"\xe0\x80\xaf"),
+            ("utf8-overlong-4", b"\xf0\x80\x80\xaf"),
+            ("utf8-surrogate", b"\xed\xa0\x80"),
+            ("utf8-above-10ffff", b"\xf4\x90\x80\x80"),
+            ("utf8-f5-lead", b"\xf5\x80\x80\x80"),
+            ("utf8-lone-continuation", b"\x80"),
+            ("utf8-truncated", b"\xe2\x82"),
+            ("utf8-truncated-4", b"\xf0\x9f\x98"),
+        ]
+    ),
+    bad("utf8-invalid-in-padding", b"{}\xff", pad=False, reason="InvalidHeader", position=2),
+    bad("utf8-cut-by-header-end", b'{"a":' + E + b',"\xe2\x82', pad=False, reason="InvalidHeader"),
     # -- JSON syntax ---------------------------------------------------------------------
-    add("bad-escape", one(b"a\\x"), 4, reason="InvalidHeaderDeserialization", position=3)
-    add("short-u-escape", one(b"a\\u12"), 4, reason="InvalidHeaderDeserialization", position=3)
-    add("bad-hex-escape", one(b"a\\u12G4"), 4, reason="InvalidHeaderDeserialization", position=3)
-    add("lone-high-surrogate", one(b"a\\ud800"), 4, reason="InvalidHeaderDeserialization", position=3)
-    add("lone-low-surrogate", one(b"a\\udc00"), 4, reason="InvalidHeaderDeserialization", position=3)
-    add(
+    bad("bad-escape", one(b"a\\x"), 4, reason="InvalidHeaderDeserialization", position=3),
+    bad("short-u-escape", one(b"a\\u12"), 4, reason="InvalidHeaderDeserialization", position=3),
+    bad("bad-hex-escape", one(b"a\\u12G4"), 4, reason="InvalidHeaderDeserialization", position=3),
+    bad("lone-high-surrogate", one(b"a\\ud800"), 4, reason="InvalidHeaderDeserialization", position=3),
+    bad("lone-low-surrogate", one(b"a\\udc00"), 4, reason="InvalidHeaderDeserialization", position=3),
+    bad(
         "high-surrogate-then-bmp",
         one(b"\\ud800\\u0041"),
         4,
         reason="InvalidHeaderDeserialization",
         position=2,
-    )
-    add("control-char-in-string", one(b"a\x01b"), 4, reason="InvalidHeaderDeserialization", position=3)
-    add("newline-in-string", one(b"a\nb"), 4, reason="InvalidHeaderDeserialization", position=3)
-    add("trailing-garbage", b"{}x", pad=False, reason="InvalidHeaderDeserialization", position=2)
-    add("trailing-second-object", b"{} {}", pad=False, reason="InvalidHeaderDeserialization", position=3)
-    add(
+    ),
+    bad("control-char-in-string", one(b"a\x01b"), 4, reason="InvalidHeaderDeserialization", position=3),
+    bad("newline-in-string", one(b"a\nb"), 4, reason="InvalidHeaderDeserialization", position=3),
+    bad("trailing-garbage", b"{}x", pad=False, reason="InvalidHeaderDeserialization", position=2),
+    bad("trailing-second-object", b"{} {}", pad=False, reason="InvalidHeaderDeserialization", position=3),
+    bad(
         "nul-padding",
         b"{}\x00\x00\x00\x00\x00\x00",
         pad=False,
         reason="InvalidHeaderDeserialization",
         position=2,
-    )
-    add("non-ascii-padding", b"{}\xc2\xa0", pad=False, reason="InvalidHeaderDeserialization", position=2)
-    add("trailing-comma", b'{"a":' + E + b",}", 4, reason="InvalidHeaderDeserialization", position=len(E) + 6)
-    add("missing-colon", b'{"a"' + E + b"}", 4, reason="InvalidHeaderDeserialization", position=4)
-    add("unterminated-string", b'{"abc', pad=False, reason="InvalidHeaderDeserialization", position=1)
-    add("truncated-json", one(b"a")[:-12], pad=False, reason="InvalidHeaderDeserialization", tensors=["a"])
-    add("not-an-object", b"{1:2}", reason="InvalidHeaderDeserialization", position=1)
-    add("single-quotes", b"{'a':1}", reason="InvalidHeaderDeserialization", position=1)
+    ),
+    bad("non-ascii-padding", b"{}\xc2\xa0", pad=False, reason="InvalidHeaderDeserialization", position=2),
+    bad("trailing-comma", b'{"a":' + E + b",}", 4, reason="InvalidHeaderDeserialization", position=len(E) + 6),
+    bad("missing-colon", b'{"a"' + E + b"}", 4, reason="InvalidHeaderDeserialization", position=4),
+    bad("unterminated-string", b'{"abc', pad=False, reason="InvalidHeaderDeserialization", position=1),
+    bad("truncated-json", one(b"a")[:-12], pad=False, reason="InvalidHeaderDeserialization", tensors=["a"]),
+    bad("not-an-object", b"{1:2}", reason="InvalidHeaderDeserialization", position=1),
+    bad("single-quotes", b"{'a':1}", reason="InvalidHeaderDeserialization", position=1),
     # -- shape of the JSON ---------------------------------------------------------------
-    add("entry-not-object", b'{"a":"F32"}', reason="InvalidHeaderDeserialization", tensors=["a"], position=5)
-    add("entry-null", b'{"a":null}', reason="InvalidHeaderDeserialization", tensors=["a"], position=5)
-    add(
+    bad("entry-not-object", b'{"a":"F32"}', reason="InvalidHeaderDeserialization", tensors=["a"], position=5),
+    bad("entry-null", b'{"a":null}', reason="InvalidHeaderDeserialization", tensors=["a"], position=5),
+    bad(
         "unknown-field",
         one(b"a", b'{"dtype":"F32","shape":[1],"data_offsets":[0,4],"extra":1}'),
         4,
@@ -149,302 +166,289 @@ def _cases() -> list[Case]:
         position=53,
         ref_rejects=False,
         strict=True,
-    )
-    add(
+    ),
+    bad(
         "missing-shape",
         one(b"a", b'{"dtype":"F32","data_offsets":[0,4]}'),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "missing-dtype",
         one(b"a", b'{"shape":[1],"data_offsets":[0,4]}'),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "missing-offsets",
         one(b"a", b'{"dtype":"F32","shape":[1]}'),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add("empty-entry", one(b"a", b"{}"), 4, reason="InvalidHeaderDeserialization", tensors=["a"])
-    add(
+    ),
+    bad("empty-entry", one(b"a", b"{}"), 4, reason="InvalidHeaderDeserialization", tensors=["a"]),
+    bad(
         "dtype-not-string",
         one(b"a", ent(dtype=b"32")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=14,
-    )
-    add(
+    ),
+    bad(
         "shape-not-array",
         one(b"a", ent(shape=b'"1"')),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "shape-of-strings",
         one(b"a", ent(shape=b'["1"]')),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "offsets-object",
         one(b"a", ent(offsets=b"{}")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "three-offsets",
         one(b"a", ent(offsets=b"[0,4,4]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add("one-offset", one(b"a", ent(offsets=b"[4]")), 4, reason="InvalidHeaderDeserialization", tensors=["a"])
-    add(
+    ),
+    bad("one-offset", one(b"a", ent(offsets=b"[4]")), 4, reason="InvalidHeaderDeserialization", tensors=["a"]),
+    bad(
         "negative-dim",
         one(b"a", ent(shape=b"[-1]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=29,
-    )
-    add(
+    ),
+    bad(
         "negative-offset",
         one(b"a", ent(offsets=b"[-0,4]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "float-dim",
         one(b"a", ent(shape=b"[1.0]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=29,
-    )
-    add(
+    ),
+    bad(
         "exponent-dim",
         one(b"a", ent(shape=b"[1e0]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=29,
-    )
-    add(
+    ),
+    bad(
         "exponent-offset",
         one(b"a", ent(offsets=b"[0,4E0]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "leading-zero",
         one(b"a", ent(shape=b"[01]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=29,
-    )
-    add(
+    ),
+    bad(
         "plus-sign",
         one(b"a", ent(shape=b"[+1]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=29,
-    )
-    add(
+    ),
+    bad(
         "nested-in-shape",
         one(b"a", ent(shape=b"[[1]]")),
         4,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=29,
-    )
-    add(
+    ),
+    bad(
         "metadata-non-string-value",
         b'{"__metadata__":{"k":1}}',
         reason="InvalidHeaderDeserialization",
         position=21,
-    )
-    add(
+    ),
+    bad(
         "metadata-nested-value",
         b'{"__metadata__":{"k":{"x":"y"}}}',
         reason="InvalidHeaderDeserialization",
         position=21,
-    )
-    add(
+    ),
+    bad(
         "metadata-null",
         b'{"__metadata__":null}',
         reason="InvalidHeaderDeserialization",
         position=16,
         ref_rejects=False,
-    )
-    add("metadata-array", b'{"__metadata__":["a"]}', reason="InvalidHeaderDeserialization", position=16)
-    add("metadata-string", b'{"__metadata__":"a"}', reason="InvalidHeaderDeserialization", position=16)
+    ),
+    bad("metadata-array", b'{"__metadata__":["a"]}', reason="InvalidHeaderDeserialization", position=16),
+    bad("metadata-string", b'{"__metadata__":"a"}', reason="InvalidHeaderDeserialization", position=16),
     # -- no recursion: nesting fails at once, whatever the depth ---------------------------
-    deep = b"[" * 100_000
-    add("deep-nesting-top", deep, reason="InvalidHeaderStart", position=0)
-    add(
+    bad("deep-nesting-top", DEEP, reason="InvalidHeaderStart", position=0),
+    bad(
         "deep-nesting-entry",
-        b'{"a":' + deep,
+        b'{"a":' + DEEP,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=5,
-    )
-    add(
+    ),
+    bad(
         "deep-nesting-shape",
-        b'{"a":{"shape":' + deep,
+        b'{"a":{"shape":' + DEEP,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=15,
-    )
-    add(
+    ),
+    bad(
         "deep-nesting-metadata",
-        b'{"__metadata__":{"k":' + deep,
+        b'{"__metadata__":{"k":' + DEEP,
         reason="InvalidHeaderDeserialization",
         position=21,
-    )
-    add(
+    ),
+    bad(
         "deep-nesting-objects",
         b'{"a":{"dtype":' + b'{"a":' * 50_000,
         reason="InvalidHeaderDeserialization",
         tensors=["a"],
         position=14,
-    )
+    ),
     # -- numbers that do not fit ---------------------------------------------------------
-    add(
+    bad(
         "dim-above-u64",
         one(b"a", ent(shape=b"[18446744073709551616]")),
         4,
         reason="ValidationOverflow",
         tensors=["a"],
         position=29,
-    )
-    add(
+    ),
+    bad(
         "offset-above-u64",
         one(b"a", ent(offsets=b"[0,99999999999999999999]")),
         4,
         reason="ValidationOverflow",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "shape-product-overflow",
         one(b"a", ent(shape=b"[4294967296,4294967296]")),
         4,
         reason="ValidationOverflow",
         tensors=["a"],
-    )
+    ),
     # folded left to right like the reference: overflow before the 0 is reached
-    add(
+    bad(
         "shape-product-overflow-before-zero",
         one(b"a", ent(shape=b"[4294967296,4294967296,0]", offsets=b"[0,0]")),
         reason="ValidationOverflow",
         tensors=["a"],
-    )
-    add(
+    ),
+    bad(
         "bits-overflow",
         one(b"a", ent(shape=b"[1152921504606846976]")),
         4,
         reason="ValidationOverflow",
         tensors=["a"],
-    )
+    ),
     # -- dtype ---------------------------------------------------------------------------
-    add("unknown-dtype", one(b"a", ent(dtype=b'"F33"')), 4, reason="InvalidDtype", tensors=["a"], position=14)
-    add("lowercase-dtype", one(b"a", ent(dtype=b'"f32"')), 4, reason="InvalidDtype", tensors=["a"])
-    add("empty-dtype", one(b"a", ent(dtype=b'""')), 4, reason="InvalidDtype", tensors=["a"])
+    bad("unknown-dtype", one(b"a", ent(dtype=b'"F33"')), 4, reason="InvalidDtype", tensors=["a"], position=14),
+    bad("lowercase-dtype", one(b"a", ent(dtype=b'"f32"')), 4, reason="InvalidDtype", tensors=["a"]),
+    bad("empty-dtype", one(b"a", ent(dtype=b'""')), 4, reason="InvalidDtype", tensors=["a"]),
     # -- duplicates ----------------------------------------------------------------------
-    dup = b'{"a":' + E + b',"a":' + E + b"}"
-    add(
+    bad(
         "duplicate-tensor",
-        dup,
+        DUP_TENSOR,
         4,
         reason="DuplicateKey",
         tensors=["a"],
-        position=at(dup, b'"a"', 2),
+        position=at(DUP_TENSOR, b'"a"', 2),
         ref_rejects=False,
-    )
-    dup = b'{"a":' + E + b',"\\u0061":' + E + b"}"
-    add("duplicate-tensor-escaped", dup, 4, reason="DuplicateKey", tensors=["a"], ref_rejects=False)
-    dup = b'{"__metadata__":{},"__metadata__":{}}'
-    add("duplicate-metadata", dup, reason="DuplicateKey", position=19)
-    dup = one(b"a", b'{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}')
-    add("duplicate-field", dup, 4, reason="DuplicateKey", tensors=["a"], position=at(dup, b'"dtype"', 2))
-    dup = b'{"__metadata__":{"k":"1","k":"2"}}'
-    add("duplicate-metadata-key", dup, reason="DuplicateKey", position=25, ref_rejects=False)
+    ),
+    bad("duplicate-tensor-escaped", DUP_ESCAPED, 4, reason="DuplicateKey", tensors=["a"], ref_rejects=False),
+    bad("duplicate-metadata", DUP_METADATA, reason="DuplicateKey", position=19),
+    bad("duplicate-field", DUP_FIELD, 4, reason="DuplicateKey", tensors=["a"], position=at(DUP_FIELD, b'"dtype"', 2)),
+    bad("duplicate-metadata-key", DUP_METADATA_KEY, reason="DuplicateKey", position=25, ref_rejects=False),
     # -- per-tensor sizes ----------------------------------------------------------------
-    add("f4-odd-count", one(b"a", ent(b'"F4"', b"[3]", b"[0,1]")), 1, reason="MisalignedSlice", tensors=["a"])
-    add(
+    bad("f4-odd-count", one(b"a", ent(b'"F4"', b"[3]", b"[0,1]")), 1, reason="MisalignedSlice", tensors=["a"]),
+    bad(
         "f6-misaligned",
         one(b"a", ent(b'"F6_E2M3"', b"[2]", b"[0,1]")),
         1,
         reason="MisalignedSlice",
         tensors=["a"],
-    )
-    add("size-mismatch", one(b"a", ent(shape=b"[2]")), 4, reason="TensorInvalidInfo", tensors=["a"])
-    add(
+    ),
+    bad("size-mismatch", one(b"a", ent(shape=b"[2]")), 4, reason="TensorInvalidInfo", tensors=["a"]),
+    bad(
         "end-before-begin",
         one(b"a", ent(shape=b"[0]", offsets=b"[4,0]")),
         4,
         reason="TensorInvalidInfo",
         tensors=["a"],
-    )
-
+    ),
     # -- regions -------------------------------------------------------------------------
-    def two(a, b):
-        return {"a": entry("F32", (1,), *a), "b": entry("F32", (1,), *b)}
-
-    add("gap", two((0, 4), (8, 12)), 12, reason="InvalidOffset", tensors=["a", "b"], position=None)
-    add(
+    bad("gap", _two((0, 4), (8, 12)), 12, reason="InvalidOffset", tensors=["a", "b"], position=None),
+    bad(
         "overlap",
         {"a": entry("F32", (2,), 0, 8), "b": entry("F32", (1,), 4, 8)},
         8,
         reason="InvalidOffset",
         tensors=["a", "b"],
         position=None,
-    )
-    add("same-region-twice", two((0, 4), (0, 4)), 4, reason="InvalidOffset", tensors=["a", "b"])
-    add("not-starting-at-0", {"a": entry("F32", (1,), 4, 8)}, 8, reason="InvalidOffset", tensors=["a"])
-    add(
+    ),
+    bad("same-region-twice", _two((0, 4), (0, 4)), 4, reason="InvalidOffset", tensors=["a", "b"]),
+    bad("not-starting-at-0", {"a": entry("F32", (1,), 4, 8)}, 8, reason="InvalidOffset", tensors=["a"]),
+    bad(
         "zero-size-inside-tensor",
         {"a": entry("F32", (2,), 0, 8), "z": entry("F32", (0,), 4, 4)},
         8,
         reason="InvalidOffset",
         tensors=["z", "a"],
-    )
-    add(
+    ),
+    bad(
         "data-too-long",
         {"a": entry("F32", (1,), 0, 4)},
         8,
         reason="MetadataIncompleteBuffer",
         tensors=["a"],
         position=None,
-    )
-    add(
+    ),
+    bad(
         "data-too-short", {"a": entry("F32", (2,), 0, 8)}, 4, reason="MetadataIncompleteBuffer", tensors=["a"]
-    )
-    add("no-tensors-but-data", b"{}", 4, reason="MetadataIncompleteBuffer", position=None)
-    add(
+    ),
+    bad("no-tensors-but-data", b"{}", 4, reason="MetadataIncompleteBuffer", position=None),
+    bad(
         "zero-size-past-end",
-        two((0, 4), (0, 4)) | {"b": entry("F32", (0,), 8, 8)},
+        _two((0, 4), (0, 4)) | {"b": entry("F32", (0,), 8, 8)},
         4,
         reason="InvalidOffset",
         tensors=["b", "a"],
-    )
-    return c
-
-
-CASES = _cases()
+    ),
+]
 
 
 def test_every_reason_is_covered():

@@ -31,7 +31,7 @@ class Case(NamedTuple):
 #: thread pools, kernels, checkpoint code or mmap
 _OPEN_ABSENT = (
     "urllib", "http", "asyncio", "unittest", "ssl", "email", "certifi", "concurrent", "numba", "torch", "queue",
-    "json", "engine.loader", "engine.pipeline", "engine.remote", "engine.statistics", "engine.kernels",
+    "json", "engine.loader", "engine.pipeline", "engine.remote", "engine.statistics", "engine.numerics",
     "engine.checkpoint", "mmap",
 )
 
@@ -77,7 +77,7 @@ CASES = {
     ),
     "statistics and quantize": Case(
         "import engine.statistics, engine.quantize\n",
-        ("engine.checkpoint", "engine.api", "engine.loader", "torch"),
+        ("engine.checkpoint", "engine.file_handle", "engine.loader", "torch"),
     ),
     "engine.stats on numpy": Case(
         "import numpy as np\n"

@@ -1,4 +1,4 @@
-"""The Numba kernels of engine.kernels against the NumPy oracles in tests/naive.py.
+"""The Numba kernels of engine.numerics.kernels against the NumPy oracles in tests/naive.py.
 
 The whole suite also runs with NUMBA_DISABLE_JIT=1 (kernels as plain Python, so coverage
 sees them): arrays stay small unless a test is guarded by ``needs_jit``.
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from gil import ticks_during
 
-from engine import kernels as K
-from engine import quantize as Q
+from engine.numerics import kernels as K
+from engine.numerics import quantize as Q
 
-S = importlib.import_module("engine.statistics")
-A = importlib.import_module("engine._arrays")
+S = importlib.import_module("engine.numerics.statistics")
+A = importlib.import_module("engine.numerics._arrays")
 
 JIT = not numba.config.DISABLE_JIT
 # compiled kernels only: deselected (not skipped) when NUMBA_DISABLE_JIT=1, see conftest.py

@@ -57,7 +57,7 @@ def test_bit_identical_every_axis(dtype, axis):
 
 @pytest.mark.parametrize("dtype", INPUTS, ids=str)
 def test_fused_rows(dtype):
-    from engine.quantize import _fusable
+    from engine.numerics.quantize import _fusable
 
     x = _x(dtype, (6, 2, 150), seed=7)  # axis=0: rows of 300 contiguous elements
     assert _fusable(x, 0) and not _fusable(x, 1) and not _fusable(x[:, :1], 0)
@@ -75,7 +75,7 @@ def test_fused_rows(dtype):
 
 
 def test_long_rows_not_fused():
-    from engine.quantize import _fusable
+    from engine.numerics.quantize import _fusable
 
     x = _x(np.float32, (2, 70_000), seed=8)
     assert not _fusable(x, 0)

@@ -279,7 +279,7 @@ def test_torch_tensors(name):
 
 def test_torch_bf16_is_zero_copy_view():
     torch = _torch()
-    from engine._arrays import as_numpy
+    from engine.numerics._arrays import as_numpy
 
     t = torch.randn(10).to(torch.bfloat16)
     a, is_torch = as_numpy(t)

@@ -100,7 +100,7 @@ def test_tied_embeddings_bitnet_and_biases():
 def test_headers_only_mode_reads_no_tensor_bytes(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     engine.numpy.save_file(checkpoint(), path)
-    import engine.statistics as stats_module
+    import engine.numerics.statistics as stats_module
 
     monkeypatch.setattr(stats_module, "stats", lambda *a, **k: pytest.fail("statistics were computed"))
     report = WeightValidator(CONFIG, statistics=False).validate(path)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from . import dtypes as _dt
 from .checkpoint import open_checkpoint
 from .errors import NonFiniteError, SerializationError
-from .quantize import INPUTS, Int8, QuantizedTensor, quantize_array, target_dtype
+from .numerics.quantize import INPUTS, Int8, QuantizedTensor, quantize_array, target_dtype
 from .writer import open_writer
 
 __all__ = [

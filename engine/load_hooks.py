@@ -1,7 +1,7 @@
 """Work done on tensors while a load brings them in: device statistics and int8 quantization.
 
 :func:`plan` is the loaders' one entry point.  For a CUDA destination it returns a
-:class:`LoadWork` whose hooks run the kernels of :mod:`engine.device` where the bytes land:
+:class:`LoadWork` whose hooks run the kernels of :mod:`engine.numerics.device` where the bytes land:
 
 * ``after_copy(request, stream)`` (the pipeline calls it after each request's host-to-device
   copies, on the copies' stream) folds every piece of a tensor that wants statistics into a
@@ -60,7 +60,7 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
     device_stats = bool(stats) and sink.on_device
     if quantize is None and not device_stats:
         return None  # nothing to do: and Numba is not imported
-    from .quantize import Int8
+    from .numerics.quantize import Int8
 
     spec = Int8.of(quantize)
     on_cpu = False
@@ -89,7 +89,7 @@ def device_kernels_unusable() -> str | None:
     with _KERNELS_LOCK:
         if not _KERNELS:
             try:
-                from . import device
+                from .numerics import device
 
                 device.probe()
                 _KERNELS.append(None)
@@ -196,7 +196,7 @@ class LoadWork:
                     self._quant[r] = (kind, tuple(t.shapes[r]), axis)
         self._stats_kind: dict[int, str] = {}
         if device_stats:
-            from .device import SUPPORTED_NAMES
+            from .numerics.device import SUPPORTED_NAMES
 
             for r in rows:
                 kind = _dt.NAMES[int(t.codes[r])]
@@ -237,7 +237,7 @@ class LoadWork:
         """Pipeline hook: fold the pieces of ``req`` just copied, on their ``stream``."""
         if not self._stats_kind:
             return
-        from .device import DeviceAccumulator, as_device_array, on_gpu
+        from .numerics.device import DeviceAccumulator, as_device_array, on_gpu
 
         with on_gpu(self._gpu):
             self._fold(req, stream, DeviceAccumulator, as_device_array)
@@ -263,7 +263,7 @@ class LoadWork:
         self._views.pop(row, None)  # no piece of it comes any more; the view would keep staging alive
         if row not in self._quant or not self._quantize_here:
             return
-        from .device import on_gpu
+        from .numerics.device import on_gpu
 
         src = self._targets.pop(row, None)  # type: ignore[union-attr]  # set by destination()
         with on_gpu(self._gpu):
@@ -276,12 +276,12 @@ class LoadWork:
         if self._quantize_here:
             done = self._done.pop(row, None)
             if done is None:  # a tensor without bytes never lands
-                from .device import on_gpu
+                from .numerics.device import on_gpu
 
                 with on_gpu(self._gpu):
                     done = self._quantize_device(row, None)
             return done
-        from .quantize import QuantizedTensor, quantize_int8
+        from .numerics.quantize import QuantizedTensor, quantize_int8
 
         kind, _, axis = self._quant[row]
         name = self._names[row]
@@ -300,8 +300,8 @@ class LoadWork:
         None when the CPU fold summarises it (or nothing does)."""
         if row not in self._stats_kind:
             return None
-        from .device import on_gpu
-        from .statistics import Stats
+        from .numerics.device import on_gpu
+        from .numerics.statistics import Stats
 
         out = Stats.empty()
         with on_gpu(self._gpu):
@@ -316,7 +316,7 @@ class LoadWork:
 
     def _launch_config(self):
         if self._launch is None:
-            from .device import DEFAULT_LAUNCH
+            from .numerics.device import DEFAULT_LAUNCH
 
             self._launch = DEFAULT_LAUNCH
         return self._launch
@@ -326,7 +326,7 @@ class LoadWork:
         complete: no ordering with the copies' streams is needed)."""
         s = getattr(self._streams, "s", None)
         if s is None:
-            from .device import SIMULATOR
+            from .numerics.device import SIMULATOR
 
             if SIMULATOR:
                 s = 0
@@ -338,8 +338,8 @@ class LoadWork:
         return s
 
     def _quantize_device(self, row: int, src):
-        from .device import DeviceQuantizer
-        from .quantize import QuantizedTensor, raise_if_nonfinite
+        from .numerics.device import DeviceQuantizer
+        from .numerics.quantize import QuantizedTensor, raise_if_nonfinite
 
         kind, shape, axis = self._quant[row]
         C = 1 if axis is None else shape[axis]
@@ -373,7 +373,7 @@ class StatsCollector:
     WINDOW = 256 << 10
 
     def __init__(self, header: Header, rows: list[int], path: str | None) -> None:
-        from . import statistics  # Numba: only for a load that asks for statistics
+        from .numerics import statistics  # Numba: only for a load that asks for statistics
 
         self._new = statistics.Accumulator
         self._empty = statistics.Stats.empty()

@@ -1,13 +1,13 @@
 """Numba CUDA kernels: NaN/Inf statistics and symmetric int8 quantization in device memory.
 
-The device counterparts of :mod:`engine.kernels`, with the same arithmetic and the same
-constants (the layout table :data:`engine._arrays.FLOAT_FORMATS` and the ``sc``/``uc``
-arrays of :func:`engine._arrays.float_consts`), so that one oracle suite
+The device counterparts of :mod:`engine.numerics.kernels`, with the same arithmetic and the same
+constants (the layout table :data:`engine.numerics._arrays.FLOAT_FORMATS` and the ``sc``/``uc``
+arrays of :func:`engine.numerics._arrays.float_consts`), so that one oracle suite
 (``tests/naive.py``) checks both targets.  All device kernels live in this one module:
 Numba's cache is keyed on the file that defines a function.  Importing it imports
 ``numba.cuda``; with ``NUMBA_ENABLE_CUDASIM=1`` set before Numba is first imported the
 kernels run on the CPU under Numba's CUDA simulator, which is how the test suite runs them
-without a GPU.  The host side (launch sizes, streams, merging) is :mod:`engine.device`.
+without a GPU.  The host side (launch sizes, streams, merging) is :mod:`engine.numerics.device`.
 
 Conventions
 -----------
@@ -95,7 +95,7 @@ def _value(fmt, f, u, i):
 @cuda.jit(device=True, cache=True)
 def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
     """Merge (count, mean, M2) of two disjoint sets (Chan, Golub & LeVeque); the same
-    update as :func:`engine.kernels._chan`."""
+    update as :func:`engine.numerics.kernels._chan`."""
     if n_b == 0:
         return n_a, mean_a, m2_a
     if n_a == 0:
@@ -138,10 +138,10 @@ def stats_fold(fmt, f, ki, ku, sc, uc, cnt, mom, skey, ukey):
 
     ``f`` is the float view (float32/float64 data) or ``ku`` again (F16/BF16, ``fmt``);
     ``ki``/``ku`` the signed and unsigned integer views of the same memory; ``sc``/``uc``
-    the constants of :func:`engine._arrays.float_consts` as tuples, passed by value
+    the constants of :func:`engine.numerics._arrays.float_consts` as tuples, passed by value
     (``(LIM, SMIN, SMAX)`` and ``(ABSMASK, LIM, NEGLIM, 0)``).  Block ``b`` merges its part into ``cnt[b]`` [finite,
     nan, +inf, -inf, zero], ``mom[b]`` [mean, M2], ``skey[b]`` [max_i, min_i] (int64) and
-    ``ukey[b]`` [max_u] (uint64): the partial-row layout of :func:`engine.kernels.stats_values`,
+    ``ukey[b]`` [max_u] (uint64): the partial-row layout of :func:`engine.numerics.kernels.stats_values`,
     merged on the host by the same code.  Launches that share rows must be ordered (one
     stream); the grid must not exceed the rows.
     """

@@ -24,7 +24,7 @@ import threading
 from typing import Any, NoReturn
 
 from . import dtypes
-from ._api import Slicer, TensorSlice
+from ._file_handle import Slicer, TensorSlice
 from ._files import open_regular
 from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
@@ -126,7 +126,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             self.close()
             raise
         # per-name lookups are the hot path of callers that walk every key: get_slice is a
-        # C callable bound to this handle (see engine._api)
+        # C callable bound to this handle (see engine._file_handle)
         self._index = self.header.table.index
         self.get_slice = Slicer(self, self.header)  # type: ignore[method-assign]
 

@@ -1,5 +1,5 @@
-"""Array plumbing shared by the CPU kernels' callers (:mod:`engine.statistics`,
-:mod:`engine.quantize`) and the device kernels (:mod:`engine.cuda_kernels`).
+"""Array plumbing shared by the CPU kernels' callers (:mod:`engine.numerics.statistics`,
+:mod:`engine.numerics.quantize`) and the device kernels (:mod:`engine.numerics.cuda_kernels`).
 
 The one table of float bit layouts (:data:`FLOAT_FORMATS`) that every kernel's constants come
 from, the default tunables, zero-copy adapters from numpy/torch inputs, the cutting of
@@ -18,8 +18,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import dtypes as _dt
-from .errors import DeviceError, SerializationError
+from .. import dtypes as _dt
+from ..errors import DeviceError, SerializationError
 
 try:  # numpy >= 2
     from numpy.lib.array_utils import normalize_axis_index
@@ -172,7 +172,7 @@ FLOAT_FORMATS = {
 
 
 def float_consts(kind: str):
-    """Integer views and typed constants for the float kernels (see engine.kernels)."""
+    """Integer views and typed constants for the float kernels (see engine.numerics.kernels)."""
     it, ut, lim, _ = FLOAT_FORMATS[kind]
     info = np.iinfo(it)  # type: ignore[type-var]  # it is an integer type
     sign = 1 << (info.bits - 1)

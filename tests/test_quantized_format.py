@@ -20,11 +20,11 @@ import pytest
 from test_kernels import needs_jit
 
 import engine
-import engine.quantized as qmod
+import engine.quantized_format as qmod
 from engine import SerializationError, open_checkpoint, save_file
 from engine.checkpoint import save_sharded
 from engine.quantize import NonFiniteError, NonFiniteWarning, QuantizedTensor, dequantize_int8, quantize_int8
-from engine.quantized import METADATA_KEY, QuantizeSummary, load_quantized, quantize_file
+from engine.quantized_format import METADATA_KEY, QuantizeSummary, load_quantized, quantize_file
 from engine.writer import TensorWriter
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

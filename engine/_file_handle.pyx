@@ -2,7 +2,7 @@
 # distutils: language = c
 #
 # Bounds/wraparound checks and cdivision are set once in setup.py.
-"""Per-name lookups of :class:`engine.api.safe_open` in C (private; see engine.api).
+"""Per-name lookups of :class:`engine.file_handle.safe_open` in C (private; see engine.file_handle).
 
 Callers walk every key of a file with ``f.get_slice(name).get_shape()`` and
 ``.get_dtype()``; on a header of 100,000 tensors those three calls are the whole cost of

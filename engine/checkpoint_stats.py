@@ -2,7 +2,7 @@
 
 ``engine.stats_file(path)``: the whole-checkpoint convenience over :func:`engine.stats`.  It
 sits above :mod:`engine.checkpoint` (which it opens files with), so that
-:mod:`engine.statistics` stays below the loaders that summarise tensors while they load.
+:mod:`engine.numerics.statistics` stays below the loaders that summarise tensors while they load.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 from .checkpoint import open_checkpoint
 from .dtypes import BY_NAME
-from .statistics import SUPPORTED_NAMES, Stats, stats
+from .numerics.statistics import SUPPORTED_NAMES, Stats, stats
 
 __all__ = ["stats_file"]
 

@@ -6,7 +6,7 @@ on the file that defines a function and does not notice edits to helpers in othe
 Conventions shared by all kernels
 ---------------------------------
 * Inputs are flat, C-contiguous 1-D arrays (a whole tensor or one chunk of it while a file
-  streams in); the callers in :mod:`engine.statistics` and :mod:`engine.quantize` pass read-only
+  streams in); the callers in :mod:`engine.numerics.statistics` and :mod:`engine.numerics.quantize` pass read-only
   views, so a kernel that wrote to its input would fail to compile, and each dtype compiles
   once instead of once per writeability.
 * F16 and BF16 arrive as ``uint16`` views.  Anything that only needs ordering (min, max,
@@ -20,7 +20,7 @@ Conventions shared by all kernels
   for mean and M2), so ``prange`` needs no atomics and a caller can merge results of
   chunks the same way.  ``block`` and ``tile`` are arguments, not module globals.
 * The ``*_block`` kernels fold data into accumulators that the caller owns, so one tensor
-  can be fed in any number of calls (``engine.statistics.Accumulator``); the ``read_fold``/``read_fold_int``
+  can be fed in any number of calls (``engine.numerics.statistics.Accumulator``); the ``read_fold``/``read_fold_int``
   kernels read a piece of a file themselves, window by window, and fold each window while
   it is still in L2.
 * ``parallel=False`` runs the same code on the calling thread only.  Callers that already
@@ -80,7 +80,7 @@ _OPTS = dict(cache=True, nogil=True, error_model="numpy")
 _MOMENT_MATH = {"reassoc", "contract"}  # never nnan/ninf: see module docstring
 
 # Layout of the small typed constant arrays handed to the float statistics kernels
-# (built by engine.statistics._float_consts; typed like the integer views of the input):
+# (built by engine.numerics.statistics._float_consts; typed like the integer views of the input):
 #   sc (signed view's dtype):   [LIM, SMIN, SMAX]
 #   uc (unsigned view's dtype): [ABSMASK, LIM, NEGLIM, 0]
 # LIM is the bit pattern of +Inf (every larger magnitude is a NaN), NEGLIM that of -Inf,
@@ -273,7 +273,7 @@ def _keys(ki, ku):
     max and min of the unsigned view.
 
     Integer min/max reductions vectorize without fast-math (a float min/max does not:
-    LLVM would need to assume no NaN); engine.statistics decodes the float min and max from the
+    LLVM would need to assume no NaN); engine.numerics.statistics decodes the float min and max from the
     keys.  They also tell, exactly and for free, whether the tile holds a NaN or an Inf
     (patterns at or above +-Inf's) and whether it holds a zero: +0.0 is the smallest
     unsigned pattern, -0.0 the smallest signed one.  Pure comparisons on purpose: Numba
@@ -571,7 +571,7 @@ def init_keys(sc, uc, skey, ukey):
 def merge_float_blocks(cnt, mom, skey, ukey):
     """Merge partial-result rows (``cnt`` [n, 5], ``mom`` [n, 2], ``skey`` [n, 2], ``ukey``
     [n]; see :func:`fold_block`) into the tuple :func:`stats_values` returns.  Also merges
-    the rows that the device kernels of :mod:`engine.cuda_kernels` fill."""
+    the rows that the device kernels of :mod:`engine.numerics.cuda_kernels` fill."""
     n = 0.0
     mean = np.nan
     m2 = 0.0
@@ -657,7 +657,7 @@ def stats_values(fmt, f, ki, ku, sc, uc, block, tile, parallel):
     -------
     (n_finite, n_nan, n_posinf, n_neginf, n_zero, mean, m2, max_i, min_i, max_u)
         Over the finite values; the keys (bit patterns of the source format) are decoded
-        to min/max by engine.statistics.
+        to min/max by engine.numerics.statistics.
     """
     n = f.size
     nb, cnt, mom, skey, ukey = _float_partials(n, block, ki, ku, sc, uc)

@@ -1,4 +1,4 @@
-"""engine.onload through engine.stream: statistics and int8 quantization while loading.
+"""engine.load_hooks through engine.stream: statistics and int8 quantization while loading.
 
 CPU destinations run in every pass.  Device destinations run only under Numba's CUDA
 simulator (CI's ``NUMBA_ENABLE_CUDASIM=1`` pass), with a device double whose "device
@@ -186,7 +186,7 @@ class SimSink:
 
 
 def sim_stream(monkeypatch, path, **kw):
-    from engine import device
+    from engine.numerics import device
 
     # a few simulated GPU threads (each one is a Python thread under the simulator)
     monkeypatch.setattr(device, "DEFAULT_LAUNCH", device.LaunchConfig(threads=8, blocks=2))
@@ -275,10 +275,10 @@ class HostRoundTripSink(SimSink):
 def no_device_kernels(monkeypatch):
     """A process whose Numba CUDA target cannot compile: the probe's verdict, as it is where
     NVVM is missing (a fresh warning state too)."""
-    from engine import onload
+    from engine import load_hooks
 
-    monkeypatch.setattr(onload, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
-    monkeypatch.setattr(onload, "_WARNED", [])
+    monkeypatch.setattr(load_hooks, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
+    monkeypatch.setattr(load_hooks, "_WARNED", [])
 
 
 def test_device_loads_fall_back_to_the_cpu_where_the_kernels_cannot_run(model_file, monkeypatch,
@@ -328,28 +328,29 @@ def test_device_stats_alone_fall_back_to_the_cpu_fold(model_file, monkeypatch, n
 
 
 def test_the_probe_names_why_the_kernels_cannot_run(monkeypatch):
-    from engine import device, onload
+    from engine import load_hooks
+    from engine.numerics import device
 
-    monkeypatch.setattr(onload, "_KERNELS", [])
+    monkeypatch.setattr(load_hooks, "_KERNELS", [])
 
     def broken():
         raise RuntimeError("CUDA driver version is insufficient\nsecond line")
 
     monkeypatch.setattr(device, "probe", broken)
-    assert onload.device_kernels_unusable() == "RuntimeError: CUDA driver version is insufficient"
+    assert load_hooks.device_kernels_unusable() == "RuntimeError: CUDA driver version is insufficient"
     monkeypatch.setattr(device, "probe", lambda: None)
-    assert onload.device_kernels_unusable() is not None  # asked once per process
-    monkeypatch.setattr(onload, "_KERNELS", [])
-    assert onload.device_kernels_unusable() is None
+    assert load_hooks.device_kernels_unusable() is not None  # asked once per process
+    monkeypatch.setattr(load_hooks, "_KERNELS", [])
+    assert load_hooks.device_kernels_unusable() is None
 
 
 def test_the_real_probe_on_this_machine(monkeypatch):
     from numba import cuda
 
-    from engine import onload
+    from engine import load_hooks
 
-    monkeypatch.setattr(onload, "_KERNELS", [])
-    why = onload.device_kernels_unusable()
+    monkeypatch.setattr(load_hooks, "_KERNELS", [])
+    why = load_hooks.device_kernels_unusable()
     if SIM or cuda.is_available():
         assert why is None  # the simulator, or a GPU with a working toolkit, runs the kernels
     else:

@@ -1,0 +1,490 @@
+"""Statistics and int8 quantization of arrays in device memory, with the CUDA kernels.
+
+``device_stats(x)`` and ``quantize_int8_device(x, axis)`` take a CUDA array (a torch CUDA
+tensor, a CuPy array or a Numba device array) and give the results of :func:`engine.stats`
+and :func:`engine.quantize_int8` on the same values: counts, min, max, absmax and every
+int8 value and scale exactly equal; mean and std within the tolerance stated in
+:func:`device_stats`.  :class:`DeviceAccumulator` folds a tensor that arrives in pieces
+(a load's host-to-device copies), on the copies' stream.
+
+Importing this module imports ``numba.cuda`` (:mod:`engine.numerics.cuda_kernels`).  Under Numba's
+CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set before Numba is imported) the same code
+runs on numpy arrays standing for device memory; the test suite runs it that way.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+from numba import config as _numba_config
+from numba import cuda
+
+from ..errors import DeviceError
+from . import cuda_kernels as _ck
+from ._arrays import BF16, F16, FLOAT, FLOAT_FORMATS, float_consts, normalize_axis_index
+from .quantize import INPUTS, QuantizedTensor, raise_if_nonfinite
+from .statistics import Stats, stats_from_partials
+
+__all__ = [
+    "DeviceAccumulator",
+    "DeviceQuantizer",
+    "LaunchConfig",
+    "device_stats",
+    "default_empty",
+    "empty_like_framework",
+    "on_gpu",
+    "probe",
+    "quantize_int8_device",
+    "SUPPORTED_NAMES",
+]
+
+#: Format dtypes the device statistics summarise.
+SUPPORTED_NAMES = frozenset(("F64", "F32", "F16", "BF16"))
+
+#: Mantissa bits and exponent bias of the formats quantization reads (for the scales).
+_MANTISSA = {"F32": (23, 127), "F16": (10, 15), "BF16": (7, 127)}
+
+SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+
+
+class LaunchConfig:
+    """Launch sizes of the device kernels (tunables, never module globals).
+
+    Parameters
+    ----------
+    threads : int, default 256
+        Threads per block: a power of two, at most :data:`engine.numerics.cuda_kernels.MAX_THREADS`.
+    blocks : int, default 264
+        Blocks of a statistics launch, which is also the number of accumulator rows a
+        tensor keeps on the device (two per SM of an H100); and the most blocks a
+        quantization launch uses per pass.
+    """
+
+    __slots__ = ("threads", "blocks")
+
+    def __init__(self, threads: int = 256, blocks: int = 264) -> None:
+        if not (1 <= threads <= _ck.MAX_THREADS and threads & (threads - 1) == 0):
+            raise ValueError(f"threads must be a power of two from 1 to {_ck.MAX_THREADS}, got {threads!r}")
+        if int(blocks) != blocks or blocks < 1:
+            raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
+        self.threads = int(threads)
+        self.blocks = int(blocks)
+
+
+DEFAULT_LAUNCH = LaunchConfig()
+
+
+# --------------------------------------------------------------------------- framework adapters
+
+
+def _framework(x: Any) -> str:
+    mod = type(x).__module__
+    if mod == "torch" or mod.startswith("torch."):
+        return "torch"
+    if mod.startswith("cupy"):
+        return "cupy"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    return "numba"
+
+
+def as_device_array(x: Any):
+    """A Numba device array over the memory of ``x`` (no copy, no synchronisation).
+
+    torch CUDA tensors and CuPy arrays go through ``__cuda_array_interface__``; Numba device
+    arrays pass through.  A numpy array is accepted only under the simulator, where it
+    stands for device memory.
+    """
+    kind = _framework(x)
+    if kind == "numpy":
+        if not SIMULATOR:
+            raise DeviceError("expected a CUDA array (torch CUDA tensor, CuPy or Numba device array), got numpy")
+        return x
+    if kind == "torch":
+        import torch
+
+        if x.device.type != "cuda":
+            raise DeviceError(f"expected a CUDA tensor, got one on {x.device}")
+        if x.dtype == torch.bfloat16:  # no array-interface type for bfloat16: its bits as int16
+            x = x.view(torch.int16)
+    if _is_numba_array(x):
+        return x
+    if not cuda.is_cuda_array(x):
+        raise DeviceError(f"expected a CUDA array, got {type(x).__name__}")
+    # sync=False: the caller orders the work with streams; importing must not wait on them
+    return cuda.as_cuda_array(x, sync=False)
+
+
+def _is_numba_array(x) -> bool:
+    if SIMULATOR:
+        return cuda.is_cuda_array(x) and not isinstance(x, np.ndarray)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return isinstance(x, DeviceNDArray)
+
+
+def numba_stream(stream: Any):
+    """The Numba stream for a framework's stream (torch, CuPy, Numba) or None (default)."""
+    if stream is None or SIMULATOR:
+        return 0  # the simulator runs each launch to completion: one stream is as good as any
+    handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
+    if handle is None:
+        handle = getattr(stream, "ptr", None)  # cupy.cuda.Stream
+    if handle is None:
+        return stream  # a Numba stream already
+    s = _EXTERNAL.get(handle)
+    if s is None:  # a load's reader threads keep their streams: wrap each once
+        s = _EXTERNAL[handle] = cuda.external_stream(handle)
+    return s
+
+
+_EXTERNAL: dict[int, Any] = {}
+
+
+def on_gpu(index: int | None):
+    """Context that makes GPU ``index`` current for Numba in this thread (a reader thread
+    starts on GPU 0); nothing under the simulator or for ``None``."""
+    from contextlib import nullcontext
+
+    if SIMULATOR or index is None:
+        return nullcontext()
+    return cuda.gpus[index]
+
+
+#: The simulator runs one kernel at a time (it asserts so); loads launch from several
+#: reader threads, so simulated launches take turns.  Real launches need no lock.
+_SIM_LOCK = threading.Lock()
+
+
+def _launch(kernel, config: tuple, *args) -> None:
+    """``kernel[config](*args)``: an asynchronous launch on the stream named in ``config``."""
+    if SIMULATOR:
+        with _SIM_LOCK:
+            kernel[config](*args)
+    else:
+        kernel[config](*args)
+
+
+def _sync(stream) -> None:
+    if stream == 0:
+        cuda.synchronize()
+    else:
+        stream.synchronize()
+
+
+def _views(buf, kind: str):
+    """(values, signed, unsigned) views of a 1-D byte device array of format ``kind``:
+    values are float32/float64, or the ``uint16`` patterns again for F16/BF16."""
+    it, ut, _, ft = FLOAT_FORMATS[kind]
+    ku = buf.view(np.dtype(ut))
+    ki = buf.view(np.dtype(it))
+    f = ku if kind in ("F16", "BF16") else buf.view(np.dtype(ft))
+    return f, ki, ku
+
+
+def _fmt(kind: str) -> int:
+    return F16 if kind == "F16" else BF16 if kind == "BF16" else FLOAT
+
+
+def _as_bytes(x):
+    """The 1-D ``uint8`` view of a C-contiguous device array (no copy)."""
+    d = as_device_array(x)
+    if not _contiguous(d):
+        raise DeviceError("device kernels need a C-contiguous array")
+    return d.reshape(d.size).view(np.uint8) if d.size else None
+
+
+def _contiguous(d) -> bool:
+    if isinstance(d, np.ndarray):
+        return d.flags.c_contiguous
+    return d.is_c_contiguous()
+
+
+def _flat(d):
+    return d if len(d.shape) == 1 else d.reshape(d.size)
+
+
+def default_empty(shape: tuple, dtype) -> Any:
+    """Device memory from Numba's own allocator (numpy arrays under the simulator).  Loads
+    pass their framework's allocator instead (torch's caching allocator, CuPy's pool), which
+    neither calls cudaMalloc per array nor synchronises to free it."""
+    return np.empty(shape, dtype) if SIMULATOR else cuda.device_array(shape, dtype)
+
+
+def _zeros(empty, shape, dtype, stream):
+    """A zeroed device array from ``empty`` (the fill is a launch on ``stream``)."""
+    a = as_device_array(empty(shape, dtype))
+    flat = _flat(a)
+    if flat.size:
+        _launch(_ck.fill_zero, (-(-flat.size // 128), 128, stream), flat)
+    return a
+
+
+def probe() -> None:
+    """Compile and run one small kernel now, on the current device.
+
+    Raises whatever keeps Numba's CUDA target from working in this process (no NVVM or
+    libdevice, a driver Numba does not know, no device): the loaders ask once, before any
+    byte of a load is read, and take their CPU paths where it raises.
+    """
+    a = default_empty((1,), np.uint8)
+    _launch(_ck.fill_zero, (1, 1, 0), a)
+    _sync(0)
+
+
+def _to_host(d, stream):
+    return d if SIMULATOR else d.copy_to_host(stream=stream)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+class DeviceAccumulator:
+    """Statistics of one float tensor fed piece by piece in device memory.
+
+    Parameters
+    ----------
+    kind : {"F64", "F32", "F16", "BF16"}
+    launch : LaunchConfig, optional
+    stream : torch/CuPy/Numba stream, optional
+        Where the accumulator rows are set up (default: the default stream).
+    empty : callable, optional
+        ``empty(shape, numpy dtype)`` making device arrays: a framework's allocator (loads
+        pass torch's or CuPy's); default :func:`default_empty`.
+
+    Notes
+    -----
+    Keeps ``launch.blocks`` partial-result rows on the device (80 bytes each).  Every
+    :meth:`add` is one kernel launch on the given stream, reading the piece where it lies:
+    no copy.  Calls that share an accumulator must be ordered (the same stream, or streams
+    ordered by events); give each stream its own accumulator and merge the results, as the
+    loads do.  :meth:`result` copies the rows to the host (a few KiB) and merges them with
+    the CPU kernels' code.
+    """
+
+    def __init__(self, kind: str, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None,
+                 empty: Any = None) -> None:
+        if kind not in SUPPORTED_NAMES:
+            raise TypeError(f"device statistics support {', '.join(sorted(SUPPORTED_NAMES))} data, not {kind}")
+        self.kind = kind
+        self.launch = launch
+        _, _, sc, uc = float_consts(kind)
+        self._sc, self._uc = tuple(sc), tuple(uc)  # kernel arguments by value: no device copy
+        s = numba_stream(stream)
+        g = launch.blocks
+        empty = empty or default_empty
+        self._keep = [empty((g, 5), np.int64), empty((g, 2), np.float64), empty((g, 2), np.int64),
+                      empty((g,), np.int64)]  # the framework's arrays own the memory
+        self.cnt, self.mom, self.skey, ukey = (as_device_array(a) for a in self._keep)
+        self.ukey = ukey.view(np.uint64)
+        _launch(_ck.init_stats, (-(-g // 128), 128, s), self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey)
+        self._fmt = _fmt(kind)
+
+    def add(self, buf, stream: Any = None) -> None:
+        """Fold the bytes ``buf`` (a 1-D ``uint8`` device array of whole elements, or any
+        C-contiguous device array of the tensor's dtype) on ``stream``."""
+        d = as_device_array(buf)
+        if d.dtype != np.uint8:
+            d = _as_bytes(d)
+            if d is None:
+                return
+        if d.size == 0:
+            return
+        f, ki, ku = _views(d, self.kind)
+        lc = self.launch
+        _launch(_ck.stats_fold, (lc.blocks, lc.threads, numba_stream(stream)),
+            self._fmt, f, ki, ku, self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey
+        )
+
+    def result(self, stream: Any = None) -> Stats:
+        """Statistics of everything added (waits for the work queued on ``stream``)."""
+        s = numba_stream(stream)
+        rows = [_to_host(a, s) for a in (self.cnt, self.mom, self.skey, self.ukey)]
+        if not SIMULATOR:
+            _sync(s)
+        return stats_from_partials(self.kind, *rows)
+
+
+def device_stats(x: Any, *, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None) -> Stats:
+    """:func:`engine.stats` of a CUDA array, computed on the device.
+
+    Parameters
+    ----------
+    x : torch CUDA tensor, CuPy array or Numba device array
+        F64, F32, F16 or BF16 (torch ``bfloat16``; for CuPy, which has no bfloat16, use
+        :class:`DeviceAccumulator` with ``kind="BF16"`` on the ``uint16`` array), C-contiguous.
+    launch : LaunchConfig, optional
+    stream : optional
+        The stream to run on (torch, CuPy or Numba); default: the default stream.
+
+    Returns
+    -------
+    Stats
+        Counts, min, max and absmax equal to :func:`engine.stats`'s; mean and std within a
+        relative ``1e-9`` of it (both sum in float64, in different orders: each GPU thread
+        sums around the first finite value it sees and the partial sums merge pairwise).
+
+    Raises
+    ------
+    TypeError
+        Another dtype.
+    DeviceError
+        Not a C-contiguous CUDA array.
+
+    Notes
+    -----
+    One kernel launch reading ``x`` once, plus the merge of ``launch.blocks`` partial rows
+    on the host.  Copies of tensor bytes: 0.
+    """
+    kind = _kind_of_device(x)
+    acc = DeviceAccumulator(kind, launch, stream)
+    acc.add(x, stream)
+    return acc.result(stream)
+
+
+def _kind_of_device(x) -> str:
+    from .. import dtypes as _dt
+
+    if _framework(x) == "torch":
+        code = _dt.from_torch(x.dtype)
+    else:
+        code = _dt.from_numpy(np.dtype(x.dtype))
+    return _dt.NAMES[code]
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+class DeviceQuantizer:
+    """int8 quantization of whole tensors in device memory, bit-identical to
+    :func:`engine.quantize_int8`.
+
+    Parameters
+    ----------
+    launch : LaunchConfig, optional
+    empty : callable, optional
+        Allocator of the scratch arrays (keys, counts), as for :class:`DeviceAccumulator`.
+
+    Notes
+    -----
+    Two passes over the tensor, each one launch: the per-channel maxima of the magnitudes
+    (on the bit patterns, with atomic max per block or per thread), then the int8 values;
+    a third, tiny launch turns the maxima into scales.  Device memory: the int8 output, the
+    float32 scales, and ``4 * C`` bytes of keys.
+    """
+
+    def __init__(self, launch: LaunchConfig = DEFAULT_LAUNCH, empty: Any = None) -> None:
+        self.launch = launch
+        self.empty = empty or default_empty
+
+    def quantize(self, src, kind: str, shape: tuple, axis: int | None, q, scale, stream: Any = None):
+        """Quantize ``src`` (C-contiguous device array of format ``kind``, any view dtype,
+        or its bytes) of ``shape`` along ``axis`` (None: per tensor, else normalized) into
+        the device arrays ``q`` (int8, ``prod(shape)`` elements) and ``scale`` (float32,
+        ``C`` elements); returns the (NaN, +Inf, -Inf) counts as an int64 numpy array
+        (waits for the work on ``stream``)."""
+        if kind not in INPUTS:
+            raise TypeError(f"quantize_int8 supports {', '.join(INPUTS)} data, not {kind}")
+        s = numba_stream(stream)
+        n = math.prod(shape)
+        outer, C, inner = (1, 1, n) if axis is None else (
+            math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
+        bad = _zeros(self.empty, (3,), np.int64, s)
+        keys = _zeros(self.empty, (max(C, 1),), np.int32, s).view(np.uint32)
+        lc = self.launch
+        nt = lc.threads
+        _, ut, lim, _ = FLOAT_FORMATS[kind]
+        absmask = ut((1 << (8 * np.dtype(ut).itemsize - 1)) - 1)
+        lim = ut(lim)  # type: ignore[assignment]  # the limit as the kernels' unsigned type
+        if n:
+            d = as_device_array(src)
+            d = d.reshape(d.size).view(np.uint8) if d.dtype != np.uint8 else d
+            f, _, ku = _views(d, kind)
+            if inner >= nt or C == 1:
+                # long runs: blocks stride each run, one atomic max per block
+                runs = outer * C
+                per_run = max(1, min(-(-inner // nt), lc.blocks // runs))
+                _launch(_ck.absmax_runs, (runs * per_run, nt, s), ku, absmask, lim, C, inner, per_run, keys, bad)
+            else:
+                # short runs: a thread per element of an outer row, down a slab of rows
+                width = C * inner
+                bx = -(-width // nt)
+                rows = max(1, -(-outer // max(1, lc.blocks // bx)))
+                _launch(_ck.absmax_columns, ((bx, -(-outer // rows)), nt, s), ku, absmask, lim, outer, C, inner, rows, keys, bad)
+        mbits, bias = _MANTISSA[kind]
+        sd = _flat(as_device_array(scale))
+        if C:
+            _launch(_ck.scales_from_keys, (-(-C // nt), nt, s), keys[:C], mbits, bias, sd)
+        if n:
+            blocks = max(1, min(lc.blocks * 4, -(-n // nt)))
+            _launch(_ck.quantize_elements, (blocks, nt, s), _fmt(kind), f, ku, absmask, lim, C, inner, sd, _flat(as_device_array(q)))
+        out = _to_host(bad, s)
+        if not SIMULATOR:
+            _sync(s)
+        return np.asarray(out, np.int64).copy()
+
+
+def quantize_int8_device(
+    x: Any, axis: int | None = None, *, on_nonfinite: str = "raise", name: str | None = None,
+    launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None,
+):
+    """:func:`engine.quantize_int8` of a CUDA array, on the device.
+
+    Parameters
+    ----------
+    x : torch CUDA tensor, CuPy array or Numba device array
+        F32, F16 or BF16, C-contiguous.
+    axis : int, optional
+        As for :func:`engine.quantize_int8`.
+    on_nonfinite : {"raise", "clamp"}
+        As for :func:`engine.quantize_int8` (``"clamp"`` issues no warning here).
+    name : str, optional
+        Tensor name for the error.
+    launch, stream : optional
+        Launch sizes; the stream to run on.
+
+    Returns
+    -------
+    QuantizedTensor
+        ``q`` and ``scale`` in the framework and on the device of ``x``, bit-identical to
+        ``engine.quantize_int8`` of the same values.
+
+    Raises
+    ------
+    NonFiniteError
+        NaN or Inf in ``x`` with ``on_nonfinite="raise"`` (after the work is done).
+    """
+    kind = _kind_of_device(x)
+    shape = tuple(x.shape)
+    if axis is not None:
+        axis = normalize_axis_index(axis, len(shape))
+    C = 1 if axis is None else shape[axis]
+    q = empty_like_framework(x, shape, np.int8)
+    scale = empty_like_framework(x, (C,), np.float32)
+    bad = DeviceQuantizer(launch).quantize(x, kind, shape, axis, q, scale, stream)
+    if on_nonfinite == "raise":
+        raise_if_nonfinite(bad, name)
+    return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, kind)
+
+
+def empty_like_framework(like: Any, shape: tuple, dtype) -> Any:
+    """An empty array of ``shape`` and numpy ``dtype`` in the framework and on the device
+    of ``like``."""
+    dtype = np.dtype(dtype)
+    kind = _framework(like)
+    if kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype.name), device=like.device)
+    if kind == "cupy":
+        import cupy
+
+        with like.device:
+            return cupy.empty(shape, dtype)
+    if kind == "numpy":
+        return np.empty(shape, dtype)
+    return cuda.device_array(shape, dtype)
+
