@@ -38,7 +38,7 @@ from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .load_hooks import StatsCollector
 from .load_hooks import plan as onload_plan
 from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
-from .reader import IOV_MAX, default_threads
+from .reader import IOV_MAX
 from .sinks import fill_target, get_sink
 
 __all__ = ["stream", "load_into", "load_parts", "fill_parts", "Part"]
@@ -119,7 +119,7 @@ def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int |
     pipeline.run_sources(
         _sources(parts, bases, options.pop("chunk_bytes", None)),
         destination,
-        threads=threads if destination.on_device else threads or default_threads(),
+        threads=threads,
         **options,
     )
 
@@ -192,8 +192,9 @@ def stream(
         Selection, see :func:`engine.plan.select_rows`; by default every tensor.  Across
         several files a name or pattern must be found in at least one of them.
     threads : int, optional
-        CPU destinations: reader threads (default one per core, 2 to 8).  GPU destinations:
-        native threads that split each staging slot (default every core).
+        Native threads that split each batch of reads (CPU destinations) or each staging slot
+        (GPU destinations): default every core.  With ``stats=True`` on the CPU, the worker
+        threads that read and fold (default one per core, 2 to 8).
     chunk_bytes : int, optional
         Bytes per read request (default 16 MiB).
     per_tensor : bool, default False

@@ -34,7 +34,7 @@ from ._threads import run_threads
 from .device_load import REGISTER_DEPTH, DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from .errors import Cancelled
 from .plan import Request
-from .reader import check_read, close_mapping, copy_mapping, split_reader
+from .reader import check_read, close_mapping, copy_mapping, default_threads, split_reader
 
 __all__ = [
     "DeviceOps",
@@ -154,8 +154,9 @@ def run_sources(
         Files and their plans; rows are keyed ``row_base + row`` in ``dest``.
     dest : Destination
     threads : int, optional
-        Host destinations: worker threads (default 2).  Device destinations: native threads
-        that split each staging slot (default every core, :func:`default_copy_threads`).
+        Native threads that split each batch of a host load and each staging slot of a
+        device load (default every core, :func:`default_copy_threads`); with ``fill``, the
+        worker threads of a host load (default :func:`engine.reader.default_threads`).
     slots : int, default 2
         Staging slots of the device copy path.
     slot_bytes : int, optional
@@ -221,7 +222,7 @@ def run_sources(
                     slot_bytes=slot_bytes, gpu_path=gpu_path, fill=fill,
                     residency=residency, after_copy=after_copy).run()
     else:
-        _run_host(sources, dest, tracker, cancel, threads or 2, fill)
+        _run_host(sources, dest, tracker, cancel, threads, fill)
     if cancel.is_set():
         path = sources[0].path if sources else None
         raise Cancelled("the load was cancelled", reason="Cancelled", path=path)
@@ -255,10 +256,10 @@ def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
     evenly over ``threads`` native threads (started once for the load), GIL released; with
     ``fill``, worker threads take whole requests instead."""
     if fill is not None:
-        _run_host_fill(sources, dest, tracker, cancel, threads, fill)
+        _run_host_fill(sources, dest, tracker, cancel, threads or default_threads(), fill)
         return
     views = dest.host_views
-    reader = split_reader(threads)
+    reader = split_reader(threads or default_copy_threads())
     try:
         for src in sources:
             mapping = copy_mapping(src.fd)
