@@ -1,5 +1,7 @@
 import numpy as np
 
+PIECE_BYTES: int
+
 def pread_runs(fd: int, dst: np.ndarray | memoryview, src: np.ndarray, run_bytes: int, base: int) -> tuple[int, int, int]: ...
 
 # split copies (one chunk over many native threads) and page-cache residency

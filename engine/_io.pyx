@@ -332,6 +332,7 @@ cdef int _segs_in_targets(_Segs* s, const int64_t[::1] file_offsets, list target
 # sequential stream, where halves read at once would be two streams the kernel's read-ahead
 # serves one window at a time.  Large enough that a piece costs a few system calls.
 cdef int64_t _PIECE = 8 << 20
+PIECE_BYTES = _PIECE
 
 
 cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,

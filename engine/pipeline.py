@@ -34,7 +34,7 @@ from ._threads import run_threads
 from .device_load import REGISTER_DEPTH, DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from .errors import Cancelled
 from .plan import Request
-from .reader import check_read, close_mapping, copy_mapping, default_threads, split_reader
+from .reader import check_read, close_mapping, copy_mapping, default_threads, split_piece_bytes, split_reader
 
 __all__ = [
     "DeviceOps",
@@ -252,14 +252,16 @@ def _batches(requests: Sequence[Request], limit: int):
 
 
 def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
-    """Host destinations: each batch of requests is one native call that splits its bytes
-    evenly over ``threads`` native threads (started once for the load), GIL released; with
-    ``fill``, worker threads take whole requests instead."""
+    """Host destinations: each batch of requests is one native call that deals its bytes in
+    pieces to ``threads`` native threads (started once for the load, no more than the load
+    has pieces), GIL released; with ``fill``, worker threads take whole requests instead."""
     if fill is not None:
         _run_host_fill(sources, dest, tracker, cancel, threads or default_threads(), fill)
         return
     views = dest.host_views
-    reader = split_reader(threads or default_copy_threads())
+    # no more threads than the load has pieces: an idle thread still costs its start and join
+    total = sum(r.nbytes for s in sources for r in s.requests)
+    reader = split_reader(max(1, min(threads or default_copy_threads(), -(-total // split_piece_bytes()))))
     try:
         for src in sources:
             mapping = copy_mapping(src.fd)

@@ -21,7 +21,7 @@ from .errors import ReadError
 
 __all__ = [
     "default_threads", "pread_into", "pread_runs", "pread_spans", "spans_bytes", "prefetch_mapping", "run_threads",
-    "map_threads", "check_read", "resident_pages", "split_reader", "copy_source", "copy_mapping", "close_mapping",
+    "map_threads", "check_read", "resident_pages", "split_reader", "split_piece_bytes", "copy_source", "copy_mapping", "close_mapping",
     "COPY_SOURCES",
     "IOV_MAX",
 ]
@@ -296,6 +296,14 @@ def resident_pages(buf) -> tuple[int, int]:
     from . import _io
 
     return _io.resident_pages(buf)
+
+
+def split_piece_bytes() -> int:
+    """Bytes of the pieces a split copy deals to its threads in turn (8 MiB): a load of fewer
+    pieces than threads needs no more threads than pieces."""
+    from . import _io
+
+    return _io.PIECE_BYTES
 
 
 def split_reader(threads: int):

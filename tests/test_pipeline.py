@@ -808,3 +808,25 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
         if mapping is not None:
             mapping.close()
         os.close(fd)
+
+
+def test_a_host_load_starts_no_more_threads_than_it_has_pieces(layout, monkeypatch):
+    fd, path, begins, ends, data = layout
+    asked = []
+    real = pipeline.split_reader
+
+    def reader(threads):
+        asked.append(threads)
+        return real(threads)
+
+    monkeypatch.setattr(pipeline, "split_reader", reader)
+    dst = {r: memoryview(bytearray(int(ends[r] - begins[r]))) for r in range(40) if ends[r] > begins[r]}
+    pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 65_536), pipeline.Destination(host_views=dst),
+                 path=path, threads=6)
+    assert asked == [1]  # 5.5 MB: less than one 8 MiB piece
+    for r, v in dst.items():
+        assert bytes(v) == _expected(data, begins, ends, r)
+    monkeypatch.setattr(pipeline, "split_piece_bytes", lambda: 1 << 20)
+    pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 65_536), pipeline.Destination(host_views=dst),
+                 path=path, threads=4)
+    assert asked[1] == 4  # six 1 MiB pieces: every thread asked for
