@@ -40,14 +40,14 @@ def pread_runs(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run_
 
 
 # ---------------------------------------------------------------------------------------------
-# Split copies: one large chunk of a load spread over many native threads.
+# Split copies: one large batch of a load spread over many native threads.
 #
-# A staging slot of a device load is hundreds of MiB; one thread copying it out of the page
-# cache runs at a fraction of the host's memory bandwidth, so the slot is cut into equal byte
-# ranges, one per thread, and each thread reads its range with pread.  The threads are plain
-# pthreads started and joined inside one call, with the GIL released for the whole of it: the
-# per-slot cost in Python is one call.  pread (not a copy out of a mapping) keeps a file that
-# is truncated underneath an error code instead of a SIGBUS.
+# A staging slot of a device load (or a batch of a host load) is hundreds of MiB; one thread
+# copying it out of the page cache runs at a fraction of the host's memory bandwidth, so it
+# is dealt out in pieces to threads kept for the whole load (SplitReader), each taking its
+# pieces with pread or out of a mapping, with the GIL released for the whole call: the cost
+# in Python is one call per batch.  A file truncated underneath is an error code, never a
+# SIGBUS (see the mapped copies below).
 # ---------------------------------------------------------------------------------------------
 
 from libc.stdlib cimport calloc, free
@@ -283,27 +283,6 @@ cdef int _alloc_segs(_Segs* s, Py_ssize_t n) except -1:
     return 0
 
 
-cdef int _segs_in_buffer(_Segs* s, uint8_t[::1] dst, const int64_t[::1] file_offsets,
-                         const int64_t[::1] dst_offsets, const int64_t[::1] sizes) except -1:
-    """Segments into one buffer: segment i lands at ``dst[dst_offsets[i]:]``."""
-    cdef Py_ssize_t n = sizes.shape[0], i
-    if file_offsets.shape[0] != n or dst_offsets.shape[0] != n:
-        raise ValueError("file_offsets, dst_offsets and sizes differ in length")
-    for i in range(n):
-        if sizes[i] < 0 or file_offsets[i] < 0 or dst_offsets[i] < 0:
-            raise ValueError("negative offset or size")
-        if dst_offsets[i] + sizes[i] > dst.shape[0]:
-            raise ValueError("destination too small for the segments")
-    _alloc_segs(s, n)
-    s.file_off = &file_offsets[0] if n else NULL
-    for i in range(n):
-        s.sizes[i] = sizes[i]
-        s.starts[i] = s.total
-        s.dst[i] = &dst[0] + dst_offsets[i] if sizes[i] else NULL
-        s.total += sizes[i]
-    return 0
-
-
 cdef int _segs_in_targets(_Segs* s, const int64_t[::1] file_offsets, list targets) except -1:
     """Segments into many buffers: segment i fills the whole of ``targets[i]``."""
     cdef Py_ssize_t n = len(targets), i
@@ -383,51 +362,6 @@ cdef tuple _first_error(_Part* parts, int nparts):
     return (parts[first].err, parts[first].at, parts[first].missing)
 
 
-def pread_split(int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
-                const int64_t[::1] sizes, int threads, int64_t align=65536):
-    """Read segment ``i`` (``sizes[i]`` bytes at file offset ``file_offsets[i]``) into
-    ``dst[dst_offsets[i]:]``, the total split into ``threads`` equal byte ranges (cut at
-    multiples of ``align``) read by as many native threads at once, started and joined in
-    this call (:class:`SplitReader` keeps its threads between calls).
-
-    Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
-    bytes missing)`` of the failure lowest in the concatenation of the segments.  The GIL is
-    released for the whole call; no thread outlives it.
-    """
-    cdef _Segs s
-    cdef _Part* parts = NULL
-    cdef pthread_t* tids = NULL
-    cdef char* started = NULL
-    cdef int nthreads, k
-    _segs_in_buffer(&s, dst, file_offsets, dst_offsets, sizes)
-    try:
-        if s.total == 0:
-            return (0, 0, 0)
-        if align < 1:
-            align = 1
-        nthreads = _share_count(threads, s.total, align)
-        parts = <_Part*>calloc(nthreads, sizeof(_Part))
-        tids = <pthread_t*>calloc(nthreads, sizeof(pthread_t))
-        started = <char*>calloc(nthreads, 1)
-        if parts == NULL or tids == NULL or started == NULL:
-            raise MemoryError()
-        with nogil:
-            _plan_parts(parts, nthreads, fd, NULL, 0, &s, align)
-            for k in range(1, nthreads):
-                if pthread_create(&tids[k], NULL, _read_part, &parts[k]) == 0:
-                    started[k] = 1
-            _read_part(&parts[0])
-            for k in range(1, nthreads):
-                if started[k]:
-                    pthread_join(tids[k], NULL)
-                else:  # no thread to be had: this thread reads that share too
-                    _read_part(&parts[k])
-        return _first_error(parts, nthreads)
-    finally:
-        _free_segs(&s)
-        free(parts); free(tids); free(started)
-
-
 # A pool of native threads kept for the length of a load: each read wakes them instead of
 # starting new ones (a staging slot is read dozens of times per load).
 
@@ -472,9 +406,9 @@ cdef void* _pool_worker(void* arg) noexcept nogil:
 
 
 cdef class SplitReader:
-    """:func:`pread_split` on threads started once: ``threads - 1`` native workers plus the
-    calling thread.  One read at a time; :meth:`close` (or the end of a ``with`` block)
-    stops and joins the workers."""
+    """Split copies (:meth:`copy`) on native threads started once: ``threads - 1`` workers
+    plus the calling thread.  One copy at a time; :meth:`close` (or the end of a ``with``
+    block) stops and joins the workers."""
 
     cdef _PoolState* st
     cdef _WorkerArg* args
@@ -552,20 +486,6 @@ cdef class SplitReader:
         self.busy = True
         return 0
 
-    def read(self, int fd, uint8_t[::1] dst, const int64_t[::1] file_offsets, const int64_t[::1] dst_offsets,
-             const int64_t[::1] sizes, int64_t align=65536):
-        """As :func:`pread_split` with this reader's threads; same return value."""
-        cdef _Segs s
-        self._enter()
-        try:
-            _segs_in_buffer(&s, dst, file_offsets, dst_offsets, sizes)
-            try:
-                return self._run(fd, NULL, 0, &s, align)
-            finally:
-                _free_segs(&s)
-        finally:
-            self.busy = False
-
     def copy(self, int fd, mapping, const int64_t[::1] file_offsets, list targets, int64_t align=65536):
         """Fill each of ``targets`` (writable contiguous buffers) with the file's bytes from
         ``file_offsets[i]`` on, the total split evenly over this reader's threads, GIL
@@ -574,7 +494,8 @@ cdef class SplitReader:
         ``mapping`` is None (each thread ``pread``s its share) or a read-only mapping of the
         whole file (each thread maps its share with ``MADV_POPULATE_READ`` and copies it
         out; a page the file no longer backs is an end-of-file error, never a SIGBUS).
-        Returns as :meth:`read` does.
+        Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
+        bytes missing)`` of the failure lowest in the concatenation of the targets.
         """
         cdef _Segs s
         cdef const uint8_t[::1] src

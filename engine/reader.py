@@ -307,11 +307,11 @@ def split_piece_bytes() -> int:
 
 
 def split_reader(threads: int):
-    """A native reader whose ``read(fd, out, file_offsets, out_offsets, sizes)`` and
-    ``copy(fd, mapping, file_offsets, targets)`` split each call evenly over ``threads``
-    pthreads started once (``engine._io.SplitReader``; ``mapping`` is None for ``pread`` or
-    a read-only mapping of the file, see :func:`copy_source`); both return
-    ``(errno or -1, offset, missing)`` for :func:`check_read`.  Close it when done."""
+    """A native reader whose ``copy(fd, mapping, file_offsets, targets)`` deals each call's
+    bytes in pieces to ``threads`` pthreads started once (``engine._io.SplitReader``;
+    ``mapping`` is None for ``pread`` or a read-only mapping of the file, see
+    :func:`copy_source`); it returns ``(errno or -1, offset, missing)`` for
+    :func:`check_read`.  Close it when done."""
     from . import _io
 
     return _io.SplitReader(threads)

@@ -386,8 +386,7 @@ def _limit_page_cache_to_pinned(threads: int):
             size = os.fstat(fd).st_size
             for off in range(0, size, slot):
                 n = min(slot, size - off)
-                err, _, _ = reader.read(fd, out, np.array([off], np.int64), np.array([0], np.int64),
-                                        np.array([n], np.int64))
+                err, _, _ = reader.copy(fd, None, np.array([off], np.int64), [memoryview(out)[:n]])
                 assert err == 0
                 total += n
         seconds = time.perf_counter() - t0

@@ -217,9 +217,6 @@ class SplitCopies:
                         watch.bytes += sum(memoryview(t).nbytes for t in targets)
                 return result
 
-            def read(self, *args):
-                return self.inner.read(*args)
-
             def close(self) -> None:
                 self.inner.close()
 

@@ -499,7 +499,7 @@ def test_units_cover_every_planned_byte_once_within_their_slot(layout, rows, chu
 # -- the native split read -----------------------------------------------------------------------
 
 
-def test_pread_split_reads_segments_over_threads_and_reports_the_first_short_read(layout):
+def test_split_copy_reads_segments_over_threads_and_reports_the_first_short_read(layout):
     from engine import _io
 
     fd, _, _, _, data = layout
@@ -508,37 +508,19 @@ def test_pread_split_reads_segments_over_threads_and_reports_the_first_short_rea
     dst_offsets = np.array([0, 1_600_000, 2_400_000, 2_400_000], dtype=np.int64)
     for threads in (1, 3, 16):
         out = np.zeros(2_500_000, np.uint8)
-        assert _io.pread_split(fd, out, file_offsets, dst_offsets, sizes, threads) == (0, 0, 0)
+        targets = [memoryview(out)[d : d + n] for d, n in zip(dst_offsets, sizes, strict=True)]
+        with _io.SplitReader(threads) as reader:
+            assert reader.copy(fd, None, file_offsets, targets) == (0, 0, 0)
         for f, d, n in zip(file_offsets, dst_offsets, sizes, strict=True):
             assert (out[d : d + n] == data[f : f + n]).all()
     end = len(data)
-    err, at, missing = _io.pread_split(fd, np.zeros(1 << 20, np.uint8), np.array([end - 300_000], np.int64),
-                                       np.array([0], np.int64), np.array([1 << 20], np.int64), 4, 4096)
-    assert (err, at) == (-1, end)
-    assert 0 < missing <= (1 << 20) - 300_000
-    with pytest.raises(ValueError):
-        _io.pread_split(fd, np.zeros(10, np.uint8), np.array([0], np.int64), np.array([5], np.int64),
-                        np.array([6], np.int64), 2)
-
-
-def test_pread_split_releases_the_gil(layout):
-    """As in test_reader: with a 100 s switch interval the spinner can only count while the
-    main thread is inside the native call with the GIL released."""
-
-    from engine import _io
-
-    fd, _, _, _, data = layout
-    n = len(data) // 4096
-    file_offsets = np.zeros(n * 8, dtype=np.int64)  # the same pages many times: a long call
-    sizes = np.full(n * 8, 4096, dtype=np.int64)
-    dst_offsets = np.zeros(n * 8, dtype=np.int64)
-    out = np.zeros(4096, np.uint8)
-
-    def work():
-        for _ in range(20):
-            assert _io.pread_split(fd, out, file_offsets, dst_offsets, sizes, 2)[0] == 0
-
-    assert ticks_during(work) > 100
+    with _io.SplitReader(4) as reader:
+        err, at, missing = reader.copy(fd, None, np.array([end - 300_000], np.int64),
+                                       [memoryview(np.zeros(1 << 20, np.uint8))], 4096)
+        assert (err, at) == (-1, end)
+        assert 0 < missing <= (1 << 20) - 300_000
+        with pytest.raises(ValueError):  # an offset for each target
+            reader.copy(fd, None, np.array([0, 5], np.int64), [memoryview(np.zeros(10, np.uint8))])
 
 
 def test_resident_pages_of_a_fresh_file_and_of_an_empty_range(layout):
@@ -638,7 +620,7 @@ def test_default_slots_are_never_larger_than_the_load(layout):
     assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page + device_load.SLOT_ALIGN)
 
 
-def test_split_reader_keeps_its_threads_between_reads_and_matches_pread_split(layout):
+def test_split_reader_keeps_its_threads_between_reads(layout):
     from engine import _io
 
     fd, _, _, _, data = layout
@@ -647,42 +629,19 @@ def test_split_reader_keeps_its_threads_between_reads_and_matches_pread_split(la
         assert reader.threads == 5
         for _ in range(200):
             n = int(rng.integers(1, 6))
-            sizes = rng.integers(0, 200_000, n).astype(np.int64)
+            sizes = rng.integers(0, 200_000, n)
             file_offsets = rng.integers(0, len(data) - 200_000, n).astype(np.int64)
-            dst_offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-            a = np.zeros(int(sizes.sum()) + 1, np.uint8)
-            b = np.zeros_like(a)
+            targets = [np.zeros(int(k), np.uint8) for k in sizes]
             align = int(rng.choice([1, 64, 4096]))
-            assert reader.read(fd, a, file_offsets, dst_offsets, sizes, align) == (0, 0, 0)
-            assert _io.pread_split(fd, b, file_offsets, dst_offsets, sizes, 3, align) == (0, 0, 0)
-            assert (a == b).all()
+            assert reader.copy(fd, None, file_offsets, [memoryview(t) for t in targets], align) == (0, 0, 0)
+            for t, off in zip(targets, file_offsets, strict=True):
+                assert (t == data[off : off + len(t)]).all()
         end = len(data)
-        err, at, _ = reader.read(fd, np.zeros(1 << 20, np.uint8), np.array([end - 1000], np.int64),
-                                 np.array([0], np.int64), np.array([1 << 20], np.int64))
+        err, at, _ = reader.copy(fd, None, np.array([end - 1000], np.int64), [memoryview(np.zeros(1 << 20, np.uint8))])
         assert (err, at) == (-1, end)
     with pytest.raises(ValueError, match="closed"):
-        reader.read(fd, np.zeros(8, np.uint8), np.array([0], np.int64), np.array([0], np.int64),
-                    np.array([8], np.int64))
+        reader.copy(fd, None, np.array([0], np.int64), [memoryview(np.zeros(8, np.uint8))])
     reader.close()  # again: harmless
-
-
-def test_split_reader_releases_the_gil(layout):
-
-    from engine import _io
-
-    fd, _, _, _, data = layout
-    n = len(data) // 4096
-    file_offsets = np.zeros(n * 8, dtype=np.int64)
-    sizes = np.full(n * 8, 4096, dtype=np.int64)
-    dst_offsets = np.zeros(n * 8, dtype=np.int64)
-    out = np.zeros(4096, np.uint8)
-    with _io.SplitReader(2) as reader:
-
-        def work():
-            for _ in range(20):
-                assert reader.read(fd, out, file_offsets, dst_offsets, sizes)[0] == 0
-
-        assert ticks_during(work) > 100
 
 
 @pytest.mark.parametrize("source", ["mmap", "pread"])
