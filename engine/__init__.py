@@ -49,7 +49,7 @@ _LAZY = {
     "serialize": "engine.tensorspec",
     "serialize_file": "engine.tensorspec",
     "deserialize": "engine.tensorspec",
-    "stream": "engine.loader",
+    "stream": "engine.opener",
     "load_into": "engine.opener",
     "load_file": "engine.numpy",
     "load": "engine.numpy",

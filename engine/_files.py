@@ -37,6 +37,15 @@ _KINDS = (
 )
 
 
+def is_url(path) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``, a scheme of two letters or more) rather
+    than a local path (a Windows drive letter is not a scheme)."""
+    if not isinstance(path, str):
+        return False
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and len(scheme) > 1 and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum()
+
+
 def open_regular(path: str) -> int:
     """Open ``path`` read-only and return the descriptor; refuse anything but a regular file.
 

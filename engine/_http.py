@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import http.client
 import ipaddress
+import re
 import socket
 import ssl
 import threading
@@ -38,11 +39,13 @@ from typing import Any
 from . import __version__
 from .errors import HeaderError, ReadError, RemoteFileNotFoundError, SafetensorError
 
-__all__ = ["Client", "Response", "RemoteFileNotFoundError", "read_error", "content_range"]
+__all__ = ["Client", "Response", "RemoteFileNotFoundError", "read_error", "content_range", "connection", "status_error",
+           "error_code", "error_body",
+           "USER_AGENT"]
 
 _CHUNK = 1 << 20
 _REDIRECTS = (301, 302, 303, 307, 308)
-_USER_AGENT = f"safetensors-engine/{__version__}"
+USER_AGENT = f"safetensors-engine/{__version__}"
 _SSL_CONTEXT: ssl.SSLContext | None = None
 
 
@@ -96,6 +99,39 @@ def _context() -> ssl.SSLContext:
     if _SSL_CONTEXT is None:
         _SSL_CONTEXT = ssl.create_default_context()
     return _SSL_CONTEXT
+
+
+def connection(parts: urllib.parse.SplitResult, timeout: float) -> tuple[http.client.HTTPConnection, str, dict]:
+    """An unconnected connection for the http(s) URL ``parts``, through the environment's
+    proxy where one applies: ``(connection, request target, extra headers)``.
+
+    Raises ``ValueError`` for a port that is not a number.
+    """
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    host = parts.hostname or ""
+    target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+    extra: dict[str, str] = {}
+    proxy = _proxy(scheme, host)
+    conn: http.client.HTTPConnection
+    if proxy is not None and proxy.hostname:
+        auth = {}
+        if proxy.username is not None:
+            token = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
+            auth["Proxy-Authorization"] = "Basic " + base64.b64encode(token.encode()).decode("ascii")
+        proxy_port = proxy.port or 80
+        if scheme == "https":
+            conn = http.client.HTTPSConnection(proxy.hostname, proxy_port, timeout=timeout, context=_context())
+            conn.set_tunnel(host, port, headers=auth)
+        else:
+            conn = http.client.HTTPConnection(proxy.hostname, proxy_port, timeout=timeout)
+            target = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path or "/", parts.query, ""))
+            extra = auth
+    elif scheme == "https":
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=_context())
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    return conn, target, extra
 
 
 class _Watchdog:
@@ -157,6 +193,7 @@ class Response:
         self.status = resp.status
         self.partial = resp.status == 206
         self.content_type = resp.headers.get("Content-Type")
+        self.etag = resp.headers.get("ETag")
         self.encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
         length = resp.headers.get("Content-Length")
         self.length = int(length) if length and length.strip().isdigit() else None
@@ -315,10 +352,14 @@ class Client:
         Seconds for the whole call: every connection, request and body.
     max_redirects : int
         Redirects followed per request.
+    sign : callable, optional
+        ``sign(url) -> headers`` added to each request (S3's SigV4 signature).
     """
 
-    def __init__(self, headers: Mapping[str, str] | None, timeout: float, max_redirects: int) -> None:
+    def __init__(self, headers: Mapping[str, str] | None, timeout: float, max_redirects: int,
+                 sign=None) -> None:
         self.headers = dict(headers or {})
+        self.sign = sign  # sign(url) -> headers for each request (S3's SigV4)
         self.timeout = float(timeout)
         self.deadline = time.monotonic() + self.timeout
         self.max_redirects = max_redirects
@@ -342,8 +383,10 @@ class Client:
             current, headers = self.resolved.get(url, (url, self.headers))
         for _ in range(self.max_redirects + 1):
             req_headers = {
-                "User-Agent": _USER_AGENT, "Accept-Encoding": "identity", "Connection": "close", **headers
+                "User-Agent": USER_AGENT, "Accept-Encoding": "identity", "Connection": "close", **headers
             }
+            if self.sign is not None:
+                req_headers.update(self.sign(current))
             if first is not None:
                 req_headers["Range"] = f"bytes={first}-{last}"
             conn, resp, watchdog = self._request(url, current, req_headers)
@@ -357,7 +400,7 @@ class Client:
             if resp.status not in (200, 206):
                 watchdog.cancel()
                 try:
-                    raise self._status_error(url, resp, first, not_found)
+                    raise status_error(url, resp, first, not_found, error_code(error_body(resp)))
                 finally:
                     resp.close()
                     conn.close()
@@ -375,34 +418,14 @@ class Client:
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https") or not parts.hostname:
             raise read_error(f"cannot request {current!r}: not an http(s) URL", url, "InvalidURL")
-        try:
-            port = parts.port or (443 if scheme == "https" else 80)
-        except ValueError as exc:
-            raise read_error(f"invalid URL {current!r}: {exc}", url, "InvalidURL") from None
-        host = parts.hostname
-        target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise self.timeout_error(url, "connect")
-        proxy = _proxy(scheme, host)
-        conn: http.client.HTTPConnection
-        if proxy is not None and proxy.hostname:
-            auth = {}
-            if proxy.username is not None:
-                token = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
-                auth["Proxy-Authorization"] = "Basic " + base64.b64encode(token.encode()).decode("ascii")
-            proxy_port = proxy.port or 80
-            if scheme == "https":
-                conn = http.client.HTTPSConnection(proxy.hostname, proxy_port, timeout=remaining, context=_context())
-                conn.set_tunnel(host, port, headers=auth)
-            else:
-                conn = http.client.HTTPConnection(proxy.hostname, proxy_port, timeout=remaining)
-                target = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path or "/", parts.query, ""))
-                headers = {**headers, **auth}
-        elif scheme == "https":
-            conn = http.client.HTTPSConnection(host, port, timeout=remaining, context=_context())
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=remaining)
+        try:
+            conn, target, extra = connection(parts, remaining)
+        except ValueError as exc:
+            raise read_error(f"invalid URL {current!r}: {exc}", url, "InvalidURL") from None
+        headers = {**headers, **extra}
         watchdog = _Watchdog(self.deadline)
         phase = "connect"
         try:
@@ -435,31 +458,58 @@ class Client:
             headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
         return target, headers
 
-    def _status_error(self, url: str, resp: http.client.HTTPResponse, first, not_found) -> SafetensorError:
-        code, text = resp.status, resp.reason
-        err: Any
-        if code in (404, 410):
-            cls = not_found or RemoteFileNotFoundError
-            err = cls(f"not found (HTTP {code} {text})", path=url)
-        elif code in (401, 403):
-            err = read_error(
-                f"access denied (HTTP {code} {text}); a private or gated file needs credentials, e.g. "
-                "headers={'Authorization': 'Bearer <token>'}",
-                url,
-                "AccessDenied",
+
+def error_code(body: bytes) -> str:
+    """The ``<Code>`` of an S3-style XML error body (``SlowDown``, ``NoSuchKey``,
+    ``SignatureDoesNotMatch`` ...), or ``""``.  Only the code: the body of some errors
+    echoes the string that was signed and the access key id."""
+    m = re.search(rb"<Code>([A-Za-z0-9.]{1,64})</Code>", body[:65536])
+    return m.group(1).decode("ascii") if m else ""
+
+
+def error_body(resp: http.client.HTTPResponse, limit: int = 65536) -> bytes:
+    """A short error body (nothing when it is long or unreadable)."""
+    try:
+        return resp.read(limit) if resp.length is not None and resp.length <= limit else b""
+    except (OSError, http.client.HTTPException):
+        return b""
+
+
+def status_error(url: str, resp: http.client.HTTPResponse, first=None, not_found=None, detail: str = "") -> SafetensorError:
+    """The engine's error for an answer that is neither 200/206 nor a redirect; ``.status``
+    holds the code.  ``detail`` (an S3 error code, say) is added to the message; no request
+    header (and so no credential) ever is."""
+    code, text = resp.status, resp.reason
+    if detail:
+        text = f"{text}: {detail}"
+    err: Any
+    if code in (404, 410):
+        cls = not_found or RemoteFileNotFoundError
+        err = cls(f"not found (HTTP {code} {text})", path=url)
+    elif code in (401, 403):
+        err = read_error(
+            f"access denied (HTTP {code} {text}); a private or gated file needs credentials, e.g. "
+            "headers={'Authorization': 'Bearer <token>'} over HTTP, or AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY for s3://",
+            url,
+            "AccessDenied",
+        )
+    elif code == 412:
+        err = read_error(
+            f"the file changed since the load began (HTTP 412 {text}: its ETag no longer matches)", url, "FileChanged"
+        )
+    elif code == 416:
+        _, _, total = content_range(resp.headers.get("Content-Range"))
+        if first == 0 and total is not None and total < 8:
+            err = HeaderError(
+                f"the file holds {total} bytes, fewer than the 8-byte header length",
+                reason="HeaderTooSmall",
+                path=url,
             )
-        elif code == 416:
-            _, _, total = content_range(resp.headers.get("Content-Range"))
-            if first == 0 and total is not None and total < 8:
-                err = HeaderError(
-                    f"the file holds {total} bytes, fewer than the 8-byte header length",
-                    reason="HeaderTooSmall",
-                    path=url,
-                )
-            else:
-                size = f" (the file holds {total} bytes)" if total is not None else ""
-                err = read_error(f"range not satisfiable (HTTP 416){size}", url, "RangeNotSatisfiable")
         else:
-            err = read_error(f"HTTP {code} {text}", url, "HTTPError")
-        err.status = code
-        return err
+            size = f" (the file holds {total} bytes)" if total is not None else ""
+            err = read_error(f"range not satisfiable (HTTP 416){size}", url, "RangeNotSatisfiable")
+    else:
+        err = read_error(f"HTTP {code} {text}", url, "HTTPError")
+    err.status = code
+    return err

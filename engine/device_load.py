@@ -529,7 +529,7 @@ class DeviceLoad:
                     in_flight[s] = None
                     self.tracker.landed(parts)
                 handle, view = ring.slot(s)
-                if reader is not None and unit.source not in mappings:
+                if reader is not None and unit.source not in mappings and self.sources[unit.source].ranges is None:
                     mappings[unit.source] = copy_mapping(self.sources[unit.source].fd)
                 self._read_unit(unit, view, reader, mappings.get(unit.source))
                 src = self.sources[unit.source]
@@ -562,11 +562,14 @@ class DeviceLoad:
 
     def _read_unit(self, unit: Unit, view: memoryview, reader, mapping: mmap.mmap | None = None) -> None:
         src = self.sources[unit.source]
-        if self.fill is not None:
+        if self.fill is not None or src.ranges is not None:
             fill, reqs = self.fill, unit.requests
 
             def part(lo: int, hi: int) -> None:
                 for r, off in zip(reqs[lo:hi], unit.slot_offsets[lo:hi], strict=True):
+                    if src.ranges is not None:  # a remote file: one ranged GET per request
+                        src.ranges(r.offset, [view[off : off + r.nbytes]])
+                        continue
                     fill(src.fd, r, [view[off + p.request_offset : off + p.request_offset + p.nbytes]
                                      for p in r.pieces])
 

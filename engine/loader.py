@@ -41,7 +41,7 @@ from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
 from .reader import IOV_MAX
 from .sinks import fill_target, get_sink
 
-__all__ = ["stream", "load_into", "load_parts", "fill_parts", "Part"]
+__all__ = ["stream", "stream_parts", "load_into", "load_parts", "fill_parts", "Part"]
 
 
 def _open(path) -> tuple[int, str]:
@@ -60,12 +60,14 @@ def _advise_sequential(fd: int) -> None:
 
 class Part(NamedTuple):
     """One file's share of a load: an open descriptor, its header, the rows to read (file
-    order reads fastest) and the file's name for errors."""
+    order reads fastest) and the file's name for errors.  A remote file has ``fd`` -1 and
+    ``ranges`` (see :class:`engine.pipeline.Source`)."""
 
     fd: int
     header: Header
     rows: list[int]
     path: str | None = None
+    ranges: Callable[[int, Sequence[memoryview]], None] | None = None
 
 
 def _bases(parts: Sequence[Part]) -> list[int]:
@@ -107,6 +109,7 @@ def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -
             plan_reads(p.header.table.begins, p.header.table.ends, p.rows, p.header.data_start,
                        chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX),
             b,
+            p.ranges,
         )
         for p, b in zip(parts, bases, strict=True)
     ]
@@ -115,7 +118,8 @@ def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -
 def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int | None, **options) -> None:
     """The reads of every part into ``destination`` (keyed as :func:`_bases` says), one pipeline."""
     for p in parts:
-        _advise_sequential(p.fd)
+        if p.ranges is None:
+            _advise_sequential(p.fd)
     pipeline.run_sources(
         _sources(parts, bases, options.pop("chunk_bytes", None)),
         destination,
@@ -247,27 +251,69 @@ def stream(
     paths = list(path) if many else [path]
     if (stats or quantize is not None) and len(paths) != 1:
         raise ValueError("stats=True and quantize= stream one file at a time")
-    sink = get_sink(framework, device)
+    get_sink(framework, device)  # an unknown framework or device fails before a file is opened
     opened: list[tuple[int, str]] = []
-    cancel = threading.Event()
-    worker: threading.Thread | None = None
     try:
         for p in paths:
             opened.append(_open(p))
-        headers = [
-            read_header_fd(fd, path=sp, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+        files = [
+            Part(fd, read_header_fd(fd, path=sp, file_size=os.fstat(fd).st_size, max_header_size=max_header_size),
+                 [], sp)
             for fd, sp in opened
         ]
+        yield from stream_parts(
+            files, many=many, framework=framework, device=device, names=names, patterns=patterns,
+            predicate=predicate, layers=layers, threads=threads, chunk_bytes=chunk_bytes, per_tensor=per_tensor,
+            stats=stats, quantize=quantize, gpu_path=gpu_path, slot_bytes=slot_bytes,
+        )
+    finally:
+        for fd, _ in opened:
+            os.close(fd)
+
+
+def stream_parts(
+    files: Sequence[Part],
+    *,
+    many: bool,
+    framework: str = "pt",
+    device: Any = "cpu",
+    names: Iterable[str] | None = None,
+    patterns: str | Iterable[str] | None = None,
+    predicate: Callable[[str], bool] | None = None,
+    layers=None,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
+    per_tensor: bool = False,
+    stats: bool = False,
+    quantize=None,
+    gpu_path: str = "auto",
+    slot_bytes: int | None = None,
+) -> Iterator[tuple]:
+    """:func:`stream` over files whose headers are read (local and open, or remote with
+    ``ranges``); the parts' ``rows`` are ignored, the selection chooses them.  ``many``:
+    the files are the shards of one checkpoint (a name must be found in some file) rather
+    than one file.  The caller closes the files after the generator is done."""
+    if (stats or quantize is not None) and len(files) != 1:
+        raise ValueError("stats=True and quantize= stream one file at a time")
+    if stats and any(f.ranges is not None for f in files):
+        raise ValueError("stats=True folds statistics while reading local files; load a remote file, then "
+                         "call engine.stats on its tensors")
+    sink = get_sink(framework, device)
+    cancel = threading.Event()
+    worker: threading.Thread | None = None
+    headers = [f.header for f in files]
+    spaths = [f.path or "" for f in files]
+    try:
         if many:
-            selected = _select_many(headers, [sp for _, sp in opened], names, patterns, predicate, layers)
+            selected = _select_many(headers, spaths, names, patterns, predicate, layers)
         else:
-            selected = [_select(headers[0], opened[0][1], names, patterns, predicate, layers)]
-        parts = [Part(fd, h, rows, sp) for (fd, sp), h, rows in zip(opened, headers, selected, strict=True)]
+            selected = [_select(headers[0], spaths[0], names, patterns, predicate, layers)]
+        parts = [f._replace(rows=rows) for f, rows in zip(files, selected, strict=True)]
         bases = _bases(parts)
         where = {b + r: (i, r) for i, (p, b) in enumerate(zip(parts, bases, strict=True)) for r in p.rows}
         # statistics and quantization on the way (one file: its keys are its rows)
         hooks = None if many else onload_plan(
-            headers[0], selected[0], sink, stats=stats, quantize=quantize, path=opened[0][1]
+            headers[0], selected[0], sink, stats=stats, quantize=quantize, path=spaths[0]
         )
         if hooks is not None and sink.on_device:
             tensors, destination = hooks.destination(headers[0], selected[0], per_tensor)
@@ -276,7 +322,7 @@ def stream(
         collector = None
         if stats:
             rows0 = selected[0] if hooks is None else hooks.host_stats_rows(selected[0])
-            collector = StatsCollector(headers[0], rows0, opened[0][1])
+            collector = StatsCollector(headers[0], rows0, spaths[0])
 
         def result(key):
             i, r = where[key]
@@ -328,8 +374,6 @@ def stream(
         cancel.set()
         if worker is not None:
             worker.join()
-        for fd, _ in opened:
-            os.close(fd)
 
 
 def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:
@@ -422,6 +466,11 @@ def load_into(
         os.close(fd)
 
 
+def _nbytes(files: Sequence[Part], where: tuple[int, int]) -> int:
+    t = files[where[0]].header.table
+    return int(t.ends[where[1]]) - int(t.begins[where[1]])
+
+
 def fill_parts(
     files: Sequence[Part],
     tensors: Mapping[str, Any],
@@ -497,7 +546,7 @@ def fill_parts(
         out = []
         for f, r in zip(files, rows, strict=True):
             begins = f.header.table.begins
-            out.append(Part(f.fd, f.header, sorted(r, key=lambda x: int(begins[x])), f.path))
+            out.append(Part(f.fd, f.header, sorted(r, key=lambda x: int(begins[x])), f.path, f.ranges))
         return out
 
     def targets(parts: list[Part], bases: list[int], on_device: bool) -> dict[int, Any]:
@@ -510,16 +559,31 @@ def fill_parts(
                     out[b + r] = target.device_bytes() if on_device else target.host_bytes()
         return out
 
+    filled: list[str] = [n for n in tensors if _nbytes(files, found[n]) == 0]  # nothing to read
+
+    def tracked(parts: list[Part], bases: list[int]) -> Callable[[int], None]:
+        keys = {b + r: p.header.table.names[r] for p, b in zip(parts, bases, strict=True) for r in p.rows}
+        return lambda key: filled.append(keys[key])
+
     options = {"threads": threads, "chunk_bytes": chunk_bytes}
-    if any(host):
-        parts = parts_of(host)
-        bases = _bases(parts)
-        _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, False)), **options)
-    for dev, rows in device.items():
-        parts = parts_of(rows)
-        bases = _bases(parts)
-        dest = pipeline.Destination(device_targets=targets(parts, bases, True), device_ops=ops[dev])
-        _run(parts, bases, dest, gpu_path=gpu_path, **options)
+    try:
+        if any(host):
+            parts = parts_of(host)
+            bases = _bases(parts)
+            _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, False)),
+                 on_complete=tracked(parts, bases), **options)
+        for dev, rows in device.items():
+            parts = parts_of(rows)
+            bases = _bases(parts)
+            dest = pipeline.Destination(device_targets=targets(parts, bases, True), device_ops=ops[dev])
+            _run(parts, bases, dest, gpu_path=gpu_path, on_complete=tracked(parts, bases), **options)
+    except SafetensorError as err:
+        # the caller must be able to tell complete destinations from partly written ones
+        err.filled = sorted(filled)  # type: ignore[attr-defined]
+        note = f" ({len(filled)} of {len(tensors)} destinations were filled before the failure: see .filled)"
+        err.message = f"{err.message}{note}"
+        err.args = (err.message,)
+        raise
     wanted: list[set[int]] = [set() for _ in files]
     for i, row in found.values():
         wanted[i].add(row)

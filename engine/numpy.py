@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from . import writer
+from ._files import is_url
 from .errors import SerializationError
 from .file_handle import views
 from .header import parse_buffer
@@ -48,6 +49,10 @@ def load_file(filename, *, backend: str = "mmap") -> dict[str, np.ndarray]:
     Copies of tensor bytes: 0 with "mmap" (a page written is copied then, by the kernel),
     1 with "pread" (page cache to the array).
     """
+    if is_url(filename):  # parallel ranged reads straight into the arrays
+        from .remote_load import load
+
+        return load(filename, "numpy")
     with safe_open(filename, framework="numpy", backend=backend) as f:
         return f.get_tensors()
 

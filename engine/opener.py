@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import file_handle
+from ._files import is_url
 
-__all__ = ["safe_open", "load_into", "is_checkpoint_path"]
+__all__ = ["safe_open", "load_into", "stream", "is_checkpoint_path"]
 
 
 def is_checkpoint_path(path) -> bool:
@@ -66,8 +67,15 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
 
     Parameters, returns, errors and copies as :func:`engine.loader.load_into`; for a
     checkpoint the names come shard by shard (sorted shards), in file order within each,
-    and ``strict`` counts the tensors of every shard.
+    and ``strict`` counts the tensors of every shard.  An ``http(s)://``, ``s3://`` or other
+    fsspec URL loads with parallel ranged reads (:func:`engine.remote_load.load_into`).
+    When a load fails part way, the error's ``.filled`` names the destinations whose bytes
+    all landed.
     """
+    if is_url(path):
+        from . import remote_load
+
+        return remote_load.load_into(path, tensors, **options)
     if not is_checkpoint_path(path):
         from . import loader  # the threaded pipeline: opening a file needs none of it
 
@@ -78,3 +86,17 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
     max_header_size = options.pop("max_header_size", MAX_HEADER_SIZE)
     with Checkpoint(path, backend="pread", max_header_size=max_header_size) as c:
         return c.load_into(tensors, **options)
+
+
+def stream(path, **options):
+    """Yield ``(name, tensor)`` as each tensor finishes loading: :func:`engine.loader.stream`
+    for local files, :func:`engine.remote_load.stream` for a URL (``http(s)://``, ``s3://``
+    or another fsspec protocol: a file, an index or a prefix), with the same options."""
+    if is_url(path):
+        from . import remote_load
+
+        return remote_load.stream(path, **options)
+    from . import loader
+
+    return loader.stream(path, **options)
+

@@ -84,12 +84,19 @@ class Destination:
 
 class Source(NamedTuple):
     """One file of a load: an open descriptor, its name, its read plan, and the number added
-    to each piece's row to key the destination (distinct per file of one pipeline)."""
+    to each piece's row to key the destination (distinct per file of one pipeline).
+
+    A remote file has no descriptor (``fd`` is -1) and ``ranges`` instead:
+    ``ranges(offset, views)`` fills ``views`` back to back from the file at ``offset``
+    (:meth:`engine.remote_reads.RangeReads.reader`).  Worker threads then call it once per
+    request, each on its own connection.
+    """
 
     fd: int
     path: str | None
     requests: Sequence[Request]
     row_base: int = 0
+    ranges: Callable[[int, Sequence[memoryview]], None] | None = None
 
 
 class _Tracker:
@@ -254,8 +261,9 @@ def _batches(requests: Sequence[Request], limit: int):
 def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
     """Host destinations: each batch of requests is one native call that deals its bytes in
     pieces to ``threads`` native threads (started once for the load, no more than the load
-    has pieces), GIL released; with ``fill``, worker threads take whole requests instead."""
-    if fill is not None:
+    has pieces), GIL released; with ``fill``, or for remote files, worker threads take whole
+    requests instead."""
+    if fill is not None or any(s.ranges is not None for s in sources):
         _run_host_fill(sources, dest, tracker, cancel, threads or default_threads(), fill)
         return
     views = dest.host_views
@@ -304,7 +312,10 @@ def _run_host_fill(sources, dest, tracker, cancel, threads, fill) -> None:
             src, req = item
             base = src.row_base
             targets = [views[base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes] for p in req.pieces]
-            fill(src.fd, req, targets)
+            if src.ranges is not None:
+                src.ranges(req.offset, targets)
+            else:
+                fill(src.fd, req, targets)
             tracker.landed((base + p.row, p.nbytes) for p in req.pieces)
 
     run_threads([worker] * max(1, min(threads, len(work))), on_error=cancel.set)

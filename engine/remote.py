@@ -27,21 +27,17 @@ from __future__ import annotations
 import os
 import posixpath
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from ._http import Client, read_error
-from .checkpoint import CheckpointInfo, index_problems, parse_index, read_checkpoint_info
+from ._remote_files import RemoteSource, is_index
+from .checkpoint import CheckpointInfo, index_problems, read_checkpoint_info
 from .errors import (
     CheckpointIndexError,
-    HeaderError,
-    MissingDependencyError,
-    MissingShardError,
-    ReadError,
     RemoteFileNotFoundError,
     TensorNotFoundError,
 )
-from .header import MAX_HEADER_SIZE, Header, checked_length, parse_header
+from .header import MAX_HEADER_SIZE, Header
 from .reader import map_threads
 
 __all__ = [
@@ -63,205 +59,8 @@ DEFAULT_MAX_REDIRECTS = 5
 _MAX_WORKERS = 8
 
 
-def _is_index(url: str) -> bool:
-    return urllib.parse.urlsplit(url).path.endswith(".json")
-
-
-# --------------------------------------------------------------------------- content checks
-
-
-def _length(prefix: bytes, total: int, max_header_size: int, url: str, content_type: str | None) -> int:
-    """Header length ``N`` from the first bytes, validated; the error names what the body is."""
-    try:
-        return checked_length(prefix, total, max_header_size, content_type=content_type, remote=True)
-    except HeaderError as err:
-        err.path = url
-        raise
-
-
-def _parse(buf: bytes | bytearray, total: int, n: int, url: str) -> Header:
-    try:
-        table = parse_header(buf, total - 8 - n)
-    except HeaderError as err:
-        err.path = url
-        raise
-    return Header(table, file_size=total, path=url)
-
-
-# --------------------------------------------------------------------------- HTTP
-
-
-def _http_header(http: Client, url: str, max_header_size: int, not_found=None) -> Header:
-    """Two ranged GETs (one if the server ignores Range): the length, then the header."""
-    with http.open(url, 0, 7, not_found=not_found) as r:
-        total = r.total
-        if total is None:
-            what = "Content-Range total" if r.partial else "Content-Length"
-            raise read_error(
-                f"the server did not say how large the file is (no {what}); the size is needed to check "
-                "the header against the data region",
-                url,
-                "UnknownSize",
-            )
-        if r.partial and r.first != 0:
-            raise read_error(f"asked for bytes 0-7, the server sent bytes {r.first}-{r.last}", url, "BadRange")
-        prefix = bytes(r.read_exact(min(8, total)))
-        n = _length(prefix, total, max_header_size, url, r.content_type)
-        if not r.partial:
-            # the server ignored Range: keep reading this body for the header, then hang up
-            return _parse(r.read_exact(n), total, n, url)
-    if n == 0:
-        return _parse(b"", total, n, url)
-    with http.open(url, 8, 7 + n) as r:
-        if r.partial:
-            if r.first != 8 or r.last != 7 + n:
-                raise read_error(f"asked for bytes 8-{7 + n}, the server sent {r.first}-{r.last}", url, "BadRange")
-        else:
-            r.skip(8)
-        if r.total is not None and r.total != total:
-            raise read_error(
-                f"the file changed between two requests ({total} bytes, then {r.total})", url, "FileChanged"
-            )
-        return _parse(r.read_exact(n), total, n, url)
-
-
-def _http_range_into(http: Client, url: str, offset: int, view: memoryview, total: int) -> None:
-    with http.open(url, offset, offset + len(view) - 1) as r:
-        if r.partial:
-            if r.first != offset:
-                raise read_error(
-                    f"asked for bytes from {offset}, the server sent bytes from {r.first}", url, "BadRange"
-                )
-        else:
-            r.skip(offset)
-        if r.total is not None and r.total != total:
-            raise read_error(
-                f"the file changed since its header was read ({total} bytes, now {r.total})", url, "FileChanged"
-            )
-        r.readinto(view)
-
-
-# --------------------------------------------------------------------------- fsspec
-
-
-def _fsspec():
-    try:
-        import fsspec
-    except ImportError:
-        raise MissingDependencyError("fsspec", "remote", "reading remote checkpoints other than http(s)") from None
-    return fsspec
-
-
-class _Fs:
-    """Ranged reads through an fsspec file system."""
-
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
-        fsspec = _fsspec()
-        try:
-            self.fs, self.root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-        except ImportError as exc:
-            scheme = urllib.parse.urlsplit(url).scheme
-            err = MissingDependencyError(str(getattr(exc, "name", None) or scheme), "remote", f"{scheme}://")
-            err.message = f"the {scheme}:// protocol needs an fsspec implementation: {exc}"
-            err.args = (err.message,)
-            raise err from None
-        except ValueError as exc:
-            raise read_error(f"fsspec cannot open this URL: {exc}", url, "InvalidURL") from None
-
-    def _call(self, url: str, fn: Callable[[], Any], not_found=None):
-        try:
-            return fn()
-        except FileNotFoundError:
-            raise (not_found or RemoteFileNotFoundError)("not found", path=url) from None
-        except (OSError, TimeoutError) as exc:
-            raise read_error(f"reading failed: {exc}", url, "IoError") from None
-
-    def url(self, path: str) -> str:
-        return self.fs.unstrip_protocol(path)
-
-    def header(self, path: str, max_header_size: int, not_found=None) -> Header:
-        url = self.url(path)
-        total = int(self._call(url, lambda: self.fs.size(path), not_found))
-        prefix = self.read(path, 0, min(8, total))
-        n = _length(prefix, total, max_header_size, url, None)
-        return _parse(self.read(path, 8, n), total, n, url)
-
-    def read(self, path: str, offset: int, size: int) -> bytes:
-        if size == 0:
-            return b""
-        url = self.url(path)
-        data = self._call(url, lambda: self.fs.cat_file(path, start=offset, end=offset + size))
-        if len(data) != size:
-            raise read_error(
-                f"asked for {size} bytes at offset {offset}, got {len(data)} (truncated?)",
-                url,
-                "ShortRead",
-                offset=offset,
-                size=size,
-            )
-        return data
-
-    def read_all(self, path: str, limit: int, what: str) -> bytes:
-        url = self.url(path)
-        size = int(self._call(url, lambda: self.fs.size(path)))
-        if size > limit:
-            raise read_error(f"{what} is {size} bytes, more than the limit of {limit}", url, "TooLarge")
-        return self._call(url, lambda: self.fs.cat_file(path))
-
-
-# --------------------------------------------------------------------------- public
-
-
-class _Source:
-    """One remote checkpoint: the transport and how shard names become locations."""
-
-    def __init__(self, url: str, *, headers, timeout, max_redirects, storage_options) -> None:
-        self.url = url
-        scheme = urllib.parse.urlsplit(url).scheme.lower()
-        if scheme in ("http", "https"):
-            self.http: Client | None = Client(headers, timeout, max_redirects)
-            self.fs: _Fs | None = None
-        elif len(scheme) > 1:
-            self.http = None
-            self.fs = _Fs(url, storage_options)
-        else:
-            raise ReadError(f"{url!r} is not a URL (expected http(s):// or an fsspec protocol)", reason="InvalidURL")
-
-    def shard(self, name: str) -> str:
-        """Location of a shard named by the index (the name is already checked as safe)."""
-        if self.http is not None:
-            return urllib.parse.urljoin(self.url, urllib.parse.quote(name, safe="/"))
-        assert self.fs is not None
-        return posixpath.join(posixpath.dirname(self.fs.root), name)
-
-    def header(self, where: str, max_header_size: int, *, shard: bool = False) -> Header:
-        not_found = MissingShardError if shard else None
-        if self.http is not None:
-            return _http_header(self.http, where, max_header_size, not_found)
-        assert self.fs is not None
-        return self.fs.header(where, max_header_size, not_found)
-
-    def index(self, max_size: int) -> tuple[dict[str, Any], dict[str, str]]:
-        if self.http is not None:
-            with self.http.open(self.url) as r:
-                data = r.read_all(max_size, "the index")
-        else:
-            assert self.fs is not None
-            data = self.fs.read_all(self.fs.root, max_size, "the index")
-        return parse_index(data, source=self.url)
-
-    def read_into(self, where: str, offset: int, view: memoryview, total: int) -> None:
-        if not len(view):
-            return
-        if self.http is not None:
-            _http_range_into(self.http, where, offset, view, total)
-        else:
-            assert self.fs is not None
-            view[:] = self.fs.read(where, offset, len(view))
-
-
-def _source(url, headers, timeout, max_redirects, storage_options) -> _Source:
-    return _Source(
+def _source(url, headers, timeout, max_redirects, storage_options) -> RemoteSource:
+    return RemoteSource(
         os.fspath(url), headers=headers, timeout=timeout, max_redirects=max_redirects, storage_options=storage_options
     )
 
@@ -299,7 +98,7 @@ def read_header(
     of the first; copies of tensor bytes: 0.
     """
     src = _source(url, headers, timeout, max_redirects, storage_options)
-    return src.header(src.url if src.http is not None else src.fs.root, max_header_size)  # type: ignore[union-attr]
+    return src.header(src.root, max_header_size)
 
 
 def read_metadata(
@@ -380,9 +179,8 @@ def read_metadata(
     if len(urllib.parse.urlsplit(spath).scheme) <= 1:  # no scheme, or a Windows drive letter
         return read_checkpoint_info(spath, max_header_size=max_header_size, max_workers=max_workers)
     src = _source(spath, headers, timeout, max_redirects, storage_options)
-    if not _is_index(spath):
-        root = src.url if src.http is not None else src.fs.root  # type: ignore[union-attr]
-        header = src.header(root, max_header_size)
+    if not is_index(spath):
+        header = src.header(src.root, max_header_size)
         name = posixpath.basename(urllib.parse.urlsplit(spath).path) or spath
         return CheckpointInfo(spath, {name: header})
     metadata, weight_map = src.index(max_header_size)
@@ -456,9 +254,8 @@ def get_tensor(
     sink = get_sink(framework, device)
     spath = os.fspath(url)
     src = _source(spath, headers, timeout, max_redirects, storage_options)
-    root = src.url if src.http is not None else src.fs.root  # type: ignore[union-attr]
-    where, shard = root, False
-    if _is_index(spath):
+    where, shard = src.root, False
+    if is_index(spath):
         _, weight_map = src.index(max_header_size)
         if name not in weight_map:
             raise TensorNotFoundError.for_name(name, list(weight_map), where="checkpoint", path=spath)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from . import dtypes, writer
+from ._files import is_url
 from .errors import SerializationError
 from .file_handle import views
 from .header import parse_buffer
@@ -55,7 +56,9 @@ def load_file(
     filename : str or os.PathLike
         A ``.safetensors`` file, or a sharded checkpoint (its directory or its
         ``model.safetensors.index.json``), whose shards load as one (see
-        :meth:`engine.checkpoint.Checkpoint.get_tensors`).
+        :meth:`engine.checkpoint.Checkpoint.get_tensors`); or an ``http(s)://``, ``s3://``
+        or other fsspec URL of a file, an index or a prefix, loaded by parallel ranged
+        reads (:func:`engine.remote_load.load`; ``backend`` does not apply).
     device : str, int or torch.device, default "cpu"
         Any torch device: CUDA loads stream through pinned staging buffers; other devices
         (``"mps"``, ``"xpu"``, ...) receive the CPU tensors through ``.to()``.
@@ -74,6 +77,10 @@ def load_file(
     whatever the backend: 2 on the copy path (page cache to a pinned slot, then DMA), 1 on
     the register path (DMA from the page cache); see :mod:`engine.pipeline`.
     """
+    if is_url(filename):  # parallel ranged reads straight into the tensors
+        from .remote_load import load
+
+        return load(filename, "pt", device)
     with safe_open(filename, framework="pt", device=device, backend=backend) as f:
         return f.get_tensors()
 

@@ -34,6 +34,7 @@ FLOORS: dict[str, int] = {
     "_atomic": 0,
     "_http": 0,
     "_threads": 0,
+    "_s3": 0,
     # bytes -> validated table
     "_header": 1,
     "header": 1,
@@ -48,6 +49,7 @@ FLOORS: dict[str, int] = {
     "reader": 3,
     "pipeline": 3,
     "device_load": 3,
+    "remote_reads": 3,
     # destinations and the kernels that run where the bytes land
     "sinks": 4,
     "sinks._host": 4,
@@ -81,11 +83,13 @@ FLOORS: dict[str, int] = {
     "checkpoint": 6,
     "checkpoint_info": 6,
     "shards": 6,
+    "_remote_files": 6,
     # applications; the framework modules take a file or a whole checkpoint
     "opener": 7,
     "numpy": 7,
     "torch": 7,
     "remote": 7,
+    "remote_load": 7,
     "distributed": 7,
     "tp_slices": 7,
     "tp_direct": 7,
@@ -252,7 +256,7 @@ def climbing(name: str, targets: set[str]) -> list[str]:
 #: subpackage (``sinks.torch`` -> ``sinks._cudart``): every other same-floor edge is a
 #: decision, written here, so that (say) a sink never quietly starts to import a kernel
 SAME_FLOOR: set[tuple[str, str]] = {
-    ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"),
+    ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"), ("_s3", "errors"),
     ("header", "_header"), ("_header_encode", "header"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"),
     ("device", "numerics.device"), ("quantize", "numerics.quantize"), ("statistics", "numerics.statistics"),
@@ -261,6 +265,7 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("distributed", "tp_broadcast"), ("distributed", "tp_direct"), ("tp_direct", "tp_slices"),
     ("tp_broadcast", "tp_slices"), ("tp_direct", "opener"), ("tp_broadcast", "opener"), ("tp_slices", "opener"),
     ("numpy", "opener"), ("torch", "opener"),
+    ("remote_load", "remote"), ("opener", "remote_load"), ("torch", "remote_load"), ("numpy", "remote_load"),
     ("__main__", "cli"), ("cli", "demo"),
     ("cli", "_cli_output"), ("cli", "_cli_convert"), ("cli", "_cli_bench"),
     ("_cli_convert", "_cli_output"), ("_cli_bench", "_cli_output"),
@@ -393,5 +398,5 @@ def test_checker_catches_a_planted_same_floor_import():
 
 
 def test_the_package_root_resolves_to_the_defining_module():
-    assert imports_of("plan", "from engine import stream, SafetensorError, reader\n") == {"loader", "errors", "reader"}
+    assert imports_of("plan", "from engine import stream, SafetensorError, reader\n") == {"opener", "errors", "reader"}
     assert imports_of("plan", "from engine import no_such_name\n") == {ROOT}

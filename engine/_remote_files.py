@@ -1,0 +1,391 @@
+"""Where a remote checkpoint's files are and how their headers are read: HTTP, S3, fsspec.
+
+Shared by :mod:`engine.remote` (headers, single tensors) and :mod:`engine.remote_load`
+(whole loads).  A :class:`RemoteSource` is made from one URL and knows its transport:
+
+``http://``, ``https://``
+    :mod:`engine._http` (exact request counts, one deadline per call).
+``s3://bucket/key``
+    The same client, each request signed by :class:`engine._s3.S3Config` (botocore's
+    credentials, region and endpoint; anonymous when there are none).
+any other fsspec protocol
+    Through :mod:`fsspec` (the ``remote`` extra).
+
+The header of a file costs two ranged GETs (its length, then the header); an index one GET;
+an S3 prefix one ``ListObjectsV2`` per 1000 keys.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ._files import is_url
+from ._http import Client, read_error
+from ._s3 import S3Config, parse_listing, split_s3_url
+from .checkpoint_index import parse_index
+from .errors import (
+    HeaderError,
+    MissingDependencyError,
+    MissingShardError,
+    ReadError,
+    RemoteFileNotFoundError,
+    SafetensorError,
+)
+from .header import Header, checked_length, parse_header
+from .remote_reads import RangeReads, RemoteFile
+
+__all__ = ["RemoteSource", "is_index", "is_url", "INDEX_NAME", "SINGLE_NAME"]
+
+#: What a prefix (``.../``) is looked up as, in this order: the index, then one file.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def is_index(url: str) -> bool:
+    return urllib.parse.urlsplit(url).path.endswith(".json")
+
+
+# --------------------------------------------------------------------------- content checks
+
+
+def _length(prefix: bytes, total: int, max_header_size: int, url: str, content_type: str | None) -> int:
+    """Header length ``N`` from the first bytes, validated; the error names what the body is."""
+    try:
+        return checked_length(prefix, total, max_header_size, content_type=content_type, remote=True)
+    except HeaderError as err:
+        err.path = url
+        raise
+
+
+def _parse(buf: bytes | bytearray, total: int, n: int, url: str) -> Header:
+    try:
+        table = parse_header(buf, total - 8 - n)
+    except HeaderError as err:
+        err.path = url
+        raise
+    return Header(table, file_size=total, path=url)
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def _http_header(http: Client, url: str, max_header_size: int, not_found=None, etags=None) -> Header:
+    """Two ranged GETs (one if the server ignores Range): the length, then the header.
+    ``etags``, a dict, receives ``url -> ETag`` (or ``None``) of the first answer."""
+    with http.open(url, 0, 7, not_found=not_found) as r:
+        if etags is not None:
+            etags[url] = r.etag
+        total = r.total
+        if total is None:
+            what = "Content-Range total" if r.partial else "Content-Length"
+            raise read_error(
+                f"the server did not say how large the file is (no {what}); the size is needed to check "
+                "the header against the data region",
+                url,
+                "UnknownSize",
+            )
+        if r.partial and r.first != 0:
+            raise read_error(f"asked for bytes 0-7, the server sent bytes {r.first}-{r.last}", url, "BadRange")
+        prefix = bytes(r.read_exact(min(8, total)))
+        n = _length(prefix, total, max_header_size, url, r.content_type)
+        if not r.partial:
+            # the server ignored Range: keep reading this body for the header, then hang up
+            return _parse(r.read_exact(n), total, n, url)
+    if n == 0:
+        return _parse(b"", total, n, url)
+    with http.open(url, 8, 7 + n) as r:
+        if r.partial:
+            if r.first != 8 or r.last != 7 + n:
+                raise read_error(f"asked for bytes 8-{7 + n}, the server sent {r.first}-{r.last}", url, "BadRange")
+        else:
+            r.skip(8)
+        if (r.total is not None and r.total != total) or (
+            etags is not None and r.etag and etags.get(url) and r.etag != etags[url]
+        ):
+            raise read_error(
+                f"the file changed between two requests ({total} bytes, then {r.total})", url, "FileChanged"
+            )
+        return _parse(r.read_exact(n), total, n, url)
+
+
+def _http_range_into(http: Client, url: str, offset: int, view: memoryview, total: int) -> None:
+    with http.open(url, offset, offset + len(view) - 1) as r:
+        if r.partial:
+            if r.first != offset:
+                raise read_error(
+                    f"asked for bytes from {offset}, the server sent bytes from {r.first}", url, "BadRange"
+                )
+        else:
+            r.skip(offset)
+        if r.total is not None and r.total != total:
+            raise read_error(
+                f"the file changed since its header was read ({total} bytes, now {r.total})", url, "FileChanged"
+            )
+        r.readinto(view)
+
+
+# --------------------------------------------------------------------------- fsspec
+
+
+def _fsspec():
+    try:
+        import fsspec
+    except ImportError:
+        raise MissingDependencyError("fsspec", "remote", "reading remote checkpoints other than http(s)") from None
+    return fsspec
+
+
+class _Fs:
+    """Ranged reads through an fsspec file system."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        fsspec = _fsspec()
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        except ImportError as exc:
+            scheme = urllib.parse.urlsplit(url).scheme
+            err = MissingDependencyError(str(getattr(exc, "name", None) or scheme), "remote", f"{scheme}://")
+            err.message = f"the {scheme}:// protocol needs an fsspec implementation: {exc}"
+            err.args = (err.message,)
+            raise err from None
+        except ValueError as exc:
+            raise read_error(f"fsspec cannot open this URL: {exc}", url, "InvalidURL") from None
+
+    def _call(self, url: str, fn: Callable[[], Any], not_found=None):
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise (not_found or RemoteFileNotFoundError)("not found", path=url) from None
+        except (OSError, TimeoutError) as exc:
+            raise read_error(f"reading failed: {exc}", url, "IoError") from None
+
+    def url(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def header(self, path: str, max_header_size: int, not_found=None) -> Header:
+        url = self.url(path)
+        total = int(self._call(url, lambda: self.fs.size(path), not_found))
+        prefix = self.read(path, 0, min(8, total))
+        n = _length(prefix, total, max_header_size, url, None)
+        return _parse(self.read(path, 8, n), total, n, url)
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        if size == 0:
+            return b""
+        url = self.url(path)
+        data = self._call(url, lambda: self.fs.cat_file(path, start=offset, end=offset + size))
+        if len(data) != size:
+            raise read_error(
+                f"asked for {size} bytes at offset {offset}, got {len(data)} (truncated?)",
+                url,
+                "ShortRead",
+                offset=offset,
+                size=size,
+            )
+        return data
+
+    def read_all(self, path: str, limit: int, what: str) -> bytes:
+        url = self.url(path)
+        size = int(self._call(url, lambda: self.fs.size(path)))
+        if size > limit:
+            raise read_error(f"{what} is {size} bytes, more than the limit of {limit}", url, "TooLarge")
+        return self._call(url, lambda: self.fs.cat_file(path))
+
+
+
+# --------------------------------------------------------------------------- the source
+
+
+class RemoteSource:
+    """One remote checkpoint URL: its transport and how names become locations.
+
+    Parameters
+    ----------
+    url : str
+    headers, timeout, max_redirects, storage_options
+        As :func:`engine.remote.read_metadata` takes them.
+    s3 : mapping, optional
+        ``endpoint_url``, ``region``, ``profile``, ``anonymous`` for ``s3://``
+        (:class:`engine._s3.S3Config`).
+
+    Locations (``where``) are what the transport requests: an http(s) URL (also for S3,
+    signed on each request) or an fsspec path; :meth:`display` turns one back into the URL
+    the user knows, for messages.
+    """
+
+    def __init__(self, url: str, *, headers, timeout, max_redirects, storage_options,
+                 s3: Mapping[str, Any] | None = None) -> None:
+        self.url = url
+        self.headers = dict(headers or {})
+        self.etags: dict[str, str | None] = {}
+        self.s3: S3Config | None = None
+        self.fs: _Fs | None = None
+        self.http: Client | None = None
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        if scheme in ("http", "https"):
+            self.http = Client(headers, timeout, max_redirects)
+            self.root = url
+        elif scheme == "s3" and not storage_options:
+            self.bucket, self.key = split_s3_url(url)
+            self.s3 = S3Config(**dict(s3 or {}))
+            self.http = Client(headers, timeout, max_redirects, sign=self.s3.headers)
+            self.root = self.s3.http_url(self.bucket, self.key)
+        elif len(scheme) > 1:
+            self.fs = _Fs(url, storage_options)
+            self.root = self.fs.root
+        else:
+            raise ReadError(f"{url!r} is not a URL (expected http(s)://, s3:// or an fsspec protocol)",
+                            reason="InvalidURL")
+
+    def display(self, where: str) -> str:
+        """The URL a user would write for a location."""
+        if self.s3 is not None:
+            prefix = self.s3.http_url(self.bucket, "")
+            if where.startswith(prefix):
+                return f"s3://{self.bucket}/{urllib.parse.unquote(where[len(prefix):])}"
+        if self.fs is not None:
+            return self.fs.url(where)
+        return where
+
+    def _named(self, where: str, fn: Callable[[], Any]):
+        """Errors name the user's URL (an S3 location is an http URL on the wire)."""
+        try:
+            return fn()
+        except SafetensorError as err:
+            if self.s3 is not None and isinstance(err.path, str) and err.path == where:
+                err.path = self.display(where)
+            raise
+
+    def shard(self, name: str) -> str:
+        """Location of a shard named by the index (the name is already checked as safe)."""
+        if self.s3 is not None:
+            key = posixpath.join(posixpath.dirname(self.key), name)
+            return self.s3.http_url(self.bucket, key)
+        if self.http is not None:
+            return urllib.parse.urljoin(self.url, urllib.parse.quote(name, safe="/"))
+        assert self.fs is not None
+        return posixpath.join(posixpath.dirname(self.fs.root), name)
+
+    def header(self, where: str, max_header_size: int, *, shard: bool = False) -> Header:
+        not_found = MissingShardError if shard else None
+        if self.http is not None:
+            http = self.http
+            return self._named(where, lambda: _http_header(http, where, max_header_size, not_found, self.etags))
+        assert self.fs is not None
+        return self.fs.header(where, max_header_size, not_found)
+
+    def index(self, max_size: int, where: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+        where = where or self.root
+        if self.http is not None:
+            http = self.http
+
+            def get() -> bytes:
+                with http.open(where) as r:
+                    return r.read_all(max_size, "the index")
+
+            data = self._named(where, get)
+        else:
+            assert self.fs is not None
+            data = self.fs.read_all(where, max_size, "the index")
+        return parse_index(data, source=self.display(where))
+
+    def read_into(self, where: str, offset: int, view: memoryview, total: int) -> None:
+        if not len(view):
+            return
+        if self.http is not None:
+            http = self.http
+            self._named(where, lambda: _http_range_into(http, where, offset, view, total))
+        else:
+            assert self.fs is not None
+            view[:] = self.fs.read(where, offset, len(view))
+
+    # -- what a URL holds ----------------------------------------------------------------
+
+    def layout(self, max_size: int) -> tuple[str, list[str]]:
+        """What the URL names: ``("file", [location])``, ``("index", [location])`` or, for
+        a prefix, whichever of :data:`INDEX_NAME` / :data:`SINGLE_NAME` it holds (an S3
+        prefix also: every ``.safetensors`` right under it, as one checkpoint)."""
+        if self.s3 is not None:
+            if self.key.endswith(".json"):
+                return "index", [self.root]
+            if self.key.endswith(".safetensors"):
+                return "file", [self.root]
+            return self._s3_prefix(max_size)
+        path = urllib.parse.urlsplit(self.url).path if self.http is not None else self.root
+        if is_index(self.url):
+            return "index", [self.root]
+        if not path.endswith("/"):
+            return "file", [self.root]
+        for name, kind in ((INDEX_NAME, "index"), (SINGLE_NAME, "file")):
+            where = self.shard_of_prefix(name)
+            try:
+                if kind == "index":
+                    self.index(max_size, where)  # fetched again by the caller: an index is small
+                else:
+                    self.header(where, max_size)
+            except RemoteFileNotFoundError:
+                continue
+            return kind, [where]
+        raise RemoteFileNotFoundError(
+            f"neither {INDEX_NAME} nor {SINGLE_NAME} under this prefix", path=self.url
+        )
+
+    def shard_of_prefix(self, name: str) -> str:
+        if self.http is not None:
+            return urllib.parse.urljoin(self.url, name)
+        assert self.fs is not None
+        return posixpath.join(self.root, name)
+
+    def _s3_prefix(self, max_size: int) -> tuple[str, list[str]]:
+        assert self.s3 is not None and self.http is not None
+        prefix = self.key if not self.key or self.key.endswith("/") else self.key + "/"
+        keys: list[str] = []
+        token: str | None = None
+        http = self.http
+        for _ in range(1000):  # 1000 pages of 1000 keys
+            where = self.s3.list_url(self.bucket, prefix, token)
+
+            def page(where=where) -> bytes:
+                with http.open(where) as r:
+                    return r.read_all(64 << 20, "the listing")
+
+            body = self._named(where, page)
+            try:
+                found, token = parse_listing(body)
+            except Exception as exc:  # an S3-compatible server that answers something else
+                raise read_error(f"the listing is not S3 XML: {exc}", self.url, "HTTPError") from None
+            keys += [k for k, _ in found if "/" not in k[len(prefix):]]
+            if not token:
+                break
+        if prefix + INDEX_NAME in keys:
+            return "index", [self.s3.http_url(self.bucket, prefix + INDEX_NAME)]
+        files = sorted(k for k in keys if k.endswith(".safetensors"))
+        if not files:
+            raise RemoteFileNotFoundError(f"no .safetensors file and no {INDEX_NAME} under this prefix",
+                                          path=self.url)
+        return ("file" if len(files) == 1 else "files"), [self.s3.http_url(self.bucket, k) for k in files]
+
+    # -- bulk reads ----------------------------------------------------------------------
+
+    def ranges(self, where: str, header: Header, reads: RangeReads) -> Callable[[int, Sequence[memoryview]], None]:
+        """``read(offset, views)`` for the bulk reads of one file of a load."""
+        if self.http is not None:
+            assert self.http is not None
+            final = self.http.resolved.get(where, (where, None))[0]
+            file = RemoteFile(final, header.file_size, self.etags.get(where), self.display(where))
+            return reads.reader(file)
+        fs = self.fs
+        assert fs is not None
+
+        def read(offset: int, views: Sequence[memoryview]) -> None:
+            # fsspec returns bytes: one copy more than the HTTP and S3 paths
+            data = memoryview(fs.read(where, offset, sum(len(v) for v in views)))
+            pos = 0
+            for v in views:
+                v[:] = data[pos : pos + len(v)]
+                pos += len(v)
+
+        return read

@@ -1,0 +1,189 @@
+"""Whole loads from HTTP(S), S3 and fsspec URLs: parallel ranged reads into the destination.
+
+``engine.stream(url)``, ``engine.torch.load_file(url)``, ``engine.load_into(url, tensors)``
+and ``engine.load_tensor_parallel(url, ...)`` come here.  A URL names one
+``.safetensors`` file, a ``*.safetensors.index.json``, or a prefix ending in ``/`` (which
+holds ``model.safetensors.index.json`` or ``model.safetensors``; an S3 prefix may also hold
+several ``.safetensors`` files and no index).
+
+How the bytes move: the headers come from two ranged GETs per file
+(:mod:`engine._remote_files`); the selected tensors are planned as for local files
+(:func:`engine.plan.plan_reads`, requests of ``chunk_bytes``), and the pipeline's worker
+threads, ``connections`` of them, each take the next request of any shard and receive its
+body on a keep-alive connection straight into the destination tensor's memory (CPU), or
+into a pinned staging slot that is then copied to the device (CUDA), through
+:mod:`engine.remote_reads` (deadlines, retries, ``If-Match``).  Tensors are handed out as
+their last byte lands.
+
+Host memory: CPU destinations need none beyond the tensors themselves (each body is
+received into them; the kernel's socket buffers and one 4 MiB receive per connection at a
+time); CUDA destinations hold the pinned staging slots of :mod:`engine.pipeline`,
+``2 * slot_bytes``, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ._remote_files import RemoteSource, is_url
+from .checkpoint import index_problems
+from .errors import CheckpointIndexError
+from .header import MAX_HEADER_SIZE
+from .loader import Part, fill_parts, stream_parts
+from .reader import map_threads
+from .remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
+from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry
+
+__all__ = ["stream", "load", "load_into", "open_parts", "is_url", "DEFAULT_CHUNK_BYTES", "Retry"]
+
+#: Bytes per ranged GET: measured best on loopback by ``scripts/bench_remote.py --sweep``.
+DEFAULT_CHUNK_BYTES = 16 << 20
+#: Per ranged GET for CUDA destinations: a staging slot is then filled by several
+#: connections at once.
+DEVICE_CHUNK_BYTES = 8 << 20
+
+
+class RemoteParts:
+    """The open files of one remote load: parts for :mod:`engine.loader` and the shared
+    :class:`~engine.remote_reads.RangeReads` (close it after the load)."""
+
+    def __init__(self, parts: list[Part], reads: RangeReads, source: str, many: bool) -> None:
+        self.parts = parts
+        self.reads = reads
+        self.source = source
+        self.many = many
+
+    def close(self) -> None:
+        self.reads.close()
+
+    def __enter__(self) -> RemoteParts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_parts(
+    url: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_redirects: int = DEFAULT_MAX_REDIRECTS,
+    storage_options: Mapping[str, Any] | None = None,
+    s3: Mapping[str, Any] | None = None,
+    connections: int | None = None,
+    retry: Retry | None = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+    max_shards: int = DEFAULT_MAX_SHARDS,
+) -> RemoteParts:
+    """Read the headers of every file a URL names, ready to load (see the module doc).
+
+    Requests: 2 per file (length, header), plus 1 for an index and 1 per 1000 keys of an
+    S3 prefix; shards' headers are fetched concurrently.
+    """
+    spath = os.fspath(url)
+    src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
+                       storage_options=storage_options, s3=s3)
+    kind, wheres = src.layout(max_header_size)
+    if kind == "index":
+        index_at = wheres[0]
+        _, weight_map = src.index(max_header_size, index_at)
+        names = sorted(set(weight_map.values()))
+        if len(names) > max_shards:
+            raise CheckpointIndexError(
+                f"the index names {len(names)} shards, more than the limit of {max_shards} (raise max_shards)",
+                reason="TooManyShards", path=spath,
+            )
+        wheres = [src.shard(n) for n in names]
+    workers = connections or DEFAULT_CONNECTIONS
+    found = map_threads(lambda w: src.header(w, max_header_size, shard=kind == "index"), wheres,
+                        min(workers, max(1, len(wheres))), name="engine-remote")
+    if kind == "index":
+        problems = index_problems(weight_map, dict(zip(names, found, strict=True)), spath)
+        if problems:
+            raise problems[0]
+    reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
+                       sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
+    parts = [Part(-1, h, [], src.display(w), src.ranges(w, h, reads)) for w, h in zip(wheres, found, strict=True)]
+    return RemoteParts(parts, reads, spath, many=kind != "file")
+
+
+def _remote_options(kw: dict) -> dict:
+    keys = ("headers", "timeout", "max_redirects", "storage_options", "s3", "connections", "retry",
+            "max_header_size", "max_shards")
+    return {k: kw.pop(k) for k in keys if k in kw}
+
+
+def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes: int | None = None,
+           connections: int | None = None, **options) -> Iterator[tuple]:
+    """:func:`engine.stream` of a URL: ``(name, tensor)`` as each tensor's last byte lands.
+
+    Parameters
+    ----------
+    url : str
+        ``http(s)://``, ``s3://`` or another fsspec URL of a file, an index or a prefix.
+    framework, device, names, patterns, predicate, layers, per_tensor, quantize, gpu_path, slot_bytes
+        As :func:`engine.stream` takes them (``stats=True`` needs a local file).
+    chunk_bytes : int, optional
+        Bytes per ranged GET (default 16 MiB; 8 MiB for CUDA destinations).
+    connections : int, optional
+        Parallel requests, each on its own keep-alive connection (default 8).
+    headers : mapping, optional
+        Sent with every request (``Authorization`` for a gated HTTP file).
+    timeout : float, optional
+        Seconds for each request (the headers' requests: for all of them together).
+    retry : Retry, optional
+        Tries per range and the backoff of transient failures.
+    s3 : mapping, optional
+        ``endpoint_url``, ``region``, ``profile``, ``anonymous``; by default from the
+        environment, as boto does.
+    storage_options : mapping, optional
+        For fsspec protocols (and for ``s3://`` through s3fs instead of natively).
+
+    Notes
+    -----
+    Copies of tensor bytes: CPU 1 (socket to tensor); CUDA 2 (socket to a pinned slot, DMA);
+    fsspec protocols one more (fsspec returns ``bytes``).
+    """
+    remote = _remote_options(options)
+    threads = options.pop("threads", None)
+    with open_parts(url, connections=connections or threads, **remote) as opened:
+        on_device = str(device) not in ("cpu",) and framework not in ("np", "numpy")
+        if chunk_bytes is None:
+            chunk_bytes = DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES
+        opened.reads.cancel.clear()
+        try:
+            yield from stream_parts(
+                opened.parts, many=opened.many, framework=framework, device=device,
+                threads=opened.reads.connections, chunk_bytes=chunk_bytes, **options,
+            )
+        finally:
+            opened.reads.cancel.set()  # a consumer that stopped early ends the waits between tries
+
+
+def load(url: str, framework: str = "pt", device: Any = "cpu", **options) -> dict[str, Any]:
+    """Every selected tensor of a URL, by name in sorted order (as ``safe_open.keys()``);
+    the options are those of :func:`stream`."""
+    out = dict(stream(url, framework=framework, device=device, **options))
+    return {k: out[k] for k in sorted(out)}
+
+
+def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chunk_bytes: int | None = None,
+              connections: int | None = None, gpu_path: str = "auto", **options) -> list[str]:
+    """:func:`engine.load_into` from a URL: fill existing tensors in place.
+
+    Every destination is checked against the headers before a byte of tensor data is
+    requested.  When the load fails part way, the error's ``.filled`` lists the names
+    whose bytes all landed; the others hold partly written bytes.  Copies of tensor bytes:
+    CPU 1 (socket to the tensor), CUDA 2.
+    """
+    remote = _remote_options(options)
+    if options:
+        raise TypeError(f"unexpected options: {sorted(options)}")
+    with open_parts(url, connections=connections, **remote) as opened:
+        on_device = any(getattr(t, "is_cuda", False) or type(t).__module__.startswith("cupy") for t in tensors.values())
+        chunk = chunk_bytes or (DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES)
+        return fill_parts(opened.parts, tensors, strict=strict, threads=opened.reads.connections,
+                          chunk_bytes=chunk, gpu_path=gpu_path, source=opened.source)

@@ -1,0 +1,416 @@
+"""Ranged reads of remote files for a load: keep-alive connections, deadlines and retries.
+
+The remote counterpart of :mod:`engine.reader`: the pipeline's workers call a file's
+:meth:`RangeReads.reader` with a file offset and the destination views of one planned
+request, and the bytes go from the socket straight into them (``recv_into`` on the
+connection, GIL released): no growing ``bytes``, no staging buffer on the host.
+
+* **Connections**: one keep-alive HTTP/1.1 connection per worker thread and host, opened on
+  first use and reused for every later range; so at most ``connections`` (the load's worker
+  count) per host.  The environment's proxies apply as in :mod:`engine._http`.
+* **Deadlines**: each request (connecting, the answer, the whole body) must finish within
+  ``timeout`` seconds; a server that trickles bytes cannot stretch it, as every socket wait
+  is limited to the time left.
+* **Retries**: a transient failure (connection refused or reset, a timeout, a body that
+  ends early, HTTP 408/429/500/502/503/504, S3's ``SlowDown``) is retried with capped
+  exponential backoff and full jitter, for the bytes of the request not yet landed, up to
+  ``Retry.attempts`` tries; anything else (403, 404, a file whose size or ETag changed, a
+  416) fails at once.  Every request after the header carries ``If-Match`` with the ETag
+  seen when the header was read, so a file replaced during the load is a ``FileChanged``
+  error, never a mix of two files.
+* **Errors** name the URL (without any user:password part), the byte range and the reason;
+  no request header, so no credential, appears in one.
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+from ._http import USER_AGENT, connection, content_range, error_body, error_code, read_error, status_error
+from .errors import SafetensorError
+
+__all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url"]
+
+#: Connections (and worker threads) per load: measured best on loopback by
+#: ``scripts/bench_remote.py --sweep``; raise it for a far-away server.
+DEFAULT_CONNECTIONS = 8
+#: Seconds allowed for each request: connecting, the answer and the whole body.
+DEFAULT_TIMEOUT = 60.0
+_REDIRECTS = (301, 302, 303, 307, 308)
+_TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_TRANSIENT_S3 = frozenset({"SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable", "Throttling"})
+_TRANSIENT_REASONS = frozenset({"ConnectionError", "Timeout", "ShortRead"})
+_STALL_S = 30.0  # longest single socket wait, so a deadline check comes round often
+_ERROR_BODY = 65536
+_PIECE = 4 << 20  # bytes per receive call, so the deadline is checked between them
+
+
+class Retry(NamedTuple):
+    """How transient failures are retried: ``attempts`` tries per range (the first
+    included); before try ``k`` a sleep drawn uniformly from ``[0, min(cap, base * 2**k)]``
+    seconds (full jitter)."""
+
+    attempts: int = 6
+    base: float = 0.1
+    cap: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.cap, self.base * (2.0 ** attempt)))
+
+
+class RemoteFile(NamedTuple):
+    """A remote file as its header request saw it: where it ended up after redirects, its
+    size, its ETag (``None`` where the server sends none) and the URL to name in errors."""
+
+    url: str
+    size: int
+    etag: str | None = None
+    name: str | None = None
+
+
+def public_url(url: str) -> str:
+    """``url`` without a ``user:password@`` part (for messages)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+class _Failed(Exception):
+    """A try that failed after ``landed`` bytes; ``error`` is what the caller would see."""
+
+    def __init__(self, error: SafetensorError, landed: int, transient: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.landed = landed
+        self.transient = transient
+
+
+class RangeReads:
+    """The ranged reads of one load, shared by its worker threads.
+
+    Parameters
+    ----------
+    connections : int
+        Worker threads the caller runs, and so keep-alive connections per host.
+    timeout : float
+        Seconds for each request.
+    retry : Retry
+    headers : mapping, optional
+        Sent with every request (``Authorization`` is dropped on a redirect to another host).
+    sign : callable, optional
+        ``sign(url) -> headers`` for each request (S3's SigV4, see :mod:`engine._s3`).
+    cancel : threading.Event, optional
+        Stops waiting between tries.
+    max_redirects : int
+    """
+
+    def __init__(self, *, connections: int = DEFAULT_CONNECTIONS, timeout: float = DEFAULT_TIMEOUT,
+                 retry: Retry | None = None, headers: Mapping[str, str] | None = None,
+                 sign: Callable[[str], Mapping[str, str]] | None = None, cancel: threading.Event | None = None,
+                 max_redirects: int = 5) -> None:
+        self.connections = max(1, int(connections))
+        self.timeout = float(timeout)
+        self.retry = retry or Retry()
+        self.headers = dict(headers or {})
+        self.sign = sign
+        self.cancel = cancel or threading.Event()
+        self.max_redirects = max_redirects
+        self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+        self._moved: dict[str, str] = {}  # a file's URL -> where its redirects ended
+        #: counters, for tests and benchmarks
+        self.requests = 0
+        self.retries = 0
+
+    # -- connections ------------------------------------------------------------------
+
+    def _connection(self, url: str, deadline: float) -> tuple[http.client.HTTPConnection, str, dict, bool]:
+        """An idle keep-alive connection to ``url``'s host, or a new one: ``(connection,
+        request target, extra headers, reused)``."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+            raise _Failed(read_error(f"cannot request {public_url(url)!r}: not an http(s) URL", public_url(url),
+                                     "InvalidURL"), 0, False)
+        timeout = max(0.001, min(_STALL_S, deadline - time.monotonic()))
+        try:
+            conn, target, extra = connection(parts, timeout)  # the target and proxy headers for this path
+        except ValueError as exc:
+            raise _Failed(read_error(f"invalid URL: {exc}", public_url(url), "InvalidURL"), 0, False) from None
+        key = (parts.scheme.lower(), parts.netloc)
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop(), target, extra, True
+        return conn, target, extra, False
+
+    def _release(self, url: str, conn: http.client.HTTPConnection) -> None:
+        """Give a connection whose last answer was read to its end back to the pool."""
+        parts = urllib.parse.urlsplit(url)
+        with self._lock:
+            self._idle.setdefault((parts.scheme.lower(), parts.netloc), []).append(conn)
+
+    def close(self) -> None:
+        """Close the idle connections (a connection in use is closed by its request)."""
+        with self._lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for c in conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    # -- reads ------------------------------------------------------------------------
+
+    def reader(self, file: RemoteFile) -> Callable[[int, Sequence[memoryview]], None]:
+        """``read(offset, views)``: fill ``views``, back to back, from ``file`` at ``offset``."""
+
+        def read(offset: int, views: Sequence[memoryview]) -> None:
+            self.read(file, offset, views)
+
+        return read
+
+    def read(self, file: RemoteFile, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` (back to back) with the bytes of ``file`` from ``offset``, retrying
+        transient failures for the bytes not yet landed.
+
+        Copies of tensor bytes: 1 (socket to ``views``).
+        """
+        views = [v for v in views if len(v)]
+        want = sum(len(v) for v in views)
+        if not want:
+            return
+        if offset + want > file.size:
+            raise read_error(
+                f"bytes {offset}-{offset + want - 1} lie past the end of the file ({file.size} bytes)",
+                file.name or public_url(file.url), "ShortRead", offset=offset, size=want,
+            )
+        done, tries = 0, 0
+        while True:
+            try:
+                self._get(file, offset + done, _skip(views, done))
+                return
+            except _Failed as failed:
+                progressed = failed.landed > 0
+                done += failed.landed
+                if not failed.transient:
+                    raise failed.error from None
+                tries = 0 if progressed else tries + 1  # a try that moved bytes starts the count again
+                if tries >= self.retry.attempts:
+                    err = failed.error
+                    err.message = f"{err.message} (after {tries} tries)"
+                    err.args = (err.message,)
+                    raise err from None
+                with self._lock:
+                    self.retries += 1
+                if self.cancel.wait(self.retry.delay(tries)):
+                    raise failed.error from None
+
+    def _get(self, file: RemoteFile, offset: int, views: list[memoryview]) -> None:
+        """One try: a ranged GET of ``views``' bytes at ``offset``; raises :class:`_Failed`."""
+        want = sum(len(v) for v in views)
+        last = offset + want - 1
+        name = file.name or public_url(file.url)
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            url = self._moved.get(file.url, file.url)
+            self.requests += 1
+        headers = dict(self.headers)
+        for _ in range(self.max_redirects + 1):
+            req = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers,
+                   "Range": f"bytes={offset}-{last}"}
+            if self.sign is not None:
+                req.update(self.sign(url))
+            if file.etag:
+                req["If-Match"] = file.etag
+            conn, sock, resp = self._send(url, req, deadline, name, offset, want)
+            if resp.status in _REDIRECTS:
+                location = resp.getheader("Location")
+                self._finish(url, conn, resp)
+                if not location:
+                    raise _Failed(read_error("a redirect without a Location header", name, "HTTPError"), 0, False)
+                moved = urllib.parse.urljoin(url, location)
+                if urllib.parse.urlsplit(moved).netloc != urllib.parse.urlsplit(url).netloc:
+                    headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
+                url = moved
+                with self._lock:
+                    self._moved[file.url] = url
+                continue
+            break
+        else:
+            raise _Failed(read_error(f"more than {self.max_redirects} redirects", name, "TooManyRedirects"), 0, False)
+        try:
+            landed = self._body(resp, sock, file, name, offset, views, deadline)
+        except _Failed:
+            conn.close()
+            raise
+        self._finish(url, conn, resp)
+        if landed < want:  # the server sent a shorter range than asked: ask for the rest
+            raise _Failed(read_error("short range", name, "ShortRange"), landed, True)
+
+    def _send(self, url: str, req: dict, deadline: float, name: str, offset: int, want: int):
+        """Send the request and read the answer's head: ``(connection, socket, response)``.
+        A keep-alive connection the server has closed meanwhile is replaced once at no cost."""
+        for _ in range(2):
+            conn, target, extra, reused = self._connection(url, deadline)
+            try:
+                timeout = max(0.001, min(_STALL_S, deadline - time.monotonic()))
+                conn.timeout = timeout
+                if conn.sock is not None:
+                    conn.sock.settimeout(timeout)
+                conn.request("GET", target, headers={**req, **extra})
+                sock = conn.sock  # the response owns it once the server says it will close
+                return conn, sock, conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                timed_out = isinstance(exc, (TimeoutError, socket.timeout)) or time.monotonic() >= deadline
+                if reused and not timed_out:
+                    continue
+                what = "no answer within the request's deadline" if timed_out else f"the connection failed: {exc}"
+                raise self._fail(name, offset, want, "Timeout" if timed_out else "ConnectionError", what, 0) from None
+        raise AssertionError("unreachable")
+
+    def _finish(self, url: str, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+        """Pool the connection when its answer was read to its end, else hang up."""
+        if not resp.isclosed():
+            _discard(resp)
+        # read to its end: http.client counts the body down to 0 (a body closed early is not)
+        if resp.isclosed() and resp.length == 0 and not resp.will_close and conn.sock is not None:
+            self._release(url, conn)
+        else:
+            conn.close()
+
+    def _body(self, resp: http.client.HTTPResponse, sock, file: RemoteFile, name: str, offset: int,
+              views: list[memoryview], deadline: float) -> int:
+        want = sum(len(v) for v in views)
+        if resp.status not in (200, 206):
+            detail = error_code(error_body(resp))
+            err = status_error(name, resp, offset, detail=detail)
+            err.message = f"bytes {offset}-{offset + want - 1}: {err.message}"
+            err.args = (err.message,)
+            err.offset, err.size = offset, want  # type: ignore[attr-defined]
+            transient = resp.status in _TRANSIENT_STATUS or detail in _TRANSIENT_S3
+            raise _Failed(err, 0, transient)
+        etag = resp.getheader("ETag")
+        if file.etag and etag and etag != file.etag:
+            _discard(resp)
+            raise self._fail(name, offset, want, "FileChanged",
+                             f"the file changed since its header was read (ETag {file.etag}, now {etag})",
+                             0, transient=False)
+        encoding = (resp.getheader("Content-Encoding") or "identity").strip().lower()
+        if encoding != "identity":
+            _discard(resp)
+            raise self._fail(name, offset, want, "HTTPError",
+                             f"the server compressed the body (Content-Encoding: {encoding})", 0, transient=False)
+        if resp.status == 206:
+            first, lastb, total = content_range(resp.getheader("Content-Range"))
+            if total is not None and total != file.size:
+                _discard(resp)
+                raise self._fail(name, offset, want, "FileChanged",
+                                 f"the file changed since its header was read ({file.size} bytes, now {total})",
+                                 0, transient=False)
+            if first != offset or lastb is None or lastb < first:
+                _discard(resp)
+                raise self._fail(name, offset, want, "BadRange",
+                                 f"asked for bytes {offset}-{offset + want - 1}, the server sent {first}-{lastb}",
+                                 0, transient=False)
+            send = min(want, lastb - first + 1)
+        else:  # 200: the whole file from byte 0, a server that ignores Range
+            length = resp.getheader("Content-Length")
+            if length is not None and length.strip().isdigit() and int(length) != file.size:
+                _discard(resp)
+                raise self._fail(name, offset, want, "FileChanged",
+                                 f"the file changed since its header was read ({file.size} bytes, now {length})",
+                                 0, transient=False)
+            try:
+                _skip_body(resp, offset, lambda: self._arm(sock, deadline, name, offset, want, 0))
+            except (OSError, http.client.HTTPException) as exc:
+                raise self._fail(name, offset, want, "ConnectionError", f"the connection failed: {exc}", 0) from None
+            send = want
+        landed = 0
+        for view in views:
+            if landed >= send:
+                break
+            view = view[: send - landed]
+            got = 0
+            while got < len(view):
+                self._arm(sock, deadline, name, offset, want, landed + got)
+                try:
+                    n = resp.readinto(view[got : got + _PIECE])
+                except http.client.IncompleteRead as exc:
+                    n = len(exc.partial or b"")
+                    view[got : got + n] = exc.partial or b""
+                    got += n
+                    raise self._fail(name, offset, want, "ShortRead",
+                                     f"the body ended after {landed + got} of {send} bytes", landed + got) from None
+                except (OSError, http.client.HTTPException) as exc:
+                    timed_out = isinstance(exc, (TimeoutError, socket.timeout)) or time.monotonic() >= deadline
+                    raise self._fail(name, offset, want, "Timeout" if timed_out else "ConnectionError",
+                                     "the request's deadline passed while receiving the body" if timed_out
+                                     else f"the connection failed after {landed + got} of {send} bytes: {exc}",
+                                     landed + got) from None
+                if not n:
+                    raise self._fail(name, offset, want, "ShortRead",
+                                     f"the body ended after {landed + got} of {send} bytes (truncated)", landed + got)
+                got += n
+            landed += got
+        if resp.status == 200:
+            resp.close()  # a whole-file answer is never read to its end: hang up (see _finish)
+        return landed
+
+    def _arm(self, sock, deadline: float, name: str, offset: int, want: int, landed: int) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._fail(name, offset, want, "Timeout",
+                             "the request's deadline passed while receiving the body", landed)
+        if sock is not None:
+            sock.settimeout(min(_STALL_S, remaining))
+
+    def _fail(self, name: str, offset: int, want: int, reason: str, what: str, landed: int,
+              transient: bool | None = None) -> _Failed:
+        err = read_error(f"bytes {offset}-{offset + want - 1}: {what}", name, reason, offset=offset, size=want)
+        return _Failed(err, landed, reason in _TRANSIENT_REASONS if transient is None else transient)
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes."""
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
+def _discard(resp: http.client.HTTPResponse) -> None:
+    """Finish a response the caller does not want: read a short body, else hang up."""
+    try:
+        if resp.length is not None and resp.length <= _ERROR_BODY:
+            resp.read()
+        else:
+            resp.close()
+    except (OSError, http.client.HTTPException):
+        resp.close()
+
+
+def _skip_body(resp: http.client.HTTPResponse, n: int, arm: Callable[[], None]) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+    while n:
+        arm()
+        got = resp.readinto(scratch[: min(n, len(scratch))])
+        if not got:
+            raise ConnectionError("the body ended early")
+        n -= got

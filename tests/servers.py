@@ -1,0 +1,188 @@
+"""Real servers on 127.0.0.1 for the remote tests and ``scripts/bench_remote.py``.
+
+* :class:`Nginx`: Debian's nginx serving a directory with its own config in a temporary
+  folder (sendfile, keep-alive, ETags and ``If-Match`` as nginx does them).  Also answers
+  path-style S3 GETs (``/bucket/key``) of anonymous clients: the wire format of an S3 read.
+* :class:`MotoS3`: moto's S3 server (``moto.server.ThreadedMotoServer``) for S3 semantics:
+  SigV4, errors, listing.  With ``auth=True`` it checks signatures against the access keys
+  it issued (IAM), so a wrong secret is refused as by AWS.
+
+Each is started by the test or benchmark that needs it and stopped when it ends; every
+wait here is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.path.exists(p)), None
+    )
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, seconds: float = 15.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {seconds} s")
+
+
+class Nginx:
+    """nginx serving ``root`` on 127.0.0.1 (an ephemeral port), started by :meth:`start`."""
+
+    def __init__(self, root: str, *, workers: int = 2) -> None:
+        self.root = os.path.abspath(root)
+        self.workers = workers
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.dir = tempfile.mkdtemp(prefix="engine-nginx-")
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return f"{self.base}/{path.lstrip('/')}"
+
+    def start(self) -> Nginx:
+        binary = nginx_binary()
+        if binary is None:
+            raise RuntimeError("nginx is not installed")
+        self.port = free_port()
+        # a root master hands requests to workers of another user, who could not read the
+        # 0600 files the engine writes: the workers run as this user
+        user = "user root root;\n" if os.geteuid() == 0 else ""
+        conf = os.path.join(self.dir, "nginx.conf")
+        d = self.dir
+        with open(conf, "w") as f:
+            f.write(
+                f"{user}worker_processes {self.workers};\ndaemon off;\npid {d}/nginx.pid;\n"
+                f"error_log {d}/error.log warn;\n"
+                "events { worker_connections 512; }\n"
+                "http {\n"
+                "  access_log off;\n  sendfile on;\n  tcp_nopush on;\n  keepalive_requests 100000;\n"
+                "  keepalive_timeout 60s;\n"
+                f"  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n"
+                f"  fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n"
+                "  types { application/octet-stream safetensors; application/json json; }\n"
+                "  default_type application/octet-stream;\n"
+                f"  server {{\n    listen 127.0.0.1:{self.port};\n    root {self.root};\n"
+                "    location / { }\n  }\n}\n"
+            )
+        self.proc = subprocess.Popen([binary, "-c", conf, "-p", d, "-e", f"{d}/error.log"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _wait_port(self.port, self.proc, "nginx")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Nginx:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def moto_available() -> bool:
+    try:
+        import flask  # noqa: F401  (moto's server runs on it)
+        import moto.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class MotoS3:
+    """moto's S3 server on 127.0.0.1, in a child process (its own interpreter, so its
+    environment, such as ``INITIAL_NO_AUTH_ACTION_COUNT``, is its own).
+
+    ``auth=True`` makes moto check each request's SigV4 signature against the IAM access
+    keys it issued: :meth:`issue_key` creates a user with full S3 access and returns its
+    ``(access key id, secret)``.
+    """
+
+    def __init__(self, *, auth: bool = False) -> None:
+        self.auth = auth
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MotoS3:
+        self.port = free_port()
+        env = dict(os.environ)
+        for k in list(env):
+            if k.startswith("AWS_"):
+                del env[k]
+        if self.auth:
+            # the first requests (the test's set-up with the root key) go unchecked
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "4"
+        self.proc = subprocess.Popen(
+            ["python", "-c", "import sys; from moto.server import main; sys.exit(main(sys.argv[1:]))",
+             "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _wait_port(self.port, self.proc, "moto's server", 30)
+        return self
+
+    def client(self, service: str, key: str = "testing", secret: str = "testing"):
+        import boto3
+
+        return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=key, aws_secret_access_key=secret)
+
+    def issue_key(self) -> tuple[str, str]:
+        iam = self.client("iam")
+        iam.create_user(UserName="engine")
+        iam.attach_user_policy(UserName="engine", PolicyArn="arn:aws:iam::aws:policy/AmazonS3FullAccess")
+        made = iam.create_access_key(UserName="engine")["AccessKey"]
+        return made["AccessKeyId"], made["SecretAccessKey"]
+
+    def reset(self) -> None:
+        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST"), timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __enter__(self) -> MotoS3:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
