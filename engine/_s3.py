@@ -77,17 +77,21 @@ class S3Config:
 
     def __init__(self, *, endpoint_url: str | None = None, region: str | None = None,
                  profile: str | None = None, anonymous: bool | None = None) -> None:
-        botocore = _botocore()
-        self._botocore = botocore
-        session = botocore.session.Session(profile=profile)
-        self.region = region or session.get_config_variable("region") or "us-east-1"
-        endpoint = (endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                    or _config_endpoint(session))
-        self.custom_endpoint = bool(endpoint)
-        self.endpoint = (endpoint or f"https://s3.{self.region}.amazonaws.com").rstrip("/")
         if anonymous is None:
             anonymous = os.environ.get("AWS_NO_SIGN_REQUEST", "").lower() in ("1", "true", "yes")
-        self._credentials = None if anonymous else session.get_credentials()
+        session = None
+        if not anonymous:
+            botocore = _botocore()
+            self._botocore = botocore
+            session = botocore.session.Session(profile=profile)
+        env_region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        self.region = region or (session.get_config_variable("region") if session else env_region) or "us-east-1"
+        endpoint = (endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                    or (_config_endpoint(session) if session else None))
+        self.custom_endpoint = bool(endpoint)
+        self.endpoint = (endpoint or f"https://s3.{self.region}.amazonaws.com").rstrip("/")
+        # anonymous requests need no botocore at all (public buckets, a short-lived tool)
+        self._credentials = session.get_credentials() if session is not None else None
         self._signed: dict[str, tuple[float, dict[str, str]]] = {}
         self._lock = threading.Lock()
 

@@ -99,7 +99,7 @@ def _destination(sink, parts: Sequence[Part], bases: list[int], per_tensor: bool
             for r in p.rows
         }
     tensors, views = sink.allocate(specs, begins)
-    return tensors, pipeline.Destination(host_views=views)
+    return tensors, pipeline.Destination(host_views=views, fresh=True)
 
 
 def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -> list[pipeline.Source]:

@@ -21,7 +21,7 @@ from .errors import ReadError
 
 __all__ = [
     "default_threads", "pread_into", "pread_runs", "pread_spans", "spans_bytes", "prefetch_mapping", "run_threads",
-    "map_threads", "check_read", "resident_pages", "split_reader", "split_piece_bytes", "copy_source", "copy_mapping", "close_mapping",
+    "map_threads", "check_read", "resident_pages", "populate_write", "split_reader", "split_piece_bytes", "copy_source", "copy_mapping", "close_mapping",
     "COPY_SOURCES",
     "IOV_MAX",
 ]
@@ -289,6 +289,16 @@ def check_read(result: tuple, what: str, path: str | None, fd: int) -> None:
             f"reading {missing} bytes of {what} at offset {at} failed: {os.strerror(err)}",
             reason="IoError", path=path, offset=at, size=missing,
         )
+
+
+def populate_write(buf) -> int:
+    """Fault in the whole pages of the writable buffer ``buf`` in one system call, GIL
+    released (``MADV_POPULATE_WRITE``); its bytes are unchanged.  Returns ``errno`` or 0.
+    For fresh memory that a copy the engine cannot split (a socket receive) is about to
+    fill: the copy then runs without a page fault per 4 KiB."""
+    from . import _io
+
+    return _io.populate_write(buf)
 
 
 def resident_pages(buf) -> tuple[int, int]:
