@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from ._files import is_url
 from .errors import ShardingError
 from .sharding_plan import Fused, Replicate, ShardingPlan, Split, llama_plan, shard_index
 from .tp_broadcast import load_broadcast
@@ -77,7 +78,11 @@ def load_tensor_parallel(
     Parameters
     ----------
     path_or_index : str or os.PathLike
-        A ``.safetensors`` file, a ``model.safetensors.index.json`` or a directory holding one.
+        A ``.safetensors`` file, a ``model.safetensors.index.json`` or a directory holding one;
+        or an ``http(s)://``, ``s3://`` or fsspec URL of a file, an index or a prefix, from
+        which each rank requests only its own byte ranges (:mod:`engine.tp_remote`;
+        ``threads`` is then the number of connections, ``backend`` and ``strided`` do not
+        apply).
     plan : ShardingPlan
         E.g. :func:`llama_plan`.
     rank, world_size : int, optional
@@ -156,6 +161,11 @@ def load_tensor_parallel(
     device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     if mode == "broadcast":
         return load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names)
+    if is_url(path_or_index):  # each rank requests only its own byte ranges
+        from .tp_remote import load_remote_direct
+
+        return load_remote_direct(path_or_index, plan, rank, world_size, device=device, names=names,
+                                  connections=threads)
     files = direct_files(path_or_index, names)
 
     def load(some: list[DirectFile]) -> dict[str, torch.Tensor]:

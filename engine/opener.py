@@ -40,8 +40,13 @@ class _OpensBoth(type):
 
 
 def _is_checkpoint(kind) -> bool:
+    """A :class:`~engine.checkpoint.Checkpoint` or a :class:`~engine.remote_handle.RemoteHandle`."""
+    if not isinstance(kind, type):
+        return False
     checkpoint = sys.modules.get("engine.checkpoint")
-    return checkpoint is not None and isinstance(kind, type) and issubclass(kind, checkpoint.Checkpoint)
+    remote = sys.modules.get("engine.remote_handle")
+    return (checkpoint is not None and issubclass(kind, checkpoint.Checkpoint)) or (
+        remote is not None and issubclass(kind, remote.RemoteHandle))
 
 
 class safe_open(file_handle.safe_open, metaclass=_OpensBoth):  # noqa: N801 - the reference's spelling, for a drop-in replacement
@@ -50,10 +55,16 @@ class safe_open(file_handle.safe_open, metaclass=_OpensBoth):  # noqa: N801 - th
 
     Parameters and methods are those of :class:`engine.file_handle.safe_open`; an index or a
     directory gives a :class:`~engine.checkpoint.Checkpoint` with the same methods across
-    its shards.  Both are instances of this class (``isinstance(f, engine.safe_open)``).
+    its shards; an ``http(s)://``, ``s3://`` or fsspec URL (a file, an index or a prefix) a
+    :class:`~engine.remote_handle.RemoteHandle` that reads only the bytes asked for.  All are
+    instances of this class (``isinstance(f, engine.safe_open)``).
     """
 
     def __new__(cls, filename, *args, **kwargs):
+        if cls is safe_open and is_url(filename):
+            from .remote_handle import RemoteHandle
+
+            return RemoteHandle(filename, *args, **kwargs)
         if cls is safe_open and is_checkpoint_path(filename):
             from .checkpoint import Checkpoint
 

@@ -36,7 +36,8 @@ from .reader import map_threads
 from .remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
 from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry
 
-__all__ = ["stream", "load", "load_into", "open_parts", "is_url", "DEFAULT_CHUNK_BYTES", "Retry"]
+__all__ = ["stream", "load", "load_into", "open_parts", "remote_options", "RemoteParts", "is_url",
+           "DEFAULT_CHUNK_BYTES", "Retry"]
 
 #: Bytes per ranged GET: measured best on loopback by ``scripts/bench_remote.py --sweep``.
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -110,7 +111,8 @@ def open_parts(
     return RemoteParts(parts, reads, spath, many=kind != "file")
 
 
-def _remote_options(kw: dict) -> dict:
+def remote_options(kw: dict) -> dict:
+    """Take the options of :func:`open_parts` out of ``kw``."""
     keys = ("headers", "timeout", "max_redirects", "storage_options", "s3", "connections", "retry",
             "max_header_size", "max_shards")
     return {k: kw.pop(k) for k in keys if k in kw}
@@ -147,7 +149,7 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
     Copies of tensor bytes: CPU 1 (socket to tensor); CUDA 2 (socket to a pinned slot, DMA);
     fsspec protocols one more (fsspec returns ``bytes``).
     """
-    remote = _remote_options(options)
+    remote = remote_options(options)
     threads = options.pop("threads", None)
     with open_parts(url, connections=connections or threads, **remote) as opened:
         on_device = str(device) not in ("cpu",) and framework not in ("np", "numpy")
@@ -179,7 +181,7 @@ def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chu
     whose bytes all landed; the others hold partly written bytes.  Copies of tensor bytes:
     CPU 1 (socket to the tensor), CUDA 2.
     """
-    remote = _remote_options(options)
+    remote = remote_options(options)
     if options:
         raise TypeError(f"unexpected options: {sorted(options)}")
     with open_parts(url, connections=connections, **remote) as opened:

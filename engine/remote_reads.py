@@ -36,7 +36,7 @@ from typing import NamedTuple
 from ._http import USER_AGENT, connection, content_range, error_body, error_code, read_error, status_error
 from .errors import SafetensorError
 
-__all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url"]
+__all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url", "read_runs"]
 
 #: Connections (and worker threads) per load: measured best on loopback by
 #: ``scripts/bench_remote.py --sweep``; raise it for a far-away server.
@@ -414,3 +414,38 @@ def _skip_body(resp: http.client.HTTPResponse, n: int, arm: Callable[[], None]) 
         if not got:
             raise ConnectionError("the body ended early")
         n -= got
+
+
+def read_runs(read: Callable[[int, Sequence[memoryview]], None], dst: memoryview, src, run_bytes: int, base: int,
+              *, max_gap: int = 1 << 20, max_span: int = 64 << 20) -> int:
+    """Fill ``dst`` with runs of ``run_bytes`` at file offsets ``base + src[i]`` (back to
+    back in ``dst``) through ``read(offset, views)``, one request per group of neighbouring
+    runs: runs whose gaps are at most ``max_gap`` and whose span is at most ``max_span``
+    share a request, the gap bytes received into a scratch buffer and dropped (a column
+    block of a matrix is one request, not one per row).  Returns the requests made.
+
+    Copies of tensor bytes: 1 (socket to ``dst``; only the gaps go to the scratch buffer).
+    """
+    offsets = [int(x) for x in src]
+    n = len(offsets)
+    scratch: memoryview | None = None
+    requests = i = 0
+    while i < n:
+        start = offsets[i]
+        j = i + 1
+        while (j < n and 0 <= offsets[j] - (offsets[j - 1] + run_bytes) <= max_gap
+               and offsets[j] + run_bytes - start <= max_span):
+            j += 1
+        views: list[memoryview] = []
+        for k in range(i, j):
+            views.append(dst[k * run_bytes : (k + 1) * run_bytes])
+            if k + 1 < j:
+                gap = offsets[k + 1] - (offsets[k] + run_bytes)
+                if gap:
+                    if scratch is None:
+                        scratch = memoryview(bytearray(max_gap))
+                    views.append(scratch[:gap])
+        read(base + start, views)
+        requests += 1
+        i = j
+    return requests

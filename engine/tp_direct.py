@@ -21,7 +21,7 @@ from .sharding_plan import Replicate, ShardingPlan, shard_index, shard_shape
 from .tp_slices import open_torch, shard_of
 
 __all__ = [
-    "DirectFile", "direct_files", "Job", "MappedView", "copy_mapped", "direct_read_bytes", "load_files_direct",
+    "DirectFile", "direct_files", "direct_jobs", "Job", "MappedView", "copy_mapped", "direct_read_bytes", "load_files_direct",
     "STRIDED", "POPULATE_MAX_GAP", "SPAN_BOUNCE_BYTES", "SPAN_MAX_RUN_BYTES", "SPAN_MAX_RATIO",
 ]
 
@@ -89,7 +89,7 @@ class MappedView(NamedTuple):
     nbytes: int
 
 
-def _direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
+def direct_jobs(header, plan: ShardingPlan, rank: int, world_size: int, names, strided: str,
                  views: bool = False):
     """(name -> output tensor or, with ``views``, a :class:`MappedView` for each shard that
     is one contiguous range of the file; jobs; names to load the slow way) for a direct load
@@ -220,7 +220,7 @@ def direct_read_bytes(path, plan: ShardingPlan, *, rank: int, world_size: int, s
         raise ShardingError(f"unknown strided {strided!r}; expected one of {STRIDED}", reason="InvalidMode")
     total = 0
     for file, keep, header in direct_files(path, names):
-        _, jobs, slow = _direct_jobs(header if header is not None else read_header(file), plan, rank, world_size, keep, strided)
+        _, jobs, slow = direct_jobs(header if header is not None else read_header(file), plan, rank, world_size, keep, strided)
         if slow:
             raise ShardingError(f"{len(slow)} tensor(s) are read the slow way; no byte count for them",
                                 reason="InvalidMode", tensors=tuple(slow), path=file)
@@ -247,7 +247,7 @@ class _FileLoad:
                 # not read yet, or the file changed since: read the header of the file now open
                 header = read_header_fd(self.fd, path=path, file_size=size)
             self.header = header
-            self.outputs, self.jobs, self.slow = _direct_jobs(self.header, plan, rank, world_size, names, strided,
+            self.outputs, self.jobs, self.slow = direct_jobs(self.header, plan, rank, world_size, names, strided,
                                                               views)
             wanted = {n: v for n, v in self.outputs.items() if isinstance(v, MappedView)}
             mm = None

@@ -1,0 +1,67 @@
+"""Tensor-parallel loads from a URL: each rank requests only the byte ranges of its shards.
+
+``engine.load_tensor_parallel(url, plan, ...)`` in direct mode comes here.  The reads are
+planned as for a local file (:func:`engine.tp_direct.direct_jobs`): a replicated tensor or a
+block of rows is one range of the file, received straight into the rank's shard; a column
+block is one request per group of neighbouring rows (:func:`engine.remote_reads.read_runs`:
+the bytes between a rank's runs within a group are received into a scratch buffer and
+dropped, so a rank receives about its share plus the gaps of at most ``max_gap`` between
+its runs).  The requests of every file share the load's connections.  Tensors the plan
+cannot read in place (packed sub-byte dtypes, padded or fused splits along another
+dimension) are read whole through a :class:`~engine.remote_handle.RemoteHandle` and cut in
+memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._threads import run_threads
+from .remote_handle import RemoteHandle
+from .remote_load import open_parts
+from .remote_reads import read_runs
+from .sharding_plan import ShardingPlan
+from .tp_direct import direct_jobs
+from .tp_slices import shard_of
+
+__all__ = ["load_remote_direct"]
+
+
+def load_remote_direct(url: str, plan: ShardingPlan, rank: int, world_size: int, *, device: Any,
+                       names=None, connections: int | None = None, **remote) -> dict:
+    """This rank's shards of every tensor at ``url`` (a file, an index or a prefix).
+
+    Copies of tensor bytes: 1 on the CPU (socket to the shard), plus the host-to-device copy
+    for a device (file by file, so host memory holds one file's shards at most).
+    """
+    import threading
+
+    out: dict = {}
+    with open_parts(url, connections=connections, **remote) as opened:
+        handle = None
+        for part in opened.parts:
+            outputs, jobs, slow = direct_jobs(part.header, plan, rank, world_size, names, "spans")
+            todo = iter(jobs)
+            lock = threading.Lock()
+
+            def work(part=part, todo=todo, lock=lock) -> None:
+                while True:
+                    with lock:
+                        job = next(todo, None)
+                    if job is None:
+                        return
+                    if job.src.size == 1:
+                        part.ranges(job.base + int(job.src[0]), [job.dst])
+                    else:
+                        read_runs(part.ranges, job.dst, job.src, job.run_bytes, job.base)
+
+            if jobs:
+                run_threads([work] * min(opened.reads.connections, len(jobs)), name="engine-tp")
+            if slow:
+                handle = handle or RemoteHandle.of_parts(opened, url, "pt")
+                for name in slow:
+                    outputs[name] = shard_of(handle, name, plan.action(name), rank, world_size)
+            order = {n: i for i, n in enumerate(part.header.offset_keys())}
+            for name, tensor in sorted(outputs.items(), key=lambda kv: order[kv[0]]):
+                out[name] = tensor if str(device) == "cpu" else tensor.to(device)
+    return out
