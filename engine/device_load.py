@@ -574,6 +574,21 @@ class DeviceLoad:
                                      for p in r.pieces])
 
             n = max(1, min(self.threads, len(reqs)))
+            if src.ranges is not None:
+                # remote requests take uneven times: each thread takes the next one
+                order = iter(range(len(reqs)))
+                lock = threading.Lock()
+
+                def next_one() -> None:
+                    while True:
+                        with lock:
+                            i = next(order, None)
+                        if i is None or self.cancel.is_set():
+                            return
+                        part(i, i + 1)
+
+                run_threads([next_one] * n)
+                return
             bounds = [len(reqs) * i // n for i in range(n + 1)]
             run_threads([functools.partial(part, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
             return

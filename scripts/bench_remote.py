@@ -9,6 +9,10 @@ process (the engine's bytecode compiled first):
 
 * ``line rate``: one ``curl -o /dev/null`` per shard, all at once (what the loopback and
   nginx deliver);
+* ``fault limit (no network)``: fresh memory of the checkpoint's size with its pages
+  faulted in, 16 MiB at a time on two threads: what an owned load pays on top of the
+  network on this machine, where the receive copies and the page faults share two cores
+  (the bound printed below the table is ``1 / (1 / line + 1 / fault)``);
 * ``engine http`` / ``engine s3``: ``engine.torch.load_file(url)`` of the index (CPU owned
   tensors); ``engine http load_into``: ``engine.load_into`` into pre-faulted tensors;
   ``engine http device``: the same load into an emulated device: the copy path through
@@ -114,6 +118,20 @@ def _engine_device(url: str) -> str:
         "    pipeline.Destination(device_targets=targets, device_ops=dev), threads=opened.reads.connections,\n"
         "    gpu_path='copy')\n"
         "dev.close(); opened.close()\n"
+    )
+
+
+def _fault_limit(nbytes: int) -> str:
+    """The other half of an owned load: fresh memory for the tensors, its pages faulted in
+    (16 MiB at a time on two threads, as the engine's receivers do), no network."""
+    return (
+        "from engine.sinks._host import host_block\n"
+        "from engine.reader import populate_write, map_threads\n"
+        "t0 = time.perf_counter()\n"
+        f"block = host_block({nbytes})\n"
+        "view = memoryview(block)\n"
+        f"map_threads(lambda i: populate_write(view[i:i + (16 << 20)]), range(0, {nbytes}, 16 << 20), 2)\n"
+        "out = {}\n"
     )
 
 
@@ -245,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows = {
                 "line rate": ("curl",),
+                "fault limit (no network)": (py, _fault_limit(nbytes), env),
                 "engine http": (py, _engine_load(index), env),
                 "engine http load_into": (py, _engine_load_into(index), env),
                 "engine s3": (py, _engine_load(s3_index), s3_env),
@@ -315,10 +334,17 @@ def _report(results: dict, nbytes: int, expected: int, args) -> None:
         xl = f"{line / s:.2f}" if line else "-"
         xe = f"{engine / s:.2f}" if engine else "-"
         peak = f"{statistics.median(hwm) / 1e9:.2f}" if hwm else "-"
-        print(f"{name:34} {rate:6.2f} {xl:>7} {xe:>8} {peak:>11}  {'equal' if equal else 'DIFFER'}")
+        # the emulated device's copies move no bytes (dma=none): nothing to compare there
+        same = "-" if name.startswith(("fault", "line")) or name.endswith("device") else (
+            "equal" if equal else "DIFFER")
+        print(f"{name:34} {rate:6.2f} {xl:>7} {xe:>8} {peak:>11}  {same}")
         table[name] = {"seconds": s, "gbps": rate, "x_line": line / s if line else None,
                        "peak_rss": statistics.median(hwm) if hwm else None, "equal": equal,
                        "errors": errors}
+    fault = med("fault limit (no network)")
+    if line and fault:
+        bound = nbytes / (line + fault) / 1e9
+        print(f"owned-load bound on this machine (line rate and page faults one after the other): {bound:.2f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bytes": nbytes, "rows": table}, f, indent=1)
