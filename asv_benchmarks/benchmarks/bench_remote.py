@@ -1,0 +1,127 @@
+"""Whole checkpoints from a server: twins of ``scripts/bench_remote.py`` at the asv suites'
+moderate size (a 256 MB BF16 checkpoint in 4 shards, served by nginx on 127.0.0.1 from a warm
+page cache; nginx is started by the benchmark and skipped where it is not installed).
+
+* ``RemoteLoad.time_load``: the line rate (one ``curl -o /dev/null`` per shard at once),
+  ``engine.load_into`` from the index URL over HTTP and as S3 (path-style anonymous GETs of
+  the same nginx), the owned ``engine.torch.load_file`` over HTTP, and download-then-load with
+  the reference;
+* ``track_x_line``: each row's rate as a ratio to the line rate measured in the same setup.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from . import common
+
+common.ensure_engine_importable()
+sys.path.insert(0, os.path.join(common.REPO_ROOT, "tests"))
+
+CKPT_BYTES = 256_000_000
+SHARDS = 4
+ROWS = ["line-rate", "load_into-http", "load_into-s3", "load_file-http", "download-reference"]
+
+
+class RemoteLoad:
+    params = [ROWS]
+    param_names = ["row"]
+    number = 1
+    repeat = (5, 20, 20.0)
+    timeout = 600
+
+    def setup_cache(self):
+        return common.sharded_copy(common.checkpoint_file(CKPT_BYTES), SHARDS)
+
+    def setup(self, directory, row):
+        from servers import Nginx, nginx_binary
+
+        if nginx_binary() is None:
+            raise NotImplementedError("nginx is not installed")
+        import torch
+
+        import engine
+
+        self.www = tempfile.mkdtemp(prefix="engine-asv-www-")
+        os.makedirs(os.path.join(self.www, "bucket"))
+        os.symlink(directory, os.path.join(self.www, "bucket", "ckpt"))
+        self.files = common.checkpoint_files(directory)
+        for f in self.files:
+            os.chmod(f, 0o644)
+        common.warm_cache(directory)
+        self.nginx = Nginx(self.www).start()
+        self.urls = [self.nginx.url("bucket/ckpt/" + os.path.basename(f)) for f in self.files]
+        index = self.nginx.url("bucket/ckpt/model.safetensors.index.json")
+        self.env = {"AWS_ENDPOINT_URL": self.nginx.base, "AWS_NO_SIGN_REQUEST": "1"}
+        headers = [engine.read_header(f) for f in self.files]
+        self.dst = {k: torch.empty(h[k].shape, dtype=torch.bfloat16).fill_(1) for h in headers for k in h.keys()}
+        self.scratch = tempfile.mkdtemp(prefix="engine-asv-dl-", dir=common.cache_dir())
+        self.run = {
+            "line-rate": self._curl,
+            "load_into-http": lambda: engine.load_into(index, self.dst),
+            "load_into-s3": lambda: self._with_env(
+                lambda: engine.load_into("s3://bucket/ckpt/model.safetensors.index.json", self.dst)),
+            "load_file-http": lambda: self._load_file(index),
+            "download-reference": self._download_reference,
+        }[row]
+        self.run()  # first touch of the destination and the connections
+
+    def teardown(self, directory, row):
+        self.nginx.stop()
+        shutil.rmtree(self.www, ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _curl(self) -> None:
+        procs = [subprocess.Popen(["curl", "-s", "-f", "-o", "/dev/null", u]) for u in self.urls]
+        if any(p.wait() for p in procs):
+            raise RuntimeError("curl failed")
+
+    def _with_env(self, fn) -> None:
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _load_file(self, url: str) -> None:
+        import engine.torch
+
+        engine.torch.load_file(url)
+
+    def _download_reference(self) -> None:
+        import safetensors.torch
+
+        out = {}
+        for i, url in enumerate(self.urls):
+            local = os.path.join(self.scratch, f"shard{i}.safetensors")
+            with urllib.request.urlopen(url) as r, open(local, "wb") as f:
+                shutil.copyfileobj(r, f, 16 << 20)
+            out.update(safetensors.torch.load_file(local))
+        common.touch_all(out)
+
+    def time_load(self, directory, row):
+        self.run()
+
+    def track_x_line(self, directory, row):
+        def best(fn, n=3):
+            out = float("inf")
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                out = min(out, time.perf_counter() - t0)
+            return out
+
+        return best(self._curl) / best(self.run)
+
+    track_x_line.unit = "x line rate"
