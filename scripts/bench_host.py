@@ -50,16 +50,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
 from benchmarks import common, host  # noqa: E402
 
-
-def _size(text: str) -> int:
-    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-    t = text.strip().upper()
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * units[u])
-    return int(t)
-
-
 # -- children: one sample each, printed as one JSON line ------------------------------------------
 
 
@@ -176,7 +166,7 @@ def main() -> int:
         return 0
 
     common.compile_engine()
-    path = common.checkpoint_file(_size(a.size), base=a.dir)
+    path = common.checkpoint_file(common.parse_size(a.size), base=a.dir)
     files = {"": path}
     if a.aligned:
         files[" [data on a 64-byte line]"] = host.aligned_copy(path)

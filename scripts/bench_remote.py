@@ -200,15 +200,6 @@ def _sample(python: str, code: str, env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _size(text: str) -> int:
-    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-    t = text.strip().upper()
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * units[u])
-    return int(t)
-
-
 def _has(python: str, module: str) -> bool:
     return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
 
@@ -228,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     common.ensure_engine_importable()
     common.compile_engine()
-    path = common.checkpoint_file(_size(args.size))
+    path = common.checkpoint_file(common.parse_size(args.size))
     directory = common.sharded_copy(path, args.shards)
     shards = common.checkpoint_files(directory)
     nbytes = _tensor_bytes(shards)

@@ -12,7 +12,6 @@ at the asv suites' moderate size (a 256 MiB BF16 checkpoint, warm page cache).
 from __future__ import annotations
 
 import os
-import time
 
 from . import common, host
 
@@ -69,18 +68,10 @@ class HostCopy:
         self.run()
 
     def track_x_limit(self, path, row):
-        def best(fn, n=5):
-            out = float("inf")
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                out = min(out, time.perf_counter() - t0)
-            return out
-
         lim = host.Limit(path)
         try:
             lim.run()
-            return best(lim.run) / best(self.run)
+            return common.best_time(lim.run) / common.best_time(self.run)
         finally:
             lim.close()
 

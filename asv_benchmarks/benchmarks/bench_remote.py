@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 
 from . import common
@@ -114,14 +113,6 @@ class RemoteLoad:
         self.run()
 
     def track_x_line(self, directory, row):
-        def best(fn, n=3):
-            out = float("inf")
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                out = min(out, time.perf_counter() - t0)
-            return out
-
-        return best(self._curl) / best(self.run)
+        return common.best_time(self._curl) / common.best_time(self.run)
 
     track_x_line.unit = "x line rate"

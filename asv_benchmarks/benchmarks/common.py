@@ -17,6 +17,7 @@ import os
 import resource
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -481,3 +482,23 @@ def reference_shards(path: str, plan, rank: int, world: int, opener=None) -> dic
                 parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, rank, world)]
                 got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
     return got
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``"2GB"``, ``"256MiB"``, ``"512MB"`` or a plain number (the scripts' ``--size``)."""
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+    t = text.strip().upper()
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * units[u])
+    return int(t)
+
+
+def best_time(fn, n: int = 5) -> float:
+    """The shortest of ``n`` timed calls of ``fn``, seconds."""
+    out = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t0)
+    return out
