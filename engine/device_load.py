@@ -33,6 +33,7 @@ import collections
 import functools
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -457,7 +458,8 @@ class DeviceLoad:
             # slots beyond the first are worth page-locking ahead only if the copy path
             # may take more than one unit
             self.copy_units = len(copy_only) + (len(shared) if copy_shares else 0)
-            jobs = [self._copy_path]
+            remote = all(src.ranges is not None for src in self.sources) and self.fill is None
+            jobs = [self._remote_copy_path if remote else self._copy_path]
             if shared:
                 self.queue.register_active = True
                 jobs.append(self._register_path)
@@ -553,6 +555,90 @@ class DeviceLoad:
                 reader.close()
             for m in mappings.values():
                 close_mapping(m)
+
+    def _remote_copy_path(self) -> None:
+        """The copy path for remote files: ``self.threads`` readers, one connection each, take
+        the requests of the units in order and move on to the next unit's as soon as the
+        current one's are all taken (its slot permitting), so no connection idles while a
+        unit's last requests are still arriving; this thread copies each unit to the device
+        once its last byte has landed and frees its slot when the copies have completed."""
+        ops = self.ops
+        ops.bind_thread()
+        stream = ops.new_stream()
+        units = self.units  # a remote file has no mapping to register: every unit is copied
+        ring = Ring(ops, self.slots, self.slot_bytes + SLOT_ALIGN, ahead=len(units) > 1)
+        cond = threading.Condition()
+        left = [len(u.requests) for u in units]
+        fillable = [0]  # units below this have their slot to fill
+        errors: list[BaseException] = []
+        work = iter([(ui, ri) for ui, u in enumerate(units) for ri in range(len(u.requests))])
+        slots: list = []
+
+        def reader() -> None:
+            try:
+                while True:
+                    with cond:
+                        item = next(work, None)
+                        if item is None:
+                            return
+                        ui, ri = item
+                        while ui >= fillable[0] and not self.cancel.is_set():
+                            cond.wait()
+                        if self.cancel.is_set():
+                            return
+                    unit = units[ui]
+                    r, off = unit.requests[ri], unit.slot_offsets[ri]
+                    view = slots[ui % self.slots][1]
+                    self.sources[unit.source].ranges(r.offset, [view[off : off + r.nbytes]])
+                    with cond:
+                        left[ui] -= 1
+                        if not left[ui]:
+                            cond.notify_all()
+            except BaseException as exc:  # handed to the copying thread
+                with cond:
+                    errors.append(exc)
+                    self.cancel.set()
+                    cond.notify_all()
+
+        threads: list[threading.Thread] = []
+        try:
+            for s in range(min(self.slots, len(units))):
+                slots.append(ring.slot(s))  # allocated on this (device-bound) thread
+            with cond:
+                fillable[0] = len(slots)
+            for _ in range(max(1, min(self.threads, sum(left)))):
+                t = threading.Thread(target=reader, name="engine-remote", daemon=True)
+                t.start()
+                threads.append(t)
+            targets = self.dest.device_targets
+            for ui, unit in enumerate(units):
+                with cond:
+                    while left[ui] and not self.cancel.is_set():
+                        cond.wait()
+                    if self.cancel.is_set():
+                        break
+                handle = slots[ui % self.slots][0]
+                src = self.sources[unit.source]
+                parts = []
+                for key, toff, soff, n in unit.copies(src.row_base, from_file=False):
+                    ops.copy_to_device(targets[key], toff, handle, soff, n, stream)
+                    parts.append((key, n))
+                self._after_copy(unit, stream)
+                ops.wait(ops.record(stream))  # the readers fill other slots meanwhile
+                self.tracker.landed(parts)
+                with cond:
+                    fillable[0] += 1
+                    cond.notify_all()
+        finally:
+            if errors or sys.exc_info()[0] is not None:
+                self.cancel.set()
+            with cond:
+                cond.notify_all()
+            for t in threads:
+                t.join()
+            ring.free()
+        if errors:
+            raise errors[0]
 
     def _after_copy(self, unit: Unit, stream) -> None:
         """The ``after_copy`` hook for each request of a unit whose copies are issued."""
