@@ -41,7 +41,7 @@ from .plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
 from .reader import IOV_MAX
 from .sinks import fill_target, get_sink
 
-__all__ = ["stream", "stream_parts", "load_into", "load_parts", "fill_parts", "Part"]
+__all__ = ["stream", "stream_parts", "load_into", "load_file", "load_parts", "fill_parts", "Part"]
 
 
 def _open(path) -> tuple[int, str]:
@@ -589,3 +589,24 @@ def fill_parts(
         wanted[i].add(row)
     return [f.header.table.names[r] for f, w in zip(files, wanted, strict=True) for r in f.header.table.file_order()
             if r in w]
+
+
+def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str, Any]:
+    """Every tensor of one file as new tensors of ``sink`` (owned host memory or a device),
+    by name in file order: the short path of ``engine.torch.load_file(f, device="cuda")``
+    and of owned loads, with no handle in between.
+
+    Copies of tensor bytes: host 1 (page cache to the tensor); a device 2 on the copy path
+    (page cache to a pinned slot, DMA), 1 on the register path (DMA from the page cache).
+    """
+    fd, spath = _open(path)
+    try:
+        header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+        rows = list(header.table.file_order())
+        got = load_parts([Part(fd, header, rows, spath)], sink)[0]
+    finally:
+        os.close(fd)
+    names = header.table.names
+    if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
+        return {names[r]: sink.to_device(got[r]) for r in rows}
+    return {names[r]: got[r] for r in rows}

@@ -24,7 +24,7 @@ from ._files import is_url
 from .errors import SerializationError
 from .file_handle import views
 from .header import parse_buffer
-from .opener import safe_open
+from .opener import is_checkpoint_path, safe_open
 from .sinks.torch import TorchSink
 
 # the reference's safetensors.torch has them too
@@ -81,6 +81,12 @@ def load_file(
         from .remote_load import load
 
         return load(filename, "pt", device)
+    sink = TorchSink(device)
+    if backend in ("mmap", "pread") and (sink.on_device or backend == "pread") and not is_checkpoint_path(filename):
+        # one file into owned or device memory: straight to the loader, no handle between
+        from .loader import load_file as load_one
+
+        return load_one(filename, sink)
     with safe_open(filename, framework="pt", device=device, backend=backend) as f:
         return f.get_tensors()
 

@@ -13,6 +13,7 @@ from conftest import SplitCopies, in_threads
 
 import engine
 import engine.load_hooks
+import engine.loader
 import engine.numpy
 import engine.pipeline
 from engine.errors import ReadError, TensorMismatchError, TensorNotFoundError
@@ -500,3 +501,57 @@ def test_load_into_a_float4_destination(tmp_path):
     for dst in (torch.empty(2, 4, dtype=torch.float4_e2m1fn_x2), torch.empty(2, 4, dtype=torch.uint8)):
         engine.load_into(path, {"x": dst})
         assert torch.equal(dst.view(torch.uint8), x.view(torch.uint8))
+
+
+class _EmulatedSink:
+    """A device sink over the emulated asynchronous device (raw bytes per tensor)."""
+
+    name = "emulated"
+    on_device = True
+
+    def __init__(self):
+        from emulated import EmulatedDevice
+
+        self.ops = EmulatedDevice()
+
+    def allocate_device(self, specs, per_tensor=False):
+        targets = {key: bytearray(nbytes) for key, _, _, nbytes in specs}
+        return dict(targets), targets, self.ops
+
+
+@pytest.mark.parametrize("gpu_path", ["copy", "auto"])
+def test_load_file_into_a_device_is_one_pipeline_in_file_order(model_file, monkeypatch, gpu_path):
+    """loader.load_file: the short path of torch.load_file(f, device=...) with no handle."""
+    path, sd = model_file
+    real = engine.pipeline.run_sources
+    runs = []
+
+    def counting(*a, **k):
+        runs.append(1)
+        return real(*a, **{**k, "gpu_path": gpu_path})
+
+    monkeypatch.setattr(engine.pipeline, "run_sources", counting)
+    sink = _EmulatedSink()
+    try:
+        out = engine.loader.load_file(path, sink)
+    finally:
+        sink.ops.close()
+    assert runs == [1]
+    assert list(out) == engine.read_header(path).offset_keys()
+    for name, a in sd.items():
+        assert bytes(out[name]) == a.tobytes(), name
+    sink.ops.assert_clean()
+
+
+def test_torch_load_file_pread_takes_the_short_path_and_equals_the_reference(model_file, monkeypatch):
+    import safetensors.torch
+
+    path, _ = model_file
+    calls = []
+    real = engine.loader.load_file
+    monkeypatch.setattr(engine.loader, "load_file", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ours = engine.torch.load_file(path, backend="pread")
+    ref = safetensors.torch.load_file(path)
+    assert calls == [1] and list(ours) == list(ref)
+    assert all(torch.equal(ours[k], ref[k]) for k in ref)
+    assert engine.torch.load_file(path, backend="mmap").keys() == ref.keys() and calls == [1]
