@@ -55,7 +55,7 @@ def remote(server, data) -> RemoteFile:
 def read(reads: RangeReads, file: RemoteFile, offset: int, size: int, pieces: int = 1) -> bytes:
     """Read ``size`` bytes at ``offset`` into ``pieces`` separate views; return them joined."""
     cuts = [size * i // pieces for i in range(pieces + 1)]
-    bufs = [bytearray(b - a) for a, b in zip(cuts, cuts[1:])]
+    bufs = [bytearray(b - a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     reads.read(file, offset, [memoryview(b) for b in bufs])
     return b"".join(bufs)
 
