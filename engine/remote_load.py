@@ -81,11 +81,13 @@ def open_parts(
     """Read the headers of every file a URL names, ready to load (see the module doc).
 
     Requests: 2 per file (length, header), plus 1 for an index and 1 per 1000 keys of an
-    S3 prefix; shards' headers are fetched concurrently.
+    S3 prefix; shards' headers are fetched concurrently.  Their transient failures are
+    retried as ``retry`` says, as the bulk reads' are.
     """
     spath = os.fspath(url)
+    retry = retry or Retry()
     src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
-                       storage_options=storage_options, s3=s3)
+                       storage_options=storage_options, s3=s3, retry=retry)
     kind, wheres = src.layout(max_header_size)
     if kind == "index":
         index_at = wheres[0]

@@ -31,7 +31,8 @@ For the bulk reads of a load (:mod:`engine.remote_reads`) the server also has:
   before the body), ``503``, ``slowdown`` (503 with S3's ``SlowDown`` XML), ``500``, ``403``,
   ``404``, ``change`` (the file's ETag changes before this request is answered), ``grow``
   (``Content-Range`` says the file is one byte longer).  ``server.sent`` records, per data
-  GET, ``(n, first, bytes sent)`` of a faulty answer.
+  GET, ``(n, first, bytes sent)`` of a faulty answer.  With ``server.faults_on = "all"``
+  every GET of a file counts (headers, indexes), not only data GETs.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class RangeServer(ThreadingHTTPServer):
         self.if_match = True
         self.generation = 0
         self.faults: dict | object = {}
+        self.faults_on = "data"
         self.data_gets = 0
         self.stall = 5.0
         self.sent: list[tuple[int, int, int]] = []
@@ -96,6 +98,7 @@ class RangeServer(ThreadingHTTPServer):
             self.data_gets = 0
             self.sent.clear()
             self.faults = {}
+            self.faults_on = "data"
             self.generation = 0
 
     def etag(self, file: str) -> str:
@@ -124,13 +127,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.connections += 1
 
     def _fault(self, path: str, file: str, first: int, last: int, record: dict) -> str | None:
-        """The fault for this GET if it is a data GET (see the module doc)."""
-        if not path.endswith(".safetensors"):
-            return None
-        with open(file, "rb") as f:
-            head = f.read(8)
-        if len(head) < 8 or first < 8 + struct.unpack("<Q", head)[0]:
-            return None
+        """The fault for this GET if it is a data GET, or any GET of a file with
+        ``server.faults_on = "all"`` (see the module doc)."""
+        if self.server.faults_on != "all":
+            if not path.endswith(".safetensors") or first is None:
+                return None
+            with open(file, "rb") as f:
+                head = f.read(8)
+            if len(head) < 8 or first < 8 + struct.unpack("<Q", head)[0]:
+                return None
         with self.server.lock:
             self.server.data_gets += 1
             n = self.server.data_gets
@@ -202,7 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
                 first = max(0, size - int(m.group(2)))
             if first >= size or first > last:
                 return self._status(416, {"Content-Range": f"bytes */{size}"})
-        fault = self._fault(path, file, first, last, record) if ranged else None
+        fault = self._fault(path, file, first if ranged else None, last, record)
         if fault == "change":
             with self.server.lock:
                 self.server.generation += 1

@@ -270,3 +270,29 @@ def test_a_file_replaced_mid_load_is_file_changed(checkpoint, rangeserver):
     assert err.value.reason == "FileChanged" and "/sharded/model-" in str(err.value)
     changed = [r for r in rangeserver.data_requests() if r["n"] >= 4]
     assert changed and all(r["if_match"] for r in changed)
+
+
+@pytest.mark.parametrize("kind", ["503", "slowdown", "500", "short", "reset"])
+def test_transient_failures_of_the_header_and_index_requests_are_retried(checkpoint, rangeserver, kind):
+    """The requests before the bulk reads (the index, each shard's length and header) meet
+    the same transient failures as the data reads and are retried the same way: here every
+    distinct request fails once."""
+    root, sd = checkpoint
+    seen: set = set()
+
+    def once(n, path, first, last):
+        if (path, first) in seen:
+            return None
+        seen.add((path, first))
+        return kind
+
+    rangeserver.faults_on = "all"
+    rangeserver.faults = once
+    got = dict(engine.stream(rangeserver.url("sharded/"), retry=FAST, timeout=5.0))
+    assert_same({k: got[k] for k in sorted(got)}, sd)
+    index = [r for r in rangeserver.requests if r["path"].endswith(INDEX)]
+    headers = [r for r in rangeserver.requests if r["range"] == "bytes=0-7"]
+    shards = len(list((root / "sharded").glob("*.safetensors")))
+    # the index: the prefix's probe fails then succeeds, the load's fetch succeeds; each
+    # shard's length: fails, succeeds, and again when its header request failed once
+    assert len(index) == 3 and len(headers) == 3 * shards
