@@ -36,7 +36,7 @@ from .errors import (
     SafetensorError,
 )
 from .header import Header, checked_length, parse_header
-from .remote_reads import RangeReads, RemoteFile, Retry, transient
+from .remote_reads import RangeReads, RemoteFile, Retry, public_url, transient
 
 __all__ = ["RemoteSource", "is_index", "is_url", "INDEX_NAME", "SINGLE_NAME"]
 
@@ -253,7 +253,7 @@ class RemoteSource:
                 return f"s3://{self.bucket}/{urllib.parse.unquote(where[len(prefix):])}"
         if self.fs is not None:
             return self.fs.url(where)
-        return where
+        return public_url(where)  # a user:password part is for the server, never for messages
 
     def _named(self, where: str, fn: Callable[[], Any]):
         """Errors name the user's URL (an S3 location is an http URL on the wire).  With a
@@ -269,7 +269,7 @@ class RemoteSource:
                         and transient(err)):
                     time.sleep(self.retry.delay(attempt))
                     continue
-                if self.s3 is not None and isinstance(err.path, str) and err.path == where:
+                if isinstance(err.path, str) and err.path == where:
                     err.path = self.display(where)
                 raise
 
@@ -344,7 +344,7 @@ class RemoteSource:
                 continue
             return kind, [where]
         raise RemoteFileNotFoundError(
-            f"neither {INDEX_NAME} nor {SINGLE_NAME} under this prefix", path=self.url
+            f"neither {INDEX_NAME} nor {SINGLE_NAME} under this prefix", path=public_url(self.url)
         )
 
     def shard_of_prefix(self, name: str) -> str:

@@ -34,7 +34,7 @@ from .header import MAX_HEADER_SIZE
 from .loader import Part, fill_parts, stream_parts
 from .reader import map_threads
 from .remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
-from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry
+from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
 
 __all__ = ["stream", "load", "load_into", "open_parts", "is_url", "DEFAULT_CHUNK_BYTES", "Retry"]
 
@@ -85,6 +85,7 @@ def open_parts(
     retried as ``retry`` says, as the bulk reads' are.
     """
     spath = os.fspath(url)
+    shown = public_url(spath)  # what errors name: without a user:password part
     retry = retry or Retry()
     src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
                        storage_options=storage_options, s3=s3, retry=retry)
@@ -96,20 +97,20 @@ def open_parts(
         if len(names) > max_shards:
             raise CheckpointIndexError(
                 f"the index names {len(names)} shards, more than the limit of {max_shards} (raise max_shards)",
-                reason="TooManyShards", path=spath,
+                reason="TooManyShards", path=shown,
             )
         wheres = [src.shard(n) for n in names]
     workers = connections or DEFAULT_CONNECTIONS
     found = map_threads(lambda w: src.header(w, max_header_size, shard=kind == "index"), wheres,
                         min(workers, max(1, len(wheres))), name="engine-remote")
     if kind == "index":
-        problems = index_problems(weight_map, dict(zip(names, found, strict=True)), spath)
+        problems = index_problems(weight_map, dict(zip(names, found, strict=True)), shown)
         if problems:
             raise problems[0]
     reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                        sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
     parts = [Part(-1, h, [], src.display(w), src.ranges(w, h, reads)) for w, h in zip(wheres, found, strict=True)]
-    return RemoteParts(parts, reads, spath, many=kind != "file")
+    return RemoteParts(parts, reads, shown, many=kind != "file")
 
 
 def _remote_options(kw: dict) -> dict:

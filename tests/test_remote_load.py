@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import traceback
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 import engine
 import engine.numpy
 import engine.torch
-from engine.errors import ReadError
+from engine.errors import ReadError, RemoteFileNotFoundError
 from engine.header import read_header
 from engine.remote_reads import Retry
 
@@ -296,3 +297,18 @@ def test_transient_failures_of_the_header_and_index_requests_are_retried(checkpo
     # the index: the prefix's probe fails then succeeds, the load's fetch succeeds; each
     # shard's length: fails, succeeds, and again when its header request failed once
     assert len(index) == 3 and len(headers) == 3 * shards
+
+
+@pytest.mark.parametrize(("where", "fault", "cls"), [
+    ("sharded/absent.safetensors", None, RemoteFileNotFoundError),  # a file's header request
+    ("single/nothing/", None, RemoteFileNotFoundError),  # a prefix's probes
+    (f"sharded/{INDEX}", {1: "403"}, ReadError),  # a bulk read
+])
+def test_errors_of_a_url_with_a_password_never_show_it(checkpoint, rangeserver, where, fault, cls):
+    rangeserver.faults = fault or {}
+    url = rangeserver.url(where).replace("http://", "http://alice:pa55word@")
+    with pytest.raises(cls) as err:
+        engine.load_into(url, {k: torch.zeros_like(v) for k, v in checkpoint[1].items()}, retry=FAST)
+    seen = "\n".join([str(err.value), repr(err.value.args), "".join(traceback.format_exception(err.value))])
+    assert "pa55word" not in seen and "alice" not in seen, seen
+    assert rangeserver.base + "/" in str(err.value)

@@ -221,6 +221,8 @@ def test_public_url_strips_user_and_password():
     assert public_url("https://alice:s3cr3t@example.com:8443/a/b?x=1#f") == "https://example.com:8443/a/b?x=1#f"
     assert public_url("https://alice@example.com/m") == "https://example.com/m"
     assert public_url("https://example.com/m") == "https://example.com/m"
+    assert public_url("http://alice:pw@[::1]:8080/m") == "http://[::1]:8080/m"  # brackets kept
+    assert public_url("http://alice:pw@[fe80::1]/m") == "http://[fe80::1]/m"
 
 
 def test_errors_name_the_url_without_its_password(served, server):
