@@ -160,7 +160,7 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
         try:
             yield from stream_parts(
                 opened.parts, many=opened.many, framework=framework, device=device,
-                threads=opened.reads.connections, chunk_bytes=chunk_bytes, **options,
+                threads=opened.reads.connections, chunk_bytes=chunk_bytes, cancel=opened.reads.cancel, **options,
             )
         finally:
             opened.reads.cancel.set()  # a consumer that stopped early ends the waits between tries
@@ -189,4 +189,5 @@ def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chu
         on_device = any(getattr(t, "is_cuda", False) or type(t).__module__.startswith("cupy") for t in tensors.values())
         chunk = chunk_bytes or (DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES)
         return fill_parts(opened.parts, tensors, strict=strict, threads=opened.reads.connections,
-                          chunk_bytes=chunk, gpu_path=gpu_path, source=opened.source)
+                          chunk_bytes=chunk, gpu_path=gpu_path, source=opened.source,
+                          cancel=opened.reads.cancel)  # a failed read ends the others' waits between tries

@@ -185,6 +185,44 @@ def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, m
     emu.assert_clean()
 
 
+class EmulatedSink:
+    """A device sink over the emulated device (as tests/test_checkpoint.py has): raw bytes
+    per tensor."""
+
+    name = "emulated"
+    on_device = True
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.allocations: list[int] = []
+
+    def allocate_device(self, specs, per_tensor=False):
+        self.allocations.append(len(specs))
+        targets = {key: bytearray(nbytes) for key, _, _, nbytes in specs}
+        return dict(targets), targets, self.ops
+
+
+@pytest.mark.parametrize("gpu_path", ["copy", "auto"])
+def test_stream_to_a_device_from_a_url_is_one_allocation_through_staging(checkpoint, nginx, monkeypatch, gpu_path):
+    from emulated import EmulatedDevice
+
+    import engine.loader
+
+    _, sd = checkpoint
+    emu = EmulatedDevice()
+    sink = EmulatedSink(emu)
+    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    try:
+        got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", gpu_path=gpu_path,
+                                 chunk_bytes=65536, slot_bytes=1 << 18))
+    finally:
+        emu.close()
+    assert sorted(got) == sorted(sd) and sink.allocations == [len(sd)]
+    assert all(bytes(got[k]) == raw(v) for k, v in sd.items())
+    assert emu.copies_from["staging"] > 0 and emu.copies_from["mapping"] == 0 and not emu.register_calls
+    emu.assert_clean()
+
+
 # -- path-style S3 against nginx ---------------------------------------------------------------------
 @pytest.mark.parametrize("where", [f"ckpt/{INDEX}", "one/model.safetensors"])
 def test_anonymous_path_style_s3(checkpoint, nginx, monkeypatch, where):
@@ -312,3 +350,22 @@ def test_errors_of_a_url_with_a_password_never_show_it(checkpoint, rangeserver, 
     seen = "\n".join([str(err.value), repr(err.value.args), "".join(traceback.format_exception(err.value))])
     assert "pa55word" not in seen and "alice" not in seen, seen
     assert rangeserver.base + "/" in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["load_into", "stream"])
+def test_a_permanent_failure_ends_the_other_readers_retries(checkpoint, rangeserver, how):
+    """Every reader's first request meets a busy server (503) but the last one's, refused
+    for good: the other readers stop waiting between tries instead of using up their tries."""
+    _, sd = checkpoint
+    connections = 4
+    rangeserver.faults = lambda n, path, first, last: "403" if n == connections else "503"
+    slow = Retry(attempts=4, base=5.0, cap=5.0)  # waits the load must not sit through
+    url = rangeserver.url(f"sharded/{INDEX}")
+    with pytest.raises(ReadError) as err:
+        if how == "load_into":
+            engine.load_into(url, {k: torch.zeros_like(v) for k, v in sd.items()}, chunk_bytes=16384,
+                             connections=connections, retry=slow)
+        else:
+            dict(engine.stream(url, chunk_bytes=16384, connections=connections, retry=slow))
+    assert err.value.reason == "AccessDenied"
+    assert rangeserver.data_gets < 2 * connections  # not 1 + 3 * 4 tries
