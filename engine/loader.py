@@ -569,7 +569,7 @@ def fill_parts(
         keys = {b + r: p.header.table.names[r] for p, b in zip(parts, bases, strict=True) for r in p.rows}
         return lambda key: filled.append(keys[key])
 
-    options = {"threads": threads, "chunk_bytes": chunk_bytes, "cancel": cancel}
+    options: dict[str, Any] = {"threads": threads, "chunk_bytes": chunk_bytes, "cancel": cancel}
     try:
         if any(host):
             parts = parts_of(host)
