@@ -18,6 +18,7 @@ an S3 prefix one ``ListObjectsV2`` per 1000 keys.
 from __future__ import annotations
 
 import posixpath
+import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from .errors import (
     SafetensorError,
 )
 from .header import Header, checked_length, parse_header
-from .remote_reads import RangeReads, RemoteFile
+from .remote_reads import RangeReads, RemoteFile, Retry, public_url, transient
 
 __all__ = ["RemoteSource", "is_index", "is_url", "INDEX_NAME", "SINGLE_NAME"]
 
@@ -210,6 +211,9 @@ class RemoteSource:
     s3 : mapping, optional
         ``endpoint_url``, ``region``, ``profile``, ``anonymous`` for ``s3://``
         (:class:`engine._s3.S3Config`).
+    retry : Retry, optional
+        Transient failures of the header, index and listing requests are retried so
+        (default: not retried).
 
     Locations (``where``) are what the transport requests: an http(s) URL (also for S3,
     signed on each request) or an fsspec path; :meth:`display` turns one back into the URL
@@ -217,8 +221,9 @@ class RemoteSource:
     """
 
     def __init__(self, url: str, *, headers, timeout, max_redirects, storage_options,
-                 s3: Mapping[str, Any] | None = None) -> None:
+                 s3: Mapping[str, Any] | None = None, retry: Retry | None = None) -> None:
         self.url = url
+        self.retry = retry
         self.headers = dict(headers or {})
         self.etags: dict[str, str | None] = {}
         self.s3: S3Config | None = None
@@ -248,16 +253,25 @@ class RemoteSource:
                 return f"s3://{self.bucket}/{urllib.parse.unquote(where[len(prefix):])}"
         if self.fs is not None:
             return self.fs.url(where)
-        return where
+        return public_url(where)  # a user:password part is for the server, never for messages
 
     def _named(self, where: str, fn: Callable[[], Any]):
-        """Errors name the user's URL (an S3 location is an http URL on the wire)."""
-        try:
-            return fn()
-        except SafetensorError as err:
-            if self.s3 is not None and isinstance(err.path, str) and err.path == where:
-                err.path = self.display(where)
-            raise
+        """Errors name the user's URL (an S3 location is an http URL on the wire).  With a
+        ``retry``, a transient failure (:func:`~engine.remote_reads.transient`; not a
+        timeout: the call's one deadline has passed) is tried again, ``fn`` from its start."""
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except SafetensorError as err:
+                attempt += 1
+                if (self.retry is not None and attempt < self.retry.attempts and err.reason != "Timeout"
+                        and transient(err)):
+                    time.sleep(self.retry.delay(attempt))
+                    continue
+                if isinstance(err.path, str) and err.path == where:
+                    err.path = self.display(where)
+                raise
 
     def shard(self, name: str) -> str:
         """Location of a shard named by the index (the name is already checked as safe)."""
@@ -330,7 +344,7 @@ class RemoteSource:
                 continue
             return kind, [where]
         raise RemoteFileNotFoundError(
-            f"neither {INDEX_NAME} nor {SINGLE_NAME} under this prefix", path=self.url
+            f"neither {INDEX_NAME} nor {SINGLE_NAME} under this prefix", path=public_url(self.url)
         )
 
     def shard_of_prefix(self, name: str) -> str:

@@ -288,18 +288,20 @@ def stream_parts(
     quantize=None,
     gpu_path: str = "auto",
     slot_bytes: int | None = None,
+    cancel: threading.Event | None = None,
 ) -> Iterator[tuple]:
     """:func:`stream` over files whose headers are read (local and open, or remote with
     ``ranges``); the parts' ``rows`` are ignored, the selection chooses them.  ``many``:
     the files are the shards of one checkpoint (a name must be found in some file) rather
-    than one file.  The caller closes the files after the generator is done."""
+    than one file.  ``cancel`` is set when the load fails or ends (the readers' waits may
+    watch it).  The caller closes the files after the generator is done."""
     if (stats or quantize is not None) and len(files) != 1:
         raise ValueError("stats=True and quantize= stream one file at a time")
     if stats and any(f.ranges is not None for f in files):
         raise ValueError("stats=True folds statistics while reading local files; load a remote file, then "
                          "call engine.stats on its tensors")
     sink = get_sink(framework, device)
-    cancel = threading.Event()
+    cancel = cancel if cancel is not None else threading.Event()
     worker: threading.Thread | None = None
     headers = [f.header for f in files]
     spaths = [f.path or "" for f in files]
@@ -480,8 +482,10 @@ def fill_parts(
     chunk_bytes: int | None = None,
     gpu_path: str = "auto",
     source: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[str]:
     """:func:`load_into` over one or more open files (a checkpoint's shards) as one load.
+    ``cancel`` is set as soon as a read fails (the other readers' waits may watch it).
 
     The parts' ``rows`` are ignored: the rows are those ``tensors`` names.  A name is looked
     up in the files in order.  Every destination is checked before anything is read.
@@ -565,7 +569,7 @@ def fill_parts(
         keys = {b + r: p.header.table.names[r] for p, b in zip(parts, bases, strict=True) for r in p.rows}
         return lambda key: filled.append(keys[key])
 
-    options = {"threads": threads, "chunk_bytes": chunk_bytes}
+    options: dict[str, Any] = {"threads": threads, "chunk_bytes": chunk_bytes, "cancel": cancel}
     try:
         if any(host):
             parts = parts_of(host)

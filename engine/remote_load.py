@@ -34,7 +34,7 @@ from .header import MAX_HEADER_SIZE
 from .loader import Part, fill_parts, stream_parts
 from .reader import map_threads
 from .remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
-from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry
+from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
 
 __all__ = ["stream", "load", "load_into", "open_parts", "remote_options", "RemoteParts", "is_url",
            "DEFAULT_CHUNK_BYTES", "Retry"]
@@ -82,11 +82,14 @@ def open_parts(
     """Read the headers of every file a URL names, ready to load (see the module doc).
 
     Requests: 2 per file (length, header), plus 1 for an index and 1 per 1000 keys of an
-    S3 prefix; shards' headers are fetched concurrently.
+    S3 prefix; shards' headers are fetched concurrently.  Their transient failures are
+    retried as ``retry`` says, as the bulk reads' are.
     """
     spath = os.fspath(url)
+    shown = public_url(spath)  # what errors name: without a user:password part
+    retry = retry or Retry()
     src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
-                       storage_options=storage_options, s3=s3)
+                       storage_options=storage_options, s3=s3, retry=retry)
     kind, wheres = src.layout(max_header_size)
     if kind == "index":
         index_at = wheres[0]
@@ -95,20 +98,20 @@ def open_parts(
         if len(names) > max_shards:
             raise CheckpointIndexError(
                 f"the index names {len(names)} shards, more than the limit of {max_shards} (raise max_shards)",
-                reason="TooManyShards", path=spath,
+                reason="TooManyShards", path=shown,
             )
         wheres = [src.shard(n) for n in names]
     workers = connections or DEFAULT_CONNECTIONS
     found = map_threads(lambda w: src.header(w, max_header_size, shard=kind == "index"), wheres,
                         min(workers, max(1, len(wheres))), name="engine-remote")
     if kind == "index":
-        problems = index_problems(weight_map, dict(zip(names, found, strict=True)), spath)
+        problems = index_problems(weight_map, dict(zip(names, found, strict=True)), shown)
         if problems:
             raise problems[0]
     reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                        sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
     parts = [Part(-1, h, [], src.display(w), src.ranges(w, h, reads)) for w, h in zip(wheres, found, strict=True)]
-    return RemoteParts(parts, reads, spath, many=kind != "file")
+    return RemoteParts(parts, reads, shown, many=kind != "file")
 
 
 def remote_options(kw: dict) -> dict:
@@ -159,7 +162,7 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
         try:
             yield from stream_parts(
                 opened.parts, many=opened.many, framework=framework, device=device,
-                threads=opened.reads.connections, chunk_bytes=chunk_bytes, **options,
+                threads=opened.reads.connections, chunk_bytes=chunk_bytes, cancel=opened.reads.cancel, **options,
             )
         finally:
             opened.reads.cancel.set()  # a consumer that stopped early ends the waits between tries
@@ -188,4 +191,5 @@ def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chu
         on_device = any(getattr(t, "is_cuda", False) or type(t).__module__.startswith("cupy") for t in tensors.values())
         chunk = chunk_bytes or (DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES)
         return fill_parts(opened.parts, tensors, strict=strict, threads=opened.reads.connections,
-                          chunk_bytes=chunk, gpu_path=gpu_path, source=opened.source)
+                          chunk_bytes=chunk, gpu_path=gpu_path, source=opened.source,
+                          cancel=opened.reads.cancel)  # a failed read ends the others' waits between tries

@@ -36,7 +36,8 @@ from typing import NamedTuple
 from ._http import USER_AGENT, connection, content_range, error_body, error_code, read_error, status_error
 from .errors import SafetensorError
 
-__all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url", "read_runs"]
+__all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url", "read_runs",
+           "transient"]
 
 #: Connections (and worker threads) per load: measured best on loopback by
 #: ``scripts/bench_remote.py --sweep``; raise it for a far-away server.
@@ -75,12 +76,21 @@ class RemoteFile(NamedTuple):
     name: str | None = None
 
 
+def transient(err: SafetensorError) -> bool:
+    """Whether a request that failed with ``err`` may succeed when tried again: the
+    connection failed or the body ended early, a timeout, or an HTTP status of a busy or
+    failing server (408, 425, 429, 500, 502, 503, 504; S3's ``SlowDown`` is a 503)."""
+    return err.reason in _TRANSIENT_REASONS or getattr(err, "status", None) in _TRANSIENT_STATUS
+
+
 def public_url(url: str) -> str:
     """``url`` without a ``user:password@`` part (for messages)."""
     parts = urllib.parse.urlsplit(url)
     if parts.username is None and parts.password is None:
         return url
     host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address keeps its brackets
+        host = f"[{host}]"
     if parts.port:
         host = f"{host}:{parts.port}"
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))

@@ -16,6 +16,23 @@ Serves a directory on 127.0.0.1 (ephemeral port).  ``server.modes`` maps a URL p
 ``redirect:/p``    302 to ``/p`` (``redirect:http://host:port/p`` for another host)
 ``html``           200 with an HTML error page
 ``gzip``           200 with the whole file gzip-compressed (Content-Encoding: gzip)
+
+For the bulk reads of a load (:mod:`engine.remote_reads`) the server also has:
+
+* ``server.keepalive = True``: HTTP/1.1 with persistent connections (``server.connections``
+  counts the connections accepted), so connection pooling is exercised;
+* ``server.etags = True``: an ``ETag`` on every file answer, and ``If-Match`` honoured (a
+  mismatch is 412, unless ``server.if_match = False``); ``server.generation += 1`` changes every ETag, as a replaced file would;
+* ``server.faults``: a fault at chosen *data* GETs, those of a ``.safetensors`` file whose
+  range starts past its header (numbered from 1 in arrival order, ``server.data_gets``):
+  a dict ``{n: kind}`` or a callable ``faults(n, path, first, last) -> kind or None``.
+  Kinds: ``reset`` (half the body, then a TCP reset), ``short`` (full length declared, half
+  sent, then close), ``slow`` (the head, then a stall of ``server.stall`` seconds
+  before the body), ``503``, ``slowdown`` (503 with S3's ``SlowDown`` XML), ``500``, ``403``,
+  ``404``, ``change`` (the file's ETag changes before this request is answered), ``grow``
+  (``Content-Range`` says the file is one byte longer).  ``server.sent`` records, per data
+  GET, ``(n, first, bytes sent)`` of a faulty answer.  With ``server.faults_on = "all"``
+  every GET of a file counts (headers, indexes), not only data GETs.
 """
 
 from __future__ import annotations
@@ -25,6 +42,8 @@ import io
 import os
 import re
 import shutil
+import socket
+import struct
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,6 +61,16 @@ class RangeServer(ThreadingHTTPServer):
         self.aborted = 0  # bodies the client hung up on
         self.lock = threading.Lock()
         self.release = threading.Event()
+        self.keepalive = False
+        self.connections = 0
+        self.etags = False
+        self.if_match = True
+        self.generation = 0
+        self.faults: dict | object = {}
+        self.faults_on = "data"
+        self.data_gets = 0
+        self.stall = 5.0
+        self.sent: list[tuple[int, int, int]] = []
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     @property
@@ -65,6 +94,20 @@ class RangeServer(ThreadingHTTPServer):
         with self.lock:
             self.requests.clear()
             self.aborted = 0
+            self.connections = 0
+            self.data_gets = 0
+            self.sent.clear()
+            self.faults = {}
+            self.faults_on = "data"
+            self.generation = 0
+
+    def etag(self, file: str) -> str:
+        st = os.stat(file)
+        return f'"{st.st_size:x}-{st.st_mtime_ns:x}-{self.generation}"'
+
+    def data_requests(self) -> list[dict]:
+        """The data GETs, in arrival order (each with ``n``)."""
+        return sorted((r for r in self.requests if r.get("n")), key=lambda r: r["n"])
 
     def paths(self) -> list[str]:
         return [r["path"] for r in self.requests]
@@ -77,6 +120,29 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # keep test output clean
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        self.protocol_version = "HTTP/1.1" if self.server.keepalive else "HTTP/1.0"
+        with self.server.lock:
+            self.server.connections += 1
+
+    def _fault(self, path: str, file: str, first: int, last: int, record: dict) -> str | None:
+        """The fault for this GET if it is a data GET, or any GET of a file with
+        ``server.faults_on = "all"`` (see the module doc)."""
+        if self.server.faults_on != "all":
+            if not path.endswith(".safetensors") or first is None:
+                return None
+            with open(file, "rb") as f:
+                head = f.read(8)
+            if len(head) < 8 or first < 8 + struct.unpack("<Q", head)[0]:
+                return None
+        with self.server.lock:
+            self.server.data_gets += 1
+            n = self.server.data_gets
+        record["n"] = n
+        faults = self.server.faults
+        return faults(n, path, first, last) if callable(faults) else faults.get(n)  # type: ignore[union-attr]
+
     def do_HEAD(self) -> None:
         self._record("HEAD")
         self.send_response(405)
@@ -84,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = urllib.parse.urlsplit(self.path).path
-        self._record("GET")
+        record = self._record("GET")
         mode = self.server.modes.get(path, self.server.modes.get("*", ""))
         if mode == "slow":
             self.server.release.wait(10)
@@ -141,16 +207,39 @@ class _Handler(BaseHTTPRequestHandler):
                 first = max(0, size - int(m.group(2)))
             if first >= size or first > last:
                 return self._status(416, {"Content-Range": f"bytes */{size}"})
+        fault = self._fault(path, file, first if ranged else None, last, record)
+        if fault == "change":
+            with self.server.lock:
+                self.server.generation += 1
+        if fault in ("503", "500", "403", "404"):
+            return self._status(int(fault))
+        if fault == "slowdown":
+            body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                    b"<Message>Please reduce your request rate.</Message></Error>")
+            return self._status(503, body=body)
+        etag = self.server.etag(file) if self.server.etags else None
+        if_match = self.headers.get("If-Match")
+        if etag and if_match and self.server.if_match and if_match.strip() not in ("*", etag):
+            return self._status(412)
         length = last - first + 1
         self.send_response(206 if ranged else 200)
         self.send_header("Content-Type", "application/octet-stream")
         if mode != "no-length":
             self.send_header("Content-Length", str(length))
+        if etag:
+            self.send_header("ETag", etag)
         if ranged:
-            total = "*" if mode == "no-total" else str(size)
+            total = "*" if mode == "no-total" else str(size + (fault == "grow"))
             self.send_header("Content-Range", f"bytes {first}-{last}/{total}")
+        if mode == "no-length" or fault in ("reset", "short", "slow"):
+            self.close_connection = True
         self.end_headers()
-        send = length // 2 if mode == "truncate" else length
+        send = length // 2 if mode == "truncate" or fault in ("reset", "short") else length
+        if fault == "slow":
+            send = 0
+        if fault in ("reset", "short", "slow"):
+            with self.server.lock:
+                self.server.sent.append((record["n"], first, send))
         if mode == "drip":
             with open(file, "rb") as f:
                 f.seek(first)
@@ -166,6 +255,13 @@ class _Handler(BaseHTTPRequestHandler):
                         break
                     self.wfile.write(chunk)
                     left -= len(chunk)
+            self.wfile.flush()
+            if fault == "slow":
+                self.server.release.wait(self.server.stall)
+            elif fault == "reset":
+                # close with SO_LINGER 0: the peer gets a TCP reset, not an orderly end
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
         except (BrokenPipeError, ConnectionResetError):
             with self.server.lock:
                 self.server.aborted += 1
@@ -184,23 +280,28 @@ class _Handler(BaseHTTPRequestHandler):
                     self.server.aborted += 1
                 return
 
-    def _status(self, code: int, headers: dict | None = None) -> None:
+    def _status(self, code: int, headers: dict | None = None, body: bytes = b"") -> None:
         self.send_response(code)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
-        self.send_header("Content-Length", "0")
+        if body:
+            self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        if body:
+            self.wfile.write(body)
 
-    def _record(self, method: str) -> None:
+    def _record(self, method: str) -> dict:
+        record = {
+            "method": method,
+            "path": urllib.parse.urlsplit(self.path).path,
+            "range": self.headers.get("Range"),
+            "authorization": self.headers.get("Authorization"),
+            "if_match": self.headers.get("If-Match"),
+        }
         with self.server.lock:
-            self.server.requests.append(
-                {
-                    "method": method,
-                    "path": urllib.parse.urlsplit(self.path).path,
-                    "range": self.headers.get("Range"),
-                    "authorization": self.headers.get("Authorization"),
-                }
-            )
+            self.server.requests.append(record)
+        return record
 
 
 def serve(root: str) -> RangeServer:

@@ -146,8 +146,11 @@ class MotoS3:
             if k.startswith("AWS_"):
                 del env[k]
         if self.auth:
-            # the first requests (the test's set-up with the root key) go unchecked
-            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "4"
+            # moto checks no request until it has counted this many (any key passes), then
+            # every one: exactly the three IAM calls of issue_key, so that all later requests,
+            # the test's set-up included, need a key moto issued (the root key "testing" is
+            # then refused as unknown)
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
         self.proc = subprocess.Popen(
             ["python", "-c", "import sys; from moto.server import main; sys.exit(main(sys.argv[1:]))",
              "-H", "127.0.0.1", "-p", str(self.port)],
@@ -165,7 +168,9 @@ class MotoS3:
     def issue_key(self) -> tuple[str, str]:
         iam = self.client("iam")
         iam.create_user(UserName="engine")
-        iam.attach_user_policy(UserName="engine", PolicyArn="arn:aws:iam::aws:policy/AmazonS3FullAccess")
+        # an inline policy: moto loads AWS's managed policies (AmazonS3FullAccess) only on request
+        policy = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
+        iam.put_user_policy(UserName="engine", PolicyName="s3-all", PolicyDocument=policy)
         made = iam.create_access_key(UserName="engine")["AccessKey"]
         return made["AccessKeyId"], made["SecretAccessKey"]
 

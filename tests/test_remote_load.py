@@ -1,0 +1,371 @@
+"""engine.remote_load: whole remote checkpoints (a file, an index, a prefix; HTTP and
+path-style S3) against nginx, byte for byte equal to the local load; and loads through
+failing requests against tests/rangeserver.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+import engine
+import engine.numpy
+import engine.torch
+from engine.errors import ReadError, RemoteFileNotFoundError
+from engine.header import read_header
+from engine.remote_reads import Retry
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rangeserver import serve  # noqa: E402
+from servers import Nginx, nginx_binary  # noqa: E402
+
+FAST = Retry(attempts=4, base=0.001, cap=0.01)
+INDEX = "model.safetensors.index.json"
+
+
+def llama(n_layers: int = 4, width: int = 128, vocab: int = 1024) -> dict[str, torch.Tensor]:
+    """A small Llama-shaped state dict: BF16 weights, F32 norms, an F16 and an I64 buffer,
+    and a tensor of 0 bytes."""
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    sd = {"model.embed_tokens.weight": w(vocab, width)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        for proj in ("q", "k", "v", "o"):
+            sd[p + f"self_attn.{proj}_proj.weight"] = w(width, width)
+        for proj, shape in (("gate", (4 * width, width)), ("up", (4 * width, width)), ("down", (width, 4 * width))):
+            sd[p + f"mlp.{proj}_proj.weight"] = w(*shape)
+        sd[p + "input_layernorm.weight"] = w(width, dtype=torch.float32)
+        sd[p + "post_attention_layernorm.weight"] = w(width, dtype=torch.float32)
+    sd["model.norm.weight"] = w(width, dtype=torch.float32)
+    sd["model.rotary_emb.inv_freq"] = w(width // 2, dtype=torch.float16)
+    sd["model.position_ids"] = torch.arange(vocab, dtype=torch.int64)
+    sd["model.empty"] = torch.empty(0, width, dtype=torch.bfloat16)
+    sd["lm_head.weight"] = w(vocab, width)
+    return sd
+
+
+def raw(t) -> bytes:
+    t = torch.as_tensor(t) if isinstance(t, np.ndarray) else t
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert list(got) == sorted(want)
+    for k in want:
+        g, w = got[k], want[k]
+        if isinstance(g, np.ndarray):
+            assert tuple(g.shape) == tuple(w.shape), k
+            assert g.tobytes() == raw(w), k
+        else:
+            assert g.dtype == w.dtype and g.shape == w.shape and g.device.type == "cpu", k
+            assert raw(g) == raw(w), k
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("remote-load")
+    sd = llama()
+    engine.save_sharded(sd, root / "sharded", max_shard_size=800_000, fsync=False)
+    assert len(list((root / "sharded").glob("*.safetensors"))) >= 3
+    engine.save_sharded(sd, root / "single", fsync=False)
+    assert sorted(os.listdir(root / "single")) == ["model.safetensors"]
+    shutil.copytree(root / "sharded", root / "bucket" / "ckpt")
+    shutil.copytree(root / "single", root / "bucket" / "one")
+    return root, sd
+
+
+@pytest.fixture(scope="module")
+def nginx(checkpoint):
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed (apt-get install nginx-light; CI installs it)")
+    with Nginx(str(checkpoint[0])) as server:
+        yield server
+
+
+# -- nginx: every way of naming a checkpoint --------------------------------------------------------
+@pytest.mark.parametrize("where", ["single/model.safetensors", f"sharded/{INDEX}", "sharded/", "single/"])
+def test_torch_load_file_of_a_url_equals_the_local_load(checkpoint, nginx, where):
+    root, sd = checkpoint
+    got = engine.torch.load_file(nginx.url(where))
+    assert_same(got, sd)
+    local = engine.torch.load_file(str(root / where.rstrip("/")))
+    assert all(raw(local[k]) == raw(got[k]) for k in sd)
+
+
+def test_numpy_load_file_of_a_url(checkpoint, nginx):
+    _, sd = checkpoint
+    sd = {k: v for k, v in sd.items() if v.dtype != torch.bfloat16}  # numpy has no BF16
+    got = engine.numpy.load_file(nginx.url(f"sharded/{INDEX}"))
+    for k, v in sd.items():
+        assert got[k].dtype == v.numpy().dtype and got[k].tobytes() == raw(v), k
+
+
+@pytest.mark.parametrize("select", [
+    {"names": ["lm_head.weight", "model.empty", "model.layers.2.mlp.up_proj.weight"]},
+    {"patterns": ["model.layers.*.self_attn.q_proj.weight", "model.norm.*"]},
+    {"layers": range(1, 3)},
+])
+def test_stream_of_a_url_selects_as_a_local_stream(checkpoint, nginx, select):
+    root, sd = checkpoint
+    got = dict(engine.stream(nginx.url("sharded/"), chunk_bytes=65536, connections=3, **select))
+    shards = sorted(str(p) for p in (root / "sharded").glob("*.safetensors"))
+    want = dict(engine.stream(shards, **select))  # a local stream takes the shards' list
+    assert sorted(got) == sorted(want) and got
+    assert_same({k: got[k] for k in sorted(got)}, {k: sd[k] for k in want})
+
+
+def test_load_into_from_a_url_fills_cpu_tensors_in_place(checkpoint, nginx):
+    _, sd = checkpoint
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    before = {k: v.data_ptr() for k, v in dst.items()}
+    filled = engine.load_into(nginx.url(f"sharded/{INDEX}"), dst, strict=True, chunk_bytes=100_000)
+    assert sorted(filled) == sorted(sd)
+    assert {k: v.data_ptr() for k, v in dst.items()} == before
+    assert_same({k: dst[k] for k in sorted(dst)}, sd)
+
+
+class EmulatedArray:
+    """A tensor of a framework the engine does not know, in the emulated device's memory."""
+
+    def __init__(self, code, shape, nbytes):
+        self.code, self.shape, self.data = code, shape, bytearray(nbytes)
+
+
+@pytest.mark.parametrize("gpu_path", ["copy", "auto"])
+def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, monkeypatch, gpu_path):
+    """A device destination, emulated on the CPU as tests/test_loader.py does: remote bytes
+    land in staging slots, then the device's copies; nothing is registered (no mapping)."""
+    from emulated import EmulatedDevice
+
+    import engine.loader
+    from engine import dtypes
+    from engine.sinks._targets import FillTarget
+
+    _, sd = checkpoint
+    emu = EmulatedDevice()
+
+    class EmulatedTarget(FillTarget):
+        device = ("emulated", 0)
+
+        def __init__(self, arr):
+            super().__init__(arr, arr.code, arr.shape, True, "emulated")
+
+        def device_bytes(self):
+            return self.tensor.data
+
+        def device_ops(self):
+            return emu
+
+    real = engine.loader.fill_target
+    monkeypatch.setattr(engine.loader, "fill_target",
+                        lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
+    on_device = [k for k in sd if "proj" in k]
+    dst = {k: EmulatedArray(dtypes.from_torch(sd[k].dtype), tuple(sd[k].shape), len(raw(sd[k])))
+           for k in on_device}
+    host = {k: torch.zeros_like(v) for k, v in sd.items() if k not in dst}
+    try:
+        filled = engine.load_into(nginx.url("sharded/"), {**dst, **host}, strict=True, gpu_path=gpu_path,
+                                  chunk_bytes=65536)
+    finally:
+        emu.close()
+    assert sorted(filled) == sorted(sd)
+    for k in on_device:
+        assert bytes(dst[k].data) == raw(sd[k]), k
+    assert_same({k: host[k] for k in sorted(host)}, {k: sd[k] for k in host})
+    assert emu.copies_from["staging"] > 0 and emu.copies_from["mapping"] == 0 and not emu.register_calls
+    emu.assert_clean()
+
+
+class EmulatedSink:
+    """A device sink over the emulated device (as tests/test_checkpoint.py has): raw bytes
+    per tensor."""
+
+    name = "emulated"
+    on_device = True
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.allocations: list[int] = []
+
+    def allocate_device(self, specs, per_tensor=False):
+        self.allocations.append(len(specs))
+        targets = {key: bytearray(nbytes) for key, _, _, nbytes in specs}
+        return dict(targets), targets, self.ops
+
+
+@pytest.mark.parametrize("gpu_path", ["copy", "auto"])
+def test_stream_to_a_device_from_a_url_is_one_allocation_through_staging(checkpoint, nginx, monkeypatch, gpu_path):
+    from emulated import EmulatedDevice
+
+    import engine.loader
+
+    _, sd = checkpoint
+    emu = EmulatedDevice()
+    sink = EmulatedSink(emu)
+    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    try:
+        got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", gpu_path=gpu_path,
+                                 chunk_bytes=65536, slot_bytes=1 << 18))
+    finally:
+        emu.close()
+    assert sorted(got) == sorted(sd) and sink.allocations == [len(sd)]
+    assert all(bytes(got[k]) == raw(v) for k, v in sd.items())
+    assert emu.copies_from["staging"] > 0 and emu.copies_from["mapping"] == 0 and not emu.register_calls
+    emu.assert_clean()
+
+
+# -- path-style S3 against nginx ---------------------------------------------------------------------
+@pytest.mark.parametrize("where", [f"ckpt/{INDEX}", "one/model.safetensors"])
+def test_anonymous_path_style_s3(checkpoint, nginx, monkeypatch, where):
+    pytest.importorskip("botocore", reason="s3:// needs botocore (the s3 extra)")
+    _, sd = checkpoint
+    monkeypatch.setenv("AWS_ENDPOINT_URL", nginx.base)
+    monkeypatch.setenv("AWS_NO_SIGN_REQUEST", "1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull + "-none")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull + "-none")
+    assert_same(engine.torch.load_file(f"s3://bucket/{where}"), sd)
+
+
+# -- failing requests ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def flaky(checkpoint):
+    server = serve(str(checkpoint[0]))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def rangeserver(flaky):
+    flaky.reset()
+    flaky.keepalive, flaky.etags, flaky.if_match, flaky.stall = True, True, True, 5.0
+    yield flaky
+    flaky.faults = {}
+
+
+def test_a_load_through_transient_failures_is_byte_exact(checkpoint, rangeserver):
+    _, sd = checkpoint
+    kinds = ["503", "reset", "slowdown", "short", "500", "slow"]
+    rangeserver.faults = lambda n, path, first, last: kinds[(n // 20) % len(kinds)] if n % 20 == 7 else None
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    filled = engine.load_into(rangeserver.url(f"sharded/{INDEX}"), dst, chunk_bytes=16384, connections=4,
+                              retry=FAST, timeout=1.0)
+    assert sorted(filled) == sorted(sd)
+    assert_same({k: dst[k] for k in sorted(dst)}, sd)
+    faulty = [n for n in range(1, rangeserver.data_gets + 1) if n % 20 == 7]
+    assert len(faulty) >= len(kinds)  # every kind was met at least once
+    assert rangeserver.connections < rangeserver.data_gets  # keep-alive connections were reused
+
+
+def covered(requests: list[dict], path: str) -> list[tuple[int, int]]:
+    """The byte spans [a, b) of ``path`` answered in full before the failure, adjacent
+    ones merged (a tensor may span several requests)."""
+    spans: list[tuple[int, int]] = []
+    for a, b in sorted(tuple(map(int, r["range"][6:].split("-"))) for r in requests if r["path"] == path):
+        if spans and spans[-1][1] >= a:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], b + 1))
+        else:
+            spans.append((a, b + 1))
+    return spans
+
+
+def test_a_permanent_failure_mid_load_into_says_which_names_are_complete(checkpoint, rangeserver):
+    root, sd = checkpoint
+    rangeserver.faults = {9: "403"}
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with pytest.raises(ReadError) as err:
+        engine.load_into(rangeserver.url(f"sharded/{INDEX}"), dst, chunk_bytes=30000, connections=1, retry=FAST)
+    assert err.value.reason == "AccessDenied" and "see .filled" in str(err.value)
+    done = [r for r in rangeserver.data_requests() if r["n"] < 9]
+    assert len(done) == 8 and len(rangeserver.data_requests()) == 9  # one worker: requests in order
+    want = []
+    for shard in sorted((root / "sharded").glob("*.safetensors")):
+        header = read_header(str(shard))
+        spans = covered(done, f"/sharded/{shard.name}")
+        table, start = header.table, header.data_start
+        for name, b, e in zip(table.names, table.begins, table.ends, strict=True):
+            a, z = start + int(b), start + int(e)
+            if a == z or any(s <= a and z <= t for s, t in spans):
+                want.append(name)
+    assert err.value.filled == sorted(want)
+    assert 0 < len(want) < len(sd)
+    for k in want:
+        assert raw(dst[k]) == raw(sd[k]), k
+
+
+def test_a_file_replaced_mid_load_is_file_changed(checkpoint, rangeserver):
+    _, sd = checkpoint
+    rangeserver.faults = {4: "change"}
+    with pytest.raises(ReadError) as err:
+        dict(engine.stream(rangeserver.url("sharded/"), chunk_bytes=30000, connections=2, retry=FAST))
+    assert err.value.reason == "FileChanged" and "/sharded/model-" in str(err.value)
+    changed = [r for r in rangeserver.data_requests() if r["n"] >= 4]
+    assert changed and all(r["if_match"] for r in changed)
+
+
+@pytest.mark.parametrize("kind", ["503", "slowdown", "500", "short", "reset"])
+def test_transient_failures_of_the_header_and_index_requests_are_retried(checkpoint, rangeserver, kind):
+    """The requests before the bulk reads (the index, each shard's length and header) meet
+    the same transient failures as the data reads and are retried the same way: here every
+    distinct request fails once."""
+    root, sd = checkpoint
+    seen: set = set()
+
+    def once(n, path, first, last):
+        if (path, first) in seen:
+            return None
+        seen.add((path, first))
+        return kind
+
+    rangeserver.faults_on = "all"
+    rangeserver.faults = once
+    got = dict(engine.stream(rangeserver.url("sharded/"), retry=FAST, timeout=5.0))
+    assert_same({k: got[k] for k in sorted(got)}, sd)
+    index = [r for r in rangeserver.requests if r["path"].endswith(INDEX)]
+    headers = [r for r in rangeserver.requests if r["range"] == "bytes=0-7"]
+    shards = len(list((root / "sharded").glob("*.safetensors")))
+    # the index: the prefix's probe fails then succeeds, the load's fetch succeeds; each
+    # shard's length: fails, succeeds, and again when its header request failed once
+    assert len(index) == 3 and len(headers) == 3 * shards
+
+
+@pytest.mark.parametrize(("where", "fault", "cls"), [
+    ("sharded/absent.safetensors", None, RemoteFileNotFoundError),  # a file's header request
+    ("single/nothing/", None, RemoteFileNotFoundError),  # a prefix's probes
+    (f"sharded/{INDEX}", {1: "403"}, ReadError),  # a bulk read
+])
+def test_errors_of_a_url_with_a_password_never_show_it(checkpoint, rangeserver, where, fault, cls):
+    rangeserver.faults = fault or {}
+    url = rangeserver.url(where).replace("http://", "http://alice:pa55word@")
+    with pytest.raises(cls) as err:
+        engine.load_into(url, {k: torch.zeros_like(v) for k, v in checkpoint[1].items()}, retry=FAST)
+    seen = "\n".join([str(err.value), repr(err.value.args), "".join(traceback.format_exception(err.value))])
+    assert "pa55word" not in seen and "alice" not in seen, seen
+    assert rangeserver.base + "/" in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["load_into", "stream"])
+def test_a_permanent_failure_ends_the_other_readers_retries(checkpoint, rangeserver, how):
+    """Every reader's first request meets a busy server (503) but the last one's, refused
+    for good: the other readers stop waiting between tries instead of using up their tries."""
+    _, sd = checkpoint
+    connections = 4
+    rangeserver.faults = lambda n, path, first, last: "403" if n == connections else "503"
+    slow = Retry(attempts=4, base=5.0, cap=5.0)  # waits the load must not sit through
+    url = rangeserver.url(f"sharded/{INDEX}")
+    with pytest.raises(ReadError) as err:
+        if how == "load_into":
+            engine.load_into(url, {k: torch.zeros_like(v) for k, v in sd.items()}, chunk_bytes=16384,
+                             connections=connections, retry=slow)
+        else:
+            dict(engine.stream(url, chunk_bytes=16384, connections=connections, retry=slow))
+    assert err.value.reason == "AccessDenied"
+    assert rangeserver.data_gets < 2 * connections  # not 1 + 3 * 4 tries

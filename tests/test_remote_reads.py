@@ -1,0 +1,268 @@
+"""engine.remote_reads against a real HTTP server on localhost (tests/rangeserver.py) that
+keeps connections alive, sends ETags and fails chosen requests on purpose."""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+from engine.errors import ReadError, RemoteFileNotFoundError
+from engine.numpy import save_file
+from engine.remote_reads import RangeReads, RemoteFile, Retry, public_url
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rangeserver import serve  # noqa: E402
+
+FAST = Retry(attempts=3, base=0.001, cap=0.01)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reads")
+    rng = np.random.default_rng(7)
+    path = root / "model.safetensors"
+    save_file({"w": rng.integers(0, 256, 1 << 20, dtype=np.uint8)}, str(path))
+    data = path.read_bytes()
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    server = serve(str(root))
+    yield server, data, start
+    server.stop()
+
+
+@pytest.fixture
+def server(served):
+    srv = served[0]
+    srv.reset()
+    srv.keepalive, srv.etags, srv.if_match, srv.stall = True, True, True, 5.0
+    yield srv
+    srv.faults = {}
+    srv.release.set()  # end any stall this test left behind
+    srv.release.clear()
+
+
+def remote(server, data) -> RemoteFile:
+    return RemoteFile(server.url("model.safetensors"), len(data), server.etag(os.path.join(server.root,
+                                                                                         "model.safetensors")))
+
+
+def read(reads: RangeReads, file: RemoteFile, offset: int, size: int, pieces: int = 1) -> bytes:
+    """Read ``size`` bytes at ``offset`` into ``pieces`` separate views; return them joined."""
+    cuts = [size * i // pieces for i in range(pieces + 1)]
+    bufs = [bytearray(b - a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    reads.read(file, offset, [memoryview(b) for b in bufs])
+    return b"".join(bufs)
+
+
+def text(err: BaseException) -> str:
+    """Everything a user could see of an error: message, repr, args and the traceback."""
+    return "\n".join([str(err), repr(err), repr(err.args), "".join(traceback.format_exception(err))])
+
+
+# -- byte-exact reads and connections -------------------------------------------------------------
+@pytest.mark.parametrize("keepalive", [True, False])
+def test_reads_land_byte_exact_in_the_views(served, server, keepalive):
+    _, data, start = served
+    server.keepalive = keepalive
+    file = remote(server, data)
+    reads = RangeReads(connections=1, retry=FAST)
+    spans = [(start, 1000, 1), (start + 5, 65536 + 3, 3), (len(data) - 777, 777, 2), (0, 8, 1), (start, 12345, 5)]
+    try:
+        for offset, size, pieces in spans:
+            assert read(reads, file, offset, size, pieces) == data[offset : offset + size]
+        bufs = [bytearray(0), bytearray(10), bytearray(0), bytearray(6)]  # empty views are skipped
+        reads.read(file, start, [memoryview(b) for b in bufs])
+        assert b"".join(bufs) == data[start : start + 16]
+    finally:
+        reads.close()
+    assert reads.requests == len(spans) + 1 and reads.retries == 0
+    # one thread: a single keep-alive connection serves every request; without keep-alive
+    # each closed connection is dropped, never reused
+    assert server.connections == (1 if keepalive else len(spans) + 1)
+    assert all(r["if_match"] == file.etag for r in server.requests)
+
+
+def test_connections_are_reused_across_worker_threads(served, server):
+    _, data, start = served
+    file = remote(server, data)
+    reads = RangeReads(connections=4, retry=FAST)
+    size = (len(data) - start) // 40
+    out = bytearray(40 * size)
+
+    def work(i):
+        for k in range(i, 40, 4):
+            reads.read(file, start + k * size, [memoryview(out)[k * size : (k + 1) * size]])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reads.close()
+    assert bytes(out) == data[start : start + 40 * size]
+    assert reads.requests == 40 and len(server.requests) == 40
+    assert server.connections <= 4  # at most one per worker thread, not one per request
+
+
+def test_a_read_past_the_end_fails_before_any_request(served, server):
+    _, data, _ = served
+    with pytest.raises(ReadError) as err:
+        read(RangeReads(), remote(server, data), len(data) - 10, 20)
+    assert err.value.reason == "ShortRead" and "past the end" in str(err.value)
+    assert server.requests == []
+
+
+# -- retries ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["short", "reset"])
+def test_a_body_cut_short_is_retried_for_the_missing_bytes_only(served, server, kind):
+    _, data, start = served
+    server.faults = {1: kind}
+    file = remote(server, data)
+    reads = RangeReads(retry=FAST)
+    offset, size = start + 100, 300_000
+    assert read(reads, file, offset, size, pieces=3) == data[offset : offset + size]
+    reads.close()
+    assert reads.retries == 1
+    first, retry = server.data_requests()
+    (n, at, sent), = server.sent
+    assert n == 1 and at == offset and first["range"] == f"bytes={offset}-{offset + size - 1}"
+    resumed = int(retry["range"][6:].split("-")[0])
+    assert retry["range"].endswith(f"-{offset + size - 1}")
+    if kind == "short":  # an orderly end: every byte sent had landed
+        assert resumed == offset + sent
+    else:  # a reset may drop what the kernel held, never ask again for what landed
+        assert offset <= resumed <= offset + sent
+
+
+@pytest.mark.parametrize("kind", ["503", "slowdown", "500"])
+def test_transient_statuses_are_retried(served, server, kind):
+    _, data, start = served
+    server.faults = {1: kind, 2: kind}
+    reads = RangeReads(retry=FAST)
+    assert read(reads, remote(server, data), start, 5000) == data[start : start + 5000]
+    reads.close()
+    got = server.data_requests()
+    assert reads.retries == 2 and len(got) == 3
+    assert {r["range"] for r in got} == {f"bytes={start}-{start + 4999}"}
+
+
+def test_retries_exhausted_say_how_many_tries(served, server):
+    _, data, start = served
+    server.faults = lambda n, path, first, last: "slowdown"
+    url = server.url("model.safetensors")
+    with pytest.raises(ReadError) as err:
+        read(RangeReads(retry=FAST), remote(server, data), start, 100)
+    assert "after 3 tries" in str(err.value) and "SlowDown" in str(err.value)
+    assert url in str(err.value) and f"bytes {start}-{start + 99}" in str(err.value)
+    assert len(server.data_requests()) == 3
+
+
+def test_a_stalled_body_times_out_within_the_deadline(served, server):
+    _, data, start = served
+    server.faults = lambda n, path, first, last: "slow"
+    timeout = 0.3
+    reads = RangeReads(timeout=timeout, retry=Retry(attempts=2, base=0.001, cap=0.01))
+    began = time.monotonic()
+    with pytest.raises(ReadError) as err:
+        read(reads, remote(server, data), start, 50_000)
+    took = time.monotonic() - began
+    assert err.value.reason == "Timeout" and "after 2 tries" in str(err.value)
+    assert took < 10 * 2 * timeout  # generous: the stall itself is server.stall = 5 s
+    assert len(server.data_requests()) == 2
+
+
+def test_one_stalled_request_is_retried(served, server):
+    _, data, start = served
+    server.faults = {1: "slow"}
+    reads = RangeReads(timeout=0.3, retry=FAST)
+    assert read(reads, remote(server, data), start, 50_000) == data[start : start + 50_000]
+    assert reads.retries == 1
+
+
+# -- permanent failures ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("kind", "cls", "reason"), [
+    ("403", ReadError, "AccessDenied"),
+    ("404", RemoteFileNotFoundError, "NotFound"),
+    ("change", ReadError, "FileChanged"),  # the ETag moved: If-Match answers 412
+    ("grow", ReadError, "FileChanged"),  # Content-Range says another size
+])
+def test_permanent_failures_fail_at_once_naming_url_and_range(served, server, kind, cls, reason):
+    _, data, start = served
+    server.faults = {1: kind}
+    file = remote(server, data)
+    reads = RangeReads(retry=Retry(attempts=6, base=0.001))
+    with pytest.raises(cls) as err:
+        read(reads, file, start + 10, 4000)
+    message = str(err.value)
+    assert err.value.reason == reason
+    assert server.url("model.safetensors") in message and f"bytes {start + 10}-{start + 4009}" in message
+    assert len(server.data_requests()) == 1 and reads.retries == 0
+
+
+def test_a_changed_file_is_caught_by_its_etag_where_if_match_is_ignored(served, server):
+    """A server that ignores If-Match answers 206 with the new ETag: that is checked too."""
+    _, data, start = served
+    server.if_match = False
+    server.faults = {1: "change"}
+    with pytest.raises(ReadError) as err:
+        read(RangeReads(retry=FAST), remote(server, data), start, 100)
+    assert err.value.reason == "FileChanged" and "ETag" in str(err.value)
+    assert len(server.data_requests()) == 1
+
+
+# -- URLs and credentials in messages --------------------------------------------------------------
+def test_public_url_strips_user_and_password():
+    assert public_url("https://alice:s3cr3t@example.com:8443/a/b?x=1#f") == "https://example.com:8443/a/b?x=1#f"
+    assert public_url("https://alice@example.com/m") == "https://example.com/m"
+    assert public_url("https://example.com/m") == "https://example.com/m"
+    assert public_url("http://alice:pw@[::1]:8080/m") == "http://[::1]:8080/m"  # brackets kept
+    assert public_url("http://alice:pw@[fe80::1]/m") == "http://[fe80::1]/m"
+
+
+def test_errors_name_the_url_without_its_password(served, server):
+    _, data, start = served
+    server.faults = {1: "403"}
+    url = server.url("model.safetensors").replace("http://", "http://alice:pa55w0rd@")
+    with pytest.raises(ReadError) as err:
+        read(RangeReads(retry=FAST), RemoteFile(url, len(data)), start, 100)
+    assert "pa55w0rd" not in text(err.value) and server.url("model.safetensors") in str(err.value)
+
+
+def test_retry_delay_is_full_jitter_within_its_cap():
+    retry = Retry(attempts=6, base=0.1, cap=2.0)
+    for attempt in range(8):
+        bound = min(retry.cap, retry.base * 2**attempt)
+        samples = [retry.delay(attempt) for _ in range(300)]
+        assert all(0.0 <= d <= bound for d in samples)
+        assert max(samples) > bound / 2  # jitter spans the range (chance of failing: 2**-300)
+
+
+@pytest.mark.parametrize("kind", ["403", "404", "short", "slowdown"])
+def test_credentials_never_appear_in_errors(served, server, monkeypatch, kind):
+    pytest.importorskip("botocore", reason="S3 signing needs botocore (the s3 extra)")
+    from engine._s3 import S3Config
+
+    _, data, start = served
+    secret, key_id, token = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYSECRETKEY", "AKIAIOSFODNN7EXAMPLE", "hf_TOKENVALUE12345"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull + "-none")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull + "-none")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.base)
+    config = S3Config()
+    assert config.signed and secret not in repr(config) and key_id not in repr(config)
+    server.faults = lambda n, path, first, last: kind
+    reads = RangeReads(retry=Retry(attempts=2, base=0.001), headers={"Authorization": f"Bearer {token}"},
+                       sign=config.headers)
+    with pytest.raises(ReadError) as err:
+        read(reads, remote(server, data), start, 1000)
+    seen = text(err.value)
+    assert all(s not in seen for s in (secret, key_id, token)), seen
+    auth = [r["authorization"] for r in server.requests]
+    assert auth and all(a and key_id in a for a in auth)  # the signature was sent, and only there
