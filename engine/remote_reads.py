@@ -242,7 +242,9 @@ class RangeReads:
                    "Range": f"bytes={offset}-{last}"}
             if self.sign is not None:
                 req.update(self.sign(url))
-            if file.etag:
+            if file.etag and not file.etag.startswith("W/"):
+                # If-Match compares strongly: a weak ETag (a CDN's, say) would never match;
+                # the answer's ETag is still compared below
                 req["If-Match"] = file.etag
             conn, sock, resp = self._send(url, req, deadline, name, offset, want)
             if resp.status in _REDIRECTS:

@@ -21,6 +21,7 @@ For the bulk reads of a load (:mod:`engine.remote_reads`) the server also has:
 
 * ``server.keepalive = True``: HTTP/1.1 with persistent connections (``server.connections``
   counts the connections accepted), so connection pooling is exercised;
+* ``server.weak_etags = True``: the ETags are weak (``W/"..."``), which ``If-Match`` never matches;
 * ``server.etags = True``: an ``ETag`` on every file answer, and ``If-Match`` honoured (a
   mismatch is 412, unless ``server.if_match = False``); ``server.generation += 1`` changes every ETag, as a replaced file would;
 * ``server.faults``: a fault at chosen *data* GETs, those of a ``.safetensors`` file whose
@@ -65,6 +66,7 @@ class RangeServer(ThreadingHTTPServer):
         self.connections = 0
         self.etags = False
         self.if_match = True
+        self.weak_etags = False  # W/"..." as a CDN may send: If-Match (strong) never matches one
         self.generation = 0
         self.faults: dict | object = {}
         self.faults_on = "data"
@@ -100,10 +102,12 @@ class RangeServer(ThreadingHTTPServer):
             self.faults = {}
             self.faults_on = "data"
             self.generation = 0
+            self.weak_etags = False
 
     def etag(self, file: str) -> str:
         st = os.stat(file)
-        return f'"{st.st_size:x}-{st.st_mtime_ns:x}-{self.generation}"'
+        tag = f'"{st.st_size:x}-{st.st_mtime_ns:x}-{self.generation}"'
+        return "W/" + tag if self.weak_etags else tag
 
     def data_requests(self) -> list[dict]:
         """The data GETs, in arrival order (each with ``n``)."""
@@ -219,7 +223,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._status(503, body=body)
         etag = self.server.etag(file) if self.server.etags else None
         if_match = self.headers.get("If-Match")
-        if etag and if_match and self.server.if_match and if_match.strip() not in ("*", etag):
+        if etag and if_match and self.server.if_match and (
+            if_match.strip() not in ("*", etag) or etag.startswith("W/")  # a weak ETag never matches
+        ):
             return self._status(412)
         length = last - first + 1
         self.send_response(206 if ranged else 200)

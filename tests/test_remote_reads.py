@@ -216,6 +216,21 @@ def test_a_changed_file_is_caught_by_its_etag_where_if_match_is_ignored(served, 
     assert len(server.data_requests()) == 1
 
 
+def test_a_weak_etag_is_never_sent_in_if_match_but_still_compared(served, server):
+    """If-Match compares strongly, so a weak ETag would fail every request with 412: it is
+    left out of the request, and the answer's ETag still tells a replaced file."""
+    _, data, start = served
+    server.weak_etags = True
+    file = remote(server, data)
+    assert file.etag.startswith("W/")
+    assert read(RangeReads(retry=FAST), file, start, 5000, pieces=3) == data[start : start + 5000]
+    assert all(r["if_match"] is None for r in server.data_requests())
+    server.faults = {len(server.data_requests()) + 1: "change"}
+    with pytest.raises(ReadError) as err:
+        read(RangeReads(retry=FAST), file, start, 100)
+    assert err.value.reason == "FileChanged"
+
+
 # -- URLs and credentials in messages --------------------------------------------------------------
 def test_public_url_strips_user_and_password():
     assert public_url("https://alice:s3cr3t@example.com:8443/a/b?x=1#f") == "https://example.com:8443/a/b?x=1#f"
