@@ -789,3 +789,32 @@ def test_a_host_load_starts_no_more_threads_than_it_has_pieces(layout, monkeypat
     pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 65_536), pipeline.Destination(host_views=dst),
                  path=path, threads=4)
     assert asked[1] == 4  # six 1 MiB pieces: every thread asked for
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_remote_sources_are_read_by_requests_and_fresh_memory_is_faulted_in_first(monkeypatch, fresh):
+    """A Source with ``ranges`` (a remote file) is read one request per call on worker
+    threads; fresh host memory has its pages faulted in before each receive, and only then."""
+    from engine.plan import plan_reads
+
+    data = bytes(range(256)) * 4096  # 1 MiB "file"
+    begins, ends = np.array([0, 300_000, 700_000]), np.array([300_000, 700_000, 1_048_576])
+    requests = plan_reads(begins, ends, [0, 1, 2], 0, 128 << 10, 64)
+    calls, populated = [], []
+
+    def ranges(offset, views):
+        calls.append(offset)
+        pos = offset
+        for v in views:
+            v[:] = data[pos : pos + len(v)]
+            pos += len(v)
+
+    monkeypatch.setattr(pipeline, "populate_write", lambda v: populated.append(len(v)) or 0)
+    out = {r: bytearray(int(ends[r] - begins[r])) for r in range(3)}
+    done = []
+    dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in out.items()}, fresh=fresh)
+    pipeline.run_sources([pipeline.Source(-1, "http://x/m", requests, 0, ranges)], dest, threads=3,
+                         on_complete=done.append)
+    assert all(bytes(out[r]) == data[begins[r] : ends[r]] for r in range(3)) and sorted(done) == [0, 1, 2]
+    assert sorted(calls) == sorted(r.offset for r in requests)
+    assert (sum(populated) == len(data)) if fresh else not populated

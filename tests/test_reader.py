@@ -180,6 +180,28 @@ def test_populate_makes_the_range_resident_and_an_empty_range_is_a_no_op(mapped_
         view.release()
 
 
+def test_populate_write_faults_in_whole_pages_and_keeps_the_bytes():
+    import mmap
+
+    from engine import _io
+
+    page = mmap.PAGESIZE
+    mm = mmap.mmap(-1, 8 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = memoryview(mm)
+    try:
+        view[page + 3] = 7
+        assert not _io.mapping_resident(view, 3 * page, 7 * page)  # fresh pages are not mapped yet
+        # bytes 100 .. 7 pages + 100: whole pages 1..6 are faulted in; the partial ones at the
+        # ends may belong to a neighbour and are left alone
+        assert reader.populate_write(view[100 : 7 * page + 100]) == 0
+        assert _io.mapping_resident(view, page, 7 * page)
+        assert view[page + 3] == 7 and bytes(view[2 * page : 3 * page]) == bytes(page)
+        assert reader.populate_write(view[5:5]) == 0 and reader.populate_write(view[10:20]) == 0
+    finally:
+        view.release()
+        mm.close()
+
+
 def test_spans_gather_runs_through_a_bounce_of_any_size(data_file):
     fd, data, path = data_file
     src = np.array([0, 40, 90, 95, 300, 5000, 5030, 20_000], np.int64)  # uneven gaps, one overlap

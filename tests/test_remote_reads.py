@@ -281,3 +281,29 @@ def test_credentials_never_appear_in_errors(served, server, monkeypatch, kind):
     assert all(s not in seen for s in (secret, key_id, token)), seen
     auth = [r["authorization"] for r in server.requests]
     assert auth and all(a and key_id in a for a in auth)  # the signature was sent, and only there
+
+
+# -- read_runs: neighbouring runs share a request --------------------------------------------------
+def test_read_runs_groups_neighbours_and_drops_the_gaps():
+    from engine.remote_reads import read_runs
+
+    data = bytes(range(256)) * 64
+    calls = []
+
+    def fake_read(offset, views):
+        calls.append((offset, [len(v) for v in views]))
+        pos = offset
+        for v in views:
+            v[:] = data[pos : pos + len(v)]
+            pos += len(v)
+
+    src = [0, 100, 200, 5000, 5010]  # runs of 10: three close, then a far pair
+    dst = bytearray(50)
+    n = read_runs(fake_read, memoryview(dst), src, 10, 7, max_gap=1000)
+    assert bytes(dst) == b"".join(data[7 + s : 7 + s + 10] for s in src)
+    assert n == 2 and [c[0] for c in calls] == [7, 5007]
+    assert calls[0][1] == [10, 90, 10, 90, 10] and calls[1][1] == [10, 10]
+    # a span limit splits a group; no gap at all is one view per run, no scratch
+    calls.clear()
+    read_runs(fake_read, memoryview(bytearray(50)), src, 10, 7, max_gap=1000, max_span=150)
+    assert [c[0] for c in calls] == [7, 207, 5007]
