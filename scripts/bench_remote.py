@@ -14,7 +14,8 @@ process (the engine's bytecode compiled first):
   network on this machine, where the receive copies and the page faults share two cores
   (the bound printed below the table is ``1 / (1 / line + 1 / fault)``);
 * ``engine http`` / ``engine s3``: ``engine.torch.load_file(url)`` of the index (CPU owned
-  tensors); ``engine http load_into``: ``engine.load_into`` into pre-faulted tensors;
+  tensors); ``engine http load_into`` / ``engine s3 load_into``: ``engine.load_into`` into
+  pre-faulted tensors (a model's parameters, allocated before the load);
   ``engine http device``: the same load into an emulated device: the copy path through
   page-locked staging slots, into a device whose copies complete without moving bytes
   (the host side of a GPU load: socket -> pinned slot; a GPU's DMA engine does the rest);
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 "engine http": (py, _engine_load(index), env),
                 "engine http load_into": (py, _engine_load_into(index), env),
                 "engine s3": (py, _engine_load(s3_index), s3_env),
+                "engine s3 load_into": (py, _engine_load_into(s3_index), s3_env),
                 "engine http device": (py, _engine_device(index), env),
                 "download + reference": (py, _download_then_reference(shard_urls, scratch), env),
             }
