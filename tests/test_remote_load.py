@@ -369,3 +369,24 @@ def test_a_permanent_failure_ends_the_other_readers_retries(checkpoint, rangeser
             dict(engine.stream(url, chunk_bytes=16384, connections=connections, retry=slow))
     assert err.value.reason == "AccessDenied"
     assert rangeserver.data_gets < 2 * connections  # not 1 + 3 * 4 tries
+
+
+# -- fsspec: any other protocol ----------------------------------------------------------------
+def test_an_fsspec_protocol_loads_through_the_same_pipeline(checkpoint):
+    """memory:// (fsspec's in-memory file system) stands for gs://, hf://, ...: the same
+    selection and destinations, the ranges read through fsspec."""
+    fsspec = pytest.importorskip("fsspec", reason="fsspec is the optional remote extra")
+    root, sd = checkpoint
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(root / "sharded"):
+        fs.pipe(f"/engine-test/ckpt/{name}", (root / "sharded" / name).read_bytes())
+    try:
+        got = engine.torch.load_file(f"memory://engine-test/ckpt/{INDEX}")
+        assert_same(got, sd)
+        dst = {k: torch.empty_like(v) for k, v in sd.items()}
+        engine.load_into(f"memory://engine-test/ckpt/{INDEX}", dst)
+        assert all(raw(dst[k]) == raw(sd[k]) for k in sd)
+        some = dict(engine.stream(f"memory://engine-test/ckpt/{INDEX}", patterns="model.layers.1.*"))
+        assert sorted(some) == sorted(k for k in sd if k.startswith("model.layers.1."))
+    finally:
+        fs.rm("/engine-test", recursive=True)
