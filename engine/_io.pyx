@@ -7,6 +7,13 @@
 
 Private: the public wrapper is :mod:`engine.reader`, which turns the error codes returned
 here into :class:`~engine.errors.ReadError` with the file, offset and size.
+
+One idea, moving bytes out of the page cache natively, kept in one extension on purpose:
+the gathers of strided runs (``pread_runs``, ``pread_spans``), the split copy engine that
+deals a batch to a pool of native threads (``SplitReader``, from ``pread`` or a populated
+mapping under a SIGBUS guard) and the page-table helpers both use (residency, populate for
+reading and for writing) share the ``pread`` retry loop, the ``madvise`` declarations and
+the guard; split into modules, each would carry a copy of them.
 """
 
 from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, errno
