@@ -50,6 +50,7 @@ _TRANSIENT_S3 = frozenset({"SlowDown", "InternalError", "RequestTimeout", "Servi
 _TRANSIENT_REASONS = frozenset({"ConnectionError", "Timeout", "ShortRead"})
 _STALL_S = 30.0  # longest single socket wait, so a deadline check comes round often
 _ERROR_BODY = 65536
+_PROGRESS = 1 << 20  # bytes a failed try must land to count as progress
 _PIECE = 4 << 20  # bytes per receive call, so the deadline is checked between them
 
 
@@ -212,7 +213,9 @@ class RangeReads:
                 self._get(file, offset + done, _skip(views, done))
                 return
             except _Failed as failed:
-                progressed = failed.landed > 0
+                # a try that landed a MiB (or half of what was left) starts the count again; a
+                # server that sends a little and then fails every time still runs out of tries
+                progressed = failed.landed >= min(_PROGRESS, (want - done) // 2 or 1)
                 done += failed.landed
                 if not failed.transient:
                     raise failed.error from None

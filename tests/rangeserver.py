@@ -237,10 +237,15 @@ class _Handler(BaseHTTPRequestHandler):
         if ranged:
             total = "*" if mode == "no-total" else str(size + (fault == "grow"))
             self.send_header("Content-Range", f"bytes {first}-{last}/{total}")
+        trickle = fault == "trickle"  # a hundredth of the body, then the connection closes
+        if trickle:
+            fault = "short"
         if mode == "no-length" or fault in ("reset", "short", "slow"):
             self.close_connection = True
         self.end_headers()
         send = length // 2 if mode == "truncate" or fault in ("reset", "short") else length
+        if trickle:
+            send = max(1, length // 100)
         if fault == "slow":
             send = 0
         if fault in ("reset", "short", "slow"):

@@ -320,8 +320,8 @@ def test_transient_failures_of_the_header_and_index_requests_are_retried(checkpo
     seen: set = set()
 
     def once(n, path, first, last):
-        if (path, first) in seen:
-            return None
+        if (path, first) in seen or not (path.endswith(INDEX) or first in (0, 8, None)):
+            return None  # the data reads' retries are tested in test_remote_reads
         seen.add((path, first))
         return kind
 

@@ -231,6 +231,19 @@ def test_a_weak_etag_is_never_sent_in_if_match_but_still_compared(served, server
     assert err.value.reason == "FileChanged"
 
 
+def test_a_server_that_fails_every_body_early_runs_out_of_tries(served, server):
+    """Each answer sends a hundredth of what is asked, then hangs up: every try lands bytes,
+    but less than a MiB or half of what is left counts as no progress, so the tries run out
+    instead of creeping forward a hundredth at a time."""
+    _, data, start = served
+    server.faults = lambda *request: "trickle"
+    reads = RangeReads(retry=Retry(attempts=3, base=0.001, cap=0.002))
+    with pytest.raises(ReadError) as err:
+        read(reads, remote(server, data), start, 400_000)
+    assert "after 3 tries" in str(err.value) and err.value.reason == "ShortRead"
+    assert len(server.data_requests()) == 3
+
+
 # -- URLs and credentials in messages --------------------------------------------------------------
 def test_public_url_strips_user_and_password():
     assert public_url("https://alice:s3cr3t@example.com:8443/a/b?x=1#f") == "https://example.com:8443/a/b?x=1#f"
