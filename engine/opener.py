@@ -101,13 +101,21 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
 
 def stream(path, **options):
     """Yield ``(name, tensor)`` as each tensor finishes loading: :func:`engine.loader.stream`
-    for local files, :func:`engine.remote_load.stream` for a URL (``http(s)://``, ``s3://``
-    or another fsspec protocol: a file, an index or a prefix), with the same options."""
+    for local files (a checkpoint's directory or index: its shards as one pipeline),
+    :func:`engine.remote_load.stream` for a URL (``http(s)://``, ``s3://`` or another fsspec
+    protocol: a file, an index or a prefix), with the same options."""
     if is_url(path):
         from . import remote_load
 
         return remote_load.stream(path, **options)
     from . import loader
 
+    if isinstance(path, (str, os.PathLike)) and is_checkpoint_path(path):
+        # a checkpoint's directory or index: its shards, read as one pipeline
+        from .checkpoint_info import read_checkpoint_info
+
+        info = read_checkpoint_info(path, **{k: options[k] for k in ("max_header_size",) if k in options})
+        shards = [info.shard_path(s) for s in info.shards]
+        return loader.stream(shards if len(shards) != 1 else shards[0], **options)
     return loader.stream(path, **options)
 

@@ -695,3 +695,14 @@ def test_read_errors_in_parallel_loads_propagate(tmp_path, monkeypatch):
         with pytest.raises(engine.ReadError) as e:
             c.get_tensors()
         assert victim in str(e.value)
+
+
+def test_engine_stream_of_a_directory_or_an_index_reads_every_shard_as_one_pipeline(sharded, monkeypatch):
+    path, sd, _ = sharded
+    runs = count_pipelines(monkeypatch)
+    for where in (path, path / "model.safetensors.index.json"):
+        got = dict(engine.stream(where, framework="np"))
+        assert sorted(got) == sorted(sd) and all(got[k].tobytes() == sd[k].tobytes() for k in sd)
+    assert len(runs) == 2  # one pipeline per load, not one per shard
+    some = dict(engine.stream(path, framework="np", patterns="lm_head.*"))
+    assert sorted(some) == sorted(k for k in sd if k.startswith("lm_head."))
