@@ -37,6 +37,11 @@ _KINDS = (
 )
 
 
+#: Below this many bytes a mapped load is left to the kernel's own read-ahead (no prefetch
+#: threads, and no need for the reader's module at all).
+PREFETCH_MIN_BYTES = 16 << 20
+
+
 def is_url(path) -> bool:
     """Whether ``path`` is a URL (``scheme://...``, a scheme of two letters or more) rather
     than a local path (a Windows drive letter is not a scheme)."""

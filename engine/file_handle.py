@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 from . import dtypes
 from ._file_handle import Slicer, TensorSlice
-from ._files import open_regular
+from ._files import PREFETCH_MIN_BYTES, open_regular
 from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .sinks import get_sink, map_file, sink_kind
@@ -356,18 +356,21 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
         h._check_open()
     sink = parts[0][0]._sink
     if parts[0][0]._backend == "mmap" and not sink.on_device:
-        from .reader import prefetch_mapping
-
         outs = []
         for h, rows in parts:
             t = h.header.table
             base = h._mapping_for(rows)
-            # a cold file is read on several threads in large pieces, not page by page as
-            # the caller touches it (a warm one costs a mincore call per 32 MiB)
             start = h.header.data_start
             columns = _columns(t, rows)
             _, begins, ends = columns
-            prefetch_mapping(h._mm, [(start + int(begins[r]), start + int(ends[r])) for r in rows])
+            spans = [(start + int(begins[r]), start + int(ends[r])) for r in rows]
+            if sum(hi - lo for lo, hi in spans) >= PREFETCH_MIN_BYTES:
+                # a cold file is read on several threads in large pieces, not page by page as
+                # the caller touches it (a warm one costs a mincore call per 32 MiB); a small
+                # load (a tool's first tensor) needs none of the reader
+                from .reader import prefetch_mapping
+
+                prefetch_mapping(h._mm, spans)
             outs.append(views(sink, base, h.header, rows, start, path=h._path, columns=columns))
     else:
         # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:

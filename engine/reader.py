@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from ._files import IOV_MAX, file_size
+from ._files import IOV_MAX, PREFETCH_MIN_BYTES, file_size
 from ._threads import map_threads, run_threads  # their public home is here
 from .errors import ReadError
 
@@ -193,8 +193,6 @@ def _ended(fd: int, at: int) -> str:
 #: Bytes of a mapping brought in per call of :func:`prefetch_mapping`'s threads: large enough
 #: that the kernel reads in long sequential runs, small enough to share a tensor among threads.
 PREFETCH_PIECE = 32 << 20
-#: Below this many bytes a mapped load is left to the kernel's own read-ahead.
-PREFETCH_MIN_BYTES = 16 << 20
 
 
 def prefetch_mapping(buf, ranges, *, threads: int | None = None) -> int:

@@ -119,7 +119,7 @@ def test_torch_cuda_ops_drive_both_paths_with_cuda_stubbed(tmp_path, monkeypatch
 
     from engine import pipeline
     from engine.plan import plan_reads
-    from engine.sinks import torch as torch_sink
+    from engine.sinks import _torch_fill as torch_fill
 
     fake = FakeRuntime(fail=runtime == "refusing")
     monkeypatch.setattr(_cudart, "runtime", lambda: None if runtime == "none" else _runtime(fake))
@@ -131,7 +131,7 @@ def test_torch_cuda_ops_drive_both_paths_with_cuda_stubbed(tmp_path, monkeypatch
         return real_empty(*args, **kw)
 
     monkeypatch.setattr(torch, "empty", empty)
-    ops = torch_sink.TorchCudaOps(torch.device("cpu"))
+    ops = torch_fill.TorchCudaOps(torch.device("cpu"))
     monkeypatch.setattr(ops, "bind_thread", lambda: None)
     monkeypatch.setattr(ops, "new_stream", lambda: None)  # torch.cuda.stream(None) is a no-op
     monkeypatch.setattr(ops, "record", lambda stream: None)

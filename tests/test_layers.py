@@ -58,6 +58,7 @@ FLOORS: dict[str, int] = {
     "sinks._targets": 4,
     "sinks.numpy": 4,
     "sinks.torch": 4,
+    "sinks._torch_fill": 4,
     "sinks.cupy": 4,
     # numerics: the kernels and what is built on them (one subpackage), and the public
     # modules that re-export it

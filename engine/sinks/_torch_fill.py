@@ -1,0 +1,82 @@
+"""What a load fills through the torch sink: the device operations of a CUDA load and the
+destinations of ``load_into``.  Apart from :mod:`engine.sinks.torch` so that opening a
+file and handing out CPU tensors never imports the staging and fill-target machinery."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import dtypes
+from ._staging import HostSource, PinnedHostOps
+from ._targets import FillTarget
+
+__all__ = ["TorchCudaOps", "TorchTarget"]
+
+
+class TorchCudaOps(PinnedHostOps):
+    """The pipeline's device operations on torch CUDA (see :class:`engine.pipeline.DeviceOps`).
+
+    Staging slots are anonymous memory page-locked by the engine (unlocked when the load
+    frees them); file mappings are page-locked read-only, range by range, through the CUDA
+    runtime that torch loaded (:mod:`engine.sinks._cudart`).  Copies are
+    ``Tensor.copy_(..., non_blocking=True)`` on the path's stream: ``cudaMemcpyAsync`` from
+    page-locked memory.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def alloc_staging(self, nbytes: int):
+        from . import _cudart  # CUDA loads only: CPU tensors never need the runtime's bindings
+
+        block = _cudart.PinnedBlock(nbytes)
+        if not block.locked:  # page-locking refused: torch's pinned memory (cached by torch)
+            slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return HostSource(slot, slot.data_ptr()), memoryview(slot.numpy())
+        tensor = torch.frombuffer(block.view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return HostSource(tensor, block.addr, block), block.view
+
+    def wrap_host(self, view: memoryview) -> HostSource:
+        with warnings.catch_warnings():
+            # the mapping is read-only and torch warns so; the device only ever reads it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(view, dtype=torch.uint8)
+        return HostSource(tensor, tensor.data_ptr())
+
+    def new_stream(self):
+        return torch.cuda.Stream(device=self.device)
+
+    def copy_to_device(self, dst, dst_offset: int, src: HostSource, src_offset: int, nbytes: int, stream) -> None:
+        with torch.cuda.stream(stream):
+            dst[dst_offset : dst_offset + nbytes].copy_(src.buffer[src_offset : src_offset + nbytes], non_blocking=True)
+
+    def record(self, stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, event) -> None:
+        event.synchronize()
+
+
+class TorchTarget(FillTarget):
+    """A torch tensor that a load fills in place: on the CPU through a byte view of its
+    memory, on CUDA through the pinned staging ring (:class:`TorchCudaOps`)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__(t, dtypes.from_torch(t.dtype), tuple(t.shape), t.is_contiguous(), t.device.type)
+        self.device = None if t.device.type == "cpu" else t.device
+
+    def host_bytes(self) -> memoryview:
+        return memoryview(self.tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+    def device_bytes(self) -> torch.Tensor:
+        return self.tensor.detach().reshape(-1).view(torch.uint8)
+
+    def device_ops(self) -> TorchCudaOps | None:
+        return TorchCudaOps(self.device) if self.where == "cuda" else None
