@@ -150,3 +150,20 @@ class EmulatedDevice:
         assert not self.registered, self.registered.keys()
         assert not self.live_staging
         assert not self.errors, self.errors[:3]
+
+
+class EmulatedSink:
+    """A device sink over :class:`EmulatedDevice` (``ops``, a new one by default): raw bytes
+    per tensor; records each allocation's number of tensors."""
+
+    name = "emulated"
+    on_device = True
+
+    def __init__(self, ops=None) -> None:
+        self.ops = ops if ops is not None else EmulatedDevice()
+        self.allocations: list[int] = []
+
+    def allocate_device(self, specs, per_tensor=False):
+        self.allocations.append(len(specs))
+        targets = {key: bytearray(nbytes) for key, _, _, nbytes in specs}
+        return dict(targets), targets, self.ops

@@ -602,30 +602,13 @@ def test_owned_load_of_a_checkpoint_is_one_pipeline(sharded, monkeypatch, framew
         assert len(ptrs) == sum(1 for a in sd.values() if a.size)
 
 
-class EmulatedSink:
-    """A device sink over the emulated asynchronous device: raw bytes per tensor; records
-    each allocation's size."""
-
-    name = "emulated"
-    on_device = True
-
-    def __init__(self):
-        from emulated import EmulatedDevice
-
-        self.ops = EmulatedDevice()
-        self.allocations: list[int] = []
-
-    def allocate_device(self, specs, per_tensor=False):
-        self.allocations.append(len(specs))
-        targets = {key: bytearray(nbytes) for key, _, _, nbytes in specs}
-        return dict(targets), targets, self.ops
-
-
 @pytest.mark.parametrize("gpu_path", ["copy", "auto"])
 def test_device_load_of_a_checkpoint_is_one_pipeline_into_one_allocation(sharded, monkeypatch, gpu_path):
     from engine import pipeline
 
     path, sd, split = sharded
+    from emulated import EmulatedSink
+
     sink = EmulatedSink()
     monkeypatch.setattr(engine.file_handle, "get_sink", lambda framework, device: sink)
     monkeypatch.setattr(engine.file_handle, "sink_kind", lambda framework, device: sink.name)

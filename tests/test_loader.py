@@ -503,22 +503,6 @@ def test_load_into_a_float4_destination(tmp_path):
         assert torch.equal(dst.view(torch.uint8), x.view(torch.uint8))
 
 
-class _EmulatedSink:
-    """A device sink over the emulated asynchronous device (raw bytes per tensor)."""
-
-    name = "emulated"
-    on_device = True
-
-    def __init__(self):
-        from emulated import EmulatedDevice
-
-        self.ops = EmulatedDevice()
-
-    def allocate_device(self, specs, per_tensor=False):
-        targets = {key: bytearray(nbytes) for key, _, _, nbytes in specs}
-        return dict(targets), targets, self.ops
-
-
 @pytest.mark.parametrize("gpu_path", ["copy", "auto"])
 def test_load_file_into_a_device_is_one_pipeline_in_file_order(model_file, monkeypatch, gpu_path):
     """loader.load_file: the short path of torch.load_file(f, device=...) with no handle."""
@@ -531,7 +515,9 @@ def test_load_file_into_a_device_is_one_pipeline_in_file_order(model_file, monke
         return real(*a, **{**k, "gpu_path": gpu_path})
 
     monkeypatch.setattr(engine.pipeline, "run_sources", counting)
-    sink = _EmulatedSink()
+    from emulated import EmulatedSink
+
+    sink = EmulatedSink()
     try:
         out = engine.loader.load_file(path, sink)
     finally:

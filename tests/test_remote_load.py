@@ -185,23 +185,6 @@ def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, m
     emu.assert_clean()
 
 
-class EmulatedSink:
-    """A device sink over the emulated device (as tests/test_checkpoint.py has): raw bytes
-    per tensor."""
-
-    name = "emulated"
-    on_device = True
-
-    def __init__(self, ops):
-        self.ops = ops
-        self.allocations: list[int] = []
-
-    def allocate_device(self, specs, per_tensor=False):
-        self.allocations.append(len(specs))
-        targets = {key: bytearray(nbytes) for key, _, _, nbytes in specs}
-        return dict(targets), targets, self.ops
-
-
 @pytest.mark.parametrize("gpu_path", ["copy", "auto"])
 def test_stream_to_a_device_from_a_url_is_one_allocation_through_staging(checkpoint, nginx, monkeypatch, gpu_path):
     from emulated import EmulatedDevice
@@ -210,6 +193,8 @@ def test_stream_to_a_device_from_a_url_is_one_allocation_through_staging(checkpo
 
     _, sd = checkpoint
     emu = EmulatedDevice()
+    from emulated import EmulatedSink
+
     sink = EmulatedSink(emu)
     monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
     try:
