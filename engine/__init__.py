@@ -51,6 +51,7 @@ _LAZY = {
     "deserialize": "engine.tensorspec",
     "stream": "engine.opener",
     "load_into": "engine.opener",
+    "keep_staging": "engine.device_load",
     "load_file": "engine.numpy",
     "load": "engine.numpy",
     "save_file": "engine.writer",
@@ -116,11 +117,11 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info
+    from .device_load import keep_staging
     from .file_handle import _safe_open_handle
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
-    from .loader import stream
     from .numpy import load, load_file
-    from .opener import load_into, safe_open
+    from .opener import load_into, safe_open, stream
     from .shards import save_sharded
     from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
     from .writer import save, save_file

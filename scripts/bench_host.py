@@ -10,6 +10,8 @@ fully mapped read-only mapping into pre-faulted memory, same thread count; see
 * ``engine copy path, dma=none``: the engine's device copy path (default staging slots,
   page-locked, pre-faulted) into a device whose copies complete without moving bytes: the
   host side of a GPU load (page cache -> pinned slot), which is what this host can show;
+* ``engine copy path, dma=none, staging kept``: the same with the staging slots kept between
+  loads (``engine.keep_staging(True)``): the repeated loads page-lock nothing;
 * ``engine copy path, dma=memcpy``: the same with each device copy done by a CPU
   ``memcpy`` on a stream thread, as an emulated DMA engine (it costs this host a second
   copy of every byte and a core, which a GPU's DMA engine does not);
@@ -78,7 +80,11 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
         out.update(repeated=times, nbytes=lim.nbytes, ok=lim.check(), threads=lim.threads)
         lim.close()
     elif kind.startswith("device"):
-        dma = kind.partition("-")[2]
+        dma, _, keep = kind.partition("-")[2].partition("-")
+        if keep:  # staging slots kept between loads (engine.keep_staging)
+            import engine
+
+            engine.keep_staging(True)
         load = host.DeviceLoad(path, dma=dma)
         times = []
         for _ in range(reps + 1):
@@ -177,6 +183,7 @@ def main() -> int:
         for s in sources:
             tag = (f" [{s}]" if len(sources) > 1 else "") + ftag
             plan += [(f"engine copy path, dma=none{tag}", "device-none", s, False, f),
+                     (f"engine copy path, dma=none, staging kept{tag}", "device-none-keep", s, False, f),
                      (f"engine copy path, dma=memcpy{tag}", "device-memcpy", s, False, f),
                      (f"load_into{tag}", "engine", s, False, f)]
         plan.append((f"reference load_file + copy_{ftag}", "reference", sources[0], False, f))
@@ -210,6 +217,8 @@ def main() -> int:
         for s in sources:
             tag = (f" [{s}]" if len(sources) > 1 else "") + ftag
             rows += [(f"engine copy path, dma=none{tag} (repeated)", rep(f"engine copy path, dma=none{tag}"), None),
+                     (f"engine copy path, dma=none, staging kept{tag} (repeated)",
+                      rep(f"engine copy path, dma=none, staging kept{tag}"), None),
                      (f"engine copy path, dma=memcpy{tag} (repeated)", rep(f"engine copy path, dma=memcpy{tag}"),
                       None),
                      (f"load_into{tag}, first call", first(f"load_into{tag}"), first(ref)),

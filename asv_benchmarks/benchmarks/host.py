@@ -168,6 +168,7 @@ class BenchDevice:
         self.streams: list[_Stream] = []
         self.staging: dict[int, mmap.mmap] = {}
         self.locked = True
+        self.staging_key = ("bench",)  # slots may be kept between loads (engine.keep_staging)
 
     def bind_thread(self) -> None:
         pass

@@ -27,6 +27,7 @@ class TorchCudaOps(PinnedHostOps):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.staging_key = ("torch", str(device))  # slots may be kept between loads (keep_staging)
 
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)

@@ -51,6 +51,7 @@ class CupyOps(PinnedHostOps):
 
     def __init__(self, device_id: int) -> None:
         self.device = cupy.cuda.Device(device_id)
+        self.staging_key = ("cupy", device_id)  # slots may be kept between loads (keep_staging)
 
     def bind_thread(self) -> None:
         self.device.use()
