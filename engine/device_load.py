@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
