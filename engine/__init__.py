@@ -51,7 +51,7 @@ _LAZY = {
     "deserialize": "engine.tensorspec",
     "stream": "engine.opener",
     "load_into": "engine.opener",
-    "keep_staging": "engine.device_load",
+    "keep_staging": "engine.device_staging",
     "load_file": "engine.numpy",
     "load": "engine.numpy",
     "save_file": "engine.writer",
@@ -117,7 +117,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info
-    from .device_load import keep_staging
+    from .device_staging import keep_staging
     from .file_handle import _safe_open_handle
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
     from .numpy import load, load_file

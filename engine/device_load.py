@@ -16,12 +16,15 @@
     refusal sends the unit to the copy path, whose read then raises
     :class:`~engine.errors.ReadError`.
 
-Both paths take :class:`Unit` s (up to a slot of consecutive requests of one file) from one
-:class:`UnitQueue`, the copy path from the front and the register path from the back, so
-each runs at its own measured pace (:class:`Rate`) and the copy engine is never idle; near
-the end a path leaves the last units to the other one when the rates say the other would
-finish them sooner.  :class:`Ring` holds the staging slots; :class:`DeviceLoad` is one load.
-What a framework provides is :class:`DeviceOps` (:mod:`engine.sinks`).
+Both paths take units (up to a slot of consecutive requests of one file,
+:mod:`engine.device_units`) from one queue, the copy path from the front and the register
+path from the back, so each runs at its own measured pace and the copy engine is never
+idle; near the end a path leaves the last units to the other one when the rates say the
+other would finish them sooner.  The staging slots are a ring
+(:mod:`engine.device_staging`, which can also keep them between loads);
+:class:`DeviceLoad` is one load.  What a framework provides is :class:`DeviceOps`
+(:mod:`engine.sinks`).  A load of remote files has its own copy path
+(:meth:`DeviceLoad._remote_copy_path`): connections instead of the native copy.
 
 :func:`engine.pipeline.run_sources` is the entry point: it builds the sources, the
 destination and the completion tracker that a :class:`DeviceLoad` is handed.
@@ -36,38 +39,21 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from ._threads import run_threads
+from .device_staging import Ring, keep_staging
+from .device_units import SLOT_ALIGN, Unit, UnitQueue, units
 from .errors import DeviceError
-from .plan import Piece, Request
 from .reader import check_read, close_mapping, copy_mapping, resident_pages, split_reader
 
-__all__ = [
-    "DeviceOps", "DeviceLoad", "Unit", "units", "UnitQueue", "Ring", "Rate", "REGISTER_DEPTH",
-    "default_slot_bytes", "default_copy_threads", "keep_staging", "KeptStaging", "KEPT_STAGING",
-]
+__all__ = ["DeviceOps", "DeviceLoad", "REGISTER_DEPTH", "default_slot_bytes", "default_copy_threads", "keep_staging"]
 
 #: Units the register path keeps page-locked at once (one copying, one being page-locked).
 REGISTER_DEPTH = 2
 _PAGE = mmap.PAGESIZE
-#: A request lands in a staging slot at an address that shares its file offset's place in a
-#: 64-byte line: the kernel's copy out of the page cache runs at memory speed when source
-#: and destination are aligned alike, and at two thirds of it or less when they are not
-#: (a file whose data starts 8 bytes into a line is the common case).  Slots are allocated
-#: this much larger than ``slot_bytes`` so that a lone request fits with its padding.
-SLOT_ALIGN = 64
-
-
-def slot_position(pos: int, offset: int) -> int:
-    """The first slot position at or after ``pos`` aligned as file ``offset`` is, mod
-    :data:`SLOT_ALIGN`; contiguous requests therefore follow each other with no gap."""
-    return pos + (offset - pos) % SLOT_ALIGN
-
-
 class DeviceOps(Protocol):
     """What the pipeline needs from a device framework (torch CUDA, CuPy, or a test double).
 
@@ -130,333 +116,6 @@ def default_slot_bytes() -> int:
         phys = 16 << 30
     want = max(64 << 20, min(512 << 20, phys // 64))
     return 1 << (want.bit_length() - 1)
-
-
-class Unit:
-    """Up to one slot of consecutive requests of one file.
-
-    ``requests`` are whole requests of the plan or, where a unit boundary falls inside one,
-    parts of it cut at a page boundary (so that the register path's page-rounded ranges of
-    neighbouring units rarely share a page).  ``slot_offsets[i]`` is where request ``i``
-    lands in a staging slot (:func:`slot_position`); ``nbytes`` counts the requests' bytes,
-    ``end`` the slot bytes used, padding included.
-    """
-
-    __slots__ = ("source", "requests", "slot_offsets", "nbytes", "end")
-
-    def __init__(self, source: int, requests: list[Request]) -> None:
-        self.source = source
-        self.requests = requests
-        offs, pos, total = [], 0, 0
-        for r in requests:
-            pos = slot_position(pos, r.offset)
-            offs.append(pos)
-            pos += r.nbytes
-            total += r.nbytes
-        self.slot_offsets = offs
-        self.nbytes = total
-        self.end = pos
-
-    def spans(self) -> list[tuple[int, int]]:
-        """File ranges ``(offset, nbytes)`` the unit reads, neighbours merged."""
-        out: list[list[int]] = []
-        for r in self.requests:
-            if out and out[-1][0] + out[-1][1] == r.offset:
-                out[-1][1] += r.nbytes
-            else:
-                out.append([r.offset, r.nbytes])
-        return [(a, n) for a, n in out]
-
-    def copies(self, row_base: int, from_file: bool) -> list[tuple[int, int, int, int]]:
-        """``(key, tensor_offset, source_offset, nbytes)`` per device copy; a tensor's pieces
-        that follow each other in the unit are merged into one copy.  The source offset is
-        in the file (``from_file``) or in the staging slot."""
-        out: list[list[int]] = []
-        for r, slot_off in zip(self.requests, self.slot_offsets, strict=True):
-            at = r.offset if from_file else slot_off
-            for p in r.pieces:
-                key = row_base + p.row
-                src = at + p.request_offset
-                if out:
-                    k, t, s, n = out[-1]
-                    if k == key and t + n == p.tensor_offset and s + n == src:
-                        out[-1][3] += p.nbytes
-                        continue
-                out.append([key, p.tensor_offset, src, p.nbytes])
-        return [tuple(c) for c in out]  # type: ignore[misc]
-
-
-def _split_request(r: Request, cut: int) -> tuple[Request, Request]:
-    """``r`` as two requests, the first ending at file offset ``cut`` (inside ``r``)."""
-    at = cut - r.offset
-    left, right = [], []
-    for p in r.pieces:
-        end = p.request_offset + p.nbytes
-        if end <= at:
-            left.append(p)
-        elif p.request_offset >= at:
-            right.append(Piece(p.row, p.tensor_offset, p.request_offset - at, p.nbytes))
-        else:
-            first = at - p.request_offset
-            left.append(Piece(p.row, p.tensor_offset, p.request_offset, first))
-            right.append(Piece(p.row, p.tensor_offset + first, 0, p.nbytes - first))
-    return Request(r.offset, at, tuple(left)), Request(cut, r.nbytes - at, tuple(right))
-
-
-def units(index: int, requests: Sequence[Request], slot_bytes: int, splittable: bool) -> list[Unit]:
-    """Group a file's requests (in file order) into units of at most ``slot_bytes``.
-
-    With ``splittable``, a request that does not fit is cut at the last page boundary that
-    fits; otherwise it starts the next unit (a request larger than a slot is a unit alone:
-    the caller sizes slots to the largest request then).
-    """
-    units: list[Unit] = []
-    cur: list[Request] = []
-    size = 0  # slot bytes used by ``cur``, padding included
-    pending = collections.deque(r for r in requests if r.nbytes)
-    while pending:
-        r = pending.popleft()
-        start = slot_position(size, r.offset)
-        # a unit's first request has the whole slot: slots are SLOT_ALIGN larger for its padding
-        room = max(0, slot_bytes - start) if cur else slot_bytes
-        if r.nbytes <= room:
-            cur.append(r)
-            size = start + r.nbytes
-            continue
-        if splittable:
-            cut = (r.offset + room) // _PAGE * _PAGE
-            if cut <= r.offset and not cur:  # a slot smaller than a page: cut anywhere
-                cut = r.offset + room
-            if cut > r.offset:
-                head, tail = _split_request(r, cut)
-                units.append(Unit(index, cur + [head]))
-                cur, size = [], 0
-                pending.appendleft(tail)
-                continue
-        if cur:  # close this unit; r starts the next one
-            units.append(Unit(index, cur))
-            cur, size = [], 0
-            pending.appendleft(r)
-            continue
-        units.append(Unit(index, [r]))
-    if cur:
-        units.append(Unit(index, cur))
-    return units
-
-
-class Rate:
-    """Bytes per second of one path, from its finished units."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.seconds = 0.0
-        self.busy_until = 0.0  # when the unit in hand should be done (monotonic)
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        self.bytes += nbytes
-        self.seconds += seconds
-
-    @property
-    def value(self) -> float | None:
-        return self.bytes / self.seconds if self.seconds > 0 and self.bytes else None
-
-
-class UnitQueue:
-    """The units of a device load, shared by the two paths.
-
-    The copy path takes from the front (first the units that must be copied: not resident,
-    or refused by the register path), the register path from the back of the units it may
-    take.  A path asking for one of the last units is refused when the other path, at its
-    measured rate, would finish that unit sooner after its current one; the copy path
-    waits while the register path holds a unit it might still hand back.
-    """
-
-    def __init__(self, copy_only: list[Unit], shared: list[Unit], cancel: threading.Event,
-                 copy_shares: bool = True) -> None:
-        self.copy_only = collections.deque(copy_only)
-        # False when the register path is forced: the copy path then takes only the units
-        # the register path hands back (or leaves behind if it stops)
-        self.copy_shares = copy_shares
-        self.shared = collections.deque(shared)
-        self.cancel = cancel
-        self.cond = threading.Condition()
-        self.register_holding = 0
-        self.register_active = False
-        self.rates = {"copy": Rate(), "register": Rate()}
-
-    def _worth_it(self, me: str, other: str, unit: Unit) -> bool:
-        # the last unit in the queue goes to whichever path would land it first
-        if len(self.shared) > 1:
-            return True
-        mine, theirs = self.rates[me].value, self.rates[other].value
-        if mine is None or theirs is None:
-            return True
-        now = time.monotonic()
-        other_free = max(now, self.rates[other].busy_until)
-        return now + unit.nbytes / mine <= other_free + unit.nbytes / theirs
-
-    def take_copy(self) -> Unit | None:
-        # The copy path never leaves a unit behind: it may decline the last shared unit to
-        # the register path, but then waits until that path takes it or ends; and it waits
-        # while the register path holds a unit it may still hand back.
-        with self.cond:
-            while not self.cancel.is_set():
-                if self.copy_only:
-                    return self._start("copy", self.copy_only.popleft())
-                if self.shared:
-                    if not self.register_active or (
-                        self.copy_shares and self._worth_it("copy", "register", self.shared[0])
-                    ):
-                        return self._start("copy", self.shared.popleft())
-                elif not self.register_holding:
-                    return None
-                self.cond.wait(0.05)
-            return None
-
-    def take_register(self) -> Unit | None:
-        with self.cond:
-            if self.cancel.is_set() or not self.shared:
-                return None
-            if self.copy_shares and not self._worth_it("register", "copy", self.shared[-1]):
-                return None
-            self.register_holding += 1
-            return self._start("register", self.shared.pop())
-
-    def _start(self, path: str, unit: Unit) -> Unit:
-        rate = self.rates[path].value
-        self.rates[path].busy_until = time.monotonic() + (unit.nbytes / rate if rate else 0.0)
-        return unit
-
-    def register_settled(self, unit: Unit, accepted: bool) -> None:
-        """The register path page-locked ``unit`` (or was refused: the copy path gets it)."""
-        with self.cond:
-            self.register_holding -= 1
-            if not accepted:
-                self.copy_only.append(unit)
-            self.cond.notify_all()
-
-    def register_done(self) -> None:
-        with self.cond:
-            self.register_active = False
-            self.cond.notify_all()
-
-    def finished(self, path: str, nbytes: int, seconds: float) -> None:
-        with self.cond:
-            self.rates[path].add(nbytes, seconds)
-
-
-class KeptStaging:
-    """Staging slots kept between device loads, when asked for (:func:`keep_staging`, or
-    ``ENGINE_KEEP_STAGING=1``): page-locking hundreds of MiB costs tens of milliseconds per
-    slot, paid again by every load otherwise.  Only for device operations that name their
-    slots' kind (``ops.staging_key``, e.g. the torch sink's ``("torch", "cuda:0")``); per kind
-    one slot size is kept (a load with another size frees the old ones), at most as many
-    slots as one load used.  Off by default: then nothing stays page-locked after a load."""
-
-    def __init__(self) -> None:
-        self.on = os.environ.get("ENGINE_KEEP_STAGING", "") == "1"
-        self.lock = threading.Lock()
-        self.kept: dict[Any, tuple[int, list]] = {}  # staging_key -> (nbytes, [(ops, slot), ...])
-
-    def take(self, ops, nbytes: int):
-        key = getattr(ops, "staging_key", None)
-        if not self.on or key is None:
-            return None
-        with self.lock:
-            entry = self.kept.get(key)
-            if entry is not None and entry[0] == nbytes and entry[1]:
-                return entry[1].pop()[1]
-        return None
-
-    def give(self, ops, nbytes: int, slot) -> bool:
-        """Keep ``slot`` for a later load; False when it is not kept (the caller frees it)."""
-        key = getattr(ops, "staging_key", None)
-        if not self.on or key is None:
-            return False
-        stale: list = []
-        with self.lock:
-            entry = self.kept.get(key)
-            if entry is None or entry[0] != nbytes:
-                stale = entry[1] if entry is not None else []
-                fresh: list = []
-                entry = self.kept[key] = (nbytes, fresh)
-            entry[1].append((ops, slot))
-        _free_slots(stale)
-        return True
-
-    def release(self) -> None:
-        with self.lock:
-            entries, self.kept = list(self.kept.values()), {}
-        for _, slots in entries:
-            _free_slots(slots)
-
-
-def _free_slots(slots) -> None:
-    for ops, slot in slots:
-        free = getattr(ops, "free_staging", None)
-        if free is not None:
-            free(slot[0])
-
-
-#: the process's kept staging slots (see :func:`keep_staging`)
-KEPT_STAGING = KeptStaging()
-
-
-def keep_staging(on: bool = True) -> None:
-    """Keep the copy path's page-locked staging slots between device loads (``True``), or
-    free the kept ones and stop keeping them (``False``).  A server that loads several models
-    or reloads one saves the page-locking of every slot on every load after the first; the
-    cost is up to ``slots * slot_bytes`` of host memory locked until
-    ``keep_staging(False)``.  Same as ``ENGINE_KEEP_STAGING=1`` at start-up."""
-    KEPT_STAGING.on = bool(on)
-    if not on:
-        KEPT_STAGING.release()
-
-
-class Ring:
-    """The copy path's staging slots.  Slot 0 is allocated on first use; the others are
-    allocated at once on helper threads (page-locking hundreds of MiB takes tens of
-    milliseconds), so they are ready when the first slot's copies are issued."""
-
-    def __init__(self, ops, slots: int, nbytes: int, ahead: bool) -> None:
-        self.ops = ops
-        self.nbytes = nbytes
-        self.slots: list = [None] * slots
-        self.errors: list = [None] * slots
-        self.helpers: list[threading.Thread | None] = [None] * slots
-        if ahead:
-            for s in range(1, slots):
-                t = threading.Thread(target=self._allocate, args=(s,), name="engine-staging", daemon=True)
-                t.start()
-                self.helpers[s] = t
-
-    def _allocate(self, s: int) -> None:
-        try:
-            self.ops.bind_thread()
-            self.slots[s] = KEPT_STAGING.take(self.ops, self.nbytes) or self.ops.alloc_staging(self.nbytes)
-        except BaseException as exc:  # re-raised when the slot is asked for
-            self.errors[s] = exc
-
-    def slot(self, s: int):
-        helper = self.helpers[s]
-        if helper is not None:
-            helper.join()
-            self.helpers[s] = None
-            if self.errors[s] is not None:
-                raise self.errors[s]
-        if self.slots[s] is None:
-            self.slots[s] = KEPT_STAGING.take(self.ops, self.nbytes) or self.ops.alloc_staging(self.nbytes)
-        return self.slots[s]
-
-    def free(self) -> None:
-        for helper in self.helpers:
-            if helper is not None:
-                helper.join()
-        free = getattr(self.ops, "free_staging", None)
-        for slot in self.slots:
-            if slot is not None and not KEPT_STAGING.give(self.ops, self.nbytes, slot) and free is not None:
-                free(slot[0])
-        self.slots = [None] * len(self.slots)
 
 
 def _resident(mapping: memoryview, offset: int, nbytes: int) -> bool:

@@ -19,7 +19,7 @@ Memory bounds of a device load: pinned staging ``slots * slot_bytes`` (the first
 allocated on first use, the others by helper threads meanwhile; page-locked by the engine
 and unlocked when the load ends); page-locked page cache
 ``REGISTER_DEPTH * slot_bytes`` plus a page at each end.  Nothing stays page-locked after
-the load returns, raises, or is stopped, unless :func:`engine.device_load.keep_staging` asks
+the load returns, raises, or is stopped, unless :func:`engine.device_staging.keep_staging` asks
 for the staging slots to be kept for the next load.
 """
 

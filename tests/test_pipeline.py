@@ -21,9 +21,9 @@ from gil import ticks_during
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import device_load, pipeline
+from engine import device_units, pipeline
 from engine.errors import DeviceError, ReadError
-from engine.plan import Piece, Request, plan_reads
+from engine.plan import plan_reads
 from engine.reader import pread_into
 
 
@@ -88,7 +88,7 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(
     if device:
         emu.assert_clean()
         # pinned staging is bounded by slots * slot_bytes, whatever the model size
-        assert emu.staging_bytes <= slots * (slot_bytes + device_load.SLOT_ALIGN)
+        assert emu.staging_bytes <= slots * (slot_bytes + device_units.SLOT_ALIGN)
         if gpu_path == "copy":
             assert not emu.register_calls and not emu.copies_from["mapping"]
         if gpu_path == "register":  # nothing refused: nothing goes through a staging slot
@@ -457,45 +457,6 @@ def test_several_files_run_as_one_pipeline(layout, tmp_path, device):
 # -- units ----------------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    rows=st.lists(st.integers(0, 39), unique=True, min_size=1),
-    chunk=st.sampled_from([4096, 65_536, 1 << 20]),
-    slot_bytes=st.sampled_from([100, 4096, 5000, 65_536, 1 << 20]),
-    splittable=st.booleans(),
-)
-def test_units_cover_every_planned_byte_once_within_their_slot(layout, rows, chunk, slot_bytes, splittable):
-    _, _, begins, ends, _ = layout
-    rows = sorted(rows, key=lambda r: begins[r])
-    requests = plan_reads(begins, ends, rows, 64, chunk)
-    units = device_load.units(0, requests, slot_bytes, splittable)
-    got_bytes: dict[int, list] = {}
-    align = device_load.SLOT_ALIGN
-    for u in units:
-        assert u.nbytes <= slot_bytes or (not splittable and len(u.requests) == 1)
-        # padded for alignment, a unit still fits the slot as allocated (SLOT_ALIGN larger)
-        assert u.end <= slot_bytes + align or (not splittable and len(u.requests) == 1 and u.end < u.nbytes + align)
-        in_file = u.copies(0, from_file=True)
-        for key, toff, foff, n in in_file:
-            assert foff == 64 + int(begins[key]) + toff  # the file offset of the tensor's bytes
-            got_bytes.setdefault(key, []).append((toff, n))
-        in_slot = u.copies(0, from_file=False)
-        assert len(in_slot) == len(in_file)
-        for (_key, _toff, soff, n), (_, _, foff, _) in zip(in_slot, in_file, strict=True):
-            assert 0 <= soff and soff + n <= u.end
-            assert soff % align == foff % align  # the slot byte shares its file byte's place in a line
-        ends_in_slot = sorted((soff, soff + n) for _, _, soff, n in in_slot)
-        assert all(a[1] <= b[0] for a, b in zip(ends_in_slot, ends_in_slot[1:], strict=False))  # no overlap
-    for r in (r for r in rows if ends[r] > begins[r]):
-        spans = sorted(got_bytes[r])
-        pos = 0
-        for toff, n in spans:
-            assert toff == pos
-            pos += n
-        assert pos == int(ends[r] - begins[r])
-    assert sum(u.nbytes for u in units) == sum(r.nbytes for r in requests)
-
-
 # -- the native split read -----------------------------------------------------------------------
 
 
@@ -539,20 +500,6 @@ def test_default_sizes():
     assert pipeline.default_copy_threads() >= 1
     slot = pipeline.default_slot_bytes()
     assert 64 << 20 <= slot <= 512 << 20 and slot & (slot - 1) == 0
-
-
-def test_the_last_unit_goes_to_the_path_that_lands_it_first():
-    u = device_load.Unit(0, [Request(0, 1 << 20, (Piece(0, 0, 0, 1 << 20),))])
-    q = device_load.UnitQueue([], [u], threading.Event())
-    q.register_active = True
-    assert q._worth_it("copy", "register", u)  # no rates yet: anyone
-    q.finished("copy", 1 << 30, 1.0)  # 1 GiB/s
-    q.finished("register", 10 << 30, 1.0)  # 10 GiB/s, idle now
-    assert not q._worth_it("copy", "register", u) and q._worth_it("register", "copy", u)
-    q.rates["register"].busy_until = time.monotonic() + 5.0  # busy for a long while yet
-    assert q._worth_it("copy", "register", u)
-    q.shared.append(u)  # with more than one unit left both paths take freely
-    assert q._worth_it("copy", "register", u) and q._worth_it("register", "copy", u)
 
 
 def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, monkeypatch):
@@ -617,7 +564,7 @@ def test_default_slots_are_never_larger_than_the_load(layout):
     _device_load(layout, emu, slot_bytes=None, gpu_path="copy", residency=_all_resident)
     emu.assert_clean()
     page = mmap.PAGESIZE
-    assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page + device_load.SLOT_ALIGN)
+    assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page + device_units.SLOT_ALIGN)
 
 
 def test_split_reader_keeps_its_threads_between_reads(layout):
@@ -818,45 +765,3 @@ def test_remote_sources_are_read_by_requests_and_fresh_memory_is_faulted_in_firs
     assert all(bytes(out[r]) == data[begins[r] : ends[r]] for r in range(3)) and sorted(done) == [0, 1, 2]
     assert sorted(calls) == sorted(r.offset for r in requests)
     assert (sum(populated) == len(data)) if fresh else not populated
-
-
-class _KeyedDevice(EmulatedDevice):
-    """The emulated device, naming its slots' kind so that they may be kept between loads."""
-
-    staging_key = ("emulated",)
-
-
-def test_kept_staging_is_reused_by_the_next_load_and_freed_on_release(tmp_path):
-    from engine import device_load
-
-    data = os.urandom(3 << 20)
-    path = tmp_path / "blob"
-    path.write_bytes(data)
-    from engine.plan import plan_reads
-
-    begins, ends = np.array([0, 1 << 20]), np.array([1 << 20, 3 << 20])
-    requests = plan_reads(begins, ends, [0, 1], 0, 1 << 20, 64)
-    dev = _KeyedDevice()
-    allocs = []
-    real_alloc = dev.alloc_staging
-    dev.alloc_staging = lambda n: allocs.append(n) or real_alloc(n)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        device_load.keep_staging(True)
-        for _ in range(3):
-            out = {0: bytearray(1 << 20), 1: bytearray(2 << 20)}
-            pipeline.run(fd, requests, pipeline.Destination(device_targets=out, device_ops=dev), gpu_path="copy",
-                         slot_bytes=1 << 20)
-            assert bytes(out[0]) + bytes(out[1]) == data
-        assert len(allocs) == 2  # the two slots of the first load, kept for the next two
-        assert dev.live_staging  # still allocated while kept
-        device_load.keep_staging(False)
-        assert not dev.live_staging  # released
-        out = {0: bytearray(1 << 20), 1: bytearray(2 << 20)}
-        pipeline.run(fd, requests, pipeline.Destination(device_targets=out, device_ops=dev), gpu_path="copy",
-                     slot_bytes=1 << 20)
-        assert len(allocs) == 4 and not dev.live_staging  # not kept: allocated and freed again
-    finally:
-        device_load.keep_staging(False)
-        os.close(fd)
-        dev.close()

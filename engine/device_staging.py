@@ -1,0 +1,126 @@
+"""The copy path's staging slots: :class:`Ring` (the slots of one device load, the first
+allocated on first use, the others page-locked ahead on helper threads) and
+:class:`KeptStaging` (slots kept between loads when :func:`keep_staging` asks).  Used by
+:mod:`engine.device_load`."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+__all__ = ["Ring", "KeptStaging", "KEPT_STAGING", "keep_staging"]
+
+
+class KeptStaging:
+    """Staging slots kept between device loads, when asked for (:func:`keep_staging`, or
+    ``ENGINE_KEEP_STAGING=1``): page-locking hundreds of MiB costs tens of milliseconds per
+    slot, paid again by every load otherwise.  Only for device operations that name their
+    slots' kind (``ops.staging_key``, e.g. the torch sink's ``("torch", "cuda:0")``); per kind
+    one slot size is kept (a load with another size frees the old ones), at most as many
+    slots as one load used.  Off by default: then nothing stays page-locked after a load."""
+
+    def __init__(self) -> None:
+        self.on = os.environ.get("ENGINE_KEEP_STAGING", "") == "1"
+        self.lock = threading.Lock()
+        self.kept: dict[Any, tuple[int, list]] = {}  # staging_key -> (nbytes, [(ops, slot), ...])
+
+    def take(self, ops, nbytes: int):
+        key = getattr(ops, "staging_key", None)
+        if not self.on or key is None:
+            return None
+        with self.lock:
+            entry = self.kept.get(key)
+            if entry is not None and entry[0] == nbytes and entry[1]:
+                return entry[1].pop()[1]
+        return None
+
+    def give(self, ops, nbytes: int, slot) -> bool:
+        """Keep ``slot`` for a later load; False when it is not kept (the caller frees it)."""
+        key = getattr(ops, "staging_key", None)
+        if not self.on or key is None:
+            return False
+        stale: list = []
+        with self.lock:
+            entry = self.kept.get(key)
+            if entry is None or entry[0] != nbytes:
+                stale = entry[1] if entry is not None else []
+                fresh: list = []
+                entry = self.kept[key] = (nbytes, fresh)
+            entry[1].append((ops, slot))
+        _free_slots(stale)
+        return True
+
+    def release(self) -> None:
+        with self.lock:
+            entries, self.kept = list(self.kept.values()), {}
+        for _, slots in entries:
+            _free_slots(slots)
+
+
+def _free_slots(slots) -> None:
+    for ops, slot in slots:
+        free = getattr(ops, "free_staging", None)
+        if free is not None:
+            free(slot[0])
+
+
+#: the process's kept staging slots (see :func:`keep_staging`)
+KEPT_STAGING = KeptStaging()
+
+
+def keep_staging(on: bool = True) -> None:
+    """Keep the copy path's page-locked staging slots between device loads (``True``), or
+    free the kept ones and stop keeping them (``False``).  A server that loads several models
+    or reloads one saves the page-locking of every slot on every load after the first; the
+    cost is up to ``slots * slot_bytes`` of host memory locked until
+    ``keep_staging(False)``.  Same as ``ENGINE_KEEP_STAGING=1`` at start-up."""
+    KEPT_STAGING.on = bool(on)
+    if not on:
+        KEPT_STAGING.release()
+
+
+class Ring:
+    """The copy path's staging slots.  Slot 0 is allocated on first use; the others are
+    allocated at once on helper threads (page-locking hundreds of MiB takes tens of
+    milliseconds), so they are ready when the first slot's copies are issued."""
+
+    def __init__(self, ops, slots: int, nbytes: int, ahead: bool) -> None:
+        self.ops = ops
+        self.nbytes = nbytes
+        self.slots: list = [None] * slots
+        self.errors: list = [None] * slots
+        self.helpers: list[threading.Thread | None] = [None] * slots
+        if ahead:
+            for s in range(1, slots):
+                t = threading.Thread(target=self._allocate, args=(s,), name="engine-staging", daemon=True)
+                t.start()
+                self.helpers[s] = t
+
+    def _allocate(self, s: int) -> None:
+        try:
+            self.ops.bind_thread()
+            self.slots[s] = KEPT_STAGING.take(self.ops, self.nbytes) or self.ops.alloc_staging(self.nbytes)
+        except BaseException as exc:  # re-raised when the slot is asked for
+            self.errors[s] = exc
+
+    def slot(self, s: int):
+        helper = self.helpers[s]
+        if helper is not None:
+            helper.join()
+            self.helpers[s] = None
+            if self.errors[s] is not None:
+                raise self.errors[s]
+        if self.slots[s] is None:
+            self.slots[s] = KEPT_STAGING.take(self.ops, self.nbytes) or self.ops.alloc_staging(self.nbytes)
+        return self.slots[s]
+
+    def free(self) -> None:
+        for helper in self.helpers:
+            if helper is not None:
+                helper.join()
+        free = getattr(self.ops, "free_staging", None)
+        for slot in self.slots:
+            if slot is not None and not KEPT_STAGING.give(self.ops, self.nbytes, slot) and free is not None:
+                free(slot[0])
+        self.slots = [None] * len(self.slots)

@@ -1,0 +1,245 @@
+"""How a device load is cut up: :class:`Unit` s of up to a staging slot of consecutive
+requests of one file, each request placed in the slot at a position aligned as its file
+offset is (:func:`slot_position`), and the :class:`UnitQueue` from which the copy path
+takes units at the front and the register path at the back, each at its measured pace
+(:class:`Rate`).  Used by :mod:`engine.device_load`."""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import threading
+import time
+from collections.abc import Sequence
+
+from .plan import Piece, Request
+
+__all__ = ["SLOT_ALIGN", "slot_position", "Unit", "units", "Rate", "UnitQueue"]
+
+_PAGE = mmap.PAGESIZE
+
+#: A request lands in a staging slot at an address that shares its file offset's place in a
+#: 64-byte line: the kernel's copy out of the page cache runs at memory speed when source
+#: and destination are aligned alike, and at two thirds of it or less when they are not
+#: (a file whose data starts 8 bytes into a line is the common case).  Slots are allocated
+#: this much larger than ``slot_bytes`` so that a lone request fits with its padding.
+SLOT_ALIGN = 64
+
+
+def slot_position(pos: int, offset: int) -> int:
+    """The first slot position at or after ``pos`` aligned as file ``offset`` is, mod
+    :data:`SLOT_ALIGN`; contiguous requests therefore follow each other with no gap."""
+    return pos + (offset - pos) % SLOT_ALIGN
+
+
+class Unit:
+    """Up to one slot of consecutive requests of one file.
+
+    ``requests`` are whole requests of the plan or, where a unit boundary falls inside one,
+    parts of it cut at a page boundary (so that the register path's page-rounded ranges of
+    neighbouring units rarely share a page).  ``slot_offsets[i]`` is where request ``i``
+    lands in a staging slot (:func:`slot_position`); ``nbytes`` counts the requests' bytes,
+    ``end`` the slot bytes used, padding included.
+    """
+
+    __slots__ = ("source", "requests", "slot_offsets", "nbytes", "end")
+
+    def __init__(self, source: int, requests: list[Request]) -> None:
+        self.source = source
+        self.requests = requests
+        offs, pos, total = [], 0, 0
+        for r in requests:
+            pos = slot_position(pos, r.offset)
+            offs.append(pos)
+            pos += r.nbytes
+            total += r.nbytes
+        self.slot_offsets = offs
+        self.nbytes = total
+        self.end = pos
+
+    def spans(self) -> list[tuple[int, int]]:
+        """File ranges ``(offset, nbytes)`` the unit reads, neighbours merged."""
+        out: list[list[int]] = []
+        for r in self.requests:
+            if out and out[-1][0] + out[-1][1] == r.offset:
+                out[-1][1] += r.nbytes
+            else:
+                out.append([r.offset, r.nbytes])
+        return [(a, n) for a, n in out]
+
+    def copies(self, row_base: int, from_file: bool) -> list[tuple[int, int, int, int]]:
+        """``(key, tensor_offset, source_offset, nbytes)`` per device copy; a tensor's pieces
+        that follow each other in the unit are merged into one copy.  The source offset is
+        in the file (``from_file``) or in the staging slot."""
+        out: list[list[int]] = []
+        for r, slot_off in zip(self.requests, self.slot_offsets, strict=True):
+            at = r.offset if from_file else slot_off
+            for p in r.pieces:
+                key = row_base + p.row
+                src = at + p.request_offset
+                if out:
+                    k, t, s, n = out[-1]
+                    if k == key and t + n == p.tensor_offset and s + n == src:
+                        out[-1][3] += p.nbytes
+                        continue
+                out.append([key, p.tensor_offset, src, p.nbytes])
+        return [tuple(c) for c in out]  # type: ignore[misc]
+
+
+def _split_request(r: Request, cut: int) -> tuple[Request, Request]:
+    """``r`` as two requests, the first ending at file offset ``cut`` (inside ``r``)."""
+    at = cut - r.offset
+    left, right = [], []
+    for p in r.pieces:
+        end = p.request_offset + p.nbytes
+        if end <= at:
+            left.append(p)
+        elif p.request_offset >= at:
+            right.append(Piece(p.row, p.tensor_offset, p.request_offset - at, p.nbytes))
+        else:
+            first = at - p.request_offset
+            left.append(Piece(p.row, p.tensor_offset, p.request_offset, first))
+            right.append(Piece(p.row, p.tensor_offset + first, 0, p.nbytes - first))
+    return Request(r.offset, at, tuple(left)), Request(cut, r.nbytes - at, tuple(right))
+
+
+def units(index: int, requests: Sequence[Request], slot_bytes: int, splittable: bool) -> list[Unit]:
+    """Group a file's requests (in file order) into units of at most ``slot_bytes``.
+
+    With ``splittable``, a request that does not fit is cut at the last page boundary that
+    fits; otherwise it starts the next unit (a request larger than a slot is a unit alone:
+    the caller sizes slots to the largest request then).
+    """
+    units: list[Unit] = []
+    cur: list[Request] = []
+    size = 0  # slot bytes used by ``cur``, padding included
+    pending = collections.deque(r for r in requests if r.nbytes)
+    while pending:
+        r = pending.popleft()
+        start = slot_position(size, r.offset)
+        # a unit's first request has the whole slot: slots are SLOT_ALIGN larger for its padding
+        room = max(0, slot_bytes - start) if cur else slot_bytes
+        if r.nbytes <= room:
+            cur.append(r)
+            size = start + r.nbytes
+            continue
+        if splittable:
+            cut = (r.offset + room) // _PAGE * _PAGE
+            if cut <= r.offset and not cur:  # a slot smaller than a page: cut anywhere
+                cut = r.offset + room
+            if cut > r.offset:
+                head, tail = _split_request(r, cut)
+                units.append(Unit(index, cur + [head]))
+                cur, size = [], 0
+                pending.appendleft(tail)
+                continue
+        if cur:  # close this unit; r starts the next one
+            units.append(Unit(index, cur))
+            cur, size = [], 0
+            pending.appendleft(r)
+            continue
+        units.append(Unit(index, [r]))
+    if cur:
+        units.append(Unit(index, cur))
+    return units
+
+
+class Rate:
+    """Bytes per second of one path, from its finished units."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self.busy_until = 0.0  # when the unit in hand should be done (monotonic)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+
+    @property
+    def value(self) -> float | None:
+        return self.bytes / self.seconds if self.seconds > 0 and self.bytes else None
+
+
+class UnitQueue:
+    """The units of a device load, shared by the two paths.
+
+    The copy path takes from the front (first the units that must be copied: not resident,
+    or refused by the register path), the register path from the back of the units it may
+    take.  A path asking for one of the last units is refused when the other path, at its
+    measured rate, would finish that unit sooner after its current one; the copy path
+    waits while the register path holds a unit it might still hand back.
+    """
+
+    def __init__(self, copy_only: list[Unit], shared: list[Unit], cancel: threading.Event,
+                 copy_shares: bool = True) -> None:
+        self.copy_only = collections.deque(copy_only)
+        # False when the register path is forced: the copy path then takes only the units
+        # the register path hands back (or leaves behind if it stops)
+        self.copy_shares = copy_shares
+        self.shared = collections.deque(shared)
+        self.cancel = cancel
+        self.cond = threading.Condition()
+        self.register_holding = 0
+        self.register_active = False
+        self.rates = {"copy": Rate(), "register": Rate()}
+
+    def _worth_it(self, me: str, other: str, unit: Unit) -> bool:
+        # the last unit in the queue goes to whichever path would land it first
+        if len(self.shared) > 1:
+            return True
+        mine, theirs = self.rates[me].value, self.rates[other].value
+        if mine is None or theirs is None:
+            return True
+        now = time.monotonic()
+        other_free = max(now, self.rates[other].busy_until)
+        return now + unit.nbytes / mine <= other_free + unit.nbytes / theirs
+
+    def take_copy(self) -> Unit | None:
+        # The copy path never leaves a unit behind: it may decline the last shared unit to
+        # the register path, but then waits until that path takes it or ends; and it waits
+        # while the register path holds a unit it may still hand back.
+        with self.cond:
+            while not self.cancel.is_set():
+                if self.copy_only:
+                    return self._start("copy", self.copy_only.popleft())
+                if self.shared:
+                    if not self.register_active or (
+                        self.copy_shares and self._worth_it("copy", "register", self.shared[0])
+                    ):
+                        return self._start("copy", self.shared.popleft())
+                elif not self.register_holding:
+                    return None
+                self.cond.wait(0.05)
+            return None
+
+    def take_register(self) -> Unit | None:
+        with self.cond:
+            if self.cancel.is_set() or not self.shared:
+                return None
+            if self.copy_shares and not self._worth_it("register", "copy", self.shared[-1]):
+                return None
+            self.register_holding += 1
+            return self._start("register", self.shared.pop())
+
+    def _start(self, path: str, unit: Unit) -> Unit:
+        rate = self.rates[path].value
+        self.rates[path].busy_until = time.monotonic() + (unit.nbytes / rate if rate else 0.0)
+        return unit
+
+    def register_settled(self, unit: Unit, accepted: bool) -> None:
+        """The register path page-locked ``unit`` (or was refused: the copy path gets it)."""
+        with self.cond:
+            self.register_holding -= 1
+            if not accepted:
+                self.copy_only.append(unit)
+            self.cond.notify_all()
+
+    def register_done(self) -> None:
+        with self.cond:
+            self.register_active = False
+            self.cond.notify_all()
+
+    def finished(self, path: str, nbytes: int, seconds: float) -> None:
+        with self.cond:
+            self.rates[path].add(nbytes, seconds)

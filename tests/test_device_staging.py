@@ -1,0 +1,50 @@
+"""engine.device_staging: the copy path's staging slots kept between loads, on request."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from emulated import EmulatedDevice
+
+from engine import device_staging, pipeline
+from engine.plan import plan_reads
+
+
+class _KeyedDevice(EmulatedDevice):
+    """The emulated device, naming its slots' kind so that they may be kept between loads."""
+
+    staging_key = ("emulated",)
+
+
+def test_kept_staging_is_reused_by_the_next_load_and_freed_on_release(tmp_path):
+
+    data = os.urandom(3 << 20)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    begins, ends = np.array([0, 1 << 20]), np.array([1 << 20, 3 << 20])
+    requests = plan_reads(begins, ends, [0, 1], 0, 1 << 20, 64)
+    dev = _KeyedDevice()
+    allocs = []
+    real_alloc = dev.alloc_staging
+    dev.alloc_staging = lambda n: allocs.append(n) or real_alloc(n)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        device_staging.keep_staging(True)
+        for _ in range(3):
+            out = {0: bytearray(1 << 20), 1: bytearray(2 << 20)}
+            pipeline.run(fd, requests, pipeline.Destination(device_targets=out, device_ops=dev), gpu_path="copy",
+                         slot_bytes=1 << 20)
+            assert bytes(out[0]) + bytes(out[1]) == data
+        assert len(allocs) == 2  # the two slots of the first load, kept for the next two
+        assert dev.live_staging  # still allocated while kept
+        device_staging.keep_staging(False)
+        assert not dev.live_staging  # released
+        out = {0: bytearray(1 << 20), 1: bytearray(2 << 20)}
+        pipeline.run(fd, requests, pipeline.Destination(device_targets=out, device_ops=dev), gpu_path="copy",
+                     slot_bytes=1 << 20)
+        assert len(allocs) == 4 and not dev.live_staging  # not kept: allocated and freed again
+    finally:
+        device_staging.keep_staging(False)
+        os.close(fd)
+        dev.close()
