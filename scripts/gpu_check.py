@@ -10,7 +10,9 @@ next; every row ends ``ok``, ``failed`` (with the exception text, exit code or t
 3. ``pytest``: ``pytest -m cuda`` over the suite, then the device-kernel modules on the real
    GPU (Numba's simulator switched off); pass / fail / skip counts;
 4. ``compare``: byte for byte against the reference (``safetensors``) for every dtype it
-   loads, then a selective load, through each engine entry point, on the device;
+   loads, then a selective load, through each engine entry point, on the device; also the
+   same file over HTTP (the tests' Range server on 127.0.0.1, keep-alive) through
+   ``load_file``, ``load_into`` and ``stream``: the remote loads' own copy path;
 5. ``checkpoint``: a Llama-3-8B-shaped checkpoint of ``--size`` (16.06 GB, 4 shards; made
    once, reused from ``--dir``);
 6. ``warm`` (or ``cold`` with ``--modes cold``): the file->GPU rows of scripts/bench_gpu.py,
@@ -422,7 +424,26 @@ def compare_child(dev: str, scratch: str) -> dict:
             return {n: r.get_slice(n)[1:3] for n in two_d}
 
     every = list(sd)
+    # the same file over HTTP (the tests' Range server, keep-alive, on 127.0.0.1): the remote
+    # loads' own device copy path, connections filling the pinned slots
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from rangeserver import serve
+
+    server = serve(scratch)
+    server.keepalive = True
+    url = server.url(os.path.basename(path))
+
+    def remote_load_into(names):
+        dst = {n: torch.empty(sd[n].shape, dtype=sd[n].dtype, device=dev) for n in names}
+        engine.load_into(url, dst)
+        return dst
+
     entries = {  # entry -> (load(names) -> {name: tensor}, names)
+        "remote: engine.torch.load_file(url)": (
+            lambda names: {n: t for n, t in engine.torch.load_file(url, device=dev).items() if n in names}, every),
+        "remote: engine.load_into(url)": (remote_load_into, every),
+        "remote: engine.stream(url, names=every third)": (
+            lambda names: dict(engine.stream(url, framework="pt", device=dev, names=names)), subset),
         "engine.torch.load_file": (
             lambda names: {n: t for n, t in engine.torch.load_file(path, device=dev).items() if n in names}, every),
         "engine.safe_open get_tensor": (safe_open_get, every),
@@ -454,6 +475,7 @@ def compare_child(dev: str, scratch: str) -> dict:
         extra = set(got) - set(names)
         if extra:  # a selective load that loaded more than it was asked for
             out[entry]["mismatched"]["(selection)"] = f"also loaded {sorted(extra)[:3]}"
+    server.stop()
     return {"entries": out, "dtypes": list(sd)}
 
 
