@@ -154,6 +154,8 @@ def stats_fold(fmt, f, ki, ku, sc, uc, cnt, mom, skey, ukey):
     b = cuda.blockIdx.x
     step = cuda.gridDim.x * nt
     n = ku.size
+    # the classification of kernels._classify, written again on purpose (see its docstring:
+    # Numba's cache checks only the defining file, so the two cannot share a helper safely)
     absmask = uc[0]
     lim = uc[1]
     nfin = 0

@@ -342,6 +342,11 @@ def _classify(f, ki, ku, sc, uc):
     """Slow path for a tile holding NaN or Inf: count them and reduce the finite values.
 
     Returns (max_i, min_i, max_u, n_finite, n_nan, n_posinf, n_neginf, n_zero, mean, m2).
+
+    The device's ``stats_fold`` (:mod:`engine.numerics.cuda_kernels`) classifies the bits
+    with the same loop, written there again on purpose: Numba's on-disk cache checks only
+    the file that defines a kernel, so a helper shared from a third file could change
+    without either cached kernel being compiled again.
     """
     absmask = uc[0]
     lim_u = uc[1]
