@@ -40,7 +40,7 @@ from . import __version__
 from .errors import HeaderError, ReadError, RemoteFileNotFoundError, SafetensorError
 
 __all__ = ["Client", "Response", "RemoteFileNotFoundError", "read_error", "content_range", "connection", "status_error",
-           "error_code", "error_body",
+           "error_code", "error_body", "connect_error",
            "USER_AGENT"]
 
 _CHUNK = 1 << 20
@@ -442,7 +442,7 @@ class Client:
                     self.deadline - time.monotonic() <= 0
                 ):
                     raise self.timeout_error(url, phase) from None
-                raise read_error(f"cannot reach the server: {exc}", url, "ConnectionError") from None
+                raise connect_error(exc, url) from None
             raise
         return conn, resp, watchdog
 
@@ -457,6 +457,15 @@ class Client:
             # credentials are for the host they were given for (as requests does)
             headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
         return target, headers
+
+
+def connect_error(exc: BaseException, url: str) -> ReadError:
+    """The error for a connection that could not be made or used.  A certificate that does
+    not verify is ``reason="CertificateError"`` (trying again cannot help; ``SSL_CERT_FILE``
+    or the system's trust store decides), anything else ``"ConnectionError"``."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return read_error(f"the server's TLS certificate does not verify: {exc}", url, "CertificateError")
+    return read_error(f"cannot reach the server: {exc}", url, "ConnectionError")
 
 
 def error_code(body: bytes) -> str:

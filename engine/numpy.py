@@ -28,7 +28,7 @@ from .tensorspec import serialize_file as serialize_file
 __all__ = ["load_file", "load", "save_file", "save"]
 
 
-def load_file(filename, *, backend: str = "mmap") -> dict[str, np.ndarray]:
+def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndarray]:
     """Load every tensor of a file, or of a checkpoint, as numpy arrays.
 
     Parameters
@@ -39,6 +39,9 @@ def load_file(filename, *, backend: str = "mmap") -> dict[str, np.ndarray]:
     backend : {"mmap", "pread"}
         ``"mmap"``: zero-copy views of a private (copy-on-write) mapping, writable, a
         write never reaching the file; ``"pread"``: owned arrays.
+    **remote
+        For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
+        ``s3``, ``storage_options`` (see :func:`engine.remote_load.stream`).
 
     Returns
     -------
@@ -52,7 +55,9 @@ def load_file(filename, *, backend: str = "mmap") -> dict[str, np.ndarray]:
     if is_url(filename):  # parallel ranged reads straight into the arrays
         from .remote_load import load
 
-        return load(filename, "numpy")
+        return load(filename, "numpy", **remote)
+    if remote:
+        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
     with safe_open(filename, framework="numpy", backend=backend) as f:
         return f.get_tensors()
 

@@ -27,13 +27,23 @@ from __future__ import annotations
 import http.client
 import random
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from ._http import USER_AGENT, connection, content_range, error_body, error_code, read_error, status_error
+from ._http import (
+    USER_AGENT,
+    connect_error,
+    connection,
+    content_range,
+    error_body,
+    error_code,
+    read_error,
+    status_error,
+)
 from .errors import SafetensorError
 
 __all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url", "read_runs",
@@ -292,6 +302,9 @@ class RangeReads:
                 timed_out = isinstance(exc, (TimeoutError, socket.timeout)) or time.monotonic() >= deadline
                 if reused and not timed_out:
                     continue
+                if isinstance(exc, ssl.SSLCertVerificationError):  # trying again cannot help
+                    err = connect_error(exc, name)
+                    raise _Failed(err, 0, False) from None
                 what = "no answer within the request's deadline" if timed_out else f"the connection failed: {exc}"
                 raise self._fail(name, offset, want, "Timeout" if timed_out else "ConnectionError", what, 0) from None
         raise AssertionError("unreachable")

@@ -47,7 +47,7 @@ __all__ = [
 
 
 def load_file(
-    filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap"
+    filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap", **remote
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a file, or of a checkpoint, as torch tensors.
 
@@ -65,6 +65,9 @@ def load_file(
     backend : {"mmap", "pread"}
         ``"mmap"``: tensors view a private mapping (writable, copy-on-write);
         ``"pread"``: owned tensors filled by positional reads.
+    **remote
+        For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
+        ``s3``, ``storage_options`` (see :func:`engine.remote_load.stream`).
 
     Returns
     -------
@@ -80,7 +83,9 @@ def load_file(
     if is_url(filename):  # parallel ranged reads straight into the tensors
         from .remote_load import load
 
-        return load(filename, "pt", device)
+        return load(filename, "pt", device, **remote)
+    if remote:
+        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
     sink = TorchSink(device)
     if backend in ("mmap", "pread") and (sink.on_device or backend == "pread") and not is_checkpoint_path(filename):
         # one file into owned or device memory: straight to the loader, no handle between

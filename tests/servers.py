@@ -51,16 +51,17 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, seconds: float = 15
 class Nginx:
     """nginx serving ``root`` on 127.0.0.1 (an ephemeral port), started by :meth:`start`."""
 
-    def __init__(self, root: str, *, workers: int = 2) -> None:
+    def __init__(self, root: str, *, workers: int = 2, tls: tuple[str, str] | None = None) -> None:
         self.root = os.path.abspath(root)
         self.workers = workers
+        self.tls = tls  # (certificate, key) files: serve https
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.dir = tempfile.mkdtemp(prefix="engine-nginx-")
 
     @property
     def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def url(self, path: str) -> str:
         return f"{self.base}/{path.lstrip('/')}"
@@ -87,8 +88,9 @@ class Nginx:
                 f"  fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n"
                 "  types { application/octet-stream safetensors; application/json json; }\n"
                 "  default_type application/octet-stream;\n"
-                f"  server {{\n    listen 127.0.0.1:{self.port};\n    root {self.root};\n"
-                "    location / { }\n  }\n}\n"
+                f"  server {{\n    listen 127.0.0.1:{self.port}{' ssl' if self.tls else ''};\n    root {self.root};\n"
+                + (f"    ssl_certificate {self.tls[0]};\n    ssl_certificate_key {self.tls[1]};\n" if self.tls else "")
+                + "    location / { }\n  }\n}\n"
             )
         self.proc = subprocess.Popen([binary, "-c", conf, "-p", d, "-e", f"{d}/error.log"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -110,6 +112,37 @@ class Nginx:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def self_signed(folder: str) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, written to ``folder``: ``(cert, key)``
+    paths (the certificate is its own authority: point ``SSL_CERT_FILE`` at it)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path
 
 
 def moto_available() -> bool:

@@ -375,3 +375,43 @@ def test_an_fsspec_protocol_loads_through_the_same_pipeline(checkpoint):
         assert sorted(some) == sorted(k for k in sd if k.startswith("model.layers.1."))
     finally:
         fs.rm("/engine-test", recursive=True)
+
+
+# -- https ------------------------------------------------------------------------------------------
+def test_https_with_a_certificate_the_environment_trusts(checkpoint, tmp_path, monkeypatch):
+    """nginx over TLS with a self-signed certificate for 127.0.0.1: trusted through
+    SSL_CERT_FILE, the load is byte-exact on pooled TLS connections; untrusted, it fails
+    with a clear error naming the URL."""
+    from servers import self_signed
+
+    import engine._http
+
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed (apt-get install nginx-light; CI installs it)")
+    root, sd = checkpoint
+    cert, key = self_signed(str(tmp_path))
+    monkeypatch.setattr(engine._http, "_SSL_CONTEXT", None)  # made again from the environment below
+    with Nginx(str(root), tls=(cert, key)) as server:
+        url = server.url(f"sharded/{INDEX}")
+        assert url.startswith("https://")
+        with pytest.raises(ReadError) as err:
+            engine.torch.load_file(url, retry=Retry(attempts=6, base=5.0, cap=5.0))  # a retry would take 5 s
+        assert err.value.reason == "CertificateError" and server.base in str(err.value)
+        assert "CERTIFICATE_VERIFY_FAILED" in str(err.value) and "after" not in str(err.value)
+        monkeypatch.setattr(engine._http, "_SSL_CONTEXT", None)
+        monkeypatch.setenv("SSL_CERT_FILE", cert)
+        assert_same(engine.torch.load_file(url), sd)
+        dst = {k: torch.empty_like(v) for k, v in sd.items()}
+        engine.load_into(url, dst, connections=3)
+        assert all(raw(dst[k]) == raw(sd[k]) for k in sd)
+    monkeypatch.setattr(engine._http, "_SSL_CONTEXT", None)  # no trust in this certificate afterwards
+
+
+def test_load_file_takes_the_remote_options_for_a_url_only(checkpoint, nginx):
+    root, sd = checkpoint
+    got = engine.torch.load_file(nginx.url(f"sharded/{INDEX}"), connections=2, chunk_bytes=1 << 16, retry=FAST)
+    assert_same(got, sd)
+    with pytest.raises(TypeError):
+        engine.torch.load_file(str(root / "single" / "model.safetensors"), connections=2)
+    with pytest.raises(TypeError):
+        engine.numpy.load_file(str(root / "single" / "model.safetensors"), timeout=3.0)
