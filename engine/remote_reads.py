@@ -229,7 +229,9 @@ class RangeReads:
                 done += failed.landed
                 if not failed.transient:
                     raise failed.error from None
-                tries = 0 if progressed else tries + 1  # a try that moved bytes starts the count again
+                if failed.error.reason == "ShortRange" and failed.landed:
+                    continue  # a whole answer, shorter than asked (a capped server): ask for the rest now
+                tries = 0 if progressed else tries + 1
                 if tries >= self.retry.attempts:
                     err = failed.error
                     err.message = f"{err.message} (after {tries} tries)"

@@ -67,6 +67,7 @@ class RangeServer(ThreadingHTTPServer):
         self.etags = False
         self.if_match = True
         self.weak_etags = False  # W/"..." as a CDN may send: If-Match (strong) never matches one
+        self.max_range = 0  # > 0: ranges are answered with at most this many bytes (a capped server)
         self.generation = 0
         self.faults: dict | object = {}
         self.faults_on = "data"
@@ -103,6 +104,7 @@ class RangeServer(ThreadingHTTPServer):
             self.faults_on = "data"
             self.generation = 0
             self.weak_etags = False
+            self.max_range = 0
 
     def etag(self, file: str) -> str:
         st = os.stat(file)
@@ -211,6 +213,8 @@ class _Handler(BaseHTTPRequestHandler):
                 first = max(0, size - int(m.group(2)))
             if first >= size or first > last:
                 return self._status(416, {"Content-Range": f"bytes */{size}"})
+            if self.server.max_range:  # a server that answers at most this many bytes per range
+                last = min(last, first + self.server.max_range - 1)
         fault = self._fault(path, file, first if ranged else None, last, record)
         if fault == "change":
             with self.server.lock:

@@ -244,6 +244,16 @@ def test_a_server_that_fails_every_body_early_runs_out_of_tries(served, server):
     assert len(server.data_requests()) == 3
 
 
+def test_a_server_that_caps_its_ranges_is_asked_for_the_rest_at_once(served, server):
+    """206 answers shorter than asked are not failures: the rest is requested right away,
+    with no backoff and no try counted."""
+    _, data, start = served
+    server.max_range = 16_384
+    reads = RangeReads(retry=Retry(attempts=2, base=10.0, cap=10.0))  # any backoff would take seconds
+    assert read(reads, remote(server, data), start, 100_000, pieces=3) == data[start : start + 100_000]
+    assert len(server.data_requests()) == 7 and reads.retries == 0
+
+
 # -- URLs and credentials in messages --------------------------------------------------------------
 def test_public_url_strips_user_and_password():
     assert public_url("https://alice:s3cr3t@example.com:8443/a/b?x=1#f") == "https://example.com:8443/a/b?x=1#f"
