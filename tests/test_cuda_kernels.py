@@ -81,3 +81,4 @@ def test_quantization_kernels_compile_with_ieee_division(ptx, kind):
     code = ptx(ck.quantize_elements, (T.int64, A1(ft), A1(ut), ut, ut, T.int64, T.int64, A1(T.float32), A1(T.int8)))
     assert "div.rn.f32" in code and "ftz" not in code  # true IEEE division, subnormals kept
     assert "div.rn.f32" in ptx(ck.scales_from_keys, (A1(T.uint32), T.int64, T.int64, A1(T.float32)))
+

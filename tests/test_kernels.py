@@ -428,3 +428,17 @@ def test_read_fold_releases_the_gil(tmp_path):
         assert ticks_during(lambda: Accumulator("F32", tile=1).read(fd, 0, dest, 1 << 16)) > 100
     finally:
         os.close(fd)
+
+
+def test_the_shared_steps_are_pinned_where_the_device_kernels_are_cached():
+    """kernels.fold_one, kernels.moments and kernels.chan are compiled into cuda_kernels' cached device
+    kernels, and Numba's cache checks only cuda_kernels.py: its SHARED_SHA256 must name their
+    source, so that an edit of a step also edits (and recompiles) the device side."""
+    import hashlib
+    import inspect
+
+    from engine.numerics import cuda_kernels, kernels
+
+    source = "".join(inspect.getsource(f) for f in (kernels.fold_one, kernels.moments, kernels.chan))
+    assert hashlib.sha256(source.encode()).hexdigest() == cuda_kernels.SHARED_SHA256, (
+        "kernels.fold_one, moments or chan changed: set cuda_kernels.SHARED_SHA256 to their new sha256")

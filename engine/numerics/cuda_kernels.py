@@ -32,12 +32,17 @@ Conventions
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import cuda, float32, float64, int64, uint64
 
 from ._arrays import BF16, F16
+from .kernels import chan, fold_one, moments
+
+#: sha256 of the source of ``kernels.fold_one``, ``kernels.moments`` and ``kernels.chan``:
+#: this file's cached device kernels have them compiled in, and Numba's cache checks only
+#: this file, so an edit there must change this line too (``tests/test_kernels.py`` fails
+#: until it does)
+SHARED_SHA256 = "5b5ce76ee2223420b58f51fb3ebddfa51eae3694a9478b743ca8a6d42d366b51"
 
 __all__ = [
     "MAX_THREADS",
@@ -86,28 +91,19 @@ def _half_value(fmt, u):
 @cuda.jit(device=True, cache=True)
 def _value(fmt, f, u, i):
     """float64 value of element ``i``: from the float view ``f``, or decoded from the
-    F16/BF16 pattern ``u``."""
+    F16/BF16 pattern ``u`` (0.0 for the NaN and infinity patterns, which the fold only counts)."""
     if fmt == F16 or fmt == BF16:
+        if (int64(u) & 0x7FFF) >= (0x7C00 if fmt == F16 else 0x7F80):
+            return 0.0  # NaN or an infinity: counted by the fold, its value never used
         return float64(_half_value(fmt, u))
     return float64(f[i])
 
 
-@cuda.jit(device=True, cache=True)
-def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
-    """Merge (count, mean, M2) of two disjoint sets (Chan, Golub & LeVeque); the same
-    update as :func:`engine.numerics.kernels._chan`."""
-    if n_b == 0:
-        return n_a, mean_a, m2_a
-    if n_a == 0:
-        return n_b, mean_b, m2_b
-    n = n_a + n_b
-    d = mean_b - mean_a
-    frac = float64(n_b) / float64(n)
-    if math.isfinite(d):
-        mean = mean_a + d * frac
-    else:  # float64 data near the overflow threshold: the weighted form cannot overflow
-        mean = mean_a * (float64(n_a) / float64(n)) + mean_b * frac
-    return n, mean, m2_a + m2_b + d * d * (float64(n_a) * frac)
+_fold_one = cuda.jit(device=True, cache=True)(fold_one)
+_moments = cuda.jit(device=True, cache=True)(moments)
+
+
+_chan = cuda.jit(device=True, cache=True)(chan)
 
 
 @cuda.jit(cache=True)
@@ -154,10 +150,8 @@ def stats_fold(fmt, f, ki, ku, sc, uc, cnt, mom, skey, ukey):
     b = cuda.blockIdx.x
     step = cuda.gridDim.x * nt
     n = ku.size
-    # the classification of kernels._classify, written again on purpose (see its docstring:
-    # Numba's cache checks only the defining file, so the two cannot share a helper safely)
-    absmask = uc[0]
-    lim = uc[1]
+    absmask = uint64(uc[0])
+    lim = uint64(uc[1])
     nfin = 0
     nnan = 0
     npos = 0
@@ -172,37 +166,11 @@ def stats_fold(fmt, f, ki, ku, sc, uc, cnt, mom, skey, ukey):
     i = b * nt + tid
     while i < n:
         u = ku[i]
-        a = u & absmask
-        if a > lim:
-            nnan += 1
-        elif a == lim:
-            if u == a:
-                npos += 1
-            else:
-                nneg += 1
-        else:
-            k = int64(ki[i])
-            max_i = k if k > max_i else max_i
-            min_i = k if k < min_i else min_i
-            uu = uint64(u)
-            max_u = uu if uu > max_u else max_u
-            v = _value(fmt, f, u, i)
-            if nfin == 0:
-                shift = v
-            nfin += 1
-            if v == 0:
-                nz += 1
-            d = v - shift
-            sd += d
-            sd2 += d * d
+        nfin, nnan, npos, nneg, nz, max_i, min_i, max_u, shift, sd, sd2 = _fold_one(
+            uint64(u), int64(ki[i]), _value(fmt, f, u, i), absmask, lim,
+            nfin, nnan, npos, nneg, nz, max_i, min_i, max_u, shift, sd, sd2)
         i += step
-    mean = 0.0
-    m2 = 0.0
-    if nfin > 0:
-        mean = shift + sd / nfin
-        m2 = sd2 - sd * (sd / nfin)
-        if m2 < 0.0:
-            m2 = 0.0
+    mean, m2 = _moments(nfin, shift, sd, sd2, 0.0)
     s_cnt[tid, 0] = nfin
     s_cnt[tid, 1] = nnan
     s_cnt[tid, 2] = npos

@@ -40,6 +40,7 @@ Conventions shared by all kernels
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -250,21 +251,26 @@ def _widen_f16_native_jit(src, out, bits):
 # --------------------------------------------------------------------------- statistics
 
 
-@njit(**_OPTS)
-def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
-    """Merge (count, mean, M2) of two disjoint sets (Chan, Golub & LeVeque)."""
+def chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Merge (count, mean, M2) of two disjoint sets (Chan, Golub & LeVeque).
+
+    Written once for both targets, as :func:`fold_one` is (and pinned the same way in
+    ``cuda_kernels.SHARED_SHA256``)."""
     if n_b == 0:
         return n_a, mean_a, m2_a
     if n_a == 0:
         return n_b, mean_b, m2_b
     n = n_a + n_b
     d = mean_b - mean_a
-    frac = n_b / n
-    if np.isfinite(d):
+    frac = float(n_b) / float(n)
+    if math.isfinite(d):
         mean = mean_a + d * frac
     else:  # float64 data near the overflow threshold: the weighted form cannot overflow
-        mean = mean_a * (n_a / n) + mean_b * frac
-    return n, mean, m2_a + m2_b + d * d * (n_a * frac)
+        mean = mean_a * (float(n_a) / float(n)) + mean_b * frac
+    return n, mean, m2_a + m2_b + d * d * (float(n_a) * frac)
+
+
+_chan = njit(**_OPTS)(chan)
 
 
 @njit(**_OPTS)
@@ -337,22 +343,69 @@ def _zeros(f):
     return nz
 
 
+def fold_one(u, k, v, absmask, lim, nfin, nnan, npos, nneg, nz, max_i, min_i, max_u, shift, sd, sd2):
+    """One element of the statistics fold: ``u`` its bits (uint64), ``k`` the same bits
+    signed (int64), ``v`` its value (float64).  NaN and the infinities are counted; a finite
+    value moves the extremes of the bit keys, the zero count and the sums of differences
+    from the first finite value (``shift``).  Returns the updated state.
+
+    Written once for both targets: compiled here for the CPU kernels and, as a CUDA device
+    function, by :mod:`engine.numerics.cuda_kernels` for ``stats_fold``.  Numba's on-disk
+    cache checks only the file that defines a kernel, so ``cuda_kernels`` pins the source
+    of this function, :func:`moments` and :func:`chan` in ``SHARED_SHA256``; a test fails until an edit here
+    is recorded there, and that edit recompiles the cached device kernels.
+    """
+    a = u & absmask
+    if a > lim:
+        nnan += 1
+    elif a == lim:
+        if u == a:
+            npos += 1
+        else:
+            nneg += 1
+    else:
+        max_i = k if k > max_i else max_i
+        min_i = k if k < min_i else min_i
+        max_u = u if u > max_u else max_u
+        if nfin == 0:
+            shift = v
+        nfin += 1
+        if v == 0:
+            nz += 1
+        d = v - shift
+        sd += d
+        sd2 += d * d
+    return nfin, nnan, npos, nneg, nz, max_i, min_i, max_u, shift, sd, sd2
+
+
+def moments(nfin, shift, sd, sd2, empty):
+    """(mean, M2) of the ``nfin`` finite values :func:`fold_one` summed (``empty`` as the
+    mean of none); shared with the device kernels as :func:`fold_one` is."""
+    mean = empty
+    m2 = 0.0
+    if nfin > 0:
+        mean = shift + sd / nfin
+        m2 = sd2 - sd * (sd / nfin)
+        if m2 < 0.0:
+            m2 = 0.0
+    return mean, m2
+
+
+_fold_one = njit(inline="always", **_OPTS)(fold_one)
+_moments = njit(inline="always", **_OPTS)(moments)
+
+
 @njit(**_OPTS)
 def _classify(f, ki, ku, sc, uc):
     """Slow path for a tile holding NaN or Inf: count them and reduce the finite values.
 
     Returns (max_i, min_i, max_u, n_finite, n_nan, n_posinf, n_neginf, n_zero, mean, m2).
-
-    The device's ``stats_fold`` (:mod:`engine.numerics.cuda_kernels`) classifies the bits
-    with the same loop, written there again on purpose: Numba's on-disk cache checks only
-    the file that defines a kernel, so a helper shared from a third file could change
-    without either cached kernel being compiled again.
     """
-    absmask = uc[0]
-    lim_u = uc[1]
-    max_i = sc[1]
-    min_i = sc[2]
-    max_u = uc[3]
+    absmask = np.uint64(uc[0])
+    lim_u = np.uint64(uc[1])
+    max_i = np.int64(sc[1])
+    min_i = np.int64(sc[2])
+    max_u = np.uint64(uc[3])
     nfin = 0
     nnan = 0
     npos = 0
@@ -362,35 +415,10 @@ def _classify(f, ki, ku, sc, uc):
     sd = 0.0
     sd2 = 0.0
     for i in range(ki.size):
-        u = ku[i]
-        a = u & absmask
-        if a > lim_u:
-            nnan += 1
-        elif a == lim_u:
-            if u == a:
-                npos += 1
-            else:
-                nneg += 1
-        else:
-            k = ki[i]
-            max_i = k if k > max_i else max_i
-            min_i = k if k < min_i else min_i
-            max_u = u if u > max_u else max_u
-            v = np.float64(f[i])
-            if nfin == 0:
-                shift = v
-            nfin += 1
-            nz += v == 0
-            d = v - shift
-            sd += d
-            sd2 += d * d
-    mean = np.nan
-    m2 = 0.0
-    if nfin > 0:
-        mean = shift + sd / nfin
-        m2 = sd2 - sd * (sd / nfin)
-        if m2 < 0.0:
-            m2 = 0.0
+        nfin, nnan, npos, nneg, nz, max_i, min_i, max_u, shift, sd, sd2 = _fold_one(
+            np.uint64(ku[i]), np.int64(ki[i]), np.float64(f[i]), absmask, lim_u,
+            nfin, nnan, npos, nneg, nz, max_i, min_i, max_u, shift, sd, sd2)
+    mean, m2 = _moments(nfin, shift, sd, sd2, np.nan)
     return max_i, min_i, max_u, nfin, nnan, npos, nneg, nz, mean, m2
 
 
