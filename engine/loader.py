@@ -168,18 +168,10 @@ def stream(
     *,
     framework: str = "pt",
     device: Any = "cpu",
-    names: Iterable[str] | None = None,
-    patterns: str | Iterable[str] | None = None,
-    predicate: Callable[[str], bool] | None = None,
-    layers=None,
-    threads: int | None = None,
-    chunk_bytes: int | None = None,
-    per_tensor: bool = False,
     stats: bool = False,
     quantize=None,
     max_header_size: int = MAX_HEADER_SIZE,
-    gpu_path: str = "auto",
-    slot_bytes: int | None = None,
+    **options,
 ) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` as each tensor of a file (or of several files) finishes loading.
 
@@ -247,6 +239,13 @@ def stream(
     model's size, all unlocked when the load ends.  Breaking out of the loop stops the
     readers, joins their threads, unlocks and releases everything, and closes the files.
     """
+    unknown = set(options) - _STREAM_OPTIONS
+    if unknown:  # as a signature would, at the call rather than at the first tensor
+        raise TypeError(f"stream() got unexpected keyword arguments: {sorted(unknown)}")
+    return _stream(path, framework, device, stats, quantize, max_header_size, options)
+
+
+def _stream(path, framework, device, stats, quantize, max_header_size, options) -> Iterator[tuple]:
     many = not isinstance(path, (str, bytes, os.PathLike))
     paths = list(path) if many else [path]
     if (stats or quantize is not None) and len(paths) != 1:
@@ -261,11 +260,10 @@ def stream(
                  [], sp)
             for fd, sp in opened
         ]
-        yield from stream_parts(
-            files, many=many, framework=framework, device=device, names=names, patterns=patterns,
-            predicate=predicate, layers=layers, threads=threads, chunk_bytes=chunk_bytes, per_tensor=per_tensor,
-            stats=stats, quantize=quantize, gpu_path=gpu_path, slot_bytes=slot_bytes,
-        )
+        # the selection and load options (names, patterns, threads, gpu_path, ...) as
+        # stream_parts takes them
+        yield from stream_parts(files, many=many, framework=framework, device=device, stats=stats,
+                                quantize=quantize, **options)
     finally:
         for fd, _ in opened:
             os.close(fd)
@@ -376,6 +374,10 @@ def stream_parts(
         cancel.set()
         if worker is not None:
             worker.join()
+
+
+_STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "threads", "chunk_bytes", "per_tensor",
+                              "gpu_path", "slot_bytes"})
 
 
 def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:
