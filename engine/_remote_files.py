@@ -154,6 +154,8 @@ class _Fs:
             raise err from None
         except ValueError as exc:
             raise read_error(f"fsspec cannot open this URL: {exc}", url, "InvalidURL") from None
+        except OSError as exc:  # protocols that connect when the file system is made (ftp, sftp, ...)
+            raise read_error(f"cannot reach the server: {exc}", url, "ConnectionError") from None
 
     def _call(self, url: str, fn: Callable[[], Any], not_found=None):
         try:
@@ -223,6 +225,10 @@ class RemoteSource:
     def __init__(self, url: str, *, headers, timeout, max_redirects, storage_options,
                  s3: Mapping[str, Any] | None = None, retry: Retry | None = None) -> None:
         self.url = url
+        try:
+            urllib.parse.urlsplit(url).port  # noqa: B018 - a malformed host or port fails here, named
+        except ValueError as exc:
+            raise read_error(f"invalid URL: {exc}", public_url(url), "InvalidURL") from None
         self.retry = retry
         self.headers = dict(headers or {})
         self.etags: dict[str, str | None] = {}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import http.client
 import random
+import re
 import socket
 import ssl
 import threading
@@ -96,7 +97,11 @@ def transient(err: SafetensorError) -> bool:
 
 def public_url(url: str) -> str:
     """``url`` without a ``user:password@`` part (for messages)."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - a malformed host or port raises here
+    except ValueError:  # malformed: cut whatever stands before an @ in the authority
+        return re.sub(r"//[^/@]*@", "//", url)
     if parts.username is None and parts.password is None:
         return url
     host = parts.hostname or ""

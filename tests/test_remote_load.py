@@ -415,3 +415,18 @@ def test_load_file_takes_the_remote_options_for_a_url_only(checkpoint, nginx):
         engine.torch.load_file(str(root / "single" / "model.safetensors"), connections=2)
     with pytest.raises(TypeError):
         engine.numpy.load_file(str(root / "single" / "model.safetensors"), timeout=3.0)
+
+
+@pytest.mark.parametrize("url", ["http://alice:s3cr3t@[::1:9/m.safetensors", "http://127.0.0.1:notaport/m/"])
+def test_a_malformed_url_is_an_invalid_url_error_without_its_password(url):
+    with pytest.raises(ReadError) as err:
+        engine.torch.load_file(url)
+    assert err.value.reason == "InvalidURL" and "s3cr3t" not in str(err.value)
+
+
+def test_an_fsspec_protocol_that_cannot_connect_names_the_url():
+    """ftp:// connects while fsspec makes the file system: the failure is the engine's error."""
+    pytest.importorskip("fsspec", reason="fsspec is the optional remote extra")
+    with pytest.raises(ReadError) as err:
+        engine.torch.load_file("ftp://127.0.0.1:9/m.safetensors")
+    assert err.value.reason == "ConnectionError" and "ftp://127.0.0.1:9/m.safetensors" in str(err.value)
