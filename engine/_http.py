@@ -40,11 +40,11 @@ from . import __version__
 from .errors import HeaderError, ReadError, RemoteFileNotFoundError, SafetensorError
 
 __all__ = ["Client", "Response", "RemoteFileNotFoundError", "read_error", "content_range", "connection", "status_error",
-           "error_code", "error_body", "connect_error",
+           "error_code", "error_body", "connect_error", "redirect", "REDIRECTS",
            "USER_AGENT"]
 
 _CHUNK = 1 << 20
-_REDIRECTS = (301, 302, 303, 307, 308)
+REDIRECTS = (301, 302, 303, 307, 308)
 USER_AGENT = f"safetensors-engine/{__version__}"
 _SSL_CONTEXT: ssl.SSLContext | None = None
 
@@ -390,12 +390,12 @@ class Client:
             if first is not None:
                 req_headers["Range"] = f"bytes={first}-{last}"
             conn, resp, watchdog = self._request(url, current, req_headers)
-            if resp.status in _REDIRECTS:
+            if resp.status in REDIRECTS:
                 location = resp.headers.get("Location")
                 watchdog.cancel()
                 resp.close()
                 conn.close()
-                current, headers = self._redirect(url, current, headers, location)
+                current, headers = redirect(url, current, headers, location)
                 continue
             if resp.status not in (200, 206):
                 watchdog.cancel()
@@ -446,17 +446,21 @@ class Client:
             raise
         return conn, resp, watchdog
 
-    def _redirect(self, url: str, current: str, headers: dict, location: str | None) -> tuple[str, dict]:
-        if not location:
-            raise read_error("a redirect without a Location header", url, "HTTPError")
-        target = urllib.parse.urljoin(current, location)
-        parts = urllib.parse.urlsplit(target)
-        if parts.scheme not in ("http", "https"):
-            raise read_error(f"a redirect to {target!r}, which is not http(s)", url, "HTTPError")
-        if parts.netloc != urllib.parse.urlsplit(current).netloc:
-            # credentials are for the host they were given for (as requests does)
-            headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
-        return target, headers
+
+
+def redirect(url: str, current: str, headers: Mapping[str, str], location: str | None) -> tuple[str, dict]:
+    """Where a redirect from ``current`` leads, and the headers to send there: credentials
+    (``Authorization``, ``Cookie``) are for the host they were given for, as requests does.
+    ``url`` names the request in errors."""
+    if not location:
+        raise read_error("a redirect without a Location header", url, "HTTPError")
+    target = urllib.parse.urljoin(current, location)
+    parts = urllib.parse.urlsplit(target)
+    if parts.scheme not in ("http", "https"):
+        raise read_error(f"a redirect to {target!r}, which is not http(s)", url, "HTTPError")
+    if parts.netloc != urllib.parse.urlsplit(current).netloc:
+        headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
+    return target, dict(headers)
 
 
 def connect_error(exc: BaseException, url: str) -> ReadError:

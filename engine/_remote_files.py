@@ -393,9 +393,9 @@ class RemoteSource:
     def ranges(self, where: str, header: Header, reads: RangeReads) -> Callable[[int, Sequence[memoryview]], None]:
         """``read(offset, views)`` for the bulk reads of one file of a load."""
         if self.http is not None:
-            assert self.http is not None
-            final = self.http.resolved.get(where, (where, None))[0]
-            file = RemoteFile(final, header.file_size, self.etags.get(where), self.display(where))
+            # where the header's requests ended after redirects, with the headers sent there
+            final, headers = self.http.resolved.get(where, (where, None))
+            file = RemoteFile(final, header.file_size, self.etags.get(where), self.display(where), headers)
             return reads.reader(file)
         fs = self.fs
         assert fs is not None

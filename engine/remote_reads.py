@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from ._http import (
+    REDIRECTS,
     USER_AGENT,
     connect_error,
     connection,
@@ -43,6 +44,7 @@ from ._http import (
     error_body,
     error_code,
     read_error,
+    redirect,
     status_error,
 )
 from .errors import SafetensorError
@@ -55,7 +57,6 @@ __all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_
 DEFAULT_CONNECTIONS = 8
 #: Seconds allowed for each request: connecting, the answer and the whole body.
 DEFAULT_TIMEOUT = 60.0
-_REDIRECTS = (301, 302, 303, 307, 308)
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _TRANSIENT_S3 = frozenset({"SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable", "Throttling"})
 _TRANSIENT_REASONS = frozenset({"ConnectionError", "Timeout", "ShortRead"})
@@ -80,12 +81,15 @@ class Retry(NamedTuple):
 
 class RemoteFile(NamedTuple):
     """A remote file as its header request saw it: where it ended up after redirects, its
-    size, its ETag (``None`` where the server sends none) and the URL to name in errors."""
+    size, its ETag (``None`` where the server sends none), the URL to name in errors, and
+    the headers to send there (``None``: the load's own; a redirect to another host has
+    dropped the credentials from them)."""
 
     url: str
     size: int
     etag: str | None = None
     name: str | None = None
+    headers: Mapping[str, str] | None = None
 
 
 def transient(err: SafetensorError) -> bool:
@@ -154,7 +158,7 @@ class RangeReads:
         self.max_redirects = max_redirects
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
-        self._moved: dict[str, str] = {}  # a file's URL -> where its redirects ended
+        self._moved: dict[str, tuple[str, Mapping[str, str]]] = {}  # file URL -> (where it ended, headers)
         #: counters, for tests and benchmarks
         self.requests = 0
         self.retries = 0
@@ -254,9 +258,9 @@ class RangeReads:
         name = file.name or public_url(file.url)
         deadline = time.monotonic() + self.timeout
         with self._lock:
-            url = self._moved.get(file.url, file.url)
+            url, headers = self._moved.get(file.url, (file.url, file.headers if file.headers is not None
+                                                      else self.headers))
             self.requests += 1
-        headers = dict(self.headers)
         for _ in range(self.max_redirects + 1):
             req = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers,
                    "Range": f"bytes={offset}-{last}"}
@@ -267,17 +271,15 @@ class RangeReads:
                 # the answer's ETag is still compared below
                 req["If-Match"] = file.etag
             conn, sock, resp = self._send(url, req, deadline, name, offset, want)
-            if resp.status in _REDIRECTS:
+            if resp.status in REDIRECTS:
                 location = resp.getheader("Location")
                 self._finish(url, conn, resp)
-                if not location:
-                    raise _Failed(read_error("a redirect without a Location header", name, "HTTPError"), 0, False)
-                moved = urllib.parse.urljoin(url, location)
-                if urllib.parse.urlsplit(moved).netloc != urllib.parse.urlsplit(url).netloc:
-                    headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
-                url = moved
+                try:
+                    url, headers = redirect(name, url, headers, location)
+                except SafetensorError as err:
+                    raise _Failed(err, 0, False) from None
                 with self._lock:
-                    self._moved[file.url] = url
+                    self._moved[file.url] = (url, headers)
                 continue
             break
         else:

@@ -430,3 +430,17 @@ def test_an_fsspec_protocol_that_cannot_connect_names_the_url():
     with pytest.raises(ReadError) as err:
         engine.torch.load_file("ftp://127.0.0.1:9/m.safetensors")
     assert err.value.reason == "ConnectionError" and "ftp://127.0.0.1:9/m.safetensors" in str(err.value)
+
+
+def test_credentials_never_follow_a_redirect_to_another_host_in_the_bulk_reads(checkpoint, rangeserver):
+    """The header's requests drop Authorization when a redirect leaves the host; the
+    tensor reads go straight to where that redirect led, and must not bring it back."""
+    _, sd = checkpoint
+    port = rangeserver.server_address[1]
+    rangeserver.modes["/moved/single/model.safetensors"] = f"redirect:http://localhost:{port}/single/model.safetensors"
+    got = engine.torch.load_file(rangeserver.url("moved/single/model.safetensors"),
+                                 headers={"Authorization": "Bearer s3cr3t"}, retry=FAST)
+    assert_same(got, sd)
+    to_other_host = [r for r in rangeserver.requests if not r["path"].startswith("/moved/")]
+    assert len(to_other_host) > 2  # the header's two requests and the tensor reads
+    assert all(r["authorization"] is None for r in to_other_host)
