@@ -40,7 +40,7 @@ from . import __version__
 from .errors import HeaderError, ReadError, RemoteFileNotFoundError, SafetensorError
 
 __all__ = ["Client", "Response", "RemoteFileNotFoundError", "read_error", "content_range", "connection", "status_error",
-           "error_code", "error_body", "connect_error", "redirect", "REDIRECTS",
+           "error_code", "error_body", "connect_error", "redirect", "REDIRECTS", "Watchdog",
            "USER_AGENT"]
 
 _CHUNK = 1 << 20
@@ -134,7 +134,7 @@ def connection(parts: urllib.parse.SplitResult, timeout: float) -> tuple[http.cl
     return conn, target, extra
 
 
-class _Watchdog:
+class Watchdog:
     """Shuts a connection's socket down when the deadline passes, waking any blocked read."""
 
     def __init__(self, deadline: float) -> None:
@@ -184,7 +184,7 @@ class Response:
     """
 
     def __init__(self, client: Client, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
-                 watchdog: _Watchdog, url: str) -> None:
+                 watchdog: Watchdog, url: str) -> None:
         self._client = client
         self._conn = conn
         self._resp = resp
@@ -426,7 +426,7 @@ class Client:
         except ValueError as exc:
             raise read_error(f"invalid URL {current!r}: {exc}", url, "InvalidURL") from None
         headers = {**headers, **extra}
-        watchdog = _Watchdog(self.deadline)
+        watchdog = Watchdog(self.deadline)
         phase = "connect"
         try:
             conn.connect()

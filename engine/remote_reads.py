@@ -9,8 +9,9 @@ connection, GIL released): no growing ``bytes``, no staging buffer on the host.
   first use and reused for every later range; so at most ``connections`` (the load's worker
   count) per host.  The environment's proxies apply as in :mod:`engine._http`.
 * **Deadlines**: each request (connecting, the answer, the whole body) must finish within
-  ``timeout`` seconds; a server that trickles bytes cannot stretch it, as every socket wait
-  is limited to the time left.
+  ``timeout`` seconds; a server that trickles bytes cannot stretch it: every socket wait
+  is limited to the time left, and a watchdog shuts the socket down when the deadline
+  passes during the body.
 * **Retries**: a transient failure (connection refused or reset, a timeout, a body that
   ends early, HTTP 408/429/500/502/503/504, S3's ``SlowDown``) is retried with capped
   exponential backoff and full jitter, for the bytes of the request not yet landed, up to
@@ -38,6 +39,7 @@ from typing import NamedTuple
 from ._http import (
     REDIRECTS,
     USER_AGENT,
+    Watchdog,
     connect_error,
     connection,
     content_range,
@@ -284,11 +286,18 @@ class RangeReads:
             break
         else:
             raise _Failed(read_error(f"more than {self.max_redirects} redirects", name, "TooManyRedirects"), 0, False)
+        # every socket wait is limited to the time left, but a read that a trickling server
+        # answers a byte at a time could still outlast the deadline: the watchdog shuts the
+        # socket down when it passes, which wakes the read
+        watchdog = Watchdog(deadline)
+        watchdog.watch(sock)
         try:
             landed = self._body(resp, sock, file, name, offset, views, deadline)
         except _Failed:
             conn.close()
             raise
+        finally:
+            watchdog.cancel()
         self._finish(url, conn, resp)
         if landed < want:  # the server sent a shorter range than asked: ask for the rest
             raise _Failed(read_error("short range", name, "ShortRange"), landed, True)
@@ -398,6 +407,9 @@ class RangeReads:
                                      else f"the connection failed after {landed + got} of {send} bytes: {exc}",
                                      landed + got) from None
                 if not n:
+                    if time.monotonic() >= deadline:  # the watchdog shut the socket down
+                        raise self._fail(name, offset, want, "Timeout",
+                                         "the request's deadline passed while receiving the body", landed + got)
                     raise self._fail(name, offset, want, "ShortRead",
                                      f"the body ended after {landed + got} of {send} bytes (truncated)", landed + got)
                 got += n

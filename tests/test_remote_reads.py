@@ -254,6 +254,18 @@ def test_a_server_that_caps_its_ranges_is_asked_for_the_rest_at_once(served, ser
     assert len(server.data_requests()) == 7 and reads.retries == 0
 
 
+def test_a_body_dripped_a_byte_at_a_time_still_ends_at_the_deadline(served, server):
+    """Each byte arrives well within the socket's wait limit, so only the request's
+    deadline (the watchdog) can end the read: 4000 bytes at 4 per second would take 1000 s."""
+    _, data, start = served
+    server.modes["/model.safetensors"] = "drip"
+    reads = RangeReads(timeout=1.0, retry=Retry(attempts=1, base=0.001, cap=0.001))
+    began = time.monotonic()
+    with pytest.raises(ReadError) as err:
+        read(reads, remote(server, data), start, 4000)
+    assert err.value.reason == "Timeout" and time.monotonic() - began < 10
+
+
 # -- URLs and credentials in messages --------------------------------------------------------------
 def test_public_url_strips_user_and_password():
     assert public_url("https://alice:s3cr3t@example.com:8443/a/b?x=1#f") == "https://example.com:8443/a/b?x=1#f"
