@@ -261,8 +261,11 @@ def test_a_body_dripped_a_byte_at_a_time_still_ends_at_the_deadline(served, serv
     server.modes["/model.safetensors"] = "drip"
     reads = RangeReads(timeout=1.0, retry=Retry(attempts=1, base=0.001, cap=0.001))
     began = time.monotonic()
-    with pytest.raises(ReadError) as err:
-        read(reads, remote(server, data), start, 4000)
+    try:
+        with pytest.raises(ReadError) as err:
+            read(reads, remote(server, data), start, 4000)
+    finally:
+        del server.modes["/model.safetensors"]  # the server is shared by the module's tests
     assert err.value.reason == "Timeout" and time.monotonic() - began < 10
 
 
