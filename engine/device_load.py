@@ -44,12 +44,12 @@ from typing import Protocol
 import numpy as np
 
 from ._threads import run_threads
-from .device_staging import Ring, keep_staging
+from .device_staging import Ring
 from .device_units import SLOT_ALIGN, Unit, UnitQueue, units
 from .errors import DeviceError
 from .reader import check_read, close_mapping, copy_mapping, resident_pages, split_reader
 
-__all__ = ["DeviceOps", "DeviceLoad", "REGISTER_DEPTH", "default_slot_bytes", "default_copy_threads", "keep_staging"]
+__all__ = ["DeviceOps", "DeviceLoad", "REGISTER_DEPTH", "default_slot_bytes", "default_copy_threads"]
 
 #: Units the register path keeps page-locked at once (one copying, one being page-locked).
 REGISTER_DEPTH = 2
@@ -159,7 +159,11 @@ class DeviceLoad:
         if fill is not None:
             self.slot_bytes = max([self.slot_bytes] + [r.nbytes for s in sources for r in s.requests])
         can_register = all(hasattr(self.ops, m) for m in ("wrap_host", "register", "unregister"))
-        self.use_register = gpu_path != "copy" and fill is None and can_register
+        # remote files have no page cache to register, and their own copy path
+        self.remote = any(s.ranges is not None for s in sources)
+        if self.remote and (fill is not None or not all(s.ranges is not None for s in sources)):
+            raise ValueError("a device load of remote files takes no fill hook and no local files")
+        self.use_register = gpu_path != "copy" and fill is None and can_register and not self.remote
         if gpu_path == "register" and not can_register:
             raise DeviceError("gpu_path='register' asked for, but the device cannot page-lock host memory")
         self.gpu_path = gpu_path
@@ -185,8 +189,7 @@ class DeviceLoad:
             # slots beyond the first are worth page-locking ahead only if the copy path
             # may take more than one unit
             self.copy_units = len(copy_only) + (len(shared) if copy_shares else 0)
-            remote = all(src.ranges is not None for src in self.sources) and self.fill is None
-            jobs = [self._remote_copy_path if remote else self._copy_path]
+            jobs = [self._remote_copy_path if self.remote else self._copy_path]
             if shared:
                 self.queue.register_active = True
                 jobs.append(self._register_path)
@@ -258,7 +261,7 @@ class DeviceLoad:
                     in_flight[s] = None
                     self.tracker.landed(parts)
                 handle, view = ring.slot(s)
-                if reader is not None and unit.source not in mappings and self.sources[unit.source].ranges is None:
+                if reader is not None and unit.source not in mappings:
                     mappings[unit.source] = copy_mapping(self.sources[unit.source].fd)
                 self._read_unit(unit, view, reader, mappings.get(unit.source))
                 src = self.sources[unit.source]
@@ -375,33 +378,15 @@ class DeviceLoad:
 
     def _read_unit(self, unit: Unit, view: memoryview, reader, mapping: mmap.mmap | None = None) -> None:
         src = self.sources[unit.source]
-        if self.fill is not None or src.ranges is not None:
+        if self.fill is not None:
             fill, reqs = self.fill, unit.requests
 
             def part(lo: int, hi: int) -> None:
                 for r, off in zip(reqs[lo:hi], unit.slot_offsets[lo:hi], strict=True):
-                    if src.ranges is not None:  # a remote file: one ranged GET per request
-                        src.ranges(r.offset, [view[off : off + r.nbytes]])
-                        continue
                     fill(src.fd, r, [view[off + p.request_offset : off + p.request_offset + p.nbytes]
                                      for p in r.pieces])
 
             n = max(1, min(self.threads, len(reqs)))
-            if src.ranges is not None:
-                # remote requests take uneven times: each thread takes the next one
-                order = iter(range(len(reqs)))
-                lock = threading.Lock()
-
-                def next_one() -> None:
-                    while True:
-                        with lock:
-                            i = next(order, None)
-                        if i is None or self.cancel.is_set():
-                            return
-                        part(i, i + 1)
-
-                run_threads([next_one] * n)
-                return
             bounds = [len(reqs) * i // n for i in range(n + 1)]
             run_threads([functools.partial(part, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
             return

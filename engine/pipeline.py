@@ -279,7 +279,12 @@ def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
     pieces to ``threads`` native threads (started once for the load, no more than the load
     has pieces), GIL released; with ``fill``, or for remote files, worker threads take whole
     requests instead."""
-    if fill is not None or any(s.ranges is not None for s in sources):
+    if any(s.ranges is not None for s in sources):
+        if fill is not None:  # a fill hook reads the file itself; a remote file has no descriptor
+            raise ValueError("a load of remote files takes no fill hook")
+        _run_host_fill(sources, dest, tracker, cancel, threads or default_threads(), None)
+        return
+    if fill is not None:
         _run_host_fill(sources, dest, tracker, cancel, threads or default_threads(), fill)
         return
     views = dest.host_views

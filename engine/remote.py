@@ -16,10 +16,16 @@ Transports:
     one deadline over the whole call (see :mod:`engine._http`).  A server that ignores
     ``Range`` and answers ``200`` with the whole file is read only as far as needed, then
     the connection is closed.
-any other fsspec protocol (``s3://``, ``gs://``, ``hf://``, ``memory://``, ``file://`` ...)
+``s3://bucket/key``
+    The same client, each request signed with SigV4 by :mod:`engine._s3` (botocore's
+    credentials, region and endpoint; the ``s3`` extra; anonymous when there are no
+    credentials or with ``AWS_NO_SIGN_REQUEST``).  With ``storage_options``, through s3fs.
+any other fsspec protocol (``gs://``, ``hf://``, ``memory://``, ``file://`` ...)
     Through :mod:`fsspec` (the ``remote`` extra), imported on first use: the file size from
     ``fs.size``, then ``fs.cat_file`` of each range.  Request counts and timeouts are the
     implementation's (pass ``storage_options``).
+
+Whole loads of a URL (every tensor, in parallel) are :mod:`engine.remote_load`.
 """
 
 from __future__ import annotations
@@ -165,8 +171,9 @@ def read_metadata(
         ``Content-Length``), ``FileChanged``, ``TooLarge``.  ``.path`` is the URL; HTTP
         errors carry ``.status``.
     MissingDependencyError
-        A non-HTTP URL without fsspec (``pip install safetensors-engine[remote]``) or
-        without the protocol's implementation (``s3fs``, ``gcsfs``, ...).
+        ``s3://`` without botocore, unless anonymous
+        (``pip install safetensors-engine[s3]``); another protocol without fsspec
+        (``[remote]``) or without its implementation (``gcsfs``, ...).
 
     Notes
     -----

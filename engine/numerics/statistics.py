@@ -100,11 +100,8 @@ class Stats:
         elif na == 0:
             mean, std, mn, mx = other.mean, other.std, other.min, other.max
         else:
-            n = na + nb
-            d = other.mean - self.mean
-            frac = nb / n
-            mean = self.mean + d * frac
-            m2 = self.std**2 * na + other.std**2 * nb + d * d * na * frac
+            # the kernels' own merge (with its guard for means near the overflow threshold)
+            n, mean, m2 = _k.chan(na, self.mean, self.std**2 * na, nb, other.mean, other.std**2 * nb)
             std = math.sqrt(m2 / n)
             mn = min(self.min, other.min)
             mx = max(self.max, other.max)
