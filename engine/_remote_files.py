@@ -230,7 +230,7 @@ class RemoteSource:
         except ValueError as exc:
             raise read_error(f"invalid URL: {exc}", public_url(url), "InvalidURL") from None
         self.retry = retry
-        self.headers = dict(headers or {})
+        self._probed: dict[str, Any] = {}  # what layout() read while looking, for the first use
         self.etags: dict[str, str | None] = {}
         self.s3: S3Config | None = None
         self.fs: _Fs | None = None
@@ -290,6 +290,8 @@ class RemoteSource:
         return posixpath.join(posixpath.dirname(self.fs.root), name)
 
     def header(self, where: str, max_header_size: int, *, shard: bool = False) -> Header:
+        if where in self._probed:
+            return self._probed.pop(where)
         not_found = MissingShardError if shard else None
         if self.http is not None:
             http = self.http
@@ -299,6 +301,8 @@ class RemoteSource:
 
     def index(self, max_size: int, where: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
         where = where or self.root
+        if where in self._probed:
+            return self._probed.pop(where)
         if self.http is not None:
             http = self.http
 
@@ -342,10 +346,8 @@ class RemoteSource:
         for name, kind in ((INDEX_NAME, "index"), (SINGLE_NAME, "file")):
             where = self.shard_of_prefix(name)
             try:
-                if kind == "index":
-                    self.index(max_size, where)  # fetched again by the caller: an index is small
-                else:
-                    self.header(where, max_size)
+                # kept for the caller's own request of the same thing (no second fetch)
+                self._probed[where] = self.index(max_size, where) if kind == "index" else self.header(where, max_size)
             except RemoteFileNotFoundError:
                 continue
             return kind, [where]

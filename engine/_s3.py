@@ -34,13 +34,9 @@ from typing import Any
 
 from .errors import MissingDependencyError, ReadError
 
-__all__ = ["S3Config", "is_s3", "split_s3_url", "parse_listing"]
+__all__ = ["S3Config", "split_s3_url", "parse_listing"]
 
 _SIGNATURE_REUSE_S = 240.0  # a SigV4 signature is accepted for 15 minutes; re-sign well before
-
-
-def is_s3(url: str) -> bool:
-    return url[:5].lower() == "s3://"
 
 
 def split_s3_url(url: str) -> tuple[str, str]:

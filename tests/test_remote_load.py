@@ -317,9 +317,9 @@ def test_transient_failures_of_the_header_and_index_requests_are_retried(checkpo
     index = [r for r in rangeserver.requests if r["path"].endswith(INDEX)]
     headers = [r for r in rangeserver.requests if r["range"] == "bytes=0-7"]
     shards = len(list((root / "sharded").glob("*.safetensors")))
-    # the index: the prefix's probe fails then succeeds, the load's fetch succeeds; each
-    # shard's length: fails, succeeds, and again when its header request failed once
-    assert len(index) == 3 and len(headers) == 3 * shards
+    # the index: the prefix's probe fails, then succeeds (and serves the load: no third
+    # fetch); each shard's length: fails, succeeds, and again when its header request failed once
+    assert len(index) == 2 and len(headers) == 3 * shards
 
 
 @pytest.mark.parametrize(("where", "fault", "cls"), [
@@ -444,3 +444,14 @@ def test_credentials_never_follow_a_redirect_to_another_host_in_the_bulk_reads(c
     to_other_host = [r for r in rangeserver.requests if not r["path"].startswith("/moved/")]
     assert len(to_other_host) > 2  # the header's two requests and the tensor reads
     assert all(r["authorization"] is None for r in to_other_host)
+
+
+def test_a_prefix_reads_what_it_probed_once(checkpoint, rangeserver):
+    """Looking up a prefix fetches its index (or its single file's header); the load then
+    uses what was read instead of asking again."""
+    _, sd = checkpoint
+    assert_same(engine.torch.load_file(rangeserver.url("single/"), retry=FAST), sd)
+    assert sum(r["range"] == "bytes=0-7" for r in rangeserver.requests) == 1
+    rangeserver.reset()
+    engine.torch.load_file(rangeserver.url("sharded/"), retry=FAST)
+    assert sum(r["path"].endswith(INDEX) for r in rangeserver.requests) == 1
