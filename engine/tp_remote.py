@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._threads import run_threads
+from ._threads import map_threads
 from .remote_handle import RemoteHandle
 from .remote_load import open_parts
 from .remote_reads import read_runs
@@ -34,29 +34,14 @@ def load_remote_direct(url: str, plan: ShardingPlan, rank: int, world_size: int,
     Copies of tensor bytes: 1 on the CPU (socket to the shard), plus the host-to-device copy
     for a device (file by file, so host memory holds one file's shards at most).
     """
-    import threading
-
     out: dict = {}
     with open_parts(url, connections=connections, **remote) as opened:
         handle = None
         for part in opened.parts:
             outputs, jobs, slow = direct_jobs(part.header, plan, rank, world_size, names, "spans")
-            todo = iter(jobs)
-            lock = threading.Lock()
-
-            def work(part=part, todo=todo, lock=lock) -> None:
-                while True:
-                    with lock:
-                        job = next(todo, None)
-                    if job is None:
-                        return
-                    if job.src.size == 1:
-                        part.ranges(job.base + int(job.src[0]), [job.dst])
-                    else:
-                        read_runs(part.ranges, job.dst, job.src, job.run_bytes, job.base)
-
-            if jobs:
-                run_threads([work] * min(opened.reads.connections, len(jobs)), name="engine-tp")
+            # a job is runs of one tensor's shard; one run is one request
+            map_threads(lambda job, part=part: read_runs(part.ranges, job.dst, job.src, job.run_bytes, job.base),
+                        jobs, opened.reads.connections, name="engine-tp")
             if slow:
                 handle = handle or RemoteHandle.of_parts(opened, url, "pt")
                 for name in slow:

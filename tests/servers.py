@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -33,6 +34,20 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx") or next(
         (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.path.exists(p)), None
     )
+
+
+def nginx_or_skip() -> str:
+    """nginx's path, or skip the test saying why; with ``ENGINE_TESTS_REQUIRE_NGINX=1`` (set
+    by CI, which installs nginx) a missing nginx fails the test instead."""
+    import pytest
+
+    binary = nginx_binary()
+    if binary is None:
+        why = "nginx is not installed (apt-get install nginx-light; CI installs it)"
+        if os.environ.get("ENGINE_TESTS_REQUIRE_NGINX") == "1":
+            pytest.fail(why + ", and ENGINE_TESTS_REQUIRE_NGINX=1 says these tests must run")
+        pytest.skip(why)
+    return binary
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, seconds: float = 15.0) -> None:
@@ -185,7 +200,7 @@ class MotoS3:
             # then refused as unknown)
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
         self.proc = subprocess.Popen(
-            ["python", "-c", "import sys; from moto.server import main; sys.exit(main(sys.argv[1:]))",
+            [sys.executable, "-c", "import sys; from moto.server import main; sys.exit(main(sys.argv[1:]))",
              "-H", "127.0.0.1", "-p", str(self.port)],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

@@ -15,7 +15,7 @@ from engine.errors import InvalidSliceError, TensorNotFoundError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
-from servers import Nginx, nginx_binary  # noqa: E402
+from servers import Nginx, nginx_or_skip  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nginx(files):
-    if nginx_binary() is None:
-        pytest.skip("nginx is not installed (apt-get install nginx-light; CI installs it)")
+    nginx_or_skip()
     with Nginx(str(files[0])) as server:
         yield server
 

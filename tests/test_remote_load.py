@@ -22,7 +22,7 @@ from engine.remote_reads import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
-from servers import Nginx, nginx_binary  # noqa: E402
+from servers import Nginx, nginx_or_skip  # noqa: E402
 
 FAST = Retry(attempts=4, base=0.001, cap=0.01)
 INDEX = "model.safetensors.index.json"
@@ -85,8 +85,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nginx(checkpoint):
-    if nginx_binary() is None:
-        pytest.skip("nginx is not installed (apt-get install nginx-light; CI installs it)")
+    nginx_or_skip()
     with Nginx(str(checkpoint[0])) as server:
         yield server
 
@@ -211,13 +210,22 @@ def test_stream_to_a_device_from_a_url_is_one_allocation_through_staging(checkpo
 # -- path-style S3 against nginx ---------------------------------------------------------------------
 @pytest.mark.parametrize("where", [f"ckpt/{INDEX}", "one/model.safetensors"])
 def test_anonymous_path_style_s3(checkpoint, nginx, monkeypatch, where):
-    pytest.importorskip("botocore", reason="s3:// needs botocore (the s3 extra)")
     _, sd = checkpoint
     monkeypatch.setenv("AWS_ENDPOINT_URL", nginx.base)
     monkeypatch.setenv("AWS_NO_SIGN_REQUEST", "1")
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull + "-none")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull + "-none")
     assert_same(engine.torch.load_file(f"s3://bucket/{where}"), sd)
+
+
+def test_anonymous_s3_never_imports_botocore(checkpoint, nginx):
+    from conftest import run_python
+
+    env = {**os.environ, "AWS_ENDPOINT_URL": nginx.base, "AWS_NO_SIGN_REQUEST": "1"}
+    code = ("import sys, engine.torch\n"
+            "sd = engine.torch.load_file('s3://bucket/one/model.safetensors')\n"
+            "print(len(sd), 'botocore' in sys.modules)\n")
+    assert run_python(code, env=env).split() == [str(len(checkpoint[1])), "False"]
 
 
 # -- failing requests ---------------------------------------------------------------------------------
@@ -386,8 +394,7 @@ def test_https_with_a_certificate_the_environment_trusts(checkpoint, tmp_path, m
 
     import engine._http
 
-    if nginx_binary() is None:
-        pytest.skip("nginx is not installed (apt-get install nginx-light; CI installs it)")
+    nginx_or_skip()
     root, sd = checkpoint
     cert, key = self_signed(str(tmp_path))
     monkeypatch.setattr(engine._http, "_SSL_CONTEXT", None)  # made again from the environment below

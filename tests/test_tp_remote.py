@@ -60,7 +60,7 @@ def test_column_blocks_share_requests(served):
     want = load_tensor_parallel(str(root / "ckpt"), plan, rank=1, world_size=2)
     server.reset()
     got = load_tensor_parallel(url, plan, rank=1, world_size=2)
-    assert all(raw(got[k]) == raw(want[k]) for k in want)
+    assert list(got) == list(want) and all(raw(got[k]) == raw(want[k]) for k in want)
     data_gets = [r for r in server.requests if r["range"] and not r["range"].startswith("bytes=0-7")]
     rows = sum(t.shape[0] for t in want.values() if t.dim() == 2)
     assert len(data_gets) < rows / 8  # not one request per row
