@@ -19,6 +19,7 @@ process (the engine's bytecode compiled first):
   ``engine http device``: the same load into an emulated device: the copy path through
   page-locked staging slots, into a device whose copies complete without moving bytes
   (the host side of a GPU load: socket -> pinned slot; a GPU's DMA engine does the rest);
+  its clock starts after the headers are read, the other engine rows' before;
 * ``download + reference``: what users do today: each shard fetched whole to a local file,
   then ``safetensors.torch.load_file`` of each and a read of every tensor;
 * peers, where installed in ``--peers-python`` (a separate environment, so that their
@@ -40,8 +41,10 @@ include the read of every tensor, since that is when their bytes arrive.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,9 +73,8 @@ print(json.dumps({"seconds": seconds, "hwm": common.hwm_bytes(), "checksum": com
 """
 
 
-def _engine_load(url: str, extra: str = "") -> str:
-    return (f"import engine.torch\n{extra}t0 = time.perf_counter()\n"
-            f"out = engine.torch.load_file({url!r}{', **KW' if 'KW' in extra else ''})\n")
+def _engine_load(url: str) -> str:
+    return f"import engine.torch\nt0 = time.perf_counter()\nout = engine.torch.load_file({url!r})\n"
 
 
 def _engine_load_into(url: str, options: str = "") -> str:
@@ -97,7 +99,6 @@ def _engine_device(url: str) -> str:
         "from benchmarks import host\n"
         "from engine import pipeline, remote_load\n"
         "from engine.loader import _bases, _sources\n"
-        "t0 = time.perf_counter()\n"
         f"opened = remote_load.open_parts({url!r})\n"
         "parts = [p._replace(rows=list(p.header.table.file_order())) for p in opened.parts]\n"
         "bases = _bases(parts)\n"
@@ -225,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     shards = common.checkpoint_files(directory)
     nbytes = _tensor_bytes(shards)
     www = tempfile.mkdtemp(prefix="engine-www-")
+    atexit.register(shutil.rmtree, www, True)
     os.symlink(directory, os.path.join(www, "ckpt"))
     os.makedirs(os.path.join(www, "bucket"))
     os.symlink(directory, os.path.join(www, "bucket", "ckpt"))
     scratch = tempfile.mkdtemp(prefix="engine-download-", dir=common.cache_dir())
+    atexit.register(shutil.rmtree, scratch, True)  # the downloaded shards: as large as the checkpoint
     for f in shards:
         os.chmod(f, 0o644)
     common.warm_cache(directory)
