@@ -20,7 +20,8 @@ process (the engine's bytecode compiled first):
   page-locked staging slots, into a device whose copies complete without moving bytes
   (the host side of a GPU load: socket -> pinned slot; a GPU's DMA engine does the rest);
   its clock starts after the headers are read, the other engine rows' before;
-* ``download + reference``: what users do today: each shard fetched whole to a local file,
+* ``download + reference``: what users do today: each shard fetched whole to a local file, one
+  after the other over one connection,
   then ``safetensors.torch.load_file`` of each and a read of every tensor;
 * peers, where installed in ``--peers-python`` (a separate environment, so that their
   pins never touch this one): ``s3fs + reference`` (``cat_file`` of each shard, then
