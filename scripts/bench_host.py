@@ -92,6 +92,7 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
             load.run()
             times.append(time.perf_counter() - t0)
         ok = True
+        out["maxrss"] = common.hwm_bytes()  # the load's peak, before the check's own buffers
         if dma == "memcpy":
             lim = host.Limit(path)
             ok = load.check(lim.src, lim.start)
@@ -136,7 +137,7 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
         with safetensors.safe_open(path, framework="pt") as f:
             # bytes, not values: a random BF16 pattern may be a NaN, which equals nothing
             out["ok"] = bool(dst[probe].view(torch.uint8).equal(f.get_tensor(probe).view(torch.uint8)))
-    out["maxrss"] = common.hwm_bytes()  # this process's own peak (VmHWM), not the parent's
+    out.setdefault("maxrss", common.hwm_bytes())  # this process's own peak (VmHWM), not the parent's
     return out
 
 
