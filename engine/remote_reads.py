@@ -231,8 +231,12 @@ class RangeReads:
         done, tries = 0, 0
         while True:
             try:
-                self._get(file, offset + done, _skip(views, done))
-                return
+                # a whole answer may be shorter than asked (a server that caps its ranges):
+                # the rest is asked for at once, with no backoff and no try counted
+                done += self._get(file, offset + done, _skip(views, done))
+                if done >= want:
+                    return
+                continue
             except _Failed as failed:
                 # a try that landed a MiB (or half of what was left) starts the count again; a
                 # server that sends a little and then fails every time still runs out of tries
@@ -240,8 +244,6 @@ class RangeReads:
                 done += failed.landed
                 if not failed.transient:
                     raise failed.error from None
-                if failed.error.reason == "ShortRange" and failed.landed:
-                    continue  # a whole answer, shorter than asked (a capped server): ask for the rest now
                 tries = 0 if progressed else tries + 1
                 if tries >= self.retry.attempts:
                     err = failed.error
@@ -253,8 +255,9 @@ class RangeReads:
                 if self.cancel.wait(self.retry.delay(tries)):
                     raise failed.error from None
 
-    def _get(self, file: RemoteFile, offset: int, views: list[memoryview]) -> None:
-        """One try: a ranged GET of ``views``' bytes at ``offset``; raises :class:`_Failed`."""
+    def _get(self, file: RemoteFile, offset: int, views: list[memoryview]) -> int:
+        """One try: a ranged GET of ``views``' bytes at ``offset``; returns the bytes landed
+        (fewer than asked when the server answers a shorter range), raises :class:`_Failed`."""
         want = sum(len(v) for v in views)
         last = offset + want - 1
         name = file.name or public_url(file.url)
@@ -299,8 +302,7 @@ class RangeReads:
         finally:
             watchdog.cancel()
         self._finish(url, conn, resp)
-        if landed < want:  # the server sent a shorter range than asked: ask for the rest
-            raise _Failed(read_error("short range", name, "ShortRange"), landed, True)
+        return landed
 
     def _send(self, url: str, req: dict, deadline: float, name: str, offset: int, want: int):
         """Send the request and read the answer's head: ``(connection, socket, response)``.
