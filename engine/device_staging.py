@@ -16,46 +16,51 @@ class KeptStaging:
     """Staging slots kept between device loads, when asked for (:func:`keep_staging`, or
     ``ENGINE_KEEP_STAGING=1``): page-locking hundreds of MiB costs tens of milliseconds per
     slot, paid again by every load otherwise.  Only for device operations that name their
-    slots' kind (``ops.staging_key``, e.g. the torch sink's ``("torch", "cuda:0")``); per kind
-    one slot size is kept (a load with another size frees the old ones), at most as many
-    slots as one load used.  Off by default: then nothing stays page-locked after a load."""
+    slots' kind (``ops.staging_key``, e.g. the torch sink's ``("torch", "cuda:0")``).  A load
+    takes any kept slot at least as large as it needs (the smallest such), so loads of other
+    sizes share them; at most :data:`MAX_KEPT` slots per kind are kept, the smallest freed
+    first.  Off by default: then nothing stays page-locked after a load."""
+
+    #: slots kept per kind of device operations
+    MAX_KEPT = 4
 
     def __init__(self) -> None:
         self.on = os.environ.get("ENGINE_KEEP_STAGING", "") == "1"
         self.lock = threading.Lock()
-        self.kept: dict[Any, tuple[int, list]] = {}  # staging_key -> (nbytes, [(ops, slot), ...])
+        self.kept: dict[Any, list] = {}  # staging_key -> [(bytes, ops, slot), ...], smallest first
 
     def take(self, ops, nbytes: int):
         key = getattr(ops, "staging_key", None)
         if not self.on or key is None:
             return None
         with self.lock:
-            entry = self.kept.get(key)
-            if entry is not None and entry[0] == nbytes and entry[1]:
-                return entry[1].pop()[1]
+            kept = self.kept.get(key, [])
+            for i, (size, _, slot) in enumerate(kept):
+                if size >= nbytes:
+                    del kept[i]
+                    return slot
         return None
 
-    def give(self, ops, nbytes: int, slot) -> bool:
-        """Keep ``slot`` for a later load; False when it is not kept (the caller frees it)."""
+    def give(self, ops, slot) -> bool:
+        """Keep ``slot`` (``(handle, view)``) for a later load; False when it is not kept
+        (the caller frees it)."""
         key = getattr(ops, "staging_key", None)
         if not self.on or key is None:
             return False
-        stale: list = []
         with self.lock:
-            entry = self.kept.get(key)
-            if entry is None or entry[0] != nbytes:
-                stale = entry[1] if entry is not None else []
-                fresh: list = []
-                entry = self.kept[key] = (nbytes, fresh)
-            entry[1].append((ops, slot))
-        _free_slots(stale)
+            kept = self.kept.setdefault(key, [])
+            kept.append((len(slot[1]), ops, slot))
+            kept.sort(key=lambda k: k[0])
+            extra = kept[: max(0, len(kept) - self.MAX_KEPT)]
+            del kept[: len(extra)]
+        _free_slots([(o, sl) for _, o, sl in extra])
         return True
 
     def release(self) -> None:
         with self.lock:
             entries, self.kept = list(self.kept.values()), {}
-        for _, slots in entries:
-            _free_slots(slots)
+        for kept in entries:
+            _free_slots([(o, sl) for _, o, sl in kept])
 
 
 def _free_slots(slots) -> None:
@@ -121,6 +126,6 @@ class Ring:
                 helper.join()
         free = getattr(self.ops, "free_staging", None)
         for slot in self.slots:
-            if slot is not None and not KEPT_STAGING.give(self.ops, self.nbytes, slot) and free is not None:
+            if slot is not None and not KEPT_STAGING.give(self.ops, slot) and free is not None:
                 free(slot[0])
         self.slots = [None] * len(self.slots)

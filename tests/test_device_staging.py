@@ -48,3 +48,37 @@ def test_kept_staging_is_reused_by_the_next_load_and_freed_on_release(tmp_path):
         device_staging.keep_staging(False)
         os.close(fd)
         dev.close()
+
+
+def test_a_smaller_load_takes_the_larger_kept_slots(tmp_path):
+    """Slot sizes follow each load's size: a later, smaller load uses the kept larger slots
+    instead of page-locking new ones; a larger one allocates its own, and at most MAX_KEPT
+    stay kept."""
+    data = os.urandom(3 << 20)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    begins, ends = np.array([0, 1 << 20]), np.array([1 << 20, 3 << 20])
+    requests = plan_reads(begins, ends, [0, 1], 0, 1 << 20, 64)
+    dev = _KeyedDevice()
+    allocs: list[int] = []
+    real_alloc = dev.alloc_staging
+    dev.alloc_staging = lambda n: allocs.append(n) or real_alloc(n)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        device_staging.keep_staging(True)
+        counts = []
+        for slot_bytes in (2 << 20, 1 << 20, 512 << 10, 3 << 20):
+            out = {0: bytearray(1 << 20), 1: bytearray(2 << 20)}
+            pipeline.run(fd, requests, pipeline.Destination(device_targets=out, device_ops=dev), gpu_path="copy",
+                         slot_bytes=slot_bytes)
+            assert bytes(out[0]) + bytes(out[1]) == data
+            counts.append(len(allocs))
+        # two slots for the first load; the smaller loads allocate none; the larger (one
+        # 3 MiB unit) one slot of its own size
+        assert counts == [2, 2, 2, 3] and allocs[2] > allocs[0]
+        assert len(device_staging.KEPT_STAGING.kept[("emulated",)]) <= device_staging.KeptStaging.MAX_KEPT
+    finally:
+        device_staging.keep_staging(False)
+        os.close(fd)
+        dev.close()
+    assert not dev.live_staging
