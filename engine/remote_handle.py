@@ -37,7 +37,8 @@ class RemoteHandle:
     copy for a device.
     """
 
-    def __init__(self, filename: str, framework: str = "np", device: Any = "cpu", *, backend: str | None = None,
+    def __init__(self, filename: str, framework: str = "np", device: Any = "cpu", *,
+                 backend: str | None = None,  # safe_open's; a remote file has no mapping to choose
                  **options) -> None:
         opened = open_parts(filename, **remote_options(options))
         if options:
@@ -141,8 +142,10 @@ class RemoteHandle:
         wanted = None if names is None else list(names)
         for n in wanted or ():
             self._locate(n)
-        got = dict(stream_parts(parts, many=len(parts) > 1, framework=self._framework, device=self._device,
-                                names=wanted, threads=self._opened.reads.connections if self._opened else None))
+        opened = self._opened
+        assert opened is not None  # self._parts has said so
+        got = dict(stream_parts(parts, many=opened.many, framework=self._framework, device=self._device,
+                                names=wanted, threads=opened.reads.connections))
         return {n: got[n] for n in self.offset_keys() if n in got}
 
     def __repr__(self) -> str:

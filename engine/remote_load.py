@@ -103,7 +103,7 @@ def open_parts(
         wheres = [src.shard(n) for n in names]
     workers = connections or DEFAULT_CONNECTIONS
     found = map_threads(lambda w: src.header(w, max_header_size, shard=kind == "index"), wheres,
-                        min(workers, max(1, len(wheres))), name="engine-remote")
+                        workers, name="engine-remote")
     if kind == "index":
         problems = index_problems(weight_map, dict(zip(names, found, strict=True)), shown)
         if problems:
@@ -158,7 +158,6 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
         on_device = str(device) not in ("cpu",) and framework not in ("np", "numpy")
         if chunk_bytes is None:
             chunk_bytes = DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES
-        opened.reads.cancel.clear()
         try:
             yield from stream_parts(
                 opened.parts, many=opened.many, framework=framework, device=device,

@@ -25,6 +25,7 @@ connection, GIL released): no growing ``bytes``, no staging buffer on the host.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import random
 import re
@@ -207,11 +208,7 @@ class RangeReads:
 
     def reader(self, file: RemoteFile) -> Callable[[int, Sequence[memoryview]], None]:
         """``read(offset, views)``: fill ``views``, back to back, from ``file`` at ``offset``."""
-
-        def read(offset: int, views: Sequence[memoryview]) -> None:
-            self.read(file, offset, views)
-
-        return read
+        return functools.partial(self.read, file)
 
     def read(self, file: RemoteFile, offset: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` (back to back) with the bytes of ``file`` from ``offset``, retrying
