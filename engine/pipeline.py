@@ -8,7 +8,9 @@ request into them.  No staging, one copy (page cache to destination).
 Device destinations (CUDA) are fed by two paths at once, on disjoint parts of the load: a
 copy path through large pinned staging slots, and a register path that DMAs straight from
 the page-locked page cache (:mod:`engine.device_load`, which also holds the
-:class:`DeviceOps` a framework provides).
+:class:`DeviceOps` a framework provides).  Remote files (:class:`Source` with ``ranges``)
+have no page cache to register: their connections fill the staging slots, and on the host
+worker threads, one per connection (``threads``), receive each request into its tensors.
 
 A tensor is *complete* when every byte of it has landed (for a device: when the events of
 all its copies have completed); completions are reported through a callback as they happen,
