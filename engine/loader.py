@@ -470,11 +470,6 @@ def load_into(
         os.close(fd)
 
 
-def _nbytes(files: Sequence[Part], where: tuple[int, int]) -> int:
-    t = files[where[0]].header.table
-    return int(t.ends[where[1]]) - int(t.begins[where[1]])
-
-
 def fill_parts(
     files: Sequence[Part],
     tensors: Mapping[str, Any],
@@ -514,6 +509,7 @@ def fill_parts(
                 f"{len(extra)} tensor(s) of the file have no destination: {extra[:5]}", path=where, tensors=extra
             )
     host: list[list[int]] = [[] for _ in files]
+    empty: list[str] = []  # destinations of 0 bytes
     device: dict[Any, list[list[int]]] = {}
     fill: dict[str, Any] = {}  # name -> engine.sinks fill target
     ops: dict[Any, Any] = {}
@@ -530,6 +526,8 @@ def fill_parts(
                 reason="UnsupportedDevice", path=f.path, tensors=(name,),
             )
         nbytes = int(t.ends[row]) - int(t.begins[row])
+        if not nbytes:
+            empty.append(name)  # filled before anything is read
         want_code = int(t.codes[row])
         want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
         if dtypes.DTYPES[want_code].sub_byte and not target.accepts(want_code):
@@ -565,7 +563,7 @@ def fill_parts(
                     out[b + r] = target.device_bytes() if on_device else target.host_bytes()
         return out
 
-    filled: list[str] = [n for n in tensors if _nbytes(files, found[n]) == 0]  # nothing to read
+    filled = list(empty)
 
     def tracked(parts: list[Part], bases: list[int]) -> Callable[[int], None]:
         keys = {b + r: p.header.table.names[r] for p, b in zip(parts, bases, strict=True) for r in p.rows}

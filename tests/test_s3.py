@@ -17,6 +17,7 @@ from engine.errors import ReadError, RemoteFileNotFoundError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from servers import MotoS3, moto_available  # noqa: E402
+from torch_models import assert_same, raw  # noqa: E402
 
 if not moto_available():
     pytest.skip("moto's S3 server needs moto[server] and flask (a test extra)", allow_module_level=True)
@@ -36,16 +37,6 @@ def state_dict() -> dict[str, torch.Tensor]:
     sd["model.position_ids"] = torch.arange(300)
     sd["model.empty"] = torch.empty(0, 4, dtype=torch.bfloat16)
     return sd
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def assert_same(got: dict, want: dict) -> None:
-    assert list(got) == sorted(want)
-    for k, w in want.items():
-        assert got[k].dtype == w.dtype and got[k].shape == w.shape and raw(got[k]) == raw(w), k
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from engine.distributed import ShardingPlan, Split, llama_plan, load_tensor_para
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
-from test_remote_load import llama, raw  # noqa: E402
+from torch_models import llama, raw  # noqa: E402
 
 
 @pytest.fixture(scope="module")
