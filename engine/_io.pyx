@@ -19,6 +19,7 @@ the guard; split into modules, each would carry a copy of them.
 from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, errno
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from posix.types cimport off_t
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.unistd cimport pread
 
 
@@ -98,6 +99,23 @@ cdef int64_t _MAX_PREAD = 1 << 30
 cdef int _MAX_SPLIT_THREADS = 256
 
 
+# Which source copies faster depends on the page cache, not only on the host: a file the kernel
+# read ahead in large folios (2 MiB) is mapped in a few calls per megabyte, and a mapping then
+# copies at memory speed, well ahead of ``pread``; a file cached in 4 KiB pages costs a page
+# table entry per page to map and unmap, and ``pread`` wins.  Each thread of a reader times
+# the pieces it copies with each source and takes the faster, trying the other again now and
+# then (the two states can meet in one load: shards cached by different readers).
+cdef struct _Choice:
+    double cost[2]           # seconds per byte of a recent piece: [pread, mapping]; 0 unknown
+    int64_t turns            # pieces copied since the state was made
+
+
+# a piece is timed only from this size on (smaller ones measure their overheads)
+cdef int64_t _TIMED_BYTES = 1 << 20
+# every this many timed pieces, a thread copies one with the source it did not choose
+cdef int64_t _RETRY_EVERY = 16
+
+
 cdef struct _Part:
     int fd
     const uint8_t* src       # a file mapping to copy from (MADV_POPULATE_READ, then memcpy), or NULL: pread
@@ -115,6 +133,8 @@ cdef struct _Part:
     int err                  # 0, errno, or -1 for the end of the file
     int64_t at               # file offset of the failure
     int64_t missing          # bytes of the failing segment's share still unread
+    _Choice* choice          # with a mapping: where this share's pieces learn which source is
+                             # faster (NULL: always the mapping)
 
 
 # -- copies out of a file mapping ------------------------------------------------------------
@@ -228,6 +248,48 @@ cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out,
     return 0
 
 
+cdef inline double _seconds() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef int _pick(_Choice* c) noexcept nogil:
+    """0 (``pread``) or 1 (the mapping) for the next timed piece."""
+    cdef int best
+    if c.cost[0] == 0:
+        return 0
+    if c.cost[1] == 0:
+        return 1
+    best = 0 if c.cost[0] <= c.cost[1] else 1
+    c.turns += 1
+    return 1 - best if c.turns % _RETRY_EVERY == 0 else best
+
+
+cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noexcept nogil:
+    """One piece of a share, from the source the share uses (or learns, see ``_Choice``)."""
+    cdef int source, err
+    cdef double t0, cost
+    if p.src == NULL:
+        return _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
+    if p.choice == NULL:
+        return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing)
+    if nbytes < _TIMED_BYTES:  # too short to time: the source that is ahead so far
+        source = 1 if p.choice.cost[1] != 0 and p.choice.cost[1] < p.choice.cost[0] else 0
+    else:
+        source = _pick(p.choice)
+    t0 = _seconds()
+    if source:
+        err = _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing)
+    else:
+        err = _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
+    if err == 0 and nbytes >= _TIMED_BYTES:
+        cost = (_seconds() - t0) / nbytes
+        # half the last figure, half the new: a change of state shows within a few pieces
+        p.choice.cost[source] = cost if p.choice.cost[source] == 0 else (p.choice.cost[source] + cost) / 2
+    return err
+
+
 cdef void* _read_part(void* arg) noexcept nogil:
     cdef _Part* p = <_Part*>arg
     cdef Py_ssize_t i = 0
@@ -244,12 +306,7 @@ cdef void* _read_part(void* arg) noexcept nogil:
             b = p.starts[i] + p.sizes[i]
             if b > hi:
                 b = hi
-            if p.src != NULL:
-                p.err = _copy_mapped(p.fd, p.src, p.src_len, p.dst[i] + (a - p.starts[i]), b - a,
-                                     p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
-            else:
-                p.err = _pread_full(p.fd, p.dst[i] + (a - p.starts[i]), b - a,
-                                    p.file_off[i] + (a - p.starts[i]), &p.at, &p.missing)
+            p.err = _copy_piece(p, p.dst[i] + (a - p.starts[i]), b - a, p.file_off[i] + (a - p.starts[i]))
             if p.err:
                 p.errpos = a
                 return NULL
@@ -323,7 +380,7 @@ PIECE_BYTES = _PIECE
 
 
 cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,
-                     int64_t align) noexcept nogil:
+                     int64_t align, _Choice* choices) noexcept nogil:
     """Shares of the concatenated segments: pieces of ``_PIECE`` bytes (less for a small set:
     an equal share each) dealt out in turn, each cut a multiple of ``align``."""
     cdef int k
@@ -336,6 +393,7 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
         parts[k].fd = fd
         parts[k].src = src
         parts[k].src_len = src_len
+        parts[k].choice = &choices[k] if choices != NULL else NULL
         parts[k].dst = s.dst
         parts[k].file_off = s.file_off
         parts[k].sizes = s.sizes
@@ -416,15 +474,21 @@ cdef void* _pool_worker(void* arg) noexcept nogil:
 cdef class SplitReader:
     """Split copies (:meth:`copy`) on native threads started once: ``threads - 1`` workers
     plus the calling thread.  One copy at a time; :meth:`close` (or the end of a ``with``
-    block) stops and joins the workers."""
+    block) stops and joins the workers.
+
+    With ``adaptive``, copies given a mapping choose per piece between it and ``pread``:
+    each thread times its pieces (1 MiB and up) with each source, keeps to the faster and
+    tries the other every sixteenth piece, learning over the reader's life (see
+    ``_Choice``); :attr:`costs` shows what they learned."""
 
     cdef _PoolState* st
     cdef _WorkerArg* args
     cdef pthread_t* tids
+    cdef _Choice* choices  # per thread, kept between copies (NULL: mapped copies always map)
     cdef int nworkers
     cdef bint busy
 
-    def __cinit__(self, int threads):
+    def __cinit__(self, int threads, bint adaptive=False):
         cdef int k, want = threads - 1
         if want > _MAX_SPLIT_THREADS - 1:
             want = _MAX_SPLIT_THREADS - 1
@@ -433,9 +497,11 @@ cdef class SplitReader:
         self.st = <_PoolState*>calloc(1, sizeof(_PoolState))
         self.args = <_WorkerArg*>calloc(want + 1, sizeof(_WorkerArg))
         self.tids = <pthread_t*>calloc(want + 1, sizeof(pthread_t))
-        if self.st == NULL or self.args == NULL or self.tids == NULL:
-            free(self.st); free(self.args); free(self.tids)
+        self.choices = <_Choice*>calloc(want + 1, sizeof(_Choice)) if adaptive else NULL
+        if self.st == NULL or self.args == NULL or self.tids == NULL or (adaptive and self.choices == NULL):
+            free(self.st); free(self.args); free(self.tids); free(self.choices)
             self.st = NULL
+            self.choices = NULL
             raise MemoryError()
         pthread_mutex_init(&self.st.lock, NULL)
         pthread_cond_init(&self.st.go, NULL)
@@ -452,6 +518,15 @@ cdef class SplitReader:
         """Threads that share each read (the workers that started, plus the caller)."""
         return self.nworkers + 1
 
+    @property
+    def costs(self) -> list:
+        """Per thread, ``(pread, mapping)`` seconds per byte of recent timed pieces (0.0 where
+        that source has not copied a timed piece yet); empty unless ``adaptive``."""
+        cdef int k
+        if self.choices == NULL:
+            return []
+        return [(self.choices[k].cost[0], self.choices[k].cost[1]) for k in range(self.nworkers + 1)]
+
     cdef tuple _run(self, int fd, const uint8_t* src, int64_t src_len, _Segs* s, int64_t align):
         """Split ``s`` over the pool and the calling thread, GIL released; the first error."""
         cdef _Part* parts = NULL
@@ -467,7 +542,7 @@ cdef class SplitReader:
             raise MemoryError()
         try:
             with nogil:
-                _plan_parts(parts, nparts, fd, src, src_len, s, align)
+                _plan_parts(parts, nparts, fd, src, src_len, s, align, self.choices)
                 pthread_mutex_lock(&st.lock)
                 st.parts = parts
                 st.nparts = nparts
@@ -501,7 +576,8 @@ cdef class SplitReader:
 
         ``mapping`` is None (each thread ``pread``s its share) or a read-only mapping of the
         whole file (each thread maps its share with ``MADV_POPULATE_READ`` and copies it
-        out; a page the file no longer backs is an end-of-file error, never a SIGBUS).
+        out; a page the file no longer backs is an end-of-file error, never a SIGBUS), or,
+        for an ``adaptive`` reader, whichever of the two its pieces measure faster.
         Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
         bytes missing)`` of the failure lowest in the concatenation of the targets.
         """
@@ -543,8 +619,9 @@ cdef class SplitReader:
         pthread_cond_destroy(&st.go)
         pthread_cond_destroy(&st.done)
         pthread_mutex_destroy(&st.lock)
-        free(st); free(self.args); free(self.tids)
+        free(st); free(self.args); free(self.tids); free(self.choices)
         self.st = NULL
+        self.choices = NULL
         self.args = NULL
         self.tids = NULL
         self.nworkers = 0

@@ -28,24 +28,29 @@ __all__ = [
 
 
 #: where the native copies take a warm file's bytes from
-COPY_SOURCES = ("pread", "mmap")
+COPY_SOURCES = ("auto", "pread", "mmap")
 
 
 def copy_source() -> str:
-    """Where native split copies take the bytes from: ``"pread"`` (the default) or ``"mmap"``.
+    """Where native split copies take the bytes from: ``"auto"`` (the default), ``"pread"``
+    or ``"mmap"``.
 
     ``"pread"``: each thread reads its share with ``pread``.  ``"mmap"``: each thread maps its
     share of a read-only mapping of the file (``MADV_POPULATE_READ``) and copies it out with
     ``memcpy``.  Both read the page cache once and write the destination once.  The mapping
     copies faster once it is mapped (no system call or page-cache lookup per chunk, and the C
     library's streaming stores), but every load pays for building its page tables and tearing
-    them down at the unmap, per 4 KiB page of the file: on this project's test machines that
-    cost more than it saved (``scripts/bench_host.py --source both`` measures both on a
-    host).  ``ENGINE_COPY_SOURCE`` chooses.  A file truncated underneath is a ReadError either
-    way (the populate reports pages the file no longer backs; a copy that faults anyway is
-    caught; the rest is read with ``pread``, which names where the file ends).
+    them down at the unmap: little for a file the kernel cached in large folios (read ahead
+    by large sequential reads, or written in large writes), one entry per 4 KiB page for a file
+    cached page by page (read through small page faults).  Which one wins depends on how the
+    page cache holds the file, so ``"auto"`` measures as it goes: every thread times its
+    pieces with each source and keeps to the faster (``engine._io.SplitReader``).
+    ``ENGINE_COPY_SOURCE`` pins one (``scripts/bench_host.py --source all`` measures all three).
+    A file truncated underneath is a ReadError either way (the populate reports pages the file
+    no longer backs; a copy that faults anyway is caught; the rest is read with ``pread``,
+    which names where the file ends).
     """
-    value = os.environ.get("ENGINE_COPY_SOURCE", "pread").strip().lower()
+    value = os.environ.get("ENGINE_COPY_SOURCE", "auto").strip().lower()
     if value not in COPY_SOURCES:
         raise ValueError(f"ENGINE_COPY_SOURCE must be one of {COPY_SOURCES}, not {value!r}")
     return value
@@ -55,7 +60,7 @@ def copy_mapping(fd: int):
     """A read-only mapping of the whole file for the split copies (``mmap.mmap``), or None
     where they ``pread`` instead: :func:`copy_source` says ``"pread"``, the file is empty, or
     it cannot be mapped.  Close it with :func:`close_mapping`."""
-    if copy_source() != "mmap":
+    if copy_source() == "pread":
         return None
     import mmap
 
@@ -318,11 +323,12 @@ def split_reader(threads: int):
     """A native reader whose ``copy(fd, mapping, file_offsets, targets)`` deals each call's
     bytes in pieces to ``threads`` pthreads started once (``engine._io.SplitReader``;
     ``mapping`` is None for ``pread`` or a read-only mapping of the file, see
-    :func:`copy_source`); it returns ``(errno or -1, offset, missing)`` for
+    :func:`copy_source`; with ``"auto"`` each thread learns which of the two is faster over
+    the reader's life); it returns ``(errno or -1, offset, missing)`` for
     :func:`check_read`.  Close it when done."""
     from . import _io
 
-    return _io.SplitReader(threads)
+    return _io.SplitReader(threads, adaptive=copy_source() == "auto")
 
 
 def pread_spans(fd: int, dst: memoryview, src, run_bytes: int, base: int, bounce, *,

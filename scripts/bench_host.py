@@ -7,6 +7,10 @@ fully mapped read-only mapping into pre-faulted memory, same thread count; see
 ``asv_benchmarks/benchmarks/host.py``):
 
 * ``limit``: that copy, repeated in one process;
+* ``floor: native pread`` / ``floor: native fresh mapping``: what any load that does not
+  already hold a populated mapping of the file pays at least (native, nothing of the
+  engine's): the kernel's copy out of the page cache, or a mapping built, populated, copied
+  from and torn down.  The limit leaves those costs out; a first load in a process cannot;
 * ``engine copy path, dma=none``: the engine's device copy path (default staging slots,
   page-locked, pre-faulted) into a device whose copies complete without moving bytes: the
   host side of a GPU load (page cache -> pinned slot), which is what this host can show;
@@ -28,14 +32,23 @@ line (its header padded with spaces, as the format allows): the kernel's copy ou
 cache slows to two thirds or less when a file offset and its destination sit differently in a
 line, which is the case for every tensor of a file whose data starts 8 bytes into one.
 
-Every sample is a fresh process (rows interleaved, ``--runs`` samples each), the engine's
-bytecode is compiled first, the file is read once before the first sample.  The engine's
-copy source (``ENGINE_COPY_SOURCE``) is ``pread`` unless ``--source`` says otherwise;
-``--source both`` adds the load_into rows with each source.
+How the page cache holds the file decides what a mapping costs: a file read in by large
+sequential reads (or written by large writes) sits in large folios, and mapping it costs
+little; a file faulted in page by page (read through a mapping, as the reference reads)
+sits in 4 KiB folios, and a mapping costs an entry per page to build and tear down, more
+than ``pread``'s own overhead.  ``--cache both`` (the default) measures each state, the
+file in large folios and a copy of it page by page (``host.cache_state``), and prints how
+much of the cache each read put in large folios (``FileHugePages``).
 
-    python scripts/bench_host.py                       # 2 GiB, 7 samples per row
+Every sample is a fresh process (rows interleaved, ``--runs`` samples each), the engine's
+bytecode is compiled first, the files are read in their states before the first sample.
+The engine's copy source (``ENGINE_COPY_SOURCE``) is its default, ``auto`` (each copy
+thread measures ``pread`` and the mapping as it goes and keeps to the faster), unless
+``--source`` says otherwise; ``--source all`` adds the rows with each source pinned.
+
+    python scripts/bench_host.py                       # 2 GiB, 7 samples per row, both cache states
     python scripts/bench_host.py --size 256MB --runs 3 # quick
-    python scripts/bench_host.py --cold --json out.json
+    python scripts/bench_host.py --cache large --source all --cold --json out.json
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+FOLIOS = {"large": "large folios", "small": "4 KiB pages"}
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
 from benchmarks import common, host  # noqa: E402
 
@@ -69,7 +83,17 @@ def _tensors(path: str):
 
 def child(kind: str, path: str, reps: int, cold: bool) -> dict:
     out: dict = {"kind": kind}
-    if kind == "limit":
+    if kind.startswith("floor-"):
+        floor = host.Floor(path, kind.partition("-")[2])
+        floor.run()  # the destination's first touch is not part of the floor
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            floor.run()
+            times.append(time.perf_counter() - t0)
+        out.update(repeated=times, nbytes=floor.nbytes, ok=floor.check(path))
+        floor.close()
+    elif kind == "limit":
         lim = host.Limit(path)
         lim.run()  # the destination's first touch is not part of the limit
         times = []
@@ -161,7 +185,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--reps", type=int, default=5, help="repeated calls per sample")
     ap.add_argument("--cold", action="store_true", help="also the cold rows")
-    ap.add_argument("--source", default="pread", choices=["pread", "mmap", "both"])
+    ap.add_argument("--source", default="auto", choices=["auto", "pread", "mmap", "all"])
+    ap.add_argument("--cache", default="both", choices=["large", "small", "both"],
+                    help="the page cache state of the file: large folios, 4 KiB pages, or a file in each")
     ap.add_argument("--aligned", action="store_true", help="also a copy of the file with its data on a 64-byte line")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
@@ -174,31 +200,47 @@ def main() -> int:
 
     common.compile_engine()
     path = common.checkpoint_file(common.parse_size(a.size), base=a.dir)
-    files = {"": path}
+    states = ["large", "small"] if a.cache == "both" else [a.cache]
+    bases = {"": path}
     if a.aligned:
-        files[" [data on a 64-byte line]"] = host.aligned_copy(path)
-    sources = ["pread", "mmap"] if a.source == "both" else [a.source]
-    # (label, child kind, copy source, cold, file)
-    plan = [("limit", "limit", sources[0], False, path)]
-    for ftag, f in files.items():
+        bases[" [data on a 64-byte line]"] = host.aligned_copy(path)
+    # (row tag, file, page cache state): the small state on a copy of the file, so that both
+    # states stay in the cache through the run
+    files = []
+    for btag, base in bases.items():
+        for st in states:
+            f = base if st == "large" else host.twin(base, "pages")
+            stag = f" [{FOLIOS[st]}]" if len(states) > 1 else ""
+            files.append((stag + btag, f, st))
+    sources = ["auto", "pread", "mmap"] if a.source == "all" else [a.source]
+    # (label, child kind, copy source, cold, file, state)
+    plan = [("limit", "limit", sources[0], False, path, states[0])]
+    for ftag, f, st in files:
+        plan += [(f"floor: native pread{ftag}", "floor-pread", sources[0], False, f, st),
+                 (f"floor: native fresh mapping{ftag}", "floor-mapped", sources[0], False, f, st)]
         for s in sources:
             tag = (f" [{s}]" if len(sources) > 1 else "") + ftag
-            plan += [(f"engine copy path, dma=none{tag}", "device-none", s, False, f),
-                     (f"engine copy path, dma=none, staging kept{tag}", "device-none-keep", s, False, f),
-                     (f"engine copy path, dma=memcpy{tag}", "device-memcpy", s, False, f),
-                     (f"load_into{tag}", "engine", s, False, f)]
-        plan.append((f"reference load_file + copy_{ftag}", "reference", sources[0], False, f))
+            plan += [(f"engine copy path, dma=none{tag}", "device-none", s, False, f, st),
+                     (f"engine copy path, dma=none, staging kept{tag}", "device-none-keep", s, False, f, st),
+                     (f"engine copy path, dma=memcpy{tag}", "device-memcpy", s, False, f, st),
+                     (f"load_into{tag}", "engine", s, False, f, st)]
+        plan.append((f"reference load_file + copy_{ftag}", "reference", sources[0], False, f, st))
     if a.cold:
-        plan += [("load_into cold", "engine", sources[0], True, path),
-                 ("reference cold", "reference", sources[0], True, path)]
+        plan += [("load_into cold", "engine", sources[0], True, path, "large"),
+                 ("reference cold", "reference", sources[0], True, path, "large")]
     results: dict[str, list[dict]] = {label: [] for label, *_ in plan}
-    for f in files.values():
-        common.warm_cache(f)
+    huge = []
+    for _, f, st in files:
+        before = host.file_huge_kib()
+        host.cache_state(f, st)
+        after = host.file_huge_kib()
+        if before is not None and after is not None:
+            huge.append(f"{os.path.basename(f)} ({st}): {(after - before) / 2**20:+.2f} GiB")
     began = time.time()
     for i in range(a.runs):
-        for label, kind, source, cold, f in plan:
+        for label, kind, source, cold, f, st in plan:
             if not cold:
-                common.warm_cache(f)
+                host.cache_state(f, st, evict=False)  # whatever was reclaimed comes back in its state
             results[label].append(sample(kind, f, a.reps, cold, source))
         print(f"sample {i + 1}/{a.runs} done ({time.time() - began:.0f} s)", file=sys.stderr)
 
@@ -213,8 +255,10 @@ def main() -> int:
 
     limit = rep("limit")
     rows = [("limit (native parallel memcpy, populated mapping)", limit, None)]
-    for ftag in files:
+    for ftag, _, _ in files:
         ref = f"reference load_file + copy_{ftag}"
+        rows += [(f"floor: native pread{ftag}", rep(f"floor: native pread{ftag}"), None),
+                 (f"floor: native fresh mapping{ftag}", rep(f"floor: native fresh mapping{ftag}"), None)]
         for s in sources:
             tag = (f" [{s}]" if len(sources) > 1 else "") + ftag
             rows += [(f"engine copy path, dma=none{tag} (repeated)", rep(f"engine copy path, dma=none{tag}"), None),
@@ -231,6 +275,8 @@ def main() -> int:
     threads = results["limit"][0]["threads"]
     print(f"\n{nbytes / 1e9:.2f} GB of tensor data, {threads} threads, {a.runs} fresh-process samples per row "
           f"(median), source {a.source}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    if huge:
+        print("page cache in large folios (FileHugePages) gained when each file was read in: " + "; ".join(huge))
     print("| row | median ms | GB/s | x limit | x reference |\n|---|---|---|---|---|")
     table = []
     for label, sec, ref in rows:
@@ -244,7 +290,7 @@ def main() -> int:
     print("bytes checked: " + ("all rows equal the file" if not bad else f"MISMATCH in {bad}"))
     if a.json:
         with open(a.json, "a") as f:
-            f.write(json.dumps({"nbytes": nbytes, "runs": a.runs, "source": a.source, "rows": table,
+            f.write(json.dumps({"nbytes": nbytes, "runs": a.runs, "source": a.source, "cache": a.cache, "rows": table,
                                 "samples": results, "rss": rss}) + "\n")
     return 1 if bad else 0
 

@@ -115,7 +115,7 @@ def test_early_break_leaks_no_thread_or_descriptor(model_file):
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
-@pytest.mark.parametrize("source", ["mmap", "pread"])
+@pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 @pytest.mark.parametrize("framework", ["np", "pt"])
 def test_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch, framework, source):
     monkeypatch.setenv("ENGINE_COPY_SOURCE", source)

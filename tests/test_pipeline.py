@@ -164,7 +164,7 @@ def test_worker_error_reaches_caller_and_threads_end(layout, monkeypatch):
     assert threading.active_count() == before
 
 
-@pytest.mark.parametrize("source", ["mmap", "pread"])
+@pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_host_copy_errors_name_the_file_and_offset(layout, monkeypatch, source):
     # the native copy's own error: a plan that reaches past the end of the file, named where
     # the file ends whichever source the copy takes
@@ -520,8 +520,8 @@ def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, mon
     real_reader = _io.SplitReader
 
     class Reader:  # the native reader, noting whether a copy was pending at each read
-        def __init__(self, threads):
-            self.inner = real_reader(threads)
+        def __init__(self, threads, **kw):
+            self.inner = real_reader(threads, **kw)
 
         def copy(self, *args):
             overlapped.append(any(not ev.is_set() for ev in events))
@@ -591,15 +591,15 @@ def test_split_reader_keeps_its_threads_between_reads(layout):
     reader.close()  # again: harmless
 
 
-@pytest.mark.parametrize("source", ["mmap", "pread"])
+@pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_split_copy_fills_every_target_from_either_source(layout, source):
     from engine import _io
 
     fd, _, _, _, data = layout
     rng = np.random.default_rng(4)
-    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source == "mmap" else None
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source != "pread" else None
     try:
-        with _io.SplitReader(3) as reader:
+        with _io.SplitReader(3, adaptive=source == "auto") as reader:
             for _ in range(100):
                 n = int(rng.integers(1, 8))
                 sizes = rng.integers(0, 300_000, n)
@@ -627,7 +627,7 @@ def test_split_copy_refuses_read_only_targets(layout):
         reader.copy(fd, None, np.array([0], np.int64), [memoryview(bytes(16))])
 
 
-@pytest.mark.parametrize("source", ["mmap", "pread"])
+@pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_split_copy_releases_the_gil(layout, source):
     from engine import _io
 
@@ -636,9 +636,9 @@ def test_split_copy_releases_the_gil(layout, source):
     offsets = np.zeros(n * 8, dtype=np.int64)
     out = np.zeros(4096 * n * 8, np.uint8)
     targets = [memoryview(out)[i * 4096 : (i + 1) * 4096] for i in range(n * 8)]
-    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source == "mmap" else None
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source != "pread" else None
     try:
-        with _io.SplitReader(2) as reader:
+        with _io.SplitReader(2, adaptive=source == "auto") as reader:
 
             def work():
                 for _ in range(10):
@@ -685,7 +685,7 @@ with _io.SplitReader(2) as r:
     assert "Fatal Python error" not in done.stderr
 
 
-@pytest.mark.parametrize("source", ["mmap", "pread"])
+@pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
     # more than a piece (8 MiB) per thread: the threads take pieces in turn, and segments
     # start and end anywhere inside and across pieces
@@ -696,9 +696,9 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
     path = tmp_path / "big.bin"
     data.tofile(path)
     fd = os.open(path, os.O_RDONLY)
-    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source == "mmap" else None
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source != "pread" else None
     try:
-        with _io.SplitReader(3) as reader:
+        with _io.SplitReader(3, adaptive=source == "auto") as reader:
             cuts = np.sort(rng.integers(0, len(data) - 1000, 9))
             offsets = np.concatenate([[17], cuts]).astype(np.int64)
             sizes = np.diff(np.concatenate([offsets, [len(data) - 5]]))
@@ -713,6 +713,38 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
     finally:
         if mapping is not None:
             mapping.close()
+        os.close(fd)
+
+
+def test_an_adaptive_reader_times_both_sources_and_copies_exact_bytes(tmp_path):
+    # each thread copies its first timed piece with pread and its second from the mapping,
+    # then keeps to the faster, trying the other every sixteenth piece; whichever it takes,
+    # the bytes are the file's
+    from engine import _io
+
+    rng = np.random.default_rng(8)
+    data = rng.integers(0, 256, 72 << 20, dtype=np.uint8)
+    path = tmp_path / "big.bin"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    try:
+        with _io.SplitReader(2, adaptive=True) as reader:
+            assert reader.costs == [(0.0, 0.0), (0.0, 0.0)]
+            # pieces under 1 MiB are not timed
+            small = np.zeros(100_000, np.uint8)
+            assert reader.copy(fd, mapping, np.array([5], np.int64), [memoryview(small)]) == (0, 0, 0)
+            assert (small == data[5:100_005]).all() and reader.costs == [(0.0, 0.0), (0.0, 0.0)]
+            for rnd in range(3):  # 9 pieces of 8 MiB per call, over two threads, three calls
+                out = np.zeros(len(data) - 3, np.uint8)
+                assert reader.copy(fd, mapping, np.array([3], np.int64), [memoryview(out)], 4096) == (0, 0, 0)
+                assert (out == data[3:]).all(), rnd
+            costs = reader.costs
+            assert len(costs) == 2 and all(p > 0 and m > 0 for p, m in costs), costs
+        with _io.SplitReader(2) as fixed:
+            assert fixed.costs == []
+    finally:
+        mapping.close()
         os.close(fd)
 
 

@@ -5,6 +5,10 @@
   here with the system's ``cc``, nothing of the engine's) from a warm read-only mapping of
   the file, every page mapped first (``MADV_POPULATE_READ``), into pre-faulted memory:
   the same bytes, the same thread count as the engine's rows;
+* :class:`Floor`: what a load that holds no mapping pays at least, natively: the kernel's
+  ``pread`` copy, or a fresh mapping built, copied from and torn down; with
+  :func:`cache_state`, which puts a file in the page cache in large folios or page by page
+  (the two states price a mapping very differently);
 * :class:`BenchDevice`: a device for the engine's copy path on a host without one: staging
   slots are page-locked (``mlock``) pre-faulted host memory as a driver's pinned buffers
   are, and each "device copy" runs on a stream thread into a pre-faulted device buffer.
@@ -17,6 +21,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import mmap
 import os
 import queue
@@ -31,22 +36,67 @@ _LIMIT_C = r"""
 #include <pthread.h>
 #include <string.h>
 #include <stdint.h>
-typedef struct { char *dst; const char *src; size_t n; } job_t;
-static void *run(void *p) { job_t *j = p; memcpy(j->dst, j->src, j->n); return 0; }
-int limit_copy(char *dst, const char *src, size_t n, int threads) {
+#include <unistd.h>
+#include <sys/mman.h>
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+/* mode 0: memcpy from src (a populated mapping); 1: pread from fd at off;
+   2: from src, a fresh mapping, each step populated (MADV_POPULATE_READ) then copied */
+typedef struct { char *dst; const char *src; size_t n; int fd; long long off; int mode; int err; } job_t;
+#define STEP (16u << 20)
+static void *run(void *p) {
+    job_t *j = p;
+    size_t done = 0;
+    if (j->mode == 0) { memcpy(j->dst, j->src, j->n); return 0; }
+    while (done < j->n) {
+        size_t c = j->n - done < STEP ? j->n - done : STEP;
+        if (j->mode == 1) {
+            ssize_t r = pread(j->fd, j->dst + done, c, j->off + done);
+            if (r <= 0) { j->err = 1; return 0; }
+            c = (size_t)r;
+        } else {
+            uintptr_t lo = (uintptr_t)(j->src + done) & ~(uintptr_t)4095;
+            if (madvise((void *)lo, (uintptr_t)(j->src + done + c) - lo, MADV_POPULATE_READ)) { j->err = 1; return 0; }
+            memcpy(j->dst + done, j->src + done, c);
+        }
+        done += c;
+    }
+    return 0;
+}
+static int split(int mode, char *dst, const char *src, int fd, long long off, size_t n, int threads) {
     pthread_t tid[256]; job_t jobs[256];
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
     size_t share = (n / threads) & ~(size_t)4095;
     for (int i = 0; i < threads; i++) {
         size_t lo = share * i, hi = i == threads - 1 ? n : share * (i + 1);
-        jobs[i].dst = dst + lo; jobs[i].src = src + lo; jobs[i].n = hi - lo;
+        jobs[i] = (job_t){dst + lo, src ? src + lo : 0, hi - lo, fd, off + (long long)lo, mode, 0};
     }
     for (int i = 1; i < threads; i++)
         if (pthread_create(&tid[i], 0, run, &jobs[i])) return -1;
     run(&jobs[0]);
     for (int i = 1; i < threads; i++) pthread_join(tid[i], 0);
+    for (int i = 0; i < threads; i++)
+        if (jobs[i].err) return -2;
     return 0;
+}
+int limit_copy(char *dst, const char *src, size_t n, int threads) {
+    return split(0, dst, src, -1, 0, n, threads);
+}
+/* what a loader that holds no mapping pays at least: the kernel's copy out of the page cache */
+int floor_pread(char *dst, int fd, long long off, size_t n, int threads) {
+    return split(1, dst, 0, fd, off, n, threads);
+}
+/* ... or a mapping made for the copy: map, populate and copy step by step, unmap */
+int floor_mapped(char *dst, int fd, long long off, size_t n, int threads) {
+    long long base = off & ~4095LL;
+    size_t len = n + (size_t)(off - base);
+    char *map = mmap(0, len, PROT_READ, MAP_SHARED, fd, base);
+    if (map == MAP_FAILED) return -3;
+    int rc = split(2, dst, map + (off - base), fd, off, n, threads);
+    munmap(map, len);
+    return rc;
 }
 """
 
@@ -58,8 +108,10 @@ def _limit_lib():
     if _lib is None:
         folder = os.path.join(tempfile.gettempdir(), f"engine-bench-limit-{os.getuid()}")
         os.makedirs(folder, exist_ok=True)
-        src = os.path.join(folder, "limit.c")
-        so = os.path.join(folder, "limit.so")
+        # named by the source's hash: an older build of different source is never reused
+        tag = hashlib.sha1(_LIMIT_C.encode()).hexdigest()[:12]
+        src = os.path.join(folder, f"limit-{tag}.c")
+        so = os.path.join(folder, f"limit-{tag}.so")
         if not os.path.exists(so):
             with open(src, "w") as f:
                 f.write(_LIMIT_C)
@@ -69,6 +121,10 @@ def _limit_lib():
         lib = ctypes.CDLL(so)
         lib.limit_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.limit_copy.restype = ctypes.c_int
+        for name in ("floor_pread", "floor_mapped"):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
         _lib = lib
     return _lib
 
@@ -92,6 +148,18 @@ def data_range(path: str) -> tuple[int, int]:
 
     h = engine.read_header(path)
     return h.data_start, h.data_size
+
+
+def twin(path: str, tag: str) -> str:
+    """A byte-for-byte copy of the file ``path`` beside it (``-{tag}`` added to its name),
+    made once: the same data in a second place in the page cache."""
+    out = path[: -len(".safetensors")] + f"-{tag}.safetensors"
+    if not os.path.exists(out):
+        import shutil
+
+        shutil.copyfile(path, out + ".tmp")
+        os.replace(out + ".tmp", out)
+    return out
 
 
 def aligned_copy(path: str, align: int = 64) -> str:
@@ -145,6 +213,77 @@ class Limit:
         del self.src
         self.map.close()
         os.close(self.fd)
+
+
+class Floor:
+    """What a load that holds no mapping of ``path`` pays at least (native, nothing of the
+    engine's): ``kind="pread"``, every thread ``pread``s its share in 16 MiB requests;
+    ``kind="mapped"``, a fresh read-only mapping, each thread populating
+    (``MADV_POPULATE_READ``) and copying its share 16 MiB at a time, then the unmap.  The
+    limit (:class:`Limit`) leaves out what a mapping costs to build and tear down; these
+    rows price it: little for a file cached in large folios, a page table entry per 4 KiB
+    page for a file cached page by page."""
+
+    def __init__(self, path: str, kind: str, nthreads: int | None = None) -> None:
+        self.start, self.nbytes = data_range(path)
+        self.threads = nthreads or threads()
+        self.fd = os.open(path, os.O_RDONLY)
+        self.dst = prefaulted(self.nbytes)
+        lib = _limit_lib()
+        self.fn = {"pread": lib.floor_pread, "mapped": lib.floor_mapped}[kind]
+
+    def run(self) -> None:
+        rc = self.fn(self.dst.ctypes.data, self.fd, self.start, self.nbytes, self.threads)
+        if rc != 0:
+            raise OSError(f"floor copy failed ({rc})")
+
+    def check(self, path: str) -> bool:
+        with open(path, "rb") as f:
+            f.seek(self.start)
+            head = f.read(1 << 20)
+        return bool(self.dst[: len(head)].tobytes() == head)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def cache_state(path: str, folios: str, evict: bool = True) -> None:
+    """Put ``path`` in the page cache in a known state: ``folios="large"`` read with large
+    sequential reads (the kernel reads ahead into large folios, as after a download or a
+    loader's own large reads), ``"small"`` read with random-access advice (one 4 KiB page
+    per folio, as after a reader that faulted a mapping in page by page).  With ``evict``
+    it is dropped from the cache first; without, only the pages not resident are read in
+    that way (a warm-up that keeps the state)."""
+    from . import common
+
+    if evict:
+        common.evict_cache(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if folios == "small":
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            step = 1 << 20
+        else:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            step = 64 << 20
+        buf = bytearray(step)
+        off = 0
+        while n := os.preadv(fd, [buf], off):
+            off += n
+    finally:
+        os.close(fd)
+
+
+def file_huge_kib() -> int | None:
+    """The page cache's bytes in large (PMD-sized) folios, KiB (``FileHugePages``), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("FileHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 class _Stream:
