@@ -1,12 +1,13 @@
 """The device side of the pipeline: two paths that feed a device at once.
 
 *copy path*
-    Large pinned staging slots (hundreds of MiB, :func:`default_slot_bytes`).  Each slot is
+    Pinned staging slots of a few MiB per core (:func:`default_slot_bytes`).  Each slot is
     filled by one native call that splits it over every core (:func:`engine.reader.split_reader`:
-    native threads started once per load, GIL released, ``pread`` so that a truncated file
-    is an error and never a SIGBUS); its host-to-device copies are then issued on the
-    path's stream and the next slot is filled while they run.  Three passes over host
-    memory per byte (page cache read, slot write, DMA read).
+    native threads started once per load, GIL released, ``pread`` or a populated mapping,
+    whichever measures faster, a truncated file an error and never a SIGBUS); its
+    host-to-device copies are then issued on the path's stream and the next slot is filled
+    while they run.  Three passes per byte (page cache read, slot write, DMA read), the
+    last two mostly in the last-level cache: the slots are small enough to stay there.
 *register path*
     For bytes already in the page cache (``mincore``), the file's read-only mapping itself
     is page-locked (``cudaHostRegister(..., cudaHostRegisterReadOnly)``) one slot-sized
@@ -101,21 +102,28 @@ def default_copy_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-@functools.cache
-def default_slot_bytes() -> int:
-    """Bytes per staging slot when the caller does not say: 1/64 of the machine's memory,
-    a power of two between 64 MiB and 512 MiB (512 MiB from 32 GiB of memory up).
+#: each copy thread's share of a staging slot, by default
+SHARE_BYTES = 4 << 20
 
-    Large slots amortise the per-slot synchronisation and let every core share a slot;
-    two of them (pinned) plus two registered units is all the page-locked memory a device
-    load holds.
+
+@functools.cache
+def default_slot_bytes(threads: int | None = None) -> int:
+    """Bytes per staging slot (and per register unit) when the caller does not say: 4 MiB
+    per copy thread (``threads``, default :func:`default_copy_threads`), at least 8 MiB and
+    at most 64 MiB.
+
+    Small slots: a slot is written by the copy threads and read by the DMA engine at once,
+    and two slots of a few MiB stay in the last-level cache in between, so its bytes cross
+    host memory once (page cache read) instead of three times; they are also page-locked in
+    no time at a load's start, and bound what a load holds locked (two slots and two
+    registered units).  On this project's 2-core test host, 8 MiB slots took the host side
+    of the copy path from about 0.4x to about 0.6-0.9x of the machine's copy limit, where
+    the 128 MiB slots of before spent most of each load page-locking and writing back
+    memory (``scripts/bench_host.py``).  4 MiB per thread keeps each share's own cost
+    (waking a thread, a system call or a populate) small next to its copy.
     """
-    try:
-        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
-        phys = 16 << 30
-    want = max(64 << 20, min(512 << 20, phys // 64))
-    return 1 << (want.bit_length() - 1)
+    n = threads or default_copy_threads()
+    return max(8 << 20, min(64 << 20, n * SHARE_BYTES))
 
 
 def _resident(mapping: memoryview, offset: int, nbytes: int) -> bool:
@@ -147,12 +155,7 @@ class DeviceLoad:
         self.after_copy = after_copy
         self.residency = residency or _resident
         total = sum(r.nbytes for s in sources for r in s.requests)
-        if slot_bytes:
-            want = slot_bytes
-        else:
-            # by default at least 16 units per load (a 64 MiB floor): smaller slots for a
-            # smaller load are page-locked sooner, and the two paths share more units
-            want = min(default_slot_bytes(), max(64 << 20, -(-total // (16 * _PAGE)) * _PAGE))
+        want = slot_bytes or default_slot_bytes(self.threads)
         # never a slot larger than the load (rounded up to a page); a fill hook sees whole
         # requests, so then a slot holds at least the largest one
         self.slot_bytes = max(1, min(want, -(-max(total, 1) // _PAGE) * _PAGE))

@@ -217,8 +217,8 @@ def stream(
         ``"register"`` forces one path (for measurement, or where page-locking is
         restricted).
     slot_bytes : int, optional
-        GPU destinations: bytes per pinned staging slot (default from the machine's memory,
-        256-512 MiB on a large host, see :func:`engine.pipeline.default_slot_bytes`).
+        GPU destinations: bytes per pinned staging slot (default 4 MiB per copy thread,
+        8 to 64 MiB, see :func:`engine.pipeline.default_slot_bytes`).
 
     Yields
     ------

@@ -185,9 +185,8 @@ def run_sources(
     slots : int, default 2
         Staging slots of the device copy path.
     slot_bytes : int, optional
-        Bytes per staging slot and per register unit (default :func:`default_slot_bytes`,
-        or a 16th of the load when that is smaller, with a 64 MiB floor; never more than
-        the load rounded up to a page).
+        Bytes per staging slot and per register unit (default :func:`default_slot_bytes`:
+        4 MiB per copy thread, 8 to 64 MiB; never more than the load rounded up to a page).
     gpu_path : {"auto", "copy", "register"}, default "auto"
         Device destinations: both paths, the copy path alone, or the register path alone
         (units it cannot page-lock still go through the copy path).  ``"auto"`` sends only

@@ -231,11 +231,9 @@ def main() -> int:
     results: dict[str, list[dict]] = {label: [] for label, *_ in plan}
     huge = []
     for _, f, st in files:
-        before = host.file_huge_kib()
-        host.cache_state(f, st)
-        after = host.file_huge_kib()
-        if before is not None and after is not None:
-            huge.append(f"{os.path.basename(f)} ({st}): {(after - before) / 2**20:+.2f} GiB")
+        gained = host.cache_state(f, st)
+        if gained is not None:
+            huge.append(f"{os.path.basename(f)} ({st}): {gained / 2**20:.2f} of {os.path.getsize(f) / 2**30:.2f} GiB")
     began = time.time()
     for i in range(a.runs):
         for label, kind, source, cold, f, st in plan:

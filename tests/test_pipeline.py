@@ -499,7 +499,9 @@ def test_resident_pages_of_a_fresh_file_and_of_an_empty_range(layout):
 def test_default_sizes():
     assert pipeline.default_copy_threads() >= 1
     slot = pipeline.default_slot_bytes()
-    assert 64 << 20 <= slot <= 512 << 20 and slot & (slot - 1) == 0
+    assert 8 << 20 <= slot <= 64 << 20 and slot % mmap.PAGESIZE == 0
+    # 4 MiB per copy thread, within the bounds
+    assert [pipeline.default_slot_bytes(n) >> 20 for n in (1, 2, 3, 8, 16, 64)] == [8, 8, 12, 32, 64, 64]
 
 
 def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, monkeypatch):

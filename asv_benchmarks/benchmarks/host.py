@@ -247,17 +247,19 @@ class Floor:
         os.close(self.fd)
 
 
-def cache_state(path: str, folios: str, evict: bool = True) -> None:
+def cache_state(path: str, folios: str, evict: bool = True) -> int | None:
     """Put ``path`` in the page cache in a known state: ``folios="large"`` read with large
     sequential reads (the kernel reads ahead into large folios, as after a download or a
     loader's own large reads), ``"small"`` read with random-access advice (one 4 KiB page
     per folio, as after a reader that faulted a mapping in page by page).  With ``evict``
     it is dropped from the cache first; without, only the pages not resident are read in
-    that way (a warm-up that keeps the state)."""
+    that way (a warm-up that keeps the state).  Returns what the reads added to the page
+    cache's large folios (:func:`file_huge_kib`), KiB, or None where that is not known."""
     from . import common
 
     if evict:
         common.evict_cache(path)
+    before = file_huge_kib()
     fd = os.open(path, os.O_RDONLY)
     try:
         if folios == "small":
@@ -272,6 +274,8 @@ def cache_state(path: str, folios: str, evict: bool = True) -> None:
             off += n
     finally:
         os.close(fd)
+    after = file_huge_kib()
+    return None if before is None or after is None else after - before
 
 
 def file_huge_kib() -> int | None:
