@@ -14,8 +14,9 @@ __all__ = ["Ring", "KeptStaging", "KEPT_STAGING", "keep_staging"]
 
 class KeptStaging:
     """Staging slots kept between device loads, when asked for (:func:`keep_staging`, or
-    ``ENGINE_KEEP_STAGING=1``): page-locking hundreds of MiB costs tens of milliseconds per
-    slot, paid again by every load otherwise.  Only for device operations that name their
+    ``ENGINE_KEEP_STAGING=1``): page-locking a slot costs a fault and a lock per page, paid
+    again by every load otherwise (small with the default slots of a few MiB per core, tens
+    of milliseconds for slots of hundreds of MiB).  Only for device operations that name their
     slots' kind (``ops.staging_key``, e.g. the torch sink's ``("torch", "cuda:0")``).  A load
     takes any kept slot at least as large as it needs (the smallest such), so loads of other
     sizes share them; at most :data:`MAX_KEPT` slots per kind are kept, the smallest freed
@@ -87,7 +88,7 @@ def keep_staging(on: bool = True) -> None:
 
 class Ring:
     """The copy path's staging slots.  Slot 0 is allocated on first use; the others are
-    allocated at once on helper threads (page-locking hundreds of MiB takes tens of
+    allocated at once on helper threads (page-locking large slots takes tens of
     milliseconds), so they are ready when the first slot's copies are issued."""
 
     def __init__(self, ops, slots: int, nbytes: int, ahead: bool) -> None:
