@@ -5,7 +5,8 @@ at the asv suites' moderate size (a 256 MiB BF16 checkpoint, warm page cache).
   fully mapped read-only mapping into pre-faulted memory), the engine's device copy path into
   a device whose copies move nothing (``dma=none``: page cache -> page-locked slot) or are a
   CPU ``memcpy`` (``dma=memcpy``), and ``engine.load_into`` into pre-faulted torch tensors
-  with each copy source (``ENGINE_COPY_SOURCE``);
+  with each copy source (``ENGINE_COPY_SOURCE``); the native floors (``pread``, and a fresh
+  mapping populated and copied then unmapped: what a load that holds no mapping pays);
 * ``track_x_limit``: each row's rate as a ratio to the limit measured in the same setup.
 """
 
@@ -18,13 +19,17 @@ from . import common, host
 common.ensure_engine_importable()
 
 CKPT_BYTES = 256 << 20
-ROWS = ["limit", "copy-path-dma-none", "copy-path-dma-memcpy", "load_into-mmap", "load_into-pread"]
+ROWS = ["limit", "floor-pread", "floor-mapped", "copy-path-dma-none", "copy-path-dma-memcpy", "load_into-auto",
+        "load_into-mmap", "load_into-pread"]
 
 
 def _runner(row: str, path: str):
     if row == "limit":
         lim = host.Limit(path)
         return lim.run, lim.close
+    if row.startswith("floor-"):
+        floor = host.Floor(path, row.partition("-")[2])
+        return floor.run, floor.close
     if row.startswith("copy-path"):
         load = host.DeviceLoad(path, dma=row.rpartition("-")[2])
         return load.run, load.close
