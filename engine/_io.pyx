@@ -92,6 +92,7 @@ cdef extern from "<unistd.h>" nogil:
 cdef enum:
     _MADV_POPULATE_READ = 22
     _MADV_POPULATE_WRITE = 23
+    _MADV_DONTNEED = 4
 
 # one pread asks for at most this much (Linux caps a single read at 2 GiB - 4 KiB anyway)
 cdef int64_t _MAX_PREAD = 1 << 30
@@ -224,7 +225,7 @@ cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out,
     error) the rest is read with :func:`_pread_full`, whose result is returned: the error
     then names the exact offset where the file ends, as a plain read would."""
     cdef int64_t done = 0, step, pos
-    cdef uintptr_t page = <uintptr_t>sysconf(_SC_PAGESIZE), lo
+    cdef uintptr_t page = <uintptr_t>sysconf(_SC_PAGESIZE), lo, zlo, zhi
     cdef int err
     cdef bint mapped
     while done < nbytes:
@@ -244,6 +245,14 @@ cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out,
                 break
         if not mapped or _guarded_copy(out + done, src + pos, <size_t>step) != 0:
             return _pread_full(fd, out + done, nbytes - done, pos, at, missing)
+        # Unmap the step's whole pages again (the page cache keeps them): a load's mapped
+        # pages would otherwise count in the process's resident memory until the unmap,
+        # the file's whole size by the end, and the teardown would all fall on the one
+        # thread that unmaps.  A page shared with a neighbouring step stays mapped.
+        zlo = (<uintptr_t>(src + pos) + page - 1) & ~(page - 1)
+        zhi = (<uintptr_t>(src + pos + step)) & ~(page - 1)
+        if zhi > zlo:
+            madvise(<void*>zlo, zhi - zlo, _MADV_DONTNEED)
         done += step
     return 0
 

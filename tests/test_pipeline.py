@@ -750,6 +750,36 @@ def test_an_adaptive_reader_times_both_sources_and_copies_exact_bytes(tmp_path):
         os.close(fd)
 
 
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc/self/status")
+def test_mapped_copies_leave_no_file_pages_mapped(tmp_path):
+    # each step's pages are unmapped again once copied: a mapped load does not hold the
+    # file's size in resident memory until its end (the page cache keeps the pages)
+    from engine import _io
+
+    data = np.random.default_rng(9).integers(0, 256, 64 << 20, dtype=np.uint8)
+    path = tmp_path / "big.bin"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    out = np.zeros(len(data) - 100, np.uint8)
+    out[::4096] = 1  # pre-faulted: anonymous memory, not counted in RssFile
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    try:
+        with _io.SplitReader(2) as reader:
+            before = _rss_file_kib()
+            assert reader.copy(fd, mapping, np.array([100], np.int64), [memoryview(out)], 4096) == (0, 0, 0)
+            grown = _rss_file_kib() - before
+        assert (out == data[100:]).all()
+        assert grown < 4 << 10, f"{grown} KiB of the file still mapped"  # 64 MiB copied
+    finally:
+        mapping.close()
+        os.close(fd)
+
+
 def test_a_host_load_starts_no_more_threads_than_it_has_pieces(layout, monkeypatch):
     fd, path, begins, ends, data = layout
     asked = []
