@@ -81,27 +81,27 @@ def _tensors(path: str):
     return dst
 
 
+def _repeated(run, reps: int) -> list[float]:
+    """Seconds of ``reps`` calls of ``run`` after an untimed one (the destination's first
+    touch is not part of a limit or a floor)."""
+    run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def child(kind: str, path: str, reps: int, cold: bool) -> dict:
     out: dict = {"kind": kind}
     if kind.startswith("floor-"):
         floor = host.Floor(path, kind.partition("-")[2])
-        floor.run()  # the destination's first touch is not part of the floor
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            floor.run()
-            times.append(time.perf_counter() - t0)
-        out.update(repeated=times, nbytes=floor.nbytes, ok=floor.check(path))
+        out.update(repeated=_repeated(floor.run, reps), nbytes=floor.nbytes, ok=floor.check(path))
         floor.close()
     elif kind == "limit":
         lim = host.Limit(path)
-        lim.run()  # the destination's first touch is not part of the limit
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            lim.run()
-            times.append(time.perf_counter() - t0)
-        out.update(repeated=times, nbytes=lim.nbytes, ok=lim.check(), threads=lim.threads)
+        out.update(repeated=_repeated(lim.run, reps), nbytes=lim.nbytes, ok=lim.check(), threads=lim.threads)
         lim.close()
     elif kind.startswith("device"):
         dma, _, keep = kind.partition("-")[2].partition("-")
