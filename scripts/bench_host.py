@@ -143,11 +143,15 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
                 for k, v in safetensors.torch.load_file(path).items():
                     dst[k].copy_(v)
 
+        huge = None
         if cold:
             common.evict_cache(path)
+            huge = host.file_huge_kib()
         t0 = time.perf_counter()
         load()
         first = time.perf_counter() - t0
+        if huge is not None:  # how the cold read left the file in the page cache
+            out["huge_gained_kib"] = host.file_huge_kib() - huge
         times = []
         if not cold:
             for _ in range(reps):
@@ -189,6 +193,7 @@ def main() -> int:
     ap.add_argument("--cache", default="both", choices=["large", "small", "both"],
                     help="the page cache state of the file: large folios, 4 KiB pages, or a file in each")
     ap.add_argument("--aligned", action="store_true", help="also a copy of the file with its data on a 64-byte line")
+    ap.add_argument("--rows", default=None, help="only the rows whose label contains this text (and the limit)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -228,6 +233,8 @@ def main() -> int:
     if a.cold:
         plan += [("load_into cold", "engine", sources[0], True, path, "large"),
                  ("reference cold", "reference", sources[0], True, path, "large")]
+    if a.rows:
+        plan = [p for p in plan if p[0] == "limit" or a.rows in p[0]]
     results: dict[str, list[dict]] = {label: [] for label, *_ in plan}
     huge = []
     for _, f, st in files:
@@ -245,11 +252,11 @@ def main() -> int:
     nbytes = results["limit"][0]["nbytes"]
     med = statistics.median
 
-    def rep(label):  # median over samples of each sample's median repeated call
-        return med(med(r["repeated"]) for r in results[label])
+    def rep(label):  # median over samples of each sample's median repeated call (None: not run)
+        return med(med(r["repeated"]) for r in results[label]) if results.get(label) else None
 
     def first(label):
-        return med(r["first"] for r in results[label])
+        return med(r["first"] for r in results[label]) if results.get(label) else None
 
     limit = rep("limit")
     rows = [("limit (native parallel memcpy, populated mapping)", limit, None)]
@@ -278,10 +285,17 @@ def main() -> int:
     print("| row | median ms | GB/s | x limit | x reference |\n|---|---|---|---|---|")
     table = []
     for label, sec, ref in rows:
+        if sec is None:  # left out by --rows
+            continue
         ratio_ref = f"{ref / sec:.2f}x" if ref else ""
         print(f"| {label} | {sec * 1e3:.1f} | {nbytes / sec / 1e9:.2f} | {limit / sec:.2f}x | {ratio_ref} |")
         table.append({"row": label, "seconds": sec, "gbps": nbytes / sec / 1e9, "x_limit": limit / sec,
                       "x_reference": (ref / sec) if ref else None})
+    cold_huge = {label: med(r["huge_gained_kib"] for r in rs) / 2**20 for label, rs in results.items()
+                 if rs and all("huge_gained_kib" in r for r in rs)}
+    if cold_huge:
+        print("the cold reads left in large folios (GiB of the file's): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in cold_huge.items()))
     bad = [label for label, rs in results.items() if not all(r.get("ok", True) for r in rs)]
     rss = {label: max(r["maxrss"] for r in rs) for label, rs in results.items()}
     print("peak RSS per row (GB): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rss.items()))
