@@ -113,8 +113,10 @@ cdef struct _Choice:
 
 # a piece is timed only from this size on (smaller ones measure their overheads)
 cdef int64_t _TIMED_BYTES = 1 << 20
-# every this many timed pieces, a thread copies one with the source it did not choose
-cdef int64_t _RETRY_EVERY = 16
+# every this many timed pieces, a thread copies one with the source it did not choose (each
+# such piece costs what the slower source loses, up to about 1.8x on this project's hosts:
+# rare enough to cost about 1%, often enough to follow a change within half a GiB per thread)
+cdef int64_t _RETRY_EVERY = 64
 
 
 cdef struct _Part:
@@ -487,7 +489,7 @@ cdef class SplitReader:
 
     With ``adaptive``, copies given a mapping choose per piece between it and ``pread``:
     each thread times its pieces (1 MiB and up) with each source, keeps to the faster and
-    tries the other every sixteenth piece, learning over the reader's life (see
+    tries the other every 64th piece, learning over the reader's life (see
     ``_Choice``); :attr:`costs` shows what they learned."""
 
     cdef _PoolState* st

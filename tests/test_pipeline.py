@@ -720,7 +720,7 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
 
 def test_an_adaptive_reader_times_both_sources_and_copies_exact_bytes(tmp_path):
     # each thread copies its first timed piece with pread and its second from the mapping,
-    # then keeps to the faster, trying the other every sixteenth piece; whichever it takes,
+    # then keeps to the faster, trying the other now and then; whichever it takes,
     # the bytes are the file's
     from engine import _io
 
