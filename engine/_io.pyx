@@ -138,6 +138,7 @@ cdef struct _Part:
     int64_t missing          # bytes of the failing segment's share still unread
     _Choice* choice          # with a mapping: where this share's pieces learn which source is
                              # faster (NULL: always the mapping)
+    int stream               # copies out of the mapping bypass the caches (engine_stream_copy)
 
 
 # -- copies out of a file mapping ------------------------------------------------------------
@@ -200,19 +201,60 @@ cdef extern from *:
         return rc;
     }
 
-    /* memcpy that returns -1 instead of dying where the source page is no longer backed */
-    static int engine_guarded_copy(void *dst, const void *src, size_t n) {
+    /* A copy whose stores bypass the caches (non-temporal), for destinations nobody reads
+       soon (a caller's tensors).  The C library's memcpy streams only above a threshold of
+       a few hundred MiB (from the cache size); below it every destination line is first
+       read into the cache and later written back, a third pass over memory that a
+       copy out of a mapping otherwise does not need.  SSE2 is part of x86-64; elsewhere
+       this is memcpy. */
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #include <stdint.h>
+    static void engine_stream_copy(void *dst, const void *src, size_t n) {
+        char *d = (char *)dst;
+        const char *s = (const char *)src;
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15, blocks, i;
+        if (n < 1024) {
+            memcpy(d, s, n);
+            return;
+        }
+        memcpy(d, s, head);
+        d += head; s += head; n -= head;
+        blocks = n / 64;
+        for (i = 0; i < blocks; i++, d += 64, s += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s);
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+        }
+        memcpy(d, s, n - blocks * 64);
+        _mm_sfence();  /* the streamed stores are visible before the copy reports done */
+    }
+    #else
+    static void engine_stream_copy(void *dst, const void *src, size_t n) { memcpy(dst, src, n); }
+    #endif
+
+    /* memcpy (or, with stream, engine_stream_copy) that returns -1 instead of dying where
+       the source page is no longer backed */
+    static int engine_guarded_copy(void *dst, const void *src, size_t n, int stream) {
         sigjmp_buf jump;
         if (sigsetjmp(jump, 1) != 0)
             return -1;
         engine_bus_jump = &jump;
-        memcpy(dst, src, n);
+        if (stream)
+            engine_stream_copy(dst, src, n);
+        else
+            memcpy(dst, src, n);
         engine_bus_jump = NULL;
         return 0;
     }
     """
     int _bus_guard_ready "engine_bus_ready"() noexcept nogil
-    int _guarded_copy "engine_guarded_copy"(void* dst, const void* src, size_t n) noexcept nogil
+    int _guarded_copy "engine_guarded_copy"(void* dst, const void* src, size_t n, int stream) noexcept nogil
 
 # one populate-and-copy step of a mapped share: small enough that the pages it maps are
 # still in the TLB when they are copied, large enough that the calls cost nothing
@@ -220,7 +262,7 @@ cdef int64_t _MAP_STEP = 16 << 20
 
 
 cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out, int64_t nbytes,
-                      int64_t offset, int64_t* at, int64_t* missing) noexcept nogil:
+                      int64_t offset, int64_t* at, int64_t* missing, int stream) noexcept nogil:
     """Copy ``nbytes`` at ``offset`` of the mapping ``src`` of ``fd`` into ``out``, a step at
     a time: populate (``MADV_POPULATE_READ``), then copy under the SIGBUS guard.  Where the
     mapping cannot serve a step (past its end, pages the file no longer backs, a populate
@@ -245,7 +287,7 @@ cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out,
                 # EINVAL: a kernel without MADV_POPULATE_READ; the guarded copy faults them in
                 mapped = err == EINVAL
                 break
-        if not mapped or _guarded_copy(out + done, src + pos, <size_t>step) != 0:
+        if not mapped or _guarded_copy(out + done, src + pos, <size_t>step, stream) != 0:
             return _pread_full(fd, out + done, nbytes - done, pos, at, missing)
         # Unmap the step's whole pages again (the page cache keeps them): a load's mapped
         # pages would otherwise count in the process's resident memory until the unmap,
@@ -284,14 +326,14 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
     if p.src == NULL:
         return _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
     if p.choice == NULL:
-        return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing)
+        return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream)
     if nbytes < _TIMED_BYTES:  # too short to time: the source that is ahead so far
         source = 1 if p.choice.cost[1] != 0 and p.choice.cost[1] < p.choice.cost[0] else 0
     else:
         source = _pick(p.choice)
     t0 = _seconds()
     if source:
-        err = _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing)
+        err = _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream)
     else:
         err = _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
     if err == 0 and nbytes >= _TIMED_BYTES:
@@ -391,7 +433,7 @@ PIECE_BYTES = _PIECE
 
 
 cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,
-                     int64_t align, _Choice* choices) noexcept nogil:
+                     int64_t align, _Choice* choices, int stream) noexcept nogil:
     """Shares of the concatenated segments: pieces of ``_PIECE`` bytes (less for a small set:
     an equal share each) dealt out in turn, each cut a multiple of ``align``."""
     cdef int k
@@ -405,6 +447,7 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
         parts[k].src = src
         parts[k].src_len = src_len
         parts[k].choice = &choices[k] if choices != NULL else NULL
+        parts[k].stream = stream
         parts[k].dst = s.dst
         parts[k].file_off = s.file_off
         parts[k].sizes = s.sizes
@@ -490,16 +533,20 @@ cdef class SplitReader:
     With ``adaptive``, copies given a mapping choose per piece between it and ``pread``:
     each thread times its pieces (1 MiB and up) with each source, keeps to the faster and
     tries the other every 64th piece, learning over the reader's life (see
-    ``_Choice``); :attr:`costs` shows what they learned."""
+    ``_Choice``); :attr:`costs` shows what they learned.  With ``stream``, copies out of
+    the mapping store past the caches (for destinations nobody reads soon: a caller's
+    tensors, owned blocks; not a staging slot, which the DMA engine reads next and is
+    better found in the cache)."""
 
     cdef _PoolState* st
     cdef _WorkerArg* args
     cdef pthread_t* tids
     cdef _Choice* choices  # per thread, kept between copies (NULL: mapped copies always map)
+    cdef int stream
     cdef int nworkers
     cdef bint busy
 
-    def __cinit__(self, int threads, bint adaptive=False):
+    def __cinit__(self, int threads, bint adaptive=False, bint stream=False):
         cdef int k, want = threads - 1
         if want > _MAX_SPLIT_THREADS - 1:
             want = _MAX_SPLIT_THREADS - 1
@@ -508,6 +555,7 @@ cdef class SplitReader:
         self.st = <_PoolState*>calloc(1, sizeof(_PoolState))
         self.args = <_WorkerArg*>calloc(want + 1, sizeof(_WorkerArg))
         self.tids = <pthread_t*>calloc(want + 1, sizeof(pthread_t))
+        self.stream = stream
         self.choices = <_Choice*>calloc(want + 1, sizeof(_Choice)) if adaptive else NULL
         if self.st == NULL or self.args == NULL or self.tids == NULL or (adaptive and self.choices == NULL):
             free(self.st); free(self.args); free(self.tids); free(self.choices)
@@ -553,7 +601,7 @@ cdef class SplitReader:
             raise MemoryError()
         try:
             with nogil:
-                _plan_parts(parts, nparts, fd, src, src_len, s, align, self.choices)
+                _plan_parts(parts, nparts, fd, src, src_len, s, align, self.choices, self.stream)
                 pthread_mutex_lock(&st.lock)
                 st.parts = parts
                 st.nparts = nparts
@@ -769,7 +817,7 @@ def guarded_copy(const uint8_t[::1] src, Py_ssize_t offset, uint8_t[::1] dst):
         raise OSError("cannot install the SIGBUS guard of mapped copies")
     cdef int rc
     with nogil:
-        rc = _guarded_copy(&dst[0], &src[0] + offset, <size_t>dst.shape[0])
+        rc = _guarded_copy(&dst[0], &src[0] + offset, <size_t>dst.shape[0], 0)
     return rc
 
 

@@ -291,7 +291,10 @@ def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
     views = dest.host_views
     # no more threads than the load has pieces: an idle thread still costs its start and join
     total = sum(r.nbytes for s in sources for r in s.requests)
-    reader = split_reader(max(1, min(threads or default_copy_threads(), -(-total // split_piece_bytes()))))
+    # the destination (a caller's tensors, an owned block) is not read right away: its
+    # stores go past the caches
+    reader = split_reader(max(1, min(threads or default_copy_threads(), -(-total // split_piece_bytes()))),
+                          stream=True)
     try:
         for src in sources:
             mapping = copy_mapping(src.fd)

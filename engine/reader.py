@@ -319,16 +319,18 @@ def split_piece_bytes() -> int:
     return _io.PIECE_BYTES
 
 
-def split_reader(threads: int):
+def split_reader(threads: int, *, stream: bool = False):
     """A native reader whose ``copy(fd, mapping, file_offsets, targets)`` deals each call's
     bytes in pieces to ``threads`` pthreads started once (``engine._io.SplitReader``;
     ``mapping`` is None for ``pread`` or a read-only mapping of the file, see
     :func:`copy_source`; with ``"auto"`` each thread learns which of the two is faster over
     the reader's life); it returns ``(errno or -1, offset, missing)`` for
-    :func:`check_read`.  Close it when done."""
+    :func:`check_read`.  ``stream``: copies out of the mapping store past the caches, for
+    destinations not read soon (a caller's tensors; not a staging slot).  Close it when
+    done."""
     from . import _io
 
-    return _io.SplitReader(threads, adaptive=copy_source() == "auto")
+    return _io.SplitReader(threads, adaptive=copy_source() == "auto", stream=stream)
 
 
 def pread_spans(fd: int, dst: memoryview, src, run_bytes: int, base: int, bounce, *,

@@ -202,8 +202,8 @@ class SplitCopies:
         watch = self
 
         class Reader:
-            def __init__(self, threads: int) -> None:
-                self.inner = real(threads)
+            def __init__(self, threads: int, **kw) -> None:
+                self.inner = real(threads, **kw)
 
             def copy(self, fd, mapping, offsets, targets, *args):
                 with watch.lock:

@@ -750,6 +750,32 @@ def test_an_adaptive_reader_times_both_sources_and_copies_exact_bytes(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_mapped_copies_are_exact_at_every_alignment_and_length(tmp_path, stream):
+    # the streaming copy (stores past the caches) copies a head up to a 16-byte line, then
+    # 64-byte blocks, then a tail, and small copies whole: every seam, in every position
+    from engine import _io
+
+    data = np.random.default_rng(10).integers(0, 256, 1 << 20, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    try:
+        with _io.SplitReader(1, stream=stream) as reader:
+            for length in (1, 15, 1023, 1024, 1025, 1024 + 63, 4096, 65_536 + 17, 300_001):
+                for shift in range(17):
+                    buf = np.zeros(length + 32, np.uint8)
+                    out = buf[shift : shift + length]
+                    src = 1000 + 7 * shift
+                    assert reader.copy(fd, mapping, np.array([src], np.int64), [memoryview(out)], 1) == (0, 0, 0)
+                    assert (out == data[src : src + length]).all(), (length, shift)
+                    assert not buf[:shift].any() and not buf[shift + length :].any(), (length, shift)
+    finally:
+        mapping.close()
+        os.close(fd)
+
+
 def _rss_file_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
@@ -785,9 +811,9 @@ def test_a_host_load_starts_no_more_threads_than_it_has_pieces(layout, monkeypat
     asked = []
     real = pipeline.split_reader
 
-    def reader(threads):
+    def reader(threads, **kw):
         asked.append(threads)
-        return real(threads)
+        return real(threads, **kw)
 
     monkeypatch.setattr(pipeline, "split_reader", reader)
     dst = {r: memoryview(bytearray(int(ends[r] - begins[r]))) for r in range(40) if ends[r] > begins[r]}
