@@ -38,9 +38,10 @@ def copy_source() -> str:
     ``"pread"``: each thread reads its share with ``pread``.  ``"mmap"``: each thread maps its
     share of a read-only mapping of the file (``MADV_POPULATE_READ``) and copies it out with
     ``memcpy``.  Both read the page cache once and write the destination once.  The mapping
-    copies faster once it is mapped (no system call or page-cache lookup per chunk, and the C
-    library's streaming stores), but every load pays for building its page tables and tearing
-    them down at the unmap: little for a file the kernel cached in large folios (read ahead
+    copies faster once it is mapped (no system call or page-cache lookup per chunk, and, for
+    host destinations, stores that bypass the caches: the kernel's copy reads every
+    destination line into the cache before writing it), but every load pays for building
+    its page tables and tearing them down: little for a file the kernel cached in large folios (read ahead
     by large sequential reads, or written in large writes), one entry per 4 KiB page for a file
     cached page by page (read through small page faults).  Which one wins depends on how the
     page cache holds the file, so ``"auto"`` measures as it goes: every thread times its
