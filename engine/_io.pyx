@@ -128,9 +128,8 @@ cdef struct _Part:
     const int64_t* sizes
     const int64_t* starts    # starts[i]: position of segment i in the concatenation
     Py_ssize_t nseg
-    int64_t lo               # this part: bytes [lo + j * stride, lo + j * stride + piece) of the
-    int64_t piece            # concatenation for j = 0, 1, ..., up to total
-    int64_t stride
+    int64_t* cursor          # shared by the parts of one copy: the next piece's start; each
+    int64_t piece            # thread takes pieces of this size in order until total
     int64_t total
     int64_t errpos           # position in the concatenation of the failure
     int err                  # 0, errno, or -1 for the end of the file
@@ -238,6 +237,11 @@ cdef extern from *:
     static void engine_stream_copy(void *dst, const void *src, size_t n) { memcpy(dst, src, n); }
     #endif
 
+    /* the next piece of a split copy: threads take pieces in order, each as it is free */
+    static inline int64_t engine_take(int64_t *cursor, int64_t n) {
+        return __atomic_fetch_add(cursor, n, __ATOMIC_RELAXED);
+    }
+
     /* memcpy (or, with stream, engine_stream_copy) that returns -1 instead of dying where
        the source page is no longer backed */
     static int engine_guarded_copy(void *dst, const void *src, size_t n, int stream) {
@@ -254,6 +258,7 @@ cdef extern from *:
     }
     """
     int _bus_guard_ready "engine_bus_ready"() noexcept nogil
+    int64_t _take "engine_take"(int64_t* cursor, int64_t n) noexcept nogil
     int _guarded_copy "engine_guarded_copy"(void* dst, const void* src, size_t n, int stream) noexcept nogil
 
 # one populate-and-copy step of a mapped share: small enough that the pages it maps are
@@ -346,8 +351,11 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
 cdef void* _read_part(void* arg) noexcept nogil:
     cdef _Part* p = <_Part*>arg
     cdef Py_ssize_t i = 0
-    cdef int64_t a, b, lo = p.lo, hi
-    while lo < p.total:
+    cdef int64_t a, b, lo, hi
+    while True:
+        lo = _take(p.cursor, p.piece)
+        if lo >= p.total:
+            break
         hi = lo + p.piece
         if hi > p.total:
             hi = p.total
@@ -366,7 +374,6 @@ cdef void* _read_part(void* arg) noexcept nogil:
             if b < p.starts[i] + p.sizes[i]:
                 break  # the segment goes on past this piece
             i += 1
-        lo += p.stride
     return NULL
 
 
@@ -424,18 +431,20 @@ cdef int _segs_in_targets(_Segs* s, const int64_t[::1] file_offsets, list target
     return 0
 
 
-# Threads take pieces of this size in turn (thread k the pieces k, k + n, k + 2n, ...), so that
-# together they move through the file as one front: a cold file is then read ahead as one
-# sequential stream, where halves read at once would be two streams the kernel's read-ahead
-# serves one window at a time.  Large enough that a piece costs a few system calls.
+# Threads take pieces of this size in order, each the next one as soon as it is free (a shared
+# cursor), so that together they move through the file as one front: a cold file is then read
+# ahead as one sequential stream, where halves read at once would be two streams the kernel's
+# read-ahead serves one window at a time; and a thread held up (descheduled, or on the slower
+# source) takes fewer pieces instead of making the others wait for its fixed share at the end
+# of the copy.  Large enough that a piece costs a few system calls.
 cdef int64_t _PIECE = 8 << 20
 PIECE_BYTES = _PIECE
 
 
 cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,
-                     int64_t align, _Choice* choices, int stream) noexcept nogil:
+                     int64_t align, _Choice* choices, int stream, int64_t* cursor) noexcept nogil:
     """Shares of the concatenated segments: pieces of ``_PIECE`` bytes (less for a small set:
-    an equal share each) dealt out in turn, each cut a multiple of ``align``."""
+    an equal share each) taken in order from a shared cursor, each cut a multiple of ``align``."""
     cdef int k
     cdef int64_t piece = (s.total + nparts - 1) // nparts
     if piece > _PIECE:
@@ -453,9 +462,8 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
         parts[k].sizes = s.sizes
         parts[k].starts = s.starts
         parts[k].nseg = s.n
-        parts[k].lo = piece * k
+        parts[k].cursor = cursor
         parts[k].piece = piece
-        parts[k].stride = piece * nparts
         parts[k].total = s.total
     return 0
 
@@ -588,6 +596,7 @@ cdef class SplitReader:
 
     cdef tuple _run(self, int fd, const uint8_t* src, int64_t src_len, _Segs* s, int64_t align):
         """Split ``s`` over the pool and the calling thread, GIL released; the first error."""
+        cdef int64_t cursor = 0
         cdef _Part* parts = NULL
         cdef int nparts
         cdef _PoolState* st = self.st
@@ -601,7 +610,8 @@ cdef class SplitReader:
             raise MemoryError()
         try:
             with nogil:
-                _plan_parts(parts, nparts, fd, src, src_len, s, align, self.choices, self.stream)
+                cursor = 0
+                _plan_parts(parts, nparts, fd, src, src_len, s, align, self.choices, self.stream, &cursor)
                 pthread_mutex_lock(&st.lock)
                 st.parts = parts
                 st.nparts = nparts

@@ -313,8 +313,9 @@ def resident_pages(buf) -> tuple[int, int]:
 
 
 def split_piece_bytes() -> int:
-    """Bytes of the pieces a split copy deals to its threads in turn (8 MiB): a load of fewer
-    pieces than threads needs no more threads than pieces."""
+    """Bytes of the pieces a split copy deals to its threads, in order, each to the first
+    free thread (8 MiB): a load of fewer pieces than threads needs no more threads than
+    pieces."""
     from . import _io
 
     return _io.PIECE_BYTES
