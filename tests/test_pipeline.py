@@ -7,6 +7,7 @@ before its copy finished would corrupt the data, and these tests would see it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -687,6 +688,23 @@ with _io.SplitReader(2) as r:
     assert "Fatal Python error" not in done.stderr
 
 
+@contextlib.contextmanager
+def _random_file(tmp_path, nbytes: int, seed: int, mapped: bool = True):
+    """A file of ``nbytes`` random bytes: ``(data, path, fd, mapping)``, its descriptor and
+    read-only mapping (None unless ``mapped``) closed afterwards."""
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    path = tmp_path / "big.bin"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if mapped else None
+    try:
+        yield data, path, fd, mapping
+    finally:
+        if mapping is not None:
+            mapping.close()
+        os.close(fd)
+
+
 @pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
     # more than a piece (8 MiB) per thread: the threads take pieces in turn, and segments
@@ -694,12 +712,7 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
     from engine import _io
 
     rng = np.random.default_rng(6)
-    data = rng.integers(0, 256, 60 << 20, dtype=np.uint8)
-    path = tmp_path / "big.bin"
-    data.tofile(path)
-    fd = os.open(path, os.O_RDONLY)
-    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source != "pread" else None
-    try:
+    with _random_file(tmp_path, 60 << 20, 6, mapped=source != "pread") as (data, path, fd, mapping):
         with _io.SplitReader(3, adaptive=source == "auto") as reader:
             cuts = np.sort(rng.integers(0, len(data) - 1000, 9))
             offsets = np.concatenate([[17], cuts]).astype(np.int64)
@@ -712,10 +725,6 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
             os.truncate(path, 30 << 20)
             err, at, _ = reader.copy(fd, mapping, offsets, [memoryview(t) for t in targets], 4096)
             assert (err, at) == (-1, 30 << 20)
-    finally:
-        if mapping is not None:
-            mapping.close()
-        os.close(fd)
 
 
 def test_an_adaptive_reader_times_both_sources_and_copies_exact_bytes(tmp_path):
@@ -724,13 +733,7 @@ def test_an_adaptive_reader_times_both_sources_and_copies_exact_bytes(tmp_path):
     # the bytes are the file's
     from engine import _io
 
-    rng = np.random.default_rng(8)
-    data = rng.integers(0, 256, 72 << 20, dtype=np.uint8)
-    path = tmp_path / "big.bin"
-    data.tofile(path)
-    fd = os.open(path, os.O_RDONLY)
-    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    try:
+    with _random_file(tmp_path, 72 << 20, 8) as (data, _, fd, mapping):
         with _io.SplitReader(2, adaptive=True) as reader:
             assert reader.costs == [(0.0, 0.0), (0.0, 0.0)]
             # pieces under 1 MiB are not timed
@@ -745,9 +748,6 @@ def test_an_adaptive_reader_times_both_sources_and_copies_exact_bytes(tmp_path):
             assert len(costs) == 2 and all(p > 0 and m > 0 for p, m in costs), costs
         with _io.SplitReader(2) as fixed:
             assert fixed.costs == []
-    finally:
-        mapping.close()
-        os.close(fd)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -756,12 +756,7 @@ def test_mapped_copies_are_exact_at_every_alignment_and_length(tmp_path, stream)
     # 64-byte blocks, then a tail, and small copies whole: every seam, in every position
     from engine import _io
 
-    data = np.random.default_rng(10).integers(0, 256, 1 << 20, dtype=np.uint8)
-    path = tmp_path / "f.bin"
-    data.tofile(path)
-    fd = os.open(path, os.O_RDONLY)
-    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    try:
+    with _random_file(tmp_path, 1 << 20, 10) as (data, _, fd, mapping):
         with _io.SplitReader(1, stream=stream) as reader:
             for length in (1, 15, 1023, 1024, 1025, 1024 + 63, 4096, 65_536 + 17, 300_001):
                 for shift in range(17):
@@ -771,9 +766,6 @@ def test_mapped_copies_are_exact_at_every_alignment_and_length(tmp_path, stream)
                     assert reader.copy(fd, mapping, np.array([src], np.int64), [memoryview(out)], 1) == (0, 0, 0)
                     assert (out == data[src : src + length]).all(), (length, shift)
                     assert not buf[:shift].any() and not buf[shift + length :].any(), (length, shift)
-    finally:
-        mapping.close()
-        os.close(fd)
 
 
 def _rss_file_kib() -> int:
@@ -787,23 +779,15 @@ def test_mapped_copies_leave_no_file_pages_mapped(tmp_path):
     # file's size in resident memory until its end (the page cache keeps the pages)
     from engine import _io
 
-    data = np.random.default_rng(9).integers(0, 256, 64 << 20, dtype=np.uint8)
-    path = tmp_path / "big.bin"
-    data.tofile(path)
-    fd = os.open(path, os.O_RDONLY)
-    out = np.zeros(len(data) - 100, np.uint8)
-    out[::4096] = 1  # pre-faulted: anonymous memory, not counted in RssFile
-    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    try:
+    with _random_file(tmp_path, 64 << 20, 9) as (data, _, fd, mapping):
+        out = np.zeros(len(data) - 100, np.uint8)
+        out[::4096] = 1  # pre-faulted: anonymous memory, not counted in RssFile
         with _io.SplitReader(2) as reader:
             before = _rss_file_kib()
             assert reader.copy(fd, mapping, np.array([100], np.int64), [memoryview(out)], 4096) == (0, 0, 0)
             grown = _rss_file_kib() - before
         assert (out == data[100:]).all()
         assert grown < 4 << 10, f"{grown} KiB of the file still mapped"  # 64 MiB copied
-    finally:
-        mapping.close()
-        os.close(fd)
 
 
 def test_a_host_load_starts_no_more_threads_than_it_has_pieces(layout, monkeypatch):
