@@ -17,18 +17,23 @@ class _KeyedDevice(EmulatedDevice):
     staging_key = ("emulated",)
 
 
-def test_kept_staging_is_reused_by_the_next_load_and_freed_on_release(tmp_path):
-
+def _two_tensor_load(tmp_path):
+    """A 3 MiB file of two tensors (1 and 2 MiB), its open descriptor and read plan, and a
+    keyed device whose staging allocations are noted (their sizes, in ``allocs``)."""
     data = os.urandom(3 << 20)
     path = tmp_path / "blob"
     path.write_bytes(data)
     begins, ends = np.array([0, 1 << 20]), np.array([1 << 20, 3 << 20])
     requests = plan_reads(begins, ends, [0, 1], 0, 1 << 20, 64)
     dev = _KeyedDevice()
-    allocs = []
+    allocs: list[int] = []
     real_alloc = dev.alloc_staging
     dev.alloc_staging = lambda n: allocs.append(n) or real_alloc(n)
-    fd = os.open(path, os.O_RDONLY)
+    return data, os.open(path, os.O_RDONLY), requests, dev, allocs
+
+
+def test_kept_staging_is_reused_by_the_next_load_and_freed_on_release(tmp_path):
+    data, fd, requests, dev, allocs = _two_tensor_load(tmp_path)
     try:
         device_staging.keep_staging(True)
         for _ in range(3):
@@ -54,16 +59,7 @@ def test_a_smaller_load_takes_the_larger_kept_slots(tmp_path):
     """Slot sizes follow each load's size: a later, smaller load uses the kept larger slots
     instead of page-locking new ones; a larger one allocates its own, and at most MAX_KEPT
     stay kept."""
-    data = os.urandom(3 << 20)
-    path = tmp_path / "blob"
-    path.write_bytes(data)
-    begins, ends = np.array([0, 1 << 20]), np.array([1 << 20, 3 << 20])
-    requests = plan_reads(begins, ends, [0, 1], 0, 1 << 20, 64)
-    dev = _KeyedDevice()
-    allocs: list[int] = []
-    real_alloc = dev.alloc_staging
-    dev.alloc_staging = lambda n: allocs.append(n) or real_alloc(n)
-    fd = os.open(path, os.O_RDONLY)
+    data, fd, requests, dev, allocs = _two_tensor_load(tmp_path)
     try:
         device_staging.keep_staging(True)
         counts = []
