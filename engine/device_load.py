@@ -117,9 +117,9 @@ def default_slot_bytes(threads: int | None = None) -> int:
     host memory once (page cache read) instead of three times; they are also page-locked in
     no time at a load's start, and bound what a load holds locked (two slots and two
     registered units).  On this project's 2-core test host, 8 MiB slots took the host side
-    of the copy path from about 0.4x to about 0.6-0.9x of the machine's copy limit, where
-    the 128 MiB slots of before spent most of each load page-locking and writing back
-    memory (``scripts/bench_host.py``).  4 MiB per thread keeps each share's own cost
+    of the copy path from 0.40x to 0.56-1.06x of the machine's copy limit, where the
+    128 MiB slots of before spent most of each load page-locking and writing back memory
+    (``scripts/bench_host.py``; BENCHMARKS.md).  4 MiB per thread keeps each share's own cost
     (waking a thread, a system call or a populate) small next to its copy.
     """
     n = threads or default_copy_threads()
