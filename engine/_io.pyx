@@ -108,14 +108,14 @@ cdef int _MAX_SPLIT_THREADS = 256
 # then (the two states can meet in one load: shards cached by different readers).
 cdef struct _Choice:
     double cost[2]           # seconds per byte of a recent piece: [pread, mapping]; 0 unknown
-    int64_t turns            # pieces copied since the state was made
+    int64_t turns            # timed pieces picked once both sources had a figure
 
 
 # a piece is timed only from this size on (smaller ones measure their overheads)
 cdef int64_t _TIMED_BYTES = 1 << 20
-# every this many timed pieces, a thread copies one with the source it did not choose (each
-# such piece costs what the slower source loses, up to about 1.8x on this project's hosts:
-# rare enough to cost about 1%, often enough to follow a change within half a GiB per thread)
+# every this many timed pieces, a thread copies one with the source it did not choose: each
+# such piece costs what the slower source loses, so rarely; often enough to follow a change
+# within half a GiB per thread (64 pieces of 8 MiB)
 cdef int64_t _RETRY_EVERY = 64
 
 
@@ -312,16 +312,21 @@ cdef inline double _seconds() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
-cdef int _pick(_Choice* c) noexcept nogil:
-    """0 (``pread``) or 1 (the mapping) for the next timed piece."""
+cdef int _pick(_Choice* c, bint timed) noexcept nogil:
+    """0 (``pread``) or 1 (the mapping) for the next piece: each source in turn until both
+    are timed, then the faster, the other every ``_RETRY_EVERY``-th timed piece; a piece too
+    short to time takes the source that is ahead so far."""
     cdef int best
     if c.cost[0] == 0:
         return 0
     if c.cost[1] == 0:
-        return 1
+        return 1 if timed else 0
     best = 0 if c.cost[0] <= c.cost[1] else 1
-    c.turns += 1
-    return 1 - best if c.turns % _RETRY_EVERY == 0 else best
+    if timed:
+        c.turns += 1
+        if c.turns % _RETRY_EVERY == 0:
+            return 1 - best
+    return best
 
 
 cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noexcept nogil:
@@ -332,10 +337,7 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
         return _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
     if p.choice == NULL:
         return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream)
-    if nbytes < _TIMED_BYTES:  # too short to time: the source that is ahead so far
-        source = 1 if p.choice.cost[1] != 0 and p.choice.cost[1] < p.choice.cost[0] else 0
-    else:
-        source = _pick(p.choice)
+    source = _pick(p.choice, nbytes >= _TIMED_BYTES)
     t0 = _seconds()
     if source:
         err = _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream)
