@@ -157,15 +157,15 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
                 for k, v in safetensors.torch.load_file(path).items():
                     dst[k].copy_(v)
 
-        huge = None
+        huge_before = None
         if cold:
             common.evict_cache(path)
-            huge = host.file_huge_kib()
+            huge_before = host.file_huge_kib()
         t0 = time.perf_counter()
         load()
         first = time.perf_counter() - t0
-        if huge is not None:  # how the cold read left the file in the page cache
-            out["huge_gained_kib"] = host.file_huge_kib() - huge
+        if huge_before is not None:  # how the cold read left the file in the page cache
+            out["huge_gained_kib"] = host.file_huge_kib() - huge_before
         times = []
         if not cold:
             for _ in range(reps):
@@ -251,11 +251,11 @@ def main() -> int:
     if a.rows:
         plan = [p for p in plan if p[0] == "limit" or a.rows in p[0]]
     results: dict[str, list[dict]] = {label: [] for label, *_ in plan}
-    huge = []
+    read_in = []  # how each file's first read left it in the page cache
     for _, f, st in files:
         gained = host.cache_state(f, st)
         if gained is not None:
-            huge.append(f"{os.path.basename(f)} ({st}): {gained / 2**20:.2f} of {os.path.getsize(f) / 2**30:.2f} GiB")
+            read_in.append(f"{os.path.basename(f)} ({st}): {gained / 2**20:.2f} of {os.path.getsize(f) / 2**30:.2f} GiB")
     began = time.time()
     for i in range(a.runs):
         for label, kind, source, cold, f, st in plan:
@@ -298,8 +298,8 @@ def main() -> int:
     threads = results["limit"][0]["threads"]
     print(f"\n{nbytes / 1e9:.2f} GB of tensor data, {threads} threads, {a.runs} fresh-process samples per row "
           f"(median), source {a.source}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    if huge:
-        print("page cache in large folios (FileHugePages) gained when each file was read in: " + "; ".join(huge))
+    if read_in:
+        print("page cache in large folios (FileHugePages) gained when each file was read in: " + "; ".join(read_in))
     print("| row | median ms | GB/s | x limit | x reference |\n|---|---|---|---|---|")
     table = []
     for label, sec, ref in rows:
