@@ -100,23 +100,44 @@ cdef int64_t _MAX_PREAD = 1 << 30
 cdef int _MAX_SPLIT_THREADS = 256
 
 
-# Which source copies faster depends on the page cache, not only on the host: a file the kernel
-# read ahead in large folios (2 MiB) is mapped in a few calls per megabyte, and a mapping then
-# copies at memory speed, well ahead of ``pread``; a file cached in 4 KiB pages costs a page
-# table entry per page to map and unmap, and ``pread`` wins.  Each thread of a reader times
-# the pieces it copies with each source and takes the faster, trying the other again now and
-# then (the two states can meet in one load: shards cached by different readers).
+# Which source copies faster depends on the page cache, not only on the host.  A mapped copy
+# costs what ``pread`` does not: mapping the pages (``MADV_POPULATE_READ``) and unmapping them;
+# its copy is the cheaper part (no system call, and for host destinations stores past the
+# caches).  What mapping costs shows how the page cache holds the bytes: a 2 MiB folio maps
+# with one entry (a microsecond or two per 2 MiB), while 4 KiB pages, and folios smaller than
+# 2 MiB, take an entry per page (about a fifth of a microsecond each, as long as copying the
+# page).  So each thread of an adaptive reader times the two steps of its mapped pieces apart,
+# maps while mapping costs under ``_MAP_SHARE`` of copying, and ``pread``s past that, mapping
+# the first ``_PROBE_BYTES`` of every ``_RETRY_EVERY``-th piece to see whether the state
+# changed.  The two states meet in one load (a file read in by large reads in one region and
+# faulted in page by page in another; shards cached by different readers), and in a file
+# read in by large reads, the regions where the kernel found no free 2 MiB block for a folio
+# come in runs of a few MiB to a few hundred: the figure that decides is the latest one.
+#
+# ``pread`` is not timed against the mapping: its copy stores through the caches, and writing
+# those lines back is paid later, by whichever piece comes next, of either source.  A timer
+# per piece credits ``pread`` with less than it costs, and a race of the two timers drifts to
+# ``pread`` where the mapping is faster.
 cdef struct _Choice:
-    double cost[2]           # seconds per byte of a recent piece: [pread, mapping]; 0 unknown
-    int64_t turns            # timed pieces picked once both sources had a figure
+    double populate          # seconds per byte mapping the pages of the last timed mapped piece took
+    double copy              # seconds per byte copying out of the mapping (recent pieces)
+    int known                # populate and copy hold a figure
+    int64_t turns            # timed pieces given to pread since the mapping was last timed
+    int64_t nbytes[2]        # bytes copied with each source: [pread, mapping]
 
 
 # a piece is timed only from this size on (smaller ones measure their overheads)
 cdef int64_t _TIMED_BYTES = 1 << 20
-# every this many timed pieces, a thread copies one with the source it did not choose: each
-# such piece costs what the slower source loses, so rarely; often enough to follow a change
-# within half a GiB per thread (64 pieces of 8 MiB)
-cdef int64_t _RETRY_EVERY = 64
+# map while mapping a piece's pages costs less than this share of copying them
+cdef double _MAP_SHARE = 0.25
+# a try of the mapping maps this much of a piece: a 2 MiB folio maps whole on its first page,
+# so the figure tells one apart from smaller folios (a page entry each) at this size already
+cdef int64_t _PROBE_BYTES = 512 << 10
+# while pread is chosen, every this many timed pieces a thread tries the mapping: a try where
+# pread is faster (a file in 4 KiB pages, where mapping doubles the cost) loses about what
+# copying _PROBE_BYTES costs, 3% of two 8 MiB pieces; a thread in a run of small folios is
+# back on the mapping within a piece of the run's end
+cdef int64_t _RETRY_EVERY = 2
 
 
 cdef struct _Part:
@@ -138,6 +159,8 @@ cdef struct _Part:
     _Choice* choice          # with a mapping: where this share's pieces learn which source is
                              # faster (NULL: always the mapping)
     int stream               # copies out of the mapping bypass the caches (engine_stream_copy)
+    int64_t shift            # pieces start this many bytes before the cursor's multiples of
+                             # piece (see _plan_parts)
 
 
 # -- copies out of a file mapping ------------------------------------------------------------
@@ -261,28 +284,40 @@ cdef extern from *:
     int64_t _take "engine_take"(int64_t* cursor, int64_t n) noexcept nogil
     int _guarded_copy "engine_guarded_copy"(void* dst, const void* src, size_t n, int stream) noexcept nogil
 
+cdef inline double _seconds() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
 # one populate-and-copy step of a mapped share: small enough that the pages it maps are
 # still in the TLB when they are copied, large enough that the calls cost nothing
 cdef int64_t _MAP_STEP = 16 << 20
 
 
 cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out, int64_t nbytes,
-                      int64_t offset, int64_t* at, int64_t* missing, int stream) noexcept nogil:
+                      int64_t offset, int64_t* at, int64_t* missing, int stream,
+                      double* spent) noexcept nogil:
     """Copy ``nbytes`` at ``offset`` of the mapping ``src`` of ``fd`` into ``out``, a step at
     a time: populate (``MADV_POPULATE_READ``), then copy under the SIGBUS guard.  Where the
     mapping cannot serve a step (past its end, pages the file no longer backs, a populate
     error) the rest is read with :func:`_pread_full`, whose result is returned: the error
-    then names the exact offset where the file ends, as a plain read would."""
+    then names the exact offset where the file ends, as a plain read would.  With
+    ``spent`` (not NULL), adds the seconds spent mapping to ``spent[0]`` and copying to
+    ``spent[1]``; a copy that fell back to ``pread`` sets ``spent[0]`` to -1."""
     cdef int64_t done = 0, step, pos
-    cdef uintptr_t page = <uintptr_t>sysconf(_SC_PAGESIZE), lo, zlo, zhi
+    cdef uintptr_t page = <uintptr_t>sysconf(_SC_PAGESIZE), lo
     cdef int err
     cdef bint mapped
+    cdef double t0 = 0, t1 = 0
     while done < nbytes:
         pos = offset + done
         step = nbytes - done
         if step > _MAP_STEP:
             step = _MAP_STEP
         mapped = pos + step <= src_len
+        if spent != NULL:
+            t0 = _seconds()
         if mapped:
             lo = (<uintptr_t>(src + pos)) & ~(page - 1)
             while madvise(<void*>lo, <uintptr_t>(src + pos + step) - lo, _MADV_POPULATE_READ) != 0:
@@ -292,75 +327,116 @@ cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out,
                 # EINVAL: a kernel without MADV_POPULATE_READ; the guarded copy faults them in
                 mapped = err == EINVAL
                 break
+        if spent != NULL:
+            t1 = _seconds()
         if not mapped or _guarded_copy(out + done, src + pos, <size_t>step, stream) != 0:
+            if spent != NULL:
+                spent[0] = -1
             return _pread_full(fd, out + done, nbytes - done, pos, at, missing)
-        # Unmap the step's whole pages again (the page cache keeps them): a load's mapped
-        # pages would otherwise count in the process's resident memory until the unmap,
-        # the file's whole size by the end, and the teardown would all fall on the one
-        # thread that unmaps.  A page shared with a neighbouring step stays mapped.
-        zlo = (<uintptr_t>(src + pos) + page - 1) & ~(page - 1)
-        zhi = (<uintptr_t>(src + pos + step)) & ~(page - 1)
-        if zhi > zlo:
-            madvise(<void*>zlo, zhi - zlo, _MADV_DONTNEED)
+        if spent != NULL and spent[0] >= 0:
+            spent[0] += t1 - t0
+            spent[1] += _seconds() - t1
         done += step
     return 0
 
 
-cdef inline double _seconds() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
+cdef void _unmap_run(const uint8_t* src, int64_t src_len, int64_t lo, int64_t hi) noexcept nogil:
+    """Unmap the whole pages of ``[lo, hi)`` of the mapping ``src`` again (the page cache
+    keeps them; ``MADV_DONTNEED``).  A load's mapped pages would otherwise count in the
+    process's resident memory until the unmap, the file's whole size by the end, and the
+    teardown would all fall on the one thread that unmaps.
+
+    Called once per run of file-contiguous bytes a piece copied, not per tensor: a range
+    that ends inside a 2 MiB folio mapped whole (one page-middle-directory entry) makes the
+    kernel split that entry into 512 page entries first, and the next piece then maps and
+    unmaps its half page by page.  Pieces are cut where the file offset is a multiple of
+    2 MiB (see ``_plan_parts``), so runs begin and end on those lines."""
+    cdef uintptr_t page = <uintptr_t>sysconf(_SC_PAGESIZE), zlo, zhi
+    if src == NULL or lo >= hi:
+        return
+    if hi > src_len:
+        hi = src_len
+    zlo = (<uintptr_t>(src + lo) + page - 1) & ~(page - 1)
+    zhi = (<uintptr_t>(src + hi)) & ~(page - 1)
+    if zhi > zlo:
+        madvise(<void*>zlo, zhi - zlo, _MADV_DONTNEED)
+
+
+cdef bint _maps(_Choice* c) noexcept nogil:
+    """Whether the mapping is the source this thread keeps to (see ``_Choice``)."""
+    return c.known and c.populate <= _MAP_SHARE * c.copy
 
 
 cdef int _pick(_Choice* c, bint timed) noexcept nogil:
-    """0 (``pread``) or 1 (the mapping) for the next piece: each source in turn until both
-    are timed, then the faster, the other every ``_RETRY_EVERY``-th timed piece; a piece too
-    short to time takes the source that is ahead so far."""
-    cdef int best
-    if c.cost[0] == 0:
-        return 0
-    if c.cost[1] == 0:
-        return 1 if timed else 0
-    best = 0 if c.cost[0] <= c.cost[1] else 1
+    """0 (``pread``) or 1 (the mapping) for the next piece: the mapping while mapping costs
+    under ``_MAP_SHARE`` of copying, and to try it (before its first figure, and for every
+    ``_RETRY_EVERY``-th timed piece after); else ``pread``."""
+    if _maps(c) or (timed and not c.known):
+        return 1
     if timed:
         c.turns += 1
         if c.turns % _RETRY_EVERY == 0:
-            return 1 - best
-    return best
+            return 1
+    return 0
 
 
 cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noexcept nogil:
-    """One piece of a share, from the source the share uses (or learns, see ``_Choice``)."""
+    """One piece of a share, from the source the share uses (or learns, see ``_Choice``).
+
+    A try of the mapping maps ``_PROBE_BYTES`` of the piece, enough to time, and the rest
+    goes on from the source then chosen."""
+    cdef _Choice* c = p.choice
     cdef int source, err
-    cdef double t0, cost
+    cdef int64_t n
+    cdef bint timed
+    cdef double spent[2]
     if p.src == NULL:
         return _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
-    if p.choice == NULL:
-        return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream)
-    source = _pick(p.choice, nbytes >= _TIMED_BYTES)
-    t0 = _seconds()
-    if source:
-        err = _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream)
-    else:
-        err = _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
-    if err == 0 and nbytes >= _TIMED_BYTES:
-        cost = (_seconds() - t0) / nbytes
-        # half the last figure, half the new: a change of state shows within a few pieces
-        p.choice.cost[source] = cost if p.choice.cost[source] == 0 else (p.choice.cost[source] + cost) / 2
-    return err
+    if c == NULL:
+        return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream, NULL)
+    while nbytes > 0:
+        source = _pick(c, nbytes >= _TIMED_BYTES)
+        n = nbytes
+        timed = n >= _TIMED_BYTES
+        if source and not _maps(c) and nbytes >= _TIMED_BYTES:
+            n = _PROBE_BYTES  # a try
+        if source:
+            spent[0] = spent[1] = 0
+            err = _copy_mapped(p.fd, p.src, p.src_len, out, n, offset, &p.at, &p.missing, p.stream,
+                               spent if timed else NULL)
+            if err == 0 and timed and spent[0] >= 0:
+                c.populate = spent[0] / n  # the state of the pages just mapped: the latest figure
+                # the copy's speed changes slowly: half the last figure, half the new
+                c.copy = spent[1] / n if not c.known else (c.copy + spent[1] / n) / 2
+                c.known = 1
+                c.turns = 0
+        else:
+            err = _pread_full(p.fd, out, n, offset, &p.at, &p.missing)
+        if err:
+            return err
+        c.nbytes[source] += n
+        out += n
+        offset += n
+        nbytes -= n
+    return 0
 
 
 cdef void* _read_part(void* arg) noexcept nogil:
     cdef _Part* p = <_Part*>arg
     cdef Py_ssize_t i = 0
-    cdef int64_t a, b, lo, hi
+    cdef int64_t a, b, lo, hi, t, at, run_lo, run_hi
     while True:
-        lo = _take(p.cursor, p.piece)
+        # pieces are the cursor's steps moved back by shift (the first one shorter)
+        t = _take(p.cursor, p.piece)
+        lo = t - p.shift
+        if lo < 0:
+            lo = 0
         if lo >= p.total:
             break
-        hi = lo + p.piece
+        hi = t + p.piece - p.shift
         if hi > p.total:
             hi = p.total
+        run_lo = run_hi = -1  # the file-contiguous run copied so far, unmapped as a whole
         # first segment that ends after lo (pieces go forward: the scan goes on from there)
         while i < p.nseg and p.starts[i] + p.sizes[i] <= lo:
             i += 1
@@ -369,13 +445,20 @@ cdef void* _read_part(void* arg) noexcept nogil:
             b = p.starts[i] + p.sizes[i]
             if b > hi:
                 b = hi
-            p.err = _copy_piece(p, p.dst[i] + (a - p.starts[i]), b - a, p.file_off[i] + (a - p.starts[i]))
+            at = p.file_off[i] + (a - p.starts[i])
+            p.err = _copy_piece(p, p.dst[i] + (a - p.starts[i]), b - a, at)
             if p.err:
                 p.errpos = a
+                _unmap_run(p.src, p.src_len, run_lo, run_hi)
                 return NULL
+            if at != run_hi:
+                _unmap_run(p.src, p.src_len, run_lo, run_hi)
+                run_lo = at
+            run_hi = at + (b - a)
             if b < p.starts[i] + p.sizes[i]:
                 break  # the segment goes on past this piece
             i += 1
+        _unmap_run(p.src, p.src_len, run_lo, run_hi)
     return NULL
 
 
@@ -441,17 +524,26 @@ cdef int _segs_in_targets(_Segs* s, const int64_t[::1] file_offsets, list target
 # of the copy.  Large enough that a piece costs a few system calls.
 cdef int64_t _PIECE = 8 << 20
 PIECE_BYTES = _PIECE
+# the largest folio the page cache maps with one entry (a PMD on x86-64 and arm64 with 4 KiB pages)
+cdef int64_t _FOLIO = 2 << 20
 
 
 cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,
                      int64_t align, _Choice* choices, int stream, int64_t* cursor) noexcept nogil:
     """Shares of the concatenated segments: pieces of ``_PIECE`` bytes (less for a small set:
-    an equal share each) taken in order from a shared cursor, each cut a multiple of ``align``."""
+    an equal share each) taken in order from a shared cursor, each cut a multiple of ``align``
+    bytes into the concatenation; or, for pieces of ``_PIECE`` bytes, where the file offset
+    is a multiple of 2 MiB (the first piece shorter), so that mapped pieces unmap whole
+    2 MiB folios (see ``_unmap_run``).  Where the segments follow each other in the file
+    (a whole load) every cut is on such a line."""
     cdef int k
+    cdef int64_t shift = 0
     cdef int64_t piece = (s.total + nparts - 1) // nparts
     if piece > _PIECE:
         piece = _PIECE
     piece = (piece + align - 1) // align * align
+    if piece == _PIECE and s.n:
+        shift = s.file_off[0] % _FOLIO
     for k in range(nparts):
         memset(&parts[k], 0, sizeof(_Part))
         parts[k].fd = fd
@@ -467,6 +559,7 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
         parts[k].cursor = cursor
         parts[k].piece = piece
         parts[k].total = s.total
+        parts[k].shift = shift
     return 0
 
 
@@ -541,9 +634,10 @@ cdef class SplitReader:
     block) stops and joins the workers.
 
     With ``adaptive``, copies given a mapping choose per piece between it and ``pread``:
-    each thread times its pieces (1 MiB and up) with each source, keeps to the faster and
-    tries the other every 64th piece, learning over the reader's life (see
-    ``_Choice``); :attr:`costs` shows what they learned.  With ``stream``, copies out of
+    each thread times what mapping the pages of its pieces (1 MiB and up) costs against
+    copying them, maps while that is under half, else ``pread``s and maps the first 512 KiB
+    of every other piece again, learning over the reader's life (see ``_Choice``); :attr:`costs`
+    shows what they learned and :attr:`sources` what each source copied.  With ``stream``, copies out of
     the mapping store past the caches (for destinations nobody reads soon: a caller's
     tensors, owned blocks; not a staging slot, which the DMA engine reads next and is
     better found in the cache)."""
@@ -589,12 +683,23 @@ cdef class SplitReader:
 
     @property
     def costs(self) -> list:
-        """Per thread, ``(pread, mapping)`` seconds per byte of recent timed pieces (0.0 where
-        that source has not copied a timed piece yet); empty unless ``adaptive``."""
+        """Per thread, ``(mapping, copying)``: seconds per byte that mapping the pages of the
+        last timed mapped piece took, and that copying out of the mapping takes (0.0 before
+        the first timed mapped piece); empty unless ``adaptive``.  The thread maps while the
+        first is under half the second (see :attr:`sources`)."""
         cdef int k
         if self.choices == NULL:
             return []
-        return [(self.choices[k].cost[0], self.choices[k].cost[1]) for k in range(self.nworkers + 1)]
+        return [(self.choices[k].populate, self.choices[k].copy) for k in range(self.nworkers + 1)]
+
+    @property
+    def sources(self) -> list:
+        """Per thread, ``(pread, mapping)``: bytes copied with each source over the reader's
+        life; empty unless ``adaptive``."""
+        cdef int k
+        if self.choices == NULL:
+            return []
+        return [(self.choices[k].nbytes[0], self.choices[k].nbytes[1]) for k in range(self.nworkers + 1)]
 
     cdef tuple _run(self, int fd, const uint8_t* src, int64_t src_len, _Segs* s, int64_t align):
         """Split ``s`` over the pool and the calling thread, GIL released; the first error."""

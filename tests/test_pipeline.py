@@ -727,27 +727,34 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
             assert (err, at) == (-1, 30 << 20)
 
 
-def test_an_adaptive_reader_times_both_sources_and_copies_exact_bytes(tmp_path):
-    # each thread copies its first timed piece with pread and its second from the mapping,
-    # then keeps to the faster, trying the other now and then; whichever it takes,
-    # the bytes are the file's
+def test_an_adaptive_reader_times_the_mapping_and_copies_exact_bytes(tmp_path):
+    # each thread maps part of its first timed piece, timing the mapping of the pages apart
+    # from the copy, then keeps to the mapping or to pread by that figure, trying the
+    # mapping again now and then; whichever it takes, the bytes are the file's
     from engine import _io
 
     with _random_file(tmp_path, 72 << 20, 8) as (data, _, fd, mapping):
         with _io.SplitReader(2, adaptive=True) as reader:
             assert reader.costs == [(0.0, 0.0), (0.0, 0.0)]
-            # pieces under 1 MiB are not timed
+            assert reader.sources == [(0, 0), (0, 0)]
+            # pieces under 1 MiB are not timed, and before a figure they are read
             small = np.zeros(100_000, np.uint8)
             assert reader.copy(fd, mapping, np.array([5], np.int64), [memoryview(small)]) == (0, 0, 0)
             assert (small == data[5:100_005]).all() and reader.costs == [(0.0, 0.0), (0.0, 0.0)]
+            assert sum(p for p, _ in reader.sources) == 100_000 and all(m == 0 for _, m in reader.sources)
+            copied = 100_000
             for rnd in range(3):  # 9 pieces of 8 MiB per call, over two threads, three calls
                 out = np.zeros(len(data) - 3, np.uint8)
                 assert reader.copy(fd, mapping, np.array([3], np.int64), [memoryview(out)], 4096) == (0, 0, 0)
                 assert (out == data[3:]).all(), rnd
+                copied += out.size
             costs = reader.costs
-            assert len(costs) == 2 and all(p > 0 and m > 0 for p, m in costs), costs
+            assert len(costs) == 2 and all(p > 0 and c > 0 for p, c in costs), costs
+            # every byte went through one source or the other, and each thread mapped
+            sources = reader.sources
+            assert sum(p + m for p, m in sources) == copied and all(m > 0 for _, m in sources), sources
         with _io.SplitReader(2) as fixed:
-            assert fixed.costs == []
+            assert fixed.costs == [] and fixed.sources == []
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -774,20 +781,31 @@ def _rss_file_kib() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc/self/status")
-def test_mapped_copies_leave_no_file_pages_mapped(tmp_path):
-    # each step's pages are unmapped again once copied: a mapped load does not hold the
-    # file's size in resident memory until its end (the page cache keeps the pages)
+@pytest.mark.parametrize("gaps", [False, True])
+def test_mapped_copies_leave_no_file_pages_mapped(tmp_path, gaps):
+    # each piece's pages are unmapped again once copied: a mapped load does not hold the
+    # file's size in resident memory until its end (the page cache keeps the pages); the
+    # unmap covers each run of file-contiguous segments (tensors) whole, and runs broken by
+    # gaps (a selective load) one by one
     from engine import _io
 
     with _random_file(tmp_path, 64 << 20, 9) as (data, _, fd, mapping):
-        out = np.zeros(len(data) - 100, np.uint8)
-        out[::4096] = 1  # pre-faulted: anonymous memory, not counted in RssFile
+        cuts = np.linspace(100, len(data) - 100, 200).astype(np.int64)  # 199 segments
+        offsets, sizes = cuts[:-1], np.diff(cuts)
+        if gaps:  # every third segment skipped
+            keep = np.arange(len(offsets)) % 3 != 2
+            offsets, sizes = offsets[keep], sizes[keep]
+        outs = [np.zeros(int(n), np.uint8) for n in sizes]
+        for o in outs:
+            o[::4096] = 1  # pre-faulted: anonymous memory, not counted in RssFile
         with _io.SplitReader(2) as reader:
             before = _rss_file_kib()
-            assert reader.copy(fd, mapping, np.array([100], np.int64), [memoryview(out)], 4096) == (0, 0, 0)
+            assert reader.copy(fd, mapping, offsets, [memoryview(o) for o in outs], 4096) == (0, 0, 0)
             grown = _rss_file_kib() - before
-        assert (out == data[100:]).all()
-        assert grown < 4 << 10, f"{grown} KiB of the file still mapped"  # 64 MiB copied
+        for o, off in zip(outs, offsets, strict=True):
+            assert (o == data[off : off + o.size]).all()
+        # 43-64 MiB copied; what may stay mapped: a page at each end of each run
+        assert grown < 4 << 10, f"{grown} KiB of the file still mapped"
 
 
 def test_a_host_load_starts_no_more_threads_than_it_has_pieces(layout, monkeypatch):
