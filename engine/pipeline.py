@@ -256,10 +256,11 @@ def run_sources(
 # -- host destinations ---------------------------------------------------------------------------
 
 
-#: bytes of requests per native split copy of a host load: large enough that the one Python
-#: call per batch costs nothing, small enough that tensors are reported complete (and a
-#: cancel is seen) while the load goes on
-HOST_BATCH_BYTES = 256 << 20
+#: bytes of requests per native split copy of a host load: large enough that what a batch
+#: costs beyond its bytes (the Python call, and the threads that wait at its end for the
+#: last piece) is paid once per GiB, small enough that tensors are reported complete (and a
+#: cancel is seen) while the load goes on, every few tens of milliseconds
+HOST_BATCH_BYTES = 1 << 30
 
 
 def _batches(requests: Sequence[Request], limit: int):
