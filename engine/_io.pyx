@@ -108,8 +108,9 @@ cdef int _MAX_SPLIT_THREADS = 256
 # 2 MiB, take an entry per page (about a fifth of a microsecond each, as long as copying the
 # page).  So each thread of an adaptive reader times the two steps of its mapped pieces apart,
 # maps while mapping costs under ``_MAP_SHARE`` of copying, and ``pread``s past that, mapping
-# the first ``_PROBE_BYTES`` of every ``_RETRY_EVERY``-th piece to see whether the state
-# changed.  The two states meet in one load (a file read in by large reads in one region and
+# the first ``_PROBE_BYTES`` of a piece now and then to see whether the state changed: after
+# ``_RETRY_FIRST`` pieces, then twice as many after each try that found mapping still dear, up
+# to ``_RETRY_LAST``.  The two states meet in one load (a file read in by large reads in one region and
 # faulted in page by page in another; shards cached by different readers), and in a file
 # read in by large reads, the regions where the kernel found no free 2 MiB block for a folio
 # come in runs of a few MiB to a few hundred: the figure that decides is the latest one.
@@ -123,6 +124,7 @@ cdef struct _Choice:
     double copy              # seconds per byte copying out of the mapping (recent pieces)
     int known                # populate and copy hold a figure
     int64_t turns            # timed pieces given to pread since the mapping was last timed
+    int64_t every            # pieces between tries of the mapping while pread is chosen
     int64_t nbytes[2]        # bytes copied with each source: [pread, mapping]
 
 
@@ -130,14 +132,19 @@ cdef struct _Choice:
 cdef int64_t _TIMED_BYTES = 1 << 20
 # map while mapping a piece's pages costs less than this share of copying them
 cdef double _MAP_SHARE = 0.25
-# a try of the mapping maps this much of a piece: a 2 MiB folio maps whole on its first page,
-# so the figure tells one apart from smaller folios (a page entry each) at this size already
-cdef int64_t _PROBE_BYTES = 512 << 10
-# while pread is chosen, every this many timed pieces a thread tries the mapping: a try where
-# pread is faster (a file in 4 KiB pages, where mapping doubles the cost) loses about what
-# copying _PROBE_BYTES costs, 3% of two 8 MiB pieces; a thread in a run of small folios is
-# back on the mapping within a piece of the run's end
-cdef int64_t _RETRY_EVERY = 2
+# a try of the mapping maps this much of a piece.  A 2 MiB folio maps whole on its first page,
+# in a microsecond or two whatever the size asked; smaller folios take an entry per page.  At
+# 1 MiB the two figures differ 20-fold and sit on either side of _MAP_SHARE of a copy's cost
+# with room for a try that is interrupted or descheduled (at 256 KiB, one such try read as dear)
+cdef int64_t _PROBE_BYTES = 1 << 20
+# while pread is chosen, a thread tries the mapping after this many timed pieces, then after
+# twice as many each time the try finds mapping still dear, up to _RETRY_LAST.  A try where
+# pread is faster (a file in 4 KiB pages) costs about three times what pread would on its
+# MiB: a try every other piece cost such a load a tenth of its time; one in 32, about 1%.
+# A thread in a run of small folios (a few MiB to a few hundred in a file read by large reads)
+# is back on the mapping within a few pieces of the run's end.
+cdef int64_t _RETRY_FIRST = 2
+cdef int64_t _RETRY_LAST = 32
 
 
 cdef struct _Part:
@@ -369,13 +376,13 @@ cdef bint _maps(_Choice* c) noexcept nogil:
 
 cdef int _pick(_Choice* c, bint timed) noexcept nogil:
     """0 (``pread``) or 1 (the mapping) for the next piece: the mapping while mapping costs
-    under ``_MAP_SHARE`` of copying, and to try it (before its first figure, and for every
-    ``_RETRY_EVERY``-th timed piece after); else ``pread``."""
+    under ``_MAP_SHARE`` of copying, and to try it (before its first figure, and after
+    ``c.every`` timed pieces of ``pread``); else ``pread``."""
     if _maps(c) or (timed and not c.known):
         return 1
     if timed:
         c.turns += 1
-        if c.turns % _RETRY_EVERY == 0:
+        if c.turns >= c.every:
             return 1
     return 0
 
@@ -410,6 +417,8 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
                 c.copy = spent[1] / n if not c.known else (c.copy + spent[1] / n) / 2
                 c.known = 1
                 c.turns = 0
+                # the next try comes soon after a change to the mapping, later each time not
+                c.every = _RETRY_FIRST if _maps(c) or c.every == 0 else min(2 * c.every, _RETRY_LAST)
         else:
             err = _pread_full(p.fd, out, n, offset, &p.at, &p.missing)
         if err:
@@ -635,8 +644,8 @@ cdef class SplitReader:
 
     With ``adaptive``, copies given a mapping choose per piece between it and ``pread``:
     each thread times what mapping the pages of its pieces (1 MiB and up) costs against
-    copying them, maps while that is under half, else ``pread``s and maps the first 512 KiB
-    of every other piece again, learning over the reader's life (see ``_Choice``); :attr:`costs`
+    copying them, maps while that is under a quarter, else ``pread``s and maps the first MiB
+    of a piece again now and then (after 2 pieces, then 4, up to 32), learning over the reader's life (see ``_Choice``); :attr:`costs`
     shows what they learned and :attr:`sources` what each source copied.  With ``stream``, copies out of
     the mapping store past the caches (for destinations nobody reads soon: a caller's
     tensors, owned blocks; not a staging slot, which the DMA engine reads next and is
@@ -686,7 +695,7 @@ cdef class SplitReader:
         """Per thread, ``(mapping, copying)``: seconds per byte that mapping the pages of the
         last timed mapped piece took, and that copying out of the mapping takes (0.0 before
         the first timed mapped piece); empty unless ``adaptive``.  The thread maps while the
-        first is under half the second (see :attr:`sources`)."""
+        first is under a quarter of the second (see :attr:`sources`)."""
         cdef int k
         if self.choices == NULL:
             return []

@@ -44,8 +44,10 @@ def copy_source() -> str:
     its page tables and tearing them down: little for a file the kernel cached in large folios (read ahead
     by large sequential reads, or written in large writes), one entry per 4 KiB page for a file
     cached page by page (read through small page faults).  Which one wins depends on how the
-    page cache holds the file, so ``"auto"`` measures as it goes: every thread times its
-    pieces with each source and keeps to the faster (``engine._io.SplitReader``).
+    page cache holds the file, so ``"auto"`` measures as it goes: every thread times what
+    mapping its pieces' pages costs against copying them, maps while that is under a quarter,
+    and ``pread``s past it, trying the mapping on part of a piece now and then
+    (``engine._io.SplitReader``).
     ``ENGINE_COPY_SOURCE`` pins one (``scripts/bench_host.py --source all`` measures all three).
     A file truncated underneath is a ReadError either way (the populate reports pages the file
     no longer backs; a copy that faults anyway is caught; the rest is read with ``pread``,

@@ -46,7 +46,8 @@ much of the cache each read put in large folios (``FileHugePages``).
 Every sample is a fresh process (rows interleaved, ``--runs`` samples each), the engine's
 bytecode is compiled first, the files are read in their states before the first sample.
 The engine's copy source (``ENGINE_COPY_SOURCE``) is its default, ``auto`` (each copy
-thread measures ``pread`` and the mapping as it goes and keeps to the faster), unless
+thread times what mapping its pieces' pages costs against copying them and maps while that
+is under a quarter, else ``pread``s), unless
 ``--source`` says otherwise; ``--source all`` adds the rows with each source pinned.
 
     python scripts/bench_host.py                       # 2 GiB, 7 samples per row, both cache states

@@ -727,6 +727,31 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
             assert (err, at) == (-1, 30 << 20)
 
 
+@pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
+@pytest.mark.parametrize("start", [0, 8, (2 << 20) - 8, (2 << 20) + 4096])
+@pytest.mark.parametrize("threads", [2, 5])
+def test_split_copy_cuts_pieces_on_two_mib_file_lines(tmp_path, source, start, threads):
+    # full pieces are cut where the file offset is a multiple of 2 MiB: the first piece is
+    # shorter by the first segment's offset into its 2 MiB line and one more piece comes at
+    # the end; every byte lands once, the set starting on a line, just past one or just
+    # before, a single segment or many with gaps, a total just over a piece per thread
+    from engine import _io
+
+    rng = np.random.default_rng(start + threads)
+    with _random_file(tmp_path, 60 << 20, 12, mapped=source != "pread") as (data, _, fd, mapping):
+        with _io.SplitReader(threads, adaptive=source == "auto", stream=True) as reader:
+            for total in ((8 << 20) * threads + 3, len(data) - start - 1):
+                out = np.zeros(total, np.uint8)
+                assert reader.copy(fd, mapping, np.array([start], np.int64), [memoryview(out)]) == (0, 0, 0)
+                assert (out == data[start : start + total]).all(), total
+            cuts = np.sort(rng.choice(np.arange(start, len(data) - 1, 4099), 40, replace=False))
+            offsets, ends = cuts[:-1:2], cuts[1::2]  # every other span: gaps between them
+            outs = [np.zeros(int(e - o), np.uint8) for o, e in zip(offsets, ends, strict=True)]
+            assert reader.copy(fd, mapping, offsets.astype(np.int64), [memoryview(o) for o in outs]) == (0, 0, 0)
+            for o, off in zip(outs, offsets, strict=True):
+                assert (o == data[off : off + o.size]).all()
+
+
 def test_an_adaptive_reader_times_the_mapping_and_copies_exact_bytes(tmp_path):
     # each thread maps part of its first timed piece, timing the mapping of the pages apart
     # from the copy, then keeps to the mapping or to pread by that figure, trying the
