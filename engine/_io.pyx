@@ -540,19 +540,22 @@ cdef int64_t _FOLIO = 2 << 20
 cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,
                      int64_t align, _Choice* choices, int stream, int64_t* cursor) noexcept nogil:
     """Shares of the concatenated segments: pieces of ``_PIECE`` bytes (less for a small set:
-    an equal share each) taken in order from a shared cursor, each cut a multiple of ``align``
-    bytes into the concatenation; or, for pieces of ``_PIECE`` bytes, where the file offset
-    is a multiple of 2 MiB (the first piece shorter), so that mapped pieces unmap whole
-    2 MiB folios (see ``_unmap_run``).  Where the segments follow each other in the file
-    (a whole load) every cut is on such a line."""
+    an equal share each) taken in order from a shared cursor.  Pieces of 2 MiB and more (a
+    host load's, a staging slot's) are a multiple of 2 MiB, cut where the file offset is a
+    multiple of 2 MiB (the first piece shorter), so that mapped pieces unmap whole 2 MiB
+    folios (see ``_unmap_run``); where the segments follow each other in the file (a whole
+    load, a slot) every cut is on such a line.  Smaller ones are cut a multiple of ``align``
+    bytes into the concatenation."""
     cdef int k
     cdef int64_t shift = 0
     cdef int64_t piece = (s.total + nparts - 1) // nparts
     if piece > _PIECE:
         piece = _PIECE
-    piece = (piece + align - 1) // align * align
-    if piece == _PIECE and s.n:
+    if piece >= _FOLIO and s.n:
+        piece = (piece + _FOLIO - 1) // _FOLIO * _FOLIO  # at most _PIECE, a multiple of _FOLIO
         shift = s.file_off[0] % _FOLIO
+    else:
+        piece = (piece + align - 1) // align * align
     for k in range(nparts):
         memset(&parts[k], 0, sizeof(_Part))
         parts[k].fd = fd
