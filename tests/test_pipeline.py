@@ -731,16 +731,17 @@ def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
 @pytest.mark.parametrize("start", [0, 8, (2 << 20) - 8, (2 << 20) + 4096])
 @pytest.mark.parametrize("threads", [2, 5])
 def test_split_copy_cuts_pieces_on_two_mib_file_lines(tmp_path, source, start, threads):
-    # full pieces are cut where the file offset is a multiple of 2 MiB: the first piece is
-    # shorter by the first segment's offset into its 2 MiB line and one more piece comes at
-    # the end; every byte lands once, the set starting on a line, just past one or just
-    # before, a single segment or many with gaps, a total just over a piece per thread
+    # pieces of 2 MiB and more are cut where the file offset is a multiple of 2 MiB: the first
+    # piece is shorter by the first segment's offset into its 2 MiB line and one more piece
+    # comes at the end; every byte lands once, the set starting on a line, just past one or
+    # just before, a single segment or many with gaps, a total of a slot's size (pieces
+    # rounded up to 4 MiB) or just over a full piece per thread
     from engine import _io
 
     rng = np.random.default_rng(start + threads)
     with _random_file(tmp_path, 60 << 20, 12, mapped=source != "pread") as (data, _, fd, mapping):
         with _io.SplitReader(threads, adaptive=source == "auto", stream=True) as reader:
-            for total in ((8 << 20) * threads + 3, len(data) - start - 1):
+            for total in ((5 << 20) + 7, (8 << 20) * threads + 3, len(data) - start - 1):
                 out = np.zeros(total, np.uint8)
                 assert reader.copy(fd, mapping, np.array([start], np.int64), [memoryview(out)]) == (0, 0, 0)
                 assert (out == data[start : start + total]).all(), total
