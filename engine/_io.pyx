@@ -133,16 +133,18 @@ cdef int64_t _TIMED_BYTES = 1 << 20
 # map while mapping a piece's pages costs less than this share of copying them
 cdef double _MAP_SHARE = 0.25
 # a try of the mapping maps this much of a piece.  A 2 MiB folio maps whole on its first page,
-# in a microsecond or two whatever the size asked; smaller folios take an entry per page.  At
-# 1 MiB the two figures differ 20-fold and sit on either side of _MAP_SHARE of a copy's cost
-# with room for a try that is interrupted or descheduled (at 256 KiB, one such try read as dear)
+# in a microsecond or two whatever the size asked; smaller folios take an entry per page, a
+# hundred microseconds or more per 2 MiB (``scripts/page_cache_state.py`` prints both).  At
+# 1 MiB the two figures sit far on either side of _MAP_SHARE of a copy's cost, with room for a
+# try that is interrupted or descheduled; at 256 KiB such a try could read as dear and leave a
+# thread on pread in a file of 2 MiB folios
 cdef int64_t _PROBE_BYTES = 1 << 20
 # while pread is chosen, a thread tries the mapping after this many timed pieces, then after
 # twice as many each time the try finds mapping still dear, up to _RETRY_LAST.  A try where
-# pread is faster (a file in 4 KiB pages) costs about three times what pread would on its
-# MiB: a try every other piece cost such a load a tenth of its time; one in 32, about 1%.
-# A thread in a run of small folios (a few MiB to a few hundred in a file read by large reads)
-# is back on the mapping within a few pieces of the run's end.
+# pread is faster (a file in 4 KiB pages) costs more than pread would on its MiB, so tries
+# every other piece slowed such a load measurably, and one in 32 pieces keeps it near pread's.
+# A thread in a run of small folios (runs of up to a hundred MiB in a file read by large reads,
+# as page_cache_state.py counts them) is back on the mapping within a few pieces of the run's end.
 cdef int64_t _RETRY_FIRST = 2
 cdef int64_t _RETRY_LAST = 32
 
