@@ -14,6 +14,12 @@ and then measures the disk).
     python scripts/page_cache_state.py model.safetensors
     python scripts/page_cache_state.py --runs 3 /tmp/engine-bench-cache/v1-ckpt-2147483648.safetensors
 
+``--after-cold LOAD`` first evicts the file and reads it in with one load in a fresh process
+(timed), then measures the state that load left: ``load_into`` (``engine.load_into`` into
+torch tensors), ``mapped`` (``engine.torch.load_file``, mapped, every page touched),
+``reference`` (``safetensors.torch.load_file``, every page touched).  The engine is the one
+Python imports (``PYTHONPATH`` chooses a tree).
+
 Linux 5.14+ only (``MADV_POPULATE_READ``).
 """
 
@@ -46,6 +52,37 @@ def pmd_mapped_kib(path: str) -> int | None:
     return None
 
 
+COLD_LOADS = {
+    "load_into": "import engine, torch\n"
+                 "h = engine.read_header(P)\n"
+                 "dst = {k: torch.empty(h[k].shape, dtype=torch.bfloat16) for k in h.keys()}\n"
+                 "[t.fill_(1) for t in dst.values()]\n"
+                 "t0 = time.perf_counter(); engine.load_into(P, dst)\n",
+    "mapped": "import engine.torch, torch\n"
+              "t0 = time.perf_counter(); d = engine.torch.load_file(P)\n"
+              "[t.view(-1).view(torch.uint8)[::4096].sum() for t in d.values()]\n",
+    "reference": "import safetensors.torch, torch\n"
+                 "t0 = time.perf_counter(); d = safetensors.torch.load_file(P)\n"
+                 "[t.view(-1).view(torch.uint8)[::4096].sum() for t in d.values()]\n",
+}
+
+
+def cold_load(path: str, load: str) -> float:
+    """Evict ``path``, then run ``load`` (see :data:`COLD_LOADS`) in a fresh process; its seconds."""
+    import subprocess
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    code = f"import time\nP = {path!r}\n" + COLD_LOADS[load] + "print(time.perf_counter() - t0)\n"
+    # run from the root: the engine imported is the one PYTHONPATH or the installed package gives
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def one_run(path: str) -> dict:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -72,10 +109,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path")
     ap.add_argument("--runs", type=int, default=1, help="map, populate and unmap the file this many times")
+    ap.add_argument("--after-cold", choices=sorted(COLD_LOADS), help="evict the file and read it in with this load first")
     a = ap.parse_args()
     if not sys.platform.startswith("linux"):
         print("Linux only (MADV_POPULATE_READ)", file=sys.stderr)
         return 2
+    if a.after_cold:
+        print(f"cold {a.after_cold}: {cold_load(a.path, a.after_cold):.2f} s")
     for run in range(a.runs):
         r = one_run(a.path)
         steps, mapped = r["steps"], len(r["steps"]) * STEP
