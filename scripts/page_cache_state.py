@@ -71,12 +71,10 @@ def cold_load(path: str, load: str) -> float:
     """Evict ``path``, then run ``load`` (see :data:`COLD_LOADS`) in a fresh process; its seconds."""
     import subprocess
 
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "asv_benchmarks")]
+    from benchmarks import common
+
+    common.evict_cache(path)
     code = f"import time\nP = {path!r}\n" + COLD_LOADS[load] + "print(time.perf_counter() - t0)\n"
     # run from the root: the engine imported is the one PYTHONPATH or the installed package gives
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
