@@ -110,10 +110,11 @@ cdef int _MAX_SPLIT_THREADS = 256
 # maps while mapping costs under ``_MAP_SHARE`` of copying, and ``pread``s past that, mapping
 # the first ``_PROBE_BYTES`` of a piece now and then to see whether the state changed: after
 # ``_RETRY_FIRST`` pieces, then twice as many after each try that found mapping still dear, up
-# to ``_RETRY_LAST``.  The two states meet in one load (a file read in by large reads in one region and
-# faulted in page by page in another; shards cached by different readers), and in a file
-# read in by large reads, the regions where the kernel found no free 2 MiB block for a folio
-# come in runs of a few MiB to a few hundred: the figure that decides is the latest one.
+# to ``_RETRY_LAST``.  The two states meet in one load (a file read in by large reads in one
+# region and faulted in page by page in another; shards cached by different readers), and in
+# a file read in by large reads, the regions where the kernel found no free 2 MiB block for a
+# folio come in runs of up to a hundred MiB or so (``scripts/page_cache_state.py`` counts
+# them): the figure that decides is the latest one.
 #
 # ``pread`` is not timed against the mapping: its copy stores through the caches, and writing
 # those lines back is paid later, by whichever piece comes next, of either source.  A timer
@@ -358,8 +359,8 @@ cdef void _unmap_run(const uint8_t* src, int64_t src_len, int64_t lo, int64_t hi
     Called once per run of file-contiguous bytes a piece copied, not per tensor: a range
     that ends inside a 2 MiB folio mapped whole (one page-middle-directory entry) makes the
     kernel split that entry into 512 page entries first, and the next piece then maps and
-    unmaps its half page by page.  Pieces are cut where the file offset is a multiple of
-    2 MiB (see ``_plan_parts``), so runs begin and end on those lines."""
+    unmaps its half page by page.  Pieces of 2 MiB and more are cut where the file offset
+    is a multiple of 2 MiB (see ``_plan_parts``), so their runs begin and end on those lines."""
     cdef uintptr_t page = <uintptr_t>sysconf(_SC_PAGESIZE), zlo, zhi
     if src == NULL or lo >= hi:
         return
@@ -650,9 +651,10 @@ cdef class SplitReader:
     With ``adaptive``, copies given a mapping choose per piece between it and ``pread``:
     each thread times what mapping the pages of its pieces (1 MiB and up) costs against
     copying them, maps while that is under a quarter, else ``pread``s and maps the first MiB
-    of a piece again now and then (after 2 pieces, then 4, up to 32), learning over the reader's life (see ``_Choice``); :attr:`costs`
-    shows what they learned and :attr:`sources` what each source copied.  With ``stream``, copies out of
-    the mapping store past the caches (for destinations nobody reads soon: a caller's
+    of a piece again now and then (after 2 pieces, then 4, up to 32), learning over the
+    reader's life (see ``_Choice``); :attr:`costs` shows what they learned and
+    :attr:`sources` what each source copied.  With ``stream``, copies out of the mapping
+    store past the caches (for destinations nobody reads soon: a caller's
     tensors, owned blocks; not a staging slot, which the DMA engine reads next and is
     better found in the cache)."""
 
