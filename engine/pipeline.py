@@ -259,7 +259,7 @@ def run_sources(
 #: bytes of requests per native split copy of a host load: large enough that what a batch
 #: costs beyond its bytes (the Python call, and the threads that wait at its end for the
 #: last piece) is paid once per GiB, small enough that tensors are reported complete (and a
-#: cancel is seen) while the load goes on, every few tens of milliseconds
+#: cancel is seen) while the load goes on, after each GiB
 HOST_BATCH_BYTES = 1 << 30
 
 
