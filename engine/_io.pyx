@@ -105,9 +105,9 @@ cdef int _MAX_SPLIT_THREADS = 256
 # its copy is the cheaper part (no system call, and for host destinations stores past the
 # caches).  What mapping costs shows how the page cache holds the bytes: a 2 MiB folio maps
 # with one entry (a microsecond or two per 2 MiB), while 4 KiB pages, and folios smaller than
-# 2 MiB, take an entry per page (about a third of a microsecond each to map, about as long as
-# copying the page; ``scripts/page_cache_state.py`` prints both).  So each thread of an adaptive reader times the two steps of its mapped pieces apart,
-# maps while mapping costs under ``_MAP_SHARE`` of copying, and ``pread``s past that, mapping
+# 2 MiB, take an entry per page (about a third of a microsecond each to map, as
+# ``scripts/page_cache_state.py`` prints it).  So each thread of an adaptive reader times the
+# two steps of its mapped pieces apart, maps while mapping costs under ``_MAP_SHARE`` of copying, and ``pread``s past that, mapping
 # the first ``_PROBE_BYTES`` of a piece now and then to see whether the state changed: after
 # ``_RETRY_FIRST`` pieces, then twice as many after each try that found mapping still dear, up
 # to ``_RETRY_LAST``.  The two states meet in one load (a file read in by large reads in one
