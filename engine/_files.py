@@ -17,7 +17,8 @@ import stat
 
 from .errors import ReadError
 
-__all__ = ["open_regular", "file_size", "IOV_MAX"]
+__all__ = ["open_regular", "file_size", "IOV_MAX", "NETWORK_FILE_SYSTEMS", "mount_type", "on_network_mount",
+           "parse_mount_types"]
 
 #: Most buffers one ``preadv`` or ``pwritev`` call takes (the reader's and the writer's batches).
 IOV_MAX = 1024
@@ -90,6 +91,74 @@ def open_regular(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+#: File systems whose reads cross a network or a user-space daemon, as ``/proc/self/mountinfo``
+#: names them (a FUSE mount is ``fuse``, ``fuseblk`` or ``fuse.<daemon>``: gcsfuse, s3fs,
+#: blobfuse, sshfs, JuiceFS ...).  There a page fault of a mapping is a round trip for the
+#: read-ahead window around it, so a load that faults a mapping in page by page stalls; the
+#: native split copies read such files with large ``pread``s instead
+#: (:func:`engine.reader.copy_mapping`).
+NETWORK_FILE_SYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "v9fs", "ceph", "lustre", "gpfs", "beegfs", "glusterfs",
+    "afs", "orangefs", "pvfs2", "virtiofs", "davfs", "fuse", "fuseblk",
+})
+
+_MOUNT_TYPES: dict[tuple[int, int], str] = {}  # (major, minor) -> type, filled on first need
+
+
+def parse_mount_types(text: str) -> dict[tuple[int, int], str]:
+    """``{(major, minor): type}`` from the text of ``/proc/self/mountinfo``.
+
+    Each line is ``id parent major:minor root mount-point options [optional fields] - type
+    source super-options``; lines that do not parse are skipped.
+    """
+    types: dict[tuple[int, int], str] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        try:
+            major, minor = fields[2].split(":")
+            kind = fields[fields.index("-", 6) + 1]
+            types[(int(major), int(minor))] = kind
+        except (IndexError, ValueError):
+            continue
+    return types
+
+
+def mount_type(fd: int) -> str:
+    """The type of the file system holding ``fd`` (``"ext4"``, ``"nfs4"``, ``"fuse.s3fs"`` ...),
+    or ``""`` where it cannot be told.
+
+    Read from ``/proc/self/mountinfo`` by the file's device number (kept per device for the
+    process; a device number freed by an unmount and reused by another type of mount keeps
+    the first type), and only for device numbers of major 0: a local disk's file system (ext4, xfs on
+    a block device) has a real major and is ``""`` here without any read, so a load from
+    one pays nothing for the question.
+    """
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return ""
+    key = (os.major(dev), os.minor(dev))
+    if key[0] != 0:
+        return ""
+    kind = _MOUNT_TYPES.get(key)
+    if kind is None:
+        # read again on every miss (a device mounted since, or one mountinfo does not list, as
+        # a btrfs subvolume's): a load asks once per file, a handle once
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+                _MOUNT_TYPES.update(parse_mount_types(f.read()))
+        except OSError:
+            pass
+        kind = _MOUNT_TYPES.get(key, "")
+    return kind
+
+
+def on_network_mount(fd: int) -> bool:
+    """Whether ``fd``'s file lies on a network or FUSE file system (:data:`NETWORK_FILE_SYSTEMS`)."""
+    kind = mount_type(fd)
+    return kind in NETWORK_FILE_SYSTEMS or kind.startswith("fuse.")
 
 
 def file_size(fd: int) -> int | None:

@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from ._files import IOV_MAX, PREFETCH_MIN_BYTES, file_size
+from ._files import IOV_MAX, PREFETCH_MIN_BYTES, file_size, on_network_mount
 from ._threads import map_threads, run_threads  # their public home is here
 from .errors import ReadError
 
@@ -61,9 +61,13 @@ def copy_source() -> str:
 
 def copy_mapping(fd: int):
     """A read-only mapping of the whole file for the split copies (``mmap.mmap``), or None
-    where they ``pread`` instead: :func:`copy_source` says ``"pread"``, the file is empty, or
-    it cannot be mapped.  Close it with :func:`close_mapping`."""
-    if copy_source() == "pread":
+    where they ``pread`` instead: :func:`copy_source` says ``"pread"``; it says ``"auto"`` and
+    the file lies on a network or FUSE file system (:func:`engine._files.on_network_mount`:
+    there a populate faults the file in through the mount a read-ahead window at a time,
+    where a ``pread`` per piece asks for the whole piece); the file is empty; or it cannot be
+    mapped.  Close it with :func:`close_mapping`."""
+    source = copy_source()
+    if source == "pread" or (source == "auto" and on_network_mount(fd)):
         return None
     import mmap
 

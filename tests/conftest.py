@@ -221,3 +221,19 @@ class SplitCopies:
                 self.inner.close()
 
         monkeypatch.setattr(engine.pipeline, "split_reader", Reader)
+
+
+@pytest.fixture
+def fuse_file(tmp_path):
+    """A small safetensors file, reached through a real FUSE mount (bindfs) and directly."""
+    import numpy as np
+    from servers import FuseMount
+
+    import engine.numpy
+
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors = {f"w{i}": np.random.default_rng(i).standard_normal((64 + i, 33)).astype(np.float32) for i in range(5)}
+    engine.numpy.save_file(tensors, str(src / "m.safetensors"))
+    with FuseMount(str(src), str(tmp_path / "mnt")) as mount:
+        yield mount.path("m.safetensors"), str(src / "m.safetensors"), tensors

@@ -3,6 +3,10 @@
 * :class:`Nginx`: Debian's nginx serving a directory with its own config in a temporary
   folder (sendfile, keep-alive, ETags and ``If-Match`` as nginx does them).  Also answers
   path-style S3 GETs (``/bucket/key``) of anonymous clients: the wire format of an S3 read.
+* :class:`FuseMount`: bindfs (a FUSE file system in user space, Debian's ``bindfs``) showing
+  a directory at another path, so that reads of its files cross the kernel's FUSE protocol
+  to a daemon, as on gcsfuse, s3fs, blobfuse or JuiceFS (``/proc/self/mountinfo`` names it
+  ``fuse``).
 * :class:`MotoS3`: moto's S3 server (``moto.server.ThreadedMotoServer``) for S3 semantics:
   SigV4, errors, listing.  With ``auth=True`` it checks signatures against the access keys
   it issued (IAM), so a wrong secret is refused as by AWS.
@@ -239,3 +243,44 @@ class MotoS3:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def fuse_or_skip() -> str:
+    """bindfs's path, or skip the test saying why (no bindfs, no ``/dev/fuse``: a machine
+    without FUSE cannot host the mount at all)."""
+    import pytest
+
+    binary = shutil.which("bindfs")
+    if binary is None:
+        pytest.skip("bindfs is not installed (apt-get install bindfs; CI installs it)")
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("this machine has no /dev/fuse, so no FUSE file system can be mounted")
+    return binary
+
+
+class FuseMount:
+    """``bindfs SOURCE MOUNTPOINT`` (single-threaded daemon, no caching options), unmounted
+    on exit.  Skips the test, saying why, where the mount is refused (no FUSE rights)."""
+
+    def __init__(self, source: str, mountpoint: str) -> None:
+        self.source, self.mountpoint = source, mountpoint
+
+    def __enter__(self) -> FuseMount:
+        import pytest
+
+        binary = fuse_or_skip()
+        os.makedirs(self.mountpoint, exist_ok=True)
+        done = subprocess.run([binary, self.source, self.mountpoint], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            pytest.skip(f"bindfs could not mount here (exit {done.returncode}: {done.stderr.strip()[:200]})")
+        return self
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.mountpoint, name)
+
+    def __exit__(self, *exc) -> None:
+        for tool in (["fusermount3", "-u"], ["fusermount", "-u"], ["umount"]):
+            if shutil.which(tool[0]) and subprocess.run([*tool, self.mountpoint], capture_output=True,
+                                                        timeout=30).returncode == 0:
+                return
+        subprocess.run(["umount", "-l", self.mountpoint], capture_output=True, timeout=30)

@@ -1,4 +1,5 @@
-"""engine._files: opening for reading refuses FIFOs, devices and symlink loops without blocking."""
+"""engine._files: opening for reading refuses FIFOs, devices and symlink loops without blocking;
+the file system of a file (network and FUSE mounts, tried on a real bindfs mount)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 import engine
 import engine.numpy
+from engine import _files
 from engine._files import open_regular
 from engine.checkpoint import open_checkpoint, read_checkpoint_info
 from engine.errors import ReadError, SafetensorError
@@ -118,3 +120,81 @@ def test_regular_files_open_and_other_errors_pass_through(tmp_path):
         os.close(fd)
     with pytest.raises(FileNotFoundError):
         open_regular(str(tmp_path / "missing.safetensors"))
+
+
+# -- which file system holds a file -------------------------------------------------------------
+_MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw,errors=remount-ro
+36 22 0:39 / /mnt/models rw,nosuid,nodev,relatime shared:7 master:2 - fuse.gcsfuse bucket rw,user_id=0
+40 22 0:52 / /mnt/nfs rw,relatime - nfs4 server:/export rw,vers=4.2,rsize=1048576
+41 22 0:53 / /mnt/with\\040space rw - fuse /src rw,user_id=0,group_id=0
+a line that is not a mount
+43 22 x:y / /bad rw - ext4 /dev/x rw
+44 22 0:60 / /no-separator rw ext4
+"""
+
+
+def test_mount_types_are_read_from_mountinfo_lines_and_bad_lines_are_skipped():
+    assert _files.parse_mount_types(_MOUNTINFO) == {
+        (8, 1): "ext4", (0, 39): "fuse.gcsfuse", (0, 52): "nfs4", (0, 53): "fuse"}
+
+
+@pytest.mark.parametrize("kind, network", [
+    ("nfs4", True), ("nfs", True), ("lustre", True), ("fuse", True), ("fuse.gcsfuse", True), ("fuse.s3fs", True),
+    ("cifs", True), ("9p", True), ("ext4", False), ("xfs", False), ("tmpfs", False), ("overlay", False), ("", False),
+])
+def test_network_mounts_are_told_by_their_type(tmp_path, monkeypatch, kind, network):
+    monkeypatch.setattr(_files, "mount_type", lambda fd: kind)
+    (tmp_path / "f").write_bytes(b"x")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert _files.on_network_mount(fd) is network
+    finally:
+        os.close(fd)
+
+
+def test_a_local_disk_is_known_without_reading_mountinfo(tmp_path, monkeypatch):
+    (tmp_path / "f").write_bytes(b"x")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        dev = os.fstat(fd).st_dev
+        if os.major(dev) == 0:
+            pytest.skip(f"the temporary directory is on a device of major 0 ({_files.mount_type(fd)!r}), not a disk")
+        opened = []
+        real_open = open
+        monkeypatch.setattr("builtins.open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+        assert _files.mount_type(fd) == "" and not _files.on_network_mount(fd)
+        assert opened == []
+    finally:
+        os.close(fd)
+
+
+def test_a_fuse_mount_is_a_network_mount_and_its_source_is_not(fuse_file):
+    via_fuse, direct, _ = fuse_file
+    fds = [os.open(via_fuse, os.O_RDONLY), os.open(direct, os.O_RDONLY)]
+    try:
+        assert _files.mount_type(fds[0]).startswith("fuse")
+        assert _files.on_network_mount(fds[0])
+        assert not _files.on_network_mount(fds[1])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_every_load_from_a_fuse_mount_gives_the_files_bytes(fuse_file):
+    import torch
+
+    import engine.torch
+
+    via_fuse, _, tensors = fuse_file
+    got = engine.numpy.load_file(via_fuse)
+    assert got.keys() == tensors.keys()
+    for name, want in tensors.items():
+        assert np.array_equal(got[name], want)
+    dest = {name: torch.zeros(want.shape) for name, want in tensors.items()}
+    engine.load_into(via_fuse, dest)
+    with engine.safe_open(via_fuse, "pt") as f:
+        for name, want in tensors.items():
+            assert np.array_equal(dest[name].numpy(), want)
+            assert np.array_equal(f.get_tensor(name).numpy(), want)
+    assert np.array_equal(engine.torch.load_file(via_fuse, backend="pread")["w3"].numpy(), tensors["w3"])

@@ -242,3 +242,25 @@ def test_map_threads_raises_the_first_failure_after_undoing_the_successes(worker
     # inline calls stop at the first failure; parallel ones all run, and all successes are undone
     parallel = workers > 1 and inline_under != 60.0
     assert sorted(undone) == ([0, 1, 3, 5] if parallel else [0, 1])
+
+
+# -- network mounts: large reads, never a populate through the network --------------------------
+
+
+def test_a_file_on_a_fuse_mount_is_read_with_pread_unless_the_mapping_is_pinned(fuse_file, monkeypatch):
+    via_fuse, direct, _ = fuse_file
+    monkeypatch.delenv("ENGINE_COPY_SOURCE", raising=False)
+    fds = [os.open(via_fuse, os.O_RDONLY), os.open(direct, os.O_RDONLY)]
+    try:
+        assert reader.copy_mapping(fds[0]) is None
+        local = reader.copy_mapping(fds[1])
+        assert local is not None
+        reader.close_mapping(local)
+        monkeypatch.setenv("ENGINE_COPY_SOURCE", "mmap")
+        pinned = reader.copy_mapping(fds[0])
+        assert pinned is not None and len(pinned) == os.path.getsize(direct)
+        reader.close_mapping(pinned)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
