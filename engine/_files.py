@@ -129,11 +129,11 @@ def mount_type(fd: int) -> str:
     """The type of the file system holding ``fd`` (``"ext4"``, ``"nfs4"``, ``"fuse.s3fs"`` ...),
     or ``""`` where it cannot be told.
 
-    Read from ``/proc/self/mountinfo`` by the file's device number (kept per device for the
-    process; a device number freed by an unmount and reused by another type of mount keeps
-    the first type), and only for device numbers of major 0: a local disk's file system (ext4, xfs on
-    a block device) has a real major and is ``""`` here without any read, so a load from
-    one pays nothing for the question.
+    Read from ``/proc/self/mountinfo`` by the file's device number, and only for device
+    numbers of major 0: a local disk's file system (ext4, xfs on a block device) has a real
+    major and is ``""`` here without any read, so a load from one pays nothing for the
+    question.  Kept per device for the process: a device number freed by an unmount and
+    taken by another type of mount keeps the first type.
     """
     try:
         dev = os.fstat(fd).st_dev
@@ -145,7 +145,7 @@ def mount_type(fd: int) -> str:
     kind = _MOUNT_TYPES.get(key)
     if kind is None:
         # read again on every miss (a device mounted since, or one mountinfo does not list, as
-        # a btrfs subvolume's): a load asks once per file, a handle once
+        # a btrfs subvolume's): a load asks once per file
         try:
             with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
                 _MOUNT_TYPES.update(parse_mount_types(f.read()))
