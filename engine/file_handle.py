@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 from . import dtypes
 from ._file_handle import Slicer, TensorSlice
-from ._files import PREFETCH_MIN_BYTES, open_regular
+from ._files import PREFETCH_MIN_BYTES, advise_sequential, on_network_mount, open_regular
 from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .sinks import get_sink, map_file, sink_kind
@@ -102,6 +102,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._base = None
         self._mm = None
         self._handed: set[int] = set()  # rows viewed out of the current mapping
+        self._network: bool | None = None  # on a network or FUSE mount; asked at the first mapping
         try:
             if backend not in _BACKENDS:
                 raise SafetensorError(
@@ -227,6 +228,13 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         if base is None:
             fd = self._borrow()
             try:
+                if self._network is None:
+                    self._network = on_network_mount(fd)
+                    if self._network:
+                        # there each fault of the mapping is a round trip for the read-ahead
+                        # window around it: a doubled window halves them (as the reference
+                        # advises its mapping; scripts/bench_netfs.py)
+                        advise_sequential(fd)
                 mm = map_file(self._sink, fd)
             finally:
                 self._give_back()
@@ -364,10 +372,13 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
             columns = _columns(t, rows)
             _, begins, ends = columns
             spans = [(start + int(begins[r]), start + int(ends[r])) for r in rows]
-            if sum(hi - lo for lo, hi in spans) >= PREFETCH_MIN_BYTES:
+            if sum(hi - lo for lo, hi in spans) >= PREFETCH_MIN_BYTES and not h._network:
                 # a cold file is read on several threads in large pieces, not page by page as
                 # the caller touches it (a warm one costs a mincore call per 32 MiB); a small
-                # load (a tool's first tensor) needs none of the reader
+                # load (a tool's first tensor) needs none of the reader.  Not on a network or
+                # FUSE mount: there a populate runs one read-ahead window at a time through
+                # the mount, and the caller's own copy, faulting on all its threads with the
+                # doubled window, is faster (scripts/bench_netfs.py)
                 from .reader import prefetch_mapping
 
                 prefetch_mapping(h._mm, spans)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import dtypes, pipeline
-from ._files import open_regular
+from ._files import advise_sequential, open_regular
 from .errors import DeviceError, SafetensorError, TensorMismatchError, TensorNotFoundError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .load_hooks import StatsCollector
@@ -47,15 +47,6 @@ __all__ = ["stream", "stream_parts", "load_into", "load_file", "load_parts", "fi
 def _open(path) -> tuple[int, str]:
     path = os.fspath(path)
     return open_regular(path), path  # a FIFO or device is refused, never waited on
-
-
-def _advise_sequential(fd: int) -> None:
-    # a larger kernel read-ahead window helps a cold page cache and costs nothing on a warm one
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except OSError:
-            pass
 
 
 class Part(NamedTuple):
@@ -119,7 +110,7 @@ def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int |
     """The reads of every part into ``destination`` (keyed as :func:`_bases` says), one pipeline."""
     for p in parts:
         if p.ranges is None:
-            _advise_sequential(p.fd)
+            advise_sequential(p.fd)
     pipeline.run_sources(
         _sources(parts, bases, options.pop("chunk_bytes", None)),
         destination,

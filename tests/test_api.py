@@ -691,3 +691,33 @@ def test_a_second_get_of_a_tensor_written_to_gives_the_files_bytes(tmp_path, fra
         np.testing.assert_array_equal(as_np[3], sd["w"], err_msg=lib.__name__)
         np.testing.assert_array_equal(as_np[4], sd["w"], err_msg=lib.__name__)
         assert path.read_bytes() == before  # no write reaches the file
+
+
+# -- a file on a network mount (a real FUSE mount) ----------------------------------------------
+
+
+def test_a_handle_on_a_network_mount_advises_sequential_reads_and_leaves_the_faults_to_the_copy(
+        fuse_file, monkeypatch):
+    import engine.file_handle
+    from engine import reader
+
+    via_fuse, direct, tensors = fuse_file
+    # every tensor counts as large: a local handle prefetches them, a network one must not
+    monkeypatch.setattr(engine.file_handle, "PREFETCH_MIN_BYTES", 1)
+    prefetched, advised = [], []
+    real_prefetch, real_fadvise = reader.prefetch_mapping, os.posix_fadvise
+    monkeypatch.setattr(reader, "prefetch_mapping", lambda *a, **k: prefetched.append(a[1]) or real_prefetch(*a, **k))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: advised.append((fd, off, n, advice))
+                        or real_fadvise(fd, off, n, advice))
+    for path, network in ((direct, False), (via_fuse, True)):
+        prefetched.clear()
+        advised.clear()
+        with engine.safe_open(path, "np") as f:
+            got = f.get_tensors()
+            assert f._network is network
+            sequential = [a for a in advised if a[3] == os.POSIX_FADV_SEQUENTIAL]
+            assert sequential == ([(f._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)] if network else [])
+        assert bool(prefetched) is not network
+        assert got.keys() == tensors.keys()
+        for name, want in tensors.items():
+            assert np.array_equal(got[name], want)
