@@ -98,7 +98,8 @@ def open_regular(path: str) -> int:
 #: blobfuse, sshfs, JuiceFS ...).  There a page fault of a mapping is a round trip for the
 #: read-ahead window around it, so a load that faults a mapping in page by page stalls; the
 #: native split copies read such files with large ``pread``s instead
-#: (:func:`engine.reader.copy_mapping`).
+#: (:func:`engine.reader.copy_mapping`), and a handle's mapping gets :func:`advise_sequential`
+#: and no prefetch (:mod:`engine.file_handle`).
 NETWORK_FILE_SYSTEMS = frozenset({
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "v9fs", "ceph", "lustre", "gpfs", "beegfs", "glusterfs",
     "afs", "orangefs", "pvfs2", "virtiofs", "davfs", "fuse", "fuseblk",
