@@ -154,18 +154,24 @@ def test_network_mounts_are_told_by_their_type(tmp_path, monkeypatch, kind, netw
 
 
 def test_a_local_disk_is_known_without_reading_mountinfo(tmp_path, monkeypatch):
+    import types
+
     (tmp_path / "f").write_bytes(b"x")
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
-        dev = os.fstat(fd).st_dev
-        if os.major(dev) == 0:
-            pytest.skip(f"the temporary directory is on a device of major 0 ({_files.mount_type(fd)!r}), not a disk")
+        # a file on a block device (major 8, as /dev/sda1), whatever disk this machine has
+        monkeypatch.setattr(os, "fstat", lambda _fd: types.SimpleNamespace(st_dev=os.makedev(8, 1)))
         opened = []
         real_open = open
         monkeypatch.setattr("builtins.open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
         assert _files.mount_type(fd) == "" and not _files.on_network_mount(fd)
         assert opened == []
+        # and a device of major 0 is looked up there
+        monkeypatch.setattr(os, "fstat", lambda _fd: types.SimpleNamespace(st_dev=os.makedev(0, 987654)))
+        assert _files.mount_type(fd) == ""
+        assert opened == ["/proc/self/mountinfo"]
     finally:
+        monkeypatch.undo()
         os.close(fd)
 
 
