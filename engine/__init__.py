@@ -52,6 +52,7 @@ _LAZY = {
     "stream": "engine.opener",
     "load_into": "engine.opener",
     "keep_staging": "engine.device_staging",
+    "keep_mappings": "engine.kept_mappings",
     "load_file": "engine.numpy",
     "load": "engine.numpy",
     "save_file": "engine.writer",
@@ -120,6 +121,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .device_staging import keep_staging
     from .file_handle import _safe_open_handle
     from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
+    from .kept_mappings import keep_mappings
     from .numpy import load, load_file
     from .opener import load_into, safe_open, stream
     from .shards import save_sharded

@@ -171,6 +171,7 @@ cdef struct _Part:
     int stream               # copies out of the mapping bypass the caches (engine_stream_copy)
     int64_t shift            # pieces start this many bytes before the cursor's multiples of
                              # piece (see _plan_parts)
+    int keep                 # a kept mapping (engine.kept_mappings): its pages stay mapped
 
 
 # -- copies out of a file mapping ------------------------------------------------------------
@@ -372,6 +373,13 @@ cdef void _unmap_run(const uint8_t* src, int64_t src_len, int64_t lo, int64_t hi
         madvise(<void*>zlo, zhi - zlo, _MADV_DONTNEED)
 
 
+cdef inline void _release_run(_Part* p, int64_t lo, int64_t hi) noexcept nogil:
+    """:func:`_unmap_run` for a part's run, except from a kept mapping, whose pages are kept
+    mapped for the next load of the file (that is what keeping it is for)."""
+    if not p.keep:
+        _unmap_run(p.src, p.src_len, lo, hi)
+
+
 cdef bint _maps(_Choice* c) noexcept nogil:
     """Whether the mapping is the source this thread keeps to (see ``_Choice``)."""
     return c.known and c.populate <= _MAP_SHARE * c.copy
@@ -461,16 +469,16 @@ cdef void* _read_part(void* arg) noexcept nogil:
             p.err = _copy_piece(p, p.dst[i] + (a - p.starts[i]), b - a, at)
             if p.err:
                 p.errpos = a
-                _unmap_run(p.src, p.src_len, run_lo, run_hi)
+                _release_run(p, run_lo, run_hi)
                 return NULL
             if at != run_hi:
-                _unmap_run(p.src, p.src_len, run_lo, run_hi)
+                _release_run(p, run_lo, run_hi)
                 run_lo = at
             run_hi = at + (b - a)
             if b < p.starts[i] + p.sizes[i]:
                 break  # the segment goes on past this piece
             i += 1
-        _unmap_run(p.src, p.src_len, run_lo, run_hi)
+        _release_run(p, run_lo, run_hi)
     return NULL
 
 
@@ -541,14 +549,15 @@ cdef int64_t _FOLIO = 2 << 20
 
 
 cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64_t src_len, _Segs* s,
-                     int64_t align, _Choice* choices, int stream, int64_t* cursor) noexcept nogil:
+                     int64_t align, _Choice* choices, int stream, int keep, int64_t* cursor) noexcept nogil:
     """Shares of the concatenated segments: pieces of ``_PIECE`` bytes (less for a small set:
     an equal share each) taken in order from a shared cursor.  Pieces of 2 MiB and more (a
     host load's, a staging slot's) are a multiple of 2 MiB, cut where the file offset is a
     multiple of 2 MiB (the first piece shorter), so that mapped pieces unmap whole 2 MiB
     folios (see ``_unmap_run``); where the segments follow each other in the file (a whole
     load, a slot) every cut is on such a line.  Smaller ones are cut a multiple of ``align``
-    bytes into the concatenation."""
+    bytes into the concatenation.  With ``keep`` (a kept mapping), every piece is copied out
+    of the mapping, whose pages stay mapped: no choice of source, nothing unmapped."""
     cdef int k
     cdef int64_t shift = 0
     cdef int64_t piece = (s.total + nparts - 1) // nparts
@@ -564,8 +573,9 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
         parts[k].fd = fd
         parts[k].src = src
         parts[k].src_len = src_len
-        parts[k].choice = &choices[k] if choices != NULL else NULL
+        parts[k].choice = &choices[k] if choices != NULL and not keep else NULL
         parts[k].stream = stream
+        parts[k].keep = keep
         parts[k].dst = s.dst
         parts[k].file_off = s.file_off
         parts[k].sizes = s.sizes
@@ -717,7 +727,7 @@ cdef class SplitReader:
             return []
         return [(self.choices[k].nbytes[0], self.choices[k].nbytes[1]) for k in range(self.nworkers + 1)]
 
-    cdef tuple _run(self, int fd, const uint8_t* src, int64_t src_len, _Segs* s, int64_t align):
+    cdef tuple _run(self, int fd, const uint8_t* src, int64_t src_len, _Segs* s, int64_t align, bint keep):
         """Split ``s`` over the pool and the calling thread, GIL released; the first error."""
         cdef int64_t cursor = 0
         cdef _Part* parts = NULL
@@ -734,7 +744,7 @@ cdef class SplitReader:
         try:
             with nogil:
                 cursor = 0
-                _plan_parts(parts, nparts, fd, src, src_len, s, align, self.choices, self.stream, &cursor)
+                _plan_parts(parts, nparts, fd, src, src_len, s, align, self.choices, self.stream, keep, &cursor)
                 pthread_mutex_lock(&st.lock)
                 st.parts = parts
                 st.nparts = nparts
@@ -761,7 +771,8 @@ cdef class SplitReader:
         self.busy = True
         return 0
 
-    def copy(self, int fd, mapping, const int64_t[::1] file_offsets, list targets, int64_t align=65536):
+    def copy(self, int fd, mapping, const int64_t[::1] file_offsets, list targets, int64_t align=65536,
+             bint keep=False):
         """Fill each of ``targets`` (writable contiguous buffers) with the file's bytes from
         ``file_offsets[i]`` on, the total split evenly over this reader's threads, GIL
         released.
@@ -769,7 +780,10 @@ cdef class SplitReader:
         ``mapping`` is None (each thread ``pread``s its share) or a read-only mapping of the
         whole file (each thread maps its share with ``MADV_POPULATE_READ`` and copies it
         out; a page the file no longer backs is an end-of-file error, never a SIGBUS), or,
-        for an ``adaptive`` reader, whichever of the two its pieces measure faster.
+        for an ``adaptive`` reader, whichever of the two its pieces measure faster.  With
+        ``keep`` (a mapping kept between loads, :mod:`engine.kept_mappings`) every piece is
+        copied out of the mapping and its pages stay mapped, where otherwise each run is
+        unmapped once copied.
         Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
         bytes missing)`` of the failure lowest in the concatenation of the targets.
         """
@@ -789,7 +803,7 @@ cdef class SplitReader:
             try:
                 if mapping is not None and base == NULL and s.total:
                     return (-1, 0, s.total)  # an empty file maps to nothing
-                return self._run(fd, base, length, &s, align)
+                return self._run(fd, base, length, &s, align, keep and base != NULL)
             finally:
                 _free_segs(&s)
         finally:

@@ -48,7 +48,7 @@ from ._threads import run_threads
 from .device_staging import Ring
 from .device_units import SLOT_ALIGN, Unit, UnitQueue, units
 from .errors import DeviceError
-from .reader import check_read, close_mapping, copy_mapping, resident_pages, split_reader
+from .reader import check_read, close_mapping, copy_mapping, kept, resident_pages, split_reader
 
 __all__ = ["DeviceOps", "DeviceLoad", "REGISTER_DEPTH", "default_slot_bytes", "default_copy_threads"]
 
@@ -397,7 +397,8 @@ class DeviceLoad:
         file_offsets = np.fromiter((r.offset for r in reqs), np.int64, len(reqs))
         targets = [view[off : off + r.nbytes] for r, off in zip(reqs, unit.slot_offsets, strict=True)]
         # one native call: the unit's bytes split evenly over the reader's threads, GIL released
-        check_read(reader.copy(src.fd, mapping, file_offsets, targets), "the load", src.path, src.fd)
+        check_read(reader.copy(src.fd, mapping, file_offsets, targets, keep=kept(mapping)), "the load", src.path,
+                   src.fd)
 
     # -- the register path -----------------------------------------------------------------
 

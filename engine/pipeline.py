@@ -42,6 +42,7 @@ from .reader import (
     close_mapping,
     copy_mapping,
     default_threads,
+    kept,
     populate_write,
     split_piece_bytes,
     split_reader,
@@ -310,7 +311,7 @@ def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
                             if p.nbytes:
                                 offsets.append(req.offset + p.request_offset)
                                 targets.append(views[src.row_base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes])
-                    check_read(reader.copy(src.fd, mapping, np.array(offsets, dtype=np.int64), targets),
+                    check_read(reader.copy(src.fd, mapping, np.array(offsets, dtype=np.int64), targets, keep=kept(mapping)),
                                "the load", src.path, src.fd)
                     tracker.landed((src.row_base + p.row, p.nbytes) for req in batch for p in req.pieces)
             finally:

@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from ._files import IOV_MAX, PREFETCH_MIN_BYTES, file_size, on_network_mount
 from ._threads import map_threads, run_threads  # their public home is here
 from .errors import ReadError
+from .kept_mappings import KEPT_MAPPINGS, KeptMapping
 
 __all__ = [
     "default_threads", "pread_into", "pread_runs", "pread_spans", "spans_bytes", "prefetch_mapping", "run_threads",
-    "map_threads", "check_read", "resident_pages", "populate_write", "split_reader", "split_piece_bytes", "copy_source", "copy_mapping", "close_mapping",
+    "map_threads", "check_read", "resident_pages", "populate_write", "split_reader", "split_piece_bytes", "copy_source", "copy_mapping", "close_mapping", "kept",
     "COPY_SOURCES",
     "IOV_MAX",
 ]
@@ -65,10 +66,15 @@ def copy_mapping(fd: int):
     the file lies on a network or FUSE file system (:func:`engine._files.on_network_mount`:
     there a populate faults the file in through the mount a read-ahead window at a time,
     where a ``pread`` per piece asks for the whole piece); the file is empty; or it cannot be
-    mapped.  Close it with :func:`close_mapping`."""
+    mapped.  With :func:`engine.keep_mappings` on, it is the file's kept mapping
+    (:func:`kept`), populated by earlier loads, whatever the source.  Close it with
+    :func:`close_mapping`."""
     source = copy_source()
     if source == "pread" or (source == "auto" and on_network_mount(fd)):
         return None
+    m = KEPT_MAPPINGS.take(fd)
+    if m is not None:
+        return m
     import mmap
 
     try:
@@ -79,13 +85,21 @@ def copy_mapping(fd: int):
 
 
 def close_mapping(m) -> None:
-    """Unmap a :func:`copy_mapping` (None is fine); a view still alive somewhere leaves it to
-    the garbage collector."""
-    if m is not None:
+    """Unmap a :func:`copy_mapping` (None is fine), or give a kept one back; a view still
+    alive somewhere leaves it to the garbage collector."""
+    if isinstance(m, KeptMapping):
+        KEPT_MAPPINGS.give(m)
+    elif m is not None:
         try:
             m.close()
         except BufferError:
             pass
+
+
+def kept(m) -> bool:
+    """Whether ``m`` (from :func:`copy_mapping`) is a kept mapping: pass it to a split
+    reader's ``copy(..., keep=kept(m))`` so that its pages stay mapped."""
+    return isinstance(m, KeptMapping)
 
 
 @functools.cache

@@ -19,12 +19,16 @@ fully mapped read-only mapping into pre-faulted memory, same thread count; see
   host side of a GPU load (page cache -> pinned slot), which is what this host can show;
 * ``engine copy path, dma=none, staging kept``: the same with the staging slots kept between
   loads (``engine.keep_staging(True)``): the repeated loads page-lock nothing;
+  ``..., staging and mappings kept``: also the file's mapping kept populated between loads
+  (``engine.keep_mappings(True)``): the repeated loads map nothing either;
 * ``engine copy path, dma=memcpy``: the same with each device copy done by a CPU
   ``memcpy`` on a stream thread, as an emulated DMA engine (it costs this host a second
   copy of every byte and a core, which a GPU's DMA engine does not);
 * ``load_into first`` / ``repeated``: ``engine.load_into`` into pre-faulted torch tensors,
   in a process that has imported torch: the first call in a fresh process, and the median
-  of the calls after it;
+  of the calls after it; ``load_into, mappings kept``: the same with
+  ``engine.keep_mappings(True)`` (the first call maps and populates the whole file, every
+  later one copies out of that mapping: the limit's own source);
 * ``reference first`` / ``repeated``: ``safetensors.torch.load_file`` + ``copy_`` into the
   same kind of tensors;
 * ``cold``: ``load_into`` and the reference's first call with the file evicted from the
@@ -120,10 +124,11 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
         lim.close()
     elif kind.startswith("device"):
         dma, _, keep = kind.partition("-")[2].partition("-")
-        if keep:  # staging slots kept between loads (engine.keep_staging)
+        if keep:  # staging slots kept between loads (engine.keep_staging); "kept": mappings too
             import engine
 
             engine.keep_staging(True)
+            engine.keep_mappings(keep == "kept")
         load = host.DeviceLoad(path, dma=dma)
         times = []
         for _ in range(reps + 1):
@@ -141,10 +146,11 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
     else:
         import torch  # an inference server has torch loaded before it loads weights
 
-        lib, _, when = kind.partition("-")
+        lib, _, mode = kind.partition("-")
         if lib == "engine":
             import engine
 
+            engine.keep_mappings(mode == "kept")  # the file's mapping kept between calls
             dst = _tensors(path)
 
             def load():
@@ -242,8 +248,11 @@ def main() -> int:
             tag = (f" [{s}]" if len(sources) > 1 else "") + ftag
             plan += [(f"engine copy path, dma=none{tag}", "device-none", s, False, f, st),
                      (f"engine copy path, dma=none, staging kept{tag}", "device-none-keep", s, False, f, st),
+                     (f"engine copy path, dma=none, staging and mappings kept{tag}", "device-none-kept", s, False,
+                      f, st),
                      (f"engine copy path, dma=memcpy{tag}", "device-memcpy", s, False, f, st),
-                     (f"load_into{tag}", "engine", s, False, f, st)]
+                     (f"load_into{tag}", "engine", s, False, f, st),
+                     (f"load_into, mappings kept{tag}", "engine-kept", s, False, f, st)]
         plan.append((f"reference load_file + copy_{ftag}", "reference", sources[0], False, f, st))
     if a.cold:
         plan += [("floor: native pread, cold", "floor-pread", sources[0], True, path, "large"),
@@ -287,10 +296,15 @@ def main() -> int:
             rows += [(f"engine copy path, dma=none{tag} (repeated)", rep(f"engine copy path, dma=none{tag}"), None),
                      (f"engine copy path, dma=none, staging kept{tag} (repeated)",
                       rep(f"engine copy path, dma=none, staging kept{tag}"), None),
+                     (f"engine copy path, dma=none, staging and mappings kept{tag} (repeated)",
+                      rep(f"engine copy path, dma=none, staging and mappings kept{tag}"), None),
                      (f"engine copy path, dma=memcpy{tag} (repeated)", rep(f"engine copy path, dma=memcpy{tag}"),
                       None),
                      (f"load_into{tag}, first call", first(f"load_into{tag}"), first(ref)),
-                     (f"load_into{tag}, repeated", rep(f"load_into{tag}"), rep(ref))]
+                     (f"load_into{tag}, repeated", rep(f"load_into{tag}"), rep(ref)),
+                     (f"load_into, mappings kept{tag}, first call", first(f"load_into, mappings kept{tag}"),
+                      first(ref)),
+                     (f"load_into, mappings kept{tag}, repeated", rep(f"load_into, mappings kept{tag}"), rep(ref))]
         rows += [(f"{ref}, first call", first(ref), None), (f"{ref}, repeated", rep(ref), None)]
     if a.cold:
         rows += [("floor: native pread, cold", first("floor: native pread, cold"), None),

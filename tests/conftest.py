@@ -205,13 +205,13 @@ class SplitCopies:
             def __init__(self, threads: int, **kw) -> None:
                 self.inner = real(threads, **kw)
 
-            def copy(self, fd, mapping, offsets, targets, *args):
+            def copy(self, fd, mapping, offsets, targets, *args, **kw):
                 with watch.lock:
                     watch.calls += 1
                     call = watch.calls
                 if watch.before is not None:
                     watch.before(call, fd, offsets, targets)
-                result = self.inner.copy(fd, mapping, offsets, targets, *args)
+                result = self.inner.copy(fd, mapping, offsets, targets, *args, **kw)
                 if result[0] == 0:
                     with watch.lock:
                         watch.bytes += sum(memoryview(t).nbytes for t in targets)

@@ -51,6 +51,7 @@ FLOORS: dict[str, int] = {
     "device_load": 3,
     "device_units": 3,
     "device_staging": 3,
+    "kept_mappings": 3,
     "remote_reads": 3,
     # destinations and the kernels that run where the bytes land
     "sinks": 4,
@@ -264,7 +265,7 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"), ("_s3", "errors"),
     ("header", "_header"), ("_header_encode", "header"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"), ("device_load", "device_units"),
-    ("device_load", "device_staging"),
+    ("device_load", "device_staging"), ("reader", "kept_mappings"),
     ("device", "numerics.device"), ("quantize", "numerics.quantize"), ("statistics", "numerics.statistics"),
     ("file_handle", "loader"), ("loader", "load_hooks"), ("tensorspec", "writer"),
     ("checkpoint", "shards"), ("checkpoint", "checkpoint_info"),

@@ -526,9 +526,9 @@ def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, mon
         def __init__(self, threads, **kw):
             self.inner = real_reader(threads, **kw)
 
-        def copy(self, *args):
+        def copy(self, *args, **kw):
             overlapped.append(any(not ev.is_set() for ev in events))
-            return self.inner.copy(*args)
+            return self.inner.copy(*args, **kw)
 
         def close(self):
             self.inner.close()
@@ -675,6 +675,8 @@ out[:] = 0
 print(_io.guarded_copy(m, 4096, out), _io.guarded_copy(m, 0, out))
 with _io.SplitReader(2) as r:
     print(r.copy(fd, m, np.array([4096], np.int64), [memoryview(out)]))
+    # a kept mapping (engine.kept_mappings) of the file as it was: the same error
+    print(r.copy(fd, m, np.array([4096], np.int64), [memoryview(out)], keep=True))
 """
     import subprocess
     import sys
@@ -685,6 +687,7 @@ with _io.SplitReader(2) as r:
     lines = done.stdout.split("\n")
     assert lines[0] == "-1 -1"
     assert lines[1].startswith("(-1, 4096,")
+    assert lines[2].startswith("(-1, 4096,")
     assert "Fatal Python error" not in done.stderr
 
 

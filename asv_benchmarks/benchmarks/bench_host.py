@@ -5,7 +5,8 @@ at the asv suites' moderate size (a 256 MiB BF16 checkpoint, warm page cache).
   fully mapped read-only mapping into pre-faulted memory), the engine's device copy path into
   a device whose copies move nothing (``dma=none``: page cache -> page-locked slot) or are a
   CPU ``memcpy`` (``dma=memcpy``), and ``engine.load_into`` into pre-faulted torch tensors
-  with each copy source (``ENGINE_COPY_SOURCE``); the native floors (``pread``, and a fresh
+  with each copy source (``ENGINE_COPY_SOURCE``), and with the file's mapping kept between
+  calls (``load_into-kept``: ``engine.keep_mappings(True)``); the native floors (``pread``, and a fresh
   mapping populated and copied then unmapped: what a load that holds no mapping pays);
 * ``track_x_limit``: each row's rate as a ratio to the limit measured in the same setup.
 """
@@ -20,7 +21,7 @@ common.ensure_engine_importable()
 
 CKPT_BYTES = 256 << 20
 ROWS = ["limit", "floor-pread", "floor-mapped", "copy-path-dma-none", "copy-path-dma-memcpy", "load_into-auto",
-        "load_into-mmap", "load_into-pread"]
+        "load_into-mmap", "load_into-pread", "load_into-kept"]
 
 
 def _runner(row: str, path: str):
@@ -38,17 +39,21 @@ def _runner(row: str, path: str):
     import engine
 
     source = row.partition("-")[2]
+    kept = source == "kept"
+    if kept:
+        source = "auto"
     h = engine.read_header(path)
     dst = {k: torch.empty(h[k].shape, dtype=torch.bfloat16).fill_(1) for k in h.keys()}
 
     def run():
         os.environ["ENGINE_COPY_SOURCE"] = source
+        engine.keep_mappings(kept)
         try:
             engine.load_into(path, dst)
         finally:
             os.environ.pop("ENGINE_COPY_SOURCE", None)
 
-    return run, lambda: None
+    return run, lambda: engine.keep_mappings(False)
 
 
 class HostCopy:
