@@ -556,8 +556,8 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
     multiple of 2 MiB (the first piece shorter), so that mapped pieces unmap whole 2 MiB
     folios (see ``_unmap_run``); where the segments follow each other in the file (a whole
     load, a slot) every cut is on such a line.  Smaller ones are cut a multiple of ``align``
-    bytes into the concatenation.  With ``keep`` (a kept mapping), every piece is copied out
-    of the mapping, whose pages stay mapped: no choice of source, nothing unmapped."""
+    bytes into the concatenation.  With ``keep`` (a kept mapping), the pages a piece mapped
+    stay mapped."""
     cdef int k
     cdef int64_t shift = 0
     cdef int64_t piece = (s.total + nparts - 1) // nparts
@@ -573,7 +573,7 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
         parts[k].fd = fd
         parts[k].src = src
         parts[k].src_len = src_len
-        parts[k].choice = &choices[k] if choices != NULL and not keep else NULL
+        parts[k].choice = &choices[k] if choices != NULL else NULL
         parts[k].stream = stream
         parts[k].keep = keep
         parts[k].dst = s.dst
@@ -781,9 +781,10 @@ cdef class SplitReader:
         whole file (each thread maps its share with ``MADV_POPULATE_READ`` and copies it
         out; a page the file no longer backs is an end-of-file error, never a SIGBUS), or,
         for an ``adaptive`` reader, whichever of the two its pieces measure faster.  With
-        ``keep`` (a mapping kept between loads, :mod:`engine.kept_mappings`) every piece is
-        copied out of the mapping and its pages stay mapped, where otherwise each run is
-        unmapped once copied.
+        ``keep`` (a mapping kept between loads, :mod:`engine.kept_mappings`) the pages mapped
+        stay mapped, where otherwise each run is unmapped once copied: the next copy of them
+        maps nothing, and an ``adaptive`` reader sees that in what mapping them costs and
+        takes them from the mapping.
         Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
         bytes missing)`` of the failure lowest in the concatenation of the targets.
         """

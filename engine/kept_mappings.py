@@ -7,6 +7,11 @@ one it holds page by page.  A process that loads the same files again (a server 
 reloads its weights, swaps models in and out of a device, or fills a second copy of a model)
 pays it once with kept mappings: each file's mapping stays populated between loads and the
 next load copies straight out of it, at the speed of a copy from memory already mapped.
+Which pieces are mapped is still decided as without keeping (``ENGINE_COPY_SOURCE=auto``: by
+what mapping them costs): a file cached in large folios is mapped whole by its first load,
+one cached page by page is read with ``pread`` as before (a copy out of 4 KiB page entries
+is no faster than the kernel's, which reads the page cache through its own large ones), and
+pages once mapped cost nothing to map again, so later loads take them from the mapping.
 
 What keeping costs: a kept file's pages count in the process's resident memory (shared
 file pages, ``RssFile``: the page cache's, not a second copy, and the kernel may still
@@ -157,8 +162,10 @@ def keep_mappings(on: bool = True) -> None:
     A process that loads the same files again (reloads weights, swaps a model back onto a
     device) saves, on every load after the first, building and tearing down the mapping's
     page tables: ``load_into``, owned loads (``backend="pread"``) and the device copy path
-    then copy at the speed of a copy from memory already mapped.  Every split copy of a
-    kept file comes out of its mapping, however the page cache holds it.  The cost: kept
+    then copy at the speed of a copy from memory already mapped.  The pieces a load maps are
+    chosen as without keeping (``ENGINE_COPY_SOURCE``), so no load is slower for it: a file
+    the page cache holds in large folios is mapped, one it holds page by page is still read
+    with ``pread`` under ``auto`` (``mmap`` pins the mapping).  The cost: kept
     files' pages count in the process's resident memory (shared with the page cache, not
     a second copy), and a deleted or replaced file's blocks stay allocated until its mapping
     is dropped (at the next load, or here).  Same as ``ENGINE_KEEP_MAPPINGS=1`` at start-up.

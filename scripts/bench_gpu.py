@@ -259,6 +259,19 @@ def _engine_load_into_directory_path(gpu_path):
     return load
 
 
+def _engine_reload_prepare(files, dev):
+    """A server reloading its weights: staging slots and file mappings kept between loads
+    (``engine.keep_staging``, ``engine.keep_mappings``), one untimed load first; the clock
+    times the next."""
+    import engine
+
+    engine.keep_staging(True)
+    engine.keep_mappings(True)
+    prepared = _engine_load_into_prepare(files, dev)
+    _engine_load_into_directory(files, dev, prepared)
+    return prepared
+
+
 def _engine_stream_stats(files, dev):
     """stream(stats=True), one shard at a time (statistics take one file per call)."""
     import engine
@@ -417,6 +430,8 @@ IMPLEMENTATIONS = {
     "engine load_into(directory) gpu_path=copy": (_engine_load_into_prepare, _engine_load_into_directory_path("copy")),
     "engine load_into(directory) gpu_path=register": (
         _engine_load_into_prepare, _engine_load_into_directory_path("register")),
+    "engine load_into(directory) reload, staging and mappings kept": (
+        _engine_reload_prepare, _engine_load_into_directory),
     "engine stream(f) stats=True per shard": _engine_stream_stats,
     "engine stream(f) quantize=int8 per shard": _engine_stream_int8,
     "reference load_file(f, device) per shard": _reference,

@@ -18,7 +18,9 @@ next; every row ends ``ok``, ``failed`` (with the exception text, exit code or t
 6. ``warm`` (or ``cold`` with ``--modes cold``): the file->GPU rows of scripts/bench_gpu.py,
    each sample a fresh process, rounds interleaved while the budget lasts: every engine
    entry point (``gpu_path`` auto, copy and register), InstantTensor ``Backend.MMAP``,
-   fastsafetensors and the reference, with the host (RSS) and device memory peaks;
+   fastsafetensors and the reference, with the host (RSS) and device memory peaks; in the warm
+   phase also a reload (``load_into`` with staging slots and file mappings kept, the second
+   load in a process timed);
 7. ``onload``: the ``stats=True`` and ``quantize="int8"`` load rates, same measurements;
 8. ``emulated`` (``--device cpu`` only): the engine's device pipeline to the emulated
    device of tests/emulated.py, each ``gpu_path``, bytes checked.
@@ -84,6 +86,8 @@ LOAD_ROWS = [
     "InstantTensor Backend.MMAP",
     "fastsafetensors (nogds, buffered)",
 ]
+#: rows of the warm phase only: a reload reads the file in with its untimed first load
+RELOAD_ROWS = ["engine load_into(directory) reload, staging and mappings kept"]
 ONLOAD_ROWS = ["engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard"]
 GPU_PATHS = ("auto", "copy", "register")
 PYTEST_RUNS = {
@@ -664,8 +668,8 @@ def main() -> int:
         elif phase == "checkpoint":
             state["files"] = phase_checkpoint(rep, folder, size, deadline)
         elif phase in ("warm", "cold"):
-            phase_loads(rep, phase, load_rows, state["files"], args.device, mode, runs, deadline, env(),
-                        state["path"])
+            rows = load_rows + (RELOAD_ROWS if phase == "warm" else [])
+            phase_loads(rep, phase, rows, state["files"], args.device, mode, runs, deadline, env(), state["path"])
         elif phase == "onload":
             phase_loads(rep, phase, ONLOAD_ROWS, state["files"], args.device, mode, runs, deadline, env(),
                         state["path"])

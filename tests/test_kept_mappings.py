@@ -177,9 +177,11 @@ def test_concurrent_loads_of_one_file_share_its_kept_mapping(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc/self/status")
-def test_a_kept_file_stays_mapped_and_a_plain_load_unmaps(tmp_path):
+def test_a_kept_file_stays_mapped_and_a_plain_load_unmaps(tmp_path, monkeypatch):
     """What keeping is: the file's pages stay mapped in the process (RssFile) after the
-    load, where a plain load unmaps each piece once copied."""
+    load, where a plain load unmaps each piece once copied.  The mapping is pinned as the
+    source (under ``auto`` a file cached page by page may be read with ``pread``)."""
+    monkeypatch.setenv("ENGINE_COPY_SOURCE", "mmap")
     path = tmp_path / "big.safetensors"
     want = {"w": np.random.default_rng(22).integers(0, 255, size=(48 << 20,), dtype=np.uint8)}
     engine.save_file(want, str(path))
