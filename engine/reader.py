@@ -67,7 +67,7 @@ def copy_mapping(fd: int):
     there a populate faults the file in through the mount a read-ahead window at a time,
     where a ``pread`` per piece asks for the whole piece); the file is empty; or it cannot be
     mapped.  With :func:`engine.keep_mappings` on, it is the file's kept mapping
-    (:func:`kept`), populated by earlier loads, whatever the source.  Close it with
+    (:func:`kept`), where earlier loads left the pages they mapped.  Close it with
     :func:`close_mapping`."""
     source = copy_source()
     if source == "pread" or (source == "auto" and on_network_mount(fd)):
