@@ -16,8 +16,9 @@ pages once mapped cost nothing to map again, so later loads take them from the m
 What keeping costs: a kept file's pages count in the process's resident memory (shared
 file pages, ``RssFile``: the page cache's, not a second copy, and the kernel may still
 reclaim them), and a kept mapping holds its file open, so the blocks of a file deleted or
-replaced meanwhile are freed only when its mapping goes.  A load drops kept mappings of
-files that have been deleted, :data:`KeptMappings.MAX_FILES` bounds how many are kept (the
+replaced meanwhile are freed only when its mapping goes.  A load that maps a file anew (one
+not kept, or changed) first drops the kept mappings of files deleted since (a model
+replaced on disk by a new file is one such load), :data:`KeptMappings.MAX_FILES` bounds how many are kept (the
 least recently used goes first), and ``keep_mappings(False)`` drops them all.  Off by
 default.  Used by :func:`engine.reader.copy_mapping`.
 """
@@ -163,12 +164,12 @@ def keep_mappings(on: bool = True) -> None:
     device) saves, on every load after the first, building and tearing down the mapping's
     page tables: ``load_into``, owned loads (``backend="pread"``) and the device copy path
     then copy at the speed of a copy from memory already mapped.  The pieces a load maps are
-    chosen as without keeping (``ENGINE_COPY_SOURCE``), so no load is slower for it: a file
+    chosen as without keeping (``ENGINE_COPY_SOURCE``): a file
     the page cache holds in large folios is mapped, one it holds page by page is still read
     with ``pread`` under ``auto`` (``mmap`` pins the mapping).  The cost: kept
     files' pages count in the process's resident memory (shared with the page cache, not
     a second copy), and a deleted or replaced file's blocks stay allocated until its mapping
-    is dropped (at the next load, or here).  Same as ``ENGINE_KEEP_MAPPINGS=1`` at start-up.
+    is dropped (by the next load that maps a file anew, or here).  Same as ``ENGINE_KEEP_MAPPINGS=1`` at start-up.
     Files on network mounts are never mapped (see :func:`engine.reader.copy_mapping`).
     """
     with KEPT_MAPPINGS.lock:
