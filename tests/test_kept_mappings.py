@@ -34,6 +34,16 @@ def _empty_like(tensors):
     return {k: np.zeros_like(v) for k, v in tensors.items()}
 
 
+def _load_checked(path, want) -> list[str]:
+    """``engine.load_into`` of ``path`` into fresh zeroed arrays shaped as ``want``; every
+    array must then equal ``want``'s.  Returns the names filled."""
+    dst = _empty_like(want)
+    names = engine.load_into(path, dst)
+    for k in want:
+        assert (dst[k] == want[k]).all(), k
+    return names
+
+
 def _rss_file_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
@@ -44,11 +54,8 @@ def test_off_by_default_and_a_load_keeps_nothing(tmp_path):
     want = _save(path, 1)
     assert not KEPT_MAPPINGS.on or os.environ.get("ENGINE_KEEP_MAPPINGS") == "1"
     engine.keep_mappings(False)
-    dst = _empty_like(want)
-    engine.load_into(path, dst)
+    _load_checked(path, want)
     assert not len(KEPT_MAPPINGS)
-    for k in want:
-        assert (dst[k] == want[k]).all()
 
 
 def test_repeated_loads_copy_out_of_one_kept_mapping(tmp_path):
@@ -57,10 +64,7 @@ def test_repeated_loads_copy_out_of_one_kept_mapping(tmp_path):
     engine.keep_mappings(True)
     seen = set()
     for _ in range(3):
-        dst = _empty_like(want)
-        assert engine.load_into(path, dst) == list(want)
-        for k in want:
-            assert (dst[k] == want[k]).all()
+        assert _load_checked(path, want) == list(want)
         seen.update(id(m) for m in KEPT_MAPPINGS.kept.values())
     assert len(seen) == 1 and len(KEPT_MAPPINGS) == 1
     (m,) = KEPT_MAPPINGS.kept.values()
@@ -92,10 +96,7 @@ def test_a_changed_file_is_mapped_again_never_read_stale(tmp_path, change):
         with open(path, "r+b") as f:
             f.truncate(0)
             f.write((tmp_path / "b.safetensors").read_bytes())
-    dst = _empty_like(want)
-    engine.load_into(path, dst)
-    for k in want:
-        assert (dst[k] == want[k]).all(), k
+    _load_checked(path, want)
     assert old.closed  # the stale mapping is dropped, not kept beside the new one
     assert len(KEPT_MAPPINGS) == 1
 
@@ -107,11 +108,8 @@ def test_mappings_of_deleted_files_are_dropped_at_the_next_load(tmp_path):
     engine.load_into(a, _empty_like(want_a))
     (ma,) = KEPT_MAPPINGS.kept.values()
     os.unlink(a)  # its blocks stay allocated while the mapping holds the file
-    dst = _empty_like(want_b)
-    engine.load_into(b, dst)
+    _load_checked(b, want_b)
     assert ma.closed and len(KEPT_MAPPINGS) == 1
-    for k in want_b:
-        assert (dst[k] == want_b[k]).all()
 
 
 def test_at_most_max_files_are_kept_least_recently_used_first(tmp_path, monkeypatch):
@@ -236,11 +234,8 @@ def test_pinned_pread_source_maps_nothing(tmp_path, monkeypatch):
     want = _save(path, 23)
     monkeypatch.setenv("ENGINE_COPY_SOURCE", "pread")
     engine.keep_mappings(True)
-    dst = _empty_like(want)
-    engine.load_into(path, dst)
+    _load_checked(path, want)
     assert not len(KEPT_MAPPINGS)
-    for k in want:
-        assert (dst[k] == want[k]).all()
 
 
 def test_the_environment_turns_it_on_at_start_up():
