@@ -45,6 +45,13 @@ extensions = [
         define_macros=macros,
         extra_compile_args=compile_args,
     ),
+    Extension(
+        "engine._ring",
+        ["engine/_ring.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+        libraries=["dl"],
+    ),
 ]
 
 setup(

@@ -120,13 +120,7 @@ cdef int _MAX_SPLIT_THREADS = 256
 # those lines back is paid later, by whichever piece comes next, of either source.  A timer
 # per piece credits ``pread`` with less than it costs, and a race of the two timers drifts to
 # ``pread`` where the mapping is faster.
-cdef struct _Choice:
-    double populate          # seconds per byte mapping the pages of the last timed mapped piece took
-    double copy              # seconds per byte copying out of the mapping (recent pieces)
-    int known                # populate and copy hold a figure
-    int64_t turns            # timed pieces given to pread since the mapping was last timed
-    int64_t every            # pieces between tries of the mapping while pread is chosen
-    int64_t nbytes[2]        # bytes copied with each source: [pread, mapping]
+# _Choice is declared in _io.pxd (the chunk ring, engine/_ring.pyx, shares this machinery)
 
 
 # a piece is timed only from this size on (smaller ones measure their overheads)
@@ -150,28 +144,7 @@ cdef int64_t _RETRY_FIRST = 2
 cdef int64_t _RETRY_LAST = 32
 
 
-cdef struct _Part:
-    int fd
-    const uint8_t* src       # a file mapping to copy from (MADV_POPULATE_READ, then memcpy), or NULL: pread
-    int64_t src_len          # bytes of that mapping
-    uint8_t** dst            # dst[i]: where segment i goes
-    const int64_t* file_off
-    const int64_t* sizes
-    const int64_t* starts    # starts[i]: position of segment i in the concatenation
-    Py_ssize_t nseg
-    int64_t* cursor          # shared by the parts of one copy: the next piece's start; each
-    int64_t piece            # thread takes pieces of this size in order until total
-    int64_t total
-    int64_t errpos           # position in the concatenation of the failure
-    int err                  # 0, errno, or -1 for the end of the file
-    int64_t at               # file offset of the failure
-    int64_t missing          # bytes of the failing segment's share still unread
-    _Choice* choice          # with a mapping: where this share's pieces learn which source is
-                             # faster (NULL: always the mapping)
-    int stream               # copies out of the mapping bypass the caches (engine_stream_copy)
-    int64_t shift            # pieces start this many bytes before the cursor's multiples of
-                             # piece (see _plan_parts)
-    int keep                 # a kept mapping (engine.kept_mappings): its pages stay mapped
+# _Part is declared in _io.pxd
 
 
 # -- copies out of a file mapping ------------------------------------------------------------
@@ -294,6 +267,11 @@ cdef extern from *:
     int _bus_guard_ready "engine_bus_ready"() noexcept nogil
     int64_t _take "engine_take"(int64_t* cursor, int64_t n) noexcept nogil
     int _guarded_copy "engine_guarded_copy"(void* dst, const void* src, size_t n, int stream) noexcept nogil
+
+cdef int _guard_ready() noexcept nogil:
+    """Install the SIGBUS guard of mapped copies (0, or -1 where ``sigaction`` failed)."""
+    return _bus_guard_ready()
+
 
 cdef inline double _seconds() noexcept nogil:
     cdef timespec ts

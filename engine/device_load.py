@@ -44,11 +44,12 @@ from typing import Protocol
 
 import numpy as np
 
+from . import device_ring
 from ._threads import run_threads
 from .device_staging import Ring
 from .device_units import SLOT_ALIGN, Unit, UnitQueue, units
 from .errors import DeviceError
-from .reader import check_read, close_mapping, copy_mapping, kept, resident_pages, split_reader
+from .reader import check_read, close_mapping, copy_mapping, kept, split_reader
 
 __all__ = ["DeviceOps", "DeviceLoad", "REGISTER_DEPTH", "default_slot_bytes", "default_copy_threads"]
 
@@ -126,11 +127,6 @@ def default_slot_bytes(threads: int | None = None) -> int:
     return max(8 << 20, min(64 << 20, n * SHARE_BYTES))
 
 
-def _resident(mapping: memoryview, offset: int, nbytes: int) -> bool:
-    resident, pages = resident_pages(mapping[offset : offset + nbytes])
-    return pages > 0 and resident == pages
-
-
 class DeviceLoad:
     """One device load: the units, the two paths, their threads and their clean-up.
 
@@ -141,8 +137,7 @@ class DeviceLoad:
     """
 
     def __init__(
-        self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, residency,
-        after_copy=None,
+        self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, after_copy=None,
     ) -> None:
         self.sources = sources
         self.dest = dest
@@ -153,7 +148,6 @@ class DeviceLoad:
         self.slots = max(1, slots)
         self.fill = fill
         self.after_copy = after_copy
-        self.residency = residency or _resident
         total = sum(r.nbytes for s in sources for r in s.requests)
         want = slot_bytes or default_slot_bytes(self.threads)
         # never a slot larger than the load (rounded up to a page); a fill hook sees whole
@@ -166,7 +160,21 @@ class DeviceLoad:
         self.remote = any(s.ranges is not None for s in sources)
         if self.remote and (fill is not None or not all(s.ranges is not None for s in sources)):
             raise ValueError("a device load of remote files takes no fill hook and no local files")
-        self.use_register = gpu_path != "copy" and fill is None and can_register and not self.remote
+        # the native chunk ring: every plain load of local files (hooks still take the slots below)
+        self.use_ring = (gpu_path != "register" and fill is None and after_copy is None and not self.remote
+                         and device_ring.supports(self.ops))
+        self.ring = None
+        if self.use_ring:
+            g = device_ring.default_geometry()
+            if slot_bytes:
+                chunk = max(4096, slot_bytes // 4096 * 4096)
+                g = device_ring.Geometry(chunk, max(2, min(g.chunks, device_ring.MAX_RING_BYTES // chunk)), g.threads)
+            if threads:
+                g = g._replace(threads=threads)
+            self.ring = g
+        # page-locking the file's mapping itself: only when asked for (it measured slower than
+        # the copy path on an H100 host and page-locks the file's pages; BENCHMARKS.md)
+        self.use_register = gpu_path == "register" and fill is None and can_register and not self.remote
         if gpu_path == "register" and not can_register:
             raise DeviceError("gpu_path='register' asked for, but the device cannot page-lock host memory")
         self.gpu_path = gpu_path
@@ -176,6 +184,9 @@ class DeviceLoad:
     # -- set-up and tear-down --------------------------------------------------------------
 
     def run(self) -> None:
+        if self.use_ring:
+            self.ring_stats = device_ring.load(self.sources, self.dest, self.tracker, self.cancel, self.ring)
+            return
         maps: dict[int, tuple] = {}  # source -> (mmap, handle)
         try:
             copy_only, shared = self.units, []  # type: list[Unit], list[Unit]
@@ -230,15 +241,7 @@ class DeviceLoad:
         if m is None:
             return False
         spans = unit.spans()
-        if spans[-1][0] + spans[-1][1] > len(m):  # the file is shorter than its plan
-            return False
-        if self.gpu_path == "register":
-            return True
-        view = memoryview(m)
-        try:
-            return all(self.residency(view, off, n) for off, n in spans)
-        finally:
-            view.release()
+        return spans[-1][0] + spans[-1][1] <= len(m)  # else the file is shorter than its plan
 
     # -- the copy path ---------------------------------------------------------------------
 

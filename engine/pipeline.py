@@ -169,7 +169,6 @@ def run_sources(
     on_complete: Callable[[int], None] | None = None,
     cancel: threading.Event | None = None,
     fill: Callable[[int, Request, list], None] | None = None,
-    residency: Callable[[memoryview, int, int], bool] | None = None,
     after_copy: Callable[[Request, object], None] | None = None,
 ) -> int:
     """Execute the read plans of one or more files into ``dest``; returns bytes read.
@@ -203,9 +202,6 @@ def run_sources(
         a device or reported complete: the place for work that must see the bytes while
         they are in the CPU cache (statistics, see :class:`engine.load_hooks.StatsCollector`).  With ``fill``,
         device loads use the copy path alone.
-    residency : callable, optional
-        ``residency(mapping, offset, nbytes) -> bool``: whether those bytes of a file's
-        read-only mapping are all in the page cache; default ``mincore``.
     after_copy : callable, optional
         ``after_copy(request, stream)`` runs on a device worker right after a request's
         host-to-device copies are issued, before the event that marks them done is
@@ -245,7 +241,7 @@ def run_sources(
     if dest.on_device:
         DeviceLoad(sources, dest, tracker, cancel, threads=threads, slots=slots,
                     slot_bytes=slot_bytes, gpu_path=gpu_path, fill=fill,
-                    residency=residency, after_copy=after_copy).run()
+                    after_copy=after_copy).run()
     else:
         _run_host(sources, dest, tracker, cancel, threads, fill)
     if cancel.is_set():

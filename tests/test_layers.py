@@ -49,6 +49,8 @@ FLOORS: dict[str, int] = {
     "reader": 3,
     "pipeline": 3,
     "device_load": 3,
+    "device_ring": 3,
+    "_ring": 3,
     "device_units": 3,
     "device_staging": 3,
     "kept_mappings": 3,
@@ -265,7 +267,8 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"), ("_s3", "errors"),
     ("header", "_header"), ("_header_encode", "header"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"), ("device_load", "device_units"),
-    ("device_load", "device_staging"), ("reader", "kept_mappings"),
+    ("device_load", "device_staging"), ("reader", "kept_mappings"), ("device_load", "device_ring"),
+    ("device_ring", "reader"), ("device_ring", "_ring"),
     ("device", "numerics.device"), ("quantize", "numerics.quantize"), ("statistics", "numerics.statistics"),
     ("file_handle", "loader"), ("loader", "load_hooks"), ("tensorspec", "writer"),
     ("checkpoint", "shards"), ("checkpoint", "checkpoint_info"),
@@ -309,7 +312,7 @@ def test_same_floor_imports_are_the_listed_ones():
 
 
 #: private native modules and the one public module that wraps each
-NATIVE_OWNERS = {"_header": "header", "_file_handle": "file_handle", "_io": "reader"}
+NATIVE_OWNERS = {"_header": "header", "_file_handle": "file_handle", "_io": "reader", "_ring": "device_ring"}
 
 
 def test_private_native_modules_are_reached_through_their_public_module():

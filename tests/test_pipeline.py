@@ -48,10 +48,6 @@ def _expected(data, begins, ends, row):
     return data[64 + begins[row] : 64 + ends[row]].tobytes()
 
 
-def _all_resident(mapping, offset, nbytes):
-    return True
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.lists(st.integers(0, 39), unique=True),
@@ -77,7 +73,7 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(
         dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in dst.items() if len(b)})
     try:
         n = pipeline.run(fd, requests, dest, path=path, threads=threads, slots=slots, slot_bytes=slot_bytes,
-                         gpu_path=gpu_path, on_complete=completed.append, residency=_all_resident)
+                         gpu_path=gpu_path, on_complete=completed.append)
     finally:
         if emu:
             emu.close()
@@ -225,55 +221,30 @@ def _device_load(layout, emu, *, rows=None, slot_bytes=65_536, **kw):
     return dst
 
 
-def test_auto_sends_resident_units_to_the_register_path_and_the_rest_to_the_copy_path(layout):
-    _, _, _, ends, _ = layout
-    half = (int(ends[-1]) + 64) // 2
-    asked = []
-
-    def resident(mapping, offset, nbytes):  # the second half of the file is in the page cache
-        asked.append((offset, nbytes))
-        return offset >= half
-
-    emu = EmulatedDevice()
-    _device_load(layout, emu, residency=resident)
-    emu.assert_clean()
-    assert asked
-    assert all(off + (-off % emu.PAGE) >= half - emu.PAGE for off, _, _ in emu.register_calls)
-    assert emu.copies_from["staging"] and emu.copies_from["mapping"]
-
-
-def test_both_paths_share_a_fully_resident_load(layout):
-    emu = EmulatedDevice(delay=0.001)
-    _device_load(layout, emu, slot_bytes=32_768, residency=_all_resident)
-    emu.assert_clean()
-    assert emu.copies_from["staging"] > 0 and emu.copies_from["mapping"] > 0
-    assert all(ok for _, _, ok in emu.register_calls)
-
-
-def test_default_residency_is_mincore_on_the_mapping(layout):
-    # the file was just written: its pages are in the page cache, so auto registers them
+def test_auto_is_the_copy_path_and_never_page_locks_the_file(layout):
+    # the register path lost to the copy path on an H100 host: auto no longer takes it
     emu = EmulatedDevice()
     _device_load(layout, emu)
     emu.assert_clean()
-    assert emu.register_calls
+    assert not emu.register_calls and emu.copies_from["mapping"] == 0 and emu.copies_from["staging"]
 
 
 @pytest.mark.parametrize("refuse", [lambda off, n: True, lambda off, n: (off // 65_536) % 2 == 0])
 def test_refused_registrations_fall_back_to_the_copy_path(layout, refuse):
     emu = EmulatedDevice(refuse=refuse)
-    _device_load(layout, emu, residency=_all_resident)
+    _device_load(layout, emu, gpu_path="register")
     emu.assert_clean()
     assert any(not ok for _, _, ok in emu.register_calls)
     assert emu.copies_from["staging"] > 0
 
 
-def test_gpu_path_copy_never_registers_and_register_ignores_residency(layout):
+def test_gpu_path_copy_never_registers_and_register_registers_every_unit(layout):
     emu = EmulatedDevice()
-    _device_load(layout, emu, gpu_path="copy", residency=_all_resident)
+    _device_load(layout, emu, gpu_path="copy")
     emu.assert_clean()
     assert not emu.register_calls and emu.copies_from["mapping"] == 0
     emu = EmulatedDevice()
-    _device_load(layout, emu, gpu_path="register", residency=lambda m, o, n: False)
+    _device_load(layout, emu, gpu_path="register")
     emu.assert_clean()
     assert emu.register_calls and emu.copies_from["mapping"] > 0 and emu.copies_from["staging"] == 0
 
@@ -334,8 +305,7 @@ def test_truncation_mid_load_is_a_read_error_and_releases_everything(copy_of_lay
         try:
             pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
                          pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
-                         slot_bytes=65_536, gpu_path=gpu_path, on_complete=on_complete,
-                         residency=_all_resident)
+                         slot_bytes=65_536, gpu_path=gpu_path, on_complete=on_complete)
         finally:
             emu.close()
     assert truncated
@@ -391,8 +361,7 @@ def test_cancel_of_a_device_load_unregisters_and_frees_everything(layout, gpu_pa
         try:
             pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
                          pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
-                         slot_bytes=16_384, gpu_path=gpu_path, on_complete=on_complete, cancel=cancel,
-                         residency=_all_resident)
+                         slot_bytes=16_384, gpu_path=gpu_path, on_complete=on_complete, cancel=cancel)
         finally:
             emu.close()
     assert len(done) < 38
@@ -414,7 +383,7 @@ def test_a_failing_device_copy_still_unregisters_and_frees(layout):
 
     emu.copy_to_device = flaky
     with pytest.raises(DeviceError, match="on fire"):
-        _device_load(layout, emu, residency=_all_resident)
+        _device_load(layout, emu)
     emu.assert_clean()
 
 
@@ -440,7 +409,7 @@ def test_several_files_run_as_one_pipeline(layout, tmp_path, device):
         n = pipeline.run_sources(
             [pipeline.Source(fd, path, plan_reads(begins, ends, rows, 64, 65_536)),
              pipeline.Source(fd2, str(path2), plan_reads(begins, ends, rows, 64, 65_536), 100)],
-            dest, threads=3, slot_bytes=100_000, on_complete=completed.append, residency=_all_resident,
+            dest, threads=3, slot_bytes=100_000, on_complete=completed.append,
         )
     finally:
         os.close(fd2)
@@ -564,7 +533,7 @@ def test_default_slots_are_never_larger_than_the_load(layout):
     _, _, begins, ends, _ = layout
     total = int(ends[-1])
     emu = EmulatedDevice()
-    _device_load(layout, emu, slot_bytes=None, gpu_path="copy", residency=_all_resident)
+    _device_load(layout, emu, slot_bytes=None, gpu_path="copy")
     emu.assert_clean()
     page = mmap.PAGESIZE
     assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page + device_units.SLOT_ALIGN)

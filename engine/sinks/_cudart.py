@@ -29,6 +29,7 @@ __all__ = [
     "Runtime",
     "address_of",
     "runtime",
+    "runtime_path",
 ]
 
 #: ``cudaHostRegisterPortable``: the pages count as page-locked in every CUDA context, so
@@ -94,6 +95,26 @@ def _ctypes_runtime(path: str) -> Runtime:
     last = lib.cudaGetLastError
     last.restype = ctypes.c_int
     return Runtime(reg, unreg, last, f"ctypes:{os.path.basename(path)}")
+
+
+#: sonames tried, newest first, when no runtime is mapped yet
+_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+
+
+def runtime_path() -> str | None:
+    """Path of the ``libcudart`` this process has loaded (torch's or CuPy's: opening it again
+    gives that same instance), else the first soname the dynamic loader finds, else None.
+    The engine's chunk ring (:mod:`engine.device_ring`) opens it."""
+    path = _loaded_cudart_path()
+    if path is not None:
+        return path
+    for name in _SONAMES:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return name
+    return None
 
 
 @functools.cache

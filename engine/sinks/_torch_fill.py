@@ -32,6 +32,25 @@ class TorchCudaOps(PinnedHostOps):
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)
 
+    # -- what the native chunk ring needs (engine.device_ring) --------------------------------
+
+    def runtime_path(self) -> str | None:
+        from . import _cudart
+
+        return _cudart.runtime_path()
+
+    @property
+    def device_index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def ring_stream(self):
+        """A stream of the load's own on the device: ``(cudaStream_t, the torch object)``."""
+        stream = torch.cuda.Stream(device=self.device)
+        return stream.cuda_stream, stream
+
+    def address(self, target: torch.Tensor) -> int:
+        return target.data_ptr()
+
     def alloc_staging(self, nbytes: int):
         from . import _cudart  # CUDA loads only: CPU tensors never need the runtime's bindings
 

@@ -56,6 +56,24 @@ class CupyOps(PinnedHostOps):
     def bind_thread(self) -> None:
         self.device.use()
 
+    # -- what the native chunk ring needs (engine.device_ring) --------------------------------
+
+    def runtime_path(self) -> str | None:
+        return _cudart.runtime_path()
+
+    @property
+    def device_index(self) -> int:
+        return int(self.device.id)
+
+    def ring_stream(self):
+        """A stream of the load's own on the device: ``(cudaStream_t, the CuPy object)``."""
+        with self.device:
+            stream = cupy.cuda.Stream(non_blocking=True)
+        return stream.ptr, stream
+
+    def address(self, target) -> int:
+        return int(target.data.ptr)
+
     def alloc_staging(self, nbytes: int):
         block = _cudart.PinnedBlock(nbytes)
         if not block.locked:  # page-locking refused: CuPy's pinned memory (cached by CuPy)

@@ -1,0 +1,123 @@
+"""The emulated CUDA runtime (``emucudart.c`` beside this file): built with the machine's C
+compiler on first use, loaded by path, so that the engine's native ring calls it exactly as it
+calls a real ``libcudart`` (see the C file for what it emulates and the controls it adds).
+
+Used by the tests, ``scripts/bench_host.py`` and ``scripts/gpu_check.py``'s dry mode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("emucudart.c")
+_STATS = ("copies", "bytes", "pageable", "wrong_device", "registered", "streams", "events",
+          "max_queued", "records", "registrations")
+
+
+def build() -> str:
+    """Path of the compiled library (built once per source version, in ``build/emucudart``
+    of the checkout, or a temporary folder where that is not writable)."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    for base in (Path(__file__).resolve().parents[2] / "build" / "emucudart",
+                 Path(tempfile.gettempdir()) / "engine-emucudart"):
+        lib = base / f"libemucudart-{digest}.so"
+        if lib.exists():
+            return str(lib)
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise RuntimeError("no C compiler to build the emulated CUDA runtime")
+        tmp = base / f".{lib.name}.{os.getpid()}"
+        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(SOURCE)], check=True,
+                       capture_output=True)
+        os.replace(tmp, lib)
+        return str(lib)
+    raise RuntimeError("nowhere to build the emulated CUDA runtime")
+
+
+class Emulator:
+    """The library loaded by path (the same instance the ring opens), with its controls."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or build()
+        self.lib = ctypes.CDLL(self.path)
+        for name in ("emu_set_copy_delay_ns",):
+            getattr(self.lib, name).argtypes = [ctypes.c_int64]
+        self.lib.emu_fail_copy.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        self.lib.emu_fail_event_record_after.argtypes = [ctypes.c_int64]
+        self.lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
+        self.lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+
+    def reset(self) -> None:
+        self.lib.emu_reset()
+
+    def delay(self, seconds: float) -> None:
+        """Each copy sleeps this long when its stream runs it."""
+        self.lib.emu_set_copy_delay_ns(int(seconds * 1e9))
+
+    def noop(self, on: bool = True) -> None:
+        """Copies move no bytes (to time the ring alone)."""
+        self.lib.emu_set_noop(int(on))
+
+    def fail_copy(self, nth: int, code: int = 700, asynchronous: bool = False) -> None:
+        """Copy number ``nth`` since the last reset fails with ``code``: at issue, or when it runs."""
+        self.lib.emu_fail_copy(nth, code, int(asynchronous))
+
+    def fail_register(self, code: int) -> None:
+        self.lib.emu_fail_register(code)
+
+    def fail_event_record_after(self, n: int) -> None:
+        self.lib.emu_fail_event_record_after(n)
+
+    def devices(self, n: int) -> None:
+        self.lib.emu_set_devices(n)
+
+    def stats(self) -> dict[str, int]:
+        out = (ctypes.c_int64 * len(_STATS))()
+        self.lib.emu_stats(out)
+        return dict(zip(_STATS, out, strict=True))
+
+    def new_stream(self) -> int:
+        handle = ctypes.c_void_p()
+        assert self.lib.cudaStreamCreate(ctypes.byref(handle)) == 0
+        return int(handle.value or 0)
+
+    def destroy_stream(self, handle: int) -> None:
+        self.lib.cudaStreamDestroy(handle)
+
+
+class EmulatedRingOps:
+    """Device operations for the engine's chunk ring over the emulated runtime: "device"
+    buffers are numpy arrays in this process, a stream is one the emulator made."""
+
+    def __init__(self, emulator: Emulator, device: int = 0) -> None:
+        self.emulator = emulator
+        self.device_index = device
+        self.streams: list[int] = []
+
+    def runtime_path(self) -> str:
+        return self.emulator.path
+
+    def ring_stream(self):
+        handle = self.emulator.new_stream()
+        self.streams.append(handle)
+        return handle, None
+
+    def address(self, target) -> int:
+        return int(np.frombuffer(target, np.uint8).ctypes.data) if len(target) else 0
+
+    def close(self) -> None:
+        for handle in self.streams:
+            self.emulator.destroy_stream(handle)
+        self.streams = []

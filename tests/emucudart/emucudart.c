@@ -1,0 +1,446 @@
+/* An emulated CUDA runtime for the tests: the entry points of libcudart that the engine's
+ * native chunk ring calls, with the same names, signatures and error codes, on the CPU.
+ *
+ * "Device memory" is host memory: a device pointer is an address in this process.  Each
+ * stream is a worker thread that runs its queue in order; cudaMemcpyAsync queues a memcpy
+ * that reads its source only when it runs, so a ring that reused a chunk before its copy
+ * finished would land wrong bytes, and the tests would see it.  Events complete when the
+ * stream reaches them.  Page-locking is recorded, and a copy from memory nobody locked is
+ * counted (the real runtime would run it synchronously, at pageable speed).
+ *
+ * Controls for the tests (emu_*): delays, copies that do nothing (to time the ring alone),
+ * a copy or a registration that fails (at issue or, like a fault on the device, when it
+ * runs: a sticky error that later calls return), and counters.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int cudaError_t;
+enum {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInvalidDevice = 101,
+    cudaErrorInvalidResourceHandle = 400,
+    cudaErrorNotReady = 600,
+    cudaErrorIllegalAddress = 700,
+    cudaErrorHostMemoryAlreadyRegistered = 712,
+    cudaErrorHostMemoryNotRegistered = 713,
+};
+
+#define MAX_REGIONS 4096
+
+typedef struct op {
+    struct op *next;
+    int kind; /* 0 copy, 1 event */
+    void *dst;
+    const void *src;
+    size_t n;
+    struct event *event;
+    int64_t gen;
+    int64_t seq; /* this copy's number, for an injected failure */
+} op_t;
+
+typedef struct stream {
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    op_t *head, *tail;
+    int busy, stop, device;
+} stream_t;
+
+typedef struct event {
+    int64_t recorded, completed;
+} event_t;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_done = PTHREAD_COND_INITIALIZER;
+static struct { uintptr_t addr; size_t n; } g_regions[MAX_REGIONS];
+static int g_nregions;
+static __thread int t_device = 0;
+static int g_devices = 1;
+
+static int64_t g_copy_delay_ns;      /* each copy sleeps this long when it runs */
+static int g_noop;                   /* copies move no bytes */
+static int64_t g_fail_copy = -1;     /* the copy with this number fails */
+static int g_fail_code, g_fail_async;
+static int g_fail_register;          /* cudaHostRegister returns this */
+static int64_t g_fail_event_after = -1; /* event records past this many fail */
+static cudaError_t g_sticky;         /* an asynchronous failure: later calls return it */
+static cudaError_t g_last;
+
+/* counters: copies issued, bytes, copies from memory not page-locked, copies issued from a
+ * thread whose current device is not the stream's, registrations live, streams live, events
+ * live, copies queued at most, events recorded */
+static int64_t g_copies, g_bytes, g_pageable, g_wrong_device, g_streams, g_events, g_max_queued,
+    g_queued, g_records, g_registers;
+
+static void sleep_ns(int64_t ns) {
+    struct timespec ts = {ns / 1000000000, ns % 1000000000};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}
+
+static cudaError_t fail(cudaError_t e) {
+    g_last = e;
+    return e;
+}
+
+static void *stream_main(void *arg) {
+    stream_t *s = arg;
+    pthread_mutex_lock(&s->lock);
+    for (;;) {
+        while (!s->head && !s->stop)
+            pthread_cond_wait(&s->cond, &s->lock);
+        if (!s->head)
+            break;
+        op_t *o = s->head;
+        s->head = o->next;
+        if (!s->head)
+            s->tail = NULL;
+        s->busy = 1;
+        pthread_mutex_unlock(&s->lock);
+        if (o->kind == 0) {
+            if (g_copy_delay_ns)
+                sleep_ns(g_copy_delay_ns);
+            pthread_mutex_lock(&g_lock);
+            int failing = g_sticky == cudaSuccess && o->seq == g_fail_copy && g_fail_async;
+            if (failing)
+                g_sticky = g_fail_code;
+            int skip = g_sticky != cudaSuccess;
+            g_queued--;
+            pthread_mutex_unlock(&g_lock);
+            if (!skip && !g_noop)
+                memcpy(o->dst, o->src, o->n);
+        } else {
+            pthread_mutex_lock(&g_lock);
+            if (o->gen > o->event->completed)
+                o->event->completed = o->gen;
+            pthread_cond_broadcast(&g_done);
+            pthread_mutex_unlock(&g_lock);
+        }
+        free(o);
+        pthread_mutex_lock(&s->lock);
+        s->busy = 0;
+        if (!s->head) {
+            pthread_mutex_lock(&g_lock);
+            pthread_cond_broadcast(&g_done);
+            pthread_mutex_unlock(&g_lock);
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
+static void push(stream_t *s, op_t *o) {
+    pthread_mutex_lock(&s->lock);
+    o->next = NULL;
+    if (s->tail)
+        s->tail->next = o;
+    else
+        s->head = o;
+    s->tail = o;
+    pthread_cond_signal(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* ---- the runtime's entry points ---------------------------------------------------------- */
+
+cudaError_t cudaGetLastError(void) {
+    cudaError_t e = g_last;
+    g_last = cudaSuccess;
+    return e;
+}
+
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorHostMemoryAlreadyRegistered: return "part or all of the requested memory range is already mapped";
+    case cudaErrorHostMemoryNotRegistered: return "pointer does not correspond to a registered memory region";
+    default: return "unknown error";
+    }
+}
+
+cudaError_t cudaGetDeviceCount(int *n) {
+    *n = g_devices;
+    return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int d) {
+    if (d < 0 || d >= g_devices)
+        return fail(cudaErrorInvalidDevice);
+    t_device = d;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *d) {
+    *d = t_device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaHostRegister(void *p, size_t n, unsigned int flags) {
+    (void)flags;
+    pthread_mutex_lock(&g_lock);
+    cudaError_t e = cudaSuccess;
+    if (g_fail_register) {
+        e = g_fail_register;
+    } else if (!p || !n) {
+        e = cudaErrorInvalidValue;
+    } else if (g_nregions == MAX_REGIONS) {
+        e = cudaErrorMemoryAllocation;
+    } else {
+        for (int i = 0; i < g_nregions; i++)
+            if (g_regions[i].addr < (uintptr_t)p + n && (uintptr_t)p < g_regions[i].addr + g_regions[i].n)
+                e = cudaErrorHostMemoryAlreadyRegistered;
+    }
+    if (e == cudaSuccess) {
+        g_regions[g_nregions].addr = (uintptr_t)p;
+        g_regions[g_nregions].n = n;
+        g_nregions++;
+        g_registers++;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return e ? fail(e) : e;
+}
+
+cudaError_t cudaHostUnregister(void *p) {
+    pthread_mutex_lock(&g_lock);
+    cudaError_t e = cudaErrorHostMemoryNotRegistered;
+    for (int i = 0; i < g_nregions; i++)
+        if (g_regions[i].addr == (uintptr_t)p) {
+            g_regions[i] = g_regions[--g_nregions];
+            e = cudaSuccess;
+            break;
+        }
+    pthread_mutex_unlock(&g_lock);
+    return e ? fail(e) : e;
+}
+
+static int locked(const void *p, size_t n) {
+    for (int i = 0; i < g_nregions; i++)
+        if (g_regions[i].addr <= (uintptr_t)p && (uintptr_t)p + n <= g_regions[i].addr + g_regions[i].n)
+            return 1;
+    return 0;
+}
+
+cudaError_t cudaStreamCreateWithFlags(stream_t **out, unsigned int flags) {
+    (void)flags;
+    stream_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return fail(cudaErrorMemoryAllocation);
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->cond, NULL);
+    s->device = t_device;
+    if (pthread_create(&s->thread, NULL, stream_main, s) != 0) {
+        free(s);
+        return fail(cudaErrorMemoryAllocation);
+    }
+    pthread_mutex_lock(&g_lock);
+    g_streams++;
+    pthread_mutex_unlock(&g_lock);
+    *out = s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(stream_t **out) { return cudaStreamCreateWithFlags(out, 0); }
+
+cudaError_t cudaStreamSynchronize(stream_t *s) {
+    if (!s)
+        return fail(cudaErrorInvalidResourceHandle);
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        int idle = !s->head && !s->busy;
+        pthread_mutex_unlock(&s->lock);
+        if (idle)
+            break;
+        pthread_mutex_lock(&g_lock);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 1000000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&g_done, &g_lock, &ts);
+        pthread_mutex_unlock(&g_lock);
+    }
+    return g_sticky;
+}
+
+cudaError_t cudaStreamDestroy(stream_t *s) {
+    if (!s)
+        return fail(cudaErrorInvalidResourceHandle);
+    pthread_mutex_lock(&s->lock);
+    s->stop = 1;
+    pthread_cond_signal(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+    pthread_join(s->thread, NULL);
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->cond);
+    free(s);
+    pthread_mutex_lock(&g_lock);
+    g_streams--;
+    pthread_mutex_unlock(&g_lock);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stream_t *s) {
+    if (!s || kind != 1 /* cudaMemcpyHostToDevice */)
+        return fail(cudaErrorInvalidValue);
+    if (g_sticky)
+        return g_sticky;
+    pthread_mutex_lock(&g_lock);
+    int64_t seq = g_copies++;
+    g_bytes += (int64_t)n;
+    if (!locked(src, n))
+        g_pageable++;
+    if (t_device != s->device)
+        g_wrong_device++;
+    int now = seq == g_fail_copy && !g_fail_async;
+    if (now) {
+        pthread_mutex_unlock(&g_lock);
+        return fail(g_fail_code);
+    }
+    g_queued++;
+    if (g_queued > g_max_queued)
+        g_max_queued = g_queued;
+    pthread_mutex_unlock(&g_lock);
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return fail(cudaErrorMemoryAllocation);
+    o->kind = 0;
+    o->dst = dst;
+    o->src = src;
+    o->n = n;
+    o->seq = seq;
+    push(s, o);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(event_t **out, unsigned int flags) {
+    (void)flags;
+    event_t *e = calloc(1, sizeof *e);
+    if (!e)
+        return fail(cudaErrorMemoryAllocation);
+    pthread_mutex_lock(&g_lock);
+    g_events++;
+    pthread_mutex_unlock(&g_lock);
+    *out = e;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(event_t **out) { return cudaEventCreateWithFlags(out, 0); }
+
+cudaError_t cudaEventDestroy(event_t *e) {
+    if (!e)
+        return fail(cudaErrorInvalidResourceHandle);
+    pthread_mutex_lock(&g_lock);
+    g_events--;
+    pthread_mutex_unlock(&g_lock);
+    free(e);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(event_t *e, stream_t *s) {
+    if (!e || !s)
+        return fail(cudaErrorInvalidResourceHandle);
+    if (g_sticky)
+        return g_sticky;
+    pthread_mutex_lock(&g_lock);
+    int refuse = g_fail_event_after >= 0 && g_records >= g_fail_event_after;
+    g_records++;
+    int64_t gen = ++e->recorded;
+    pthread_mutex_unlock(&g_lock);
+    if (refuse)
+        return fail(cudaErrorIllegalAddress);
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return fail(cudaErrorMemoryAllocation);
+    o->kind = 1;
+    o->event = e;
+    o->gen = gen;
+    push(s, o);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(event_t *e) {
+    if (!e)
+        return fail(cudaErrorInvalidResourceHandle);
+    pthread_mutex_lock(&g_lock);
+    cudaError_t r = g_sticky ? g_sticky : (e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady);
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
+cudaError_t cudaEventSynchronize(event_t *e) {
+    if (!e)
+        return fail(cudaErrorInvalidResourceHandle);
+    pthread_mutex_lock(&g_lock);
+    while (!g_sticky && e->completed < e->recorded)
+        pthread_cond_wait(&g_done, &g_lock);
+    cudaError_t r = g_sticky;
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
+/* ---- controls for the tests -------------------------------------------------------------- */
+
+void emu_reset(void) {
+    pthread_mutex_lock(&g_lock);
+    g_copy_delay_ns = 0;
+    g_noop = 0;
+    g_fail_copy = -1;
+    g_fail_code = 0;
+    g_fail_async = 0;
+    g_fail_register = 0;
+    g_fail_event_after = -1;
+    g_sticky = cudaSuccess;
+    g_last = cudaSuccess;
+    g_copies = g_bytes = g_pageable = g_wrong_device = g_max_queued = g_records = g_registers = 0;
+    pthread_mutex_unlock(&g_lock);
+}
+
+void emu_set_devices(int n) { g_devices = n; }
+void emu_set_copy_delay_ns(int64_t ns) { g_copy_delay_ns = ns; }
+void emu_set_noop(int on) { g_noop = on; }
+
+/* the copy numbered n (from 0 since the last reset) fails with code: at issue, or when it
+ * runs (async), as a device fault does */
+void emu_fail_copy(int64_t n, int code, int async) {
+    pthread_mutex_lock(&g_lock);
+    g_fail_copy = n;
+    g_fail_code = code;
+    g_fail_async = async;
+    pthread_mutex_unlock(&g_lock);
+}
+
+void emu_fail_register(int code) { g_fail_register = code; }
+void emu_fail_event_record_after(int64_t n) { g_fail_event_after = n; }
+
+/* out[0..9]: copies, bytes, pageable copies, copies from a thread on another device, regions
+ * registered now, streams live, events live, most copies queued at once, event records,
+ * registrations made */
+void emu_stats(int64_t *out) {
+    pthread_mutex_lock(&g_lock);
+    out[0] = g_copies;
+    out[1] = g_bytes;
+    out[2] = g_pageable;
+    out[3] = g_wrong_device;
+    out[4] = g_nregions;
+    out[5] = g_streams;
+    out[6] = g_events;
+    out[7] = g_max_queued;
+    out[8] = g_records;
+    out[9] = g_registers;
+    pthread_mutex_unlock(&g_lock);
+}
