@@ -121,6 +121,7 @@ cdef struct _Rt:
     _f_ptr event_query
     _f_ptr event_synchronize
     _f_ptr event_destroy
+    _f_ptr stream_synchronize
     _f_void get_last_error
     _f_errstr error_string
 
@@ -135,7 +136,8 @@ cdef enum:
 #: the entry points a ring calls, in the order of _Rt
 ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
                 "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
-                "cudaEventSynchronize", "cudaEventDestroy", "cudaGetLastError", "cudaGetErrorString")
+                "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
+                "cudaGetErrorString")
 
 
 cdef class Runtime:
@@ -232,6 +234,7 @@ cdef struct _State:
     int64_t err_missing
     double wait_slot           # seconds copy threads waited for a slot's copy (summed)
     double wait_fill           # seconds the issuing thread waited for a chunk to fill
+    int adaptive               # threads learn pread or the mapping (else a mapping is always used)
     _Choice* choices
 
 
@@ -308,7 +311,7 @@ cdef void _run_worker(_State* st, int index) noexcept nogil:
     cdef double t0
     cdef _Part part
     memset(&part, 0, sizeof(_Part))
-    part.choice = &st.choices[index]
+    part.choice = &st.choices[index] if st.adaptive else NULL
     st.rt.set_device(st.device)
     while not _stopped(&st.cancel):
         k = _take(&st.next_chunk)
@@ -494,13 +497,15 @@ cdef class ChunkRing:
     def run(self, const int32_t[::1] c_file, const int64_t[::1] c_seg, const int64_t[::1] s_pos,
             const int64_t[::1] s_off, const int64_t[::1] s_len, const uint64_t[::1] s_dst,
             const int32_t[::1] fds, const uint64_t[::1] maps, const int64_t[::1] map_lens,
-            const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05):
+            const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05, bint adaptive=True):
         """Move one planned load (see :func:`plan`) through the ring, GIL released.
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
         (``done``: chunks whose copies have certainly completed, a prefix); it returns True to
         cancel, or raises (the run stops and the exception propagates once every issued
         copy has completed).  Signals are checked there too (Ctrl-C stops a load).
+        ``adaptive``: each thread measures whether ``pread`` or the mapping is faster (else
+        files with a mapping are always copied out of it).
 
         Returns ``(kind, code, chunk, at, missing)``: kind 0 on success, 1 a read failed
         (``code`` errno or -1 for the end of the file, ``at``/``missing`` where), 2 the
@@ -562,6 +567,7 @@ cdef class ChunkRing:
                 st.err_code = 0
                 st.wait_slot = 0
                 st.wait_fill = 0
+                st.adaptive = adaptive
                 st.active = self.nthreads
                 st.generation += 1
                 pthread_cond_broadcast(&st.run_cond)
@@ -628,9 +634,10 @@ cdef class ChunkRing:
                 while st.active > 0:
                     pthread_cond_wait(&st.run_cond, &st.lock)
                 pthread_mutex_unlock(&st.lock)
-                # every issued copy completes (or fails) before the chunks may be reused or freed
+                # every issued copy completes (or fails) before the chunks may be reused or freed:
+                # the whole stream (the load's own), whatever event a failure left unrecorded
                 if j > 0:
-                    rc = st.rt.event_synchronize(st.events[(j - 1) % st.nslots])
+                    rc = st.rt.stream_synchronize(st.stream)
                     if rc != 0:
                         st.rt.get_last_error()
                         if st.err_kind == _ERR_NONE:

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import DeviceError, ReadError
-from .reader import check_read, close_mapping, copy_mapping, kept
+from .reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
 __all__ = ["Geometry", "default_geometry", "supports", "load", "keep_rings"]
 
@@ -286,7 +286,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             return cancel.is_set()
 
         kind, code, chunk, at, missing = ring.run(c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens,
-                                                  keeps, poll)
+                                                  keeps, poll, adaptive=copy_source() != "mmap")
         stats = {"threads": ring.threads, "chunk_bytes": ring.chunk_bytes, "chunks": ring.chunks,
                  "waits": ring.waits, "sources": ring.sources, "pageable": ring.pageable}
     finally:

@@ -359,7 +359,7 @@ cudaError_t cudaEventRecord(event_t *e, stream_t *s) {
     pthread_mutex_lock(&g_lock);
     int refuse = g_fail_event_after >= 0 && g_records >= g_fail_event_after;
     g_records++;
-    int64_t gen = ++e->recorded;
+    int64_t gen = refuse ? 0 : ++e->recorded;
     pthread_mutex_unlock(&g_lock);
     if (refuse)
         return fail(cudaErrorIllegalAddress);

@@ -1,0 +1,378 @@
+"""engine.device_ring and its native ring (engine._ring) against the emulated CUDA runtime
+(tests/emucudart): the same entry points a real libcudart has, copies that run later on a
+stream thread and read their source only then, events, page-locking, injected failures.
+
+What a GPU does that the emulator cannot (DMA speed, a real driver) is measured by
+``scripts/gpu_check.py`` on a GPU host; everything about order, recycling, errors and clean-up
+is tested here."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from emucudart import EmulatedRingOps, Emulator
+
+from engine import device_ring, pipeline
+from engine.errors import DeviceError, ReadError
+from engine.plan import Piece, Request, plan_reads
+
+_MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return Emulator()
+
+
+@pytest.fixture
+def ops(emu):
+    emu.reset()
+    ops = EmulatedRingOps(emu)
+    yield ops
+    ops.close()
+    emu.reset()
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    """A 6 MiB file: 64 header bytes, then 60 tensors of random sizes (some empty)."""
+    rng = np.random.default_rng(11)
+    sizes = rng.integers(0, 300_000, 60)
+    sizes[[3, 17]] = 0
+    ends = np.cumsum(sizes)
+    begins = ends - sizes
+    data = rng.integers(0, 256, 64 + int(ends[-1]) + 100, dtype=np.uint8)
+    path = tmp_path_factory.mktemp("ring") / "f.bin"
+    path.write_bytes(data.tobytes())
+    return str(path), begins, ends, data
+
+
+def _clean(emu) -> None:
+    st = emu.stats()
+    assert st["registered"] == 0, st  # every chunk unlocked
+    assert st["events"] == 0, st      # every event destroyed
+    assert st["pageable"] == 0, st    # every copy from page-locked chunks
+    assert st["wrong_device"] == 0, st
+
+
+def _load(layout, ops, rows=None, geometry=device_ring.Geometry(64 * 1024, 4, 2), chunk=1 << 20, **kw):
+    path, begins, ends, data = layout
+    rows = list(range(len(begins))) if rows is None else rows
+    dst = {r: np.zeros(int(ends[r] - begins[r]), np.uint8) for r in rows}
+    done: list[int] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        src = pipeline.Source(fd, path, plan_reads(begins, ends, rows, 64, chunk))
+        tracker = pipeline._Tracker.of([src], done.append)
+        stats = device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops), tracker,
+                                 kw.pop("cancel", threading.Event()), geometry)
+    finally:
+        os.close(fd)
+    return dst, done, stats
+
+
+def _check(layout, dst) -> None:
+    _, begins, ends, data = layout
+    for r, got in dst.items():
+        assert got.tobytes() == data[64 + begins[r] : 64 + ends[r]].tobytes(), r
+
+
+@pytest.mark.parametrize("geometry", [
+    device_ring.Geometry(4096, 1, 1),          # one chunk: every fill waits for the last copy
+    device_ring.Geometry(64 * 1024, 3, 4),     # more threads than chunks
+    device_ring.Geometry(256 * 1024, 16, 2),
+    device_ring.Geometry(2 * _MIB, 8, 3),
+    device_ring.Geometry(32 * _MIB, 2, 2),     # chunks larger than the file
+])
+@pytest.mark.parametrize("source", ["pread", "mmap", "auto"])
+def test_every_byte_lands_and_every_tensor_completes_once(layout, ops, emu, geometry, source, monkeypatch):
+    monkeypatch.setenv("ENGINE_COPY_SOURCE", source)
+    emu.delay(0.0002)  # copies run late: a chunk reused too early would land wrong bytes
+    dst, done, stats = _load(layout, ops, geometry=geometry)
+    _check(layout, dst)
+    # once each, and only tensors with bytes (as the pipeline reports them)
+    assert sorted(done) == sorted(r for r, a in dst.items() if len(a)) and len(done) == len(set(done))
+    _clean(emu)
+    assert stats["threads"] == geometry.threads and stats["chunks"] == geometry.chunks
+    took = np.array(stats["sources"]).sum(axis=0)
+    if source == "pread":
+        assert took[1] == 0
+    if source == "mmap":
+        assert took[0] == 0
+
+
+def test_a_selection_with_gaps_packs_chunks_and_lands(layout, ops, emu):
+    rows = list(range(0, 60, 3))
+    emu.delay(0.0001)
+    dst, done, _ = _load(layout, ops, rows=rows, geometry=device_ring.Geometry(128 * 1024, 4, 2))
+    _check(layout, dst)
+    assert sorted(done) == sorted(r for r in rows if len(dst[r]))
+    _clean(emu)
+
+
+def test_several_files_in_one_ring(layout, ops, emu, tmp_path):
+    path, begins, ends, data = layout
+    other = np.random.default_rng(3).integers(0, 256, len(data), dtype=np.uint8)
+    path2 = tmp_path / "g.bin"
+    path2.write_bytes(other.tobytes())
+    rows = [r for r in range(60) if ends[r] > begins[r]]
+    dst = {base + r: np.zeros(int(ends[r] - begins[r]), np.uint8) for base in (0, 100) for r in rows}
+    fds = [os.open(path, os.O_RDONLY), os.open(path2, os.O_RDONLY)]
+    done: list[int] = []
+    try:
+        srcs = [pipeline.Source(fds[0], path, plan_reads(begins, ends, rows, 64, 1 << 20)),
+                pipeline.Source(fds[1], str(path2), plan_reads(begins, ends, rows, 64, 1 << 20), 100)]
+        device_ring.load(srcs, pipeline.Destination(device_targets=dst, device_ops=ops),
+                         pipeline._Tracker.of(srcs, done.append), threading.Event(),
+                         device_ring.Geometry(256 * 1024, 6, 2))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for r in rows:
+        assert dst[r].tobytes() == data[64 + begins[r] : 64 + ends[r]].tobytes()
+        assert dst[100 + r].tobytes() == other[64 + begins[r] : 64 + ends[r]].tobytes()
+    assert sorted(done) == sorted(dst)
+    _clean(emu)
+
+
+def test_the_pipeline_takes_the_ring_for_plain_device_loads(layout, ops, emu):
+    path, begins, ends, data = layout
+    dst = {r: np.zeros(int(ends[r] - begins[r]), np.uint8) for r in range(60)}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = pipeline.run(fd, plan_reads(begins, ends, range(60), 64, 1 << 20),
+                         pipeline.Destination(device_targets=dst, device_ops=ops), path=path, threads=2)
+    finally:
+        os.close(fd)
+    assert n == int(ends[-1])
+    _check(layout, dst)
+    assert emu.stats()["copies"] > 0
+    _clean(emu)
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_failed_copy_is_a_device_error_and_everything_is_released(layout, ops, emu, asynchronous):
+    emu.delay(0.0001)
+    emu.fail_copy(5, 700, asynchronous)  # cudaErrorIllegalAddress, at issue or as a device fault
+    with pytest.raises(DeviceError) as info:
+        _load(layout, ops)
+    assert "illegal memory access" in str(info.value) and "700" in str(info.value)
+    assert layout[0] in str(info.value)
+    _clean(emu)
+
+
+def test_a_failed_event_record_is_a_device_error(layout, ops, emu):
+    emu.fail_event_record_after(3)
+    with pytest.raises(DeviceError, match="CUDA error 700"):
+        _load(layout, ops)
+    _clean(emu)
+
+
+@pytest.mark.parametrize("source", ["pread", "mmap", "auto"])
+def test_a_file_truncated_under_the_load_is_a_read_error_naming_it(layout, ops, emu, tmp_path, monkeypatch, source):
+    monkeypatch.setenv("ENGINE_COPY_SOURCE", source)
+    path, begins, ends, data = layout
+    short = tmp_path / "short.bin"
+    cut = 64 + int(ends[-1]) // 2
+    short.write_bytes(data[:cut].tobytes())  # the header promises more than the file holds
+    with pytest.raises(ReadError) as info:
+        _load((str(short), begins, ends, data), ops)
+    assert info.value.path == str(short) and info.value.reason == "ShortRead"
+    assert info.value.offset >= cut - 2 * _MIB
+    _clean(emu)
+
+
+def test_cancel_stops_the_load_and_waits_for_issued_copies(layout, ops, emu):
+    cancel = threading.Event()
+    emu.delay(0.002)
+    path, begins, ends, data = layout
+    dst = {r: np.zeros(int(ends[r] - begins[r]), np.uint8) for r in range(60)}
+    fd = os.open(path, os.O_RDONLY)
+    landed: list[int] = []
+
+    def on_complete(row):
+        landed.append(row)
+        cancel.set()
+
+    try:
+        src = pipeline.Source(fd, path, plan_reads(begins, ends, range(60), 64, 1 << 20))
+        device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
+                         pipeline._Tracker.of([src], on_complete), cancel, device_ring.Geometry(16 * 1024, 4, 2))
+    finally:
+        os.close(fd)
+    assert cancel.is_set() and len(landed) < 58
+    _clean(emu)
+    for r in landed:  # what was reported landed is complete
+        assert dst[r].tobytes() == data[64 + begins[r] : 64 + ends[r]].tobytes()
+
+
+def test_an_exception_in_the_progress_report_propagates_after_the_copies(layout, ops, emu):
+    emu.delay(0.002)
+    path, begins, ends, _ = layout
+    dst = {r: np.zeros(int(ends[r] - begins[r]), np.uint8) for r in range(60)}
+    fd = os.open(path, os.O_RDONLY)
+
+    def on_complete(row):
+        raise KeyboardInterrupt  # what Ctrl-C raises in the poll
+
+    try:
+        src = pipeline.Source(fd, path, plan_reads(begins, ends, range(60), 64, 1 << 20))
+        with pytest.raises(KeyboardInterrupt):
+            device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
+                             pipeline._Tracker.of([src], on_complete), threading.Event(),
+                             device_ring.Geometry(16 * 1024, 4, 2))
+    finally:
+        os.close(fd)
+    _clean(emu)
+
+
+def test_refused_page_locking_still_loads_every_byte(layout, ops, emu):
+    emu.fail_register(2)  # cudaErrorMemoryAllocation
+    dst, done, stats = _load(layout, ops)
+    _check(layout, dst)
+    assert stats["pageable"] and emu.stats()["pageable"] > 0 and emu.stats()["registered"] == 0
+
+
+def test_a_missing_runtime_is_a_device_error(layout, ops, emu, monkeypatch):
+    monkeypatch.setattr(ops, "runtime_path", lambda: "/nonexistent/libcudart.so")
+    with pytest.raises(DeviceError, match="libcudart"):
+        _load(layout, ops)
+
+
+def test_the_issuing_thread_copies_on_the_ring_device_and_keeps_its_own(layout, emu):
+    emu.reset()
+    emu.devices(2)
+    ops = EmulatedRingOps(emu, device=1)
+    try:
+        import ctypes
+
+        ctypes.CDLL(emu.path).cudaSetDevice(1)  # streams belong to the device current at creation
+        dst, _, _ = _load(layout, ops)
+        ctypes.CDLL(emu.path).cudaSetDevice(0)
+        _check(layout, dst)
+        assert emu.stats()["wrong_device"] == 0
+        current = ctypes.c_int(-1)
+        ctypes.CDLL(emu.path).cudaGetDevice(ctypes.byref(current))
+        assert current.value == 0  # the caller's device is restored
+    finally:
+        ops.close()
+        emu.devices(1)
+        emu.reset()
+
+
+# -- memory: bounded, nothing left mapped ----------------------------------------------------------
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_no_file_stays_mapped_and_mapped_pages_are_released(ops, emu, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_COPY_SOURCE", "mmap")
+    path = tmp_path / "big.bin"
+    n = 64 * _MIB
+    data = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    dst = {0: np.zeros(n, np.uint8)}
+    dst[0][:] = 1  # its pages resident before the load
+    fd = os.open(path, os.O_RDONLY)
+    peak = [0]
+    before = _status("RssFile")
+
+    def watch(row):
+        peak[0] = max(peak[0], _status("RssFile") - before)
+
+    try:
+        src = pipeline.Source(fd, str(path), [Request(0, n, (Piece(0, 0, 0, n),))])
+        device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
+                         pipeline._Tracker.of([src], watch), threading.Event(), device_ring.Geometry(2 * _MIB, 4, 2))
+        watch(0)
+    finally:
+        os.close(fd)
+    assert dst[0].tobytes() == data.tobytes()
+    with open("/proc/self/maps") as f:
+        assert str(path) not in f.read()
+    assert peak[0] < 16 * _MIB  # the file's pages were unmapped chunk by chunk, not held
+
+
+def test_kept_rings_are_reused_and_released(layout, ops, emu):
+    device_ring.keep_rings(True)
+    try:
+        _load(layout, ops)
+        first = emu.stats()["registrations"]
+        assert emu.stats()["registered"] > 0  # kept locked for the next load
+        dst, _, _ = _load(layout, ops)
+        _check(layout, dst)
+        assert emu.stats()["registrations"] == first  # nothing locked again
+    finally:
+        device_ring.keep_rings(False)
+    _clean(emu)
+
+
+# -- the plan --------------------------------------------------------------------------------------
+
+
+def _plan(pieces, chunk):
+    p = device_ring._Pieces([], {}, None)
+    p.file = np.array([f for f, _, _, _ in pieces], np.int32)
+    p.off = np.array([o for _, o, _, _ in pieces], np.int64)
+    p.len = np.array([n for _, _, n, _ in pieces], np.int64)
+    p.dst = np.array([d for _, _, _, d in pieces], np.uint64)
+    return device_ring.plan(p, chunk)
+
+
+def test_plan_cuts_on_aligned_blocks_and_merges_contiguous_pieces():
+    # two tensors back to back in the file and on the device: one segment per block
+    c_file, c_seg, s_pos, s_off, s_len, s_dst = _plan([(0, 100, 5000, 1000), (0, 5100, 7000, 6000)], 4096)
+    assert list(s_off) == [100, 4096, 8192] and list(s_len) == [3996, 4096, 12100 - 8192]
+    assert list(c_seg) == [0, 1, 2, 3] and list(s_pos) == [0, 0, 0]
+    assert list(s_dst) == [1000, 1000 + 3996, 1000 + 8092]
+
+
+def test_plan_packs_gaps_and_keeps_files_apart():
+    pieces = [(0, 0, 100, 0), (0, 1000, 100, 5000), (1, 200, 50, 9000)]
+    c_file, c_seg, s_pos, s_off, s_len, s_dst = _plan(pieces, 4096)
+    assert list(c_file) == [0, 1] and list(c_seg) == [0, 2, 3]
+    assert list(s_pos) == [0, 100, 0] and list(s_off) == [0, 1000, 200]
+
+
+def test_ring_checks_its_arguments(emu):
+    from engine import _ring
+
+    rt = _ring.Runtime(emu.path)
+    with pytest.raises(ValueError):
+        _ring.ChunkRing(rt, 0, 0, 1000, 2, 1)
+    with pytest.raises(OSError, match="cannot open"):
+        _ring.Runtime("/nonexistent/libcudart.so")
+    stream = emu.new_stream()
+    try:
+        with _ring.ChunkRing(rt, 0, stream, 4096, 2, 1) as ring:
+            z32, z64 = np.zeros(1, np.int32), np.zeros(2, np.int64)
+            with pytest.raises(ValueError, match="does not fit"):
+                ring.run(z32, z64, np.array([4000], np.int64), np.zeros(1, np.int64), np.array([200], np.int64),
+                         np.zeros(1, np.uint64), np.array([0], np.int32), np.zeros(1, np.uint64),
+                         np.zeros(1, np.int64), np.zeros(1, np.uint8))
+    finally:
+        emu.destroy_stream(stream)
+
+
+def test_geometry_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ENGINE_RING", "2,36,12")
+    assert device_ring.default_geometry() == device_ring.Geometry(2 * _MIB, 36, 12)
+    monkeypatch.setenv("ENGINE_RING", "2,0,12")
+    with pytest.raises(ValueError):
+        device_ring.default_geometry()
+    monkeypatch.delenv("ENGINE_RING")
+    g = device_ring.default_geometry(16)
+    assert g.threads == 12 and g.pinned_bytes <= device_ring.MAX_RING_BYTES
+    assert device_ring.default_threads(2) == 2
