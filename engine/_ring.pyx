@@ -391,6 +391,7 @@ cdef class ChunkRing:
     cdef size_t nbytes
     cdef bint busy
     cdef object stream_owner
+    cdef object __weakref__
 
     def __cinit__(self, Runtime runtime, int device, uintptr_t stream, int64_t chunk_bytes, int chunks,
                   int threads, object stream_owner=None):

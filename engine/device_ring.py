@@ -23,9 +23,11 @@ CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``)
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -33,7 +35,7 @@ import numpy as np
 from .errors import DeviceError, ReadError
 from .reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
-__all__ = ["Geometry", "default_geometry", "supports", "load", "keep_rings"]
+__all__ = ["Geometry", "default_geometry", "supports", "load", "keep_rings", "locked_bytes", "cuda_runtime_path"]
 
 _MIB = 1 << 20
 #: the most host memory a ring page-locks when the caller does not say
@@ -109,42 +111,115 @@ def _runtime(path: str):
     return _ring.Runtime(path)
 
 
+#: seconds an unused ring stays set up after a load (so that a loop of small loads, such as
+#: ``get_tensor`` per key, sets it up once); then it is closed and nothing stays page-locked
+LINGER_SECONDS = 2.0
+
+
 class _Kept:
-    """Rings kept between loads when :func:`keep_rings` (or ``engine.keep_staging``) asks: a
-    ring's threads, events and page-locked chunks are then set up once per process."""
+    """Rings between loads: kept until :func:`keep_rings` (or ``engine.keep_staging``) turns
+    keeping off, or else for :data:`LINGER_SECONDS` after their last load.  A ring's threads,
+    events and page-locked chunks are then set up once for loads that follow each other."""
 
     def __init__(self) -> None:
         self.on = os.environ.get("ENGINE_KEEP_STAGING", "") == "1"
         self.lock = threading.Lock()
-        self.rings: dict = {}
+        self.rings: dict = {}  # key -> (ring, timer or None)
 
     def take(self, key):
         with self.lock:
-            return self.rings.pop(key, None) if self.on else None
+            ring, timer = self.rings.pop(key, (None, None))
+        if timer is not None:
+            timer.cancel()
+        return ring
 
     def give(self, key, ring) -> bool:
         with self.lock:
-            if not self.on or key in self.rings:
+            if key in self.rings:
                 return False
-            self.rings[key] = ring
-            return True
+            timer = None
+            if not self.on:
+                if LINGER_SECONDS <= 0:
+                    return False
+                timer = threading.Timer(LINGER_SECONDS, self._expire, (key, ring))
+                timer.daemon = True
+            self.rings[key] = (ring, timer)
+        if timer is not None:
+            timer.start()
+        return True
+
+    def _expire(self, key, ring) -> None:
+        with self.lock:
+            if self.rings.get(key, (None,))[0] is not ring:
+                return  # taken meanwhile
+            del self.rings[key]
+        ring.close()
 
     def release(self) -> None:
         with self.lock:
-            rings, self.rings = list(self.rings.values()), {}
-        for r in rings:
-            r.close()
+            entries, self.rings = list(self.rings.values()), {}
+        for ring, timer in entries:
+            if timer is not None:
+                timer.cancel()
+            ring.close()
 
 
 KEPT = _Kept()
+# closed before the CUDA runtime's own exit handlers run
+atexit.register(KEPT.release)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def keep_rings(on: bool = True) -> None:
-    """Keep each device's ring (threads, events, page-locked chunks) between loads, or close
-    the kept ones.  ``engine.keep_staging`` calls this."""
+    """Keep each device's ring (threads, events, page-locked chunks) between loads until
+    turned off (``True``), or close the kept ones and keep them only briefly after each load
+    (``False``).  ``engine.keep_staging`` calls this."""
     KEPT.on = bool(on)
     if not on:
         KEPT.release()
+
+
+def release_rings() -> None:
+    """Close every ring set up and not in use now: nothing the engine page-locked stays locked."""
+    KEPT.release()
+
+
+def locked_bytes() -> int:
+    """Host bytes the engine's rings hold page-locked now (kept and running ones)."""
+    return sum(r.locked_bytes for r in list(_LIVE))
+
+
+def _loaded_cudart_path() -> str | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(" ")[-1]
+                if "libcudart.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+#: sonames tried, newest first, when no runtime is mapped yet
+_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+
+
+def cuda_runtime_path() -> str | None:
+    """Path of the ``libcudart`` this process has loaded (torch's or CuPy's: opening it again
+    gives that same instance), else the first soname the dynamic loader finds, else None."""
+    path = _loaded_cudart_path()
+    if path is not None:
+        return path
+    import ctypes
+
+    for name in _SONAMES:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return name
+    return None
 
 
 def _new_ring(ops, g: Geometry):
@@ -159,9 +234,11 @@ def _new_ring(ops, g: Geometry):
         raise DeviceError(str(exc)) from exc
     stream, owner = ops.ring_stream()
     try:
-        return _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
+        ring = _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
     except RuntimeError as exc:
         raise DeviceError(f"cannot set up the copy ring: {exc}") from exc
+    _LIVE.add(ring)
+    return ring
 
 
 class _Pieces:

@@ -81,9 +81,12 @@ def keep_staging(on: bool = True) -> None:
     or reloads one saves the page-locking of every slot on every load after the first; the
     cost is up to ``slots * slot_bytes`` of host memory locked until
     ``keep_staging(False)``.  Same as ``ENGINE_KEEP_STAGING=1`` at start-up."""
+    from .device_ring import keep_rings
+
     KEPT_STAGING.on = bool(on)
     if not on:
         KEPT_STAGING.release()
+    keep_rings(on)
 
 
 class Ring:

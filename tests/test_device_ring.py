@@ -32,6 +32,7 @@ def ops(emu):
     emu.reset()
     ops = EmulatedRingOps(emu)
     yield ops
+    device_ring.release_rings()  # a ring kept after a load uses the stream about to go
     ops.close()
     emu.reset()
 
@@ -51,6 +52,7 @@ def layout(tmp_path_factory):
 
 
 def _clean(emu) -> None:
+    device_ring.release_rings()  # rings linger briefly after a load: closed now
     st = emu.stats()
     assert st["registered"] == 0, st  # every chunk unlocked
     assert st["events"] == 0, st      # every event destroyed
@@ -261,6 +263,7 @@ def test_the_issuing_thread_copies_on_the_ring_device_and_keeps_its_own(layout, 
         ctypes.CDLL(emu.path).cudaGetDevice(ctypes.byref(current))
         assert current.value == 0  # the caller's device is restored
     finally:
+        device_ring.release_rings()
         ops.close()
         emu.devices(1)
         emu.reset()
@@ -305,6 +308,23 @@ def test_no_file_stays_mapped_and_mapped_pages_are_released(ops, emu, tmp_path, 
     assert peak[0] < 16 * _MIB  # the file's pages were unmapped chunk by chunk, not held
 
 
+def test_a_ring_lingers_briefly_for_the_next_load_then_unlocks_everything(layout, ops, emu, monkeypatch):
+    import time
+
+    monkeypatch.setattr(device_ring, "LINGER_SECONDS", 0.3)
+    _load(layout, ops)
+    first = emu.stats()["registrations"]
+    assert device_ring.locked_bytes() > 0
+    dst, _, _ = _load(layout, ops)  # a loop of loads (get_tensor per key) sets the ring up once
+    _check(layout, dst)
+    assert emu.stats()["registrations"] == first
+    deadline = time.monotonic() + 10
+    while emu.stats()["registered"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert emu.stats()["registered"] == 0 and emu.stats()["events"] == 0
+    assert device_ring.locked_bytes() == 0
+
+
 def test_kept_rings_are_reused_and_released(layout, ops, emu):
     device_ring.keep_rings(True)
     try:
@@ -316,6 +336,7 @@ def test_kept_rings_are_reused_and_released(layout, ops, emu):
         assert emu.stats()["registrations"] == first  # nothing locked again
     finally:
         device_ring.keep_rings(False)
+    assert emu.stats()["registered"] == 0  # turning keeping off closes the kept ring
     _clean(emu)
 
 

@@ -73,15 +73,9 @@ class Runtime:
 
 
 def _loaded_cudart_path() -> str | None:
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(" ")[-1]
-                if "libcudart.so" in os.path.basename(path):
-                    return path
-    except OSError:
-        pass
-    return None
+    from ..device_ring import _loaded_cudart_path as loaded
+
+    return loaded()
 
 
 def _ctypes_runtime(path: str) -> Runtime:
@@ -97,24 +91,11 @@ def _ctypes_runtime(path: str) -> Runtime:
     return Runtime(reg, unreg, last, f"ctypes:{os.path.basename(path)}")
 
 
-#: sonames tried, newest first, when no runtime is mapped yet
-_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
-
-
 def runtime_path() -> str | None:
-    """Path of the ``libcudart`` this process has loaded (torch's or CuPy's: opening it again
-    gives that same instance), else the first soname the dynamic loader finds, else None.
-    The engine's chunk ring (:mod:`engine.device_ring`) opens it."""
-    path = _loaded_cudart_path()
-    if path is not None:
-        return path
-    for name in _SONAMES:
-        try:
-            ctypes.CDLL(name)
-        except OSError:
-            continue
-        return name
-    return None
+    """The ``libcudart`` the engine's chunk ring opens (:func:`engine.device_ring.cuda_runtime_path`)."""
+    from ..device_ring import cuda_runtime_path
+
+    return cuda_runtime_path()
 
 
 @functools.cache
