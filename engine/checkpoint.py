@@ -205,7 +205,7 @@ class Checkpoint:
         one pipeline (one queue of reads over all files, one set of reader threads or
         staging slots, one allocation) instead of one per shard.
         Copies of tensor bytes as for :class:`engine.safe_open`: 0 with ``"mmap"``, 1 with
-        ``"pread"``; on a device 2 on the copy path, 1 on the register path.
+        ``"pread"``; on a device 2 (page cache to a page-locked chunk, DMA).
         """
         if names is None:
             parts = [(self._handles[s], self.info.headers[s].table.file_order()) for s in self.shards]

@@ -1,45 +1,30 @@
-"""The device side of the pipeline: two paths that feed a device at once.
+"""The device side of the pipeline.
 
-*copy path*
-    Pinned staging slots of a few MiB per core (:func:`default_slot_bytes`).  Each slot is
-    filled by one native call that splits it over every core (:func:`engine.reader.split_reader`:
-    native threads started once per load, GIL released, ``pread`` or a populated mapping,
-    whichever measures faster, a truncated file an error and never a SIGBUS); its
-    host-to-device copies are then issued on the path's stream and the next slot is filled
-    while they run.  Three passes per byte (page cache read, slot write, DMA read), the
-    last two mostly in the last-level cache: the slots are small enough to stay there.
-*register path*
-    For bytes already in the page cache (``mincore``), the file's read-only mapping itself
-    is page-locked (``cudaHostRegister(..., cudaHostRegisterReadOnly)``) one slot-sized
-    unit at a time and the device copies straight from it; the range is unregistered once
-    the copy's event completes.  One pass over host memory; bounded by how fast one thread
-    can page-lock.  Pages past the end of a truncated file cannot be page-locked: the
-    refusal sends the unit to the copy path, whose read then raises
-    :class:`~engine.errors.ReadError`.
+*the chunk ring* (:mod:`engine.device_ring`)
+    Every plain device load of local files: small page-locked chunks filled by native copy
+    threads, each chunk's host-to-device copy issued in order as soon as it is full, no
+    Python per chunk.  Two copies of each byte (page cache -> chunk -> device).
+*the slot path* (:class:`DeviceLoad` here)
+    Loads whose bytes some Python must see or fetch: a ``fill`` hook (statistics folded on
+    the CPU while the bytes are in the cache), an ``after_copy`` hook (device kernels queued
+    after each request's copies) and remote files (connections fill the slots).  Pinned
+    staging slots (:mod:`engine.device_staging`) taken in turn by units of up to a slot of
+    consecutive requests (:mod:`engine.device_units`); each slot is filled (by one native
+    split copy, by the fill hook, or by the connections) and its copies issued on the
+    path's stream while the next one fills.
 
-Both paths take units (up to a slot of consecutive requests of one file,
-:mod:`engine.device_units`) from one queue, the copy path from the front and the register
-path from the back, so each runs at its own measured pace and the copy engine is never
-idle; near the end a path leaves the last units to the other one when the rates say the
-other would finish them sooner.  The staging slots are a ring
-(:mod:`engine.device_staging`, which can also keep them between loads);
-:class:`DeviceLoad` is one load.  What a framework provides is :class:`DeviceOps`
-(:mod:`engine.sinks`).  A load of remote files has its own copy path
-(:meth:`DeviceLoad._remote_copy_path`): connections instead of the native copy.
-
+What a framework provides is :class:`DeviceOps` (:mod:`engine.sinks`).
 :func:`engine.pipeline.run_sources` is the entry point: it builds the sources, the
 destination and the completion tracker that a :class:`DeviceLoad` is handed.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import mmap
 import os
 import sys
 import threading
-import time
 from typing import Protocol
 
 import numpy as np
@@ -47,20 +32,18 @@ import numpy as np
 from . import device_ring
 from ._threads import run_threads
 from .device_staging import Ring
-from .device_units import SLOT_ALIGN, Unit, UnitQueue, units
-from .errors import DeviceError
+from .device_units import SLOT_ALIGN, Unit, units
 from .reader import check_read, close_mapping, copy_mapping, kept, split_reader
 
-__all__ = ["DeviceOps", "DeviceLoad", "REGISTER_DEPTH", "default_slot_bytes", "default_copy_threads"]
+__all__ = ["DeviceOps", "DeviceLoad", "default_slot_bytes", "default_copy_threads"]
 
-#: Units the register path keeps page-locked at once (one copying, one being page-locked).
-REGISTER_DEPTH = 2
 _PAGE = mmap.PAGESIZE
 class DeviceOps(Protocol):
     """What the pipeline needs from a device framework (torch CUDA, CuPy, or a test double).
 
-    ``free_staging``, ``wrap_host``, ``register`` and ``unregister`` are optional: without
-    the last three the register path is off.
+    The chunk ring needs ``runtime_path``, ``device_index``, ``ring_stream`` and ``address``
+    (see :mod:`engine.device_ring`); the slot path the methods below.  ``free_staging`` is
+    optional.
     """
 
     def alloc_staging(self, nbytes: int):
@@ -69,20 +52,10 @@ class DeviceOps(Protocol):
     def free_staging(self, handle) -> None:
         """Release a buffer from :meth:`alloc_staging` (unlock its pages)."""
 
-    def wrap_host(self, view: memoryview):
-        """A handle for read-only host memory (a file mapping) usable as a copy source."""
-
-    def register(self, handle, offset: int, nbytes: int) -> bool:
-        """Page-lock bytes ``[offset, offset + nbytes)`` of a :meth:`wrap_host` handle for
-        DMA; ``False`` when refused (nothing is then locked)."""
-
-    def unregister(self, handle, offset: int, nbytes: int) -> None:
-        """Undo :meth:`register` of the same range."""
-
     def new_stream(self): ...
 
     def copy_to_device(self, dst, dst_offset: int, src_handle, src_offset: int, nbytes: int, stream) -> None:
-        """Asynchronously copy ``nbytes`` of a staging or wrapped buffer to byte ``dst_offset`` of ``dst``."""
+        """Asynchronously copy ``nbytes`` of a staging buffer to byte ``dst_offset`` of ``dst``."""
 
     def record(self, stream):
         """An event that completes when everything issued on ``stream`` so far is done."""
@@ -109,26 +82,23 @@ SHARE_BYTES = 4 << 20
 
 @functools.cache
 def default_slot_bytes(threads: int | None = None) -> int:
-    """Bytes per staging slot (and per register unit) when the caller does not say: 4 MiB
+    """Bytes per staging slot of the slot path when the caller does not say: 4 MiB
     per copy thread (``threads``, default :func:`default_copy_threads`), at least 8 MiB and
     at most 64 MiB.
 
     Small slots: a slot is written by the copy threads and read by the DMA engine at once,
     and two slots of a few MiB stay in the last-level cache in between, so its bytes cross
     host memory once (page cache read) instead of three times; they are also page-locked in
-    no time at a load's start, and bound what a load holds locked (two slots and two
-    registered units).  On this project's 2-core test host, 8 MiB slots took the host side
-    of the copy path from 0.40x to 0.56-1.06x of the machine's copy limit, where the
-    128 MiB slots of before spent most of each load page-locking and writing back memory
-    (``scripts/bench_host.py``; BENCHMARKS.md).  4 MiB per thread keeps each share's own cost
-    (waking a thread, a system call or a populate) small next to its copy.
+    no time at a load's start, and bound what a load holds locked (two slots).  4 MiB per
+    thread keeps each share's own cost (waking a thread, a system call or a populate) small
+    next to its copy (BENCHMARKS.md has the runs).
     """
     n = threads or default_copy_threads()
     return max(8 << 20, min(64 << 20, n * SHARE_BYTES))
 
 
 class DeviceLoad:
-    """One device load: the units, the two paths, their threads and their clean-up.
+    """One device load: through the chunk ring, or the slot path's units, threads and clean-up.
 
     ``sources`` are :class:`engine.pipeline.Source` s, ``dest`` a device
     :class:`engine.pipeline.Destination`, ``tracker`` reports each tensor when its last
@@ -137,7 +107,7 @@ class DeviceLoad:
     """
 
     def __init__(
-        self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, gpu_path, fill, after_copy=None,
+        self, sources, dest, tracker, cancel, *, threads, slots, slot_bytes, fill, after_copy=None,
     ) -> None:
         self.sources = sources
         self.dest = dest
@@ -155,16 +125,13 @@ class DeviceLoad:
         self.slot_bytes = max(1, min(want, -(-max(total, 1) // _PAGE) * _PAGE))
         if fill is not None:
             self.slot_bytes = max([self.slot_bytes] + [r.nbytes for s in sources for r in s.requests])
-        can_register = all(hasattr(self.ops, m) for m in ("wrap_host", "register", "unregister"))
-        # remote files have no page cache to register, and their own copy path
+        # remote files have their own copy path: connections fill the slots
         self.remote = any(s.ranges is not None for s in sources)
         if self.remote and (fill is not None or not all(s.ranges is not None for s in sources)):
             raise ValueError("a device load of remote files takes no fill hook and no local files")
-        # the native chunk ring: every plain load of local files (hooks still take the slots below)
-        self.use_ring = (gpu_path != "register" and fill is None and after_copy is None and not self.remote
-                         and device_ring.supports(self.ops))
+        # the native chunk ring: every plain load of local files (hooks still take the slots)
         self.ring = None
-        if self.use_ring:
+        if fill is None and after_copy is None and not self.remote and device_ring.supports(self.ops):
             g = device_ring.default_geometry()
             if slot_bytes:
                 chunk = max(4096, slot_bytes // 4096 * 4096)
@@ -172,84 +139,23 @@ class DeviceLoad:
             if threads:
                 g = g._replace(threads=threads)
             self.ring = g
-        # page-locking the file's mapping itself: only when asked for (it measured slower than
-        # the copy path on an H100 host and page-locks the file's pages; BENCHMARKS.md)
-        self.use_register = gpu_path == "register" and fill is None and can_register and not self.remote
-        if gpu_path == "register" and not can_register:
-            raise DeviceError("gpu_path='register' asked for, but the device cannot page-lock host memory")
-        self.gpu_path = gpu_path
         self.units = [u for i, s in enumerate(sources)
                       for u in units(i, s.requests, self.slot_bytes, splittable=fill is None)]
 
-    # -- set-up and tear-down --------------------------------------------------------------
-
     def run(self) -> None:
-        if self.use_ring:
+        if self.ring is not None:
             self.ring_stats = device_ring.load(self.sources, self.dest, self.tracker, self.cancel, self.ring)
             return
-        maps: dict[int, tuple] = {}  # source -> (mmap, handle)
-        try:
-            copy_only, shared = self.units, []  # type: list[Unit], list[Unit]
-            if self.use_register:
-                copy_only, shared = [], []
-                for u in self.units:
-                    if self._registrable(u, maps):
-                        shared.append(u)
-                    else:
-                        copy_only.append(u)
-            self.maps = maps
-            copy_shares = self.gpu_path != "register"
-            self.queue = UnitQueue(copy_only, shared, self.cancel, copy_shares=copy_shares)
-            # slots beyond the first are worth page-locking ahead only if the copy path
-            # may take more than one unit
-            self.copy_units = len(copy_only) + (len(shared) if copy_shares else 0)
-            jobs = [self._remote_copy_path if self.remote else self._copy_path]
-            if shared:
-                self.queue.register_active = True
-                jobs.append(self._register_path)
-            run_threads(jobs, name="engine-device", on_error=self._stop)
-        finally:
-            mappings = [m for m, _ in maps.values() if m is not None]
-            maps.clear()  # drops the handles (and their exports of the mappings) first
-            self.maps = {}
-            for m in mappings:
-                try:
-                    m.close()
-                except BufferError:  # a view is still alive somewhere: the GC unmaps it
-                    pass
-
-    def _stop(self) -> None:
-        self.cancel.set()
-        queue = getattr(self, "queue", None)
-        if queue is not None:
-            with queue.cond:
-                queue.cond.notify_all()
-
-    def _mapping(self, index: int, maps: dict):
-        if index not in maps:
-            src = self.sources[index]
-            try:
-                size = os.fstat(src.fd).st_size
-                m = mmap.mmap(src.fd, size, access=mmap.ACCESS_READ) if size else None
-            except (OSError, ValueError):
-                m = None
-            maps[index] = (m, self.ops.wrap_host(memoryview(m)) if m is not None else None)
-        return maps[index]
-
-    def _registrable(self, unit: Unit, maps: dict) -> bool:
-        m, _ = self._mapping(unit.source, maps)
-        if m is None:
-            return False
-        spans = unit.spans()
-        return spans[-1][0] + spans[-1][1] <= len(m)  # else the file is shorter than its plan
+        run_threads([self._remote_copy_path if self.remote else self._copy_path], name="engine-device",
+                    on_error=self.cancel.set)
 
     # -- the copy path ---------------------------------------------------------------------
 
     def _copy_path(self) -> None:
-        ops, queue = self.ops, self.queue
+        ops = self.ops
         ops.bind_thread()
         stream = ops.new_stream()
-        ring = Ring(ops, self.slots, self.slot_bytes + SLOT_ALIGN, ahead=self.copy_units > 1)
+        ring = Ring(ops, self.slots, self.slot_bytes + SLOT_ALIGN, ahead=len(self.units) > 1)
         in_flight: list = [None] * self.slots  # (event, landed parts) per slot
         reader = None
         mappings: dict[int, mmap.mmap | None] = {}  # source -> the split copies' mapping
@@ -257,8 +163,9 @@ class DeviceLoad:
             reader = split_reader(self.threads)  # native threads for the whole load
         k = 0
         try:
-            while (unit := queue.take_copy()) is not None:
-                began = time.monotonic()
+            for unit in self.units:
+                if self.cancel.is_set():
+                    break
                 s = k % self.slots
                 k += 1
                 if in_flight[s] is not None:  # the slot's last copies must finish first
@@ -278,7 +185,6 @@ class DeviceLoad:
                     parts.append((key, n))
                 self._after_copy(unit, stream)
                 in_flight[s] = (ops.record(stream), parts)
-                queue.finished("copy", unit.nbytes, time.monotonic() - began)
         finally:
             # every issued copy completes before its slot is released
             for item in in_flight:
@@ -301,7 +207,7 @@ class DeviceLoad:
         ops = self.ops
         ops.bind_thread()
         stream = ops.new_stream()
-        units = self.units  # a remote file has no mapping to register: every unit is copied
+        units = self.units
         ring = Ring(ops, self.slots, self.slot_bytes + SLOT_ALIGN, ahead=len(units) > 1)
         cond = threading.Condition()
         left = [len(u.requests) for u in units]
@@ -402,84 +308,3 @@ class DeviceLoad:
         # one native call: the unit's bytes split evenly over the reader's threads, GIL released
         check_read(reader.copy(src.fd, mapping, file_offsets, targets, keep=kept(mapping)), "the load", src.path,
                    src.fd)
-
-    # -- the register path -----------------------------------------------------------------
-
-    def _register_path(self) -> None:
-        ops, queue = self.ops, self.queue
-        ops.bind_thread()
-        stream = ops.new_stream()
-        in_flight: collections.deque = collections.deque()  # (event, handle, ranges, parts)
-        try:
-            while (unit := queue.take_register()) is not None:
-                began = time.monotonic()
-                m, handle = self.maps[unit.source]
-                ranges = self._page_ranges(unit, len(m))
-                # the oldest unit is retired first: the depth bound, and a neighbour that
-                # shares a page with this unit must be unregistered before it is registered
-                while in_flight and (
-                    len(in_flight) >= REGISTER_DEPTH or _overlaps(in_flight, handle, ranges)
-                ):
-                    self._retire(in_flight.popleft())
-                done = []
-                for off, n in ranges:
-                    if self.cancel.is_set() or not ops.register(handle, off, n):
-                        break
-                    done.append((off, n))
-                if len(done) < len(ranges):
-                    for off, n in done:
-                        ops.unregister(handle, off, n)
-                    queue.register_settled(unit, accepted=False)
-                    continue
-                queue.register_settled(unit, accepted=True)
-                src = self.sources[unit.source]
-                targets = self.dest.device_targets
-                parts = []
-                try:
-                    for key, toff, foff, n in unit.copies(src.row_base, from_file=True):
-                        ops.copy_to_device(targets[key], toff, handle, foff, n, stream)
-                        parts.append((key, n))
-                    self._after_copy(unit, stream)
-                finally:  # whatever was issued is waited for before its range is unregistered
-                    in_flight.append((ops.record(stream), handle, ranges, parts))
-                queue.finished("register", unit.nbytes, time.monotonic() - began)
-        finally:
-            queue.register_done()
-            while in_flight:
-                self._retire(in_flight.popleft())
-
-    @staticmethod
-    def _page_ranges(unit: Unit, limit: int) -> list[tuple[int, int]]:
-        """The unit's spans widened to whole pages (the last one clipped to the mapping's
-        pages), as ``(offset, nbytes)``."""
-        end_limit = -(-limit // _PAGE) * _PAGE
-        out: list[tuple[int, int]] = []
-        for off, n in unit.spans():
-            a = off // _PAGE * _PAGE
-            b = min(-(-(off + n) // _PAGE) * _PAGE, end_limit)
-            if out and out[-1][0] + out[-1][1] >= a:  # spans that share a page: one range
-                a = out[-1][0]
-                out.pop()
-            out.append((a, b - a))
-        return out
-
-    def _retire(self, item) -> None:
-        event, handle, ranges, parts = item
-        try:
-            self.ops.wait(event)
-        finally:
-            for off, n in ranges:
-                self.ops.unregister(handle, off, n)
-        if not self.cancel.is_set():
-            self.tracker.landed(parts)
-
-
-def _overlaps(in_flight, handle, ranges) -> bool:
-    for _, h, held, _ in in_flight:
-        if h is not handle:
-            continue
-        for a, n in held:
-            for b, m in ranges:
-                if a < b + m and b < a + n:
-                    return True
-    return False

@@ -1,20 +1,16 @@
-"""How a device load is cut up: :class:`Unit` s of up to a staging slot of consecutive
-requests of one file, each request placed in the slot at a position aligned as its file
-offset is (:func:`slot_position`), and the :class:`UnitQueue` from which the copy path
-takes units at the front and the register path at the back, each at its measured pace
-(:class:`Rate`).  Used by :mod:`engine.device_load`."""
+"""How a load on the slot path is cut up: :class:`Unit` s of up to a staging slot of
+consecutive requests of one file, each request placed in the slot at a position aligned as
+its file offset is (:func:`slot_position`).  Used by :mod:`engine.device_load`."""
 
 from __future__ import annotations
 
 import collections
 import mmap
-import threading
-import time
 from collections.abc import Sequence
 
 from .plan import Piece, Request
 
-__all__ = ["SLOT_ALIGN", "slot_position", "Unit", "units", "Rate", "UnitQueue"]
+__all__ = ["SLOT_ALIGN", "slot_position", "Unit", "units"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -36,8 +32,7 @@ class Unit:
     """Up to one slot of consecutive requests of one file.
 
     ``requests`` are whole requests of the plan or, where a unit boundary falls inside one,
-    parts of it cut at a page boundary (so that the register path's page-rounded ranges of
-    neighbouring units rarely share a page).  ``slot_offsets[i]`` is where request ``i``
+    parts of it cut at a page boundary.  ``slot_offsets[i]`` is where request ``i``
     lands in a staging slot (:func:`slot_position`); ``nbytes`` counts the requests' bytes,
     ``end`` the slot bytes used, padding included.
     """
@@ -142,104 +137,3 @@ def units(index: int, requests: Sequence[Request], slot_bytes: int, splittable: 
     if cur:
         units.append(Unit(index, cur))
     return units
-
-
-class Rate:
-    """Bytes per second of one path, from its finished units."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.seconds = 0.0
-        self.busy_until = 0.0  # when the unit in hand should be done (monotonic)
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        self.bytes += nbytes
-        self.seconds += seconds
-
-    @property
-    def value(self) -> float | None:
-        return self.bytes / self.seconds if self.seconds > 0 and self.bytes else None
-
-
-class UnitQueue:
-    """The units of a device load, shared by the two paths.
-
-    The copy path takes from the front (first the units that must be copied: not resident,
-    or refused by the register path), the register path from the back of the units it may
-    take.  A path asking for one of the last units is refused when the other path, at its
-    measured rate, would finish that unit sooner after its current one; the copy path
-    waits while the register path holds a unit it might still hand back.
-    """
-
-    def __init__(self, copy_only: list[Unit], shared: list[Unit], cancel: threading.Event,
-                 copy_shares: bool = True) -> None:
-        self.copy_only = collections.deque(copy_only)
-        # False when the register path is forced: the copy path then takes only the units
-        # the register path hands back (or leaves behind if it stops)
-        self.copy_shares = copy_shares
-        self.shared = collections.deque(shared)
-        self.cancel = cancel
-        self.cond = threading.Condition()
-        self.register_holding = 0
-        self.register_active = False
-        self.rates = {"copy": Rate(), "register": Rate()}
-
-    def _worth_it(self, me: str, other: str, unit: Unit) -> bool:
-        # the last unit in the queue goes to whichever path would land it first
-        if len(self.shared) > 1:
-            return True
-        mine, theirs = self.rates[me].value, self.rates[other].value
-        if mine is None or theirs is None:
-            return True
-        now = time.monotonic()
-        other_free = max(now, self.rates[other].busy_until)
-        return now + unit.nbytes / mine <= other_free + unit.nbytes / theirs
-
-    def take_copy(self) -> Unit | None:
-        # The copy path never leaves a unit behind: it may decline the last shared unit to
-        # the register path, but then waits until that path takes it or ends; and it waits
-        # while the register path holds a unit it may still hand back.
-        with self.cond:
-            while not self.cancel.is_set():
-                if self.copy_only:
-                    return self._start("copy", self.copy_only.popleft())
-                if self.shared:
-                    if not self.register_active or (
-                        self.copy_shares and self._worth_it("copy", "register", self.shared[0])
-                    ):
-                        return self._start("copy", self.shared.popleft())
-                elif not self.register_holding:
-                    return None
-                self.cond.wait(0.05)
-            return None
-
-    def take_register(self) -> Unit | None:
-        with self.cond:
-            if self.cancel.is_set() or not self.shared:
-                return None
-            if self.copy_shares and not self._worth_it("register", "copy", self.shared[-1]):
-                return None
-            self.register_holding += 1
-            return self._start("register", self.shared.pop())
-
-    def _start(self, path: str, unit: Unit) -> Unit:
-        rate = self.rates[path].value
-        self.rates[path].busy_until = time.monotonic() + (unit.nbytes / rate if rate else 0.0)
-        return unit
-
-    def register_settled(self, unit: Unit, accepted: bool) -> None:
-        """The register path page-locked ``unit`` (or was refused: the copy path gets it)."""
-        with self.cond:
-            self.register_holding -= 1
-            if not accepted:
-                self.copy_only.append(unit)
-            self.cond.notify_all()
-
-    def register_done(self) -> None:
-        with self.cond:
-            self.register_active = False
-            self.cond.notify_all()
-
-    def finished(self, path: str, nbytes: int, seconds: float) -> None:
-        with self.cond:
-            self.rates[path].add(nbytes, seconds)

@@ -66,8 +66,8 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     Notes
     -----
     Copies of tensor bytes: ``"mmap"`` 0 (views of the page cache); ``"pread"`` 1 (page
-    cache to owned memory).  A CUDA device, whatever the backend: 2 on the copy path (page
-    cache to a pinned slot, then DMA), 1 on the register path (DMA from the page cache).
+    cache to owned memory).  A CUDA device, whatever the backend: 2 (page cache to a
+    page-locked chunk, then DMA).
     Opening reads only the 8 + N header bytes.
 
     Examples
@@ -356,7 +356,7 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
     (:func:`engine.loader.load_parts`).
 
     Copies of tensor bytes: ``"mmap"`` 0; ``"pread"`` 1 (page cache to owned memory); a
-    CUDA device 2 on the copy path, 1 on the register path (see :mod:`engine.pipeline`).
+    CUDA device 2 (see :mod:`engine.pipeline`).
     """
     if not parts:
         return []

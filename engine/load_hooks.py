@@ -11,9 +11,9 @@
   dtype, allocated at their first piece; ``landed(row)`` (called when the tensor's last
   copy has completed) quantizes it into int8 values and float32 scales and drops the
   staging buffer.  Device memory at peak: the int8 tensors and scales, the unquantized
-  tensors, and the staging of the tensors whose copies are in flight (the copy path holds
-  at most ``slots`` units of ``slot_bytes`` and the register path a few more, so these
-  are the tensors overlapping a window of a few ``slot_bytes`` of the file): never a
+  tensors, and the staging of the tensors whose copies are in flight (the slot path holds
+  at most ``slots`` units of ``slot_bytes``, so these are the tensors overlapping a window
+  of a few ``slot_bytes`` of the file): never a
   full-precision copy of the quantized tensors all at once.
 
 Where Numba's CUDA target cannot run in the process (no NVVM, a driver it does not know:

@@ -1,10 +1,8 @@
 """Loads through the threaded pipeline: ``stream``, owned loads and ``load_into``.
 
-Every host path here reads with ``preadv`` from worker threads and never maps the file, so
-a file that shrinks during a load raises :class:`~engine.errors.ReadError`, never SIGBUS.
-Device loads may also DMA from a page-locked read-only mapping of the file (the register
-path of :mod:`engine.pipeline`), where a failed registration, not a fault, reports a
-truncated file.
+A file that shrinks during a load raises :class:`~engine.errors.ReadError`, never SIGBUS:
+reads are ``pread`` or copies out of a populated mapping under a SIGBUS guard, on the host
+and into a device's page-locked chunks alike.
 
 Which path to use
 -----------------
@@ -139,8 +137,7 @@ def load_parts(
     :func:`engine.pipeline.run_sources`.
 
     Copies of tensor bytes: host destinations 1 (page cache to the tensor); device
-    destinations 2 on the copy path (page cache to a pinned slot, DMA), 1 on the register
-    path.
+    destinations 2 (page cache to a page-locked chunk, DMA).
     """
     bases = _bases(parts)
     tensors, destination = _destination(sink, parts, bases, per_tensor)
@@ -201,15 +198,13 @@ def stream(
         bit-identical to :func:`engine.quantize_int8`; each is yielded as a
         :class:`~engine.quantize.QuantizedTensor`.  On a GPU the quantization runs on the
         device and only a bounded window of source-dtype staging is held there.
-    gpu_path : {"auto", "copy", "register"}, default "auto"
-        GPU destinations: how bytes reach the device, see :mod:`engine.pipeline`.
-        ``"auto"`` copies through pinned slots and, at the same time, DMAs ranges already in
-        the page cache straight from the file's page-locked mapping; ``"copy"`` or
-        ``"register"`` forces one path (for measurement, or where page-locking is
-        restricted).
+    gpu_path : {"auto", "copy"}, default "auto"
+        GPU destinations: both copy through the native chunk ring (:mod:`engine.device_ring`;
+        its geometry from ``ENGINE_RING``).  ``"register"`` was removed (see
+        :mod:`engine.pipeline`).
     slot_bytes : int, optional
-        GPU destinations: bytes per pinned staging slot (default 4 MiB per copy thread,
-        8 to 64 MiB, see :func:`engine.pipeline.default_slot_bytes`).
+        GPU destinations: bytes per page-locked chunk (default
+        :func:`engine.device_ring.default_geometry`).
 
     Yields
     ------
@@ -223,11 +218,11 @@ def stream(
     Notes
     -----
     Copies of tensor bytes: CPU destinations 1 (page cache to tensor); GPU destinations 2
-    on the copy path (page cache to a pinned slot, then DMA to the device) and 1 on the
-    register path (DMA from the page cache).  ``stats=True`` adds no copy: the kernels read
-    the bytes where they landed.  Page-locked host memory of a GPU load: at most
-    ``2 * slot_bytes`` of staging plus ``2 * slot_bytes`` of the page cache, whatever the
-    model's size, all unlocked when the load ends.  Breaking out of the loop stops the
+    (page cache to a page-locked chunk, then DMA to the device).  ``stats=True`` adds no
+    copy: the kernels read the bytes where they landed.  Page-locked host memory of a GPU
+    load: the ring's chunks (128 MiB by default, 256 MiB at most unless ``ENGINE_RING`` asks
+    for more), whatever the model's size; unlocked a moment after the load ends (see
+    :mod:`engine.pipeline`).  Breaking out of the loop stops the
     readers, joins their threads, unlocks and releases everything, and closes the files.
     """
     unknown = set(options) - _STREAM_OPTIONS
@@ -429,7 +424,7 @@ def load_into(
         sub-byte dtypes: ``uint8`` of the packed shape).
     strict : bool, default False
         Also fail when the file holds tensors that ``tensors`` does not name.
-    gpu_path : {"auto", "copy", "register"}, default "auto"
+    gpu_path : {"auto", "copy"}, default "auto"
         CUDA destinations: see :func:`stream`.
 
     Returns
@@ -447,8 +442,7 @@ def load_into(
     Notes
     -----
     Copies of tensor bytes: CPU destinations 1 (page cache to the tensor, no staging, no
-    allocation); CUDA destinations 2 on the copy path (page cache to a pinned slot, then DMA),
-    1 on the register path (DMA from the page cache).
+    allocation); CUDA destinations 2 (page cache to a page-locked chunk, then DMA).
     """
     fd, spath = _open(path)
     try:
@@ -591,8 +585,8 @@ def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str
     by name in file order: the short path of ``engine.torch.load_file(f, device="cuda")``
     and of owned loads, with no handle in between.
 
-    Copies of tensor bytes: host 1 (page cache to the tensor); a device 2 on the copy path
-    (page cache to a pinned slot, DMA), 1 on the register path (DMA from the page cache).
+    Copies of tensor bytes: host 1 (page cache to the tensor); a device 2 (page cache to a
+    page-locked chunk, DMA).
     """
     fd, spath = _open(path)
     try:

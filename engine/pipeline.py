@@ -5,24 +5,25 @@ worker threads that take read requests (see :func:`engine.plan.plan_reads`) in f
 each piece of a request is a slice of its tensor's memory and one ``preadv`` scatters the
 request into them.  No staging, one copy (page cache to destination).
 
-Device destinations (CUDA) are fed by two paths at once, on disjoint parts of the load: a
-copy path through large pinned staging slots, and a register path that DMAs straight from
-the page-locked page cache (:mod:`engine.device_load`, which also holds the
-:class:`DeviceOps` a framework provides).  Remote files (:class:`Source` with ``ranges``)
-have no page cache to register: their connections fill the staging slots, and on the host
-worker threads, one per connection (``threads``), receive each request into its tensors.
+Device destinations (CUDA) of local files go through the native chunk ring
+(:mod:`engine.device_ring`): small page-locked chunks filled by native copy threads, each
+chunk's copy to the device issued in order as soon as it is full.  Loads with a ``fill`` or
+``after_copy`` hook, and remote files, take the slot path (:mod:`engine.device_load`, which
+also holds the :class:`DeviceOps` a framework provides): remote files' connections fill its
+staging slots, and on the host worker threads, one per connection (``threads``), receive
+each request into its tensors.
 
 A tensor is *complete* when every byte of it has landed (for a device: when the events of
 all its copies have completed); completions are reported through a callback as they happen,
 which is what :func:`engine.stream` yields from.  Several files (the shards of a
 checkpoint) run as one pipeline: :func:`run_sources`.
 
-Memory bounds of a device load: pinned staging ``slots * slot_bytes`` (the first slot
-allocated on first use, the others by helper threads meanwhile; page-locked by the engine
-and unlocked when the load ends); page-locked page cache
-``REGISTER_DEPTH * slot_bytes`` plus a page at each end.  Nothing stays page-locked after
-the load returns, raises, or is stopped, unless :func:`engine.device_staging.keep_staging` asks
-for the staging slots to be kept for the next load.
+Memory bounds of a device load: page-locked host memory ``chunks * chunk_bytes`` of the ring
+(:data:`engine.device_ring.MAX_RING_BYTES` at most by default; each chunk locked on first
+use), or ``slots * slot_bytes`` on the slot path; no file mapping outlives its chunk's
+copy.  A ring stays set up for a moment after the load (:data:`engine.device_ring.LINGER_SECONDS`,
+so that a loop of small loads sets it up once) and is then closed; nothing stays page-locked
+after that unless :func:`engine.device_staging.keep_staging` asks for it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._threads import run_threads
-from .device_load import REGISTER_DEPTH, DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
+from .device_load import DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from .errors import Cancelled
 from .plan import Request
 from .reader import (
@@ -56,13 +57,12 @@ __all__ = [
     "run_sources",
     "Cancelled",
     "GPU_PATHS",
-    "REGISTER_DEPTH",
     "default_slot_bytes",
     "default_copy_threads",
 ]
 
 #: Ways to feed a device: both paths at once, or one alone.
-GPU_PATHS = ("auto", "copy", "register")
+GPU_PATHS = ("auto", "copy")
 
 
 class Destination:
@@ -185,12 +185,12 @@ def run_sources(
     slots : int, default 2
         Staging slots of the device copy path.
     slot_bytes : int, optional
-        Bytes per staging slot and per register unit (default :func:`default_slot_bytes`:
-        4 MiB per copy thread, 8 to 64 MiB; never more than the load rounded up to a page).
-    gpu_path : {"auto", "copy", "register"}, default "auto"
-        Device destinations: both paths, the copy path alone, or the register path alone
-        (units it cannot page-lock still go through the copy path).  ``"auto"`` sends only
-        fully resident units to the register path.
+        Bytes per chunk of the ring (default :func:`engine.device_ring.default_geometry`) or
+        per staging slot of the slot path (default :func:`default_slot_bytes`: 4 MiB per copy
+        thread, 8 to 64 MiB; never more than the load rounded up to a page).
+    gpu_path : {"auto", "copy"}, default "auto"
+        Device destinations: both are the copy path.  ``"register"`` (page-locking the file's
+        own mapping) was removed: it measured slower than the copy path (BENCHMARKS.md).
     on_complete : callable, optional
         ``on_complete(key)`` once per tensor, when its last byte has landed.
     cancel : threading.Event, optional
@@ -227,10 +227,12 @@ def run_sources(
     Notes
     -----
     Copies of tensor bytes: host destinations 1 (page cache to tensor); device destinations
-    2 on the copy path (page cache to a pinned slot, slot to device by DMA) and 1 on the
-    register path (page cache to device by DMA).  No thread outlives the call; staging
-    buffers are freed and every registered range is unregistered before it returns.
+    2 (page cache to a page-locked chunk or slot, then to the device by DMA).  No thread of
+    the load outlives the call and every issued copy has completed when it returns.
     """
+    if gpu_path == "register":
+        raise ValueError("gpu_path='register' was removed: page-locking the file's own mapping measured slower "
+                         "than the copy path on an H100 host and held the file's pages locked; use 'auto'")
     if gpu_path not in GPU_PATHS:
         raise ValueError(f"gpu_path must be one of {GPU_PATHS}, not {gpu_path!r}")
     cancel = cancel or threading.Event()
@@ -240,7 +242,7 @@ def run_sources(
         return 0
     if dest.on_device:
         DeviceLoad(sources, dest, tracker, cancel, threads=threads, slots=slots,
-                    slot_bytes=slot_bytes, gpu_path=gpu_path, fill=fill,
+                    slot_bytes=slot_bytes, fill=fill,
                     after_copy=after_copy).run()
     else:
         _run_host(sources, dest, tracker, cancel, threads, fill)

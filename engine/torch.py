@@ -77,8 +77,8 @@ def load_file(
     Notes
     -----
     Copies of tensor bytes on the CPU: 0 with "mmap", 1 with "pread".  On a CUDA device,
-    whatever the backend: 2 on the copy path (page cache to a pinned slot, then DMA), 1 on
-    the register path (DMA from the page cache); see :mod:`engine.pipeline`.
+    whatever the backend: 2 (page cache to a page-locked chunk, then DMA); see
+    :mod:`engine.pipeline`.
     """
     if is_url(filename):  # parallel ranged reads straight into the tensors
         from .remote_load import load

@@ -8,7 +8,6 @@ see it.
 
 from __future__ import annotations
 
-import mmap
 import queue
 import random
 import threading
@@ -31,36 +30,17 @@ class _Stream:
         self.thread.join()
 
 
-class _Wrapped:
-    """A read-only host range handed to the device (the file's mapping)."""
-
-    def __init__(self, view) -> None:
-        self.view = view
-
-
 class EmulatedDevice:
-    """DeviceOps whose copies are asynchronous, like cudaMemcpyAsync on a stream.
+    """DeviceOps of the slot path whose copies are asynchronous, like cudaMemcpyAsync on a
+    stream (the chunk ring runs against the emulated CUDA runtime in C, ``tests/emucudart``)."""
 
-    Registration emulates page-locking: it is refused past the end of the file (as pinning
-    pages beyond EOF is) or where ``refuse(offset, nbytes)`` says so; it takes the bytes
-    then (locked pages stay readable whatever happens to the file), and a copy that runs
-    after its range was unregistered, or from a range never registered, is recorded in
-    ``errors``.
-    """
-
-    PAGE = mmap.PAGESIZE
-
-    def __init__(self, delay: float = 0.0005, refuse=None, file_size=None) -> None:
+    def __init__(self, delay: float = 0.0005) -> None:
         self.delay = delay
         self.streams: list[_Stream] = []
         self.staging_bytes = 0  # peak of live staging
         self.live_staging: dict[int, int] = {}
-        self.registered: dict[tuple[int, int], tuple[int, bytes, list]] = {}
-        self.register_calls: list[tuple[int, int, bool]] = []
-        self.copies_from: dict[str, int] = {"staging": 0, "mapping": 0}
+        self.copies = 0
         self.errors: list[str] = []
-        self.refuse = refuse or (lambda off, n: False)
-        self.file_size = file_size
         self.lock = threading.Lock()
 
     def bind_thread(self) -> None:
@@ -77,30 +57,6 @@ class EmulatedDevice:
         with self.lock:
             del self.live_staging[id(handle)]
 
-    def wrap_host(self, view):
-        assert view.readonly
-        return _Wrapped(view)
-
-    def register(self, handle, offset, nbytes) -> bool:
-        with self.lock:
-            size = self.file_size() if self.file_size else len(handle.view)
-            ok = not self.refuse(offset, nbytes) and offset + nbytes <= -(-size // self.PAGE) * self.PAGE
-            for (h, off), (n, _, _) in self.registered.items():
-                if h == id(handle) and off < offset + nbytes and offset < off + n:
-                    self.errors.append(f"[{offset}, +{nbytes}) overlaps registered [{off}, +{n})")
-                    ok = False
-            self.register_calls.append((offset, nbytes, ok))
-            if ok:
-                pinned = bytes(handle.view[offset : min(offset + nbytes, len(handle.view))])
-                self.registered[(id(handle), offset)] = (nbytes, pinned, [True])
-            return ok
-
-    def unregister(self, handle, offset, nbytes) -> None:
-        with self.lock:
-            n, _, alive = self.registered.pop((id(handle), offset))
-            assert n == nbytes
-            alive[0] = False
-
     def new_stream(self):
         s = _Stream(self.delay)
         with self.lock:
@@ -108,28 +64,14 @@ class EmulatedDevice:
         return s
 
     def copy_to_device(self, dst, dst_offset, src, src_offset, nbytes, stream) -> None:
-        if isinstance(src, _Wrapped):
-            with self.lock:
-                self.copies_from["mapping"] += 1
-                hit = [(off, n, pinned, alive) for (h, off), (n, pinned, alive) in self.registered.items()
-                       if h == id(src) and off <= src_offset and src_offset + nbytes <= off + n]
-            if not hit:
-                self.errors.append(f"copy from unregistered bytes at {src_offset}")
-                return
-            off, _, pinned, alive = hit[0]
+        with self.lock:
+            self.copies += 1
+            if id(src) not in self.live_staging:
+                self.errors.append("a copy from a buffer that is not a live staging slot")
 
-            def job():
-                time.sleep(random.random() * stream.delay)
-                if not alive[0]:
-                    self.errors.append(f"range at {off} unregistered before its copy ran")
-                dst[dst_offset : dst_offset + nbytes] = pinned[src_offset - off : src_offset - off + nbytes]
-        else:
-            with self.lock:
-                self.copies_from["staging"] += 1
-
-            def job():
-                time.sleep(random.random() * stream.delay)
-                dst[dst_offset : dst_offset + nbytes] = src[src_offset : src_offset + nbytes]
+        def job():
+            time.sleep(random.random() * stream.delay)
+            dst[dst_offset : dst_offset + nbytes] = src[src_offset : src_offset + nbytes]
 
         stream.q.put(job)
 
@@ -146,8 +88,7 @@ class EmulatedDevice:
             s.close()
 
     def assert_clean(self) -> None:
-        """Nothing left registered or allocated, and no copy saw unlocked memory."""
-        assert not self.registered, self.registered.keys()
+        """Nothing left allocated, and every copy read a live staging slot."""
         assert not self.live_staging
         assert not self.errors, self.errors[:3]
 

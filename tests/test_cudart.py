@@ -43,7 +43,7 @@ def _runtime(fake):
 def test_failures_are_returned_and_cleared():
     fake = FakeRuntime(fail=True)
     rt = _runtime(fake)
-    assert rt.host_register(4096, 4096, _cudart.HOST_REGISTER_READ_ONLY) == 1
+    assert rt.host_register(4096, 4096, _cudart.HOST_REGISTER_DEFAULT) == 1
     assert fake.cleared == 1
     assert rt.host_unregister(4096) == 712 and fake.cleared == 2
 
@@ -73,10 +73,9 @@ def test_refused_block_still_works_unlocked(monkeypatch):
     block.release()
 
 
-def test_read_only_flags_keep_pages_in_the_page_cache():
-    assert _cudart.HOST_REGISTER_READ_ONLY & 0x08
-    assert _cudart.HOST_REGISTER_READ_ONLY & _cudart.HOST_REGISTER_PORTABLE
-    assert not _cudart.HOST_REGISTER_DEFAULT & 0x08
+def test_staging_slots_are_locked_portable_and_writable():
+    assert _cudart.HOST_REGISTER_DEFAULT & _cudart.HOST_REGISTER_PORTABLE
+    assert not _cudart.HOST_REGISTER_DEFAULT & 0x08  # not cudaHostRegisterReadOnly: the process writes slots
 
 
 def test_address_of_a_read_only_mapping(tmp_path):
@@ -107,37 +106,31 @@ def test_no_runtime_without_cuda():
 # -- the torch ops over the runtime, with the CUDA calls stubbed ------------------------------------
 
 
-@pytest.mark.parametrize("runtime", ["fake", "refusing", "none"])
-def test_torch_cuda_ops_drive_the_register_path_with_cuda_stubbed(tmp_path, monkeypatch, runtime):
-    """TorchCudaOps on CPU tensors with ``gpu_path="register"``: streams, events and the
-    device stubbed, page-locking by a fake runtime.  Checks the torch side (tensors over the
-    staging block and over the read-only mapping, slicing, copy_) and that every lock is
-    undone.  Where the runtime refuses every page-lock, or no libcudart can be loaded at all,
-    the copy slots carry the whole load.  (The chunk ring, which ``"copy"`` and ``"auto"``
-    take, runs the torch ops over the emulated runtime in test_device_ring.py.)"""
+def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path, monkeypatch):
+    """TorchCudaOps on CPU tensors through the native ring, the CUDA runtime emulated: the
+    torch side (device addresses from ``data_ptr``, the ring's entry points) lands every byte."""
     torch = pytest.importorskip("torch", reason="torch is an optional extra")
     import numpy as np
+    from emucudart import Emulator
 
-    from engine import pipeline
+    from engine import device_ring, pipeline
     from engine.plan import plan_reads
     from engine.sinks import _torch_fill as torch_fill
 
-    fake = FakeRuntime(fail=runtime == "refusing")
-    monkeypatch.setattr(_cudart, "runtime", lambda: None if runtime == "none" else _runtime(fake))
-    pinned = []
-    real_empty = torch.empty
+    emu = Emulator()
+    emu.reset()
+    stream = emu.new_stream()
 
-    def empty(*args, pin_memory=False, **kw):  # torch's pinned allocator needs CUDA: stubbed
-        pinned.append(pin_memory)
-        return real_empty(*args, **kw)
+    class Ops(torch_fill.TorchCudaOps):
+        device_index = 0  # a CPU device has no CUDA index
 
-    monkeypatch.setattr(torch, "empty", empty)
-    ops = torch_fill.TorchCudaOps(torch.device("cpu"))
-    monkeypatch.setattr(ops, "bind_thread", lambda: None)
-    monkeypatch.setattr(ops, "new_stream", lambda: None)  # torch.cuda.stream(None) is a no-op
-    monkeypatch.setattr(ops, "record", lambda stream: None)
-    monkeypatch.setattr(ops, "wait", lambda event: None)
+        def runtime_path(self):
+            return emu.path
 
+        def ring_stream(self):
+            return stream, None
+
+    ops = Ops(torch.device("cpu"))
     rng = np.random.default_rng(5)
     data = rng.integers(0, 256, 3_000_000, dtype=np.uint8)
     path = tmp_path / "w.bin"
@@ -147,18 +140,15 @@ def test_torch_cuda_ops_drive_the_register_path_with_cuda_stubbed(tmp_path, monk
     begins = ends - np.array(sizes)
     fd = os.open(path, os.O_RDONLY)
     try:
-        for gpu_path in ("register",):
-            dst = {r: torch.zeros(n, dtype=torch.uint8) for r, n in enumerate(sizes)}
-            pipeline.run(fd, plan_reads(begins, ends, range(len(sizes)), 17, 1 << 18),
-                         pipeline.Destination(device_targets=dst, device_ops=ops),
-                         path=str(path), slot_bytes=1 << 19, gpu_path=gpu_path)
-            for r, n in enumerate(sizes):
-                b = 17 + int(begins[r])
-                assert bytes(dst[r].numpy()) == data[b : b + n].tobytes(), (gpu_path, r)
-            assert not fake.locked, gpu_path  # staging and mapping ranges all unlocked
+        dst = {r: torch.zeros(n, dtype=torch.uint8) for r, n in enumerate(sizes)}
+        pipeline.run(fd, plan_reads(begins, ends, range(len(sizes)), 17, 1 << 18),
+                     pipeline.Destination(device_targets=dst, device_ops=ops), path=str(path), slot_bytes=1 << 19)
+        for r, n in enumerate(sizes):
+            b = 17 + int(begins[r])
+            assert bytes(dst[r].numpy()) == data[b : b + n].tobytes(), r
     finally:
         os.close(fd)
-    if runtime == "fake":
-        assert fake.flags_seen == {_cudart.HOST_REGISTER_READ_ONLY}
-    else:  # nothing page-locked by the engine: the slots came from torch's pinned allocator
-        assert not fake.flags_seen and any(pinned)
+        device_ring.release_rings()
+        emu.destroy_stream(stream)
+    st = emu.stats()
+    assert st["copies"] > 0 and st["pageable"] == 0 and st["registered"] == 0 and st["events"] == 0

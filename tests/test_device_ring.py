@@ -60,7 +60,10 @@ def _clean(emu) -> None:
     assert st["wrong_device"] == 0, st
 
 
-def _load(layout, ops, rows=None, geometry=device_ring.Geometry(64 * 1024, 4, 2), chunk=1 << 20, **kw):
+_SMALL = device_ring.Geometry(64 * 1024, 4, 2)
+
+
+def _load(layout, ops, rows=None, geometry=_SMALL, chunk=1 << 20, **kw):
     path, begins, ends, data = layout
     rows = list(range(len(begins))) if rows is None else rows
     dst = {r: np.zeros(int(ends[r] - begins[r]), np.uint8) for r in rows}

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import device_units
-from engine.plan import Piece, Request, plan_reads
+from engine.plan import plan_reads
 
 
 def _layout():
@@ -62,17 +59,3 @@ def test_units_cover_every_planned_byte_once_within_their_slot(rows, chunk, slot
             pos += n
         assert pos == int(ends[r] - begins[r])
     assert sum(u.nbytes for u in units) == sum(r.nbytes for r in requests)
-
-
-def test_the_last_unit_goes_to_the_path_that_lands_it_first():
-    u = device_units.Unit(0, [Request(0, 1 << 20, (Piece(0, 0, 0, 1 << 20),))])
-    q = device_units.UnitQueue([], [u], threading.Event())
-    q.register_active = True
-    assert q._worth_it("copy", "register", u)  # no rates yet: anyone
-    q.finished("copy", 1 << 30, 1.0)  # 1 GiB/s
-    q.finished("register", 10 << 30, 1.0)  # 10 GiB/s, idle now
-    assert not q._worth_it("copy", "register", u) and q._worth_it("register", "copy", u)
-    q.rates["register"].busy_until = time.monotonic() + 5.0  # busy for a long while yet
-    assert q._worth_it("copy", "register", u)
-    q.shared.append(u)  # with more than one unit left both paths take freely
-    assert q._worth_it("copy", "register", u) and q._worth_it("register", "copy", u)

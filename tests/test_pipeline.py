@@ -56,7 +56,7 @@ def _expected(data, begins, ends, row):
     device=st.booleans(),
     slots=st.sampled_from([1, 2, 3]),
     slot_bytes=st.sampled_from([5000, 65_536, 1 << 20, 1 << 24]),
-    gpu_path=st.sampled_from(["auto", "copy", "register"]),
+    gpu_path=st.sampled_from(["auto", "copy"]),
 )
 def test_every_selected_byte_lands_and_every_tensor_completes_once(
     layout, rows, threads, chunk, device, slots, slot_bytes, gpu_path
@@ -86,10 +86,6 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(
         emu.assert_clean()
         # pinned staging is bounded by slots * slot_bytes, whatever the model size
         assert emu.staging_bytes <= slots * (slot_bytes + device_units.SLOT_ALIGN)
-        if gpu_path == "copy":
-            assert not emu.register_calls and not emu.copies_from["mapping"]
-        if gpu_path == "register":  # nothing refused: nothing goes through a staging slot
-            assert not emu.copies_from["staging"] and not emu.staging_bytes
 
 
 @pytest.mark.parametrize("device", [False, True])
@@ -203,7 +199,7 @@ def test_destination_arguments():
         pipeline.Destination(device_targets={})
 
 
-# -- device loads: the copy path and the register path ---------------------------------------------
+# -- device loads on the slot path (the chunk ring: test_device_ring.py) ------------------------------
 
 
 def _device_load(layout, emu, *, rows=None, slot_bytes=65_536, **kw):
@@ -221,59 +217,19 @@ def _device_load(layout, emu, *, rows=None, slot_bytes=65_536, **kw):
     return dst
 
 
-def test_auto_is_the_copy_path_and_never_page_locks_the_file(layout):
-    # the register path lost to the copy path on an H100 host: auto no longer takes it
+def test_the_slot_path_copies_every_byte_from_live_staging(layout):
     emu = EmulatedDevice()
     _device_load(layout, emu)
     emu.assert_clean()
-    assert not emu.register_calls and emu.copies_from["mapping"] == 0 and emu.copies_from["staging"]
-
-
-@pytest.mark.parametrize("refuse", [lambda off, n: True, lambda off, n: (off // 65_536) % 2 == 0])
-def test_refused_registrations_fall_back_to_the_copy_path(layout, refuse):
-    emu = EmulatedDevice(refuse=refuse)
-    _device_load(layout, emu, gpu_path="register")
-    emu.assert_clean()
-    assert any(not ok for _, _, ok in emu.register_calls)
-    assert emu.copies_from["staging"] > 0
-
-
-def test_gpu_path_copy_never_registers_and_register_registers_every_unit(layout):
-    emu = EmulatedDevice()
-    _device_load(layout, emu, gpu_path="copy")
-    emu.assert_clean()
-    assert not emu.register_calls and emu.copies_from["mapping"] == 0
-    emu = EmulatedDevice()
-    _device_load(layout, emu, gpu_path="register")
-    emu.assert_clean()
-    assert emu.register_calls and emu.copies_from["mapping"] > 0 and emu.copies_from["staging"] == 0
+    assert emu.copies
 
 
 def test_gpu_path_is_checked(layout):
     with pytest.raises(ValueError, match="gpu_path"):
         _device_load(layout, EmulatedDevice(), gpu_path="fast")
-
-
-def test_a_device_that_cannot_register_uses_the_copy_path(layout):
-    emu = EmulatedDevice()
-
-    class Ops:  # only what the copy path needs
-        alloc_staging, free_staging, new_stream = emu.alloc_staging, emu.free_staging, emu.new_stream
-        copy_to_device, record, wait, bind_thread = emu.copy_to_device, emu.record, emu.wait, emu.bind_thread
-
-    fd, path, begins, ends, data = layout
-    dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
-    try:
-        pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
-                     pipeline.Destination(device_targets=dst, device_ops=Ops()), path=path, slot_bytes=65_536)
-        with pytest.raises(DeviceError):
-            pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
-                         pipeline.Destination(device_targets=dst, device_ops=Ops()), path=path,
-                         gpu_path="register")
-    finally:
-        emu.close()
-    assert all(bytes(dst[r]) == _expected(data, begins, ends, r) for r in range(40))
-    assert not emu.live_staging
+    # page-locking the file's own mapping was removed, with the reason
+    with pytest.raises(ValueError, match="removed.*slower"):
+        _device_load(layout, EmulatedDevice(), gpu_path="register")
 
 
 @pytest.fixture
@@ -287,17 +243,16 @@ def copy_of_layout(layout, tmp_path):
     os.close(fd)
 
 
-@pytest.mark.parametrize("gpu_path", ["auto", "copy", "register"])
+@pytest.mark.parametrize("gpu_path", ["auto", "copy"])
 def test_truncation_mid_load_is_a_read_error_and_releases_everything(copy_of_layout, gpu_path):
     fd, path, begins, ends, data = copy_of_layout
     cut = len(data) // 2
-    emu = EmulatedDevice(file_size=lambda: os.fstat(fd).st_size)
+    emu = EmulatedDevice()
     truncated = []
 
     def on_complete(row):
         if not truncated:  # the file shrinks under the load after its first tensor landed
-            with emu.lock:  # (not while the emulated device is taking registered bytes)
-                os.ftruncate(fd, cut)
+            os.ftruncate(fd, cut)
             truncated.append(row)
 
     dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
@@ -314,21 +269,19 @@ def test_truncation_mid_load_is_a_read_error_and_releases_everything(copy_of_lay
     emu.assert_clean()
 
 
-def test_a_file_shorter_than_its_plan_never_registers_past_its_end(copy_of_layout):
+def test_a_file_shorter_than_its_plan_is_a_read_error_at_its_end(copy_of_layout):
     fd, path, begins, ends, data = copy_of_layout
     os.ftruncate(fd, len(data) - 100_000)
-    emu = EmulatedDevice(file_size=lambda: os.fstat(fd).st_size)
+    emu = EmulatedDevice()
     dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
     with pytest.raises(ReadError) as info:
         try:
             pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
                          pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
-                         slot_bytes=65_536, gpu_path="register")
+                         slot_bytes=65_536)
         finally:
             emu.close()
     assert info.value.offset == len(data) - 100_000
-    size = len(data) - 100_000
-    assert all(off + n <= size + emu.PAGE for off, n, ok in emu.register_calls if ok)
     emu.assert_clean()
 
 
@@ -343,8 +296,8 @@ def _os_threads(until: int = 1 << 30) -> int:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("gpu_path", ["auto", "copy", "register"])
-def test_cancel_of_a_device_load_unregisters_and_frees_everything(layout, gpu_path):
+@pytest.mark.parametrize("gpu_path", ["auto", "copy"])
+def test_cancel_of_a_device_load_frees_everything(layout, gpu_path):
     fd, path, begins, ends, _ = layout
     before = _os_threads()
     emu = EmulatedDevice()
@@ -371,7 +324,7 @@ def test_cancel_of_a_device_load_unregisters_and_frees_everything(layout, gpu_pa
     assert _os_threads(until=before) <= before
 
 
-def test_a_failing_device_copy_still_unregisters_and_frees(layout):
+def test_a_failing_device_copy_still_frees_everything(layout):
     emu = EmulatedDevice()
     real = emu.copy_to_device
     calls = itertools.count(1)  # next() is atomic, whichever thread copies

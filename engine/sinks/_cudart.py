@@ -24,7 +24,6 @@ import sys
 __all__ = [
     "HOST_REGISTER_DEFAULT",
     "HOST_REGISTER_PORTABLE",
-    "HOST_REGISTER_READ_ONLY",
     "PinnedBlock",
     "Runtime",
     "address_of",
@@ -37,9 +36,6 @@ __all__ = [
 HOST_REGISTER_PORTABLE = 0x01
 #: Staging slots: memory the process writes and the device reads.
 HOST_REGISTER_DEFAULT = HOST_REGISTER_PORTABLE
-#: ``cudaHostRegisterReadOnly``: the device only reads the pages, so a read-only file
-#: mapping can be page-locked without copying its pages out of the page cache.
-HOST_REGISTER_READ_ONLY = 0x08 | HOST_REGISTER_PORTABLE
 
 
 class Runtime:
@@ -159,17 +155,3 @@ class PinnedBlock:
             if rt is not None:
                 rt.host_unregister(self.addr)
             self.locked = False
-
-
-def register_read_only(addr: int, nbytes: int) -> bool:
-    """Page-lock ``nbytes`` of read-only host memory at ``addr`` for DMA; False when there is
-    no CUDA runtime or it refuses (the caller then copies through its staging slots)."""
-    rt = runtime()
-    return rt is not None and rt.host_register(addr, nbytes, HOST_REGISTER_READ_ONLY) == 0
-
-
-def unregister(addr: int) -> None:
-    """Undo :func:`register_read_only` for the range that starts at ``addr``."""
-    rt = runtime()
-    if rt is not None:
-        rt.host_unregister(addr)

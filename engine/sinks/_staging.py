@@ -1,7 +1,8 @@
-"""What the torch and CuPy device operations share: the host buffers a device copies from,
-and page-locking them through the CUDA runtime (:mod:`engine.sinks._cudart`).  Each
-framework's ops add only what differs: how a slot is allocated where locking is refused,
-how a stream, an event and an asynchronous copy are spelled."""
+"""What the torch and CuPy device operations share: the host buffers the slot path's device
+copies read (:mod:`engine.device_load`), page-locked through the CUDA runtime
+(:mod:`engine.sinks._cudart`).  Each framework's ops add only what differs: how a slot is
+allocated where locking is refused, how a stream, an event and an asynchronous copy are
+spelled."""
 
 from __future__ import annotations
 
@@ -25,13 +26,3 @@ class PinnedHostOps:
     def free_staging(self, handle: HostSource) -> None:
         if handle.block is not None:
             handle.block.release()
-
-    def register(self, handle: HostSource, offset: int, nbytes: int) -> bool:
-        from . import _cudart  # device loads only: importing the torch sink for CPU tensors needs no runtime
-
-        return _cudart.register_read_only(handle.addr + offset, nbytes)
-
-    def unregister(self, handle: HostSource, offset: int, nbytes: int) -> None:
-        from . import _cudart
-
-        _cudart.unregister(handle.addr + offset)

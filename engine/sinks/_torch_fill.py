@@ -4,8 +4,6 @@ file and handing out CPU tensors never imports the staging and fill-target machi
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .. import dtypes
@@ -18,11 +16,11 @@ __all__ = ["TorchCudaOps", "TorchTarget"]
 class TorchCudaOps(PinnedHostOps):
     """The pipeline's device operations on torch CUDA (see :class:`engine.pipeline.DeviceOps`).
 
-    Staging slots are anonymous memory page-locked by the engine (unlocked when the load
-    frees them); file mappings are page-locked read-only, range by range, through the CUDA
-    runtime that torch loaded (:mod:`engine.sinks._cudart`).  Copies are
-    ``Tensor.copy_(..., non_blocking=True)`` on the path's stream: ``cudaMemcpyAsync`` from
-    page-locked memory.
+    Plain loads go through the native chunk ring (:mod:`engine.device_ring`), which calls the
+    CUDA runtime torch loaded on a stream of its own.  On the slot path, staging slots are
+    anonymous memory page-locked by the engine (unlocked when the load frees them) and
+    copies are ``Tensor.copy_(..., non_blocking=True)`` on the path's stream:
+    ``cudaMemcpyAsync`` from page-locked memory.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -60,13 +58,6 @@ class TorchCudaOps(PinnedHostOps):
             return HostSource(slot, slot.data_ptr()), memoryview(slot.numpy())
         tensor = torch.frombuffer(block.view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         return HostSource(tensor, block.addr, block), block.view
-
-    def wrap_host(self, view: memoryview) -> HostSource:
-        with warnings.catch_warnings():
-            # the mapping is read-only and torch warns so; the device only ever reads it
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(view, dtype=torch.uint8)
-        return HostSource(tensor, tensor.data_ptr())
 
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)

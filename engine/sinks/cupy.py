@@ -47,7 +47,7 @@ def cupy_dtype(code: int) -> np.dtype:
 
 class CupyOps(PinnedHostOps):
     """The pipeline's device operations on CuPy (see :class:`engine.pipeline.DeviceOps`):
-    the same copy and register paths as torch, with ``cudaMemcpyAsync`` by address."""
+    the chunk ring as torch has it, and the slot path with ``cudaMemcpyAsync`` by address."""
 
     def __init__(self, device_id: int) -> None:
         self.device = cupy.cuda.Device(device_id)
@@ -81,9 +81,6 @@ class CupyOps(PinnedHostOps):
             host = np.frombuffer(mem, np.uint8, nbytes)
             return HostSource(mem, host.ctypes.data), memoryview(host)
         return HostSource(block.view, block.addr, block), block.view
-
-    def wrap_host(self, view: memoryview) -> HostSource:
-        return HostSource(view, _cudart.address_of(view))
 
     def new_stream(self):
         return cupy.cuda.Stream(non_blocking=True)
