@@ -312,6 +312,9 @@ cdef void _run_worker(_State* st, int index) noexcept nogil:
     cdef _Part part
     memset(&part, 0, sizeof(_Part))
     part.choice = &st.choices[index] if st.adaptive else NULL
+    # stores past the caches: the copy engine reads the chunk from memory either way, and
+    # stores that first read each line in (the cache's write-allocate) cost a third pass
+    part.stream = 1
     st.rt.set_device(st.device)
     while not _stopped(&st.cancel):
         k = _take(&st.next_chunk)

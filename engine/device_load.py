@@ -29,7 +29,6 @@ from typing import Protocol
 
 import numpy as np
 
-from . import device_ring
 from ._threads import run_threads
 from .device_staging import Ring
 from .device_units import SLOT_ALIGN, Unit, units
@@ -98,7 +97,7 @@ def default_slot_bytes(threads: int | None = None) -> int:
 
 
 class DeviceLoad:
-    """One device load: through the chunk ring, or the slot path's units, threads and clean-up.
+    """One device load on the slot path: its units, threads and clean-up.
 
     ``sources`` are :class:`engine.pipeline.Source` s, ``dest`` a device
     :class:`engine.pipeline.Destination`, ``tracker`` reports each tensor when its last
@@ -129,23 +128,10 @@ class DeviceLoad:
         self.remote = any(s.ranges is not None for s in sources)
         if self.remote and (fill is not None or not all(s.ranges is not None for s in sources)):
             raise ValueError("a device load of remote files takes no fill hook and no local files")
-        # the native chunk ring: every plain load of local files (hooks still take the slots)
-        self.ring = None
-        if fill is None and after_copy is None and not self.remote and device_ring.supports(self.ops):
-            g = device_ring.default_geometry()
-            if slot_bytes:
-                chunk = max(4096, slot_bytes // 4096 * 4096)
-                g = device_ring.Geometry(chunk, max(2, min(g.chunks, device_ring.MAX_RING_BYTES // chunk)), g.threads)
-            if threads:
-                g = g._replace(threads=threads)
-            self.ring = g
         self.units = [u for i, s in enumerate(sources)
                       for u in units(i, s.requests, self.slot_bytes, splittable=fill is None)]
 
     def run(self) -> None:
-        if self.ring is not None:
-            self.ring_stats = device_ring.load(self.sources, self.dest, self.tracker, self.cancel, self.ring)
-            return
         run_threads([self._remote_copy_path if self.remote else self._copy_path], name="engine-device",
                     on_error=self.cancel.set)
 

@@ -104,6 +104,18 @@ def supports(ops) -> bool:
     return all(hasattr(ops, m) for m in ("runtime_path", "ring_stream", "address")) and hasattr(ops, "device_index")
 
 
+def geometry_for(slot_bytes: int | None = None, threads: int | None = None) -> Geometry:
+    """The default geometry with a loader's ``slot_bytes`` (bytes per chunk; chunks as many as
+    fit :data:`MAX_RING_BYTES`, at least 2) and ``threads`` (copy threads) applied."""
+    g = default_geometry()
+    if slot_bytes:
+        chunk = max(4096, slot_bytes // 4096 * 4096)
+        g = Geometry(chunk, max(2, min(g.chunks, MAX_RING_BYTES // chunk)), g.threads)
+    if threads:
+        g = g._replace(threads=threads)
+    return checked(g)
+
+
 @functools.cache
 def _runtime(path: str):
     from . import _ring

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import device_ring
 from ._threads import run_threads
 from .device_load import DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from .errors import Cancelled
@@ -240,7 +241,10 @@ def run_sources(
     total = sum(r.nbytes for s in sources for r in s.requests)
     if not total:
         return 0
-    if dest.on_device:
+    if dest.on_device and fill is None and after_copy is None and device_ring.supports(dest.device_ops) \
+            and not any(s.ranges is not None for s in sources):
+        device_ring.load(sources, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
+    elif dest.on_device:
         DeviceLoad(sources, dest, tracker, cancel, threads=threads, slots=slots,
                     slot_bytes=slot_bytes, fill=fill,
                     after_copy=after_copy).run()

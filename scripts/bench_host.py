@@ -14,13 +14,17 @@ fully mapped read-only mapping into pre-faulted memory, same thread count; see
   already hold a populated mapping of the file pays at least (native, nothing of the
   engine's): the kernel's copy out of the page cache, or a mapping built, populated, copied
   from and torn down.  The limit leaves those costs out; a first load in a process cannot;
-* ``engine copy path, dma=none``: the engine's device copy path (default staging slots,
-  page-locked, pre-faulted) into a device whose copies complete without moving bytes: the
-  host side of a GPU load (page cache -> pinned slot), which is what this host can show;
-* ``engine copy path, dma=none, staging kept``: the same with the staging slots kept between
-  loads (``engine.keep_staging(True)``): the repeated loads page-lock nothing;
+* ``engine copy path, dma=none``: the engine's device copy path (the native chunk ring, its
+  default geometry) over the emulated CUDA runtime (``tests/emucudart``) whose copies complete
+  without moving bytes: the host side of a GPU load (page cache -> page-locked chunk), which
+  is what this host can show;
+* ``engine copy path, dma=none, staging kept``: the same with the ring kept between loads
+  (``engine.keep_staging(True)``): the repeated loads page-lock nothing;
   ``..., staging and mappings kept``: also the file's mapping kept populated between loads
   (``engine.keep_mappings(True)``): the repeated loads map nothing either;
+* ``engine ring alone, 4 KiB chunks``: the same with chunks of one page (``ENGINE_RING``), so
+  that the ring's own cost per chunk (take, fill, issue, record, recycle) dominates: printed
+  as chunks per second;
 * ``engine copy path, dma=memcpy``: the same with each device copy done by a CPU
   ``memcpy`` on a stream thread, as an emulated DMA engine (it costs this host a second
   copy of every byte and a core, which a GPU's DMA engine does not);
@@ -122,7 +126,11 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
         lim = host.Limit(path, huge=True)
         out.update(huge=_repeated(lim.run, reps))
         lim.close()
-    elif kind.startswith("device"):
+    elif kind.startswith("device") or kind.startswith("ringrate"):
+        if kind.startswith("ringrate"):  # one page per chunk: the ring's own cost per chunk
+            from engine import device_ring
+
+            os.environ["ENGINE_RING"] = f"{4096 / 2**20},64,{device_ring.default_geometry().threads}"
         dma, _, keep = kind.partition("-")[2].partition("-")
         if keep:  # staging slots kept between loads (engine.keep_staging); "kept": mappings too
             import engine
@@ -247,6 +255,7 @@ def main() -> int:
         for s in sources:
             tag = (f" [{s}]" if len(sources) > 1 else "") + ftag
             plan += [(f"engine copy path, dma=none{tag}", "device-none", s, False, f, st),
+                     (f"engine ring alone, 4 KiB chunks, dma=none{tag}", "ringrate-none", s, False, f, st),
                      (f"engine copy path, dma=none, staging kept{tag}", "device-none-keep", s, False, f, st),
                      (f"engine copy path, dma=none, staging and mappings kept{tag}", "device-none-kept", s, False,
                       f, st),
@@ -329,6 +338,10 @@ def main() -> int:
     if cold_huge:
         print("the cold reads left in large folios (GiB of the file's): "
               + ", ".join(f"{k} {v:.2f}" for k, v in cold_huge.items()))
+    for label, rs in results.items():
+        if label.startswith("engine ring alone"):
+            sec = rep(label)
+            print(f"{label}: {nbytes / 4096 / sec:,.0f} chunks/s ({nbytes / 4096:,.0f} chunks of 4 KiB in {sec * 1e3:.1f} ms)")
     bad = [label for label, rs in results.items() if not all(r.get("ok", True) for r in rs)]
     rss = {label: max(r["maxrss"] for r in rs) for label, rs in results.items()}
     print("peak RSS per row (GB): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rss.items()))

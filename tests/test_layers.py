@@ -267,7 +267,7 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"), ("_s3", "errors"),
     ("header", "_header"), ("_header_encode", "header"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"), ("device_load", "device_units"),
-    ("device_load", "device_staging"), ("reader", "kept_mappings"), ("device_load", "device_ring"),
+    ("device_load", "device_staging"), ("reader", "kept_mappings"), ("pipeline", "device_ring"),
     ("device_ring", "reader"), ("device_ring", "_ring"), ("device_staging", "device_ring"),
     ("device", "numerics.device"), ("quantize", "numerics.quantize"), ("statistics", "numerics.statistics"),
     ("file_handle", "loader"), ("loader", "load_hooks"), ("tensorspec", "writer"),

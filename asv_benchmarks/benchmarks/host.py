@@ -9,13 +9,14 @@
   ``pread`` copy, or a fresh mapping built, copied from and torn down; with
   :func:`cache_state`, which puts a file in the page cache in large folios or page by page
   (the two states price a mapping very differently);
-* :class:`BenchDevice`: a device for the engine's copy path on a host without one: staging
-  slots are page-locked (``mlock``) pre-faulted host memory as a driver's pinned buffers
-  are, and each "device copy" runs on a stream thread into a pre-faulted device buffer.
-  ``dma="memcpy"`` moves the bytes (a CPU copy stands in for the DMA engine: it costs this
-  host a core and a read and a write of every byte, which a real DMA engine does not);
-  ``dma="none"`` completes the copy without moving anything (the host side of the copy
-  path alone: page cache -> pinned slot, with the slot ring, events and ordering).
+* :class:`BenchDevice`: a device for the engine's copy path (the native chunk ring,
+  ``engine.device_ring``) on a host without one: the emulated CUDA runtime of the tests
+  (``tests/emucudart``, the same entry points as ``libcudart``), whose streams run each
+  "device copy" on a thread into a pre-faulted device buffer.  ``dma="memcpy"`` moves the
+  bytes (a CPU copy stands in for the DMA engine: it costs this host a core and a read and
+  a write of every byte, which a real DMA engine does not); ``dma="none"`` completes the
+  copy without moving anything (the host side of the copy path alone: page cache ->
+  page-locked chunk, with the ring, its events and ordering).
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import ctypes
 import hashlib
 import mmap
 import os
-import queue
 import subprocess
 import tempfile
-import threading
 
 import numpy as np
 
@@ -300,81 +299,50 @@ def file_huge_kib() -> int | None:
     return None
 
 
-class _Stream:
-    def __init__(self) -> None:
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+def _emulator():
+    """The tests' emulated CUDA runtime (built with ``cc`` on first use)."""
+    import sys
 
-    def _run(self) -> None:
-        while (job := self.q.get()) is not None:
-            job()
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from emucudart import Emulator
+
+    return Emulator()
+
+
+_STREAM: list = []  # one emulated stream for the process: a ring kept between loads uses it
 
 
 class BenchDevice:
-    """DeviceOps for the copy path on a host without a device (see the module docstring)."""
+    """Ring operations over the emulated runtime (see the module docstring)."""
+
+    device_index = 0
 
     def __init__(self, dma: str = "memcpy") -> None:
         if dma not in ("memcpy", "none"):
             raise ValueError(dma)
-        self.dma = dma
-        self.streams: list[_Stream] = []
-        self.staging: dict[int, mmap.mmap] = {}
-        self.locked = True
-        self.staging_key = ("bench",)  # slots may be kept between loads (engine.keep_staging)
+        self.emulator = _emulator()
+        self.emulator.noop(dma == "none")
+        if not _STREAM:
+            _STREAM.append(self.emulator.new_stream())
 
-    def bind_thread(self) -> None:
-        pass
+    def runtime_path(self) -> str:
+        return self.emulator.path
 
-    def alloc_staging(self, nbytes: int):
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        view = memoryview(buf)
-        arr = np.frombuffer(view, np.uint8)
-        try:  # page-locked, as cudaHostAlloc's pinned memory is
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.mlock(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(nbytes)) != 0:
-                self.locked = False
-        except OSError:
-            self.locked = False
-        arr[::4096] = 0  # pre-faulted
-        self.staging[id(view)] = buf
-        return view, view
+    def ring_stream(self):
+        return _STREAM[0], None
 
-    def free_staging(self, handle) -> None:
-        buf = self.staging.pop(id(handle))
-        handle.release()
-        buf.close()  # unmapping unlocks
-
-    def new_stream(self):
-        s = _Stream()
-        self.streams.append(s)
-        return s
-
-    def copy_to_device(self, dst, dst_offset, src, src_offset, nbytes, stream) -> None:
-        if self.dma == "memcpy":
-            def job():
-                dst[dst_offset : dst_offset + nbytes] = src[src_offset : src_offset + nbytes]
-
-            stream.q.put(job)
-
-    def record(self, stream):
-        event = threading.Event()
-        stream.q.put(event.set)
-        return event
-
-    def wait(self, event) -> None:
-        event.wait()
+    def address(self, target) -> int:
+        return int(target.ctypes.data)
 
     def close(self) -> None:
-        for s in self.streams:
-            s.q.put(None)
-            s.thread.join()
-        self.streams = []
+        pass
 
 
 class DeviceLoad:
-    """The engine's device copy path (default slots) for every tensor of ``path`` into
-    pre-faulted "device" buffers of a :class:`BenchDevice`; ``run()`` loads once."""
+    """The engine's device copy path (the chunk ring, default geometry) for every tensor of
+    ``path`` into pre-faulted "device" buffers of a :class:`BenchDevice`; ``run()`` loads once."""
 
     def __init__(self, path: str, dma: str = "memcpy", slot_bytes: int | None = None) -> None:
         import engine
