@@ -13,8 +13,14 @@ Each sample also reports its process's resident memory before the clock and its 
 during the load (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the clock:
 ``ru_maxrss`` would carry the parent's size through fork and exec), and on a GPU the peak
 of torch's allocator (``torch.cuda.max_memory_allocated``) and the device memory in use
-after the load (``mem_get_info``, which also sees the peers' own allocators).  The
-``stats=True`` and ``quantize="int8"`` rows count the file's tensor bytes.
+after the load (``mem_get_info``, which also sees the peers' own allocators).  The host
+memory by kind (scripts/host_memory.py: anonymous, file-backed mapped and ``mlock``-ed
+pages from ``/proc/self/status``, and the engine's own count of what its rings page-locked)
+is sampled on a thread every 10 ms while the load runs: each kind's peak growth over its
+level before the clock, and the mapped file pages still there after the load.  The
+``stats=True`` and ``quantize="int8"`` rows count the file's tensor bytes.  The per-key
+rows are the loop of accelerate's ``load_state_dict``: ``safe_open(f, device=...)`` and
+``get_tensor(k)`` for every key of every shard, through the engine and the reference.
 scripts/gpu_check.py runs a selection of these rows in one command with the other GPU
 checks.
 
@@ -29,8 +35,11 @@ build the extensions there first::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     python3 setup.py -q build_ext --inplace
-    PYTHONPATH=/tmp/site:$PWD python3 scripts/bench_gpu.py --runs 3 --modes warm
-    PYTHONPATH=/tmp/site:$PWD python3 scripts/bench_gpu.py --runs 3 --modes cold
+    PYTHONPATH=/tmp/site python3 scripts/bench_gpu.py --runs 3 --modes warm
+    PYTHONPATH=/tmp/site python3 scripts/bench_gpu.py --runs 3 --modes cold
+
+The script and its children import the engine of the checkout it sits in (put first on
+``sys.path`` by scripts/checkout_path.py), installed or not.
 
 Other options: ``--size 4GB`` (smaller checkpoint), ``--only engine,reference`` (rows whose
 name contains one of the words), ``--dir`` (where the checkpoint lives, reused between
@@ -48,8 +57,16 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # imported from elsewhere (a test): its sibling modules
+    sys.path.insert(0, HERE)
+import checkout_path  # noqa: E402
+
+# this checkout's engine, here and in every child (they run this file): on a GPU host it is
+# built in place and not installed
+ROOT = checkout_path.use_checkout()
 # the asv suites' shared helpers (page-cache eviction)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "asv_benchmarks"))
+sys.path.insert(1, os.path.join(ROOT, "asv_benchmarks"))
+import host_memory  # noqa: E402
 from benchmarks.common import evict_cache, hwm_bytes, reset_hwm, rss_bytes  # noqa: E402
 
 GiB = 1 << 30
@@ -304,6 +321,31 @@ def _reference(files, dev):
     return out
 
 
+def _engine_per_key(files, dev):
+    """The loop of accelerate's ``load_state_dict``: ``safe_open(f, device=...)``, then
+    ``get_tensor(k)`` for every key, shard after shard."""
+    import engine
+
+    out = {}
+    for f in files:
+        with engine.safe_open(f, framework="pt", device=dev) as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def _reference_per_key(files, dev):
+    """:func:`_engine_per_key` with the reference's ``safe_open``."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt", device=dev) as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
 def _reference_then_to(files, dev):
     from safetensors.torch import load_file
 
@@ -418,8 +460,6 @@ IMPLEMENTATIONS = {
     "engine safe_open(index).get_tensors()": _engine_safe_open("index"),
     "engine stream(shards) auto": lambda files, dev: _engine_stream(files, dev),
     "engine stream(shards) gpu_path=copy": lambda files, dev: _engine_stream(files, dev, gpu_path="copy"),
-    "engine stream(shards) gpu_path=register": lambda files, dev: _engine_stream(
-        files, dev, gpu_path="register"),
     "engine stream(shards) slot_bytes=128MiB": lambda files, dev: _engine_stream(
         files, dev, slot_bytes=128 << 20),
     "engine stream(shards) slot_bytes=256MiB": lambda files, dev: _engine_stream(
@@ -428,13 +468,13 @@ IMPLEMENTATIONS = {
     "engine load_into(f) per shard": (_engine_load_into_prepare, _engine_load_into),
     "engine load_into(directory)": (_engine_load_into_prepare, _engine_load_into_directory),
     "engine load_into(directory) gpu_path=copy": (_engine_load_into_prepare, _engine_load_into_directory_path("copy")),
-    "engine load_into(directory) gpu_path=register": (
-        _engine_load_into_prepare, _engine_load_into_directory_path("register")),
     "engine load_into(directory) reload, staging and mappings kept": (
         _engine_reload_prepare, _engine_load_into_directory),
     "engine stream(f) stats=True per shard": _engine_stream_stats,
     "engine stream(f) quantize=int8 per shard": _engine_stream_int8,
+    "engine safe_open(f, device) get_tensor per key": _engine_per_key,
     "reference load_file(f, device) per shard": _reference,
+    "reference safe_open(f, device) get_tensor per key": _reference_per_key,
     "reference load_file(f) then .to(device)": _reference_then_to,
     "fastsafetensors (nogds, buffered)": _fastsafetensors,
     "InstantTensor default": _instanttensor(None),
@@ -558,7 +598,8 @@ def child(impl: str, files: list[str], dev: str) -> dict:
     _sync(dev)
     if impl in LIMITS:
         nbytes, seconds = LIMITS[impl](files, dev)
-        return {"seconds": seconds, "bytes": nbytes, "checksum": "", "host_peak_bytes": hwm_bytes()}
+        return {"seconds": seconds, "bytes": nbytes, "checksum": "", "host_peak_bytes": hwm_bytes(),
+                "engine_file": checkout_path.engine_origin()}
     fn = IMPLEMENTATIONS[impl]
     prepared = None
     if isinstance(fn, tuple):  # load_into: the destinations exist before the clock
@@ -569,13 +610,16 @@ def child(impl: str, files: list[str], dev: str) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         free_before = torch.cuda.mem_get_info()[0]
-    t0 = time.perf_counter()
-    out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
-    _sync(dev)
-    seconds = time.perf_counter() - t0
+    # memory by kind, sampled on a thread from before the clock until the load has synchronized
+    with host_memory.Sampler() as kinds:
+        t0 = time.perf_counter()
+        out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
+        _sync(dev)
+        seconds = time.perf_counter() - t0
     # memory before the checksum, which allocates its own
     record = {"seconds": seconds, "host_before_bytes": host_before, "host_peak_bytes": hwm_bytes(),
-              "host_peak_from": "clock" if reset else "process start"}
+              "host_peak_from": "clock" if reset else "process start", **kinds.result(),
+              "file_after_bytes": kinds.file_now()}
     if cuda:
         # torch's allocator only; peers with their own allocator show in device_used_bytes
         record["device_peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -586,7 +630,8 @@ def child(impl: str, files: list[str], dev: str) -> dict:
     else:
         record["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
     record.update(checksum=checksum(tensors), tensors=len(tensors),
-                  all_on_gpu=all(t.device.type == "cuda" for t in tensors.values()))
+                  all_on_gpu=all(t.device.type == "cuda" for t in tensors.values()),
+                  engine_file=checkout_path.engine_origin())
     if impl in SOURCE_BYTES:
         record["stats"] = stats
     return record
@@ -639,6 +684,11 @@ def run_row(impl: str, files: list[str], dev: str, mode: str, runs: int, timeout
     return summarise(samples, how or mode)
 
 
+#: a sample's host memory by kind (scripts/host_memory.py); a row keeps the largest of its samples
+MEMORY_KINDS = ("anon_growth_bytes", "file_growth_bytes", "vmlck_growth_bytes", "locked_growth_bytes",
+                "anon_locked_growth_bytes", "locked_peak_bytes", "file_after_bytes")
+
+
 def summarise(samples: list[dict], cache: str) -> dict:
     """A row's result from its samples (see :func:`run_row`); failed if any sample failed."""
     bad = [s["error"] for s in samples if "error" in s]
@@ -649,11 +699,11 @@ def summarise(samples: list[dict], cache: str) -> dict:
                  "gbps": statistics.median(s["bytes"] / s["seconds"] / 1e9 for s in samples),
                  "bytes": samples[0]["bytes"],
                  "checksums": sorted({s["checksum"] for s in samples if s.get("checksum")})}
-    for key in ("host_before_bytes", "host_peak_bytes", "device_peak_bytes", "device_used_bytes"):
+    for key in ("host_before_bytes", "host_peak_bytes", "device_peak_bytes", "device_used_bytes", *MEMORY_KINDS):
         values = [s[key] for s in samples if key in s]
         if values:
             out[key] = max(values)
-    for key in ("tensors", "all_on_gpu", "stats", "host_peak_from"):
+    for key in ("tensors", "all_on_gpu", "stats", "host_peak_from", "engine_file"):
         if key in samples[-1]:
             out[key] = samples[-1][key]
     return out
@@ -684,8 +734,13 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--files", nargs="*", help=argparse.SUPPRESS)
+    # print which engine a child of this script imports (scripts/gpu_check.py checks it is the checkout's)
+    ap.add_argument("--where", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    if args.where:
+        print(json.dumps({"engine_file": checkout_path.engine_origin()}))
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.files, args.device)))
         return 0
