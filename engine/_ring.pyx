@@ -131,7 +131,8 @@ cdef enum:
     _cudaHostRegisterPortable = 1
     _cudaEventDisableTiming = 2
     _MADV_HUGEPAGE = 14
-    _MADV_POPULATE_WRITE = 23
+
+cdef size_t _HUGE = 2 << 20
 
 #: the entry points a ring calls, in the order of _Rt
 ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
@@ -392,6 +393,8 @@ cdef class ChunkRing:
     cdef pthread_t* tids
     cdef int nthreads
     cdef size_t nbytes
+    cdef size_t mapped
+    cdef void* mem
     cdef bint busy
     cdef object stream_owner
     cdef object __weakref__
@@ -429,12 +432,16 @@ cdef class ChunkRing:
                 or self.st.choices == NULL or self.tids == NULL or self.workers == NULL):
             self.close()
             raise MemoryError()
-        mem = mmap(NULL, self.nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        # 2 MiB more, so that the chunks start on a huge page's line: fewer pages to lock and to
+        # translate for the DMA engine, where the kernel backs the mapping with huge pages
+        self.mapped = self.nbytes + _HUGE
+        mem = mmap(NULL, self.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         if mem == MAP_FAILED:
             self.close()
             raise MemoryError(f"cannot map {self.nbytes} bytes for the ring's chunks")
-        self.st.base = <uint8_t*>mem
-        madvise(mem, self.nbytes, _MADV_HUGEPAGE)  # fewer pages to lock and to translate for DMA
+        self.mem = mem
+        self.st.base = <uint8_t*>((<uintptr_t>mem + _HUGE - 1) & ~(<uintptr_t>_HUGE - 1))
+        madvise(self.st.base, self.nbytes, _MADV_HUGEPAGE)
         with nogil:
             runtime.rt.set_device(device)
             for i in range(chunks):
@@ -678,7 +685,7 @@ cdef class ChunkRing:
                 for i in range(st.nslots):
                     if st.registered != NULL and st.registered[i]:
                         st.rt.host_unregister(st.base + i * st.chunk_bytes)
-                munmap(st.base, self.nbytes)
+                munmap(self.mem, self.mapped)
         self.nthreads = 0
         pthread_cond_destroy(&st.filled_cond)
         pthread_cond_destroy(&st.issued_cond)

@@ -1,0 +1,72 @@
+import numpy as np
+
+ENTRY_POINTS: tuple[str, ...]
+
+class Runtime:
+    """A CUDA runtime opened by path; its entry points looked up by name."""
+
+    path: str
+    def __init__(self, path: str) -> None: ...
+    def error_string(self, code: int) -> str: ...
+    def clear_error(self) -> int: ...
+
+class ChunkRing:
+    """Page-locked chunks and native copy threads on one device and stream."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        device: int,
+        stream: int,
+        chunk_bytes: int,
+        chunks: int,
+        threads: int,
+        stream_owner: object = ...,
+    ) -> None: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def locked_bytes(self) -> int: ...
+    @property
+    def pageable(self) -> bool: ...
+    @property
+    def waits(self) -> tuple[float, float]: ...
+    @property
+    def sources(self) -> list[tuple[int, int]]: ...
+    def run(
+        self,
+        c_file: np.ndarray,
+        c_seg: np.ndarray,
+        s_pos: np.ndarray,
+        s_off: np.ndarray,
+        s_len: np.ndarray,
+        s_dst: np.ndarray,
+        fds: np.ndarray,
+        maps: np.ndarray,
+        map_lens: np.ndarray,
+        keeps: np.ndarray,
+        poll: object = ...,
+        poll_seconds: float = ...,
+        adaptive: bool = ...,
+    ) -> tuple[int, int, int, int, int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> ChunkRing: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+def plan(
+    p_file: np.ndarray,
+    p_off: np.ndarray,
+    p_len: np.ndarray,
+    p_dst: np.ndarray,
+    chunk_bytes: int,
+    c_file: np.ndarray,
+    c_seg: np.ndarray,
+    s_pos: np.ndarray,
+    s_off: np.ndarray,
+    s_len: np.ndarray,
+    s_dst: np.ndarray,
+) -> tuple[int, int]: ...
