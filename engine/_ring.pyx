@@ -236,6 +236,7 @@ cdef struct _State:
     double wait_slot           # seconds copy threads waited for a slot's copy (summed)
     double wait_fill           # seconds the issuing thread waited for a chunk to fill
     int adaptive               # threads learn pread or the mapping (else a mapping is always used)
+    int stream_stores          # copies out of a mapping store past the caches
     _Choice* choices
 
 
@@ -313,9 +314,10 @@ cdef void _run_worker(_State* st, int index) noexcept nogil:
     cdef _Part part
     memset(&part, 0, sizeof(_Part))
     part.choice = &st.choices[index] if st.adaptive else NULL
-    # stores past the caches: the copy engine reads the chunk from memory either way, and
-    # stores that first read each line in (the cache's write-allocate) cost a third pass
-    part.stream = 1
+    # stores past the caches (the default): the copy engine reads the chunk from memory either
+    # way where the ring is larger than the last-level cache, and stores that first read each
+    # line in (the cache's write-allocate) cost a third pass over memory
+    part.stream = st.stream_stores
     st.rt.set_device(st.device)
     while not _stopped(&st.cancel):
         k = _take(&st.next_chunk)
@@ -508,7 +510,8 @@ cdef class ChunkRing:
     def run(self, const int32_t[::1] c_file, const int64_t[::1] c_seg, const int64_t[::1] s_pos,
             const int64_t[::1] s_off, const int64_t[::1] s_len, const uint64_t[::1] s_dst,
             const int32_t[::1] fds, const uint64_t[::1] maps, const int64_t[::1] map_lens,
-            const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05, bint adaptive=True):
+            const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05, bint adaptive=True,
+            bint stream_stores=True):
         """Move one planned load (see :func:`plan`) through the ring, GIL released.
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
@@ -516,7 +519,9 @@ cdef class ChunkRing:
         cancel, or raises (the run stops and the exception propagates once every issued
         copy has completed).  Signals are checked there too (Ctrl-C stops a load).
         ``adaptive``: each thread measures whether ``pread`` or the mapping is faster (else
-        files with a mapping are always copied out of it).
+        files with a mapping are always copied out of it).  ``stream_stores``: copies out of a
+        mapping store past the caches (else through them, for rings that fit the last-level
+        cache).
 
         Returns ``(kind, code, chunk, at, missing)``: kind 0 on success, 1 a read failed
         (``code`` errno or -1 for the end of the file, ``at``/``missing`` where), 2 the
@@ -579,6 +584,7 @@ cdef class ChunkRing:
                 st.wait_slot = 0
                 st.wait_fill = 0
                 st.adaptive = adaptive
+                st.stream_stores = stream_stores
                 st.active = self.nthreads
                 st.generation += 1
                 pthread_cond_broadcast(&st.run_cond)

@@ -82,6 +82,16 @@ def default_geometry(cores: int | None = None) -> Geometry:
     return Geometry(4 * _MIB, 32, default_threads(cores))
 
 
+def stores() -> str:
+    """How copy threads write chunks filled out of a mapping: ``"stream"`` (the default: past
+    the caches, for rings larger than the last-level cache) or ``"cached"`` (through them);
+    ``ENGINE_RING_STORES`` picks one, ``scripts/gpu_check.py --sweep`` measures both."""
+    value = os.environ.get("ENGINE_RING_STORES", "stream").strip().lower()
+    if value not in ("stream", "cached"):
+        raise ValueError(f"ENGINE_RING_STORES must be 'stream' or 'cached', not {value!r}")
+    return value
+
+
 def parse_geometry(text: str) -> Geometry:
     """``"chunk_mib,chunks,threads"`` (``ENGINE_RING``'s form) as a :class:`Geometry`."""
     try:
@@ -375,7 +385,8 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             return cancel.is_set()
 
         kind, code, chunk, at, missing = ring.run(c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens,
-                                                  keeps, poll, adaptive=copy_source() != "mmap")
+                                                  keeps, poll, adaptive=copy_source() != "mmap",
+                                                  stream_stores=stores() == "stream")
         stats = {"threads": ring.threads, "chunk_bytes": ring.chunk_bytes, "chunks": ring.chunks,
                  "waits": ring.waits, "sources": ring.sources, "pageable": ring.pageable}
     finally:

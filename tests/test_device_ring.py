@@ -400,3 +400,18 @@ def test_geometry_from_the_environment(monkeypatch):
     g = device_ring.default_geometry(16)
     assert g.threads == 12 and g.pinned_bytes <= device_ring.MAX_RING_BYTES
     assert device_ring.default_threads(2) == 2
+
+
+@pytest.mark.parametrize("stores", ["stream", "cached"])
+def test_either_kind_of_store_lands_every_byte(layout, ops, emu, stores, monkeypatch):
+    monkeypatch.setenv("ENGINE_RING_STORES", stores)
+    monkeypatch.setenv("ENGINE_COPY_SOURCE", "mmap")  # the stores apply to copies out of a mapping
+    dst, _, _ = _load(layout, ops)
+    _check(layout, dst)
+    _clean(emu)
+
+
+def test_stores_are_checked(monkeypatch):
+    monkeypatch.setenv("ENGINE_RING_STORES", "fast")
+    with pytest.raises(ValueError, match="ENGINE_RING_STORES"):
+        device_ring.stores()
