@@ -114,7 +114,7 @@ def model_shapes(total_bytes: int) -> list[tuple[str, tuple]]:
     layer = _layer_shapes(hidden, inter, kv)
     per_layer = sum(_nbytes(s) for _, s in layer)
     layers = max(1, round((total_bytes - 2 * _nbytes((vocab, hidden))) / per_layer))
-    out = [("model.embed_tokens.weight", (vocab, hidden))]
+    out: list[tuple[str, tuple]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         out += [(f"model.layers.{i}.{n}", s) for n, s in layer]
     out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
@@ -669,7 +669,8 @@ def run_row(impl: str, files: list[str], dev: str, mode: str, runs: int, timeout
     why = skip_reason(impl, dev, path)
     if why:
         return {"status": "skipped", "reason": why, "samples": []}
-    samples, how = [], ""
+    samples: list[dict] = []
+    how = ""
     for _ in range(runs):
         left = timeout if deadline is None else min(timeout, deadline - time.monotonic())
         if left < 1:
@@ -703,7 +704,7 @@ def summarise(samples: list[dict], cache: str) -> dict:
         values = [s[key] for s in samples if key in s]
         if values:
             out[key] = max(values)
-    for key in ("tensors", "all_on_gpu", "stats", "host_peak_from", "engine_file"):
+    for key in ("tensors", "all_on_gpu", "stats", "host_peak_from", "engine_file", "memory_samples"):
         if key in samples[-1]:
             out[key] = samples[-1][key]
     return out
@@ -739,7 +740,8 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.where:
-        print(json.dumps({"engine_file": checkout_path.engine_origin()}))
+        print(json.dumps({"engine_file": checkout_path.engine_origin(),
+                          "ring_file": checkout_path.engine_origin("engine._ring")}))
         return 0
     if args.child:
         print(json.dumps(child(args.child, args.files, args.device)))

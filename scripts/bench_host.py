@@ -338,7 +338,7 @@ def main() -> int:
     if cold_huge:
         print("the cold reads left in large folios (GiB of the file's): "
               + ", ".join(f"{k} {v:.2f}" for k, v in cold_huge.items()))
-    for label, rs in results.items():
+    for label in results:
         if label.startswith("engine ring alone"):
             sec = rep(label)
             print(f"{label}: {nbytes / 4096 / sec:,.0f} chunks/s ({nbytes / 4096:,.0f} chunks of 4 KiB in {sec * 1e3:.1f} ms)")

@@ -33,14 +33,16 @@ def pythonpath(*extra: str) -> str:
     return os.pathsep.join([ROOT, *extra, *given])
 
 
-def engine_origin() -> str:
-    """The ``__init__.py`` that ``import engine`` finds in this process, or why it cannot be
-    imported (an exception's type and text)."""
+def engine_origin(module: str = "engine") -> str:
+    """The file that ``import engine`` (or ``module``, such as ``engine._ring``) finds in this
+    process, or why it cannot be imported (an exception's type and text)."""
+    import importlib
+
     try:
-        import engine
+        found = importlib.import_module(module)
     except Exception as exc:  # a checkout whose extensions are not built yet, or no engine at all
         return f"not importable: {type(exc).__name__}: {exc}"
-    return os.path.abspath(engine.__file__ or "")
+    return os.path.abspath(found.__file__ or "")
 
 
 def from_checkout(origin: str) -> bool:

@@ -3,15 +3,19 @@
 The script is the one command that checks the engine on a lent GPU; this runs it end to end
 on the CPU so that it cannot rot between the rare GPU runs.  Its build and pytest phases
 are left out here (rebuilding the extensions under a running suite, and a suite inside the
-suite); CI's dry-mode step runs them.
+suite); CI's dry-mode step runs them.  Also: the host memory by kind that each load row
+reports (scripts/host_memory.py), the ring sweep's dry run on the emulated CUDA runtime
+(``--sweep``), and the scripts' own checkout first on ``sys.path``, from any folder.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,22 +34,22 @@ REQUIRED = [
     "engine load_file(directory)",
     "engine safe_open(directory).get_tensors()",
     "engine stream(shards) auto",
-    "engine stream(shards) gpu_path=copy",
-    "engine stream(shards) gpu_path=register",
     "engine load_into(directory)",
-    "engine load_into(directory) gpu_path=copy",
-    "engine load_into(directory) gpu_path=register",
+    "engine safe_open(f, device) get_tensor per key",
+    "reference safe_open(f, device) get_tensor per key",
     "reference load_file(f, device) per shard",
+    "engine load_into(directory) reload, staging and mappings kept",
     "InstantTensor Backend.MMAP",
     "fastsafetensors (nogds, buffered)",
     "engine stream(f) stats=True per shard",
     "engine stream(f) quantize=int8 per shard",
     "compare: engine.torch.load_file",
-    "compare: engine.stream gpu_path=register",
-    "compare: engine.load_into gpu_path=copy",
+    "compare: engine.stream gpu_path=copy",
+    "compare: engine.load_into gpu_path=auto",
     "compare: selective: engine.stream(names=every third)",
-    "emulated device: stream pipeline gpu_path=copy",
-    "emulated device: stream pipeline gpu_path=register",
+    "emulated runtime: chunk ring, every shard in one load",
+    "emulated device: slot path, every shard in one load",
+    "engine from this checkout",
     "phase build",
     "phase pytest",
 ]
@@ -82,18 +86,29 @@ def test_every_row_has_a_result_or_a_reason(dry_run):
     assert rows["limit: pinned host-to-device 1 GiB"]["reason"] == "no CUDA device (--device cpu)"
     assert rows["phase pytest"]["reason"] == "--skip pytest"
     assert rows["wheel: instanttensor"]["reason"] == "no --wheels folder given"
-    # the loads ran, on the CPU, and say so; the memory peaks are there
-    for name in ("engine stream(shards) gpu_path=register", "engine load_into(directory) gpu_path=copy",
+    # the loads ran, on the CPU, and say so; the memory peaks are there, by kind too
+    for name in ("engine stream(shards) auto", "engine load_into(directory)",
                  "engine stream(f) quantize=int8 per shard", "reference load_file(f, device) per shard"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["gbps"] > 0 and rows[name]["host_peak_bytes"] > 0
         assert "device=cpu" in rows[name]["reason"]
+        for kind in ("anon_growth_bytes", "file_growth_bytes", "locked_growth_bytes", "anon_locked_growth_bytes",
+                     "file_after_bytes"):
+            assert isinstance(rows[name][kind], int), (name, kind)
+        assert rows[name]["memory_samples"] >= 2
+    # a host load into tensors made before the clock: they are anonymous memory it fills
+    grown = rows["engine load_into(directory)"]["anon_growth_bytes"]
+    assert grown >= 0.8 * rows["engine load_into(directory)"]["bytes"], grown
+    # no bound on a host load (its destination is anonymous memory): that is for GPU rows
+    assert all("host_bounded" not in r for r in report["rows"])
     # every load of the same bytes has the reference's checksum
     ref = rows["reference load_file(f, device) per shard"]["checksums"]
-    assert rows["engine stream(shards) gpu_path=copy"]["checksums"] == ref
+    assert rows["engine stream(shards) auto"]["checksums"] == ref
     assert rows["engine stream(f) stats=True per shard"]["stats"] > 0
+    # nothing of the removed register path is left
+    assert not [r["row"] for r in report["rows"] if "register" in r["row"]]
     # phase timings
-    assert [p["phase"] for p in report["phases"]][:3] == ["wheels", "build", "pytest"]
+    assert [p["phase"] for p in report["phases"]][:4] == ["wheels", "build", "engine", "pytest"]
     assert all(p["budget_s"] > 0 and p["elapsed_s"] >= 0 for p in report["phases"])
 
 
@@ -103,7 +118,7 @@ def test_every_dtype_matches_the_reference(dry_run):
     assert len(compared) >= 11
     for r in compared:
         assert r["status"] == "ok", r
-    full = {r["row"]: r for r in compared}["compare: engine.load_into gpu_path=register"]
+    full = {r["row"]: r for r in compared}["compare: engine.load_into gpu_path=auto"]
     assert set(DTYPES) <= set(full["matched"])
     assert "F32 scalar" in full["matched"] and "BF16 empty" in full["matched"]
 
@@ -122,3 +137,185 @@ def test_a_failing_row_is_reported_and_the_rest_still_run(dry_run):
     assert "| phase | row | status | GB/s |" in md
     for r in rows:
         assert f"| {r['row']} |" in md
+
+
+def test_the_per_key_loop_runs_through_the_engine_and_the_reference(dry_run):
+    _, report, md = dry_run
+    rows = {r["row"]: r for r in report["rows"]}
+    ref = rows["reference load_file(f, device) per shard"]
+    for name in ("engine safe_open(f, device) get_tensor per key", "reference safe_open(f, device) get_tensor per key"):
+        r = rows[name]
+        assert r["status"] == "ok", r
+        # every key of every shard, the same bytes as the reference's whole-file load
+        assert r["tensors"] == ref["tensors"] and r["bytes"] == ref["bytes"]
+        assert r["checksums"] == ref["checksums"]
+        assert f"| {name} |" in md
+
+
+def test_the_children_used_this_checkouts_engine(dry_run):
+    proc, report, _ = dry_run
+    where = report["meta"]["engine_file"]
+    engine_dir = os.path.join(ROOT, "engine") + os.sep
+    assert where["parent"].startswith(engine_dir) and where["child"].startswith(engine_dir), where
+    assert f"engine: parent {where['parent']}; child {where['child']}" in proc.stdout
+    rows = [r for r in report["rows"] if r.get("samples")]
+    assert rows and all(s["engine_file"].startswith(engine_dir) for r in rows for s in r["samples"]
+                        if "engine_file" in s)
+
+
+# -- host memory by kind ------------------------------------------------------------------------------
+
+STATUS = """Name:\tpython3
+VmPeak:\t 2097152 kB
+VmLck:\t       8 kB
+VmHWM:\t  512000 kB
+VmRSS:\t  409600 kB
+RssAnon:\t  300000 kB
+RssFile:\t  109000 kB
+RssShmem:\t     600 kB
+Threads:\t4
+"""
+
+
+def _scripts_module(name):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "scripts"))
+
+
+def test_status_fields_are_parsed_by_kind():
+    hm = _scripts_module("host_memory")
+    assert hm.parse_status(STATUS) == {"anon": 300000 * 1024, "file": 109000 * 1024, "vmlck": 8 * 1024}
+    # a kernel without RssAnon / RssFile (before 4.5): the fields are left out, not zero
+    assert hm.parse_status("VmRSS:\t 10 kB\nVmLck:\t 0 kB\n") == {"vmlck": 0}
+    assert hm.parse_status("RssAnon:\tgarbage\n") == {}
+
+
+def test_the_sampler_sees_each_kind_grow(tmp_path):
+    hm = _scripts_module("host_memory")
+    if not hm.read_status():
+        pytest.skip("no /proc/self/status here")
+    import mmap
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20) * 48)
+    locked = [0]
+    with hm.Sampler(interval=0.002, locked=lambda: locked[0]) as s:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            anon = b"\x01" * (64 << 20)  # written: 64 MiB of anonymous pages
+            total = sum(m[i] for i in range(0, len(m), 4096))  # every page of the mapping touched
+            locked[0] = 16 << 20
+            start = s.samples
+            while s.samples < start + 3:  # the sampler's thread sees them all at once
+                time.sleep(0.005)
+            del anon
+            assert total >= 0
+        after = s.file_now()
+    r = s.result()
+    assert r["anon_growth_bytes"] >= 60 << 20, r
+    assert r["file_growth_bytes"] >= 40 << 20, r
+    assert r["locked_growth_bytes"] == 16 << 20 and r["locked_peak_bytes"] == 16 << 20, r
+    assert r["anon_locked_growth_bytes"] >= r["anon_growth_bytes"], r
+    assert r["memory_samples"] >= 2
+    # after: the mapping is closed, its pages no longer count
+    assert after < 8 << 20
+
+
+# -- the ring sweep -----------------------------------------------------------------------------------
+
+
+def test_the_sweep_order_times_every_configuration_once_best_geometries_first():
+    rs = _scripts_module("ring_sweep")
+    geoms = rs.geometries(dry=False)
+    assert geoms and all(m * n * rs.MIB <= rs.MAX_PINNED for m, n in geoms)
+    assert rs.thread_counts(16) == [8, 10, 12, 14, 16] and rs.thread_counts(2) == [1, 2]
+    threads, rates = rs.thread_counts(16), {}
+    seen = []
+    for stage, cfg in rs.order(geoms, threads, 12, rates, first=(4, 32)):
+        if stage == "A":
+            # the first pass: every geometry at the default threads, source and stores, the default first
+            assert cfg[2:] == (12, "auto", "stream")
+            rates[cfg] = float(cfg[0] == 8 and cfg[1] == 16)  # one geometry measures fastest
+        seen.append((stage, cfg))
+    configs = [c for _, c in seen]
+    assert len(configs) == len(set(configs)) == len(geoms) * len(threads) * len(rs.VARIANTS)
+    assert configs[0] == (4, 32, 12, "auto", "stream")
+    first_b = next(c for s, c in seen if s == "B")
+    assert first_b[:2] == (8, 16)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    out = tmp / "out"
+    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--sweep", "--size", "16MB", "--out", str(out),
+           "--dir", str(tmp / "checkpoint")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def test_the_dry_sweep_writes_its_curve_and_the_best_geometry(sweep):
+    proc, out = sweep
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "gpu_check-sweep.json") as f:
+        report = json.load(f)
+    md = (out / "gpu_check-sweep.md").read_text()
+    configs = report["configs"]
+    start = report["start"]
+    assert len(configs) == start["configs"] == len(start["geometries"]) * len(start["threads"]) * 3
+    assert {(c["source"], c["stores"]) for c in configs} == {("auto", "stream"), ("auto", "cached"), ("pread", "-")}
+    assert report["end"]["not_run"] == 0 and report["end"]["clean"], report["end"]
+    # every configuration loaded twice, its bytes checked against the files
+    for c in configs:
+        assert len(c["gbps"]) == 2 and c["median_gbps"] > 0 and c["bytes_ok"], c
+    # fastest first; the best is the first, its bytes checked again, printed as a line to paste
+    rates = [c["median_gbps"] for c in configs]
+    assert rates == sorted(rates, reverse=True)
+    best = report["best"]
+    assert best == configs[0] and report["check"]["bytes_ok"]
+    line = f"ENGINE_RING={best['chunk_mib']},{best['chunks']},{best['threads']}"
+    assert report["ring"] == line
+    assert line in proc.stdout.splitlines()
+    assert f"best: `{line}`" in md
+    assert "| rank | chunk MiB | chunks |" in md and "| threads | best GB/s |" in md
+    assert report["meta"]["engine_file"]["child"].startswith(os.path.join(ROOT, "engine") + os.sep)
+
+
+# -- the checkout's own engine, from anywhere --------------------------------------------------------
+
+
+def test_the_scripts_import_the_engine_of_their_own_checkout(tmp_path):
+    """A copy of the checkout with nothing installed from it: the scripts, run from another
+    folder and without PYTHONPATH, still import the copy's engine (not the one installed
+    from this checkout)."""
+    import shutil
+
+    copy = tmp_path / "checkout"
+    ignore = shutil.ignore_patterns("__pycache__", "*.c", "*.html")
+    shutil.copytree(os.path.join(ROOT, "engine"), copy / "engine", ignore=ignore)
+    shutil.copytree(os.path.join(ROOT, "scripts"), copy / "scripts", ignore=ignore)
+    shutil.copytree(os.path.join(ROOT, "asv_benchmarks", "benchmarks"), copy / "asv_benchmarks" / "benchmarks",
+                    ignore=ignore)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import gpu_check, checkout_path;"
+            " print(json.dumps({'root': gpu_check.ROOT, 'engine': checkout_path.engine_origin(),"
+            " 'first': sys.path[0], 'pythonpath': checkout_path.pythonpath()}))")
+    got = subprocess.run([sys.executable, "-c", code, str(copy / "scripts")], cwd=elsewhere, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+    where = json.loads(got.stdout.splitlines()[-1])
+    assert where["root"] == str(copy) and where["first"] == str(copy)
+    assert where["engine"] == str(copy / "engine" / "__init__.py")
+    assert where["pythonpath"].split(os.pathsep)[0] == str(copy)
+    # a child as gpu_check starts them: the script by its path
+    child = subprocess.run([sys.executable, str(copy / "scripts" / "bench_gpu.py"), "--where"], cwd=elsewhere,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    where = json.loads(child.stdout.splitlines()[-1])
+    assert where["engine_file"] == str(copy / "engine" / "__init__.py")
+    if glob.glob(os.path.join(ROOT, "engine", "_ring*.so")):  # built in place here: the copy has it too
+        assert where["ring_file"].startswith(str(copy / "engine") + os.sep), where
