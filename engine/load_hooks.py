@@ -16,11 +16,15 @@
   of a few ``slot_bytes`` of the file): never a
   full-precision copy of the quantized tensors all at once.
 
-Where Numba's CUDA target cannot run in the process (no NVVM, a driver it does not know:
-:func:`device_kernels_unusable` asks once), device loads take the CPU paths instead, with one
-:class:`~engine.errors.DeviceFallbackWarning`: statistics by the CPU fold on the staging
-slots, quantization by the CPU kernels on each tensor as it is handed out (one device to
-host copy of it, and the int8 values and scales copied back).
+Where Numba's CUDA target cannot run in the process (numba-cuda missing, no NVVM, a driver
+it does not know: :func:`device_kernels_unusable` asks once), torch and CuPy loads do the same
+work with their framework's own operations on the device
+(:mod:`engine.numerics._device_fallback`): statistics of each float tensor and its
+quantization when its last copy has landed, the same results, no tensor bytes through the
+host.  Device sinks of other frameworks take the CPU paths instead: statistics by the CPU fold
+on the staging slots, quantization by the CPU kernels on each tensor as it is handed out (one
+device to host copy of it, and the int8 values and scales copied back).  Either way one
+:class:`~engine.errors.DeviceFallbackWarning` per process says why and what to install.
 
 For CPU destinations statistics stay with the CPU fold on the reader threads
 (:class:`StatsCollector`, the pipeline's read hook); tensors selected for quantization are quantized on the CPU by
@@ -53,9 +57,10 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
     ``quantize`` is None, ``"int8"`` or an :class:`~engine.quantize.Int8`; a selected tensor
     without the spec's axis raises :class:`~engine.errors.SerializationError` here, before
     anything is read.  Device statistics are planned for device sinks only, and only where
-    the device kernels work (:func:`device_kernels_unusable`): elsewhere statistics stay
-    with the CPU fold on the staging slots and quantization runs on the CPU, with one
-    :class:`~engine.errors.DeviceFallbackWarning` per process, and the same results.
+    the device kernels work (:func:`device_kernels_unusable`): elsewhere a torch or CuPy
+    sink does the work with its framework's operations on the device, and other sinks keep
+    statistics with the CPU fold on the staging slots and quantize on the CPU; either way
+    with one :class:`~engine.errors.DeviceFallbackWarning` per process, and the same results.
     """
     device_stats = bool(stats) and sink.on_device
     if quantize is None and not device_stats:
@@ -64,14 +69,20 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
 
     spec = Int8.of(quantize)
     on_cpu = False
+    fallback = None
     if sink.on_device:
         why = device_kernels_unusable()
         if why is not None:
-            _warn_fallback(why)
-            device_stats, on_cpu = False, True
-            if spec is None:
-                return None  # statistics alone: the CPU fold on the staging slots
-    return LoadWork(header, rows, sink, spec, device_stats, path, launch, quantize_on_cpu=on_cpu)
+            from .numerics._device_fallback import ops_for
+
+            fallback = ops_for(getattr(sink, "name", ""))
+            _warn_fallback(why, None if fallback is None else fallback.name)
+            if fallback is None:
+                device_stats, on_cpu = False, True
+                if spec is None:
+                    return None  # statistics alone: the CPU fold on the staging slots
+    return LoadWork(header, rows, sink, spec, device_stats, path, launch, quantize_on_cpu=on_cpu,
+                    fallback=fallback)
 
 
 #: the probe's verdict for this process: [None] (the kernels work) or [why not]
@@ -98,14 +109,48 @@ def device_kernels_unusable() -> str | None:
         return _KERNELS[0]
 
 
-def _warn_fallback(why: str) -> None:
+def _warn_fallback(why: str, framework: str | None) -> None:
     if not _WARNED:
         _WARNED.append(True)
+        if framework is not None:
+            instead = (f"statistics and int8 quantization of GPU loads run as {framework} operations on the device "
+                       "instead (slower than the kernels)")
+        else:
+            instead = ("statistics of GPU loads are folded on the CPU and int8 quantization runs on the CPU, its "
+                       "results copied to the device")
         warnings.warn(
-            f"the engine's CUDA kernels cannot run here ({why}): statistics of GPU loads are folded on the CPU "
-            "and int8 quantization runs on the CPU, its results copied to the device; the results are the same",
+            f"the engine's CUDA kernels cannot run here ({why}): {instead}; the results are the same. "
+            f"{fallback_fix(why)}",
             DeviceFallbackWarning, stacklevel=4,
         )
+
+
+def fallback_fix(why: str) -> str:
+    """What to do about the probe's verdict ``why``: the install line or the upgrade that
+    lets the kernels compile."""
+    low = why.lower()
+    install = f'pip install "numba-cuda[cu{_cuda_major()}]"'
+    if "row_stack" in low:
+        return ("To fix: numba-cuda refers to numpy.row_stack, which numpy 2.5 removed, and its array support "
+                "was loaded before the engine could stand in for it: import engine.device before compiling other "
+                f"numba-cuda kernels, or install a numba-cuda that no longer refers to it ({install} --upgrade)")
+    if "no module named" in low or "nvvm" in low or "libdevice" in low or "cuda_home" in low:
+        return (f"To fix: install numba-cuda with the NVVM compiler as wheels: {install} (matching the CUDA major "
+                "version of your driver)")
+    if "driver" in low:
+        return (f"To fix: update the NVIDIA driver, or install the numba-cuda build for the CUDA version it "
+                f"supports: {install}")
+    return f"To fix: see the error above; installing numba-cuda with its NVVM ({install}) often does"
+
+
+def _cuda_major() -> int:
+    """The CUDA major version torch was built for, where torch is loaded (13 otherwise)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    version = getattr(getattr(torch, "version", None), "cuda", None) or ""
+    major = version.split(".")[0]
+    return int(major) if major.isdigit() and int(major) in (12, 13) else 13
 
 
 def _host_round_trip(sink) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
@@ -175,7 +220,7 @@ class LoadWork:
     """
 
     def __init__(self, header, rows, sink, spec, device_stats: bool, path, launch, *,
-                 quantize_on_cpu: bool = False) -> None:
+                 quantize_on_cpu: bool = False, fallback=None) -> None:
         t = header.table
         self.sink = sink
         self.path = path
@@ -185,6 +230,9 @@ class LoadWork:
         # or on the CPU: CPU loads, and device loads where the kernels cannot run
         self._quantize_here = self.on_device and not quantize_on_cpu
         self._round_trip = _host_round_trip(sink) if self.on_device and quantize_on_cpu else None
+        # the framework's own operations on the device instead of the kernels (plan())
+        self._fallback = fallback
+        self._fallback_stats: dict[int, list] = {}  # row -> partial statistics on the device
         self._launch = launch
         self._names = t.names
         self._quant: dict[int, tuple[str, tuple, int | None]] = {}
@@ -196,7 +244,10 @@ class LoadWork:
                     self._quant[r] = (kind, tuple(t.shapes[r]), axis)
         self._stats_kind: dict[int, str] = {}
         if device_stats:
-            from .numerics.device import SUPPORTED_NAMES
+            if fallback is not None:  # the kernels' module needs numba.cuda: the fallback does not
+                from .numerics._device_fallback import SUPPORTED_NAMES
+            else:
+                from .numerics.device import SUPPORTED_NAMES
 
             for r in rows:
                 kind = _dt.NAMES[int(t.codes[r])]
@@ -209,7 +260,7 @@ class LoadWork:
         self._empty = _allocator(sink) if self.on_device else None
         dev = getattr(sink, "device", None)
         self._gpu = getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
-        if self._gpu is None and self.on_device and getattr(sink, "name", None) == "torch":
+        if self._gpu is None and self.on_device and fallback is None and getattr(sink, "name", None) == "torch":
             import torch
 
             self._gpu = torch.cuda.current_device()  # "cuda" without an index
@@ -235,7 +286,7 @@ class LoadWork:
 
     def after_copy(self, req, stream) -> None:
         """Pipeline hook: fold the pieces of ``req`` just copied, on their ``stream``."""
-        if not self._stats_kind:
+        if not self._stats_kind or self._fallback is not None:  # the fallback folds a landed tensor whole
             return
         from .numerics.device import DeviceAccumulator, as_device_array, on_gpu
 
@@ -261,6 +312,9 @@ class LoadWork:
         """Completion hook (every copy of ``row`` has completed): quantize a selected tensor
         on the device and free its staging buffer."""
         self._views.pop(row, None)  # no piece of it comes any more; the view would keep staging alive
+        if self._fallback is not None:
+            self._landed_fallback(row)
+            return
         if row not in self._quant or not self._quantize_here:
             return
         from .numerics.device import on_gpu
@@ -273,6 +327,8 @@ class LoadWork:
         """What the load hands out for ``row``: its tensor, or its QuantizedTensor."""
         if row not in self._quant:
             return tensor
+        if self._fallback is not None:
+            return self._quantized_fallback(row)
         if self._quantize_here:
             done = self._done.pop(row, None)
             if done is None:  # a tensor without bytes never lands
@@ -300,6 +356,13 @@ class LoadWork:
         None when the CPU fold summarises it (or nothing does)."""
         if row not in self._stats_kind:
             return None
+        if self._fallback is not None:
+            from .numerics import _device_fallback
+
+            parts = self._fallback_stats.pop(row, None)
+            if parts is None:  # a tensor without bytes never lands
+                parts = _device_fallback.stats_parts(self._fallback, self._targets[row], self._stats_kind[row])  # type: ignore[index]  # set by destination()
+            return _device_fallback.stats_result(self._fallback, self._stats_kind[row], parts)
         from .numerics.device import on_gpu
         from .numerics.statistics import Stats
 
@@ -336,6 +399,48 @@ class LoadWork:
                 s = cuda.stream()
             self._streams.s = s
         return s
+
+    def _landed_fallback(self, row: int) -> None:
+        """:meth:`landed` with the framework's operations: the statistics of a float tensor
+        and its quantization are queued on the device (nothing waits for them here)."""
+        from .numerics import _device_fallback
+
+        ops = self._fallback
+        quantized = row in self._quant
+        src = self._targets.pop(row, None) if quantized else self._targets[row]  # type: ignore[union-attr,index]  # set by destination()
+        if row in self._stats_kind and src is not None:
+            self._fallback_stats[row] = _device_fallback.stats_parts(ops, src, self._stats_kind[row])
+        if quantized:
+            self._done[row] = self._quantize_fallback(row, src)
+            if src is not None:
+                ops.release(src)  # the staging buffer goes now; the queued work must keep its memory
+
+    def _quantize_fallback(self, row: int, src):
+        from .numerics import _device_fallback
+
+        kind, shape, axis = self._quant[row]
+        q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
+        scale = self._empty((1 if axis is None else shape[axis],), np.float32)  # type: ignore[misc]  # device loads only
+        bad = _device_fallback.quantize(self._fallback, src, kind, shape, axis, q, scale)
+        return q, scale, bad
+
+    def _quantized_fallback(self, row: int):
+        """The QuantizedTensor of ``row`` from :meth:`_landed_fallback`'s work (waits for its
+        NaN/Inf counts: three numbers)."""
+        from .numerics.quantize import QuantizedTensor, raise_if_nonfinite
+
+        done = self._done.pop(row, None)
+        if done is None:  # a tensor without bytes never lands
+            done = self._quantize_fallback(row, None)
+        q, scale, bad = done
+        axis = self._quant[row][2]
+        if self.spec.on_nonfinite == "raise":
+            try:
+                raise_if_nonfinite(self._fallback.host(bad), self._names[row])  # type: ignore[union-attr]  # fallback set
+            except NonFiniteError as err:
+                err.path = self.path
+                raise
+        return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, self._quant[row][0])
 
     def _quantize_device(self, row: int, src):
         from .numerics.device import DeviceQuantizer

@@ -167,6 +167,15 @@ def valid_file(st_file):
     return st_file(header, size)
 
 
+def pytest_configure(config):
+    # under Numba's CUDA simulator (CI's simulator lane), refuse what a GPU refuses whichever
+    # test module runs first; elsewhere Numba is not imported here
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        import simulated_gpu
+
+        simulated_gpu.install()
+
+
 def pytest_collection_modifyitems(config, items):
     """With NUMBA_DISABLE_JIT=1 (the coverage run of the kernels) leave out the tests marked
     ``jit_only``: they need compiled kernels (large inputs, allocation counts) and run in

@@ -5,6 +5,10 @@ its own with ``NUMBA_ENABLE_CUDASIM=1`` (the flag must be set before Numba is im
 the main pass, which imports Numba without it, skips here).  Under the simulator every GPU
 thread is a Python thread: arrays stay small and launches use a few threads and blocks,
 which also makes every tensor span several blocks and several passes of each thread.
+
+The simulator is made to refuse what a GPU refuses (``simulated_gpu.install``): device
+functions called from the host, kernels called without a launch configuration, launch sizes
+beyond a GPU's limits.  Device functions are tested through small kernels that call them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import naive
 import numba
 import numpy as np
 import pytest
+import simulated_gpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernels import FLOATS, assert_stats
@@ -29,7 +34,10 @@ if not SIM:
 
     GPU = cuda.is_available()
 else:
+    from numba import cuda
+
     GPU = False
+    simulated_gpu.install()  # refuse what a GPU refuses, in this module and every one run beside it
 
 pytestmark = pytest.mark.skipif(
     not (SIM or GPU),
@@ -42,6 +50,25 @@ if SIM or GPU:
 
     LAUNCH = D.LaunchConfig(threads=8, blocks=3)
     TINY = D.LaunchConfig(threads=2, blocks=1)
+
+    # device functions run only inside kernels, on a GPU as under the (patched) simulator:
+    # these kernels call them, a few threads striding the inputs
+
+    @cuda.jit
+    def half_values(fmt, u, out):
+        i = cuda.grid(1)
+        while i < u.size:
+            out[i] = ck._half_value(fmt, u[i])
+            i += cuda.gridsize(1)
+
+    @cuda.jit
+    def decoded(bits, mbits, bias, out):
+        i = cuda.grid(1)
+        while i < bits.size:
+            out[i] = ck._decode(bits[i], mbits, bias)
+            i += cuda.gridsize(1)
+
+STRIDE = (4, 32)  # blocks, threads of the decoding kernels: every thread takes many elements
 
 KIND = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.float16): "F16",
         np.dtype(ml_dtypes.bfloat16): "BF16"}
@@ -99,16 +126,48 @@ def test_half_decoding_every_finite_pattern(kind):
     want = naive.widen_half(u, kind)
     finite = np.isfinite(want)
     fmt = ck.F16 if kind == "F16" else ck.BF16
-    got = np.array([ck._half_value(fmt, v) for v in u[finite]], np.float32)
-    assert np.array_equal(got.view(np.uint32), want[finite].view(np.uint32))
+    out = alloc(int(finite.sum()), np.float32)
+    half_values[STRIDE](fmt, dev(u[finite]), out)
+    assert np.array_equal(host(out).view(np.uint32), want[finite].view(np.uint32))
 
 
 def test_decoding_float32_keys_including_subnormals():
     rng = np.random.default_rng(1)
     bits = np.concatenate([np.arange(0, 300, dtype=np.uint32), rng.integers(0, 0x7F800000, 3000, dtype=np.uint32),
                            np.array([0x007FFFFF, 0x00800000, 0x7F7FFFFF], np.uint32)])
-    got = np.array([ck._decode(b, 23, 127) for b in bits], np.float32)
-    assert np.array_equal(got.view(np.uint32), bits)
+    out = alloc(bits.size, np.float32)
+    decoded[STRIDE](dev(bits), 23, 127, out)
+    assert np.array_equal(host(out).view(np.uint32), bits)
+
+
+# the three calls the simulator let pass and a GPU refused (issue 37): a device function
+# called from the host
+HOST_CALLS = {
+    "half_value[F16]": lambda: ck._half_value(ck.F16, np.uint16(0x3C00)),
+    "half_value[BF16]": lambda: ck._half_value(ck.BF16, np.uint16(0x3F80)),
+    "decode[F32]": lambda: ck._decode(np.uint32(0x3F800000), 23, 127),
+}
+
+
+@pytest.mark.parametrize("call", list(HOST_CALLS))
+def test_device_functions_refuse_host_calls(call):
+    with pytest.raises(ValueError, match="Kernel launch configuration was not specified"):
+        HOST_CALLS[call]()
+
+
+def test_kernels_refuse_calls_without_a_launch_configuration():
+    a = dev(np.ones(4, np.int32))
+    ck.fill_zero[1, 4](a)
+    assert not host(a).any()
+    with pytest.raises(ValueError, match="Kernel launch configuration was not specified"):
+        ck.fill_zero(a)  # the configuration of the launch before is not kept
+
+
+@pytest.mark.skipif(not SIM, reason="the simulator's own limits check (a GPU refuses natively)")
+@pytest.mark.parametrize("config", [(0, 4), (1, 2048), ((1, 65536), 4), ((1, 1), (32, 64)), (2**31, 1)], ids=str)
+def test_the_simulator_refuses_launch_sizes_a_gpu_refuses(config):
+    with pytest.raises(ValueError):
+        ck.fill_zero[config]
 
 
 # --------------------------------------------------------------------------- statistics
@@ -180,9 +239,43 @@ def test_device_stats_of_an_array():
 
 
 def test_launch_config_is_checked():
-    for bad in (dict(threads=3), dict(threads=0), dict(threads=2 * ck.MAX_THREADS), dict(blocks=0)):
+    for bad in (dict(threads=3), dict(threads=0), dict(threads=2 * ck.MAX_THREADS), dict(blocks=0),
+                dict(blocks=D.MAX_GRID[1] + 1)):
         with pytest.raises(ValueError):
             D.LaunchConfig(**bad)
+
+
+def test_launches_are_checked_against_the_grid_limits():
+    from engine.errors import DeviceError
+
+    D.check_launch((D.MAX_GRID[0], D.MAX_GRID[1]), D.MAX_BLOCK_THREADS)
+    for grid, threads in [(0, 1), (D.MAX_GRID[0] + 1, 1), ((1, D.MAX_GRID[1] + 1), 1), (1, 0),
+                          (1, D.MAX_BLOCK_THREADS + 1), ((1, 1, 1, 1), 1)]:
+        with pytest.raises(DeviceError):
+            D.check_launch(grid, threads)
+    with pytest.raises(DeviceError):  # before anything runs
+        D._launch(ck.fill_zero, (D.MAX_GRID[0] + 1, 1, 0), dev(np.ones(1, np.int32)))
+
+
+@pytest.mark.parametrize("launch", [(256, 264), (256, D.MAX_GRID[1]), (1, D.MAX_GRID[1]), (8, 3)] if SIM or GPU
+                         else [], ids=str)
+def test_quantization_grids_stay_within_the_limits(launch):
+    lc = D.LaunchConfig(*launch)
+    # shapes of up to ~2**37 elements (a whole H200): long and short runs, many channels
+    for outer, C, inner in [(1, 1, 2**37), (2**36, 2, 1), (1, 2**37 // 4096, 4096), (2**30, 128, 1),
+                            (2**35, 3, 1), (7, 5, 1), (1, 1, 1), (2**20, 2**17, 1)]:
+        kernel, grid, step = D.absmax_grid(outer, C, inner, lc)
+        D.check_launch(grid, lc.threads)
+        if kernel == "columns":  # every (outer, column) is covered by one block's slab
+            bx, by = grid
+            assert bx * lc.threads >= C * inner and by * step >= outer
+
+
+@pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU (its own limits)")
+def test_grid_limits_are_the_devices():
+    d = cuda.get_current_device()
+    assert D.MAX_GRID == (d.MAX_GRID_DIM_X, d.MAX_GRID_DIM_Y, d.MAX_GRID_DIM_Z)
+    assert D.MAX_BLOCK_THREADS == d.MAX_THREADS_PER_BLOCK
 
 
 # --------------------------------------------------------------------------- quantization
@@ -265,3 +358,37 @@ def test_quantize_random_shapes(dtype, shape, data):
     launch = data.draw(st.sampled_from([LAUNCH, TINY, D.LaunchConfig(threads=4, blocks=2)]))
     q, scale, _ = device_quantize(x, axis, launch)
     assert_bits(q, scale, *naive.quantize_int8(x, axis))
+
+
+# --------------------------------------------------------------------------- the PTX lane's signatures
+
+
+def test_every_launch_is_compiled_by_the_ptx_lane(monkeypatch):
+    # scripts/ptx_lane.py compiles a table of signatures for a GPU without one: record the
+    # argument types of every launch the device code makes here and check each is in it
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "ptx_lane.py"
+    spec = importlib.util.spec_from_file_location("ptx_lane", path)
+    lane = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lane)
+    table = {(name, sig) for name, _, sig in lane.signatures()}
+    seen = set()
+    launch = D._launch
+
+    def recording(kernel, config, *args):
+        seen.add((kernel.__name__, tuple(numba.typeof(a) for a in args)))
+        launch(kernel, config, *args)
+
+    monkeypatch.setattr(D, "_launch", recording)
+    D.probe()
+    for dtype in FLOATS:
+        device_stats(specials(dtype, 20, seed=1))
+    for dtype in QFLOATS:
+        x = (np.random.default_rng(0).standard_normal((3, 5, 20)) * 3).astype(dtype)
+        for axis in (None, 0, 1, 2):  # long runs and short runs
+            device_quantize(x, axis)
+    names = {name for name, _ in seen}
+    assert names == {name for name, _ in table}  # every kernel launched, every kernel compiled
+    assert seen <= table, sorted(map(str, seen - table))

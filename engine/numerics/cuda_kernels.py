@@ -32,11 +32,53 @@ Conventions
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
-from numba import cuda, float32, float64, int64, uint64
+from numba import config, cuda, float32, float64, int64, uint64
 
 from ._arrays import BF16, F16
 from .kernels import chan, fold_one, moments
+
+
+def _load_array_support() -> None:
+    """Import numba-cuda's array support while ``numpy.row_stack`` exists.
+
+    numba-cuda (0.30.4 and earlier) runs ``overload(np.row_stack)`` when
+    ``numba.cuda.np.arrayobj`` loads, which happens at the first compile; numpy 2.5 removed
+    ``row_stack``, so there every kernel compile fails with an AttributeError.  Where numpy
+    lacks it, a stand-in of our own (a function nothing else can reach: the overload binds to
+    it, never to ``np.vstack``) is put on numpy for that import only and taken off again,
+    so user code never sees it.  Nothing is done where numpy still has ``row_stack``, under
+    the simulator (it compiles nothing), with Numba's built-in CUDA target (it has no such
+    module; Numba >= 0.68 guards its own reference) or once the module is loaded.  Remove
+    when numba-cuda guards the reference itself.
+    """
+    name = "numba.cuda.np.arrayobj"
+    if "row_stack" in vars(np) or config.ENABLE_CUDASIM:
+        return
+    try:
+        if importlib.util.find_spec(name) is None:
+            return
+    except ImportError:  # numba.cuda.np itself missing: Numba's built-in CUDA target
+        return
+    import sys
+
+    if name in sys.modules:
+        return
+
+    def row_stack(tup):  # never called: the overload's key while the module loads
+        return np.vstack(tup)
+
+    namespace = vars(np)  # numpy's module dict: the attribute, whatever numpy's stubs say of it
+    namespace["row_stack"] = row_stack
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401  (the module that refers to np.row_stack)
+    finally:
+        del namespace["row_stack"]
+
+
+_load_array_support()
 
 #: sha256 of the source of ``kernels.fold_one``, ``kernels.moments`` and ``kernels.chan``:
 #: this file's cached device kernels have them compiled in, and Numba's cache checks only

@@ -32,6 +32,10 @@ __all__ = [
     "DeviceAccumulator",
     "DeviceQuantizer",
     "LaunchConfig",
+    "MAX_BLOCK_THREADS",
+    "MAX_GRID",
+    "absmax_grid",
+    "check_launch",
     "device_stats",
     "default_empty",
     "empty_like_framework",
@@ -48,6 +52,12 @@ SUPPORTED_NAMES = frozenset(("F64", "F32", "F16", "BF16"))
 _MANTISSA = {"F32": (23, 127), "F16": (10, 15), "BF16": (7, 127)}
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+
+#: A CUDA grid's size limits (blocks along x, y, z; every device of compute capability 3.0
+#: and later) and the most threads in a block: a launch beyond them fails on a GPU, and
+#: :func:`_launch` refuses it everywhere, the simulator included.
+MAX_GRID = (2**31 - 1, 65535, 65535)
+MAX_BLOCK_THREADS = 1024
 
 
 class LaunchConfig:
@@ -68,8 +78,10 @@ class LaunchConfig:
     def __init__(self, threads: int = 256, blocks: int = 264) -> None:
         if not (1 <= threads <= _ck.MAX_THREADS and threads & (threads - 1) == 0):
             raise ValueError(f"threads must be a power of two from 1 to {_ck.MAX_THREADS}, got {threads!r}")
-        if int(blocks) != blocks or blocks < 1:
-            raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
+        if int(blocks) != blocks or not 1 <= blocks <= MAX_GRID[1]:
+            # the statistics keep a row per block; the quantization's 2-D grids take up to
+            # ``blocks`` along y
+            raise ValueError(f"blocks must be an integer from 1 to {MAX_GRID[1]}, got {blocks!r}")
         self.threads = int(threads)
         self.blocks = int(blocks)
 
@@ -159,8 +171,20 @@ def on_gpu(index: int | None):
 _SIM_LOCK = threading.Lock()
 
 
+def check_launch(grid, threads) -> None:
+    """Raise :class:`~engine.errors.DeviceError` where a GPU would refuse the launch sizes
+    ``grid`` (an int or a tuple of up to 3) and ``threads`` (per block)."""
+    dims = tuple(grid) if isinstance(grid, tuple) else (grid,)
+    if not (1 <= len(dims) <= 3 and all(1 <= int(g) <= m for g, m in zip(dims, MAX_GRID, strict=False))):
+        raise DeviceError(f"grid {dims} is outside the device's limits {MAX_GRID[:len(dims)]}")
+    if not 1 <= int(threads) <= MAX_BLOCK_THREADS:
+        raise DeviceError(f"{threads} threads per block; a GPU runs 1 to {MAX_BLOCK_THREADS}")
+
+
 def _launch(kernel, config: tuple, *args) -> None:
-    """``kernel[config](*args)``: an asynchronous launch on the stream named in ``config``."""
+    """``kernel[config](*args)``: an asynchronous launch on the stream named in ``config``,
+    after :func:`check_launch`."""
+    check_launch(config[0], config[1])
     if SIMULATOR:
         with _SIM_LOCK:
             kernel[config](*args)
@@ -403,28 +427,40 @@ class DeviceQuantizer:
             d = as_device_array(src)
             d = d.reshape(d.size).view(np.uint8) if d.dtype != np.uint8 else d
             f, _, ku = _views(d, kind)
-            if inner >= nt or C == 1:
-                # long runs: blocks stride each run, one atomic max per block
-                runs = outer * C
-                per_run = max(1, min(-(-inner // nt), lc.blocks // runs))
-                _launch(_ck.absmax_runs, (runs * per_run, nt, s), ku, absmask, lim, C, inner, per_run, keys, bad)
-            else:
-                # short runs: a thread per element of an outer row, down a slab of rows
-                width = C * inner
-                bx = -(-width // nt)
-                rows = max(1, -(-outer // max(1, lc.blocks // bx)))
-                _launch(_ck.absmax_columns, ((bx, -(-outer // rows)), nt, s), ku, absmask, lim, outer, C, inner, rows, keys, bad)
+            kernel, grid, step = absmax_grid(outer, C, inner, lc)
+            if kernel == "runs":  # long runs: blocks stride each run, one atomic max per block
+                _launch(_ck.absmax_runs, (grid, nt, s), ku, absmask, lim, C, inner, step, keys, bad)
+            else:  # short runs: a thread per element of an outer row, down a slab of rows
+                _launch(_ck.absmax_columns, (grid, nt, s), ku, absmask, lim, outer, C, inner, step, keys, bad)
         mbits, bias = _MANTISSA[kind]
         sd = _flat(as_device_array(scale))
         if C:
             _launch(_ck.scales_from_keys, (-(-C // nt), nt, s), keys[:C], mbits, bias, sd)
         if n:
-            blocks = max(1, min(lc.blocks * 4, -(-n // nt)))
+            blocks = max(1, min(lc.blocks * 4, -(-n // nt)))  # grid-stride: within MAX_GRID[0]
             _launch(_ck.quantize_elements, (blocks, nt, s), _fmt(kind), f, ku, absmask, lim, C, inner, sd, _flat(as_device_array(q)))
         out = _to_host(bad, s)
         if not SIMULATOR:
             _sync(s)
         return np.asarray(out, np.int64).copy()
+
+
+def absmax_grid(outer: int, C: int, inner: int, launch: LaunchConfig) -> tuple[str, Any, int]:
+    """``(kernel, grid, step)`` of the channel-maxima pass over (outer, C, inner) elements:
+    ``("runs", blocks, per_run)`` for :func:`~engine.numerics.cuda_kernels.absmax_runs`, or
+    ``("columns", (bx, by), rows_per_block)`` for
+    :func:`~engine.numerics.cuda_kernels.absmax_columns`; within :data:`MAX_GRID` wherever
+    one of the two fits (``outer * C`` or ``C * inner / threads`` below ``2**31``)."""
+    nt = launch.threads
+    if (inner >= nt or C == 1) and outer * C <= MAX_GRID[0]:  # else more runs than a grid has blocks
+        runs = outer * C
+        per_run = max(1, min(-(-inner // nt), launch.blocks // runs))
+        return "runs", runs * per_run, per_run
+    width = C * inner
+    bx = -(-width // nt)
+    rows = max(1, -(-outer // max(1, launch.blocks // bx)))
+    rows = max(rows, -(-outer // MAX_GRID[1]))  # y stays within the grid's limit
+    return "columns", (bx, -(-outer // rows)), rows
 
 
 def quantize_int8_device(
