@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it; imported on first attribute access
 _LAZY = {
-    "read_header": "engine.header",
+    "read_header": "engine.opener",  # a path or a URL
     "Header": "engine.header",
     "TensorInfo": "engine.header",
     "MAX_HEADER_SIZE": "engine.header",
@@ -58,10 +58,10 @@ _LAZY = {
     "save_file": "engine.writer",
     "save": "engine.writer",
     # sharded checkpoints (index + shards, or one file, as one checkpoint)
-    "open_checkpoint": "engine.checkpoint",
+    "open_checkpoint": "engine.opener",  # a path or a URL
     "save_sharded": "engine.shards",
     "Checkpoint": "engine.checkpoint",
-    "read_checkpoint_info": "engine.checkpoint",
+    "read_checkpoint_info": "engine.opener",  # a path or a URL
     # kernels (Numba is imported only when one of these is used)
     "stats": "engine.statistics",
     "Stats": "engine.statistics",
@@ -117,13 +117,13 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpoint import Checkpoint, open_checkpoint, read_checkpoint_info
+    from .checkpoint import Checkpoint
     from .device_staging import keep_staging
     from .file_handle import _safe_open_handle
-    from .header import MAX_HEADER_SIZE, Header, TensorInfo, read_header
+    from .header import MAX_HEADER_SIZE, Header, TensorInfo
     from .kept_mappings import keep_mappings
     from .numpy import load, load_file
-    from .opener import load_into, safe_open, stream
+    from .opener import load_into, open_checkpoint, read_checkpoint_info, read_header, safe_open, stream
     from .shards import save_sharded
     from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
     from .writer import save, save_file

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._cli_output import fmt_bytes, one_line, progress
-from .errors import MissingDependencyError, SafetensorError
+from ._files import is_url
+from .errors import MissingDependencyError, SafetensorError, WriteError
 
 __all__ = ["cmd_convert", "check_output"]
 
@@ -108,6 +109,9 @@ def check_output(dst: str, src: str) -> None:
     """Fail before any work when ``dst`` cannot be written: name the missing directory (the
     writer, which writes a temporary file beside ``dst``, would name that file), and refuse
     to replace the input itself (the atomic writer would, losing the source weights)."""
+    if is_url(dst):
+        raise WriteError("the output is a URL; the commands write local files (upload the result after)",
+                         reason="LocalPathExpected", path=dst)
     folder = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(folder):
         raise FileNotFoundError(errno.ENOENT, "the output directory does not exist", folder)
@@ -149,11 +153,14 @@ def _state_dict(obj: Any, torch, path: str) -> tuple[dict, list[str]]:
 
 def cmd_convert(args) -> int:
     """``engine convert SRC DST``: a ``torch.save`` checkpoint to one safetensors file."""
+    check_output(args.dst, args.src)
+    if is_url(args.src):  # torch.load reads a local file; a pickle is not read by ranges
+        raise SafetensorError("engine convert reads a local file written by torch.save, not a URL: download it "
+                              "first (e.g. curl -LO URL)", reason="LocalPathExpected", path=args.src)
     torch = _torch()
     from . import writer
     from .dtypes import BY_NAME, from_torch
 
-    check_output(args.dst, args.src)
     obj = _load_torch_checkpoint(args.src, torch)
     tensors, skipped = _state_dict(obj, torch, args.src)
     if skipped:

@@ -7,7 +7,22 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["progress", "FileProgress", "fmt_bytes", "table", "one_line"]
+__all__ = ["progress", "FileProgress", "fmt_bytes", "table", "one_line", "UsageError", "http_headers"]
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing (exit 2, one line)."""
+
+
+def http_headers(values: Sequence[str] | None) -> dict[str, str]:
+    """``-H 'Name: value'`` arguments as a mapping."""
+    out = {}
+    for value in values or ():
+        name, sep, text = value.partition(":")
+        if not sep or not name.strip():
+            raise UsageError(f"--header expects 'Name: value', got {value!r}")
+        out[name.strip()] = text.strip()
+    return out
 
 
 class NoBar:
@@ -48,10 +63,9 @@ class FileProgress:
     ``progress(name, nbytes)`` callback: a bar of bytes on a terminal (as :func:`progress`)
     and, with ``--verbose``, a line on stderr as each file is done."""
 
-    def __init__(self, command: str, path: str, verbose: bool, names: Iterable[str] | None = None) -> None:
-        from .checkpoint import read_checkpoint_info
-
-        info = read_checkpoint_info(path)
+    def __init__(self, command: str, info: Any, verbose: bool, names: Iterable[str] | None = None) -> None:
+        """``info``: the checkpoint's :class:`~engine.checkpoint.CheckpointInfo` (a local
+        path's or a URL's, read once by the command)."""
         wanted = set(names) if names is not None else None
         self._command = command
         self._verbose = verbose

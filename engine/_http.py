@@ -40,7 +40,7 @@ from . import __version__
 from .errors import HeaderError, ReadError, RemoteFileNotFoundError, SafetensorError
 
 __all__ = ["Client", "Response", "RemoteFileNotFoundError", "read_error", "content_range", "connection", "status_error",
-           "error_code", "error_body", "connect_error", "redirect", "REDIRECTS", "Watchdog",
+           "error_code", "error_body", "connect_error", "unreachable", "redirect", "REDIRECTS", "Watchdog",
            "USER_AGENT"]
 
 _CHUNK = 1 << 20
@@ -469,7 +469,20 @@ def connect_error(exc: BaseException, url: str) -> ReadError:
     or the system's trust store decides), anything else ``"ConnectionError"``."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         return read_error(f"the server's TLS certificate does not verify: {exc}", url, "CertificateError")
-    return read_error(f"cannot reach the server: {exc}", url, "ConnectionError")
+    err = read_error(f"cannot reach the server: {exc}", url, "ConnectionError")
+    # nothing listens there, or the name does not resolve: see unreachable()
+    err.unreachable = isinstance(exc, (ConnectionRefusedError, socket.gaierror))  # type: ignore[attr-defined]
+    if isinstance(exc, OSError) and exc.errno is not None:
+        err.errno = exc.errno
+    return err
+
+
+def unreachable(err: BaseException) -> bool:
+    """Whether ``err`` says that no server could be reached at all: the connection was
+    refused or the host name does not resolve.  At the first request of a call that is the
+    answer, and trying again only makes the user wait for it (a server that answered once
+    and then refuses is restarting: the bulk reads retry that)."""
+    return bool(getattr(err, "unreachable", False))
 
 
 def error_code(body: bytes) -> str:

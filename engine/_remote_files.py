@@ -24,10 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._files import is_url
-from ._http import Client, read_error
+from ._http import Client, read_error, unreachable
 from ._s3 import S3Config, parse_listing, split_s3_url
-from .checkpoint_index import parse_index
+from ._threads import map_threads
+from .checkpoint_index import index_problems, parse_index
+from .checkpoint_info import CheckpointInfo
 from .errors import (
+    CheckpointIndexError,
     HeaderError,
     MissingDependencyError,
     MissingShardError,
@@ -38,7 +41,7 @@ from .errors import (
 from .header import Header, checked_length, parse_header
 from .remote_reads import RangeReads, RemoteFile, Retry, public_url, transient
 
-__all__ = ["RemoteSource", "is_index", "is_url", "INDEX_NAME", "SINGLE_NAME"]
+__all__ = ["RemoteSource", "is_index", "is_url", "checkpoint_info", "INDEX_NAME", "SINGLE_NAME"]
 
 #: What a prefix (``.../``) is looked up as, in this order: the index, then one file.
 INDEX_NAME = "model.safetensors.index.json"
@@ -264,7 +267,10 @@ class RemoteSource:
     def _named(self, where: str, fn: Callable[[], Any]):
         """Errors name the user's URL (an S3 location is an http URL on the wire).  With a
         ``retry``, a transient failure (:func:`~engine.remote_reads.transient`; not a
-        timeout: the call's one deadline has passed) is tried again, ``fn`` from its start."""
+        timeout: the call's one deadline has passed) is tried again, ``fn`` from its start.
+        A refused connection or a name that does not resolve is not: these requests are the
+        call's first contact with the server, and no server answered (see
+        :func:`engine._http.unreachable`)."""
         attempt = 0
         while True:
             try:
@@ -272,7 +278,7 @@ class RemoteSource:
             except SafetensorError as err:
                 attempt += 1
                 if (self.retry is not None and attempt < self.retry.attempts and err.reason != "Timeout"
-                        and transient(err)):
+                        and transient(err) and not unreachable(err)):
                     time.sleep(self.retry.delay(attempt))
                     continue
                 if isinstance(err.path, str) and err.path == where:
@@ -411,3 +417,45 @@ class RemoteSource:
                 pos += len(v)
 
         return read
+
+
+# --------------------------------------------------------------------------- what a URL holds, read
+
+
+def checkpoint_info(src: RemoteSource, max_header_size: int, max_shards: int,
+                    workers: int) -> tuple[CheckpointInfo, list[str]]:
+    """The headers of everything ``src``'s URL names, checked as a local checkpoint's are:
+    ``(info, locations)``, the locations in the order of ``info.shards``.
+
+    A file, an index or a prefix (:meth:`RemoteSource.layout`); an index's shards and a
+    prefix's files are read ``workers`` at a time.  Shared by :func:`engine.remote.read_metadata`
+    and :func:`engine.remote_load.open_parts`, so that a URL means the same to both.
+    """
+    shown = public_url(src.url)  # what errors and the info name: without a user:password part
+    kind, wheres = src.layout(max_header_size)
+    metadata: dict[str, Any] | None = None
+    weight_map: dict[str, str] | None = None
+    index_at = None
+    if kind == "index":
+        index_at = wheres[0]
+        metadata, weight_map = src.index(max_header_size, index_at)
+        names = sorted(set(weight_map.values()))
+        if len(names) > max_shards:
+            raise CheckpointIndexError(
+                f"the index names {len(names)} shards, more than the limit of {max_shards} (raise max_shards)",
+                reason="TooManyShards", path=src.display(index_at),
+            )
+        wheres = [src.shard(n) for n in names]
+    else:
+        names = [posixpath.basename(urllib.parse.urlsplit(src.display(w)).path) or shown for w in wheres]
+    found = map_threads(lambda w: src.header(w, max_header_size, shard=kind == "index"), wheres,
+                        max(1, workers), name="engine-remote")
+    by_shard = dict(zip(names, found, strict=True))
+    if weight_map is None:
+        return CheckpointInfo(shown, by_shard), wheres
+    assert index_at is not None
+    index = src.display(index_at)
+    problems = index_problems(weight_map, by_shard, index)
+    if problems:
+        raise problems[0]
+    return CheckpointInfo(shown, by_shard, index=index, index_metadata=metadata, weight_map=weight_map), wheres

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterable
 from typing import Any, NamedTuple, Union
 
+from ._files import is_url
 from ._threads import map_threads
 from .checkpoint_index import index_problems, read_index
 from .dtypes import BY_NAME
@@ -47,6 +48,10 @@ class Layout(NamedTuple):
 def resolve(path: PathLike) -> Layout:
     """Decide what ``path`` is: an index, a directory holding one, or a single file."""
     spath = os.fspath(path)
+    if is_url(spath):  # this floor has no network client: say where one is
+        raise ReadError("a URL, and engine.checkpoint reads local checkpoints; engine.read_checkpoint_info, "
+                        "engine.open_checkpoint and engine.remote.read_metadata take URLs",
+                        reason="LocalPathExpected", path=spath)
     if os.path.isdir(spath):
         for name in (SAFETENSORS_NAME, INDEX_NAME):
             # transformers' precedence: a single model.safetensors wins over an index
@@ -66,7 +71,9 @@ def resolve(path: PathLike) -> Layout:
             reason="NoCheckpoint",
             path=spath,
         )
-    directory = os.path.dirname(spath) or "."
+    # "" for a bare file name: joined with it, a shard's path is shown as the user wrote it
+    # ("x.safetensors", not "./x.safetensors")
+    directory = os.path.dirname(spath)
     if spath.endswith(".json"):
         return Layout(spath, directory, spath, [])
     return Layout(spath, directory, None, [os.path.basename(spath)])
@@ -116,8 +123,8 @@ class CheckpointInfo:
     headers : dict of str to Header
         Shard name to its validated :class:`~engine.header.Header`, shards sorted by name.
     directory : str or None
-        The local directory shard names resolve in (see :meth:`shard_path`); ``None`` for
-        a remote checkpoint.
+        The local directory shard names resolve in (see :meth:`shard_path`; ``""`` is the
+        working directory); ``None`` for a remote checkpoint.
     """
 
     __slots__ = ("source", "index", "index_metadata", "weight_map", "headers", "directory")

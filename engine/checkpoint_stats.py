@@ -9,25 +9,35 @@ from __future__ import annotations
 
 import math
 
-from .checkpoint import open_checkpoint
 from .dtypes import BY_NAME
-from .numerics.statistics import SUPPORTED_NAMES, Stats, stats
+from .errors import MissingDependencyError
+from .opener import open_checkpoint
+
+try:
+    from .numerics.statistics import SUPPORTED_NAMES, Stats, stats
+except ModuleNotFoundError as exc:  # the Numba kernels: the ``kernels`` extra
+    raise MissingDependencyError.of(exc, "engine.stats_file (the Numba kernels)") from None
 
 __all__ = ["stats_file"]
 
 
-def stats_file(path, names=None, *, threads: int | None = None, progress=None) -> dict[str, Stats]:
-    """Statistics of every tensor of a file, an index or a checkpoint directory.
+def stats_file(path, names=None, *, threads: int | None = None, progress=None, **options) -> dict[str, Stats]:
+    """Statistics of every tensor of a file, an index or a checkpoint directory, or of a
+    URL of any of them.
 
     Parameters
     ----------
     path : str or os.PathLike
+        As :func:`engine.open_checkpoint` takes it (a URL too).
     names : iterable of str, optional
         Only these tensors (default: all).
     threads : int, optional
         As for :func:`engine.stats`.
     progress : callable, optional
         Called as ``progress(name, nbytes)`` after each tensor (summarised or left out).
+    **options
+        For a URL: ``headers``, ``timeout``, ``connections``, ... as
+        :func:`engine.open_checkpoint` takes them.
 
     Returns
     -------
@@ -38,11 +48,12 @@ def stats_file(path, names=None, *, threads: int | None = None, progress=None) -
     Notes
     -----
     Copies of tensor bytes: 0.  Each tensor is a view of a mapping that the kernel
-    reads once; memory is bounded by the page cache, not by the model's size.  To get
+    reads once; memory is bounded by the page cache, not by the model's size.  A URL's
+    tensors are read one at a time (one copy: socket to the tensor), so memory is one tensor.  To get
     statistics while loading tensors for use, see ``engine.stream(..., stats=True)``.
     """
     out: dict[str, Stats] = {}
-    with open_checkpoint(path, framework="numpy") as ck:
+    with open_checkpoint(path, framework="numpy", **options) as ck:
         wanted = list(names) if names is not None else (
             ck.offset_keys())
         for name in wanted:

@@ -23,10 +23,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from . import __version__
 from ._cli_bench import cmd_bench
 from ._cli_convert import check_output, cmd_convert
 from ._cli_output import FileProgress, fmt_bytes, one_line, table
-from .errors import MissingDependencyError, NonFiniteError, SafetensorError
+from ._cli_output import UsageError as _UsageError
+from ._cli_output import http_headers as _http_headers
+from .errors import (
+    CheckpointIndexError,
+    HeaderError,
+    MissingDependencyError,
+    MissingShardError,
+    NonFiniteError,
+    SafetensorError,
+)
 
 
 def _is_url(path: str) -> bool:
@@ -34,34 +44,20 @@ def _is_url(path: str) -> bool:
     return bool(sep) and len(scheme) > 1 and scheme.replace("+", "").isalnum()
 
 
-def _http_headers(values: Sequence[str] | None) -> dict[str, str]:
-    out = {}
-    for value in values or ():
-        name, sep, text = value.partition(":")
-        if not sep or not name.strip():
-            raise _UsageError(f"--header expects 'Name: value', got {value!r}")
-        out[name.strip()] = text.strip()
-    return out
-
-
-class _UsageError(Exception):
-    """A bad argument found after parsing (exit 2, one line)."""
+def _remote(args, path: str) -> dict[str, Any]:
+    """The request options of the command line for ``path`` when it is a URL (resolved as
+    ``engine.torch.load_file`` resolves one: a file, an index or a prefix); ``{}`` for a
+    local path."""
+    if not _is_url(path):
+        return {}
+    return {"timeout": args.timeout, "headers": _http_headers(args.header)}
 
 
 def _checkpoint_info(args):
     """:class:`~engine.checkpoint.CheckpointInfo` of a file, directory, index or URL."""
-    if _is_url(args.path):
-        from .remote import read_metadata
+    from .opener import read_checkpoint_info
 
-        return read_metadata(
-            args.path,
-            timeout=args.timeout,
-            headers=_http_headers(args.header),
-            max_header_size=args.max_header_size,
-        )
-    from .checkpoint import read_checkpoint_info
-
-    return read_checkpoint_info(args.path, max_header_size=args.max_header_size)
+    return read_checkpoint_info(args.path, max_header_size=args.max_header_size, **_remote(args, args.path))
 
 
 def _kernel_api(module: str, attr: str, command: str):
@@ -69,7 +65,10 @@ def _kernel_api(module: str, attr: str, command: str):
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        raise MissingDependencyError(exc.name or "numba", "kernels", f"engine {command}") from None
+        err = MissingDependencyError.of(exc, f"engine {command} (the Numba kernels)")
+        if isinstance(err, MissingDependencyError):  # the library named its own feature: name the command
+            err = MissingDependencyError(err.name or "numba", err.extra, f"engine {command} (the Numba kernels)")
+        raise err from None
     return getattr(mod, attr)
 
 
@@ -92,7 +91,7 @@ def _cmd_inspect(args) -> int:
         json.dump(info.to_dict(), sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
         return 0
-    sharded = info.is_sharded
+    sharded = info.is_sharded or len(info.shards) > 1
     rows = []
     for shard, t in info.tensors():
         row = [t.name, t.dtype, str(list(t.shape)), f"{t.numel:,}", f"{t.data_offsets[0]}..{t.data_offsets[1]}"]
@@ -112,10 +111,61 @@ def _cmd_inspect(args) -> int:
     )
     metadata = info.metadata()
     if metadata:
-        print("metadata: " + json.dumps(metadata, ensure_ascii=False))
-    if sharded and info.index_metadata:
-        print("index metadata: " + json.dumps(info.index_metadata, ensure_ascii=False, sort_keys=True))
+        print("metadata:")
+        for line in _metadata_lines(metadata):
+            print(line)
+    if info.is_sharded and info.index_metadata:
+        print("index metadata:")
+        for line in _metadata_lines(info.index_metadata):
+            print(line)
     return 0
+
+
+def _metadata_lines(metadata: dict[str, Any]) -> list[str]:
+    """One indented ``key: value`` line per entry; a value that holds JSON (the int8 format's
+    record, a config) is shown as what it says rather than as one long escaped string."""
+    lines = []
+    for key, value in metadata.items():
+        parsed = _json_value(value)
+        if key == "engine.quantization" and isinstance(parsed, dict):
+            lines.append(f"  {key}: {_quantization_summary(parsed)}")
+        elif isinstance(parsed, (dict, list)) and parsed:
+            lines.append(f"  {key}:")
+            lines += ["    " + line for line in json.dumps(parsed, indent=2, ensure_ascii=False).splitlines()]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            lines.append(f"  {key}: {value:,}")
+        else:
+            lines.append(f"  {key}: {value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}")
+    return lines
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, str) and value[:1] in ("{", "["):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _quantization_summary(record: dict[str, Any]) -> str:
+    """The int8 format's record (``engine.quantized_format``) in a line: scheme, scale
+    suffix, how many tensors from which dtypes, and their axes."""
+    tensors = record.get("tensors")
+    if not isinstance(tensors, dict):
+        return json.dumps(record, ensure_ascii=False)
+    dtypes: dict[str, int] = {}
+    axes: dict[str, int] = {}
+    for entry in tensors.values():
+        entry = entry if isinstance(entry, dict) else {}
+        dtypes[str(entry.get("dtype"))] = dtypes.get(str(entry.get("dtype")), 0) + 1
+        axis = entry.get("axis")
+        label = "per tensor" if axis is None else f"axis {axis}"
+        axes[label] = axes.get(label, 0) + 1
+    return (f"{record.get('scheme', '?')}, {len(tensors)} tensors quantized (from "
+            + ", ".join(f"{d}: {n}" for d, n in sorted(dtypes.items())) + "; scales "
+            + ", ".join(f"{a}: {n}" for a, n in sorted(axes.items()))
+            + f"; each scale in the tensor named + {record.get('scale_suffix', '.scale')!r})")
 
 
 # --------------------------------------------------------------------------- validate
@@ -131,7 +181,9 @@ def _cmd_validate(args) -> int:
         try:
             info = _checkpoint_info(args)
             problems: list[SafetensorError] = []
-        except SafetensorError as err:
+        except (HeaderError, CheckpointIndexError, MissingShardError) as err:
+            # what the server holds is broken: a finding (exit 1), as for a local file; a
+            # server that cannot be reached or has no such file is an error (exit 2)
             info, problems = None, [err]
     else:
         problems = check_checkpoint(args.path, max_header_size=args.max_header_size)
@@ -156,32 +208,36 @@ def _cmd_validate(args) -> int:
 
 
 def _weight_validator(args) -> tuple[str | None, Any]:
-    """(config path, WeightValidator) for --config or a config.json beside the checkpoint;
-    (None, None) when there is none or the checkpoint is a URL.  Made before any check runs,
-    so that a bad config is one error line and nothing else."""
+    """(config path, WeightValidator) for --config or a config.json beside a local
+    checkpoint; (None, None) when there is none.  Made before any check runs, so that a bad
+    config or a missing extra is one error line and nothing else."""
     config = args.config
     if config is None and not _is_url(args.path):
         folder = args.path if os.path.isdir(args.path) else os.path.dirname(os.path.abspath(args.path))
         candidate = os.path.join(folder, "config.json")
         config = candidate if os.path.exists(candidate) else None
-    if config is None or _is_url(args.path):
+    if config is None:
         return config, None
-    from .validator import WeightValidator
+    try:
+        from .validator import WeightValidator
 
-    return config, WeightValidator(config)
+        return config, WeightValidator(config)
+    except MissingDependencyError as err:
+        raise MissingDependencyError(
+            err.name or "numba", err.extra,
+            f"engine validate's weight checks against {config} (the Numba kernels)",
+        ) from None
 
 
 def _weight_checks(args, config: str | None, validator: Any) -> bool:
     """Run the weight validator; True when it passes, or when there is nothing to check
     against (format checks only)."""
-    if config is None:
-        print("weight checks: skipped (no --config and no config.json beside the checkpoint)")
+    if config is None or validator is None:
+        beside = "" if _is_url(args.path) else " and no config.json beside the checkpoint"
+        print(f"weight checks: skipped (no --config{beside})")
         return True
-    if validator is None:
-        print("weight checks: skipped for URLs (they need the tensor bytes)")
-        return True
-    with FileProgress("validate", args.path, args.verbose) as progress:
-        report = validator.validate(args.path, progress=progress)
+    with FileProgress("validate", _checkpoint_info(args), args.verbose) as progress:
+        report = validator.validate(args.path, progress=progress, **_remote(args, args.path))
     print(f"weight checks against {config}:")
     print(report)
     return report.ok
@@ -203,8 +259,9 @@ def _cmd_stats(args) -> int:
     import dataclasses  # here, not at the top: `engine inspect` starts without it (and inspect)
 
     stats_file = _kernel_api("engine.checkpoint_stats", "stats_file", "stats")
-    with FileProgress("stats", args.path, args.verbose, args.names) as progress:
-        result = stats_file(args.path, names=args.names, progress=progress)
+    with FileProgress("stats", _checkpoint_info(args), args.verbose, args.names) as progress:
+        result = stats_file(args.path, names=args.names, progress=progress, max_header_size=args.max_header_size,
+                            **_remote(args, args.path))
     if args.json:
         json.dump({k: dataclasses.asdict(v) for k, v in result.items()}, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
@@ -227,12 +284,14 @@ def _axis(text: str) -> int | None:
 
 
 def _cmd_quantize(args) -> int:
+    check_output(args.dst, args.src)  # a URL or a missing folder: said before the kernels load
     quantize_file = _kernel_api("engine.quantized_format", "quantize_file", "quantize")
-    check_output(args.dst, args.src)
+    args.path = args.src
     try:
-        with FileProgress("quantize", args.src, args.verbose) as progress:
+        with FileProgress("quantize", _checkpoint_info(args), args.verbose) as progress:
             summary = quantize_file(args.src, args.dst, axis=args.axis, include=args.include, exclude=args.exclude,
-                                    on_nonfinite="clamp" if args.clamp else "raise", progress=progress)
+                                    on_nonfinite="clamp" if args.clamp else "raise", progress=progress,
+                                    max_header_size=args.max_header_size, **_remote(args, args.src))
     except NonFiniteError as err:
         # the library's message names the Python argument; a shell user has the flag
         name = err.tensors[0] if err.tensors else None
@@ -257,6 +316,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+#: what a positional argument that names a checkpoint takes
+_CHECKPOINT = ("a .safetensors file, a *.safetensors.index.json, a directory, or a URL of any of them "
+               "(http(s)://, s3://, fsspec; a prefix ending in / holds an index or model.safetensors)")
+
+
 def _add_remote_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP request (URLs only)")
     p.add_argument("-H", "--header", action="append", metavar="'NAME: VALUE'",
@@ -266,6 +330,8 @@ def _add_remote_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="engine", description="Read, check, convert and write safetensors checkpoints.")
+    parser.add_argument("--version", action="version", version=f"engine (safetensors-engine) {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="write, inspect, load and verify a generated GPT-2-sized checkpoint")
@@ -275,30 +341,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("inspect", help="table of the tensors of a file, directory, index or URL")
-    p.add_argument("path", help="a .safetensors file, a *.safetensors.index.json, a directory, or a URL")
+    p.add_argument("path", help=_CHECKPOINT)
     p.add_argument("--json", action="store_true", help="print the parsed header(s) as JSON")
     _add_remote_options(p)
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("validate", help="check the format of every shard and the index (exit 1 on problems)")
-    p.add_argument("path", help="a .safetensors file, a *.safetensors.index.json, a directory, or a URL")
-    p.add_argument("--config", help="model config.json for the weight checks (engine.validator)")
+    p.add_argument("path", help=_CHECKPOINT)
+    p.add_argument("--config", help="model config.json for the weight checks (engine.validator; default: a "
+                                    "config.json beside a local checkpoint; needs the 'kernels' extra)")
     _add_remote_options(p)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line on stderr as each file is done (a progress bar is drawn on a terminal anyway)")
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("stats", help="statistics of every tensor (min, max, mean, std, NaN/Inf counts)")
-    p.add_argument("path")
-    p.add_argument("--names", nargs="+", metavar="NAME", help="only these tensors")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("path", help=_CHECKPOINT)
+    p.add_argument("--names", nargs="+", metavar="NAME", help="only these tensors (default: every tensor)")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON, by tensor name")
+    _add_remote_options(p)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line on stderr as each file is done (a progress bar is drawn on a terminal anyway)")
     p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("quantize", help="write an int8-quantized copy of a checkpoint")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("src", help=_CHECKPOINT)
+    p.add_argument("dst", help="the .safetensors file to write (one local file, written atomically)")
     p.add_argument("--axis", type=_axis, default=0,
                    help="channel axis of the scales: 0 (default) one per row, 'none' one per tensor")
     p.add_argument("--include", nargs="+", metavar="GLOB",
@@ -306,20 +374,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", nargs="+", metavar="GLOB", help="names never to quantize, e.g. 'lm_head.*'")
     p.add_argument("--clamp", action="store_true",
                    help="quantize NaN to 0 and +-Inf to +-127 and list the tensors, instead of failing")
+    _add_remote_options(p)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line on stderr as each file is done (a progress bar is drawn on a terminal anyway)")
     p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("convert", help="PyTorch .bin/.pt state dict to .safetensors (never unpickles code)")
-    p.add_argument("src", help="a file written by torch.save")
-    p.add_argument("dst", help="the .safetensors file to write")
+    p.add_argument("src", help="a local file written by torch.save (.bin, .pt, .pth)")
+    p.add_argument("dst", help="the local .safetensors file to write")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="load throughput of engine backends against the reference safetensors")
-    p.add_argument("path", help="a .safetensors file, an index or a directory")
+    p.add_argument("path", help=_CHECKPOINT + "; a URL is timed as the engine's load over the network")
     p.add_argument("--runs", type=_positive_int, default=5, help="timed runs per case (median reported)")
-    p.add_argument("--framework", choices=["np", "pt"], help="default: pt when torch is installed")
+    p.add_argument("--framework", choices=["np", "pt"], help="numpy or torch tensors (default: pt when torch is "
+                                                             "installed)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference safetensors")
+    _add_remote_options(p)
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -24,6 +24,8 @@ __all__ = [
     "WriteError",
     "DeviceError",
     "MissingDependencyError",
+    "EXTRA_OF",
+    "install_line",
     "TensorMismatchError",
     "NonFiniteError",
     "SharedTensorsError",
@@ -99,16 +101,20 @@ class SafetensorError(Exception):
         return f"{prefix}{self.message}{suffix}"
 
     def __reduce__(self):  # keep errors picklable across worker processes
+        # ImportError's ``.name`` lives in a slot, not in ``__dict__``
+        name = self.name if isinstance(self, ImportError) else None
         return (
             _rebuild,
-            (type(self), self.message, self.__dict__.copy()),
+            (type(self), self.message, self.__dict__.copy(), name),
         )
 
 
-def _rebuild(cls, message, state):
+def _rebuild(cls, message, state, name=None):
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
+    if name is not None:
+        err.name = name
     return err
 
 
@@ -197,15 +203,95 @@ class DeviceError(SafetensorError, RuntimeError):
     """A device was asked for that is not there or cannot be used."""
 
 
-class MissingDependencyError(SafetensorError, ImportError):
-    """An optional dependency is needed; the message names the extra to install."""
+#: the optional extra that brings each package the engine imports on demand (numba's
+#: kernels also need llvmlite, which numba installs)
+EXTRA_OF = {
+    "numba": "kernels",
+    "llvmlite": "kernels",
+    "torch": "torch",
+    "cupy": "cupy",
+    "fsspec": "remote",
+    "botocore": "s3",
+    "tqdm": "cli",
+}
+
+
+def install_line(extra: str) -> str:
+    """The command that installs ``extra``, in the form that works for this installation.
+
+    A checkout (an editable install, or the source tree on ``sys.path``: the folder above the
+    package holds this project's ``pyproject.toml``) gets ``pip install -e ".[extra]"``, with
+    the checkout's path when the working directory is elsewhere: that is how the README
+    installs the engine, and a name on a package index may not be this checkout at all.
+    Anything else (a wheel) gets ``pip install "safetensors-engine[extra]"``.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as f:
+            checkout = 'name = "safetensors-engine"' in f.read()
+    except OSError:
+        checkout = False
+    if not checkout:
+        return f'pip install "safetensors-engine[{extra}]"'
+    try:
+        here = os.path.samefile(os.getcwd(), root)
+    except OSError:
+        here = False
+    return f'pip install -e "{"." if here else root}[{extra}]"'
+
+
+class MissingDependencyError(SafetensorError, ModuleNotFoundError):
+    """An optional dependency is needed and not installed.
+
+    Raised at the moment the feature that needs it is used (never by ``import engine``);
+    the message names the feature, the package and the command that installs the extra
+    (:func:`install_line`).  A ``ModuleNotFoundError`` (so an ``ImportError``) as well, the
+    error it stands for, so callers' ``except ModuleNotFoundError`` keeps catching it; ``.name`` is the missing package, ``.extra`` the extra, ``.feature`` what
+    needed it.
+
+    Parameters
+    ----------
+    package : str
+        The module that is missing (``"numba"``).
+    extra : str
+        The extra of this project that installs it (``"kernels"``).
+    feature : str
+        What needs it, in words a user recognises (``"engine.stats"``, ``"engine stats"``).
+    """
 
     def __init__(self, package: str, extra: str, feature: str) -> None:
         super().__init__(
-            f"{feature} needs {package}; install it with `pip install safetensors-engine[{extra}]`",
+            f"{feature} needs {package}, which is not installed; install the {extra!r} extra: "
+            f"{install_line(extra)}",
             reason="MissingDependency",
         )
         self.name = package
+        self.extra = extra
+        self.feature = feature
+
+    @classmethod
+    def of(cls, exc: ImportError, feature: str) -> ImportError:
+        """The error to raise for ``exc``, an import that failed while ``feature`` needed it:
+        a :class:`MissingDependencyError` when the missing module belongs to one of the
+        extras (:data:`EXTRA_OF`), else ``exc`` itself (a broken install is not a missing
+        extra)."""
+        if isinstance(exc, MissingDependencyError):
+            return exc
+        package = (getattr(exc, "name", None) or "").partition(".")[0]
+        extra = EXTRA_OF.get(package)
+        if extra is None or not isinstance(exc, ModuleNotFoundError):
+            return exc
+        return cls(package, extra, feature)
+
+    @classmethod
+    def for_framework(cls, exc: ImportError, framework: str) -> ImportError:
+        """:meth:`of` for a ``framework=`` whose package is missing (torch by default in
+        ``engine.stream`` and ``engine.torch``)."""
+        if framework in ("pt", "torch"):
+            feature = f"framework={framework!r} (torch tensors; framework='np' gives numpy arrays without torch)"
+        else:
+            feature = f"framework={framework!r}"
+        return cls.of(exc, feature)
 
 
 class TensorMismatchError(SafetensorError, ValueError):
@@ -295,8 +381,10 @@ class UnsupportedFrameworkError(SafetensorError, ModuleNotFoundError):
 class DeviceFallbackWarning(RuntimeWarning):
     """Not an error: work meant for the device ran elsewhere, with the same results.
 
-    Issued once per process where Numba's CUDA target cannot work (no NVVM, a driver it
-    does not know): statistics of a load to a GPU are then folded on the CPU from the
-    staging slots, and int8 quantization runs on the CPU kernels, the results copied back
-    to the device.  ``warnings.simplefilter("error", DeviceFallbackWarning)`` makes it fatal.
+    Issued once per process where Numba's CUDA target cannot work (no numba-cuda, no NVVM, a
+    driver it does not know), naming the cause and the fix: statistics and int8 quantization
+    of a torch or CuPy load to a GPU then run as that framework's own operations on the
+    device (``engine.numerics._device_fallback``); other device sinks fold statistics on the
+    CPU from the staging slots and quantize with the CPU kernels, the results copied back.
+    ``warnings.simplefilter("error", DeviceFallbackWarning)`` makes it fatal.
     """

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 from . import dtypes
 from ._file_handle import Slicer, TensorSlice
 from ._files import PREFETCH_MIN_BYTES, advise_sequential, on_network_mount, open_regular
-from .errors import SafetensorError, TensorNotFoundError, UnrepresentableTensorError
+from .errors import MissingDependencyError, SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .sinks import get_sink, map_file, sink_kind
 
@@ -35,6 +35,14 @@ __all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
 _BACKENDS = ("mmap", "pread")
 # below this a slice is read on the calling thread: threads cost more than they save
 _PARALLEL_SLICE_BYTES = 32 * 1024 * 1024
+
+
+def _sink_for(framework: str, device: Any):
+    """The sink of ``framework``; a framework that is not installed is a MissingDependencyError."""
+    try:
+        return get_sink(framework, device)
+    except ModuleNotFoundError as exc:
+        raise MissingDependencyError.for_framework(exc, framework) from None
 
 
 class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replacement
@@ -117,9 +125,12 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             # now by making its sink, so that a bad device fails here too.
             self._sink_obj = None
             if self._kind == "torch" and str(device) == "cpu":
-                import torch  # noqa: F401 - the check; free where torch is loaded already
+                try:
+                    import torch  # noqa: F401 - the check; free where torch is loaded already
+                except ModuleNotFoundError as exc:
+                    raise MissingDependencyError.for_framework(exc, framework) from None
             elif self._kind != "numpy":
-                self._sink_obj = get_sink(framework, device)
+                self._sink_obj = _sink_for(framework, device)
             self._backend = backend
             size = os.fstat(fd).st_size
             self.header: Header = read_header_fd(fd, path=path, file_size=size, max_header_size=max_header_size)
@@ -220,7 +231,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         """This handle's sink, made on first use for numpy and CPU torch (see ``_setup``)."""
         sink = self._sink_obj
         if sink is None:  # CPU sinks hold no state: a second one made by a racing thread is as good
-            sink = self._sink_obj = get_sink(self._kind, self._device)
+            sink = self._sink_obj = _sink_for(self._kind, self._device)
         return sink
 
     def _mapping(self):

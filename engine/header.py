@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _header
 from ._files import file_size as _file_size_now
-from ._files import open_regular
+from ._files import is_url, open_regular
 from ._header import HeaderTable, header_length, parse_header
 from .dtypes import BITS, BY_NAME, NAMES
 from .errors import HeaderError, ReadError, TensorNotFoundError
@@ -455,6 +455,9 @@ def read_header(
     (32000, 4096)
     """
     spath = os.fspath(path)
+    if is_url(spath):  # this floor has no network client: say where one is
+        raise ReadError("a URL, and engine.header.read_header reads local files; engine.read_header and "
+                        "engine.remote.read_header take URLs", reason="LocalPathExpected", path=spath)
     fd = open_regular(spath)
     try:
         return read_header_fd(fd, path=spath, max_header_size=max_header_size, strict=strict)

@@ -31,7 +31,13 @@ from typing import Any, NamedTuple
 
 from . import dtypes, pipeline
 from ._files import advise_sequential, open_regular
-from .errors import DeviceError, SafetensorError, TensorMismatchError, TensorNotFoundError
+from .errors import (
+    DeviceError,
+    MissingDependencyError,
+    SafetensorError,
+    TensorMismatchError,
+    TensorNotFoundError,
+)
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .load_hooks import StatsCollector
 from .load_hooks import plan as onload_plan
@@ -151,6 +157,26 @@ def load_parts(
 _DONE = object()
 
 
+def sink_for(framework: str, device: Any = "cpu"):
+    """:func:`engine.sinks.get_sink`, with a framework that is not installed named as a
+    :class:`~engine.errors.MissingDependencyError` (the feature, the extra, the install line)."""
+    try:
+        return get_sink(framework, device)
+    except ModuleNotFoundError as exc:
+        raise MissingDependencyError.for_framework(exc, framework) from None
+
+
+def _need_kernels(stats: bool, quantize) -> None:
+    """Statistics and int8 on the way need the Numba kernels: say so before a byte is read."""
+    if not stats and quantize is None:
+        return
+    try:
+        from .numerics import kernels  # noqa: F401
+    except ModuleNotFoundError as exc:
+        feature = "stream(stats=True)" if stats else "stream(quantize=...)"
+        raise MissingDependencyError.of(exc, f"{feature} (the Numba kernels)") from None
+
+
 def stream(
     path,
     *,
@@ -236,7 +262,8 @@ def _stream(path, framework, device, stats, quantize, max_header_size, options) 
     paths = list(path) if many else [path]
     if (stats or quantize is not None) and len(paths) != 1:
         raise ValueError("stats=True and quantize= stream one file at a time")
-    get_sink(framework, device)  # an unknown framework or device fails before a file is opened
+    sink_for(framework, device)  # an unknown framework or device fails before a file is opened
+    _need_kernels(stats, quantize)
     opened: list[tuple[int, str]] = []
     try:
         for p in paths:
@@ -284,7 +311,8 @@ def stream_parts(
     if stats and any(f.ranges is not None for f in files):
         raise ValueError("stats=True folds statistics while reading local files; load a remote file, then "
                          "call engine.stats on its tensors")
-    sink = get_sink(framework, device)
+    sink = sink_for(framework, device)
+    _need_kernels(stats, quantize)
     cancel = cancel if cancel is not None else threading.Event()
     worker: threading.Thread | None = None
     headers = [f.header for f in files]

@@ -15,7 +15,8 @@ from typing import Any
 from . import file_handle
 from ._files import is_url
 
-__all__ = ["safe_open", "load_into", "stream", "is_checkpoint_path"]
+__all__ = ["safe_open", "load_into", "stream", "is_checkpoint_path", "read_header", "read_checkpoint_info",
+           "open_checkpoint"]
 
 
 def is_checkpoint_path(path) -> bool:
@@ -70,6 +71,134 @@ class safe_open(file_handle.safe_open, metaclass=_OpensBoth):  # noqa: N801 - th
 
             return Checkpoint(filename, *args, **kwargs)
         return super().__new__(cls)
+
+
+def read_header(path, *, max_header_size: int | None = None, strict: bool = False, **options):
+    """:func:`engine.header.read_header` for a path, :func:`engine.remote.read_header` for a
+    URL (``http(s)://``, ``s3://`` or another fsspec protocol; a file, or a prefix that holds
+    one ``model.safetensors``): ``engine.read_header`` takes both.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A ``.safetensors`` file or its URL.
+    max_header_size : int, optional
+        Largest header accepted (default :data:`engine.header.MAX_HEADER_SIZE`).
+    strict : bool, default False
+        For a local file, as :func:`engine.header.read_header` takes it.
+    **options
+        For a URL: ``timeout``, ``headers``, ``max_redirects``, ``storage_options`` (see
+        :func:`engine.remote.read_metadata`); a local path takes none.
+
+    Returns
+    -------
+    Header
+
+    Raises
+    ------
+    HeaderError, ReadError, OSError
+        As :func:`engine.header.read_header` (a path) or :func:`engine.remote.read_header`
+        (a URL) raise them; a URL's errors name the URL and the reason
+        (``RemoteFileNotFoundError`` for a 404, ``ReadError`` with ``reason="ConnectionError"``
+        for a refused connection, at once).
+    """
+    from .header import MAX_HEADER_SIZE
+
+    limit = MAX_HEADER_SIZE if max_header_size is None else max_header_size
+    if is_url(path):
+        from . import remote
+
+        return remote.read_header(path, max_header_size=limit, **options)
+    if options:
+        raise TypeError(f"options for URLs only, given for a local path: {sorted(options)}")
+    from .header import read_header as read_local
+
+    return read_local(path, max_header_size=limit, strict=strict)
+
+
+def read_checkpoint_info(path, *, max_header_size: int | None = None, max_workers: int | None = None, **options):
+    """:func:`engine.checkpoint.read_checkpoint_info` for a path, :func:`engine.remote.read_metadata`
+    for a URL of a file, an index or a prefix (as :func:`engine.torch.load_file` resolves
+    one): ``engine.read_checkpoint_info`` takes both.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A file, an index, a directory, or a URL of any of them (a prefix ending in ``/``).
+    max_header_size : int, optional
+        Largest header per file, and largest index, in bytes.
+    max_workers : int, optional
+        Files whose headers are read at once (default: up to 8).
+    **options
+        For a URL: ``timeout``, ``headers``, ``max_redirects``, ``max_shards``,
+        ``storage_options`` (see :func:`engine.remote.read_metadata`).
+
+    Returns
+    -------
+    CheckpointInfo
+
+    Raises
+    ------
+    As :func:`engine.checkpoint.read_checkpoint_info` or :func:`engine.remote.read_metadata`.
+    """
+    from .header import MAX_HEADER_SIZE
+
+    limit = MAX_HEADER_SIZE if max_header_size is None else max_header_size
+    if is_url(path):
+        from . import remote
+
+        return remote.read_metadata(path, max_header_size=limit, max_workers=max_workers, **options)
+    if options:
+        raise TypeError(f"options for URLs only, given for a local path: {sorted(options)}")
+    from .checkpoint import read_checkpoint_info as read_local
+
+    return read_local(path, max_header_size=limit, max_workers=max_workers)
+
+
+def open_checkpoint(path, framework: str = "numpy", device: Any = "cpu", *, backend: str = "mmap",
+                    max_header_size: int | None = None, max_workers: int | None = None, **options):
+    """:func:`engine.checkpoint.open_checkpoint` for a path; for a URL of a file, an index
+    or a prefix, a :class:`~engine.remote_handle.RemoteHandle` with the same methods
+    (``keys``, ``offset_keys``, ``metadata``, ``get_tensor``, ``get_slice``,
+    ``get_tensors``, ``info``) that reads only the bytes asked for.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A file, an index, a directory, or a URL of any of them.
+    framework, device
+        As :func:`engine.checkpoint.open_checkpoint` takes them.
+    backend : {"mmap", "pread"}, default "mmap"
+        Local files only (a remote file has no mapping).
+    max_header_size, max_workers : int, optional
+        As :func:`engine.checkpoint.open_checkpoint` takes them.
+    **options
+        For a URL: ``headers``, ``timeout``, ``connections``, ``retry``, ``s3``,
+        ``storage_options``, ``max_redirects``, ``max_shards`` (see
+        :func:`engine.remote_load.stream`).
+
+    Returns
+    -------
+    Checkpoint or RemoteHandle
+        Both are context managers and instances of :class:`engine.safe_open`.
+
+    Notes
+    -----
+    Copies of tensor bytes: as :class:`engine.safe_open` for local files; 1 per tensor for
+    a URL (socket to the tensor).
+    """
+    from .header import MAX_HEADER_SIZE
+
+    limit = MAX_HEADER_SIZE if max_header_size is None else max_header_size
+    if is_url(path):
+        from .remote_handle import RemoteHandle
+
+        return RemoteHandle(path, framework, device, max_header_size=limit, **options)
+    if options:
+        raise TypeError(f"options for URLs only, given for a local path: {sorted(options)}")
+    from .checkpoint import open_checkpoint as open_local
+
+    return open_local(path, framework, device, backend=backend, max_header_size=limit, max_workers=max_workers)
 
 
 def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:

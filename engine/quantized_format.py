@@ -18,10 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import dtypes as _dt
-from .checkpoint import open_checkpoint
-from .errors import NonFiniteError, SerializationError
-from .numerics.quantize import INPUTS, Int8, QuantizedTensor, quantize_array, target_dtype
+from ._files import is_url
+from .errors import MissingDependencyError, NonFiniteError, SerializationError, WriteError
+from .opener import open_checkpoint
 from .writer import open_writer
+
+try:
+    from .numerics.quantize import INPUTS, Int8, QuantizedTensor, quantize_array, target_dtype
+except ModuleNotFoundError as exc:  # the Numba kernels: the ``kernels`` extra
+    raise MissingDependencyError.of(exc, "int8 quantization (the Numba kernels)") from None
 
 __all__ = [
     "quantize_file",
@@ -111,6 +116,7 @@ def quantize_file(
     on_nonfinite: str = "raise",
     fsync: bool = True,
     progress: Callable[[str, int], None] | None = None,
+    **options: Any,
 ) -> QuantizeSummary:
     """Write an int8-quantized copy of a checkpoint, one tensor at a time.
 
@@ -118,7 +124,8 @@ def quantize_file(
     ----------
     src : str or os.PathLike
         A ``.safetensors`` file, a ``*.safetensors.index.json`` with its shards, or a
-        directory holding either (as for :func:`engine.open_checkpoint`).
+        directory holding either, or a URL of any of them (as for
+        :func:`engine.open_checkpoint`).
     dst : str or os.PathLike
         The ``.safetensors`` file to write: always one file (sharded output is not
         supported yet).  Written atomically: nothing appears there unless the whole file
@@ -144,6 +151,9 @@ def quantize_file(
     progress : callable, optional
         Called as ``progress(name, nbytes)`` after each source tensor is written
         (``nbytes``: its size in the source).
+    **options
+        For a URL ``src``: ``headers``, ``timeout``, ``connections``, ... as
+        :func:`engine.open_checkpoint` takes them.
 
     Returns
     -------
@@ -192,9 +202,12 @@ def quantize_file(
     of the mapped source count in the process's resident size while it runs, but they are
     the page cache: clean, shared and reclaimed by the OS under pressure.
     """
+    if is_url(dst):
+        raise WriteError("the output is a URL; the int8 copy is written to a local file (upload it after)",
+                         reason="LocalPathExpected", path=dst)
     spec = Int8(axis, include, exclude, on_nonfinite, embeddings=True)
 
-    with open_checkpoint(src) as ckpt:
+    with open_checkpoint(src, **options) as ckpt:
         info = ckpt.info
         jobs = [
             _job(info.headers[shard].path or info.source, t, spec) for shard, t in info.tensors()

@@ -31,20 +31,18 @@ Whole loads of a URL (every tensor, in parallel) are :mod:`engine.remote_load`.
 from __future__ import annotations
 
 import os
-import posixpath
-import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from ._remote_files import RemoteSource, is_index
-from .checkpoint import CheckpointInfo, index_problems, read_checkpoint_info
+from ._remote_files import RemoteSource, checkpoint_info, is_index, is_url
+from .checkpoint import CheckpointInfo, read_checkpoint_info
 from .errors import (
-    CheckpointIndexError,
+    ReadError,
     RemoteFileNotFoundError,
     TensorNotFoundError,
 )
 from .header import MAX_HEADER_SIZE, Header
-from .reader import map_threads
+from .remote_reads import public_url
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -104,7 +102,14 @@ def read_header(
     of the first; copies of tensor bytes: 0.
     """
     src = _source(url, headers, timeout, max_redirects, storage_options)
-    return src.header(src.root, max_header_size)
+    kind, wheres = src.layout(max_header_size)
+    if kind != "file":
+        raise ReadError(
+            f"this URL holds a checkpoint of several files ({'an index' if kind == 'index' else 'no index'}), "
+            "not one file: read its headers with engine.read_checkpoint_info or engine.remote.read_metadata",
+            reason="NotAFile", path=public_url(os.fspath(url)),
+        )
+    return src.header(wheres[0], max_header_size)
 
 
 def read_metadata(
@@ -183,30 +188,11 @@ def read_metadata(
     Copies of tensor bytes: 0; not a byte of tensor data is requested.
     """
     spath = os.fspath(url)
-    if len(urllib.parse.urlsplit(spath).scheme) <= 1:  # no scheme, or a Windows drive letter
+    if not is_url(spath):  # no scheme, or a Windows drive letter
         return read_checkpoint_info(spath, max_header_size=max_header_size, max_workers=max_workers)
     src = _source(spath, headers, timeout, max_redirects, storage_options)
-    if not is_index(spath):
-        header = src.header(src.root, max_header_size)
-        name = posixpath.basename(urllib.parse.urlsplit(spath).path) or spath
-        return CheckpointInfo(spath, {name: header})
-    metadata, weight_map = src.index(max_header_size)
-    shards = sorted(set(weight_map.values()))
-    if len(shards) > max_shards:
-        raise CheckpointIndexError(
-            f"the index names {len(shards)} shards, more than the limit of {max_shards} (raise max_shards)",
-            reason="TooManyShards",
-            path=spath,
-        )
-    results = map_threads(
-        lambda s: src.header(src.shard(s), max_header_size, shard=True), shards, max_workers or _MAX_WORKERS,
-        name="engine-remote",
-    )
-    by_shard = dict(zip(shards, results, strict=True))
-    problems = index_problems(weight_map, by_shard, spath)
-    if problems:
-        raise problems[0]
-    return CheckpointInfo(spath, by_shard, index=spath, index_metadata=metadata, weight_map=weight_map)
+    info, _ = checkpoint_info(src, max_header_size, max_shards, max_workers or _MAX_WORKERS)
+    return info
 
 
 def get_tensor(
@@ -256,9 +242,9 @@ def get_tensor(
     0-byte tensor needs no data request.  Copies of tensor bytes: 1 (from the socket into
     the tensor's memory; a CUDA device adds the host-to-device copy).
     """
-    from .sinks import get_sink
+    from .loader import sink_for
 
-    sink = get_sink(framework, device)
+    sink = sink_for(framework, device)
     spath = os.fspath(url)
     src = _source(spath, headers, timeout, max_redirects, storage_options)
     where, shard = src.root, False

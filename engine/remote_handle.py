@@ -16,11 +16,10 @@ from typing import Any
 
 from . import dtypes
 from .errors import InvalidSliceError, SafetensorError, TensorNotFoundError
-from .loader import stream_parts
+from .loader import sink_for, stream_parts
 from .reader import map_threads
 from .remote_load import RemoteParts, open_parts, remote_options
 from .remote_reads import read_runs
-from .sinks import get_sink
 
 __all__ = ["RemoteHandle", "RemoteSlice"]
 
@@ -57,7 +56,7 @@ class RemoteHandle:
     def _setup(self, opened: RemoteParts, url: str, framework: str, device: Any) -> None:
         self._framework = framework
         self._device = device
-        self._sink = get_sink(framework, device)
+        self._sink = sink_for(framework, device)
         self._torch = framework in ("pt", "torch")
         self._opened: RemoteParts | None = opened
         self._url = url
@@ -84,6 +83,15 @@ class RemoteHandle:
         if self._opened is None:
             raise SafetensorError("the handle is closed", reason="Closed", path=self._url)
         return self._opened.parts
+
+    @property
+    def info(self):
+        """The headers as a :class:`~engine.checkpoint.CheckpointInfo`, as
+        :attr:`engine.Checkpoint.info` of a local checkpoint (the index's metadata and weight
+        map included); shard names are the files' base names."""
+        if self._opened is None:
+            raise SafetensorError("the handle is closed", reason="Closed", path=self._url)
+        return self._opened.info
 
     def keys(self) -> list[str]:
         """Tensor names, sorted."""

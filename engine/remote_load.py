@@ -27,12 +27,10 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ._remote_files import RemoteSource, is_url
-from .checkpoint import index_problems
-from .errors import CheckpointIndexError
+from ._remote_files import RemoteSource, checkpoint_info, is_url
+from .checkpoint import CheckpointInfo
 from .header import MAX_HEADER_SIZE
 from .loader import Part, fill_parts, stream_parts
-from .reader import map_threads
 from .remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
 from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
 
@@ -50,11 +48,14 @@ class RemoteParts:
     """The open files of one remote load: parts for :mod:`engine.loader` and the shared
     :class:`~engine.remote_reads.RangeReads` (close it after the load)."""
 
-    def __init__(self, parts: list[Part], reads: RangeReads, source: str, many: bool) -> None:
+    def __init__(self, parts: list[Part], reads: RangeReads, source: str, many: bool,
+                 info: CheckpointInfo | None = None) -> None:
         self.parts = parts
         self.reads = reads
         self.source = source
         self.many = many
+        #: the headers as a :class:`~engine.checkpoint.CheckpointInfo` (index, weight map)
+        self.info = info
 
     def close(self) -> None:
         self.reads.close()
@@ -90,28 +91,13 @@ def open_parts(
     retry = retry or Retry()
     src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
                        storage_options=storage_options, s3=s3, retry=retry)
-    kind, wheres = src.layout(max_header_size)
-    if kind == "index":
-        index_at = wheres[0]
-        _, weight_map = src.index(max_header_size, index_at)
-        names = sorted(set(weight_map.values()))
-        if len(names) > max_shards:
-            raise CheckpointIndexError(
-                f"the index names {len(names)} shards, more than the limit of {max_shards} (raise max_shards)",
-                reason="TooManyShards", path=shown,
-            )
-        wheres = [src.shard(n) for n in names]
     workers = connections or DEFAULT_CONNECTIONS
-    found = map_threads(lambda w: src.header(w, max_header_size, shard=kind == "index"), wheres,
-                        workers, name="engine-remote")
-    if kind == "index":
-        problems = index_problems(weight_map, dict(zip(names, found, strict=True)), shown)
-        if problems:
-            raise problems[0]
+    info, wheres = checkpoint_info(src, max_header_size, max_shards, workers)
+    found = list(info.headers.values())
     reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                        sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
     parts = [Part(-1, h, [], src.display(w), src.ranges(w, h, reads)) for w, h in zip(wheres, found, strict=True)]
-    return RemoteParts(parts, reads, shown, many=kind != "file")
+    return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info)
 
 
 def remote_options(kw: dict) -> dict:

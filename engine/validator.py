@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .dtypes import BY_NAME
-from .errors import ConfigError
+from .errors import ConfigError, MissingDependencyError
 
 __all__ = ["WeightValidator", "ValidationReport", "ConfigError", "expected_tensors"]
 
@@ -230,22 +230,31 @@ class WeightValidator:
         self.expected = expected_tensors(self.config)
         self.outlier_factor = outlier_factor
         self.statistics = statistics
+        if statistics:  # fail now, before a check has run, when the kernels cannot
+            try:
+                from .numerics import statistics as _kernels  # noqa: F401
+            except ModuleNotFoundError as exc:
+                raise MissingDependencyError.of(
+                    exc, "WeightValidator's statistics (statistics=False checks names and shapes only)"
+                ) from None
 
-    def validate(self, path, *, progress: Callable[[str, int], None] | None = None) -> ValidationReport:
-        """Check one ``.safetensors`` file, an index, or a checkpoint directory.
+    def validate(self, path, *, progress: Callable[[str, int], None] | None = None, **options) -> ValidationReport:
+        """Check one ``.safetensors`` file, an index, or a checkpoint directory, or a URL of
+        any of them (:func:`engine.open_checkpoint`).
 
-        ``progress``, if given, is called as ``progress(name, nbytes)`` after each tensor.
+        ``progress``, if given, is called as ``progress(name, nbytes)`` after each tensor;
+        ``options`` go to :func:`engine.open_checkpoint` (``headers``, ``timeout``, ... for a URL).
 
         Notes
         -----
         Copies of tensor bytes: 0 (each tensor is a view of a mapping that the statistics
         kernel reads once).  Memory: one tensor's pages at a time, through the page cache.
         """
-        from .checkpoint import open_checkpoint
+        from .opener import open_checkpoint
 
         report = ValidationReport(path=os.fspath(path))
         report.expected_parameters = sum(math.prod(s) for s in self.expected.values())
-        with open_checkpoint(path, framework="numpy") as ck:
+        with open_checkpoint(path, framework="numpy", **options) as ck:
             names = ck.offset_keys()
             present = set(names)
             report.missing = [n for n in self.expected if n not in present]

@@ -110,7 +110,7 @@ def test_inspect_same_table_for_directory_index_and_url(checkpoints):
     assert outs[0] == outs[1] == outs[2]
     total = sum(a.size for a in sd.values())
     assert f"{len(sd)} tensors in " in outs[0] and f"{total:,} parameters" in outs[0]
-    assert "model-00001-of-" in outs[0] and '"total_size"' in outs[0]
+    assert "model-00001-of-" in outs[0] and "\nindex metadata:\n  total_size: " in outs[0]
     # the sharded and the single checkpoint list the same tensors, dtypes, shapes, counts
     single = run("inspect", str(root / "single"), check=True).stdout
 
@@ -537,7 +537,8 @@ def test_bench_times_the_touch_of_mapped_loads(model, monkeypatch, capsys):
     code, out, _ = in_process(capsys, "bench", str(model), "--runs", "2", "--framework", "np")
     assert code == 0
     assert touched == [["a.weight", "b"]] * 3  # the engine's mmap row: warm-up and 2 runs; numpy rows of
-    assert "mapped, every page touched" in out  # the reference are owned copies, not touched
+    # the reference's numpy rows are owned copies, not touched: each kind has its own table
+    assert "mapped (lazy): every page faulted in" in out and "owned memory: every byte read" in out
 
 
 def test_touch_reads_a_byte_of_every_page():
@@ -565,3 +566,184 @@ def test_the_output_may_not_be_the_input(tmp_path, capsys, command):
         assert code == 2 and "the output is the input file" in err and str(dst) in err, err
         assert len(err.strip().splitlines()) == 1
     assert path.read_bytes() == before
+
+
+# --------------------------------------------------------------------------- every command takes a URL
+
+from servers import Nginx, nginx_or_skip  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A single-file and a sharded checkpoint under nginx, also as the bucket ``bucket`` of
+    a path-style S3 endpoint (anonymous GETs of ``/bucket/key``)."""
+    nginx_or_skip()
+    root = tmp_path_factory.mktemp("served")
+    rng = np.random.default_rng(1)
+    sd = {f"layers.{i}.weight": rng.standard_normal((8, 4 + i)).astype(np.float32) for i in range(4)}
+    sd["embed"] = np.arange(40, dtype=np.int64).reshape(10, 4)
+    (root / "bucket" / "single").mkdir(parents=True)
+    engine.numpy.save_file(sd, root / "bucket" / "single" / "model.safetensors", metadata={"format": "np"})
+    save_sharded(sd, root / "bucket" / "sharded", max_shard_size=300, metadata={"format": "np"})
+    with Nginx(str(root)) as server:
+        yield root / "bucket", server
+
+
+def url_of(served, monkeypatch, scheme: str, where: str) -> str:
+    _, server = served
+    if scheme == "http":
+        return server.url(f"bucket/{where}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.base)
+    monkeypatch.setenv("AWS_NO_SIGN_REQUEST", "1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull + "-none")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull + "-none")
+    return f"s3://bucket/{where}"
+
+
+# nginx answers path-style S3 GETs but no listing: S3 prefixes are tested against moto (test_s3.py)
+@pytest.mark.parametrize("scheme, where", [
+    ("http", "single/"), ("http", "sharded/"), ("http", "sharded/model.safetensors.index.json"),
+    ("s3", "single/model.safetensors"), ("s3", "sharded/model.safetensors.index.json"),
+])
+def test_inspect_validate_and_stats_of_a_url_equal_the_local_path(served, monkeypatch, capsys, scheme, where):
+    """`engine inspect` and `validate` of a folder URL answered 403 (HTTP); `stats` of any URL
+    said `No such file or directory: 'http://...'`."""
+    pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    folder, _ = served
+    url = url_of(served, monkeypatch, scheme, where)
+    local = str(folder / where.rstrip("/"))
+    code, remote_out, err = in_process(capsys, "inspect", url)
+    assert code == 0, err
+    assert remote_out == in_process(capsys, "inspect", local)[1]
+    code, out, err = in_process(capsys, "validate", url)
+    assert code == 0 and out.rstrip().endswith("valid") and err == "", (out, err)
+    code, out, err = in_process(capsys, "stats", url, "--json")
+    assert code == 0, err
+    assert json.loads(out) == json.loads(in_process(capsys, "stats", local, "--json")[1])
+
+
+@pytest.mark.parametrize("scheme", ["http", "s3"])
+def test_quantize_and_bench_of_a_folder_url(served, monkeypatch, capsys, tmp_path, scheme):
+    """`quantize` and `bench` of any URL said `No such file or directory: 'http://...'`."""
+    pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    folder, _ = served
+    url = url_of(served, monkeypatch, scheme, "sharded/" if scheme == "http" else "sharded/model.safetensors.index.json")
+    code, out, err = in_process(capsys, "quantize", url, str(tmp_path / "r.safetensors"))
+    assert code == 0, err
+    assert in_process(capsys, "quantize", str(folder / "sharded"), str(tmp_path / "l.safetensors"))[0] == 0
+    got = engine.load_quantized(str(tmp_path / "r.safetensors"), dequantize=True)
+    want = engine.load_quantized(str(tmp_path / "l.safetensors"), dequantize=True)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    code, out, err = in_process(capsys, "bench", url, "--runs", "1", "--framework", "np")
+    assert code == 0, err
+    assert "over the network" in out and "engine" in out and "5 tensors" in out
+
+
+def test_validate_a_url_with_a_config_runs_the_weight_checks(served, capsys, tmp_path):
+    pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    _, server = served
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, vocab_size=10)))
+    code, out, err = in_process(capsys, "validate", server.url("bucket/single/"), "--config", str(config))
+    assert code == 1 and err == "", err  # the toy tensors are not a LLaMA: the checks ran and found that
+    assert f"weight checks against {config}:" in out and "skipped" not in out
+
+
+def refused_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/model/"
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "stats", "quantize", "bench"])
+@pytest.mark.parametrize("fault", ["refused", "404"])
+def test_an_unreachable_or_missing_url_is_one_line_and_exit_2_at_once(served, capsys, tmp_path, command, fault):
+    """`engine validate` of a refused connection or a 404 printed `invalid: 1 format problem(s)`
+    on stdout and exited 1; a missing local path exits 2 with one line, and so must a URL."""
+    import time
+
+    if command in ("stats", "quantize"):
+        pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    _, server = served
+    url = refused_url() if fault == "refused" else server.url("bucket/nothing.safetensors")
+    args = {"quantize": [str(tmp_path / "q.safetensors")], "bench": ["--runs", "1", "--no-reference"]}
+    t0 = time.monotonic()
+    code, out, err = in_process(capsys, command, url, *args.get(command, []))
+    assert time.monotonic() - t0 < 2.0  # no silent retries of a refused connection
+    one_line_error(code, err, url.rstrip("/"))
+    assert out == ""
+    assert ("Connection refused" if fault == "refused" else "not found (HTTP 404") in err
+
+
+@pytest.mark.parametrize("command, args", [
+    ("quantize", ["{src}", "http://127.0.0.1:9/out.safetensors"]),
+    ("convert", ["{src}", "s3://bucket/out.safetensors"]),
+    ("convert", ["https://example.invalid/pytorch_model.bin", "{dst}"]),
+])
+def test_a_command_that_cannot_work_on_a_url_says_so(model, tmp_path, capsys, command, args):
+    args = [a.format(src=model, dst=tmp_path / "out.safetensors") for a in args]
+    code, out, err = in_process(capsys, command, *args)
+    url = next(a for a in args if "://" in a)
+    one_line_error(code, err, url)
+    assert "local file" in err and out == ""
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- version, help, metadata
+
+
+def test_version(capsys):
+    from engine import __version__
+    from engine.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"engine (safetensors-engine) {__version__}"
+    out = run("--version", check=True)
+    assert out.stdout.strip() == f"engine (safetensors-engine) {__version__}"
+
+
+def test_every_argument_has_help():
+    import argparse
+
+    from engine.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, p in [("engine", parser), *sub.choices.items()]:
+        for action in p._actions:
+            if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and not action.help:
+                missing.append(f"{name} {action.dest}")
+    assert missing == []
+
+
+def test_inspect_shows_the_quantization_record_readably(model, tmp_path, capsys):
+    pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    dst = tmp_path / "q.safetensors"
+    assert in_process(capsys, "quantize", str(model), str(dst))[0] == 0
+    code, out, err = in_process(capsys, "inspect", str(dst))
+    assert code == 0, err
+    lines = out.splitlines()
+    meta = lines[lines.index("metadata:") + 1:]
+    assert "  format: np" in meta
+    q = next(line for line in meta if line.startswith("  engine.quantization: "))
+    assert "int8-symmetric, 1 tensors quantized (from F32: 1; scales axis 0: 1" in q and "\\" not in q
+    assert len(q) < 160
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "stats", "quantize", "bench"])
+def test_a_relative_path_is_shown_as_written(tmp_path, monkeypatch, capsys, command):
+    """Errors named `./x.safetensors` in some commands and `x.safetensors` in others."""
+    if command in ("stats", "quantize"):
+        pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.safetensors").write_text("hello world, this is text\n")
+    args = {"quantize": ["q.safetensors"], "bench": ["--runs", "1", "--no-reference"]}
+    code, out, err = in_process(capsys, command, "t.safetensors", *args.get(command, []))
+    shown = out if command == "validate" else err
+    assert "t.safetensors: the file is a text file" in shown and "./t.safetensors" not in shown

@@ -24,7 +24,7 @@ import engine.loader  # noqa: F401  (sim_stream patches its get_sink)
 import engine.numpy
 from engine import dtypes
 from engine.errors import NonFiniteError, SerializationError
-from engine.quantize import Int8, QuantizedTensor
+from engine.quantize import Int8, NonFiniteWarning, QuantizedTensor
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -287,10 +287,12 @@ def test_device_loads_fall_back_to_the_cpu_where_the_kernels_cannot_run(model_fi
 
     path, sd = model_file
     spec = Int8(on_nonfinite="clamp")
-    cpu = {n: (t, s) for n, t, s in engine.stream(path, framework="np", stats=True, quantize=spec)}
+    clamped = "holds 1 NaN, 0 \\+Inf and 0 -Inf values; quantized NaN to 0"  # the file's one NaN, by design
+    with pytest.warns(NonFiniteWarning, match=clamped):
+        cpu = {n: (t, s) for n, t, s in engine.stream(path, framework="np", stats=True, quantize=spec)}
     sink = HostRoundTripSink()
     monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
-    with pytest.warns(DeviceFallbackWarning, match="libNVVM") as caught:
+    with pytest.warns(NonFiniteWarning, match=clamped), pytest.warns(DeviceFallbackWarning, match="libNVVM") as caught:
         got = {n: (t, s) for n, t, s in engine.stream(path, framework="np", device="cuda", stats=True,
                                                       quantize=spec, chunk_bytes=4096, threads=2)}
     assert len([w for w in caught if w.category is DeviceFallbackWarning]) == 1

@@ -387,7 +387,7 @@ def test_file_url_and_local_path(www):
 
 def test_without_fsspec(monkeypatch):
     monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec now raises ImportError
-    with pytest.raises(MissingDependencyError, match=r"safetensors-engine\[remote\]"):
+    with pytest.raises(MissingDependencyError, match=r"pip install .*\[remote\]"):
         read_metadata("memory://x/model.safetensors")
 
 

@@ -420,3 +420,74 @@ def test_a_prefix_reads_what_it_probed_once(checkpoint, rangeserver):
     rangeserver.reset()
     engine.torch.load_file(rangeserver.url("sharded/"), retry=FAST)
     assert sum(r["path"].endswith(INDEX) for r in rangeserver.requests) == 1
+
+
+# -- every entry point that takes a path takes a URL, resolved as load_file resolves it -------------
+@pytest.mark.parametrize("where", ["single/", "sharded/", f"sharded/{INDEX}", "single/model.safetensors"])
+def test_read_checkpoint_info_open_checkpoint_and_read_metadata_take_the_urls_load_file_takes(
+        checkpoint, nginx, where):
+    """They raised a raw FileNotFoundError for a URL, and read_metadata of a folder URL got
+    the server's 403 for the folder itself."""
+    from engine import remote
+
+    root, sd = checkpoint
+    url = nginx.url(where)
+    local = engine.read_checkpoint_info(str(root / where.rstrip("/")))
+    for info in (engine.read_checkpoint_info(url), remote.read_metadata(url)):
+        assert {k: h.to_dict() for k, h in info.headers.items()} == {k: h.to_dict() for k, h in local.headers.items()}
+        assert info.weight_map == local.weight_map and info.index_metadata == local.index_metadata
+    with engine.open_checkpoint(url, framework="pt") as ckpt:
+        assert isinstance(ckpt, engine.safe_open)
+        assert ckpt.keys() == sorted(sd) and ckpt.info.weight_map == local.weight_map
+        assert_same(dict(sorted(ckpt.get_tensors().items())), sd)
+        name = sorted(sd)[0]
+        assert raw(ckpt.get_tensor(name)) == raw(sd[name])
+
+
+@pytest.mark.parametrize("where", ["single/", "single/model.safetensors"])
+def test_engine_read_header_takes_a_url(checkpoint, nginx, where):
+    root, _ = checkpoint
+    got = engine.read_header(nginx.url(where))
+    want = read_header(str(root / "single" / "model.safetensors"))
+    assert got.to_dict() == want.to_dict() and got.file_size == want.file_size
+
+
+def test_read_header_of_a_url_holding_several_files_says_so(nginx):
+    with pytest.raises(ReadError) as err:
+        engine.read_header(nginx.url("sharded/"))
+    assert err.value.reason == "NotAFile" and nginx.url("sharded/") in str(err.value)
+    assert "read_checkpoint_info" in str(err.value)
+
+
+def test_the_local_only_functions_name_a_url_and_where_urls_go():
+    from engine import checkpoint, header
+
+    url = "http://127.0.0.1:9/m/model.safetensors"
+    for call in (header.read_header, checkpoint.read_checkpoint_info, checkpoint.open_checkpoint):
+        with pytest.raises(ReadError) as err:
+            call(url)
+        assert err.value.reason == "LocalPathExpected" and url in str(err.value) and "engine." in str(err.value)
+
+
+@pytest.mark.parametrize("call", ["load_file", "safe_open", "read_checkpoint_info", "read_header", "stream"])
+def test_a_refused_connection_fails_at_once_in_every_call(call):
+    """load_file retried a refused connection silently for 3.6 s while read_metadata failed at
+    once: nothing listens there, and every call says so at once, naming the URL."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/model/"
+    calls = {
+        "load_file": lambda: engine.torch.load_file(url),
+        "safe_open": lambda: engine.safe_open(url, "np"),
+        "read_checkpoint_info": lambda: engine.read_checkpoint_info(url),
+        "read_header": lambda: engine.read_header(url),
+        "stream": lambda: list(engine.stream(url, framework="np")),
+    }
+    t0 = time.monotonic()
+    with pytest.raises(ReadError) as err:
+        calls[call]()
+    assert time.monotonic() - t0 < 0.5
+    assert err.value.reason == "ConnectionError" and url in str(err.value) and "refused" in str(err.value)
