@@ -215,15 +215,10 @@ cdef extern from *:
        this is memcpy. */
     #if defined(__SSE2__)
     #include <emmintrin.h>
+    #include <immintrin.h>
     #include <stdint.h>
-    static void engine_stream_copy(void *dst, const void *src, size_t n) {
-        char *d = (char *)dst;
-        const char *s = (const char *)src;
+    static void engine_stream_copy_sse2(char *d, const char *s, size_t n) {
         size_t head = (16 - ((uintptr_t)d & 15)) & 15, blocks, i;
-        if (n < 1024) {
-            memcpy(d, s, n);
-            return;
-        }
         memcpy(d, s, head);
         d += head; s += head; n -= head;
         blocks = n / 64;
@@ -238,6 +233,65 @@ cdef extern from *:
             _mm_stream_si128((__m128i *)(d + 48), e);
         }
         memcpy(d, s, n - blocks * 64);
+    }
+    #if defined(__GNUC__) && defined(__x86_64__)
+    /* 32-byte loads and streamed stores where the processor has AVX2: each core moves more
+       bytes per cycle than with SSE2's 16, which the copy threads of a load need to reach the
+       memory's bandwidth with few cores */
+    __attribute__((target("avx2"))) static void engine_stream_copy_avx2(char *d, const char *s, size_t n) {
+        size_t head = (32 - ((uintptr_t)d & 31)) & 31, blocks, i;
+        memcpy(d, s, head);
+        d += head; s += head; n -= head;
+        blocks = n / 128;
+        for (i = 0; i < blocks; i++, d += 128, s += 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)s);
+            __m256i b = _mm256_loadu_si256((const __m256i *)(s + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64));
+            __m256i e = _mm256_loadu_si256((const __m256i *)(s + 96));
+            _mm256_stream_si256((__m256i *)d, a);
+            _mm256_stream_si256((__m256i *)(d + 32), b);
+            _mm256_stream_si256((__m256i *)(d + 64), c);
+            _mm256_stream_si256((__m256i *)(d + 96), e);
+        }
+        memcpy(d, s, n - blocks * 128);
+    }
+    /* and 64 at a time where it has AVX-512 (a few per cent more per core again) */
+    __attribute__((target("avx512f"))) static void engine_stream_copy_avx512(char *d, const char *s, size_t n) {
+        size_t head = (64 - ((uintptr_t)d & 63)) & 63, blocks, i;
+        memcpy(d, s, head);
+        d += head; s += head; n -= head;
+        blocks = n / 256;
+        for (i = 0; i < blocks; i++, d += 256, s += 256) {
+            __m512i a = _mm512_loadu_si512((const void *)s);
+            __m512i b = _mm512_loadu_si512((const void *)(s + 64));
+            __m512i c = _mm512_loadu_si512((const void *)(s + 128));
+            __m512i e = _mm512_loadu_si512((const void *)(s + 192));
+            _mm512_stream_si512((void *)d, a);
+            _mm512_stream_si512((void *)(d + 64), b);
+            _mm512_stream_si512((void *)(d + 128), c);
+            _mm512_stream_si512((void *)(d + 192), e);
+        }
+        memcpy(d, s, n - blocks * 256);
+    }
+    static int engine_simd = -1;  /* 0 SSE2, 1 AVX2, 2 AVX-512, as the processor has them */
+    #endif
+    static void engine_stream_copy(void *dst, const void *src, size_t n) {
+        char *d = (char *)dst;
+        const char *s = (const char *)src;
+        if (n < 1024) {
+            memcpy(d, s, n);
+            return;
+        }
+    #if defined(__GNUC__) && defined(__x86_64__)
+        if (engine_simd < 0)
+            engine_simd = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+        if (engine_simd == 2)
+            engine_stream_copy_avx512(d, s, n);
+        else if (engine_simd == 1)
+            engine_stream_copy_avx2(d, s, n);
+        else
+    #endif
+            engine_stream_copy_sse2(d, s, n);
         _mm_sfence();  /* the streamed stores are visible before the copy reports done */
     }
     #else

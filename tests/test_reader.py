@@ -264,3 +264,28 @@ def test_a_file_on_a_fuse_mount_is_read_with_pread_unless_the_mapping_is_pinned(
         for fd in fds:
             os.close(fd)
 
+
+
+def test_streamed_copies_out_of_a_mapping_land_every_byte_at_any_alignment(tmp_path):
+    # copies out of a mapping into memory nobody reads soon store past the caches, 16, 32 or 64
+    # bytes at a time as the processor allows, after a head that aligns the destination: every
+    # length and both misalignments must still land each byte exactly once
+    import mmap
+
+    from engine import _io
+
+    data = np.random.default_rng(9).integers(0, 256, 3 << 20, dtype=np.uint8)
+    path = tmp_path / "s.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m, _io.SplitReader(1, stream=True) as r:
+            for n in (1023, 1024, 1025, 4095, 65_537, (1 << 20) + 13, 2 << 20):
+                for src_off, dst_off in ((0, 0), (1, 0), (7, 33), (4096 + 63, 1), (100_000, 61)):
+                    dst = np.zeros(n + dst_off + 64, np.uint8)
+                    view = memoryview(dst)[dst_off : dst_off + n]
+                    assert r.copy(fd, m, np.array([src_off], np.int64), [view]) == (0, 0, 0)
+                    assert dst[dst_off : dst_off + n].tobytes() == data[src_off : src_off + n].tobytes(), (n, src_off)
+                    assert not dst[:dst_off].any() and not dst[dst_off + n :].any(), (n, dst_off)
+    finally:
+        os.close(fd)
