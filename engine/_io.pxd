@@ -1,6 +1,27 @@
-# Declarations shared with the chunk ring (engine/_ring.pyx): a copy of file bytes into
-# memory, from pread or a populated mapping, learning per thread which is faster.
+# Declarations shared with the chunk ring (engine/_ring.pyx): pthreads, and a copy of file
+# bytes into memory, from pread or a populated mapping, learning per thread which is faster.
 from libc.stdint cimport int64_t, uint8_t
+from posix.time cimport timespec
+
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    int pthread_create(pthread_t* thread, const void* attr, void* (*start)(void*) noexcept nogil, void* arg)
+    int pthread_join(pthread_t thread, void** retval)
+    int pthread_mutex_init(pthread_mutex_t* m, const void* attr)
+    int pthread_mutex_destroy(pthread_mutex_t* m)
+    int pthread_mutex_lock(pthread_mutex_t* m)
+    int pthread_mutex_unlock(pthread_mutex_t* m)
+    int pthread_cond_init(pthread_cond_t* c, const void* attr)
+    int pthread_cond_destroy(pthread_cond_t* c)
+    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
+    int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)
+    int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_cond_signal(pthread_cond_t* c)
 
 
 cdef struct _Choice:

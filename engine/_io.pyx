@@ -61,23 +61,7 @@ def pread_runs(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run_
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
-cdef extern from "<pthread.h>" nogil:
-    ctypedef unsigned long pthread_t
-    ctypedef struct pthread_mutex_t:
-        pass
-    ctypedef struct pthread_cond_t:
-        pass
-    int pthread_create(pthread_t* thread, const void* attr, void* (*start)(void*) noexcept nogil, void* arg)
-    int pthread_join(pthread_t thread, void** retval)
-    int pthread_mutex_init(pthread_mutex_t* m, const void* attr)
-    int pthread_mutex_destroy(pthread_mutex_t* m)
-    int pthread_mutex_lock(pthread_mutex_t* m)
-    int pthread_mutex_unlock(pthread_mutex_t* m)
-    int pthread_cond_init(pthread_cond_t* c, const void* attr)
-    int pthread_cond_destroy(pthread_cond_t* c)
-    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
-    int pthread_cond_broadcast(pthread_cond_t* c)
-    int pthread_cond_signal(pthread_cond_t* c)
+# the pthread declarations are in _io.pxd (the chunk ring, engine/_ring.pyx, shares them)
 
 cdef extern from "<sys/mman.h>" nogil:
     int mincore(void* addr, size_t length, unsigned char* vec)

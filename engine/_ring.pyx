@@ -30,7 +30,12 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec, nanosleep
 
-from ._io cimport _Choice, _Part, _copy_piece, _guard_ready, _unmap_run
+from ._io cimport (
+    _Choice, _Part, _copy_piece, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
+    pthread_cond_init, pthread_cond_signal, pthread_cond_t, pthread_cond_timedwait, pthread_cond_wait,
+    pthread_create, pthread_join, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
+    pthread_mutex_t, pthread_mutex_unlock, pthread_t,
+)
 
 
 cdef extern from "<dlfcn.h>" nogil:
@@ -53,25 +58,6 @@ cdef extern from "<sys/mman.h>" nogil:
     int MAP_PRIVATE
     int MAP_ANONYMOUS
     void* MAP_FAILED
-
-cdef extern from "<pthread.h>" nogil:
-    ctypedef unsigned long pthread_t
-    ctypedef struct pthread_mutex_t:
-        pass
-    ctypedef struct pthread_cond_t:
-        pass
-    int pthread_create(pthread_t* thread, const void* attr, void* (*start)(void*) noexcept nogil, void* arg)
-    int pthread_join(pthread_t thread, void** retval)
-    int pthread_mutex_init(pthread_mutex_t* m, const void* attr)
-    int pthread_mutex_destroy(pthread_mutex_t* m)
-    int pthread_mutex_lock(pthread_mutex_t* m)
-    int pthread_mutex_unlock(pthread_mutex_t* m)
-    int pthread_cond_init(pthread_cond_t* c, const void* attr)
-    int pthread_cond_destroy(pthread_cond_t* c)
-    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
-    int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)
-    int pthread_cond_broadcast(pthread_cond_t* c)
-    int pthread_cond_signal(pthread_cond_t* c)
 
 cdef extern from *:
     """
