@@ -105,7 +105,6 @@ cdef struct _Rt:
     _f_event_create event_create
     _f_record event_record
     _f_ptr event_query
-    _f_ptr event_synchronize
     _f_ptr event_destroy
     _f_ptr stream_synchronize
     _f_void get_last_error
@@ -123,7 +122,7 @@ cdef size_t _HUGE = 2 << 20
 #: the entry points a ring calls, in the order of _Rt
 ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
                 "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
-                "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
+                "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
                 "cudaGetErrorString")
 
 
@@ -158,9 +157,6 @@ cdef class Runtime:
         cdef const char* s = self.rt.error_string(code)
         return s.decode(errors="replace") if s != NULL else f"CUDA error {code}"
 
-    def clear_error(self) -> int:
-        """``cudaGetLastError``: the last error, cleared (so it cannot surface in a later call)."""
-        return self.rt.get_last_error()
 
 
 # -- the ring ------------------------------------------------------------------------------------

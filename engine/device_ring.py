@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import DeviceError, ReadError
+from .errors import DeviceError
 from .reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
 __all__ = ["Geometry", "default_geometry", "supports", "load", "keep_rings", "locked_bytes", "cuda_runtime_path"]
@@ -211,12 +211,19 @@ def locked_bytes() -> int:
     return sum(r.locked_bytes for r in list(_LIVE))
 
 
+#: the runtime found mapped in this process (it stays mapped once loaded: looked up once)
+_MAPPED: list[str] = []
+
+
 def _loaded_cudart_path() -> str | None:
+    if _MAPPED:
+        return _MAPPED[0]
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.rstrip("\n").split(" ")[-1]
                 if "libcudart.so" in os.path.basename(path):
+                    _MAPPED.append(path)
                     return path
     except OSError:
         pass
@@ -397,8 +404,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             ring.close()
     if kind == 1:
         src = sources[int(c_file[chunk])]
-        check_read((code, at, missing), "the load", src.path, src.fd)
-        raise ReadError(f"reading {src.path} failed", reason="IoError", path=src.path)  # pragma: no cover
+        check_read((code, at, missing), "the load", src.path, src.fd)  # raises: code is an errno or -1
     if kind == 2:
         src = sources[int(c_file[chunk])]
         rt = _runtime(ops.runtime_path())
