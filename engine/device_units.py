@@ -52,16 +52,6 @@ class Unit:
         self.nbytes = total
         self.end = pos
 
-    def spans(self) -> list[tuple[int, int]]:
-        """File ranges ``(offset, nbytes)`` the unit reads, neighbours merged."""
-        out: list[list[int]] = []
-        for r in self.requests:
-            if out and out[-1][0] + out[-1][1] == r.offset:
-                out[-1][1] += r.nbytes
-            else:
-                out.append([r.offset, r.nbytes])
-        return [(a, n) for a, n in out]
-
     def copies(self, row_base: int, from_file: bool) -> list[tuple[int, int, int, int]]:
         """``(key, tensor_offset, source_offset, nbytes)`` per device copy; a tensor's pieces
         that follow each other in the unit are merged into one copy.  The source offset is
