@@ -23,6 +23,7 @@ Public surface: :class:`Client` (``open``), :class:`Response` (``readinto``, ``r
 from __future__ import annotations
 
 import base64
+import heapq
 import http.client
 import ipaddress
 import re
@@ -135,15 +136,50 @@ def connection(parts: urllib.parse.SplitResult, timeout: float) -> tuple[http.cl
 
 
 class Watchdog:
-    """Shuts a connection's socket down when the deadline passes, waking any blocked read."""
+    """Shuts a connection's socket down when the deadline passes, waking any blocked read.
+
+    Every watchdog of the process shares one timer thread (a heap of deadlines), so a
+    request costs a heap push, not a thread start.
+    """
+
+    _heap: list = []
+    _cond = threading.Condition()
+    _thread: threading.Thread | None = None
+    _count = 0
 
     def __init__(self, deadline: float) -> None:
         self.fired = False
+        self.cancelled = False
         self.sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
-        self._timer.daemon = True
-        self._timer.start()
+        cls = Watchdog
+        with cls._cond:
+            cls._count += 1
+            if len(cls._heap) > 4096:  # requests end long before their deadlines: drop theirs
+                cls._heap[:] = [e for e in cls._heap if not e[2].cancelled]
+                heapq.heapify(cls._heap)
+            heapq.heappush(cls._heap, (deadline, cls._count, self))
+            if cls._thread is None or not cls._thread.is_alive():
+                cls._thread = threading.Thread(target=cls._run, name="engine-watchdog", daemon=True)
+                cls._thread.start()
+            elif cls._heap[0][2] is self:  # earlier than what the thread sleeps towards
+                cls._cond.notify()
+
+    @classmethod
+    def _run(cls) -> None:
+        with cls._cond:
+            while True:
+                while cls._heap and cls._heap[0][2].cancelled:
+                    heapq.heappop(cls._heap)
+                if not cls._heap:
+                    cls._cond.wait()
+                    continue
+                left = cls._heap[0][0] - time.monotonic()
+                if left > 0:
+                    cls._cond.wait(left)
+                    continue
+                _, _, dog = heapq.heappop(cls._heap)
+                dog._fire()
 
     def watch(self, sock: socket.socket | None) -> None:
         with self._lock:
@@ -153,6 +189,8 @@ class Watchdog:
 
     def _fire(self) -> None:
         with self._lock:
+            if self.cancelled:
+                return
             self.fired = True
             self._shutdown()
 
@@ -165,7 +203,11 @@ class Watchdog:
                 pass
 
     def cancel(self) -> None:
-        self._timer.cancel()
+        """The request is over: the timer never fires for it (its heap entry goes when it
+        reaches the top)."""
+        with self._lock:
+            self.cancelled = True
+            self.sock = None
 
 
 class Response:

@@ -64,3 +64,55 @@ def test_the_deadline_starts_with_the_client(server):
         client.open(server.url("f.bin"))
     assert e.value.reason == "Timeout" and e.value.phase == "connect"
     assert server.requests == []
+
+
+def _socket_pair():
+    import socket
+
+    return socket.socketpair()
+
+
+def test_watchdog_wakes_a_blocked_read_at_its_deadline():
+    from engine._http import Watchdog
+
+    a, b = _socket_pair()
+    try:
+        dog = Watchdog(time.monotonic() + 0.2)
+        dog.watch(a)
+        t0 = time.monotonic()
+        assert a.recv(10) == b""  # shut down: the read ends instead of blocking for ever
+        assert 0.15 <= time.monotonic() - t0 < 5
+        assert dog.fired
+    finally:
+        a.close()
+        b.close()
+
+
+def test_watchdogs_share_one_thread_and_a_cancelled_one_never_fires():
+    import threading
+
+    from engine._http import Watchdog
+
+    pairs = [_socket_pair() for _ in range(3)]
+    try:
+        late = Watchdog(time.monotonic() + 30)
+        cancelled = Watchdog(time.monotonic() + 0.1)
+        cancelled.watch(pairs[0][0])
+        cancelled.cancel()
+        # an earlier deadline than the one the timer sleeps towards wakes it
+        early = Watchdog(time.monotonic() + 0.2)
+        early.watch(pairs[1][0])
+        pairs[1][0].settimeout(10)
+        assert pairs[1][0].recv(10) == b""
+        assert early.fired and not late.fired and not cancelled.fired
+        pairs[0][1].sendall(b"x")
+        assert pairs[0][0].recv(10) == b"x"  # the cancelled one's socket still works
+        many = [Watchdog(time.monotonic() + 60) for _ in range(50)]
+        for dog in many:
+            dog.cancel()
+        late.cancel()
+        assert sum(t.name == "engine-watchdog" for t in threading.enumerate()) == 1
+    finally:
+        for x, y in pairs:
+            x.close()
+            y.close()
