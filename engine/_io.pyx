@@ -17,7 +17,7 @@ the guard; split into modules, each would carry a copy of them.
 """
 
 from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, errno
-from libc.stdint cimport int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 from posix.types cimport off_t
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.unistd cimport pread
@@ -966,6 +966,63 @@ def populate_write(uint8_t[::1] buf):
     with nogil:
         if madvise(<void*>lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
             err = errno
+    return err
+
+
+def populate_ranges(list steps, Py_ssize_t first, Py_ssize_t stride, int32_t[::1] stop):
+    """Fault in the whole pages of the writable views of ``steps[first::stride]`` (each step
+    a list of views) for writing, in that order, with ``MADV_POPULATE_WRITE``: one call per
+    run of views that follow each other in memory.  The GIL is held only to find the views'
+    addresses.  Several threads, each with its own ``first`` and the same ``stride``, fault
+    a fresh destination in ahead of the copies into it.  Stops between runs once ``stop[0]``
+    is nonzero.  The caller keeps the views alive until the call returns.
+
+    Returns ``errno`` of the first failure, or 0 (``EINVAL``: a kernel before 5.14; the
+    copies then fault the pages in themselves).
+    """
+    if stride < 1 or first < 0:
+        raise ValueError("first must be >= 0 and stride >= 1")
+    cdef Py_ssize_t n = 0, i, k = 0
+    for i in range(first, len(steps), stride):
+        n += len(steps[i])
+    if n == 0:
+        return 0
+    cdef uintptr_t* lo = <uintptr_t*>calloc(2 * n, sizeof(uintptr_t))
+    if lo == NULL:
+        raise MemoryError()
+    cdef uintptr_t* hi = lo + n
+    cdef uintptr_t a
+    cdef Py_ssize_t page = sysconf(_SC_PAGESIZE)
+    cdef uint8_t[::1] v
+    cdef int err = 0
+    cdef volatile int32_t* flag = &stop[0]
+    try:
+        for i in range(first, len(steps), stride):
+            for view in steps[i]:
+                v = view
+                if v.shape[0] == 0:
+                    continue
+                a = <uintptr_t>&v[0]
+                if k and hi[k - 1] == a:  # follows the previous view: one call for both
+                    hi[k - 1] = a + v.shape[0]
+                else:
+                    lo[k] = a
+                    hi[k] = a + v.shape[0]
+                    k += 1
+        with nogil:
+            for i in range(k):
+                if flag[0]:
+                    break
+                a = _page_down(lo[i] + page - 1, page)  # whole pages only: the ends may be a
+                if _page_down(hi[i], page) <= a:         # neighbour's, written meanwhile
+                    continue
+                if madvise(<void*>a, _page_down(hi[i], page) - a, _MADV_POPULATE_WRITE) != 0:
+                    err = errno
+                    if err != EINTR and err != EAGAIN:
+                        break
+                    err = 0
+    finally:
+        free(lo)
     return err
 
 

@@ -40,6 +40,7 @@ from .device_load import DeviceLoad, DeviceOps, default_copy_threads, default_sl
 from .errors import Cancelled
 from .plan import Request
 from .reader import (
+    FaultAhead,
     check_read,
     close_mapping,
     copy_mapping,
@@ -350,4 +351,15 @@ def _run_host_fill(sources, dest, tracker, cancel, threads, fill) -> None:
                 fill(src.fd, req, targets)
             tracker.landed((base + p.row, p.nbytes) for p in req.pieces)
 
-    run_threads([worker] * max(1, min(threads, len(work))), on_error=cancel.set)
+    ahead = None
+    if dest.fresh and any(s.ranges is not None for s in sources):
+        # fresh memory that sockets fill: other threads fault it in, in the order of the work,
+        # so the receiving threads only receive
+        views = dest.host_views
+        ahead = FaultAhead(views[s.row_base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes]
+                           for s, req in work for p in req.pieces if p.nbytes)
+    try:
+        run_threads([worker] * max(1, min(threads, len(work))), on_error=cancel.set)
+    finally:
+        if ahead is not None:
+            ahead.close()

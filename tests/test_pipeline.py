@@ -808,3 +808,44 @@ def test_remote_sources_are_read_by_requests_and_fresh_memory_is_faulted_in_firs
     assert all(bytes(out[r]) == data[begins[r] : ends[r]] for r in range(3)) and sorted(done) == [0, 1, 2]
     assert sorted(calls) == sorted(r.offset for r in requests)
     assert (sum(populated) == len(data)) if fresh else not populated
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_fresh_remote_destinations_are_faulted_in_ahead_in_the_order_of_the_work(monkeypatch, ahead):
+    """With fault-ahead threads, every byte of a fresh destination is handed to them in
+    the order the requests fill it (the threads race the receivers; the bytes never depend
+    on who wins); without, none start."""
+    from engine.plan import plan_reads
+
+    data = bytes(range(256)) * 8192  # 2 MiB "file"
+    begins, ends = np.array([0, 600_000, 1_400_000]), np.array([600_000, 1_400_000, 2_097_152])
+    requests = plan_reads(begins, ends, [0, 1, 2], 0, 256 << 10, 64)
+
+    def ranges(offset, views):
+        pos = offset
+        for v in views:
+            v[:] = data[pos : pos + len(v)]
+            pos += len(v)
+
+    handed = []
+    real = pipeline.FaultAhead
+
+    class Recording(real):
+        def __init__(self, views, threads=None):
+            views = list(views)
+            super().__init__(views, threads)
+            handed.append(([len(v) for v in views], self.threads))
+
+    monkeypatch.setattr(pipeline, "FaultAhead", Recording)
+    monkeypatch.setenv("ENGINE_FAULT_AHEAD", str(ahead))
+    out = {r: bytearray(int(ends[r] - begins[r])) for r in range(3)}
+    dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in out.items()}, fresh=True)
+    pipeline.run_sources([pipeline.Source(-1, "http://x/m", requests, 0, ranges)], dest, threads=3)
+    assert all(bytes(out[r]) == data[begins[r] : ends[r]] for r in range(3))
+    # 2 MiB is one step: at most one thread
+    assert handed == [([p.nbytes for req in requests for p in req.pieces if p.nbytes], min(ahead, 1))]
+    # not fresh: the caller's tensors are already there, nothing is faulted in ahead
+    handed.clear()
+    dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in out.items()}, fresh=False)
+    pipeline.run_sources([pipeline.Source(-1, "http://x/m", requests, 0, ranges)], dest, threads=3)
+    assert handed == []

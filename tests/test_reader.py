@@ -202,6 +202,77 @@ def test_populate_write_faults_in_whole_pages_and_keeps_the_bytes():
         mm.close()
 
 
+def test_populate_ranges_faults_in_its_share_of_steps_in_order_and_stops_when_told():
+    import array
+    import mmap
+
+    from engine import _io
+
+    page = mmap.PAGESIZE
+    mm = mmap.mmap(-1, 16 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = memoryview(mm)
+    try:
+        view[5 * page + 1] = 9
+        # steps of views; neighbours in memory are merged into one call, partial pages left alone
+        steps = [[view[0:page], view[page:2 * page]], [view[4 * page:6 * page]], [view[8 * page + 1:10 * page]],
+                 [view[12 * page:14 * page]]]
+        stop = array.array("i", [0])
+        assert _io.populate_ranges(steps, 1, 2, stop) == 0  # steps 1 and 3 only
+        assert _io.mapping_resident(view, 4 * page, 6 * page) and _io.mapping_resident(view, 12 * page, 14 * page)
+        assert not _io.mapping_resident(view, 0, page) and not _io.mapping_resident(view, 8 * page, 10 * page)
+        assert view[5 * page + 1] == 9 and bytes(view[4 * page : 5 * page]) == bytes(page)
+        assert _io.populate_ranges(steps, 0, 2, stop) == 0
+        assert _io.mapping_resident(view, 0, 2 * page) and _io.mapping_resident(view, 9 * page, 10 * page)
+        assert not _io.mapping_resident(view, 8 * page, 9 * page)  # a partial page: a neighbour's
+        stop[0] = 1  # a stopped call faults nothing in
+        assert _io.populate_ranges([[view[15 * page:16 * page]]], 0, 1, stop) == 0
+        assert not _io.mapping_resident(view, 15 * page, 16 * page)
+        assert _io.populate_ranges([], 0, 1, stop) == 0 and _io.populate_ranges(steps, 9, 1, stop) == 0
+        with pytest.raises(ValueError):
+            _io.populate_ranges(steps, 0, 0, stop)
+        del steps
+    finally:
+        view.release()
+        mm.close()
+
+
+def test_fault_ahead_faults_a_destination_in_and_stops_on_close(monkeypatch):
+    import mmap
+
+    from engine import _io
+
+    page = mmap.PAGESIZE
+    size = 3 * reader.FAULT_STEP_BYTES
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = memoryview(mm)
+    try:
+        views = [view[i : i + (1 << 20)] for i in range(0, size, 1 << 20)]
+        with reader.FaultAhead(views, threads=2) as ahead:
+            assert ahead.threads == 2
+        assert _io.mapping_resident(view, 0, size)  # close() joined threads that had finished
+        assert bytes(view[:page]) == bytes(page)
+        with reader.FaultAhead(views[:1], threads=8) as ahead:
+            assert ahead.threads == 1  # no more threads than steps
+        with reader.FaultAhead([], threads=4) as ahead:
+            assert ahead.threads == 0
+        del views
+    finally:
+        view.release()
+        mm.close()
+    monkeypatch.setenv("ENGINE_FAULT_AHEAD", "3")
+    assert reader.fault_threads() == 3
+    monkeypatch.setenv("ENGINE_FAULT_AHEAD", "0")
+    assert reader.fault_threads() == 0
+    monkeypatch.setenv("ENGINE_FAULT_AHEAD", "many")
+    with pytest.raises(ValueError, match="ENGINE_FAULT_AHEAD"):
+        reader.fault_threads()
+    monkeypatch.delenv("ENGINE_FAULT_AHEAD")
+    monkeypatch.setattr(reader.os, "cpu_count", lambda: 2)
+    assert reader.fault_threads() == 0  # two cores: the receivers need both
+    monkeypatch.setattr(reader.os, "cpu_count", lambda: 16)
+    assert reader.fault_threads() == 4
+
+
 def test_spans_gather_runs_through_a_bounce_of_any_size(data_file):
     fd, data, path = data_file
     src = np.array([0, 40, 90, 95, 300, 5000, 5030, 20_000], np.int64)  # uneven gaps, one overlap

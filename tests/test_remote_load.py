@@ -491,3 +491,48 @@ def test_a_refused_connection_fails_at_once_in_every_call(call):
         calls[call]()
     assert time.monotonic() - t0 < 0.5
     assert err.value.reason == "ConnectionError" and url in str(err.value) and "refused" in str(err.value)
+
+
+# -- host memory: an owned load holds its tensors and a bounded margin, whatever the model's size ----
+#: what an owned remote load may hold beyond its tensors: threads' stacks, connection buffers,
+#: the headers, the interpreter's own allocations during the load (4 MiB measured on the 2-core VM)
+RSS_MARGIN = 32 << 20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's VmHWM reset")
+@pytest.mark.parametrize("where", ["big/model.safetensors.index.json", "big/s3"])
+def test_an_owned_remote_load_holds_its_tensors_and_a_bounded_margin(tmp_path, where):
+    """Peak RSS of a fresh process's owned load over nginx (HTTP and S3 path-style) is the
+    tensors plus at most RSS_MARGIN, measured from after the imports."""
+    import subprocess
+
+    import numpy as np
+
+    nginx_or_skip()
+    rng = np.random.default_rng(3)
+    sd = {f"layer.{i}.w": torch.from_numpy(rng.standard_normal((1024, 1024 + i), dtype=np.float32))
+          for i in range(48)}
+    tensor_bytes = sum(t.numel() * 4 for t in sd.values())  # about 200 MB
+    engine.save_sharded(sd, tmp_path / "bucket" / "big", max_shard_size=60_000_000, fsync=False)
+    del sd
+    with Nginx(str(tmp_path)) as server:
+        if where.endswith("s3"):
+            url = "s3://bucket/big/model.safetensors.index.json"
+            env = {**os.environ, "AWS_ENDPOINT_URL": server.base, "AWS_NO_SIGN_REQUEST": "1",
+                   "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1"}
+        else:
+            url, env = server.url("bucket/" + where), dict(os.environ)
+        code = (
+            "import torch, engine.torch\n"
+            "def status(key):\n"
+            "    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(key))\n"
+            "open('/proc/self/clear_refs', 'w').write('5')\n"
+            "before = status('VmRSS:')\n"
+            f"out = engine.torch.load_file({url!r})\n"
+            "print(status('VmHWM:') - before, sum(t.numel() * t.element_size() for t in out.values()))\n"
+        )
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    grew, loaded = map(int, run.stdout.split())
+    assert loaded == tensor_bytes
+    assert tensor_bytes <= grew <= tensor_bytes + RSS_MARGIN, (grew - tensor_bytes) >> 20
