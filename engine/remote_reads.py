@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import os
 import random
 import re
 import socket
@@ -55,9 +56,11 @@ from .errors import SafetensorError
 __all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url", "read_runs",
            "transient"]
 
-#: Connections (and worker threads) per load: measured best on loopback by
-#: ``scripts/bench_remote.py --sweep``; raise it for a far-away server.
-DEFAULT_CONNECTIONS = 8
+#: Connections (and worker threads) per load: two per core, between 4 and 16.  Each
+#: connection's receive takes CPU, so on a 2-core VM 4 beat 8 and 16 on loopback
+#: (``scripts/bench_remote.py --sweep``, BENCHMARKS.md); a far-away server (S3) needs many
+#: streams in flight, which machines with more cores get.  ``connections=`` sets it.
+DEFAULT_CONNECTIONS = max(4, min(16, 2 * (os.cpu_count() or 2)))
 #: Seconds allowed for each request: connecting, the answer and the whole body.
 DEFAULT_TIMEOUT = 60.0
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
