@@ -10,19 +10,32 @@ process (the engine's bytecode compiled first):
 * ``line rate``: one ``curl -o /dev/null`` per shard, all at once (what the loopback and
   nginx deliver);
 * ``fault limit (no network)``: fresh memory of the checkpoint's size with its pages
-  faulted in, 16 MiB at a time on two threads: what an owned load pays on top of the
-  network on this machine, where the receive copies and the page faults share two cores
-  (the bound printed below the table is ``1 / (1 / line + 1 / fault)``);
+  faulted in as an owned load's are (huge pages where granted), no network: what an owned
+  load pays on top of the network on this machine (the bound printed below the table is
+  ``1 / (1 / line + 1 / fault)``, the two one after the other);
 * ``engine http`` / ``engine s3``: ``engine.torch.load_file(url)`` of the index (CPU owned
-  tensors); ``engine http load_into`` / ``engine s3 load_into``: ``engine.load_into`` into
+  tensors), each sample a fresh process; ``... repeated``: the same load repeated in one
+  process (a warm-up load, then 3, the median of those 3 is the sample), also with
+  ``ENGINE_HUGE_PAGES=0`` (``repeated 4k pages``);
+  ``engine http 4k pages`` / ``... no fault-ahead`` / ``... 4k pages no fault-ahead``: the
+  owned load with ``ENGINE_HUGE_PAGES=0``, ``ENGINE_FAULT_AHEAD=0`` or both (what each part
+  gives);
+* ``engine http load_into`` / ``engine s3 load_into``: ``engine.load_into`` into
   pre-faulted tensors (a model's parameters, allocated before the load);
-  ``engine http device``: the same load into an emulated device: the copy path through
+* ``engine http cache_dir 1st``: the owned load with ``cache_dir=`` an empty directory
+  (every shard also written and fsynced there); ``... 2nd``: the next load of the same URL,
+  served from the files there; ``disk write+fsync``: the checkpoint's bytes written from
+  memory to a file on the same file system and fsynced, no network (the first load's
+  allowance is ``(engine http + disk write+fsync) / 0.9``, printed below the table);
+* ``engine http device``: the same load into an emulated device: the copy path through
   page-locked staging slots, into a device whose copies complete without moving bytes
   (the host side of a GPU load: socket -> pinned slot; a GPU's DMA engine does the rest);
   its clock starts after the headers are read, the other engine rows' before;
-* ``download + reference``: what users do today: each shard fetched whole to a local file, one
-  after the other over one connection,
-  then ``safetensors.torch.load_file`` of each and a read of every tensor;
+* ``GETs + reference``: each shard fetched whole with ``urllib`` into memory, one after
+  the other, then ``safetensors.torch.load`` of those bytes (the reference's own way to
+  load bytes it did not read from a file); ``... repeated`` in one process as above;
+  ``download + reference``: each shard fetched to a local file, then
+  ``safetensors.torch.load_file`` of each and a read of every tensor;
 * peers, where installed in ``--peers-python`` (a separate environment, so that their
   pins never touch this one): ``s3fs + reference`` (``cat_file`` of each shard, then
   ``safetensors.torch.load``), Run:ai Model Streamer's S3 path, ``safetensors-streaming``.
@@ -35,7 +48,7 @@ include the read of every tensor, since that is when their bytes arrive.
 
     python scripts/bench_remote.py                       # 2 GB, 5 samples per row
     python scripts/bench_remote.py --size 512MB --runs 3 # quick
-    python scripts/bench_remote.py --sweep               # connections x request size, engine http only
+    python scripts/bench_remote.py --sweep               # connections x request size, http and s3
     python scripts/bench_remote.py --peers-python /path/to/venv/bin/python --json out.json
 """
 
@@ -74,8 +87,83 @@ print(json.dumps({"seconds": seconds, "hwm": common.hwm_bytes(), "checksum": com
 """
 
 
-def _engine_load(url: str) -> str:
-    return f"import engine.torch\nt0 = time.perf_counter()\nout = engine.torch.load_file({url!r})\n"
+def _engine_load(url: str, options: str = "") -> str:
+    return f"import engine.torch\nt0 = time.perf_counter()\nout = engine.torch.load_file({url!r}{options})\n"
+
+
+def _engine_repeated(url: str, options: str = "", loads: int = 3) -> str:
+    """A warm-up load, then ``loads`` more in the same process: the sample is their median
+    (``t0`` is set so that the report's clock reads it)."""
+    return (
+        "import engine.torch, statistics\n"
+        f"engine.torch.load_file({url!r}{options})\n"
+        "times = []\n"
+        f"for _ in range({loads}):\n"
+        "    out = None\n"
+        "    t = time.perf_counter()\n"
+        f"    out = engine.torch.load_file({url!r}{options})\n"
+        "    times.append(time.perf_counter() - t)\n"
+        "t0 = time.perf_counter() - statistics.median(times)\n"
+    )
+
+
+def _engine_cached(url: str, cache: str, first: bool) -> str:
+    """``load_file(url, cache_dir=cache)``: the first load into an empty directory, or the
+    next one (the directory filled by an untimed load where it is empty)."""
+    return (
+        "import engine.torch, shutil\n"
+        + (f"shutil.rmtree({cache!r}, ignore_errors=True)\n" if first else
+           f"if not os.path.isdir({cache!r}) or not os.listdir({cache!r}):\n"
+           f"    engine.torch.load_file({url!r}, cache_dir={cache!r})\n")
+        + "common.reset_hwm()\n"
+        + "t0 = time.perf_counter()\n"
+        + f"out = engine.torch.load_file({url!r}, cache_dir={cache!r})\n"
+    )
+
+
+def _disk_write(nbytes: int, directory: str) -> str:
+    """The cache's other half: the checkpoint's bytes written to a new file on the cache's
+    file system and made durable (``fsync``), from memory faulted in before the clock."""
+    return (
+        "from benchmarks import host\n"
+        f"data = host.prefaulted({nbytes})\n"
+        f"path = os.path.join({directory!r}, 'disk-write.bin')\n"
+        "t0 = time.perf_counter()\n"
+        "fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"
+        "view = memoryview(data)\n"
+        "for i in range(0, len(view), 64 << 20):\n"
+        "    os.write(fd, view[i:i + (64 << 20)])\n"
+        "os.fsync(fd)\n"
+        "os.close(fd)\n"
+        "seconds = time.perf_counter() - t0\n"
+        "os.unlink(path)\n"
+        "t0 = time.perf_counter() - seconds\n"
+        "out = {}\n"
+    )
+
+
+def _gets_reference(urls: list[str], repeat: int = 0) -> str:
+    """Each shard's bytes with ``urllib``, then the reference's ``load`` of them; with
+    ``repeat``, a warm-up and ``repeat`` more in one process (the median is the sample)."""
+    once = (
+        "    out = {}\n"
+        f"    for url in {urls!r}:\n"
+        "        with urllib.request.urlopen(url) as r:\n"
+        "            out.update(safetensors.torch.load(r.read()))\n"
+        "    return out\n"
+    )
+    code = "import urllib.request, safetensors.torch, statistics\ndef once():\n" + once
+    if not repeat:
+        return code + "t0 = time.perf_counter()\nout = once()\n"
+    return code + (
+        "once()\ntimes = []\n"
+        f"for _ in range({repeat}):\n"
+        "    out = None\n"
+        "    t = time.perf_counter()\n"
+        "    out = once()\n"
+        "    times.append(time.perf_counter() - t)\n"
+        "t0 = time.perf_counter() - statistics.median(times)\n"
+    )
 
 
 def _engine_load_into(url: str, options: str = "") -> str:
@@ -125,15 +213,18 @@ def _engine_device(url: str) -> str:
 
 
 def _fault_limit(nbytes: int) -> str:
-    """The other half of an owned load: fresh memory for the tensors, its pages faulted in
-    (16 MiB at a time on two threads, as the engine's receivers do), no network."""
+    """The other half of an owned load: fresh memory for the tensors (the engine's own
+    block, huge pages where granted), its pages faulted in 16 MiB at a time on every core,
+    no network."""
     return (
         "from engine.sinks._host import host_block\n"
         "from engine.reader import populate_write, map_threads\n"
         "t0 = time.perf_counter()\n"
         f"block = host_block({nbytes})\n"
         "view = memoryview(block)\n"
-        f"map_threads(lambda i: populate_write(view[i:i + (16 << 20)]), range(0, {nbytes}, 16 << 20), 2)\n"
+        f"map_threads(lambda i: populate_write(view[i:i + (16 << 20)]), range(0, {nbytes}, 16 << 20), "
+        "os.cpu_count() or 2)\n"
+        "del view\n"
         "out = {}\n"
     )
 
@@ -250,21 +341,36 @@ def main(argv: list[str] | None = None) -> int:
                   "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
         env = dict(os.environ)
         rows: dict[str, tuple] = {}
+        cache = os.path.join(scratch, "cache")
         if args.sweep:
-            for conns in (4, 8, 16):
-                for chunk in (8, 16, 32, 64):
-                    code = _engine_load_into(index, f", connections={conns}, chunk_bytes={chunk} << 20")
-                    rows[f"load_into c={conns} {chunk}MiB"] = (py, code, env)
+            for scheme, url, e in (("http", index, env), ("s3", s3_index, s3_env)):
+                for conns in (4, 8, 16):
+                    for chunk in (16, 64):
+                        opts = f", connections={conns}, chunk_bytes={chunk} << 20"
+                        rows[f"{scheme} c={conns} {chunk}MiB"] = (py, _engine_load(url, opts), e)
+                        rows[f"{scheme} c={conns} {chunk}MiB repeated"] = (py, _engine_repeated(url, opts), e)
             rows = {"line rate": ("curl",), **rows}
         else:
             rows = {
                 "line rate": ("curl",),
                 "fault limit (no network)": (py, _fault_limit(nbytes), env),
                 "engine http": (py, _engine_load(index), env),
+                "engine http repeated": (py, _engine_repeated(index), env),
+                "engine http 4k pages": (py, _engine_load(index), {**env, "ENGINE_HUGE_PAGES": "0"}),
+                "engine http no fault-ahead": (py, _engine_load(index), {**env, "ENGINE_FAULT_AHEAD": "0"}),
+                "engine http repeated 4k pages": (py, _engine_repeated(index), {**env, "ENGINE_HUGE_PAGES": "0"}),
+                "engine http 4k pages no fault-ahead": (py, _engine_load(index), {**env, "ENGINE_HUGE_PAGES": "0",
+                                                                                  "ENGINE_FAULT_AHEAD": "0"}),
                 "engine http load_into": (py, _engine_load_into(index), env),
                 "engine s3": (py, _engine_load(s3_index), s3_env),
+                "engine s3 repeated": (py, _engine_repeated(s3_index), s3_env),
                 "engine s3 load_into": (py, _engine_load_into(s3_index), s3_env),
+                "engine http cache_dir 1st": (py, _engine_cached(index, cache, True), env),
+                "engine http cache_dir 2nd": (py, _engine_cached(index, cache, False), env),
+                "disk write+fsync": (py, _disk_write(nbytes, scratch), env),
                 "engine http device": (py, _engine_device(index), env),
+                "GETs + reference": (py, _gets_reference(shard_urls), env),
+                "GETs + reference repeated": (py, _gets_reference(shard_urls, repeat=3), env),
                 "download + reference": (py, _download_then_reference(shard_urls, scratch), env),
             }
             if peers and _has(peers, "s3fs"):
@@ -314,6 +420,7 @@ def _report(results: dict, nbytes: int, expected: int, args) -> None:
 
     line = med("line rate")
     engine = med("engine http")
+    fault = med("fault limit (no network)")
     print(f"{nbytes / 1e9:.2f} GB of tensor bytes in {args.shards} shards, nginx on 127.0.0.1, "
           f"{args.runs} samples per row, medians; date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"{'row':34} {'GB/s':>6} {'x line':>7} {'x engine':>8} {'peak RSS GB':>11}  bytes")
@@ -332,16 +439,30 @@ def _report(results: dict, nbytes: int, expected: int, args) -> None:
         xe = f"{engine / s:.2f}" if engine else "-"
         peak = f"{statistics.median(hwm) / 1e9:.2f}" if hwm else "-"
         # the emulated device's copies move no bytes (dma=none): nothing to compare there
-        same = "-" if name.startswith(("fault", "line")) or name.endswith("device") else (
+        same = "-" if name.startswith(("fault", "line", "disk")) or name.endswith("device") else (
             "equal" if equal else "DIFFER")
         print(f"{name:34} {rate:6.2f} {xl:>7} {xe:>8} {peak:>11}  {same}")
         table[name] = {"seconds": s, "gbps": rate, "x_line": line / s if line else None,
                        "peak_rss": statistics.median(hwm) if hwm else None, "equal": equal,
                        "errors": errors}
-    fault = med("fault limit (no network)")
     if line and fault:
         bound = nbytes / (line + fault) / 1e9
         print(f"owned-load bound on this machine (line rate and page faults one after the other): {bound:.2f} GB/s")
+    fault_bound = nbytes / (line + fault) / 1e9 if line and fault else None
+    for name in ("engine http", "engine http repeated", "engine s3", "engine s3 repeated"):
+        s = med(name)
+        ref = med("GETs + reference repeated" if name.endswith("repeated") else "GETs + reference")
+        if s and line and ref:
+            bound = f", {nbytes / s / 1e9 / fault_bound:.2f}x the owned-load bound" if fault_bound else ""
+            print(f"{name}: {line / s:.2f}x the line rate, {ref / s:.2f}x GETs + reference{bound}")
+    disk, first, second = med("disk write+fsync"), med("engine http cache_dir 1st"), med("engine http cache_dir 2nd")
+    if engine and disk and first:
+        allowance = (engine + disk) / 0.9
+        print(f"cache_dir 1st: {first:.2f} s against an allowance of {allowance:.2f} s "
+              f"((engine http {engine:.2f} s + disk write+fsync {disk:.2f} s) / 0.9): "
+              f"{'within' if first <= allowance else 'OVER'}")
+    if second:
+        print(f"cache_dir 2nd: {nbytes / second / 1e9:.2f} GB/s from the local files")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bytes": nbytes, "rows": table}, f, indent=1)
