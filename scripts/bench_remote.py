@@ -15,11 +15,10 @@ process (the engine's bytecode compiled first):
   ``1 / (1 / line + 1 / fault)``, the two one after the other);
 * ``engine http`` / ``engine s3``: ``engine.torch.load_file(url)`` of the index (CPU owned
   tensors), each sample a fresh process; ``... repeated``: the same load repeated in one
-  process (a warm-up load, then 3, the median of those 3 is the sample), also with
-  ``ENGINE_HUGE_PAGES=0`` (``repeated 4k pages``);
-  ``engine http 4k pages`` / ``... no fault-ahead`` / ``... 4k pages no fault-ahead``: the
-  owned load with ``ENGINE_HUGE_PAGES=0``, ``ENGINE_FAULT_AHEAD=0`` or both (what each part
-  gives);
+  process (a warm-up load, then 3, the median of those 3 is the sample);
+  ``... huge pages`` / ``... 4k pages`` and ``... fault-ahead 1`` / ``... fault-ahead 0``:
+  the owned load with ``ENGINE_HUGE_PAGES`` or ``ENGINE_FAULT_AHEAD`` forced either way
+  (what each part gives on this machine, whatever its rule chose);
 * ``engine http load_into`` / ``engine s3 load_into``: ``engine.load_into`` into
   pre-faulted tensors (a model's parameters, allocated before the load);
 * ``engine http cache_dir 1st``: the owned load with ``cache_dir=`` an empty directory
@@ -356,11 +355,12 @@ def main(argv: list[str] | None = None) -> int:
                 "fault limit (no network)": (py, _fault_limit(nbytes), env),
                 "engine http": (py, _engine_load(index), env),
                 "engine http repeated": (py, _engine_repeated(index), env),
+                "engine http huge pages": (py, _engine_load(index), {**env, "ENGINE_HUGE_PAGES": "1"}),
                 "engine http 4k pages": (py, _engine_load(index), {**env, "ENGINE_HUGE_PAGES": "0"}),
-                "engine http no fault-ahead": (py, _engine_load(index), {**env, "ENGINE_FAULT_AHEAD": "0"}),
+                "engine http repeated huge pages": (py, _engine_repeated(index), {**env, "ENGINE_HUGE_PAGES": "1"}),
                 "engine http repeated 4k pages": (py, _engine_repeated(index), {**env, "ENGINE_HUGE_PAGES": "0"}),
-                "engine http 4k pages no fault-ahead": (py, _engine_load(index), {**env, "ENGINE_HUGE_PAGES": "0",
-                                                                                  "ENGINE_FAULT_AHEAD": "0"}),
+                "engine http fault-ahead 1": (py, _engine_load(index), {**env, "ENGINE_FAULT_AHEAD": "1"}),
+                "engine http fault-ahead 0": (py, _engine_load(index), {**env, "ENGINE_FAULT_AHEAD": "0"}),
                 "engine http load_into": (py, _engine_load_into(index), env),
                 "engine s3": (py, _engine_load(s3_index), s3_env),
                 "engine s3 repeated": (py, _engine_repeated(s3_index), s3_env),
