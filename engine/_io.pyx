@@ -1026,6 +1026,22 @@ def populate_ranges(list steps, Py_ssize_t first, Py_ssize_t stride, int32_t[::1
     return err
 
 
+cdef extern from "<fcntl.h>" nogil:
+    int sync_file_range(int fd, off_t offset, off_t nbytes, unsigned int flags)
+    enum: SYNC_FILE_RANGE_WRITE
+
+
+def start_writeback(int fd, off_t offset, off_t nbytes):
+    """Start writing the dirty pages of ``nbytes`` of ``fd`` from ``offset`` to the disk, and
+    return at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, GIL released), so that a file
+    written during a load is mostly on the disk when it is ``fsync``-ed.  Returns ``errno``
+    or 0; advice only (the ``fsync`` is what makes the bytes durable)."""
+    cdef int rc
+    with nogil:
+        rc = sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
+    return errno if rc != 0 else 0
+
+
 def guarded_copy(const uint8_t[::1] src, Py_ssize_t offset, uint8_t[::1] dst):
     """Copy ``len(dst)`` bytes of the file mapping ``src`` from ``offset`` into ``dst`` under
     the SIGBUS guard alone (no populate step first): 0, or -1 where a page is no longer

@@ -76,9 +76,10 @@ def _parse(buf: bytes | bytearray, total: int, n: int, url: str) -> Header:
 # --------------------------------------------------------------------------- HTTP
 
 
-def _http_header(http: Client, url: str, max_header_size: int, not_found=None, etags=None) -> Header:
+def _http_header(http: Client, url: str, max_header_size: int, not_found=None, etags=None, raws=None) -> Header:
     """Two ranged GETs (one if the server ignores Range): the length, then the header.
-    ``etags``, a dict, receives ``url -> ETag`` (or ``None``) of the first answer."""
+    ``etags``, a dict, receives ``url -> ETag`` (or ``None``) of the first answer; ``raws``
+    ``url -> `` the file's first ``8 + N`` bytes as received (for a local copy)."""
     with http.open(url, 0, 7, not_found=not_found) as r:
         if etags is not None:
             etags[url] = r.etag
@@ -97,8 +98,13 @@ def _http_header(http: Client, url: str, max_header_size: int, not_found=None, e
         n = _length(prefix, total, max_header_size, url, r.content_type)
         if not r.partial:
             # the server ignored Range: keep reading this body for the header, then hang up
-            return _parse(r.read_exact(n), total, n, url)
+            body = r.read_exact(n)
+            if raws is not None:
+                raws[url] = prefix + bytes(body)
+            return _parse(body, total, n, url)
     if n == 0:
+        if raws is not None:
+            raws[url] = prefix
         return _parse(b"", total, n, url)
     with http.open(url, 8, 7 + n) as r:
         if r.partial:
@@ -112,7 +118,10 @@ def _http_header(http: Client, url: str, max_header_size: int, not_found=None, e
             raise read_error(
                 f"the file changed between two requests ({total} bytes, then {r.total})", url, "FileChanged"
             )
-        return _parse(r.read_exact(n), total, n, url)
+        body = r.read_exact(n)
+        if raws is not None:
+            raws[url] = prefix + bytes(body)
+        return _parse(body, total, n, url)
 
 
 def _http_range_into(http: Client, url: str, offset: int, view: memoryview, total: int) -> None:
@@ -235,6 +244,7 @@ class RemoteSource:
         self.retry = retry
         self._probed: dict[str, Any] = {}  # what layout() read while looking, for the first use
         self.etags: dict[str, str | None] = {}
+        self.raw_headers: dict[str, bytes] = {}  # location -> its first 8 + N bytes (HTTP and S3)
         self.s3: S3Config | None = None
         self.fs: _Fs | None = None
         self.http: Client | None = None
@@ -301,7 +311,8 @@ class RemoteSource:
         not_found = MissingShardError if shard else None
         if self.http is not None:
             http = self.http
-            return self._named(where, lambda: _http_header(http, where, max_header_size, not_found, self.etags))
+            return self._named(where, lambda: _http_header(http, where, max_header_size, not_found, self.etags,
+                                                                    self.raw_headers))
         assert self.fs is not None
         return self.fs.header(where, max_header_size, not_found)
 

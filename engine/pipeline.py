@@ -242,15 +242,23 @@ def run_sources(
     total = sum(r.nbytes for s in sources for r in s.requests)
     if not total:
         return 0
-    if dest.on_device and fill is None and after_copy is None and device_ring.supports(dest.device_ops) \
-            and not any(s.ranges is not None for s in sources):
-        device_ring.load(sources, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
-    elif dest.on_device:
-        DeviceLoad(sources, dest, tracker, cancel, threads=threads, slots=slots,
-                    slot_bytes=slot_bytes, fill=fill,
-                    after_copy=after_copy).run()
-    else:
-        _run_host(sources, dest, tracker, cancel, threads, fill)
+    remote = [s for s in sources if s.ranges is not None]
+    # a load served partly from local copies of remote files (remote_cache): the local files
+    # first, on their own path, then the server's
+    groups = [[s for s in sources if s.ranges is None], remote] if remote and len(remote) < len(sources) \
+        else [sources]
+    for group in groups:
+        if cancel.is_set():
+            break
+        if dest.on_device and fill is None and after_copy is None and device_ring.supports(dest.device_ops) \
+                and not any(s.ranges is not None for s in group):
+            device_ring.load(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
+        elif dest.on_device:
+            DeviceLoad(group, dest, tracker, cancel, threads=threads, slots=slots,
+                       slot_bytes=slot_bytes, fill=fill,
+                       after_copy=after_copy).run()
+        else:
+            _run_host(group, dest, tracker, cancel, threads, fill)
     if cancel.is_set():
         path = sources[0].path if sources else None
         raise Cancelled("the load was cancelled", reason="Cancelled", path=path)

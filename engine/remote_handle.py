@@ -17,7 +17,7 @@ from typing import Any
 from . import dtypes
 from .errors import InvalidSliceError, SafetensorError, TensorNotFoundError
 from .loader import sink_for, stream_parts
-from .reader import map_threads
+from .reader import map_threads, pread_into
 from .remote_load import RemoteParts, open_parts, remote_options
 from .remote_reads import read_runs
 
@@ -30,7 +30,9 @@ _SPLIT_BYTES = 32 << 20
 class RemoteHandle:
     """:class:`engine.safe_open` for an ``http(s)://``, ``s3://`` or fsspec URL of a file,
     an index or a prefix (parameters as :func:`engine.remote_load.stream` takes them:
-    ``headers``, ``timeout``, ``connections``, ``retry``, ``s3``, ``storage_options``).
+    ``headers``, ``timeout``, ``connections``, ``retry``, ``s3``, ``storage_options``;
+    ``cache_dir``: files with a complete copy there of the version the server has are read
+    from it, and no copy is written, since a handle reads only what is asked).
 
     Copies of tensor bytes: 1 on the CPU (socket to the tensor), plus the host-to-device
     copy for a device.
@@ -39,7 +41,8 @@ class RemoteHandle:
     def __init__(self, filename: str, framework: str = "np", device: Any = "cpu", *,
                  backend: str | None = None,  # safe_open's; a remote file has no mapping to choose
                  **options) -> None:
-        opened = open_parts(filename, **remote_options(options))
+        # copies already there are read; none is written: a handle reads only what is asked
+        opened = open_parts(filename, write_copies=False, **remote_options(options))
         if options:
             opened.close()
             raise TypeError(f"unexpected options for a remote safe_open: {sorted(options)}")
@@ -58,6 +61,10 @@ class RemoteHandle:
         self._device = device
         self._sink = sink_for(framework, device)
         self._torch = framework in ("pt", "torch")
+        # a file read from its local copy (cache_dir) is read by positional reads, as a server's
+        # by ranged GETs
+        opened.parts = [p if p.ranges is not None else p._replace(ranges=_local_ranges(p.fd, p.path))
+                        for p in opened.parts]
         self._opened: RemoteParts | None = opened
         self._url = url
         self._where: dict[str, tuple[int, int]] = {}
@@ -158,6 +165,13 @@ class RemoteHandle:
 
     def __repr__(self) -> str:
         return f"RemoteHandle({self._url!r}, {len(self._where)} tensors)"
+
+
+def _local_ranges(fd: int, path: str | None):
+    def read(offset: int, views) -> None:
+        pread_into(fd, offset, views, path=path)
+
+    return read
 
 
 class RemoteSlice:

@@ -32,6 +32,7 @@ from .checkpoint import CheckpointInfo
 from .header import MAX_HEADER_SIZE
 from .loader import Part, fill_parts, stream_parts
 from .remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
+from .remote_cache import Copies
 from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
 
 __all__ = ["stream", "load", "load_into", "open_parts", "remote_options", "RemoteParts", "is_url",
@@ -49,16 +50,25 @@ class RemoteParts:
     :class:`~engine.remote_reads.RangeReads` (close it after the load)."""
 
     def __init__(self, parts: list[Part], reads: RangeReads, source: str, many: bool,
-                 info: CheckpointInfo | None = None) -> None:
+                 info: CheckpointInfo | None = None, copies: Copies | None = None) -> None:
         self.parts = parts
         self.reads = reads
         self.source = source
         self.many = many
         #: the headers as a :class:`~engine.checkpoint.CheckpointInfo` (index, weight map)
         self.info = info
+        #: the local copies of a load with ``cache_dir`` (:mod:`engine.remote_cache`)
+        self.copies = copies
+
+    def commit(self) -> None:
+        """The load succeeded: name the complete local copies (with ``cache_dir``)."""
+        if self.copies is not None:
+            self.copies.commit()
 
     def close(self) -> None:
         self.reads.close()
+        if self.copies is not None:
+            self.copies.close()
 
     def __enter__(self) -> RemoteParts:
         return self
@@ -79,12 +89,17 @@ def open_parts(
     retry: Retry | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
     max_shards: int = DEFAULT_MAX_SHARDS,
+    cache_dir: str | os.PathLike | None = None,
+    write_copies: bool = True,
 ) -> RemoteParts:
     """Read the headers of every file a URL names, ready to load (see the module doc).
 
     Requests: 2 per file (length, header), plus 1 for an index and 1 per 1000 keys of an
     S3 prefix; shards' headers are fetched concurrently.  Their transient failures are
-    retried as ``retry`` says, as the bulk reads' are.
+    retried as ``retry`` says, as the bulk reads' are.  With ``cache_dir``, a file whose
+    version there is complete becomes a local part (read from its copy), and the others'
+    reads also write their copies, unless ``write_copies`` is false (:mod:`engine.remote_cache`;
+    call :meth:`RemoteParts.commit` once the load succeeded).
     """
     spath = os.fspath(url)
     shown = public_url(spath)  # what errors name: without a user:password part
@@ -96,14 +111,35 @@ def open_parts(
     found = list(info.headers.values())
     reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                        sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
-    parts = [Part(-1, h, [], src.display(w), src.ranges(w, h, reads)) for w, h in zip(wheres, found, strict=True)]
-    return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info)
+    copies = None
+    if cache_dir is not None:
+        try:
+            copies = Copies(cache_dir)
+            parts = []
+            for w, h in zip(wheres, found, strict=True):
+                shown_w, etag = src.display(w), src.etags.get(w)
+                local = copies.open(shown_w, etag, h)
+                if local is not None:
+                    parts.append(Part(local[0], h, [], local[1]))
+                elif not write_copies:
+                    parts.append(Part(-1, h, [], shown_w, src.ranges(w, h, reads)))
+                else:
+                    parts.append(Part(-1, h, [], shown_w,
+                                      copies.wrap(shown_w, etag, h, src.raw_headers.get(w), src.ranges(w, h, reads))))
+        except BaseException:
+            reads.close()
+            if copies is not None:
+                copies.close()
+            raise
+    else:
+        parts = [Part(-1, h, [], src.display(w), src.ranges(w, h, reads)) for w, h in zip(wheres, found, strict=True)]
+    return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies)
 
 
 def remote_options(kw: dict) -> dict:
     """Take the options of :func:`open_parts` out of ``kw``."""
     keys = ("headers", "timeout", "max_redirects", "storage_options", "s3", "connections", "retry",
-            "max_header_size", "max_shards")
+            "max_header_size", "max_shards", "cache_dir")
     return {k: kw.pop(k) for k in keys if k in kw}
 
 
@@ -120,7 +156,8 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
     chunk_bytes : int, optional
         Bytes per ranged GET (default 16 MiB; 8 MiB for CUDA destinations).
     connections : int, optional
-        Parallel requests, each on its own keep-alive connection (default 8).
+        Parallel requests, each on its own keep-alive connection (default: two per core,
+        between 4 and 16).
     headers : mapping, optional
         Sent with every request (``Authorization`` for a gated HTTP file).
     timeout : float, optional
@@ -132,11 +169,16 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
         environment, as boto does.
     storage_options : mapping, optional
         For fsspec protocols (and for ``s3://`` through s3fs instead of natively).
+    cache_dir : str or path, optional
+        Keep a local copy there of every file received in full, written in the same pass,
+        and read the copies of a later load while the server has the same versions
+        (:mod:`engine.remote_cache`).
 
     Notes
     -----
     Copies of tensor bytes: CPU 1 (socket to tensor); CUDA 2 (socket to a pinned slot, DMA);
-    fsspec protocols one more (fsspec returns ``bytes``).
+    fsspec protocols one more (fsspec returns ``bytes``); with ``cache_dir`` one more, the
+    write of the copy (a file read from its copy: those of a local load).
     """
     remote = remote_options(options)
     threads = options.pop("threads", None)
@@ -149,6 +191,7 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
                 opened.parts, many=opened.many, framework=framework, device=device,
                 threads=opened.reads.connections, chunk_bytes=chunk_bytes, cancel=opened.reads.cancel, **options,
             )
+            opened.commit()  # every tensor landed: the complete copies get their names
         finally:
             opened.reads.cancel.set()  # a consumer that stopped early ends the waits between tries
 
@@ -175,6 +218,8 @@ def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chu
     with open_parts(url, connections=connections, **remote) as opened:
         on_device = any(getattr(t, "is_cuda", False) or type(t).__module__.startswith("cupy") for t in tensors.values())
         chunk = chunk_bytes or (DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES)
-        return fill_parts(opened.parts, tensors, strict=strict, threads=opened.reads.connections,
-                          chunk_bytes=chunk, gpu_path=gpu_path, source=opened.source,
-                          cancel=opened.reads.cancel)  # a failed read ends the others' waits between tries
+        filled = fill_parts(opened.parts, tensors, strict=strict, threads=opened.reads.connections,
+                            chunk_bytes=chunk, gpu_path=gpu_path, source=opened.source,
+                            cancel=opened.reads.cancel)  # a failed read ends the others' waits between tries
+        opened.commit()
+        return filled
