@@ -39,6 +39,7 @@ __all__ = [
     "ShardingError",
     "UnsupportedFrameworkError",
     "DeviceFallbackWarning",
+    "CacheWriteWarning",
     "HEADER_REASONS",
 ]
 
@@ -387,4 +388,12 @@ class DeviceFallbackWarning(RuntimeWarning):
     device (``engine.numerics._device_fallback``); other device sinks fold statistics on the
     CPU from the staging slots and quantize with the CPU kernels, the results copied back.
     ``warnings.simplefilter("error", DeviceFallbackWarning)`` makes it fatal.
+    """
+
+
+class CacheWriteWarning(RuntimeWarning):
+    """Not an error: a load's local copy (``cache_dir``) could not be written (a full disk, an
+    I/O error), so that file gets no copy; the load itself goes on and its tensors are whole.
+    Issued once per file, naming it and the cause.
+    ``warnings.simplefilter("error", CacheWriteWarning)`` makes it fatal.
     """

@@ -26,6 +26,10 @@ still has the same version of each file.
   :mod:`engine._atomic`) until the load has succeeded; it is then ``fsync``-ed, linked under
   its name, and the directory synced.  A load that fails, is stopped early, or is killed
   leaves no file behind; a file under a version's name is complete and on disk.
+* **A copy that cannot be written** (a full disk, an I/O error) is dropped with a
+  :class:`~engine.errors.CacheWriteWarning`; the load goes on (the copy is a saving, the
+  tensors are the job).  A directory that cannot be created or written at all is a
+  :class:`~engine.errors.WriteError` before any request.
 * **Concurrent loads** of the same URL into the same directory each write their own copy and
   link it in place; complete copies of one version are the same bytes, whichever lands last.
 
@@ -41,11 +45,12 @@ import posixpath
 import re
 import threading
 import urllib.parse
+import warnings
 from collections.abc import Callable, Sequence
 
 from . import _io
 from ._atomic import AtomicFile, sync_dir, umask
-from .errors import WriteError
+from .errors import CacheWriteWarning, WriteError
 from .header import Header
 from .remote_reads import public_url
 
@@ -83,6 +88,7 @@ class _Copy:
         self.size = header.file_size
         self.file = AtomicFile(dest, 0o644 & ~umask())
         self.landed = 0
+        self.failed = False
         self.lock = threading.Lock()
         fd = self.file.fd
         assert fd is not None
@@ -104,7 +110,7 @@ class _Copy:
             self.landed += total
 
     def complete(self) -> bool:
-        return self.landed == self.want
+        return self.landed == self.want and not self.failed
 
 
 class Copies:
@@ -165,11 +171,16 @@ class Copies:
 
         def read(offset: int, views: Sequence[memoryview]) -> None:
             ranges(offset, views)
+            if copy.failed:
+                return
             try:
                 copy.write(offset, views)
-            except OSError as exc:
-                raise WriteError(f"cannot write the copy: {exc.strerror or exc}", path=copy.dest,
-                                 reason="CacheWrite") from None
+            except OSError as exc:  # the copy is lost, the load is not: the tensors are whole
+                with copy.lock:
+                    first, copy.failed = not copy.failed, True
+                if first:
+                    warnings.warn(CacheWriteWarning(
+                        f"{copy.dest}: no local copy of {public_url(url)}: {exc.strerror or exc}"), stacklevel=2)
 
         return read
 

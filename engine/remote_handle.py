@@ -17,7 +17,7 @@ from typing import Any
 from . import dtypes
 from .errors import InvalidSliceError, SafetensorError, TensorNotFoundError
 from .loader import sink_for, stream_parts
-from .reader import map_threads, pread_into
+from .reader import map_threads
 from .remote_load import RemoteParts, open_parts, remote_options
 from .remote_reads import read_runs
 
@@ -61,10 +61,7 @@ class RemoteHandle:
         self._device = device
         self._sink = sink_for(framework, device)
         self._torch = framework in ("pt", "torch")
-        # a file read from its local copy (cache_dir) is read by positional reads, as a server's
-        # by ranged GETs
-        opened.parts = [p if p.ranges is not None else p._replace(ranges=_local_ranges(p.fd, p.path))
-                        for p in opened.parts]
+        opened.ranged()  # a file's local copy (cache_dir) is read by positional reads
         self._opened: RemoteParts | None = opened
         self._url = url
         self._where: dict[str, tuple[int, int]] = {}
@@ -165,13 +162,6 @@ class RemoteHandle:
 
     def __repr__(self) -> str:
         return f"RemoteHandle({self._url!r}, {len(self._where)} tensors)"
-
-
-def _local_ranges(fd: int, path: str | None):
-    def read(offset: int, views) -> None:
-        pread_into(fd, offset, views, path=path)
-
-    return read
 
 
 class RemoteSlice:

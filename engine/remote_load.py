@@ -31,6 +31,7 @@ from ._remote_files import RemoteSource, checkpoint_info, is_url
 from .checkpoint import CheckpointInfo
 from .header import MAX_HEADER_SIZE
 from .loader import Part, fill_parts, stream_parts
+from .reader import pread_into
 from .remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
 from .remote_cache import Copies
 from .remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
@@ -60,6 +61,13 @@ class RemoteParts:
         #: the local copies of a load with ``cache_dir`` (:mod:`engine.remote_cache`)
         self.copies = copies
 
+    def ranged(self) -> RemoteParts:
+        """Give every part read from a local copy a ``ranges`` of positional reads, for
+        callers that read by ranges (``safe_open``); returns self."""
+        self.parts = [p if p.ranges is not None else p._replace(ranges=_local_ranges(p.fd, p.path))
+                      for p in self.parts]
+        return self
+
     def commit(self) -> None:
         """The load succeeded: name the complete local copies (with ``cache_dir``)."""
         if self.copies is not None:
@@ -75,6 +83,13 @@ class RemoteParts:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _local_ranges(fd: int, path: str | None):
+    def read(offset: int, views) -> None:
+        pread_into(fd, offset, views, path=path)
+
+    return read
 
 
 def open_parts(

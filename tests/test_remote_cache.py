@@ -257,3 +257,37 @@ def test_s3_and_nginx(saved, tmp_path):
                     os.environ[k] = v
     shards = len(list((root / "sharded").glob("*.safetensors")))
     assert len(_files(d)) == 2 * shards  # one copy per URL of each shard
+
+
+def test_a_copy_that_cannot_be_written_is_dropped_with_a_warning_and_the_load_goes_on(tree, server, tmp_path,
+                                                                                        monkeypatch):
+    import errno
+    import warnings
+
+    from engine.errors import CacheWriteWarning
+
+    root, sd = tree
+    d = tmp_path / "cache"
+    real = os.pwritev
+    victim = []
+
+    def full(fd, views, offset):  # the first file written to fails, each time
+        if not victim:
+            victim.append(fd)
+        if fd == victim[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(remote_cache.os, "pwritev", full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = engine.torch.load_file(server.url(f"sharded/{INDEX}"), cache_dir=d)
+    assert_same(got, sd)
+    found = [w for w in caught if issubclass(w.category, CacheWriteWarning)]
+    assert len(found) == 1 and "No space left" in str(found[0].message)  # once, for the file it hit
+    shards = len(list((root / "sharded").glob("*.safetensors")))
+    written = _files(d)
+    assert len(written) == shards - 1  # every other file got its copy
+    for c in written:
+        assert (d / c).read_bytes() == (root / "sharded" / os.path.basename(c)).read_bytes()
+

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import engine
+import engine.numpy
 from engine.errors import InvalidSliceError, TensorNotFoundError
 
 sys.path.insert(0, os.path.dirname(__file__))
