@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .errors import (
+    CacheWriteWarning,
     Cancelled,
     CheckpointIndexError,
     ConfigError,
@@ -77,6 +78,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "CacheWriteWarning",
     "Cancelled",
     "CheckpointIndexError",
     "ConfigError",

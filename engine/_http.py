@@ -221,6 +221,8 @@ class Response:
     first, last, total : int or None
         From ``Content-Range`` (206) or ``0, None, Content-Length`` (200).
     content_type : str or None
+    etag, last_modified : str or None
+        ``ETag`` and ``Last-Modified`` (what tells versions of the file apart).
     length : int or None
         ``Content-Length``.
     """
@@ -236,6 +238,7 @@ class Response:
         self.partial = resp.status == 206
         self.content_type = resp.headers.get("Content-Type")
         self.etag = resp.headers.get("ETag")
+        self.last_modified = resp.headers.get("Last-Modified")
         self.encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
         length = resp.headers.get("Content-Length")
         self.length = int(length) if length and length.strip().isdigit() else None

@@ -76,13 +76,17 @@ def _parse(buf: bytes | bytearray, total: int, n: int, url: str) -> Header:
 # --------------------------------------------------------------------------- HTTP
 
 
-def _http_header(http: Client, url: str, max_header_size: int, not_found=None, etags=None, raws=None) -> Header:
+def _http_header(http: Client, url: str, max_header_size: int, not_found=None, etags=None, raws=None,
+                 modified=None) -> Header:
     """Two ranged GETs (one if the server ignores Range): the length, then the header.
-    ``etags``, a dict, receives ``url -> ETag`` (or ``None``) of the first answer; ``raws``
-    ``url -> `` the file's first ``8 + N`` bytes as received (for a local copy)."""
+    ``etags``, a dict, receives ``url -> ETag`` (or ``None``) of the first answer, ``modified``
+    its ``Last-Modified``; ``raws`` ``url -> `` the file's first ``8 + N`` bytes as received
+    (for a local copy, :mod:`engine.remote_cache`)."""
     with http.open(url, 0, 7, not_found=not_found) as r:
         if etags is not None:
             etags[url] = r.etag
+        if modified is not None:
+            modified[url] = r.last_modified
         total = r.total
         if total is None:
             what = "Content-Range total" if r.partial else "Content-Length"
@@ -114,7 +118,7 @@ def _http_header(http: Client, url: str, max_header_size: int, not_found=None, e
             r.skip(8)
         if (r.total is not None and r.total != total) or (
             etags is not None and r.etag and etags.get(url) and r.etag != etags[url]
-        ):
+        ) or (modified is not None and r.last_modified and modified.get(url) and r.last_modified != modified[url]):
             raise read_error(
                 f"the file changed between two requests ({total} bytes, then {r.total})", url, "FileChanged"
             )
@@ -245,6 +249,7 @@ class RemoteSource:
         self._probed: dict[str, Any] = {}  # what layout() read while looking, for the first use
         self.etags: dict[str, str | None] = {}
         self.raw_headers: dict[str, bytes] = {}  # location -> its first 8 + N bytes (HTTP and S3)
+        self.last_modified: dict[str, str | None] = {}  # location -> Last-Modified (HTTP and S3)
         self.s3: S3Config | None = None
         self.fs: _Fs | None = None
         self.http: Client | None = None
@@ -312,7 +317,7 @@ class RemoteSource:
         if self.http is not None:
             http = self.http
             return self._named(where, lambda: _http_header(http, where, max_header_size, not_found, self.etags,
-                                                                    self.raw_headers))
+                                                           self.raw_headers, self.last_modified))
         assert self.fs is not None
         return self.fs.header(where, max_header_size, not_found)
 

@@ -393,7 +393,8 @@ class DeviceFallbackWarning(RuntimeWarning):
 
 class CacheWriteWarning(RuntimeWarning):
     """Not an error: a load's local copy (``cache_dir``) could not be written (a full disk, an
-    I/O error), so that file gets no copy; the load itself goes on and its tensors are whole.
-    Issued once per file, naming it and the cause.
+    I/O error), or cannot be made at all (a server that tells no versions apart), so that
+    file gets no copy; the load itself goes on and its tensors are whole.  Issued once per
+    file, naming it and the cause.
     ``warnings.simplefilter("error", CacheWriteWarning)`` makes it fatal.
     """

@@ -41,7 +41,8 @@ def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndar
         write never reaching the file; ``"pread"``: owned arrays.
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
-        ``s3``, ``storage_options`` (see :func:`engine.remote_load.stream`).
+        ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
+        read by the next load; see :func:`engine.remote_load.stream`).
 
     Returns
     -------

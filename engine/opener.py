@@ -57,8 +57,9 @@ class safe_open(file_handle.safe_open, metaclass=_OpensBoth):  # noqa: N801 - th
     Parameters and methods are those of :class:`engine.file_handle.safe_open`; an index or a
     directory gives a :class:`~engine.checkpoint.Checkpoint` with the same methods across
     its shards; an ``http(s)://``, ``s3://`` or fsspec URL (a file, an index or a prefix) a
-    :class:`~engine.remote_handle.RemoteHandle` that reads only the bytes asked for.  All are
-    instances of this class (``isinstance(f, engine.safe_open)``).
+    :class:`~engine.remote_handle.RemoteHandle` that reads only the bytes asked for (with
+    ``cache_dir=``, from local copies it first downloads there).  All are instances of this
+    class (``isinstance(f, engine.safe_open)``).
     """
 
     def __new__(cls, filename, *args, **kwargs):
@@ -174,8 +175,9 @@ def open_checkpoint(path, framework: str = "numpy", device: Any = "cpu", *, back
         As :func:`engine.checkpoint.open_checkpoint` takes them.
     **options
         For a URL: ``headers``, ``timeout``, ``connections``, ``retry``, ``s3``,
-        ``storage_options``, ``max_redirects``, ``max_shards`` (see
-        :func:`engine.remote_load.stream`).
+        ``storage_options``, ``max_redirects``, ``max_shards``, ``cache_dir`` (the files
+        downloaded there first, then read from there: see
+        :class:`~engine.remote_handle.RemoteHandle` and :func:`engine.remote_load.stream`).
 
     Returns
     -------
@@ -185,7 +187,7 @@ def open_checkpoint(path, framework: str = "numpy", device: Any = "cpu", *, back
     Notes
     -----
     Copies of tensor bytes: as :class:`engine.safe_open` for local files; 1 per tensor for
-    a URL (socket to the tensor).
+    a URL (socket to the tensor, or the local copy to the tensor with ``cache_dir``).
     """
     from .header import MAX_HEADER_SIZE
 
@@ -208,7 +210,8 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
     Parameters, returns, errors and copies as :func:`engine.loader.load_into`; for a
     checkpoint the names come shard by shard (sorted shards), in file order within each,
     and ``strict`` counts the tensors of every shard.  An ``http(s)://``, ``s3://`` or other
-    fsspec URL loads with parallel ranged reads (:func:`engine.remote_load.load_into`).
+    fsspec URL loads with parallel ranged reads (:func:`engine.remote_load.load_into`;
+    ``cache_dir=`` keeps local copies, see :mod:`engine.remote_cache`).
     When a load fails part way, the error's ``.filled`` names the destinations whose bytes
     all landed.
     """
@@ -232,7 +235,8 @@ def stream(path, **options):
     """Yield ``(name, tensor)`` as each tensor finishes loading: :func:`engine.loader.stream`
     for local files (a checkpoint's directory or index: its shards as one pipeline),
     :func:`engine.remote_load.stream` for a URL (``http(s)://``, ``s3://`` or another fsspec
-    protocol: a file, an index or a prefix), with the same options."""
+    protocol: a file, an index or a prefix; ``cache_dir=`` keeps local copies, see
+    :mod:`engine.remote_cache`), with the same options."""
     if is_url(path):
         from . import remote_load
 

@@ -30,22 +30,28 @@ _SPLIT_BYTES = 32 << 20
 class RemoteHandle:
     """:class:`engine.safe_open` for an ``http(s)://``, ``s3://`` or fsspec URL of a file,
     an index or a prefix (parameters as :func:`engine.remote_load.stream` takes them:
-    ``headers``, ``timeout``, ``connections``, ``retry``, ``s3``, ``storage_options``;
-    ``cache_dir``: files with a complete copy there of the version the server has are read
-    from it, and no copy is written, since a handle reads only what is asked).
+    ``headers``, ``timeout``, ``connections``, ``retry``, ``s3``, ``storage_options``,
+    ``cache_dir``).
 
-    Copies of tensor bytes: 1 on the CPU (socket to the tensor), plus the host-to-device
-    copy for a device.
+    With ``cache_dir`` (:mod:`engine.remote_cache`), opening downloads every file that has no
+    copy there of the version the server has (``connections`` ranged GETs at a time, each
+    body received into the new file), and the handle then reads the local copies; a file
+    that cannot be copied (no ETag or ``Last-Modified``, a full disk) is read from the
+    server as without ``cache_dir``.
+
+    Copies of tensor bytes: 1 on the CPU (socket to the tensor, or the local copy to the
+    tensor), plus the host-to-device copy for a device; the download with ``cache_dir`` 1
+    (socket to the file's pages).
     """
 
     def __init__(self, filename: str, framework: str = "np", device: Any = "cpu", *,
                  backend: str | None = None,  # safe_open's; a remote file has no mapping to choose
                  **options) -> None:
-        # copies already there are read; none is written: a handle reads only what is asked
-        opened = open_parts(filename, write_copies=False, **remote_options(options))
-        if options:
-            opened.close()
+        remote = remote_options(options)
+        if options:  # before any request: with cache_dir, opening downloads the files
             raise TypeError(f"unexpected options for a remote safe_open: {sorted(options)}")
+        # with cache_dir: every file is first downloaded into the cache, then read from there
+        opened = open_parts(filename, download=True, **remote)
         self._setup(opened, filename, framework, device)
 
     @classmethod

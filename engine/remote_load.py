@@ -105,16 +105,17 @@ def open_parts(
     max_header_size: int = MAX_HEADER_SIZE,
     max_shards: int = DEFAULT_MAX_SHARDS,
     cache_dir: str | os.PathLike | None = None,
-    write_copies: bool = True,
+    download: bool = False,
 ) -> RemoteParts:
     """Read the headers of every file a URL names, ready to load (see the module doc).
 
     Requests: 2 per file (length, header), plus 1 for an index and 1 per 1000 keys of an
     S3 prefix; shards' headers are fetched concurrently.  Their transient failures are
-    retried as ``retry`` says, as the bulk reads' are.  With ``cache_dir``, a file whose
-    version there is complete becomes a local part (read from its copy), and the others'
-    reads also write their copies, unless ``write_copies`` is false (:mod:`engine.remote_cache`;
-    call :meth:`RemoteParts.commit` once the load succeeded).
+    retried as ``retry`` says, as the bulk reads' are.  With ``cache_dir``
+    (:mod:`engine.remote_cache`), a file whose version there is complete becomes a local
+    part (read from its copy), and the others' reads also write their copies (call
+    :meth:`RemoteParts.commit` once the load succeeded); with ``download`` as well, those
+    files are first downloaded whole into the cache and become local parts too (``safe_open``).
     """
     spath = os.fspath(url)
     shown = public_url(spath)  # what errors name: without a user:password part
@@ -127,27 +128,37 @@ def open_parts(
     reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                        sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
     copies = None
-    if cache_dir is not None:
-        try:
+    parts: list[Part] = []
+    try:
+        if cache_dir is not None:
             copies = Copies(cache_dir)
-            parts = []
-            for w, h in zip(wheres, found, strict=True):
-                shown_w, etag = src.display(w), src.etags.get(w)
-                local = copies.open(shown_w, etag, h)
+        wanted = []  # files to download: (their part's index, what Copies.fetch takes)
+        for w, h in zip(wheres, found, strict=True):
+            shown_w, ranges = src.display(w), src.ranges(w, h, reads)
+            if copies is None:
+                parts.append(Part(-1, h, [], shown_w, ranges))
+                continue
+            version = (src.etags.get(w), src.last_modified.get(w), h, src.raw_headers.get(w))
+            local = copies.open(shown_w, *version)
+            if local is not None:
+                parts.append(Part(local[0], h, [], local[1]))
+            elif download:
+                wanted.append((len(parts), (shown_w, *version, ranges)))
+                parts.append(Part(-1, h, [], shown_w, ranges))
+            else:
+                parts.append(Part(-1, h, [], shown_w, copies.wrap(shown_w, *version, ranges)))
+        if wanted:
+            assert copies is not None
+            got = copies.fetch([f for _, f in wanted], threads=workers, chunk_bytes=DEFAULT_CHUNK_BYTES,
+                               cancel=reads.cancel)
+            for (i, _), local in zip(wanted, got, strict=True):
                 if local is not None:
-                    parts.append(Part(local[0], h, [], local[1]))
-                elif not write_copies:
-                    parts.append(Part(-1, h, [], shown_w, src.ranges(w, h, reads)))
-                else:
-                    parts.append(Part(-1, h, [], shown_w,
-                                      copies.wrap(shown_w, etag, h, src.raw_headers.get(w), src.ranges(w, h, reads))))
-        except BaseException:
-            reads.close()
-            if copies is not None:
-                copies.close()
-            raise
-    else:
-        parts = [Part(-1, h, [], src.display(w), src.ranges(w, h, reads)) for w, h in zip(wheres, found, strict=True)]
+                    parts[i] = Part(local[0], parts[i].header, [], local[1])
+    except BaseException:
+        reads.close()
+        if copies is not None:
+            copies.close()
+        raise
     return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies)
 
 
@@ -185,15 +196,24 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
     storage_options : mapping, optional
         For fsspec protocols (and for ``s3://`` through s3fs instead of natively).
     cache_dir : str or path, optional
-        Keep a local copy there of every file received in full, written in the same pass,
-        and read the copies of a later load while the server has the same versions
-        (:mod:`engine.remote_cache`).
+        Keep a local copy there of every file whose every data byte this load receives,
+        written in the same pass, and read the copies of a later load while the server has
+        the same versions (ETag, or ``Last-Modified``, and size); a selection that skips
+        any tensor of a file writes no copy of it (:mod:`engine.remote_cache`).
+
+    Raises
+    ------
+    WriteError
+        ``cache_dir`` cannot be created, or is not writable while a file has to be copied
+        (before any tensor byte is requested).  A copy that fails while it is written (a
+        full disk) is a :class:`~engine.errors.CacheWriteWarning` and the load goes on.
 
     Notes
     -----
     Copies of tensor bytes: CPU 1 (socket to tensor); CUDA 2 (socket to a pinned slot, DMA);
     fsspec protocols one more (fsspec returns ``bytes``); with ``cache_dir`` one more, the
-    write of the copy (a file read from its copy: those of a local load).
+    write of the copy from where the bytes landed (a file read from its copy: those of a
+    local owned load, the file to the tensor).
     """
     remote = remote_options(options)
     threads = options.pop("threads", None)
@@ -224,8 +244,9 @@ def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chu
 
     Every destination is checked against the headers before a byte of tensor data is
     requested.  When the load fails part way, the error's ``.filled`` lists the names
-    whose bytes all landed; the others hold partly written bytes.  Copies of tensor bytes:
-    CPU 1 (socket to the tensor), CUDA 2.
+    whose bytes all landed; the others hold partly written bytes.  ``cache_dir`` as
+    :func:`stream` takes it.  Copies of tensor bytes: CPU 1 (socket to the tensor), CUDA 2;
+    ``cache_dir`` as :func:`stream`.
     """
     remote = remote_options(options)
     if options:

@@ -22,6 +22,8 @@ For the bulk reads of a load (:mod:`engine.remote_reads`) the server also has:
 * ``server.keepalive = True``: HTTP/1.1 with persistent connections (``server.connections``
   counts the connections accepted), so connection pooling is exercised;
 * ``server.weak_etags = True``: the ETags are weak (``W/"..."``), which ``If-Match`` never matches;
+* ``server.last_modified = True``: a ``Last-Modified`` on every file answer (the file's mtime,
+  to the second, as HTTP dates go);
 * ``server.etags = True``: an ``ETag`` on every file answer, and ``If-Match`` honoured (a
   mismatch is 412, unless ``server.if_match = False``); ``server.generation += 1`` changes every ETag, as a replaced file would;
 * ``server.faults``: a fault at chosen *data* GETs, those of a ``.safetensors`` file whose
@@ -38,6 +40,7 @@ For the bulk reads of a load (:mod:`engine.remote_reads`) the server also has:
 
 from __future__ import annotations
 
+import email.utils
 import gzip
 import io
 import os
@@ -67,6 +70,7 @@ class RangeServer(ThreadingHTTPServer):
         self.etags = False
         self.if_match = True
         self.weak_etags = False  # W/"..." as a CDN may send: If-Match (strong) never matches one
+        self.last_modified = False
         self.max_range = 0  # > 0: ranges are answered with at most this many bytes (a capped server)
         self.generation = 0
         self.faults: dict | object = {}
@@ -238,6 +242,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(length))
         if etag:
             self.send_header("ETag", etag)
+        if self.server.last_modified:
+            self.send_header("Last-Modified", email.utils.formatdate(os.stat(file).st_mtime, usegmt=True))
         if ranged:
             total = "*" if mode == "no-total" else str(size + (fault == "grow"))
             self.send_header("Content-Range", f"bytes {first}-{last}/{total}")

@@ -1,21 +1,30 @@
-"""engine/remote_cache.py: ``cache_dir=`` local copies written in the same pass as a remote load."""
+"""engine/remote_cache.py: ``cache_dir=`` local copies written in the same pass as a remote load,
+against tests/rangeserver.py (it counts the data GETs and injects faults) and nginx (HTTP and
+path-style S3)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import engine
+import engine.numpy
 import engine.torch
 from engine import remote_cache
-from engine.errors import ReadError, WriteError
+from engine.errors import CacheWriteWarning, ReadError, WriteError
 from engine.remote_reads import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,6 +42,7 @@ def saved(tmp_path_factory):
     sd = llama()
     engine.save_sharded(sd, root / "sharded", max_shard_size=800_000, fsync=False)
     engine.save_sharded(sd, root / "single", fsync=False)
+    assert len(list((root / "sharded").glob("*.safetensors"))) >= 3
     return root, sd
 
 
@@ -44,20 +54,38 @@ def tree(saved, tmp_path):
     return root, saved[1]
 
 
+def _fresh(server) -> None:
+    server.reset()
+    server.keepalive, server.etags = True, True
+
+
 @pytest.fixture
 def server(tree):
     s = serve(str(tree[0]))
-    s.keepalive, s.etags = True, True
+    _fresh(s)
     yield s
     s.stop()
 
 
-def _files(d) -> list[str]:
-    """Every regular file under ``d``, relative."""
-    out = []
-    for top, _, names in os.walk(d):
-        out += [os.path.relpath(os.path.join(top, n), d) for n in names]
-    return sorted(out)
+def _copies(d) -> dict[str, str]:
+    """The copies in ``d``: served file name -> path; each has its sidecar and nothing else
+    is there."""
+    entries = sorted(os.listdir(d))
+    data = [e for e in entries if not e.endswith(".json")]
+    assert entries == sorted(data + [e + ".json" for e in data]), entries
+    return {e.split("-", 2)[2]: os.path.join(d, e) for e in data}
+
+
+def _shards(root, where="sharded") -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (root / where).glob("*.safetensors")}
+
+
+def _assert_copies_are(d, served: dict[str, bytes]) -> None:
+    got = _copies(d)
+    assert sorted(got) == sorted(served)
+    for name, path in got.items():  # each copy is the served file, byte for byte
+        with open(path, "rb") as f:
+            assert f.read() == served[name], name
 
 
 def _rewrite_same_version(path) -> None:
@@ -70,24 +98,33 @@ def _rewrite_same_version(path) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-@pytest.mark.parametrize("where", ["single/model.safetensors", f"sharded/{INDEX}"])
+def _touch_later(path, seconds: int = 10) -> None:
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
+
+
+# -- the first load writes, the next reads ---------------------------------------------------------
+@pytest.mark.parametrize("where", ["single/model.safetensors", f"sharded/{INDEX}", "sharded/"])
 def test_a_first_load_writes_byte_equal_copies_and_the_next_reads_them(tree, server, tmp_path, where):
     root, sd = tree
     d = tmp_path / "cache"
     got = engine.torch.load_file(server.url(where), cache_dir=d)
     assert_same(got, sd)
-    copies = _files(d)
-    served = sorted(p.name for p in (root / where).parent.glob("*.safetensors"))
-    assert sorted(os.path.basename(c) for c in copies) == served
-    for c in copies:  # each copy is the served file, byte for byte
-        assert (d / c).read_bytes() == ((root / where).parent / os.path.basename(c)).read_bytes()
+    served = _shards(root, where.split("/")[0])
+    _assert_copies_are(d, served)
+    for name, path in _copies(d).items():
+        side = json.loads(open(path + ".json").read())
+        url = server.url(f"{where.split('/')[0]}/{name}")
+        assert side == {"url": url, "etag": server.etag(str(root / where.split("/")[0] / name)),
+                        "size": len(served[name])}
+        assert remote_cache.entry_path(str(d), url, side["etag"], None, side["size"]) == path
     # the next load asks for the headers only, and reads the copies
-    server.reset()
-    server.keepalive, server.etags = True, True
+    before = sorted(os.listdir(d))
+    _fresh(server)
     again = engine.torch.load_file(server.url(where), cache_dir=d)
     assert_same(again, sd)
     assert server.data_gets == 0 and server.requests
-    assert _files(d) == copies
+    assert sorted(os.listdir(d)) == before
 
 
 def test_a_copy_is_read_only_while_the_server_has_its_version(tree, server, tmp_path):
@@ -95,7 +132,7 @@ def test_a_copy_is_read_only_while_the_server_has_its_version(tree, server, tmp_
     d = tmp_path / "cache"
     url = server.url("single/model.safetensors")
     engine.torch.load_file(url, cache_dir=d)
-    (old,) = _files(d)
+    (old,) = _copies(d).values()
     # other bytes under the same ETag (size and mtime kept): the copy is what is read
     _rewrite_same_version(root / "single/model.safetensors")
     cached = engine.torch.load_file(url, cache_dir=d)
@@ -106,63 +143,83 @@ def test_a_copy_is_read_only_while_the_server_has_its_version(tree, server, tmp_
     plain = engine.torch.load_file(url)
     assert any(raw(fresh[k]) != raw(sd[k]) for k in sd)  # the rewritten bytes, not the copy's
     assert all(raw(fresh[k]) == raw(plain[k]) for k in sd)
-    (new,) = _files(d)
-    assert new != old  # the new version replaced the old one
-    assert (d / new).read_bytes() == (root / "single/model.safetensors").read_bytes()
+    # the new version replaced the old one, copy and sidecar
+    _assert_copies_are(d, _shards(root, "single"))
+    assert not os.path.exists(old) and not os.path.exists(old + ".json")
 
 
+# -- only what landed whole ---------------------------------------------------------------------------
 def test_a_partial_selection_writes_no_copy_of_a_file_it_did_not_read_whole(tree, server, tmp_path):
     root, sd = tree
     d = tmp_path / "cache"
-    name = sorted(sd)[0]
-    got = dict(engine.stream(server.url(f"sharded/{INDEX}"), framework="pt", names=[name], cache_dir=d))
-    assert list(got) == [name]
-    index = engine.read_checkpoint_info(str(root / "sharded")).weight_map
-    shard = index[name]
-    only = [n for n in sd if index[n] == shard]
-    # the shard holding it is copied only when it holds nothing else
-    assert [os.path.basename(c) for c in _files(d)] == ([shard] if only == [name] else [])
-
-
-def test_stream_load_into_and_safe_open_take_cache_dir(tree, server, tmp_path):
-    root, sd = tree
-    d = tmp_path / "cache"
     url = server.url(f"sharded/{INDEX}")
-    # safe_open writes no copy (it reads what is asked), but reads complete ones
-    with engine.safe_open(url, "pt", cache_dir=d) as f:
-        assert raw(f.get_tensor(sorted(sd)[0])) == raw(sd[sorted(sd)[0]])
-    assert _files(d) == []
-    out = {k: torch.empty_like(v) for k, v in sd.items()}
-    engine.load_into(url, out, cache_dir=d)
-    assert_same(dict(sorted(out.items())), sd)
-    copies = _files(d)
-    assert len(copies) == len(list((root / "sharded").glob("*.safetensors")))
-    server.reset()
-    server.keepalive, server.etags = True, True
-    streamed = dict(sorted(engine.stream(url, framework="pt", cache_dir=d)))
-    assert_same(streamed, sd)
-    with engine.safe_open(url, "pt", cache_dir=d) as f:
-        assert_same({k: f.get_tensor(k) for k in sorted(f.keys())}, sd)
-        assert raw(f.get_slice(sorted(sd)[0])[:1]) == raw(sd[sorted(sd)[0]][:1])
-    assert server.data_gets == 0
+    index = engine.read_checkpoint_info(str(root / "sharded")).weight_map
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in index.items():
+        by_shard.setdefault(shard, []).append(name)
+    shard, names = max(by_shard.items(), key=lambda kv: len(kv[1]))
+    assert len(names) > 1
+    got = dict(engine.stream(url, framework="pt", names=names[:1], cache_dir=d))
+    assert list(got) == names[:1]
+    assert os.listdir(d) == []
+    # every tensor of one shard: that shard's copy, and no other
+    got = dict(engine.stream(url, framework="pt", names=names, cache_dir=d))
+    assert sorted(got) == sorted(names)
+    _assert_copies_are(d, {shard: (root / "sharded" / shard).read_bytes()})
 
 
-def test_a_failed_or_abandoned_load_leaves_no_file(tree, server, tmp_path):
+def test_a_file_is_copied_only_when_its_whole_data_region_landed(tree, tmp_path):
+    """The coverage check itself: bytes counted and the union of the ranges compared with the
+    data region (a range twice and a gap of the same size is not a whole file)."""
+    root, _ = tree
+    path = root / "single/model.safetensors"
+    data = path.read_bytes()
+    header = engine.read_header(str(path))
+    raw_header = data[: header.data_start]
+    ds, size = header.data_start, header.file_size
+    half = ds + (size - ds) // 2
+    q = ds + (size - ds) // 4
+    for ranges, whole in [([(ds, half), (half, size)], True), ([(half, size), (ds, half)], True),
+                          ([(ds, half), (ds, half)], False), ([(ds, half)], False),
+                          ([(ds, q), (ds, q), (2 * q - ds, size)], False),  # the right count, a gap
+                          ([(ds, half), (half + 1, size), (half, half + 1)], True),
+                          ([(ds, half), (half, size), (half, half + 1)], False)]:
+        d = tmp_path / f"c{len(os.listdir(tmp_path))}"
+        copies = remote_cache.Copies(d)
+        write = copies.wrap("http://h/model.safetensors", '"e"', None, header, raw_header, lambda o, v: None)
+        for a, b in ranges:
+            write(a, [memoryview(data)[a:b]])
+        assert bool(copies.commit()) == whole, ranges
+        copies.close()
+        if whole:
+            assert open(remote_cache.entry_path(d, "http://h/model.safetensors", '"e"', None, size), "rb").read() \
+                == data
+        else:
+            assert os.listdir(d) == []
+
+
+# -- nothing of a load that did not succeed ------------------------------------------------------------
+def test_a_failed_or_abandoned_load_leaves_nothing(tree, server, tmp_path):
     d = tmp_path / "cache"
     url = server.url(f"sharded/{INDEX}")
     server.faults = {3: "403"}
     with pytest.raises(ReadError):
         engine.torch.load_file(url, cache_dir=d, retry=FAST)
-    assert _files(d) == []
+    assert os.listdir(d) == []
+    # a body cut short on every try: a read error
+    server.faults = lambda n, path, first, last: "short" if n >= 2 else None
+    with pytest.raises(ReadError):
+        engine.torch.load_file(url, cache_dir=d, retry=FAST)
+    assert os.listdir(d) == []
     server.faults = {}
     # a consumer that stops after the first tensor: the load did not succeed, nothing is named
     stream = engine.stream(url, framework="pt", cache_dir=d)
     next(stream)
     stream.close()
-    assert _files(d) == []
+    assert os.listdir(d) == []
 
 
-def test_a_load_killed_midway_leaves_no_file(tree, server, tmp_path):
+def test_a_load_killed_midway_leaves_nothing(tree, server, tmp_path):
     d = tmp_path / "cache"
     url = server.url(f"sharded/{INDEX}")
     server.faults = {2: "slow"}  # the second body stalls; the others land and are written
@@ -185,57 +242,319 @@ def test_a_load_killed_midway_leaves_no_file(tree, server, tmp_path):
     finally:
         if child.poll() is None:
             child.kill()
-    assert _files(d) == []
+    assert os.listdir(d) == []
 
 
-def test_no_copy_without_a_strong_etag(tree, server, tmp_path):
+# -- versions -----------------------------------------------------------------------------------------
+def test_without_an_etag_last_modified_and_size_tell_versions_apart(tree, server, tmp_path):
+    root, sd = tree
+    d = tmp_path / "cache"
+    path = root / "single/model.safetensors"
+    url = server.url("single/model.safetensors")
+    server.etags, server.last_modified = False, True
+    assert_same(engine.torch.load_file(url, cache_dir=d), sd)
+    ((name, copy),) = _copies(d).items()
+    side = json.loads(open(copy + ".json").read())
+    assert side["etag"] is None and side["last_modified"].endswith("GMT")
+    _rewrite_same_version(path)  # same size, same second: the copy is read
+    server.reset()
+    server.etags, server.last_modified = False, True
+    assert_same(engine.torch.load_file(url, cache_dir=d), sd)
+    assert server.data_gets == 0
+    _touch_later(path)  # a new Last-Modified: the server's bytes, and a new copy
+    fresh = engine.torch.load_file(url, cache_dir=d)
+    assert any(raw(fresh[k]) != raw(sd[k]) for k in sd)
+    assert server.data_gets > 0
+    _assert_copies_are(d, _shards(root, "single"))
+    # a weak ETag beside Last-Modified: both are the version
+    server.etags, server.weak_etags = True, True
+    engine.torch.load_file(url, cache_dir=d)
+    ((_, copy),) = _copies(d).items()
+    assert json.loads(open(copy + ".json").read())["etag"].startswith("W/")
+
+
+def test_no_copy_without_a_strong_etag_or_last_modified(tree, server, tmp_path):
     d = tmp_path / "cache"
     server.etags = False
-    engine.torch.load_file(server.url("single/model.safetensors"), cache_dir=d)
-    assert _files(d) == []
+    with pytest.warns(CacheWriteWarning, match="neither a strong ETag nor Last-Modified"):
+        engine.torch.load_file(server.url("single/model.safetensors"), cache_dir=d)
+    assert os.listdir(d) == []
     server.etags, server.weak_etags = True, True
-    engine.torch.load_file(server.url("single/model.safetensors"), cache_dir=d)
-    assert _files(d) == []
-    assert remote_cache.version_path(str(d), "http://h/m.safetensors", None, 5) is None
-    assert remote_cache.version_path(str(d), "http://h/m.safetensors", 'W/"x"', 5) is None
+    with pytest.warns(CacheWriteWarning, match="versions cannot be told apart"):
+        engine.torch.load_file(server.url("single/model.safetensors"), cache_dir=d)
+    assert os.listdir(d) == []
+    assert remote_cache.entry_path(str(d), "http://h/m.safetensors", None, None, 5) is None
+    assert remote_cache.entry_path(str(d), "http://h/m.safetensors", 'W/"x"', None, 5) is None
 
 
-def test_paths_never_hold_credentials_or_leave_the_cache(tmp_path):
-    d = str(tmp_path)
-    p = remote_cache.version_path(d, "https://user:secret@h.example/a/..%2F..%2Fevil%20name.safetensors", '"e"', 9)
-    assert p is not None and "secret" not in p and "user" not in p
-    assert os.path.dirname(os.path.dirname(os.path.dirname(p))) == d
-    assert os.path.basename(p) == "evil_name.safetensors"
-    same = remote_cache.version_path(d, "https://h.example/a/..%2F..%2Fevil%20name.safetensors", '"e"', 9)
-    assert same == p  # the URL without its password is the key
-    assert remote_cache.version_path(d, "https://h.example/x/.hidden", '"e"', 9).endswith(os.sep + "hidden")
-    other = remote_cache.version_path(d, "https://h.example/a/..%2F..%2Fevil%20name.safetensors", '"f"', 9)
-    assert os.path.dirname(other) != os.path.dirname(p)  # another version, beside it
+def test_no_copy_through_fsspec(tree, tmp_path):
+    pytest.importorskip("fsspec")
+    root, sd = tree
+    d = tmp_path / "cache"
+    with pytest.warns(CacheWriteWarning, match="fsspec"):
+        got = engine.torch.load_file(f"file://{root}/single/model.safetensors", cache_dir=d)
+    assert_same(got, sd)
+    assert os.listdir(d) == []
 
 
-def test_a_cache_dir_that_cannot_be_written_is_an_error_before_any_request(tree, server, tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    with pytest.raises(WriteError, match="cache directory"):
-        engine.torch.load_file(server.url("single/model.safetensors"), cache_dir=blocker / "sub")
-    assert server.data_gets == 0
-
-
-def test_a_copy_of_another_size_is_never_read(tree, server, tmp_path):
+def test_a_copy_the_engine_did_not_write_whole_is_never_read(tree, server, tmp_path):
     root, sd = tree
     d = tmp_path / "cache"
     url = server.url("single/model.safetensors")
     engine.torch.load_file(url, cache_dir=d)
-    (copy,) = _files(d)
-    with open(d / copy, "ab") as f:  # not what the engine wrote: a copy must have the file's size
+    (copy,) = _copies(d).values()
+    good = open(copy, "rb").read()
+    side = open(copy + ".json", "rb").read()
+
+    def loads_from_server() -> bool:
+        _fresh(server)
+        assert_same(engine.torch.load_file(url, cache_dir=d), sd)
+        return server.data_gets > 0
+
+    with open(copy, "ab") as f:  # another size
         f.write(b"x")
-    server.reset()
-    server.keepalive, server.etags = True, True
+    assert loads_from_server()
+    with open(copy, "r+b") as f:  # another header (its first bytes), same size
+        f.write(good[:8] + b"[" + good[9:64])
+    assert loads_from_server()
+    os.unlink(copy + ".json")  # no sidecar: the copy is not known to be of this URL and version
+    assert loads_from_server()
+    with open(copy + ".json", "wb") as f:
+        f.write(side.replace(b'"size"', b'"sizes"'))
+    assert loads_from_server()
+    assert not loads_from_server()  # the last load wrote it again, whole
+
+
+# -- names ---------------------------------------------------------------------------------------------
+def test_names_hold_no_credentials_and_stay_in_the_cache(tree, server, tmp_path):
+    root, sd = tree
+    d = tmp_path / "cache"
+    p = remote_cache.entry_path(str(d), "https://user:secret@h.example/a/..%2F..%2Fevil%20name.safetensors",
+                                '"e"', None, 9)
+    assert p is not None and "secret" not in p and "user" not in p
+    assert os.path.dirname(p) == str(d)
+    assert p.endswith("-evil_name.safetensors")
+    same = remote_cache.entry_path(str(d), "https://h.example/a/..%2F..%2Fevil%20name.safetensors", '"e"', None, 9)
+    assert same == p  # the URL without its password is the key
+    assert remote_cache.entry_path(str(d), "https://h.example/x/.hidden", '"e"', None, 9).endswith("-hidden")
+    assert os.path.dirname(remote_cache.entry_path(str(d), "https://h.example/..", '"e"', None, 9)) == str(d)
+    # a load with a password in its URL and a token in a header: neither reaches a name or a sidecar
+    url = server.url("single/model.safetensors").replace("http://", "http://user:secret@")
+    assert_same(engine.torch.load_file(url + "?sig=tok-in-query", cache_dir=d,
+                                       headers={"Authorization": "Bearer tok-in-header"}), sd)
+    (copy,) = _copies(d).values()
+    side = open(copy + ".json").read()
+    for secret in ("secret", "tok-in-query", "tok-in-header"):
+        assert secret not in copy and secret not in side
+    assert json.loads(side)["url"] == server.url("single/model.safetensors")
+
+
+# -- errors ------------------------------------------------------------------------------------------
+def test_a_cache_dir_that_cannot_be_created_is_an_error_before_any_data_request(tree, server, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(WriteError, match="cache directory") as info:
+        engine.torch.load_file(server.url("single/model.safetensors"), cache_dir=blocker / "sub")
+    assert info.value.reason == "CacheDirectory"
+    assert server.data_gets == 0
+
+
+@contextlib.contextmanager
+def _read_only(d):
+    """``d`` made read-only for this process: its mode, or, for root (whom modes do not
+    stop), the immutable attribute (``chattr +i``, where the file system has it)."""
+    os.chmod(d, 0o555)
+    immutable = False
+    try:
+        if os.access(d, os.W_OK) and shutil.which("chattr"):
+            immutable = subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0
+        if os.access(d, os.W_OK):
+            pytest.skip("no way to make a directory read-only for this user here")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(d)], check=True)
+        os.chmod(d, 0o755)
+
+
+def test_a_read_only_cache_dir_is_read_and_an_error_when_a_file_must_be_copied(tree, server, tmp_path):
+    root, sd = tree
+    d = tmp_path / "cache"
+    url = server.url("single/model.safetensors")
+    engine.torch.load_file(url, cache_dir=d)
+    with _read_only(d):
+        _fresh(server)
+        assert_same(engine.torch.load_file(url, cache_dir=d), sd)  # current copies: read
+        assert server.data_gets == 0
+        server.generation += 1  # a new version: it would have to be copied
+        with pytest.raises(WriteError, match="not writable") as info:
+            engine.torch.load_file(url, cache_dir=d)
+        assert info.value.reason == "CacheDirectory"
+        assert server.data_gets == 0
+
+
+def test_a_copy_that_cannot_be_written_is_dropped_with_a_warning_and_the_load_goes_on(tree, server, tmp_path,
+                                                                                        monkeypatch):
+    root, sd = tree
+    d = tmp_path / "cache"
+    real = os.pwritev
+    victim: list[int] = []
+
+    def full(fd, views, offset):  # the first file a body is written to fails, each time
+        if offset and not victim:
+            victim.append(fd)
+        if victim and fd == victim[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(remote_cache.os, "pwritev", full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = engine.torch.load_file(server.url(f"sharded/{INDEX}"), cache_dir=d)
+    assert_same(got, sd)
+    found = [w for w in caught if issubclass(w.category, CacheWriteWarning)]
+    assert len(found) == 1 and "No space left" in str(found[0].message)  # once, for the file it hit
+    served = _shards(root)
+    written = _copies(d)
+    assert len(written) == len(served) - 1  # every other file got its copy
+    _assert_copies_are(d, {k: served[k] for k in written})
+
+
+# -- concurrent loaders --------------------------------------------------------------------------------
+def test_concurrent_loads_into_one_cache_dir(tree, server, tmp_path):
+    root, sd = tree
+    d = tmp_path / "cache"
+    url = server.url(f"sharded/{INDEX}")
+    results: list[object] = [None] * 4
+
+    def load(i: int) -> None:
+        try:
+            results[i] = engine.torch.load_file(url, cache_dir=d)
+        except BaseException as exc:  # reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for got in results:
+        assert isinstance(got, dict), got
+        assert_same(got, sd)
+    _assert_copies_are(d, _shards(root))
+    _fresh(server)
     assert_same(engine.torch.load_file(url, cache_dir=d), sd)
-    assert server.data_gets > 0
+    assert server.data_gets == 0
 
 
-def test_s3_and_nginx(saved, tmp_path):
+# -- every entry point -------------------------------------------------------------------------------
+def test_stream_load_into_and_numpy_take_cache_dir(tree, server, tmp_path):
+    root, sd = tree
+    d = tmp_path / "cache"
+    url = server.url(f"sharded/{INDEX}")
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    engine.load_into(url, out, cache_dir=d)
+    assert_same(dict(sorted(out.items())), sd)
+    _assert_copies_are(d, _shards(root))
+    _fresh(server)
+    streamed = dict(sorted(engine.stream(url, framework="pt", cache_dir=d)))
+    assert_same(streamed, sd)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    engine.load_into(url, out, cache_dir=d)
+    assert_same(dict(sorted(out.items())), sd)
+    arrays = engine.numpy.load_file(url, cache_dir=d)
+    assert all(np.asarray(arrays[k]).tobytes() == raw(sd[k]) for k in sd)
+    assert server.data_gets == 0
+
+
+def test_safe_open_downloads_into_the_cache_then_reads_the_copies(tree, server, tmp_path):
+    root, sd = tree
+    d = tmp_path / "cache"
+    url = server.url(f"sharded/{INDEX}")
+    first = sorted(sd)[0]
+    with engine.safe_open(url, "pt", cache_dir=d) as f:
+        # every file is downloaded at open, whole, and the handle reads the copies
+        _assert_copies_are(d, _shards(root))
+        gets = server.data_gets
+        assert gets > 0
+        assert raw(f.get_tensor(first)) == raw(sd[first])
+        assert server.data_gets == gets
+    _fresh(server)
+    with engine.safe_open(url, "pt", cache_dir=d) as f:
+        assert_same({k: f.get_tensor(k) for k in sorted(f.keys())}, sd)
+        assert raw(f.get_slice(first)[:1]) == raw(sd[first][:1])
+        assert_same(dict(sorted(f.get_tensors().items())), sd)
+    assert server.data_gets == 0
+
+
+def test_safe_open_downloads_through_a_buffer_where_the_file_cannot_be_mapped(tree, server, tmp_path, monkeypatch):
+    root, sd = tree
+    d = tmp_path / "cache"
+    monkeypatch.setattr(remote_cache, "_mapping", lambda copy: None)
+    with engine.safe_open(server.url("single/model.safetensors"), "pt", cache_dir=d, connections=3) as f:
+        assert_same({k: f.get_tensor(k) for k in sorted(f.keys())}, sd)
+    _assert_copies_are(d, _shards(root, "single"))
+
+
+def test_a_failed_safe_open_download_leaves_nothing(tree, server, tmp_path):
+    d = tmp_path / "cache"
+    server.faults = lambda n, path, first, last: "403" if n >= 3 else None
+    with pytest.raises(ReadError):
+        engine.safe_open(server.url(f"sharded/{INDEX}"), "pt", cache_dir=d, retry=FAST)
+    assert os.listdir(d) == []
+
+
+def test_a_device_load_writes_its_copies_from_the_staging_slots(tree, server, tmp_path, monkeypatch):
+    """Bodies received into pinned slots (an emulated device, its copies asynchronous) are
+    written from the slots, and the next device load reads the copies."""
+    from emulated import EmulatedDevice, EmulatedSink
+
+    import engine.loader
+
+    root, sd = tree
+    d = tmp_path / "cache"
+    url = server.url(f"sharded/{INDEX}")
+    for attempt in range(2):
+        emu = EmulatedDevice()
+        sink = EmulatedSink(emu)
+        monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device, sink=sink: sink)
+        try:
+            got = dict(engine.stream(url, device="emulated", chunk_bytes=65536, slot_bytes=1 << 18, cache_dir=d))
+        finally:
+            emu.close()
+        assert sorted(got) == sorted(sd)
+        assert all(bytes(got[k]) == raw(v) for k, v in sd.items())
+        emu.assert_clean()
+        _assert_copies_are(d, _shards(root))
+        if attempt == 0:
+            _fresh(server)
+    assert server.data_gets == 0
+
+
+# -- nginx ---------------------------------------------------------------------------------------------
+def test_nginx_copies_and_versions(tree, tmp_path):
+    """nginx's ETag is the file's mtime and size: a rewrite under both is the same version
+    (the copy is read: the proof that it is), a new mtime a new one (never the copy)."""
+    nginx_or_skip()
+    root, sd = tree
+    d = tmp_path / "cache"
+    with Nginx(str(root)) as ng:
+        url = ng.url(f"sharded/{INDEX}")
+        assert_same(engine.torch.load_file(url, cache_dir=d), sd)
+        served = _shards(root)
+        _assert_copies_are(d, served)
+        for name in served:
+            _rewrite_same_version(root / "sharded" / name)
+        assert_same(engine.torch.load_file(url, cache_dir=d), sd)  # the copies' bytes, not the server's
+        for name in served:
+            _touch_later(root / "sharded" / name)
+        fresh = engine.torch.load_file(url, cache_dir=d)
+        assert all(raw(fresh[k]) == raw(v) for k, v in engine.torch.load_file(str(root / "sharded")).items())
+        assert any(raw(fresh[k]) != raw(sd[k]) for k in sd)
+        _assert_copies_are(d, _shards(root))  # the new versions replaced the old
+
+
+def test_nginx_http_and_s3(saved, tmp_path):
     """Through nginx, as HTTP and as S3 path-style GETs: copies written, then read."""
     nginx_or_skip()
     root, sd = saved
@@ -249,6 +568,8 @@ def test_s3_and_nginx(saved, tmp_path):
             for url in (ng.url(f"sharded/{INDEX}"), f"s3://sharded/{INDEX}"):
                 assert_same(engine.torch.load_file(url, cache_dir=d), sd)
                 assert_same(engine.torch.load_file(url, cache_dir=d), sd)
+                with engine.safe_open(url, "pt", cache_dir=d) as f:
+                    assert_same({k: f.get_tensor(k) for k in sorted(f.keys())}, sd)
         finally:
             for k, v in old.items():
                 if v is None:
@@ -256,38 +577,4 @@ def test_s3_and_nginx(saved, tmp_path):
                 else:
                     os.environ[k] = v
     shards = len(list((root / "sharded").glob("*.safetensors")))
-    assert len(_files(d)) == 2 * shards  # one copy per URL of each shard
-
-
-def test_a_copy_that_cannot_be_written_is_dropped_with_a_warning_and_the_load_goes_on(tree, server, tmp_path,
-                                                                                        monkeypatch):
-    import errno
-    import warnings
-
-    from engine.errors import CacheWriteWarning
-
-    root, sd = tree
-    d = tmp_path / "cache"
-    real = os.pwritev
-    victim = []
-
-    def full(fd, views, offset):  # the first file written to fails, each time
-        if not victim:
-            victim.append(fd)
-        if fd == victim[0]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, views, offset)
-
-    monkeypatch.setattr(remote_cache.os, "pwritev", full)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = engine.torch.load_file(server.url(f"sharded/{INDEX}"), cache_dir=d)
-    assert_same(got, sd)
-    found = [w for w in caught if issubclass(w.category, CacheWriteWarning)]
-    assert len(found) == 1 and "No space left" in str(found[0].message)  # once, for the file it hit
-    shards = len(list((root / "sharded").glob("*.safetensors")))
-    written = _files(d)
-    assert len(written) == shards - 1  # every other file got its copy
-    for c in written:
-        assert (d / c).read_bytes() == (root / "sharded" / os.path.basename(c)).read_bytes()
-
+    assert len(os.listdir(d)) == 2 * 2 * shards  # one copy and its sidecar per URL of each shard
