@@ -61,6 +61,10 @@ class RemoteParts:
         #: the local copies of a load with ``cache_dir`` (:mod:`engine.remote_cache`)
         self.copies = copies
 
+    def local(self) -> bool:
+        """Whether every file is read from its local copy (``cache_dir``)."""
+        return all(p.ranges is None for p in self.parts)
+
     def ranged(self) -> RemoteParts:
         """Give every part read from a local copy a ``ranges`` of positional reads, for
         callers that read by ranges (``safe_open``); returns self."""
@@ -219,12 +223,15 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
     threads = options.pop("threads", None)
     with open_parts(url, connections=connections or threads, **remote) as opened:
         on_device = str(device) not in ("cpu",) and framework not in ("np", "numpy")
-        if chunk_bytes is None:
+        workers: int | None = opened.reads.connections
+        if opened.local():  # every file from its copy (cache_dir): a local load's threads and reads
+            workers = threads
+        elif chunk_bytes is None:
             chunk_bytes = DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES
         try:
             yield from stream_parts(
                 opened.parts, many=opened.many, framework=framework, device=device,
-                threads=opened.reads.connections, chunk_bytes=chunk_bytes, cancel=opened.reads.cancel, **options,
+                threads=workers, chunk_bytes=chunk_bytes, cancel=opened.reads.cancel, **options,
             )
             opened.commit()  # every tensor landed: the complete copies get their names
         finally:
@@ -253,8 +260,11 @@ def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chu
         raise TypeError(f"unexpected options: {sorted(options)}")
     with open_parts(url, connections=connections, **remote) as opened:
         on_device = any(getattr(t, "is_cuda", False) or type(t).__module__.startswith("cupy") for t in tensors.values())
-        chunk = chunk_bytes or (DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES)
-        filled = fill_parts(opened.parts, tensors, strict=strict, threads=opened.reads.connections,
+        chunk: int | None = chunk_bytes or (DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES)
+        workers: int | None = opened.reads.connections
+        if opened.local():  # every file from its copy (cache_dir): a local load's threads and reads
+            workers, chunk = None, chunk_bytes
+        filled = fill_parts(opened.parts, tensors, strict=strict, threads=workers,
                             chunk_bytes=chunk, gpu_path=gpu_path, source=opened.source,
                             cancel=opened.reads.cancel)  # a failed read ends the others' waits between tries
         opened.commit()
