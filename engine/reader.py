@@ -23,7 +23,7 @@ from .kept_mappings import KEPT_MAPPINGS, KeptMapping
 
 __all__ = [
     "default_threads", "pread_into", "pread_runs", "pread_spans", "spans_bytes", "prefetch_mapping", "run_threads",
-    "map_threads", "check_read", "FaultAhead", "fault_threads", "resident_pages", "populate_write", "split_reader", "split_piece_bytes", "copy_source", "copy_mapping", "close_mapping", "kept",
+    "map_threads", "check_read", "FaultAhead", "fault_threads", "resident_pages", "populate_write", "start_writeback", "split_reader", "split_piece_bytes", "copy_source", "copy_mapping", "close_mapping", "kept",
     "COPY_SOURCES",
     "IOV_MAX",
 ]
@@ -324,6 +324,16 @@ def populate_write(buf) -> int:
     from . import _io
 
     return _io.populate_write(buf)
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> int:
+    """Start writing ``nbytes`` of ``fd``'s dirty pages from ``offset`` to the disk and
+    return at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, GIL released), so that a
+    file written during a load (a ``cache_dir`` copy) is mostly on the disk by its
+    ``fsync``.  Returns ``errno`` or 0: advice only."""
+    from . import _io
+
+    return _io.start_writeback(fd, offset, nbytes)
 
 
 #: Bytes of destination per step of :class:`FaultAhead` (the order its threads take them in).

@@ -80,11 +80,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _io
 from ._atomic import AtomicFile, remove_stale, sync_dir, umask
 from ._threads import run_threads
 from .errors import CacheWriteWarning, WriteError
 from .header import Header
+from .reader import start_writeback
 from .remote_reads import public_url
 
 __all__ = ["identity", "entry_path", "Copies"]
@@ -185,7 +185,7 @@ class _Copy:
 
     def landed_at(self, offset: int, nbytes: int) -> None:
         """``nbytes`` from ``offset`` are in the file: start their write-back, count them."""
-        _io.start_writeback(self.fd, offset, nbytes)  # the disk writes them while the load goes on
+        start_writeback(self.fd, offset, nbytes)  # the disk writes them while the load goes on
         with self.lock:
             self.spans.append((offset, nbytes))
             self.landed += nbytes

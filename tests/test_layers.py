@@ -91,6 +91,7 @@ FLOORS: dict[str, int] = {
     "checkpoint_info": 6,
     "shards": 6,
     "_remote_files": 6,
+    "remote_cache": 6,
     # applications; the framework modules take a file or a whole checkpoint
     "opener": 7,
     "numpy": 7,
