@@ -85,7 +85,7 @@ from ._threads import run_threads
 from .errors import CacheWriteWarning, WriteError
 from .header import Header
 from .reader import start_writeback
-from .remote_reads import public_url
+from .remote_reads import public_url, skip_views
 
 __all__ = ["identity", "entry_path", "Copies"]
 
@@ -137,21 +137,10 @@ def _pwrite_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
     total = sum(len(v) for v in views)
     done = 0
     while done < total:  # pwritev may write fewer bytes than asked (a signal, a quota)
-        n = os.pwritev(fd, _tail(views, done), offset + done)
+        n = os.pwritev(fd, skip_views(views, done), offset + done)
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         done += n
-
-
-def _tail(views: Sequence[memoryview], n: int) -> list[memoryview]:
-    out = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out
 
 
 class _Copy:

@@ -54,7 +54,7 @@ from ._http import (
 from .errors import SafetensorError
 
 __all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url", "read_runs",
-           "transient"]
+           "skip_views", "transient"]
 
 #: Connections (and worker threads) per load: two per core, between 4 and 16.  Each
 #: connection's receive takes CPU, so on a 2-core VM 4 beat 8 and 16 on loopback
@@ -233,7 +233,7 @@ class RangeReads:
             try:
                 # a whole answer may be shorter than asked (a server that caps its ranges):
                 # the rest is asked for at once, with no backoff and no try counted
-                done += self._get(file, offset + done, _skip(views, done))
+                done += self._get(file, offset + done, skip_views(views, done))
                 if done >= want:
                     return
                 continue
@@ -434,8 +434,8 @@ class RangeReads:
         return _Failed(err, landed, reason in _TRANSIENT_REASONS if transient is None else transient)
 
 
-def _skip(views: list[memoryview], n: int) -> list[memoryview]:
-    """``views`` without their first ``n`` bytes."""
+def skip_views(views: Sequence[memoryview], n: int) -> list[memoryview]:
+    """``views`` (back to back) without their first ``n`` bytes."""
     out = []
     for v in views:
         if n >= len(v):
