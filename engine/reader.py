@@ -371,6 +371,12 @@ class FaultAhead:
     def __init__(self, views, threads: int | None = None) -> None:
         from . import _io
 
+        self._stop = array.array("i", [0])  # int32: read by the threads between runs
+        self._threads: list[threading.Thread] = []
+        want = fault_threads() if threads is None else threads
+        if want <= 0:  # none (below 4 cores by default): not even a walk over the views
+            self._steps: list[list[memoryview]] = []
+            return
         steps: list[list[memoryview]] = [[]]
         size = 0
         for v in views:
@@ -382,9 +388,7 @@ class FaultAhead:
         if not steps[-1]:
             steps.pop()
         self._steps = steps
-        self._stop = array.array("i", [0])  # int32: read by the threads between runs
-        n = fault_threads() if threads is None else threads
-        n = max(0, min(n, len(steps)))
+        n = min(want, len(steps))
         self._threads = [
             threading.Thread(target=_io.populate_ranges, args=(steps, i, n, self._stop),
                              name=f"engine-fault-{i}", daemon=True)
@@ -396,6 +400,11 @@ class FaultAhead:
     @property
     def threads(self) -> int:
         return len(self._threads)
+
+    def wait(self) -> None:
+        """Join the threads once they have faulted everything in (no stop)."""
+        for t in self._threads:
+            t.join()
 
     def close(self) -> None:
         """Stop (between runs) and join the threads."""

@@ -249,7 +249,8 @@ def test_fault_ahead_faults_a_destination_in_and_stops_on_close(monkeypatch):
         views = [view[i : i + (1 << 20)] for i in range(0, size, 1 << 20)]
         with reader.FaultAhead(views, threads=2) as ahead:
             assert ahead.threads == 2
-        assert _io.mapping_resident(view, 0, size)  # close() joined threads that had finished
+            ahead.wait()  # close() would stop them between runs
+        assert _io.mapping_resident(view, 0, size)
         assert bytes(view[:page]) == bytes(page)
         with reader.FaultAhead(views[:1], threads=8) as ahead:
             assert ahead.threads == 1  # no more threads than steps
