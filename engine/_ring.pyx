@@ -475,6 +475,7 @@ cdef class ChunkRing:
     cdef void* mem
     cdef bint busy
     cdef int64_t last_chunks
+    cdef int64_t tally0[2]
     cdef int last_threads
     cdef object stream_owner
     cdef object __weakref__
@@ -600,7 +601,8 @@ cdef class ChunkRing:
         issuing thread filled its one chunk itself); ``fill_wait_s`` (the issuing thread waiting
         for fills); ``slot_wait_s`` (copy threads waiting for a slot's copy, summed);
         ``fill_s`` (seconds filling chunks, summed over threads); ``lock_s`` and
-        ``lock_calls`` (page-locking done during the run)."""
+        ``lock_calls`` (page-locking done during the run); ``pread_bytes`` and
+        ``mmap_bytes`` (bytes filled with each source)."""
         cdef _State* st = self.st
         cdef int i
         cdef double fill = 0
@@ -610,7 +612,15 @@ cdef class ChunkRing:
             fill += st.fill_s[i]
         return {"chunks": self.last_chunks, "threads": self.last_threads, "fill_wait_s": st.wait_fill,
                 "slot_wait_s": st.wait_slot, "fill_s": fill, "lock_s": st.lock_s,
-                "lock_calls": st.lock_calls}
+                "lock_calls": st.lock_calls, "pread_bytes": self._tally(0) - self.tally0[0],
+                "mmap_bytes": self._tally(1) - self.tally0[1]}
+
+    cdef int64_t _tally(self, int source):
+        cdef int k
+        cdef int64_t n = 0
+        for k in range(self.nthreads + 1):
+            n += self.st.choices[k].nbytes[source]
+        return n
 
     @property
     def pageable(self) -> bool:
@@ -694,6 +704,8 @@ cdef class ChunkRing:
         seats = 0 if inline else (self.nthreads if n >= self.nthreads else <int>n)
         self.last_chunks = n
         self.last_threads = seats
+        self.tally0[0] = self._tally(0)
+        self.tally0[1] = self._tally(1)
         try:
             st.plan.nchunks = n
             st.plan.c_file = &c_file[0]

@@ -82,7 +82,11 @@ def default_threads(cores: int | None = None) -> int:
 def default_geometry(cores: int | None = None) -> Geometry:
     """The ring's shape when the caller says nothing: ``ENGINE_RING`` if set, else 4 MiB
     chunks, 32 in flight (128 MiB page-locked), :func:`default_threads`."""
-    env = os.environ.get("ENGINE_RING", "").strip()
+    return _default_geometry(os.environ.get("ENGINE_RING", "").strip(), cores)
+
+
+@functools.lru_cache(maxsize=16)
+def _default_geometry(env: str, cores: int | None) -> Geometry:
     if env:
         return parse_geometry(env)
     return Geometry(4 * _MIB, 32, default_threads(cores))
@@ -215,9 +219,10 @@ class LoadRecord:
     pageable: bool
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {name: getattr(self, name) for name in _RECORD_FIELDS}
 
 
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(LoadRecord))
 _LOG = logging.getLogger("engine.device_ring")
 _RECORDERS: list[list] = []
 _RECORDERS_LOCK = threading.Lock()
@@ -521,6 +526,13 @@ class _Landing:
 
     def __init__(self, pieces: _Pieces, c_seg, s_len, tracker) -> None:
         self.tracker = tracker
+        self.sizes = pieces.sizes
+        self.reported = 0
+        if len(pieces.sizes) == 1 and len(pieces.len):
+            # one tensor (get_tensor's load): it lands with the load's last chunk
+            self.order = list(pieces.sizes)
+            self.chunk = np.array([len(c_seg) - 2], np.int64)
+            return
         if len(pieces.len):
             seg_end = np.cumsum(s_len)
             chunk_end = seg_end[c_seg[1:] - 1]
@@ -533,12 +545,12 @@ class _Landing:
         order = sorted(last.items(), key=lambda kv: kv[1])
         self.order = [k for k, _ in order]
         self.chunk = np.array([c for _, c in order], np.int64)
-        self.sizes = pieces.sizes
-        self.reported = 0
         tracker.landed([(k, 0) for k, n in pieces.sizes.items() if n == 0])
 
     def upto(self, done: int) -> None:
         """Chunks ``[0, done)`` have completed."""
+        if self.reported == len(self.order):
+            return
         stop = int(np.searchsorted(self.chunk, done, side="left"))
         if stop > self.reported:
             keys = self.order[self.reported : stop]
@@ -550,27 +562,41 @@ def _ring_key(ops, g: Geometry) -> tuple:
     return (ops.runtime_path(), ops.device_index, g)
 
 
-def prepare(ops, geometry: Geometry | None = None) -> tuple[float, int]:
+def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, linger: bool = False):
     """Set up the ring of ``ops``'s device (threads, events, every chunk page-locked) ahead of
-    the first load, and keep it for that load (then it lingers as after any load).  Returns
-    ``(seconds, cudaHostRegister calls)`` the page-locking took; ``(0.0, 0)`` when a ring is
-    already set up or being set up for the device.  A load that starts meanwhile waits for
-    this one rather than setting up a second ring."""
+    the first load.  Returns ``(seconds, cudaHostRegister calls)`` the page-locking took:
+    ``(0.0, 0)`` when a ring is already set up or being set up for the device; None with
+    ``background`` (the set-up runs on a thread of its own: a load that starts meanwhile
+    waits for this ring rather than setting up a second one, and starts copying as soon as
+    it is ready).  The ring is kept until a load takes it (``linger``: for
+    :data:`LINGER_SECONDS` only, as after a load)."""
     g = checked(geometry or default_geometry())
     key = _ring_key(ops, g)
     if not KEPT.pending(key):
-        return (0.0, 0)
-    try:
-        ring = _new_ring(ops, g)
-    except BaseException:
-        KEPT.drop(key)
-        raise
-    try:
-        took = ring.lock_all()
-    finally:
-        if not KEPT.give(key, ring, linger=False):
-            ring.close()
-    return took
+        return None if background else (0.0, 0)
+
+    def setup():
+        ring = None
+        try:
+            ring = _new_ring(ops, g)
+            return ring.lock_all()
+        finally:
+            if ring is None:
+                KEPT.drop(key)
+            elif not KEPT.give(key, ring, linger=linger):
+                ring.close()
+
+    if not background:
+        return setup()
+
+    def quietly():
+        try:
+            setup()
+        except Exception as exc:  # the load that follows sets its own ring up, and reports
+            _LOG.debug("preparing the copy ring failed: %s", exc)
+
+    threading.Thread(target=quietly, name="engine-ring-prepare", daemon=True).start()
+    return None
 
 
 def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None) -> dict:
@@ -622,7 +648,6 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 keeps[i] = held is not None or unmap == "end" or kept(m)
         if ring is None:
             ring = _new_ring(ops, g)
-        before = np.array(ring.sources).sum(axis=0)
 
         def poll(done: int) -> bool:
             landing.upto(done)
@@ -632,13 +657,12 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                                                   keeps, poll, adaptive=source != "mmap",
                                                   stream_stores=stores() == "stream")
         run = ring.last_run
-        took = np.array(ring.sources).sum(axis=0) - before
         record = LoadRecord(
             chunks=int(run["chunks"]), bytes=int(s_len.sum()), chunk_bytes=ring.chunk_bytes, slots=ring.chunks,
             threads=int(run["threads"]), seconds=time.perf_counter() - t_start, fill_wait_s=run["fill_wait_s"],
             slot_wait_s=run["slot_wait_s"], fill_s=run["fill_s"], lock_s=run["lock_s"],
             lock_calls=int(run["lock_calls"]), cold=cold, source=source, unmap=unmap,
-            pread_bytes=int(took[0]), mmap_bytes=int(took[1]), pageable=ring.pageable)
+            pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable)
     finally:
         arrays.clear()
         if unmap == "end":

@@ -604,3 +604,33 @@ def test_either_unmap_mode_lands_every_byte(layout, ops, emu, unmap, source, mon
     _check(layout, dst)
     assert stats["unmap"] == unmap and stats["mmap_bytes"] > 0
     _clean(emu)
+
+
+def test_a_get_tensor_loop_on_a_device_maps_the_file_once_and_reports_right_bytes(ops, emu, tmp_path, monkeypatch):
+    """accelerate's loop (``safe_open(f, device=...)``, ``get_tensor`` per key) through the
+    engine's handle down to the ring: right bytes per key, one mapping for the handle's life,
+    no thread started per key, and the mapping gone with the handle."""
+    from emucudart import EmulatedSink
+
+    import engine
+
+    monkeypatch.setenv("ENGINE_COPY_SOURCE", "mmap")
+    rng = np.random.default_rng(9)
+    tensors = {f"t{i}": rng.standard_normal((i % 7 + 1, 300)).astype(np.float32) for i in range(40)}
+    path = str(tmp_path / "m.safetensors")
+    engine.save_file(tensors, path)
+    h = engine.safe_open(path, framework="np")
+    h._sink_obj = EmulatedSink(ops)
+    with device_ring.load_records() as records:
+        h.get_tensor("t0")
+        threads = threading.active_count()
+        for name, want in tensors.items():
+            np.testing.assert_array_equal(h.get_tensor(name), want)
+    assert threading.active_count() <= threads
+    assert len(records) == 41 and all(r.threads == 0 and r.mmap_bytes == r.bytes for r in records)
+    with open("/proc/self/maps") as f:
+        assert f.read().count(path) == 1  # the handle's one read-only mapping
+    h.close()
+    with open("/proc/self/maps") as f:
+        assert path not in f.read()
+    _clean(emu)
