@@ -54,6 +54,9 @@ _LAZY = {
     "load_into": "engine.opener",
     "keep_staging": "engine.device_staging",
     "keep_mappings": "engine.kept_mappings",
+    "prepare_device": "engine.loader",
+    "load_records": "engine.device_ring",
+    "LoadRecord": "engine.device_ring",
     "load_file": "engine.numpy",
     "load": "engine.numpy",
     "save_file": "engine.writer",
@@ -120,10 +123,12 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import Checkpoint
+    from .device_ring import LoadRecord, load_records
     from .device_staging import keep_staging
     from .file_handle import _safe_open_handle
     from .header import MAX_HEADER_SIZE, Header, TensorInfo
     from .kept_mappings import keep_mappings
+    from .loader import prepare_device
     from .numpy import load, load_file
     from .opener import load_into, open_checkpoint, read_checkpoint_info, read_header, safe_open, stream
     from .shards import save_sharded

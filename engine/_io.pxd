@@ -55,6 +55,8 @@ cdef struct _Part:
     int64_t shift            # pieces start this many bytes before the cursor's multiples of
                              # piece (see _plan_parts)
     int keep                 # a kept mapping (engine.kept_mappings): its pages stay mapped
+    int64_t timed            # pieces from this size on are timed (0: _TIMED_BYTES); the ring's
+                             # chunks may be smaller than that, and still learn their source
 
 
 cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noexcept nogil

@@ -421,7 +421,7 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
     goes on from the source then chosen."""
     cdef _Choice* c = p.choice
     cdef int source, err
-    cdef int64_t n
+    cdef int64_t n, least = p.timed if p.timed > 0 else _TIMED_BYTES
     cdef bint timed
     cdef double spent[2]
     if p.src == NULL:
@@ -429,10 +429,10 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
     if c == NULL:
         return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream, NULL)
     while nbytes > 0:
-        source = _pick(c, nbytes >= _TIMED_BYTES)
+        source = _pick(c, nbytes >= least)
         n = nbytes
-        timed = n >= _TIMED_BYTES
-        if source and not _maps(c) and nbytes >= _TIMED_BYTES:
+        timed = n >= least
+        if source and not _maps(c) and timed and nbytes > _PROBE_BYTES:
             n = _PROBE_BYTES  # a try
         if source:
             spent[0] = spent[1] = 0

@@ -195,7 +195,9 @@ cdef struct _State:
     int64_t chunk_bytes
     int nslots
     uint8_t* base              # nslots * chunk_bytes of host memory
-    uint8_t* registered        # per slot: page-locked (registered on its first fill)
+    uint8_t* blocks            # per block of slots (see _block_of): 0 pageable, 1 being
+                               # page-locked, 2 page-locked, 3 refused
+    int nblocks
     int locked_refused         # a registration was refused: the chunks stay pageable
     void** events
     int64_t* filled            # per slot: the chunk it holds, filled (-1: none yet)
@@ -204,6 +206,8 @@ cdef struct _State:
     pthread_cond_t filled_cond # a chunk filled (the issuing thread waits)
     pthread_cond_t issued_cond # a chunk issued, or the run stops (copy threads wait)
     pthread_cond_t run_cond    # a new run, a worker out of it, the ring closing
+    pthread_cond_t lock_cond   # a block's page-locking ended
+    int seats                  # workers the current run still takes (small runs wake fewer)
     int64_t next_chunk         # the next chunk a copy thread takes
     int64_t issued             # chunks whose copies are issued, in order
     int generation             # bumped per run: wakes the workers
@@ -217,6 +221,9 @@ cdef struct _State:
     int64_t err_missing
     double wait_slot           # seconds copy threads waited for a slot's copy (summed)
     double wait_fill           # seconds the issuing thread waited for a chunk to fill
+    double lock_s              # seconds spent page-locking blocks (this run, or lock_all)
+    int lock_calls             # cudaHostRegister calls made (the same)
+    double* fill_s             # per worker (and the issuing thread, last): seconds filling
     int adaptive               # threads learn pread or the mapping (else a mapping is always used)
     int stream_stores          # copies out of a mapping store past the caches
     _Choice* choices
@@ -225,6 +232,76 @@ cdef struct _State:
 cdef struct _Worker:
     _State* st
     int index
+
+
+cdef int _block_of(int s) noexcept nogil:
+    """The block of slot ``s``: slot 0 alone, then blocks twice as large as the one before
+    ([1, 2), [2, 4), [4, 8) ...), so that a ring of 32 chunks is page-locked in 6 calls and the
+    first chunk's copy can start after one small call, before the rest is locked."""
+    cdef int b = 0
+    while s > 0:
+        s >>= 1
+        b += 1
+    return b
+
+
+cdef inline int _block_lo(int b) noexcept nogil:
+    return 0 if b == 0 else 1 << (b - 1)
+
+
+cdef inline int _block_hi(int b, int nslots) noexcept nogil:
+    cdef int hi = 1 << b
+    return hi if hi < nslots else nslots
+
+
+cdef void _lock_block(_State* st, int b) noexcept nogil:
+    """Page-lock block ``b`` of the chunks, once (a thread that finds another locking it
+    waits for that): one ``cudaHostRegister`` call for the whole block.  A refusal leaves the
+    chunks pageable (copies from them still land, at pageable speed) and no more is tried."""
+    cdef int rc, lo, hi
+    cdef double t0
+    pthread_mutex_lock(&st.lock)
+    while st.blocks[b] == 1:
+        pthread_cond_wait(&st.lock_cond, &st.lock)
+    if st.blocks[b] != 0 or st.locked_refused:
+        pthread_mutex_unlock(&st.lock)
+        return
+    st.blocks[b] = 1
+    pthread_mutex_unlock(&st.lock)
+    lo = _block_lo(b)
+    hi = _block_hi(b, st.nslots)
+    t0 = _now()
+    rc = st.rt.host_register(st.base + lo * st.chunk_bytes, <size_t>((hi - lo) * st.chunk_bytes),
+                             _cudaHostRegisterPortable)
+    pthread_mutex_lock(&st.lock)
+    if rc == 0:
+        st.blocks[b] = 2
+    else:
+        st.rt.get_last_error()
+        st.blocks[b] = 3
+        st.locked_refused = 1
+    st.lock_s += _now() - t0
+    st.lock_calls += 1
+    pthread_cond_broadcast(&st.lock_cond)
+    pthread_mutex_unlock(&st.lock)
+
+
+cdef int64_t _completed(_State* st, int64_t done) noexcept nogil:
+    """Chunks ``[0, n)`` whose copies have certainly completed, from ``done`` known so far.
+
+    Called on the issuing thread (the only one that records events or moves ``issued``).  A
+    chunk more than ``nslots`` behind the last issued one has completed: its slot was refilled,
+    which waits for its copy.  The chunks after it still own their slots' events, so each is
+    asked in order (one stream: copies complete in the order they were issued) up to the first
+    that has not completed."""
+    cdef int64_t issued = st.issued, c = st.issued - st.nslots
+    if c < done:
+        c = done
+    while c < issued:
+        if st.rt.event_query(st.events[c % st.nslots]) != 0:
+            break
+        c += 1
+    return c
 
 
 cdef void _fail(_State* st, int kind, int code, int64_t chunk, int64_t at, int64_t missing) noexcept nogil:
@@ -262,9 +339,10 @@ cdef int _wait_event(_State* st, void* event) noexcept nogil:
             nanosleep(&pause, NULL)
 
 
-cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out) noexcept nogil:
+cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out, _Choice* tally) noexcept nogil:
     """Fill chunk ``k`` into ``out``: its segments, file-contiguous ones in one copy; then
-    unmap what was mapped.  0 or the read's error (in ``part``)."""
+    unmap what was mapped (unless the file's mapping is held for the load).  0 or the read's
+    error (in ``part``).  Bytes by source go to ``tally`` (the adaptive copy counts its own)."""
     cdef _Plan* p = &st.plan
     cdef int f = p.c_file[k]
     cdef int64_t j = p.c_seg[k], end = p.c_seg[k + 1], run_off, run_len, run_pos
@@ -284,9 +362,25 @@ cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out) noexcept nogil:
         err = _copy_piece(part, out + run_pos, run_len, run_off)
         if err:
             return err
+        if part.src == NULL:
+            tally.nbytes[0] += run_len
+        elif part.choice == NULL:
+            tally.nbytes[1] += run_len
         if part.src != NULL and not part.keep:
             _unmap_run(part.src, part.src_len, run_off, run_off + run_len)
     return 0
+
+
+cdef inline void _part_for(_State* st, _Part* part, int index) noexcept nogil:
+    memset(part, 0, sizeof(_Part))
+    part.choice = &st.choices[index] if st.adaptive else NULL
+    # stores past the caches (the default): the copy engine reads the chunk from memory either
+    # way where the ring is larger than the last-level cache, and stores that first read each
+    # line in (the cache's write-allocate) cost a third pass over memory
+    part.stream = st.stream_stores
+    # chunks smaller than the copies' timing threshold still time their runs, so that each
+    # thread learns which source is faster whatever the chunk size
+    part.timed = st.chunk_bytes // 2 if st.chunk_bytes < (2 << 20) else 0
 
 
 cdef void _run_worker(_State* st, int index) noexcept nogil:
@@ -294,12 +388,7 @@ cdef void _run_worker(_State* st, int index) noexcept nogil:
     cdef int rc
     cdef double t0
     cdef _Part part
-    memset(&part, 0, sizeof(_Part))
-    part.choice = &st.choices[index] if st.adaptive else NULL
-    # stores past the caches (the default): the copy engine reads the chunk from memory either
-    # way where the ring is larger than the last-level cache, and stores that first read each
-    # line in (the cache's write-allocate) cost a third pass over memory
-    part.stream = st.stream_stores
+    _part_for(st, &part, index)
     st.rt.set_device(st.device)
     while not _stopped(&st.cancel):
         k = _take(&st.next_chunk)
@@ -324,15 +413,12 @@ cdef void _run_worker(_State* st, int index) noexcept nogil:
             pthread_mutex_lock(&st.lock)
             st.wait_slot += _now() - t0
             pthread_mutex_unlock(&st.lock)
-        elif not st.registered[s] and not st.locked_refused:
-            # first use of the slot: page-lock it here, beside the other threads' fills
-            rc = st.rt.host_register(st.base + s * st.chunk_bytes, <size_t>st.chunk_bytes, _cudaHostRegisterPortable)
-            if rc == 0:
-                st.registered[s] = 1
-            else:
-                st.rt.get_last_error()
-                st.locked_refused = 1
-        rc = _fill(st, &part, k, st.base + s * st.chunk_bytes)
+        elif st.blocks[_block_of(<int>s)] != 2 and not st.locked_refused:
+            # first use of the slot: its block is page-locked here, beside the other threads' fills
+            _lock_block(st, _block_of(<int>s))
+        t0 = _now()
+        rc = _fill(st, &part, k, st.base + s * st.chunk_bytes, &st.choices[index])
+        st.fill_s[index] += _now() - t0
         if rc:
             _fail(st, _ERR_READ, rc, k, part.at, part.missing)
             break
@@ -348,12 +434,18 @@ cdef void* _worker_main(void* arg) noexcept nogil:
     cdef int seen = 0
     while True:
         pthread_mutex_lock(&st.lock)
-        while st.generation == seen and not st.stop:
+        # a new run takes this thread while it has seats left (a small run wakes only as many
+        # threads as it has chunks); a thread too late for one waits for the next
+        while not st.stop:
+            if st.generation != seen:
+                seen = st.generation
+                if st.seats > 0:
+                    st.seats -= 1
+                    break
             pthread_cond_wait(&st.run_cond, &st.lock)
         if st.stop:
             pthread_mutex_unlock(&st.lock)
             return NULL
-        seen = st.generation
         pthread_mutex_unlock(&st.lock)
         _run_worker(st, w.index)
         pthread_mutex_lock(&st.lock)
@@ -366,9 +458,11 @@ cdef class ChunkRing:
     """``chunks`` page-locked chunks of ``chunk_bytes`` and ``threads`` native copy threads on
     one device and stream of a :class:`Runtime`; :meth:`run` moves one load through them.
 
-    The chunks are one anonymous mapping (huge pages where the kernel offers them), each
-    page-locked by the copy thread that first fills it and unlocked by :meth:`close`, which
-    also joins the threads and destroys the events.  One run at a time.
+    The chunks are one anonymous mapping (huge pages where the kernel offers them),
+    page-locked in blocks (slot 0, then blocks twice the size of the one before: 6 calls for
+    32 chunks) by the copy thread that first fills a slot of the block, or all at once ahead
+    of the first load by :meth:`lock_all`, and unlocked by :meth:`close`, which also joins the
+    threads and destroys the events.  One run at a time.
     """
 
     cdef Runtime runtime
@@ -380,6 +474,9 @@ cdef class ChunkRing:
     cdef size_t mapped
     cdef void* mem
     cdef bint busy
+    cdef int64_t last_chunks
+    cdef int64_t tally0[2]
+    cdef int last_threads
     cdef object stream_owner
     cdef object __weakref__
 
@@ -402,18 +499,23 @@ cdef class ChunkRing:
         self.st.stream = <void*>stream
         self.st.chunk_bytes = chunk_bytes
         self.st.nslots = chunks
-        self.st.registered = <uint8_t*>calloc(chunks, 1)
+        self.st.nblocks = _block_of(chunks - 1) + 1
+        self.st.blocks = <uint8_t*>calloc(self.st.nblocks, 1)
         self.st.events = <void**>calloc(chunks, sizeof(void*))
         self.st.filled = <int64_t*>calloc(chunks, sizeof(int64_t))
-        self.st.choices = <_Choice*>calloc(threads, sizeof(_Choice))
+        # one more than the threads: the issuing thread fills a one-chunk run itself
+        self.st.choices = <_Choice*>calloc(threads + 1, sizeof(_Choice))
+        self.st.fill_s = <double*>calloc(threads + 1, sizeof(double))
         self.tids = <pthread_t*>calloc(threads, sizeof(pthread_t))
         self.workers = <_Worker*>calloc(threads, sizeof(_Worker))
         pthread_mutex_init(&self.st.lock, NULL)
         pthread_cond_init(&self.st.filled_cond, NULL)
         pthread_cond_init(&self.st.issued_cond, NULL)
         pthread_cond_init(&self.st.run_cond, NULL)
-        if (self.st.registered == NULL or self.st.events == NULL or self.st.filled == NULL
-                or self.st.choices == NULL or self.tids == NULL or self.workers == NULL):
+        pthread_cond_init(&self.st.lock_cond, NULL)
+        if (self.st.blocks == NULL or self.st.events == NULL or self.st.filled == NULL
+                or self.st.choices == NULL or self.st.fill_s == NULL or self.tids == NULL
+                or self.workers == NULL):
             self.close()
             raise MemoryError()
         # 2 MiB more, so that the chunks start on a huge page's line: fewer pages to lock and to
@@ -462,12 +564,62 @@ cdef class ChunkRing:
     @property
     def locked_bytes(self) -> int:
         """Host bytes of the chunks page-locked now."""
-        cdef int i
+        cdef int b
         cdef int64_t n = 0
         if self.st == NULL:
             return 0
-        for i in range(self.st.nslots):
-            n += self.st.registered[i] * self.st.chunk_bytes
+        for b in range(self.st.nblocks):
+            if self.st.blocks[b] == 2:
+                n += (_block_hi(b, self.st.nslots) - _block_lo(b)) * self.st.chunk_bytes
+        return n
+
+    def lock_all(self) -> tuple:
+        """Page-lock every block not locked yet (GIL released), ahead of a first load, so
+        that the load pays nothing for it.  Returns ``(seconds, calls)`` this took."""
+        cdef _State* st = self.st
+        cdef int b
+        cdef double t0
+        cdef int calls
+        if st == NULL:
+            raise ValueError("the ring is closed")
+        if self.busy:
+            raise RuntimeError("the ring is loading")
+        calls = st.lock_calls
+        t0 = _now()
+        self.busy = True
+        try:
+            with nogil:
+                for b in range(st.nblocks):
+                    _lock_block(st, b)
+        finally:
+            self.busy = False
+        return (_now() - t0, st.lock_calls - calls)
+
+    @property
+    def last_run(self) -> dict:
+        """What the last run did: ``chunks``; ``threads`` (copy threads it woke; 0 when the
+        issuing thread filled its one chunk itself); ``fill_wait_s`` (the issuing thread waiting
+        for fills); ``slot_wait_s`` (copy threads waiting for a slot's copy, summed);
+        ``fill_s`` (seconds filling chunks, summed over threads); ``lock_s`` and
+        ``lock_calls`` (page-locking done during the run); ``pread_bytes`` and
+        ``mmap_bytes`` (bytes filled with each source)."""
+        cdef _State* st = self.st
+        cdef int i
+        cdef double fill = 0
+        if st == NULL:
+            return {}
+        for i in range(self.nthreads + 1):
+            fill += st.fill_s[i]
+        return {"chunks": self.last_chunks, "threads": self.last_threads, "fill_wait_s": st.wait_fill,
+                "slot_wait_s": st.wait_slot, "fill_s": fill, "lock_s": st.lock_s,
+                "lock_calls": st.lock_calls, "pread_bytes": self._tally(0) - self.tally0[0],
+                "mmap_bytes": self._tally(1) - self.tally0[1]}
+
+    cdef int64_t _tally(self, int source):
+        cdef int k
+        cdef int64_t n = 0
+        for k in range(self.nthreads + 1):
+            n += self.st.choices[k].nbytes[source]
         return n
 
     @property
@@ -483,11 +635,12 @@ cdef class ChunkRing:
 
     @property
     def sources(self) -> list:
-        """Bytes each copy thread took with ``pread`` and out of the mapping, over the ring's life."""
+        """Bytes each copy thread took with ``pread`` and out of the mapping, over the ring's
+        life; the last entry is the issuing thread's (the one-chunk runs it filled itself)."""
         cdef int k
         if self.st == NULL:
             return []
-        return [(self.st.choices[k].nbytes[0], self.st.choices[k].nbytes[1]) for k in range(self.nthreads)]
+        return [(self.st.choices[k].nbytes[0], self.st.choices[k].nbytes[1]) for k in range(self.nthreads + 1)]
 
     def run(self, const int32_t[::1] c_file, const int64_t[::1] c_seg, const int64_t[::1] s_pos,
             const int64_t[::1] s_off, const int64_t[::1] s_len, const uint64_t[::1] s_dst,
@@ -497,7 +650,8 @@ cdef class ChunkRing:
         """Move one planned load (see :func:`plan`) through the ring, GIL released.
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
-        (``done``: chunks whose copies have certainly completed, a prefix); it returns True to
+        (``done``: chunks whose copies have certainly completed, a prefix: their events asked,
+        never inferred from chunks still being filled); it returns True to
         cancel, or raises (the run stops and the exception propagates once every issued
         copy has completed).  Signals are checked there too (Ctrl-C stops a load).
         ``adaptive``: each thread measures whether ``pread`` or the mapping is faster (else
@@ -505,15 +659,20 @@ cdef class ChunkRing:
         mapping store past the caches (else through them, for rings that fit the last-level
         cache).
 
+        A run of one chunk is filled by the calling thread itself, and a run of fewer chunks
+        than threads wakes only as many threads as it has chunks (a loop of small loads, such
+        as ``get_tensor`` per key, wakes no copy thread).
+
         Returns ``(kind, code, chunk, at, missing)``: kind 0 on success, 1 a read failed
         (``code`` errno or -1 for the end of the file, ``at``/``missing`` where), 2 the
         runtime failed (``code`` its error, ``chunk`` the chunk); 3 cancelled.  Whatever
         happens, every issued copy has completed (or failed) when it returns.
         """
         cdef _State* st = self.st
-        cdef int64_t n = c_file.shape[0], j, s, seg, last
-        cdef int rc = 0, prev = 0, kind
-        cdef bint ready
+        cdef int64_t n = c_file.shape[0], j, s, seg, last, done = 0
+        cdef int rc = 0, prev = 0, kind, seats, i
+        cdef bint ready, inline
+        cdef _Part part
         cdef double t0, next_poll
         cdef timespec ts
         cdef object raised = None
@@ -540,6 +699,13 @@ cdef class ChunkRing:
             if maps[j] != 0 and _guard_ready() != 0:
                 raise OSError("cannot install the SIGBUS guard of mapped copies")
         self.busy = True
+        # one chunk: the calling thread fills it (no thread to wake, nothing to wait for)
+        inline = n == 1
+        seats = 0 if inline else (self.nthreads if n >= self.nthreads else <int>n)
+        self.last_chunks = n
+        self.last_threads = seats
+        self.tally0[0] = self._tally(0)
+        self.tally0[1] = self._tally(1)
         try:
             st.plan.nchunks = n
             st.plan.c_file = &c_file[0]
@@ -565,15 +731,38 @@ cdef class ChunkRing:
                 st.err_code = 0
                 st.wait_slot = 0
                 st.wait_fill = 0
+                st.lock_s = 0
+                st.lock_calls = 0
+                for i in range(self.nthreads + 1):
+                    st.fill_s[i] = 0
                 st.adaptive = adaptive
                 st.stream_stores = stream_stores
-                st.active = self.nthreads
-                st.generation += 1
-                pthread_cond_broadcast(&st.run_cond)
+                st.active = seats
+                st.seats = seats
+                if seats:
+                    st.generation += 1
+                    if seats == self.nthreads:
+                        pthread_cond_broadcast(&st.run_cond)
+                    else:
+                        for i in range(seats):
+                            pthread_cond_signal(&st.run_cond)
                 pthread_mutex_unlock(&st.lock)
                 if rc != 0:
                     st.rt.get_last_error()
                     _fail(st, _ERR_CUDA, rc, 0, 0, 0)
+                elif inline:
+                    # slot 0 is free: the last run's copies completed before it returned
+                    if st.blocks[0] != 2 and not st.locked_refused:
+                        _lock_block(st, 0)
+                    _part_for(st, &part, self.nthreads)
+                    t0 = _now()
+                    rc = _fill(st, &part, 0, st.base, &st.choices[self.nthreads])
+                    st.fill_s[self.nthreads] += _now() - t0
+                    if rc:
+                        _fail(st, _ERR_READ, rc, 0, part.at, part.missing)
+                    else:
+                        st.filled[0] = 0
+                    rc = 0
                 next_poll = _now() + poll_seconds
                 j = 0
                 while j < n and not _stopped(&st.cancel):
@@ -592,7 +781,8 @@ cdef class ChunkRing:
                         with gil:
                             try:
                                 PyErr_CheckSignals()
-                                if poll is not None and poll(j - st.nslots + 1 if j >= st.nslots else 0):
+                                done = _completed(st, done)
+                                if poll is not None and poll(done):
                                     cancelled = True
                             except BaseException as exc:
                                 raised = exc
@@ -670,16 +860,17 @@ cdef class ChunkRing:
                     if st.events[i] != NULL:
                         st.rt.event_destroy(st.events[i])
             if st.base != NULL:
-                for i in range(st.nslots):
-                    if st.registered != NULL and st.registered[i]:
-                        st.rt.host_unregister(st.base + i * st.chunk_bytes)
+                for i in range(st.nblocks):
+                    if st.blocks != NULL and st.blocks[i] == 2:
+                        st.rt.host_unregister(st.base + _block_lo(i) * st.chunk_bytes)
                 munmap(self.mem, self.mapped)
         self.nthreads = 0
         pthread_cond_destroy(&st.filled_cond)
         pthread_cond_destroy(&st.issued_cond)
         pthread_cond_destroy(&st.run_cond)
+        pthread_cond_destroy(&st.lock_cond)
         pthread_mutex_destroy(&st.lock)
-        free(st.registered); free(st.events); free(st.filled); free(st.choices)
+        free(st.blocks); free(st.events); free(st.filled); free(st.choices); free(st.fill_s)
         free(self.tids); free(self.workers)
         self.tids = NULL
         self.workers = NULL

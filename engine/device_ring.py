@@ -24,9 +24,14 @@ CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``)
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import functools
+import logging
 import os
+import queue
 import threading
+import time
 import weakref
 from typing import NamedTuple
 
@@ -35,7 +40,8 @@ import numpy as np
 from .errors import DeviceError
 from .reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
-__all__ = ["Geometry", "default_geometry", "supports", "load", "keep_rings", "locked_bytes", "cuda_runtime_path"]
+__all__ = ["Geometry", "LoadRecord", "default_geometry", "supports", "load", "load_records", "prepare", "keep_rings",
+           "locked_bytes", "cuda_runtime_path", "unmap_mode"]
 
 _MIB = 1 << 20
 #: the most host memory a ring page-locks when the caller does not say
@@ -76,7 +82,11 @@ def default_threads(cores: int | None = None) -> int:
 def default_geometry(cores: int | None = None) -> Geometry:
     """The ring's shape when the caller says nothing: ``ENGINE_RING`` if set, else 4 MiB
     chunks, 32 in flight (128 MiB page-locked), :func:`default_threads`."""
-    env = os.environ.get("ENGINE_RING", "").strip()
+    return _default_geometry(os.environ.get("ENGINE_RING", "").strip(), cores)
+
+
+@functools.lru_cache(maxsize=16)
+def _default_geometry(env: str, cores: int | None) -> Geometry:
     if env:
         return parse_geometry(env)
     return Geometry(4 * _MIB, 32, default_threads(cores))
@@ -90,6 +100,164 @@ def stores() -> str:
     if value not in ("stream", "cached"):
         raise ValueError(f"ENGINE_RING_STORES must be 'stream' or 'cached', not {value!r}")
     return value
+
+
+UNMAPS = ("end", "chunk")
+
+
+def unmap_mode() -> str:
+    """When the pages a load mapped to copy its files are given back: ``"end"`` (the
+    default: each file is mapped once for the load, copy threads copy out of it with no
+    system call per chunk, and the mapping is dropped in one step after the load, on a
+    thread of its own) or ``"chunk"`` (each chunk's mapped run is unmapped as soon as it is
+    copied, ``MADV_DONTNEED``: on a many-core host each is a TLB shootdown across the
+    process).  The mapped pages are the page cache's, not new memory: the process's
+    anonymous and page-locked memory is the same either way.  ``ENGINE_RING_UNMAP`` picks
+    one; ``scripts/gpu_check.py`` times both."""
+    value = os.environ.get("ENGINE_RING_UNMAP", "end").strip().lower()
+    if value not in UNMAPS:
+        raise ValueError(f"ENGINE_RING_UNMAP must be one of {UNMAPS}, not {value!r}")
+    return value
+
+
+class _Closer:
+    """Closes file mappings on one thread of its own, after the load that used them: a
+    whole file's page-table entries are torn down off the caller's path."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.pending = 0
+        self.thread: threading.Thread | None = None
+
+    def close(self, mappings) -> None:
+        mappings = [m for m in mappings if m is not None]
+        if not mappings:
+            return
+        with self.cond:
+            self.pending += 1
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="engine-unmap", daemon=True)
+                self.thread.start()
+        self.jobs.put(mappings)
+
+    def _run(self) -> None:
+        while True:
+            mappings = self.jobs.get()
+            try:
+                for m in mappings:
+                    close_mapping(m)
+            finally:
+                with self.cond:
+                    self.pending -= 1
+                    self.cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every mapping handed over so far is closed."""
+        with self.cond:
+            while self.pending:
+                self.cond.wait()
+
+
+CLOSER = _Closer()
+
+
+def flush_unmaps() -> None:
+    """Wait until the mappings of finished loads are dropped (:func:`unmap_mode` ``"end"``)."""
+    CLOSER.flush()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRecord:
+    """What one load through the chunk ring did (collected by :func:`load_records`).
+
+    Attributes
+    ----------
+    chunks, bytes : int
+        Chunks the load was cut into and tensor bytes it moved.
+    chunk_bytes, slots, threads : int
+        The ring's geometry; ``threads`` is the copy threads this load woke (0: the calling
+        thread filled its one chunk itself).
+    seconds : float
+        The ring's run, from the first fill to the last copy completed.
+    fill_wait_s : float
+        Time the issuing thread waited for copy threads to fill the next chunk (high: the
+        host side is the bottleneck, more threads or a faster source help).
+    slot_wait_s : float
+        Time copy threads waited for a slot's previous copy to complete, summed over threads
+        (high: the DMA is the bottleneck, more or larger chunks may help).
+    fill_s : float
+        Time spent filling chunks, summed over threads.
+    lock_s, lock_calls : float, int
+        Page-locking done during this load (0 for a ring set up before it).
+    cold : bool
+        The ring was set up by this load (a process's first load, unless prepared).
+    source, unmap : str
+        :func:`engine.reader.copy_source` and :func:`unmap_mode` of the load.
+    pread_bytes, mmap_bytes : int
+        Bytes copied with ``pread`` and out of the file's mapping.
+    pageable : bool
+        The runtime refused to page-lock the chunks: copies ran at pageable speed.
+    """
+
+    chunks: int
+    bytes: int
+    chunk_bytes: int
+    slots: int
+    threads: int
+    seconds: float
+    fill_wait_s: float
+    slot_wait_s: float
+    fill_s: float
+    lock_s: float
+    lock_calls: int
+    cold: bool
+    source: str
+    unmap: str
+    pread_bytes: int
+    mmap_bytes: int
+    pageable: bool
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in _RECORD_FIELDS}
+
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(LoadRecord))
+_LOG = logging.getLogger("engine.device_ring")
+_RECORDERS: list[list] = []
+_RECORDERS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def load_records():
+    """Collect a :class:`LoadRecord` for every load through the chunk ring (any thread)
+    while the block runs::
+
+        with engine.load_records() as records:
+            engine.torch.load_file(path, device="cuda:0")
+        print(records[-1].as_dict())
+
+    Every record is also logged at DEBUG level on the ``engine.device_ring`` logger.
+    """
+    out: list[LoadRecord] = []
+    with _RECORDERS_LOCK:
+        _RECORDERS.append(out)
+    try:
+        yield out
+    finally:
+        with _RECORDERS_LOCK:
+            for i, r in enumerate(_RECORDERS):
+                if r is out:
+                    del _RECORDERS[i]
+                    break
+
+
+def _publish(record: LoadRecord) -> None:
+    with _RECORDERS_LOCK:
+        for r in _RECORDERS:
+            r.append(record)
+    if _LOG.isEnabledFor(logging.DEBUG):
+        _LOG.debug("ring load: %s", record.as_dict())
 
 
 def parse_geometry(text: str) -> Geometry:
@@ -141,48 +309,84 @@ LINGER_SECONDS = 2.0
 class _Kept:
     """Rings between loads: kept until :func:`keep_rings` (or ``engine.keep_staging``) turns
     keeping off, or else for :data:`LINGER_SECONDS` after their last load.  A ring's threads,
-    events and page-locked chunks are then set up once for loads that follow each other."""
+    events and page-locked chunks are then set up once for loads that follow each other.
+
+    One reaper thread (started with the first lingering ring) closes the rings whose time is
+    up: a load gives its ring back without starting a timer thread.  A ring being prepared
+    ahead of the first load (:func:`prepare`) is a pending entry that :meth:`take` waits for.
+    """
 
     def __init__(self) -> None:
         self.on = os.environ.get("ENGINE_KEEP_STAGING", "") == "1"
-        self.lock = threading.Lock()
-        self.rings: dict = {}  # key -> (ring, timer or None)
+        self.cond = threading.Condition()
+        self.rings: dict = {}  # key -> [ring or None while pending, expiry (monotonic) or None]
+        self.reaper: threading.Thread | None = None
 
     def take(self, key):
-        with self.lock:
-            ring, timer = self.rings.pop(key, (None, None))
-        if timer is not None:
-            timer.cancel()
-        return ring
+        with self.cond:
+            while key in self.rings and self.rings[key][0] is None:  # being prepared
+                self.cond.wait()
+            entry = self.rings.pop(key, None)
+        return entry[0] if entry is not None else None
 
-    def give(self, key, ring) -> bool:
-        with self.lock:
+    def pending(self, key) -> bool:
+        """Mark ``key`` as being prepared (False when a ring is kept or pending for it)."""
+        with self.cond:
             if key in self.rings:
                 return False
-            timer = None
-            if not self.on:
+            self.rings[key] = [None, None]
+            return True
+
+    def give(self, key, ring, linger: bool = True) -> bool:
+        """Keep ``ring`` for the next load of ``key``: while keeping is on, or for
+        :data:`LINGER_SECONDS` (``linger``; without it, until taken).  False when it is not
+        kept (another ring is, or lingering is off): close it then."""
+        with self.cond:
+            entry = self.rings.get(key)
+            if entry is not None and entry[0] is not None:
+                return False
+            expiry = None
+            if not self.on and linger:
                 if LINGER_SECONDS <= 0:
+                    if entry is not None:
+                        del self.rings[key]
+                        self.cond.notify_all()
                     return False
-                timer = threading.Timer(LINGER_SECONDS, self._expire, (key, ring))
-                timer.daemon = True
-            self.rings[key] = (ring, timer)
-        if timer is not None:
-            timer.start()
+                expiry = time.monotonic() + LINGER_SECONDS
+                if self.reaper is None or not self.reaper.is_alive():
+                    self.reaper = threading.Thread(target=self._reap, name="engine-ring-reaper", daemon=True)
+                    self.reaper.start()
+            self.rings[key] = [ring, expiry]
+            self.cond.notify_all()
         return True
 
-    def _expire(self, key, ring) -> None:
-        with self.lock:
-            if self.rings.get(key, (None,))[0] is not ring:
-                return  # taken meanwhile
-            del self.rings[key]
-        ring.close()
+    def drop(self, key) -> None:
+        """Forget a pending entry whose preparation failed."""
+        with self.cond:
+            entry = self.rings.get(key)
+            if entry is not None and entry[0] is None:
+                del self.rings[key]
+            self.cond.notify_all()
+
+    def _reap(self) -> None:
+        while True:
+            with self.cond:
+                now = time.monotonic()
+                due = [k for k, (r, t) in self.rings.items() if r is not None and t is not None and t <= now]
+                expired = [self.rings.pop(k)[0] for k in due]
+                if not expired:
+                    times = [t for r, t in self.rings.values() if r is not None and t is not None]
+                    self.cond.wait(max(0.01, min(times) - now) if times else None)
+                    continue
+            for ring in expired:
+                ring.close()
 
     def release(self) -> None:
-        with self.lock:
-            entries, self.rings = list(self.rings.values()), {}
-        for ring, timer in entries:
-            if timer is not None:
-                timer.cancel()
+        with self.cond:
+            entries = [k for k, (r, _) in self.rings.items() if r is not None]
+            rings = [self.rings.pop(k)[0] for k in entries]
+            self.cond.notify_all()
+        for ring in rings:
             ring.close()
 
 
@@ -322,6 +526,13 @@ class _Landing:
 
     def __init__(self, pieces: _Pieces, c_seg, s_len, tracker) -> None:
         self.tracker = tracker
+        self.sizes = pieces.sizes
+        self.reported = 0
+        if len(pieces.sizes) == 1 and len(pieces.len):
+            # one tensor (get_tensor's load): it lands with the load's last chunk
+            self.order = list(pieces.sizes)
+            self.chunk = np.array([len(c_seg) - 2], np.int64)
+            return
         if len(pieces.len):
             seg_end = np.cumsum(s_len)
             chunk_end = seg_end[c_seg[1:] - 1]
@@ -334,12 +545,12 @@ class _Landing:
         order = sorted(last.items(), key=lambda kv: kv[1])
         self.order = [k for k, _ in order]
         self.chunk = np.array([c for _, c in order], np.int64)
-        self.sizes = pieces.sizes
-        self.reported = 0
         tracker.landed([(k, 0) for k, n in pieces.sizes.items() if n == 0])
 
     def upto(self, done: int) -> None:
         """Chunks ``[0, done)`` have completed."""
+        if self.reported == len(self.order):
+            return
         stop = int(np.searchsorted(self.chunk, done, side="left"))
         if stop > self.reported:
             keys = self.order[self.reported : stop]
@@ -347,16 +558,62 @@ class _Landing:
             self.tracker.landed([(k, self.sizes[k]) for k in keys])
 
 
+def _ring_key(ops, g: Geometry) -> tuple:
+    return (ops.runtime_path(), ops.device_index, g)
+
+
+def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, linger: bool = False):
+    """Set up the ring of ``ops``'s device (threads, events, every chunk page-locked) ahead of
+    the first load.  Returns ``(seconds, cudaHostRegister calls)`` the page-locking took:
+    ``(0.0, 0)`` when a ring is already set up or being set up for the device; None with
+    ``background`` (the set-up runs on a thread of its own: a load that starts meanwhile
+    waits for this ring rather than setting up a second one, and starts copying as soon as
+    it is ready).  The ring is kept until a load takes it (``linger``: for
+    :data:`LINGER_SECONDS` only, as after a load)."""
+    g = checked(geometry or default_geometry())
+    key = _ring_key(ops, g)
+    if not KEPT.pending(key):
+        return None if background else (0.0, 0)
+
+    def setup():
+        ring = None
+        try:
+            ring = _new_ring(ops, g)
+            return ring.lock_all()
+        finally:
+            if ring is None:
+                KEPT.drop(key)
+            elif not KEPT.give(key, ring, linger=linger):
+                ring.close()
+
+    if not background:
+        return setup()
+
+    def quietly():
+        try:
+            setup()
+        except Exception as exc:  # the load that follows sets its own ring up, and reports
+            _LOG.debug("preparing the copy ring failed: %s", exc)
+
+    threading.Thread(target=quietly, name="engine-ring-prepare", daemon=True).start()
+    return None
+
+
 def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None) -> dict:
     """Move every request of ``sources`` (local files) into ``dest``'s device targets through a
-    chunk ring; reports tensors to ``tracker`` as they land.  Returns what the ring measured
-    (``threads``, ``chunk_bytes``, ``chunks``, ``waits``, ``sources``, ``pageable``).
+    chunk ring; reports tensors to ``tracker`` as they land (each once every copy into it has
+    completed).  Returns what the ring did, as :meth:`LoadRecord.as_dict` (also published to
+    :func:`load_records`).
+
+    A source's ``mapping`` (a caller's mapping of the file, held beyond the load) is copied
+    from and left mapped; otherwise each file is mapped for the load (see :func:`unmap_mode`)
+    or read with ``pread`` (:func:`engine.reader.copy_source`).
 
     Raises :class:`~engine.errors.ReadError` naming the file of a failed read,
     :class:`~engine.errors.DeviceError` for a failure of the runtime; returns early, with
-    ``cancel`` set, when cancelled.  Every issued copy has completed when it returns, and the
-    files' mappings are closed.
+    ``cancel`` set, when cancelled.  Every issued copy has completed when it returns.
     """
+    t_start = time.perf_counter()
     ops = dest.device_ops
     g = checked(geometry or default_geometry())
     targets = dest.device_targets
@@ -365,25 +622,30 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     landing = _Landing(pieces, c_seg, s_len, tracker)
     if not len(c_file):
         return {}
+    source, unmap = copy_source(), unmap_mode()
     used = sorted(set(c_file.tolist()))
-    mappings: dict[int, object] = {}
+    mappings: dict[int, object] = {}  # mappings this load made (or took from the kept ones)
     arrays: list = []
     fds = np.full(len(sources), -1, np.int32)
     maps = np.zeros(len(sources), np.uint64)
     lens = np.zeros(len(sources), np.int64)
     keeps = np.zeros(len(sources), np.uint8)
-    key = (ops.runtime_path(), ops.device_index, g)
+    key = _ring_key(ops, g)
     ring = KEPT.take(key)
+    cold = ring is None
     try:
         for i in used:
             fds[i] = sources[i].fd
-            m = mappings[i] = copy_mapping(sources[i].fd)
+            held = getattr(sources[i], "mapping", None)
+            m = held if held is not None and source != "pread" else None
+            if m is None and held is None:
+                m = mappings[i] = copy_mapping(sources[i].fd)
             if m is not None:
-                a = np.frombuffer(m, np.uint8)
-                arrays.append(a)
-                maps[i] = a.ctypes.data if len(a) else 0
-                lens[i] = len(a)
-                keeps[i] = kept(m)
+                # the only views of the mapping: cleared before it is closed
+                arrays.append(np.frombuffer(m, np.uint8))
+                maps[i] = arrays[-1].ctypes.data if len(arrays[-1]) else 0
+                lens[i] = len(arrays[-1])
+                keeps[i] = held is not None or unmap == "end" or kept(m)
         if ring is None:
             ring = _new_ring(ops, g)
 
@@ -392,14 +654,25 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             return cancel.is_set()
 
         kind, code, chunk, at, missing = ring.run(c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens,
-                                                  keeps, poll, adaptive=copy_source() != "mmap",
+                                                  keeps, poll, adaptive=source != "mmap",
                                                   stream_stores=stores() == "stream")
-        stats = {"threads": ring.threads, "chunk_bytes": ring.chunk_bytes, "chunks": ring.chunks,
-                 "waits": ring.waits, "sources": ring.sources, "pageable": ring.pageable}
+        run = ring.last_run
+        record = LoadRecord(
+            chunks=int(run["chunks"]), bytes=int(s_len.sum()), chunk_bytes=ring.chunk_bytes, slots=ring.chunks,
+            threads=int(run["threads"]), seconds=time.perf_counter() - t_start, fill_wait_s=run["fill_wait_s"],
+            slot_wait_s=run["slot_wait_s"], fill_s=run["fill_s"], lock_s=run["lock_s"],
+            lock_calls=int(run["lock_calls"]), cold=cold, source=source, unmap=unmap,
+            pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable)
     finally:
         arrays.clear()
-        for m in mappings.values():
-            close_mapping(m)
+        if unmap == "end":
+            CLOSER.close([m for m in mappings.values() if not kept(m)])
+            for m in mappings.values():
+                if kept(m):
+                    close_mapping(m)
+        else:
+            for m in mappings.values():
+                close_mapping(m)
         if ring is not None and not KEPT.give(key, ring):
             ring.close()
     if kind == 1:
@@ -411,8 +684,9 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         raise DeviceError(
             f"copying {src.path or 'the file'} to the device failed (chunk {chunk} of {len(c_file)}): "
             f"{rt.error_string(code)} (CUDA error {code})", path=src.path)
+    _publish(record)
     if kind == 3:
         cancel.set()
-        return stats
+        return record.as_dict()
     landing.upto(len(c_file))
-    return stats
+    return record.as_dict()

@@ -109,6 +109,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._path = path
         self._base = None
         self._mm = None
+        self._held: object = None  # device loads' read-only mapping (False: they pread)
         self._handed: set[int] = set()  # rows viewed out of the current mapping
         self._network: bool | None = None  # on a network or FUSE mount; asked at the first mapping
         try:
@@ -160,13 +161,16 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         slicer = self.__dict__.get("get_slice")
         if slicer is not None:
             slicer.closed = True
+        held = None
         with self._lock:
             self._base = self._mm = None
             self._closing = True
             fd = self._fd if self._users == 0 else None
             if fd is not None:
                 self._fd = None
+                held, self._held = self._held, None
         if fd is not None:
+            _close_held(held)
             os.close(fd)
 
     def __del__(self) -> None:
@@ -190,13 +194,32 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             return self._fd  # type: ignore[return-value]  # not None while not closing
 
     def _give_back(self) -> None:
-        fd = None
+        fd = held = None
         with self._lock:
             self._users -= 1
             if self._closing and self._users == 0 and self._fd is not None:
                 fd, self._fd = self._fd, None
+                held, self._held = self._held, None
         if fd is not None:
+            _close_held(held)
             os.close(fd)
+
+    def _held_mapping(self, fd: int):
+        """The read-only mapping device loads copy out of (None: they ``pread``), made by the
+        first and kept until the handle closes: a loop of ``get_tensor`` calls maps the file
+        once, not once per key.  Call with the descriptor borrowed."""
+        held = self._held
+        if held is None:
+            from .reader import copy_mapping
+
+            advise_sequential(fd)  # once for the handle, not per load
+            made = copy_mapping(fd)
+            with self._lock:
+                if self._held is None:
+                    self._held, made = (made if made is not None else False), None
+                held = self._held
+            _close_held(made)  # another thread made one first
+        return held or None
 
     # -- the reference's API -----------------------------------------------------------
     def keys(self) -> list[str]:
@@ -330,18 +353,27 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         return f"<engine.safe_open {self._path!r} {self._kind} {self._backend} ({state})>"
 
 
+def _close_held(held) -> None:
+    if held:
+        from .reader import close_mapping
+
+        close_mapping(held)
+
+
 @contextlib.contextmanager
-def _borrowed(parts: list[tuple[safe_open, list[int]]]):
+def _borrowed(parts: list[tuple[safe_open, list[int]]], held: bool = False):
     """:class:`engine.loader.Part` of each (handle, rows), their descriptors kept open
-    against a concurrent ``close()`` until the block ends."""
+    against a concurrent ``close()`` until the block ends; with ``held``, each with its
+    handle's held mapping (device loads)."""
     from .loader import Part
 
     taken: list[safe_open] = []
     try:
         files = []
         for h, rows in parts:
-            files.append(Part(h._borrow(), h.header, rows, h._path))
+            fd = h._borrow()
             taken.append(h)
+            files.append(Part(fd, h.header, rows, h._path, mapping=h._held_mapping(fd) if held else None))
         yield files
     finally:
         for h in taken:
@@ -399,7 +431,7 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
         # opening a file and reading its header need none of it)
         from .loader import load_parts
 
-        with _borrowed(parts) as files:
+        with _borrowed(parts, held=sink.on_device) as files:
             got = load_parts(files, sink)
         outs = [{h.header.table.names[r]: g[r] for r in rows} for (h, rows), g in zip(parts, got, strict=True)]
     if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from . import dtypes, pipeline
+from . import device_ring, dtypes, pipeline
 from ._files import advise_sequential, open_regular
 from .errors import (
     DeviceError,
@@ -63,6 +63,7 @@ class Part(NamedTuple):
     rows: list[int]
     path: str | None = None
     ranges: Callable[[int, Sequence[memoryview]], None] | None = None
+    mapping: object = None  # a read-only mapping of the file held by the caller (see pipeline.Source)
 
 
 def _bases(parts: Sequence[Part]) -> list[int]:
@@ -105,6 +106,7 @@ def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -
                        chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX),
             b,
             p.ranges,
+            p.mapping,
         )
         for p, b in zip(parts, bases, strict=True)
     ]
@@ -113,7 +115,7 @@ def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -
 def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int | None, **options) -> None:
     """The reads of every part into ``destination`` (keyed as :func:`_bases` says), one pipeline."""
     for p in parts:
-        if p.ranges is None:
+        if p.ranges is None and p.mapping is None:  # a held mapping's owner advised its file once
             advise_sequential(p.fd)
     pipeline.run_sources(
         _sources(parts, bases, options.pop("chunk_bytes", None)),
@@ -146,6 +148,12 @@ def load_parts(
     destinations 2 (page cache to a page-locked chunk, DMA).
     """
     bases = _bases(parts)
+    if sink.on_device and all(p.ranges is None for p in parts):
+        # the ring (a process's first, or one closed since) is set up while the tensors are
+        # allocated: the load waits for it, not for both one after the other
+        ops = getattr(sink, "ring_ops", lambda: None)()
+        if ops is not None and device_ring.supports(ops):
+            device_ring.prepare(ops, device_ring.geometry_for(slot_bytes, threads), background=True, linger=True)
     tensors, destination = _destination(sink, parts, bases, per_tensor)
     _run(parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes, gpu_path=gpu_path,
          slot_bytes=slot_bytes)
@@ -627,3 +635,42 @@ def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str
     if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
         return {names[r]: sink.to_device(got[r]) for r in rows}
     return {names[r]: got[r] for r in rows}
+
+
+def prepare_device(device: Any = "cuda", *, framework: str = "pt", wait: bool = True) -> float | None:
+    """Set up the engine's copy ring for a CUDA device ahead of the first load.
+
+    A process's first load to a device otherwise sets the ring up itself: its copy threads,
+    its events and its page-locked chunks (128 MiB by default, locked in a few calls).  An
+    inference server can call this at start, while it does other work (``wait=False``), so
+    that its first load starts copying at once.  The ring is kept until a load takes it;
+    after that it lingers as after any load (see :func:`engine.keep_staging`).
+
+    Parameters
+    ----------
+    device : str, int or torch.device, default "cuda"
+        A CUDA device of ``framework``.
+    framework : {"pt", "torch", "cupy"}, default "pt"
+    wait : bool, default True
+        Return once the ring is ready; with False the set-up runs on a thread of its own (a
+        load that starts meanwhile waits for it, and never sets up a second ring).
+
+    Returns
+    -------
+    float or None
+        Seconds the page-locking took (0.0 when a ring was set up already); None with
+        ``wait=False``.
+
+    Raises
+    ------
+    ValueError
+        ``device`` is not a CUDA device.
+    DeviceError
+        The CUDA runtime cannot be found, or the ring cannot be set up.
+    """
+    sink = sink_for(framework, device)
+    ops = getattr(sink, "ring_ops", lambda: None)() if sink.on_device else None
+    if ops is None or not device_ring.supports(ops):
+        raise ValueError(f"prepare_device needs a CUDA device, not {device!r}")
+    took = device_ring.prepare(ops, background=not wait)
+    return None if took is None else took[0]

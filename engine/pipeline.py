@@ -111,6 +111,10 @@ class Source(NamedTuple):
     ``ranges(offset, views)`` fills ``views`` back to back from the file at ``offset``
     (:meth:`engine.remote_reads.RangeReads.reader`).  Worker threads then call it once per
     request, each on its own connection.
+
+    ``mapping``: a read-only mapping of the whole file that the caller holds beyond the load
+    (an open ``safe_open`` handle's): a device load copies out of it and leaves it mapped,
+    instead of mapping the file for itself.
     """
 
     fd: int
@@ -118,6 +122,7 @@ class Source(NamedTuple):
     requests: Sequence[Request]
     row_base: int = 0
     ranges: Callable[[int, Sequence[memoryview]], None] | None = None
+    mapping: object = None
 
 
 class _Tracker:

@@ -113,6 +113,10 @@ class CupySink(NumpySink):
         with cupy.cuda.Device(self.device_id):
             return cupy.asarray(arr.view(cupy_dtype(code)))
 
+    def ring_ops(self) -> CupyOps:
+        """The device operations the copy ring needs."""
+        return CupyOps(self.device_id)
+
     def allocate_device(self, specs, per_tensor: bool = False):
         """(row -> cupy array, row -> uint8 target array, CupyOps) for a device load."""
         tensors, targets = {}, {}

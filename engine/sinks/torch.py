@@ -80,6 +80,14 @@ class TorchSink:
         except (RuntimeError, TypeError) as exc:
             raise DeviceError(f"cannot move a tensor to {self.device}: {exc}") from None
 
+    def ring_ops(self):
+        """The device operations the copy ring needs (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        from ._torch_fill import TorchCudaOps  # device loads only
+
+        return TorchCudaOps(self.device)
+
     def allocate_device(self, specs, per_tensor: bool = False):
         """(row -> device tensor, row -> uint8 target, DeviceOps) for a device load."""
         tensors, targets = allocate_device(specs, self.device, per_tensor)

@@ -121,3 +121,35 @@ class EmulatedRingOps:
         for handle in self.streams:
             self.emulator.destroy_stream(handle)
         self.streams = []
+
+
+class EmulatedSink:
+    """A device sink over the emulated runtime, for driving the engine's public loaders (a
+    ``safe_open`` handle's ``get_tensor`` loop) down to the ring: "device" tensors are numpy
+    arrays, allocated as a CUDA sink allocates them (one block per load)."""
+
+    name = "numpy"
+    on_device = True
+    moves = False
+
+    def __init__(self, ops: EmulatedRingOps) -> None:
+        from engine.sinks.numpy import NumpySink
+
+        self.ops = ops
+        self.host = NumpySink()
+
+    def ring_ops(self) -> EmulatedRingOps:
+        return self.ops
+
+    def allocate_device(self, specs, per_tensor: bool = False):
+        total = sum(n for _, _, _, n in specs)
+        block = np.empty(max(total, 1), np.uint8)
+        tensors, targets, off = {}, {}, 0
+        for row, code, shape, nbytes in specs:
+            targets[row] = block[off : off + nbytes]
+            tensors[row] = self.host.view(block, code, shape, off, nbytes)
+            off += nbytes
+        return tensors, targets, self.ops
+
+    def to_device(self, arr):
+        return arr
