@@ -287,9 +287,9 @@ def _engine_prepare_device_prepare(files, dev):
     prepared = _engine_load_into_prepare(files, dev)
     _sync(dev)
     t0 = time.perf_counter()
-    engine.prepare_device(dev)
+    locked = engine.prepare_device(dev)
     _sync(dev)
-    PREPARED["fields"] = {"prepare_s": time.perf_counter() - t0}
+    PREPARED["fields"] = {"prepare_s": time.perf_counter() - t0, "prepare_lock_s": locked}
     return prepared
 
 
@@ -534,6 +534,7 @@ NEEDS_API = {"engine load_into(directory) first load after engine.prepare_device
 NEEDS_CUDA = {
     *(n for n in REQUIRES if REQUIRES[n] not in ("numba",)),
     *(n for n in LIMITS if "pinned" in n or "host-to-device" in n),
+    "engine load_into(directory) first load after engine.prepare_device",
 }
 
 
@@ -646,7 +647,8 @@ def record_dicts(records) -> list[dict]:
 
 
 #: the records' fields summed over a sample's loads (a per-shard row makes one load per shard)
-RECORD_SUMS = ("chunks", "bytes", "seconds", "fill_wait_s", "slot_wait_s", "lock_s", "pread_bytes", "mmap_bytes")
+RECORD_SUMS = ("chunks", "bytes", "seconds", "fill_wait_s", "slot_wait_s", "fill_s", "lock_s", "lock_calls",
+               "pread_bytes", "mmap_bytes")
 #: the fields that describe the ring rather than count its work (the first load's)
 RECORD_SHAPE = ("chunk_bytes", "slots", "threads")
 
@@ -657,7 +659,8 @@ def sum_records(records: list[dict] | None) -> dict | None:
     (every value seen, ``/``-joined); None when the engine kept no records."""
     if records is None:
         return None
-    out: dict = {"loads": len(records), "cold": sum(bool(r.get("cold")) for r in records)}
+    out: dict = {"loads": len(records), "cold": sum(bool(r.get("cold")) for r in records),
+                 "pageable": sum(bool(r.get("pageable")) for r in records)}
     for key in RECORD_SUMS:
         values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
         out[key] = sum(values) if values else None

@@ -78,6 +78,7 @@ import time
 START = time.monotonic()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -241,6 +242,10 @@ class Report:
     def plan(self, names: list[str]) -> None:
         self.pending = [n for n in names if n not in self.pending] + [n for n in self.pending if n not in names]
 
+    def done(self, names: list[str]) -> None:
+        """A step has run: the rows it stood for are no longer pending (it reported its own)."""
+        self.pending = [n for n in self.pending if n not in names]
+
     def add(self, phase: str, row: str, status: str, reason: str | None = None, **fields) -> dict:
         record = {"phase": phase, "row": row, "status": status, "reason": reason, **fields}
         self.rows.append(record)
@@ -297,15 +302,20 @@ def _cores() -> int:
 
 
 def built_fresh() -> bool:
-    """Whether every extension is built in place and newer than its Cython sources (the build
-    is then a quick no-op)."""
+    """Whether every extension is built in place and newer than its Cython sources (its own
+    ``.pyx`` and ``.pxd``, and the ``.pxd`` files it cimports): the build is then a quick no-op."""
     sources = glob.glob(os.path.join(ROOT, "engine", "*.pyx"))
     if not sources:
         return False
-    newest = max(os.path.getmtime(p) for p in sources + glob.glob(os.path.join(ROOT, "engine", "*.pxd")))
     for pyx in sources:
-        built = glob.glob(pyx[: -len(".pyx")] + ".*.so")
-        if not built or min(os.path.getmtime(p) for p in built) < newest:
+        stem = pyx[: -len(".pyx")]
+        with open(pyx) as f:
+            cimports = " ".join(line for line in f if "cimport" in line)
+        deps = [pyx, *glob.glob(stem + ".pxd")]
+        deps += [p for p in glob.glob(os.path.join(ROOT, "engine", "*.pxd"))
+                 if os.path.basename(p)[: -len(".pxd")] in cimports]
+        built = glob.glob(stem + ".*.so")
+        if not built or min(os.path.getmtime(p) for p in built) < max(os.path.getmtime(p) for p in deps):
             return False
     return True
 
@@ -585,7 +595,7 @@ def row_sweep(check: Check) -> None:
             check.rep.add("sweep", "sweep: the fastest configuration's bytes", "ok" if ok else "failed",
                           f"{ring_sweep.env_line(best)}: {best['median_gbps']:.2f} GB/s;"
                           f" {'bytes checked' if ok else 'bytes differ from the first load or were not checked'}",
-                          best=ring_sweep.env_line(best))
+                          best=ring_sweep.env_line(best), gbps=best["median_gbps"], seconds=verdict.get("seconds"))
         if error or not timed:
             check.rep.add("sweep", "ring sweep", "failed", error or "no configuration ran",
                           engine_file=start.get("engine_file"))
@@ -920,9 +930,11 @@ def emulated_child(kind: str, files: list[str]) -> dict:
             for r in rows:
                 dst[base + r] = bytearray(int(t.ends[r]) - int(t.begins[r]))
             base += len(rows)
+        collect, on = bench_gpu.ring_records() if kind == "ring" else (contextlib.nullcontext(None), None)
         t0 = time.perf_counter()
-        nbytes = pipeline.run_sources(sources, pipeline.Destination(device_targets=dst, device_ops=ops),
-                                      slot_bytes=8 << 20)
+        with collect as got:
+            nbytes = pipeline.run_sources(sources, pipeline.Destination(device_targets=dst, device_ops=ops),
+                                          slot_bytes=8 << 20)
         if kind == "ring":
             seconds = time.perf_counter() - t0  # the ring has synchronized its stream
             device_ring.release_rings()
@@ -948,7 +960,8 @@ def emulated_child(kind: str, files: list[str]) -> dict:
                 if m[b:e] != dst[base + r]:
                     raise AssertionError(f"{f}: tensor {t.names[r]}: bytes differ")
         base += len(t.names)
-    return {"seconds": seconds, "bytes": nbytes, "copies": copies}
+    records = bench_gpu.sum_records(bench_gpu.record_dicts(got)) if on else None
+    return {"seconds": seconds, "bytes": nbytes, "copies": copies, "records": records}
 
 
 # -- output ---------------------------------------------------------------------------------------------
@@ -1156,13 +1169,14 @@ def run_check(args) -> int:
     rep.write()
     print(f"gpu_check {mode} on {args.device}: budget {budget.seconds:.0f} s, checkpoint {size} bytes", flush=True)
     phase_t0, current = time.monotonic(), None
-    for phase, _, run in steps:
+    for phase, names, run in steps:
         if phase != current:
             if current is not None:
                 rep.phases.append({"phase": current, "elapsed_s": round(time.monotonic() - phase_t0, 1)})
             print(f"== {phase} ({budget.left():.0f} s of the budget left)", flush=True)
             phase_t0, current = time.monotonic(), phase
         run()
+        rep.done(names)
     if current is not None:
         rep.phases.append({"phase": current, "elapsed_s": round(time.monotonic() - phase_t0, 1)})
     total = time.monotonic() - START

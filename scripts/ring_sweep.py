@@ -447,6 +447,8 @@ def records_text(rec: dict | None) -> str:
     ring's shape and unmap mode ("-" where the engine kept none)."""
     if not rec:
         return "-"
+    if not rec.get("loads"):
+        return "no load through the ring"
 
     def sec(key):
         v = rec.get(key)
@@ -459,9 +461,10 @@ def records_text(rec: dict | None) -> str:
     shape = ""
     if rec.get("chunk_bytes") and rec.get("slots"):
         shape = f" {rec['chunk_bytes'] / (1 << 20):g}Mx{rec['slots']:g}/{rec.get('threads') or '?'}t"
+    pageable = f"; {rec['pageable']:g} PAGEABLE (chunks not page-locked)" if rec.get("pageable") else ""
     return (f"{rec.get('loads', 0):g} loads ({rec.get('cold', 0):g} cold); wait fill {sec('fill_wait_s')}"
             f" slot {sec('slot_wait_s')} lock {sec('lock_s')} s; GB pread {gb('pread_bytes')}"
-            f" mmap {gb('mmap_bytes')};{shape} {rec.get('source') or '-'}, unmap {rec.get('unmap') or '-'}")
+            f" mmap {gb('mmap_bytes')};{shape} {rec.get('source') or '-'}, unmap {rec.get('unmap') or '-'}{pageable}")
 
 
 def _curve(configs: list[dict], key: str) -> list[tuple]:
