@@ -541,3 +541,12 @@ def test_torch_load_file_pread_takes_the_short_path_and_equals_the_reference(mod
     assert calls == [1] and list(ours) == list(ref)
     assert all(torch.equal(ours[k], ref[k]) for k in ref)
     assert engine.torch.load_file(path, backend="mmap").keys() == ref.keys() and calls == [1]
+
+
+def test_prepare_device_needs_a_cuda_device():
+    import engine
+
+    with pytest.raises(ValueError, match="CUDA device"):
+        engine.prepare_device("cpu")
+    with pytest.raises(ValueError, match="CUDA device"):
+        engine.prepare_device("cpu", framework="np")
