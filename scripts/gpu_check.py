@@ -149,6 +149,8 @@ LONG_ROWS = [
     "limit: pageable host-to-device 1 GiB",
     "limit: page cache to pinned, split read, 8 threads",
 ]
+#: seconds one load sample may take at most (a 16 GB load takes under 20 on an H100 host)
+SAMPLE_LIMIT = 120.0
 #: samples per load row (a limit: one process, the median of its repetitions inside it)
 RUNS = 3
 LIMIT_RUNS = 1
@@ -506,7 +508,8 @@ def row_loads(check: Check, phase: str, impl: str, runs: int, prior_key: str) ->
         if check.args.modes == "cold":
             cache = bench_gpu.drop_cache(check.files)
         t0 = time.monotonic()
-        s = bench_gpu.sample(impl, check.files, check.dev, max(1.0, budget.left()), check.env())
+        # a hung child is stopped well before it could take every later row's time
+        s = bench_gpu.sample(impl, check.files, check.dev, max(1.0, min(SAMPLE_LIMIT, budget.left())), check.env())
         budget.note(impl, time.monotonic() - t0, prior)
         samples.append(s)
         if "error" in s:
