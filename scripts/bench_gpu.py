@@ -70,6 +70,8 @@ import host_memory  # noqa: E402
 from benchmarks.common import evict_cache, hwm_bytes, reset_hwm, rss_bytes  # noqa: E402
 
 GiB = 1 << 30
+#: passes over the checkpoint inside one page cache -> pinned limit sample (the median is its figure)
+LIMIT_PASSES = 3
 
 # Llama-3-8B
 HIDDEN, INTER, VOCAB, KV = 4096, 14336, 128256, 1024
@@ -122,11 +124,14 @@ def model_shapes(total_bytes: int) -> list[tuple[str, tuple]]:
 
 
 def make_checkpoint(folder: str, total_bytes: int, shards: int = 4) -> list[str]:
-    """Write the checkpoint (once; reused when its index exists) and return the shard paths."""
+    """Write the checkpoint (once; reused when its index exists) and return the shard paths.
+
+    Each shard through the engine's streaming writer without ``fsync`` (scratch data: the
+    sync would only lengthen the GPU check's budget), one tensor at a time."""
     import ml_dtypes
     import numpy as np
 
-    import engine.numpy
+    from engine.writer import open_writer
 
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index_path):
@@ -149,15 +154,13 @@ def make_checkpoint(folder: str, total_bytes: int, shards: int = 4) -> list[str]
     weight_map, files = {}, []
     for k, group in enumerate(groups):
         fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        sd = {}
-        for j, (name, shape) in enumerate(group):
-            n = _nbytes(shape) // 2
-            start = (j * 7919 + k * 104729) % pool.size
-            sd[name] = np.resize(pool[start:], n).view(ml_dtypes.bfloat16).reshape(shape)
-            weight_map[name] = fname
-        engine.numpy.save_file(sd, os.path.join(folder, fname))
+        with open_writer(os.path.join(folder, fname), [(n, "BF16", s) for n, s in group], fsync=False) as w:
+            for j, (name, shape) in enumerate(group):
+                n = _nbytes(shape) // 2
+                start = (j * 7919 + k * 104729) % pool.size
+                w.write(name, np.resize(pool[start:], n).view(ml_dtypes.bfloat16).reshape(shape))
+                weight_map[name] = fname
         files.append(os.path.join(folder, fname))
-        del sd
     with open(index_path + ".tmp", "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
     os.replace(index_path + ".tmp", index_path)
@@ -274,6 +277,20 @@ def _engine_load_into_directory_path(gpu_path):
         return prepared
 
     return load
+
+
+def _engine_prepare_device_prepare(files, dev):
+    """The destinations, then ``engine.prepare_device(dev)`` (timed, outside the load's clock):
+    an inference server that warms the ring at start, before its first load."""
+    import engine
+
+    prepared = _engine_load_into_prepare(files, dev)
+    _sync(dev)
+    t0 = time.perf_counter()
+    locked = engine.prepare_device(dev)
+    _sync(dev)
+    PREPARED["fields"] = {"prepare_s": time.perf_counter() - t0, "prepare_lock_s": locked}
+    return prepared
 
 
 def _engine_reload_prepare(files, dev):
@@ -434,21 +451,24 @@ def _limit_page_cache_to_pinned(threads: int):
         out = buf.numpy()
         out.fill(0)
         fds = [os.open(f, os.O_RDONLY) for f in files]
-        total = 0
         reader = _io.SplitReader(threads)  # the engine's copy path, without the DMA
-        t0 = time.perf_counter()
-        for fd in fds:
-            size = os.fstat(fd).st_size
-            for off in range(0, size, slot):
-                n = min(slot, size - off)
-                err, _, _ = reader.copy(fd, None, np.array([off], np.int64), [memoryview(out)[:n]])
-                assert err == 0
-                total += n
-        seconds = time.perf_counter() - t0
+        times = []
+        # the median of three passes over every shard: one fresh process per row is enough
+        for _ in range(LIMIT_PASSES):
+            total = 0
+            t0 = time.perf_counter()
+            for fd in fds:
+                size = os.fstat(fd).st_size
+                for off in range(0, size, slot):
+                    n = min(slot, size - off)
+                    err, _, _ = reader.copy(fd, None, np.array([off], np.int64), [memoryview(out)[:n]])
+                    assert err == 0
+                    total += n
+            times.append(time.perf_counter() - t0)
         reader.close()
         for fd in fds:
             os.close(fd)
-        return total, seconds
+        return total, statistics.median(times)
 
     return run
 
@@ -468,6 +488,8 @@ IMPLEMENTATIONS = {
     "engine load_into(f) per shard": (_engine_load_into_prepare, _engine_load_into),
     "engine load_into(directory)": (_engine_load_into_prepare, _engine_load_into_directory),
     "engine load_into(directory) gpu_path=copy": (_engine_load_into_prepare, _engine_load_into_directory_path("copy")),
+    "engine load_into(directory) first load after engine.prepare_device": (
+        _engine_prepare_device_prepare, _engine_load_into_directory),
     "engine load_into(directory) reload, staging and mappings kept": (
         _engine_reload_prepare, _engine_load_into_directory),
     "engine stream(f) stats=True per shard": _engine_stream_stats,
@@ -506,10 +528,13 @@ REQUIRES = {
     "Run:ai streamer (io_uring_buffered)": "runai_model_streamer",
     "engine stream(f) stats=True per shard": "numba",
 }
+#: rows that need an engine API that an older checkout lacks (the row is skipped there, saying so)
+NEEDS_API = {"engine load_into(directory) first load after engine.prepare_device": "prepare_device"}
 #: rows that mean nothing without a CUDA device (pinned memory, a device ordinal, GPU-only peers)
 NEEDS_CUDA = {
     *(n for n in REQUIRES if REQUIRES[n] not in ("numba",)),
     *(n for n in LIMITS if "pinned" in n or "host-to-device" in n),
+    "engine load_into(directory) first load after engine.prepare_device",
 }
 
 
@@ -533,6 +558,14 @@ def skip_reason(impl: str, dev: str, path: list[str] | None = None) -> str | Non
             return f"{module} not installed"
     if impl in NEEDS_CUDA and not dev.startswith("cuda"):
         return f"no CUDA device (--device {dev})"
+    api = NEEDS_API.get(impl)
+    if api is not None:
+        try:
+            import engine
+        except Exception as exc:  # the build failed: the row's sample would say the same
+            return f"the engine cannot be imported: {type(exc).__name__}: {exc}"
+        if not hasattr(engine, api):
+            return f"engine.{api} is not in this checkout's engine"
     return None
 
 
@@ -588,6 +621,87 @@ def _host_mark() -> tuple[int, bool]:
     return rss_bytes(), reset
 
 
+def ring_records():
+    """``(context manager, list)``: the engine's per-load records of the chunk ring
+    (``engine.load_records()``, each an ``engine.LoadRecord``) collected inside the block, or
+    a no-op and None where this engine has no such API."""
+    import contextlib
+
+    try:
+        import engine
+    except Exception:  # a peer's row in a process without the engine
+        return contextlib.nullcontext(None), None
+    collect = getattr(engine, "load_records", None)
+    if collect is None:
+        return contextlib.nullcontext(None), None
+    return collect(), True
+
+
+def record_dicts(records) -> list[dict]:
+    """Plain fields of the engine's load records (``LoadRecord.as_dict()``)."""
+    out = []
+    for r in records or []:
+        as_dict = getattr(r, "as_dict", None)
+        out.append(dict(as_dict()) if as_dict else {k: v for k, v in vars(r).items() if not k.startswith("_")})
+    return out
+
+
+#: the records' fields summed over a sample's loads (a per-shard row makes one load per shard)
+RECORD_SUMS = ("chunks", "bytes", "seconds", "fill_wait_s", "slot_wait_s", "fill_s", "lock_s", "lock_calls",
+               "pread_bytes", "mmap_bytes")
+#: the fields that describe the ring rather than count its work (the first load's)
+RECORD_SHAPE = ("chunk_bytes", "slots", "threads")
+
+
+def sum_records(records: list[dict] | None) -> dict | None:
+    """One sample's ring records as one: ``loads`` and ``cold`` (how many set the ring up),
+    :data:`RECORD_SUMS` summed, :data:`RECORD_SHAPE` of the first, ``source`` and ``unmap``
+    (every value seen, ``/``-joined); None when the engine kept no records."""
+    if records is None:
+        return None
+    out: dict = {"loads": len(records), "cold": sum(bool(r.get("cold")) for r in records),
+                 "pageable": sum(bool(r.get("pageable")) for r in records)}
+    for key in RECORD_SUMS:
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        out[key] = sum(values) if values else None
+    for key in RECORD_SHAPE:
+        out[key] = records[0].get(key) if records else None
+    for key in ("source", "unmap"):
+        seen = sorted({str(r[key]) for r in records if r.get(key) is not None})
+        out[key] = "/".join(seen) or None
+    return out
+
+
+def median_records(summaries: list[dict | None]) -> dict | None:
+    """The samples' summed records (:func:`sum_records`) as one: the median of each number,
+    the last sample's text."""
+    got = [s for s in summaries if s]
+    if not got:
+        return None
+    out: dict = {}
+    for key in got[-1]:
+        values = [s[key] for s in got if isinstance(s.get(key), (int, float)) and not isinstance(s.get(key), bool)]
+        out[key] = statistics.median(values) if values else got[-1][key]
+    return out
+
+
+def _timed_load(fn, files, dev, prepared, engine_row: bool) -> tuple[object, float, dict | None]:
+    """One load on the clock (to the device's synchronisation): its output, seconds and, for
+    the engine's rows, the ring's records summed (None where the engine keeps none)."""
+    cm, on = ring_records() if engine_row else (None, None)
+    if cm is None:
+        t0 = time.perf_counter()
+        out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
+        _sync(dev)
+        return out, time.perf_counter() - t0, None
+    with cm as got:
+        t0 = time.perf_counter()
+        out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
+        _sync(dev)
+        seconds = time.perf_counter() - t0
+    return out, seconds, sum_records(record_dicts(got)) if on else None
+
+
 def child(impl: str, files: list[str], dev: str) -> dict:
     import torch
 
@@ -602,24 +716,24 @@ def child(impl: str, files: list[str], dev: str) -> dict:
                 "engine_file": checkout_path.engine_origin()}
     fn = IMPLEMENTATIONS[impl]
     prepared = None
+    record: dict = {}
     if isinstance(fn, tuple):  # load_into: the destinations exist before the clock
         prepare, fn = fn
         prepared = prepare(files, dev)
         _sync(dev)
+        record.update(PREPARED.pop("fields", {}))
+    engine_row = impl.startswith("engine")
     host_before, reset = _host_mark()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         free_before = torch.cuda.mem_get_info()[0]
     # memory by kind, sampled on a thread from before the clock until the load has synchronized
     with host_memory.Sampler() as kinds:
-        t0 = time.perf_counter()
-        out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
-        _sync(dev)
-        seconds = time.perf_counter() - t0
+        out, seconds, records = _timed_load(fn, files, dev, prepared, engine_row)
     # memory before the checksum, which allocates its own
-    record = {"seconds": seconds, "host_before_bytes": host_before, "host_peak_bytes": hwm_bytes(),
-              "host_peak_from": "clock" if reset else "process start", **kinds.result(),
-              "file_after_bytes": kinds.file_now()}
+    record.update({"seconds": seconds, "host_before_bytes": host_before, "host_peak_bytes": hwm_bytes(),
+                   "host_peak_from": "clock" if reset else "process start", **kinds.result(),
+                   "file_after_bytes": kinds.file_now(), "records": records})
     if cuda:
         # torch's allocator only; peers with their own allocator show in device_used_bytes
         record["device_peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -634,7 +748,25 @@ def child(impl: str, files: list[str], dev: str) -> dict:
                   engine_file=checkout_path.engine_origin())
     if impl in SOURCE_BYTES:
         record["stats"] = stats
+    if impl in TWICE:  # the same load again in this process: what a warm ring gives
+        if prepared is not None:
+            for t in tensors.values():
+                t.zero_()
+            _sync(dev)
+        else:
+            del out, tensors
+        again, seconds2, records2 = _timed_load(fn, files, dev, prepared, engine_row)
+        tensors2, _ = _flatten(again)
+        record["second"] = {"seconds": seconds2, "records": records2, "checksum": checksum(tensors2),
+                            "bytes": sum(t.numel() * t.element_size() for t in tensors2.values())}
     return record
+
+
+#: rows whose child times a second load in the same process (``record["second"]``), the
+#: first being the row's own figure: a process's first load against a warm ring's
+TWICE = {"engine load_into(directory)"}
+#: what a ``prepare`` step leaves for the child's record (the seconds of ``engine.prepare_device``)
+PREPARED: dict = {}
 
 
 #: rows whose rate counts the file's tensor bytes (what they produce differs from what they read)
@@ -707,7 +839,18 @@ def summarise(samples: list[dict], cache: str) -> dict:
     for key in ("tensors", "all_on_gpu", "stats", "host_peak_from", "engine_file", "memory_samples"):
         if key in samples[-1]:
             out[key] = samples[-1][key]
+    prepare = [s["prepare_s"] for s in samples if isinstance(s.get("prepare_s"), (int, float))]
+    if prepare:
+        out["prepare_s"] = statistics.median(prepare)
+    if any("records" in s for s in samples):
+        out["records"] = median_records([s.get("records") for s in samples])
     return out
+
+
+def second_loads(samples: list[dict]) -> list[dict]:
+    """The second loads of a :data:`TWICE` row's samples as samples of their own (seconds,
+    bytes, checksum, records), for a row of their own."""
+    return [{**s["second"], "second_of": i} for i, s in enumerate(samples) if isinstance(s.get("second"), dict)]
 
 
 def parse_size(text: str) -> int:
@@ -740,8 +883,16 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.where:
-        print(json.dumps({"engine_file": checkout_path.engine_origin(),
-                          "ring_file": checkout_path.engine_origin("engine._ring")}))
+        where = {"engine_file": checkout_path.engine_origin(), "ring_file": checkout_path.engine_origin("engine._ring")}
+        try:  # what the children will see: torch, and the device the GPU rows load to
+            import torch
+
+            cuda = torch.cuda.is_available()
+            where.update(torch=torch.__version__, cuda=cuda,
+                         name=torch.cuda.get_device_name(0) if cuda else "no CUDA device")
+        except Exception as exc:
+            where.update(torch=f"unavailable ({type(exc).__name__}: {exc})", cuda=False, name="no CUDA device")
+        print(json.dumps(where))
         return 0
     if args.child:
         print(json.dumps(child(args.child, args.files, args.device)))

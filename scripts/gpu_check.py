@@ -1,86 +1,97 @@
-"""Every GPU check of the engine in one command, within 9 minutes on a 16-core H100 host;
-``--sweep``, a second command of at most 4 minutes, measures the chunk ring's geometry.
+"""Everything that decides the engine's device path, in one GPU command of at most 7 minutes.
 
-Phases, each with its own time budget and all of them within the whole check's (elapsed
-time printed per phase), none stopping the next; every row ends ``ok``, ``failed`` (with the
-exception text, exit code or timeout) or ``skipped`` (with the reason):
+``python3 scripts/gpu_check.py --wheels .whl --out OUT`` runs, within ``--budget`` seconds
+(420 by default) of its own start, everything included, these rows in this order (the
+most decisive first):
 
-1. ``wheels``: the peers' wheels of ``--wheels DIR`` installed with ``pip install --no-index
-   --no-deps --target OUT/site`` (one call per wheel), put on the children's PYTHONPATH;
-2. ``build``: ``python setup.py -q build_ext --inplace``;
-3. ``engine``: the engine the parent and a child import, and the child's ring extension,
-   must be this checkout's (the script puts its checkout first on ``sys.path`` and on the
-   children's PYTHONPATH: nothing needs to be installed);
-4. ``pytest``: ``pytest -m cuda`` over the suite, then the device-kernel modules on the real
-   GPU (Numba's simulator switched off); pass / fail / skip counts;
-5. ``compare``: byte for byte against the reference (``safetensors``) for every dtype it
-   loads, then a selective load, through each engine entry point, on the device; also the
-   same file over HTTP (the tests' Range server on 127.0.0.1, keep-alive) through
-   ``load_file``, ``load_into`` and ``stream``: the remote loads' own copy path;
-6. ``checkpoint``: a Llama-3-8B-shaped checkpoint of ``--size`` (16.06 GB, 4 shards; made
-   once, reused from ``--dir``);
-7. ``warm`` (or ``cold`` with ``--modes cold``): the file->GPU rows of scripts/bench_gpu.py,
-   each sample a fresh process, rounds interleaved while the budget lasts (the phase takes
-   what the earlier ones left of the whole check's): the limits (pinned host-to-device, page
-   cache to pinned), every engine entry point, the per-key loop of accelerate's
-   ``load_state_dict`` (``safe_open(f, device=...)``, ``get_tensor(k)`` for every key)
-   through the engine and the reference, the reference's ``load_file``, InstantTensor
-   ``Backend.MMAP`` and fastsafetensors; in the warm phase, once those have their samples,
-   a reload (``load_into`` with rings and file mappings kept, the second load in a process
-   timed).  Each row reports the host memory peak and, by kind, the growth of anonymous,
-   page-locked (the engine's count) and mapped file memory during the load
-   (scripts/host_memory.py) and the mapped file memory left after it, and the device
-   memory peak; on a GPU a row whose anonymous + page-locked growth passes
-   :data:`HOST_BOUND` is marked over bound;
-8. ``onload``: the ``stats=True`` and ``quantize="int8"`` load rates, same measurements;
-9. ``emulated`` (``--device cpu`` only): the engine's device pipeline over every shard, bytes
-   checked: the chunk ring on the emulated CUDA runtime (tests/emucudart), and the slot
-   path on tests/emulated.py's device.
+1. set-up: the peers' wheels of ``--wheels DIR`` installed with ``pip install --no-index
+   --no-deps --target`` into a scratch folder put on the children's PYTHONPATH; the
+   extensions built in place (``setup.py build_ext --inplace -j CORES``); the engine that a
+   child imports, and its ring extension, must be this checkout's (the script puts its
+   checkout first on ``sys.path`` and on the children's PYTHONPATH: nothing needs to be
+   installed); the child also names the device and torch;
+2. the checkpoint: Llama-3-8B-shaped, ``--size`` (8 GB in 4 shards by default, made once and
+   reused from ``--dir``; 16.06 GB with ``--long``), its pages read once (a warm page cache);
+3. the load rows of scripts/bench_gpu.py, each sample a fresh process: the limits (pinned
+   host-to-device, page cache to pinned with 16 threads: one process each, the median of
+   their repetitions inside it), InstantTensor ``Backend.MMAP``, every engine entry point
+   (3 samples each), fastsafetensors;
+4. the per-key loop of accelerate's ``load_state_dict`` (``safe_open(f, device=...)``,
+   ``get_tensor(k)`` for every key), engine and reference;
+5. warm start: the second load in the same process (each ``load_into(directory)`` sample
+   loads twice; its first load is that row's figure, a process's first load), and a first
+   load after ``engine.prepare_device`` (its seconds in the row);
+6. the short sweep of the chunk ring (scripts/ring_sweep.py ``--short``, one process): the
+   default geometry with ``ENGINE_COPY_SOURCE`` pread / mmap / auto under
+   ``ENGINE_RING_UNMAP`` end / chunk, then three other shapes, each loaded twice (the first
+   load sets the ring up, the second reuses it), the fastest's bytes checked;
+7. the rest: byte-for-byte comparison with the reference for every dtype through every entry
+   point (and over HTTP), ``pytest -m cuda``, the reference's ``load_file``, the
+   ``stats=True`` and ``quantize="int8"`` load rates, the device-kernel test modules on the
+   real GPU (Numba's simulator off); with ``--device cpu``, the device pipeline over every
+   shard on the emulated CUDA runtime (tests/emucudart) and on tests/emulated.py's device.
 
-Writes ``gpu_check-<mode>.json`` and ``gpu_check-<mode>.md`` to ``--out DIR`` and prints a
-one-screen summary.  Exit status 0 when no row failed, 1 otherwise.
+The budget is enforced here: no row (no sample, no test run) starts that the rest of the
+budget cannot hold.  A row's cost is estimated from what it took so far (its own samples),
+else from a conservative prior (:data:`PRIORS`; a load sample's prior is scaled by how the
+samples so far compared with theirs), and every child is stopped at the budget's end
+whatever its estimate.  The JSON and markdown files are rewritten after every row, so that
+a run stopped from outside still leaves its table; a row that did not run says why
+("budget: needs ~40 s, 12 s left"), and the rows the run never reached are listed as such.
 
-``--sweep`` (scripts/ring_sweep.py): the checkpoint made or reused, then one process times a
-grid of the ring's chunk size, chunks in flight, copy threads, copy source and stores within
-``--sweep-budget`` seconds (210 by default), each configuration loaded twice; writes
-``gpu_check-sweep.json`` and ``gpu_check-sweep.md`` and prints the best geometry as an
-``ENGINE_RING=chunk_mib,chunks,threads`` line.  The extensions are built in place first if
-the checkout has none.
+Every load row reports its rate (the median of its samples), the host memory peak and, by
+kind, the growth of anonymous, page-locked (the engine's count) and mapped file memory
+during the load (scripts/host_memory.py) and the mapped file memory left after it, the
+device memory peak, and what the chunk ring did (``engine.load_records()``: chunks, waits
+for fills and for slots, page-locking time, bytes per source, the ring's shape, whether
+this load set the ring up; the median over the samples); on a GPU a row whose anonymous +
+page-locked growth passes :data:`HOST_BOUND` is marked over bound.
+
+Writes ``gpu_check-<mode>.json`` and ``gpu_check-<mode>.md`` to ``--out`` and prints a
+one-screen summary.  Exit status 0 when no row failed, 1 otherwise (a row skipped for the
+budget is not a failure).
 
 On a lent GPU host (the device tool runs in the checkout; ``.whl/`` is git-ignored, so it is
 carried only when named)::
 
-    mkdir -p .whl && cp /work/shared/wheels/*.whl .whl/
-    # device tool: carry [".whl"], timeout_s 600, command:
+    mkdir -p .whl && cp ../shared/wheels/*.whl .whl/
+    # device tool: carry [".whl"], timeout_s 480, command:
     python3 scripts/gpu_check.py --wheels .whl --out $OUT/gpu-check
-    # the sweep, a second command on the same machine (it reuses the checkpoint and the
-    # build), timeout_s 270:
-    python3 scripts/gpu_check.py --sweep --out $OUT/gpu-check
 
-Dry mode, on a machine without a GPU (well under 2 minutes; CI runs it so that the script
-cannot rot): ``python scripts/gpu_check.py --device cpu --size 64MB --out DIR``.  Device rows
-load to ``device="cpu"`` there and say so; rows that need CUDA or a missing package say why
-they were skipped.  ``--skip build,pytest`` leaves phases out (their rows say so).
-``--device cpu --sweep`` is the sweep's dry run: the emulated CUDA runtime, a small grid, a
-64 MB checkpoint, every configuration's bytes checked, in seconds.
+Longer runs, each its own command: ``--long`` (16.06 GB, more rows, 9 minutes by default)
+and ``--sweep`` (the ring's whole geometry grid, scripts/ring_sweep.py, 210 s by default);
+``--budget`` sets any of them.
+
+Dry run, on a machine without a GPU (CI runs it so that the script cannot rot; the
+extensions built in place first, or the build row builds them):
+``python scripts/gpu_check.py --device cpu --budget 60 --out DIR``.  Device rows load to
+``device="cpu"`` there and say so; rows that need CUDA or a missing package say why they
+were skipped; the sweep runs on the emulated CUDA runtime.  ``--skip build,pytest`` leaves
+phases out (their rows say so).
 """
 
 from __future__ import annotations
 
-import argparse
-import glob
-import json
-import os
-import platform
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
-import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
+
+#: the check's clock starts with the script
+START = time.monotonic()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+import xml.etree.ElementTree as ET  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # imported from elsewhere (a test): its sibling modules
@@ -88,43 +99,61 @@ if HERE not in sys.path:  # imported from elsewhere (a test): its sibling module
 import checkout_path  # noqa: E402
 
 # this checkout's engine in this process and in every child: on a GPU host it is built in
-# place by the build phase and installed nowhere (the parent imports it only after that phase)
+# place by the build row and installed nowhere (the parent imports it only after that row)
 ROOT = checkout_path.use_checkout()
 import bench_gpu  # noqa: E402
 import ring_sweep  # noqa: E402
 
-#: the whole check on a GPU host, seconds: each phase also ends when what is left of this
-#: would not leave the later phases their :data:`RESERVE` (9 minutes less the start and the writing)
-TOTAL_BUDGET = 525
-#: seconds per phase at most; the load phase takes what the earlier phases left
-BUDGETS = {"wheels": 20, "build": 75, "engine": 20, "pytest": 115, "compare": 40, "checkpoint": 90,
-           "warm": 260, "cold": 260, "onload": 40, "emulated": 30}
-#: seconds kept for a phase while the phases before it run
-RESERVE = {"onload": 40, "emulated": 15}
+#: seconds of the whole command by default: 7 minutes on a GPU host, whose 15 minutes of
+#: lending include its start-up
+BUDGET = 420.0
+#: ``--long``'s and ``--sweep``'s defaults
+LONG_BUDGET = 540.0
+SWEEP_BUDGET = 210.0
+#: seconds kept at the end for the summary and the last write of the files
+RESERVE = 3.0
+#: checkpoint sizes by default: 8 GB keeps every row inside the 7 minutes (a 16 GB one costs
+#: about 70 s more: its making, every load and checksum twice as long)
+SIZE = {"check": "8GB", "long": "16.06GB", "cpu": "64MB"}
 #: the peers and the name their wheel starts with
 PEERS = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors",
          "runai_model_streamer": "runai_model_streamer"}
-#: the load rows: each engine entry point once (``gpu_path`` auto and copy are the same ring,
-#: so one of them), the per-key loop of accelerate, the reference, the peers; three fresh-process
-#: samples each fit the warm phase's budget on an H100 host
-LOAD_ROWS = [
+#: the rows that decide the device path, first: the limits, the peer to beat, every engine
+#: entry point (``gpu_path`` auto and copy are the same ring, so one of them), the other peer
+DECISIVE = [
     "limit: pinned host-to-device 1 GiB",
     "limit: page cache to pinned, split read, 16 threads",
+    "InstantTensor Backend.MMAP",
     "engine load_file(f) per shard",
     "engine load_file(directory)",
     "engine safe_open(directory).get_tensors()",
     "engine stream(shards) auto",
     "engine load_into(directory)",
-    "engine safe_open(f, device) get_tensor per key",
-    "reference safe_open(f, device) get_tensor per key",
-    "reference load_file(f, device) per shard",
-    "InstantTensor Backend.MMAP",
     "fastsafetensors (nogds, buffered)",
 ]
-#: rows of the warm phase only, sampled after every load row has its samples: a reload reads
-#: the file in with its untimed first load
-RELOAD_ROWS = ["engine load_into(directory) reload, staging and mappings kept"]
+PER_KEY = ["engine safe_open(f, device) get_tensor per key", "reference safe_open(f, device) get_tensor per key"]
+#: the second loads of :data:`FIRST_ROW`'s samples, a row of their own
+FIRST_ROW = "engine load_into(directory)"
+SECOND_ROW = "engine load_into(directory) second load in the same process"
+PREPARED_ROW = "engine load_into(directory) first load after engine.prepare_device"
+REFERENCE_ROWS = ["reference load_file(f, device) per shard"]
 ONLOAD_ROWS = ["engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard"]
+#: ``--long`` only, after the rest
+LONG_ROWS = [
+    "engine load_into(directory) reload, staging and mappings kept",
+    "engine load_into(f) per shard",
+    "engine stream(f) per shard",
+    "engine safe_open(index).get_tensors()",
+    "reference load_file(f) then .to(device)",
+    "InstantTensor default",
+    "limit: pageable host-to-device 1 GiB",
+    "limit: page cache to pinned, split read, 8 threads",
+]
+#: seconds one load sample may take at most (a 16 GB load takes under 20 on an H100 host)
+SAMPLE_LIMIT = 120.0
+#: samples per load row (a limit: one process, the median of its repetitions inside it)
+RUNS = 3
+LIMIT_RUNS = 1
 #: what a device load may add to the host's anonymous and page-locked memory together, whatever
 #: the model's size (the ring's chunks, counted in both, and everything else)
 HOST_BOUND = 512 << 20
@@ -133,6 +162,17 @@ PYTEST_RUNS = {
     "pytest -m cuda": ["-m", "cuda", "tests"],
     "pytest device-kernel modules": ["tests/test_device.py", "tests/test_cuda_kernels.py",
                                      "tests/test_cudart.py", "tests/test_load_hooks.py"],
+}
+#: conservative costs, seconds, before a row has run (GPU: from the H100 run of 2026-11-26,
+#: ../shared/gpu-runs, doubled or so; cpu: this project's 2-core CI machine); a load row's
+#: is per sample; ``checkpoint`` per GB to make it, ``checkpoint-read`` per GB to read it
+PRIORS = {
+    "cuda": {"wheels": 15, "build": 75, "build-fresh": 10, "engine": 20, "checkpoint": 5, "checkpoint-read": 2,
+             "sample": 10, "limit": 8, "per-key": 12, "onload": 15, "sweep": 45, "compare": 20,
+             "pytest -m cuda": 40, "pytest device-kernel modules": 100, "emulated": 15},
+    "cpu": {"wheels": 15, "build": 120, "build-fresh": 10, "engine": 10, "checkpoint": 60, "checkpoint-read": 5,
+            "sample": 6, "limit": 6, "per-key": 6, "onload": 25, "sweep": 20, "compare": 12,
+            "pytest -m cuda": 90, "pytest device-kernel modules": 90, "emulated": 10},
 }
 #: the reference's dtypes (torch attribute names); a torch without one leaves it out
 DTYPES = {
@@ -144,20 +184,92 @@ DTYPES = {
 }
 
 
-class Report:
-    """Rows and phase timings, printed as they come and written at the end."""
+class Budget:
+    """The command's seconds: what is left, what a row will cost, whether it may start.
 
-    def __init__(self) -> None:
+    ``seconds`` from ``start`` (``clock()`` time), :data:`RESERVE` of them kept for the last
+    write.  A row's estimate: 1.2 times its slowest run so far plus half a second; before it
+    has run, its prior, scaled for load samples by how the samples so far compared with
+    their priors (between 0.5 and 2 times, with a quarter added)."""
+
+    def __init__(self, seconds: float, start: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 reserve: float = RESERVE) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self.start = clock() if start is None else start
+        self.reserve = reserve
+        self.walls: dict[str, list[float]] = {}
+        self.ratios: list[float] = []  # a load sample's seconds over its prior
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.reserve - self.elapsed()
+
+    def estimate(self, key: str, prior: float, scaled: bool = False) -> float:
+        own = self.walls.get(key)
+        if own:
+            return 1.2 * max(own) + 0.5
+        if scaled and self.ratios:
+            return prior * min(2.0, max(0.5, 1.25 * statistics.median(self.ratios)))
+        return prior
+
+    def note(self, key: str, seconds: float, prior: float | None = None) -> None:
+        """What a run of ``key`` took; with ``prior``, it also scales the load samples' priors."""
+        self.walls.setdefault(key, []).append(seconds)
+        if prior:
+            self.ratios.append(seconds / prior)
+
+    def refuse(self, need: float) -> str | None:
+        """Why a row that needs ``need`` seconds may not start (None: it may)."""
+        left = self.left()
+        if need <= left:
+            return None
+        return f"budget: needs ~{need:.0f}s, {max(0.0, left):.0f}s left"
+
+
+class Report:
+    """Rows as they come: each printed, and the JSON and markdown files rewritten after it
+    (through a temporary file and a rename: a run stopped at any moment leaves whole files)."""
+
+    def __init__(self, base: str | None = None, meta: dict | None = None) -> None:
         self.rows: list[dict] = []
         self.phases: list[dict] = []
+        self.base = base
+        self.meta: dict = meta or {}
+        #: rows planned and not reported yet, in order (named in the files as not reached)
+        self.pending: list[str] = []
+
+    def plan(self, names: list[str]) -> None:
+        self.pending = [n for n in names if n not in self.pending] + [n for n in self.pending if n not in names]
+
+    def done(self, names: list[str]) -> None:
+        """A step has run: the rows it stood for are no longer pending (it reported its own)."""
+        self.pending = [n for n in self.pending if n not in names]
 
     def add(self, phase: str, row: str, status: str, reason: str | None = None, **fields) -> dict:
         record = {"phase": phase, "row": row, "status": status, "reason": reason, **fields}
         self.rows.append(record)
+        if row in self.pending:
+            self.pending.remove(row)
         figure = f" {fields['gbps']:.2f} GB/s" if fields.get("gbps") is not None else ""
         text = f"  {status:7s} {row}{figure}{': ' + reason if reason else ''}"
         print(text if len(text) <= 150 else text[:147] + "...", flush=True)
+        self.write()
         return record
+
+    def write(self) -> None:
+        if not self.base:
+            return
+        meta = {**self.meta, "elapsed_s": round(time.monotonic() - START, 1)}
+        body = {"meta": meta, "phases": self.phases, "rows": self.rows, "pending": self.pending}
+        for suffix, text in ((".json", json.dumps(body, indent=1, default=str)), (".md", markdown(meta, self))):
+            tmp = f"{self.base}{suffix}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+            os.replace(tmp, self.base + suffix)
 
 
 def _tail(text: str, n: int = 300) -> str:
@@ -184,38 +296,351 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int |
     return p.returncode, out, err
 
 
-# -- phases ---------------------------------------------------------------------------------------------
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
-def phase_wheels(rep: Report, wheels: str | None, site: str, deadline: float) -> list[str]:
-    """Install each peer's wheel; returns the folders to put on the children's PYTHONPATH."""
+def built_fresh() -> bool:
+    """Whether every extension is built in place and newer than its Cython sources (its own
+    ``.pyx`` and ``.pxd``, and the ``.pxd`` files it cimports): the build is then a quick no-op."""
+    sources = glob.glob(os.path.join(ROOT, "engine", "*.pyx"))
+    if not sources:
+        return False
+    for pyx in sources:
+        stem = pyx[: -len(".pyx")]
+        with open(pyx) as f:
+            cimports = " ".join(line for line in f if "cimport" in line)
+        deps = [pyx, *glob.glob(stem + ".pxd")]
+        deps += [p for p in glob.glob(os.path.join(ROOT, "engine", "*.pxd"))
+                 if os.path.basename(p)[: -len(".pxd")] in cimports]
+        built = glob.glob(stem + ".*.so")
+        if not built or min(os.path.getmtime(p) for p in built) < max(os.path.getmtime(p) for p in deps):
+            return False
+    return True
+
+
+# -- the check's state and its rows ----------------------------------------------------------------
+
+
+class Check:
+    """One run: the options, the budget, the report, and what the rows leave for later ones."""
+
+    def __init__(self, args, budget: Budget, rep: Report, scratch: str) -> None:
+        self.args = args
+        self.budget = budget
+        self.rep = rep
+        self.scratch = scratch
+        self.dev = args.device
+        self.cuda = args.device.startswith("cuda")
+        self.priors = PRIORS["cuda" if self.cuda else "cpu"]
+        self.path: list[str] = []  # the peers' site folder, for the children
+        self.files: list[str] | None = None
+        self.nbytes = 0
+        self.skip = {p.strip() for p in args.skip.split(",") if p.strip()}
+        self.samples: dict[str, list[dict]] = {}
+
+    def env(self) -> dict:
+        return {**{k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"},
+                "PYTHONPATH": checkout_path.pythonpath(*self.path)}
+
+    def step(self, phase: str, row: str, key: str, prior: float, fn: Callable[[float], None]) -> None:
+        """Run the row ``fn(seconds it may take)`` if the budget holds its estimate, else name
+        it as skipped with the reason; an exception is a failed row."""
+        if phase in self.skip:
+            self.rep.add(phase, row, "skipped", f"--skip {phase}")
+            return
+        why = self.budget.refuse(self.budget.estimate(key, prior))
+        if why:
+            self.rep.add(phase, row, "skipped", why)
+            return
+        t0 = time.monotonic()
+        try:
+            fn(self.budget.left())
+        except Exception as exc:  # a row that breaks is a failed row; the later rows still run
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            self.rep.add(phase, row, "failed",
+                         f"{type(exc).__name__}: {exc} ({os.path.basename(where.filename)}:{where.lineno})")
+        self.budget.note(key, time.monotonic() - t0)
+
+
+def row_wheels(check: Check) -> None:
+    """Install each peer's wheel into the scratch folder the children get on their path."""
+    wheels, site = check.args.wheels, os.path.join(check.scratch, "site")
     if not wheels:
         for peer in PEERS:
-            rep.add("wheels", f"wheel: {peer}", "skipped", "no --wheels folder given")
-        return []
+            check.rep.add("wheels", f"wheel: {peer}", "skipped", "no --wheels folder given")
+        return
     for peer, stem in PEERS.items():
         found = sorted(glob.glob(os.path.join(os.path.abspath(wheels), f"{stem}-*.whl")))
         if not found:
-            rep.add("wheels", f"wheel: {peer}", "skipped", f"no {stem}-*.whl in {wheels}")
+            check.rep.add("wheels", f"wheel: {peer}", "skipped", f"no {stem}-*.whl in {wheels}")
             continue
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, found[-1]]
-        rc, out, err = _run(cmd, deadline - time.monotonic())
+
+        def install(left: float, peer=peer, wheel=found[-1]) -> None:
+            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, wheel]
+            rc, out, err = _run(cmd, left)
+            if rc == 0:
+                check.rep.add("wheels", f"wheel: {peer}", "ok", None, wheel=os.path.basename(wheel))
+            else:
+                why = "timed out at the budget's end" if rc is None else f"pip exit code {rc}: {_tail(err or out)}"
+                check.rep.add("wheels", f"wheel: {peer}", "failed", why)
+
+        check.step("wheels", f"wheel: {peer}", "wheel", check.priors["wheels"] / 3, install)
+    if os.path.isdir(site):
+        check.path = [site]
+
+
+def row_build(check: Check) -> None:
+    fresh = built_fresh()
+
+    def build(left: float) -> None:
+        t0 = time.monotonic()
+        # the four extensions compiled at once: a fresh checkout's build in a fraction of the time
+        cmd = [sys.executable, "setup.py", "-q", "build_ext", "--inplace", "-j", str(min(8, _cores()))]
+        rc, out, err = _run(cmd, left)
+        seconds = round(time.monotonic() - t0, 1)
+        what = "nothing to rebuild" if fresh else "built"
         if rc == 0:
-            rep.add("wheels", f"wheel: {peer}", "ok", None, wheel=os.path.basename(found[-1]))
+            check.rep.add("build", "build_ext --inplace", "ok", what, seconds=seconds)
         else:
-            why = f"timed out after {BUDGETS['wheels']} s" if rc is None else f"pip exit code {rc}: {_tail(err or out)}"
-            rep.add("wheels", f"wheel: {peer}", "failed", why)
-    return [site] if os.path.isdir(site) else []
+            check.rep.add("build", "build_ext --inplace", "failed",
+                          "timed out at the budget's end" if rc is None else f"exit code {rc}: {_tail(err or out)}")
+
+    check.step("build", "build_ext --inplace", "build", check.priors["build-fresh" if fresh else "build"], build)
 
 
-def phase_build(rep: Report, deadline: float) -> None:
-    t0 = time.monotonic()
-    rc, out, err = _run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], deadline - t0)
-    if rc == 0:
-        rep.add("build", "build_ext --inplace", "ok", None, seconds=round(time.monotonic() - t0, 1))
-    else:
-        rep.add("build", "build_ext --inplace", "failed",
-                "timed out" if rc is None else f"exit code {rc}: {_tail(err or out)}")
+def row_engine(check: Check) -> None:
+    """Which engine the parent and a child import: this checkout's, extensions included (an
+    editable install of another checkout would otherwise lend its extensions to a checkout
+    that has none built); the child also names torch and the device."""
+
+    def probe(left: float) -> None:
+        t0 = time.monotonic()
+        got = child_probe(check.env(), left)
+        parent = checkout_path.engine_origin()
+        where = {"parent": parent, "child": got.get("engine_file"), "child_ring": got.get("ring_file")}
+        check.rep.meta.update({"engine_file": where, "torch": got.get("torch", "unknown"),
+                               "cuda_available": got.get("cuda", False),
+                               "device_name": got.get("name", "unknown") if check.cuda
+                               else f"{check.dev} (no GPU used)"})
+        text = f"parent {parent}; child {where['child']}; its ring extension {where['child_ring']}"
+        seconds = round(time.monotonic() - t0, 1)
+        if all(checkout_path.from_checkout(p or "") for p in where.values()):
+            check.rep.add("engine", "engine from this checkout", "ok", text, engine_file=where, seconds=seconds)
+        else:
+            check.rep.add("engine", "engine from this checkout", "failed", f"not all under {ROOT}/engine: {text}",
+                          engine_file=where, seconds=seconds)
+        if check.cuda and not got.get("cuda"):
+            print(f"no CUDA device visible to torch: the device rows will fail ({check.dev})", flush=True)
+
+    check.step("engine", "engine from this checkout", "engine", check.priors["engine"], probe)
+
+
+def child_probe(env: dict, timeout: float) -> dict:
+    """What a child imports (``engine`` and ``engine._ring``: their files, or why not) and
+    sees (torch's version, CUDA, the device's name)."""
+    cmd = [sys.executable, os.path.join(HERE, "bench_gpu.py"), "--where"]
+    rc, out, err = _run(cmd, timeout, env)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if rc == 0 and lines:
+        return json.loads(lines[-1])
+    why = "timed out" if rc is None else f"exit code {rc}: {_tail(err or out)}"
+    return {"engine_file": why, "ring_file": why}
+
+
+def row_checkpoint(check: Check, size: int) -> None:
+    """Make (or reuse) the checkpoint in a child, which also counts its tensor bytes (the
+    parent imports nothing of the engine for it), then read its pages once."""
+    folder = os.path.join(check.args.dir, f"llama3-shapes-{size}")
+    exists = os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+    gb = size / 1e9
+    prior = 5 + gb * (check.priors["checkpoint-read"] + (0 if exists else check.priors["checkpoint"]))
+
+    def make(left: float) -> None:
+        code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import bench_gpu;"
+                " files = bench_gpu.make_checkpoint(sys.argv[2], int(sys.argv[3]));"
+                " print(json.dumps({'files': files, 'bytes': bench_gpu.tensor_bytes(files)}))")
+        t0 = time.monotonic()
+        rc, out, err = _run([sys.executable, "-c", code, HERE, folder, str(size)], left, check.env())
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if rc != 0 or not lines:
+            check.rep.add("checkpoint", "checkpoint", "failed",
+                          "timed out at the budget's end" if rc is None else f"exit code {rc}: {_tail(err)}")
+            return
+        got = json.loads(lines[-1])
+        made = time.monotonic() - t0
+        if check.args.modes == "warm":
+            bench_gpu.warm(got["files"])
+        check.files, check.nbytes = got["files"], got["bytes"]
+        check.rep.add("checkpoint", "checkpoint", "ok",
+                      f"{len(check.files)} shards, {check.nbytes / 1e9:.2f} GB of tensors in {folder}"
+                      f" ({'reused' if exists else 'made'} in {made:.1f} s, then read once)",
+                      seconds=round(time.monotonic() - t0, 1), bytes=check.nbytes, made=not exists)
+
+    check.step("checkpoint", "checkpoint", "checkpoint", prior, make)
+
+
+def row_loads(check: Check, phase: str, impl: str, runs: int, prior_key: str) -> None:
+    """One load row: ``runs`` fresh-process samples, each started only if the budget holds it
+    (:meth:`Budget.estimate`); a row cut short keeps the samples it has and says why."""
+    rep, budget = check.rep, check.budget
+    if phase in check.skip:
+        rep.add(phase, impl, "skipped", f"--skip {phase}")
+        return
+    why = bench_gpu.skip_reason(impl, check.dev, check.path)
+    if why:
+        rep.add(phase, impl, "skipped", why)
+        return
+    if check.files is None:
+        rep.add(phase, impl, "skipped", "no checkpoint (its row did not run or failed)")
+        return
+    prior = check.priors[prior_key]
+    samples: list[dict] = []
+    cut = None
+    cache = check.args.modes
+    for _ in range(runs):
+        cut = budget.refuse(budget.estimate(impl, prior, scaled=True))
+        if cut:
+            break
+        if check.args.modes == "cold":
+            cache = bench_gpu.drop_cache(check.files)
+        t0 = time.monotonic()
+        # a hung child is stopped well before it could take every later row's time
+        s = bench_gpu.sample(impl, check.files, check.dev, max(1.0, min(SAMPLE_LIMIT, budget.left())), check.env())
+        budget.note(impl, time.monotonic() - t0, prior)
+        samples.append(s)
+        if "error" in s:
+            break
+    check.samples[impl] = samples
+    if not samples:
+        rep.add(phase, impl, "skipped", cut)
+        return
+    add_load_row(check, phase, impl, samples, runs, cache, cut)
+
+
+def add_load_row(check: Check, phase: str, impl: str, samples: list[dict], runs: int, cache: str,
+                 cut: str | None, note: str = "") -> None:
+    r = bench_gpu.summarise(samples, cache)
+    status, reason = r.pop("status"), r.pop("reason")
+    if status == "ok":
+        where = "" if check.cuda else f"device={check.dev}: a host load (no GPU); "
+        reason = f"{where}{note}{len(samples)} of {runs} sample(s)" + (f" ({cut})" if cut else "")
+        if impl.startswith("limit:"):
+            reason += "; one process, the median of its repetitions inside it"
+        if r.get("prepare_s") is not None:
+            reason += f"; engine.prepare_device took {r['prepare_s']:.3f} s before the clock"
+        # a host load's destination is anonymous memory itself: the bound is a device load's
+        if check.cuda and r.get("anon_locked_growth_bytes") is not None:
+            r["host_bound_bytes"] = HOST_BOUND
+            r["host_bounded"] = r["anon_locked_growth_bytes"] <= HOST_BOUND
+            if not r["host_bounded"]:
+                reason += (f"; over bound: anonymous + page-locked memory grew"
+                           f" {r['anon_locked_growth_bytes'] / 2**20:.0f} MiB")
+    # the JSON keeps each sample's figures; a second load is its own row's sample
+    r["samples"] = [{k: v for k, v in s.items() if k != "second"} for s in r.get("samples", [])]
+    check.rep.add(phase, impl, status, reason, **r)
+
+
+def row_second_load(check: Check) -> None:
+    """The second loads of :data:`FIRST_ROW`'s samples (made in the same processes, timed
+    after the first): a row of their own beside the first loads."""
+    first = check.samples.get(FIRST_ROW) or []
+    seconds = bench_gpu.second_loads(first)
+    if not seconds:
+        why = "no sample of its first load ran" if not first else "its samples made no second load"
+        check.rep.add("warm-start", SECOND_ROW, "skipped", f"{why} (row {FIRST_ROW!r})")
+        return
+    add_load_row(check, "warm-start", SECOND_ROW, seconds, len(first), check.args.modes, None,
+                 note=f"the second load of each sample of {FIRST_ROW!r} (its first loads are that row); ")
+
+
+def row_sweep(check: Check) -> None:
+    """The short sweep (scripts/ring_sweep.py ``--short``) in one child: a row per
+    configuration, in the order timed, and one for the fastest's bytes."""
+    if check.files is None:
+        check.rep.add("sweep", "ring sweep", "skipped", "no checkpoint (its row did not run or failed)")
+        return
+    prior = check.priors["sweep"]
+
+    def sweep(left: float) -> None:
+        # the child stops starting configurations when what is left would not hold one
+        events, error = ring_sweep.run_child(check.dev, check.files, min(left, 2 * prior), _run, check.env(),
+                                             short=True)
+        result = ring_sweep.summarize(events)
+        start = result["start"] or {}
+        timed = [e for e in events if e.get("event") == "config"]
+        rank = {id(c): i for i, c in enumerate(result["configs"], 1)}
+        for c in timed:
+            name = sweep_name(c)
+            if c.get("error") or c.get("bytes_ok") is False:
+                check.rep.add("sweep", name, "failed", c.get("error") or "bytes differ from the files", config=c)
+                continue
+            first, second = c["gbps"]
+            check.rep.add("sweep", name, "ok",
+                          f"rank {rank.get(id(c))} of {len(timed)}; first load {first:.2f} GB/s (sets its ring up),"
+                          f" second {second:.2f} GB/s (reuses it)",
+                          gbps=c["median_gbps"], seconds=statistics.median(c["seconds"]), config=c,
+                          records=(c.get("records") or [None])[0], records_second=(c.get("records") or [None, None])[1])
+        if start.get("default") and start.get("cores"):
+            done = {sweep_name(c) for c in timed}
+            for cfg in ring_sweep.short_configs(tuple(start["default"]), start["cores"]):
+                name = sweep_name(dict(zip(("chunk_mib", "chunks", "threads", "source", "stores", "unmap"), cfg,
+                                           strict=True)))
+                if name not in done:
+                    check.rep.add("sweep", name, "skipped",
+                                  error or f"budget: the sweep's child had no time left for it ({min(left, 2 * prior):.0f}s)")
+        best, verdict = result["best"], result["check"] or {}
+        if best:
+            ok = bool(verdict.get("bytes_ok"))
+            check.rep.add("sweep", "sweep: the fastest configuration's bytes", "ok" if ok else "failed",
+                          f"{ring_sweep.env_line(best)}: {best['median_gbps']:.2f} GB/s;"
+                          f" {'bytes checked' if ok else 'bytes differ from the first load or were not checked'}",
+                          best=ring_sweep.env_line(best), gbps=best["median_gbps"], seconds=verdict.get("seconds"))
+        if error or not timed:
+            check.rep.add("sweep", "ring sweep", "failed", error or "no configuration ran",
+                          engine_file=start.get("engine_file"))
+
+    check.step("sweep", "ring sweep", "sweep", prior, sweep)
+
+
+def sweep_name(c: dict) -> str:
+    """A sweep row's name: the ring's shape, the source and unmap mode ("default": the
+    engine's, the variable left unset)."""
+
+    def knob(key: str) -> str:
+        value = c.get(key, "-")
+        return "default" if value == "-" else value
+
+    return (f"sweep: {c['chunk_mib']} MiB x {c['chunks']}, threads {c['threads']}, source {knob('source')},"
+            f" unmap {knob('unmap')}")
+
+
+def row_compare(check: Check) -> None:
+    def compare(left: float) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child-compare", "--device", check.dev,
+               "--out", check.scratch]
+        rc, out, err = _run(cmd, left, check.env())
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if rc != 0 or not lines:
+            why = "timed out at the budget's end" if rc is None else f"exit code {rc}: {_tail(err or out)}"
+            check.rep.add("compare", "compare with the reference", "failed", why)
+            return
+        got = json.loads(lines[-1])
+        note = "" if check.cuda else f" (device={check.dev}: host destinations; gpu_path has no effect)"
+        for entry, r in got["entries"].items():
+            if r["mismatched"]:
+                bad = ", ".join(f"{k} ({v})" for k, v in r["mismatched"].items())
+                check.rep.add("compare", f"compare: {entry}", "failed", f"differ: {bad}{note}", matched=r["matched"],
+                              mismatched=r["mismatched"])
+            else:
+                check.rep.add("compare", f"compare: {entry}", "ok",
+                              f"{len(r['matched'])} matched: {' '.join(r['matched'])}{note}",
+                              matched=r["matched"], mismatched={})
+
+    check.step("compare", "compare with the reference", "compare", check.priors["compare"], compare)
 
 
 def _junit_counts(path: str) -> dict:
@@ -231,148 +656,43 @@ def _junit_counts(path: str) -> dict:
     return {**counts, "failing": failing[:10], "skip_reasons": skips[:5]}
 
 
-def phase_pytest(rep: Report, scratch: str, deadline: float, pythonpath: list[str]) -> None:
-    # the real CUDA target: Numba's simulator off (it must be chosen before Numba is imported)
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, *pythonpath, *filter(None, [os.environ.get("PYTHONPATH")])])
-    for i, (name, selection) in enumerate(PYTEST_RUNS.items()):
-        left = deadline - time.monotonic()
-        if left < 5:
-            rep.add("pytest", name, "skipped", "the pytest phase's time budget was spent")
-            continue
-        xml = os.path.join(scratch, f"pytest-{i}.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}",
-               *selection]
+def row_pytest(check: Check, name: str) -> None:
+    if "pytest" in check.skip:
+        check.rep.add("pytest", name, "skipped", "--skip pytest")
+        return
+    if not check.cuda:  # the suite runs these on the CPU itself (the simulator, the emulated runtime)
+        check.rep.add("pytest", name, "skipped", f"no CUDA device (--device {check.dev})")
+        return
+    selection = PYTEST_RUNS[name]
+
+    def run(left: float) -> None:
+        xml = os.path.join(check.scratch, f"pytest-{list(PYTEST_RUNS).index(name)}.xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}", *selection]
         t0 = time.monotonic()
-        rc, out, err = _run(cmd, left, env)
+        rc, out, err = _run(cmd, left, check.env())  # Numba's simulator off: the real CUDA target
         seconds = round(time.monotonic() - t0, 1)
         if rc is None:
-            rep.add("pytest", name, "failed", f"timed out after {left:.0f} s: last line {_tail(out)!r}")
-            continue
+            check.rep.add("pytest", name, "failed", f"stopped at the budget's end ({left:.0f} s): last line {_tail(out)!r}")
+            return
         if not os.path.exists(xml):
-            rep.add("pytest", name, "failed", f"exit code {rc}: {_tail(err or out)}")
-            continue
+            check.rep.add("pytest", name, "failed", f"exit code {rc}: {_tail(err or out)}")
+            return
         c = _junit_counts(xml)
         text = f"{c['passed']} passed, {c['failures'] + c['errors']} failed, {c['skipped']} skipped"
         fields = {"counts": c, "seconds": seconds, "command": " ".join(cmd[1:])}
         if rc == 0 and c["passed"] == 0 and c["skipped"]:
-            rep.add("pytest", name, "skipped", f"{text}; every test skipped itself: {'; '.join(c['skip_reasons'])}",
-                    **fields)
+            check.rep.add("pytest", name, "skipped",
+                          f"{text}; every test skipped itself: {'; '.join(c['skip_reasons'])}", **fields)
         elif rc == 0:
-            rep.add("pytest", name, "ok", text, **fields)
+            check.rep.add("pytest", name, "ok", text, **fields)
         else:
-            rep.add("pytest", name, "failed", f"exit code {rc}: {text}: {', '.join(c['failing'][:3])}", **fields)
+            check.rep.add("pytest", name, "failed", f"exit code {rc}: {text}: {', '.join(c['failing'][:3])}", **fields)
+
+    check.step("pytest", name, name, check.priors[name], run)
 
 
-def phase_compare(rep: Report, dev: str, scratch: str, deadline: float, env: dict) -> None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child-compare", "--device", dev, "--out", scratch]
-    rc, out, err = _run(cmd, deadline - time.monotonic(), env)
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if rc != 0 or not lines:
-        why = "timed out" if rc is None else f"exit code {rc}: {_tail(err or out)}"
-        rep.add("compare", "compare with the reference", "failed", why)
-        return
-    got = json.loads(lines[-1])
-    note = "" if dev.startswith("cuda") else f" (device={dev}: host destinations; gpu_path has no effect)"
-    for entry, r in got["entries"].items():
-        if r["mismatched"]:
-            bad = ", ".join(f"{k} ({v})" for k, v in r["mismatched"].items())
-            rep.add("compare", f"compare: {entry}", "failed", f"differ: {bad}{note}", matched=r["matched"],
-                    mismatched=r["mismatched"])
-        else:
-            rep.add("compare", f"compare: {entry}", "ok", f"{len(r['matched'])} matched: {' '.join(r['matched'])}{note}",
-                    matched=r["matched"], mismatched={})
-
-
-def phase_checkpoint(rep: Report, folder: str, size: int, deadline: float, env: dict) -> list[str] | None:
-    """Make (or reuse) the checkpoint in a child, which also counts its tensor bytes: the
-    parent imports nothing of the engine for it."""
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import bench_gpu;"
-            " files = bench_gpu.make_checkpoint(sys.argv[2], int(sys.argv[3]));"
-            " print(json.dumps({'files': files, 'bytes': bench_gpu.tensor_bytes(files)}))")
-    t0 = time.monotonic()
-    rc, out, err = _run([sys.executable, "-c", code, HERE, folder, str(size)], deadline - t0, env)
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if rc != 0 or not lines:
-        rep.add("checkpoint", "checkpoint", "failed", "timed out" if rc is None else f"exit code {rc}: {_tail(err)}")
-        return None
-    got = json.loads(lines[-1])
-    files, nbytes = got["files"], got["bytes"]
-    rep.add("checkpoint", "checkpoint", "ok", f"{len(files)} shards, {nbytes / 1e9:.2f} GB of tensors in {folder}",
-            seconds=round(time.monotonic() - t0, 1), bytes=nbytes)
-    return files
-
-
-def phase_loads(rep: Report, phase: str, rows: list[str], files: list[str] | None, dev: str, mode: str,
-                runs: int, deadline: float, env: dict, path: list[str], later: list[str] | None = None) -> None:
-    """Samples in rounds (every row once, then again, ``runs`` rounds while the budget
-    lasts); the rows of ``later`` only once every row of ``rows`` has had its rounds."""
-    later = later or []
-    every = rows + later
-    if files is None:
-        for impl in every:
-            rep.add(phase, impl, "skipped", "no checkpoint (its phase failed)")
-        return
-    if mode == "warm":
-        bench_gpu.warm(files)
-    samples: dict[str, list[dict]] = {impl: [] for impl in every}
-    skipped: dict[str, str] = {}
-    for impl in every:
-        why = bench_gpu.skip_reason(impl, dev, path)
-        if why:
-            skipped[impl] = why
-    cache = mode
-    # on a GPU one sample at a time (they are timed); a dry run on CPU times nothing that
-    # matters and runs a few at once
-    parallel = 1 if dev.startswith("cuda") else 3
-
-    def one(impl: str) -> None:
-        nonlocal cache
-        left = min(300.0, deadline - time.monotonic())
-        # a sample that would not end inside the budget is not started: a row keeps the
-        # samples it has, and a row with none says the budget ran out
-        if left < 1 or (samples[impl] and left < 1.5 * max(s.get("wall", 0) for s in samples[impl])):
-            return
-        if mode == "cold":
-            cache = bench_gpu.drop_cache(files)
-        t0 = time.monotonic()
-        s = bench_gpu.sample(impl, files, dev, left, env)
-        s["wall"] = time.monotonic() - t0
-        samples[impl].append(s)
-
-    for group in (rows, later):
-        for _ in range(runs):
-            todo = [i for i in group if i not in skipped and not any("error" in s for s in samples[i])]
-            if parallel == 1:
-                for impl in todo:
-                    one(impl)
-            else:
-                with ThreadPoolExecutor(parallel) as pool:
-                    list(pool.map(one, todo))
-    note = "" if dev.startswith("cuda") else f"device={dev}: a host load (no GPU), {parallel} samples at once; "
-    for impl in every:
-        if impl in skipped:
-            rep.add(phase, impl, "skipped", skipped[impl])
-            continue
-        if not samples[impl]:
-            rep.add(phase, impl, "skipped", f"the {phase} phase's time budget was spent")
-            continue
-        r = bench_gpu.summarise(samples[impl], cache)
-        status, reason = r.pop("status"), r.pop("reason")
-        if status == "ok":
-            reason = f"{note}{len(samples[impl])} sample(s)"
-            # a host load's destination is anonymous memory itself: the bound is a device load's
-            if dev.startswith("cuda") and r.get("anon_locked_growth_bytes") is not None:
-                r["host_bound_bytes"] = HOST_BOUND
-                r["host_bounded"] = r["anon_locked_growth_bytes"] <= HOST_BOUND
-                if not r["host_bounded"]:
-                    reason += (f"; over bound: anonymous + page-locked memory grew"
-                               f" {r['anon_locked_growth_bytes'] / 2**20:.0f} MiB")
-        rep.add(phase, impl, status, reason, **r)
-
-
-#: the emulated phase's rows: the chunk ring (device loads of local files) and the slot path
-#: (loads with a hook, remote files, device operations without a CUDA runtime for a ring);
+#: the emulated rows: the chunk ring (device loads of local files) and the slot path (loads
+#: with a hook, remote files, device operations without a CUDA runtime for a ring);
 #: ``--child-emulated`` names them by the key
 EMULATED = {
     "ring": "emulated runtime: chunk ring, every shard in one load",
@@ -380,22 +700,70 @@ EMULATED = {
 }
 
 
-def phase_emulated(rep: Report, files: list[str] | None, deadline: float, env: dict) -> None:
-    for kind, row in EMULATED.items():
-        if files is None:
-            rep.add("emulated", row, "skipped", "no checkpoint (its phase failed)")
-            continue
+def row_emulated(check: Check, kind: str) -> None:
+    row = EMULATED[kind]
+    if check.files is None:
+        check.rep.add("emulated", row, "skipped", "no checkpoint (its row did not run or failed)")
+        return
+    files = check.files
+
+    def run(left: float) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--child-emulated", kind, "--files", *files]
-        rc, out, err = _run(cmd, deadline - time.monotonic(), env)
+        rc, out, err = _run(cmd, left, check.env())
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         if rc != 0 or not lines:
-            rep.add("emulated", row, "failed", "timed out" if rc is None else f"exit code {rc}: {_tail(err or out)}")
-            continue
+            check.rep.add("emulated", row, "failed",
+                          "timed out at the budget's end" if rc is None else f"exit code {rc}: {_tail(err or out)}")
+            return
         r = json.loads(lines[-1])
         what = ("tests/emucudart's runtime (memcpy on a stream thread)" if kind == "ring" else
                 "tests/emulated.py's device (Python-thread copies)")
-        rep.add("emulated", row, "ok", f"bytes identical to the files; {what}, not a GPU rate",
-                gbps=r["bytes"] / r["seconds"] / 1e9, seconds=r["seconds"], bytes=r["bytes"], copies=r["copies"])
+        check.rep.add("emulated", row, "ok", f"bytes identical to the files; {what}, not a GPU rate",
+                      gbps=r["bytes"] / r["seconds"] / 1e9, seconds=r["seconds"], bytes=r["bytes"],
+                      copies=r["copies"], records=r.get("records"))
+
+    check.step("emulated", row, f"emulated {kind}", check.priors["emulated"] / 2, run)
+
+
+Step = tuple[str, list[str], Callable[[], None]]  # phase, the rows it reports, what runs it
+
+
+def plan(check: Check, size: int, inject: str | None) -> list[Step]:
+    """The rows in the order they run, the most decisive first."""
+
+    def loads(phase: str, rows: list[str], key: str | None = None) -> list[Step]:
+        out: list[Step] = []
+        for impl in rows:
+            limit = impl.startswith("limit:")
+            runs = check.args.runs or ((LIMIT_RUNS if limit else RUNS) if check.cuda else 1)
+            prior = key or ("limit" if limit else "sample")
+            out.append((phase, [impl],
+                        lambda impl=impl, runs=runs, prior=prior: row_loads(check, phase, impl, runs, prior)))
+        return out
+
+    steps: list[Step] = [
+        ("wheels", [f"wheel: {p}" for p in PEERS], lambda: row_wheels(check)),
+        ("build", ["build_ext --inplace"], lambda: row_build(check)),
+        ("engine", ["engine from this checkout"], lambda: row_engine(check)),
+        ("checkpoint", ["checkpoint"], lambda: row_checkpoint(check, size)),
+        *loads("loads", ([inject] if inject else []) + DECISIVE),
+        *loads("per-key", PER_KEY, "per-key"),
+        ("warm-start", [SECOND_ROW], lambda: row_second_load(check)),
+        *loads("warm-start", [PREPARED_ROW]),
+        ("sweep", ["ring sweep"], lambda: row_sweep(check)),
+        ("compare", ["compare with the reference"], lambda: row_compare(check)),
+    ]
+    if not check.cuda:
+        steps += [("emulated", [row], lambda kind=kind: row_emulated(check, kind)) for kind, row in EMULATED.items()]
+    steps += [
+        ("pytest", ["pytest -m cuda"], lambda: row_pytest(check, "pytest -m cuda")),
+        *loads("reference", REFERENCE_ROWS),
+        *loads("onload", ONLOAD_ROWS, "onload"),
+        ("pytest", ["pytest device-kernel modules"], lambda: row_pytest(check, "pytest device-kernel modules")),
+    ]
+    if check.args.long:
+        steps += loads("long", LONG_ROWS)
+    return steps
 
 
 # -- children -------------------------------------------------------------------------------------------
@@ -565,9 +933,11 @@ def emulated_child(kind: str, files: list[str]) -> dict:
             for r in rows:
                 dst[base + r] = bytearray(int(t.ends[r]) - int(t.begins[r]))
             base += len(rows)
+        collect, on = bench_gpu.ring_records() if kind == "ring" else (contextlib.nullcontext(None), None)
         t0 = time.perf_counter()
-        nbytes = pipeline.run_sources(sources, pipeline.Destination(device_targets=dst, device_ops=ops),
-                                      slot_bytes=8 << 20)
+        with collect as got:
+            nbytes = pipeline.run_sources(sources, pipeline.Destination(device_targets=dst, device_ops=ops),
+                                          slot_bytes=8 << 20)
         if kind == "ring":
             seconds = time.perf_counter() - t0  # the ring has synchronized its stream
             device_ring.release_rings()
@@ -593,7 +963,8 @@ def emulated_child(kind: str, files: list[str]) -> dict:
                 if m[b:e] != dst[base + r]:
                     raise AssertionError(f"{f}: tensor {t.names[r]}: bytes differ")
         base += len(t.names)
-    return {"seconds": seconds, "bytes": nbytes, "copies": copies}
+    records = bench_gpu.sum_records(bench_gpu.record_dicts(got)) if on else None
+    return {"seconds": seconds, "bytes": nbytes, "copies": copies, "records": records}
 
 
 # -- output ---------------------------------------------------------------------------------------------
@@ -616,17 +987,30 @@ def _kinds(r: dict) -> str:
             f" {_mib(r.get('locked_growth_bytes'))}; file {_mib(r.get('file_growth_bytes'))}")
 
 
+def _records(r: dict) -> str:
+    if "records" not in r:
+        return "-"
+    if r["records"] is None and r["row"].startswith(("engine", "sweep")):
+        return "none kept (no engine.load_records here)" if r.get("status") == "ok" else "-"
+    return ring_sweep.records_text(r["records"])
+
+
 def markdown(meta: dict, rep: Report) -> str:
     eng = meta.get("engine_file") or {}
-    lines = [f"gpu_check ({meta['mode']}) on {meta['device_name']}; {meta['date']}; torch {meta['torch']};"
-             f" python {meta['python']}; {meta['cores']} cores; checkpoint {meta['size']} bytes;"
-             f" engine {eng.get('parent')} (a child's: {eng.get('child')})", "",
+    lines = [f"gpu_check ({meta.get('mode')}) on {meta.get('device_name')}; {meta.get('date')}; torch"
+             f" {meta.get('torch')}; python {meta.get('python')}; {meta.get('cores')} cores; checkpoint"
+             f" {meta.get('size')} bytes; engine {eng.get('parent')} (a child's: {eng.get('child')});"
+             f" budget {meta.get('budget_s')} s, {meta.get('elapsed_s')} s elapsed"
+             f"{'' if meta.get('finished') else ' (still running, or stopped from outside)'}", "",
              "Host memory growth during the load, MiB, peaks sampled every 10 ms: anonymous + page-locked"
              f" (bound {HOST_BOUND >> 20} MiB on a GPU) = anonymous (RssAnon) + page-locked (the engine's count);"
-             " file: mapped file pages (RssFile); after: mapped file pages left after the load.", "",
+             " file: mapped file pages (RssFile); after: mapped file pages left after the load.  Ring records:"
+             " the chunk ring's own account of the row's loads (engine.load_records(), the median over the"
+             " samples): loads (how many set the ring up), seconds the issuing thread waited for fills and the"
+             " copy threads for slots, page-locking seconds, GB per source, the ring's shape.", "",
              "| phase | row | status | GB/s | s | peak host GiB (before) | host growth MiB (anon+locked = anon"
-             " + locked; file) | file after MiB | peak device GiB | detail |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---|"]
+             " + locked; file) | file after MiB | peak device GiB | ring records | detail |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
     for r in rep.rows:
         gbps = f"{r['gbps']:.2f}" if r.get("gbps") is not None else "-"
         sec = f"{r['seconds']:.3f}" if r.get("seconds") is not None else "-"
@@ -636,135 +1020,118 @@ def markdown(meta: dict, rep: Report) -> str:
         if r.get("checksums"):
             detail += f" checksum {','.join(r['checksums'])}"
         lines.append(f"| {r['phase']} | {r['row']} | {r['status']} | {gbps} | {sec} | {host} | {_kinds(r)} |"
-                     f" {_mib(r.get('file_after_bytes'))} | {_gib(r.get('device_peak_bytes'))} | {detail.strip()} |")
-    lines += ["", "| phase | budget s | elapsed s |", "|---|---:|---:|"]
-    lines += [f"| {p['phase']} | {p['budget_s']} | {p['elapsed_s']:.1f} |" for p in rep.phases]
+                     f" {_mib(r.get('file_after_bytes'))} | {_gib(r.get('device_peak_bytes'))} |"
+                     f" {_records(r).replace('|', '/')} | {detail.strip()} |")
+    if rep.pending:
+        lines += ["", "Not reached (the run ended, or was stopped, before them): " + "; ".join(rep.pending)]
+    if rep.phases:
+        lines += ["", "| phase | elapsed s |", "|---|---:|"]
+        lines += [f"| {p['phase']} | {p['elapsed_s']:.1f} |" for p in rep.phases]
     return "\n".join(lines) + "\n"
 
 
 def summary(meta: dict, rep: Report, total: float) -> str:
     counts = {s: sum(r["status"] == s for r in rep.rows) for s in ("ok", "failed", "skipped")}
     eng = meta.get("engine_file") or {}
-    out = [f"== gpu_check {meta['mode']} on {meta['device_name']}: {counts['ok']} ok, {counts['failed']} failed,"
-           f" {counts['skipped']} skipped in {total:.0f} s",
+    out = [f"== gpu_check {meta['mode']} on {meta.get('device_name')}: {counts['ok']} ok, {counts['failed']} failed,"
+           f" {counts['skipped']} skipped in {total:.0f} s (budget {meta['budget_s']:.0f} s)",
            f"engine: parent {eng.get('parent')}; child {eng.get('child')}",
-           "phases: " + ", ".join(f"{p['phase']} {p['elapsed_s']:.0f}/{p['budget_s']} s" for p in rep.phases)]
+           "phases: " + ", ".join(f"{p['phase']} {p['elapsed_s']:.0f} s" for p in rep.phases)]
     for r in rep.rows:
         if r["phase"] == "pytest" and r.get("counts"):
             out.append(f"{r['row']}: {r['reason']}")
     ref = next((r for r in rep.rows if r["row"] == "InstantTensor Backend.MMAP" and r.get("gbps")), None)
     for r in rep.rows:
-        if r.get("gbps") is not None and r["phase"] in ("warm", "cold", "onload"):
+        if r.get("gbps") is not None and r["phase"] in ("loads", "per-key", "warm-start", "reference", "onload",
+                                                        "long"):
             ratio = f" {r['gbps'] / ref['gbps']:.2f}x IT-MMAP" if ref else ""
             n = len(r.get("samples", []))
             out.append(f"  {r['row'][:52]:52s} {r['gbps']:7.2f} GB/s{ratio} n={n} host MiB {_kinds(r)}"
                        f" device {_gib(r.get('device_peak_bytes'))} GiB")
+    best = next((r for r in rep.rows if r["row"] == "sweep: the fastest configuration's bytes"), None)
+    if best:
+        out.append(f"  sweep: fastest {best['reason']}")
     over = [r["row"] for r in rep.rows if r.get("host_bounded") is False]
     if over:
         out.append(f"  over the host bound (anonymous + page-locked growth > {HOST_BOUND >> 20} MiB):"
                    f" {'; '.join(over)}")
-    sums = {c for r in rep.rows if r["phase"] in ("warm", "cold") for c in r.get("checksums", [])}
+    sums = {c for r in rep.rows if r["phase"] in ("loads", "per-key", "warm-start", "reference")
+            for c in r.get("checksums", [])}
     if len(sums) > 1:
         out.append(f"  checksums differ between rows: {sorted(sums)}")
+    budget = [r["row"] for r in rep.rows if r["status"] == "skipped" and (r["reason"] or "").startswith("budget")]
+    if budget:
+        out.append(f"  not run for the budget: {'; '.join(budget)}")
     for r in rep.rows:
         if r["status"] == "failed":
             out.append(f"FAILED {r['phase']}: {r['row']}: {(r['reason'] or '')[:150]}")
     return "\n".join(out)
 
 
-def _meta(dev: str, env: dict) -> dict:
-    code = ("import json, torch; c = torch.cuda.is_available();"
-            " print(json.dumps({'torch': torch.__version__, 'cuda': c,"
-            " 'name': torch.cuda.get_device_name(0) if c else 'no CUDA device'}))")
-    rc, out, err = _run([sys.executable, "-c", code], 120, env)
-    info = json.loads(out.splitlines()[-1]) if rc == 0 and out.strip() else \
-        {"torch": f"unavailable ({_tail(err)})", "cuda": False, "name": "no CUDA device"}
-    return {"device": dev, "device_name": info["name"] if dev.startswith("cuda") else f"{dev} (no GPU used)",
-            "cuda_available": info["cuda"], "torch": info["torch"], "python": platform.python_version(),
-            "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
-def child_engine(env: dict, timeout: float) -> tuple[str, str]:
-    """The files of ``engine`` and ``engine._ring`` that a child imports (or why not)."""
-    cmd = [sys.executable, os.path.join(HERE, "bench_gpu.py"), "--where"]
-    rc, out, err = _run(cmd, timeout, env)
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    got = json.loads(lines[-1]) if rc == 0 and lines else {}
-    why = "timed out" if rc is None else f"exit code {rc}: {_tail(err or out)}"
-    return got.get("engine_file") or why, got.get("ring_file") or why
-
-
-def phase_engine(rep: Report, deadline: float, env: dict) -> dict:
-    """Which engine the parent and a child import: this checkout's, extensions included (an
-    editable install of another checkout would otherwise lend its extensions to a checkout
-    that has none built)."""
-    t0 = time.monotonic()
-    parent = checkout_path.engine_origin()
-    child, ring = child_engine(env, deadline - time.monotonic())
-    where = {"parent": parent, "child": child, "child_ring": ring}
-    text = f"parent {parent}; child {child}; its ring extension {ring}"
-    seconds = round(time.monotonic() - t0, 1)
-    if all(checkout_path.from_checkout(p) for p in where.values()):
-        rep.add("engine", "engine from this checkout", "ok", text, engine_file=where, seconds=seconds)
-    else:
-        rep.add("engine", "engine from this checkout", "failed", f"not all under {ROOT}/engine: {text}",
-                engine_file=where, seconds=seconds)
-    return where
-
-
 def run_sweep(args) -> int:
     """``--sweep``: the extensions built in place if they are not, the checkpoint made or
-    reused, then scripts/ring_sweep.py within ``--sweep-budget`` seconds of the start."""
-    start = time.monotonic()
+    reused, then scripts/ring_sweep.py's whole grid within the budget."""
     cpu = not args.device.startswith("cuda")
-    size = bench_gpu.parse_size(args.size or ("64MB" if cpu else "16.06GB"))
+    budget = args.budget or SWEEP_BUDGET
+    size = bench_gpu.parse_size(args.size or SIZE["cpu" if cpu else "long"])
     folder = os.path.join(args.dir, f"llama3-shapes-{size}")
     env = {**{k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"},
            "PYTHONPATH": checkout_path.pythonpath()}
-    rep = Report()
     meta = {"device": args.device, "size": size, "python": platform.python_version(), "cores": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
             "device_name": args.device if not cpu else f"{args.device} (the emulated CUDA runtime, no GPU)"}
+    failed: list[str] = []
 
     def files_for(deadline: float) -> list[str] | None:
         # a fresh checkout on a GPU host has no extensions until they are built in place
-        if not checkout_path.from_checkout(child_engine(env, 60)[1]):
+        if not built_fresh():
             print("== build (the extensions are not built in this checkout)", flush=True)
-            phase_build(rep, min(time.monotonic() + 2 * BUDGETS["build"], deadline - 90))
+            rc, out, err = _run([sys.executable, "setup.py", "-q", "build_ext", "--inplace", "-j",
+                                 str(min(8, _cores()))], min(150.0, deadline - time.monotonic() - 90), env)
+            if rc != 0:
+                failed.append(f"build: {'timed out' if rc is None else _tail(err or out)}")
         print(f"== checkpoint ({size} bytes in {folder})", flush=True)
+        code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import bench_gpu;"
+                " print(json.dumps(bench_gpu.make_checkpoint(sys.argv[2], int(sys.argv[3]))))")
         # the sweep needs about a minute of the budget after the checkpoint to say anything
-        return phase_checkpoint(rep, folder, size, deadline - 60, env)
+        rc, out, err = _run([sys.executable, "-c", code, HERE, folder, str(size)], deadline - time.monotonic() - 60,
+                            env)
+        if rc != 0 or not out.strip():
+            failed.append(f"checkpoint: {'timed out' if rc is None else _tail(err or out)}")
+            return None
+        return json.loads(out.strip().splitlines()[-1])
 
-    rc = ring_sweep.run(args.out, args.device, files_for, args.sweep_budget, start, _run, env, meta)
-    failed = [r for r in rep.rows if r["status"] == "failed"]
+    rc = ring_sweep.run(args.out, args.device, files_for, budget, START, _run, env, meta)
+    for why in failed:
+        print(f"FAILED {why}")
     return 1 if failed else rc
-
-
-def _deadline(phase: str, phases: list[str], t0: float, start: float, budgets: dict) -> float:
-    """When ``phase`` (started at ``t0``) must end: its own budget, and what the whole check
-    has left once the later phases' :data:`RESERVE` is kept."""
-    later = phases[phases.index(phase) + 1 :]
-    return min(t0 + budgets[phase], start + TOTAL_BUDGET - sum(RESERVE.get(p, 0) for p in later))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="folder for gpu_check-<mode>.json and .md (required)")
-    ap.add_argument("--device", default="cuda:0", help="cuda:0, or cpu for the dry mode")
-    ap.add_argument("--size", default=None, help="checkpoint size (default 16.06GB; 64MB with --device cpu)")
+    ap.add_argument("--device", default="cuda:0", help="cuda:0, or cpu for the dry run")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds the whole command may take, from its start (default {BUDGET:.0f};"
+                         f" {LONG_BUDGET:.0f} with --long, {SWEEP_BUDGET:.0f} with --sweep)")
+    ap.add_argument("--size", default=None,
+                    help=f"checkpoint size (default {SIZE['check']}; {SIZE['long']} with --long;"
+                         f" {SIZE['cpu']} with --device cpu)")
+    ap.add_argument("--long", action="store_true",
+                    help="the longer check: a 16.06 GB checkpoint and more rows (its own command)")
     ap.add_argument("--modes", default="warm", choices=["warm", "cold"])
     ap.add_argument("--wheels", default=None, help="folder of the peers' wheels, installed in a scratch folder")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "engine-bench-gpu"),
                     help="where the checkpoint is made (and reused)")
-    ap.add_argument("--runs", type=int, default=None, help="samples per load row (default 3 on a GPU, 1 on cpu)")
+    ap.add_argument("--runs", type=int, default=None,
+                    help=f"samples per load row (default {RUNS} on a GPU, a limit {LIMIT_RUNS}; 1 on cpu)")
     ap.add_argument("--skip", default="", help="phases to leave out, comma-separated (e.g. build,pytest)")
     ap.add_argument("--sweep", action="store_true",
-                    help="instead of the check: time the chunk ring's geometry grid (scripts/ring_sweep.py) and"
-                         " write gpu_check-sweep.json and .md; with --device cpu, a dry run on the emulated runtime")
-    ap.add_argument("--sweep-budget", type=float, default=210.0,
-                    help="seconds the whole --sweep may take, the checkpoint included (default 210)")
-    # a row whose implementation does not exist, run first in the load phase: checks that a failing
-    # row is reported and the rest still run
+                    help="instead of the check: time the chunk ring's whole geometry grid (scripts/ring_sweep.py)"
+                         " and write gpu_check-sweep.json and .md; with --device cpu, a dry run on the emulated"
+                         " runtime")
+    # a row whose implementation does not exist, run first among the load rows: checks that a
+    # failing row is reported and the rest still run
     ap.add_argument("--inject-row", default=os.environ.get("GPU_CHECK_INJECT"), help=argparse.SUPPRESS)
     ap.add_argument("--child-compare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-emulated", default=None, help=argparse.SUPPRESS)
@@ -779,87 +1146,50 @@ def main() -> int:
         return 0
     if not args.out:
         ap.error("--out DIR is required")
+    os.makedirs(args.out, exist_ok=True)
     if args.sweep:
         return run_sweep(args)
+    return run_check(args)
 
-    start = time.monotonic()
+
+def run_check(args) -> int:
     cpu = not args.device.startswith("cuda")
-    size = bench_gpu.parse_size(args.size or ("64MB" if cpu else "16.06GB"))
-    runs = args.runs or (1 if cpu else 3)
-    skip = {p.strip() for p in args.skip.split(",") if p.strip()}
-    os.makedirs(args.out, exist_ok=True)
+    budget = Budget(args.budget or (LONG_BUDGET if args.long else BUDGET), start=START)
+    size = bench_gpu.parse_size(args.size or SIZE["cpu" if cpu else "long" if args.long else "check"])
+    mode = args.modes
+    meta = {"mode": mode, "device": args.device, "device_name": args.device, "size": size,
+            "python": platform.python_version(), "cores": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
+            "budget_s": budget.seconds, "long": args.long, "finished": False}
+    base = os.path.join(args.out, f"gpu_check-{mode}")
+    rep = Report(base, meta)
     # pytest's reports, the compare file and the installed wheels: not under --out, which the
     # device tool copies back
     scratch = tempfile.mkdtemp(prefix="gpu-check-")
-    site = os.path.join(scratch, "site")
-    rep = Report()
-    mode = args.modes
-    # a dry run's machine (CI's) may have two cores: a build from nothing takes longer there
-    budgets = {**BUDGETS, "build": 2 * BUDGETS["build"]} if cpu else BUDGETS
-
-    phases = ["wheels", "build", "engine"] + (["pytest", "compare"] if mode == "warm" else []) + \
-        ["checkpoint", mode, "onload"] + (["emulated"] if cpu else [])
-    state: dict = {"path": [], "files": None, "meta": None, "engine": {}}
-
-    def env() -> dict:
-        return {**{k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"},
-                "PYTHONPATH": checkout_path.pythonpath(*state["path"])}
-
-    state["meta"] = _meta(args.device, env())  # before the phases: outside their budgets
-    print(f"device {state['meta']['device_name']}; torch {state['meta']['torch']}", flush=True)
-    if not cpu and not state["meta"]["cuda_available"]:
-        print(f"no CUDA device visible to torch: the device rows will fail ({args.device})", flush=True)
-    folder = os.path.join(args.dir, f"llama3-shapes-{size}")
-    load_rows = ([args.inject_row] if args.inject_row else []) + LOAD_ROWS
-    for phase in phases:
-        t0 = time.monotonic()
-        deadline = _deadline(phase, phases, t0, start, budgets)
-        budget = max(0, round(deadline - t0))
-        print(f"== {phase} (budget {budget} s)", flush=True)
-        try:
-            if phase in skip:
-                rep.add(phase, f"phase {phase}", "skipped", f"--skip {phase}")
-            elif phase == "wheels":
-                state["path"] = phase_wheels(rep, args.wheels, site, deadline)
-            elif phase == "build":
-                phase_build(rep, deadline)
-            elif phase == "engine":
-                state["engine"] = phase_engine(rep, deadline, env())
-            elif phase == "pytest":
-                phase_pytest(rep, scratch, deadline, state["path"])
-            elif phase == "compare":
-                phase_compare(rep, args.device, scratch, deadline, env())
-            elif phase == "checkpoint":
-                state["files"] = phase_checkpoint(rep, folder, size, deadline, env())
-            elif phase in ("warm", "cold"):
-                phase_loads(rep, phase, load_rows, state["files"], args.device, mode, runs, deadline, env(),
-                            state["path"], later=RELOAD_ROWS if phase == "warm" else [])
-            elif phase == "onload":
-                phase_loads(rep, phase, ONLOAD_ROWS, state["files"], args.device, mode, runs, deadline, env(),
-                            state["path"])
-            elif phase == "emulated":
-                phase_emulated(rep, state["files"], deadline, env())
-        except Exception as exc:  # a phase that breaks is a failed row; the later phases still run
-            where = traceback.extract_tb(exc.__traceback__)[-1]
-            rep.add(phase, f"phase {phase}", "failed",
-                    f"{type(exc).__name__}: {exc} ({os.path.basename(where.filename)}:{where.lineno})")
-        elapsed = time.monotonic() - t0
-        rep.phases.append({"phase": phase, "budget_s": budget, "elapsed_s": round(elapsed, 1)})
-        print(f"   {phase}: {elapsed:.1f} s (total {time.monotonic() - start:.0f} s)", flush=True)
-
-    total = time.monotonic() - start
-    meta = {**state["meta"], "mode": mode, "size": size, "runs": runs, "argv": sys.argv[1:],
-            "total_s": round(total, 1), "engine_file": state["engine"]}
+    check = Check(args, budget, rep, scratch)
+    steps = plan(check, size, args.inject_row)
+    rep.plan([name for _, names, _ in steps for name in names])
+    rep.write()
+    print(f"gpu_check {mode} on {args.device}: budget {budget.seconds:.0f} s, checkpoint {size} bytes", flush=True)
+    phase_t0, current = time.monotonic(), None
+    for phase, names, run in steps:
+        if phase != current:
+            if current is not None:
+                rep.phases.append({"phase": current, "elapsed_s": round(time.monotonic() - phase_t0, 1)})
+            print(f"== {phase} ({budget.left():.0f} s of the budget left)", flush=True)
+            phase_t0, current = time.monotonic(), phase
+        run()
+        rep.done(names)
+    if current is not None:
+        rep.phases.append({"phase": current, "elapsed_s": round(time.monotonic() - phase_t0, 1)})
+    total = time.monotonic() - START
     for r in rep.rows:  # the JSON keeps each sample's figures, not its child's wall time
         for s in r.get("samples", []):
             s.pop("wall", None)
-    base = os.path.join(args.out, f"gpu_check-{mode}")
-    with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "phases": rep.phases, "rows": rep.rows}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(meta, rep))
+    rep.meta.update(total_s=round(total, 1), finished=True)
+    rep.write()
     shutil.rmtree(scratch, ignore_errors=True)
-    print(summary(meta, rep, total))
+    print(summary(rep.meta, rep, total))
     print(f"wrote {base}.json and {base}.md")
     return 1 if any(r["status"] == "failed" for r in rep.rows) else 0
 

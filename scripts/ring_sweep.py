@@ -13,6 +13,17 @@ that earlier loads left (so each one sets up its ring, as the first load of a pr
 does), timed to ``torch.cuda.synchronize()``.  A configuration's rate is the median of its
 two loads.
 
+``ENGINE_RING_UNMAP`` (``end``: each file mapped once for the load and dropped when it
+ends; ``chunk``: each chunk's mapped run released as soon as it is copied) and the ``mmap``
+source are variants beside ``auto`` and ``pread``.  Each load's ring records
+(``engine.load_records()``, where the engine has them) are kept with its configuration.
+
+``--short`` (what ``scripts/gpu_check.py`` runs inside its budget): the default geometry
+with every source (``pread``, ``mmap``, ``auto``) under each unmap mode, then three other
+shapes (half and twice the chunk size at the same page-locked bytes, another thread
+count); each configuration's first load sets its ring up and its second reuses it, so the
+two show a process's first load and a warm ring.
+
 The order makes a sweep cut short by its budget still useful: first every geometry at the
 default threads, source and stores, then every thread count, source and stores for the
 three fastest geometries, then the rest, fastest geometries first.  No configuration starts when what is
@@ -57,9 +68,14 @@ DRY_CHUNK_MIB = (1, 4)
 DRY_CHUNKS = (4, 16)
 #: copy threads: the host's cores plus these, at least 1
 THREAD_OFFSETS = (-8, -6, -4, -2, 0)
-#: (``ENGINE_COPY_SOURCE``, ``ENGINE_RING_STORES``): a chunk filled by ``pread`` is written
-#: by the kernel, so the stores setting does not apply to it ("-": left unset)
-VARIANTS = (("auto", "stream"), ("auto", "cached"), ("pread", "-"))
+#: (``ENGINE_COPY_SOURCE``, ``ENGINE_RING_STORES``, ``ENGINE_RING_UNMAP``): a chunk filled by
+#: ``pread`` is written by the kernel and holds no mapping, so neither the stores nor the
+#: unmap setting applies to it ("-": left unset)
+VARIANTS = (("auto", "stream", "end"), ("auto", "cached", "end"), ("pread", "-", "-"), ("mmap", "stream", "end"),
+            ("auto", "stream", "chunk"), ("mmap", "stream", "chunk"))
+#: the short sweep's sources and unmap modes, every pair at the default geometry
+SHORT_SOURCES = ("pread", "mmap", "auto")
+SHORT_UNMAP = ("end", "chunk")
 #: geometries whose every thread count, source and stores are timed right after the first pass
 TOP = 3
 #: what the sweep's JSON and markdown are called in --out
@@ -76,7 +92,23 @@ def geometries(dry: bool) -> list[tuple[int, int]]:
     return [(m, n) for m in sizes for n in counts if m * n * MIB <= MAX_PINNED]
 
 
-Config = tuple[int, int, int, str, str]  # chunk MiB, chunks, threads, source, stores
+Config = tuple[int, int, int, str, str, str]  # chunk MiB, chunks, threads, source, stores, unmap
+
+
+def short_configs(default: tuple[int, int, int], cores: int) -> list[Config]:
+    """The short sweep (``--short``): ``default`` (chunk MiB, chunks, threads) with every
+    source under each unmap mode, then half and twice the chunk size (the same page-locked
+    bytes) and another thread count (every core, or half the default's where that is every
+    core), at the engine's default source and unmap."""
+    mib, chunks, threads = default
+    out: list[Config] = [(mib, chunks, threads, src, "-", unmap) for unmap in SHORT_UNMAP for src in SHORT_SOURCES]
+    other = cores if cores != threads else max(1, threads // 2)
+    shapes = [(max(1, mib // 2), chunks * 2, threads), (mib * 2, max(2, chunks // 2), threads), (mib, chunks, other)]
+    for m, n, t in shapes:
+        cfg = (m, n, t, "-", "-", "-")
+        if cfg not in out and (m, n, t) != (mib, chunks, threads):
+            out.append(cfg)
+    return out
 
 
 def order(geoms: list[tuple[int, int]], threads: list[int], base_threads: int, rates: dict,
@@ -113,7 +145,8 @@ class _Target:
     nbytes = 0
     name = ""
 
-    def load(self) -> float:
+    def load(self, cold: bool = True) -> float:
+        """Seconds of one load; ``cold``: the rings earlier loads left are closed first."""
         raise NotImplementedError
 
     def zero(self) -> None:
@@ -144,11 +177,12 @@ class _Cuda(_Target):
         self.checksum = bench_gpu.checksum
         torch.cuda.synchronize()
 
-    def load(self) -> float:
+    def load(self, cold: bool = True) -> float:
         import engine
         from engine import device_ring
 
-        device_ring.release_rings()  # each load sets its ring up, as a process's first load does
+        if cold:  # the load sets its ring up, as a process's first load does
+            device_ring.release_rings()
         self.torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.load_into(self.directory, self.tensors, strict=True)
@@ -202,11 +236,12 @@ class _Emulated(_Target):
         self.reference = ref.hexdigest()
         self.nbytes = sum(len(a) for a in self.dst.values())
 
-    def load(self) -> float:
+    def load(self, cold: bool = True) -> float:
         from engine import device_ring, pipeline
         from engine.plan import plan_reads
 
-        device_ring.release_rings()
+        if cold:
+            device_ring.release_rings()
         fds = []
         try:
             sources = []
@@ -245,27 +280,42 @@ def _emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
+#: the variables a configuration sets ("-" in a configuration: left unset, the engine's default)
+KNOBS = ("ENGINE_RING", "ENGINE_COPY_SOURCE", "ENGINE_RING_STORES", "ENGINE_RING_UNMAP")
+
+
 def _configure(cfg: Config) -> None:
     """The environment the engine reads a configuration from at each load."""
-    mib, chunks, threads, source, how = cfg
-    os.environ["ENGINE_RING"] = f"{mib},{chunks},{threads}"
-    os.environ["ENGINE_COPY_SOURCE"] = source
-    if how == "-":
-        os.environ.pop("ENGINE_RING_STORES", None)
-    else:
-        os.environ["ENGINE_RING_STORES"] = how
+    mib, chunks, threads, *rest = cfg
+    for name, value in zip(KNOBS, [f"{mib},{chunks},{threads}", *rest], strict=True):
+        if value == "-":
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
-def child(dev: str, files: list[str], seconds: float) -> int:
-    """Time the grid within ``seconds`` (from now), printing one JSON line per event: the
-    start, the untimed first load, each configuration, the check of the best one, the end."""
+def _recorded(target: _Target, cold: bool) -> tuple[float, dict | None]:
+    """One load of ``target`` and the ring's records of it summed (None where the engine
+    keeps none)."""
+    import bench_gpu
+
+    cm, on = bench_gpu.ring_records()
+    with cm as got:
+        seconds = target.load(cold)
+    return seconds, bench_gpu.sum_records(bench_gpu.record_dicts(got)) if on else None
+
+
+def child(dev: str, files: list[str], seconds: float, short: bool = False) -> int:
+    """Time the grid (or with ``short`` the short sweep) within ``seconds`` (from now),
+    printing one JSON line per event: the start, the untimed first load, each configuration,
+    the check of the best one, the end."""
     t_start = time.monotonic()
     deadline = t_start + seconds
     dry = not dev.startswith("cuda")
     target: _Target = _Emulated(files) if dry else _Cuda(files, dev)
     from engine import device_ring
 
-    saved = {k: os.environ.get(k) for k in ("ENGINE_RING", "ENGINE_COPY_SOURCE", "ENGINE_RING_STORES")}
+    saved = {k: os.environ.get(k) for k in KNOBS}
     for k in saved:  # the first load and the default geometry: the engine's defaults
         os.environ.pop(k, None)
     default = device_ring.default_geometry()
@@ -276,9 +326,11 @@ def child(dev: str, files: list[str], seconds: float) -> int:
     threads = thread_counts(cores)
     geoms = geometries(dry)
     first = (default.chunk_bytes // MIB, default.chunks)
-    total = len(geoms) * len(threads) * len(VARIANTS)
+    base = (first[0], first[1], default.threads)
+    short_list = short_configs(base, cores) if short else []
+    total = len(short_list) if short else len(geoms) * len(threads) * len(VARIANTS)
     _emit({"event": "start", "device": target.name, "cores": cores, "threads": threads, "geometries": geoms,
-           "variants": VARIANTS, "configs": total, "bytes": target.nbytes,
+           "variants": VARIANTS, "configs": total, "bytes": target.nbytes, "short": short,
            "default": [default.chunk_bytes // MIB, default.chunks, default.threads],
            "engine_file": checkout_path.engine_origin(), "ring_file": checkout_path.engine_origin("engine._ring"),
            "setup_s": round(time.monotonic() - t_start, 2)})
@@ -296,26 +348,30 @@ def child(dev: str, files: list[str], seconds: float) -> int:
         if target.reference is None:
             target.reference = fp
         _emit({"event": "warm-up", "bytes_ok": fp == target.reference, "seconds": round(time.monotonic() - t0, 2)})
-        for stage, cfg in order(geoms, threads, default.threads, rates, first):
+        plan = (("S", c) for c in short_list) if short else order(geoms, threads, default.threads, rates, first)
+        for stage, cfg in plan:
             # no configuration starts that the budget would not cover, with the final check after it
             need = 2.5 * max(walls) + 2.0 if walls else 0.0
             if time.monotonic() + need > deadline:
                 break
             _configure(cfg)
-            mib, chunks, nthreads, source, how = cfg
+            mib, chunks, nthreads, source, how, unmap = cfg
             record: dict = {"event": "config", "stage": stage, "chunk_mib": mib, "chunks": chunks,
-                            "threads": nthreads, "source": source, "stores": how}
+                            "threads": nthreads, "source": source, "stores": how, "unmap": unmap}
             t0 = time.monotonic()
             try:
-                first_load = target.load()
+                # the full grid sets the ring up for each load; the short sweep's second load
+                # reuses the ring of its first (a process's first load, then a warm one)
+                first_load, rec1 = _recorded(target, True)
                 if dry:  # the emulator's bytes are cheap to check: every configuration's
                     target.zero()
-                second = target.load()
+                second, rec2 = _recorded(target, not short)
                 if dry:
                     record["bytes_ok"] = target.fingerprint() == target.reference
                 record["seconds"] = [first_load, second]
                 record["gbps"] = [target.nbytes / s / 1e9 for s in (first_load, second)]
                 record["median_gbps"] = statistics.median(record["gbps"])
+                record["records"] = [rec1, rec2]
                 rates[cfg] = record["median_gbps"] if record.get("bytes_ok", True) else 0.0
             except Exception as exc:  # a geometry the ring refuses: reported, the sweep goes on
                 record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -377,9 +433,38 @@ def ring_line(cfg: dict) -> str:
 
 
 def env_line(cfg: dict) -> str:
-    """Every variable of a configuration, as a shell would take them."""
-    stores = f" ENGINE_RING_STORES={cfg['stores']}" if cfg.get("stores", "-") != "-" else ""
-    return f"{ring_line(cfg)} ENGINE_COPY_SOURCE={cfg['source']}{stores}"
+    """Every variable of a configuration that it sets, as a shell would take them."""
+    parts = [ring_line(cfg)]
+    for name, key in (("ENGINE_COPY_SOURCE", "source"), ("ENGINE_RING_STORES", "stores"),
+                      ("ENGINE_RING_UNMAP", "unmap")):
+        if cfg.get(key, "-") != "-":
+            parts.append(f"{name}={cfg[key]}")
+    return " ".join(parts)
+
+
+def records_text(rec: dict | None) -> str:
+    """A load's ring records in a table cell: waits, page-locking, bytes per source, the
+    ring's shape and unmap mode ("-" where the engine kept none)."""
+    if not rec:
+        return "-"
+    if not rec.get("loads"):
+        return "no load through the ring"
+
+    def sec(key):
+        v = rec.get(key)
+        return "-" if v is None else f"{v:.3f}"
+
+    def gb(key):
+        v = rec.get(key)
+        return "-" if v is None else f"{v / 1e9:.1f}"
+
+    shape = ""
+    if rec.get("chunk_bytes") and rec.get("slots"):
+        shape = f" {rec['chunk_bytes'] / (1 << 20):g}Mx{rec['slots']:g}/{rec.get('threads') or '?'}t"
+    pageable = f"; {rec['pageable']:g} PAGEABLE (chunks not page-locked)" if rec.get("pageable") else ""
+    return (f"{rec.get('loads', 0):g} loads ({rec.get('cold', 0):g} cold); wait fill {sec('fill_wait_s')}"
+            f" slot {sec('slot_wait_s')} lock {sec('lock_s')} s; GB pread {gb('pread_bytes')}"
+            f" mmap {gb('mmap_bytes')};{shape} {rec.get('source') or '-'}, unmap {rec.get('unmap') or '-'}{pageable}")
 
 
 def _curve(configs: list[dict], key: str) -> list[tuple]:
@@ -387,7 +472,7 @@ def _curve(configs: list[dict], key: str) -> list[tuple]:
     by: dict = {}
     for c in configs:
         if c.get("median_gbps"):
-            by.setdefault(c[key], []).append(c["median_gbps"])
+            by.setdefault(c.get(key, "-"), []).append(c["median_gbps"])
     return [(v, max(r), statistics.median(r), len(r)) for v, r in sorted(by.items())]
 
 
@@ -406,26 +491,45 @@ def markdown(meta: dict, result: dict) -> str:
         d = start.get("default")
         if d:
             ref = next((c for c in result["configs"] if [c["chunk_mib"], c["chunks"], c["threads"]] == d
-                        and (c["source"], c["stores"]) == VARIANTS[0] and c.get("median_gbps")), None)
+                        and (c["source"], c["stores"], c.get("unmap", "-")) == VARIANTS[0]
+                        and c.get("median_gbps")), None)
             if ref:
                 rank = result["configs"].index(ref) + 1
                 lines.append(f"the default ({d[0]} MiB x {d[1]} chunks, {d[2]} threads, source"
-                             f" {VARIANTS[0][0]}, stores {VARIANTS[0][1]}):"
+                             f" {VARIANTS[0][0]}, stores {VARIANTS[0][1]}, unmap {VARIANTS[0][2]}):"
                              f" {ref['median_gbps']:.2f} GB/s, rank {rank}")
         lines.append("")
-    lines += ["| rank | chunk MiB | chunks | page-locked MiB | threads | source | stores | GB/s | GB/s of each load"
-              " | stage | detail |", "|---:|---:|---:|---:|---:|---|---|---:|---|---|---|"]
+    lines += ["| rank | chunk MiB | chunks | page-locked MiB | threads | source | stores | unmap | GB/s"
+              " | GB/s of each load | stage | ring records (first load) | detail |",
+              "|---:|---:|---:|---:|---:|---|---|---|---:|---|---|---|---|"]
     for i, c in enumerate(result["configs"], 1):
         rate = f"{c['median_gbps']:.2f}" if c.get("median_gbps") else "-"
         each = " / ".join(f"{g:.2f}" for g in c.get("gbps", []))
         detail = c.get("error") or ("" if c.get("bytes_ok", True) else "bytes differ")
+        rec = records_text((c.get("records") or [None])[0])
         lines.append(f"| {i} | {c['chunk_mib']} | {c['chunks']} | {c['chunk_mib'] * c['chunks']} | {c['threads']} |"
-                     f" {c['source']} | {c['stores']} | {rate} | {each} | {c['stage']} | {detail.replace('|', '/')} |")
+                     f" {c['source']} | {c['stores']} | {c.get('unmap', '-')} | {rate} | {each} | {c['stage']} |"
+                     f" {rec} | {detail.replace('|', '/')} |")
     for key, title in (("chunk_mib", "chunk MiB"), ("chunks", "chunks"), ("threads", "threads"),
-                       ("source", "source"), ("stores", "stores")):
+                       ("source", "source"), ("stores", "stores"), ("unmap", "unmap")):
         lines += ["", f"| {title} | best GB/s | median GB/s | configurations |", "|---|---:|---:|---:|"]
         lines += [f"| {v} | {b:.2f} | {m:.2f} | {n} |" for v, b, m, n in _curve(result["configs"], key)]
     return "\n".join(lines) + "\n"
+
+
+def run_child(dev: str, files: list[str], left: float, runner: Callable, env: dict,
+              short: bool = False) -> tuple[list[dict], str | None]:
+    """The sweep's child within ``left`` seconds (it stops starting configurations 10 s
+    before, and is stopped at ``left``): its events, and why it failed (or None)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--device", dev,
+           "--seconds", f"{max(1.0, left - 10):.1f}", *(["--short"] if short else []), "--files", *files]
+    rc, stdout, stderr = runner(cmd, left, env)
+    if rc is None:
+        return parse_events(stdout), f"the child ran past the budget and was stopped ({left:.0f} s)"
+    if rc != 0:
+        tail = [ln for ln in (stderr or stdout).strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        return parse_events(stdout), f"exit code {rc}: {tail[0][:300]}"
+    return parse_events(stdout), None
 
 
 def run(out: str, dev: str, files_for: Callable[[float], list[str] | None], budget: float, start: float,
@@ -447,16 +551,7 @@ def run(out: str, dev: str, files_for: Callable[[float], list[str] | None], budg
     else:
         bench_gpu.warm(files)
         # the report and the files are written after the child: a few seconds kept for them
-        left = deadline - time.monotonic() - 5
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--device", dev, "--seconds", f"{left - 10:.1f}",
-               "--files", *files]
-        rc, stdout, stderr = runner(cmd, left, env)
-        events = parse_events(stdout)
-        if rc is None:
-            error = f"the child ran past the budget and was stopped ({left:.0f} s)"
-        elif rc != 0:
-            tail = [ln for ln in (stderr or stdout).strip().splitlines() if ln.strip()][-1:] or ["no output"]
-            error = f"exit code {rc}: {tail[0][:300]}"
+        events, error = run_child(dev, files, deadline - time.monotonic() - 5, runner, env)
     result = summarize(events)
     total = time.monotonic() - start
     start_event = result["start"] or {}
@@ -510,9 +605,10 @@ def main() -> int:
     ap.add_argument("--child", action="store_true", required=True)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--seconds", type=float, required=True)
+    ap.add_argument("--short", action="store_true", help="the short sweep of scripts/gpu_check.py")
     ap.add_argument("--files", nargs="+", required=True)
     args = ap.parse_args()
-    return child(args.device, args.files, args.seconds)
+    return child(args.device, args.files, args.seconds, args.short)
 
 
 if __name__ == "__main__":

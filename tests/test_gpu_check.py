@@ -1,11 +1,14 @@
-"""scripts/gpu_check.py in its dry mode (``--device cpu``): every row runs or says why not.
+"""scripts/gpu_check.py in its dry mode (``--device cpu``): every row runs or says why not,
+within the budget it is given.
 
 The script is the one command that checks the engine on a lent GPU; this runs it end to end
-on the CPU so that it cannot rot between the rare GPU runs.  Its build and pytest phases
+on the CPU so that it cannot rot between the rare GPU runs.  Its build and pytest rows
 are left out here (rebuilding the extensions under a running suite, and a suite inside the
-suite); CI's dry-mode step runs them.  Also: the host memory by kind that each load row
-reports (scripts/host_memory.py), the ring sweep's dry run on the emulated CUDA runtime
-(``--sweep``), and the scripts' own checkout first on ``sys.path``, from any folder.
+suite); CI's dry run runs the build.  Also: the budget's own logic (a row that cannot fit
+is not started and is named with the reason, the files rewritten after every row), the
+host memory by kind that each load row reports (scripts/host_memory.py), the ring's records
+in the rows, the ring sweep's dry run on the emulated CUDA runtime (``--sweep``), and the
+scripts' own checkout first on ``sys.path``, from any folder.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ REQUIRED = [
     "engine safe_open(f, device) get_tensor per key",
     "reference safe_open(f, device) get_tensor per key",
     "reference load_file(f, device) per shard",
-    "engine load_into(directory) reload, staging and mappings kept",
+    "engine load_into(directory) second load in the same process",
+    "engine load_into(directory) first load after engine.prepare_device",
     "InstantTensor Backend.MMAP",
     "fastsafetensors (nogds, buffered)",
     "engine stream(f) stats=True per shard",
@@ -50,9 +54,14 @@ REQUIRED = [
     "emulated runtime: chunk ring, every shard in one load",
     "emulated device: slot path, every shard in one load",
     "engine from this checkout",
-    "phase build",
-    "phase pytest",
+    "build_ext --inplace",
+    "pytest -m cuda",
+    "pytest device-kernel modules",
+    "sweep: the fastest configuration's bytes",
 ]
+#: the dry run's budget here: enough for every row on a 16 MB checkpoint (the stats and int8
+#: rows compile their kernels in a fresh checkout), well under it otherwise
+DRY_BUDGET = 150
 DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "C64"]
 
 
@@ -62,9 +71,11 @@ def dry_run(tmp_path_factory):
     out = tmp / "out"
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["GPU_CHECK_INJECT"] = BAD  # a row that fails, first in its phase
-    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--size", "16MB", "--out", str(out),
-           "--dir", str(tmp / "checkpoint"), "--skip", "build,pytest"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--budget", str(DRY_BUDGET), "--size", "16MB", "--out",
+           str(out), "--dir", str(tmp / "checkpoint"), "--skip", "build,pytest"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=DRY_BUDGET + 120)
+    proc.wall = time.monotonic() - t0  # type: ignore[attr-defined]
     with open(out / "gpu_check-warm.json") as f:
         report = json.load(f)
     return proc, report, (out / "gpu_check-warm.md").read_text()
@@ -84,8 +95,11 @@ def test_every_row_has_a_result_or_a_reason(dry_run):
     # what cannot run here says why
     assert rows["InstantTensor Backend.MMAP"]["status"] == "skipped"
     assert rows["limit: pinned host-to-device 1 GiB"]["reason"] == "no CUDA device (--device cpu)"
-    assert rows["phase pytest"]["reason"] == "--skip pytest"
+    assert rows["pytest -m cuda"]["reason"] == "--skip pytest"
+    assert rows["build_ext --inplace"]["reason"] == "--skip build"
     assert rows["wheel: instanttensor"]["reason"] == "no --wheels folder given"
+    assert rows["engine load_into(directory) first load after engine.prepare_device"]["reason"] == \
+        "no CUDA device (--device cpu)"
     # the loads ran, on the CPU, and say so; the memory peaks are there, by kind too
     for name in ("engine stream(shards) auto", "engine load_into(directory)",
                  "engine stream(f) quantize=int8 per shard", "reference load_file(f, device) per shard"):
@@ -107,9 +121,51 @@ def test_every_row_has_a_result_or_a_reason(dry_run):
     assert rows["engine stream(f) stats=True per shard"]["stats"] > 0
     # nothing of the removed register path is left
     assert not [r["row"] for r in report["rows"] if "register" in r["row"]]
-    # phase timings
-    assert [p["phase"] for p in report["phases"]][:4] == ["wheels", "build", "engine", "pytest"]
-    assert all(p["budget_s"] > 0 and p["elapsed_s"] >= 0 for p in report["phases"])
+    # the most decisive rows first, then the per-key loop, warm start, the sweep, the rest
+    phases = [p["phase"] for p in report["phases"]]
+    assert phases[:8] == ["wheels", "build", "engine", "checkpoint", "loads", "per-key", "warm-start", "sweep"]
+    assert all(p["elapsed_s"] >= 0 for p in report["phases"])
+    # the run finished inside its budget, and every planned row was reached
+    assert report["meta"]["finished"] and report["pending"] == []
+    assert report["meta"]["total_s"] <= DRY_BUDGET
+    assert not [r for r in report["rows"] if (r["reason"] or "").startswith("budget")]
+
+
+def test_the_second_load_and_the_ring_records(dry_run):
+    _, report, md = dry_run
+    rows = {r["row"]: r for r in report["rows"]}
+    first, second = rows["engine load_into(directory)"], rows["engine load_into(directory) second load in the same process"]
+    assert second["status"] == "ok", second
+    assert second["bytes"] == first["bytes"] and second["checksums"] == first["checksums"]
+    assert len(second["samples"]) == len(first["samples"])
+    # a host load makes no load through the ring; the emulated runtime's does, and says so
+    assert first["records"]["loads"] == 0
+    ring = rows["emulated runtime: chunk ring, every shard in one load"]["records"]
+    assert ring["loads"] == 1 and ring["cold"] == 1 and ring["chunks"] > 0
+    assert ring["pread_bytes"] + ring["mmap_bytes"] == ring["bytes"] > 0
+    assert ring["unmap"] in ("end", "chunk") and ring["source"]
+    assert "1 loads (1 cold); wait fill" in md
+
+
+def test_the_short_sweep_times_every_source_under_each_unmap_mode(dry_run):
+    _, report, md = dry_run
+    sweep = [r for r in report["rows"] if r["phase"] == "sweep" and r.get("config")]
+    assert len(sweep) == 9 and all(r["status"] == "ok" for r in sweep), sweep
+    pairs = {(r["config"]["source"], r["config"]["unmap"]) for r in sweep}
+    assert {(s, u) for s in ("pread", "mmap", "auto") for u in ("end", "chunk")} <= pairs
+    for r in sweep:
+        c = r["config"]
+        assert c["bytes_ok"] and len(c["gbps"]) == 2
+        # the first load sets the ring up, the second reuses it; each says what it did
+        first, second = c["records"]
+        assert first["cold"] == 1 and second["cold"] == 0, c
+        if c["source"] in ("pread", "mmap"):
+            assert first["source"] == c["source"]
+        if c["unmap"] != "-":
+            assert first["unmap"] == c["unmap"]
+    best = {r["row"]: r for r in report["rows"]}["sweep: the fastest configuration's bytes"]
+    assert best["status"] == "ok" and "bytes checked" in best["reason"]
+    assert "| sweep | sweep: 4 MiB x 32, threads" in md
 
 
 def test_every_dtype_matches_the_reference(dry_run):
@@ -130,9 +186,9 @@ def test_a_failing_row_is_reported_and_the_rest_still_run(dry_run):
     i = next(k for k, r in enumerate(rows) if r["row"] == BAD)
     assert rows[i]["status"] == "failed" and "KeyError" in rows[i]["reason"], rows[i]
     after = rows[i + 1:]
-    assert {r["phase"] for r in after} >= {"warm", "onload", "emulated"}
+    assert {r["phase"] for r in after} >= {"loads", "per-key", "sweep", "onload", "emulated"}
     assert sum(r["status"] == "ok" for r in after) >= 10
-    assert f"FAILED warm: {BAD}" in proc.stdout
+    assert f"FAILED loads: {BAD}" in proc.stdout
     # the markdown table has every row
     assert "| phase | row | status | GB/s |" in md
     for r in rows:
@@ -161,6 +217,136 @@ def test_the_children_used_this_checkouts_engine(dry_run):
     rows = [r for r in report["rows"] if r.get("samples")]
     assert rows and all(s["engine_file"].startswith(engine_dir) for r in rows for s in r["samples"]
                         if "engine_file" in s)
+
+
+# -- the budget ---------------------------------------------------------------------------------------
+
+
+class Clock:
+    """A clock the test moves: each row "takes" the seconds it is told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _budget(seconds, clock):
+    gc = _scripts_module("gpu_check")
+    return gc, gc.Budget(seconds, clock=clock, reserve=2.0)
+
+
+def test_the_budget_estimates_from_a_rows_own_runs_else_its_prior():
+    clock = Clock()
+    gc, b = _budget(100, clock)
+    assert b.left() == 98.0
+    assert b.estimate("build", 75) == 75  # nothing ran yet: the prior
+    b.note("build", 20.0)
+    assert b.estimate("build", 75) == pytest.approx(1.2 * 20 + 0.5)  # its own run, with a margin
+    # a load sample's prior follows how the samples so far compared with theirs, within bounds
+    assert b.estimate("row a", 10, scaled=True) == 10
+    b.note("row b", 4.0, prior=10)
+    assert b.estimate("row a", 10, scaled=True) == pytest.approx(10 * 1.25 * 0.4)
+    b.note("row c", 100.0, prior=10)
+    b.note("row d", 100.0, prior=10)
+    assert b.estimate("row a", 10, scaled=True) == 20  # at most twice the prior
+    clock.now += 90
+    assert b.refuse(7.9) is None
+    assert b.refuse(9) == "budget: needs ~9s, 8s left"
+
+
+def test_a_row_that_cannot_fit_is_not_started_and_the_table_says_why(tmp_path):
+    clock = Clock()
+    gc, b = _budget(60, clock)
+    rep = gc.Report(str(tmp_path / "gpu_check-warm"), {"mode": "warm", "budget_s": 60})
+    rep.plan(["first", "too long", "last"])
+    args = type("Args", (), {"device": "cpu", "skip": "", "wheels": None, "modes": "warm", "dir": str(tmp_path),
+                             "runs": None, "long": False})()
+    check = gc.Check(args, b, rep, str(tmp_path))
+    started = []
+
+    def run(name, seconds):
+        def fn(left):
+            started.append((name, left))
+            clock.now += seconds
+            rep.add("rest", name, "ok", None, seconds=seconds)
+        return fn
+
+    check.step("rest", "first", "first", 20, run("first", 30))  # fits its prior, takes longer
+    rep.done(["first"])
+    # written after the row: a run stopped now leaves a whole table, the rows not reached named
+    with open(tmp_path / "gpu_check-warm.json") as f:
+        on_disk = json.load(f)
+    assert [r["row"] for r in on_disk["rows"]] == ["first"] and on_disk["pending"] == ["too long", "last"]
+    md = (tmp_path / "gpu_check-warm.md").read_text()
+    assert "| rest | first | ok |" in md and "Not reached" in md and "too long; last" in md
+    check.step("rest", "too long", "too long", 40, run("too long", 1))  # 28 s left
+    rep.done(["too long"])
+    check.step("rest", "last", "last", 10, run("last", 5))
+    rep.done(["last"])
+    assert [n for n, _ in started] == ["first", "last"]
+    assert started[0][1] == pytest.approx(58.0)  # a row may take what is left, no more
+    rows = {r["row"]: r for r in rep.rows}
+    assert rows["too long"]["status"] == "skipped"
+    assert rows["too long"]["reason"] == "budget: needs ~40s, 28s left"
+    with open(tmp_path / "gpu_check-warm.json") as f:
+        on_disk = json.load(f)
+    assert [r["row"] for r in on_disk["rows"]] == ["first", "too long", "last"] and on_disk["pending"] == []
+    assert "| rest | too long | skipped |" in (tmp_path / "gpu_check-warm.md").read_text()
+    assert "budget: needs ~40s, 28s left" in (tmp_path / "gpu_check-warm.md").read_text()
+
+
+def test_a_load_row_keeps_the_samples_the_budget_held(tmp_path, monkeypatch):
+    clock = Clock()
+    gc, b = _budget(30, clock)
+    rep = gc.Report(str(tmp_path / "gpu_check-warm"), {"mode": "warm", "budget_s": 30})
+    args = type("Args", (), {"device": "cpu", "skip": "", "wheels": None, "modes": "warm", "dir": str(tmp_path),
+                             "runs": 3, "long": False})()
+    check = gc.Check(args, b, rep, str(tmp_path))
+    check.files = ["f"]
+    calls = []
+
+    def sample(impl, files, dev, timeout, env=None):
+        calls.append(timeout)
+        clock.now += 10  # each sample takes 10 s: the third would need 12.5 with 8 left
+        return {"seconds": 1.0, "bytes": 10**9, "checksum": "x"}
+
+    monkeypatch.setattr(gc.bench_gpu, "sample", sample)
+    monkeypatch.setattr(gc.time, "monotonic", clock)
+    gc.row_loads(check, "loads", "engine load_file(directory)", 3, "sample")
+    assert len(calls) == 2
+    row = rep.rows[-1]
+    assert row["status"] == "ok" and len(row["samples"]) == 2
+    assert row["reason"].endswith("2 of 3 sample(s) (budget: needs ~12s, 8s left)"), row["reason"]
+    # a row whose first sample does not fit is not started at all
+    gc.row_loads(check, "loads", "engine stream(shards) auto", 3, "sample")
+    assert len(calls) == 2
+    assert rep.rows[-1]["status"] == "skipped" and rep.rows[-1]["reason"].startswith("budget: needs ~")
+
+
+def test_a_short_budget_ends_the_real_run_in_time_and_names_what_did_not_run(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--budget", "14", "--size", "16MB", "--out", str(out),
+           "--dir", str(tmp_path / "checkpoint"), "--skip", "build"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "gpu_check-warm.json") as f:
+        report = json.load(f)
+    assert report["meta"]["finished"] and report["pending"] == []
+    assert wall < 14 + 20, wall  # the budget, the interpreter's start and the last write (no timing assert)
+    rows = report["rows"]
+    cut = [r for r in rows if r["status"] == "skipped" and r["reason"].startswith("budget: needs ~")]
+    assert cut, [(r["row"], r["status"], r["reason"]) for r in rows]
+    # the decisive rows come first: whatever the budget held, it held them before the rest
+    names = [r["row"] for r in rows]
+    assert names.index("engine load_file(f) per shard") < names.index("compare with the reference" if
+                                                                     "compare with the reference" in names else
+                                                                     "compare: engine.torch.load_file")
+    assert "budget: needs ~" in (out / "gpu_check-warm.md").read_text()
+    assert "not run for the budget:" in proc.stdout
 
 
 # -- host memory by kind ------------------------------------------------------------------------------
@@ -236,12 +422,12 @@ def test_the_sweep_order_times_every_configuration_once_best_geometries_first():
     for stage, cfg in rs.order(geoms, threads, 12, rates, first=(4, 32)):
         if stage == "A":
             # the first pass: every geometry at the default threads, source and stores, the default first
-            assert cfg[2:] == (12, "auto", "stream")
+            assert cfg[2:] == (12, "auto", "stream", "end")
             rates[cfg] = float(cfg[0] == 8 and cfg[1] == 16)  # one geometry measures fastest
         seen.append((stage, cfg))
     configs = [c for _, c in seen]
     assert len(configs) == len(set(configs)) == len(geoms) * len(threads) * len(rs.VARIANTS)
-    assert configs[0] == (4, 32, 12, "auto", "stream")
+    assert configs[0] == (4, 32, 12, "auto", "stream", "end")
     first_b = next(c for s, c in seen if s == "B")
     assert first_b[:2] == (8, 16)
 
@@ -264,18 +450,25 @@ def test_the_dry_sweep_writes_its_curve_and_the_best_geometry(sweep):
     md = (out / "gpu_check-sweep.md").read_text()
     configs = report["configs"]
     start = report["start"]
-    assert len(configs) == start["configs"] == len(start["geometries"]) * len(start["threads"]) * 3
-    assert {(c["source"], c["stores"]) for c in configs} == {("auto", "stream"), ("auto", "cached"), ("pread", "-")}
+    assert len(configs) == start["configs"] == len(start["geometries"]) * len(start["threads"]) * 6
+    assert {(c["source"], c["stores"], c["unmap"]) for c in configs} == {
+        ("auto", "stream", "end"), ("auto", "cached", "end"), ("pread", "-", "-"), ("mmap", "stream", "end"),
+        ("auto", "stream", "chunk"), ("mmap", "stream", "chunk")}
     assert report["end"]["not_run"] == 0 and report["end"]["clean"], report["end"]
     # every configuration loaded twice, its bytes checked against the files
     for c in configs:
         assert len(c["gbps"]) == 2 and c["median_gbps"] > 0 and c["bytes_ok"], c
+        # the whole grid sets the ring up for each load; the records say which unmap mode ran
+        assert [r["cold"] for r in c["records"]] == [1, 1], c
+        if c["unmap"] != "-":
+            assert c["records"][0]["unmap"] == c["unmap"], c
     # fastest first; the best is the first, its bytes checked again, printed as a line to paste
     rates = [c["median_gbps"] for c in configs]
     assert rates == sorted(rates, reverse=True)
     best = report["best"]
     assert best == configs[0] and report["check"]["bytes_ok"]
     line = f"ENGINE_RING={best['chunk_mib']},{best['chunks']},{best['threads']}"
+    assert "| unmap | best GB/s |" in md
     assert report["ring"] == line
     assert line in proc.stdout.splitlines()
     assert f"best: `{line}`" in md
