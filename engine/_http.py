@@ -247,6 +247,7 @@ class Response:
         else:
             self.first, self.last, self.total = 0, None, self.length
         self.pos = self.first or 0  # file offset of the next byte of the body
+        self._kept = False
 
     def __enter__(self) -> Response:
         return self
@@ -254,11 +255,26 @@ class Response:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Hang up: the rest of a 200 body is never read."""
+    def close(self, *, force: bool = False) -> None:
+        """Hang up: the rest of a 200 body is never read (a body :meth:`keep_open` kept
+        stays open until ``close(force=True)``)."""
         self._watchdog.cancel()
+        if self._kept and not force:
+            return
         self._resp.close()
         self._conn.close()
+
+    def keep_open(self) -> None:
+        """Keep a whole-file answer, read up to :attr:`pos`, open beyond its ``with`` block
+        for a later read of the same file (no second whole-file request); the watchdog
+        stops, each wait is still limited to the call's time left."""
+        self._watchdog.cancel()
+        self._kept = True
+
+    def detach(self) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """The connection and the answer, for a new owner that reads and closes them."""
+        self.keep_open()
+        return self._conn, self._resp
 
     def _arm(self) -> None:
         """Limit the next socket wait to the time left of the call."""

@@ -125,9 +125,13 @@ def open_parts(
     shown = public_url(spath)  # what errors name: without a user:password part
     retry = retry or Retry()
     src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
-                       storage_options=storage_options, s3=s3, retry=retry)
+                       storage_options=storage_options, s3=s3, retry=retry, keep_bodies=True)
     workers = connections or DEFAULT_CONNECTIONS
-    info, wheres = checkpoint_info(src, max_header_size, max_shards, workers)
+    try:
+        info, wheres = checkpoint_info(src, max_header_size, max_shards, workers)
+    except BaseException:
+        src.close()
+        raise
     found = list(info.headers.values())
     reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                        sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
@@ -163,6 +167,8 @@ def open_parts(
         if copies is not None:
             copies.close()
         raise
+    finally:
+        src.close()  # the whole-file answers of files read from their copies
     return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies)
 
 
