@@ -426,6 +426,10 @@ class Client:
         self.max_redirects = max_redirects
         # where each URL ended up after redirects, so a file's second request goes straight there
         self.resolved: dict[str, tuple[str, dict[str, str]]] = {}
+        # where each URL's last redirect led, whatever the answer there (a folder's URL
+        # without its slash is redirected to it), and each answered URL's Content-Type
+        self.moved: dict[str, str] = {}
+        self.content_types: dict[str, str | None] = {}
         self.lock = threading.Lock()
 
     def timeout_error(self, url: str, phase: str) -> ReadError:
@@ -457,6 +461,8 @@ class Client:
                 resp.close()
                 conn.close()
                 current, headers = redirect(url, current, headers, location)
+                with self.lock:
+                    self.moved[url] = current
                 continue
             if resp.status not in (200, 206):
                 watchdog.cancel()
@@ -467,6 +473,7 @@ class Client:
                     conn.close()
             with self.lock:
                 self.resolved[url] = (current, headers)
+                self.content_types[url] = resp.headers.get("Content-Type")
             return Response(self, conn, resp, watchdog, url)
         raise read_error(
             f"more than {self.max_redirects} redirects (a redirect loop?); last location {current}",

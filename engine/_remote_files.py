@@ -398,7 +398,45 @@ class RemoteSource:
         if is_index(self.url):
             return "index", [self.root]
         if not path.endswith("/"):
-            return "file", [self.root]
+            if self.http is None or path.endswith(".safetensors"):
+                return "file", [self.root]
+            return self._file_or_folder(max_size)
+        return self._folder(max_size)
+
+    def _file_or_folder(self, max_size: int) -> tuple[str, list[str]]:
+        """An http(s) URL that names neither a ``.safetensors`` file nor a folder (no slash):
+        read as a file, unless the server redirects it to itself plus ``/`` or answers an
+        HTML page (a folder's listing): then it is read as that folder."""
+        assert self.http is not None
+        url = self.root
+        try:
+            # kept for the caller's own request of the same thing (no second fetch)
+            self._probed[url] = self.header(url, max_size)
+            return "file", [url]
+        except (HeaderError, ReadError) as err:
+            moved = self.http.moved.get(url)
+            html = "html" in (self.http.content_types.get(url) or "").lower()
+            parts = urllib.parse.urlsplit(url)
+            slash = urllib.parse.urlunsplit(parts._replace(path=parts.path + "/"))
+            if moved is not None and urllib.parse.urlsplit(moved)._replace(query="", fragment="") != \
+                    urllib.parse.urlsplit(slash)._replace(query="", fragment=""):
+                raise
+            if moved is None and not (html and isinstance(err, HeaderError)):
+                raise
+            why = f"redirects to {public_url(moved)}" if moved is not None else "answers an HTML page"
+        self.url = self.root = moved or slash
+        try:
+            return self._folder(max_size)
+        except RemoteFileNotFoundError as err:
+            err.message = (f"not a safetensors file (the server {why}: a folder?), and the folder "
+                           f"{public_url(self.url)} holds neither {INDEX_NAME} nor {SINGLE_NAME}; name the file, "
+                           "the index, or the folder with its trailing '/'")
+            err.args = (err.message,)
+            err.path = public_url(url)
+            raise
+
+    def _folder(self, max_size: int) -> tuple[str, list[str]]:
+        """What a folder (``.../``) holds: its index, else its one file."""
         for name, kind in ((INDEX_NAME, "index"), (SINGLE_NAME, "file")):
             where = self.shard_of_prefix(name)
             try:

@@ -112,6 +112,7 @@ from engine.checkpoint import save_sharded  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
+from servers import StdlibHTTP  # noqa: E402
 
 
 def table(stdout: str) -> str:
@@ -141,6 +142,17 @@ def test_inspect_same_table_for_file_directory_and_url(checkpoints):
     ]
     assert outs[0] == outs[1] == outs[2]
     assert "embed" in outs[0] and "I64" in outs[0] and "[10, 4]" in outs[0] and "0..320" in outs[0]
+
+
+@pytest.mark.parametrize("where", ["single", "sharded"])
+def test_inspect_of_a_folder_url_without_its_slash(checkpoints, capsys, where):
+    """http.server redirects /single to /single/: the URL names that folder (it used to
+    fail: "the server sent an HTML page ... [NotSafetensors]")."""
+    root, _, _ = checkpoints
+    with StdlibHTTP(str(root)) as srv:
+        code, out, err = in_process(capsys, "inspect", srv.url(where), "--timeout", "5")
+    assert code == 0 and err == ""
+    assert out == run("inspect", str(root / where), check=True).stdout
 
 
 def test_inspect_same_table_for_directory_index_and_url(checkpoints):
