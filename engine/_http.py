@@ -239,6 +239,7 @@ class Response:
         self.content_type = resp.headers.get("Content-Type")
         self.etag = resp.headers.get("ETag")
         self.last_modified = resp.headers.get("Last-Modified")
+        self.date = resp.headers.get("Date")  # when the server answered, by its clock
         self.encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
         length = resp.headers.get("Content-Length")
         self.length = int(length) if length and length.strip().isdigit() else None

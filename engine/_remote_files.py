@@ -17,6 +17,7 @@ an S3 prefix one ``ListObjectsV2`` per 1000 keys.
 
 from __future__ import annotations
 
+import email.utils
 import posixpath
 import time
 import urllib.parse
@@ -77,10 +78,11 @@ def _parse(buf: bytes | bytearray, total: int, n: int, url: str) -> Header:
 
 
 def _http_header(http: Client, url: str, max_header_size: int, not_found=None, etags=None, raws=None,
-                 modified=None, bodies=None) -> Header:
+                 modified=None, bodies=None, dates=None) -> Header:
     """Two ranged GETs (one if the server ignores Range): the length, then the header.
     ``etags``, a dict, receives ``url -> ETag`` (or ``None``) of the first answer, ``modified``
-    its ``Last-Modified``; ``raws`` ``url -> `` the file's first ``8 + N`` bytes as received
+    its ``Last-Modified`` and ``dates`` its ``Date`` (this machine's clock where the server
+    sends none); ``raws`` ``url -> `` the file's first ``8 + N`` bytes as received
     (for a local copy, :mod:`engine.remote_cache`); ``bodies``, where the server ignored
     Range, ``url -> `` the whole-file :class:`~engine._http.Response`, read up to the end
     of the header and kept open, for the tensor reads to go on with (no second whole-file
@@ -90,6 +92,8 @@ def _http_header(http: Client, url: str, max_header_size: int, not_found=None, e
             etags[url] = r.etag
         if modified is not None:
             modified[url] = r.last_modified
+        if dates is not None:
+            dates[url] = r.date or email.utils.formatdate(time.time(), usegmt=True)
         total = r.total
         if total is None:
             what = "Content-Range total" if r.partial else "Content-Length"
@@ -274,6 +278,7 @@ class RemoteSource:
         self.etags: dict[str, str | None] = {}
         self.raw_headers: dict[str, bytes] = {}  # location -> its first 8 + N bytes (HTTP and S3)
         self.last_modified: dict[str, str | None] = {}  # location -> Last-Modified (HTTP and S3)
+        self.dates: dict[str, str] = {}  # location -> Date of its header's answer (HTTP and S3)
         # location -> the whole-file answer of a server that ignores Range, kept open
         self.bodies: dict[str, Response] | None = {} if keep_bodies else None
         self.s3: S3Config | None = None
@@ -343,7 +348,8 @@ class RemoteSource:
         if self.http is not None:
             http = self.http
             return self._named(where, lambda: _http_header(http, where, max_header_size, not_found, self.etags,
-                                                           self.raw_headers, self.last_modified, self.bodies))
+                                                           self.raw_headers, self.last_modified, self.bodies,
+                                                           self.dates))
         assert self.fs is not None
         return self.fs.header(where, max_header_size, not_found)
 

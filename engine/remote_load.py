@@ -141,24 +141,26 @@ def open_parts(
         if cache_dir is not None:
             copies = Copies(cache_dir)
         wanted = []  # files to download: (their part's index, what Copies.fetch takes)
+        dates: dict[str, str | None] = {}  # when the server answered each file's header
         for w, h in zip(wheres, found, strict=True):
             shown_w, ranges = src.display(w), src.ranges(w, h, reads)
             if copies is None:
                 parts.append(Part(-1, h, [], shown_w, ranges))
                 continue
             version = (src.etags.get(w), src.last_modified.get(w), h, src.raw_headers.get(w))
-            local = copies.open(shown_w, *version)
+            date = dates[shown_w] = src.dates.get(w)
+            local = copies.open(shown_w, *version, date=date)
             if local is not None:
                 parts.append(Part(local[0], h, [], local[1]))
             elif download:
                 wanted.append((len(parts), (shown_w, *version, ranges)))
                 parts.append(Part(-1, h, [], shown_w, ranges))
             else:
-                parts.append(Part(-1, h, [], shown_w, copies.wrap(shown_w, *version, ranges)))
+                parts.append(Part(-1, h, [], shown_w, copies.wrap(shown_w, *version, ranges, date=date)))
         if wanted:
             assert copies is not None
             got = copies.fetch([f for _, f in wanted], threads=workers, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                               cancel=reads.cancel)
+                               cancel=reads.cancel, dates=dates)
             for (i, _), local in zip(wanted, got, strict=True):
                 if local is not None:
                     parts[i] = Part(local[0], parts[i].header, [], local[1])
