@@ -168,16 +168,8 @@ def load_tensor_parallel(
     if not copy and (backend != "mmap" or mode != "direct"):
         raise ShardingError("copy=False needs backend='mmap' and mode='direct'", reason="InvalidMode")
     url = is_url(path_or_index)
-    if remote:
-        from .remote_load import remote_options
-
-        left = dict(remote)
-        options = remote_options(left)
-        if left or "connections" in options:
-            raise TypeError(f"load_tensor_parallel() got unexpected options: {sorted(left) or ['connections']}"
-                            + (" (connections is threads)" if "connections" in options else ""))
-        if not url:
-            raise TypeError(f"load_tensor_parallel() got options for a URL with a local path: {sorted(remote)}")
+    if remote and not url:  # a URL's options are checked where the URL is opened
+        raise TypeError(f"load_tensor_parallel() got options for a URL with a local path: {sorted(remote)}")
     rank, world_size = _rank_world(rank, world_size, process_group)
     device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     if mode == "broadcast":
