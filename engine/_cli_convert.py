@@ -68,7 +68,7 @@ def _sniff(path: str) -> str:
     )
 
 
-def _load_torch_checkpoint(path: str, torch) -> Any:
+def _load_torch_checkpoint(path: str, kind: str, torch) -> Any:
     """What the file at ``path`` holds, by the reader its format needs.
 
     torch.save's files go through ``torch.load(weights_only=True)`` (no code is ever
@@ -77,7 +77,6 @@ def _load_torch_checkpoint(path: str, torch) -> Any:
     """
     import pickle
 
-    kind = _sniff(path)
     if kind == "safetensors":
         from .torch import load_file
 
@@ -157,11 +156,12 @@ def cmd_convert(args) -> int:
     if is_url(args.src):  # torch.load reads a local file; a pickle is not read by ranges
         raise SafetensorError("engine convert reads a local file written by torch.save, not a URL: download it "
                               "first (e.g. curl -LO URL)", reason="LocalPathExpected", path=args.src)
+    kind = _sniff(args.src)  # a missing or wrong input fails here, before torch's import (seconds)
     torch = _torch()
     from . import writer
     from .dtypes import BY_NAME, from_torch
 
-    obj = _load_torch_checkpoint(args.src, torch)
+    obj = _load_torch_checkpoint(args.src, kind, torch)
     tensors, skipped = _state_dict(obj, torch, args.src)
     if skipped:
         print(f"note: skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:8])}", file=sys.stderr)

@@ -3,11 +3,13 @@ only), a line per file done, byte counts, aligned tables and one-line errors."""
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["progress", "FileProgress", "fmt_bytes", "table", "one_line", "UsageError", "http_headers"]
+__all__ = ["progress", "FileProgress", "fmt_bytes", "table", "one_line", "error_line", "UsageError",
+           "http_headers"]
 
 
 class UsageError(Exception):
@@ -127,3 +129,34 @@ def table(rows: list[list[str]], header: list[str], right: Sequence[int] = ()) -
 def one_line(err: BaseException) -> str:
     """The message of ``err`` on one line, for stderr."""
     return " ".join(str(err).split("\n"))
+
+
+#: The reason tag of an operating system's error, by its errno (the engine's own errors
+#: carry theirs in ``.reason``).
+_OS_REASONS = {
+    errno.ENOENT: "NotFound",
+    errno.EACCES: "PermissionDenied",
+    errno.EPERM: "PermissionDenied",
+    errno.EROFS: "ReadOnlyFileSystem",
+    errno.EISDIR: "IsADirectory",
+    errno.ENOTDIR: "NotADirectory",
+    errno.EEXIST: "FileExists",
+    errno.ENOSPC: "NoSpace",
+    errno.ELOOP: "SymbolicLinkLoop",
+    errno.ENAMETOOLONG: "NameTooLong",
+}
+
+
+def error_line(err: BaseException) -> str:
+    """``err`` as the command line prints it: one line ending in its ``[Reason]`` tag (the
+    engine's ``.reason``; for an operating system's error, its errno's name, without the
+    ``[Errno N]`` prefix; else the error's type)."""
+    reason = getattr(err, "reason", None)
+    if reason:
+        return one_line(err)  # SafetensorError.__str__ ends with the tag
+    if isinstance(err, OSError) and err.errno is not None and err.strerror:
+        reason = _OS_REASONS.get(err.errno) or errno.errorcode.get(err.errno, type(err).__name__)
+        where = f"{err.filename}: " if err.filename is not None else ""
+        return f"{where}{one_line(Exception(err.strerror))} [{reason}]"
+    reason = "Usage" if isinstance(err, UsageError) else type(err).__name__
+    return f"{one_line(err) or type(err).__name__} [{reason}]"

@@ -239,6 +239,7 @@ class Response:
         self.content_type = resp.headers.get("Content-Type")
         self.etag = resp.headers.get("ETag")
         self.last_modified = resp.headers.get("Last-Modified")
+        self.date = resp.headers.get("Date")  # when the server answered, by its clock
         self.encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
         length = resp.headers.get("Content-Length")
         self.length = int(length) if length and length.strip().isdigit() else None
@@ -247,6 +248,7 @@ class Response:
         else:
             self.first, self.last, self.total = 0, None, self.length
         self.pos = self.first or 0  # file offset of the next byte of the body
+        self._kept = False
 
     def __enter__(self) -> Response:
         return self
@@ -254,11 +256,26 @@ class Response:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Hang up: the rest of a 200 body is never read."""
+    def close(self, *, force: bool = False) -> None:
+        """Hang up: the rest of a 200 body is never read (a body :meth:`keep_open` kept
+        stays open until ``close(force=True)``)."""
         self._watchdog.cancel()
+        if self._kept and not force:
+            return
         self._resp.close()
         self._conn.close()
+
+    def keep_open(self) -> None:
+        """Keep a whole-file answer, read up to :attr:`pos`, open beyond its ``with`` block
+        for a later read of the same file (no second whole-file request); the watchdog
+        stops, each wait is still limited to the call's time left."""
+        self._watchdog.cancel()
+        self._kept = True
+
+    def detach(self) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """The connection and the answer, for a new owner that reads and closes them."""
+        self.keep_open()
+        return self._conn, self._resp
 
     def _arm(self) -> None:
         """Limit the next socket wait to the time left of the call."""
@@ -410,6 +427,10 @@ class Client:
         self.max_redirects = max_redirects
         # where each URL ended up after redirects, so a file's second request goes straight there
         self.resolved: dict[str, tuple[str, dict[str, str]]] = {}
+        # where each URL's last redirect led, whatever the answer there (a folder's URL
+        # without its slash is redirected to it), and each answered URL's Content-Type
+        self.moved: dict[str, str] = {}
+        self.content_types: dict[str, str | None] = {}
         self.lock = threading.Lock()
 
     def timeout_error(self, url: str, phase: str) -> ReadError:
@@ -441,6 +462,8 @@ class Client:
                 resp.close()
                 conn.close()
                 current, headers = redirect(url, current, headers, location)
+                with self.lock:
+                    self.moved[url] = current
                 continue
             if resp.status not in (200, 206):
                 watchdog.cancel()
@@ -451,6 +474,7 @@ class Client:
                     conn.close()
             with self.lock:
                 self.resolved[url] = (current, headers)
+                self.content_types[url] = resp.headers.get("Content-Type")
             return Response(self, conn, resp, watchdog, url)
         raise read_error(
             f"more than {self.max_redirects} redirects (a redirect loop?); last location {current}",

@@ -17,6 +17,7 @@ an S3 prefix one ``ListObjectsV2`` per 1000 keys.
 
 from __future__ import annotations
 
+import email.utils
 import posixpath
 import time
 import urllib.parse
@@ -24,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._files import is_url
-from ._http import Client, read_error, unreachable
+from ._http import Client, Response, read_error, unreachable
 from ._s3 import S3Config, parse_listing, split_s3_url
 from ._threads import map_threads
 from .checkpoint_index import index_problems, parse_index
@@ -77,16 +78,22 @@ def _parse(buf: bytes | bytearray, total: int, n: int, url: str) -> Header:
 
 
 def _http_header(http: Client, url: str, max_header_size: int, not_found=None, etags=None, raws=None,
-                 modified=None) -> Header:
+                 modified=None, bodies=None, dates=None) -> Header:
     """Two ranged GETs (one if the server ignores Range): the length, then the header.
     ``etags``, a dict, receives ``url -> ETag`` (or ``None``) of the first answer, ``modified``
-    its ``Last-Modified``; ``raws`` ``url -> `` the file's first ``8 + N`` bytes as received
-    (for a local copy, :mod:`engine.remote_cache`)."""
+    its ``Last-Modified`` and ``dates`` its ``Date`` (this machine's clock where the server
+    sends none); ``raws`` ``url -> `` the file's first ``8 + N`` bytes as received
+    (for a local copy, :mod:`engine.remote_cache`); ``bodies``, where the server ignored
+    Range, ``url -> `` the whole-file :class:`~engine._http.Response`, read up to the end
+    of the header and kept open, for the tensor reads to go on with (no second whole-file
+    request)."""
     with http.open(url, 0, 7, not_found=not_found) as r:
         if etags is not None:
             etags[url] = r.etag
         if modified is not None:
             modified[url] = r.last_modified
+        if dates is not None:
+            dates[url] = r.date or email.utils.formatdate(time.time(), usegmt=True)
         total = r.total
         if total is None:
             what = "Content-Range total" if r.partial else "Content-Length"
@@ -101,11 +108,16 @@ def _http_header(http: Client, url: str, max_header_size: int, not_found=None, e
         prefix = bytes(r.read_exact(min(8, total)))
         n = _length(prefix, total, max_header_size, url, r.content_type)
         if not r.partial:
-            # the server ignored Range: keep reading this body for the header, then hang up
+            # the server ignored Range: keep reading this body for the header, then hand it
+            # on to the bulk reads (bodies) or hang up
             body = r.read_exact(n)
             if raws is not None:
                 raws[url] = prefix + bytes(body)
-            return _parse(body, total, n, url)
+            header = _parse(body, total, n, url)
+            if bodies is not None:
+                r.keep_open()
+                bodies[url] = r
+            return header
     if n == 0:
         if raws is not None:
             raws[url] = prefix
@@ -128,7 +140,18 @@ def _http_header(http: Client, url: str, max_header_size: int, not_found=None, e
         return _parse(body, total, n, url)
 
 
-def _http_range_into(http: Client, url: str, offset: int, view: memoryview, total: int) -> None:
+def _http_range_into(http: Client, url: str, offset: int, view: memoryview, total: int, kept=None) -> None:
+    """``view`` from ``offset``: one ranged GET, or the rest of ``kept``, the whole-file
+    answer of the header's request (a server that ignores Range), when it has not passed
+    ``offset``."""
+    if kept is not None:
+        try:
+            if kept.pos <= offset:
+                kept.skip(offset - kept.pos)
+                kept.readinto(view)
+                return
+        finally:
+            kept.close(force=True)
     with http.open(url, offset, offset + len(view) - 1) as r:
         if r.partial:
             if r.first != offset:
@@ -232,6 +255,10 @@ class RemoteSource:
     retry : Retry, optional
         Transient failures of the header, index and listing requests are retried so
         (default: not retried).
+    keep_bodies : bool
+        Where a server ignores Range, keep each file's whole-file answer open after its
+        header for the tensor reads to go on with (:meth:`ranges`, :meth:`read_into`);
+        :meth:`close` hangs up on those not used.  Otherwise the header's read hangs up.
 
     Locations (``where``) are what the transport requests: an http(s) URL (also for S3,
     signed on each request) or an fsspec path; :meth:`display` turns one back into the URL
@@ -239,7 +266,8 @@ class RemoteSource:
     """
 
     def __init__(self, url: str, *, headers, timeout, max_redirects, storage_options,
-                 s3: Mapping[str, Any] | None = None, retry: Retry | None = None) -> None:
+                 s3: Mapping[str, Any] | None = None, retry: Retry | None = None,
+                 keep_bodies: bool = False) -> None:
         self.url = url
         try:
             urllib.parse.urlsplit(url).port  # noqa: B018 - a malformed host or port fails here, named
@@ -250,6 +278,9 @@ class RemoteSource:
         self.etags: dict[str, str | None] = {}
         self.raw_headers: dict[str, bytes] = {}  # location -> its first 8 + N bytes (HTTP and S3)
         self.last_modified: dict[str, str | None] = {}  # location -> Last-Modified (HTTP and S3)
+        self.dates: dict[str, str] = {}  # location -> Date of its header's answer (HTTP and S3)
+        # location -> the whole-file answer of a server that ignores Range, kept open
+        self.bodies: dict[str, Response] | None = {} if keep_bodies else None
         self.s3: S3Config | None = None
         self.fs: _Fs | None = None
         self.http: Client | None = None
@@ -317,7 +348,8 @@ class RemoteSource:
         if self.http is not None:
             http = self.http
             return self._named(where, lambda: _http_header(http, where, max_header_size, not_found, self.etags,
-                                                           self.raw_headers, self.last_modified))
+                                                           self.raw_headers, self.last_modified, self.bodies,
+                                                           self.dates))
         assert self.fs is not None
         return self.fs.header(where, max_header_size, not_found)
 
@@ -343,10 +375,18 @@ class RemoteSource:
             return
         if self.http is not None:
             http = self.http
-            self._named(where, lambda: _http_range_into(http, where, offset, view, total))
+            kept = self.bodies.pop(where, None) if self.bodies is not None else None
+            self._named(where, lambda: _http_range_into(http, where, offset, view, total, kept))
         else:
             assert self.fs is not None
             view[:] = self.fs.read(where, offset, len(view))
+
+    def close(self) -> None:
+        """Hang up on the whole-file answers no read took over."""
+        if self.bodies:
+            for r in self.bodies.values():
+                r.close(force=True)
+            self.bodies.clear()
 
     # -- what a URL holds ----------------------------------------------------------------
 
@@ -364,7 +404,45 @@ class RemoteSource:
         if is_index(self.url):
             return "index", [self.root]
         if not path.endswith("/"):
-            return "file", [self.root]
+            if self.http is None or path.endswith(".safetensors"):
+                return "file", [self.root]
+            return self._file_or_folder(max_size)
+        return self._folder(max_size)
+
+    def _file_or_folder(self, max_size: int) -> tuple[str, list[str]]:
+        """An http(s) URL that names neither a ``.safetensors`` file nor a folder (no slash):
+        read as a file, unless the server redirects it to itself plus ``/`` or answers an
+        HTML page (a folder's listing): then it is read as that folder."""
+        assert self.http is not None
+        url = self.root
+        try:
+            # kept for the caller's own request of the same thing (no second fetch)
+            self._probed[url] = self.header(url, max_size)
+            return "file", [url]
+        except (HeaderError, ReadError) as err:
+            moved = self.http.moved.get(url)
+            html = "html" in (self.http.content_types.get(url) or "").lower()
+            parts = urllib.parse.urlsplit(url)
+            slash = urllib.parse.urlunsplit(parts._replace(path=parts.path + "/"))
+            if moved is not None and urllib.parse.urlsplit(moved)._replace(query="", fragment="") != \
+                    urllib.parse.urlsplit(slash)._replace(query="", fragment=""):
+                raise
+            if moved is None and not (html and isinstance(err, HeaderError)):
+                raise
+            why = f"redirects to {public_url(moved)}" if moved is not None else "answers an HTML page"
+        self.url = self.root = moved or slash
+        try:
+            return self._folder(max_size)
+        except RemoteFileNotFoundError as err:
+            err.message = (f"not a safetensors file (the server {why}: a folder?), and the folder "
+                           f"{public_url(self.url)} holds neither {INDEX_NAME} nor {SINGLE_NAME}; name the file, "
+                           "the index, or the folder with its trailing '/'")
+            err.args = (err.message,)
+            err.path = public_url(url)
+            raise
+
+    def _folder(self, max_size: int) -> tuple[str, list[str]]:
+        """What a folder (``.../``) holds: its index, else its one file."""
         for name, kind in ((INDEX_NAME, "index"), (SINGLE_NAME, "file")):
             where = self.shard_of_prefix(name)
             try:
@@ -420,6 +498,9 @@ class RemoteSource:
             # where the header's requests ended after redirects, with the headers sent there
             final, headers = self.http.resolved.get(where, (where, None))
             file = RemoteFile(final, header.file_size, self.etags.get(where), self.display(where), headers)
+            kept = self.bodies.pop(where, None) if self.bodies is not None else None
+            if kept is not None:  # the server ignored Range: the bulk reads go on with this answer
+                reads.adopt(file, *kept.detach(), kept.pos)
             return reads.reader(file)
         fs = self.fs
         assert fs is not None

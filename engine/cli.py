@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 from . import __version__
 from ._cli_bench import cmd_bench
 from ._cli_convert import check_output, cmd_convert
-from ._cli_output import FileProgress, fmt_bytes, one_line, table
+from ._cli_output import FileProgress, error_line, fmt_bytes, one_line, table
 from ._cli_output import UsageError as _UsageError
 from ._cli_output import http_headers as _http_headers
 from .errors import (
@@ -421,5 +421,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 0
     except (SafetensorError, OSError, _UsageError) as err:
-        print(f"engine {args.command}: error: {one_line(err)}", file=sys.stderr)
+        print(f"engine {args.command}: error: {error_line(err)}", file=sys.stderr)
         return 2

@@ -72,6 +72,7 @@ def load_tensor_parallel(
     threads: int | None = None,
     backend: str = "pread",
     copy: bool = True,
+    **remote,
 ) -> dict[str, torch.Tensor]:
     """Load this rank's shard of every tensor of a checkpoint.
 
@@ -126,6 +127,13 @@ def load_tensor_parallel(
         GPU one copy straight from the page cache.  Column blocks, padded and fused shards
         are copied as with ``True``.  The pages are read when first touched, and a file
         truncated while such a shard is alive ends the process with ``SIGBUS``.
+    **remote
+        For a URL only, the options :func:`engine.torch.load_file` takes for one:
+        ``headers``, ``timeout``, ``retry``, ``max_redirects``, ``s3``, ``storage_options``,
+        ``cache_dir``, ``max_header_size``, ``max_shards`` (see
+        :func:`engine.remote_load.stream`); ``connections`` is ``threads``.  With
+        ``cache_dir``, a rank that receives every byte of a file keeps its copy, and a later
+        load reads the copies.
 
     Returns
     -------
@@ -136,6 +144,8 @@ def load_tensor_parallel(
     ------
     ShardingError
         Uneven splits without padding, a split of a missing dimension, bad fused sizes.
+    TypeError
+        Remote options with a local path, or an option no load takes.
 
     Notes
     -----
@@ -157,15 +167,18 @@ def load_tensor_parallel(
         raise ShardingError(f"unknown backend {backend!r}; expected 'pread' or 'mmap'", reason="InvalidMode")
     if not copy and (backend != "mmap" or mode != "direct"):
         raise ShardingError("copy=False needs backend='mmap' and mode='direct'", reason="InvalidMode")
+    url = is_url(path_or_index)
+    if remote and not url:  # a URL's options are checked where the URL is opened
+        raise TypeError(f"load_tensor_parallel() got options for a URL with a local path: {sorted(remote)}")
     rank, world_size = _rank_world(rank, world_size, process_group)
     device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     if mode == "broadcast":
-        return load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names)
-    if is_url(path_or_index):  # each rank requests only its own byte ranges
+        return load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names, remote)
+    if url:  # each rank requests only its own byte ranges
         from .tp_remote import load_remote_direct
 
         return load_remote_direct(path_or_index, plan, rank, world_size, device=device, names=names,
-                                  connections=threads)
+                                  connections=threads, **remote)
     files = direct_files(path_or_index, names)
 
     def load(some: list[DirectFile]) -> dict[str, torch.Tensor]:

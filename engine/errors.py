@@ -40,6 +40,7 @@ __all__ = [
     "UnsupportedFrameworkError",
     "DeviceFallbackWarning",
     "CacheWriteWarning",
+    "RangeIgnoredWarning",
     "HEADER_REASONS",
 ]
 
@@ -397,4 +398,13 @@ class CacheWriteWarning(RuntimeWarning):
     file gets no copy; the load itself goes on and its tensors are whole.  Issued once per
     file, naming it and the cause.
     ``warnings.simplefilter("error", CacheWriteWarning)`` makes it fatal.
+    """
+
+
+class RangeIgnoredWarning(RuntimeWarning):
+    """Not an error: a server answered a ranged GET with the whole file (200), as
+    ``python -m http.server`` does, so that file is read as one sequential stream instead of
+    parallel ranges (one connection's speed), and the bytes a load passes before it asks for
+    them are kept in a temporary file.  Issued once per file, naming the server.
+    ``warnings.simplefilter("error", RangeIgnoredWarning)`` makes it fatal.
     """

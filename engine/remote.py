@@ -63,9 +63,10 @@ DEFAULT_MAX_REDIRECTS = 5
 _MAX_WORKERS = 8
 
 
-def _source(url, headers, timeout, max_redirects, storage_options) -> RemoteSource:
+def _source(url, headers, timeout, max_redirects, storage_options, keep_bodies: bool = False) -> RemoteSource:
     return RemoteSource(
-        os.fspath(url), headers=headers, timeout=timeout, max_redirects=max_redirects, storage_options=storage_options
+        os.fspath(url), headers=headers, timeout=timeout, max_redirects=max_redirects, storage_options=storage_options,
+        keep_bodies=keep_bodies,
     )
 
 
@@ -239,23 +240,28 @@ def get_tensor(
     -----
     HTTP requests: 3 for a file (length, header, the tensor's byte range), 4 for an index
     (index, then the length, header and range of the one shard that holds ``name``); a
-    0-byte tensor needs no data request.  Copies of tensor bytes: 1 (from the socket into
+    0-byte tensor needs no data request; a server that ignores Range is asked once per
+    file (the header's whole-file answer is read on to the tensor).  Copies of tensor bytes: 1 (from the socket into
     the tensor's memory; a CUDA device adds the host-to-device copy).
     """
     from .loader import sink_for
 
     sink = sink_for(framework, device)
     spath = os.fspath(url)
-    src = _source(spath, headers, timeout, max_redirects, storage_options)
-    where, shard = src.root, False
-    if is_index(spath):
-        _, weight_map = src.index(max_header_size)
-        if name not in weight_map:
-            raise TensorNotFoundError.for_name(name, list(weight_map), where="checkpoint", path=spath)
-        where, shard = src.shard(weight_map[name]), True
-    header = src.header(where, max_header_size, shard=shard)
-    info = header[name]  # TensorNotFoundError names the file
-    begin, end = info.data_offsets
-    arr = sink.empty(info.code, info.shape, end - begin)
-    src.read_into(where, header.data_start + begin, sink.raw(arr), header.file_size)
+    # a server that ignores Range: the tensor is read on from the header's answer
+    src = _source(spath, headers, timeout, max_redirects, storage_options, keep_bodies=True)
+    try:
+        where, shard = src.root, False
+        if is_index(spath):
+            _, weight_map = src.index(max_header_size)
+            if name not in weight_map:
+                raise TensorNotFoundError.for_name(name, list(weight_map), where="checkpoint", path=spath)
+            where, shard = src.shard(weight_map[name]), True
+        header = src.header(where, max_header_size, shard=shard)
+        info = header[name]  # TensorNotFoundError names the file
+        begin, end = info.data_offsets
+        arr = sink.empty(info.code, info.shape, end - begin)
+        src.read_into(where, header.data_start + begin, sink.raw(arr), header.file_size)
+    finally:
+        src.close()
     return sink.to_device(arr)

@@ -17,11 +17,16 @@ into ``d``, then reads the copies.
   :class:`~engine.errors.CacheWriteWarning`.  ``Last-Modified``
   has a resolution of one second, as nginx's ETags (made of the file's mtime and size) do:
   a file rewritten under the same size within the same second is, for both, the same
-  version.  The copy's own header bytes must also equal those the server just sent.
+  version.  So a copy told apart by ``Last-Modified`` alone (no strong ETag) records when
+  the server answered its header (its ``Date``), and is read only when that is later than
+  the ``Last-Modified``: a copy made within the second its file last changed may miss a
+  later change in that second, so the next load reads the server's bytes again (and makes
+  a copy it can trust).  The copy's own header bytes must also equal those the server just
+  sent.
 * **Layout**: flat, one pair of files per version of a file::
 
       <d>/<url key>-<version key>-<name>        the file, byte for byte as served
-      <d>/<url key>-<version key>-<name>.json   {"url", "size", "etag", "last_modified"}
+      <d>/<url key>-<version key>-<name>.json   {"url", "size", "etag", "last_modified", "fetched"}
 
   The url key is the first 32 hex digits of the SHA-256 of the file's URL without any
   ``user:password@`` (:func:`~engine.remote_reads.public_url`); the version key 16 of the
@@ -67,6 +72,7 @@ mapped), then one per ``get_tensor`` (``pread``).
 
 from __future__ import annotations
 
+import email.utils
 import errno
 import hashlib
 import json
@@ -77,7 +83,7 @@ import stat
 import threading
 import urllib.parse
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._atomic import AtomicFile, remove_stale, sync_dir, umask
@@ -104,6 +110,21 @@ def identity(etag: str | None, last_modified: str | None, size: int) -> dict[str
     if last_modified:
         return {"last_modified": last_modified, "etag": etag, "size": size}
     return None
+
+
+def trusted(ident: dict[str, Any], fetched: str | None) -> bool:
+    """Whether a copy of version ``ident`` made when the server's clock said ``fetched`` can
+    be read: always for a strong ETag; for ``Last-Modified`` (one-second resolution), only
+    when the header's answer came in a later second than the one it names (a change later
+    in that same second would keep the same ``Last-Modified``)."""
+    if "last_modified" not in ident:
+        return True
+    try:
+        made = email.utils.parsedate_to_datetime(fetched or "")
+        changed = email.utils.parsedate_to_datetime(ident["last_modified"])
+        return made > changed
+    except (TypeError, ValueError):  # a copy from before this check, or a date no one can read
+        return False
 
 
 def _stored_url(url: str) -> str:
@@ -147,10 +168,12 @@ class _Copy:
     """One file being copied: its unnamed file (header written, full size) and the data
     ranges landed so far."""
 
-    def __init__(self, dest: str, url: str, ident: dict[str, Any], raw_header: bytes, header: Header) -> None:
+    def __init__(self, dest: str, url: str, ident: dict[str, Any], raw_header: bytes, header: Header,
+                 date: str | None = None) -> None:
         self.dest = dest
         self.url = url
         self.ident = ident
+        self.date = date  # the Date of the header's answer (see trusted())
         self.data_start = header.data_start
         self.size = header.file_size
         self.spans: list[tuple[int, int]] = []
@@ -206,7 +229,8 @@ class _Copy:
         return end == self.size
 
     def sidecar(self) -> bytes:
-        return json.dumps({"url": _stored_url(self.url), **self.ident}, sort_keys=True, indent=1).encode()
+        return json.dumps({"url": _stored_url(self.url), **self.ident, "fetched": self.date}, sort_keys=True,
+                          indent=1).encode()
 
 
 class Copies:
@@ -242,11 +266,14 @@ class Copies:
         self.writable = os.access(self.cache_dir, os.W_OK | os.X_OK)
 
     def open(self, url: str, etag: str | None, last_modified: str | None, header: Header,
-             raw_header: bytes | None) -> tuple[int, str] | None:
+             raw_header: bytes | None, *, date: str | None = None, fresh: bool = False) -> tuple[int, str] | None:
         """``(descriptor, path)`` of a complete copy of this version of ``url``, or None.
 
         The copy must have the file's size, a sidecar naming this URL and version, and, where
-        the header's bytes are known, the same first ``8 + N`` bytes.
+        the header's bytes are known, the same first ``8 + N`` bytes; one told apart by
+        ``Last-Modified`` alone must have been made after the second it names (see the module
+        doc; ``fresh``: the copy this load has just downloaded, read whatever it says).
+        ``date``: the ``Date`` of this load's header answer, recorded in a new copy.
         """
         path = entry_path(self.cache_dir, url, etag, last_modified, header.file_size)
         if path is None:
@@ -257,7 +284,7 @@ class Copies:
         try:
             st = os.fstat(fd)
             ok = stat.S_ISREG(st.st_mode) and st.st_size == header.file_size and self._sidecar_matches(
-                path, url, etag, last_modified, header.file_size)
+                path, url, etag, last_modified, header.file_size, fresh)
             if ok and raw_header is not None:
                 ok = os.pread(fd, len(raw_header), 0) == raw_header
         except OSError:
@@ -269,7 +296,8 @@ class Copies:
         return fd, path
 
     @staticmethod
-    def _sidecar_matches(path: str, url: str, etag: str | None, last_modified: str | None, size: int) -> bool:
+    def _sidecar_matches(path: str, url: str, etag: str | None, last_modified: str | None, size: int,
+                         fresh: bool = False) -> bool:
         fd = _open_entry(path + _SIDECAR)
         if fd < 0:
             return False
@@ -281,10 +309,10 @@ class Copies:
             os.close(fd)
         ident = identity(etag, last_modified, size)
         return isinstance(stored, dict) and stored.get("url") == _stored_url(url) and ident is not None and all(
-            stored.get(k) == v for k, v in ident.items())
+            stored.get(k) == v for k, v in ident.items()) and (fresh or trusted(ident, stored.get("fetched")))
 
     def _start(self, url: str, etag: str | None, last_modified: str | None, header: Header,
-               raw_header: bytes | None) -> _Copy | None:
+               raw_header: bytes | None, date: str | None = None) -> _Copy | None:
         """A new copy of ``url``; None, with a warning, where the version cannot be told, the
         header's bytes are unknown, or the disk refuses it."""
         path = entry_path(self.cache_dir, url, etag, last_modified, header.file_size)
@@ -299,7 +327,7 @@ class Copies:
         if not self.writable:
             raise WriteError("the cache directory is not writable", path=self.cache_dir, reason="CacheDirectory")
         try:
-            copy = _Copy(path, url, ident, raw_header, header)
+            copy = _Copy(path, url, ident, raw_header, header, date)
         except OSError as exc:
             warnings.warn(CacheWriteWarning(f"{path}: no local copy of {public_url(url)}: {exc.strerror or exc}"),
                           stacklevel=3)
@@ -308,10 +336,10 @@ class Copies:
         return copy
 
     def wrap(self, url: str, etag: str | None, last_modified: str | None, header: Header,
-             raw_header: bytes | None, ranges: Ranges) -> Ranges:
+             raw_header: bytes | None, ranges: Ranges, *, date: str | None = None) -> Ranges:
         """``ranges`` that also writes each body it received into a new copy of ``url``
-        (``ranges`` itself where no copy can be made)."""
-        copy = self._start(url, etag, last_modified, header, raw_header)
+        (``ranges`` itself where no copy can be made); ``date`` as :meth:`open` takes it."""
+        copy = self._start(url, etag, last_modified, header, raw_header, date)
         if copy is None:
             return ranges
 
@@ -327,17 +355,20 @@ class Copies:
         return read
 
     def fetch(self, files: Sequence[tuple[str, str | None, str | None, Header, bytes | None, Ranges]], *,
-              threads: int, chunk_bytes: int, cancel: threading.Event | None = None) -> list[tuple[int, str] | None]:
+              threads: int, chunk_bytes: int, cancel: threading.Event | None = None,
+              dates: Mapping[str, str | None] | None = None) -> list[tuple[int, str] | None]:
         """Download whole files into new copies, name them, and open them.
 
         ``files`` holds ``(url, etag, last_modified, header, raw_header, ranges)``; requests of
         ``chunk_bytes`` run ``threads`` at a time across all files.  Returns, per file, what
         :meth:`open` returns for its new copy, or None where none could be made.  A failed
         request stops the others (``cancel`` is set) and is raised; no copy is named then.
+        ``dates``: url -> ``date`` as :meth:`open` takes it.
         """
+        dates = dates or {}
         started: list[tuple[int, _Copy, Ranges, Any]] = []
         for k, (url, etag, modified, header, raw, ranges) in enumerate(files):
-            copy = self._start(url, etag, modified, header, raw)
+            copy = self._start(url, etag, modified, header, raw, dates.get(url))
             if copy is not None:
                 started.append((k, copy, ranges, _mapping(copy)))
         tasks = iter([(copy, ranges, target, offset, min(chunk_bytes, copy.size - offset))
@@ -382,7 +413,8 @@ class Copies:
         for k, copy, _, _ in started:
             if copy.dest in done:
                 url, etag, modified, header, raw, _ = files[k]
-                out[k] = self.open(url, etag, modified, header, raw)
+                # just downloaded: this load reads it whatever its Last-Modified says
+                out[k] = self.open(url, etag, modified, header, raw, date=dates.get(url), fresh=True)
         return out
 
     def commit(self) -> list[str]:

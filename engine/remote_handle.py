@@ -68,6 +68,9 @@ class RemoteHandle:
         self._sink = sink_for(framework, device)
         self._torch = framework in ("pt", "torch")
         opened.ranged()  # a file's local copy (cache_dir) is read by positional reads
+        # a handle may read a tensor twice: a server that ignores Range streams each file
+        # once, and what the stream passes is kept
+        opened.reads.keep = True
         self._opened: RemoteParts | None = opened
         self._url = url
         self._where: dict[str, tuple[int, int]] = {}

@@ -125,9 +125,13 @@ def open_parts(
     shown = public_url(spath)  # what errors name: without a user:password part
     retry = retry or Retry()
     src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
-                       storage_options=storage_options, s3=s3, retry=retry)
+                       storage_options=storage_options, s3=s3, retry=retry, keep_bodies=True)
     workers = connections or DEFAULT_CONNECTIONS
-    info, wheres = checkpoint_info(src, max_header_size, max_shards, workers)
+    try:
+        info, wheres = checkpoint_info(src, max_header_size, max_shards, workers)
+    except BaseException:
+        src.close()
+        raise
     found = list(info.headers.values())
     reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                        sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
@@ -137,24 +141,26 @@ def open_parts(
         if cache_dir is not None:
             copies = Copies(cache_dir)
         wanted = []  # files to download: (their part's index, what Copies.fetch takes)
+        dates: dict[str, str | None] = {}  # when the server answered each file's header
         for w, h in zip(wheres, found, strict=True):
             shown_w, ranges = src.display(w), src.ranges(w, h, reads)
             if copies is None:
                 parts.append(Part(-1, h, [], shown_w, ranges))
                 continue
             version = (src.etags.get(w), src.last_modified.get(w), h, src.raw_headers.get(w))
-            local = copies.open(shown_w, *version)
+            date = dates[shown_w] = src.dates.get(w)
+            local = copies.open(shown_w, *version, date=date)
             if local is not None:
                 parts.append(Part(local[0], h, [], local[1]))
             elif download:
                 wanted.append((len(parts), (shown_w, *version, ranges)))
                 parts.append(Part(-1, h, [], shown_w, ranges))
             else:
-                parts.append(Part(-1, h, [], shown_w, copies.wrap(shown_w, *version, ranges)))
+                parts.append(Part(-1, h, [], shown_w, copies.wrap(shown_w, *version, ranges, date=date)))
         if wanted:
             assert copies is not None
             got = copies.fetch([f for _, f in wanted], threads=workers, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                               cancel=reads.cancel)
+                               cancel=reads.cancel, dates=dates)
             for (i, _), local in zip(wanted, got, strict=True):
                 if local is not None:
                     parts[i] = Part(local[0], parts[i].header, [], local[1])
@@ -163,6 +169,8 @@ def open_parts(
         if copies is not None:
             copies.close()
         raise
+    finally:
+        src.close()  # the whole-file answers of files read from their copies
     return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies)
 
 

@@ -19,12 +19,19 @@ connection, GIL released): no growing ``bytes``, no staging buffer on the host.
   416) fails at once.  Every request after the header carries ``If-Match`` with the ETag
   seen when the header was read, so a file replaced during the load is a ``FileChanged``
   error, never a mix of two files.
+* **Servers that ignore Range** (``python -m http.server``) answer a ranged GET with the
+  whole file (200).  The first such answer of a file (or the header's, handed over by
+  :meth:`RangeReads.adopt`) becomes that file's one stream: every later range of the file is
+  served from it, in file order, and no second whole-file request is made (unless the
+  stream breaks, or a handle reads again bytes it did not keep); a
+  :class:`~engine.errors.RangeIgnoredWarning` says so once per file.
 * **Errors** name the URL (without any user:password part), the byte range and the reason;
   no request header, so no credential, appears in one.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import http.client
 import os
@@ -32,11 +39,13 @@ import random
 import re
 import socket
 import ssl
+import tempfile
 import threading
 import time
 import urllib.parse
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ._http import (
     REDIRECTS,
@@ -51,7 +60,7 @@ from ._http import (
     redirect,
     status_error,
 )
-from .errors import SafetensorError
+from .errors import Cancelled, RangeIgnoredWarning, SafetensorError
 
 __all__ = ["RangeReads", "RemoteFile", "Retry", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT", "public_url", "read_runs",
            "skip_views", "transient"]
@@ -132,6 +141,260 @@ class _Failed(Exception):
         self.transient = transient
 
 
+class _Streamed(Exception):
+    """A ranged GET was answered with the whole file: :meth:`RangeReads.adopt` made the
+    answer the file's stream, which serves the request instead."""
+
+
+class _Stream:
+    """The one whole-file answer (200) of a file whose server ignores Range, serving every
+    range of the file that the load asks for.
+
+    Requests come from several threads in any order, the body in file order: the lowest
+    waiting request goes next.  The body up to its offset goes into a temporary file (a
+    slower thread asks for those bytes a moment later, or nobody does: a selection), its
+    own bytes straight into its views; with ``RangeReads.keep`` those too go into the
+    temporary file, so that a handle can read a tensor again.  A request for bytes the
+    stream has passed and not kept, or a stream that broke, opens a new answer from that
+    offset (``Range: bytes=N-``: what a server that ignores it sends again whole).
+
+    Each receive waits at most the load's ``timeout`` (30 s at a time); the stream as a
+    whole is as long as the file, so no deadline bounds it.
+
+    Copies of tensor bytes: 1 (socket to the views); a range passed before it was asked
+    for, 3 (socket to a buffer, to the temporary file's pages, to the views).
+    """
+
+    def __init__(self, reads: RangeReads, file: RemoteFile, conn: http.client.HTTPConnection,
+                 resp: http.client.HTTPResponse, pos: int) -> None:
+        self.reads = reads
+        self.file = file
+        self.name = file.name or public_url(file.url)
+        self.conn: http.client.HTTPConnection | None = conn
+        self.resp: http.client.HTTPResponse | None = resp
+        self.server = resp.getheader("Server") or ""
+        self.pos = pos  # file offset of the next byte of the body
+        self.cond = threading.Condition()
+        self.busy = False  # a thread is receiving from the body
+        self.waiting: list[int] = []  # offsets of the requests waiting for the body
+        self.spill: Any = None  # the temporary file, written at the file's own offsets
+        self.kept: list[tuple[int, int]] = []  # [start, end) ranges in it, ascending, merged
+        self.warned = False
+        #: whole-file answers this stream has received (1 unless it broke or went back)
+        self.answers = 1
+
+    # -- the requests' side ----------------------------------------------------------------
+
+    def read(self, offset: int, views: list[memoryview]) -> None:
+        want = sum(len(v) for v in views)
+        done = 0
+        with self.cond:
+            self._warn()
+            self.waiting.append(offset)
+            try:
+                while True:
+                    done += self._from_kept(offset + done, skip_views(views, done))
+                    if done >= want:
+                        return
+                    if not self.busy and min(self.waiting) == offset:
+                        self.busy = True
+                        break
+                    if self.reads.cancel.is_set():
+                        raise Cancelled("the load was stopped", reason="Cancelled", path=self.name)
+                    self.cond.wait(0.25)
+            finally:
+                self.waiting.remove(offset)
+        try:
+            self._receive(offset + done, skip_views(views, done))
+        finally:
+            with self.cond:
+                self.busy = False
+                self.cond.notify_all()
+
+    def _warn(self) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        host = urllib.parse.urlsplit(self.file.url).netloc.rpartition("@")[2]
+        server = f"the server at {host}" + (f" ({self.server})" if self.server else "")
+        warnings.warn(RangeIgnoredWarning(
+            f"{server} ignores Range requests: it answered a ranged GET of {self.name} with the whole "
+            f"file (HTTP 200), so that file is read as one stream of {self.file.size:,} bytes over one "
+            "connection instead of parallel ranges, and the bytes passed before they are asked for are "
+            "kept in a temporary file; a server that honours Range (nginx, S3) loads it in parallel"),
+            stacklevel=4)
+
+    def _from_kept(self, offset: int, views: list[memoryview]) -> int:
+        """Fill ``views`` from the temporary file as far as it holds the bytes from ``offset``."""
+        i = bisect.bisect_right(self.kept, (offset, 1 << 62)) - 1
+        if i < 0 or self.kept[i][1] <= offset:
+            return 0
+        n = min(self.kept[i][1] - offset, sum(len(v) for v in views))
+        got = 0
+        while got < n:
+            k = os.preadv(self.spill.fileno(), _limit(skip_views(views, got), n - got), offset + got)
+            if k <= 0:
+                raise read_error(f"the temporary copy of bytes from {offset} ended early", self.name, "ShortRead")
+            got += k
+        return n
+
+    # -- the owner's side (one thread at a time, the lock not held) -------------------------
+
+    def _receive(self, offset: int, views: list[memoryview]) -> None:
+        want = sum(len(v) for v in views)
+        retry = self.reads.retry
+        done = tries = 0
+        while done < want:
+            try:
+                if self.resp is None or offset + done < self.pos:
+                    self._reopen(offset + done)
+                self._skip_to(offset + done)
+                done += self._recv(skip_views(views, done))
+            except _Failed as failed:
+                self._hang_up()
+                done += failed.landed
+                if not failed.transient:
+                    raise failed.error from None
+                tries = 0 if failed.landed >= _PROGRESS else tries + 1
+                if tries >= retry.attempts:
+                    raise failed.error from None
+                with self.reads._lock:
+                    self.reads.retries += 1
+                if self.reads.cancel.wait(retry.delay(tries)):
+                    raise failed.error from None
+
+    def _reopen(self, offset: int) -> None:
+        """A new answer from ``offset`` (a server that ignores Range sends the whole file)."""
+        self._hang_up()
+        reads, file = self.reads, self.file
+        deadline = time.monotonic() + reads.timeout
+        conn, _, resp = reads._open(file, offset, None, deadline, self.name)
+        want = file.size - offset
+        try:
+            if resp.status not in (200, 206):
+                detail = error_code(error_body(resp))
+                err = status_error(self.name, resp, offset, detail=detail)
+                raise _Failed(err, 0, resp.status in _TRANSIENT_STATUS or detail in _TRANSIENT_S3)
+            etag = resp.getheader("ETag")
+            if file.etag and etag and etag != file.etag:
+                raise reads._fail(self.name, offset, want, "FileChanged",
+                                  f"the file changed since its header was read (ETag {file.etag}, now {etag})",
+                                  0, transient=False)
+            if resp.status == 206:
+                first, _, total = content_range(resp.getheader("Content-Range"))
+                if first != offset or (total is not None and total != file.size):
+                    raise reads._fail(self.name, offset, want, "BadRange",
+                                      f"asked for bytes from {offset}, the server sent "
+                                      f"{resp.getheader('Content-Range')}", 0, transient=False)
+                pos = offset
+            else:
+                length = resp.getheader("Content-Length")
+                if length is not None and length.strip().isdigit() and int(length) != file.size:
+                    raise reads._fail(self.name, offset, want, "FileChanged",
+                                      f"the file changed since its header was read ({file.size} bytes, now "
+                                      f"{length})", 0, transient=False)
+                pos = 0
+                self.answers += 1
+        except _Failed:
+            resp.close()
+            conn.close()
+            raise
+        self.conn, self.resp, self.pos = conn, resp, pos
+
+    def _skip_to(self, offset: int) -> None:
+        """Receive the body up to ``offset`` into the temporary file."""
+        scratch: memoryview | None = None
+        while self.pos < offset:
+            if scratch is None:
+                scratch = memoryview(bytearray(min(offset - self.pos, 1 << 20)))
+            piece = scratch[: min(offset - self.pos, len(scratch))]
+            self._recv([piece], keep=False)
+            self._keep(self.pos - len(piece), [piece])
+
+    def _recv(self, views: list[memoryview], keep: bool | None = None) -> int:
+        """Receive the next bytes of the body into ``views``; raises :class:`_Failed` (with
+        the bytes landed) when the body fails or ends early."""
+        resp, want = self.resp, sum(len(v) for v in views)
+        assert resp is not None and self.conn is not None
+        sock = self.conn.sock
+        landed = 0
+        for view in views:
+            got = 0
+            while got < len(view):
+                if sock is not None:
+                    sock.settimeout(min(_STALL_S, self.reads.timeout))
+                try:
+                    n = resp.readinto(view[got : got + _PIECE])
+                except (OSError, http.client.HTTPException) as exc:
+                    timed_out = isinstance(exc, (TimeoutError, socket.timeout))
+                    raise self.reads._fail(
+                        self.name, self.pos, want - landed - got, "Timeout" if timed_out else "ConnectionError",
+                        f"no byte of the body within {self.reads.timeout:g} s" if timed_out
+                        else f"the connection failed: {exc}", landed + got) from None
+                if not n:
+                    raise self.reads._fail(self.name, self.pos, want - landed - got, "ShortRead",
+                                           "the body ended early (truncated)", landed + got)
+                got += n
+                self.pos += n
+            landed += got
+        if self.reads.keep if keep is None else keep:
+            self._keep(self.pos - landed, views)
+        return landed
+
+    def _keep(self, offset: int, views: list[memoryview]) -> None:
+        """Write bytes that landed at ``offset`` into the temporary file (a full disk only
+        loses them: a later request for them opens a new answer)."""
+        try:
+            if self.spill is None:
+                self.spill = tempfile.TemporaryFile(prefix="engine-range-")
+            n = sum(len(v) for v in views)
+            done = 0
+            while done < n:
+                k = os.pwritev(self.spill.fileno(), skip_views(views, done), offset + done)
+                if k <= 0:
+                    return
+                done += k
+        except OSError:
+            return
+        with self.cond:
+            kept = self.kept
+            i = bisect.bisect_left(kept, (offset, 0))
+            kept.insert(i, (offset, offset + n))
+            merged: list[tuple[int, int]] = []
+            for a, b in kept:
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            self.kept = merged
+            self.cond.notify_all()  # a request waiting for these bytes reads them now
+
+    def _hang_up(self) -> None:
+        if self.resp is not None:
+            self.resp.close()
+        if self.conn is not None:
+            self.conn.close()
+        self.resp = self.conn = None
+
+    def close(self) -> None:
+        self._hang_up()
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+
+
+def _limit(views: list[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``views`` (back to back)."""
+    out = []
+    for v in views:
+        if n <= 0:
+            break
+        out.append(v[:n])
+        n -= len(out[-1])
+    return out
+
+
+
 class RangeReads:
     """The ranged reads of one load, shared by its worker threads.
 
@@ -165,6 +428,11 @@ class RangeReads:
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
         self._moved: dict[str, tuple[str, Mapping[str, str]]] = {}  # file URL -> (where it ended, headers)
+        #: the whole-file answers of servers that ignore Range, by file URL (see _Stream)
+        self._streams: dict[str, _Stream] = {}
+        #: keep every byte a whole-file stream passes, not only those passed before they are
+        #: asked for (a handle, which may read a tensor twice, sets it)
+        self.keep = False
         #: counters, for tests and benchmarks
         self.requests = 0
         self.retries = 0
@@ -197,10 +465,15 @@ class RangeReads:
             self._idle.setdefault((parts.scheme.lower(), parts.netloc), []).append(conn)
 
     def close(self) -> None:
-        """Close the idle connections (a connection in use is closed by its request)."""
+        """Close the idle connections (a connection in use is closed by its request) and
+        the whole-file streams."""
         with self._lock:
             conns = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.close()
         for c in conns:
             try:
                 c.close()
@@ -230,12 +503,18 @@ class RangeReads:
             )
         done, tries = 0, 0
         while True:
+            stream = self._streams.get(file.url)
+            if stream is not None:  # a server that ignores Range: this file's one answer
+                stream.read(offset + done, skip_views(views, done))
+                return
             try:
                 # a whole answer may be shorter than asked (a server that caps its ranges):
                 # the rest is asked for at once, with no backoff and no try counted
                 done += self._get(file, offset + done, skip_views(views, done))
                 if done >= want:
                     return
+                continue
+            except _Streamed:  # the answer was the whole file: it is now the file's stream
                 continue
             except _Failed as failed:
                 # a try that landed a MiB (or half of what was left) starts the count again; a
@@ -257,38 +536,12 @@ class RangeReads:
 
     def _get(self, file: RemoteFile, offset: int, views: list[memoryview]) -> int:
         """One try: a ranged GET of ``views``' bytes at ``offset``; returns the bytes landed
-        (fewer than asked when the server answers a shorter range), raises :class:`_Failed`."""
+        (fewer than asked when the server answers a shorter range), raises :class:`_Failed`,
+        or :class:`_Streamed` when the answer was the whole file (now the file's stream)."""
         want = sum(len(v) for v in views)
-        last = offset + want - 1
         name = file.name or public_url(file.url)
         deadline = time.monotonic() + self.timeout
-        with self._lock:
-            url, headers = self._moved.get(file.url, (file.url, file.headers if file.headers is not None
-                                                      else self.headers))
-            self.requests += 1
-        for _ in range(self.max_redirects + 1):
-            req = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers,
-                   "Range": f"bytes={offset}-{last}"}
-            if self.sign is not None:
-                req.update(self.sign(url))
-            if file.etag and not file.etag.startswith("W/"):
-                # If-Match compares strongly: a weak ETag (a CDN's, say) would never match;
-                # the answer's ETag is still compared below
-                req["If-Match"] = file.etag
-            conn, sock, resp = self._send(url, req, deadline, name, offset, want)
-            if resp.status in REDIRECTS:
-                location = resp.getheader("Location")
-                self._finish(url, conn, resp)
-                try:
-                    url, headers = redirect(name, url, headers, location)
-                except SafetensorError as err:
-                    raise _Failed(err, 0, False) from None
-                with self._lock:
-                    self._moved[file.url] = (url, headers)
-                continue
-            break
-        else:
-            raise _Failed(read_error(f"more than {self.max_redirects} redirects", name, "TooManyRedirects"), 0, False)
+        conn, sock, resp = self._open(file, offset, offset + want - 1, deadline, name)
         # every socket wait is limited to the time left, but a read that a trickling server
         # answers a byte at a time could still outlast the deadline: the watchdog shuts the
         # socket down when it passes, which wakes the read
@@ -299,10 +552,57 @@ class RangeReads:
         except _Failed:
             conn.close()
             raise
+        except _Streamed:
+            watchdog.cancel()
+            self.adopt(file, conn, resp, 0)
+            raise
         finally:
             watchdog.cancel()
-        self._finish(url, conn, resp)
+        self._finish(file.url, conn, resp)
         return landed
+
+    def _open(self, file: RemoteFile, offset: int, last: int | None, deadline: float, name: str):
+        """Send a GET of bytes ``offset..last`` (to the end when ``last`` is None), following
+        redirects: ``(connection, socket, response)`` with the answer's head read."""
+        want = file.size - offset if last is None else last - offset + 1
+        with self._lock:
+            url, headers = self._moved.get(file.url, (file.url, file.headers if file.headers is not None
+                                                      else self.headers))
+            self.requests += 1
+        for _ in range(self.max_redirects + 1):
+            req = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers,
+                   "Range": f"bytes={offset}-{'' if last is None else last}"}
+            if self.sign is not None:
+                req.update(self.sign(url))
+            if file.etag and not file.etag.startswith("W/"):
+                # If-Match compares strongly: a weak ETag (a CDN's, say) would never match;
+                # the answer's ETag is still compared below
+                req["If-Match"] = file.etag
+            conn, sock, resp = self._send(url, req, deadline, name, offset, want)
+            if resp.status not in REDIRECTS:
+                return conn, sock, resp
+            location = resp.getheader("Location")
+            self._finish(url, conn, resp)
+            try:
+                url, headers = redirect(name, url, headers, location)
+            except SafetensorError as err:
+                raise _Failed(err, 0, False) from None
+            with self._lock:
+                self._moved[file.url] = (url, headers)
+        raise _Failed(read_error(f"more than {self.max_redirects} redirects", name, "TooManyRedirects"), 0, False)
+
+    def adopt(self, file: RemoteFile, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
+              pos: int) -> None:
+        """Make ``resp``, a whole-file answer (200) of ``file`` read up to the file offset
+        ``pos``, the stream every later range of the file is served from (the header's
+        request hands its answer over so; a bulk read's 200 likewise).  A file that already
+        has its stream keeps it, and ``resp`` is hung up on."""
+        with self._lock:
+            if file.url not in self._streams:
+                self._streams[file.url] = _Stream(self, file, conn, resp, pos)
+                return
+        resp.close()
+        conn.close()
 
     def _send(self, url: str, req: dict, deadline: float, name: str, offset: int, want: int):
         """Send the request and read the answer's head: ``(connection, socket, response)``.
@@ -381,11 +681,7 @@ class RangeReads:
                 raise self._fail(name, offset, want, "FileChanged",
                                  f"the file changed since its header was read ({file.size} bytes, now {length})",
                                  0, transient=False)
-            try:
-                _skip_body(resp, offset, lambda: self._arm(sock, deadline, name, offset, want, 0))
-            except (OSError, http.client.HTTPException) as exc:
-                raise self._fail(name, offset, want, "ConnectionError", f"the connection failed: {exc}", 0) from None
-            send = want
+            raise _Streamed()
         landed = 0
         for view in views:
             if landed >= send:
@@ -416,8 +712,6 @@ class RangeReads:
                                      f"the body ended after {landed + got} of {send} bytes (truncated)", landed + got)
                 got += n
             landed += got
-        if resp.status == 200:
-            resp.close()  # a whole-file answer is never read to its end: hang up (see _finish)
         return landed
 
     def _arm(self, sock, deadline: float, name: str, offset: int, want: int, landed: int) -> None:
@@ -455,16 +749,6 @@ def _discard(resp: http.client.HTTPResponse) -> None:
             resp.close()
     except (OSError, http.client.HTTPException):
         resp.close()
-
-
-def _skip_body(resp: http.client.HTTPResponse, n: int, arm: Callable[[], None]) -> None:
-    scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
-    while n:
-        arm()
-        got = resp.readinto(scratch[: min(n, len(scratch))])
-        if not got:
-            raise ConnectionError("the body ended early")
-        n -= got
 
 
 def read_runs(read: Callable[[int, Sequence[memoryview]], None], dst: memoryview, src, run_bytes: int, base: int,

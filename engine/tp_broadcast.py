@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from ._files import is_url
 from .errors import ShardingError
 from .opener import is_checkpoint_path
 from .sharding_plan import Replicate, shard_index, shard_shape
@@ -36,7 +37,7 @@ def _node_group(world_size: int, process_group):
     return mine
 
 
-def load_broadcast(path, plan, rank, world_size, process_group, device, names):
+def load_broadcast(path, plan, rank, world_size, process_group, device, names, remote=None):
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -47,10 +48,10 @@ def load_broadcast(path, plan, rank, world_size, process_group, device, names):
     comm_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     # collectives move raw bytes (uint8): see _bytes_of
     out: dict[str, torch.Tensor] = {}
-    handle = open_torch(path, "pread") if dist.get_rank() == reader else None
+    handle = open_torch(path, "pread", remote) if dist.get_rank() == reader else None
     try:
         # every rank walks the same tensors in the same order; the reader reuses its open handle
-        keys, shapes, dtype_of = _catalogue(handle if handle is not None else path)
+        keys, shapes, dtype_of = _catalogue(handle if handle is not None else path, remote)
         for name in keys:
             if names is not None and not names(name):
                 continue
@@ -77,20 +78,20 @@ def load_broadcast(path, plan, rank, world_size, process_group, device, names):
     return out
 
 
-def _catalogue(source):
+def _catalogue(source, remote=None):
     """(names in file order, name -> shape, name -> torch dtype) of a path or an open handle."""
     from . import dtypes
 
     opened = None
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if not is_checkpoint_path(path):
+        if not is_url(path) and not is_checkpoint_path(path):
             from .header import read_header
 
             header = read_header(path)
             keys = header.offset_keys()
             return keys, {k: header[k].shape for k in keys}, {k: dtypes.torch_dtype(header[k].code) for k in keys}
-        source = opened = open_torch(path, "mmap")
+        source = opened = open_torch(path, "mmap", remote)
     try:
         keys = source.offset_keys()
         slices = {k: source.get_slice(k) for k in keys}

@@ -31,11 +31,17 @@ def load_remote_direct(url: str, plan: ShardingPlan, rank: int, world_size: int,
                        names=None, connections: int | None = None, **remote) -> dict:
     """This rank's shards of every tensor at ``url`` (a file, an index or a prefix).
 
+    ``remote`` takes the options of :func:`engine.remote_load.open_parts` (``headers``,
+    ``timeout``, ``retry``, ``s3``, ``cache_dir`` ...).  With ``cache_dir``, a file whose
+    current copy is there is read from it; a file this rank receives whole (a world of one,
+    or a plan that replicates it) gets its copy once the load succeeded.
+
     Copies of tensor bytes: 1 on the CPU (socket to the shard), plus the host-to-device copy
     for a device (file by file, so host memory holds one file's shards at most).
     """
     out: dict = {}
     with open_parts(url, connections=connections, **remote) as opened:
+        opened.ranged()  # a file's local copy (cache_dir) is read by positional reads
         handle = None
         for part in opened.parts:
             outputs, jobs, slow = direct_jobs(part.header, plan, rank, world_size, names, "spans")
@@ -49,4 +55,5 @@ def load_remote_direct(url: str, plan: ShardingPlan, rank: int, world_size: int,
             order = {n: i for i, n in enumerate(part.header.offset_keys())}
             for name, tensor in sorted(outputs.items(), key=lambda kv: order[kv[0]]):
                 out[name] = tensor if str(device) == "cpu" else tensor.to(device)
+        opened.commit()  # the copies of the files this rank received whole (cache_dir)
     return out

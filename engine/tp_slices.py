@@ -26,11 +26,12 @@ def pad(t: torch.Tensor, dim: int, to: int | None) -> torch.Tensor:
     return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim=dim)
 
 
-def open_torch(path, backend: str):
-    """A file or a whole checkpoint, torch framework (see :mod:`engine.opener`)."""
+def open_torch(path, backend: str, remote=None):
+    """A file or a whole checkpoint, torch framework (see :mod:`engine.opener`); ``remote``,
+    a URL's options (headers, timeout, cache_dir ...)."""
     from .opener import safe_open
 
-    return safe_open(os.fspath(path), framework="pt", backend=backend)
+    return safe_open(os.fspath(path), framework="pt", backend=backend, **(remote or {}))
 
 
 def shard_of(f, name: str, action, rank: int, world_size: int) -> torch.Tensor:

@@ -7,6 +7,10 @@
   a directory at another path, so that reads of its files cross the kernel's FUSE protocol
   to a daemon, as on gcsfuse, s3fs, blobfuse or JuiceFS (``/proc/self/mountinfo`` names it
   ``fuse``).
+* :class:`StdlibHTTP`: the standard library's ``http.server`` (``python -m http.server``):
+  it ignores Range (every GET is 200 with the whole file), sends ``Last-Modified`` and no
+  ETag, redirects a folder without its slash and lists folders as HTML.  It counts the
+  bytes it sends.
 * :class:`MotoS3`: moto's S3 server (``moto.server.ThreadedMotoServer``) for S3 semantics:
   SigV4, errors, listing.  With ``auth=True`` it checks signatures against the access keys
   it issued (IAM), so a wrong secret is refused as by AWS.
@@ -162,6 +166,80 @@ def self_signed(folder: str) -> tuple[str, str]:
         f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption()))
     return cert_path, key_path
+
+
+class StdlibHTTP:
+    """``http.server.SimpleHTTPRequestHandler`` serving ``root`` on 127.0.0.1 in a thread,
+    unchanged but for counting: ``gets`` (request paths) and ``sent`` (bytes its socket
+    accepted, headers included, per path)."""
+
+    def __init__(self, root: str) -> None:
+        import functools
+        import http.server
+        import threading
+
+        counts = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # keep test output clean
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                raw = self.wfile
+
+                class Counting:
+                    def write(self, data) -> int:
+                        n = raw.write(data)
+                        with counts.lock:
+                            counts.sent[counts.current.get(threading.get_ident(), "")] = (
+                                counts.sent.get(counts.current.get(threading.get_ident(), ""), 0) + len(data))
+                        return n
+
+                    def __getattr__(self, name):
+                        return getattr(raw, name)
+
+                self.wfile = Counting()
+
+            def do_GET(self) -> None:
+                with counts.lock:
+                    counts.gets.append(self.path)
+                    counts.current[threading.get_ident()] = self.path
+                try:
+                    super().do_GET()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client hung up: what it cost is counted
+
+        self.lock = threading.Lock()
+        self.gets: list[str] = []
+        self.sent: dict[str, int] = {}
+        self.current: dict[int, str] = {}
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=root))
+        self.httpd.daemon_threads = True
+        # a short poll: stop() waits for the loop to see it
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{path}"
+
+    def reset(self) -> None:
+        with self.lock:
+            self.gets.clear()
+            self.sent.clear()
+
+    def start(self) -> StdlibHTTP:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> StdlibHTTP:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def moto_available() -> bool:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +14,8 @@ import numpy as np
 import pytest
 
 import engine.numpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's engine first
 
 
 def run(*args, check=False):
@@ -58,17 +63,56 @@ def test_broken_file_is_one_line_and_nonzero_exit(tmp_path):
 def test_missing_file(tmp_path):
     out = run("inspect", str(tmp_path / "nope.safetensors"))
     assert out.returncode == 2 and "Traceback" not in out.stderr and "nope.safetensors" in out.stderr
+    # the reason tag every error carries, not the operating system's "[Errno 2]"
+    assert out.stderr.rstrip().endswith("No such file or directory [NotFound]") and "Errno" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "stats", "validate", "quantize", "convert", "bench"])
+def test_every_error_line_ends_with_its_reason_tag(tmp_path, capsys, command):
+    """A missing input and an input that is a directory: each command's one line ends
+    with a [Reason] tag."""
+    for src, tag in ((tmp_path / "missing.safetensors", "[NotFound]"), (tmp_path / "folder.bin", None)):
+        if tag is None:
+            src.mkdir()
+        extra = [str(tmp_path / "out.safetensors")] if command in ("quantize", "convert") else []
+        code, _, err = in_process(capsys, command, str(src), *extra)
+        assert code == 2 and err.count("\n") == 1, err
+        assert re.search(r" \[[A-Za-z]+\]$", err.rstrip()), err
+        assert "Errno" not in err and (tag is None or err.rstrip().endswith(tag)), err
+
+
+def test_error_line_tags_operating_system_errors():
+    from engine._cli_output import UsageError, error_line
+    from engine.errors import SafetensorError
+
+    assert error_line(PermissionError(errno.EACCES, "Permission denied", "/m.safetensors")) == (
+        "/m.safetensors: Permission denied [PermissionDenied]")
+    assert error_line(OSError(errno.EIO, "Input/output error")) == "Input/output error [EIO]"
+    assert error_line(UsageError("--runs must be positive")) == "--runs must be positive [Usage]"
+    assert error_line(SafetensorError("bad", reason="Bad", path="/x")) == "/x: bad [Bad]"
+    assert error_line(SafetensorError("no reason given")) == "no reason given [SafetensorError]"
+
+
+def test_convert_checks_its_arguments_before_importing_torch(tmp_path):
+    """A missing or wrong input is refused without the seconds torch's import takes."""
+    (tmp_path / "text.bin").write_text("not a checkpoint")
+    for src in ("missing.bin", "text.bin"):
+        code = ("import sys; from engine.cli import main; "
+                f"rc = main(['convert', {str(tmp_path / src)!r}, {str(tmp_path / 'out.safetensors')!r}]); "
+                "print(rc, 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
 
 
 # --------------------------------------------------------------------------- checkpoints, URLs
 
-import os  # noqa: E402
 import shutil  # noqa: E402
 
 from engine.checkpoint import save_sharded  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
+from servers import StdlibHTTP  # noqa: E402
 
 
 def table(stdout: str) -> str:
@@ -98,6 +142,17 @@ def test_inspect_same_table_for_file_directory_and_url(checkpoints):
     ]
     assert outs[0] == outs[1] == outs[2]
     assert "embed" in outs[0] and "I64" in outs[0] and "[10, 4]" in outs[0] and "0..320" in outs[0]
+
+
+@pytest.mark.parametrize("where", ["single", "sharded"])
+def test_inspect_of_a_folder_url_without_its_slash(checkpoints, capsys, where):
+    """http.server redirects /single to /single/: the URL names that folder (it used to
+    fail: "the server sent an HTML page ... [NotSafetensors]")."""
+    root, _, _ = checkpoints
+    with StdlibHTTP(str(root)) as srv:
+        code, out, err = in_process(capsys, "inspect", srv.url(where), "--timeout", "5")
+    assert code == 0 and err == ""
+    assert out == run("inspect", str(root / where), check=True).stdout
 
 
 def test_inspect_same_table_for_directory_index_and_url(checkpoints):

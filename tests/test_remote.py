@@ -19,6 +19,7 @@ from engine.remote import RemoteFileNotFoundError, get_tensor, read_metadata
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
+from servers import Nginx, StdlibHTTP, nginx_or_skip  # noqa: E402
 
 TIMEOUT = 5.0  # bounded: nothing in this module waits longer
 
@@ -451,3 +452,50 @@ def test_connect_timeout_names_the_phase():
         for c in fillers:
             c.close()
         s.close()
+
+
+# --------------------------------------------------------------------------- a folder named without its slash
+
+
+@pytest.fixture(scope="module")
+def folders(www, tmp_path_factory):
+    root = tmp_path_factory.mktemp("folders")
+    sd = tensors()
+    (root / "single").mkdir()
+    engine.numpy.save_file(sd, root / "single" / "model.safetensors")
+    save_sharded(sd, root / "sharded", max_shard_size="3KB")
+    (root / "empty").mkdir()
+    return root, sd
+
+
+@pytest.mark.parametrize("where", ["single", "sharded", ""])
+@pytest.mark.filterwarnings("ignore::engine.errors.RangeIgnoredWarning")
+def test_a_folder_without_its_slash_is_read_as_the_folder(folders, where):
+    """http.server redirects /single to /single/ and lists a folder (the bare host) as HTML:
+    either way the URL is read as the folder it names."""
+    root, sd = folders
+    with StdlibHTTP(str(root if where else root / "single")) as srv:
+        url = srv.url(where).rstrip("/")
+        info = read_metadata(url, timeout=TIMEOUT)
+        assert sorted(info.keys()) == sorted(sd)
+        np.testing.assert_array_equal(engine.numpy.load_file(url)["layers.1.w"], sd["layers.1.w"])
+
+
+def test_a_folder_without_its_slash_behind_nginx(folders):
+    """nginx redirects /single to /single/ and forbids listing it (403): still the folder."""
+    root, sd = folders
+    nginx_or_skip()
+    with Nginx(str(root)) as srv:
+        info = read_metadata(srv.url("sharded"), timeout=TIMEOUT)
+        assert sorted(info.keys()) == sorted(sd) and len(info.shards) >= 3
+
+
+def test_a_folder_without_its_slash_that_holds_no_checkpoint_says_to_add_the_slash(folders):
+    root, _ = folders
+    with StdlibHTTP(str(root)) as srv:
+        with pytest.raises(RemoteFileNotFoundError) as err:
+            read_metadata(srv.url("empty"), timeout=TIMEOUT)
+        assert err.value.path == srv.url("empty") and "trailing '/'" in str(err.value)
+        assert "model.safetensors.index.json" in str(err.value)
+        with pytest.raises(RemoteFileNotFoundError):  # a missing name is still just missing
+            read_metadata(srv.url("nope"), timeout=TIMEOUT)

@@ -5,6 +5,7 @@ path-style S3)."""
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import errno
 import json
 import os
@@ -29,7 +30,7 @@ from engine.remote_reads import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
-from servers import Nginx, nginx_or_skip  # noqa: E402
+from servers import Nginx, StdlibHTTP, nginx_or_skip  # noqa: E402
 from torch_models import assert_same, llama, raw  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
@@ -115,8 +116,10 @@ def test_a_first_load_writes_byte_equal_copies_and_the_next_reads_them(tree, ser
     for name, path in _copies(d).items():
         side = json.loads(open(path + ".json").read())
         url = server.url(f"{where.split('/')[0]}/{name}")
+        fetched = side.pop("fetched")  # the Date of the header's answer
         assert side == {"url": url, "etag": server.etag(str(root / where.split("/")[0] / name)),
                         "size": len(served[name])}
+        assert email.utils.parsedate_to_datetime(fetched).tzinfo is not None
         assert remote_cache.entry_path(str(d), url, side["etag"], None, side["size"]) == path
     # the next load asks for the headers only, and reads the copies
     before = sorted(os.listdir(d))
@@ -252,6 +255,7 @@ def test_without_an_etag_last_modified_and_size_tell_versions_apart(tree, server
     path = root / "single/model.safetensors"
     url = server.url("single/model.safetensors")
     server.etags, server.last_modified = False, True
+    _touch_later(path, -10)  # changed seconds before the copy is made: a copy to trust
     assert_same(engine.torch.load_file(url, cache_dir=d), sd)
     ((name, copy),) = _copies(d).items()
     side = json.loads(open(copy + ".json").read())
@@ -271,6 +275,45 @@ def test_without_an_etag_last_modified_and_size_tell_versions_apart(tree, server
     engine.torch.load_file(url, cache_dir=d)
     ((_, copy),) = _copies(d).items()
     assert json.loads(open(copy + ".json").read())["etag"].startswith("W/")
+
+
+@pytest.mark.filterwarnings("ignore::engine.errors.RangeIgnoredWarning")
+def test_a_change_within_the_second_of_a_copy_is_seen(tmp_path):
+    """http.server tells versions apart by Last-Modified alone (no ETag).  A file written,
+    loaded (its copy made) and rewritten under the same size, header and second: the next
+    load must see the new bytes, not the copy.  Once that second is over, a copy is read."""
+    www, d = tmp_path / "www", tmp_path / "cache"
+    www.mkdir()
+    path = www / "m.safetensors"
+    rng = np.random.default_rng(5)
+    old, new = ({"w": rng.standard_normal((64, 64)).astype(np.float32)} for _ in range(2))
+    with StdlibHTTP(str(www)) as srv:
+        url = srv.url("m.safetensors")
+        for _ in range(5):
+            time.sleep(1.01 - time.time() % 1)  # at the start of a second: all of it fits in that second
+            second = int(time.time())
+            engine.numpy.save_file(old, str(path))
+            os.utime(path, (second, second))
+            first = engine.numpy.load_file(url, cache_dir=d)
+            engine.numpy.save_file(new, str(path))  # the same header, other bytes
+            os.utime(path, (second, second))
+            if int(time.time()) == second:
+                break
+            shutil.rmtree(d)
+        else:
+            pytest.skip("a load did not fit within one second five times")
+        assert np.array_equal(first["w"], old["w"]) and len(_copies(d)) == 1
+        assert np.array_equal(engine.numpy.load_file(url, cache_dir=d)["w"], new["w"])
+        # a copy made in a later second than its Last-Modified is read
+        time.sleep(1.01 - time.time() % 1)
+        engine.numpy.load_file(url, cache_dir=d)
+        ((_, copy),) = _copies(d).items()
+        made = os.stat(copy).st_ino
+        side = json.loads(open(copy + ".json").read())
+        assert email.utils.parsedate_to_datetime(side["fetched"]) > email.utils.parsedate_to_datetime(
+            side["last_modified"])
+        assert np.array_equal(engine.numpy.load_file(url, cache_dir=d)["w"], new["w"])
+        assert os.stat(copy).st_ino == made  # read, not written again
 
 
 def test_no_copy_without_a_strong_etag_or_last_modified(tree, server, tmp_path):

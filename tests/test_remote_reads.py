@@ -1,5 +1,6 @@
 """engine.remote_reads against a real HTTP server on localhost (tests/rangeserver.py) that
-keeps connections alive, sends ETags and fails chosen requests on purpose."""
+keeps connections alive, sends ETags and fails chosen requests on purpose, and against the
+standard library's http.server, which ignores Range."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 import numpy as np
 import pytest
 
-from engine.errors import ReadError, RemoteFileNotFoundError
+from engine.errors import RangeIgnoredWarning, ReadError, RemoteFileNotFoundError
 from engine.numpy import save_file
 from engine.remote_reads import RangeReads, RemoteFile, Retry, public_url
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
+from servers import StdlibHTTP  # noqa: E402
 
 FAST = Retry(attempts=3, base=0.001, cap=0.01)
 
@@ -345,3 +348,100 @@ def test_read_runs_groups_neighbours_and_drops_the_gaps():
     calls.clear()
     read_runs(fake_read, memoryview(bytearray(50)), src, 10, 7, max_gap=1000, max_span=150)
     assert [c[0] for c in calls] == [7, 207, 5007]
+
+
+# -- servers that ignore Range: one whole-file answer per file ------------------------------------
+def test_a_whole_file_answer_serves_every_range_of_the_file_in_any_order(served, server):
+    """The first 200 becomes the file's stream: threads asking in any order get their bytes
+    from it (those passed before they were asked for from the temporary file), with no
+    second whole-file request."""
+    _, data, start = served
+    server.modes["*"] = "ignore-range"
+    file = remote(server, data)
+    reads = RangeReads(connections=4, retry=FAST)
+    size = (len(data) - start) // 16
+    out = bytearray(16 * size)
+    order = [15, 3, 0, 7, 1, 2, 14, 4, 5, 13, 8, 9, 12, 10, 11]  # late ones first
+
+    def work(i):
+        for k in order[i::4]:
+            reads.read(file, start + k * size, [memoryview(out)[k * size : (k + 1) * size]])
+
+    with pytest.warns(RangeIgnoredWarning, match="ignores Range") as warned:
+        # one read first (requests sent together before any answer each get the whole
+        # file, and all but one are hung up on at once), then the rest from four threads
+        reads.read(file, start + 6 * size, [memoryview(out)[6 * size : 7 * size]])
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # bytes the stream received into a read's views are not kept: asked again, they
+        # cost a new answer; those it passed before they were asked for are kept
+        again = start + 6 * size + 5
+        got = read(reads, file, again, 100)
+    reads.close()
+    assert bytes(out) == data[start : start + 16 * size] and got == data[again : again + 100]
+    assert len(warned) == 1
+    gets = [r for r in server.requests if r["method"] == "GET"]
+    assert len(gets) == 2  # the stream, and the one read of bytes it had passed
+
+
+def test_a_load_from_http_server_is_one_transfer_of_the_file_and_one_warning(tmp_path):
+    """The standard library's http.server answers every ranged GET with the whole file: a
+    load of a file that needs many ranges costs one GET and about the file's bytes (the
+    header's request goes on into the tensors), and warns once, naming the server."""
+    import engine.numpy
+
+    rng = np.random.default_rng(3)
+    sd = {f"w{i:02d}": rng.standard_normal(60_000).astype(np.float32) for i in range(24)}
+    path = tmp_path / "m.safetensors"
+    save_file(sd, str(path))
+    size = path.stat().st_size  # 5.8 MB: 23 ranges of 256 KiB
+    with StdlibHTTP(str(tmp_path)) as srv, pytest.warns(RangeIgnoredWarning) as warned:
+        got = engine.numpy.load_file(srv.url("m.safetensors"), chunk_bytes=256 << 10, connections=4)
+    assert all(np.array_equal(got[k], sd[k]) for k in sd)
+    sent = sum(srv.sent.values())
+    assert srv.gets == ["/m.safetensors"] and sent <= 1.05 * size, (srv.gets, sent, size)
+    assert len(warned) == 1 and "SimpleHTTP" in str(warned[0].message) and "m.safetensors" in str(warned[0].message)
+
+
+@pytest.mark.parametrize("entry", ["stream", "load_into", "safe_open", "get_tensor", "tensor_parallel", "cache_dir"])
+def test_every_entry_point_makes_one_whole_file_request_per_file(tmp_path, entry):
+    import engine
+    import engine.remote
+
+    rng = np.random.default_rng(4)
+    sd = {f"w{i:02d}": rng.standard_normal((40, 1000)).astype(np.float32) for i in range(12)}
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    size = (tmp_path / "m.safetensors").stat().st_size
+    with StdlibHTTP(str(tmp_path)) as srv, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RangeIgnoredWarning)
+        url = srv.url("m.safetensors")
+        if entry == "stream":  # a selection: the bytes between are passed, not requested
+            got = dict(engine.stream(url, framework="np", names=["w09", "w02", "w05"], chunk_bytes=64 << 10))
+            assert sorted(got) == ["w02", "w05", "w09"] and all(np.array_equal(got[k], sd[k]) for k in got)
+        elif entry == "load_into":
+            dst = {k: np.zeros_like(v) for k, v in sd.items()}
+            engine.load_into(url, dst, chunk_bytes=64 << 10)
+            assert all(np.array_equal(dst[k], sd[k]) for k in sd)
+        elif entry == "safe_open":  # backwards, and twice: a handle keeps what the stream passed
+            with engine.safe_open(url, framework="np") as f:
+                for k in sorted(sd, reverse=True) + ["w11", "w00"]:
+                    assert np.array_equal(f.get_tensor(k), sd[k])
+                assert np.array_equal(f.get_slice("w03")[2:5], sd["w03"][2:5])
+        elif entry == "get_tensor":
+            assert np.array_equal(engine.remote.get_tensor(url, "w07"), sd["w07"])
+        elif entry == "tensor_parallel":
+            from engine.distributed import ShardingPlan, Split, load_tensor_parallel
+
+            out = load_tensor_parallel(url, ShardingPlan([("*", Split(-1))]), rank=1, world_size=2)
+            assert all(np.array_equal(out[k].numpy(), sd[k][:, 500:]) for k in sd)
+        else:  # a first load writes the copy, a second reads it
+            for _ in range(2):
+                got = engine.numpy.load_file(url, cache_dir=str(tmp_path / "cache"), chunk_bytes=64 << 10)
+                assert all(np.array_equal(got[k], sd[k]) for k in sd)
+                assert len(srv.gets) == 1 and sum(srv.sent.values()) <= 1.05 * size
+                srv.reset()
+            return
+    assert len(srv.gets) == 1 and sum(srv.sent.values()) <= 1.05 * size, (srv.gets, srv.sent, size)

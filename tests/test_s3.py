@@ -194,3 +194,23 @@ def test_a_prefix_without_an_index_loads_every_file_right_under_it(files, moto, 
     with open_parts(f"s3://{BUCKET}/llama/") as opened:  # an index is preferred to the listing
         assert [p.path for p in opened.parts] == sorted(f"s3://{BUCKET}/{k}" for k in files[0]
                                                          if k.startswith("llama/") and k.endswith(".safetensors"))
+
+
+def test_a_prefix_listed_over_several_pages_finds_the_shards_on_the_last(files, moto, monkeypatch):
+    """1,000 other keys sort before the shards under paged/: the listing's first page (1,000
+    keys) holds none of them, so the load needs the continuation token (also for a prefix
+    named without its slash)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    aws_env(monkeypatch, moto.endpoint, "testing", "testing")
+    client = moto.client("s3")
+    shards = {k.removeprefix("noindex/"): v for k, v in files[0].items() if k.startswith("noindex/") and k.count("/") == 1}
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: client.put_object(Bucket=BUCKET, Key=f"paged/a-{i:04d}.txt", Body=b"x"), range(1000)))
+    for name, body in shards.items():
+        client.put_object(Bucket=BUCKET, Key=f"paged/{name}", Body=body)
+    from engine.remote_load import open_parts
+
+    with open_parts(f"s3://{BUCKET}/paged/") as opened:
+        assert [p.path for p in opened.parts] == sorted(f"s3://{BUCKET}/paged/{n}" for n in shards)
+    assert_same(engine.torch.load_file(f"s3://{BUCKET}/paged"), files[1])
