@@ -627,21 +627,6 @@ cdef class ChunkRing:
         """Whether the runtime refused to page-lock a chunk (copies then run at pageable speed)."""
         return self.st != NULL and self.st.locked_refused != 0
 
-    @property
-    def waits(self) -> tuple:
-        """Seconds of the last run: copy threads waiting for a slot (summed), the issuing
-        thread waiting for a fill."""
-        return (self.st.wait_slot, self.st.wait_fill) if self.st != NULL else (0.0, 0.0)
-
-    @property
-    def sources(self) -> list:
-        """Bytes each copy thread took with ``pread`` and out of the mapping, over the ring's
-        life; the last entry is the issuing thread's (the one-chunk runs it filled itself)."""
-        cdef int k
-        if self.st == NULL:
-            return []
-        return [(self.st.choices[k].nbytes[0], self.st.choices[k].nbytes[1]) for k in range(self.nthreads + 1)]
-
     def run(self, const int32_t[::1] c_file, const int64_t[::1] c_seg, const int64_t[::1] s_pos,
             const int64_t[::1] s_off, const int64_t[::1] s_len, const uint64_t[::1] s_dst,
             const int32_t[::1] fds, const uint64_t[::1] maps, const int64_t[::1] map_lens,

@@ -131,7 +131,6 @@ class _Closer:
         self.thread: threading.Thread | None = None
 
     def close(self, mappings) -> None:
-        mappings = [m for m in mappings if m is not None]
         if not mappings:
             return
         with self.cond:
@@ -179,7 +178,8 @@ class LoadRecord:
         The ring's geometry; ``threads`` is the copy threads this load woke (0: the calling
         thread filled its one chunk itself).
     seconds : float
-        The ring's run, from the first fill to the last copy completed.
+        The whole load: planning, mapping, waiting for the ring, its run to the last copy
+        completed.
     fill_wait_s : float
         Time the issuing thread waited for copy threads to fill the next chunk (high: the
         host side is the bottleneck, more threads or a faster source help).
@@ -190,8 +190,9 @@ class LoadRecord:
         Time spent filling chunks, summed over threads.
     lock_s, lock_calls : float, int
         Page-locking done during this load (0 for a ring set up before it).
-    cold : bool
-        The ring was set up by this load (a process's first load, unless prepared).
+    cold, setup_s : bool, float
+        The ring was not ready when this load asked for it (a process's first load, unless
+        :func:`prepare` finished before it), and the seconds the load waited for its set-up.
     source, unmap : str
         :func:`engine.reader.copy_source` and :func:`unmap_mode` of the load.
     pread_bytes, mmap_bytes : int
@@ -212,6 +213,7 @@ class LoadRecord:
     lock_s: float
     lock_calls: int
     cold: bool
+    setup_s: float
     source: str
     unmap: str
     pread_bytes: int
@@ -323,11 +325,15 @@ class _Kept:
         self.reaper: threading.Thread | None = None
 
     def take(self, key):
+        """``(ring or None, waited)``: the ring kept for ``key``, and whether it was still
+        being prepared when asked for (the load then waited for its set-up)."""
+        waited = False
         with self.cond:
             while key in self.rings and self.rings[key][0] is None:  # being prepared
+                waited = True
                 self.cond.wait()
             entry = self.rings.pop(key, None)
-        return entry[0] if entry is not None else None
+        return (entry[0] if entry is not None else None), waited
 
     def pending(self, key) -> bool:
         """Mark ``key`` as being prepared (False when a ring is kept or pending for it)."""
@@ -631,23 +637,23 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     lens = np.zeros(len(sources), np.int64)
     keeps = np.zeros(len(sources), np.uint8)
     key = _ring_key(ops, g)
-    ring = KEPT.take(key)
-    cold = ring is None
+    t_ring = time.perf_counter()
+    ring, cold = KEPT.take(key)
     try:
+        if ring is None:
+            ring, cold = _new_ring(ops, g), True
+        setup_s = time.perf_counter() - t_ring
         for i in used:
             fds[i] = sources[i].fd
-            held = getattr(sources[i], "mapping", None)
-            m = held if held is not None and source != "pread" else None
-            if m is None and held is None:
+            m = sources[i].mapping  # the caller's, held beyond the load
+            if m is None:
                 m = mappings[i] = copy_mapping(sources[i].fd)
             if m is not None:
                 # the only views of the mapping: cleared before it is closed
                 arrays.append(np.frombuffer(m, np.uint8))
                 maps[i] = arrays[-1].ctypes.data if len(arrays[-1]) else 0
                 lens[i] = len(arrays[-1])
-                keeps[i] = held is not None or unmap == "end" or kept(m)
-        if ring is None:
-            ring = _new_ring(ops, g)
+                keeps[i] = i not in mappings or unmap == "end" or kept(m)
 
         def poll(done: int) -> bool:
             landing.upto(done)
@@ -661,18 +667,17 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             chunks=int(run["chunks"]), bytes=int(s_len.sum()), chunk_bytes=ring.chunk_bytes, slots=ring.chunks,
             threads=int(run["threads"]), seconds=time.perf_counter() - t_start, fill_wait_s=run["fill_wait_s"],
             slot_wait_s=run["slot_wait_s"], fill_s=run["fill_s"], lock_s=run["lock_s"],
-            lock_calls=int(run["lock_calls"]), cold=cold, source=source, unmap=unmap,
+            lock_calls=int(run["lock_calls"]), cold=cold, setup_s=setup_s, source=source, unmap=unmap,
             pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable)
     finally:
         arrays.clear()
-        if unmap == "end":
-            CLOSER.close([m for m in mappings.values() if not kept(m)])
-            for m in mappings.values():
-                if kept(m):
-                    close_mapping(m)
-        else:
-            for m in mappings.values():
-                close_mapping(m)
+        later = []
+        for m in mappings.values():
+            if unmap == "end" and m is not None and not kept(m):
+                later.append(m)  # a whole file's page tables: torn down off the caller's path
+            else:
+                close_mapping(m)  # None, a kept mapping given back, or one "chunk" emptied as it went
+        CLOSER.close(later)
         if ring is not None and not KEPT.give(key, ring):
             ring.close()
     if kind == 1:

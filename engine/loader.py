@@ -151,8 +151,8 @@ def load_parts(
     if sink.on_device and all(p.ranges is None for p in parts):
         # the ring (a process's first, or one closed since) is set up while the tensors are
         # allocated: the load waits for it, not for both one after the other
-        ops = getattr(sink, "ring_ops", lambda: None)()
-        if ops is not None and device_ring.supports(ops):
+        ops = _ring_ops(sink)
+        if ops is not None:
             device_ring.prepare(ops, device_ring.geometry_for(slot_bytes, threads), background=True, linger=True)
     tensors, destination = _destination(sink, parts, bases, per_tensor)
     _run(parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes, gpu_path=gpu_path,
@@ -637,6 +637,14 @@ def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str
     return {names[r]: got[r] for r in rows}
 
 
+def _ring_ops(sink):
+    """The copy ring's device operations of a CUDA sink, or None (a CPU sink, a device the
+    ring cannot drive)."""
+    ring_ops = getattr(sink, "ring_ops", None) if sink.on_device else None
+    ops = ring_ops() if ring_ops is not None else None
+    return ops if ops is not None and device_ring.supports(ops) else None
+
+
 def prepare_device(device: Any = "cuda", *, framework: str = "pt", wait: bool = True) -> float | None:
     """Set up the engine's copy ring for a CUDA device ahead of the first load.
 
@@ -668,9 +676,8 @@ def prepare_device(device: Any = "cuda", *, framework: str = "pt", wait: bool = 
     DeviceError
         The CUDA runtime cannot be found, or the ring cannot be set up.
     """
-    sink = sink_for(framework, device)
-    ops = getattr(sink, "ring_ops", lambda: None)() if sink.on_device else None
-    if ops is None or not device_ring.supports(ops):
+    ops = _ring_ops(sink_for(framework, device))
+    if ops is None:
         raise ValueError(f"prepare_device needs a CUDA device, not {device!r}")
     took = device_ring.prepare(ops, background=not wait)
     return None if took is None else took[0]

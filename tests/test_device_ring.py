@@ -534,7 +534,8 @@ def test_a_load_started_while_its_ring_is_prepared_waits_for_that_ring(layout, o
     device_ring.KEPT.give(key, ring, linger=False)
     t.join(10)
     _check(layout, out[0][0])
-    assert emu.stats()["registrations"] == 3 and not out[0][2]["cold"]
+    assert emu.stats()["registrations"] == 3  # the prepared ring's blocks, no second ring
+    assert out[0][2]["cold"] and out[0][2]["setup_s"] >= 0.05  # it waited (0.1 s) for the set-up
     _clean(emu)
 
 
