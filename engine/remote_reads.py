@@ -302,13 +302,19 @@ class _Stream:
         self.conn, self.resp, self.pos = conn, resp, pos
 
     def _skip_to(self, offset: int) -> None:
-        """Receive the body up to ``offset`` into the temporary file."""
+        """Receive the body up to ``offset`` into the temporary file.  A failure here has
+        landed none of the caller's bytes: its :class:`_Failed` says 0, whatever the scratch
+        buffer received."""
         scratch: memoryview | None = None
         while self.pos < offset:
             if scratch is None:
                 scratch = memoryview(bytearray(min(offset - self.pos, 1 << 20)))
             piece = scratch[: min(offset - self.pos, len(scratch))]
-            self._recv([piece], keep=False)
+            try:
+                self._recv([piece], keep=False)
+            except _Failed as failed:
+                failed.landed = 0  # the scratch's bytes, not the views': _receive must not count them
+                raise
             self._keep(self.pos - len(piece), [piece])
 
     def _recv(self, views: list[memoryview], keep: bool | None = None) -> int:
