@@ -678,12 +678,9 @@ def median_records(summaries: list[dict | None]) -> dict | None:
 def _timed_load(fn, files, dev, prepared, engine_row: bool) -> tuple[object, float, dict | None]:
     """One load on the clock (to the device's synchronisation): its output, seconds and, for
     the engine's rows, the ring's records summed (None where the engine keeps none)."""
-    cm, on = ring_records() if engine_row else (None, None)
-    if cm is None:
-        t0 = time.perf_counter()
-        out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
-        _sync(dev)
-        return out, time.perf_counter() - t0, None
+    import contextlib
+
+    cm, on = ring_records() if engine_row else (contextlib.nullcontext(None), None)
     with cm as got:
         t0 = time.perf_counter()
         out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
