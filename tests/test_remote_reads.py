@@ -403,8 +403,33 @@ def test_a_whole_file_answer_that_breaks_before_the_range_lands_none_of_its_byte
         reads.close()
     finally:
         server.faults_on = "data"
+        server.modes.pop("*", None)  # reset() leaves modes as they are
     assert got == data[offset : offset + 1000]
     assert len([r for r in server.requests if r["method"] == "GET"]) == 2
+
+
+def test_a_whole_file_stream_checks_its_new_answer_as_any_range(served, server):
+    """The stream breaks and its new answer comes compressed: refused as a compressed body
+    (the check every ranged answer gets), not taken for another version of the file."""
+    _, data, start = served
+    server.modes["*"] = "ignore-range"
+
+    def faults(n, path, first, last):
+        if n == 1:
+            server.modes["*"] = "gzip"  # the next answer
+            return "short"
+        return None
+
+    server.faults_on, server.faults = "all", faults
+    try:
+        reads = RangeReads(connections=1, retry=FAST)
+        with pytest.warns(RangeIgnoredWarning), pytest.raises(ReadError) as err:
+            read(reads, remote(server, data), len(data) * 3 // 4, 1000)
+        reads.close()
+    finally:
+        server.faults_on = "data"
+        server.modes.pop("*", None)  # reset() leaves modes as they are
+    assert err.value.reason == "HTTPError" and "compressed" in str(err.value)
 
 
 def test_a_load_from_http_server_is_one_transfer_of_the_file_and_one_warning(tmp_path):
