@@ -157,6 +157,6 @@ def error_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.errno is not None and err.strerror:
         reason = _OS_REASONS.get(err.errno) or errno.errorcode.get(err.errno, type(err).__name__)
         where = f"{err.filename}: " if err.filename is not None else ""
-        return f"{where}{one_line(Exception(err.strerror))} [{reason}]"
+        return f"{where}{' '.join(err.strerror.split())} [{reason}]"
     reason = "Usage" if isinstance(err, UsageError) else type(err).__name__
     return f"{one_line(err) or type(err).__name__} [{reason}]"

@@ -143,16 +143,20 @@ def open_parts(
         wanted = []  # files to download: (their part's index, what Copies.fetch takes)
         dates: dict[str, str | None] = {}  # when the server answered each file's header
         for w, h in zip(wheres, found, strict=True):
-            shown_w, ranges = src.display(w), src.ranges(w, h, reads)
+            shown_w = src.display(w)
             if copies is None:
-                parts.append(Part(-1, h, [], shown_w, ranges))
+                parts.append(Part(-1, h, [], shown_w, src.ranges(w, h, reads)))
                 continue
             version = (src.etags.get(w), src.last_modified.get(w), h, src.raw_headers.get(w))
             date = dates[shown_w] = src.dates.get(w)
             local = copies.open(shown_w, *version, date=date)
-            if local is not None:
+            if local is not None:  # read from its copy: no ranges (src.close() hangs up its whole-file answer)
                 parts.append(Part(local[0], h, [], local[1]))
-            elif download:
+                continue
+            # taken only for a file read from the server: a server that ignores Range hands
+            # the header's whole-file answer on to these reads
+            ranges = src.ranges(w, h, reads)
+            if download:
                 wanted.append((len(parts), (shown_w, *version, ranges)))
                 parts.append(Part(-1, h, [], shown_w, ranges))
             else:

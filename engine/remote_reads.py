@@ -269,46 +269,32 @@ class _Stream:
         reads, file = self.reads, self.file
         deadline = time.monotonic() + reads.timeout
         conn, _, resp = reads._open(file, offset, None, deadline, self.name)
-        want = file.size - offset
         try:
-            if resp.status not in (200, 206):
-                detail = error_code(error_body(resp))
-                err = status_error(self.name, resp, offset, detail=detail)
-                raise _Failed(err, 0, resp.status in _TRANSIENT_STATUS or detail in _TRANSIENT_S3)
-            etag = resp.getheader("ETag")
-            if file.etag and etag and etag != file.etag:
-                raise reads._fail(self.name, offset, want, "FileChanged",
-                                  f"the file changed since its header was read (ETag {file.etag}, now {etag})",
-                                  0, transient=False)
-            if resp.status == 206:
-                first, _, total = content_range(resp.getheader("Content-Range"))
-                if first != offset or (total is not None and total != file.size):
-                    raise reads._fail(self.name, offset, want, "BadRange",
-                                      f"asked for bytes from {offset}, the server sent "
-                                      f"{resp.getheader('Content-Range')}", 0, transient=False)
-                pos = offset
-            else:
-                length = resp.getheader("Content-Length")
-                if length is not None and length.strip().isdigit() and int(length) != file.size:
-                    raise reads._fail(self.name, offset, want, "FileChanged",
-                                      f"the file changed since its header was read ({file.size} bytes, now "
-                                      f"{length})", 0, transient=False)
-                pos = 0
-                self.answers += 1
+            # the checks of a ranged answer's head (status, ETag, encoding, Content-Range or
+            # Content-Length), as for every range
+            whole = reads._check_head(resp, file, self.name, offset, file.size - offset) is None
         except _Failed:
             resp.close()
             conn.close()
             raise
+        pos = 0 if whole else offset
+        self.answers += whole
         self.conn, self.resp, self.pos = conn, resp, pos
 
     def _skip_to(self, offset: int) -> None:
-        """Receive the body up to ``offset`` into the temporary file."""
+        """Receive the body up to ``offset`` into the temporary file.  A failure here has
+        landed none of the caller's bytes: its :class:`_Failed` says 0, whatever the scratch
+        buffer received."""
         scratch: memoryview | None = None
         while self.pos < offset:
             if scratch is None:
                 scratch = memoryview(bytearray(min(offset - self.pos, 1 << 20)))
             piece = scratch[: min(offset - self.pos, len(scratch))]
-            self._recv([piece], keep=False)
+            try:
+                self._recv([piece], keep=False)
+            except _Failed as failed:
+                failed.landed = 0  # the scratch's bytes, not the views': _receive must not count them
+                raise
             self._keep(self.pos - len(piece), [piece])
 
     def _recv(self, views: list[memoryview], keep: bool | None = None) -> int:
@@ -639,9 +625,12 @@ class RangeReads:
         else:
             conn.close()
 
-    def _body(self, resp: http.client.HTTPResponse, sock, file: RemoteFile, name: str, offset: int,
-              views: list[memoryview], deadline: float) -> int:
-        want = sum(len(v) for v in views)
+    def _check_head(self, resp: http.client.HTTPResponse, file: RemoteFile, name: str, offset: int,
+                    want: int) -> int | None:
+        """Check the head of an answer to a GET of ``want`` bytes from ``offset``: the bytes
+        a 206 sends, or None for a 200 (the whole file, a server that ignores Range); raises
+        :class:`_Failed` for an error status, another version of the file, a compressed body
+        or a range other than the one asked for."""
         if resp.status not in (200, 206):
             detail = error_code(error_body(resp))
             err = status_error(name, resp, offset, detail=detail)
@@ -673,14 +662,21 @@ class RangeReads:
                 raise self._fail(name, offset, want, "BadRange",
                                  f"asked for bytes {offset}-{offset + want - 1}, the server sent {first}-{lastb}",
                                  0, transient=False)
-            send = min(want, lastb - first + 1)
-        else:  # 200: the whole file from byte 0, a server that ignores Range
-            length = resp.getheader("Content-Length")
-            if length is not None and length.strip().isdigit() and int(length) != file.size:
-                _discard(resp)
-                raise self._fail(name, offset, want, "FileChanged",
-                                 f"the file changed since its header was read ({file.size} bytes, now {length})",
-                                 0, transient=False)
+            return min(want, lastb - first + 1)
+        # 200: the whole file from byte 0
+        length = resp.getheader("Content-Length")
+        if length is not None and length.strip().isdigit() and int(length) != file.size:
+            _discard(resp)
+            raise self._fail(name, offset, want, "FileChanged",
+                             f"the file changed since its header was read ({file.size} bytes, now {length})",
+                             0, transient=False)
+        return None
+
+    def _body(self, resp: http.client.HTTPResponse, sock, file: RemoteFile, name: str, offset: int,
+              views: list[memoryview], deadline: float) -> int:
+        want = sum(len(v) for v in views)
+        send = self._check_head(resp, file, name, offset, want)
+        if send is None:  # 200: the whole file from byte 0, a server that ignores Range
             raise _Streamed()
         landed = 0
         for view in views:

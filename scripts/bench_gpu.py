@@ -67,7 +67,7 @@ ROOT = checkout_path.use_checkout()
 # the asv suites' shared helpers (page-cache eviction)
 sys.path.insert(1, os.path.join(ROOT, "asv_benchmarks"))
 import host_memory  # noqa: E402
-from benchmarks.common import evict_cache, hwm_bytes, reset_hwm, rss_bytes  # noqa: E402
+from benchmarks.common import evict_cache, hwm_bytes, per_key_load, reset_hwm, rss_bytes  # noqa: E402
 
 GiB = 1 << 30
 #: passes over the checkpoint inside one page cache -> pinned limit sample (the median is its figure)
@@ -340,27 +340,17 @@ def _reference(files, dev):
 
 def _engine_per_key(files, dev):
     """The loop of accelerate's ``load_state_dict``: ``safe_open(f, device=...)``, then
-    ``get_tensor(k)`` for every key, shard after shard."""
+    ``get_tensor(k)`` for every key, shard after shard (the asv suite's loop)."""
     import engine
 
-    out = {}
-    for f in files:
-        with engine.safe_open(f, framework="pt", device=dev) as h:
-            for k in h.keys():
-                out[k] = h.get_tensor(k)
-    return out
+    return per_key_load(engine.safe_open, files, dev)
 
 
 def _reference_per_key(files, dev):
     """:func:`_engine_per_key` with the reference's ``safe_open``."""
     from safetensors import safe_open
 
-    out = {}
-    for f in files:
-        with safe_open(f, framework="pt", device=dev) as h:
-            for k in h.keys():
-                out[k] = h.get_tensor(k)
-    return out
+    return per_key_load(safe_open, files, dev)
 
 
 def _reference_then_to(files, dev):
@@ -688,12 +678,9 @@ def median_records(summaries: list[dict | None]) -> dict | None:
 def _timed_load(fn, files, dev, prepared, engine_row: bool) -> tuple[object, float, dict | None]:
     """One load on the clock (to the device's synchronisation): its output, seconds and, for
     the engine's rows, the ring's records summed (None where the engine keeps none)."""
-    cm, on = ring_records() if engine_row else (None, None)
-    if cm is None:
-        t0 = time.perf_counter()
-        out = fn(files, dev) if prepared is None else fn(files, dev, prepared)
-        _sync(dev)
-        return out, time.perf_counter() - t0, None
+    import contextlib
+
+    cm, on = ring_records() if engine_row else (contextlib.nullcontext(None), None)
     with cm as got:
         t0 = time.perf_counter()
         out = fn(files, dev) if prepared is None else fn(files, dev, prepared)

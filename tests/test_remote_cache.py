@@ -278,6 +278,26 @@ def test_without_an_etag_last_modified_and_size_tell_versions_apart(tree, server
 
 
 @pytest.mark.filterwarnings("ignore::engine.errors.RangeIgnoredWarning")
+def test_a_file_read_from_its_copy_keeps_no_whole_file_answer_open(tmp_path):
+    """http.server answers the header's request with the whole file: for a file then read
+    from its copy, that answer is hung up on when the parts are opened, not handed to the
+    load's reads to stay open (its connection held) until the load ends."""
+    from engine.remote_load import open_parts
+
+    www, d = tmp_path / "www", tmp_path / "cache"
+    www.mkdir()
+    sd = {"w": np.arange(4096, dtype=np.float32)}
+    engine.numpy.save_file(sd, str(www / "m.safetensors"))
+    os.utime(www / "m.safetensors", (time.time() - 10, time.time() - 10))  # a Last-Modified a copy can trust
+    with StdlibHTTP(str(www)) as srv:
+        url = srv.url("m.safetensors")
+        engine.numpy.load_file(url, cache_dir=d)  # writes the copy
+        with open_parts(url, cache_dir=d) as opened:
+            assert opened.local()
+            assert opened.reads._streams == {}  # no stream adopted for a file read locally
+
+
+@pytest.mark.filterwarnings("ignore::engine.errors.RangeIgnoredWarning")
 def test_a_change_within_the_second_of_a_copy_is_seen(tmp_path):
     """http.server tells versions apart by Last-Modified alone (no ETag).  A file written,
     loaded (its copy made) and rewritten under the same size, header and second: the next

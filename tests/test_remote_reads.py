@@ -387,6 +387,51 @@ def test_a_whole_file_answer_serves_every_range_of_the_file_in_any_order(served,
     assert len(gets) == 2  # the stream, and the one read of bytes it had passed
 
 
+def test_a_whole_file_answer_that_breaks_before_the_range_lands_none_of_its_bytes(served, server):
+    """The stream's first answer ends early while it is still passing the bytes before the
+    range asked for: the range is read whole from the next answer (it once counted the
+    passed bytes as its own, and handed out zeros for them)."""
+    _, data, start = served
+    server.modes["*"] = "ignore-range"
+    server.faults_on, server.faults = "all", {1: "short"}  # the first GET sends half the file, then closes
+    try:
+        file = remote(server, data)
+        reads = RangeReads(connections=1, retry=FAST)
+        offset = len(data) * 3 // 4  # past the half the broken answer sends
+        with pytest.warns(RangeIgnoredWarning):
+            got = read(reads, file, offset, 1000)
+        reads.close()
+    finally:
+        server.faults_on = "data"
+        server.modes.pop("*", None)  # reset() leaves modes as they are
+    assert got == data[offset : offset + 1000]
+    assert len([r for r in server.requests if r["method"] == "GET"]) == 2
+
+
+def test_a_whole_file_stream_checks_its_new_answer_as_any_range(served, server):
+    """The stream breaks and its new answer comes compressed: refused as a compressed body
+    (the check every ranged answer gets), not taken for another version of the file."""
+    _, data, start = served
+    server.modes["*"] = "ignore-range"
+
+    def faults(n, path, first, last):
+        if n == 1:
+            server.modes["*"] = "gzip"  # the next answer
+            return "short"
+        return None
+
+    server.faults_on, server.faults = "all", faults
+    try:
+        reads = RangeReads(connections=1, retry=FAST)
+        with pytest.warns(RangeIgnoredWarning), pytest.raises(ReadError) as err:
+            read(reads, remote(server, data), len(data) * 3 // 4, 1000)
+        reads.close()
+    finally:
+        server.faults_on = "data"
+        server.modes.pop("*", None)  # reset() leaves modes as they are
+    assert err.value.reason == "HTTPError" and "compressed" in str(err.value)
+
+
 def test_a_load_from_http_server_is_one_transfer_of_the_file_and_one_warning(tmp_path):
     """The standard library's http.server answers every ranged GET with the whole file: a
     load of a file that needs many ranges costs one GET and about the file's bytes (the

@@ -17,6 +17,7 @@ A 1 GiB BF16 checkpoint in 4 shards with an index (warm page cache), loaded to `
 
 from __future__ import annotations
 
+import functools
 import os
 
 from . import common
@@ -99,16 +100,24 @@ def _timed(load):
     return run
 
 
-class DeviceLoad(common.OneCallPerSample):
-    params = [ROWS]
-    param_names = ["row"]
+class _OnDevice(common.OneCallPerSample):
+    """The suites' shared set-up: one checkpoint for both (asv keys ``setup_cache`` by its
+    definition), the device up and the checkpoint in the page cache before each sample."""
 
     def setup_cache(self):
         return _checkpoint()
 
-    def setup(self, directory, row):
+    def _ready(self, directory) -> None:
         _cuda()
         common.warm_cache(directory)
+
+
+class DeviceLoad(_OnDevice):
+    params = [ROWS]
+    param_names = ["row"]
+
+    def setup(self, directory, row):
+        self._ready(directory)
         self.run = _timed(_loader(row, directory))
         self.run()  # the ring, the runtime and the allocator's pool set up before the samples
 
@@ -126,34 +135,21 @@ class DeviceLoad(common.OneCallPerSample):
     track_x_reference.unit = "x reference"
 
 
-class PerKey(common.OneCallPerSample):
+class PerKey(_OnDevice):
     """accelerate's per-key loop (``safe_open(f, device)`` + ``get_tensor`` per key)."""
 
     params = [["engine", "reference"]]
     param_names = ["impl"]
 
-    def setup_cache(self):
-        return _checkpoint()
-
     def setup(self, directory, impl):
-        _cuda()
-        common.warm_cache(directory)
+        self._ready(directory)
         if impl == "engine":
             from engine import safe_open
         else:
             from safetensors import safe_open
         files = common.checkpoint_files(directory)
         self.keys = sum(len(_keys(f)) for f in files)
-
-        def loop():
-            out = {}
-            for f in files:
-                with safe_open(f, framework="pt", device=DEVICE) as h:
-                    for k in h.keys():
-                        out[k] = h.get_tensor(k)
-            return out
-
-        self.run = _timed(loop)
+        self.run = _timed(functools.partial(common.per_key_load, safe_open, files, DEVICE))
         self.run()
 
     def time_loop(self, directory, impl):
@@ -163,4 +159,3 @@ class PerKey(common.OneCallPerSample):
         return common.best_time(self.run, 3) / self.keys * 1e6
 
     track_us_per_key.unit = "us per key"
-

@@ -366,6 +366,18 @@ def checkpoint_files(path: str) -> list[str]:
     return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
 
 
+def per_key_load(safe_open, files: list[str], device) -> dict:
+    """The loop of accelerate's ``load_state_dict``: ``safe_open(f, framework="pt",
+    device=device)``, then ``get_tensor(k)`` for every key, file after file; ``safe_open``
+    the engine's or the reference's (also scripts/bench_gpu.py's per-key rows)."""
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt", device=device) as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
 def warm_cache(path: str) -> None:
     """Read ``path`` (a file, or each file of a checkpoint directory) once so that it sits in
     the page cache."""
