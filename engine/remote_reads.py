@@ -146,6 +146,13 @@ class _Streamed(Exception):
     answer the file's stream, which serves the request instead."""
 
 
+def _socket_of(resp: http.client.HTTPResponse) -> socket.socket | None:
+    """The socket an answer reads its body from.  Its connection lets go of it (``sock`` is
+    None) once the server says it will close, as ``http.server`` and every answer to a
+    ``Connection: close`` request do; the answer still reads from it."""
+    return getattr(getattr(resp.fp, "raw", None), "_sock", None)
+
+
 class _Stream:
     """The one whole-file answer (200) of a file whose server ignores Range, serving every
     range of the file that the load asks for.
@@ -302,7 +309,7 @@ class _Stream:
         the bytes landed) when the body fails or ends early."""
         resp, want = self.resp, sum(len(v) for v in views)
         assert resp is not None and self.conn is not None
-        sock = self.conn.sock
+        sock = _socket_of(resp)
         landed = 0
         for view in views:
             got = 0

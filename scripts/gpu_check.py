@@ -112,8 +112,8 @@ LONG_BUDGET = 540.0
 SWEEP_BUDGET = 210.0
 #: seconds kept at the end for the summary and the last write of the files
 RESERVE = 3.0
-#: checkpoint sizes by default: 8 GB keeps every row inside the 7 minutes (a 16 GB one costs
-#: about 70 s more: its making, every load and checksum twice as long)
+#: checkpoint sizes by default: 8 GB, so that every row can fit the 7 minutes (a 16 GB one
+#: doubles its making and every load; no GPU run of this check has measured the difference yet)
 SIZE = {"check": "8GB", "long": "16.06GB", "cpu": "64MB"}
 #: the peers and the name their wheel starts with
 PEERS = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors",

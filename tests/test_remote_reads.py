@@ -367,20 +367,23 @@ def test_a_whole_file_answer_serves_every_range_of_the_file_in_any_order(served,
         for k in order[i::4]:
             reads.read(file, start + k * size, [memoryview(out)[k * size : (k + 1) * size]])
 
-    with pytest.warns(RangeIgnoredWarning, match="ignores Range") as warned:
-        # one read first (requests sent together before any answer each get the whole
-        # file, and all but one are hung up on at once), then the rest from four threads
-        reads.read(file, start + 6 * size, [memoryview(out)[6 * size : 7 * size]])
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        # bytes the stream received into a read's views are not kept: asked again, they
-        # cost a new answer; those it passed before they were asked for are kept
-        again = start + 6 * size + 5
-        got = read(reads, file, again, 100)
-    reads.close()
+    try:
+        with pytest.warns(RangeIgnoredWarning, match="ignores Range") as warned:
+            # one read first (requests sent together before any answer each get the whole
+            # file, and all but one are hung up on at once), then the rest from four threads
+            reads.read(file, start + 6 * size, [memoryview(out)[6 * size : 7 * size]])
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            # bytes the stream received into a read's views are not kept: asked again, they
+            # cost a new answer; those it passed before they were asked for are kept
+            again = start + 6 * size + 5
+            got = read(reads, file, again, 100)
+    finally:
+        reads.close()
+        server.modes.pop("*", None)  # reset() leaves modes as they are; the server is the module's
     assert bytes(out) == data[start : start + 16 * size] and got == data[again : again + 100]
     assert len(warned) == 1
     gets = [r for r in server.requests if r["method"] == "GET"]
@@ -490,3 +493,26 @@ def test_every_entry_point_makes_one_whole_file_request_per_file(tmp_path, entry
                 srv.reset()
             return
     assert len(srv.gets) == 1 and sum(srv.sent.values()) <= 1.05 * size, (srv.gets, srv.sent, size)
+
+
+def test_a_whole_file_stream_limits_each_receive_on_a_closing_connection(tmp_path):
+    """http.server closes each connection after its answer, so the connection drops the socket
+    the stream reads from: each receive must still wait at most the load's timeout, set on the
+    socket the answer reads from (not the deadline left over from sending the request)."""
+    from engine import remote_reads
+
+    data = np.random.default_rng(8).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    (tmp_path / "f.bin").write_bytes(data)
+    with StdlibHTTP(str(tmp_path)) as srv:
+        reads = RangeReads(connections=1, retry=FAST, timeout=7.0)
+        file = RemoteFile(srv.url("f.bin"), len(data), None)
+        try:
+            with pytest.warns(RangeIgnoredWarning):
+                got = read(reads, file, 1 << 20, 1000)
+            stream = reads._streams[file.url]
+            assert stream.conn.sock is None  # the connection let go of it
+            sock = remote_reads._socket_of(stream.resp)
+            assert sock is not None and sock.gettimeout() == 7.0
+        finally:
+            reads.close()
+    assert got == data[1 << 20 : (1 << 20) + 1000]

@@ -122,6 +122,14 @@ def test_the_remote_options_over_s3(tmp_path, monkeypatch):
             monkeypatch.setenv(name, value)
         s3 = {"endpoint_url": server.endpoint, "region": "us-east-1"}  # the endpoint from the options, not the environment
         for _ in range(2):
-            got = load_tensor_parallel("s3://models/bare/", plan, rank=1, world_size=2, s3=s3, timeout=20.0,
-                                       cache_dir=str(tmp_path / "cache"))
+            got = load_tensor_parallel("s3://models/bare/", plan, rank=1, world_size=2, s3=s3, timeout=20.0)
             assert sorted(got) == sorted(want) and all(raw(got[k]) == raw(want[k]) for k in want)
+        # a rank of two receives only its slices, so no file comes whole: a copy is written by
+        # a load that reads whole files (one rank), and read back by the next
+        whole = load_tensor_parallel(str(tmp_path / "ckpt"), plan, rank=0, world_size=1)
+        for _ in range(2):
+            got = load_tensor_parallel("s3://models/bare/", plan, rank=0, world_size=1, s3=s3, timeout=20.0,
+                                       cache_dir=str(tmp_path / "cache"))
+            assert sorted(got) == sorted(whole) and all(raw(got[k]) == raw(whole[k]) for k in whole)
+            shards = len(list((tmp_path / "ckpt").glob("*.safetensors")))
+            assert len(list((tmp_path / "cache").glob("*.json"))) == shards
