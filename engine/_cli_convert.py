@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,14 +83,22 @@ def _load_torch_checkpoint(path: str, kind: str, torch) -> Any:
 
         return load_file(path)
     try:
-        if kind == "zip":
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch's notes on the pickle's protocol say nothing about the file's tensors
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
+            if kind == "zip":
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # torch's message opens with advice to load without weights_only, which this refusal
+        # exists to avoid; the cause follows its "WeightsUnpickler error:"
+        text = str(exc)
+        _, marker, rest = text.partition("WeightsUnpickler error:")
+        cause = " ".join(rest.split("Check the documentation")[0].split()) if marker else ""
+        cause = cause or " ".join(text.strip().splitlines()[:1]) or type(exc).__name__
         raise SafetensorError(
             f"refusing to load: the pickle needs more than plain tensors and containers "
-            f"(torch.load(weights_only=True) said: {first})",
+            f"(torch.load(weights_only=True) refused it: {cause})",
             reason="UnsafePickle",
             path=path,
         ) from None

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -311,9 +312,11 @@ def _cmd_quantize(args) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
+    commands: dict[str, _Parser]  # the top parser's: each command's own
+
     def error(self, message: str) -> NoReturn:
-        # one line, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        # one line, not argparse's usage block, tagged as every other error line is
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help) [Usage]\n")
 
 
 #: what a positional argument that names a checkpoint takes
@@ -322,17 +325,18 @@ _CHECKPOINT = ("a .safetensors file, a *.safetensors.index.json, a directory, or
 
 
 def _add_remote_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP request (URLs only)")
+    p.add_argument("--timeout", type=_positive_float, default=30.0, help="seconds per HTTP request (URLs only)")
     p.add_argument("-H", "--header", action="append", metavar="'NAME: VALUE'",
                    help="extra HTTP request header, e.g. 'Authorization: Bearer hf_...' (repeatable)")
     p.add_argument("--max-header-size", type=int, default=100_000_000, help="largest header accepted, in bytes")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     parser = _Parser(prog="engine", description="Read, check, convert and write safetensors checkpoints.")
     parser.add_argument("--version", action="version", version=f"engine (safetensors-engine) {__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = sub.choices
 
     p = sub.add_parser("demo", help="write, inspect, load and verify a generated GPT-2-sized checkpoint")
     p.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory, removed after)")
@@ -395,6 +399,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -407,7 +421,17 @@ def _positive_int(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 invalid checkpoint, 2 error)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command they were given to, as its own errors are
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        # a warning is one line too, not Python's two with the source line
+        print(f"engine {args.command}: warning: {one_line(Warning(message))} [{category.__name__}]",
+              file=sys.stderr)
+
+    shown, warnings.showwarning = warnings.showwarning, show
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -423,3 +447,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SafetensorError, OSError, _UsageError) as err:
         print(f"engine {args.command}: error: {error_line(err)}", file=sys.stderr)
         return 2
+    finally:
+        warnings.showwarning = shown

@@ -802,3 +802,45 @@ def test_a_relative_path_is_shown_as_written(tmp_path, monkeypatch, capsys, comm
     code, out, err = in_process(capsys, command, "t.safetensors", *args.get(command, []))
     shown = out if command == "validate" else err
     assert "t.safetensors: the file is a text file" in shown and "./t.safetensors" not in shown
+
+
+def test_convert_names_why_torch_refused_a_pickle(tmp_path, capsys):
+    """torch's refusal opens with advice to load without weights_only; the line names the
+    cause instead, and torch's warning about the pickle's protocol is not printed."""
+    pytest.importorskip("torch")
+    import pickle
+
+    evil, plain = tmp_path / "evil.bin", tmp_path / "plain.bin"
+    with open(evil, "wb") as f:
+        pickle.dump({"x": Evil()}, f, protocol=4)
+    with open(plain, "wb") as f:
+        pickle.dump({"x": object()}, f, protocol=4)
+    for src in (evil, plain):
+        code, _, err = in_process(capsys, "convert", str(src), str(tmp_path / "out.safetensors"))
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.rstrip().endswith("[UnsafePickle]") and "weights_only` set to `False`" not in err, err
+        assert "Unsupported" in err, err  # torch's cause: an operand or a global it does not allow
+
+
+def test_argument_errors_are_one_tagged_line_of_the_command_given(tmp_path):
+    path = tmp_path / "m.safetensors"
+    engine.numpy.save_file({"a": np.zeros(3, np.float32)}, str(path))
+    for args, who in ((["inspect", str(path), "--bogus"], "engine inspect"), (["nosuch"], "engine"),
+                      (["inspect", str(path), "--timeout", "-1"], "engine inspect"),
+                      (["bench", str(path), "--runs", "0"], "engine bench")):
+        out = run(*args)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith(f"{who}: error:") and out.stderr.rstrip().endswith("[Usage]"), out.stderr
+
+
+def test_a_warning_is_one_line_naming_the_command(tmp_path):
+    """http.server ignores Range: the load warns once, in one line of the command's."""
+    from servers import StdlibHTTP
+
+    engine.numpy.save_file({"a": np.arange(50_000, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
+    with StdlibHTTP(str(tmp_path)) as srv:
+        out = run("bench", srv.url("m.safetensors"), "--runs", "1", "--no-reference")
+    lines = [x for x in out.stderr.splitlines() if "warning" in x.lower()]
+    assert lines and all(x.startswith("engine bench: warning:") and x.endswith("[RangeIgnoredWarning]") for x in lines), \
+        out.stderr
+    assert "src.ranges" not in out.stderr  # no source line
