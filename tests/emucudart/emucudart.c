@@ -127,9 +127,14 @@ static void *stream_main(void *arg) {
         pthread_mutex_lock(&s->lock);
         s->busy = 0;
         if (!s->head) {
+            /* under g_lock, which a synchronising thread holds from its idle check to its wait:
+               the wake cannot fall between the two (s->lock is let go first: the other order
+               is the synchronising thread's) */
+            pthread_mutex_unlock(&s->lock);
             pthread_mutex_lock(&g_lock);
             pthread_cond_broadcast(&g_done);
             pthread_mutex_unlock(&g_lock);
+            pthread_mutex_lock(&s->lock);
         }
     }
     pthread_mutex_unlock(&s->lock);
@@ -257,13 +262,15 @@ cudaError_t cudaStreamCreate(stream_t **out) { return cudaStreamCreateWithFlags(
 cudaError_t cudaStreamSynchronize(stream_t *s) {
     if (!s)
         return fail(cudaErrorInvalidResourceHandle);
+    /* the idle check and the wait under g_lock, so the stream's wake cannot fall between them
+       (it cost a lost millisecond per synchronisation, which a real stream does not) */
+    pthread_mutex_lock(&g_lock);
     for (;;) {
         pthread_mutex_lock(&s->lock);
         int idle = !s->head && !s->busy;
         pthread_mutex_unlock(&s->lock);
         if (idle)
             break;
-        pthread_mutex_lock(&g_lock);
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_nsec += 1000000;
@@ -272,8 +279,8 @@ cudaError_t cudaStreamSynchronize(stream_t *s) {
             ts.tv_nsec -= 1000000000;
         }
         pthread_cond_timedwait(&g_done, &g_lock, &ts);
-        pthread_mutex_unlock(&g_lock);
     }
+    pthread_mutex_unlock(&g_lock);
     return g_sticky;
 }
 
