@@ -33,13 +33,41 @@ VARIANTS = {
     "engine CPU numpy backend=pread, get_tensor per key": "engine-pread",
     "reference CPU numpy, get_tensor per key": "reference-np",
     "reference CPU torch, get_tensor per key": "reference-pt",
+    "ring alone: ChunkRing.run of one tensor's chunk (emulated)": "ring-alone",
 }
 
 _CHILD = r"""
 import json, os, sys, time
 sys.path[:0] = [{root!r}, os.path.join({root!r}, "tests")]
 path, variant = {path!r}, {variant!r}
-if variant.startswith("engine"):
+if variant == "ring-alone":
+    # the native run of a one-chunk load, no Python around it: what a key costs below device_ring.load
+    import mmap
+    import numpy as np
+    import engine
+    from emucudart import EmulatedRingOps, Emulator
+    from engine import device_ring
+    ops = EmulatedRingOps(Emulator())
+    ring = device_ring._new_ring(ops, device_ring.default_geometry())
+    h = engine.read_header(path)
+    t = h.table
+    n = int(t.ends[0] - t.begins[0])
+    fd = os.open(path, os.O_RDONLY)
+    m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    src = np.frombuffer(m, np.uint8)
+    dst = np.zeros(n, np.uint8)
+    plan = (np.zeros(1, np.int32), np.array([0, 1], np.int64), np.zeros(1, np.int64),
+            np.array([h.data_start + int(t.begins[0])], np.int64), np.array([n], np.int64),
+            np.array([dst.ctypes.data], np.uint64), np.array([fd], np.int32),
+            np.array([src.ctypes.data], np.uint64), np.array([len(src)], np.int64), np.ones(1, np.uint8))
+    keys = range(len(t.names))
+
+    class _Run:
+        def get_tensor(self, k):
+            ring.run(*plan)
+
+    h = _Run()
+elif variant.startswith("engine"):
     import engine
     if variant == "engine-emulated":
         from emucudart import EmulatedRingOps, EmulatedSink, Emulator
@@ -50,7 +78,7 @@ if variant.startswith("engine"):
 else:
     import safetensors
     h = safetensors.safe_open(path, framework="np" if variant == "reference-np" else "pt")
-keys = list(h.keys())
+keys = list(keys) if variant == "ring-alone" else list(h.keys())
 out = []
 for _ in range(2):
     t0 = time.perf_counter()
