@@ -1,0 +1,286 @@
+"""Remote loads to a device through the chunk ring (engine.device_ring with a remote file's
+connections as the chunks' fillers), against nginx (HTTP and path-style S3) and
+tests/rangeserver.py (dropped connections, truncated bodies, a server that ignores Range), on
+the emulated CUDA runtime (tests/emucudart: copies run later on a stream thread and read
+their source only then, so a chunk reused or reported early would show as wrong bytes)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import engine
+import engine.loader
+from engine import device_ring, pipeline
+from engine.errors import RangeIgnoredWarning, ReadError
+from engine.remote_reads import Retry
+
+sys.path.insert(0, os.path.dirname(__file__))
+from emucudart import EmulatedRingOps, EmulatedSink, Emulator  # noqa: E402
+from rangeserver import serve  # noqa: E402
+from servers import Nginx, nginx_or_skip  # noqa: E402
+
+FAST = Retry(attempts=4, base=0.001, cap=0.01)
+INDEX = "model.safetensors.index.json"
+#: 64 KiB chunks, 4 of them: a checkpoint of a few MiB cycles every slot many times
+SMALL = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Random bytes in tensors of awkward sizes (none a multiple of the chunk), in 3 shards."""
+    root = tmp_path_factory.mktemp("remote-ring")
+    rng = np.random.default_rng(47)
+    sd = {f"layers.{i}.w": rng.integers(0, 256, int(n), dtype=np.uint8)
+          for i, n in enumerate(rng.integers(1, 300_000, 30))}
+    sd["empty"] = np.zeros(0, np.uint8)
+    engine.save_sharded({k: v for k, v in sd.items()}, root / "sharded", max_shard_size=1_500_000, fsync=False)
+    assert len(list((root / "sharded").glob("*.safetensors"))) >= 3
+    shutil.copytree(root / "sharded", root / "bucket" / "ckpt")
+    return root, sd
+
+
+@pytest.fixture(scope="module")
+def nginx(checkpoint):
+    nginx_or_skip()
+    with Nginx(str(checkpoint[0])) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def flaky(checkpoint):
+    server = serve(str(checkpoint[0]))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def rangeserver(flaky):
+    flaky.reset()
+    flaky.keepalive, flaky.etags, flaky.if_match, flaky.stall = True, True, True, 5.0
+    yield flaky
+    flaky.faults = {}
+    flaky.modes.clear()
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return Emulator()
+
+
+@pytest.fixture
+def device(emu, monkeypatch):
+    """Loads to ``device="emulated"`` land in the emulated runtime's memory through the ring;
+    the slot path fails the test if anything reaches it."""
+    emu.reset()
+    ops = EmulatedRingOps(emu)
+    sink = EmulatedSink(ops)
+    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+
+    def no_slots(*args, **kwargs):
+        raise AssertionError("a remote device load took the slot path")
+
+    monkeypatch.setattr(pipeline, "DeviceLoad", no_slots)
+    monkeypatch.setenv("ENGINE_RING", "0.0625,4,2")  # 64 KiB chunks, 4 slots
+    device_ring._default_geometry.cache_clear()
+    yield ops
+    device_ring._default_geometry.cache_clear()
+    device_ring.release_rings()
+    ops.close()
+    emu.reset()
+
+
+def _released(emu) -> None:
+    device_ring.release_rings()
+    st = emu.stats()
+    assert st["registered"] == 0, st  # nothing stays page-locked
+    assert st["events"] == 0, st
+    assert st["pageable"] == 0, st  # every copy came out of page-locked chunks
+    assert device_ring.locked_bytes() == 0
+    assert not [t for t in threading.enumerate() if t.name == "engine-remote-ring"]
+
+
+def _stream_checked(url, sd, **kw):
+    """``engine.stream`` to the emulated device, each tensor's bytes compared when it is
+    handed out (a report ahead of its last copy would show here, with slow copies)."""
+    got, early = {}, []
+    for name, arr in engine.stream(url, device="emulated", framework="np", **kw):
+        if np.asarray(arr).view(np.uint8).tobytes() != sd[name].tobytes():
+            early.append(name)
+        got[name] = np.array(arr, copy=True)
+    return got, early
+
+
+@pytest.mark.parametrize("scheme", ["http", "s3"])
+def test_a_remote_load_to_a_device_goes_through_the_ring(checkpoint, nginx, device, emu, monkeypatch, scheme):
+    _, sd = checkpoint
+    if scheme == "s3":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", nginx.base)
+        monkeypatch.setenv("AWS_NO_SIGN_REQUEST", "1")
+        monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull + "-none")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull + "-none")
+        url = f"s3://bucket/ckpt/{INDEX}"
+    else:
+        url = nginx.url("sharded/")
+    emu.delay(0.002)  # copies slower than the fills: reports and slot reuse must wait for them
+    with warnings.catch_warnings(), device_ring.load_records() as records:
+        warnings.simplefilter("error", RangeIgnoredWarning)
+        got, early = _stream_checked(url, sd, connections=3)
+    assert early == []
+    assert sorted(got) == sorted(sd)
+    assert all(got[k].tobytes() == sd[k].tobytes() for k in sd)
+    total = sum(v.nbytes for v in sd.values())
+    assert [r.source for r in records] == ["network"]
+    assert records[0].network_bytes == records[0].bytes == total
+    assert records[0].pread_bytes == records[0].mmap_bytes == 0 and records[0].threads == 3
+    assert records[0].chunks > 4  # every slot was reused
+    assert emu.stats()["bytes"] == total  # each byte crossed to the device once
+    _released(emu)
+
+
+class EmulatedArray:
+    """A tensor of a framework the engine does not know, in the emulated device's memory."""
+
+    def __init__(self, nbytes):
+        self.data = np.zeros(nbytes, np.uint8)
+
+
+def test_load_into_device_tensors_from_a_url_through_the_ring(checkpoint, nginx, device, emu, monkeypatch):
+    """Destinations that are not one block (a model's parameters): many pieces per chunk, one
+    GET per run of the file, landing in each tensor."""
+    from engine import dtypes
+    from engine.sinks._targets import FillTarget
+
+    _, sd = checkpoint
+    ops = device
+
+    class EmulatedTarget(FillTarget):
+        device = ("emulated", 0)
+
+        def __init__(self, arr):
+            super().__init__(arr, dtypes.BY_NAME["U8"].code, (len(arr.data),), True, "emulated")
+
+        def device_bytes(self):
+            return self.tensor.data
+
+        def device_ops(self):
+            return ops
+
+    real = engine.loader.fill_target
+    monkeypatch.setattr(engine.loader, "fill_target",
+                        lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
+    dst = {k: EmulatedArray(v.nbytes) for k, v in sd.items()}
+    with device_ring.load_records() as records:
+        filled = engine.load_into(nginx.url(f"sharded/{INDEX}"), dst, strict=True, connections=2)
+    assert sorted(filled) == sorted(sd)
+    assert all(dst[k].data.tobytes() == sd[k].tobytes() for k in sd)
+    assert [r.source for r in records] == ["network"]
+    assert records[0].network_bytes == sum(v.nbytes for v in sd.values())
+    _released(emu)
+
+
+def test_a_selection_with_gaps_receives_only_what_it_needs(checkpoint, nginx, device, emu):
+    """Every other tensor: the chunks hold runs of the file with gaps between them (small gaps
+    received and dropped within one GET, as read_runs does)."""
+    _, sd = checkpoint
+    names = sorted(sd)[::2]
+    with device_ring.load_records() as records:
+        got, early = _stream_checked(nginx.url(f"sharded/{INDEX}"), sd, connections=2, names=names)
+    assert early == [] and sorted(got) == names
+    assert all(got[k].tobytes() == sd[k].tobytes() for k in got)
+    assert records[0].network_bytes == sum(sd[k].nbytes for k in names)
+    _released(emu)
+
+
+def test_a_connection_dropped_mid_chunk_is_retried(checkpoint, rangeserver, device, emu):
+    _, sd = checkpoint
+    rangeserver.faults = {3: "reset", 7: "short", 11: "503"}
+    got, early = _stream_checked(rangeserver.url("sharded/"), sd, connections=3, retry=FAST, timeout=5.0)
+    assert early == [] and sorted(got) == sorted(sd)
+    assert all(got[k].tobytes() == sd[k].tobytes() for k in sd)
+    # the dropped answers sent part of their bodies before they broke
+    assert {n for n, _, _ in rangeserver.sent} >= {3, 7}
+    assert all(0 < sent for n, _, sent in rangeserver.sent if n in (3, 7))
+    _released(emu)
+
+
+def test_a_server_that_ignores_range_streams_each_file_into_the_ring(checkpoint, rangeserver, device, emu):
+    _, sd = checkpoint
+    rangeserver.modes["*"] = "ignore-range"
+    with pytest.warns(RangeIgnoredWarning), device_ring.load_records() as records:
+        got, early = _stream_checked(rangeserver.url("sharded/"), sd, connections=3, retry=FAST)
+    assert early == [] and sorted(got) == sorted(sd)
+    assert all(got[k].tobytes() == sd[k].tobytes() for k in sd)
+    assert records[0].source == "network"
+    # one whole-file answer per shard serves every chunk of it (plus the header's, handed over)
+    shards = len(list((checkpoint[0] / "sharded").glob("*.safetensors")))
+    data = [r for r in rangeserver.requests if r["path"].endswith(".safetensors")]
+    assert len(data) <= 3 * shards
+    _released(emu)
+
+
+def test_a_truncated_body_is_a_read_error_naming_the_file_and_range(checkpoint, rangeserver, device, emu):
+    _, sd = checkpoint
+    rangeserver.faults = lambda n, path, first, last: "short" if n >= 2 else None
+    with pytest.raises(ReadError) as err:
+        dict(engine.stream(rangeserver.url("sharded/"), device="emulated", framework="np", connections=2,
+                           retry=Retry(attempts=2, base=0.001, cap=0.01)))
+    assert err.value.reason == "ShortRead"
+    assert "/sharded/model-" in str(err.value) and "bytes " in str(err.value) and "truncated" in str(err.value)
+    assert err.value.offset is not None
+    _released(emu)
+
+
+def test_a_permanent_failure_is_the_error_even_while_others_retry(checkpoint, rangeserver, device, emu):
+    _, sd = checkpoint
+    rangeserver.faults = lambda n, path, first, last: "403" if n == 3 else "503"
+    slow = Retry(attempts=4, base=5.0, cap=5.0)  # waits the load must not sit through
+    with pytest.raises(ReadError) as err:
+        dict(engine.stream(rangeserver.url("sharded/"), device="emulated", framework="np", connections=3,
+                           retry=slow))
+    assert err.value.reason == "AccessDenied"
+    assert rangeserver.data_gets < 6  # the others stopped at their first backoff
+    _released(emu)
+
+
+def test_a_cancel_stops_the_connections_and_releases_the_ring(checkpoint, rangeserver, device, emu):
+    """A consumer that stops after the first tensor: the load is cancelled while requests are
+    in flight (each answer waits 50 ms), and returns having released it all."""
+    _, sd = checkpoint
+    rangeserver.modes["*"] = "delay:0.05"
+    it = engine.stream(rangeserver.url("sharded/"), device="emulated", framework="np", connections=2, retry=FAST)
+    got = [name for name, _ in zip(it, range(3), strict=False)]
+    it.close()  # stops the load and waits for it
+    assert len(got) == 3
+    total = sum(v.nbytes for v in sd.values())
+    assert rangeserver.data_gets < total // SMALL  # not every chunk was asked for
+    _released(emu)
+
+
+def test_cache_dir_writes_the_copies_from_the_ring_and_a_second_load_reads_them(checkpoint, nginx, device, emu,
+                                                                                 tmp_path):
+    _, sd = checkpoint
+    cache = tmp_path / "cache"
+    with device_ring.load_records() as first:
+        got, early = _stream_checked(nginx.url("sharded/"), sd, cache_dir=str(cache))
+    assert early == [] and all(got[k].tobytes() == sd[k].tobytes() for k in sd)
+    assert [r.source for r in first] == ["network"]
+    with device_ring.load_records() as second:
+        got, early = _stream_checked(nginx.url("sharded/"), sd, cache_dir=str(cache))
+    assert early == [] and all(got[k].tobytes() == sd[k].tobytes() for k in sd)
+    assert [r.source for r in second] != ["network"] and second[0].network_bytes == 0
+    _released(emu)
+
+
+def test_a_ring_load_takes_local_or_remote_files_not_both(device):
+    src = pipeline.Source(-1, "x", [], ranges=lambda off, views: None)
+    local = pipeline.Source(0, "y", [])
+    with pytest.raises(ValueError, match="not both"):
+        device_ring.load([src, local], pipeline.Destination(device_targets={}, device_ops=device),
+                         pipeline._Tracker({}, None), threading.Event(), device_ring.Geometry(SMALL, 4, 1))
