@@ -284,3 +284,19 @@ def test_a_ring_load_takes_local_or_remote_files_not_both(device):
     with pytest.raises(ValueError, match="not both"):
         device_ring.load([src, local], pipeline.Destination(device_targets={}, device_ops=device),
                          pipeline._Tracker({}, None), threading.Event(), device_ring.Geometry(SMALL, 4, 1))
+
+
+def test_the_ring_is_set_up_while_the_headers_are_fetched(checkpoint, nginx, device, emu, monkeypatch):
+    """A remote load to a device prepares (page-locks) its ring before the headers' requests,
+    so the load itself locks nothing."""
+    _, sd = checkpoint
+    calls = []
+    real = device_ring.prepare
+    monkeypatch.setattr(device_ring, "prepare", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    with device_ring.load_records() as records:
+        got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", framework="pt"))
+    assert sorted(got) == sorted(sd)
+    assert all(np.asarray(got[k]).tobytes() == sd[k].tobytes() for k in sd)
+    assert calls == [device_ring.Geometry(SMALL, 4, 2)]
+    assert records[0].lock_calls == 0 and emu.stats()["registrations"] > 0
+    _released(emu)
