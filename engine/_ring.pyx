@@ -889,6 +889,9 @@ cdef class ChunkRing:
             return -1
         with nogil:
             if st.external and not _stopped(&st.cancel):
+                # the slot's event is asked, and its block page-locked, on the ring's device
+                # (a filler is the caller's thread: its current device may be any; cheap when set)
+                st.rt.set_device(st.device)
                 k = _take(&st.next_chunk)
                 if k >= st.plan.nchunks or _claim(st, k):
                     k = -1

@@ -300,3 +300,62 @@ def test_the_ring_is_set_up_while_the_headers_are_fetched(checkpoint, nginx, dev
     assert calls == [device_ring.Geometry(SMALL, 4, 2)]
     assert records[0].lock_calls == 0 and emu.stats()["registrations"] > 0
     _released(emu)
+
+
+def test_a_failed_copy_stops_the_connections_and_is_a_device_error(checkpoint, nginx, device, emu):
+    from engine.errors import DeviceError
+
+    emu.fail_copy(5, asynchronous=True)  # a fault on the device while the connections fill
+    with pytest.raises(DeviceError):
+        dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", framework="np", connections=3))
+    _released(emu)
+
+
+def test_the_rings_external_fill_api_checks_its_use(emu):
+    """take() outside a run has nothing to give, filled() names a chunk of the run; a start()
+    that starts no filler, or raises, stops the run rather than leaving it waiting."""
+    from engine import _ring
+
+    emu.reset()
+    ops = EmulatedRingOps(emu)
+    stream, _ = ops.ring_stream()
+    ring = _ring.ChunkRing(_ring.Runtime(emu.path), 0, stream, SMALL, 4, 1)
+    try:
+        assert ring.take() == -1
+        with pytest.raises(ValueError, match="not being filled"):
+            ring.filled(0)
+        dst = np.zeros(3 * SMALL, np.uint8)
+        c_file, c_seg, s_pos, s_off, s_len, s_dst = device_ring.plan(
+            type("P", (), {"file": np.zeros(1, np.int32), "off": np.zeros(1, np.int64),
+                           "len": np.array([dst.nbytes], np.int64),
+                           "dst": np.array([dst.ctypes.data], np.uint64)})(), SMALL)
+        plan = (c_file, c_seg, s_pos, s_off, s_len, s_dst, np.full(1, -1, np.int32), np.zeros(1, np.uint64),
+                np.zeros(1, np.int64), np.zeros(1, np.uint8))
+        with pytest.raises(ValueError, match="start"):
+            ring.run(*plan, fillers=2)
+        assert ring.run(*plan, fillers=2, start=lambda: 0)[0] == 3
+
+        def broken():
+            raise RuntimeError("no threads")
+
+        with pytest.raises(RuntimeError, match="no threads"):
+            ring.run(*plan, fillers=2, start=broken)
+        # and a run whose one filler fills every chunk lands them
+        src = np.random.default_rng(3).integers(0, 256, dst.nbytes, dtype=np.uint8)
+
+        def fill():
+            mem = ring.memory()
+            while (k := ring.take()) >= 0:
+                pos = (k % ring.chunks) * SMALL
+                mem[pos : pos + SMALL] = src[k * SMALL : (k + 1) * SMALL].tobytes()
+                ring.filled(k)
+            ring.leave()
+
+        t = threading.Thread(target=fill)
+        assert ring.run(*plan, fillers=1, start=lambda: t.start() or 1)[0] == 0
+        t.join()
+        assert dst.tobytes() == src.tobytes() and ring.last_run["net_bytes"] == dst.nbytes
+    finally:
+        ring.close()
+        ops.close()
+    assert emu.stats()["registered"] == 0
