@@ -213,9 +213,7 @@ def flaky(checkpoint):
 
 @pytest.fixture
 def rangeserver(flaky):
-    flaky.reset()
-    flaky.keepalive, flaky.etags, flaky.if_match, flaky.stall = True, True, True, 5.0
-    yield flaky
+    yield flaky.bulk()
     flaky.faults = {}
 
 

@@ -23,7 +23,7 @@ from engine.remote_reads import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from emucudart import EmulatedRingOps, EmulatedSink, Emulator  # noqa: E402
-from rangeserver import serve  # noqa: E402
+from rangeserver import serving  # noqa: E402
 from servers import Nginx, nginx_or_skip  # noqa: E402
 
 FAST = Retry(attempts=4, base=0.001, cap=0.01)
@@ -55,18 +55,14 @@ def nginx(checkpoint):
 
 @pytest.fixture(scope="module")
 def flaky(checkpoint):
-    server = serve(str(checkpoint[0]))
-    yield server
-    server.stop()
+    with serving(str(checkpoint[0])) as server:
+        yield server
 
 
 @pytest.fixture
 def rangeserver(flaky):
-    flaky.reset()
-    flaky.keepalive, flaky.etags, flaky.if_match, flaky.stall = True, True, True, 5.0
-    yield flaky
-    flaky.faults = {}
-    flaky.modes.clear()
+    yield flaky.bulk()
+    flaky.bulk()
 
 
 @pytest.fixture(scope="module")
