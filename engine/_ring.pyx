@@ -18,6 +18,12 @@ chunk's ``cudaMemcpyAsync`` in chunk order as soon as it is full and records the
 No Python runs per chunk: the calling thread takes the GIL only every ``poll_seconds`` to report
 progress and see a cancel.
 
+A run may instead be filled by the caller's threads (``run(fillers=...)``: a remote file's
+connections, each receiving a ranged GET straight into the chunk): each takes the next chunk
+with :meth:`ChunkRing.take` (the same native wait for the slot as a copy thread's, GIL
+released), writes it through :meth:`ChunkRing.memory` and reports it with
+:meth:`ChunkRing.filled` or :meth:`ChunkRing.fail`; the issuing side is the same.
+
 The CUDA runtime is not linked: :class:`Runtime` opens a ``libcudart`` by path (the one torch
 or CuPy already loaded, so the same instance, contexts and streams) and looks its entry points
 up by name; the tests pass an emulated runtime with the same ones (``tests/emucudart``).

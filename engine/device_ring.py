@@ -197,7 +197,8 @@ class LoadRecord:
         Time copy threads waited for a slot's previous copy to complete, summed over threads
         (high: the DMA is the bottleneck, more or larger chunks may help).
     fill_s : float
-        Time spent filling chunks, summed over threads.
+        Time spent filling chunks, summed over threads (remote files: the connections' time
+        receiving them, requests included).
     lock_s, lock_calls : float, int
         Page-locking done during this load (0 for a ring set up before it).
     cold, setup_s : bool, float
@@ -602,6 +603,7 @@ class _Fillers:
         self.chunk_bytes, self.slots = ring.chunk_bytes, ring.chunks
         self.errors: list[tuple[int, BaseException]] = []
         self.lock = threading.Lock()
+        self.fill_s = 0.0  # seconds the connections spent receiving chunks, summed
         self.threads: list[threading.Thread] = []
 
     def start(self) -> int:
@@ -618,8 +620,10 @@ class _Fillers:
     def _run(self) -> None:
         ring = self.ring
         scratch: list = []
+        busy = 0.0
         try:
             while (k := ring.take()) >= 0:
+                t0 = time.perf_counter()
                 try:
                     self._chunk(k, scratch)
                 except BaseException as exc:
@@ -628,8 +632,12 @@ class _Fillers:
                     ring.fail(k)
                     self.cancel.set()  # the other connections stop waiting between their tries
                     return
+                finally:
+                    busy += time.perf_counter() - t0
                 ring.filled(k)
         finally:
+            with self.lock:
+                self.fill_s += busy
             ring.leave()
 
     def _chunk(self, k: int, scratch: list) -> None:
@@ -782,7 +790,12 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 keeps[i] = i not in mappings or unmap == "end" or kept(m)
 
         def poll(done: int) -> bool:
-            landing.upto(done)
+            try:
+                landing.upto(done)
+            except BaseException:
+                if fillers is not None:
+                    cancel.set()  # the run stops: connections waiting between tries stop too
+                raise
             return cancel.is_set()
 
         if remote[0]:
@@ -800,7 +813,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         record = LoadRecord(
             chunks=int(run["chunks"]), bytes=int(s_len.sum()), chunk_bytes=ring.chunk_bytes, slots=ring.chunks,
             threads=fillers.count if fillers is not None else int(run["threads"]), seconds=time.perf_counter() - t_start, fill_wait_s=run["fill_wait_s"],
-            slot_wait_s=run["slot_wait_s"], fill_s=run["fill_s"], lock_s=run["lock_s"],
+            slot_wait_s=run["slot_wait_s"], fill_s=fillers.fill_s if fillers is not None else run["fill_s"], lock_s=run["lock_s"],
             lock_calls=int(run["lock_calls"]), cold=cold, setup_s=setup_s, source=source, unmap=unmap,
             pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable,
             network_bytes=int(run["net_bytes"]))

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -355,3 +356,36 @@ def test_the_rings_external_fill_api_checks_its_use(emu):
         ring.close()
         ops.close()
     assert emu.stats()["registered"] == 0
+
+
+def test_an_error_in_the_progress_report_ends_the_connections_waits(device, emu):
+    """A tensor's report raising while connections wait between tries (as the remote reader
+    does, on the load's cancel): the load ends with that error at once, not after the waits."""
+    from engine.plan import plan_reads
+
+    size = SMALL
+    data = np.random.default_rng(9).integers(0, 256, 8 * size, dtype=np.uint8)
+    cancel = threading.Event()
+
+    def ranges(offset, views):
+        if offset >= 2 * size:  # a busy server: wait for the next try, unless the load stops
+            cancel.wait(30)
+            raise ReadError("busy", reason="ShortRead")
+        for v in views:
+            v[:] = data[offset : offset + len(v)].tobytes()
+            offset += len(v)
+
+    def on_complete(row):
+        raise KeyError(f"consumer failed at {row}")
+
+    begins = np.arange(8, dtype=np.int64) * size
+    src = pipeline.Source(-1, "http://x/f", plan_reads(begins, begins + size, range(8), 0, 1 << 20),
+                          ranges=ranges)
+    dst = {r: np.zeros(size, np.uint8) for r in range(8)}
+    t0 = time.monotonic()
+    with pytest.raises(KeyError, match="consumer failed"):
+        device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=device),
+                         pipeline._Tracker.of([src], on_complete), cancel, device_ring.Geometry(size, 4, 1),
+                         connections=3)
+    assert time.monotonic() - t0 < 10 and cancel.is_set()
+    _released(emu)
