@@ -73,6 +73,9 @@ cdef extern from *:
     static inline int64_t engine_ring_take(int64_t *counter) {
         return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
     }
+    static inline int64_t engine_ring_take_n(int64_t *counter, int64_t n) {
+        return __atomic_fetch_add(counter, n, __ATOMIC_RELAXED);
+    }
     static inline int engine_ring_stopped(int *flag) {
         return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
     }
@@ -87,6 +90,7 @@ cdef extern from *:
     }
     """
     int64_t _take "engine_ring_take"(int64_t* counter) noexcept nogil
+    int64_t _take_n "engine_ring_take_n"(int64_t* counter, int64_t n) noexcept nogil
     int _stopped "engine_ring_stopped"(int* flag) noexcept nogil
     void _stop "engine_ring_stop"(int* flag) noexcept nogil
     void _deadline "engine_ring_deadline"(timespec* ts, long ns) noexcept nogil
@@ -677,9 +681,9 @@ cdef class ChunkRing:
         ``fillers``: the chunks are filled by that many threads of the caller's instead (a
         remote file's connections), and no copy thread wakes.  ``start()`` runs once on this
         thread, with the GIL, when the run is ready to be filled: it starts the fillers and
-        returns how many it started (each of them loops ``k = take()`` while ``k >= 0``,
-        writes chunk ``k`` at ``memory()[(k % chunks) * chunk_bytes:]`` and calls
-        ``filled(k)``, or ``fail(k)`` and stops; then ``leave()`` once, whatever happened).
+        returns how many it started (each of them loops ``k, n = take(most)`` while ``k >= 0``,
+        writes chunk ``k + i`` at ``memory()[((k + i) % chunks) * chunk_bytes:]`` and calls
+        ``filled(k, n)``, or ``fail(k)`` and stops; then ``leave()`` once, whatever happened).
         The run returns only when every filler has left.  The files' descriptors and
         mappings are not read then.
 
@@ -885,36 +889,56 @@ cdef class ChunkRing:
 
     # -- external fillers (a run with ``fillers``): see :meth:`run` ---------------------------------
 
-    def take(self) -> int:
-        """The next chunk for an external filler to fill, its slot ready (the slot's previous
-        copy completed; on first use, page-locked), or -1: no chunk is left or the run
-        stopped (an error, a cancel).  Waits with the GIL released."""
+    def take(self, int most=1) -> tuple:
+        """The next chunks for an external filler to fill, ``(k, n)``: chunks ``k .. k+n-1``
+        (``n`` at most ``most``, at most half the ring's chunks), their slots ready (each
+        slot's previous copy completed; on first use, page-locked); ``(-1, 0)`` when no
+        chunk is left or the run stopped (an error, a cancel).  Several chunks at once let one
+        request fill them (consecutive slots are adjacent in memory but where the ring wraps).
+        Waits with the GIL released."""
         cdef _State* st = self.st
-        cdef int64_t k = -1
+        cdef int64_t k = -1, n = 0, i
         if st == NULL or not self.busy:
-            return -1
+            return (-1, 0)
+        if most < 1:
+            raise ValueError("take at least one chunk")
+        # a filler holds its chunks unfilled while it claims the next one's slot: no more than
+        # half the ring, so that it never waits for a slot only it can free
+        most = min(most, max(1, st.nslots // 2))
         with nogil:
             if st.external and not _stopped(&st.cancel):
-                # the slot's event is asked, and its block page-locked, on the ring's device
+                # the slots' events are asked, and their blocks page-locked, on the ring's device
                 # (a filler is the caller's thread: its current device may be any; cheap when set)
                 st.rt.set_device(st.device)
-                k = _take(&st.next_chunk)
-                if k >= st.plan.nchunks or _claim(st, k):
+                k = _take_n(&st.next_chunk, most)
+                if k >= st.plan.nchunks:
                     k = -1
-        return k
+                else:
+                    n = st.plan.nchunks - k
+                    if n > most:
+                        n = most
+                    for i in range(n):
+                        if _claim(st, k + i):
+                            k = -1
+                            break
+        if k < 0:
+            return (-1, 0)
+        return (k, n)
 
-    def filled(self, int64_t k) -> None:
-        """Chunk ``k`` (from :meth:`take`) is full: its copies may be issued."""
+    def filled(self, int64_t k, int64_t n=1) -> None:
+        """Chunks ``k .. k+n-1`` (from :meth:`take`) are full: their copies may be issued."""
         cdef _State* st = self.st
-        cdef int64_t n = 0, j
-        if st == NULL or not self.busy or not st.external or not 0 <= k < st.plan.nchunks:
-            raise ValueError(f"chunk {k} is not being filled")
-        for j in range(st.plan.c_seg[k], st.plan.c_seg[k + 1]):
-            n += st.plan.s_len[j]
+        cdef int64_t nbytes = 0, j, i
+        if st == NULL or not self.busy or not st.external or n < 1 or not 0 <= k or k + n > st.plan.nchunks \
+                or n > st.nslots:
+            raise ValueError(f"chunks {k} to {k + n - 1} are not being filled")
+        for j in range(st.plan.c_seg[k], st.plan.c_seg[k + n]):
+            nbytes += st.plan.s_len[j]
         with nogil:
             pthread_mutex_lock(&st.lock)
-            st.net_bytes += n
-            st.filled[k % st.nslots] = k
+            st.net_bytes += nbytes
+            for i in range(k, k + n):
+                st.filled[i % st.nslots] = i
             pthread_cond_signal(&st.filled_cond)
             pthread_mutex_unlock(&st.lock)
 

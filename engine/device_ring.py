@@ -16,11 +16,11 @@ names the run), and ``ENGINE_RING`` (``chunk_mib,chunks,threads``) or the loader
 ``ring=`` argument overrides them.
 
 Remote files (a :class:`~engine.pipeline.Source` with ``ranges``) take the same ring: the
-load's connections, one Python thread each, take the next chunk from the ring (which waits,
-natively, for that slot's previous copy), receive the ranged GET of the chunk's file block
-straight into the page-locked chunk (``recv_into``, GIL released: :mod:`engine.remote_reads`
+load's connections, one Python thread each, take the next chunks from the ring (which waits,
+natively, for their slots' previous copies), receive one ranged GET of those chunks' file
+blocks (the request size the caller planned) straight into the page-locked chunks (``recv_into``, GIL released: :mod:`engine.remote_reads`
 with its retries, deadlines, byte checks and whole-file streams) and mark it filled; the
-issuing thread sends its DMA in order as for a local file.  Two copies of each byte: socket ->
+issuing thread sends their DMAs in order as for a local file.  Two copies of each byte: socket ->
 page-locked chunk, chunk -> device by DMA (a copy more with ``cache_dir``: the body written from
 the chunk to the local copy).  An HTTP request is an event of the interpreter anyway; nothing
 else runs in Python per chunk.
@@ -585,20 +585,23 @@ _MAX_GAP = 1 << 20
 
 class _Fillers:
     """The connections of a remote load, filling the ring's chunks: ``count`` threads, each
-    taking the next chunk (:meth:`engine._ring.ChunkRing.take`, which waits natively for
-    the slot), receiving its runs of the file with ``ranges(offset, views)`` into views of
-    the chunk's page-locked memory, and marking it filled.  A failed chunk (after the reader's
-    retries) stops the run; the first error that is not a consequence of the stop is the
-    load's."""
+    taking the next ``group`` chunks (:meth:`engine._ring.ChunkRing.take`, which waits
+    natively for their slots), receiving their runs of the file with ``ranges(offset,
+    views)`` into views of the chunks' page-locked memory (one request per run: ``group``
+    chunks of one file make one request of the size the caller planned), and marking them
+    filled.  A failed chunk (after the reader's retries) stops the run; the first error that
+    is not a consequence of the stop is the load's."""
 
-    def __init__(self, ring, sources, c_file, c_seg, s_pos, s_off, s_len, cancel, count: int) -> None:
+    def __init__(self, ring, sources, c_file, c_seg, s_pos, s_off, s_len, cancel, count: int,
+                 group: int = 1) -> None:
         self.ring = ring
         self.sources = sources
         self.c_file = c_file.tolist()
         self.c_seg = c_seg.tolist()
         self.s_pos, self.s_off, self.s_len = s_pos.tolist(), s_off.tolist(), s_len.tolist()
         self.cancel = cancel
-        self.count = max(1, min(count, len(self.c_file)))
+        self.group = max(1, group)
+        self.count = max(1, min(count, -(-len(self.c_file) // self.group)))
         self.memory = ring.memory()
         self.chunk_bytes, self.slots = ring.chunk_bytes, ring.chunks
         self.errors: list[tuple[int, BaseException]] = []
@@ -622,10 +625,13 @@ class _Fillers:
         scratch: list = []
         busy = 0.0
         try:
-            while (k := ring.take()) >= 0:
+            while True:
+                k, n = ring.take(self.group)
+                if k < 0:
+                    break
                 t0 = time.perf_counter()
                 try:
-                    self._chunk(k, scratch)
+                    self._chunks(k, n, scratch)
                 except BaseException as exc:
                     with self.lock:
                         self.errors.append((k, exc))
@@ -634,44 +640,53 @@ class _Fillers:
                     return
                 finally:
                     busy += time.perf_counter() - t0
-                ring.filled(k)
+                ring.filled(k, n)
         finally:
             with self.lock:
                 self.fill_s += busy
             ring.leave()
 
-    def _chunk(self, k: int, scratch: list) -> None:
-        """Receive chunk ``k``: one ranged GET per run of its file-contiguous pieces (a small
-        gap received into ``scratch`` and dropped), into the chunk's slot."""
-        mem, base = self.memory, (k % self.slots) * self.chunk_bytes
-        s_pos, s_off, s_len = self.s_pos, self.s_off, self.s_len
-        ranges = self.sources[self.c_file[k]].ranges
-        j, last = self.c_seg[k], self.c_seg[k + 1]
-        while j < last:
-            start, end = s_off[j], s_off[j] + s_len[j]
-            spans = [[s_pos[j], s_pos[j] + s_len[j]]]  # chunk positions; None: a gap of the file
-            j += 1
-            while j < last and 0 <= s_off[j] - end <= _MAX_GAP:
-                gap = s_off[j] - end
+    def _chunks(self, k: int, n: int, scratch: list) -> None:
+        """Receive chunks ``k .. k+n-1``: one ranged GET per run of file-contiguous pieces (a
+        small gap received into ``scratch`` and dropped), into the chunks' slots (adjacent
+        slots' memory in one view)."""
+        cb, slots = self.chunk_bytes, self.slots
+        c_seg, c_file, s_pos, s_off, s_len = self.c_seg, self.c_file, self.s_pos, self.s_off, self.s_len
+        run: list = []  # the current request: [file, first offset, end offset, spans]
+        c = k
+        for j in range(c_seg[k], c_seg[k + n]):
+            while c_seg[c + 1] <= j:
+                c += 1
+            f, off, ln = c_file[c], s_off[j], s_len[j]
+            a = (c % slots) * cb + s_pos[j]  # where it lands in the ring's memory
+            if run and run[0] == f and 0 <= off - run[2] <= _MAX_GAP:
+                spans = run[3]
+                gap = off - run[2]
                 if gap:
                     spans.append([None, gap])
-                elif spans[-1][0] is not None and spans[-1][1] == s_pos[j]:
-                    spans[-1][1] += s_len[j]  # contiguous in the chunk too: one view
-                    end += s_len[j]
-                    j += 1
-                    continue
-                spans.append([s_pos[j], s_pos[j] + s_len[j]])
-                end = s_off[j] + s_len[j]
-                j += 1
-            views = []
-            for a, b in spans:
-                if a is None:
-                    if not scratch:
-                        scratch.append(memoryview(bytearray(_MAX_GAP)))
-                    views.append(scratch[0][:b])
+                if not gap and spans[-1][0] is not None and spans[-1][1] == a:
+                    spans[-1][1] += ln  # contiguous in the ring too: one view
                 else:
-                    views.append(mem[base + a : base + b])
-            ranges(start, views)
+                    spans.append([a, a + ln])
+                run[2] = off + ln
+                continue
+            if run:
+                self._get(run, scratch)
+            run = [f, off, off + ln, [[a, a + ln]]]
+        if run:
+            self._get(run, scratch)
+
+    def _get(self, run: list, scratch: list) -> None:
+        f, start, _, spans = run
+        views = []
+        for a, b in spans:
+            if a is None:
+                if not scratch:
+                    scratch.append(memoryview(bytearray(_MAX_GAP)))
+                views.append(scratch[0][:b])
+            else:
+                views.append(self.memory[a:b])
+        self.sources[f].ranges(start, views)
 
     def join(self) -> None:
         for t in self.threads:
@@ -736,8 +751,9 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
 
     ``sources`` are local files, or remote ones (each with ``ranges``, no descriptor): those
     are filled by ``connections`` threads (default the ring's thread count), one ranged GET
-    per chunk's run of the file, received straight into the page-locked chunk (see the
-    module's doc).  Copies of tensor bytes: 2 (file or socket -> chunk, chunk -> device).
+    per run of the file in as many chunks as the sources' largest planned request holds
+    (at most half the ring), received straight into the page-locked chunks (see the module's
+    doc).  Copies of tensor bytes: 2 (file or socket -> chunk, chunk -> device).
 
     A source's ``mapping`` (a caller's mapping of the file, held beyond the load) is copied
     from and left mapped; otherwise each file is mapped for the load (see :func:`unmap_mode`)
@@ -799,8 +815,11 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             return cancel.is_set()
 
         if remote[0]:
+            # one request per ``group`` chunks of a file: the request size the caller planned
+            # (remote_load's chunk_bytes), the ring's chunks however small
+            planned = max((r.nbytes for src in sources for r in src.requests), default=0)
             fillers = _Fillers(ring, sources, c_file, c_seg, s_pos, s_off, s_len, cancel,
-                               connections or ring.threads)
+                               connections or ring.threads, max(1, planned // ring.chunk_bytes))
         try:
             kind, code, chunk, at, missing = ring.run(
                 c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens, keeps, poll,

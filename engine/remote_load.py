@@ -11,9 +11,10 @@ How the bytes move: the headers come from two ranged GETs per file
 (:func:`engine.plan.plan_reads`, requests of ``chunk_bytes``), and the pipeline's worker
 threads, ``connections`` of them, each take the next request of any shard and receive its
 body on a keep-alive connection straight into the destination tensor's memory (CPU), or
-take the next chunk of the device's copy ring (:mod:`engine.device_ring`: one ranged GET
-per chunk, a ``chunk_bytes``-aligned block of the file) and receive it straight into the
-ring's page-locked chunk, which the ring then copies to the device (CUDA), through
+take the next chunks of the device's copy ring (:mod:`engine.device_ring`: one ranged GET
+of ``chunk_bytes`` for as many of the ring's chunks, each a block of the file) and receive
+it straight into the ring's page-locked chunks, which the ring then copies to the device
+(CUDA), through
 :mod:`engine.remote_reads` (deadlines, retries, ``If-Match``).  Tensors are handed out as
 their last byte lands.
 
@@ -43,9 +44,9 @@ __all__ = ["stream", "load", "load_into", "open_parts", "remote_options", "Remot
 
 #: Bytes per ranged GET: measured best on loopback by ``scripts/bench_remote.py --sweep``.
 DEFAULT_CHUNK_BYTES = 16 << 20
-#: Requests planned for CUDA destinations; their ranged GETs are the device ring's chunks
-#: (``slot_bytes``, default :func:`engine.device_ring.default_geometry`'s 4 MiB), each
-#: received straight into one page-locked chunk.
+#: Per ranged GET for CUDA destinations: each fills two of the device ring's 4 MiB
+#: page-locked chunks (consecutive slots, adjacent in memory), so that a connection's
+#: chunks can be copied while the other connections' requests are still arriving.
 DEVICE_CHUNK_BYTES = 8 << 20
 
 
@@ -199,8 +200,8 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
     framework, device, names, patterns, predicate, layers, per_tensor, quantize, gpu_path, slot_bytes
         As :func:`engine.stream` takes them (``stats=True`` needs a local file).
     chunk_bytes : int, optional
-        Bytes per ranged GET (default 16 MiB) for CPU destinations; a CUDA destination's GETs
-        are its ring's chunks (``slot_bytes``, default 4 MiB).
+        Bytes per ranged GET (default 16 MiB; 8 MiB for CUDA destinations, rounded down to
+        whole chunks of the device's ring).
     connections : int, optional
         Parallel requests, each on its own keep-alive connection (default: two per core,
         between 4 and 16).

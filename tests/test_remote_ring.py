@@ -318,7 +318,7 @@ def test_the_rings_external_fill_api_checks_its_use(emu):
     stream, _ = ops.ring_stream()
     ring = _ring.ChunkRing(_ring.Runtime(emu.path), 0, stream, SMALL, 4, 1)
     try:
-        assert ring.take() == -1
+        assert ring.take() == (-1, 0)
         with pytest.raises(ValueError, match="not being filled"):
             ring.filled(0)
         dst = np.zeros(3 * SMALL, np.uint8)
@@ -337,21 +337,29 @@ def test_the_rings_external_fill_api_checks_its_use(emu):
 
         with pytest.raises(RuntimeError, match="no threads"):
             ring.run(*plan, fillers=2, start=broken)
-        # and a run whose one filler fills every chunk lands them
+        # and a run whose one filler fills every chunk, several at a time (no more than half
+        # the ring's: it holds them while it waits for the next one's slot), lands them
         src = np.random.default_rng(3).integers(0, 256, dst.nbytes, dtype=np.uint8)
+        taken = []
 
         def fill():
             mem = ring.memory()
-            while (k := ring.take()) >= 0:
-                pos = (k % ring.chunks) * SMALL
-                mem[pos : pos + SMALL] = src[k * SMALL : (k + 1) * SMALL].tobytes()
-                ring.filled(k)
+            while True:
+                k, n = ring.take(3)
+                if k < 0:
+                    break
+                taken.append(n)
+                for c in range(k, k + n):
+                    pos = (c % ring.chunks) * SMALL
+                    mem[pos : pos + SMALL] = src[c * SMALL : (c + 1) * SMALL].tobytes()
+                ring.filled(k, n)
             ring.leave()
 
         t = threading.Thread(target=fill)
         assert ring.run(*plan, fillers=1, start=lambda: t.start() or 1)[0] == 0
         t.join()
         assert dst.tobytes() == src.tobytes() and ring.last_run["net_bytes"] == dst.nbytes
+        assert taken == [2, 1]
     finally:
         ring.close()
         ops.close()
