@@ -638,7 +638,7 @@ def record_dicts(records) -> list[dict]:
 
 #: the records' fields summed over a sample's loads (a per-shard row makes one load per shard)
 RECORD_SUMS = ("chunks", "bytes", "seconds", "fill_wait_s", "slot_wait_s", "fill_s", "lock_s", "lock_calls",
-               "pread_bytes", "mmap_bytes")
+               "pread_bytes", "mmap_bytes", "network_bytes")
 #: the fields that describe the ring rather than count its work (the first load's)
 RECORD_SHAPE = ("chunk_bytes", "slots", "threads")
 

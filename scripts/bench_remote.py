@@ -29,10 +29,19 @@ process (the engine's bytecode compiled first):
   allowance is ``(engine http + disk write+fsync) / 0.9``, printed below the table);
   ``local owned load``: ``load_file`` of the same shards from the local directory with
   ``backend="pread"`` (owned tensors): what the second load's copies are read at;
-* ``engine http device``: the same load into an emulated device: the copy path through
-  page-locked staging slots, into a device whose copies complete without moving bytes
-  (the host side of a GPU load: socket -> pinned slot; a GPU's DMA engine does the rest);
-  its clock starts after the headers are read, the other engine rows' before;
+* ``engine http device`` / ``engine s3 device``: the same load into an emulated device
+  (the emulated CUDA runtime of the tests, ``tests/emucudart``) through the chunk ring: the
+  connections receive each chunk's ranged GET straight into the ring's page-locked chunk,
+  and the ring issues its copy; the device's copies complete without moving bytes (the host
+  side of a GPU load: socket -> page-locked chunk; a GPU's DMA engine does the rest); its
+  clock starts after the headers are read, the other engine rows' before.  ``... memcpy``:
+  the copies move the bytes (a CPU copy standing in for the DMA engine, a core's work a GPU
+  host does not pay), so that the bytes that reached the "device" are compared;
+  ``engine http device slots``: the same load forced onto the slot path (pinned staging
+  slots, Python per unit), the way remote device loads went before the ring took them;
+  ``... repeated``: a warm-up load, then 3 in the same process, the ring (or the slots)
+  kept between them: the steady state, without a fresh process's set-up (the first touch
+  of the ring's 128 MiB of page-locked chunks, huge pages where granted);
 * ``GETs + reference``: each shard fetched whole with ``urllib`` into memory, one after
   the other, then ``safetensors.torch.load`` of those bytes (the reference's own way to
   load bytes it did not read from a file); ``... repeated`` in one process as above;
@@ -191,12 +200,17 @@ def _engine_load_into(url: str, options: str = "") -> str:
     )
 
 
-def _engine_device(url: str) -> str:
+def _engine_device(url: str, dma: str = "none", slots: bool = False, repeat: int = 0) -> str:
+    """A remote load into an emulated device (``host.BenchDevice``): the chunk ring, or with
+    ``slots`` the slot path (the ring refused, as for device operations without a runtime);
+    with ``repeat``, a warm-up load and ``repeat`` more in the process, the ring kept between
+    them (the median is the sample: the steady state, without the set-up of a first load)."""
     return (
         "import numpy as np\n"
         "from benchmarks import host\n"
-        "from engine import pipeline, remote_load\n"
-        "from engine.loading.loader import _bases, _sources\n"
+        "from engine import device_ring, pipeline, remote_load\n"
+        + ("device_ring.supports = lambda ops: False\n" if slots else "")
+        + "from engine.loading.loader import _bases, _sources\n"
         f"opened = remote_load.open_parts({url!r})\n"
         "parts = [p._replace(rows=list(p.header.table.file_order())) for p in opened.parts]\n"
         "bases = _bases(parts)\n"
@@ -211,13 +225,23 @@ def _engine_device(url: str) -> str:
         "            targets[b + r] = block[pos:pos + n]\n"
         "            out[t.names[r]] = torch.from_numpy(block[pos:pos + n])\n"
         "        pos += n\n"
-        "dev = host.BenchDevice('none')\n"
-        "common.reset_hwm()\n"
-        "t0 = time.perf_counter()\n"
-        "pipeline.run_sources(_sources(parts, bases, remote_load.DEVICE_CHUNK_BYTES),\n"
-        "    pipeline.Destination(device_targets=targets, device_ops=dev), threads=opened.reads.connections,\n"
-        "    gpu_path='copy')\n"
-        "dev.close(); opened.close()\n"
+        f"dev = host.BenchDevice({dma!r})\n"
+        "def once():\n"
+        "    pipeline.run_sources(_sources(parts, bases, remote_load.DEVICE_CHUNK_BYTES),\n"
+        "        pipeline.Destination(device_targets=targets, device_ops=dev), threads=opened.reads.connections,\n"
+        "        gpu_path='copy')\n"
+        + ("common.reset_hwm()\nt0 = time.perf_counter()\nonce()\n" if not repeat else (
+            "import statistics\n"
+            "import engine\nengine.keep_staging(True)\n"
+            "once()\n"
+            "common.reset_hwm()\n"
+            "times = []\n"
+            f"for _ in range({repeat}):\n"
+            "    t = time.perf_counter()\n"
+            "    once()\n"
+            "    times.append(time.perf_counter() - t)\n"
+            "t0 = time.perf_counter() - statistics.median(times)\n"))
+        + "dev.close(); opened.close()\n"
     )
 
 
@@ -380,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
                 "disk write+fsync": (py, _disk_write(nbytes, scratch), env),
                 "local owned load": (py, _engine_load(directory, ", backend='pread'"), env),
                 "engine http device": (py, _engine_device(index), env),
+                "engine s3 device": (py, _engine_device(s3_index), s3_env),
+                "engine http device memcpy": (py, _engine_device(index, "memcpy"), env),
+                "engine http device slots": (py, _engine_device(index, slots=True), env),
+                "engine http device repeated": (py, _engine_device(index, repeat=3), env),
+                "engine http device slots repeated": (py, _engine_device(index, slots=True, repeat=3), env),
                 "GETs + reference": (py, _gets_reference(shard_urls), env),
                 "GETs + reference repeated": (py, _gets_reference(shard_urls, repeat=3), env),
                 "download + reference": (py, _download_then_reference(shard_urls, scratch), env),
@@ -450,7 +479,8 @@ def _report(results: dict, nbytes: int, expected: int, args) -> None:
         xe = f"{engine / s:.2f}" if engine else "-"
         peak = f"{statistics.median(hwm) / 1e9:.2f}" if hwm else "-"
         # the emulated device's copies move no bytes (dma=none): nothing to compare there
-        same = "-" if name.startswith(("fault", "line", "disk")) or name.endswith("device") else (
+        same = "-" if name.startswith(("fault", "line", "disk")) or name.endswith(
+            ("device", "slots", "device repeated", "slots repeated")) else (
             "equal" if equal else "DIFFER")
         print(f"{name:34} {rate:6.2f} {xl:>7} {xe:>8} {peak:>11}  {same}")
         table[name] = {"seconds": s, "gbps": rate, "x_line": line / s if line else None,
@@ -466,6 +496,11 @@ def _report(results: dict, nbytes: int, expected: int, args) -> None:
         if s and line and ref:
             bound = f", {nbytes / s / 1e9 / fault_bound:.2f}x the owned-load bound" if fault_bound else ""
             print(f"{name}: {line / s:.2f}x the line rate, {ref / s:.2f}x GETs + reference{bound}")
+    for suffix in ("", " repeated"):
+        ring, slot = med(f"engine http device{suffix}"), med(f"engine http device slots{suffix}")
+        if ring and line:
+            was = f" (the slot path: {line / slot:.2f}x)" if slot else ""
+            print(f"engine http device{suffix} (chunk ring): {line / ring:.2f}x the line rate{was}")
     disk, first, second = med("disk write+fsync"), med("engine http cache_dir 1st"), med("engine http cache_dir 2nd")
     if engine and disk and first:
         allowance = (engine + disk) / 0.9

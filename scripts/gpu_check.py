@@ -691,8 +691,8 @@ def row_pytest(check: Check, name: str) -> None:
     check.step("pytest", name, name, check.priors[name], run)
 
 
-#: the emulated rows: the chunk ring (device loads of local files) and the slot path (loads
-#: with a hook, remote files, device operations without a CUDA runtime for a ring);
+#: the emulated rows: the chunk ring (device loads of local and remote files) and the slot
+#: path (loads with a hook, device operations without a CUDA runtime for a ring);
 #: ``--child-emulated`` names them by the key
 EMULATED = {
     "ring": "emulated runtime: chunk ring, every shard in one load",
@@ -846,7 +846,7 @@ def compare_child(dev: str, scratch: str) -> dict:
 
     every = list(sd)
     # the same file over HTTP (the tests' Range server, keep-alive, on 127.0.0.1): the remote
-    # loads' own device copy path, connections filling the pinned slots
+    # loads' device path, connections filling the chunk ring's page-locked chunks
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from rangeserver import serve
 

@@ -40,6 +40,7 @@ For the bulk reads of a load (:mod:`engine.net.remote_reads`) the server also ha
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import gzip
 import io
@@ -50,6 +51,7 @@ import socket
 import struct
 import threading
 import urllib.parse
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -109,6 +111,14 @@ class RangeServer(ThreadingHTTPServer):
             self.generation = 0
             self.weak_etags = False
             self.max_range = 0
+
+    def bulk(self) -> RangeServer:
+        """:meth:`reset`, then the server the bulk reads of a load expect: keep-alive, ETags
+        with ``If-Match`` honoured, a 5 s stall, no mode; returns self (a fixture's value)."""
+        self.reset()
+        self.modes.clear()
+        self.keepalive, self.etags, self.if_match, self.stall = True, True, True, 5.0
+        return self
 
     def etag(self, file: str) -> str:
         st = os.stat(file)
@@ -328,6 +338,16 @@ class _Handler(BaseHTTPRequestHandler):
 def serve(root: str) -> RangeServer:
     """Start a server on ``root``; call ``.stop()`` when done."""
     return RangeServer(root).start()
+
+
+@contextlib.contextmanager
+def serving(root: str) -> Iterator[RangeServer]:
+    """:func:`serve` for a ``with`` block (a module fixture's): stopped at its end."""
+    server = serve(root)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def copy_tree(src: str, dst: str) -> None:

@@ -567,27 +567,34 @@ def test_a_failed_safe_open_download_leaves_nothing(tree, server, tmp_path):
     assert os.listdir(d) == []
 
 
-def test_a_device_load_writes_its_copies_from_the_staging_slots(tree, server, tmp_path, monkeypatch):
-    """Bodies received into pinned slots (an emulated device, its copies asynchronous) are
-    written from the slots, and the next device load reads the copies."""
-    from emulated import EmulatedDevice, EmulatedSink
+def test_a_device_load_writes_its_copies_from_the_ring(tree, server, tmp_path, monkeypatch):
+    """Bodies received into the ring's page-locked chunks (the emulated CUDA runtime, its copies
+    asynchronous) are written from the chunks, and the next device load reads the copies."""
+    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
 
     import engine.loading.loader
+    from engine.gpu import device_ring
 
     root, sd = tree
     d = tmp_path / "cache"
     url = server.url(f"sharded/{INDEX}")
+    emulator = Emulator()
     for attempt in range(2):
-        emu = EmulatedDevice()
-        sink = EmulatedSink(emu)
+        emulator.reset()
+        ops = EmulatedRingOps(emulator)
+        sink = EmulatedSink(ops)
         monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device, sink=sink: sink)
         try:
-            got = dict(engine.stream(url, device="emulated", chunk_bytes=65536, slot_bytes=1 << 18, cache_dir=d))
+            with device_ring.load_records() as records:
+                got = dict(engine.stream(url, device="emulated", chunk_bytes=65536, slot_bytes=1 << 18, cache_dir=d))
         finally:
-            emu.close()
+            device_ring.release_rings()
+            ops.close()
         assert sorted(got) == sorted(sd)
-        assert all(bytes(got[k]) == raw(v) for k, v in sd.items())
-        emu.assert_clean()
+        assert all(got[k].tobytes() == raw(v) for k, v in sd.items())
+        st = emulator.stats()
+        assert st["registered"] == 0 and st["pageable"] == 0 and st["copies"] > 0, st
+        assert [r.source == "network" for r in records] == [attempt == 0]
         _assert_copies_are(d, _shards(root))
         if attempt == 0:
             _fresh(server)

@@ -10,6 +10,7 @@ import sys
 import traceback
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,18 +102,35 @@ class EmulatedArray:
         self.code, self.shape, self.data = code, shape, bytearray(nbytes)
 
 
-@pytest.mark.parametrize("gpu_path", ["copy", "auto"])
-def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, monkeypatch, gpu_path):
-    """A device destination, emulated on the CPU as tests/test_loader.py does: remote bytes
-    land in staging slots, then the device's copies."""
-    from emulated import EmulatedDevice
+@pytest.fixture
+def ring_ops():
+    """Device operations over the emulated CUDA runtime (tests/emucudart): remote loads to them
+    go through the chunk ring (tests/test_remote_ring.py tests that path in depth)."""
+    from emucudart import EmulatedRingOps, Emulator
 
+    from engine.gpu import device_ring
+
+    emulator = Emulator()
+    emulator.reset()
+    ops = EmulatedRingOps(emulator)
+    yield ops
+    device_ring.release_rings()
+    st = emulator.stats()
+    ops.close()
+    emulator.reset()
+    assert st["copies"] > 0 and st["registered"] == 0 and st["pageable"] == 0, st
+
+
+@pytest.mark.parametrize("gpu_path", ["copy", "auto"])
+def test_load_into_a_device_from_a_url_goes_through_the_ring(checkpoint, nginx, monkeypatch, gpu_path, ring_ops):
+    """A device destination, emulated on the CPU: remote bytes land in the ring's chunks,
+    then the device's copies."""
     import engine.loading.loader
     from engine.base import dtypes
     from engine.sinks._targets import FillTarget
 
     _, sd = checkpoint
-    emu = EmulatedDevice()
+    emu = ring_ops
 
     class EmulatedTarget(FillTarget):
         device = ("emulated", 0)
@@ -121,7 +139,7 @@ def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, m
             super().__init__(arr, arr.code, arr.shape, True, "emulated")
 
         def device_bytes(self):
-            return self.tensor.data
+            return memoryview(self.tensor.data)
 
         def device_ops(self):
             return emu
@@ -133,40 +151,35 @@ def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, m
     dst = {k: EmulatedArray(dtypes.from_torch(sd[k].dtype), tuple(sd[k].shape), len(raw(sd[k])))
            for k in on_device}
     host = {k: torch.zeros_like(v) for k, v in sd.items() if k not in dst}
-    try:
-        filled = engine.load_into(nginx.url("sharded/"), {**dst, **host}, strict=True, gpu_path=gpu_path,
-                                  chunk_bytes=65536)
-    finally:
-        emu.close()
+    filled = engine.load_into(nginx.url("sharded/"), {**dst, **host}, strict=True, gpu_path=gpu_path,
+                              chunk_bytes=65536)
     assert sorted(filled) == sorted(sd)
     for k in on_device:
         assert bytes(dst[k].data) == raw(sd[k]), k
     assert_same({k: host[k] for k in sorted(host)}, {k: sd[k] for k in host})
-    assert emu.copies > 0
-    emu.assert_clean()
 
 
 @pytest.mark.parametrize("gpu_path", ["copy", "auto"])
-def test_stream_to_a_device_from_a_url_is_one_allocation_through_staging(checkpoint, nginx, monkeypatch, gpu_path):
-    from emulated import EmulatedDevice
+def test_stream_to_a_device_from_a_url_is_one_allocation_through_the_ring(checkpoint, nginx, monkeypatch, gpu_path,
+                                                                         ring_ops):
+    from emucudart import EmulatedSink
 
     import engine.loading.loader
 
     _, sd = checkpoint
-    emu = EmulatedDevice()
-    from emulated import EmulatedSink
+    allocations = []
 
-    sink = EmulatedSink(emu)
+    class CountingSink(EmulatedSink):
+        def allocate_device(self, specs, per_tensor=False):
+            allocations.append(len(specs))
+            return super().allocate_device(specs, per_tensor)
+
+    sink = CountingSink(ring_ops)
     monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
-    try:
-        got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", gpu_path=gpu_path,
-                                 chunk_bytes=65536, slot_bytes=1 << 18))
-    finally:
-        emu.close()
-    assert sorted(got) == sorted(sd) and sink.allocations == [len(sd)]
-    assert all(bytes(got[k]) == raw(v) for k, v in sd.items())
-    assert emu.copies > 0
-    emu.assert_clean()
+    got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", gpu_path=gpu_path,
+                             chunk_bytes=65536, slot_bytes=1 << 18))
+    assert sorted(got) == sorted(sd) and allocations == [len(sd)]
+    assert all(np.asarray(got[k]).tobytes() == raw(v) for k, v in sd.items())
 
 
 # -- path-style S3 against nginx ---------------------------------------------------------------------
@@ -200,9 +213,7 @@ def flaky(checkpoint):
 
 @pytest.fixture
 def rangeserver(flaky):
-    flaky.reset()
-    flaky.keepalive, flaky.etags, flaky.if_match, flaky.stall = True, True, True, 5.0
-    yield flaky
+    yield flaky.bulk()
     flaky.faults = {}
 
 

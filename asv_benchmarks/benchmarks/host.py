@@ -340,8 +340,9 @@ class BenchDevice:
     def close(self) -> None:
         pass
 
-    # the slot path's operations (remote device loads): staging slots are plain memory and
-    # copies move bytes only with dma="memcpy"; every copy completes at once
+    # the slot path's operations (remote device loads took it before the ring did;
+    # scripts/bench_remote.py's "device slots" row forces it for comparison): staging slots
+    # are plain memory and copies move bytes only with dma="memcpy"; every copy completes at once
 
     def bind_thread(self) -> None:
         pass

@@ -18,12 +18,20 @@ chunk's ``cudaMemcpyAsync`` in chunk order as soon as it is full and records the
 No Python runs per chunk: the calling thread takes the GIL only every ``poll_seconds`` to report
 progress and see a cancel.
 
+A run may instead be filled by the caller's threads (``run(fillers=...)``: a remote file's
+connections, each receiving a ranged GET straight into the chunk): each takes the next chunk
+with :meth:`ChunkRing.take` (the same native wait for the slot as a copy thread's, GIL
+released), writes it through :meth:`ChunkRing.memory` and reports it with
+:meth:`ChunkRing.filled` or :meth:`ChunkRing.fail`; the issuing side is the same.
+
 The CUDA runtime is not linked: :class:`Runtime` opens a ``libcudart`` by path (the one torch
 or CuPy already loaded, so the same instance, contexts and streams) and looks its entry points
 up by name; the tests pass an emulated runtime with the same ones (``tests/emucudart``).
 """
 
+from cpython.buffer cimport PyBUF_WRITE
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.errno cimport errno
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
@@ -65,6 +73,9 @@ cdef extern from *:
     static inline int64_t engine_ring_take(int64_t *counter) {
         return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
     }
+    static inline int64_t engine_ring_take_n(int64_t *counter, int64_t n) {
+        return __atomic_fetch_add(counter, n, __ATOMIC_RELAXED);
+    }
     static inline int engine_ring_stopped(int *flag) {
         return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
     }
@@ -79,6 +90,7 @@ cdef extern from *:
     }
     """
     int64_t _take "engine_ring_take"(int64_t* counter) noexcept nogil
+    int64_t _take_n "engine_ring_take_n"(int64_t* counter, int64_t n) noexcept nogil
     int _stopped "engine_ring_stopped"(int* flag) noexcept nogil
     void _stop "engine_ring_stop"(int* flag) noexcept nogil
     void _deadline "engine_ring_deadline"(timespec* ts, long ns) noexcept nogil
@@ -173,6 +185,7 @@ cdef enum:
     _ERR_READ = 1      # code: errno or -1 for the end of the file; at, missing: where
     _ERR_CUDA = 2      # code: the runtime's error; at: the chunk
     _ERR_ALLOC = 3     # code: errno of mmap
+    _ERR_FILL = 5      # an external filler failed chunk ``chunk`` (it holds its own error)
 
 cdef struct _Plan:
     int64_t nchunks
@@ -227,6 +240,8 @@ cdef struct _State:
     int adaptive               # threads learn pread or the mapping (else a mapping is always used)
     int stream_stores          # copies out of a mapping store past the caches
     _Choice* choices
+    int external               # the run's chunks are filled by callers' threads (take/filled)
+    int64_t net_bytes          # bytes external fillers filled (over the ring's life)
 
 
 cdef struct _Worker:
@@ -307,7 +322,8 @@ cdef int64_t _completed(_State* st, int64_t done) noexcept nogil:
 cdef void _fail(_State* st, int kind, int code, int64_t chunk, int64_t at, int64_t missing) noexcept nogil:
     """Record the first failure of a run (lowest chunk wins among reads) and stop it."""
     pthread_mutex_lock(&st.lock)
-    if st.err_kind == _ERR_NONE or (kind == _ERR_READ and st.err_kind == _ERR_READ and chunk < st.err_chunk):
+    if st.err_kind == _ERR_NONE or (kind == st.err_kind and (kind == _ERR_READ or kind == _ERR_FILL)
+                                    and chunk < st.err_chunk):
         st.err_kind = kind
         st.err_code = code
         st.err_chunk = chunk
@@ -383,6 +399,37 @@ cdef inline void _part_for(_State* st, _Part* part, int index) noexcept nogil:
     part.timed = st.chunk_bytes // 2 if st.chunk_bytes < (2 << 20) else 0
 
 
+cdef int _claim(_State* st, int64_t k) noexcept nogil:
+    """Make slot ``k % nslots`` ready for chunk ``k``: its previous chunk issued and that copy
+    completed (or, on its first use, its block page-locked).  0, or -1 when the run stopped
+    (a failed copy is recorded here)."""
+    cdef int64_t s = k % st.nslots
+    cdef int rc
+    cdef double t0
+    if k >= st.nslots:
+        # the slot's previous chunk must be issued, and its copy complete, before it is refilled
+        t0 = _now()
+        pthread_mutex_lock(&st.lock)
+        while st.issued <= k - st.nslots and not _stopped(&st.cancel):
+            pthread_cond_wait(&st.issued_cond, &st.lock)
+        pthread_mutex_unlock(&st.lock)
+        if _stopped(&st.cancel):
+            return -1
+        rc = _wait_event(st, st.events[s])
+        if rc == -1:
+            return -1
+        if rc != 0:
+            _fail(st, _ERR_CUDA, rc, k - st.nslots, 0, 0)
+            return -1
+        pthread_mutex_lock(&st.lock)
+        st.wait_slot += _now() - t0
+        pthread_mutex_unlock(&st.lock)
+    elif st.blocks[_block_of(<int>s)] != 2 and not st.locked_refused:
+        # first use of the slot: its block is page-locked here, beside the other threads' fills
+        _lock_block(st, _block_of(<int>s))
+    return 0
+
+
 cdef void _run_worker(_State* st, int index) noexcept nogil:
     cdef int64_t k, s
     cdef int rc
@@ -395,27 +442,8 @@ cdef void _run_worker(_State* st, int index) noexcept nogil:
         if k >= st.plan.nchunks:
             break
         s = k % st.nslots
-        if k >= st.nslots:
-            # the slot's previous chunk must be issued, and its copy complete, before it is refilled
-            t0 = _now()
-            pthread_mutex_lock(&st.lock)
-            while st.issued <= k - st.nslots and not _stopped(&st.cancel):
-                pthread_cond_wait(&st.issued_cond, &st.lock)
-            pthread_mutex_unlock(&st.lock)
-            if _stopped(&st.cancel):
-                break
-            rc = _wait_event(st, st.events[s])
-            if rc == -1:
-                break
-            if rc != 0:
-                _fail(st, _ERR_CUDA, rc, k - st.nslots, 0, 0)
-                break
-            pthread_mutex_lock(&st.lock)
-            st.wait_slot += _now() - t0
-            pthread_mutex_unlock(&st.lock)
-        elif st.blocks[_block_of(<int>s)] != 2 and not st.locked_refused:
-            # first use of the slot: its block is page-locked here, beside the other threads' fills
-            _lock_block(st, _block_of(<int>s))
+        if _claim(st, k):
+            break
         t0 = _now()
         rc = _fill(st, &part, k, st.base + s * st.chunk_bytes, &st.choices[index])
         st.fill_s[index] += _now() - t0
@@ -476,6 +504,7 @@ cdef class ChunkRing:
     cdef bint busy
     cdef int64_t last_chunks
     cdef int64_t tally0[2]
+    cdef int64_t net0
     cdef int last_threads
     cdef object stream_owner
     cdef object __weakref__
@@ -602,7 +631,8 @@ cdef class ChunkRing:
         for fills); ``slot_wait_s`` (copy threads waiting for a slot's copy, summed);
         ``fill_s`` (seconds filling chunks, summed over threads); ``lock_s`` and
         ``lock_calls`` (page-locking done during the run); ``pread_bytes`` and
-        ``mmap_bytes`` (bytes filled with each source)."""
+        ``mmap_bytes`` (bytes filled with each source); ``net_bytes`` (bytes external fillers
+        filled: a remote file's connections)."""
         cdef _State* st = self.st
         cdef int i
         cdef double fill = 0
@@ -613,7 +643,7 @@ cdef class ChunkRing:
         return {"chunks": self.last_chunks, "threads": self.last_threads, "fill_wait_s": st.wait_fill,
                 "slot_wait_s": st.wait_slot, "fill_s": fill, "lock_s": st.lock_s,
                 "lock_calls": st.lock_calls, "pread_bytes": self._tally(0) - self.tally0[0],
-                "mmap_bytes": self._tally(1) - self.tally0[1]}
+                "mmap_bytes": self._tally(1) - self.tally0[1], "net_bytes": st.net_bytes - self.net0}
 
     cdef int64_t _tally(self, int source):
         cdef int k
@@ -631,7 +661,7 @@ cdef class ChunkRing:
             const int64_t[::1] s_off, const int64_t[::1] s_len, const uint64_t[::1] s_dst,
             const int32_t[::1] fds, const uint64_t[::1] maps, const int64_t[::1] map_lens,
             const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05, bint adaptive=True,
-            bint stream_stores=True):
+            bint stream_stores=True, int fillers=0, object start=None):
         """Move one planned load (see :func:`plan`) through the ring, GIL released.
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
@@ -648,14 +678,24 @@ cdef class ChunkRing:
         than threads wakes only as many threads as it has chunks (a loop of small loads, such
         as ``get_tensor`` per key, wakes no copy thread).
 
+        ``fillers``: the chunks are filled by that many threads of the caller's instead (a
+        remote file's connections), and no copy thread wakes.  ``start()`` runs once on this
+        thread, with the GIL, when the run is ready to be filled: it starts the fillers and
+        returns how many it started (each of them loops ``k, n = take(most)`` while ``k >= 0``,
+        writes chunk ``k + i`` at ``memory()[((k + i) % chunks) * chunk_bytes:]`` and calls
+        ``filled(k, n)``, or ``fail(k)`` and stops; then ``leave()`` once, whatever happened).
+        The run returns only when every filler has left.  The files' descriptors and
+        mappings are not read then.
+
         Returns ``(kind, code, chunk, at, missing)``: kind 0 on success, 1 a read failed
         (``code`` errno or -1 for the end of the file, ``at``/``missing`` where), 2 the
-        runtime failed (``code`` its error, ``chunk`` the chunk); 3 cancelled.  Whatever
+        runtime failed (``code`` its error, ``chunk`` the chunk); 3 cancelled; 5 a filler
+        failed (``chunk``: the lowest chunk whose filler called ``fail``).  Whatever
         happens, every issued copy has completed (or failed) when it returns.
         """
         cdef _State* st = self.st
         cdef int64_t n = c_file.shape[0], j, s, seg, last, done = 0
-        cdef int rc = 0, prev = 0, kind, seats, i
+        cdef int rc = 0, prev = 0, kind, seats, i, started = 0
         cdef bint ready, inline
         cdef _Part part
         cdef double t0, next_poll
@@ -670,6 +710,8 @@ cdef class ChunkRing:
                 or s_dst.shape[0] != s_len.shape[0] or maps.shape[0] != fds.shape[0] \
                 or map_lens.shape[0] != fds.shape[0] or keeps.shape[0] != fds.shape[0]:
             raise ValueError("the plan's arrays do not agree")
+        if fillers < 0 or (fillers and start is None):
+            raise ValueError("fillers need a start() that starts them")
         if n == 0:
             return (0, 0, 0, 0, 0)
         for j in range(n):
@@ -685,12 +727,13 @@ cdef class ChunkRing:
                 raise OSError("cannot install the SIGBUS guard of mapped copies")
         self.busy = True
         # one chunk: the calling thread fills it (no thread to wake, nothing to wait for)
-        inline = n == 1
-        seats = 0 if inline else (self.nthreads if n >= self.nthreads else <int>n)
+        inline = n == 1 and not fillers
+        seats = 0 if inline or fillers else (self.nthreads if n >= self.nthreads else <int>n)
         self.last_chunks = n
         self.last_threads = seats
         self.tally0[0] = self._tally(0)
         self.tally0[1] = self._tally(1)
+        self.net0 = st.net_bytes
         try:
             st.plan.nchunks = n
             st.plan.c_file = &c_file[0]
@@ -722,7 +765,8 @@ cdef class ChunkRing:
                     st.fill_s[i] = 0
                 st.adaptive = adaptive
                 st.stream_stores = stream_stores
-                st.active = seats
+                st.external = fillers > 0
+                st.active = seats + fillers
                 st.seats = seats
                 if seats:
                     st.generation += 1
@@ -732,6 +776,21 @@ cdef class ChunkRing:
                         for i in range(seats):
                             pthread_cond_signal(&st.run_cond)
                 pthread_mutex_unlock(&st.lock)
+                if fillers:
+                    if rc == 0:
+                        with gil:
+                            try:
+                                started = start()
+                            except BaseException as exc:  # start() counts its own threads: none here
+                                raised = exc
+                    if started < fillers:
+                        # the fillers that never started never leave: counted out here
+                        pthread_mutex_lock(&st.lock)
+                        st.active -= fillers - (started if started > 0 else 0)
+                        pthread_cond_broadcast(&st.run_cond)
+                        pthread_mutex_unlock(&st.lock)
+                    if raised is not None or (rc == 0 and started < 1):
+                        _fail(st, 4, 0, 0, 0, 0)
                 if rc != 0:
                     st.rt.get_last_error()
                     _fail(st, _ERR_CUDA, rc, 0, 0, 0)
@@ -818,6 +877,7 @@ cdef class ChunkRing:
                             _fail(st, _ERR_CUDA, rc, j - 1, 0, 0)
                 st.rt.set_device(prev)
                 st.plan.nchunks = 0
+                st.external = 0
         finally:
             self.busy = False
         if raised is not None:
@@ -826,6 +886,89 @@ cdef class ChunkRing:
         if kind == 4:
             return (3, 0, st.err_chunk, 0, 0)
         return (kind, st.err_code, st.err_chunk, st.err_at, st.err_missing)
+
+    # -- external fillers (a run with ``fillers``): see :meth:`run` ---------------------------------
+
+    def take(self, int most=1) -> tuple:
+        """The next chunks for an external filler to fill, ``(k, n)``: chunks ``k .. k+n-1``
+        (``n`` at most ``most``, at most half the ring's chunks), their slots ready (each
+        slot's previous copy completed; on first use, page-locked); ``(-1, 0)`` when no
+        chunk is left or the run stopped (an error, a cancel).  Several chunks at once let one
+        request fill them (consecutive slots are adjacent in memory but where the ring wraps).
+        Waits with the GIL released."""
+        cdef _State* st = self.st
+        cdef int64_t k = -1, n = 0, i
+        if st == NULL or not self.busy:
+            return (-1, 0)
+        if most < 1:
+            raise ValueError("take at least one chunk")
+        # a filler holds its chunks unfilled while it claims the next one's slot: no more than
+        # half the ring, so that it never waits for a slot only it can free
+        most = min(most, max(1, st.nslots // 2))
+        with nogil:
+            if st.external and not _stopped(&st.cancel):
+                # the slots' events are asked, and their blocks page-locked, on the ring's device
+                # (a filler is the caller's thread: its current device may be any; cheap when set)
+                st.rt.set_device(st.device)
+                k = _take_n(&st.next_chunk, most)
+                if k >= st.plan.nchunks:
+                    k = -1
+                else:
+                    n = st.plan.nchunks - k
+                    if n > most:
+                        n = most
+                    for i in range(n):
+                        if _claim(st, k + i):
+                            k = -1
+                            break
+        if k < 0:
+            return (-1, 0)
+        return (k, n)
+
+    def filled(self, int64_t k, int64_t n=1) -> None:
+        """Chunks ``k .. k+n-1`` (from :meth:`take`) are full: their copies may be issued."""
+        cdef _State* st = self.st
+        cdef int64_t nbytes = 0, j, i
+        if st == NULL or not self.busy or not st.external or n < 1 or not 0 <= k or k + n > st.plan.nchunks \
+                or n > st.nslots:
+            raise ValueError(f"chunks {k} to {k + n - 1} are not being filled")
+        for j in range(st.plan.c_seg[k], st.plan.c_seg[k + n]):
+            nbytes += st.plan.s_len[j]
+        with nogil:
+            pthread_mutex_lock(&st.lock)
+            st.net_bytes += nbytes
+            for i in range(k, k + n):
+                st.filled[i % st.nslots] = i
+            pthread_cond_signal(&st.filled_cond)
+            pthread_mutex_unlock(&st.lock)
+
+    def fail(self, int64_t k) -> None:
+        """Filling chunk ``k`` failed (the filler keeps its error): the run stops, and
+        returns kind 5 naming the lowest such chunk."""
+        cdef _State* st = self.st
+        if st == NULL or not self.busy:
+            return
+        with nogil:
+            _fail(st, _ERR_FILL, 0, k, 0, 0)
+
+    def leave(self) -> None:
+        """An external filler is done with the run (call it once per filler, last)."""
+        cdef _State* st = self.st
+        if st == NULL or not self.busy:
+            return
+        with nogil:
+            pthread_mutex_lock(&st.lock)
+            st.active -= 1
+            pthread_cond_broadcast(&st.run_cond)
+            pthread_mutex_unlock(&st.lock)
+
+    def memory(self) -> memoryview:
+        """The chunks' host memory, writable (``chunks * chunk_bytes`` bytes; slot ``s`` at
+        ``s * chunk_bytes``), for external fillers.  Valid until :meth:`close`: drop every
+        view of it first."""
+        if self.st == NULL:
+            raise ValueError("the ring is closed")
+        return PyMemoryView_FromMemory(<char*>self.st.base, <Py_ssize_t>self.nbytes, PyBUF_WRITE)
 
     def close(self) -> None:
         """Join the threads, unlock and unmap the chunks, destroy the events (idempotent)."""

@@ -15,6 +15,16 @@ host and the device; the defaults are set from ``scripts/gpu_check.py --sweep`` 
 names the run), and ``ENGINE_RING`` (``chunk_mib,chunks,threads``) or the loaders'
 ``ring=`` argument overrides them.
 
+Remote files (a :class:`~engine.loading.pipeline.Source` with ``ranges``) take the same ring: the
+load's connections, one Python thread each, take the next chunks from the ring (which waits,
+natively, for their slots' previous copies), receive one ranged GET of those chunks' file
+blocks (the request size the caller planned) straight into the page-locked chunks (``recv_into``, GIL released: :mod:`engine.net.remote_reads`
+with its retries, deadlines, byte checks and whole-file streams) and mark it filled; the
+issuing thread sends their DMAs in order as for a local file.  Two copies of each byte: socket ->
+page-locked chunk, chunk -> device by DMA (a copy more with ``cache_dir``: the body written from
+the chunk to the local copy).  An HTTP request is an event of the interpreter anyway; nothing
+else runs in Python per chunk.
+
 What a device framework provides (its ``DeviceOps``, :mod:`engine.sinks`): the path of the
 CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``), a stream
 (``ring_stream()`` -> ``(handle, owner)``) and the device address of a target
@@ -176,7 +186,7 @@ class LoadRecord:
         Chunks the load was cut into and tensor bytes it moved.
     chunk_bytes, slots, threads : int
         The ring's geometry; ``threads`` is the copy threads this load woke (0: the calling
-        thread filled its one chunk itself).
+        thread filled its one chunk itself), or for remote files its connections.
     seconds : float
         The whole load: planning, mapping, waiting for the ring, its run to the last copy
         completed.
@@ -187,7 +197,8 @@ class LoadRecord:
         Time copy threads waited for a slot's previous copy to complete, summed over threads
         (high: the DMA is the bottleneck, more or larger chunks may help).
     fill_s : float
-        Time spent filling chunks, summed over threads.
+        Time spent filling chunks, summed over threads (remote files: the connections' time
+        receiving them, requests included).
     lock_s, lock_calls : float, int
         Page-locking done during this load (0 for a ring set up before it).
     cold, setup_s : bool, float
@@ -195,8 +206,9 @@ class LoadRecord:
         :func:`prepare` finished before it), and the seconds the load waited for its set-up.
     source, unmap : str
         :func:`engine.io.reader.copy_source` and :func:`unmap_mode` of the load.
-    pread_bytes, mmap_bytes : int
-        Bytes copied with ``pread`` and out of the file's mapping.
+    pread_bytes, mmap_bytes, network_bytes : int
+        Bytes copied with ``pread``, out of the file's mapping, and received from a server
+        into the chunks (``source`` is then ``"network"``).
     pageable : bool
         The runtime refused to page-lock the chunks: copies ran at pageable speed.
     """
@@ -219,6 +231,7 @@ class LoadRecord:
     pread_bytes: int
     mmap_bytes: int
     pageable: bool
+    network_bytes: int = 0
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in _RECORD_FIELDS}
@@ -564,6 +577,130 @@ class _Landing:
             self.tracker.landed([(k, self.sizes[k]) for k in keys])
 
 
+#: a gap in the file up to this size between two pieces of one chunk is received (into a
+#: scratch buffer) and dropped rather than costing a second request, as
+#: :func:`engine.net.remote_reads.read_runs` does
+_MAX_GAP = 1 << 20
+
+
+class _Fillers:
+    """The connections of a remote load, filling the ring's chunks: ``count`` threads, each
+    taking the next ``group`` chunks (:meth:`engine.gpu._ring.ChunkRing.take`, which waits
+    natively for their slots), receiving their runs of the file with ``ranges(offset,
+    views)`` into views of the chunks' page-locked memory (one request per run: ``group``
+    chunks of one file make one request of the size the caller planned), and marking them
+    filled.  A failed chunk (after the reader's retries) stops the run; the first error that
+    is not a consequence of the stop is the load's."""
+
+    def __init__(self, ring, sources, c_file, c_seg, s_pos, s_off, s_len, cancel, count: int,
+                 group: int = 1) -> None:
+        self.ring = ring
+        self.sources = sources
+        self.c_file = c_file.tolist()
+        self.c_seg = c_seg.tolist()
+        self.s_pos, self.s_off, self.s_len = s_pos.tolist(), s_off.tolist(), s_len.tolist()
+        self.cancel = cancel
+        self.group = max(1, group)
+        self.count = max(1, min(count, -(-len(self.c_file) // self.group)))
+        self.memory = ring.memory()
+        self.chunk_bytes, self.slots = ring.chunk_bytes, ring.chunks
+        self.errors: list[tuple[int, BaseException]] = []
+        self.lock = threading.Lock()
+        self.fill_s = 0.0  # seconds the connections spent receiving chunks, summed
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> int:
+        """Start the threads (the ring's run calls it once ready): how many started."""
+        for _ in range(self.count):
+            t = threading.Thread(target=self._run, name="engine-remote-ring", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # no more threads: the ones started carry the load
+                break
+            self.threads.append(t)
+        return len(self.threads)
+
+    def _run(self) -> None:
+        ring = self.ring
+        scratch: list = []
+        busy = 0.0
+        try:
+            while True:
+                k, n = ring.take(self.group)
+                if k < 0:
+                    break
+                t0 = time.perf_counter()
+                try:
+                    self._chunks(k, n, scratch)
+                except BaseException as exc:
+                    with self.lock:
+                        self.errors.append((k, exc))
+                    ring.fail(k)
+                    self.cancel.set()  # the other connections stop waiting between their tries
+                    return
+                finally:
+                    busy += time.perf_counter() - t0
+                ring.filled(k, n)
+        finally:
+            with self.lock:
+                self.fill_s += busy
+            ring.leave()
+
+    def _chunks(self, k: int, n: int, scratch: list) -> None:
+        """Receive chunks ``k .. k+n-1``: one ranged GET per run of file-contiguous pieces (a
+        small gap received into ``scratch`` and dropped), into the chunks' slots (adjacent
+        slots' memory in one view)."""
+        cb, slots = self.chunk_bytes, self.slots
+        c_seg, c_file, s_pos, s_off, s_len = self.c_seg, self.c_file, self.s_pos, self.s_off, self.s_len
+        run: list = []  # the current request: [file, first offset, end offset, spans]
+        c = k
+        for j in range(c_seg[k], c_seg[k + n]):
+            while c_seg[c + 1] <= j:
+                c += 1
+            f, off, ln = c_file[c], s_off[j], s_len[j]
+            a = (c % slots) * cb + s_pos[j]  # where it lands in the ring's memory
+            if run and run[0] == f and 0 <= off - run[2] <= _MAX_GAP:
+                spans = run[3]
+                gap = off - run[2]
+                if gap:
+                    spans.append([None, gap])
+                if not gap and spans[-1][0] is not None and spans[-1][1] == a:
+                    spans[-1][1] += ln  # contiguous in the ring too: one view
+                else:
+                    spans.append([a, a + ln])
+                run[2] = off + ln
+                continue
+            if run:
+                self._get(run, scratch)
+            run = [f, off, off + ln, [[a, a + ln]]]
+        if run:
+            self._get(run, scratch)
+
+    def _get(self, run: list, scratch: list) -> None:
+        f, start, _, spans = run
+        views = []
+        for a, b in spans:
+            if a is None:
+                if not scratch:
+                    scratch.append(memoryview(bytearray(_MAX_GAP)))
+                views.append(scratch[0][:b])
+            else:
+                views.append(self.memory[a:b])
+        self.sources[f].ranges(start, views)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+        self.memory = None
+
+    def error(self) -> BaseException | None:
+        """The load's error: the first a connection met that is not the stop itself."""
+        from engine.errors import Cancelled
+
+        causes = [e for _, e in self.errors if not isinstance(e, Cancelled)]
+        return causes[0] if causes else (self.errors[0][1] if self.errors else None)
+
+
 def _ring_key(ops, g: Geometry) -> tuple:
     return (ops.runtime_path(), ops.device_index, g)
 
@@ -605,21 +742,33 @@ def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, 
     return None
 
 
-def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None) -> dict:
-    """Move every request of ``sources`` (local files) into ``dest``'s device targets through a
-    chunk ring; reports tensors to ``tracker`` as they land (each once every copy into it has
-    completed).  Returns what the ring did, as :meth:`LoadRecord.as_dict` (also published to
+def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None,
+         connections: int | None = None) -> dict:
+    """Move every request of ``sources`` into ``dest``'s device targets through a chunk ring;
+    reports tensors to ``tracker`` as they land (each once every copy into it has completed).
+    Returns what the ring did, as :meth:`LoadRecord.as_dict` (also published to
     :func:`load_records`).
+
+    ``sources`` are local files, or remote ones (each with ``ranges``, no descriptor): those
+    are filled by ``connections`` threads (default the ring's thread count), one ranged GET
+    per run of the file in as many chunks as the sources' largest planned request holds
+    (at most half the ring), received straight into the page-locked chunks (see the module's
+    doc).  Copies of tensor bytes: 2 (file or socket -> chunk, chunk -> device).
 
     A source's ``mapping`` (a caller's mapping of the file, held beyond the load) is copied
     from and left mapped; otherwise each file is mapped for the load (see :func:`unmap_mode`)
     or read with ``pread`` (:func:`engine.io.reader.copy_source`).
 
-    Raises :class:`~engine.errors.ReadError` naming the file of a failed read,
-    :class:`~engine.errors.DeviceError` for a failure of the runtime; returns early, with
-    ``cancel`` set, when cancelled.  Every issued copy has completed when it returns.
+    Raises :class:`~engine.errors.ReadError` naming the file of a failed read (a remote
+    file's: the error its reader raised after its retries, naming the URL, the byte range
+    and the reason), :class:`~engine.errors.DeviceError` for a failure of the runtime;
+    returns early, with ``cancel`` set, when cancelled.  Every issued copy has completed, and
+    every connection thread has ended, when it returns.
     """
     t_start = time.perf_counter()
+    remote = [s.ranges is not None for s in sources]
+    if any(remote) and not all(remote):
+        raise ValueError("a ring load takes local files or remote ones, not both")
     ops = dest.device_ops
     g = checked(geometry or default_geometry())
     targets = dest.device_targets
@@ -628,8 +777,8 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     landing = _Landing(pieces, c_seg, s_len, tracker)
     if not len(c_file):
         return {}
-    source, unmap = copy_source(), unmap_mode()
-    used = sorted(set(c_file.tolist()))
+    source, unmap = ("network" if remote[0] else copy_source()), unmap_mode()
+    used = [] if remote[0] else sorted(set(c_file.tolist()))
     mappings: dict[int, object] = {}  # mappings this load made (or took from the kept ones)
     arrays: list = []
     fds = np.full(len(sources), -1, np.int32)
@@ -639,6 +788,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     key = _ring_key(ops, g)
     t_ring = time.perf_counter()
     ring, cold = KEPT.take(key)
+    fillers = None
     try:
         if ring is None:
             ring, cold = _new_ring(ops, g), True
@@ -656,19 +806,36 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 keeps[i] = i not in mappings or unmap == "end" or kept(m)
 
         def poll(done: int) -> bool:
-            landing.upto(done)
+            try:
+                landing.upto(done)
+            except BaseException:
+                if fillers is not None:
+                    cancel.set()  # the run stops: connections waiting between tries stop too
+                raise
             return cancel.is_set()
 
-        kind, code, chunk, at, missing = ring.run(c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens,
-                                                  keeps, poll, adaptive=source != "mmap",
-                                                  stream_stores=stores() == "stream")
+        if remote[0]:
+            # one request per ``group`` chunks of a file: the request size the caller planned
+            # (remote_load's chunk_bytes), the ring's chunks however small
+            planned = max((r.nbytes for src in sources for r in src.requests), default=0)
+            fillers = _Fillers(ring, sources, c_file, c_seg, s_pos, s_off, s_len, cancel,
+                               connections or ring.threads, max(1, planned // ring.chunk_bytes))
+        try:
+            kind, code, chunk, at, missing = ring.run(
+                c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens, keeps, poll,
+                adaptive=source != "mmap", stream_stores=stores() == "stream",
+                fillers=fillers.count if fillers else 0, start=fillers.start if fillers else None)
+        finally:
+            if fillers is not None:
+                fillers.join()  # they left the run before it returned: only their exits remain
         run = ring.last_run
         record = LoadRecord(
             chunks=int(run["chunks"]), bytes=int(s_len.sum()), chunk_bytes=ring.chunk_bytes, slots=ring.chunks,
-            threads=int(run["threads"]), seconds=time.perf_counter() - t_start, fill_wait_s=run["fill_wait_s"],
-            slot_wait_s=run["slot_wait_s"], fill_s=run["fill_s"], lock_s=run["lock_s"],
+            threads=fillers.count if fillers is not None else int(run["threads"]), seconds=time.perf_counter() - t_start, fill_wait_s=run["fill_wait_s"],
+            slot_wait_s=run["slot_wait_s"], fill_s=fillers.fill_s if fillers is not None else run["fill_s"], lock_s=run["lock_s"],
             lock_calls=int(run["lock_calls"]), cold=cold, setup_s=setup_s, source=source, unmap=unmap,
-            pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable)
+            pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable,
+            network_bytes=int(run["net_bytes"]))
     finally:
         arrays.clear()
         later = []
@@ -689,6 +856,9 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         raise DeviceError(
             f"copying {src.path or 'the file'} to the device failed (chunk {chunk} of {len(c_file)}): "
             f"{rt.error_string(code)} (CUDA error {code})", path=src.path)
+    failed = fillers.error() if fillers is not None else None
+    if failed is not None:
+        raise failed
     _publish(record)
     if kind == 3:
         cancel.set()

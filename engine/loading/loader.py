@@ -150,12 +150,10 @@ def load_parts(
     destinations 2 (page cache to a page-locked chunk, DMA).
     """
     bases = _bases(parts)
-    if sink.on_device and all(p.ranges is None for p in parts):
+    if all(p.ranges is None for p in parts):
         # the ring (a process's first, or one closed since) is set up while the tensors are
         # allocated: the load waits for it, not for both one after the other
-        ops = _ring_ops(sink)
-        if ops is not None:
-            device_ring.prepare(ops, device_ring.geometry_for(slot_bytes, threads), background=True, linger=True)
+        prepare_ring(sink, slot_bytes, threads)
     tensors, destination = _destination(sink, parts, bases, per_tensor)
     _run(parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes, gpu_path=gpu_path,
          slot_bytes=slot_bytes)
@@ -637,6 +635,17 @@ def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str
     if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
         return {names[r]: sink.to_device(got[r]) for r in rows}
     return {names[r]: got[r] for r in rows}
+
+
+def prepare_ring(sink, slot_bytes: int | None = None, threads: int | None = None, remote: bool = False) -> None:
+    """Start setting up the ring a device load of ``sink`` will take, on a thread of its own
+    (nothing for a CPU sink or a device the ring cannot drive): the load that follows waits
+    for it rather than setting one up after its other preparations.  ``remote``: the ring of
+    a load of remote files (whose ``threads`` are connections, not the ring's)."""
+    ops = _ring_ops(sink)
+    if ops is not None:
+        g = device_ring.geometry_for(slot_bytes) if remote else device_ring.geometry_for(slot_bytes, threads)
+        device_ring.prepare(ops, g, background=True, linger=True)
 
 
 def _ring_ops(sink):

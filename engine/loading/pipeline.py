@@ -7,11 +7,12 @@ request into them.  No staging, one copy (page cache to destination).
 
 Device destinations (CUDA) of local files go through the native chunk ring
 (:mod:`engine.gpu.device_ring`): small page-locked chunks filled by native copy threads, each
-chunk's copy to the device issued in order as soon as it is full.  Loads with a ``fill`` or
-``after_copy`` hook, and remote files, take the slot path (:mod:`engine.gpu.device_load`, which
-also holds the :class:`DeviceOps` a framework provides): remote files' connections fill its
-staging slots, and on the host worker threads, one per connection (``threads``), receive
-each request into its tensors.
+chunk's copy to the device issued in order as soon as it is full; remote files too, whose
+connections (``threads`` of them) each take the next chunk and receive its ranged GET
+straight into it.  Loads with a ``fill`` or ``after_copy`` hook take the slot path
+(:mod:`engine.gpu.device_load`, which also holds the :class:`DeviceOps` a framework provides).
+On the host, worker threads, one per connection (``threads``), receive each request of a
+remote file into its tensors.
 
 A tensor is *complete* when every byte of it has landed (for a device: when the events of
 all its copies have completed); completions are reported through a callback as they happen,
@@ -188,7 +189,8 @@ def run_sources(
     threads : int, optional
         Native threads that split each batch of a host load and each staging slot of a
         device load (default every core, :func:`default_copy_threads`); with ``fill``, the
-        worker threads of a host load (default :func:`engine.io.reader.default_threads`).
+        worker threads of a host load (default :func:`engine.io.reader.default_threads`); for
+        remote files, the connections (one thread each, host or device).
     slots : int, default 2
         Staging slots of the device copy path.
     slot_bytes : int, optional
@@ -233,8 +235,9 @@ def run_sources(
 
     Notes
     -----
-    Copies of tensor bytes: host destinations 1 (page cache to tensor); device destinations
-    2 (page cache to a page-locked chunk or slot, then to the device by DMA).  No thread of
+    Copies of tensor bytes: host destinations 1 (page cache or socket to tensor); device
+    destinations 2 (page cache or socket to a page-locked chunk, or slot with hooks, then to
+    the device by DMA).  No thread of
     the load outlives the call and every issued copy has completed when it returns.
     """
     if gpu_path == "register":
@@ -255,9 +258,15 @@ def run_sources(
     for group in groups:
         if cancel.is_set():
             break
-        if dest.on_device and fill is None and after_copy is None and device_ring.supports(dest.device_ops) \
-                and not any(s.ranges is not None for s in group):
-            device_ring.load(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
+        if dest.on_device and fill is None and after_copy is None and device_ring.supports(dest.device_ops):
+            if any(s.ranges is not None for s in group):
+                # remote files: ``threads`` is the connections, which fill the ring's chunks
+                # themselves; the ring's own copy threads (its default geometry, so the ring
+                # is the one local loads keep) stay asleep
+                device_ring.load(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes),
+                                 connections=threads or default_threads())
+            else:
+                device_ring.load(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
         elif dest.on_device:
             DeviceLoad(group, dest, tracker, cancel, threads=threads, slots=slots,
                        slot_bytes=slot_bytes, fill=fill,

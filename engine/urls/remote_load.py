@@ -11,14 +11,17 @@ How the bytes move: the headers come from two ranged GETs per file
 (:func:`engine.planning.plan.plan_reads`, requests of ``chunk_bytes``), and the pipeline's worker
 threads, ``connections`` of them, each take the next request of any shard and receive its
 body on a keep-alive connection straight into the destination tensor's memory (CPU), or
-into a pinned staging slot that is then copied to the device (CUDA), through
+take the next chunks of the device's copy ring (:mod:`engine.gpu.device_ring`: one ranged GET
+of ``chunk_bytes`` for as many of the ring's chunks, each a block of the file) and receive
+it straight into the ring's page-locked chunks, which the ring then copies to the device
+(CUDA), through
 :mod:`engine.net.remote_reads` (deadlines, retries, ``If-Match``).  Tensors are handed out as
 their last byte lands.
 
 Host memory: CPU destinations need none beyond the tensors themselves (each body is
 received into them; the kernel's socket buffers and one 4 MiB receive per connection at a
-time); CUDA destinations hold the pinned staging slots of :mod:`engine.loading.pipeline`,
-``2 * slot_bytes``, whatever the model's size.
+time); CUDA destinations hold the ring's page-locked chunks (128 MiB by default, the ring
+local loads use; set up while the headers are fetched), whatever the model's size.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 from engine.checkpoints.checkpoint import CheckpointInfo
 from engine.format.header import MAX_HEADER_SIZE
 from engine.io.reader import pread_into
-from engine.loading.loader import Part, fill_parts, stream_parts
+from engine.loading.loader import Part, fill_parts, prepare_ring, sink_for, stream_parts
 from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
 from engine.urls._remote_files import RemoteSource, checkpoint_info, is_url
 from engine.urls.remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
@@ -41,8 +44,9 @@ __all__ = ["stream", "load", "load_into", "open_parts", "remote_options", "Remot
 
 #: Bytes per ranged GET: measured best on loopback by ``scripts/bench_remote.py --sweep``.
 DEFAULT_CHUNK_BYTES = 16 << 20
-#: Per ranged GET for CUDA destinations: a staging slot is then filled by several
-#: connections at once.
+#: Per ranged GET for CUDA destinations: each fills two of the device ring's 4 MiB
+#: page-locked chunks (consecutive slots, adjacent in memory), so that a connection's
+#: chunks can be copied while the other connections' requests are still arriving.
 DEVICE_CHUNK_BYTES = 8 << 20
 
 
@@ -196,7 +200,8 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
     framework, device, names, patterns, predicate, layers, per_tensor, quantize, gpu_path, slot_bytes
         As :func:`engine.stream` takes them (``stats=True`` needs a local file).
     chunk_bytes : int, optional
-        Bytes per ranged GET (default 16 MiB; 8 MiB for CUDA destinations).
+        Bytes per ranged GET (default 16 MiB; 8 MiB for CUDA destinations, rounded down to
+        whole chunks of the device's ring).
     connections : int, optional
         Parallel requests, each on its own keep-alive connection (default: two per core,
         between 4 and 16).
@@ -226,15 +231,19 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
 
     Notes
     -----
-    Copies of tensor bytes: CPU 1 (socket to tensor); CUDA 2 (socket to a pinned slot, DMA);
+    Copies of tensor bytes: CPU 1 (socket to tensor); CUDA 2 (socket to a page-locked chunk
+    of the ring, DMA; with ``quantize``, a pinned slot of the slot path);
     fsspec protocols one more (fsspec returns ``bytes``); with ``cache_dir`` one more, the
     write of the copy from where the bytes landed (a file read from its copy: those of a
     local owned load, the file to the tensor).
     """
     remote = remote_options(options)
     threads = options.pop("threads", None)
+    on_device = str(device) not in ("cpu",) and framework not in ("np", "numpy")
+    if on_device and not options.get("stats") and options.get("quantize") is None:
+        # the device's ring is set up (page-locked) while the headers are fetched
+        prepare_ring(sink_for(framework, device), options.get("slot_bytes"), remote=True)
     with open_parts(url, connections=connections or threads, **remote) as opened:
-        on_device = str(device) not in ("cpu",) and framework not in ("np", "numpy")
         workers: int | None = opened.reads.connections
         if opened.local():  # every file from its copy (cache_dir): a local load's threads and reads
             workers = threads
