@@ -199,6 +199,12 @@ class LoadRecord:
         Bytes copied with ``pread`` and out of the file's mapping.
     pageable : bool
         The runtime refused to page-lock the chunks: copies ran at pageable speed.
+    reported, report_s : int, float
+        Tensors reported landed, and the seconds the issuing thread spent reporting them
+        (with the GIL, in its polls): for a load with device kernels (``stats=True``,
+        ``quantize="int8"``) this includes launching each landed tensor's kernels.
+    hooked : bool
+        The load had device kernels to launch as tensors landed.
     """
 
     chunks: int
@@ -219,6 +225,9 @@ class LoadRecord:
     pread_bytes: int
     mmap_bytes: int
     pageable: bool
+    reported: int = 0
+    report_s: float = 0.0
+    hooked: bool = False
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in _RECORD_FIELDS}
@@ -534,6 +543,7 @@ class _Landing:
         self.tracker = tracker
         self.sizes = pieces.sizes
         self.reported = 0
+        self.seconds = 0.0  # spent reporting (and in what the tracker's callbacks do)
         if len(pieces.sizes) == 1 and len(pieces.len):
             # one tensor (get_tensor's load): it lands with the load's last chunk
             self.order = list(pieces.sizes)
@@ -605,7 +615,14 @@ def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, 
     return None
 
 
-def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None) -> dict:
+#: seconds between the issuing thread's reports of landed tensors: a load with device kernels
+#: reports (and launches them) more often, so that they start sooner after their copies
+POLL_SECONDS = 0.05
+HOOKED_POLL_SECONDS = 0.01
+
+
+def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None, *,
+         hooked: bool = False) -> dict:
     """Move every request of ``sources`` (local files) into ``dest``'s device targets through a
     chunk ring; reports tensors to ``tracker`` as they land (each once every copy into it has
     completed).  Returns what the ring did, as :meth:`LoadRecord.as_dict` (also published to
@@ -614,6 +631,10 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     A source's ``mapping`` (a caller's mapping of the file, held beyond the load) is copied
     from and left mapped; otherwise each file is mapped for the load (see :func:`unmap_mode`)
     or read with ``pread`` (:func:`engine.reader.copy_source`).
+
+    ``hooked``: the tracker's completion callback launches device kernels on each landed
+    tensor (:mod:`engine.load_hooks`): reports come every :data:`HOOKED_POLL_SECONDS`, and
+    an exception it raises stops the load and propagates once every issued copy has completed.
 
     Raises :class:`~engine.errors.ReadError` naming the file of a failed read,
     :class:`~engine.errors.DeviceError` for a failure of the runtime; returns early, with
@@ -656,19 +677,24 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 keeps[i] = i not in mappings or unmap == "end" or kept(m)
 
         def poll(done: int) -> bool:
-            landing.upto(done)
+            t0 = time.perf_counter()
+            try:
+                landing.upto(done)
+            finally:
+                landing.seconds += time.perf_counter() - t0
             return cancel.is_set()
 
         kind, code, chunk, at, missing = ring.run(c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens,
-                                                  keeps, poll, adaptive=source != "mmap",
-                                                  stream_stores=stores() == "stream")
+                                                  keeps, poll, HOOKED_POLL_SECONDS if hooked else POLL_SECONDS,
+                                                  adaptive=source != "mmap", stream_stores=stores() == "stream")
         run = ring.last_run
         record = LoadRecord(
             chunks=int(run["chunks"]), bytes=int(s_len.sum()), chunk_bytes=ring.chunk_bytes, slots=ring.chunks,
             threads=int(run["threads"]), seconds=time.perf_counter() - t_start, fill_wait_s=run["fill_wait_s"],
             slot_wait_s=run["slot_wait_s"], fill_s=run["fill_s"], lock_s=run["lock_s"],
             lock_calls=int(run["lock_calls"]), cold=cold, setup_s=setup_s, source=source, unmap=unmap,
-            pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable)
+            pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable,
+            reported=landing.reported, report_s=landing.seconds, hooked=hooked)
     finally:
         arrays.clear()
         later = []
@@ -689,9 +715,12 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         raise DeviceError(
             f"copying {src.path or 'the file'} to the device failed (chunk {chunk} of {len(c_file)}): "
             f"{rt.error_string(code)} (CUDA error {code})", path=src.path)
-    _publish(record)
     if kind == 3:
+        _publish(record)
         cancel.set()
         return record.as_dict()
-    landing.upto(len(c_file))
+    t0 = time.perf_counter()
+    landing.upto(len(c_file))  # the last tensors (their kernels too) before the record is published
+    record = dataclasses.replace(record, reported=landing.reported, report_s=landing.seconds + time.perf_counter() - t0)
+    _publish(record)
     return record.as_dict()

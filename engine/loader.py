@@ -323,6 +323,7 @@ def stream_parts(
     _need_kernels(stats, quantize)
     cancel = cancel if cancel is not None else threading.Event()
     worker: threading.Thread | None = None
+    hooks = None
     headers = [f.header for f in files]
     spaths = [f.path or "" for f in files]
     try:
@@ -342,6 +343,9 @@ def stream_parts(
         else:
             tensors, destination = _destination(sink, parts, bases, per_tensor)
         collector = None
+        # a device load through the chunk ring: its copy threads are native, so no read hook;
+        # device kernels are launched as tensors land, the CPU fold reads the file at hand-out
+        ring = destination.on_device and device_ring.supports(destination.device_ops)
         if stats:
             rows0 = selected[0] if hooks is None else hooks.host_stats_rows(selected[0])
             collector = StatsCollector(headers[0], rows0, spaths[0])
@@ -356,6 +360,10 @@ def stream_parts(
                 return name, tensor
             if hooks is not None and hooks.has_device_stats(r):
                 return name, tensor, hooks.stats(r)
+            if ring:
+                t = headers[i].table
+                collector.fold_file(files[i].fd, headers[i].data_start + int(t.begins[r]),
+                                    int(t.ends[r]) - int(t.begins[r]), r)
             return name, tensor, collector.result(r)
 
         def landed(key):
@@ -375,9 +383,9 @@ def stream_parts(
                 _run(
                     parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes,
                     on_complete=landed, cancel=cancel,
-                    fill=collector.fill if collector is not None else None,
+                    fill=collector.fill if collector is not None and not ring else None,
                     gpu_path=gpu_path, slot_bytes=slot_bytes,
-                    after_copy=hooks.after_copy if hooks is not None else None,
+                    after_copy=hooks.copy_hook if hooks is not None else None,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer
@@ -396,6 +404,8 @@ def stream_parts(
         cancel.set()
         if worker is not None:
             worker.join()
+        if hooks is not None:
+            hooks.close()
 
 
 _STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "threads", "chunk_bytes", "per_tensor",
