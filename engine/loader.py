@@ -224,14 +224,17 @@ def stream(
         the GIL; per-thread partial results merge when the tensor is complete.  There is no
         second pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
         sub-byte, complex).  On a GPU, F64/F32/F16/BF16 tensors are summarised on the
-        device instead, by CUDA kernels queued on each copy's stream right after it (see
-        :mod:`engine.load_hooks`); other dtypes keep the CPU fold.
+        device instead, by CUDA kernels launched on each tensor as the chunk ring reports
+        it landed, while the following chunks are copied (see :mod:`engine.load_hooks`);
+        other dtypes are folded on the CPU from the file as each is handed out.
     quantize : None, "int8" or engine.quantize.Int8, optional
         Quantize the selected tensors (default selection: F32/F16/BF16 weights of 2 or more
         dimensions, not embeddings; one scale per row) to symmetric int8 while loading,
         bit-identical to :func:`engine.quantize_int8`; each is yielded as a
         :class:`~engine.quantize.QuantizedTensor`.  On a GPU the quantization runs on the
-        device and only a bounded window of source-dtype staging is held there.
+        device as each tensor lands, and only a bounded window of source-dtype scratch is
+        held there (:data:`engine.load_hooks.STAGING_BYTES` plus at most twice the largest
+        quantized tensor).
     gpu_path : {"auto", "copy"}, default "auto"
         GPU destinations: both copy through the native chunk ring (:mod:`engine.device_ring`;
         its geometry from ``ENGINE_RING``).  ``"register"`` was removed (see
@@ -253,7 +256,10 @@ def stream(
     -----
     Copies of tensor bytes: CPU destinations 1 (page cache to tensor); GPU destinations 2
     (page cache to a page-locked chunk, then DMA to the device).  ``stats=True`` adds no
-    copy: the kernels read the bytes where they landed.  Page-locked host memory of a GPU
+    copy: the kernels read the bytes where they landed (on a GPU, the tensors the device
+    does not summarise are read once more from the page cache, through a 4 MiB buffer);
+    ``quantize="int8"`` on a GPU lands the source bytes in a device scratch buffer instead
+    of a tensor, the same two copies.  Page-locked host memory of a GPU
     load: the ring's chunks (128 MiB by default, 256 MiB at most unless ``ENGINE_RING`` asks
     for more), whatever the model's size; unlocked a moment after the load ends (see
     :mod:`engine.pipeline`).  Breaking out of the loop stops the

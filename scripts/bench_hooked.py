@@ -44,7 +44,6 @@ import engine  # noqa: E402
 import engine.loader  # noqa: E402
 import engine.numpy  # noqa: E402
 from engine import device_ring, load_hooks  # noqa: E402
-
 from engine.quantize import Int8  # noqa: E402
 
 #: the kernels run nothing here (their NaN counts are whatever memory held): clamp, never raise
