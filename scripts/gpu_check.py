@@ -548,7 +548,7 @@ def add_load_row(check: Check, phase: str, impl: str, samples: list[dict], runs:
             if not r["host_bounded"]:
                 reason += (f"; over bound: anonymous + page-locked memory grew"
                            f" {r['anon_locked_growth_bytes'] / 2**20:.0f} MiB")
-    if status == "ok" and phase == "onload" and impl != ONLOAD_PLAIN:
+    if status == "ok" and impl in bench_gpu.HOOKED:
         plain = next((row for row in check.rep.rows if row["row"] == ONLOAD_PLAIN and row["status"] == "ok"), None)
         if plain and plain.get("gbps") and r.get("gbps"):
             r["vs_plain"] = r["gbps"] / plain["gbps"]
