@@ -51,13 +51,17 @@ ROWS = {"plain": {}, "stats=True": {"stats": True}, 'quantize="int8"': {"quantiz
 
 
 class Sink(EmulatedSink):
-    """The emulated runtime's sink, with the hooks' device arrays (numpy; zeroed, as the
-    kernels that would set them up run nothing here)."""
+    """The emulated runtime's sink, with the hooks' device arrays (numpy).  The small ones
+    (partial results, counts) are zeroed, as the kernels that would set them up run nothing
+    here; outputs and scratch are not (a device allocator does not touch memory)."""
 
     name = "emulated"
 
     def empty_device(self, shape, dtype):
-        return np.zeros(shape, dtype)
+        a = np.empty(shape, dtype)
+        if a.nbytes <= 1 << 16:
+            a.fill(0)
+        return a
 
 
 def make_file(path: str, mib: int) -> int:
