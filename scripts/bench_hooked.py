@@ -15,6 +15,11 @@ and chunks per second from the ring's records (``engine.load_records``).
 
     python scripts/bench_hooked.py --mib 1024 --runs 5
     python scripts/bench_hooked.py --dry-run        # 32 MiB, one run: that the script works
+
+With no-op copies the ring's copy threads fill chunks as fast as the cores allow, so on a host
+with few cores the hooked rows' Python (the launches, the hand-out) takes cores from them,
+which a GPU host's spare cores do not: ``ENGINE_RING=4,32,1`` (one copy thread, every row
+alike) leaves a core free on a 2-core machine.
 """
 
 from __future__ import annotations
