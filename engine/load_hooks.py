@@ -521,7 +521,14 @@ class LoadWork:
             with self._lock:
                 pending, self._pending = self._pending, []
             if pending:
-                self._gather(pending)
+                try:
+                    self._gather(pending)
+                except SafetensorError:
+                    raise
+                except Exception as exc:  # a kernel that failed on the device shows at the wait
+                    names = tuple(self._names[p[0]] for p in pending)
+                    raise DeviceError(f"the device kernels of {len(names)} tensor(s) failed: "
+                                      f"{type(exc).__name__}: {exc}", path=self.path, tensors=names) from exc
 
     def _gather(self, pending: list) -> None:
         from .numerics.device import on_gpu, synchronize, to_host

@@ -325,3 +325,20 @@ def test_a_failed_read_raises_read_error(model_file, sink, mode, monkeypatch):
         list(engine.stream(path, framework="np", device="cuda", stats=True, quantize=Int8(on_nonfinite="clamp"),
                            slot_bytes=CHUNK))
     _leaks(sink)
+
+
+@pytest.mark.parametrize("mode", MODES[:1], indirect=True)
+def test_a_kernel_failing_on_the_device_raises_at_the_gather(model_file, sink, mode, monkeypatch):
+    # a launch the runtime took, whose kernel then faults: the wait of the gather reports it
+    from engine.numerics import device
+
+    def fault(stream=None):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    monkeypatch.setattr(device, "synchronize", fault)
+    path, _ = model_file
+    with pytest.raises(DeviceError, match="the device kernels of .* tensor.* failed: RuntimeError") as err:
+        list(engine.stream(path, framework="np", device="cuda", stats=True, slot_bytes=CHUNK))
+    assert err.value.path == str(path) and err.value.tensors
+    del err
+    _leaks(sink)
