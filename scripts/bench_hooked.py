@@ -46,9 +46,10 @@ import numpy as np  # noqa: E402
 from emucudart import EmulatedRingOps, EmulatedSink, Emulator  # noqa: E402
 
 import engine  # noqa: E402
-import engine.loader  # noqa: E402
+import engine.loading.loader  # noqa: E402
 import engine.numpy  # noqa: E402
-from engine import device_ring, load_hooks  # noqa: E402
+from engine.gpu import device_ring  # noqa: E402
+from engine.loading import load_hooks  # noqa: E402
 from engine.quantize import Int8  # noqa: E402
 
 #: the kernels run nothing here (their NaN counts are whatever memory held): clamp, never raise
@@ -111,7 +112,7 @@ def main() -> int:
     emulator.noop(True)
     ops = EmulatedRingOps(emulator)
     sink = Sink(ops)
-    engine.loader.get_sink = lambda framework, dev: sink
+    engine.loading.loader.get_sink = lambda framework, dev: sink
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         path = os.path.join(d, "model.safetensors")
         nbytes = make_file(path, args.mib)

@@ -1,6 +1,6 @@
 """Loads with device kernels (``stats=True``, ``quantize="int8"``) through the chunk ring, on the
 emulated CUDA runtime (tests/emucudart): the ring moves the file as a plain load does and the
-kernels run on each tensor as the ring reports it landed (engine.load_hooks).
+kernels run on each tensor as the ring reports it landed (engine.loading.load_hooks).
 
 Three ways the kernels run, each checked against the CPU kernels (``engine.stats``,
 ``engine.quantize_int8``):
@@ -26,10 +26,11 @@ from test_kernels import assert_stats
 from test_load_hooks import BF16, default_selection, model
 
 import engine
-import engine.loader
+import engine.loading.loader
 import engine.numpy
-from engine import device_ring, load_hooks, pipeline
 from engine.errors import DeviceError, ReadError
+from engine.gpu import device_ring
+from engine.loading import load_hooks, pipeline
 from engine.numerics import _device_fallback
 from engine.quantize import Int8, QuantizedTensor
 
@@ -84,7 +85,7 @@ def sink(emu, monkeypatch):
     emu.reset()
     ops = EmulatedRingOps(emu)
     s = EmuSink(ops)
-    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: s)
+    monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: s)
 
     class NoSlots:  # the slot path must not run
         def __init__(self, *a, **k):
