@@ -329,6 +329,43 @@ def _engine_stream_int8(files, dev):
     return out
 
 
+def _engine_stream_both(files, dev):
+    """stream(stats=True, quantize="int8"), one shard at a time."""
+    import engine
+
+    out = {}
+    for f in files:
+        for name, t, st in engine.stream(f, framework="pt", device=dev, stats=True, quantize="int8"):
+            out[name] = t
+            out[name + " stats"] = st
+    return out
+
+
+def validator_config(files: list[str]) -> dict:
+    """A LLaMA ``config.json`` for the checkpoint of :func:`make_checkpoint`, read from its
+    headers (heads of 64: the shapes' own proportions)."""
+    import engine
+
+    shapes = {}
+    for f in files:
+        t = engine.read_header(f).table
+        shapes.update({n: tuple(int(d) for d in t.shapes[i]) for i, n in enumerate(t.names)})
+    vocab, hidden = shapes["model.embed_tokens.weight"]
+    layers = sum(1 for n in shapes if n.endswith(".mlp.up_proj.weight"))
+    return {"hidden_size": hidden, "intermediate_size": shapes["model.layers.0.mlp.up_proj.weight"][0],
+            "num_hidden_layers": layers, "num_attention_heads": hidden // 64, "head_dim": 64,
+            "num_key_value_heads": shapes["model.layers.0.self_attn.k_proj.weight"][0] // 64, "vocab_size": vocab}
+
+
+def _engine_validator(files, dev):
+    """``WeightValidator(config).validate(directory)`` with statistics: the checkpoint's
+    tensors summarised on the CPU (the validator reads mappings; it has no device path)."""
+    import engine
+
+    report = engine.WeightValidator(validator_config(files)).validate(os.path.dirname(files[0]))
+    return {t.name + " stats": t for t in report.tensors}
+
+
 def _reference(files, dev):
     from safetensors.torch import load_file
 
@@ -484,6 +521,8 @@ IMPLEMENTATIONS = {
         _engine_reload_prepare, _engine_load_into_directory),
     "engine stream(f) stats=True per shard": _engine_stream_stats,
     "engine stream(f) quantize=int8 per shard": _engine_stream_int8,
+    "engine stream(f) stats=True quantize=int8 per shard": _engine_stream_both,
+    "engine WeightValidator(config).validate(directory)": _engine_validator,
     "engine safe_open(f, device) get_tensor per key": _engine_per_key,
     "reference load_file(f, device) per shard": _reference,
     "reference safe_open(f, device) get_tensor per key": _reference_per_key,
@@ -517,6 +556,9 @@ REQUIRES = {
     "Run:ai streamer": "runai_model_streamer",
     "Run:ai streamer (io_uring_buffered)": "runai_model_streamer",
     "engine stream(f) stats=True per shard": "numba",
+    "engine stream(f) quantize=int8 per shard": "numba",
+    "engine stream(f) stats=True quantize=int8 per shard": "numba",
+    "engine WeightValidator(config).validate(directory)": "numba",
 }
 #: rows that need an engine API that an older checkout lacks (the row is skipped there, saying so)
 NEEDS_API = {"engine load_into(directory) first load after engine.prepare_device": "prepare_device"}
@@ -638,7 +680,7 @@ def record_dicts(records) -> list[dict]:
 
 #: the records' fields summed over a sample's loads (a per-shard row makes one load per shard)
 RECORD_SUMS = ("chunks", "bytes", "seconds", "fill_wait_s", "slot_wait_s", "fill_s", "lock_s", "lock_calls",
-               "pread_bytes", "mmap_bytes", "network_bytes")
+               "pread_bytes", "mmap_bytes", "network_bytes", "reported", "report_s")
 #: the fields that describe the ring rather than count its work (the first load's)
 RECORD_SHAPE = ("chunk_bytes", "slots", "threads")
 
@@ -650,7 +692,8 @@ def sum_records(records: list[dict] | None) -> dict | None:
     if records is None:
         return None
     out: dict = {"loads": len(records), "cold": sum(bool(r.get("cold")) for r in records),
-                 "pageable": sum(bool(r.get("pageable")) for r in records)}
+                 "pageable": sum(bool(r.get("pageable")) for r in records),
+                 "hooked": sum(bool(r.get("hooked")) for r in records)}
     for key in RECORD_SUMS:
         values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
         out[key] = sum(values) if values else None
@@ -735,6 +778,8 @@ def child(impl: str, files: list[str], dev: str) -> dict:
                   engine_file=checkout_path.engine_origin())
     if impl in SOURCE_BYTES:
         record["stats"] = stats
+    if impl in HOOKED:  # off the clock: the results against the CPU kernels'
+        record["cpu_kernels"] = against_cpu_kernels(out, files)
     if impl in TWICE:  # the same load again in this process: what a warm ring gives
         if prepared is not None:
             for t in tensors.values():
@@ -757,7 +802,54 @@ PREPARED: dict = {}
 
 
 #: rows whose rate counts the file's tensor bytes (what they produce differs from what they read)
-SOURCE_BYTES = {"engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard"}
+SOURCE_BYTES = {"engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard",
+                "engine stream(f) stats=True quantize=int8 per shard",
+                "engine WeightValidator(config).validate(directory)"}
+#: loads with device kernels: their results are checked against the CPU kernels'
+HOOKED = {"engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard",
+          "engine stream(f) stats=True quantize=int8 per shard"}
+#: tensors checked per hooked sample (spread over the checkpoint; each costs a CPU pass)
+CPU_CHECKS = 6
+
+
+def against_cpu_kernels(out: dict, files: list[str]) -> dict:
+    """A few tensors' statistics and int8 values and scales from a hooked load, against
+    ``engine.stats`` and ``engine.quantize_int8`` of the same tensors read on the CPU:
+    ``{"checked": n, "mismatched": {name: what}}`` (counts, min, max and absmax exactly;
+    mean and std to a relative 1e-6; int8 values and scale bits exactly)."""
+    import math
+
+    import numpy as np
+
+    import engine
+
+    names = sorted(n for n in out if not n.endswith(" stats"))
+    picked = names[:: max(1, len(names) // CPU_CHECKS)][:CPU_CHECKS]
+    mismatched: dict = {}
+    where = {}
+    for f in files:
+        for n in engine.read_header(f).table.names:
+            where[n] = f
+    for name in picked:
+        with engine.safe_open(where[name], framework="np") as h:
+            x = h.get_tensor(name)
+        st = out.get(name + " stats")
+        if st is not None:
+            cpu = engine.stats(x)
+            exact = ("count", "nan_count", "posinf_count", "neginf_count", "zero_count", "min", "max", "absmax")
+            bad = [k for k in exact if float(getattr(st, k)) != float(getattr(cpu, k))]
+            bad += [k for k in ("mean", "std") if not math.isclose(getattr(st, k), getattr(cpu, k), rel_tol=1e-6)]
+            if bad:
+                mismatched[name + " stats"] = bad
+        v = out[name]
+        if hasattr(v, "q"):
+            q, scale = engine.quantize_int8(x, v.axis, on_nonfinite="clamp")
+            got_q = v.q.cpu().numpy() if hasattr(v.q, "cpu") else np.asarray(v.q)
+            got_s = v.scale.cpu().numpy() if hasattr(v.scale, "cpu") else np.asarray(v.scale)
+            if not (np.array_equal(got_q, q) and np.array_equal(np.asarray(got_s, np.float32).view(np.uint32),
+                                                                np.asarray(scale, np.float32).view(np.uint32))):
+                mismatched[name + " int8"] = "values or scales differ"
+    return {"checked": len(picked), "mismatched": mismatched}
 
 
 def sample(impl: str, files: list[str], dev: str, timeout: float, env: dict | None = None) -> dict:
@@ -823,7 +915,7 @@ def summarise(samples: list[dict], cache: str) -> dict:
         values = [s[key] for s in samples if key in s]
         if values:
             out[key] = max(values)
-    for key in ("tensors", "all_on_gpu", "stats", "host_peak_from", "engine_file", "memory_samples"):
+    for key in ("tensors", "all_on_gpu", "stats", "host_peak_from", "engine_file", "memory_samples", "cpu_kernels"):
         if key in samples[-1]:
             out[key] = samples[-1][key]
     prepare = [s["prepare_s"] for s in samples if isinstance(s.get("prepare_s"), (int, float))]

@@ -26,10 +26,14 @@ most decisive first):
    ``ENGINE_RING_UNMAP`` end / chunk, then three other shapes, each loaded twice (the first
    load sets the ring up, the second reuses it), the fastest's bytes checked;
 7. the rest: byte-for-byte comparison with the reference for every dtype through every entry
-   point (and over HTTP), ``pytest -m cuda``, the reference's ``load_file``, the
-   ``stats=True`` and ``quantize="int8"`` load rates, the device-kernel test modules on the
-   real GPU (Numba's simulator off); with ``--device cpu``, the device pipeline over every
-   shard on the emulated CUDA runtime (tests/emucudart) and on tests/emulated.py's device.
+   point (and over HTTP), ``pytest -m cuda``, the reference's ``load_file``, the loads with
+   device kernels through the chunk ring (``stream(f)`` with ``stats=True``, ``quantize="int8"``
+   and both, each beside the plain ``stream(f)`` of the same run, its ratio to it, its ring
+   records with the tensors reported and the seconds their kernels' launches took, and a few
+   tensors' results checked against the CPU kernels'), the validator's statistics (CPU: it has
+   no device path), the device-kernel test modules on the real GPU (Numba's simulator off);
+   with ``--device cpu``, the device pipeline over every shard on the emulated CUDA runtime
+   (tests/emucudart) and on tests/emulated.py's device.
 
 The budget is enforced here: no row (no sample, no test run) starts that the rest of the
 budget cannot hold.  A row's cost is estimated from what it took so far (its own samples),
@@ -137,12 +141,17 @@ FIRST_ROW = "engine load_into(directory)"
 SECOND_ROW = "engine load_into(directory) second load in the same process"
 PREPARED_ROW = "engine load_into(directory) first load after engine.prepare_device"
 REFERENCE_ROWS = ["reference load_file(f, device) per shard"]
-ONLOAD_ROWS = ["engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard"]
+#: loads with device kernels, beside the plain load of the same entry point in the same run (the
+#: lines: stats >= 0.9x, int8 >= 0.8x of it), each checked against the CPU kernels'
+#: results; and the validator's statistics (the CPU's: it has no device path)
+ONLOAD_PLAIN = "engine stream(f) per shard"
+ONLOAD_ROWS = [ONLOAD_PLAIN, "engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard",
+               "engine stream(f) stats=True quantize=int8 per shard",
+               "engine WeightValidator(config).validate(directory)"]
 #: ``--long`` only, after the rest
 LONG_ROWS = [
     "engine load_into(directory) reload, staging and mappings kept",
     "engine load_into(f) per shard",
-    "engine stream(f) per shard",
     "engine safe_open(index).get_tensors()",
     "reference load_file(f) then .to(device)",
     "InstantTensor default",
@@ -539,6 +548,17 @@ def add_load_row(check: Check, phase: str, impl: str, samples: list[dict], runs:
             if not r["host_bounded"]:
                 reason += (f"; over bound: anonymous + page-locked memory grew"
                            f" {r['anon_locked_growth_bytes'] / 2**20:.0f} MiB")
+    if status == "ok" and impl in bench_gpu.HOOKED:
+        plain = next((row for row in check.rep.rows if row["row"] == ONLOAD_PLAIN and row["status"] == "ok"), None)
+        if plain and plain.get("gbps") and r.get("gbps"):
+            r["vs_plain"] = r["gbps"] / plain["gbps"]
+            reason += f"; {r['vs_plain']:.2f}x {ONLOAD_PLAIN!r} in this run"
+        cpu = r.get("cpu_kernels")
+        if cpu is not None:
+            reason += (f"; {cpu['checked']} tensors against the CPU kernels: "
+                       + ("equal" if not cpu["mismatched"] else f"DIFFER {sorted(cpu['mismatched'])[:3]}"))
+            if cpu["mismatched"]:
+                status = "failed"
     # the JSON keeps each sample's figures; a second load is its own row's sample
     r["samples"] = [{k: v for k, v in s.items() if k != "second"} for s in r.get("samples", [])]
     check.rep.add(phase, impl, status, reason, **r)

@@ -464,9 +464,14 @@ def records_text(rec: dict | None) -> str:
         shape = f" {rec['chunk_bytes'] / (1 << 20):g}Mx{rec['slots']:g}/{rec.get('threads') or '?'}t"
     net = f" network {gb('network_bytes')}" if rec.get("network_bytes") else ""
     pageable = f"; {rec['pageable']:g} PAGEABLE (chunks not page-locked)" if rec.get("pageable") else ""
+    # loads with device kernels: the tensors reported and the seconds their reports (the
+    # kernels' launches) took on the issuing thread
+    hooked = (f"; kernels at {rec.get('reported') or 0:g} reports, {sec('report_s')} s"
+              if rec.get("hooked") else "")
     return (f"{rec.get('loads', 0):g} loads ({rec.get('cold', 0):g} cold); wait fill {sec('fill_wait_s')}"
             f" slot {sec('slot_wait_s')} lock {sec('lock_s')} s; GB pread {gb('pread_bytes')}"
-            f" mmap {gb('mmap_bytes')}{net};{shape} {rec.get('source') or '-'}, unmap {rec.get('unmap') or '-'}{pageable}")
+            f" mmap {gb('mmap_bytes')}{net};{shape} {rec.get('source') or '-'}, unmap {rec.get('unmap') or '-'}{pageable}"
+            f"{hooked}")
 
 
 def _curve(configs: list[dict], key: str) -> list[tuple]:

@@ -230,26 +230,21 @@ def test_quantize_random_shapes(dtype, shape, framework, data):
 
 
 class CpuAsDevice:
-    """DeviceOps whose "device" tensors are CPU torch tensors (copies are synchronous)."""
+    """The chunk ring's operations over the emulated CUDA runtime (tests/emucudart) for
+    "device" tensors that are CPU torch tensors: the ring copies into their memory."""
 
-    def bind_thread(self):
-        pass
+    _ops: list = []
 
-    def alloc_staging(self, nbytes):
-        buf = np.empty(nbytes, np.uint8)
-        return buf, memoryview(buf)
+    def __new__(cls):
+        if not cls._ops:  # one set for the module: a ring kept between loads keeps its stream
+            from emucudart import EmulatedRingOps, Emulator
 
-    def new_stream(self):
-        return object()
+            class TorchRingOps(EmulatedRingOps):
+                def address(self, target) -> int:
+                    return target.data_ptr() if target.numel() else 0
 
-    def copy_to_device(self, dst, dst_offset, src, src_offset, nbytes, stream):
-        dst[dst_offset : dst_offset + nbytes].copy_(torch.from_numpy(np.asarray(src[src_offset : src_offset + nbytes])))
-
-    def record(self, stream):
-        return None
-
-    def wait(self, event):
-        pass
+            cls._ops.append(TorchRingOps(Emulator()))
+        return cls._ops[0]
 
 
 class TorchDeviceSink:
@@ -318,6 +313,7 @@ def load(monkeypatch, path, sink, **kw):
     import engine.loading.loader  # noqa: F401  (get_sink patched below)
 
     monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.loading.pipeline, "DeviceLoad", None)  # the ring, not the slot path
     return {n: (t, s) for n, t, s in engine.stream(path, framework="pt", device="cuda", stats=True, **kw)}
 
 

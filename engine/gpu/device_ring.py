@@ -211,6 +211,12 @@ class LoadRecord:
         into the chunks (``source`` is then ``"network"``).
     pageable : bool
         The runtime refused to page-lock the chunks: copies ran at pageable speed.
+    reported, report_s : int, float
+        Tensors reported landed, and the seconds the issuing thread spent reporting them
+        (with the GIL, in its polls): for a load with device kernels (``stats=True``,
+        ``quantize="int8"``) this includes launching each landed tensor's kernels.
+    hooked : bool
+        The load had device kernels to launch as tensors landed.
     """
 
     chunks: int
@@ -232,6 +238,9 @@ class LoadRecord:
     mmap_bytes: int
     pageable: bool
     network_bytes: int = 0
+    reported: int = 0
+    report_s: float = 0.0
+    hooked: bool = False
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in _RECORD_FIELDS}
@@ -547,6 +556,7 @@ class _Landing:
         self.tracker = tracker
         self.sizes = pieces.sizes
         self.reported = 0
+        self.seconds = 0.0  # spent reporting (and in what the tracker's callbacks do)
         if len(pieces.sizes) == 1 and len(pieces.len):
             # one tensor (get_tensor's load): it lands with the load's last chunk
             self.order = list(pieces.sizes)
@@ -742,11 +752,17 @@ def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, 
     return None
 
 
-def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None,
-         connections: int | None = None) -> dict:
-    """Move every request of ``sources`` into ``dest``'s device targets through a chunk ring;
-    reports tensors to ``tracker`` as they land (each once every copy into it has completed).
-    Returns what the ring did, as :meth:`LoadRecord.as_dict` (also published to
+#: seconds between the issuing thread's reports of landed tensors: a load with device kernels
+#: reports (and launches them) more often, so that they start sooner after their copies
+POLL_SECONDS = 0.05
+HOOKED_POLL_SECONDS = 0.01
+
+
+def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None, *,
+         hooked: bool = False, connections: int | None = None) -> dict:
+    """Move every request of ``sources`` (local or remote files) into ``dest``'s device targets
+    through a chunk ring; reports tensors to ``tracker`` as they land (each once every copy into it has
+    completed).  Returns what the ring did, as :meth:`LoadRecord.as_dict` (also published to
     :func:`load_records`).
 
     ``sources`` are local files, or remote ones (each with ``ranges``, no descriptor): those
@@ -758,6 +774,10 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     A source's ``mapping`` (a caller's mapping of the file, held beyond the load) is copied
     from and left mapped; otherwise each file is mapped for the load (see :func:`unmap_mode`)
     or read with ``pread`` (:func:`engine.io.reader.copy_source`).
+
+    ``hooked``: the tracker's completion callback launches device kernels on each landed
+    tensor (:mod:`engine.loading.load_hooks`): reports come every :data:`HOOKED_POLL_SECONDS`, and
+    an exception it raises stops the load and propagates once every issued copy has completed.
 
     Raises :class:`~engine.errors.ReadError` naming the file of a failed read (a remote
     file's: the error its reader raised after its retries, naming the URL, the byte range
@@ -806,12 +826,15 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 keeps[i] = i not in mappings or unmap == "end" or kept(m)
 
         def poll(done: int) -> bool:
+            t0 = time.perf_counter()
             try:
                 landing.upto(done)
             except BaseException:
                 if fillers is not None:
                     cancel.set()  # the run stops: connections waiting between tries stop too
                 raise
+            finally:
+                landing.seconds += time.perf_counter() - t0
             return cancel.is_set()
 
         if remote[0]:
@@ -823,6 +846,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         try:
             kind, code, chunk, at, missing = ring.run(
                 c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens, keeps, poll,
+                HOOKED_POLL_SECONDS if hooked else POLL_SECONDS,
                 adaptive=source != "mmap", stream_stores=stores() == "stream",
                 fillers=fillers.count if fillers else 0, start=fillers.start if fillers else None)
         finally:
@@ -835,7 +859,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             slot_wait_s=run["slot_wait_s"], fill_s=fillers.fill_s if fillers is not None else run["fill_s"], lock_s=run["lock_s"],
             lock_calls=int(run["lock_calls"]), cold=cold, setup_s=setup_s, source=source, unmap=unmap,
             pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable,
-            network_bytes=int(run["net_bytes"]))
+            network_bytes=int(run["net_bytes"]), reported=landing.reported, report_s=landing.seconds, hooked=hooked)
     finally:
         arrays.clear()
         later = []
@@ -859,9 +883,12 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     failed = fillers.error() if fillers is not None else None
     if failed is not None:
         raise failed
-    _publish(record)
     if kind == 3:
+        _publish(record)
         cancel.set()
         return record.as_dict()
-    landing.upto(len(c_file))
+    t0 = time.perf_counter()
+    landing.upto(len(c_file))  # the last tensors (their kernels too) before the record is published
+    record = dataclasses.replace(record, reported=landing.reported, report_s=landing.seconds + time.perf_counter() - t0)
+    _publish(record)
     return record.as_dict()

@@ -1,29 +1,46 @@
 """Work done on tensors while a load brings them in: device statistics and int8 quantization.
 
 :func:`plan` is the loaders' one entry point.  For a CUDA destination it returns a
-:class:`LoadWork` whose hooks run the kernels of :mod:`engine.numerics.device` where the bytes land:
+:class:`LoadWork` whose hooks run the kernels of :mod:`engine.numerics.device` where the bytes land.
 
-* ``after_copy(request, stream)`` (the pipeline calls it after each request's host-to-device
-  copies, on the copies' stream) folds every piece of a tensor that wants statistics into a
-  device accumulator of that reader thread; the accumulators of a tensor merge on the host
-  when it is handed out, as the CPU fold's do;
-* tensors selected for quantization land in a device staging buffer of their own source
-  dtype, allocated at their first piece; ``landed(row)`` (called when the tensor's last
-  copy has completed) quantizes it into int8 values and float32 scales and drops the
-  staging buffer.  Device memory at peak: the int8 tensors and scales, the unquantized
-  tensors, and the staging of the tensors whose copies are in flight (the slot path holds
-  at most ``slots`` units of ``slot_bytes``, so these are the tensors overlapping a window
-  of a few ``slot_bytes`` of the file): never a
-  full-precision copy of the quantized tensors all at once.
+Through the chunk ring (:mod:`engine.gpu.device_ring`, every device framework whose operations
+drive it), in this order:
+
+* the ring moves the file as a plain load does; tensors selected for quantization land in a
+  device scratch buffer of their own source dtype (made when the ring run that holds them
+  is planned), the others in their destination tensors;
+* every few milliseconds the ring reports the tensors whose last copy has completed (a
+  batch; Python per tensor, never per chunk) and :meth:`LoadWork.landed` launches each
+  one's kernels on the load's side stream: the statistics fold of the whole tensor into
+  device partial rows of its own, and the quantization of its scratch bytes into its int8
+  values and float32 scales.  The copies of the following chunks go on meanwhile;
+* the results are gathered without a wait per tensor (:meth:`LoadWork.gather`): the
+  partial rows and NaN/Inf counts of every tensor launched so far are copied to the host
+  on the side stream and waited for once, when the first of them is handed out (or at the
+  end of a ring run at the latest); a scratch buffer goes then.
+
+The copies' events have completed when a tensor is reported, so the kernels need no
+ordering with the ring's stream.  Device memory at peak: the int8 tensors and scales, the
+unquantized tensors, and the scratch of one window of the load (:meth:`LoadWork.windows`:
+:data:`STAGING_BYTES` of source bytes plus at most twice the largest tensor to quantize):
+never a full-precision copy of the quantized tensors all at once.  Copies of tensor bytes: the plain load's two (page cache to chunk, chunk to device);
+the kernels read the bytes where they landed.
+
+The slot path (remote files; device operations without the ring's entry points) runs the
+same kernels per request: ``after_copy(request, stream)`` folds every piece of a tensor
+that wants statistics on the copies' stream, and ``landed(row)`` quantizes a tensor when
+its last copy has completed (staging at most the tensors overlapping the slots in flight).
 
 Where Numba's CUDA target cannot run in the process (numba-cuda missing, no NVVM, a driver
 it does not know: :func:`device_kernels_unusable` asks once), torch and CuPy loads do the same
 work with their framework's own operations on the device
-(:mod:`engine.numerics._device_fallback`): statistics of each float tensor and its
-quantization when its last copy has landed, the same results, no tensor bytes through the
-host.  Device sinks of other frameworks take the CPU paths instead: statistics by the CPU fold
-on the staging slots, quantization by the CPU kernels on each tensor as it is handed out (one
-device to host copy of it, and the int8 values and scales copied back).  Either way one
+(:mod:`engine.numerics._device_fallback`), in the same order: statistics of each float
+tensor and its quantization queued when it has landed, the same results, no tensor bytes
+through the host (the small results come back per tensor).  Device sinks of other frameworks
+take the CPU paths instead: statistics by the CPU fold (of the file's bytes as each tensor is
+handed out, through the ring; on the staging slots, on the slot path), quantization by the
+CPU kernels on each tensor as it is handed out (one device to host copy of it, and the int8
+values and scales copied back).  Either way one
 :class:`~engine.errors.DeviceFallbackWarning` per process says why and what to install.
 
 For CPU destinations statistics stay with the CPU fold on the reader threads
@@ -43,12 +60,17 @@ from typing import Any
 import numpy as np
 
 from engine.base import dtypes as _dt
-from engine.errors import DeviceFallbackWarning, NonFiniteError
+from engine.errors import DeviceError, DeviceFallbackWarning, NonFiniteError, SafetensorError
 from engine.format.header import Header
 from engine.io.reader import pread_into
 from engine.loading import pipeline
 
-__all__ = ["LoadWork", "StatsCollector", "device_kernels_unusable", "plan"]
+__all__ = ["LoadWork", "STAGING_BYTES", "StatsCollector", "device_kernels_unusable", "plan"]
+
+#: source bytes of tensors being quantized that a device load through the ring holds in
+#: scratch at once (see :meth:`LoadWork.windows`): each window is a ring run of its own, so
+#: fewer, larger windows cost fewer drains of the ring
+STAGING_BYTES = 2 << 30
 
 def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str | None = None,
          launch=None) -> LoadWork | None:
@@ -265,6 +287,15 @@ class LoadWork:
 
             self._gpu = torch.cuda.current_device()  # "cuda" without an index
         self._streams = threading.local()
+        # through the ring (destination()): kernels launched per landed tensor, gathered later
+        self.ring = False
+        self.staging_bytes = STAGING_BYTES
+        self._lock = threading.Lock()
+        self._gathering = threading.Lock()  # one gather at a time: a row is found once it returns
+        self._side: Any = None  # the load's side stream (ring)
+        self._pending: list[tuple] = []  # (row, accumulator, q, scale, bad, scratch) launched, not gathered
+        self._stats_done: dict[int, Any] = {}  # row -> Stats gathered
+        self.launched = 0  # tensors whose kernels were launched as they landed (ring)
 
     # ---------------------------------------------------------------- what the loader asks
 
@@ -274,7 +305,10 @@ class LoadWork:
 
     def destination(self, header, rows: list[int], per_tensor: bool):
         """(row -> tensor, pipeline.Destination) for a device load: the tensors to quantize
-        get no destination tensor, only a staging buffer made when their first piece comes."""
+        get no destination tensor, only a scratch buffer of their source bytes, made when
+        their first piece is planned (through the ring: when the window holding them is)."""
+        from engine.gpu import device_ring
+
         t = header.table
         staged = self._quant if self._quantize_here else {}
         plain = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows
@@ -282,7 +316,49 @@ class LoadWork:
         tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
         sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
         self._targets = _Staging(targets, sizes, self._empty)
-        return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops)
+        self.ring = device_ring.supports(ops)
+        if not self.ring:
+            return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops)
+        hooked = bool(self._stats_kind) or bool(sizes)
+        return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops,
+                                             windows=self.windows if sizes else None, hooked=hooked)
+
+    @property
+    def copy_hook(self):
+        """The pipeline's ``after_copy`` hook: the slot path's alone (through the ring,
+        :meth:`landed` launches the kernels on whole tensors)."""
+        return None if self.ring else self.after_copy
+
+    def windows(self, requests):
+        """Consecutive runs of ``requests`` (one file's, in file order) for ring runs of their
+        own: a run closes before a request that starts a tensor to quantize once the run's
+        tensors to quantize would pass :attr:`staging_bytes` of source bytes.  A tensor may
+        straddle two runs (its scratch buffer is the same in both; it lands in the second).
+        Between runs the launched kernels are waited for and their scratch freed
+        (:meth:`gather`).
+
+        Scratch on the device at once: the run's own tensors, at most ``staging_bytes`` or
+        else those starting in its first read request, plus the one straddling from the run
+        before; in all at most ``staging_bytes`` plus twice the largest tensor to quantize
+        (or plus one read request's bytes and the largest tensor, where that is more).
+        """
+        sizes = self._targets._sizes if self._targets is not None else {}
+        seen: set[int] = set()
+        window: list = []
+        staged = 0
+        for req in requests:
+            new = {p.row for p in req.pieces if p.row in sizes and p.row not in seen}
+            starts = sum(sizes[r] for r in new)
+            if window and starts and staged + starts > self.staging_bytes:
+                yield window
+                self.gather()
+                window, staged = [], 0
+            window.append(req)
+            staged += starts
+            seen |= new
+        if window:
+            yield window
+            self.gather()
 
     def after_copy(self, req, stream) -> None:
         """Pipeline hook: fold the pieces of ``req`` just copied, on their ``stream``."""
@@ -309,11 +385,23 @@ class LoadWork:
             acc.add(view[p.tensor_offset : p.tensor_offset + p.nbytes], stream)
 
     def landed(self, row: int) -> None:
-        """Completion hook (every copy of ``row`` has completed): quantize a selected tensor
-        on the device and free its staging buffer."""
+        """Completion hook (every copy of ``row`` has completed): through the ring, launch its
+        statistics and quantization kernels (:meth:`gather` collects them); on the slot path,
+        quantize a selected tensor on the device and free its staging buffer.  A failure of
+        the kernels raises :class:`~engine.errors.DeviceError` naming the tensor."""
         self._views.pop(row, None)  # no piece of it comes any more; the view would keep staging alive
-        if self._fallback is not None:
-            self._landed_fallback(row)
+        if self._fallback is not None or self.ring:
+            try:
+                if self._fallback is not None:
+                    self._landed_fallback(row)
+                else:
+                    self._landed_ring(row)
+            except SafetensorError:
+                raise
+            except Exception as exc:  # a launch the runtime refused, a kernel that failed to compile
+                raise DeviceError(f"the device kernels of tensor {self._names[row]!r} failed: "
+                                  f"{type(exc).__name__}: {exc}", path=self.path,
+                                  tensors=(self._names[row],)) from exc
             return
         if row not in self._quant or not self._quantize_here:
             return
@@ -329,6 +417,10 @@ class LoadWork:
             return tensor
         if self._fallback is not None:
             return self._quantized_fallback(row)
+        if self._quantize_here and self.ring:
+            if row not in self._done:
+                self.gather()
+            return self._quantized_ring(row)
         if self._quantize_here:
             done = self._done.pop(row, None)
             if done is None:  # a tensor without bytes never lands
@@ -366,6 +458,11 @@ class LoadWork:
         from engine.numerics.device import on_gpu
         from engine.numerics.statistics import Stats
 
+        if self.ring:
+            if row not in self._stats_done:
+                self.gather()
+            got = self._stats_done.pop(row, None)
+            return Stats.empty() if got is None else got  # a tensor without bytes never lands
         out = Stats.empty()
         with on_gpu(self._gpu):
             for acc in self._acc.pop(row, {}).values():
@@ -374,6 +471,106 @@ class LoadWork:
 
     def has_device_stats(self, row: int) -> bool:
         return row in self._stats_kind
+
+    # ---------------------------------------------------------------- device work, through the ring
+
+    def _side_stream(self):
+        """The load's one stream for the kernels launched as tensors land (their bytes are
+        complete when reported: no ordering with the ring's stream is needed)."""
+        if self._side is None:
+            from engine.numerics.device import SIMULATOR
+
+            if SIMULATOR:
+                self._side = 0
+            else:
+                from numba import cuda
+
+                self._side = cuda.stream()
+        return self._side
+
+    def _landed_ring(self, row: int) -> None:
+        stats = row in self._stats_kind
+        quant = row in self._quant and self._quantize_here
+        if not stats and not quant:
+            return
+        from engine.numerics.device import DeviceAccumulator, DeviceQuantizer, as_device_array, on_gpu
+
+        src = self._targets.pop(row, None) if quant else self._targets[row]  # type: ignore[union-attr,index]  # set by destination()
+        with on_gpu(self._gpu):
+            stream = self._side_stream()
+            acc = q = scale = bad = None
+            if stats and src is not None:
+                acc = DeviceAccumulator(self._stats_kind[row], self._launch_config(), stream, self._empty)
+                acc.add(as_device_array(src), stream)
+            if quant:
+                kind, shape, axis = self._quant[row]
+                q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
+                scale = self._empty((1 if axis is None else shape[axis],), np.float32)  # type: ignore[misc]
+                bad = DeviceQuantizer(self._launch_config(), self._empty).launch_quantize(
+                    src, kind, shape, axis, q, scale, stream)
+        self.launched += 1
+        with self._lock:
+            # the scratch stays referenced until its kernels are waited for (a framework's
+            # allocator could hand its memory out again while they run)
+            self._pending.append((row, acc, q, scale, bad, src))
+
+    def gather(self) -> None:
+        """Bring the results of every tensor launched so far to the host, with one wait on
+        the side stream for all of them, and free their scratch buffers."""
+        with self._gathering:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            if pending:
+                try:
+                    self._gather(pending)
+                except SafetensorError:
+                    raise
+                except Exception as exc:  # a kernel that failed on the device shows at the wait
+                    names = tuple(self._names[p[0]] for p in pending)
+                    raise DeviceError(f"the device kernels of {len(names)} tensor(s) failed: "
+                                      f"{type(exc).__name__}: {exc}", path=self.path, tensors=names) from exc
+
+    def _gather(self, pending: list) -> None:
+        from engine.numerics.device import on_gpu, synchronize, to_host
+
+        with on_gpu(self._gpu):
+            stream = self._side_stream()
+            queued = [(row, acc, None if acc is None else acc.queue_rows(stream), q, scale,
+                       None if bad is None else to_host(bad, stream)) for row, acc, q, scale, bad, _ in pending]
+            synchronize(stream)
+        for row, acc, rows, q, scale, bad in queued:
+            if acc is not None:
+                self._stats_done[row] = acc.merge_rows(rows)
+            if q is not None:
+                self._done[row] = (q, scale, np.asarray(bad, np.int64).copy())
+
+    def _quantized_ring(self, row: int):
+        from engine.numerics.quantize import QuantizedTensor, raise_if_nonfinite
+
+        done = self._done.pop(row, None)
+        if done is None:  # a tensor without bytes never lands
+            from engine.numerics.device import on_gpu
+
+            with on_gpu(self._gpu):
+                return self._quantize_device(row, None)
+        q, scale, bad = done
+        kind, _, axis = self._quant[row]
+        if self.spec.on_nonfinite == "raise":
+            try:
+                raise_if_nonfinite(bad, self._names[row])
+            except NonFiniteError as err:
+                err.path = self.path
+                raise
+        return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, kind)
+
+    def close(self) -> None:
+        """The load ends (or failed): wait for kernels still queued, so that no scratch
+        buffer or output is freed under them."""
+        if self.ring and self._fallback is None:
+            try:
+                self.gather()
+            except Exception:  # noqa: S110 - the load's own error, if any, is what the caller sees
+                pass
 
     # ---------------------------------------------------------------- device work
 
@@ -527,6 +724,28 @@ class StatsCollector:
                 pread_into(fd, offset + done, [view[done:]], path=self.path)
                 acc.add(view[done:])
         flush()
+
+    #: bytes of the host buffer :meth:`fold_file` reads through
+    SCRATCH = 4 << 20
+
+    def fold_file(self, fd: int, offset: int, nbytes: int, row: int) -> None:
+        """Fold ``row``'s bytes from the file (``nbytes`` at ``offset``) when no reader thread
+        saw them: a device load through the ring, whose copy threads are native, folds the
+        tensors the device does not summarise this way as each is handed out (the bytes come
+        from the page cache again, through a bounded host buffer, never back from the device)."""
+        if row not in self.kind or not nbytes:
+            return
+        acc = self._accumulator(row)
+        scratch = np.empty(min(nbytes, self.SCRATCH), np.uint8)
+        done = 0
+        while done < nbytes:
+            n = min(len(scratch), nbytes - done)
+            view = scratch[:n]
+            got = acc.read(fd, offset + done, view, self.WINDOW)
+            if got < n:  # a short read or an error: the rest the usual way, which raises with the reason
+                pread_into(fd, offset + done + got, [memoryview(view)[got:]], path=self.path)
+                acc.add(memoryview(view)[got:])
+            done += n
 
     def result(self, row: int):
         """Statistics of a complete tensor (asked once per tensor: its accumulators go)."""

@@ -224,14 +224,17 @@ def stream(
         the GIL; per-thread partial results merge when the tensor is complete.  There is no
         second pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
         sub-byte, complex).  On a GPU, F64/F32/F16/BF16 tensors are summarised on the
-        device instead, by CUDA kernels queued on each copy's stream right after it (see
-        :mod:`engine.loading.load_hooks`); other dtypes keep the CPU fold.
+        device instead, by CUDA kernels launched on each tensor as the chunk ring reports
+        it landed, while the following chunks are copied (see :mod:`engine.loading.load_hooks`);
+        other dtypes are folded on the CPU from the file as each is handed out.
     quantize : None, "int8" or engine.quantize.Int8, optional
         Quantize the selected tensors (default selection: F32/F16/BF16 weights of 2 or more
         dimensions, not embeddings; one scale per row) to symmetric int8 while loading,
         bit-identical to :func:`engine.quantize_int8`; each is yielded as a
         :class:`~engine.quantize.QuantizedTensor`.  On a GPU the quantization runs on the
-        device and only a bounded window of source-dtype staging is held there.
+        device as each tensor lands, and only a bounded window of source-dtype scratch is
+        held there (:data:`engine.loading.load_hooks.STAGING_BYTES` plus at most twice the largest
+        quantized tensor).
     gpu_path : {"auto", "copy"}, default "auto"
         GPU destinations: both copy through the native chunk ring (:mod:`engine.gpu.device_ring`;
         its geometry from ``ENGINE_RING``).  ``"register"`` was removed (see
@@ -253,7 +256,10 @@ def stream(
     -----
     Copies of tensor bytes: CPU destinations 1 (page cache to tensor); GPU destinations 2
     (page cache to a page-locked chunk, then DMA to the device).  ``stats=True`` adds no
-    copy: the kernels read the bytes where they landed.  Page-locked host memory of a GPU
+    copy: the kernels read the bytes where they landed (on a GPU, the tensors the device
+    does not summarise are read once more from the page cache, through a 4 MiB buffer);
+    ``quantize="int8"`` on a GPU lands the source bytes in a device scratch buffer instead
+    of a tensor, the same two copies.  Page-locked host memory of a GPU
     load: the ring's chunks (128 MiB by default, 256 MiB at most unless ``ENGINE_RING`` asks
     for more), whatever the model's size; unlocked a moment after the load ends (see
     :mod:`engine.loading.pipeline`).  Breaking out of the loop stops the
@@ -323,6 +329,7 @@ def stream_parts(
     _need_kernels(stats, quantize)
     cancel = cancel if cancel is not None else threading.Event()
     worker: threading.Thread | None = None
+    hooks = None
     headers = [f.header for f in files]
     spaths = [f.path or "" for f in files]
     try:
@@ -342,6 +349,9 @@ def stream_parts(
         else:
             tensors, destination = _destination(sink, parts, bases, per_tensor)
         collector = None
+        # a device load through the chunk ring: its copy threads are native, so no read hook;
+        # device kernels are launched as tensors land, the CPU fold reads the file at hand-out
+        ring = destination.on_device and device_ring.supports(destination.device_ops)
         if stats:
             rows0 = selected[0] if hooks is None else hooks.host_stats_rows(selected[0])
             collector = StatsCollector(headers[0], rows0, spaths[0])
@@ -356,6 +366,10 @@ def stream_parts(
                 return name, tensor
             if hooks is not None and hooks.has_device_stats(r):
                 return name, tensor, hooks.stats(r)
+            if ring:
+                t = headers[i].table
+                collector.fold_file(files[i].fd, headers[i].data_start + int(t.begins[r]),
+                                    int(t.ends[r]) - int(t.begins[r]), r)
             return name, tensor, collector.result(r)
 
         def landed(key):
@@ -375,9 +389,9 @@ def stream_parts(
                 _run(
                     parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes,
                     on_complete=landed, cancel=cancel,
-                    fill=collector.fill if collector is not None else None,
+                    fill=collector.fill if collector is not None and not ring else None,
                     gpu_path=gpu_path, slot_bytes=slot_bytes,
-                    after_copy=hooks.after_copy if hooks is not None else None,
+                    after_copy=hooks.copy_hook if hooks is not None else None,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer
@@ -396,6 +410,8 @@ def stream_parts(
         cancel.set()
         if worker is not None:
             worker.join()
+        if hooks is not None:
+            hooks.close()
 
 
 _STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "threads", "chunk_bytes", "per_tensor",

@@ -8,8 +8,14 @@ request into them.  No staging, one copy (page cache to destination).
 Device destinations (CUDA) of local files go through the native chunk ring
 (:mod:`engine.gpu.device_ring`): small page-locked chunks filled by native copy threads, each
 chunk's copy to the device issued in order as soon as it is full; remote files too, whose
-connections (``threads`` of them) each take the next chunk and receive its ranged GET
-straight into it.  Loads with a ``fill`` or ``after_copy`` hook take the slot path
+connections (``threads`` of them) each take the next chunks and receive their ranged GET
+straight into them.  Loads with device kernels (``stats=True``, ``quantize="int8"``:
+:mod:`engine.loading.load_hooks`) take the same ring: the ring reports the tensors whose last
+copy has completed, a batch every few milliseconds, and the completion callback launches each
+one's kernels on a side stream, where they overlap the copies of the chunks that follow.  A
+destination's ``windows`` cuts such a load into consecutive ring runs, so that the source
+bytes of the tensors being quantized (landed in device scratch buffers) are never all on the
+device at once.  Device operations without the ring's entry points take the slot path
 (:mod:`engine.gpu.device_load`, which also holds the :class:`DeviceOps` a framework provides).
 On the host, worker threads, one per connection (``threads``), receive each request of a
 remote file into its tensors.
@@ -30,7 +36,7 @@ after that unless :func:`engine.gpu.device_staging.keep_staging` asks for it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -83,13 +89,21 @@ class Destination:
         remote file's bytes are received into a view, its pages are faulted in with one
         system call (:func:`engine.io.reader.populate_write`) rather than one fault per 4 KiB
         inside the receive.
+    windows : callable, optional
+        Device destinations through the ring: ``windows(requests)`` yields consecutive
+        runs of one file's requests, each moved by a ring run of its own before the next is
+        asked for (the targets of a run's tensors are looked up when it is planned); see
+        :meth:`engine.loading.load_hooks.LoadWork.windows`.
+    hooked : bool, default False
+        The completion callback launches device kernels (the ring reports more often).
 
     Keys are the rows of the file (plus the file's ``row_base`` when several files run as
     one pipeline, see :class:`Source`).
     """
 
     def __init__(self, host_views=None, device_targets=None, device_ops: DeviceOps | None = None,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, windows: Callable[[Sequence[Request]], Iterable[Sequence[Request]]] | None = None,
+                 hooked: bool = False) -> None:
         if (host_views is None) == (device_targets is None):
             raise ValueError("give exactly one of host_views and device_targets")
         if device_targets is not None and device_ops is None:
@@ -98,6 +112,8 @@ class Destination:
         self.device_targets = device_targets
         self.device_ops = device_ops
         self.fresh = fresh
+        self.windows = windows
+        self.hooked = hooked
 
     @property
     def on_device(self) -> bool:
@@ -210,13 +226,16 @@ def run_sources(
         staging slot) or raise.  It runs on worker threads before the pieces are copied to
         a device or reported complete: the place for work that must see the bytes while
         they are in the CPU cache (statistics, see :class:`engine.loading.load_hooks.StatsCollector`).  With ``fill``,
-        device loads use the copy path alone.
+        device loads take the slot path (the ring's copy threads are native: device loads
+        with statistics fold on the CPU after the fact instead, see :mod:`engine.loading.loader`).
     after_copy : callable, optional
         ``after_copy(request, stream)`` runs on a device worker right after a request's
         host-to-device copies are issued, before the event that marks them done is
         recorded: work it queues on ``stream`` (kernels reading the bytes where they landed,
         see ``engine.loading.load_hooks``) is ordered after the copies and complete when the tensor is
-        reported complete.  Its requests carry the file's own rows: one source only.
+        reported complete.  Its requests carry the file's own rows: one source only.  The
+        slot path's hook: through the ring, device kernels are launched from ``on_complete``
+        instead, on whole landed tensors (``Destination(hooked=True)``).
 
     Returns
     -------
@@ -263,10 +282,10 @@ def run_sources(
                 # remote files: ``threads`` is the connections, which fill the ring's chunks
                 # themselves; the ring's own copy threads (its default geometry, so the ring
                 # is the one local loads keep) stay asleep
-                device_ring.load(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes),
-                                 connections=threads or default_threads())
+                _run_ring(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes),
+                          connections=threads or default_threads())
             else:
-                device_ring.load(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
+                _run_ring(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
         elif dest.on_device:
             DeviceLoad(group, dest, tracker, cancel, threads=threads, slots=slots,
                        slot_bytes=slot_bytes, fill=fill,
@@ -277,6 +296,20 @@ def run_sources(
         path = sources[0].path if sources else None
         raise Cancelled("the load was cancelled", reason="Cancelled", path=path)
     return total
+
+
+def _run_ring(sources, dest, tracker, cancel, geometry, connections: int | None = None) -> None:
+    """Device destinations through the chunk ring: one run, or one per window of
+    ``dest.windows`` (a single file's requests), each finished before the next is planned."""
+    if dest.windows is None or len(sources) != 1:
+        device_ring.load(sources, dest, tracker, cancel, geometry, hooked=dest.hooked, connections=connections)
+        return
+    src = sources[0]
+    for window in dest.windows(src.requests):
+        if cancel.is_set():
+            return
+        device_ring.load([src._replace(requests=window)], dest, tracker, cancel, geometry, hooked=dest.hooked,
+                         connections=connections)
 
 
 # -- host destinations ---------------------------------------------------------------------------

@@ -42,6 +42,8 @@ __all__ = [
     "on_gpu",
     "probe",
     "quantize_int8_device",
+    "synchronize",
+    "to_host",
     "SUPPORTED_NAMES",
 ]
 
@@ -263,6 +265,18 @@ def _to_host(d, stream):
     return d if SIMULATOR else d.copy_to_host(stream=stream)
 
 
+def to_host(d, stream: Any = None):
+    """A small device array's copy on the host, queued on ``stream`` (valid once it is
+    waited for: :func:`synchronize`); the array itself under the simulator."""
+    return _to_host(d, numba_stream(stream))
+
+
+def synchronize(stream: Any = None) -> None:
+    """Wait for the work queued on ``stream`` (nothing to wait for under the simulator)."""
+    if not SIMULATOR:
+        _sync(numba_stream(stream))
+
+
 # --------------------------------------------------------------------------- statistics
 
 
@@ -326,9 +340,19 @@ class DeviceAccumulator:
     def result(self, stream: Any = None) -> Stats:
         """Statistics of everything added (waits for the work queued on ``stream``)."""
         s = numba_stream(stream)
-        rows = [_to_host(a, s) for a in (self.cnt, self.mom, self.skey, self.ukey)]
+        rows = self.queue_rows(stream)
         if not SIMULATOR:
             _sync(s)
+        return self.merge_rows(rows)
+
+    def queue_rows(self, stream: Any = None) -> list:
+        """The partial-result rows' copies to the host, queued on ``stream`` (usable once it
+        is waited for: :meth:`merge_rows`).  Several accumulators' rows queued, then one
+        wait, gather a batch of tensors' statistics."""
+        s = numba_stream(stream)
+        return [_to_host(a, s) for a in (self.cnt, self.mom, self.skey, self.ukey)]
+
+    def merge_rows(self, rows: list) -> Stats:
         return stats_from_partials(self.kind, *rows)
 
 
@@ -410,6 +434,16 @@ class DeviceQuantizer:
         the device arrays ``q`` (int8, ``prod(shape)`` elements) and ``scale`` (float32,
         ``C`` elements); returns the (NaN, +Inf, -Inf) counts as an int64 numpy array
         (waits for the work on ``stream``)."""
+        s = numba_stream(stream)
+        out = _to_host(self.launch_quantize(src, kind, shape, axis, q, scale, stream), s)
+        if not SIMULATOR:
+            _sync(s)
+        return np.asarray(out, np.int64).copy()
+
+    def launch_quantize(self, src, kind: str, shape: tuple, axis: int | None, q, scale, stream: Any = None):
+        """:meth:`quantize` without waiting: the kernels are queued on ``stream`` and the
+        (NaN, +Inf, -Inf) counts come back as a device array of 3 int64 (bring it over with
+        :func:`to_host` once the stream is waited for; ``src`` must live until then)."""
         if kind not in INPUTS:
             raise TypeError(f"quantize_int8 supports {', '.join(INPUTS)} data, not {kind}")
         s = numba_stream(stream)
@@ -439,10 +473,7 @@ class DeviceQuantizer:
         if n:
             blocks = max(1, min(lc.blocks * 4, -(-n // nt)))  # grid-stride: within MAX_GRID[0]
             _launch(_ck.quantize_elements, (blocks, nt, s), _fmt(kind), f, ku, absmask, lim, C, inner, sd, _flat(as_device_array(q)))
-        out = _to_host(bad, s)
-        if not SIMULATOR:
-            _sync(s)
-        return np.asarray(out, np.int64).copy()
+        return bad
 
 
 def absmax_grid(outer: int, C: int, inner: int, launch: LaunchConfig) -> tuple[str, Any, int]:
