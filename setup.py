@@ -27,6 +27,13 @@ compile_args = ["-O3"] if not CHECKS else ["-O1", "-g", "-UNDEBUG"]
 
 extensions = [
     Extension(
+        "engine._crc32c",
+        ["engine/_crc32c.pyx"],
+        include_dirs=["engine"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
+    Extension(
         "engine._header",
         ["engine/_header.pyx"],
         include_dirs=[np.get_include()],

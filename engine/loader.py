@@ -38,6 +38,7 @@ from .errors import (
     TensorMismatchError,
     TensorNotFoundError,
 )
+from .checksums import Checks, verifying
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .load_hooks import StatsCollector
 from .load_hooks import plan as onload_plan
@@ -98,7 +99,11 @@ def _destination(sink, parts: Sequence[Part], bases: list[int], per_tensor: bool
     return tensors, pipeline.Destination(host_views=views, fresh=True)
 
 
-def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -> list[pipeline.Source]:
+def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None,
+             verify: bool | None = None) -> list[pipeline.Source]:
+    # the checksums a part's header records, compared as its tensors land (unless the load
+    # skips them: verify False, or None and engine.checksums.verification(False))
+    verify = verifying() if verify is None else verify
     return [
         pipeline.Source(
             p.fd, p.path,
@@ -107,6 +112,7 @@ def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -
             b,
             p.ranges,
             p.mapping,
+            Checks.of(p.header, p.path) if verify else None,
         )
         for p, b in zip(parts, bases, strict=True)
     ]
@@ -118,7 +124,7 @@ def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int |
         if p.ranges is None and p.mapping is None:  # a held mapping's owner advised its file once
             advise_sequential(p.fd)
     pipeline.run_sources(
-        _sources(parts, bases, options.pop("chunk_bytes", None)),
+        _sources(parts, bases, options.pop("chunk_bytes", None), options.pop("verify", None)),
         destination,
         threads=threads,
         **options,
@@ -308,6 +314,7 @@ def stream_parts(
     gpu_path: str = "auto",
     slot_bytes: int | None = None,
     cancel: threading.Event | None = None,
+    verify_checksums: bool | None = None,
 ) -> Iterator[tuple]:
     """:func:`stream` over files whose headers are read (local and open, or remote with
     ``ranges``); the parts' ``rows`` are ignored, the selection chooses them.  ``many``:
@@ -321,6 +328,7 @@ def stream_parts(
                          "call engine.stats on its tensors")
     sink = sink_for(framework, device)
     _need_kernels(stats, quantize)
+    verify = verifying() if verify_checksums is None else bool(verify_checksums)
     cancel = cancel if cancel is not None else threading.Event()
     worker: threading.Thread | None = None
     headers = [f.header for f in files]
@@ -363,10 +371,13 @@ def stream_parts(
                 hooks.landed(where[key][1])
             done.put(key)
 
-        # tensors with no bytes are complete before anything is read
+        # tensors with no bytes are complete before anything is read (their checksum, where
+        # the file records one, must be that of no bytes)
         for key, (i, r) in where.items():
             t = headers[i].table
             if int(t.ends[r]) == int(t.begins[r]):
+                if verify and (c := Checks.of(headers[i], spaths[i] or None)) is not None:
+                    c.verify(r, 0)
                 yield result(key)
         done: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -378,6 +389,7 @@ def stream_parts(
                     fill=collector.fill if collector is not None else None,
                     gpu_path=gpu_path, slot_bytes=slot_bytes,
                     after_copy=hooks.after_copy if hooks is not None else None,
+                    verify=verify,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer
@@ -399,7 +411,7 @@ def stream_parts(
 
 
 _STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "threads", "chunk_bytes", "per_tensor",
-                              "gpu_path", "slot_bytes"})
+                              "gpu_path", "slot_bytes", "verify_checksums"})
 
 
 def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:

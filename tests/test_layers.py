@@ -35,12 +35,16 @@ FLOORS: dict[str, int] = {
     "_http": 0,
     "_threads": 0,
     "_s3": 0,
+    # CRC-32C arithmetic (native)
+    "_crc32c": 0,
     # bytes -> validated table
     "_header": 1,
     "header": 1,
     "_header_encode": 1,
     "_file_handle": 1,
     "checkpoint_index": 1,
+    # per-tensor checksums: the header entry, whole-file digests, add_checksums
+    "checksums": 1,
     # which byte ranges to read
     "plan": 2,
     "sharding_plan": 2,
@@ -267,7 +271,7 @@ def climbing(name: str, targets: set[str]) -> list[str]:
 #: decision, written here, so that (say) a sink never quietly starts to import a kernel
 SAME_FLOOR: set[tuple[str, str]] = {
     ("_atomic", "errors"), ("_files", "errors"), ("_http", "errors"), ("dtypes", "errors"), ("_s3", "errors"),
-    ("header", "_header"), ("_header_encode", "header"), ("checkpoint_index", "header"),
+    ("header", "_header"), ("_header_encode", "header"), ("checksums", "header"), ("checksums", "_header_encode"), ("checkpoint_index", "header"),
     ("pipeline", "reader"), ("reader", "_io"), ("pipeline", "device_load"), ("device_load", "reader"), ("device_load", "device_units"),
     ("device_load", "device_staging"), ("reader", "kept_mappings"), ("pipeline", "device_ring"),
     ("device_ring", "reader"), ("device_ring", "_ring"), ("device_staging", "device_ring"),
@@ -316,7 +320,7 @@ def test_same_floor_imports_are_the_listed_ones():
 
 
 #: private native modules and the one public module that wraps each
-NATIVE_OWNERS = {"_header": "header", "_file_handle": "file_handle", "_io": "reader", "_ring": "device_ring"}
+NATIVE_OWNERS = {"_crc32c": "checksums", "_header": "header", "_file_handle": "file_handle", "_io": "reader", "_ring": "device_ring"}
 
 
 def test_private_native_modules_are_reached_through_their_public_module():
