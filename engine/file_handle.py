@@ -26,8 +26,8 @@ from typing import Any, NoReturn
 from . import dtypes
 from ._file_handle import Slicer, TensorSlice
 from ._files import PREFETCH_MIN_BYTES, advise_sequential, on_network_mount, open_regular
-from .errors import MissingDependencyError, SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .checksums import Checks, verification, verifying
+from .errors import MissingDependencyError, SafetensorError, TensorNotFoundError, UnrepresentableTensorError
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .sinks import get_sink, map_file, sink_kind
 

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 from . import device_ring, dtypes, pipeline
 from ._files import advise_sequential, open_regular
+from .checksums import Checks, verifying
 from .errors import (
     DeviceError,
     MissingDependencyError,
@@ -38,7 +39,6 @@ from .errors import (
     TensorMismatchError,
     TensorNotFoundError,
 )
-from .checksums import Checks, verifying
 from .header import MAX_HEADER_SIZE, Header, read_header_fd
 from .load_hooks import StatsCollector
 from .load_hooks import plan as onload_plan

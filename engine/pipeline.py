@@ -36,8 +36,8 @@ import numpy as np
 
 from . import device_ring
 from ._threads import run_threads
-from .device_load import DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from .checksums import Checks, combine_rows, crc32c, join
+from .device_load import DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from .errors import Cancelled, ChecksumError
 from .plan import Request
 from .reader import (
