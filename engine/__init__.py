@@ -14,6 +14,7 @@ from .errors import (
     CacheWriteWarning,
     Cancelled,
     CheckpointIndexError,
+    ChecksumError,
     ConfigError,
     DeviceError,
     DeviceFallbackWarning,
@@ -62,6 +63,7 @@ _LAZY = {
     "load": "engine.numpy",
     "save_file": "engine.writer",
     "save": "engine.writer",
+    "add_checksums": "engine.checksums",
     # sharded checkpoints (index + shards, or one file, as one checkpoint)
     "open_checkpoint": "engine.opener",  # a path or a URL
     "save_sharded": "engine.shards",
@@ -84,6 +86,7 @@ _LAZY = {
 __all__ = [
     "CacheWriteWarning",
     "Cancelled",
+    "ChecksumError",
     "CheckpointIndexError",
     "ConfigError",
     "DeviceError",
@@ -125,6 +128,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import Checkpoint
+    from .checksums import add_checksums
     from .device_ring import LoadRecord, load_records
     from .device_staging import keep_staging
     from .file_handle import _safe_open_handle

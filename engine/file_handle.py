@@ -399,7 +399,7 @@ def load_into_many(handles: list[safe_open], tensors, *, source: str | None = No
     load; ``options`` as :func:`engine.loader.fill_parts` takes them."""
     from .loader import fill_parts
 
-    with _borrowed([(h, []) for h in handles]) as files:
+    with _borrowed([(h, []) for h in handles]) as files, verification(handles[0]._verify if handles else None):
         return fill_parts(files, tensors, source=source, **options)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import writer
 from ._files import is_url
+from .checksums import verification
 from .errors import SerializationError
 from .file_handle import views
 from .header import parse_buffer
@@ -28,7 +29,9 @@ from .tensorspec import serialize_file as serialize_file
 __all__ = ["load_file", "load", "save_file", "save"]
 
 
-def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndarray]:
+def load_file(
+    filename, *, backend: str = "mmap", verify_checksums: bool | None = None, **remote
+) -> dict[str, np.ndarray]:
     """Load every tensor of a file, or of a checkpoint, as numpy arrays.
 
     Parameters
@@ -39,6 +42,10 @@ def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndar
     backend : {"mmap", "pread"}
         ``"mmap"``: zero-copy views of a private (copy-on-write) mapping, writable, a
         write never reaching the file; ``"pread"``: owned arrays.
+    verify_checksums : bool, optional
+        Check every tensor against the CRC-32C its file records, where it records them
+        (:mod:`engine.checksums`), before returning; default True.  A mismatch raises
+        :class:`~engine.errors.ChecksumError` and nothing is returned.
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -53,14 +60,15 @@ def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndar
     Copies of tensor bytes: 0 with "mmap" (a page written is copied then, by the kernel),
     1 with "pread" (page cache to the array).
     """
-    if is_url(filename):  # parallel ranged reads straight into the arrays
-        from .remote_load import load
+    with verification(verify_checksums):
+        if is_url(filename):  # parallel ranged reads straight into the arrays
+            from .remote_load import load
 
-        return load(filename, "numpy", **remote)
-    if remote:
-        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
-    with safe_open(filename, framework="numpy", backend=backend) as f:
-        return f.get_tensors()
+            return load(filename, "numpy", **remote)
+        if remote:
+            raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
+        with safe_open(filename, framework="numpy", backend=backend) as f:
+            return f.get_tensors()
 
 
 def load(data: bytes) -> dict[str, np.ndarray]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from ._remote_files import RemoteSource, checkpoint_info, is_url
 from .checkpoint import CheckpointInfo
+from .checksums import verification
 from .header import MAX_HEADER_SIZE
 from .loader import Part, fill_parts, stream_parts
 from .reader import pread_into
@@ -268,9 +269,10 @@ def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chu
     ``cache_dir`` as :func:`stream`.
     """
     remote = remote_options(options)
+    verify = options.pop("verify_checksums", None)
     if options:
         raise TypeError(f"unexpected options: {sorted(options)}")
-    with open_parts(url, connections=connections, **remote) as opened:
+    with open_parts(url, connections=connections, **remote) as opened, verification(verify):
         on_device = any(getattr(t, "is_cuda", False) or type(t).__module__.startswith("cupy") for t in tensors.values())
         chunk: int | None = chunk_bytes or (DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES)
         workers: int | None = opened.reads.connections

@@ -21,6 +21,7 @@ import torch
 
 from . import dtypes, writer
 from ._files import is_url
+from .checksums import verification
 from .errors import SerializationError
 from .file_handle import views
 from .header import parse_buffer
@@ -47,7 +48,8 @@ __all__ = [
 
 
 def load_file(
-    filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap", **remote
+    filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap",
+    verify_checksums: bool | None = None, **remote
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a file, or of a checkpoint, as torch tensors.
 
@@ -65,6 +67,10 @@ def load_file(
     backend : {"mmap", "pread"}
         ``"mmap"``: tensors view a private mapping (writable, copy-on-write);
         ``"pread"``: owned tensors filled by positional reads.
+    verify_checksums : bool, optional
+        Check every tensor against the CRC-32C its file records, where it records them
+        (:mod:`engine.checksums`), before returning; default True.  A mismatch raises
+        :class:`~engine.errors.ChecksumError` and nothing is returned.
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -81,20 +87,21 @@ def load_file(
     whatever the backend: 2 (page cache to a page-locked chunk, then DMA); see
     :mod:`engine.pipeline`.
     """
-    if is_url(filename):  # parallel ranged reads straight into the tensors
-        from .remote_load import load
+    with verification(verify_checksums):
+        if is_url(filename):  # parallel ranged reads straight into the tensors
+            from .remote_load import load
 
-        return load(filename, "pt", device, **remote)
-    if remote:
-        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
-    sink = TorchSink(device)
-    if backend in ("mmap", "pread") and (sink.on_device or backend == "pread") and not is_checkpoint_path(filename):
-        # one file into owned or device memory: straight to the loader, no handle between
-        from .loader import load_file as load_one
+            return load(filename, "pt", device, **remote)
+        if remote:
+            raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
+        sink = TorchSink(device)
+        if backend in ("mmap", "pread") and (sink.on_device or backend == "pread") and not is_checkpoint_path(filename):
+            # one file into owned or device memory: straight to the loader, no handle between
+            from .loader import load_file as load_one
 
-        return load_one(filename, sink)
-    with safe_open(filename, framework="pt", device=device, backend=backend) as f:
-        return f.get_tensors()
+            return load_one(filename, sink)
+        with safe_open(filename, framework="pt", device=device, backend=backend) as f:
+            return f.get_tensors()
 
 
 def load(data: bytes) -> dict[str, torch.Tensor]:
