@@ -35,6 +35,7 @@ from .checksums import Checks, verifying
 from .errors import (
     DeviceError,
     MissingDependencyError,
+    NonFiniteError,
     SafetensorError,
     TensorMismatchError,
     TensorNotFoundError,
@@ -245,6 +246,17 @@ def stream(
     slot_bytes : int, optional
         GPU destinations: bytes per page-locked chunk (default
         :func:`engine.device_ring.default_geometry`).
+    verify_checksums : bool, optional
+        Check each tensor against the CRC-32C its file records (:mod:`engine.checksums`)
+        before yielding it (default True; files without checksums do no checksum work).  A
+        mismatch raises :class:`~engine.errors.ChecksumError`; the failed tensor is never
+        yielded.
+    check_finite : bool, default False
+        Fail the load with :class:`~engine.errors.NonFiniteError` (naming the tensor and the
+        NaN/+Inf/-Inf counts) on the first floating tensor holding NaN or Inf, before it is
+        yielded.  The counts come from the statistics of ``stats=True`` (needs Numba; one
+        file; local files): folded on the CPU as the bytes land, by the device kernels on a
+        GPU.
 
     Yields
     ------
@@ -315,18 +327,22 @@ def stream_parts(
     slot_bytes: int | None = None,
     cancel: threading.Event | None = None,
     verify_checksums: bool | None = None,
+    check_finite: bool = False,
 ) -> Iterator[tuple]:
     """:func:`stream` over files whose headers are read (local and open, or remote with
     ``ranges``); the parts' ``rows`` are ignored, the selection chooses them.  ``many``:
     the files are the shards of one checkpoint (a name must be found in some file) rather
     than one file.  ``cancel`` is set when the load fails or ends (the readers' waits may
     watch it).  The caller closes the files after the generator is done."""
-    if (stats or quantize is not None) and len(files) != 1:
-        raise ValueError("stats=True and quantize= stream one file at a time")
-    if stats and any(f.ranges is not None for f in files):
-        raise ValueError("stats=True folds statistics while reading local files; load a remote file, then "
-                         "call engine.stats on its tensors")
+    if (stats or quantize is not None or check_finite) and len(files) != 1:
+        raise ValueError("stats=True, check_finite=True and quantize= stream one file at a time")
+    if (stats or check_finite) and any(f.ranges is not None for f in files):
+        raise ValueError("stats=True and check_finite=True fold statistics while reading local files; load a "
+                         "remote file, then call engine.stats on its tensors")
     sink = sink_for(framework, device)
+    # check_finite: the statistics of every tensor, folded as it lands (CPU) or by the device
+    # kernels after its copy (a GPU), and a tensor holding NaN or Inf fails the load
+    yield_stats, stats = stats, stats or check_finite
     _need_kernels(stats, quantize)
     verify = verifying() if verify_checksums is None else bool(verify_checksums)
     cancel = cancel if cancel is not None else threading.Event()
@@ -363,8 +379,12 @@ def stream_parts(
             if collector is None:
                 return name, tensor
             if hooks is not None and hooks.has_device_stats(r):
-                return name, tensor, hooks.stats(r)
-            return name, tensor, collector.result(r)
+                found = hooks.stats(r)
+            else:
+                found = collector.result(r)
+            if check_finite:
+                _finite_or_raise(found, name, headers[i].dtypes[r], spaths[i])
+            return (name, tensor, found) if yield_stats else (name, tensor)
 
         def landed(key):
             if hooks is not None:
@@ -410,8 +430,21 @@ def stream_parts(
             worker.join()
 
 
+def _finite_or_raise(found, name: str, dtype: str, path: str) -> None:
+    """Raise NonFiniteError for a floating tensor whose statistics count NaN or Inf."""
+    if found is None or not dtype.startswith(("F", "BF")):  # integers and BOOL hold no NaN
+        return
+    bad = found.nan_count + found.posinf_count + found.neginf_count
+    if bad:
+        raise NonFiniteError(
+            f"tensor {name!r} ({dtype}) holds {bad} non-finite value(s): {found.nan_count} NaN, "
+            f"{found.posinf_count} +Inf, {found.neginf_count} -Inf",
+            path=path or None, tensors=(name,), nan_count=found.nan_count, posinf_count=found.posinf_count,
+            neginf_count=found.neginf_count)
+
+
 _STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "threads", "chunk_bytes", "per_tensor",
-                              "gpu_path", "slot_bytes", "verify_checksums"})
+                              "gpu_path", "slot_bytes", "verify_checksums", "check_finite"})
 
 
 def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:

@@ -30,7 +30,8 @@ __all__ = ["load_file", "load", "save_file", "save"]
 
 
 def load_file(
-    filename, *, backend: str = "mmap", verify_checksums: bool | None = None, **remote
+    filename, *, backend: str = "mmap", verify_checksums: bool | None = None, check_finite: bool = False,
+    **remote
 ) -> dict[str, np.ndarray]:
     """Load every tensor of a file, or of a checkpoint, as numpy arrays.
 
@@ -46,6 +47,11 @@ def load_file(
         Check every tensor against the CRC-32C its file records, where it records them
         (:mod:`engine.checksums`), before returning; default True.  A mismatch raises
         :class:`~engine.errors.ChecksumError` and nothing is returned.
+    check_finite : bool, default False
+        Fail with :class:`~engine.errors.NonFiniteError` (naming the tensor and the counts)
+        when a floating tensor holds NaN or Inf, counted as the bytes land by the statistics
+        kernels (needs Numba; one local file; owned tensors, as :func:`engine.stream` makes
+        them, whatever ``backend``).
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -60,6 +66,8 @@ def load_file(
     Copies of tensor bytes: 0 with "mmap" (a page written is copied then, by the kernel),
     1 with "pread" (page cache to the array).
     """
+    if check_finite:
+        return _checked_finite(filename, "cpu", verify_checksums)
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the arrays
             from .remote_load import load
@@ -111,3 +119,13 @@ def save(tensor_dict: dict, metadata: dict[str, str] | None = None) -> bytes:
     """The bytes of a safetensors file holding ``tensor_dict``; see :func:`engine.writer.save`."""
     _check(tensor_dict)
     return writer.save(tensor_dict, metadata)
+
+
+def _checked_finite(filename, device, verify_checksums) -> dict:
+    """:func:`load_file` with ``check_finite``: the tensors of one stream, in file order."""
+    from .header import read_header
+    from .loader import stream
+
+    got = dict(stream(filename, framework="numpy", device=device, check_finite=True,
+                      verify_checksums=verify_checksums))
+    return {name: got[name] for name in read_header(filename).offset_keys()}

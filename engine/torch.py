@@ -49,7 +49,7 @@ __all__ = [
 
 def load_file(
     filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap",
-    verify_checksums: bool | None = None, **remote
+    verify_checksums: bool | None = None, check_finite: bool = False, **remote
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a file, or of a checkpoint, as torch tensors.
 
@@ -71,6 +71,11 @@ def load_file(
         Check every tensor against the CRC-32C its file records, where it records them
         (:mod:`engine.checksums`), before returning; default True.  A mismatch raises
         :class:`~engine.errors.ChecksumError` and nothing is returned.
+    check_finite : bool, default False
+        Fail with :class:`~engine.errors.NonFiniteError` (naming the tensor and the counts)
+        when a floating tensor holds NaN or Inf, counted as the bytes land by the statistics
+        kernels (needs Numba; one local file; owned tensors, as :func:`engine.stream` makes
+        them, whatever ``backend``).
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -87,6 +92,8 @@ def load_file(
     whatever the backend: 2 (page cache to a page-locked chunk, then DMA); see
     :mod:`engine.pipeline`.
     """
+    if check_finite:
+        return _checked_finite(filename, device, verify_checksums)
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the tensors
             from .remote_load import load
@@ -420,3 +427,13 @@ def deduplicate(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, s
             if name not in copied:
                 copied.append(name)
     return {n: out[n] for n in tensors if n in out}, aliases, copied
+
+
+def _checked_finite(filename, device, verify_checksums) -> dict:
+    """:func:`load_file` with ``check_finite``: the tensors of one stream, in file order."""
+    from .header import read_header
+    from .loader import stream
+
+    got = dict(stream(filename, framework="pt", device=device, check_finite=True,
+                      verify_checksums=verify_checksums))
+    return {name: got[name] for name in read_header(filename).offset_keys()}

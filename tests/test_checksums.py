@@ -9,6 +9,7 @@ HTTP and path-style S3 (nginx) and their ``cache_dir`` copies."""
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import shutil
 import sys
@@ -492,3 +493,55 @@ def test_cache_dir_copies_are_checked_when_written_and_when_read(served, tmp_pat
         assert np.array_equal(f.get_tensor("bias"), t["bias"])
         with pytest.raises(ChecksumError):
             f.get_tensor("embed")
+
+
+# -- finite weights on request ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nonfinite(tmp_path):
+    pytest.importorskip("numba", reason="check_finite counts with the statistics kernels (Numba, an extra)")
+    import ml_dtypes
+
+    rng = np.random.default_rng(2)
+    bad = rng.standard_normal((300, 40)).astype(np.float32)
+    bad[7, 3], bad[100, 0], bad[299, 39] = np.nan, np.inf, -np.inf
+    half = rng.standard_normal(5000).astype(ml_dtypes.bfloat16)
+    half[4321] = np.nan
+    t = {"good": rng.standard_normal((64, 64)).astype(np.float32), "bad": bad, "half": half,
+         "ints": np.arange(100, dtype=np.int32)}
+    path = str(tmp_path / "nf.safetensors")
+    engine.save_file(t, path, checksums=True)
+    return path, t
+
+
+def test_check_finite_names_the_tensor_and_counts(nonfinite):
+    path, t = nonfinite
+    with pytest.raises(engine.NonFiniteError) as e:
+        engine.numpy.load_file(path, check_finite=True)
+    err = e.value
+    assert err.tensors[0] in ("bad", "half") and err.path == path
+    if err.tensors == ("bad",):
+        assert (err.nan_count, err.posinf_count, err.neginf_count) == (1, 1, 1) and "3 non-finite" in str(err)
+    else:
+        assert (err.nan_count, err.posinf_count, err.neginf_count) == (1, 0, 0)
+    seen = []
+    with pytest.raises(engine.NonFiniteError):
+        for name, _ in engine.stream(path, framework="np", check_finite=True, names=["good", "ints", "half"]):
+            seen.append(name)
+    assert "half" not in seen
+    got = engine.numpy.load_file(path)  # without the check: loads as written
+    assert np.isnan(got["bad"][7, 3])
+
+
+def test_check_finite_passes_finite_tensors_and_ignores_integers(nonfinite):
+    path, t = nonfinite
+    got = dict(engine.stream(path, framework="np", check_finite=True, names=["good", "ints"]))
+    assert sorted(got) == ["good", "ints"] and np.array_equal(got["good"], t["good"])
+    with_stats = list(engine.stream(path, framework="np", check_finite=True, stats=True, names=["good"]))
+    assert len(with_stats[0]) == 3 and with_stats[0][2].nan_count == 0
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    etorch = importlib.import_module("engine.torch")
+    with pytest.raises(engine.NonFiniteError):
+        etorch.load_file(path, check_finite=True)
+    assert etorch.load_file(path)["half"].dtype == torch.bfloat16
