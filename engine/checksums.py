@@ -59,7 +59,17 @@ KEY = "engine.crc32c"
 VERSION = "1"
 _PREFIX = VERSION + ":"
 
-crc32c = _crc32c.crc32c
+
+
+def crc32c(data, crc: int = 0, *, hardware: bool = True) -> int:
+    """The CRC-32C of ``data`` (bytes or any C-contiguous buffer: an array's bytes as
+    stored), continuing ``crc`` (0 to start); GIL released.  ``hardware=False`` forces the
+    table (what a CPU without SSE4.2 uses)."""
+    try:
+        return _crc32c.crc32c(data, crc, hardware)
+    except ValueError:  # a typed buffer (float32 ...): its bytes
+        return _crc32c.crc32c(memoryview(data).cast("B"), crc, hardware)
+
 combine = _crc32c.combine
 combine_rows = _crc32c.combine_rows
 spans = _crc32c.spans

@@ -1,7 +1,7 @@
 """The ``engine`` command line (also ``python -m engine``).
 
 Subcommands: ``demo``, ``inspect``, ``validate``, ``stats``, ``quantize``, ``convert``,
-``bench``.  Expected failures (format errors, missing files, bad arguments, unreachable
+``add-checksums``, ``bench``.  Expected failures (format errors, missing files, bad arguments, unreachable
 URLs) print one line on stderr and exit with status 2, never a traceback; ``validate``
 exits with 1 when the checkpoint has problems.  Progress bars (tqdm, when installed) are
 drawn only when stderr is a terminal; ``stats``, ``quantize`` and ``validate`` also print a
@@ -305,6 +305,23 @@ def _weight_checks(args, config: str | None, validator: Any) -> bool:
 
 
 
+def _cmd_add_checksums(args) -> int:
+    from .checksums import add_checksums
+
+    files = []
+    for path in args.paths:
+        if os.path.isdir(path):
+            files += sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+        elif os.path.exists(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(2, "No such file or directory", path)
+    for path in files:
+        n = add_checksums(path)
+        print(f"{path}: a CRC-32C for each of {n} tensors")
+    return 0
+
+
 # --------------------------------------------------------------------------- stats, quantize
 
 
@@ -458,7 +475,18 @@ def build_parser() -> _Parser:
     p = sub.add_parser("convert", help="PyTorch .bin/.pt state dict to .safetensors (never unpickles code)")
     p.add_argument("src", help="a local file written by torch.save (.bin, .pt, .pth)")
     p.add_argument("dst", help="the local .safetensors file to write")
+    p.add_argument("--checksums", action="store_true",
+                   help="record each tensor's CRC-32C in the header (engine.checksums); loads verify them")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("add-checksums",
+                       help="record each tensor's CRC-32C in existing .safetensors files (rewritten atomically)",
+                       description="Every load by the engine then verifies each tensor against its CRC-32C "
+                                   "(verify_checksums=False skips it); the reference safetensors reads the "
+                                   "files unchanged.  A file is rewritten as a new file renamed over the old "
+                                   "one: a rewrite that is stopped leaves the old file.")
+    p.add_argument("paths", nargs="+", help="files, or directories whose *.safetensors files are all rewritten")
+    p.set_defaults(func=_cmd_add_checksums)
 
     p = sub.add_parser("bench", help="load throughput of engine backends against the reference safetensors")
     p.add_argument("path", help=_CHECKPOINT + "; a URL is timed as the engine's load over the network")

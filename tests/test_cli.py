@@ -920,3 +920,21 @@ def test_shape_checks_know_the_llama_family_only():
     for model_type in ("gpt2", "bert", "t5"):
         assert model_type in shape_checks_skipped({"model_type": model_type, **llama})
     assert "lacks" in shape_checks_skipped({"n_embd": 8})
+
+
+def test_add_checksums_command_and_convert_checksums(tmp_path, capsys):
+    from engine import checksums
+
+    engine.numpy.save_file({"a": np.arange(10, dtype=np.float32), "b": np.ones(3, np.int8)}, tmp_path / "x.safetensors")
+    code, out, err = in_process(capsys, "add-checksums", str(tmp_path))
+    assert code == 0 and "each of 2 tensors" in out, err
+    assert checksums.has_checksums(engine.read_header(str(tmp_path / "x.safetensors")))
+    code, out, err = in_process(capsys, "add-checksums", str(tmp_path / "missing.safetensors"))
+    assert code == 2 and err.count("\n") == 1
+    torch = pytest.importorskip("torch", reason="convert reads torch.save files (torch is an extra)")
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "m.pt")
+    code, out, err = in_process(capsys, "convert", str(tmp_path / "m.pt"), str(tmp_path / "m.safetensors"),
+                                "--checksums")
+    assert code == 0 and "CRC-32C" in out, err
+    h = engine.read_header(str(tmp_path / "m.safetensors"))
+    assert int(checksums.expected(h)[0]) == checksums.crc32c(torch.arange(6.0).numpy())
