@@ -58,9 +58,11 @@ cdef struct _Part:
     int64_t timed            # pieces from this size on are timed (0: _TIMED_BYTES); the ring's
                              # chunks may be smaller than that, and still learn their source
     uint32_t* cells          # NULL, or the CRC-32C of each (segment, piece) cell copied
+    int last_mapped          # the last _copy_piece call copied every byte out of the mapping
     const int64_t* cellbase  # cellbase[i]: the cell of segment i's first piece
 
 
 cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noexcept nogil
+cdef uint32_t _crc_landed(_Part* p, const uint8_t* out, int64_t nbytes, int64_t offset, uint32_t crc) noexcept nogil
 cdef void _unmap_run(const uint8_t* src, int64_t src_len, int64_t lo, int64_t hi) noexcept nogil
 cdef int _guard_ready() noexcept nogil

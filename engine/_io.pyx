@@ -291,6 +291,19 @@ cdef extern from *:
 
     /* memcpy (or, with stream, engine_stream_copy) that returns -1 instead of dying where
        the source page is no longer backed */
+    /* f(crc, src, n) under the same guard (the CRC of a mapped block just copied, read from
+       the cache); -1 where the source page is no longer backed */
+    typedef uint32_t (*engine_crc_fn)(uint32_t, const uint8_t *, size_t);
+    static int engine_guarded_crc(engine_crc_fn f, uint32_t *crc, const void *src, size_t n) {
+        sigjmp_buf jump;
+        if (sigsetjmp(jump, 1) != 0)
+            return -1;
+        engine_bus_jump = &jump;
+        *crc = f(*crc, (const uint8_t *)src, n);
+        engine_bus_jump = NULL;
+        return 0;
+    }
+
     static int engine_guarded_copy(void *dst, const void *src, size_t n, int stream) {
         sigjmp_buf jump;
         if (sigsetjmp(jump, 1) != 0)
@@ -307,6 +320,8 @@ cdef extern from *:
     int _bus_guard_ready "engine_bus_ready"() noexcept nogil
     int64_t _take "engine_take"(int64_t* cursor, int64_t n) noexcept nogil
     int _guarded_copy "engine_guarded_copy"(void* dst, const void* src, size_t n, int stream) noexcept nogil
+    ctypedef uint32_t (*_crc_fn "engine_crc_fn")(uint32_t, const uint8_t*, size_t) noexcept nogil
+    int _guarded_crc "engine_guarded_crc"(_crc_fn f, uint32_t* crc, const void* src, size_t n) noexcept nogil
 
 cdef int _guard_ready() noexcept nogil:
     """Install the SIGBUS guard of mapped copies (0, or -1 where ``sigaction`` failed)."""
@@ -326,7 +341,7 @@ cdef int64_t _MAP_STEP = 16 << 20
 
 cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out, int64_t nbytes,
                       int64_t offset, int64_t* at, int64_t* missing, int stream,
-                      double* spent) noexcept nogil:
+                      double* spent, int* fell=NULL) noexcept nogil:
     """Copy ``nbytes`` at ``offset`` of the mapping ``src`` of ``fd`` into ``out``, a step at
     a time: populate (``MADV_POPULATE_READ``), then copy under the SIGBUS guard.  Where the
     mapping cannot serve a step (past its end, pages the file no longer backs, a populate
@@ -361,6 +376,8 @@ cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out,
         if not mapped or _guarded_copy(out + done, src + pos, <size_t>step, stream) != 0:
             if spent != NULL:
                 spent[0] = -1
+            if fell != NULL:
+                fell[0] = 1
             return _pread_full(fd, out + done, nbytes - done, pos, at, missing)
         if spent != NULL and spent[0] >= 0:
             spent[0] += t1 - t0
@@ -426,10 +443,15 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
     cdef int64_t n, least = p.timed if p.timed > 0 else _TIMED_BYTES
     cdef bint timed
     cdef double spent[2]
+    cdef int fell = 0
+    p.last_mapped = 0
     if p.src == NULL:
         return _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
     if c == NULL:
-        return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream, NULL)
+        err = _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream, NULL, &fell)
+        p.last_mapped = not fell
+        return err
+    p.last_mapped = 1
     while nbytes > 0:
         source = _pick(c, nbytes >= least)
         n = nbytes
@@ -439,7 +461,9 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
         if source:
             spent[0] = spent[1] = 0
             err = _copy_mapped(p.fd, p.src, p.src_len, out, n, offset, &p.at, &p.missing, p.stream,
-                               spent if timed else NULL)
+                               spent if timed else NULL, &fell)
+            if fell:
+                p.last_mapped = 0
             if err == 0 and timed and spent[0] >= 0:
                 c.populate = spent[0] / n  # the state of the pages just mapped: the latest figure
                 # the copy's speed changes slowly: half the last figure, half the new
@@ -449,6 +473,7 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
                 # the next try comes soon after a change to the mapping, later each time not
                 c.every = _RETRY_FIRST if _maps(c) or c.every == 0 else min(2 * c.every, _RETRY_LAST)
         else:
+            p.last_mapped = 0
             err = _pread_full(p.fd, out, n, offset, &p.at, &p.missing)
         if err:
             return err
@@ -466,6 +491,19 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
 cdef int64_t _DIGEST_BLOCK = 512 << 10
 
 
+cdef uint32_t _crc_landed(_Part* p, const uint8_t* out, int64_t nbytes, int64_t offset,
+                          uint32_t crc) noexcept nogil:
+    """``crc`` continued over ``nbytes`` the last :func:`_copy_piece` of ``p`` just put at
+    ``out`` from file ``offset``, read while they are in the cache: out of the mapping where
+    every byte came from it (its copy stored past the caches, its source lines are what the
+    core holds), else out of ``out`` (``pread``'s copy stores through the caches)."""
+    cdef uint32_t got = crc
+    if p.last_mapped and p.src != NULL and offset + nbytes <= p.src_len:
+        if _guarded_crc(crc32c_update, &got, p.src + offset, <size_t>nbytes) == 0:
+            return got
+    return crc32c_update(crc, out, <size_t>nbytes)
+
+
 cdef int _copy_digest(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset, uint32_t* crc) noexcept nogil:
     """:func:`_copy_piece`, block by block, each block's CRC-32C added to ``crc`` as it lands."""
     cdef int64_t n
@@ -475,7 +513,7 @@ cdef int _copy_digest(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset, ui
         err = _copy_piece(p, out, n, offset)
         if err:
             return err
-        crc[0] = crc32c_update(crc[0], out, <size_t>n)
+        crc[0] = _crc_landed(p, out, n, offset, crc[0])
         out += n
         offset += n
         nbytes -= n
@@ -663,8 +701,8 @@ cdef int _plan_cells(_Part* parts, int nparts, _Segs* s) noexcept nogil:
     for k in range(nparts):
         parts[k].cells = s.cells
         parts[k].cellbase = s.cellbase
-        # the digest reads each block right after copying it: its stores stay in the cache
-        parts[k].stream = 0
+        # the blocks, smaller than the pieces the copy times, still learn their source
+        parts[k].timed = _DIGEST_BLOCK // 2
     return 0
 
 
@@ -904,9 +942,10 @@ cdef class SplitReader:
         takes them from the mapping.
         With ``digests`` (a ``uint32`` array, one per target), ``digests[i]`` is set to the
         CRC-32C of what landed in ``targets[i]``, taken by the thread that copied each block
-        right after copying it (copied a block at a time, stored through the caches: the
-        checksum reads the block from the cache, not from memory); the figures are only
-        meaningful when the copy succeeded.
+        right after copying it (copied a block at a time; the checksum reads the block while
+        the core holds it: the mapping's lines just read, or what ``pread`` just stored), so
+        the bytes come from memory once; the figures are only meaningful when the copy
+        succeeded.
         Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
         bytes missing)`` of the failure lowest in the concatenation of the targets.
         """

@@ -30,9 +30,8 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec, nanosleep
 
-from ._crc32c cimport crc32c_update
 from ._io cimport (
-    _Choice, _Part, _copy_piece, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
+    _Choice, _Part, _copy_piece, _crc_landed, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
     pthread_cond_init, pthread_cond_signal, pthread_cond_t, pthread_cond_timedwait, pthread_cond_wait,
     pthread_create, pthread_join, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
     pthread_mutex_t, pthread_mutex_unlock, pthread_t,
@@ -348,10 +347,17 @@ cdef int _wait_event(_State* st, void* event) noexcept nogil:
             nanosleep(&pause, NULL)
 
 
-cdef void _digest_run(_State* st, int f, const uint8_t* out, int64_t off, int64_t n) noexcept nogil:
-    """The CRC of each piece's share of a run just filled (``n`` bytes of file ``f`` from
-    ``off``, at ``out``), while it is in the cache: one cell per (piece, block), written by
-    the one thread that fills that block, joined per tensor when it is reported."""
+# a checksummed chunk is filled this many bytes at a time, each block's CRC taken right after
+# its copy while it is in the core's cache (the copy then stores through the caches)
+cdef int64_t _DIGEST_BLOCK = 512 << 10
+
+
+cdef void _digest_run(_State* st, _Part* part, int f, const uint8_t* out, int64_t off, int64_t n) noexcept nogil:
+    """Add the bytes of a block just filled (``n`` bytes of file ``f`` from ``off``, at
+    ``out``) to the CRC of each piece's share of its chunk: one cell per (piece, block of the
+    file), filled in file order by the one thread that fills that chunk, joined per tensor
+    when it is reported."""
+    cdef uint32_t* cell
     cdef _Plan* p = &st.plan
     cdef int64_t lo = p.d_first[f], hi = p.d_first[f + 1], mid, a, b, cb = st.chunk_bytes
     while lo < hi:  # the first piece that ends after off
@@ -366,8 +372,25 @@ cdef void _digest_run(_State* st, int f, const uint8_t* out, int64_t off, int64_
         if b > off + n:
             b = off + n
         if b > a:
-            p.cells[p.d_cell[lo] + a // cb - p.d_off[lo] // cb] = crc32c_update(0, out + (a - off), <size_t>(b - a))
+            cell = &p.cells[p.d_cell[lo] + a // cb - p.d_off[lo] // cb]
+            cell[0] = _crc_landed(part, out + (a - off), b - a, a, cell[0])
         lo += 1
+
+
+cdef int _fill_digest(_State* st, _Part* part, int f, uint8_t* out, int64_t n, int64_t off) noexcept nogil:
+    """:func:`_copy_piece` of a run a block at a time, each block checksummed as it lands."""
+    cdef int64_t step
+    cdef int err
+    while n > 0:
+        step = n if n < _DIGEST_BLOCK else _DIGEST_BLOCK
+        err = _copy_piece(part, out, step, off)
+        if err:
+            return err
+        _digest_run(st, part, f, out, off, step)
+        out += step
+        off += step
+        n -= step
+    return 0
 
 
 cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out, _Choice* tally) noexcept nogil:
@@ -390,11 +413,12 @@ cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out, _Choice* tally)
         while j < end and p.s_off[j] == run_off + run_len and p.s_pos[j] == run_pos + run_len:
             run_len += p.s_len[j]
             j += 1
-        err = _copy_piece(part, out + run_pos, run_len, run_off)
+        if p.cells != NULL:
+            err = _fill_digest(st, part, f, out + run_pos, run_len, run_off)
+        else:
+            err = _copy_piece(part, out + run_pos, run_len, run_off)
         if err:
             return err
-        if p.cells != NULL:
-            _digest_run(st, f, out + run_pos, run_off, run_len)
         if part.src == NULL:
             tally.nbytes[0] += run_len
         elif part.choice == NULL:
@@ -410,10 +434,12 @@ cdef inline void _part_for(_State* st, _Part* part, int index) noexcept nogil:
     # stores past the caches (the default): the copy engine reads the chunk from memory either
     # way where the ring is larger than the last-level cache, and stores that first read each
     # line in (the cache's write-allocate) cost a third pass over memory
-    part.stream = st.stream_stores if st.plan.cells == NULL else 0  # a checksum reads the chunk next
+    part.stream = st.stream_stores
     # chunks smaller than the copies' timing threshold still time their runs, so that each
     # thread learns which source is faster whatever the chunk size
     part.timed = st.chunk_bytes // 2 if st.chunk_bytes < (2 << 20) else 0
+    if st.plan.cells != NULL:  # checksummed runs are copied a block at a time: time the blocks
+        part.timed = _DIGEST_BLOCK // 2
 
 
 cdef void _run_worker(_State* st, int index) noexcept nogil:
