@@ -100,20 +100,23 @@ def verification(enabled: bool | None) -> Iterator[None]:
 
 def _file_order(header: Header) -> list[int]:
     """Rows in the order of the entry's digests: by data offset, ties by name."""
+    import numpy as np
+
     table = header.table
-    order = table.file_order()
-    begins = table.begins
+    order = np.asarray(table.order)
+    begins = np.asarray(table.begins)[order]
+    ties = np.flatnonzero(np.diff(begins) == 0)
+    if not ties.size:  # the common case: no empty tensor shares an offset
+        return order.tolist()
+    out = order.tolist()
     names = table.names
-    # ties (empty tensors) are rare: sort only the runs that share an offset
-    out: list[int] = []
-    i, n = 0, len(order)
-    while i < n:
+    i, n = 0, len(out)
+    while i < n:  # ties (empty tensors) are rare: sort only the runs that share an offset
         j = i + 1
-        b = int(begins[order[i]])
-        while j < n and int(begins[order[j]]) == b:
+        while j < n and begins[j] == begins[i]:
             j += 1
-        run = order[i:j]
-        out += run if j - i == 1 else sorted(run, key=lambda r: names[r])
+        if j - i > 1:
+            out[i:j] = sorted(out[i:j], key=lambda r: names[r])
         i = j
     return out
 
@@ -201,17 +204,21 @@ def check(path: str | None, name: str, want: int, data) -> None:
 STEP_BYTES = 8 << 20
 
 
-def _pread(fd: int, n: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, n, offset)
-    if len(data) != n:
-        raise ReadError(f"the file ends at {offset + len(data)}, inside the data", path=path,
-                        offset=offset, size=n)
-    return data
+def _read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from the file at ``offset`` (short reads continued)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ReadError(f"the file ends at {offset + done}, inside the data", path=path,
+                            offset=offset, size=len(view))
+        done += n
 
 
 def _digests_of(fd: int, header: Header, path: str, sink=None) -> list[int]:
     """CRC-32C of every tensor in the entry's order, reading the data region once front to
-    back in steps of :data:`STEP_BYTES` (``sink(data, offset)`` sees each step)."""
+    back in steps of :data:`STEP_BYTES` into one buffer (``sink(view, offset)`` sees each
+    step, right after its checksums, while it is in the cache)."""
     table = header.table
     order = _file_order(header)
     begins = [int(table.begins[r]) for r in order]
@@ -219,25 +226,23 @@ def _digests_of(fd: int, header: Header, path: str, sink=None) -> list[int]:
     crcs = [0] * len(order)
     start = header.data_start
     pos, size = 0, header.data_size
+    buf = memoryview(bytearray(min(STEP_BYTES, size)))
     k = 0  # the first tensor that ends after pos
     while pos < size:
         n = min(STEP_BYTES, size - pos)
-        data = _pread(fd, n, start + pos, path)
-        if sink is not None:
-            sink(data, pos)
-        view = memoryview(data)
+        view = buf[:n]
+        _read_into(fd, view, start + pos, path)
         hi = pos + n
         j = k
         while j < len(order) and begins[j] < hi:
             a, b = max(begins[j], pos), min(ends[j], hi)
             if b > a:
-                crcs[j] = crc32c(view[a - pos : b - pos], crcs[j])
-            if ends[j] <= hi:
-                if j == k:
-                    k += 1
+                crcs[j] = _crc32c.crc32c(view[a - pos : b - pos], crcs[j], True)
             j += 1
         while k < len(order) and ends[k] <= hi:
             k += 1
+        if sink is not None:
+            sink(view, pos)
         pos = hi
     return crcs
 
@@ -332,7 +337,7 @@ def add_checksums(path: str | os.PathLike[str], *, fsync: bool = True) -> int:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes, offset: int) -> None:
+def _write_all(fd: int, data, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
@@ -347,10 +352,11 @@ def _header_keeping_offsets(header: Header, metadata: Mapping[str, str]) -> byte
     from ._header_encode import check_metadata
 
     table = header.table
+    names = header.dtypes  # a copy per call: taken once
     doc: dict[str, Any] = {"__metadata__": check_metadata(metadata)}
     for r in table.file_order():
         doc[table.names[r]] = {
-            "dtype": header.dtypes[r],
+            "dtype": names[r],
             "shape": list(table.shapes[r]),
             "data_offsets": [int(table.begins[r]), int(table.ends[r])],
         }

@@ -274,7 +274,7 @@ class DeviceLoad:
     def _digest_unit(self, unit: Unit, view: memoryview) -> None:
         """A file with checksums: the CRC-32C of each tensor's part of the unit, read from the
         slot it just landed in (before its copy to the device), joined per tensor when the
-        tensor is complete (``tracker.verify``)."""
+        tensor is complete (``tracker.landed``)."""
         src = self.sources[unit.source]
         if src.checks is None:
             return

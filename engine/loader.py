@@ -383,7 +383,7 @@ def stream_parts(
             else:
                 found = collector.result(r)
             if check_finite:
-                _finite_or_raise(found, name, headers[i].dtypes[r], spaths[i])
+                _finite_or_raise(found, name, dtypes.NAMES[int(headers[i].table.codes[r])], spaths[i])
             return (name, tensor, found) if yield_stats else (name, tensor)
 
         def landed(key):

@@ -36,7 +36,7 @@ import numpy as np
 
 from . import device_ring
 from ._threads import run_threads
-from .checksums import Checks, combine_rows, crc32c, join
+from .checksums import Checks, combine_rows, crc32c, join, mismatch
 from .device_load import DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from .errors import Cancelled, ChecksumError
 from .plan import Request
@@ -142,7 +142,12 @@ class _Tracker:
         self.on_complete = on_complete
         self.lock = threading.Lock()
         self.checked = checked or {}
-        self.digests = np.zeros(max(self.checked) + 1 if self.checked else 0, dtype=np.uint32)
+        n = max(self.checked) + 1 if self.checked else 0
+        self.digests = np.zeros(n, dtype=np.uint32)
+        # each checked key's recorded digest, for one comparison per batch of keys
+        self.want = np.zeros(n, dtype=np.uint32)
+        for key, (c, row) in self.checked.items():
+            self.want[key] = c.expected[row]
         self.segments: dict[int, list[tuple[int, int, int]]] = {}
 
     @classmethod
@@ -175,13 +180,26 @@ class _Tracker:
         with self.lock:
             self.segments.setdefault(key, []).append((offset, nbytes, crc))
 
-    def verify(self, key: int) -> None:
-        check = self.checked.get(key)
-        if check is None:
-            return
-        segs = self.segments.pop(key, None)
-        crc = join(segs) if segs is not None else int(self.digests[key])
-        check[0].verify(check[1], crc)
+    def verified(self, done: list[int]) -> tuple[list[int], ChecksumError | None]:
+        """The keys of ``done`` whose digests match (all of them where nothing is checked),
+        and the error of the first that does not."""
+        keys = [k for k in done if k in self.checked]
+        if not keys:
+            return done, None
+        with self.lock:
+            for k in keys:  # tensors that landed out of order: their segments joined now
+                segs = self.segments.pop(k, None)
+                if segs is not None:
+                    self.digests[k] = join(segs)
+        ks = np.asarray(keys, dtype=np.intp)
+        bad = ks[self.digests[ks] != self.want[ks]]
+        if not bad.size:
+            return done, None
+        first = int(bad[0])
+        c, row = self.checked[first]
+        err = mismatch(c.path, c.names[row], int(self.want[first]), int(self.digests[first]))
+        failed = set(bad.tolist())
+        return [k for k in done if k not in failed], err
 
     def landed(self, parts) -> None:
         """``parts``: iterable of ``(key, nbytes)``."""
@@ -192,16 +210,9 @@ class _Tracker:
                 self.remaining[key] = left
                 if left == 0:
                     done.append(key)
-        failed: BaseException | None = None
-        if self.checked:
-            good = []
-            for key in done:
-                try:
-                    self.verify(key)
-                    good.append(key)
-                except ChecksumError as exc:
-                    failed = failed or exc
-            done = good
+        failed: ChecksumError | None = None
+        if self.checked and done:
+            done, failed = self.verified(done)
         if self.on_complete is not None:
             for key in done:
                 self.on_complete(key)
