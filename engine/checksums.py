@@ -29,12 +29,12 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from . import _crc32c
-from ._atomic import AtomicFile, sync_dir
-from ._atomic import umask as _umask
-from ._atomic import write_error as _write_error
-from .errors import ChecksumError, ReadError
-from .header import Header, read_header_fd
+from engine import _crc32c
+from engine.base._atomic import AtomicFile, sync_dir
+from engine.base._atomic import umask as _umask
+from engine.base._atomic import write_error as _write_error
+from engine.errors import ChecksumError, ReadError
+from engine.format.header import Header, read_header_fd
 
 __all__ = [
     "KEY",
@@ -349,7 +349,7 @@ def _header_keeping_offsets(header: Header, metadata: Mapping[str, str]) -> byte
     """Header bytes for ``header``'s tensors at their own offsets, with ``metadata``."""
     import json
 
-    from ._header_encode import check_metadata
+    from engine.format._header_encode import check_metadata
 
     table = header.table
     names = header.dtypes  # a copy per call: taken once

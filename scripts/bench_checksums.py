@@ -56,8 +56,9 @@ def _ring(path: str, verify: bool):
     import numpy as np
 
     import engine
-    from engine import checksums, pipeline
-    from engine.plan import plan_reads
+    from engine import checksums
+    from engine.loading import pipeline
+    from engine.planning.plan import plan_reads
 
     h = engine.read_header(path)
     t = h.table

@@ -24,7 +24,7 @@ import engine
 import engine.numpy
 from engine import checksums
 from engine.errors import ChecksumError
-from engine.header import read_header
+from engine.format.header import read_header
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -348,13 +348,13 @@ def test_a_sharded_directory_is_checked_shard_by_shard(tmp_path):
 
 
 def test_files_without_checksums_do_no_checksum_work(tmp_path, monkeypatch):
-    import engine.pipeline
+    import engine.loading.pipeline
 
     path = str(tmp_path / "plain.safetensors")
     engine.save_file(tensors(), path)
     seen = []
 
-    real = engine.pipeline.split_reader
+    real = engine.loading.pipeline.split_reader
 
     def spy(threads, **kw):
         inner = real(threads, **kw)
@@ -370,13 +370,13 @@ def test_files_without_checksums_do_no_checksum_work(tmp_path, monkeypatch):
 
         return Wrapped()
 
-    monkeypatch.setattr(engine.pipeline, "split_reader", spy)
+    monkeypatch.setattr(engine.loading.pipeline, "split_reader", spy)
     monkeypatch.setattr(checksums, "expected", lambda *a, **k: pytest.fail("parsed checksums of a plain file"))
     engine.numpy.load_file(path, backend="pread")
     assert seen and all(d is None for d in seen)
     engine.save_file(tensors(), path, checksums=True)
     monkeypatch.undo()
-    monkeypatch.setattr(engine.pipeline, "split_reader", spy)
+    monkeypatch.setattr(engine.loading.pipeline, "split_reader", spy)
     seen.clear()
     engine.numpy.load_file(path, backend="pread")
     assert seen and all(d is not None for d in seen)
@@ -389,7 +389,7 @@ def test_files_without_checksums_do_no_checksum_work(tmp_path, monkeypatch):
 def ring_ops():
     from emucudart import EmulatedRingOps, Emulator
 
-    from engine import device_ring
+    from engine.gpu import device_ring
 
     emu = Emulator()
     ops = EmulatedRingOps(emu)
@@ -404,7 +404,7 @@ def ring_ops():
 def test_the_ring_catches_a_flipped_bit(saved, ring_ops, monkeypatch, ring, name, where):
     from emucudart import EmulatedSink
 
-    from engine import device_ring
+    from engine.gpu import device_ring
 
     monkeypatch.setenv("ENGINE_RING", ring)
     path, t = saved
