@@ -27,6 +27,13 @@ compile_args = ["-O3"] if not CHECKS else ["-O1", "-g", "-UNDEBUG"]
 
 extensions = [
     Extension(
+        "engine.base._crc32c",
+        ["engine/base/_crc32c.pyx"],
+        include_dirs=["engine/base"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
+    Extension(
         "engine.format._header",
         ["engine/format/_header.pyx"],
         include_dirs=[np.get_include()],

@@ -17,6 +17,7 @@ from engine.errors import (
     CacheWriteWarning,
     Cancelled,
     CheckpointIndexError,
+    ChecksumError,
     ConfigError,
     DeviceError,
     DeviceFallbackWarning,
@@ -65,6 +66,7 @@ _LAZY = {
     "load": "engine.numpy",
     "save_file": "engine.writing.writer",
     "save": "engine.writing.writer",
+    "add_checksums": "engine.format.checksums",
     # sharded checkpoints (index + shards, or one file, as one checkpoint)
     "open_checkpoint": "engine.apps.opener",  # a path or a URL
     "save_sharded": "engine.checkpoints.shards",
@@ -88,8 +90,8 @@ _LAZY = {
 # paths (``engine.checkpoints.checkpoint``, ``engine.urls.remote_load.Retry`` ...) keep working, as the same
 # module objects, through the finder below.
 _LAYERS = {
-    "base": "dtypes _files _atomic _threads",
-    "format": "_header header _header_encode _file_handle checkpoint_index",
+    "base": "dtypes _files _atomic _threads _crc32c",
+    "format": "_header header _header_encode _file_handle checkpoint_index checksums",
     "planning": "plan sharding_plan",
     "io": "_io reader kept_mappings",
     "net": "_http _s3 remote_reads",
@@ -126,6 +128,7 @@ sys.meta_path.append(_MovedModules())
 __all__ = [
     "CacheWriteWarning",
     "Cancelled",
+    "ChecksumError",
     "CheckpointIndexError",
     "ConfigError",
     "DeviceError",
@@ -176,6 +179,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from engine.checkpoints.checkpoint import Checkpoint
     from engine.checkpoints.shards import save_sharded
+    from engine.format.checksums import add_checksums
     from engine.format.header import MAX_HEADER_SIZE, Header, TensorInfo
     from engine.gpu.device_ring import LoadRecord, load_records
     from engine.gpu.device_staging import keep_staging

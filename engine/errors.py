@@ -28,6 +28,7 @@ __all__ = [
     "install_line",
     "TensorMismatchError",
     "NonFiniteError",
+    "ChecksumError",
     "SharedTensorsError",
     "UnrepresentableTensorError",
     "InvalidSliceError",
@@ -315,6 +316,22 @@ class NonFiniteError(SafetensorError, ValueError):
         self.nan_count = nan_count
         self.posinf_count = posinf_count
         self.neginf_count = neginf_count
+
+
+class ChecksumError(SafetensorError, ValueError):
+    """A tensor's bytes do not match the checksum its file records, or the record itself is
+    malformed.
+
+    ``.reason`` is ``"ChecksumMismatch"`` (``.tensors`` names the tensor; ``.expected`` and
+    ``.computed`` are the CRC-32C values as ints) or ``"InvalidChecksums"`` (the
+    ``__metadata__`` entry cannot be read; ``.expected`` and ``.computed`` are None).
+    """
+
+    def __init__(self, message: str, *, expected: int | None = None, computed: int | None = None, **kw) -> None:
+        kw.setdefault("reason", "ChecksumMismatch")
+        super().__init__(message, **kw)
+        self.expected = expected
+        self.computed = computed
 
 
 class InvalidSliceError(SafetensorError, IndexError):

@@ -13,6 +13,7 @@ import numpy as np
 from engine.apps.opener import safe_open
 from engine.base._files import is_url
 from engine.errors import SerializationError
+from engine.format.checksums import verification
 from engine.format.header import parse_buffer
 from engine.loading.file_handle import views
 from engine.sinks import host_block
@@ -28,7 +29,10 @@ from engine.writing.tensorspec import serialize_file as serialize_file
 __all__ = ["load_file", "load", "save_file", "save"]
 
 
-def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndarray]:
+def load_file(
+    filename, *, backend: str = "mmap", verify_checksums: bool | None = None, check_finite: bool = False,
+    **remote
+) -> dict[str, np.ndarray]:
     """Load every tensor of a file, or of a checkpoint, as numpy arrays.
 
     Parameters
@@ -39,6 +43,15 @@ def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndar
     backend : {"mmap", "pread"}
         ``"mmap"``: zero-copy views of a private (copy-on-write) mapping, writable, a
         write never reaching the file; ``"pread"``: owned arrays.
+    verify_checksums : bool, optional
+        Check every tensor against the CRC-32C its file records, where it records them
+        (:mod:`engine.format.checksums`), before returning; default True.  A mismatch raises
+        :class:`~engine.errors.ChecksumError` and nothing is returned.
+    check_finite : bool, default False
+        Fail with :class:`~engine.errors.NonFiniteError` (naming the tensor and the counts)
+        when a floating tensor holds NaN or Inf, counted as the bytes land by the statistics
+        kernels (needs Numba; one local file; owned tensors, as :func:`engine.stream` makes
+        them, whatever ``backend``).
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -53,14 +66,17 @@ def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndar
     Copies of tensor bytes: 0 with "mmap" (a page written is copied then, by the kernel),
     1 with "pread" (page cache to the array).
     """
-    if is_url(filename):  # parallel ranged reads straight into the arrays
-        from engine.urls.remote_load import load
+    if check_finite:
+        return _checked_finite(filename, "cpu", verify_checksums)
+    with verification(verify_checksums):
+        if is_url(filename):  # parallel ranged reads straight into the arrays
+            from engine.urls.remote_load import load
 
-        return load(filename, "numpy", **remote)
-    if remote:
-        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
-    with safe_open(filename, framework="numpy", backend=backend) as f:
-        return f.get_tensors()
+            return load(filename, "numpy", **remote)
+        if remote:
+            raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
+        with safe_open(filename, framework="numpy", backend=backend) as f:
+            return f.get_tensors()
 
 
 def load(data: bytes) -> dict[str, np.ndarray]:
@@ -103,3 +119,13 @@ def save(tensor_dict: dict, metadata: dict[str, str] | None = None) -> bytes:
     """The bytes of a safetensors file holding ``tensor_dict``; see :func:`engine.writing.writer.save`."""
     _check(tensor_dict)
     return writer.save(tensor_dict, metadata)
+
+
+def _checked_finite(filename, device, verify_checksums) -> dict:
+    """:func:`load_file` with ``check_finite``: the tensors of one stream, in file order."""
+    from engine.format.header import read_header
+    from engine.loading.loader import stream
+
+    got = dict(stream(filename, framework="numpy", device=device, check_finite=True,
+                      verify_checksums=verify_checksums))
+    return {name: got[name] for name in read_header(filename).offset_keys()}

@@ -23,6 +23,7 @@ from engine.apps.opener import is_checkpoint_path, safe_open
 from engine.base import dtypes
 from engine.base._files import is_url
 from engine.errors import SerializationError
+from engine.format.checksums import verification
 from engine.format.header import parse_buffer
 from engine.loading.file_handle import views
 from engine.sinks.torch import TorchSink
@@ -48,7 +49,8 @@ __all__ = [
 
 
 def load_file(
-    filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap", **remote
+    filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap",
+    verify_checksums: bool | None = None, check_finite: bool = False, **remote
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a file, or of a checkpoint, as torch tensors.
 
@@ -66,6 +68,15 @@ def load_file(
     backend : {"mmap", "pread"}
         ``"mmap"``: tensors view a private mapping (writable, copy-on-write);
         ``"pread"``: owned tensors filled by positional reads.
+    verify_checksums : bool, optional
+        Check every tensor against the CRC-32C its file records, where it records them
+        (:mod:`engine.format.checksums`), before returning; default True.  A mismatch raises
+        :class:`~engine.errors.ChecksumError` and nothing is returned.
+    check_finite : bool, default False
+        Fail with :class:`~engine.errors.NonFiniteError` (naming the tensor and the counts)
+        when a floating tensor holds NaN or Inf, counted as the bytes land by the statistics
+        kernels (needs Numba; one local file; owned tensors, as :func:`engine.stream` makes
+        them, whatever ``backend``).
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -82,20 +93,23 @@ def load_file(
     whatever the backend: 2 (page cache to a page-locked chunk, then DMA); see
     :mod:`engine.loading.pipeline`.
     """
-    if is_url(filename):  # parallel ranged reads straight into the tensors
-        from engine.urls.remote_load import load
+    if check_finite:
+        return _checked_finite(filename, device, verify_checksums)
+    with verification(verify_checksums):
+        if is_url(filename):  # parallel ranged reads straight into the tensors
+            from engine.urls.remote_load import load
 
-        return load(filename, "pt", device, **remote)
-    if remote:
-        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
-    sink = TorchSink(device)
-    if backend in ("mmap", "pread") and (sink.on_device or backend == "pread") and not is_checkpoint_path(filename):
-        # one file into owned or device memory: straight to the loader, no handle between
-        from engine.loading.loader import load_file as load_one
+            return load(filename, "pt", device, **remote)
+        if remote:
+            raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
+        sink = TorchSink(device)
+        if backend in ("mmap", "pread") and (sink.on_device or backend == "pread") and not is_checkpoint_path(filename):
+            # one file into owned or device memory: straight to the loader, no handle between
+            from engine.loading.loader import load_file as load_one
 
-        return load_one(filename, sink)
-    with safe_open(filename, framework="pt", device=device, backend=backend) as f:
-        return f.get_tensors()
+            return load_one(filename, sink)
+        with safe_open(filename, framework="pt", device=device, backend=backend) as f:
+            return f.get_tensors()
 
 
 def load(data: bytes) -> dict[str, torch.Tensor]:
@@ -414,3 +428,13 @@ def deduplicate(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, s
             if name not in copied:
                 copied.append(name)
     return {n: out[n] for n in tensors if n in out}, aliases, copied
+
+
+def _checked_finite(filename, device, verify_checksums) -> dict:
+    """:func:`load_file` with ``check_finite``: the tensors of one stream, in file order."""
+    from engine.format.header import read_header
+    from engine.loading.loader import stream
+
+    got = dict(stream(filename, framework="pt", device=device, check_finite=True,
+                      verify_checksums=verify_checksums))
+    return {name: got[name] for name in read_header(filename).offset_keys()}

@@ -208,7 +208,7 @@ def _engine_device(url: str, dma: str = "none", slots: bool = False, repeat: int
     return (
         "import numpy as np\n"
         "from benchmarks import host\n"
-        "from engine import device_ring, pipeline, remote_load\n"
+        "from engine.gpu import device_ring\nfrom engine.loading import pipeline\nfrom engine.urls import remote_load\n"
         + ("device_ring.supports = lambda ops: False\n" if slots else "")
         + "from engine.loading.loader import _bases, _sources\n"
         f"opened = remote_load.open_parts({url!r})\n"

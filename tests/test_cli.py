@@ -844,3 +844,97 @@ def test_a_warning_is_one_line_naming_the_command(tmp_path):
     assert lines and all(x.startswith("engine bench: warning:") and x.endswith("[RangeIgnoredWarning]") for x in lines), \
         out.stderr
     assert "src.ranges" not in out.stderr  # no source line
+
+
+# -- architectures the shape checks do not know ------------------------------------------------------
+
+
+def _gpt2_checkpoint(folder) -> None:
+    """A GPT-2 checkpoint as transformers saves it (its model and config.json), tiny; where
+    transformers is not installed, the config.json and tensor names it writes."""
+    try:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 8, "n_head": 2, "n_layer": 2,
+               "n_positions": 16, "vocab_size": 32}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        rng = np.random.default_rng(0)
+        t = {"transformer.wte.weight": (32, 8), "transformer.wpe.weight": (16, 8), "transformer.ln_f.weight": (8,),
+             "transformer.ln_f.bias": (8,)}
+        for i in range(2):
+            p = f"transformer.h.{i}."
+            t.update({p + "ln_1.weight": (8,), p + "ln_1.bias": (8,), p + "attn.c_attn.weight": (8, 24),
+                      p + "attn.c_attn.bias": (24,), p + "attn.c_proj.weight": (8, 8), p + "attn.c_proj.bias": (8,),
+                      p + "ln_2.weight": (8,), p + "ln_2.bias": (8,), p + "mlp.c_fc.weight": (8, 32),
+                      p + "mlp.c_fc.bias": (32,), p + "mlp.c_proj.weight": (32, 8), p + "mlp.c_proj.bias": (8,)})
+        engine.save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in t.items()},
+                         folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=8, n_head=2, n_layer=2, n_positions=16, vocab_size=32))
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def test_validate_a_gpt2_checkpoint_skips_the_shape_checks_saying_why(tmp_path, capsys):
+    from engine.commands.cli import main
+
+    _gpt2_checkpoint(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
+    code = main(["validate", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "shape checks: skipped" in out and "'gpt2' is not an architecture the shape checks know" in out
+    assert "header and data region valid" in out and "checksums: none recorded" in out
+    assert out.splitlines()[-1] == "valid"
+
+    code = main(["validate", str(tmp_path), "--no-config"])
+    out = capsys.readouterr().out
+    assert code == 0 and "shape checks: skipped (--no-config)" in out
+
+
+def test_validate_reports_checksums_present_verified_and_mismatched(tmp_path, capsys):
+    from engine.commands.cli import main
+    from engine.format import checksums
+
+    _gpt2_checkpoint(tmp_path)
+    path = tmp_path / "model.safetensors"
+    n = checksums.add_checksums(path)
+    code = main(["validate", str(tmp_path), "--no-config"])
+    out = capsys.readouterr().out
+    assert code == 0 and f"{n} tensor(s) verified, 0 mismatched" in out
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40  # the last tensor's bytes
+    path.write_bytes(raw)
+    code = main(["validate", str(tmp_path), "--no-config"])
+    out = capsys.readouterr().out
+    assert code == 1 and f"{n - 1} tensor(s) verified, 1 mismatched" in out and "ChecksumMismatch" in out
+
+
+def test_shape_checks_know_the_llama_family_only():
+    from engine.apps.validator import shape_checks_skipped
+
+    assert shape_checks_skipped({"model_type": "llama"}) is None
+    llama = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10)
+    assert shape_checks_skipped(llama) is None
+    for model_type in ("gpt2", "bert", "t5"):
+        assert model_type in shape_checks_skipped({"model_type": model_type, **llama})
+    assert "lacks" in shape_checks_skipped({"n_embd": 8})
+
+
+def test_add_checksums_command_and_convert_checksums(tmp_path, capsys):
+    from engine.format import checksums
+
+    engine.numpy.save_file({"a": np.arange(10, dtype=np.float32), "b": np.ones(3, np.int8)}, tmp_path / "x.safetensors")
+    code, out, err = in_process(capsys, "add-checksums", str(tmp_path))
+    assert code == 0 and "each of 2 tensors" in out, err
+    assert checksums.has_checksums(engine.read_header(str(tmp_path / "x.safetensors")))
+    code, out, err = in_process(capsys, "add-checksums", str(tmp_path / "missing.safetensors"))
+    assert code == 2 and err.count("\n") == 1
+    torch = pytest.importorskip("torch", reason="convert reads torch.save files (torch is an extra)")
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "m.pt")
+    code, out, err = in_process(capsys, "convert", str(tmp_path / "m.pt"), str(tmp_path / "m.safetensors"),
+                                "--checksums")
+    assert code == 0 and "CRC-32C" in out, err
+    h = engine.read_header(str(tmp_path / "m.safetensors"))
+    assert int(checksums.expected(h)[0]) == checksums.crc32c(torch.arange(6.0).numpy())

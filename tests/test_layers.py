@@ -264,7 +264,7 @@ def test_same_floor_imports_are_the_listed_ones():
 
 
 #: private native modules and the one public module that wraps each
-NATIVE_OWNERS = {"format._header": "format.header", "format._file_handle": "loading.file_handle",
+NATIVE_OWNERS = {"base._crc32c": "format.checksums", "format._header": "format.header", "format._file_handle": "loading.file_handle",
                  "io._io": "io.reader", "gpu._ring": "gpu.device_ring"}
 
 

@@ -120,3 +120,4 @@ def test_config_file_errors(tmp_path):
         WeightValidator(tmp_path / "c.json")
     with pytest.raises(ConfigError, match="cannot read"):
         WeightValidator(tmp_path / "missing.json")
+

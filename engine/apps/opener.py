@@ -213,22 +213,27 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
     fsspec URL loads with parallel ranged reads (:func:`engine.urls.remote_load.load_into`;
     ``cache_dir=`` keeps local copies, see :mod:`engine.urls.remote_cache`).
     When a load fails part way, the error's ``.filled`` names the destinations whose bytes
-    all landed.
+    all landed.  ``verify_checksums=False`` skips the check of the checksums a file records
+    (:mod:`engine.format.checksums`; on by default): a tensor that fails it raises
+    :class:`~engine.errors.ChecksumError`, its destination holding the bytes that landed.
     """
     if is_url(path):
         from engine.urls import remote_load
 
         return remote_load.load_into(path, tensors, **options)
-    if not is_checkpoint_path(path):
-        from engine.loading import loader  # the threaded pipeline: opening a file needs none of it
+    from engine.format.checksums import verification
 
-        return loader.load_into(path, tensors, **options)
-    from engine.checkpoints.checkpoint import Checkpoint
-    from engine.format.header import MAX_HEADER_SIZE
+    with verification(options.pop("verify_checksums", None)):
+        if not is_checkpoint_path(path):
+            from engine.loading import loader  # the threaded pipeline: opening a file needs none of it
 
-    max_header_size = options.pop("max_header_size", MAX_HEADER_SIZE)
-    with Checkpoint(path, backend="pread", max_header_size=max_header_size) as c:
-        return c.load_into(tensors, **options)
+            return loader.load_into(path, tensors, **options)
+        from engine.checkpoints.checkpoint import Checkpoint
+        from engine.format.header import MAX_HEADER_SIZE
+
+        max_header_size = options.pop("max_header_size", MAX_HEADER_SIZE)
+        with Checkpoint(path, backend="pread", max_header_size=max_header_size) as c:
+            return c.load_into(tensors, **options)
 
 
 def stream(path, **options):

@@ -23,7 +23,11 @@ from typing import Any
 from engine.base.dtypes import BY_NAME
 from engine.errors import ConfigError, MissingDependencyError
 
-__all__ = ["WeightValidator", "ValidationReport", "ConfigError", "expected_tensors"]
+__all__ = ["WeightValidator", "ValidationReport", "ConfigError", "expected_tensors", "KNOWN_MODEL_TYPES",
+           "shape_checks_skipped"]
+
+#: the ``model_type`` values whose tensor names and shapes :func:`expected_tensors` derives
+KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "bitnet")
 
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -37,6 +41,26 @@ def _int(config: Mapping[str, Any], key: str, default: int | None = None) -> int
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"config key {key!r} must be a positive integer, got {value!r}", reason="InvalidConfig")
     return value
+
+
+def shape_checks_skipped(config: Mapping[str, Any]) -> str | None:
+    """Why the shape checks cannot run against ``config`` (an architecture the validator
+    does not know: GPT-2, BERT, T5 ...), or None when they can.
+
+    A config naming a known ``model_type``, or naming none but holding every key the LLaMA
+    family's shapes need, is checked (and a known one that lacks keys is an error, from
+    :func:`expected_tensors`)."""
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type.lower() in KNOWN_MODEL_TYPES:
+        return None
+    if model_type is None and all(k in config for k in _REQUIRED):
+        return None
+    known = ", ".join(KNOWN_MODEL_TYPES)
+    if model_type is None:
+        missing = [k for k in _REQUIRED if k not in config]
+        return (f"the config names no model_type and lacks {missing}: the shape checks know the LLaMA "
+                f"family only ({known})")
+    return f"model_type {model_type!r} is not an architecture the shape checks know ({known})"
 
 
 def expected_tensors(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -84,6 +84,7 @@ class Checkpoint:
         backend: str = "mmap",
         max_header_size: int = MAX_HEADER_SIZE,
         max_workers: int | None = None,
+        verify_checksums: bool | None = None,
     ) -> None:
         layout, metadata, weight_map = open_layout(path, max_header_size)
         self._layout = layout
@@ -97,6 +98,7 @@ class Checkpoint:
                     device=device,
                     backend=backend,
                     max_header_size=max_header_size,
+                    verify_checksums=verify_checksums,
                 )
             except FileNotFoundError as exc:
                 if layout.index_path is None:

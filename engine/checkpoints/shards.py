@@ -249,6 +249,7 @@ def save_sharded(
     max_workers: int | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
     index_format: str = "huggingface_hub",
+    checksums: bool = False,
 ) -> ShardSplit:
     """Write tensors as a (possibly sharded) checkpoint, as Hugging Face tools lay it out.
 
@@ -272,6 +273,8 @@ def save_sharded(
         Sync every file and the directory before and after renaming into place.
     max_workers : int, optional
         Shards written in parallel (default: up to 8).
+    checksums : bool, default False
+        Record each tensor's CRC-32C in its shard (see :func:`engine.writing.writer.save_file`).
     max_header_size : int, default 100,000,000
         Largest header of each shard, as for :func:`engine.writing.writer.save_file`.
     index_format : {"huggingface_hub", "transformers"}, default "huggingface_hub"
@@ -357,7 +360,7 @@ def save_sharded(
         try:
             writer.save_file(
                 {n: tensors[n] for n in names}, os.path.join(tmpdir, filename), meta,
-                fsync=fsync, max_header_size=max_header_size,
+                fsync=fsync, max_header_size=max_header_size, checksums=checksums,
             )
         except (WriteError, SerializationError) as exc:
             # name the shard where it will live, not the hidden directory it was written in

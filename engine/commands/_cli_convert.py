@@ -194,7 +194,13 @@ def cmd_convert(args) -> int:
         for name, t in tensors.items():
             w.write(name, t)
             bar.update(t.nbytes)
-    print(f"wrote {args.dst}: {len(tensors)} tensors, {fmt_bytes(total)}")
+    if getattr(args, "checksums", False):
+        from engine.format.checksums import add_checksums
+
+        # the writer streams the header before the data: the digests go in by a rewrite
+        add_checksums(args.dst)
+    print(f"wrote {args.dst}: {len(tensors)} tensors, {fmt_bytes(total)}"
+          + (", a CRC-32C per tensor" if getattr(args, "checksums", False) else ""))
     if aliases:
         print("shared tensors stored once (dropped -> kept, also in the metadata): "
               + ", ".join(f"{d} -> {k}" for d, k in aliases.items()))

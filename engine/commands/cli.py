@@ -1,7 +1,7 @@
 """The ``engine`` command line (also ``python -m engine``).
 
 Subcommands: ``demo``, ``inspect``, ``validate``, ``stats``, ``quantize``, ``convert``,
-``bench``.  Expected failures (format errors, missing files, bad arguments, unreachable
+``add-checksums``, ``bench``.  Expected failures (format errors, missing files, bad arguments, unreachable
 URLs) print one line on stderr and exit with status 2, never a traceback; ``validate``
 exits with 1 when the checkpoint has problems.  Progress bars (tqdm, when installed) are
 drawn only when stderr is a terminal; ``stats``, ``quantize`` and ``validate`` also print a
@@ -196,22 +196,61 @@ def _cmd_validate(args) -> int:
             print(f"ok: {shard}: {len(header)} tensors, {header.file_size:,} bytes, header and data region valid")
         if info.is_sharded:
             print(f"ok: index: {len(info)} tensors in {len(info.shards)} shards, consistent with every shard")
+    mismatched = 0
+    if info is not None:
+        mismatched = _checksum_checks(args, info)
     if problems:  # the weight checks read the tensors, which a broken file cannot give
         print("weight checks: skipped (the format problems above come first)")
         weight_ok = True
     else:
         weight_ok = _weight_checks(args, config, validator)
-    if problems or not weight_ok:
-        print(f"invalid: {len(problems)} format problem(s)" + ("" if weight_ok else ", weight checks failed"))
+    if problems or not weight_ok or mismatched:
+        print(f"invalid: {len(problems)} format problem(s)" + ("" if weight_ok else ", weight checks failed")
+              + (f", {mismatched} checksum mismatch(es)" if mismatched else ""))
         return 1
     print("valid")
     return 0
+
+
+def _checksum_checks(args, info) -> int:
+    """Verify the checksums each local file records (one read of its data region); print
+    what was present, verified and mismatched.  Returns the number of mismatches."""
+    from engine.format import checksums
+
+    present = sum(1 for h in info.headers.values() if checksums.has_checksums(h))
+    total = len(info.headers)
+    if not present:
+        print(f"checksums: none recorded in {total} file(s) (engine convert --checksums, or "
+              "engine.add_checksums, adds them)")
+        return 0
+    if _is_url(args.path):
+        print(f"checksums: recorded in {present} of {total} file(s); not verified here for a URL "
+              "(every load of it verifies them)")
+        return 0
+    verified = mismatched = 0
+    for shard, header in info.headers.items():
+        if not checksums.has_checksums(header):
+            continue
+        path = info.shard_path(shard)
+        want = checksums.expected(header, path)
+        got = checksums.file_digests(path)
+        for row, name in enumerate(header.table.names):
+            if got[name] == int(want[row]):
+                verified += 1
+            else:
+                mismatched += 1
+                print(f"problem: {one_line(checksums.mismatch(path, name, int(want[row]), got[name]))}")
+    print(f"checksums: recorded in {present} of {total} file(s); {verified} tensor(s) verified, "
+          f"{mismatched} mismatched")
+    return mismatched
 
 
 def _weight_validator(args) -> tuple[str | None, Any]:
     """(config path, WeightValidator) for --config or a config.json beside a local
     checkpoint; (None, None) when there is none.  Made before any check runs, so that a bad
     config or a missing extra is one error line and nothing else."""
+    if args.no_config:
+        return None, None
     config = args.config
     if config is None and not _is_url(args.path):
         folder = args.path if os.path.isdir(args.path) else os.path.dirname(os.path.abspath(args.path))
@@ -220,8 +259,12 @@ def _weight_validator(args) -> tuple[str | None, Any]:
     if config is None:
         return config, None
     try:
-        from engine.apps.validator import WeightValidator
+        from engine.apps.validator import WeightValidator, shape_checks_skipped
 
+        parsed = _read_config(config)
+        skipped = shape_checks_skipped(parsed) if parsed is not None else None
+        if skipped is not None:
+            return config, skipped
         return config, WeightValidator(config)
     except MissingDependencyError as err:
         raise MissingDependencyError(
@@ -230,12 +273,29 @@ def _weight_validator(args) -> tuple[str | None, Any]:
         ) from None
 
 
+def _read_config(config: str) -> dict | None:
+    """The config's JSON object, or None where it cannot be read (WeightValidator then
+    names the problem)."""
+    try:
+        with open(config, encoding="utf-8") as f:
+            parsed = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
 def _weight_checks(args, config: str | None, validator: Any) -> bool:
     """Run the weight validator; True when it passes, or when there is nothing to check
     against (format checks only)."""
+    if args.no_config:
+        print("shape checks: skipped (--no-config)")
+        return True
     if config is None or validator is None:
         beside = "" if _is_url(args.path) else " and no config.json beside the checkpoint"
         print(f"weight checks: skipped (no --config{beside})")
+        return True
+    if isinstance(validator, str):  # an architecture the shape checks do not know
+        print(f"shape checks: skipped ({config}: {validator}); the format, region and checksum checks ran")
         return True
     with FileProgress("validate", _checkpoint_info(args), args.verbose) as progress:
         report = validator.validate(args.path, progress=progress, **_remote(args, args.path))
@@ -243,6 +303,23 @@ def _weight_checks(args, config: str | None, validator: Any) -> bool:
     print(report)
     return report.ok
 
+
+
+def _cmd_add_checksums(args) -> int:
+    from engine.format.checksums import add_checksums
+
+    files = []
+    for path in args.paths:
+        if os.path.isdir(path):
+            files += sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+        elif os.path.exists(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(2, "No such file or directory", path)
+    for path in files:
+        n = add_checksums(path)
+        print(f"{path}: a CRC-32C for each of {n} tensors")
+    return 0
 
 
 # --------------------------------------------------------------------------- stats, quantize
@@ -350,10 +427,22 @@ def build_parser() -> _Parser:
     _add_remote_options(p)
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("validate", help="check the format of every shard and the index (exit 1 on problems)")
+    p = sub.add_parser(
+        "validate",
+        help="check the format of every shard and the index, the checksums files record, and the shapes "
+             "against config.json for the LLaMA family (exit 1 on problems)",
+        description="Always: the header and data region of every file, the index against the shards, and "
+                    "the CRC-32C of every tensor of a file that records them (engine.format.checksums; present, "
+                    "verified and mismatched are printed).  Then, against a config.json (--config, or one "
+                    "beside a local checkpoint), the shape and weight checks for the architectures the "
+                    "validator knows (llama, mistral, qwen2, bitnet); for others (GPT-2, BERT, T5 ...) they "
+                    "are reported as skipped, with the reason.")
     p.add_argument("path", help=_CHECKPOINT)
     p.add_argument("--config", help="model config.json for the weight checks (engine.apps.validator; default: a "
                                     "config.json beside a local checkpoint; needs the 'kernels' extra)")
+    p.add_argument("--no-config", action="store_true",
+                   help="skip the shape and weight checks against a config.json (format, region and checksum "
+                        "checks still run)")
     _add_remote_options(p)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line on stderr as each file is done (a progress bar is drawn on a terminal anyway)")
@@ -386,7 +475,18 @@ def build_parser() -> _Parser:
     p = sub.add_parser("convert", help="PyTorch .bin/.pt state dict to .safetensors (never unpickles code)")
     p.add_argument("src", help="a local file written by torch.save (.bin, .pt, .pth)")
     p.add_argument("dst", help="the local .safetensors file to write")
+    p.add_argument("--checksums", action="store_true",
+                   help="record each tensor's CRC-32C in the header (engine.format.checksums); loads verify them")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("add-checksums",
+                       help="record each tensor's CRC-32C in existing .safetensors files (rewritten atomically)",
+                       description="Every load by the engine then verifies each tensor against its CRC-32C "
+                                   "(verify_checksums=False skips it); the reference safetensors reads the "
+                                   "files unchanged.  A file is rewritten as a new file renamed over the old "
+                                   "one: a rewrite that is stopped leaves the old file.")
+    p.add_argument("paths", nargs="+", help="files, or directories whose *.safetensors files are all rewritten")
+    p.set_defaults(func=_cmd_add_checksums)
 
     p = sub.add_parser("bench", help="load throughput of engine backends against the reference safetensors")
     p.add_argument("path", help=_CHECKPOINT + "; a URL is timed as the engine's load over the network")

@@ -51,6 +51,11 @@ class ChunkRing:
         poll_seconds: float = ...,
         adaptive: bool = ...,
         stream_stores: bool = ...,
+        d_off: np.ndarray | None = ...,
+        d_len: np.ndarray | None = ...,
+        d_first: np.ndarray | None = ...,
+        d_cell: np.ndarray | None = ...,
+        cells: np.ndarray | None = ...,
     ) -> tuple[int, int, int, int, int]: ...
     def close(self) -> None: ...
     def __enter__(self) -> ChunkRing: ...

@@ -33,13 +33,13 @@ from cpython.buffer cimport PyBUF_WRITE
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.errno cimport errno
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec, nanosleep
 
 from engine.io._io cimport (
-    _Choice, _Part, _copy_piece, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
+    _Choice, _Part, _copy_piece, _crc_landed, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
     pthread_cond_init, pthread_cond_signal, pthread_cond_t, pthread_cond_timedwait, pthread_cond_wait,
     pthread_create, pthread_join, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
     pthread_mutex_t, pthread_mutex_unlock, pthread_t,
@@ -199,6 +199,14 @@ cdef struct _Plan:
     const uint64_t* maps       # file -> address of its read-only mapping, or 0: pread
     const int64_t* map_lens
     const uint8_t* keeps       # file -> its mapping is kept between loads: leave its pages mapped
+    # checksums (cells NULL: none): the load's pieces sorted by file and offset (d_off, d_len;
+    # file f's are d_first[f] .. d_first[f + 1]); the CRC of piece i's part in the file's
+    # chunk_bytes-aligned block b goes to cells[d_cell[i] + b - d_off[i] // chunk_bytes]
+    const int64_t* d_off
+    const int64_t* d_len
+    const int64_t* d_first
+    const int64_t* d_cell
+    uint32_t* cells
 
 
 cdef struct _State:
@@ -355,6 +363,66 @@ cdef int _wait_event(_State* st, void* event) noexcept nogil:
             nanosleep(&pause, NULL)
 
 
+# a checksummed chunk is filled this many bytes at a time, each block's CRC taken right after
+# its copy while it is in the core's cache (the copy then stores through the caches)
+cdef int64_t _DIGEST_BLOCK = 512 << 10
+
+
+cdef void _digest_run(_State* st, _Part* part, int f, const uint8_t* out, int64_t off, int64_t n) noexcept nogil:
+    """Add the bytes of a block just filled (``n`` bytes of file ``f`` from ``off``, at
+    ``out``) to the CRC of each piece's share of its chunk: one cell per (piece, block of the
+    file), filled in file order by the one thread that fills that chunk, joined per tensor
+    when it is reported."""
+    cdef uint32_t* cell
+    cdef _Plan* p = &st.plan
+    cdef int64_t lo = p.d_first[f], hi = p.d_first[f + 1], mid, a, b, cb = st.chunk_bytes
+    while lo < hi:  # the first piece that ends after off
+        mid = (lo + hi) // 2
+        if p.d_off[mid] + p.d_len[mid] <= off:
+            lo = mid + 1
+        else:
+            hi = mid
+    while lo < p.d_first[f + 1] and p.d_off[lo] < off + n:
+        a = p.d_off[lo] if p.d_off[lo] > off else off
+        b = p.d_off[lo] + p.d_len[lo]
+        if b > off + n:
+            b = off + n
+        if b > a:
+            cell = &p.cells[p.d_cell[lo] + a // cb - p.d_off[lo] // cb]
+            cell[0] = _crc_landed(part, out + (a - off), b - a, a, cell[0])
+        lo += 1
+
+
+cdef int _fill_digest(_State* st, _Part* part, int f, uint8_t* out, int64_t n, int64_t off) noexcept nogil:
+    """:func:`_copy_piece` of a run a block at a time, each block checksummed as it lands."""
+    cdef int64_t step
+    cdef int err
+    while n > 0:
+        step = n if n < _DIGEST_BLOCK else _DIGEST_BLOCK
+        err = _copy_piece(part, out, step, off)
+        if err:
+            return err
+        _digest_run(st, part, f, out, off, step)
+        out += step
+        off += step
+        n -= step
+    return 0
+
+
+cdef void _digest_filled(_State* st, int64_t k) noexcept nogil:
+    """The checksum cells of chunk ``k``, filled by an external filler (a connection): read
+    back out of the chunk, which the filler just wrote (in this core's cache where it was)."""
+    cdef _Plan* p = &st.plan
+    cdef _Part part
+    cdef int f = p.c_file[k]
+    cdef int64_t j = p.c_seg[k], end = p.c_seg[k + 1]
+    cdef uint8_t* out = st.base + (k % st.nslots) * st.chunk_bytes
+    memset(&part, 0, sizeof(part))  # no mapping: _crc_landed reads the chunk
+    while j < end:
+        _digest_run(st, &part, f, out + p.s_pos[j], p.s_off[j], p.s_len[j])
+        j += 1
+
+
 cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out, _Choice* tally) noexcept nogil:
     """Fill chunk ``k`` into ``out``: its segments, file-contiguous ones in one copy; then
     unmap what was mapped (unless the file's mapping is held for the load).  0 or the read's
@@ -375,7 +443,10 @@ cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out, _Choice* tally)
         while j < end and p.s_off[j] == run_off + run_len and p.s_pos[j] == run_pos + run_len:
             run_len += p.s_len[j]
             j += 1
-        err = _copy_piece(part, out + run_pos, run_len, run_off)
+        if p.cells != NULL:
+            err = _fill_digest(st, part, f, out + run_pos, run_len, run_off)
+        else:
+            err = _copy_piece(part, out + run_pos, run_len, run_off)
         if err:
             return err
         if part.src == NULL:
@@ -397,6 +468,8 @@ cdef inline void _part_for(_State* st, _Part* part, int index) noexcept nogil:
     # chunks smaller than the copies' timing threshold still time their runs, so that each
     # thread learns which source is faster whatever the chunk size
     part.timed = st.chunk_bytes // 2 if st.chunk_bytes < (2 << 20) else 0
+    if st.plan.cells != NULL:  # checksummed runs are copied a block at a time: time the blocks
+        part.timed = _DIGEST_BLOCK // 2
 
 
 cdef int _claim(_State* st, int64_t k) noexcept nogil:
@@ -661,7 +734,9 @@ cdef class ChunkRing:
             const int64_t[::1] s_off, const int64_t[::1] s_len, const uint64_t[::1] s_dst,
             const int32_t[::1] fds, const uint64_t[::1] maps, const int64_t[::1] map_lens,
             const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05, bint adaptive=True,
-            bint stream_stores=True, int fillers=0, object start=None):
+            bint stream_stores=True, int fillers=0, object start=None, const int64_t[::1] d_off=None,
+            const int64_t[::1] d_len=None, const int64_t[::1] d_first=None, const int64_t[::1] d_cell=None,
+            uint32_t[::1] cells=None):
         """Move one planned load (see :func:`plan`) through the ring, GIL released.
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
@@ -686,6 +761,10 @@ cdef class ChunkRing:
         ``filled(k, n)``, or ``fail(k)`` and stops; then ``leave()`` once, whatever happened).
         The run returns only when every filler has left.  The files' descriptors and
         mappings are not read then.
+        With ``cells`` (and ``d_off``, ``d_len``, ``d_first``, ``d_cell``: the pieces sorted
+        by file and offset, each file's range of them, each piece's first cell), the copy
+        threads take the CRC-32C of each piece's share of each chunk right after filling it
+        (stored through the caches then), into ``cells``.
 
         Returns ``(kind, code, chunk, at, missing)``: kind 0 on success, 1 a read failed
         (``code`` errno or -1 for the end of the file, ``at``/``missing`` where), 2 the
@@ -722,6 +801,18 @@ cdef class ChunkRing:
         for j in range(s_len.shape[0]):
             if s_pos[j] < 0 or s_len[j] < 0 or s_pos[j] + s_len[j] > st.chunk_bytes or s_off[j] < 0:
                 raise ValueError("a segment does not fit its chunk")
+        if cells is not None:
+            if d_off is None or d_len is None or d_first is None or d_cell is None \
+                    or d_len.shape[0] != d_off.shape[0] or d_cell.shape[0] != d_off.shape[0] \
+                    or d_first.shape[0] != fds.shape[0] + 1 or d_first[fds.shape[0]] > d_off.shape[0]:
+                raise ValueError("the checksum arrays do not agree")
+            for j in range(fds.shape[0]):
+                if d_first[j] < 0 or d_first[j] > d_first[j + 1]:
+                    raise ValueError("the checksum arrays do not agree")
+            for j in range(d_off.shape[0]):
+                if d_len[j] <= 0 or d_cell[j] < 0 or d_cell[j] + (d_off[j] + d_len[j] - 1) // st.chunk_bytes \
+                        - d_off[j] // st.chunk_bytes >= cells.shape[0]:
+                    raise ValueError("a piece's checksum cells do not fit")
         for j in range(fds.shape[0]):
             if maps[j] != 0 and _guard_ready() != 0:
                 raise OSError("cannot install the SIGBUS guard of mapped copies")
@@ -746,6 +837,13 @@ cdef class ChunkRing:
             st.plan.maps = &maps[0]
             st.plan.map_lens = &map_lens[0]
             st.plan.keeps = &keeps[0]
+            st.plan.cells = NULL
+            if cells is not None and d_off.shape[0]:
+                st.plan.d_off = &d_off[0]
+                st.plan.d_len = &d_len[0]
+                st.plan.d_first = &d_first[0]
+                st.plan.d_cell = &d_cell[0]
+                st.plan.cells = &cells[0]
             with nogil:
                 st.rt.get_device(&prev)
                 rc = st.rt.set_device(st.device)
@@ -935,6 +1033,9 @@ cdef class ChunkRing:
         for j in range(st.plan.c_seg[k], st.plan.c_seg[k + n]):
             nbytes += st.plan.s_len[j]
         with nogil:
+            if st.plan.cells != NULL:
+                for i in range(k, k + n):
+                    _digest_filled(st, i)
             pthread_mutex_lock(&st.lock)
             st.net_bytes += nbytes
             for i in range(k, k + n):

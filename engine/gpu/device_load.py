@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from engine.base._threads import run_threads
+from engine.format.checksums import crc32c
 from engine.gpu.device_staging import Ring
 from engine.gpu.device_units import SLOT_ALIGN, Unit, units
 from engine.io.reader import check_read, close_mapping, copy_mapping, kept, split_reader
@@ -164,6 +165,7 @@ class DeviceLoad:
                     mappings[unit.source] = copy_mapping(self.sources[unit.source].fd)
                 self._read_unit(unit, view, reader, mappings.get(unit.source))
                 src = self.sources[unit.source]
+                self._digest_unit(unit, view)
                 targets = self.dest.device_targets
                 parts = []
                 for key, toff, soff, n in unit.copies(src.row_base, from_file=False):
@@ -247,6 +249,7 @@ class DeviceLoad:
                         break
                 handle = slots[ui % self.slots][0]
                 src = self.sources[unit.source]
+                self._digest_unit(unit, slots[ui % self.slots][1])
                 parts = []
                 for key, toff, soff, n in unit.copies(src.row_base, from_file=False):
                     ops.copy_to_device(targets[key], toff, handle, soff, n, stream)
@@ -267,6 +270,17 @@ class DeviceLoad:
             ring.free()
         if errors:
             raise errors[0]
+
+    def _digest_unit(self, unit: Unit, view: memoryview) -> None:
+        """A file with checksums: the CRC-32C of each tensor's part of the unit, read from the
+        slot it just landed in (before its copy to the device), joined per tensor when the
+        tensor is complete (``tracker.landed``)."""
+        src = self.sources[unit.source]
+        if src.checks is None:
+            return
+        for key, toff, soff, n in unit.copies(src.row_base, from_file=False):
+            if key in self.tracker.checked:
+                self.tracker.add_segment(key, toff, n, crc32c(view[soff : soff + n]))
 
     def _after_copy(self, unit: Unit, stream) -> None:
         """The ``after_copy`` hook for each request of a unit whose copies are issued."""

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.errors import DeviceError
+from engine.format.checksums import combine
 from engine.io.reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
 __all__ = ["Geometry", "LoadRecord", "default_geometry", "supports", "load", "load_records", "prepare", "keep_rings",
@@ -507,7 +508,7 @@ class _Pieces:
     tensor key its bytes and the index of its last piece."""
 
     def __init__(self, sources, targets, address) -> None:
-        files, offs, lens, dsts = [], [], [], []
+        files, offs, lens, dsts, toffs = [], [], [], [], []
         self.keys: list = []  # per piece
         self.sizes: dict = {}
         self.empty: list = []
@@ -523,12 +524,59 @@ class _Pieces:
                     offs.append(req.offset + p.request_offset)
                     lens.append(p.nbytes)
                     dsts.append(address(targets[key]) + p.tensor_offset)
+                    toffs.append(p.tensor_offset)
                     self.keys.append(key)
                     self.sizes[key] = self.sizes.get(key, 0) + p.nbytes
         self.file = np.array(files, np.int32)
         self.off = np.array(offs, np.int64)
         self.len = np.array(lens, np.int64)
         self.dst = np.array(dsts, np.uint64)
+        self.toff = toffs  # per piece: its offset in its tensor
+
+
+class _Digests:
+    """The checksum cells of a ring load (see ``engine.gpu._ring.ChunkRing.run``): the copy
+    threads fill them; :meth:`give` joins each checked tensor's cells, in its byte order,
+    into the tracker just before the tensor is reported."""
+
+    def __init__(self, pieces: _Pieces, nfiles: int, chunk_bytes: int, tracker) -> None:
+        self.tracker = tracker
+        order = np.lexsort((pieces.off, pieces.file)) if len(pieces.len) else np.empty(0, np.intp)
+        self.d_off = np.ascontiguousarray(pieces.off[order])
+        self.d_len = np.ascontiguousarray(pieces.len[order])
+        self.d_first = np.searchsorted(pieces.file[order], np.arange(nfiles + 1), side="left").astype(np.int64)
+        first = self.d_off // chunk_bytes
+        ncell = (self.d_off + self.d_len - 1) // chunk_bytes - first + 1
+        self.d_cell = (np.cumsum(ncell) - ncell).astype(np.int64)
+        self.cells = np.zeros(max(int(ncell.sum()), 1), np.uint32)
+        self.chunk_bytes = chunk_bytes
+        # key -> its pieces as (offset in the tensor, index into the sorted arrays)
+        self.of: dict = {}
+        for i, p in enumerate(order.tolist()):
+            key = pieces.keys[p]
+            if key in tracker.checked:
+                self.of.setdefault(key, []).append((pieces.toff[p], i))
+
+    def arrays(self) -> dict:
+        return {"d_off": self.d_off, "d_len": self.d_len, "d_first": self.d_first, "d_cell": self.d_cell,
+                "cells": self.cells}
+
+    def give(self, keys) -> None:
+        cb = self.chunk_bytes
+        for key in keys:
+            segs = self.of.pop(key, None)
+            if segs is None:
+                continue
+            crc = 0
+            for _, i in sorted(segs):
+                off, n, cell = int(self.d_off[i]), int(self.d_len[i]), int(self.d_cell[i])
+                end = off + n
+                while off < end:
+                    nxt = min(end, (off // cb + 1) * cb)
+                    crc = combine(crc, int(self.cells[cell]), nxt - off)
+                    cell += 1
+                    off = nxt
+            self.tracker.add_segment(key, 0, self.tracker.remaining[key], crc)
 
 
 def plan(pieces: _Pieces, chunk_bytes: int):
@@ -552,8 +600,9 @@ def plan(pieces: _Pieces, chunk_bytes: int):
 class _Landing:
     """Reports each tensor to the tracker once the chunk holding its last byte has completed."""
 
-    def __init__(self, pieces: _Pieces, c_seg, s_len, tracker) -> None:
+    def __init__(self, pieces: _Pieces, c_seg, s_len, tracker, digests: _Digests | None = None) -> None:
         self.tracker = tracker
+        self.digests = digests
         self.sizes = pieces.sizes
         self.reported = 0
         self.seconds = 0.0  # spent reporting (and in what the tracker's callbacks do)
@@ -584,6 +633,8 @@ class _Landing:
         if stop > self.reported:
             keys = self.order[self.reported : stop]
             self.reported = stop
+            if self.digests is not None:
+                self.digests.give(keys)
             self.tracker.landed([(k, self.sizes[k]) for k in keys])
 
 
@@ -794,7 +845,10 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     targets = dest.device_targets
     pieces = _Pieces(sources, targets, ops.address)
     c_file, c_seg, s_pos, s_off, s_len, s_dst = plan(pieces, g.chunk_bytes)
-    landing = _Landing(pieces, c_seg, s_len, tracker)
+    # files with checksums: the copy threads take each piece's CRC per chunk as they fill it
+    digests = _Digests(pieces, len(sources), g.chunk_bytes, tracker) \
+        if getattr(tracker, "checked", None) and len(pieces.len) else None
+    landing = _Landing(pieces, c_seg, s_len, tracker, digests)
     if not len(c_file):
         return {}
     source, unmap = ("network" if remote[0] else copy_source()), unmap_mode()
@@ -848,7 +902,8 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens, keeps, poll,
                 HOOKED_POLL_SECONDS if hooked else POLL_SECONDS,
                 adaptive=source != "mmap", stream_stores=stores() == "stream",
-                fillers=fillers.count if fillers else 0, start=fillers.start if fillers else None)
+                fillers=fillers.count if fillers else 0, start=fillers.start if fillers else None,
+                **(digests.arrays() if digests is not None else {}))
         finally:
             if fillers is not None:
                 fillers.join()  # they left the run before it returned: only their exits remain

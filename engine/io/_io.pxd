@@ -1,6 +1,6 @@
 # Declarations shared with the chunk ring (engine/gpu/_ring.pyx): pthreads, and a copy of file
 # bytes into memory, from pread or a populated mapping, learning per thread which is faster.
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t
 from posix.time cimport timespec
 
 
@@ -57,8 +57,12 @@ cdef struct _Part:
     int keep                 # a kept mapping (engine.io.kept_mappings): its pages stay mapped
     int64_t timed            # pieces from this size on are timed (0: _TIMED_BYTES); the ring's
                              # chunks may be smaller than that, and still learn their source
+    uint32_t* cells          # NULL, or the CRC-32C of each (segment, piece) cell copied
+    int last_mapped          # the last _copy_piece call copied every byte out of the mapping
+    const int64_t* cellbase  # cellbase[i]: the cell of segment i's first piece
 
 
 cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noexcept nogil
+cdef uint32_t _crc_landed(_Part* p, const uint8_t* out, int64_t nbytes, int64_t offset, uint32_t crc) noexcept nogil
 cdef void _unmap_run(const uint8_t* src, int64_t src_len, int64_t lo, int64_t hi) noexcept nogil
 cdef int _guard_ready() noexcept nogil

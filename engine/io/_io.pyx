@@ -17,7 +17,9 @@ the guard; split into modules, each would carry a copy of them.
 """
 
 from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, errno
-from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+
+from engine.base._crc32c cimport crc32c_combine, crc32c_update
 from posix.types cimport off_t
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.unistd cimport pread
@@ -289,6 +291,19 @@ cdef extern from *:
 
     /* memcpy (or, with stream, engine_stream_copy) that returns -1 instead of dying where
        the source page is no longer backed */
+    /* f(crc, src, n) under the same guard (the CRC of a mapped block just copied, read from
+       the cache); -1 where the source page is no longer backed */
+    typedef uint32_t (*engine_crc_fn)(uint32_t, const uint8_t *, size_t);
+    static int engine_guarded_crc(engine_crc_fn f, uint32_t *crc, const void *src, size_t n) {
+        sigjmp_buf jump;
+        if (sigsetjmp(jump, 1) != 0)
+            return -1;
+        engine_bus_jump = &jump;
+        *crc = f(*crc, (const uint8_t *)src, n);
+        engine_bus_jump = NULL;
+        return 0;
+    }
+
     static int engine_guarded_copy(void *dst, const void *src, size_t n, int stream) {
         sigjmp_buf jump;
         if (sigsetjmp(jump, 1) != 0)
@@ -305,6 +320,8 @@ cdef extern from *:
     int _bus_guard_ready "engine_bus_ready"() noexcept nogil
     int64_t _take "engine_take"(int64_t* cursor, int64_t n) noexcept nogil
     int _guarded_copy "engine_guarded_copy"(void* dst, const void* src, size_t n, int stream) noexcept nogil
+    ctypedef uint32_t (*_crc_fn "engine_crc_fn")(uint32_t, const uint8_t*, size_t) noexcept nogil
+    int _guarded_crc "engine_guarded_crc"(_crc_fn f, uint32_t* crc, const void* src, size_t n) noexcept nogil
 
 cdef int _guard_ready() noexcept nogil:
     """Install the SIGBUS guard of mapped copies (0, or -1 where ``sigaction`` failed)."""
@@ -324,7 +341,7 @@ cdef int64_t _MAP_STEP = 16 << 20
 
 cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out, int64_t nbytes,
                       int64_t offset, int64_t* at, int64_t* missing, int stream,
-                      double* spent) noexcept nogil:
+                      double* spent, int* fell=NULL) noexcept nogil:
     """Copy ``nbytes`` at ``offset`` of the mapping ``src`` of ``fd`` into ``out``, a step at
     a time: populate (``MADV_POPULATE_READ``), then copy under the SIGBUS guard.  Where the
     mapping cannot serve a step (past its end, pages the file no longer backs, a populate
@@ -359,6 +376,8 @@ cdef int _copy_mapped(int fd, const uint8_t* src, int64_t src_len, uint8_t* out,
         if not mapped or _guarded_copy(out + done, src + pos, <size_t>step, stream) != 0:
             if spent != NULL:
                 spent[0] = -1
+            if fell != NULL:
+                fell[0] = 1
             return _pread_full(fd, out + done, nbytes - done, pos, at, missing)
         if spent != NULL and spent[0] >= 0:
             spent[0] += t1 - t0
@@ -424,10 +443,15 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
     cdef int64_t n, least = p.timed if p.timed > 0 else _TIMED_BYTES
     cdef bint timed
     cdef double spent[2]
+    cdef int fell = 0
+    p.last_mapped = 0
     if p.src == NULL:
         return _pread_full(p.fd, out, nbytes, offset, &p.at, &p.missing)
     if c == NULL:
-        return _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream, NULL)
+        err = _copy_mapped(p.fd, p.src, p.src_len, out, nbytes, offset, &p.at, &p.missing, p.stream, NULL, &fell)
+        p.last_mapped = not fell
+        return err
+    p.last_mapped = 1
     while nbytes > 0:
         source = _pick(c, nbytes >= least)
         n = nbytes
@@ -437,7 +461,9 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
         if source:
             spent[0] = spent[1] = 0
             err = _copy_mapped(p.fd, p.src, p.src_len, out, n, offset, &p.at, &p.missing, p.stream,
-                               spent if timed else NULL)
+                               spent if timed else NULL, &fell)
+            if fell:
+                p.last_mapped = 0
             if err == 0 and timed and spent[0] >= 0:
                 c.populate = spent[0] / n  # the state of the pages just mapped: the latest figure
                 # the copy's speed changes slowly: half the last figure, half the new
@@ -447,6 +473,7 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
                 # the next try comes soon after a change to the mapping, later each time not
                 c.every = _RETRY_FIRST if _maps(c) or c.every == 0 else min(2 * c.every, _RETRY_LAST)
         else:
+            p.last_mapped = 0
             err = _pread_full(p.fd, out, n, offset, &p.at, &p.missing)
         if err:
             return err
@@ -457,10 +484,47 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
     return 0
 
 
+# a checksummed copy goes this many bytes at a time, each block's CRC taken right after its
+# copy while the block is still in the core's cache (one pass over the bytes from memory):
+# small enough for a core's L2 with the source beside it, large enough that the populate
+# call a mapped block makes costs nothing beside the block
+cdef int64_t _DIGEST_BLOCK = 512 << 10
+
+
+cdef uint32_t _crc_landed(_Part* p, const uint8_t* out, int64_t nbytes, int64_t offset,
+                          uint32_t crc) noexcept nogil:
+    """``crc`` continued over ``nbytes`` the last :func:`_copy_piece` of ``p`` just put at
+    ``out`` from file ``offset``, read while they are in the cache: out of the mapping where
+    every byte came from it (its copy stored past the caches, its source lines are what the
+    core holds), else out of ``out`` (``pread``'s copy stores through the caches)."""
+    cdef uint32_t got = crc
+    if p.last_mapped and p.src != NULL and offset + nbytes <= p.src_len:
+        if _guarded_crc(crc32c_update, &got, p.src + offset, <size_t>nbytes) == 0:
+            return got
+    return crc32c_update(crc, out, <size_t>nbytes)
+
+
+cdef int _copy_digest(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset, uint32_t* crc) noexcept nogil:
+    """:func:`_copy_piece`, block by block, each block's CRC-32C added to ``crc`` as it lands."""
+    cdef int64_t n
+    cdef int err
+    while nbytes > 0:
+        n = nbytes if nbytes < _DIGEST_BLOCK else _DIGEST_BLOCK
+        err = _copy_piece(p, out, n, offset)
+        if err:
+            return err
+        crc[0] = _crc_landed(p, out, n, offset, crc[0])
+        out += n
+        offset += n
+        nbytes -= n
+    return 0
+
+
 cdef void* _read_part(void* arg) noexcept nogil:
     cdef _Part* p = <_Part*>arg
     cdef Py_ssize_t i = 0
     cdef int64_t a, b, lo, hi, t, at, run_lo, run_hi
+    cdef uint32_t crc
     while True:
         # pieces are the cursor's steps moved back by shift (the first one shorter)
         t = _take(p.cursor, p.piece)
@@ -482,7 +546,13 @@ cdef void* _read_part(void* arg) noexcept nogil:
             if b > hi:
                 b = hi
             at = p.file_off[i] + (a - p.starts[i])
-            p.err = _copy_piece(p, p.dst[i] + (a - p.starts[i]), b - a, at)
+            if p.cells != NULL:
+                # this piece's cell of segment i (the pieces since the segment's first one)
+                crc = 0
+                p.err = _copy_digest(p, p.dst[i] + (a - p.starts[i]), b - a, at, &crc)
+                p.cells[p.cellbase[i] + (t // p.piece) - (p.starts[i] + p.shift) // p.piece] = crc
+            else:
+                p.err = _copy_piece(p, p.dst[i] + (a - p.starts[i]), b - a, at)
             if p.err:
                 p.errpos = a
                 _release_run(p, run_lo, run_hi)
@@ -508,13 +578,17 @@ cdef struct _Segs:
     int64_t* starts
     uint8_t** dst
     int64_t total
+    uint32_t* cells       # with checksums: one CRC per (segment, piece) cell, else NULL
+    int64_t* cellbase
 
 
 cdef void _free_segs(_Segs* s) noexcept:
-    free(s.sizes); free(s.starts); free(s.dst)
+    free(s.sizes); free(s.starts); free(s.dst); free(s.cells); free(s.cellbase)
     s.sizes = NULL
     s.starts = NULL
     s.dst = NULL
+    s.cells = NULL
+    s.cellbase = NULL
 
 
 cdef int _alloc_segs(_Segs* s, Py_ssize_t n) except -1:
@@ -523,6 +597,8 @@ cdef int _alloc_segs(_Segs* s, Py_ssize_t n) except -1:
     s.sizes = <int64_t*>calloc(n if n else 1, sizeof(int64_t))
     s.starts = <int64_t*>calloc(n if n else 1, sizeof(int64_t))
     s.dst = <uint8_t**>calloc(n if n else 1, sizeof(uint8_t*))
+    s.cells = NULL
+    s.cellbase = NULL
     if s.sizes == NULL or s.starts == NULL or s.dst == NULL:
         _free_segs(s)
         raise MemoryError()
@@ -602,6 +678,55 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
         parts[k].total = s.total
         parts[k].shift = shift
     return 0
+
+
+cdef int _plan_cells(_Part* parts, int nparts, _Segs* s) noexcept nogil:
+    """Give the parts one CRC cell per (segment, piece) pair (``s.cells``, ``s.cellbase``):
+    each cell is written by the one thread that copies that piece of the segment, so the
+    threads need no lock, and :func:`_join_cells` joins a segment's cells in order.
+    Returns -1 where memory ran out."""
+    cdef Py_ssize_t i
+    cdef int k
+    cdef int64_t ncells = 0, piece = parts[0].piece, shift = parts[0].shift
+    s.cellbase = <int64_t*>calloc(s.n if s.n else 1, sizeof(int64_t))
+    if s.cellbase == NULL:
+        return -1
+    for i in range(s.n):
+        s.cellbase[i] = ncells
+        if s.sizes[i]:
+            ncells += (s.starts[i] + s.sizes[i] - 1 + shift) // piece - (s.starts[i] + shift) // piece + 1
+    s.cells = <uint32_t*>calloc(ncells if ncells else 1, sizeof(uint32_t))
+    if s.cells == NULL:
+        return -1
+    for k in range(nparts):
+        parts[k].cells = s.cells
+        parts[k].cellbase = s.cellbase
+        # the blocks, smaller than the pieces the copy times, still learn their source
+        parts[k].timed = _DIGEST_BLOCK // 2
+    return 0
+
+
+cdef void _join_cells(_Segs* s, int64_t piece, int64_t shift, uint32_t* out) noexcept nogil:
+    """``out[i]``: the CRC-32C of segment ``i``, its cells joined in order."""
+    cdef Py_ssize_t i
+    cdef int64_t j, j0, j1, lo, hi, a, b
+    cdef uint32_t crc
+    for i in range(s.n):
+        crc = 0
+        if s.sizes[i]:
+            a = s.starts[i]
+            b = a + s.sizes[i]
+            j0 = (a + shift) // piece
+            j1 = (b - 1 + shift) // piece
+            for j in range(j0, j1 + 1):
+                lo = j * piece - shift
+                hi = lo + piece
+                if lo < a:
+                    lo = a
+                if hi > b:
+                    hi = b
+                crc = crc32c_combine(crc, s.cells[s.cellbase[i] + j - j0], <uint64_t>(hi - lo))
+        out[i] = crc
 
 
 cdef int _share_count(int threads, int64_t total, int64_t align) noexcept nogil:
@@ -743,13 +868,20 @@ cdef class SplitReader:
             return []
         return [(self.choices[k].nbytes[0], self.choices[k].nbytes[1]) for k in range(self.nworkers + 1)]
 
-    cdef tuple _run(self, int fd, const uint8_t* src, int64_t src_len, _Segs* s, int64_t align, bint keep):
-        """Split ``s`` over the pool and the calling thread, GIL released; the first error."""
+    cdef tuple _run(self, int fd, const uint8_t* src, int64_t src_len, _Segs* s, int64_t align, bint keep,
+                    uint32_t* digests=NULL):
+        """Split ``s`` over the pool and the calling thread, GIL released; the first error.
+        With ``digests``, ``digests[i]`` is set to segment ``i``'s CRC-32C."""
         cdef int64_t cursor = 0
         cdef _Part* parts = NULL
         cdef int nparts
+        cdef int planned = 0
+        cdef Py_ssize_t i
         cdef _PoolState* st = self.st
         if s.total == 0:
+            if digests != NULL:
+                for i in range(s.n):
+                    digests[i] = 0
             return (0, 0, 0)
         if align < 1:
             align = 1
@@ -761,6 +893,11 @@ cdef class SplitReader:
             with nogil:
                 cursor = 0
                 _plan_parts(parts, nparts, fd, src, src_len, s, align, self.choices, self.stream, keep, &cursor)
+                if digests != NULL:
+                    planned = _plan_cells(parts, nparts, s)
+            if planned != 0:
+                raise MemoryError()
+            with nogil:
                 pthread_mutex_lock(&st.lock)
                 st.parts = parts
                 st.nparts = nparts
@@ -775,6 +912,8 @@ cdef class SplitReader:
                 st.parts = NULL
                 st.nparts = 0
                 pthread_mutex_unlock(&st.lock)
+                if digests != NULL:
+                    _join_cells(s, parts[0].piece, parts[0].shift, digests)
             return _first_error(parts, nparts)
         finally:
             free(parts)
@@ -788,7 +927,7 @@ cdef class SplitReader:
         return 0
 
     def copy(self, int fd, mapping, const int64_t[::1] file_offsets, list targets, int64_t align=65536,
-             bint keep=False):
+             bint keep=False, uint32_t[::1] digests=None):
         """Fill each of ``targets`` (writable contiguous buffers) with the file's bytes from
         ``file_offsets[i]`` on, the total split evenly over this reader's threads, GIL
         released.
@@ -801,10 +940,17 @@ cdef class SplitReader:
         stay mapped, where otherwise each run is unmapped once copied: the next copy of them
         maps nothing, and an ``adaptive`` reader sees that in what mapping them costs and
         takes them from the mapping.
+        With ``digests`` (a ``uint32`` array, one per target), ``digests[i]`` is set to the
+        CRC-32C of what landed in ``targets[i]``, taken by the thread that copied each block
+        right after copying it (copied a block at a time; the checksum reads the block while
+        the core holds it: the mapping's lines just read, or what ``pread`` just stored), so
+        the bytes come from memory once; the figures are only meaningful when the copy
+        succeeded.
         Returns ``(0, 0, 0)`` on success, else ``(errno or -1 for end of file, file offset,
         bytes missing)`` of the failure lowest in the concatenation of the targets.
         """
         cdef _Segs s
+        cdef uint32_t* out = NULL
         cdef const uint8_t[::1] src
         cdef const uint8_t* base = NULL
         cdef int64_t length = 0
@@ -818,9 +964,13 @@ cdef class SplitReader:
                     raise OSError("cannot install the SIGBUS guard of mapped copies")
             _segs_in_targets(&s, file_offsets, targets)
             try:
+                if digests is not None:
+                    if digests.shape[0] != s.n:
+                        raise ValueError("digests and targets differ in length")
+                    out = &digests[0] if s.n else NULL
                 if mapping is not None and base == NULL and s.total:
                     return (-1, 0, s.total)  # an empty file maps to nothing
-                return self._run(fd, base, length, &s, align, keep and base != NULL)
+                return self._run(fd, base, length, &s, align, keep and base != NULL, out)
             finally:
                 _free_segs(&s)
         finally:

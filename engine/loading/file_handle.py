@@ -32,6 +32,7 @@ from engine.errors import (
     UnrepresentableTensorError,
 )
 from engine.format._file_handle import Slicer, TensorSlice
+from engine.format.checksums import Checks, verification, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
 from engine.sinks import get_sink, map_file, sink_kind
 
@@ -66,6 +67,11 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         See the module documentation.
     max_header_size : int, default 100,000,000
         Largest header accepted, in bytes; raise it for legitimate giant headers.
+    verify_checksums : bool, optional
+        Check each whole tensor (``get_tensor``, ``get_tensors``) against the CRC-32C its
+        file records (:mod:`engine.format.checksums`) before handing it out; default True
+        (``engine.format.checksums.verification`` changes the default).  Files without checksums
+        are read as before.  Slices are not checked (they read part of a tensor).
 
     Raises
     ------
@@ -75,6 +81,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         As ``open`` raises them.
     DeviceError
         A device that the framework cannot use.
+    ChecksumError
+        From ``get_tensor``/``get_tensors``: a tensor's bytes do not match its recorded
+        checksum (the other tensors still load), or the checksum entry is malformed.
 
     Notes
     -----
@@ -97,13 +106,18 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         *,
         backend: str = "mmap",
         max_header_size: int = MAX_HEADER_SIZE,
+        verify_checksums: bool | None = None,
     ) -> None:
         path = os.fspath(filename)
         # opened without blocking and checked to be a regular file (a FIFO would hang)
-        self._setup(path, open_regular(path), framework, device, backend, max_header_size)
+        self._setup(path, open_regular(path), framework, device, backend, max_header_size, verify_checksums)
 
-    def _setup(self, path: str, fd: int, framework, device, backend: str, max_header_size: int) -> None:
+    def _setup(self, path: str, fd: int, framework, device, backend: str, max_header_size: int,
+               verify_checksums: bool | None = None) -> None:
         """Take ownership of the open ``fd`` (closed on failure) and read its header."""
+        # whole tensors are checked against the file's checksums, where it records them
+        # (engine.format.checksums), unless this handle or the code around its opening says not to
+        self._verify = verifying() if verify_checksums is None else bool(verify_checksums)
         # Reads borrow the descriptor (see _borrow): close() never frees the number while a
         # read on another thread still uses it, so a reused number cannot feed another file's
         # bytes into that read.
@@ -390,7 +404,7 @@ def load_into_many(handles: list[safe_open], tensors, *, source: str | None = No
     load; ``options`` as :func:`engine.loading.loader.fill_parts` takes them."""
     from engine.loading.loader import fill_parts
 
-    with _borrowed([(h, []) for h in handles]) as files:
+    with _borrowed([(h, []) for h in handles]) as files, verification(handles[0]._verify if handles else None):
         return fill_parts(files, tensors, source=source, **options)
 
 
@@ -430,13 +444,18 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
                 from engine.io.reader import prefetch_mapping
 
                 prefetch_mapping(h._mm, spans)
+            checks = Checks.of(h.header, h._path) if h._verify else None
+            if checks is not None:
+                # zero copies here: the check is one read of the mapped bytes, before any view
+                # is handed out (it also reads a cold file in)
+                checks.verify_views(h._mm, start, rows, begins, ends)
             outs.append(views(sink, base, h.header, rows, start, path=h._path, columns=columns))
     else:
         # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
         # opening a file and reading its header need none of it)
         from engine.loading.loader import load_parts
 
-        with _borrowed(parts, held=sink.on_device) as files:
+        with _borrowed(parts, held=sink.on_device) as files, verification(parts[0][0]._verify):
             got = load_parts(files, sink)
         outs = [{h.header.table.names[r]: g[r] for r in rows} for (h, rows), g in zip(parts, got, strict=True)]
     if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)

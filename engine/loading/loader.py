@@ -34,10 +34,12 @@ from engine.base._files import advise_sequential, open_regular
 from engine.errors import (
     DeviceError,
     MissingDependencyError,
+    NonFiniteError,
     SafetensorError,
     TensorMismatchError,
     TensorNotFoundError,
 )
+from engine.format.checksums import Checks, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
 from engine.gpu import device_ring
 from engine.io.reader import IOV_MAX
@@ -100,7 +102,11 @@ def _destination(sink, parts: Sequence[Part], bases: list[int], per_tensor: bool
     return tensors, pipeline.Destination(host_views=views, fresh=True)
 
 
-def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -> list[pipeline.Source]:
+def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None,
+             verify: bool | None = None) -> list[pipeline.Source]:
+    # the checksums a part's header records, compared as its tensors land (unless the load
+    # skips them: verify False, or None and engine.format.checksums.verification(False))
+    verify = verifying() if verify is None else verify
     return [
         pipeline.Source(
             p.fd, p.path,
@@ -109,6 +115,7 @@ def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -
             b,
             p.ranges,
             p.mapping,
+            Checks.of(p.header, p.path) if verify else None,
         )
         for p, b in zip(parts, bases, strict=True)
     ]
@@ -120,7 +127,7 @@ def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int |
         if p.ranges is None and p.mapping is None:  # a held mapping's owner advised its file once
             advise_sequential(p.fd)
     pipeline.run_sources(
-        _sources(parts, bases, options.pop("chunk_bytes", None)),
+        _sources(parts, bases, options.pop("chunk_bytes", None), options.pop("verify", None)),
         destination,
         threads=threads,
         **options,
@@ -242,6 +249,17 @@ def stream(
     slot_bytes : int, optional
         GPU destinations: bytes per page-locked chunk (default
         :func:`engine.gpu.device_ring.default_geometry`).
+    verify_checksums : bool, optional
+        Check each tensor against the CRC-32C its file records (:mod:`engine.format.checksums`)
+        before yielding it (default True; files without checksums do no checksum work).  A
+        mismatch raises :class:`~engine.errors.ChecksumError`; the failed tensor is never
+        yielded.
+    check_finite : bool, default False
+        Fail the load with :class:`~engine.errors.NonFiniteError` (naming the tensor and the
+        NaN/+Inf/-Inf counts) on the first floating tensor holding NaN or Inf, before it is
+        yielded.  The counts come from the statistics of ``stats=True`` (needs Numba; one
+        file; local files): folded on the CPU as the bytes land, by the device kernels on a
+        GPU.
 
     Yields
     ------
@@ -314,19 +332,25 @@ def stream_parts(
     gpu_path: str = "auto",
     slot_bytes: int | None = None,
     cancel: threading.Event | None = None,
+    verify_checksums: bool | None = None,
+    check_finite: bool = False,
 ) -> Iterator[tuple]:
     """:func:`stream` over files whose headers are read (local and open, or remote with
     ``ranges``); the parts' ``rows`` are ignored, the selection chooses them.  ``many``:
     the files are the shards of one checkpoint (a name must be found in some file) rather
     than one file.  ``cancel`` is set when the load fails or ends (the readers' waits may
     watch it).  The caller closes the files after the generator is done."""
-    if (stats or quantize is not None) and len(files) != 1:
-        raise ValueError("stats=True and quantize= stream one file at a time")
-    if stats and any(f.ranges is not None for f in files):
-        raise ValueError("stats=True folds statistics while reading local files; load a remote file, then "
-                         "call engine.stats on its tensors")
+    if (stats or quantize is not None or check_finite) and len(files) != 1:
+        raise ValueError("stats=True, check_finite=True and quantize= stream one file at a time")
+    if (stats or check_finite) and any(f.ranges is not None for f in files):
+        raise ValueError("stats=True and check_finite=True fold statistics while reading local files; load a "
+                         "remote file, then call engine.stats on its tensors")
     sink = sink_for(framework, device)
+    # check_finite: the statistics of every tensor, folded as it lands (CPU) or by the device
+    # kernels after its copy (a GPU), and a tensor holding NaN or Inf fails the load
+    yield_stats, stats = stats, stats or check_finite
     _need_kernels(stats, quantize)
+    verify = verifying() if verify_checksums is None else bool(verify_checksums)
     cancel = cancel if cancel is not None else threading.Event()
     worker: threading.Thread | None = None
     hooks = None
@@ -365,22 +389,29 @@ def stream_parts(
             if collector is None:
                 return name, tensor
             if hooks is not None and hooks.has_device_stats(r):
-                return name, tensor, hooks.stats(r)
-            if ring:
-                t = headers[i].table
-                collector.fold_file(files[i].fd, headers[i].data_start + int(t.begins[r]),
-                                    int(t.ends[r]) - int(t.begins[r]), r)
-            return name, tensor, collector.result(r)
+                found = hooks.stats(r)
+            else:
+                if ring:  # the ring's copy threads are native: the CPU fold reads the file at hand-out
+                    t = headers[i].table
+                    collector.fold_file(files[i].fd, headers[i].data_start + int(t.begins[r]),
+                                        int(t.ends[r]) - int(t.begins[r]), r)
+                found = collector.result(r)
+            if check_finite:
+                _finite_or_raise(found, name, dtypes.NAMES[int(headers[i].table.codes[r])], spaths[i])
+            return (name, tensor, found) if yield_stats else (name, tensor)
 
         def landed(key):
             if hooks is not None:
                 hooks.landed(where[key][1])
             done.put(key)
 
-        # tensors with no bytes are complete before anything is read
+        # tensors with no bytes are complete before anything is read (their checksum, where
+        # the file records one, must be that of no bytes)
         for key, (i, r) in where.items():
             t = headers[i].table
             if int(t.ends[r]) == int(t.begins[r]):
+                if verify and (c := Checks.of(headers[i], spaths[i] or None)) is not None:
+                    c.verify(r, 0)
                 yield result(key)
         done: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -392,6 +423,7 @@ def stream_parts(
                     fill=collector.fill if collector is not None and not ring else None,
                     gpu_path=gpu_path, slot_bytes=slot_bytes,
                     after_copy=hooks.copy_hook if hooks is not None else None,
+                    verify=verify,
                 )
                 done.put(_DONE)
             except BaseException as exc:  # handed to the consumer
@@ -414,8 +446,21 @@ def stream_parts(
             hooks.close()
 
 
+def _finite_or_raise(found, name: str, dtype: str, path: str) -> None:
+    """Raise NonFiniteError for a floating tensor whose statistics count NaN or Inf."""
+    if found is None or not dtype.startswith(("F", "BF")):  # integers and BOOL hold no NaN
+        return
+    bad = found.nan_count + found.posinf_count + found.neginf_count
+    if bad:
+        raise NonFiniteError(
+            f"tensor {name!r} ({dtype}) holds {bad} non-finite value(s): {found.nan_count} NaN, "
+            f"{found.posinf_count} +Inf, {found.neginf_count} -Inf",
+            path=path or None, tensors=(name,), nan_count=found.nan_count, posinf_count=found.posinf_count,
+            neginf_count=found.neginf_count)
+
+
 _STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "threads", "chunk_bytes", "per_tensor",
-                              "gpu_path", "slot_bytes"})
+                              "gpu_path", "slot_bytes", "verify_checksums", "check_finite"})
 
 
 def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:

@@ -42,7 +42,8 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.base._threads import run_threads
-from engine.errors import Cancelled
+from engine.errors import Cancelled, ChecksumError
+from engine.format.checksums import Checks, combine_rows, crc32c, join, mismatch
 from engine.gpu import device_ring
 from engine.gpu.device_load import DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
 from engine.io.reader import (
@@ -140,15 +141,31 @@ class Source(NamedTuple):
     row_base: int = 0
     ranges: Callable[[int, Sequence[memoryview]], None] | None = None
     mapping: object = None
+    checks: Checks | None = None  # the file's recorded checksums, when the load verifies them
 
 
 class _Tracker:
-    """Outstanding bytes per tensor; reports each tensor once, when its last byte lands."""
+    """Outstanding bytes per tensor; reports each tensor once, when its last byte lands.
 
-    def __init__(self, sizes: dict[int, int], on_complete: Callable[[int], None] | None) -> None:
+    Where a source carries checksums (``Source.checks``), each of its whole tensors is
+    verified when its last byte lands, before it is reported: its CRC-32C is ``digests[key]``
+    (segments joined in order by the copy: :meth:`add_ordered`) or the join of the segments
+    recorded out of order (:meth:`add_segment`).  A mismatch raises
+    :class:`~engine.errors.ChecksumError` and the tensor is never reported."""
+
+    def __init__(self, sizes: dict[int, int], on_complete: Callable[[int], None] | None,
+                 checked: dict[int, tuple[Checks, int]] | None = None) -> None:
         self.remaining = sizes
         self.on_complete = on_complete
         self.lock = threading.Lock()
+        self.checked = checked or {}
+        n = max(self.checked) + 1 if self.checked else 0
+        self.digests = np.zeros(n, dtype=np.uint32)
+        # each checked key's recorded digest, for one comparison per batch of keys
+        self.want = np.zeros(n, dtype=np.uint32)
+        for key, (c, row) in self.checked.items():
+            self.want[key] = c.expected[row]
+        self.segments: dict[int, list[tuple[int, int, int]]] = {}
 
     @classmethod
     def of(cls, sources: Sequence[Source], on_complete) -> _Tracker:
@@ -158,7 +175,48 @@ class _Tracker:
             for req in src.requests:
                 for p in req.pieces:
                     remaining[base + p.row] = remaining.get(base + p.row, 0) + p.nbytes
-        return cls(remaining, on_complete)
+        checked: dict[int, tuple[Checks, int]] = {}
+        for src in sources:
+            c = src.checks
+            if c is None:
+                continue
+            base = src.row_base
+            for key in {base + p.row for req in src.requests for p in req.pieces}:
+                row = key - base
+                if remaining.get(key) == int(c.sizes[row]):  # whole tensors only (not a slice)
+                    checked[key] = (c, row)
+        return cls(remaining, on_complete, checked)
+
+    def add_ordered(self, crcs, sizes, keys) -> None:
+        """Join segments copied in each tensor's byte order (``crcs[i]`` of ``sizes[i]``
+        bytes of tensor ``keys[i]``) onto the tensors' digests, natively."""
+        combine_rows(crcs, sizes, keys, self.digests)
+
+    def add_segment(self, key: int, offset: int, nbytes: int, crc: int) -> None:
+        """A segment of tensor ``key`` landed out of order: ``nbytes`` at ``offset`` in it."""
+        with self.lock:
+            self.segments.setdefault(key, []).append((offset, nbytes, crc))
+
+    def verified(self, done: list[int]) -> tuple[list[int], ChecksumError | None]:
+        """The keys of ``done`` whose digests match (all of them where nothing is checked),
+        and the error of the first that does not."""
+        keys = [k for k in done if k in self.checked]
+        if not keys:
+            return done, None
+        with self.lock:
+            for k in keys:  # tensors that landed out of order: their segments joined now
+                segs = self.segments.pop(k, None)
+                if segs is not None:
+                    self.digests[k] = join(segs)
+        ks = np.asarray(keys, dtype=np.intp)
+        bad = ks[self.digests[ks] != self.want[ks]]
+        if not bad.size:
+            return done, None
+        first = int(bad[0])
+        c, row = self.checked[first]
+        err = mismatch(c.path, c.names[row], int(self.want[first]), int(self.digests[first]))
+        failed = set(bad.tolist())
+        return [k for k in done if k not in failed], err
 
     def landed(self, parts) -> None:
         """``parts``: iterable of ``(key, nbytes)``."""
@@ -169,9 +227,14 @@ class _Tracker:
                 self.remaining[key] = left
                 if left == 0:
                     done.append(key)
+        failed: ChecksumError | None = None
+        if self.checked and done:
+            done, failed = self.verified(done)
         if self.on_complete is not None:
             for key in done:
                 self.on_complete(key)
+        if failed is not None:  # the tensors that passed are reported, the failed one never
+            raise failed
 
 
 def run(fd: int, requests: Sequence[Request], dest: Destination, *, path: str | None = None, **options) -> int:
@@ -364,13 +427,21 @@ def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
                         return
                     offsets: list[int] = []
                     targets: list[memoryview] = []
+                    keys: list[int] = []
                     for req in batch:
                         for p in req.pieces:
                             if p.nbytes:
                                 offsets.append(req.offset + p.request_offset)
                                 targets.append(views[src.row_base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes])
-                    check_read(reader.copy(src.fd, mapping, np.array(offsets, dtype=np.int64), targets, keep=kept(mapping)),
+                                keys.append(src.row_base + p.row)
+                    # a file with checksums: each target's CRC-32C taken as it is copied
+                    crcs = np.zeros(len(targets), dtype=np.uint32) if src.checks is not None else None
+                    check_read(reader.copy(src.fd, mapping, np.array(offsets, dtype=np.int64), targets, keep=kept(mapping),
+                                           digests=crcs),
                                "the load", src.path, src.fd)
+                    if crcs is not None:
+                        tracker.add_ordered(crcs, np.array([t.nbytes for t in targets], dtype=np.int64),
+                                            np.array(keys, dtype=np.int64))
                     tracker.landed((src.row_base + p.row, p.nbytes) for req in batch for p in req.pieces)
             finally:
                 close_mapping(mapping)
@@ -404,6 +475,12 @@ def _run_host_fill(sources, dest, tracker, cancel, threads, fill) -> None:
                 src.ranges(req.offset, targets)
             else:
                 fill(src.fd, req, targets)
+            if src.checks is not None:
+                # the request just landed (from a socket or a fill hook), its bytes still in
+                # the cache: each piece's CRC now, joined per tensor when it is complete
+                for p, t in zip(req.pieces, targets, strict=True):
+                    if p.nbytes and base + p.row in tracker.checked:
+                        tracker.add_segment(base + p.row, p.tensor_offset, p.nbytes, crc32c(t))
             tracker.landed((base + p.row, p.nbytes) for p in req.pieces)
 
     ahead = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.base import dtypes
 from engine.errors import InvalidSliceError, SafetensorError, TensorNotFoundError
+from engine.format.checksums import Checks, verifying
 from engine.io.reader import map_threads
 from engine.loading.loader import sink_for, stream_parts
 from engine.net.remote_reads import read_runs
@@ -46,13 +47,13 @@ class RemoteHandle:
 
     def __init__(self, filename: str, framework: str = "np", device: Any = "cpu", *,
                  backend: str | None = None,  # safe_open's; a remote file has no mapping to choose
-                 **options) -> None:
+                 verify_checksums: bool | None = None, **options) -> None:
         remote = remote_options(options)
         if options:  # before any request: with cache_dir, opening downloads the files
             raise TypeError(f"unexpected options for a remote safe_open: {sorted(options)}")
         # with cache_dir: every file is first downloaded into the cache, then read from there
         opened = open_parts(filename, download=True, **remote)
-        self._setup(opened, filename, framework, device)
+        self._setup(opened, filename, framework, device, verify_checksums)
 
     @classmethod
     def of_parts(cls, opened: RemoteParts, url: str, framework: str = "np", device: Any = "cpu") -> RemoteHandle:
@@ -62,7 +63,10 @@ class RemoteHandle:
         self._setup(opened, url, framework, device)
         return self
 
-    def _setup(self, opened: RemoteParts, url: str, framework: str, device: Any) -> None:
+    def _setup(self, opened: RemoteParts, url: str, framework: str, device: Any,
+               verify_checksums: bool | None = None) -> None:
+        # whole tensors are checked against their file's checksums, where it records them
+        self._verify = verifying() if verify_checksums is None else bool(verify_checksums)
         self._framework = framework
         self._device = device
         self._sink = sink_for(framework, device)
@@ -150,6 +154,9 @@ class RemoteHandle:
             cuts = [n * k // pieces for k in range(pieces + 1)]
             map_threads(lambda k: part.ranges(offset + cuts[k], [raw[cuts[k] : cuts[k + 1]]]), range(pieces),
                         pieces, name="engine-remote")
+        checks = Checks.of(part.header, part.path) if self._verify else None
+        if checks is not None:  # one read of the bytes just received, before the tensor is handed out
+            checks.verify_bytes(row, self._sink.raw(arr) if end > begin else b"")
         return self._sink.to_device(arr)
 
     def get_slice(self, name: str) -> RemoteSlice:
@@ -166,7 +173,7 @@ class RemoteHandle:
         opened = self._opened
         assert opened is not None  # self._parts has said so
         got = dict(stream_parts(parts, many=opened.many, framework=self._framework, device=self._device,
-                                names=wanted, threads=opened.reads.connections))
+                                names=wanted, threads=opened.reads.connections, verify_checksums=self._verify))
         return {n: got[n] for n in self.offset_keys() if n in got}
 
     def __repr__(self) -> str:

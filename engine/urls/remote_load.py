@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from engine.checkpoints.checkpoint import CheckpointInfo
+from engine.format.checksums import verification
 from engine.format.header import MAX_HEADER_SIZE
 from engine.io.reader import pread_into
 from engine.loading.loader import Part, fill_parts, prepare_ring, sink_for, stream_parts
@@ -277,9 +278,10 @@ def load_into(url: str, tensors: Mapping[str, Any], *, strict: bool = False, chu
     ``cache_dir`` as :func:`stream`.
     """
     remote = remote_options(options)
+    verify = options.pop("verify_checksums", None)
     if options:
         raise TypeError(f"unexpected options: {sorted(options)}")
-    with open_parts(url, connections=connections, **remote) as opened:
+    with open_parts(url, connections=connections, **remote) as opened, verification(verify):
         on_device = any(getattr(t, "is_cuda", False) or type(t).__module__.startswith("cupy") for t in tensors.values())
         chunk: int | None = chunk_bytes or (DEVICE_CHUNK_BYTES if on_device else DEFAULT_CHUNK_BYTES)
         workers: int | None = opened.reads.connections

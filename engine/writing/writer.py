@@ -36,6 +36,7 @@ from engine.base._atomic import write_error as _write_error
 from engine.base._files import IOV_MAX
 from engine.base.dtypes import BY_NAME, DTYPES, NAMES
 from engine.errors import SerializationError
+from engine.format import checksums as _checksums
 from engine.format._header_encode import build_header, check_name, checked_shape, dtype_code, packed_nbytes
 from engine.format.header import MAX_HEADER_SIZE
 from engine.writing._tensor_bytes import Raw, check_shared, host_chunks, tensor_bytes
@@ -55,7 +56,8 @@ _U8 = BY_NAME["U8"].code
 
 
 def _prepare(
-    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, max_header_size: int = MAX_HEADER_SIZE
+    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, max_header_size: int = MAX_HEADER_SIZE,
+    checksums: bool = False,
 ) -> tuple[list[tuple[str, Raw]], bytes, list[tuple[int, int]]]:
     """Validate everything, before any file is touched; return the items, header and layout."""
     if not isinstance(tensors, Mapping):
@@ -70,7 +72,29 @@ def _prepare(
     header, layout = build_header(
         ((name, r.code, r.shape, r.nbytes) for name, r in items), metadata, max_header_size=max_header_size
     )
+    if checksums:
+        header, layout = _with_checksums(items, metadata, layout, max_header_size)
     return items, header, layout
+
+
+def _with_checksums(items, metadata, layout, max_header_size):
+    """The header and layout again, with every tensor's CRC-32C in the metadata
+    (:mod:`engine.format.checksums`): one read of each tensor's bytes before the file is written."""
+    if metadata is not None and _checksums.KEY in metadata:
+        raise SerializationError(f"metadata key {_checksums.KEY!r} is written by checksums=True; leave it out",
+                                 reason="InvalidMetadata")
+    ordered = sorted(layout, key=lambda e: (e[1], items[e[0]][0]))
+    crcs = []
+    for index, _ in ordered:
+        crc = 0
+        for piece in items[index][1].chunks(_CHUNK):
+            crc = _checksums.crc32c(piece, crc)
+            del piece
+        crcs.append(crc)
+    full = dict(metadata or {})
+    full[_checksums.KEY] = _checksums.encode_ordered(crcs)
+    return build_header(((name, r.code, r.shape, r.nbytes) for name, r in items), full,
+                        max_header_size=max_header_size)
 
 
 def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> dict[str, int]:
@@ -567,6 +591,7 @@ def save_file(
     *,
     fsync: bool = True,
     max_header_size: int = MAX_HEADER_SIZE,
+    checksums: bool = False,
 ) -> None:
     """Write tensors to a safetensors file, atomically.
 
@@ -590,6 +615,10 @@ def save_file(
         Largest header written, the limit of the same name that readers apply (the
         reference's 100 MB); a larger header raises ``SerializationError`` with
         ``reason="HeaderTooLarge"`` before anything is written.
+    checksums : bool, default False
+        Record each tensor's CRC-32C in ``__metadata__`` (:mod:`engine.format.checksums`); the
+        engine's loads verify them.  Costs one more read of each tensor's bytes (device
+        tensors: one more copy to the host, slice by slice) before the file is written.
 
     Raises
     ------
@@ -627,7 +656,7 @@ def save_file(
     tensor; saving a 2 GB dict allocates no buffer in proportion to it.  The written pages
     sit in the OS page cache, not in the process.
     """
-    items, header, layout = _prepare(tensors, metadata, max_header_size)
+    items, header, layout = _prepare(tensors, metadata, max_header_size, checksums)
     entries = {
         items[i][0]: _Entry(items[i][1].code, items[i][1].shape, items[i][1].nbytes, offset)
         for i, offset in layout
@@ -646,6 +675,7 @@ def save(
     metadata: Mapping[str, str] | None = None,
     *,
     max_header_size: int = MAX_HEADER_SIZE,
+    checksums: bool = False,
 ) -> bytes:
     """The bytes of a safetensors file holding ``tensors``.
 
@@ -656,6 +686,8 @@ def save(
     metadata : mapping of str to str, optional
         As for :func:`save_file`.
     max_header_size : int, default 100,000,000
+        As for :func:`save_file`.
+    checksums : bool, default False
         As for :func:`save_file`.
 
     Returns
@@ -675,7 +707,7 @@ def save(
     the returned ``bytes`` without a further copy.  Peak memory: the tensors plus the
     result plus, for big-endian or device tensors, one staging slice of at most 64 MiB.
     """
-    items, header, layout = _prepare(tensors, metadata, max_header_size)
+    items, header, layout = _prepare(tensors, metadata, max_header_size, checksums)
     total = len(header) + sum(raw.nbytes for _, raw in items)
     # BytesIO adopts an unshared bytes object as its buffer, writes into it in place and
     # hands it back from getvalue() when the size matches: one allocation, no final copy.

@@ -1,0 +1,16 @@
+"""Typed stub of the Cython module engine.base._crc32c (hand-written; keep in step with the .pyx)."""
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
+
+def crc32c(data: Buffer, crc: int = ..., hardware: bool = ...) -> int: ...
+def combine(crc1: int, crc2: int, len2: int) -> int: ...
+def hardware() -> bool: ...
+def combine_rows(
+    crcs: npt.NDArray[np.uint32], sizes: npt.NDArray[np.int64], groups: npt.NDArray[np.int64],
+    out: npt.NDArray[np.uint32],
+) -> None: ...
+def spans(
+    buf: Buffer, lo: npt.NDArray[np.int64], hi: npt.NDArray[np.int64], out: npt.NDArray[np.uint32]
+) -> None: ...

@@ -1,0 +1,438 @@
+"""Per-tensor checksums: CRC-32C recorded in the header, verified as the bytes are copied.
+
+A file carries one CRC-32C (Castagnoli, as iSCSI, ext4 and Google Cloud Storage use it:
+``crc32c(b"123456789") == 0xE3069283``) per tensor in its ``__metadata__`` under the key
+:data:`KEY`.  The value is ``"1:"`` followed by eight lower-case hex digits per tensor, the
+tensors taken in file order (by data offset; tensors at the same offset, which only empty
+ones can share with another, by name).  The reference ``safetensors`` reads such a file
+unchanged: ``__metadata__`` is a string-to-string map and this is one string in it.
+
+Why positional hex and not ``name:hex`` pairs or JSON: the names are already in the header,
+and repeating them would double a header of 100,000 tensors with long names; JSON inside a
+JSON string is escaped quote by quote.  Nine bytes per tensor (with the separator-free
+digits, eight) parse with one ``bytes.fromhex`` and one array view, no Python per tensor;
+the entry is checked against the header (its length must be exactly eight digits per
+tensor) and never trusted for sizes.
+
+Loads verify by default when the entry is present (see :func:`verification`): each
+tensor's CRC is computed where its bytes are copied (in the copy threads, block by block
+while the block is in the cache) and compared before the tensor is handed out.  A mismatch
+raises :class:`~engine.errors.ChecksumError` naming the file, the tensor, and both values.
+Files without the entry load as before, with no checksum work at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from engine.base import _crc32c
+from engine.base._atomic import AtomicFile, sync_dir
+from engine.base._atomic import umask as _umask
+from engine.base._atomic import write_error as _write_error
+from engine.errors import ChecksumError, ReadError
+from engine.format.header import Header, read_header_fd
+
+__all__ = [
+    "KEY",
+    "VERSION",
+    "crc32c",
+    "combine",
+    "hardware",
+    "encode",
+    "expected",
+    "has_checksums",
+    "check",
+    "mismatch",
+    "verification",
+    "verifying",
+    "file_digests",
+    "add_checksums",
+]
+
+#: the ``__metadata__`` key of the checksums
+KEY = "engine.crc32c"
+#: the format of the entry's value (its prefix, ``"1:"``)
+VERSION = "1"
+_PREFIX = VERSION + ":"
+
+
+
+def crc32c(data, crc: int = 0, *, hardware: bool = True) -> int:
+    """The CRC-32C of ``data`` (bytes or any C-contiguous buffer: an array's bytes as
+    stored), continuing ``crc`` (0 to start); GIL released.  ``hardware=False`` forces the
+    table (what a CPU without SSE4.2 uses)."""
+    try:
+        return _crc32c.crc32c(data, crc, hardware)
+    except ValueError:  # a typed buffer (float32 ...): its bytes
+        return _crc32c.crc32c(memoryview(data).cast("B"), crc, hardware)
+
+combine = _crc32c.combine
+combine_rows = _crc32c.combine_rows
+spans = _crc32c.spans
+hardware = _crc32c.hardware
+
+_VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("engine_verify_checksums", default=True)
+
+
+def verifying() -> bool:
+    """Whether loads started now verify the checksums their files carry (default True)."""
+    return _VERIFY.get()
+
+
+@contextlib.contextmanager
+def verification(enabled: bool | None) -> Iterator[None]:
+    """Loads started inside the block verify checksums (``True``) or skip them (``False``);
+    ``None`` keeps what the surrounding code chose.  The entry points' ``verify_checksums=``
+    arguments set this for their own call."""
+    if enabled is None:
+        yield
+        return
+    token = _VERIFY.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def _file_order(header: Header) -> list[int]:
+    """Rows in the order of the entry's digests: by data offset, ties by name."""
+    import numpy as np
+
+    table = header.table
+    order = np.asarray(table.order)
+    begins = np.asarray(table.begins)[order]
+    ties = np.flatnonzero(np.diff(begins) == 0)
+    if not ties.size:  # the common case: no empty tensor shares an offset
+        return order.tolist()
+    out = order.tolist()
+    names = table.names
+    i, n = 0, len(out)
+    while i < n:  # ties (empty tensors) are rare: sort only the runs that share an offset
+        j = i + 1
+        while j < n and begins[j] == begins[i]:
+            j += 1
+        if j - i > 1:
+            out[i:j] = sorted(out[i:j], key=lambda r: names[r])
+        i = j
+    return out
+
+
+def encode(header: Header, digests: Mapping[str, int] | Sequence[int]) -> str:
+    """The entry's value for ``header``'s tensors: ``digests`` by name, or per row."""
+    names = header.table.names
+    if isinstance(digests, Mapping):
+        values = [int(digests[names[r]]) for r in _file_order(header)]
+    else:
+        values = [int(digests[r]) for r in _file_order(header)]
+    return _PREFIX + "".join(f"{v & 0xFFFFFFFF:08x}" for v in values)
+
+
+def encode_ordered(values: Sequence[int]) -> str:
+    """The entry's value from digests already in the entry's order (file order)."""
+    return _PREFIX + "".join(f"{v & 0xFFFFFFFF:08x}" for v in values)
+
+
+def has_checksums(header: Header) -> bool:
+    """Whether ``header`` carries the checksum entry (well formed or not)."""
+    md = header.metadata
+    return md is not None and KEY in md
+
+
+def expected(header: Header, path: str | None = None) -> Any:
+    """Each row's recorded CRC-32C (a ``numpy.uint32`` array in header order), or None when
+    the file records none.
+
+    Raises
+    ------
+    ChecksumError
+        ``reason="InvalidChecksums"``: the entry is not ``"1:"`` and eight hex digits per
+        tensor of the header.
+    """
+    md = header.metadata
+    if md is None or KEY not in md:
+        return None
+    import numpy as np
+
+    value = md[KEY]
+    n = len(header.table.names)
+    where = path if path is not None else header.path
+
+    def bad(why: str) -> ChecksumError:
+        return ChecksumError(f"the {KEY!r} metadata entry {why}", reason="InvalidChecksums", path=where)
+
+    if not value.startswith(_PREFIX):
+        raise bad(f"does not start with {_PREFIX!r} (an unknown format or not a checksum list)")
+    digits = value[len(_PREFIX):]
+    if len(digits) != 8 * n:
+        raise bad(f"holds {len(digits)} hex digits where the header's {n} tensors take {8 * n}")
+    try:
+        raw = bytes.fromhex(digits)
+    except ValueError:
+        raise bad("holds characters that are not hex digits") from None
+    if any(c in digits for c in " \t\n\r"):
+        raise bad("holds white space")
+    values = np.frombuffer(raw, dtype=">u4")
+    out = np.empty(n, dtype=np.uint32)
+    out[np.asarray(_file_order(header), dtype=np.intp)] = values
+    return out
+
+
+def mismatch(path: str | None, name: str, want: int, got: int) -> ChecksumError:
+    """The error for tensor ``name`` of ``path`` whose bytes' CRC-32C is ``got``, not ``want``."""
+    return ChecksumError(
+        f"tensor {name!r}: CRC-32C of its bytes is {got:08x}, the file records {want:08x} "
+        "(the file is corrupt or was changed after it was written)",
+        reason="ChecksumMismatch", path=path, tensors=(name,), expected=int(want), computed=int(got),
+    )
+
+
+def check(path: str | None, name: str, want: int, data) -> None:
+    """Raise :func:`mismatch`'s error unless ``data``'s CRC-32C is ``want`` (one pass over
+    ``data``, GIL released)."""
+    got = crc32c(data)
+    if got != int(want):
+        raise mismatch(path, name, int(want), got)
+
+
+# -- whole files ---------------------------------------------------------------------------
+
+#: bytes read per step when a whole file is checksummed or rewritten
+STEP_BYTES = 8 << 20
+
+
+def _read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from the file at ``offset`` (short reads continued)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ReadError(f"the file ends at {offset + done}, inside the data", path=path,
+                            offset=offset, size=len(view))
+        done += n
+
+
+def _digests_of(fd: int, header: Header, path: str, sink=None) -> list[int]:
+    """CRC-32C of every tensor in the entry's order, reading the data region once front to
+    back in steps of :data:`STEP_BYTES` into one buffer (``sink(view, offset)`` sees each
+    step, right after its checksums, while it is in the cache)."""
+    table = header.table
+    order = _file_order(header)
+    begins = [int(table.begins[r]) for r in order]
+    ends = [int(table.ends[r]) for r in order]
+    crcs = [0] * len(order)
+    start = header.data_start
+    pos, size = 0, header.data_size
+    buf = memoryview(bytearray(min(STEP_BYTES, size)))
+    k = 0  # the first tensor that ends after pos
+    while pos < size:
+        n = min(STEP_BYTES, size - pos)
+        view = buf[:n]
+        _read_into(fd, view, start + pos, path)
+        hi = pos + n
+        j = k
+        while j < len(order) and begins[j] < hi:
+            a, b = max(begins[j], pos), min(ends[j], hi)
+            if b > a:
+                crcs[j] = _crc32c.crc32c(view[a - pos : b - pos], crcs[j], True)
+            j += 1
+        while k < len(order) and ends[k] <= hi:
+            k += 1
+        if sink is not None:
+            sink(view, pos)
+        pos = hi
+    return crcs
+
+
+def file_digests(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The CRC-32C of every tensor of the file at ``path``, by name, read front to back once.
+
+    Memory: one step of :data:`STEP_BYTES` at a time.
+    """
+    p = os.fspath(path)
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        header = read_header_fd(fd, path=p, file_size=os.fstat(fd).st_size)
+        crcs = _digests_of(fd, header, p)
+        names = header.table.names
+        return {names[r]: c for r, c in zip(_file_order(header), crcs, strict=True)}
+    finally:
+        os.close(fd)
+
+
+def add_checksums(path: str | os.PathLike[str], *, fsync: bool = True) -> int:
+    """Record every tensor's CRC-32C in the file at ``path`` (rewriting it atomically).
+
+    The header grows, so the data region moves: the file is rewritten as a new file in the
+    same directory (an unnamed file, or a hidden temporary) and renamed over the old one
+    only when complete; a rewrite that is killed leaves the old file intact.  A file that
+    already carries checksums gets them recomputed.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    fsync : bool, default True
+        Sync the new file before the rename and the directory after.
+
+    Returns
+    -------
+    int
+        The number of tensors checksummed.
+
+    Raises
+    ------
+    HeaderError, ReadError
+        The file is not a valid safetensors file.
+    WriteError
+        Writing or renaming failed; the old file is intact.
+
+    Notes
+    -----
+    One pass over the data, streamed in steps of :data:`STEP_BYTES` (memory does not grow
+    with the file): each step is checksummed and written to the new file; the entry has a
+    fixed length (eight digits per tensor), so the header is written first with zero
+    digits and overwritten with the real ones at the end.  The data region is kept byte for
+    byte, each tensor at its own offset.
+    """
+    p = os.path.realpath(os.fspath(path))
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        header = read_header_fd(fd, path=p, file_size=st.st_size)
+        n = len(header.table.names)
+        metadata = dict(header.metadata or {})
+        metadata[KEY] = encode_ordered([0] * n)
+        placeholder = _header_keeping_offsets(header, metadata)
+        base = len(placeholder)
+        mode = st.st_mode & 0o7777 or (0o666 & ~_umask())
+        out = AtomicFile(p, mode)
+        try:
+            assert out.fd is not None
+            ofd = out.fd
+            _write_all(ofd, placeholder, 0)
+            crcs = _digests_of(fd, header, p, lambda data, pos: _write_all(ofd, data, base + pos))
+            metadata[KEY] = encode_ordered(crcs)
+            final = _header_keeping_offsets(header, metadata)
+            assert len(final) == base
+            _write_all(ofd, final, 0)
+            if fsync:
+                os.fsync(ofd)
+            out.commit()
+        except ReadError:
+            out.discard()
+            raise
+        except OSError as exc:
+            out.discard()
+            raise _write_error("rewrite", p, exc) from exc
+        except BaseException:
+            out.discard()
+            raise
+        if fsync:
+            sync_dir(os.path.dirname(p) or ".")
+        return n
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _header_keeping_offsets(header: Header, metadata: Mapping[str, str]) -> bytes:
+    """Header bytes for ``header``'s tensors at their own offsets, with ``metadata``."""
+    import json
+
+    from engine.format._header_encode import check_metadata
+
+    table = header.table
+    names = header.dtypes  # a copy per call: taken once
+    doc: dict[str, Any] = {"__metadata__": check_metadata(metadata)}
+    for r in table.file_order():
+        doc[table.names[r]] = {
+            "dtype": names[r],
+            "shape": list(table.shapes[r]),
+            "data_offsets": [int(table.begins[r]), int(table.ends[r])],
+        }
+    text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+#: parsed entries by header table: (the table, its Checks); a few files' worth
+_PARSED: dict[int, tuple[Any, Checks]] = {}
+_PARSED_MAX = 64
+
+
+class Checks:
+    """What one file's load compares: its recorded digests and where to name a mismatch.
+
+    Made by :meth:`of` for a load that verifies (:func:`verifying`) a file that records
+    checksums; None otherwise, and then the load does no checksum work at all.
+    """
+
+    __slots__ = ("path", "names", "expected", "sizes")
+
+    def __init__(self, path: str | None, names: list[str], expected, sizes) -> None:
+        self.path = path
+        self.names = names
+        self.expected = expected
+        self.sizes = sizes
+
+    @classmethod
+    def of(cls, header: Header, path: str | None = None) -> Checks | None:
+        """The checks of ``header``'s file, or None (no entry, or verification is off).
+        Parsed once per header table (a loop of one-tensor loads parses it once)."""
+        if not verifying() or not has_checksums(header):
+            return None
+        table = header.table
+        where = path if path is not None else header.path
+        hit = _PARSED.get(id(table))
+        if hit is not None and hit[0] is table:
+            got = hit[1]
+            return got if got.path == where else cls(where, got.names, got.expected, got.sizes)
+        made = cls(where, table.names, expected(header, where), table.ends - table.begins)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[id(table)] = (table, made)
+        return made
+
+    def verify_views(self, buf, start: int, rows: Sequence[int], begins, ends) -> None:
+        """Verify ``rows`` whose bytes are ``buf[start + begins[r] : start + ends[r]]`` (a
+        mapping handed out as views): one read of those bytes, natively."""
+        import numpy as np
+
+        lo = np.fromiter((start + int(begins[r]) for r in rows), dtype=np.int64, count=len(rows))
+        hi = np.fromiter((start + int(ends[r]) for r in rows), dtype=np.int64, count=len(rows))
+        got = np.empty(len(rows), dtype=np.uint32)
+        spans(buf, lo, hi, got)
+        want = self.expected[np.asarray(rows, dtype=np.intp)]
+        bad = np.flatnonzero(got != want)
+        if bad.size:
+            i = int(bad[0])
+            raise mismatch(self.path, self.names[rows[i]], int(want[i]), int(got[i]))
+
+    def verify(self, row: int, crc: int) -> None:
+        """Raise :class:`~engine.errors.ChecksumError` unless ``crc`` is row ``row``'s."""
+        want = int(self.expected[row])
+        if int(crc) != want:
+            raise mismatch(self.path, self.names[row], want, int(crc))
+
+    def verify_bytes(self, row: int, data) -> None:
+        """:meth:`verify` of ``data``'s CRC-32C (one pass, GIL released)."""
+        self.verify(row, crc32c(data))
+
+
+def join(segments: list[tuple[int, int, int]]) -> int:
+    """The CRC-32C of a tensor from its segments ``(offset in the tensor, bytes, crc)`` in
+    any order (they must cover it once)."""
+    crc = 0
+    for _, n, c in sorted(segments):
+        crc = combine(crc, c, n)
+    return crc
