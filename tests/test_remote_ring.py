@@ -398,3 +398,41 @@ def test_an_error_in_the_progress_report_ends_the_connections_waits(device, emu)
                          connections=3)
     assert time.monotonic() - t0 < 10 and cancel.is_set()
     _released(emu)
+
+
+def _flip_bit(path, name: str) -> None:
+    """Flip one bit in the middle of tensor ``name``'s bytes in file ``path``."""
+    import json
+
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        begin, end = json.loads(f.read(n))[name]["data_offsets"]
+        at = 8 + n + (begin + end) // 2
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 0x10]))
+
+
+def test_checksums_are_verified_on_the_chunks_the_connections_fill(checkpoint, nginx, device, emu):
+    """A checksummed checkpoint loads through the ring's connections, each tensor checked
+    against its CRC before it is handed out; one flipped bit fails the load naming the tensor."""
+    from engine.errors import ChecksumError
+
+    root, sd = checkpoint
+    good, bad = root / "summed", root / "summed-bad"
+    if not good.exists():
+        engine.save_sharded(sd, good, max_shard_size=1_500_000, fsync=False, checksums=True)
+        shutil.copytree(good, bad)
+        victim = "layers.7.w"
+        index = __import__("json").loads((bad / INDEX).read_text())
+        _flip_bit(bad / index["weight_map"][victim], victim)
+    with engine.load_records() as records:
+        got, early = _stream_checked(nginx.url(f"summed/{INDEX}"), sd)
+    assert sorted(got) == sorted(sd) and early == []
+    assert sum(r.network_bytes for r in records) > 0
+    with pytest.raises(ChecksumError, match="layers.7.w") as caught:
+        for name, _ in engine.stream(nginx.url(f"summed-bad/{INDEX}"), device="emulated", framework="np"):
+            assert name != "layers.7.w"
+    assert caught.value.tensors == ("layers.7.w",) and caught.value.expected != caught.value.computed
+    _released(emu)
