@@ -115,6 +115,11 @@ FLOORS: dict[str, int] = {
     "_cli_convert": 8,
     "_cli_bench": 8,
     "__main__": 8,
+    # inference servers' loaders (vLLM, SGLang), built on the whole engine
+    "serving": 8,
+    "serving.weights": 8,
+    "serving.vllm": 8,
+    "serving.sglang": 8,
 }
 
 
