@@ -10,6 +10,7 @@ median of each format and its ratio to vLLM's default (``safetensors``).
 
     python scripts/bench_vllm.py                         # 1.05 GB float32, 5 samples, CPU
     python scripts/bench_vllm.py --gb 0.05 --runs 1      # a dry run
+    python scripts/bench_vllm.py --cold                  # the checkpoint evicted before each sample
     python scripts/bench_vllm.py --load-formats safetensors,safetensors_engine,instanttensor,fastsafetensors \\
         --dtype bfloat16 --gb 8                          # a GPU host with those packages
 
@@ -113,6 +114,18 @@ def warm(directory: str) -> None:
                 pass
 
 
+def evict(directory: str) -> None:
+    """Drop the checkpoint's pages from the page cache (``POSIX_FADV_DONTNEED``; clean pages
+    of a file nobody maps go at once), for a cold-cache sample."""
+    for name in sorted(os.listdir(directory)):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def sample(python: str, model: str, fmt: str, dtype: str, extra, memory, timeout: float) -> dict:
     args = {"model": model, "format": fmt, "dtype": dtype, "extra": extra, "memory": memory}
     started = time.perf_counter()
@@ -139,6 +152,8 @@ def main(argv=None) -> int:
                          "default 0.25 on a host without CUDA)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the checkpoint from the page cache before every sample (default: warm)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per sample")
     ap.add_argument("--python", default=sys.executable, help="the Python that runs vLLM (default: this one)")
     ap.add_argument("--json", default=None, help="write every sample here")
@@ -157,10 +172,13 @@ def main(argv=None) -> int:
         nbytes = write_checkpoint(directory, a.gb, a.dtype)
         warm(directory)
         print(f"checkpoint: {directory}, {nbytes / 1e9:.3f} GB of {a.dtype} weights, "
-              f"{len([n for n in os.listdir(directory) if n.endswith('.safetensors')])} shards; page cache warm")
+              f"{len([n for n in os.listdir(directory) if n.endswith('.safetensors')])} shards; "
+              f"page cache {'cold (evicted before each sample)' if a.cold else 'warm'}")
         samples: list[dict] = []
         for run in range(a.runs):
             for fmt in formats:
+                if a.cold:
+                    evict(directory)
                 s = sample(a.python, directory, fmt, a.dtype, extra if fmt == "safetensors_engine" else None,
                            memory, a.timeout)
                 s["run"] = run
