@@ -169,6 +169,29 @@ def test_a_url_loads_through_the_remote_path_and_its_cache(tmp_path):
         server.stop()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no CUDA device")
+def test_a_cuda_load_goes_to_the_ring_with_its_options_and_fails_clearly_without_a_gpu(tmp_path):
+    write_sharded(tmp_path, tensors(), shards=2)
+    w = Weights(tmp_path, device="cuda:0", options=parse_options({"slot_bytes": "4MiB", "per_tensor": True,
+                                                                  "threads": 2, "chunk_bytes": 1 << 20}))
+    assert w.mode == "ring"
+    with pytest.raises(engine.DeviceError, match="CUDA"):
+        collect(w)  # the stream's options were accepted: the device is what fails
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and a CUDA build of torch")
+@pytest.mark.parametrize("per_tensor", [True, False])
+def test_a_cuda_load_through_the_ring_equals_the_reference(tmp_path, per_tensor):
+    write_sharded(tmp_path, tensors(4), shards=3)
+    with Weights(tmp_path, device="cuda:0", options=Options(per_tensor=per_tensor)) as w:
+        got = {}
+        for name, t in w:
+            assert t.device.type == "cuda", name
+            got[name] = t.cpu()
+    assert_same(got, reference(tmp_path))
+
+
 # ----------------------------------------------------------------------- the rule for views
 
 
