@@ -27,27 +27,27 @@ compile_args = ["-O3"] if not CHECKS else ["-O1", "-g", "-UNDEBUG"]
 
 extensions = [
     Extension(
-        "engine._header",
-        ["engine/_header.pyx"],
+        "engine.format._header",
+        ["engine/format/_header.pyx"],
         include_dirs=[np.get_include()],
         define_macros=macros,
         extra_compile_args=compile_args,
     ),
     Extension(
-        "engine._file_handle",
-        ["engine/_file_handle.pyx"],
+        "engine.format._file_handle",
+        ["engine/format/_file_handle.pyx"],
         define_macros=macros,
         extra_compile_args=compile_args,
     ),
     Extension(
-        "engine._io",
-        ["engine/_io.pyx"],
+        "engine.io._io",
+        ["engine/io/_io.pyx"],
         define_macros=macros,
         extra_compile_args=compile_args,
     ),
     Extension(
-        "engine._ring",
-        ["engine/_ring.pyx"],
+        "engine.gpu._ring",
+        ["engine/gpu/_ring.pyx"],
         define_macros=macros,
         extra_compile_args=compile_args,
         libraries=["dl"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (
+from engine.errors import (
     CacheWriteWarning,
     Cancelled,
     CheckpointIndexError,
@@ -42,44 +42,44 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it; imported on first attribute access
 _LAZY = {
-    "read_header": "engine.opener",  # a path or a URL
-    "Header": "engine.header",
-    "TensorInfo": "engine.header",
-    "MAX_HEADER_SIZE": "engine.header",
-    "safe_open": "engine.opener",
-    "_safe_open_handle": "engine.file_handle",
-    "TensorSpec": "engine.tensorspec",
-    "serialize": "engine.tensorspec",
-    "serialize_file": "engine.tensorspec",
-    "deserialize": "engine.tensorspec",
-    "stream": "engine.opener",
-    "load_into": "engine.opener",
-    "keep_staging": "engine.device_staging",
-    "keep_mappings": "engine.kept_mappings",
-    "prepare_device": "engine.loader",
-    "load_records": "engine.device_ring",
-    "LoadRecord": "engine.device_ring",
+    "read_header": "engine.apps.opener",  # a path or a URL
+    "Header": "engine.format.header",
+    "TensorInfo": "engine.format.header",
+    "MAX_HEADER_SIZE": "engine.format.header",
+    "safe_open": "engine.apps.opener",
+    "_safe_open_handle": "engine.loading.file_handle",
+    "TensorSpec": "engine.writing.tensorspec",
+    "serialize": "engine.writing.tensorspec",
+    "serialize_file": "engine.writing.tensorspec",
+    "deserialize": "engine.writing.tensorspec",
+    "stream": "engine.apps.opener",
+    "load_into": "engine.apps.opener",
+    "keep_staging": "engine.gpu.device_staging",
+    "keep_mappings": "engine.io.kept_mappings",
+    "prepare_device": "engine.loading.loader",
+    "load_records": "engine.gpu.device_ring",
+    "LoadRecord": "engine.gpu.device_ring",
     "load_file": "engine.numpy",
     "load": "engine.numpy",
-    "save_file": "engine.writer",
-    "save": "engine.writer",
+    "save_file": "engine.writing.writer",
+    "save": "engine.writing.writer",
     # sharded checkpoints (index + shards, or one file, as one checkpoint)
-    "open_checkpoint": "engine.opener",  # a path or a URL
-    "save_sharded": "engine.shards",
-    "Checkpoint": "engine.checkpoint",
-    "read_checkpoint_info": "engine.opener",  # a path or a URL
+    "open_checkpoint": "engine.apps.opener",  # a path or a URL
+    "save_sharded": "engine.checkpoints.shards",
+    "Checkpoint": "engine.checkpoints.checkpoint",
+    "read_checkpoint_info": "engine.apps.opener",  # a path or a URL
     # kernels (Numba is imported only when one of these is used)
     "stats": "engine.statistics",
     "Stats": "engine.statistics",
-    "stats_file": "engine.checkpoint_stats",
+    "stats_file": "engine.apps.checkpoint_stats",
     "quantize_int8": "engine.quantize",
     "dequantize_int8": "engine.quantize",
     "Int8": "engine.quantize",
     "QuantizedTensor": "engine.quantize",
-    "quantize_file": "engine.quantized_format",
-    "load_quantized": "engine.quantized_format",
-    "WeightValidator": "engine.validator",
-    "ValidationReport": "engine.validator",
+    "quantize_file": "engine.apps.quantized_format",
+    "load_quantized": "engine.apps.quantized_format",
+    "WeightValidator": "engine.apps.validator",
+    "ValidationReport": "engine.apps.validator",
 }
 
 __all__ = [
@@ -126,15 +126,22 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpoint import Checkpoint
-    from .device_ring import LoadRecord, load_records
-    from .device_staging import keep_staging
-    from .file_handle import _safe_open_handle
-    from .header import MAX_HEADER_SIZE, Header, TensorInfo
-    from .kept_mappings import keep_mappings
-    from .loader import prepare_device
-    from .numpy import load, load_file
-    from .opener import load_into, open_checkpoint, read_checkpoint_info, read_header, safe_open, stream
-    from .shards import save_sharded
-    from .tensorspec import TensorSpec, deserialize, serialize, serialize_file
-    from .writer import save, save_file
+    from engine.apps.opener import (
+        load_into,
+        open_checkpoint,
+        read_checkpoint_info,
+        read_header,
+        safe_open,
+        stream,
+    )
+    from engine.checkpoints.checkpoint import Checkpoint
+    from engine.checkpoints.shards import save_sharded
+    from engine.format.header import MAX_HEADER_SIZE, Header, TensorInfo
+    from engine.gpu.device_ring import LoadRecord, load_records
+    from engine.gpu.device_staging import keep_staging
+    from engine.io.kept_mappings import keep_mappings
+    from engine.loading.file_handle import _safe_open_handle
+    from engine.loading.loader import prepare_device
+    from engine.numpy import load, load_file
+    from engine.writing.tensorspec import TensorSpec, deserialize, serialize, serialize_file
+    from engine.writing.writer import save, save_file

@@ -4,6 +4,6 @@ The public path of :mod:`engine.numerics.device`, which holds the code (the engi
 modules import it there): its ``__all__`` and its other public names.
 """
 
-from .numerics.device import *  # noqa: F403
-from .numerics.device import DEFAULT_LAUNCH, SIMULATOR, as_device_array, numba_stream  # noqa: F401
-from .numerics.device import __all__ as __all__
+from engine.numerics.device import *  # noqa: F403
+from engine.numerics.device import DEFAULT_LAUNCH, SIMULATOR, as_device_array, numba_stream  # noqa: F401
+from engine.numerics.device import __all__ as __all__

@@ -8,9 +8,9 @@ set of strided ranges, both read by the threaded reader.  For shared storage tha
 under many parallel readers, ``mode="broadcast"`` reads each tensor once per node and hands
 the shards out with ``scatter`` / ``broadcast``.
 
-The plans are in :mod:`engine.sharding_plan`, the direct reads in :mod:`engine.tp_direct`,
-broadcast mode in :mod:`engine.tp_broadcast` and reads through ``safe_open``'s slices in
-:mod:`engine.tp_slices`; their public names are importable from here.
+The plans are in :mod:`engine.planning.sharding_plan`, the direct reads in :mod:`engine.parallel.tp_direct`,
+broadcast mode in :mod:`engine.parallel.tp_broadcast` and reads through ``safe_open``'s slices in
+:mod:`engine.parallel.tp_slices`; their public names are importable from here.
 
 Importing this module imports torch.
 """
@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import torch
 
-from ._files import is_url
-from .errors import ShardingError
-from .sharding_plan import Fused, Replicate, ShardingPlan, Split, llama_plan, shard_index
-from .tp_broadcast import load_broadcast
-from .tp_direct import STRIDED, DirectFile, direct_files, direct_read_bytes, load_files_direct
+from engine.base._files import is_url
+from engine.errors import ShardingError
+from engine.parallel.tp_broadcast import load_broadcast
+from engine.parallel.tp_direct import STRIDED, DirectFile, direct_files, direct_read_bytes, load_files_direct
+from engine.planning.sharding_plan import Fused, Replicate, ShardingPlan, Split, llama_plan, shard_index
 
 __all__ = [
     "Replicate",
@@ -81,7 +81,7 @@ def load_tensor_parallel(
     path_or_index : str or os.PathLike
         A ``.safetensors`` file, a ``model.safetensors.index.json`` or a directory holding one;
         or an ``http(s)://``, ``s3://`` or fsspec URL of a file, an index or a prefix, from
-        which each rank requests only its own byte ranges (:mod:`engine.tp_remote`;
+        which each rank requests only its own byte ranges (:mod:`engine.parallel.tp_remote`;
         ``threads`` is then the number of connections, ``backend`` and ``strided`` do not
         apply).
     plan : ShardingPlan
@@ -131,7 +131,7 @@ def load_tensor_parallel(
         For a URL only, the options :func:`engine.torch.load_file` takes for one:
         ``headers``, ``timeout``, ``retry``, ``max_redirects``, ``s3``, ``storage_options``,
         ``cache_dir``, ``max_header_size``, ``max_shards`` (see
-        :func:`engine.remote_load.stream`); ``connections`` is ``threads``.  With
+        :func:`engine.urls.remote_load.stream`); ``connections`` is ``threads``.  With
         ``cache_dir``, a rank that receives every byte of a file keeps its copy, and a later
         load reads the copies.
 
@@ -175,7 +175,7 @@ def load_tensor_parallel(
     if mode == "broadcast":
         return load_broadcast(path_or_index, plan, rank, world_size, process_group, device, names, remote)
     if url:  # each rank requests only its own byte ranges
-        from .tp_remote import load_remote_direct
+        from engine.parallel.tp_remote import load_remote_direct
 
         return load_remote_direct(path_or_index, plan, rank, world_size, device=device, names=names,
                                   connections=threads, **remote)

@@ -10,20 +10,20 @@ import os
 
 import numpy as np
 
-from . import writer
-from ._files import is_url
-from .errors import SerializationError
-from .file_handle import views
-from .header import parse_buffer
-from .opener import safe_open
-from .sinks import host_block
-from .sinks.numpy import NumpySink
+from engine.apps.opener import safe_open
+from engine.base._files import is_url
+from engine.errors import SerializationError
+from engine.format.header import parse_buffer
+from engine.loading.file_handle import views
+from engine.sinks import host_block
+from engine.sinks.numpy import NumpySink
+from engine.writing import writer
 
 # the reference's safetensors.numpy has them too
-from .tensorspec import TensorSpec as TensorSpec
-from .tensorspec import deserialize as deserialize
-from .tensorspec import serialize as serialize
-from .tensorspec import serialize_file as serialize_file
+from engine.writing.tensorspec import TensorSpec as TensorSpec
+from engine.writing.tensorspec import deserialize as deserialize
+from engine.writing.tensorspec import serialize as serialize
+from engine.writing.tensorspec import serialize_file as serialize_file
 
 __all__ = ["load_file", "load", "save_file", "save"]
 
@@ -42,7 +42,7 @@ def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndar
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
-        read by the next load; see :func:`engine.remote_load.stream`).
+        read by the next load; see :func:`engine.urls.remote_load.stream`).
 
     Returns
     -------
@@ -54,7 +54,7 @@ def load_file(filename, *, backend: str = "mmap", **remote) -> dict[str, np.ndar
     1 with "pread" (page cache to the array).
     """
     if is_url(filename):  # parallel ranged reads straight into the arrays
-        from .remote_load import load
+        from engine.urls.remote_load import load
 
         return load(filename, "numpy", **remote)
     if remote:
@@ -94,12 +94,12 @@ def _check(tensor_dict) -> None:
 
 
 def save_file(tensor_dict: dict, filename, metadata: dict[str, str] | None = None) -> None:
-    """Write numpy arrays to ``filename`` atomically; see :func:`engine.writer.save_file`."""
+    """Write numpy arrays to ``filename`` atomically; see :func:`engine.writing.writer.save_file`."""
     _check(tensor_dict)
     writer.save_file(tensor_dict, os.fspath(filename), metadata)
 
 
 def save(tensor_dict: dict, metadata: dict[str, str] | None = None) -> bytes:
-    """The bytes of a safetensors file holding ``tensor_dict``; see :func:`engine.writer.save`."""
+    """The bytes of a safetensors file holding ``tensor_dict``; see :func:`engine.writing.writer.save`."""
     _check(tensor_dict)
     return writer.save(tensor_dict, metadata)

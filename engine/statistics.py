@@ -5,11 +5,11 @@ The public path of :mod:`engine.numerics.statistics`, which holds the code (the 
 modules import it there): its ``__all__`` and its other public names.
 """
 
-from .errors import MissingDependencyError as _Missing
+from engine.errors import MissingDependencyError as _Missing
 
 try:
-    from .numerics.statistics import *  # noqa: F403
-    from .numerics.statistics import SUPPORTED_NAMES  # noqa: F401
-    from .numerics.statistics import __all__ as __all__
+    from engine.numerics.statistics import *  # noqa: F403
+    from engine.numerics.statistics import SUPPORTED_NAMES  # noqa: F401
+    from engine.numerics.statistics import __all__ as __all__
 except ModuleNotFoundError as _exc:  # Numba and llvmlite: the ``kernels`` extra
     raise _Missing.of(_exc, "engine.stats and engine.Stats (the Numba kernels)") from None

@@ -19,19 +19,20 @@ from typing import Any
 
 import torch
 
-from . import dtypes, writer
-from ._files import is_url
-from .errors import SerializationError
-from .file_handle import views
-from .header import parse_buffer
-from .opener import is_checkpoint_path, safe_open
-from .sinks.torch import TorchSink
+from engine.apps.opener import is_checkpoint_path, safe_open
+from engine.base import dtypes
+from engine.base._files import is_url
+from engine.errors import SerializationError
+from engine.format.header import parse_buffer
+from engine.loading.file_handle import views
+from engine.sinks.torch import TorchSink
+from engine.writing import writer
 
 # the reference's safetensors.torch has them too
-from .tensorspec import TensorSpec as TensorSpec
-from .tensorspec import deserialize as deserialize
-from .tensorspec import serialize as serialize
-from .tensorspec import serialize_file as serialize_file
+from engine.writing.tensorspec import TensorSpec as TensorSpec
+from engine.writing.tensorspec import deserialize as deserialize
+from engine.writing.tensorspec import serialize as serialize
+from engine.writing.tensorspec import serialize_file as serialize_file
 
 __all__ = [
     "load_file",
@@ -56,9 +57,9 @@ def load_file(
     filename : str or os.PathLike
         A ``.safetensors`` file, or a sharded checkpoint (its directory or its
         ``model.safetensors.index.json``), whose shards load as one (see
-        :meth:`engine.checkpoint.Checkpoint.get_tensors`); or an ``http(s)://``, ``s3://``
+        :meth:`engine.checkpoints.checkpoint.Checkpoint.get_tensors`); or an ``http(s)://``, ``s3://``
         or other fsspec URL of a file, an index or a prefix, loaded by parallel ranged
-        reads (:func:`engine.remote_load.load`; ``backend`` does not apply).
+        reads (:func:`engine.urls.remote_load.load`; ``backend`` does not apply).
     device : str, int or torch.device, default "cpu"
         Any torch device: CUDA loads stream through pinned staging buffers; other devices
         (``"mps"``, ``"xpu"``, ...) receive the CPU tensors through ``.to()``.
@@ -68,7 +69,7 @@ def load_file(
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
-        read by the next load; see :func:`engine.remote_load.stream`).
+        read by the next load; see :func:`engine.urls.remote_load.stream`).
 
     Returns
     -------
@@ -79,10 +80,10 @@ def load_file(
     -----
     Copies of tensor bytes on the CPU: 0 with "mmap", 1 with "pread".  On a CUDA device,
     whatever the backend: 2 (page cache to a page-locked chunk, then DMA); see
-    :mod:`engine.pipeline`.
+    :mod:`engine.loading.pipeline`.
     """
     if is_url(filename):  # parallel ranged reads straight into the tensors
-        from .remote_load import load
+        from engine.urls.remote_load import load
 
         return load(filename, "pt", device, **remote)
     if remote:
@@ -90,7 +91,7 @@ def load_file(
     sink = TorchSink(device)
     if backend in ("mmap", "pread") and (sink.on_device or backend == "pread") and not is_checkpoint_path(filename):
         # one file into owned or device memory: straight to the loader, no handle between
-        from .loader import load_file as load_one
+        from engine.loading.loader import load_file as load_one
 
         return load_one(filename, sink)
     with safe_open(filename, framework="pt", device=device, backend=backend) as f:
@@ -122,7 +123,7 @@ def _check(tensors) -> None:
 
 
 def save_file(tensors: dict, filename, metadata: dict[str, str] | None = None) -> None:
-    """Write torch tensors to ``filename`` atomically; see :func:`engine.writer.save_file`.
+    """Write torch tensors to ``filename`` atomically; see :func:`engine.writing.writer.save_file`.
 
     Raises
     ------
@@ -137,7 +138,7 @@ def save_file(tensors: dict, filename, metadata: dict[str, str] | None = None) -
 
 
 def save(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
-    """The bytes of a safetensors file holding ``tensors``; see :func:`engine.writer.save`."""
+    """The bytes of a safetensors file holding ``tensors``; see :func:`engine.writing.writer.save`."""
     _check(tensors)
     return writer.save(tensors, metadata)
 

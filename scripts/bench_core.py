@@ -166,7 +166,7 @@ CASES = {
         "notes": {
             "reference": "safetensors.torch.save_file (no fsync)",
             "engine": "engine.torch.save_file (temp + fsync + rename)",
-            "engine-nofsync": "engine.writer.save_file(fsync=False)",
+            "engine-nofsync": "engine.writing.writer.save_file(fsync=False)",
         },
     },
     "pread2g": {
@@ -199,8 +199,8 @@ def worker(spec: dict) -> dict:
 
     import engine
     import engine.torch as en_torch
-    import engine.writer as en_writer
-    from engine import dtypes as en_dtypes
+    import engine.writing.writer as en_writer
+    from engine.base import dtypes as en_dtypes
 
     case, impl, path = spec["case"], spec["impl"], spec.get("path")
     ref = impl == "reference"

@@ -131,7 +131,7 @@ def make_checkpoint(folder: str, total_bytes: int, shards: int = 4) -> list[str]
     import ml_dtypes
     import numpy as np
 
-    from engine.writer import open_writer
+    from engine.writing.writer import open_writer
 
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index_path):
@@ -434,7 +434,7 @@ def _limit_page_cache_to_pinned(threads: int):
         import numpy as np
         import torch
 
-        from engine import _io
+        from engine.io import _io
 
         slot = 512 << 20
         buf = torch.empty(slot, dtype=torch.uint8, pin_memory=True)
@@ -870,7 +870,7 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.where:
-        where = {"engine_file": checkout_path.engine_origin(), "ring_file": checkout_path.engine_origin("engine._ring")}
+        where = {"engine_file": checkout_path.engine_origin(), "ring_file": checkout_path.engine_origin("engine.gpu._ring")}
         try:  # what the children will see: torch, and the device the GPU rows load to
             import torch
 

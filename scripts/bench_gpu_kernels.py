@@ -63,7 +63,7 @@ def make_checkpoint(path: str, layers: int) -> None:
     bounded memory, unless a file of the right size is already there."""
     import torch
 
-    from engine.writer import open_writer
+    from engine.writing.writer import open_writer
 
     entries = [(name, "BF16", shape) for name, shape in shapes(layers)]
     size = sum(2 * (s[0] * (s[1] if len(s) > 1 else 1)) for _, _, s in entries)
@@ -92,7 +92,7 @@ def child(mode: str, path: str) -> dict:
     torch.empty(1, device="cuda")  # the CUDA context, outside the timing
     if mode != "reference":
         import engine  # noqa: F401  (imports outside the timing, as an application's would be)
-        import engine.loader
+        import engine.loading.loader
 
         if mode != "plain":
             import engine.device  # noqa: F401  (Numba's CUDA target)

@@ -128,7 +128,7 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
         lim.close()
     elif kind.startswith("device") or kind.startswith("ringrate"):
         if kind.startswith("ringrate"):  # one page per chunk: the ring's own cost per chunk
-            from engine import device_ring
+            from engine.gpu import device_ring
 
             os.environ["ENGINE_RING"] = f"{4096 / 2**20},64,{device_ring.default_geometry().threads}"
         dma, _, keep = kind.partition("-")[2].partition("-")

@@ -46,7 +46,7 @@ if variant == "ring-alone":
     import numpy as np
     import engine
     from emucudart import EmulatedRingOps, Emulator
-    from engine import device_ring
+    from engine.gpu import device_ring
     ops = EmulatedRingOps(Emulator())
     ring = device_ring._new_ring(ops, device_ring.default_geometry())
     h = engine.read_header(path)

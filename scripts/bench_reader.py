@@ -278,7 +278,7 @@ def _bare_cold(path: str, *, direct: bool, threads: int = 2, request: int = 16 <
     """The whole file read by ``threads`` threads in ``request``-byte ``preadv`` calls into one
     anonymous block, through the page cache or around it (``O_DIRECT``: aligned offsets,
     sizes and memory; the block is page-aligned and the last request rounded up)."""
-    from engine.reader import run_threads
+    from engine.io.reader import run_threads
     from engine.sinks import host_block
 
     size = os.path.getsize(path)
@@ -362,9 +362,9 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
     ``stream(stats=True)`` on this machine; ``"windows"`` tells how much of it is the
     smaller reads rather than the fold.
     """
-    from engine import load_hooks
     from engine import statistics as est
-    from engine.reader import pread_into, run_threads
+    from engine.io.reader import pread_into, run_threads
+    from engine.loading import load_hooks
     from engine.sinks import host_block
 
     start = engine.read_header(path).data_start

@@ -177,8 +177,8 @@ def _gets_reference(urls: list[str], repeat: int = 0) -> str:
 
 def _engine_load_into(url: str, options: str = "") -> str:
     return (
-        "import engine, engine.remote\n"
-        f"info = engine.remote.read_metadata({url!r})\n"
+        "import engine, engine.urls.remote\n"
+        f"info = engine.urls.remote.read_metadata({url!r})\n"
         "out = {}\n"
         "for h in info.headers.values():\n"
         "    for name in h.keys():\n"
@@ -196,7 +196,7 @@ def _engine_device(url: str) -> str:
         "import numpy as np\n"
         "from benchmarks import host\n"
         "from engine import pipeline, remote_load\n"
-        "from engine.loader import _bases, _sources\n"
+        "from engine.loading.loader import _bases, _sources\n"
         f"opened = remote_load.open_parts({url!r})\n"
         "parts = [p._replace(rows=list(p.header.table.file_order())) for p in opened.parts]\n"
         "bases = _bases(parts)\n"
@@ -227,7 +227,7 @@ def _fault_limit(nbytes: int) -> str:
     no network."""
     return (
         "from engine.sinks._host import host_block\n"
-        "from engine.reader import populate_write, map_threads\n"
+        "from engine.io.reader import populate_write, map_threads\n"
         "t0 = time.perf_counter()\n"
         f"block = host_block({nbytes})\n"
         "view = memoryview(block)\n"

@@ -102,7 +102,7 @@ def worker(spec: dict) -> dict:
                 _fsync_path(path)
                 _fsync_path(os.path.dirname(path))
     else:
-        from engine import writer
+        from engine.writing import writer
 
         def save(tensors, path):
             writer.save_file(tensors, path, fsync=sync)

@@ -94,7 +94,7 @@ def make(path: str, cfg: dict) -> None:
 
     if os.path.exists(path):
         return
-    from engine.validator import expected_tensors
+    from engine.apps.validator import expected_tensors
 
     sd = {name: torch.randn(shape).bfloat16() for name, shape in expected_tensors(cfg).items()}
     engine.torch.save_file(sd, path)
@@ -113,14 +113,14 @@ def worker(rank, world, port, path, cfg, impl, out):
     import safetensors  # noqa: F401  (imported before timing, as the engine is)
 
     import engine
-    import engine._io  # noqa: F401  (loaded before timing, as a server would have it)
+    import engine.io._io  # noqa: F401  (loaded before timing, as a server would have it)
     from engine.distributed import llama_plan, load_tensor_parallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     plan = llama_plan(cfg, world_size=world)
 
     def floor():
-        from engine.reader import pread_into, run_threads
+        from engine.io.reader import pread_into, run_threads
         from engine.sinks import host_block
 
         header = engine.read_header(path)

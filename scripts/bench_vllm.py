@@ -65,7 +65,7 @@ def write_checkpoint(directory: str, gb: float, dtype: str) -> int:
     import torch
 
     sys.path.insert(0, ROOT)
-    from engine.shards import save_sharded
+    from engine.checkpoints.shards import save_sharded
 
     tdtype = getattr(torch, dtype)
     itemsize = torch.empty((), dtype=tdtype).element_size()

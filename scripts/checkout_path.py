@@ -34,7 +34,7 @@ def pythonpath(*extra: str) -> str:
 
 
 def engine_origin(module: str = "engine") -> str:
-    """The file that ``import engine`` (or ``module``, such as ``engine._ring``) finds in this
+    """The file that ``import engine`` (or ``module``, such as ``engine.gpu._ring``) finds in this
     process, or why it cannot be imported (an exception's type and text)."""
     import importlib
 

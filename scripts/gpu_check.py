@@ -440,7 +440,7 @@ def row_engine(check: Check) -> None:
 
 
 def child_probe(env: dict, timeout: float) -> dict:
-    """What a child imports (``engine`` and ``engine._ring``: their files, or why not) and
+    """What a child imports (``engine`` and ``engine.gpu._ring``: their files, or why not) and
     sees (torch's version, CUDA, the device's name)."""
     cmd = [sys.executable, os.path.join(HERE, "bench_gpu.py"), "--where"]
     rc, out, err = _run(cmd, timeout, env)
@@ -909,8 +909,9 @@ def emulated_child(kind: str, files: list[str]) -> dict:
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import engine
-    from engine import device_ring, pipeline
-    from engine.plan import plan_reads
+    from engine.gpu import device_ring
+    from engine.loading import pipeline
+    from engine.planning.plan import plan_reads
 
     fds, sources, dst, base = [], [], {}, 0
     headers = [engine.read_header(f) for f in files]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How the page cache holds a file, and what mapping it costs: the figure the engine's
-``auto`` copy source decides by (see ``_Choice`` in ``engine/_io.pyx``).
+``auto`` copy source decides by (see ``_Choice`` in ``engine/io/_io.pyx``).
 
 Maps the file read-only and populates it 2 MiB at a time (``MADV_POPULATE_READ``), timing
 each step, then reads how much of the mapping the kernel mapped with one entry per 2 MiB

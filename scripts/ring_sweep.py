@@ -179,7 +179,7 @@ class _Cuda(_Target):
 
     def load(self, cold: bool = True) -> float:
         import engine
-        from engine import device_ring
+        from engine.gpu import device_ring
 
         if cold:  # the load sets its ring up, as a process's first load does
             device_ring.release_rings()
@@ -237,8 +237,9 @@ class _Emulated(_Target):
         self.nbytes = sum(len(a) for a in self.dst.values())
 
     def load(self, cold: bool = True) -> float:
-        from engine import device_ring, pipeline
-        from engine.plan import plan_reads
+        from engine.gpu import device_ring
+        from engine.loading import pipeline
+        from engine.planning.plan import plan_reads
 
         if cold:
             device_ring.release_rings()
@@ -267,7 +268,7 @@ class _Emulated(_Target):
         return h.hexdigest()
 
     def close(self) -> dict:
-        from engine import device_ring
+        from engine.gpu import device_ring
 
         device_ring.release_rings()
         self.ops.close()
@@ -313,7 +314,7 @@ def child(dev: str, files: list[str], seconds: float, short: bool = False) -> in
     deadline = t_start + seconds
     dry = not dev.startswith("cuda")
     target: _Target = _Emulated(files) if dry else _Cuda(files, dev)
-    from engine import device_ring
+    from engine.gpu import device_ring
 
     saved = {k: os.environ.get(k) for k in KNOBS}
     for k in saved:  # the first load and the default geometry: the engine's defaults
@@ -332,7 +333,7 @@ def child(dev: str, files: list[str], seconds: float, short: bool = False) -> in
     _emit({"event": "start", "device": target.name, "cores": cores, "threads": threads, "geometries": geoms,
            "variants": VARIANTS, "configs": total, "bytes": target.nbytes, "short": short,
            "default": [default.chunk_bytes // MIB, default.chunks, default.threads],
-           "engine_file": checkout_path.engine_origin(), "ring_file": checkout_path.engine_origin("engine._ring"),
+           "engine_file": checkout_path.engine_origin(), "ring_file": checkout_path.engine_origin("engine.gpu._ring"),
            "setup_s": round(time.monotonic() - t_start, 2)})
     rates: dict = {}
     walls: list[float] = []

@@ -41,10 +41,10 @@ def run_python(code: str, *args: str, env: Mapping[str, str] | None = None, time
 
 def in_threads(*calls) -> None:
     """Run each call on its own thread, all released together by a barrier; re-raise the
-    first exception any of them raised once all have finished (engine.reader.run_threads)."""
+    first exception any of them raised once all have finished (engine.io.reader.run_threads)."""
     import threading
 
-    from engine.reader import run_threads
+    from engine.io.reader import run_threads
 
     barrier = threading.Barrier(len(calls))
 
@@ -193,7 +193,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 class SplitCopies:
-    """Watches the native split copies of host loads (``engine.pipeline.split_reader``):
+    """Watches the native split copies of host loads (``engine.loading.pipeline.split_reader``):
     counts the bytes they deliver and calls ``before(call, fd, offsets, targets)`` ahead of
     each one (``call`` counts from 1 over every reader), which may raise or change the file.
     The host loads' one seam at the Python level: the copies themselves run in native code."""
@@ -201,13 +201,13 @@ class SplitCopies:
     def __init__(self, monkeypatch, before=None) -> None:
         import threading
 
-        import engine.pipeline
+        import engine.loading.pipeline
 
         self.bytes = 0
         self.calls = 0
         self.lock = threading.Lock()
         self.before = before
-        real = engine.pipeline.split_reader
+        real = engine.loading.pipeline.split_reader
         watch = self
 
         class Reader:
@@ -229,7 +229,7 @@ class SplitCopies:
             def close(self) -> None:
                 self.inner.close()
 
-        monkeypatch.setattr(engine.pipeline, "split_reader", Reader)
+        monkeypatch.setattr(engine.loading.pipeline, "split_reader", Reader)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ _PRELUDE = """
 import os, sys
 import numpy as np
 import engine
-from engine import _atomic
+from engine.base import _atomic
 if os.environ.get("ENGINE_TEST_SCHEME") == "named":
     _atomic._linker = lambda directory: None
 """

@@ -17,7 +17,7 @@ Serves a directory on 127.0.0.1 (ephemeral port).  ``server.modes`` maps a URL p
 ``html``           200 with an HTML error page
 ``gzip``           200 with the whole file gzip-compressed (Content-Encoding: gzip)
 
-For the bulk reads of a load (:mod:`engine.remote_reads`) the server also has:
+For the bulk reads of a load (:mod:`engine.net.remote_reads`) the server also has:
 
 * ``server.keepalive = True``: HTTP/1.1 with persistent connections (``server.connections``
   counts the connections accepted), so connection pooling is exercised;

@@ -1,4 +1,4 @@
-"""engine._atomic: stale temporaries of dead writers go, a live writer's never do."""
+"""engine.base._atomic: stale temporaries of dead writers go, a live writer's never do."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine import _atomic
+from engine.base import _atomic
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="process ids are probed with signal 0 on POSIX")
 

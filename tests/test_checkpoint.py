@@ -1,4 +1,4 @@
-"""Sharded checkpoints: engine.checkpoint (open_checkpoint, save_sharded, the index rules)."""
+"""Sharded checkpoints: engine.checkpoints.checkpoint (open_checkpoint, save_sharded, the index rules)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-import engine.checkpoint_info
+import engine.checkpoints.checkpoint_info
 import engine.numpy
-from engine import checkpoint as ck
-from engine.checkpoint import (
+from engine.checkpoints import checkpoint as ck
+from engine.checkpoints.checkpoint import (
     CheckpointIndexError,
     CheckpointInfo,
     MissingShardError,
@@ -65,7 +65,7 @@ def test_what_safe_open_returns_is_a_safe_open(sharded):
             assert issubclass(type(f), engine.safe_open)
             assert f.keys()
     assert not isinstance(object(), engine.safe_open) and not issubclass(dict, engine.safe_open)
-    assert issubclass(engine.safe_open, engine.file_handle.safe_open)  # subclassing keeps working
+    assert issubclass(engine.safe_open, engine.loading.file_handle.safe_open)  # subclassing keeps working
 
 
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
@@ -282,7 +282,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     save_sharded(arrays(seed=1), dest, max_shard_size="2KB")
     before = {n: (dest / n).read_bytes() for n in listing(dest)}
     (dest / "config.json").write_text("{}")
-    from engine import writer
+    from engine.writing import writer
 
     real = writer.save_file
     calls = []
@@ -538,7 +538,7 @@ def test_numpy_load_file_of_a_checkpoint(sharded, backend):
 
 
 def test_public_names():
-    from engine import opener
+    from engine.apps import opener
 
     # the root's name also takes a URL, and opens a local path with this module's function
     assert engine.open_checkpoint is opener.open_checkpoint
@@ -547,7 +547,7 @@ def test_public_names():
 
 def count_pipelines(monkeypatch):
     """Record the files of every pipeline run (one list of paths per run)."""
-    from engine import pipeline
+    from engine.loading import pipeline
 
     runs: list[list[str]] = []
     real = pipeline.run_sources
@@ -564,7 +564,7 @@ def test_parallel_paths(tmp_path, monkeypatch):
     # a slow first shard opens the rest in parallel; the load is one pipeline over all shards
     sd = {f"w{i}": np.full(3 << 20, i, np.float32) for i in range(4)}  # 4 x 12 MiB
     save_sharded(sd, tmp_path, max_shard_size="13MB")
-    monkeypatch.setattr(engine.checkpoint_info, "_SLOW_OPEN_S", 0.0)
+    monkeypatch.setattr(engine.checkpoints.checkpoint_info, "_SLOW_OPEN_S", 0.0)
     runs = count_pipelines(monkeypatch)
     with open_checkpoint(tmp_path, backend="pread", max_workers=3) as c:
         assert len(c.shards) == 4
@@ -607,14 +607,14 @@ def test_owned_load_of_a_checkpoint_is_one_pipeline(sharded, monkeypatch, framew
 
 @pytest.mark.parametrize("gpu_path", ["copy", "auto"])
 def test_device_load_of_a_checkpoint_is_one_pipeline_into_one_allocation(sharded, monkeypatch, gpu_path):
-    from engine import pipeline
+    from engine.loading import pipeline
 
     path, sd, split = sharded
     from emulated import EmulatedSink
 
     sink = EmulatedSink()
-    monkeypatch.setattr(engine.file_handle, "get_sink", lambda framework, device: sink)
-    monkeypatch.setattr(engine.file_handle, "sink_kind", lambda framework, device: sink.name)
+    monkeypatch.setattr(engine.loading.file_handle, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.loading.file_handle, "sink_kind", lambda framework, device: sink.name)
     real = pipeline.run_sources
     monkeypatch.setattr(pipeline, "run_sources", lambda *a, **k: real(*a, **{**k, "gpu_path": gpu_path}))
     runs = count_pipelines(monkeypatch)

@@ -9,7 +9,7 @@ from test_kernels import assert_stats
 
 import engine
 import engine.numpy
-from engine.checkpoint import save_sharded
+from engine.checkpoints.checkpoint import save_sharded
 
 
 def _state(rng):

@@ -82,7 +82,7 @@ def test_every_error_line_ends_with_its_reason_tag(tmp_path, capsys, command):
 
 
 def test_error_line_tags_operating_system_errors():
-    from engine._cli_output import UsageError, error_line
+    from engine.commands._cli_output import UsageError, error_line
     from engine.errors import SafetensorError
 
     assert error_line(PermissionError(errno.EACCES, "Permission denied", "/m.safetensors")) == (
@@ -97,7 +97,7 @@ def test_convert_checks_its_arguments_before_importing_torch(tmp_path):
     """A missing or wrong input is refused without the seconds torch's import takes."""
     (tmp_path / "text.bin").write_text("not a checkpoint")
     for src in ("missing.bin", "text.bin"):
-        code = ("import sys; from engine.cli import main; "
+        code = ("import sys; from engine.commands.cli import main; "
                 f"rc = main(['convert', {str(tmp_path / src)!r}, {str(tmp_path / 'out.safetensors')!r}]); "
                 "print(rc, 'torch' in sys.modules)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -108,7 +108,7 @@ def test_convert_checks_its_arguments_before_importing_torch(tmp_path):
 
 import shutil  # noqa: E402
 
-from engine.checkpoint import save_sharded  # noqa: E402
+from engine.checkpoints.checkpoint import save_sharded  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
@@ -219,7 +219,7 @@ def test_validate_weight_checks_skipped_or_run(model):
     out = run("validate", str(model))
     assert out.returncode in (0, 1) and "Traceback" not in out.stderr
     try:
-        import engine.validator  # noqa: F401
+        import engine.apps.validator  # noqa: F401
     except ModuleNotFoundError:
         assert "weight checks: skipped" in out.stderr and out.returncode == 0
 
@@ -277,7 +277,7 @@ def test_bad_arguments_are_one_line():
     "args", [["nope"], ["bench", "x", "--runs", "0"], ["inspect", "x", "--timeout", "soon"], []]
 )
 def test_bad_arguments_in_process(capsys, args):
-    from engine.cli import main
+    from engine.commands.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(args)
@@ -336,7 +336,7 @@ def test_convert_shared_and_non_contiguous(tmp_path):
 
 
 def in_process(capsys, *args):
-    from engine.cli import main
+    from engine.commands.cli import main
 
     code = main(list(args))
     out = capsys.readouterr()
@@ -534,7 +534,7 @@ def test_console_script_entry_point(model):
 
 @pytest.fixture
 def three_shards(tmp_path):
-    from engine.checkpoint import save_sharded
+    from engine.checkpoints.checkpoint import save_sharded
 
     rng = np.random.default_rng(0)
     save_sharded({f"w{i}": rng.standard_normal((64, 64)).astype(np.float32) for i in range(6)}, tmp_path / "ck",
@@ -567,7 +567,7 @@ class _Terminal(io.StringIO):
 def test_progress_bar_on_a_terminal(three_shards, tmp_path, monkeypatch, capsys, command):
     pytest.importorskip("tqdm", reason="progress bars need tqdm (the cli extra)")
     pytest.importorskip("numba", reason="the kernels need Numba (a test extra)")
-    from engine.cli import main
+    from engine.commands.cli import main
 
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
@@ -579,7 +579,7 @@ def test_progress_bar_on_a_terminal(three_shards, tmp_path, monkeypatch, capsys,
 
 def test_bench_times_the_touch_of_mapped_loads(model, monkeypatch, capsys):
     """A lazy mmap row read nothing and reported GB/s for it (608 GB/s)."""
-    import engine._cli_bench as bench
+    import engine.commands._cli_bench as bench
 
     touched = []
     real = bench._touch
@@ -597,7 +597,7 @@ def test_bench_times_the_touch_of_mapped_loads(model, monkeypatch, capsys):
 
 
 def test_touch_reads_a_byte_of_every_page():
-    from engine._cli_bench import _touch
+    from engine.commands._cli_bench import _touch
 
     a = np.zeros(3 * 4096 + 10, np.uint8)
     a[0], a[4096], a[8192], a[12288], a[-1] = 1, 2, 3, 4, 5
@@ -753,7 +753,7 @@ def test_a_command_that_cannot_work_on_a_url_says_so(model, tmp_path, capsys, co
 
 def test_version(capsys):
     from engine import __version__
-    from engine.cli import main
+    from engine.commands.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])
@@ -765,7 +765,7 @@ def test_version(capsys):
 def test_every_argument_has_help():
     import argparse
 
-    from engine.cli import build_parser
+    from engine.commands.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

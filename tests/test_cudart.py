@@ -113,8 +113,9 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
     import numpy as np
     from emucudart import Emulator
 
-    from engine import device_ring, pipeline
-    from engine.plan import plan_reads
+    from engine.gpu import device_ring
+    from engine.loading import pipeline
+    from engine.planning.plan import plan_reads
     from engine.sinks import _torch_fill as torch_fill
 
     emu = Emulator()

@@ -26,7 +26,7 @@ from test_kernels import assert_stats
 
 import engine
 import engine.numpy
-from engine import dtypes
+from engine.base import dtypes
 from engine.quantize import NonFiniteWarning
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra")
@@ -301,7 +301,7 @@ def model_file(tmp_path):
 @pytest.fixture
 def kernels_fail(monkeypatch):
     """numba-cuda's compile fails in this process (the probe's verdict where NVVM is missing)."""
-    from engine import load_hooks
+    from engine.loading import load_hooks
 
     monkeypatch.setattr(load_hooks, "_KERNELS", [])
     monkeypatch.setattr(load_hooks, "_WARNED", [])
@@ -315,9 +315,9 @@ def kernels_fail(monkeypatch):
 
 
 def load(monkeypatch, path, sink, **kw):
-    import engine.loader  # noqa: F401  (get_sink patched below)
+    import engine.loading.loader  # noqa: F401  (get_sink patched below)
 
-    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
     return {n: (t, s) for n, t, s in engine.stream(path, framework="pt", device="cuda", stats=True, **kw)}
 
 
@@ -397,7 +397,7 @@ def test_stats_alone_per_axis_and_dtype_through_a_load(tmp_path, monkeypatch, ke
 
 
 def test_fixes_named_for_each_cause():
-    from engine.load_hooks import fallback_fix
+    from engine.loading.load_hooks import fallback_fix
 
     assert 'pip install "numba-cuda[cu' in fallback_fix("ModuleNotFoundError: No module named 'numba_cuda'")
     assert "NVVM" in fallback_fix("NvvmSupportError: libNVVM cannot be found")
@@ -418,12 +418,12 @@ import sys, warnings
 sys.modules["numba.cuda"] = None  # import numba.cuda raises, as where numba-cuda is not installed
 sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
 import numpy as np
-import engine, engine.loader, engine.numpy
+import engine, engine.loading.loader, engine.numpy
 from engine.errors import DeviceFallbackWarning
 from engine.quantize import Int8
 from test_device_fallback import KIND, TorchDeviceSink, assert_bits, assert_same_stats, cpu_quantize
 sink = TorchDeviceSink()
-engine.loader.get_sink = lambda framework, device: sink
+engine.loading.loader.get_sink = lambda framework, device: sink
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     got = {{n: (t, s) for n, t, s in engine.stream({str(path)!r}, framework="pt", device="cuda", stats=True,

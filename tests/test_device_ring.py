@@ -1,4 +1,4 @@
-"""engine.device_ring and its native ring (engine._ring) against the emulated CUDA runtime
+"""engine.gpu.device_ring and its native ring (engine.gpu._ring) against the emulated CUDA runtime
 (tests/emucudart): the same entry points a real libcudart has, copies that run later on a
 stream thread and read their source only then, events, page-locking, injected failures.
 
@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from emucudart import EmulatedRingOps, Emulator
 
-from engine import device_ring, pipeline
 from engine.errors import DeviceError, ReadError
-from engine.plan import Piece, Request, plan_reads
+from engine.gpu import device_ring
+from engine.loading import pipeline
+from engine.planning.plan import Piece, Request, plan_reads
 
 _MIB = 1 << 20
 
@@ -391,7 +392,7 @@ def test_plan_packs_gaps_and_keeps_files_apart():
 
 
 def test_ring_checks_its_arguments(emu):
-    from engine import _ring
+    from engine.gpu import _ring
 
     rt = _ring.Runtime(emu.path)
     with pytest.raises(ValueError):

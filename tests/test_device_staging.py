@@ -1,4 +1,4 @@
-"""engine.device_staging: the copy path's staging slots kept between loads, on request."""
+"""engine.gpu.device_staging: the copy path's staging slots kept between loads, on request."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import os
 import numpy as np
 from emulated import EmulatedDevice
 
-from engine import device_staging, pipeline
-from engine.plan import plan_reads
+from engine.gpu import device_staging
+from engine.loading import pipeline
+from engine.planning.plan import plan_reads
 
 
 class _KeyedDevice(EmulatedDevice):

@@ -1,4 +1,4 @@
-"""engine.device_units: how a device load is cut into units, and which path takes the last one."""
+"""engine.gpu.device_units: how a device load is cut into units, and which path takes the last one."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import device_units
-from engine.plan import plan_reads
+from engine.gpu import device_units
+from engine.planning.plan import plan_reads
 
 
 def _layout():

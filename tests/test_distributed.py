@@ -34,7 +34,7 @@ CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 def llama_state_dict(cfg=CONFIG, seed=0):
     """Random weights with the names and shapes a LLaMA config implies (BF16 projections)."""
-    from engine.validator import expected_tensors
+    from engine.apps.validator import expected_tensors
 
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g).to(torch.bfloat16 if "proj" in name else torch.float32)
@@ -63,10 +63,10 @@ def _counted(fn):
 
 
 def _worker(rank, world, port, path, modes, out_dir):
-    import engine._io  # noqa: F401  (imported up front so its loading is not counted)
-    import engine.loader  # noqa: F401  (opening a file does not import the readers: slicing does)
+    import engine.io._io  # noqa: F401  (imported up front so its loading is not counted)
+    import engine.loading.loader  # noqa: F401  (opening a file does not import the readers: slicing does)
     import engine.sinks._host  # noqa: F401  (nor the owned-block code: the first owned load does)
-    from engine.reader import default_threads
+    from engine.io.reader import default_threads
 
     default_threads()  # reads /sys once (cached): not a tensor byte, keep it out of the count
     # bytes are counted as the kernel counts reads (rchar): copies out of a mapping are not
@@ -203,7 +203,7 @@ def test_fused_qkv_splits_each_part(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's /proc/self/io to count reads")
 def test_column_split_reads_strided_ranges(tmp_path):
-    import engine._io  # noqa: F401  (loaded before counting)
+    import engine.io._io  # noqa: F401  (loaded before counting)
 
     w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
     path = tmp_path / "c.safetensors"
@@ -222,7 +222,7 @@ def test_column_split_reads_strided_ranges(tmp_path):
 
 
 def test_spans_through_a_small_bounce_on_several_threads(tmp_path, monkeypatch):
-    import engine.tp_direct as ed
+    import engine.parallel.tp_direct as ed
 
     monkeypatch.setattr(ed, "SPAN_BOUNCE_BYTES", 1000)  # several spans per tensor, several jobs
     w = torch.arange(300 * 48, dtype=torch.float32).reshape(300, 48)
@@ -245,7 +245,7 @@ def test_spans_through_a_small_bounce_on_several_threads(tmp_path, monkeypatch):
 def test_mapped_backend_gives_the_pread_shards(tmp_path, monkeypatch):
     # every kind of job: chunked contiguous reads, long-run column blocks, short strided runs
     # (one strided copy), uneven runs (padding) and replicated tensors, on several threads
-    import engine.tp_direct as ed
+    import engine.parallel.tp_direct as ed
 
     monkeypatch.setattr(ed, "_CHUNK_BYTES", 4096)  # several jobs per tensor
     g = torch.Generator().manual_seed(0)
@@ -316,8 +316,8 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, backend, copy):
     """Every shard file of an index goes the single file's way (planned reads, mapped copies,
     views with copy=False): the same shards, in the index's shard order, each file's
     tensors only once; ``names`` still filters; a shard missing from disk is named."""
-    from engine.checkpoint import read_checkpoint_info
-    from engine.shards import save_sharded
+    from engine.checkpoints.checkpoint import read_checkpoint_info
+    from engine.checkpoints.shards import save_sharded
 
     sd = llama_state_dict()
     single = tmp_path / "model.safetensors"
@@ -356,9 +356,9 @@ def test_shard_headers_are_parsed_once_unless_the_file_changed(tmp_path, monkeyp
     """A sharded load reuses the headers the index check read; a shard file whose size no
     longer matches its header (rewritten in between) has its header read again from the
     descriptor the load opened, so the offsets are the new file's."""
-    import engine.header
-    import engine.tp_direct as ed
-    from engine.shards import save_sharded
+    import engine.format.header
+    import engine.parallel.tp_direct as ed
+    from engine.checkpoints.shards import save_sharded
 
     sd = llama_state_dict()
     single = tmp_path / "model.safetensors"
@@ -369,8 +369,8 @@ def test_shard_headers_are_parsed_once_unless_the_file_changed(tmp_path, monkeyp
     ref = load_tensor_parallel(single, plan, rank=0, world_size=2)
     files = ed.direct_files(d, None)
     parsed = []
-    real = engine.header.read_header_fd
-    monkeypatch.setattr(engine.header, "read_header_fd", lambda fd, **kw: (parsed.append(kw["path"]), real(fd, **kw))[1])
+    real = engine.format.header.read_header_fd
+    monkeypatch.setattr(engine.format.header, "read_header_fd", lambda fd, **kw: (parsed.append(kw["path"]), real(fd, **kw))[1])
     got = ed.load_files_direct(files, plan, 0, 2, "auto", None)
     assert parsed == [] and all(torch.equal(got[n], ref[n]) for n in ref)
     # rewrite one shard with more metadata: same tensors, every offset moved
@@ -387,8 +387,8 @@ def test_many_shard_files_are_opened_a_batch_at_a_time(tmp_path, monkeypatch):
     single file's.  (copy=False views keep their file's mapping, and CPython's mmap keeps a
     descriptor per mapping while it lives.)"""
     import engine.distributed as ed
-    import engine.tp_direct as td
-    from engine.shards import save_sharded
+    import engine.parallel.tp_direct as td
+    from engine.checkpoints.shards import save_sharded
 
     sd = llama_state_dict()
     single = tmp_path / "model.safetensors"
@@ -421,8 +421,8 @@ def test_sharded_checkpoint_that_disagrees_with_its_index_is_refused(tmp_path):
     """The TP loader checks the index against the shards' headers before reading a byte: a
     tensor the index puts in the wrong shard, or a shard that is a FIFO, is a clear error
     naming it, never a hang or a silently missing tensor."""
+    from engine.checkpoints.shards import save_sharded
     from engine.errors import CheckpointIndexError, ReadError
-    from engine.shards import save_sharded
 
     sd = llama_state_dict()
     d = tmp_path / "ck"
@@ -477,11 +477,11 @@ def test_mapped_copy_maps_dense_spans_in_one_call(monkeypatch):
     the copy; runs far apart fault in only their own pages."""
     import numpy as np
 
-    import engine.reader
-    from engine.tp_direct import POPULATE_MAX_GAP, Job, copy_mapped
+    import engine.io.reader
+    from engine.parallel.tp_direct import POPULATE_MAX_GAP, Job, copy_mapped
 
     calls = []
-    monkeypatch.setattr(engine.reader, "populate_mapping", lambda buf, lo, hi: calls.append((lo, hi)) or 0)
+    monkeypatch.setattr(engine.io.reader, "populate_mapping", lambda buf, lo, hi: calls.append((lo, hi)) or 0)
     gap = POPULATE_MAX_GAP
     source = np.arange(4 * gap + 64, dtype=np.int64).view(np.uint8)
     for src, spans in (([0], [(5, 13)]), ([0, 100, 200], [(5, 213)]), ([0, gap + 8, 2 * gap + 16], [(5, 2 * gap + 29)]),
@@ -496,7 +496,7 @@ def test_mapped_copy_maps_dense_spans_in_one_call(monkeypatch):
 def test_mapped_copy_of_uneven_runs():
     import numpy as np
 
-    from engine.tp_direct import Job, copy_mapped
+    from engine.parallel.tp_direct import Job, copy_mapped
 
     source = np.arange(256, dtype=np.uint8)
     for src in ([3, 10, 40, 41 + 4], [0, 16, 32], [100]):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import in_threads, run_python
 
-from engine import dtypes
+from engine.base import dtypes
 from engine.errors import SerializationError
 
 REFERENCE_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",

@@ -180,7 +180,7 @@ def test_a_command_without_its_extra_is_one_line_and_exit_2(tmp_path, command):
                                                           vocab_size=10)))
     args = [a.format(dir=tmp_path, file=tmp_path / "model.safetensors", out=tmp_path / "q.safetensors")
             for a in command]
-    code = ("import sys\nsys.modules['llvmlite'] = None\nfrom engine.cli import main\n"
+    code = ("import sys\nsys.modules['llvmlite'] = None\nfrom engine.commands.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)

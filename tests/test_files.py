@@ -1,4 +1,4 @@
-"""engine._files: opening for reading refuses FIFOs, devices and symlink loops without blocking;
+"""engine.base._files: opening for reading refuses FIFOs, devices and symlink loops without blocking;
 the file system of a file (network and FUSE mounts, tried on a real bindfs mount)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 import engine
 import engine.numpy
-from engine import _files
-from engine._files import open_regular
-from engine.checkpoint import open_checkpoint, read_checkpoint_info
+from engine.base import _files
+from engine.base._files import open_regular
+from engine.checkpoints.checkpoint import open_checkpoint, read_checkpoint_info
 from engine.errors import ReadError, SafetensorError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")

@@ -1,4 +1,4 @@
-"""Tests of the header parser (engine._header) and its public wrapper (engine.header)."""
+"""Tests of the header parser (engine.format._header) and its public wrapper (engine.format.header)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from gil import ticks_during
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine import _header
-from engine.dtypes import BITS, NAMES
+from engine.base.dtypes import BITS, NAMES
 from engine.errors import HEADER_REASONS, HeaderError, ReadError, TensorNotFoundError
-from engine.header import (
+from engine.format import _header
+from engine.format.header import (
     MAX_HEADER_SIZE,
     Header,
     TensorInfo,
@@ -1246,7 +1246,7 @@ def test_scanner_releases_the_gil():
 
 def test_header_class_is_exported():
     import engine
-    from engine import opener
+    from engine.apps import opener
 
     # the root's read_header also takes a URL, and reads a local file with this module's function
     assert engine.read_header is opener.read_header and engine.Header is Header and engine.TensorInfo is TensorInfo

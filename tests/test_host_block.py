@@ -85,7 +85,7 @@ def test_huge_pages_follow_the_environment_then_the_machine(monkeypatch):
 
 
 def test_pack_offsets_keeps_file_neighbours_together_and_aligns_the_rest():
-    from engine import dtypes
+    from engine.base import dtypes
 
     f32 = dtypes.code_of("F32")
     begins = [0, 12, 100]

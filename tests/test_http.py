@@ -1,4 +1,4 @@
-"""engine._http: the GET client under engine.remote (its behaviour against servers is in
+"""engine.net._http: the GET client under engine.urls.remote (its behaviour against servers is in
 test_remote.py): Content-Range parsing, proxies from the environment, the watchdog."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from engine._http import Client, content_range
 from engine.errors import ReadError
+from engine.net._http import Client, content_range
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
@@ -73,7 +73,7 @@ def _socket_pair():
 
 
 def test_watchdog_wakes_a_blocked_read_at_its_deadline():
-    from engine._http import Watchdog
+    from engine.net._http import Watchdog
 
     a, b = _socket_pair()
     try:
@@ -91,7 +91,7 @@ def test_watchdog_wakes_a_blocked_read_at_its_deadline():
 def test_watchdogs_share_one_thread_and_a_cancelled_one_never_fires():
     import threading
 
-    from engine._http import Watchdog
+    from engine.net._http import Watchdog
 
     pairs = [_socket_pair() for _ in range(3)]
     try:

@@ -31,8 +31,8 @@ class Case(NamedTuple):
 #: thread pools, kernels, checkpoint code or mmap
 _OPEN_ABSENT = (
     "urllib", "http", "asyncio", "unittest", "ssl", "email", "certifi", "concurrent", "numba", "torch", "queue",
-    "json", "engine.loader", "engine.pipeline", "engine.remote", "engine.statistics", "engine.numerics",
-    "engine.checkpoint", "mmap",
+    "json", "engine.loading.loader", "engine.loading.pipeline", "engine.urls.remote", "engine.statistics", "engine.numerics",
+    "engine.checkpoints.checkpoint", "mmap",
 )
 
 CASES = {
@@ -62,7 +62,7 @@ CASES = {
         present=("numpy",),
     ),
     "engine inspect": Case(
-        "from engine.cli import main\n"
+        "from engine.commands.cli import main\n"
         "assert main(['inspect', P]) == 0\n",
         ("numpy", "dataclasses", "statistics", "inspect"),
     ),
@@ -77,7 +77,7 @@ CASES = {
     ),
     "statistics and quantize": Case(
         "import engine.statistics, engine.quantize\n",
-        ("engine.checkpoint", "engine.file_handle", "engine.loader", "torch"),
+        ("engine.checkpoints.checkpoint", "engine.loading.file_handle", "engine.loading.loader", "torch"),
     ),
     "engine.stats on numpy": Case(
         "import numpy as np\n"
@@ -94,7 +94,7 @@ CASES = {
         present=("numba",),
     ),
     "saving numpy arrays": Case(
-        "import numpy as np, engine.writer as w\n"
+        "import numpy as np, engine.writing.writer as w\n"
         "w.save({'a': np.zeros(2), 'b': np.zeros(3, dtype='>f4')})\n",
         ("torch",),
     ),

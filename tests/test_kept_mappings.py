@@ -1,4 +1,4 @@
-"""engine.kept_mappings: a file's populated mapping kept between loads, on request."""
+"""engine.io.kept_mappings: a file's populated mapping kept between loads, on request."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from conftest import run_python
 from emulated import EmulatedDevice
 
 import engine
-from engine import kept_mappings, pipeline, reader
-from engine.kept_mappings import KEPT_MAPPINGS
-from engine.plan import plan_reads
+from engine.io import kept_mappings, reader
+from engine.io.kept_mappings import KEPT_MAPPINGS
+from engine.loading import pipeline
+from engine.planning.plan import plan_reads
 
 
 @pytest.fixture(autouse=True)
@@ -239,9 +240,9 @@ def test_pinned_pread_source_maps_nothing(tmp_path, monkeypatch):
 
 
 def test_the_environment_turns_it_on_at_start_up():
-    out = run_python("from engine.kept_mappings import KEPT_MAPPINGS; print(KEPT_MAPPINGS.on)",
+    out = run_python("from engine.io.kept_mappings import KEPT_MAPPINGS; print(KEPT_MAPPINGS.on)",
                      env=dict(os.environ, ENGINE_KEEP_MAPPINGS="1"))
     assert out.strip() == "True"
-    out = run_python("from engine.kept_mappings import KEPT_MAPPINGS; print(KEPT_MAPPINGS.on)",
+    out = run_python("from engine.io.kept_mappings import KEPT_MAPPINGS; print(KEPT_MAPPINGS.on)",
                      env={k: v for k, v in os.environ.items() if k != "ENGINE_KEEP_MAPPINGS"})
     assert out.strip() == "False"

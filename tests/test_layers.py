@@ -378,7 +378,7 @@ PLANTED = {
     "root name inside a function": "def f():\n    from engine import open_checkpoint\n    return open_checkpoint\n",
     "relative root name": "def f():\n    from . import stream\n    return stream\n",
     "bare package": "def f():\n    import engine\n    return engine.load_file\n",
-    "importlib": "import importlib\n\ndef f():\n    return importlib.import_module('engine.checkpoint')\n",
+    "importlib": "import importlib\n\ndef f():\n    return importlib.import_module('engine.checkpoints.checkpoint')\n",
     "importlib, relative": "from importlib import import_module\nm = import_module('.loader', package='engine')\n",
     "importlib, computed": "import importlib\n\ndef f(n):\n    return importlib.import_module('engine.' + n)\n",
     "__import__": "def f():\n    return __import__('engine.distributed')\n",
@@ -398,7 +398,7 @@ def test_checker_sees_indented_imports_in_cython_sources():
         "from libc.stdint cimport uint64_t\n"
         "cdef int f():\n"
         "    from .checkpoint import open_checkpoint\n"
-        "    import engine.loader as loader\n"
+        "    import engine.loading.loader as loader\n"
         "    from .plan import (\n"
         "        select_rows,\n"
         "    )\n"

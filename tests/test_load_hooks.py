@@ -1,4 +1,4 @@
-"""engine.load_hooks through engine.stream: statistics and int8 quantization while loading.
+"""engine.loading.load_hooks through engine.stream: statistics and int8 quantization while loading.
 
 CPU destinations run in every pass.  Device destinations run only under Numba's CUDA
 simulator (CI's ``NUMBA_ENABLE_CUDASIM=1`` pass), with a device double whose "device
@@ -20,9 +20,9 @@ import pytest
 from test_kernels import assert_stats
 
 import engine
-import engine.loader  # noqa: F401  (sim_stream patches its get_sink)
+import engine.loading.loader  # noqa: F401  (sim_stream patches its get_sink)
 import engine.numpy
-from engine import dtypes
+from engine.base import dtypes
 from engine.errors import NonFiniteError, SerializationError
 from engine.quantize import Int8, NonFiniteWarning, QuantizedTensor
 
@@ -191,7 +191,7 @@ def sim_stream(monkeypatch, path, **kw):
     # a few simulated GPU threads (each one is a Python thread under the simulator)
     monkeypatch.setattr(device, "DEFAULT_LAUNCH", device.LaunchConfig(threads=8, blocks=2))
     sink = SimSink()
-    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
     return sink, engine.stream(path, framework="np", device="cuda", **kw)
 
 
@@ -275,7 +275,7 @@ class HostRoundTripSink(SimSink):
 def no_device_kernels(monkeypatch):
     """A process whose Numba CUDA target cannot compile: the probe's verdict, as it is where
     NVVM is missing (a fresh warning state too)."""
-    from engine import load_hooks
+    from engine.loading import load_hooks
 
     monkeypatch.setattr(load_hooks, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
     monkeypatch.setattr(load_hooks, "_WARNED", [])
@@ -291,7 +291,7 @@ def test_device_loads_fall_back_to_the_cpu_where_the_kernels_cannot_run(model_fi
     with pytest.warns(NonFiniteWarning, match=clamped):
         cpu = {n: (t, s) for n, t, s in engine.stream(path, framework="np", stats=True, quantize=spec)}
     sink = HostRoundTripSink()
-    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
     with pytest.warns(NonFiniteWarning, match=clamped), pytest.warns(DeviceFallbackWarning, match="libNVVM") as caught:
         got = {n: (t, s) for n, t, s in engine.stream(path, framework="np", device="cuda", stats=True,
                                                       quantize=spec, chunk_bytes=4096, threads=2)}
@@ -322,7 +322,7 @@ def test_device_stats_alone_fall_back_to_the_cpu_fold(model_file, monkeypatch, n
 
     path, sd = model_file
     sink = HostRoundTripSink()
-    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
     with pytest.warns(DeviceFallbackWarning):
         got = {n: s for n, _, s in engine.stream(path, framework="np", device="cuda", stats=True)}
     for name, x in sd.items():
@@ -330,7 +330,7 @@ def test_device_stats_alone_fall_back_to_the_cpu_fold(model_file, monkeypatch, n
 
 
 def test_the_probe_names_why_the_kernels_cannot_run(monkeypatch):
-    from engine import load_hooks
+    from engine.loading import load_hooks
     from engine.numerics import device
 
     monkeypatch.setattr(load_hooks, "_KERNELS", [])
@@ -349,7 +349,7 @@ def test_the_probe_names_why_the_kernels_cannot_run(monkeypatch):
 def test_the_real_probe_on_this_machine(monkeypatch):
     from numba import cuda
 
-    from engine import load_hooks
+    from engine.loading import load_hooks
 
     monkeypatch.setattr(load_hooks, "_KERNELS", [])
     why = load_hooks.device_kernels_unusable()

@@ -12,10 +12,10 @@ import pytest
 from conftest import SplitCopies, in_threads
 
 import engine
-import engine.load_hooks
-import engine.loader
+import engine.loading.load_hooks
+import engine.loading.loader
+import engine.loading.pipeline
 import engine.numpy
-import engine.pipeline
 from engine.errors import ReadError, TensorMismatchError, TensorNotFoundError
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra")
@@ -122,7 +122,7 @@ def test_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch, framework, so
     sd = {f"t{i}": np.full((256, 256), i, np.float32) for i in range(8)}
     path = tmp_path / "m.safetensors"
     engine.numpy.save_file(sd, path)
-    monkeypatch.setattr(engine.pipeline, "HOST_BATCH_BYTES", 65_536)  # a copy call per request
+    monkeypatch.setattr(engine.loading.pipeline, "HOST_BATCH_BYTES", 65_536)  # a copy call per request
 
     def truncating(call, fd, offsets, targets):  # another process cuts the file during the load
         if call == 3:
@@ -145,7 +145,7 @@ def test_stream_stats_of_tensors_at_odd_file_offsets(tmp_path, monkeypatch, wind
     import ml_dtypes
 
     if window:
-        monkeypatch.setattr(engine.load_hooks.StatsCollector, "WINDOW", window)
+        monkeypatch.setattr(engine.loading.load_hooks.StatsCollector, "WINDOW", window)
     rng = np.random.default_rng(9)
     parts = {
         "u8": np.arange(3, dtype=np.uint8),
@@ -180,7 +180,7 @@ def test_stream_stats_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch):
     engine.numpy.save_file(sd, path)
     from engine.statistics import Accumulator
 
-    monkeypatch.setattr(engine.load_hooks.StatsCollector, "WINDOW", 4096)
+    monkeypatch.setattr(engine.loading.load_hooks.StatsCollector, "WINDOW", 4096)
     real = Accumulator.read
     calls = itertools.count(1)  # next() is atomic: the reader threads share the count
 
@@ -311,8 +311,8 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
     Host and device destinations in one call, the device emulated on the CPU."""
     from emulated import EmulatedDevice
 
-    import engine.loader
-    from engine import dtypes
+    import engine.loading.loader
+    from engine.base import dtypes
     from engine.sinks._targets import FillTarget
 
     path, sd = model_file
@@ -332,8 +332,8 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
             made.append("ops")
             return emu
 
-    real = engine.loader.fill_target
-    monkeypatch.setattr(engine.loader, "fill_target",
+    real = engine.loading.loader.fill_target
+    monkeypatch.setattr(engine.loading.loader, "fill_target",
                         lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
     on_device = [k for k in sd if "proj" in k or k == "ids"]
     dst = {k: EmulatedArray(dtypes.from_numpy(sd[k].dtype), sd[k].shape, sd[k].nbytes) for k in on_device}
@@ -370,7 +370,7 @@ def test_load_into_a_device_it_cannot_fill_is_a_device_error(model_file):
 def test_stream_stats_equal_stats_of_the_loaded_tensors(tmp_path, monkeypatch, chunk, window):
     pytest.importorskip("numba", reason="statistics need Numba (a test extra)")
     if window:  # pieces of at least `window` bytes take the native read-and-fold path
-        monkeypatch.setattr(engine.load_hooks.StatsCollector, "WINDOW", window)
+        monkeypatch.setattr(engine.loading.load_hooks.StatsCollector, "WINDOW", window)
     import ml_dtypes
 
     rng = np.random.default_rng(3)
@@ -507,19 +507,19 @@ def test_load_into_a_float4_destination(tmp_path):
 def test_load_file_into_a_device_is_one_pipeline_in_file_order(model_file, monkeypatch, gpu_path):
     """loader.load_file: the short path of torch.load_file(f, device=...) with no handle."""
     path, sd = model_file
-    real = engine.pipeline.run_sources
+    real = engine.loading.pipeline.run_sources
     runs = []
 
     def counting(*a, **k):
         runs.append(1)
         return real(*a, **{**k, "gpu_path": gpu_path})
 
-    monkeypatch.setattr(engine.pipeline, "run_sources", counting)
+    monkeypatch.setattr(engine.loading.pipeline, "run_sources", counting)
     from emulated import EmulatedSink
 
     sink = EmulatedSink()
     try:
-        out = engine.loader.load_file(path, sink)
+        out = engine.loading.loader.load_file(path, sink)
     finally:
         sink.ops.close()
     assert runs == [1]
@@ -534,8 +534,8 @@ def test_torch_load_file_pread_takes_the_short_path_and_equals_the_reference(mod
 
     path, _ = model_file
     calls = []
-    real = engine.loader.load_file
-    monkeypatch.setattr(engine.loader, "load_file", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = engine.loading.loader.load_file
+    monkeypatch.setattr(engine.loading.loader, "load_file", lambda *a, **k: calls.append(1) or real(*a, **k))
     ours = engine.torch.load_file(path, backend="pread")
     ref = safetensors.torch.load_file(path)
     assert calls == [1] and list(ours) == list(ref)

@@ -22,10 +22,11 @@ from gil import ticks_during
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import device_units, pipeline
 from engine.errors import DeviceError, ReadError
-from engine.plan import plan_reads
-from engine.reader import pread_into
+from engine.gpu import device_units
+from engine.io.reader import pread_into
+from engine.loading import pipeline
+from engine.planning.plan import plan_reads
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +385,7 @@ def test_several_files_run_as_one_pipeline(layout, tmp_path, device):
 
 
 def test_split_copy_reads_segments_over_threads_and_reports_the_first_short_read(layout):
-    from engine import _io
+    from engine.io import _io
 
     fd, _, _, _, data = layout
     file_offsets = np.array([100, 2_000_000, 3_000_000, 5], dtype=np.int64)
@@ -408,7 +409,7 @@ def test_split_copy_reads_segments_over_threads_and_reports_the_first_short_read
 
 
 def test_resident_pages_of_a_fresh_file_and_of_an_empty_range(layout):
-    from engine import _io
+    from engine.io import _io
 
     fd, _, _, _, data = layout
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
@@ -430,7 +431,7 @@ def test_default_sizes():
 def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, monkeypatch):
     """Slow emulated copies: with two slots, the next unit is read while the previous unit's
     copies are still queued on the stream (its event not yet set)."""
-    from engine import _io
+    from engine.io import _io
 
     emu = EmulatedDevice(delay=0.02)
     events = []
@@ -493,7 +494,7 @@ def test_default_slots_are_never_larger_than_the_load(layout):
 
 
 def test_split_reader_keeps_its_threads_between_reads(layout):
-    from engine import _io
+    from engine.io import _io
 
     fd, _, _, _, data = layout
     rng = np.random.default_rng(3)
@@ -518,7 +519,7 @@ def test_split_reader_keeps_its_threads_between_reads(layout):
 
 @pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_split_copy_fills_every_target_from_either_source(layout, source):
-    from engine import _io
+    from engine.io import _io
 
     fd, _, _, _, data = layout
     rng = np.random.default_rng(4)
@@ -545,7 +546,7 @@ def test_split_copy_fills_every_target_from_either_source(layout, source):
 
 
 def test_split_copy_refuses_read_only_targets(layout):
-    from engine import _io
+    from engine.io import _io
 
     fd, _, _, _, _ = layout
     with _io.SplitReader(2) as reader, pytest.raises((TypeError, ValueError, BufferError)):
@@ -554,7 +555,7 @@ def test_split_copy_refuses_read_only_targets(layout):
 
 @pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_split_copy_releases_the_gil(layout, source):
-    from engine import _io
+    from engine.io import _io
 
     fd, _, _, _, data = layout
     n = len(data) // 4096
@@ -583,7 +584,7 @@ def test_a_copy_from_pages_the_file_lost_is_an_error_not_a_crash(tmp_path):
     code = """
 import faulthandler, mmap, os, sys
 import numpy as np
-from engine import _io
+from engine.io import _io
 path = sys.argv[1]
 np.ones(1 << 20, np.uint8).tofile(path)
 fd = os.open(path, os.O_RDONLY)
@@ -597,7 +598,7 @@ out[:] = 0
 print(_io.guarded_copy(m, 4096, out), _io.guarded_copy(m, 0, out))
 with _io.SplitReader(2) as r:
     print(r.copy(fd, m, np.array([4096], np.int64), [memoryview(out)]))
-    # a kept mapping (engine.kept_mappings) of the file as it was: the same error
+    # a kept mapping (engine.io.kept_mappings) of the file as it was: the same error
     print(r.copy(fd, m, np.array([4096], np.int64), [memoryview(out)], keep=True))
 """
     import subprocess
@@ -634,7 +635,7 @@ def _random_file(tmp_path, nbytes: int, seed: int, mapped: bool = True):
 def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
     # more than a piece (8 MiB) per thread: the threads take pieces in turn, and segments
     # start and end anywhere inside and across pieces
-    from engine import _io
+    from engine.io import _io
 
     rng = np.random.default_rng(6)
     with _random_file(tmp_path, 60 << 20, 6, mapped=source != "pread") as (data, path, fd, mapping):
@@ -661,7 +662,7 @@ def test_split_copy_cuts_pieces_on_two_mib_file_lines(tmp_path, source, start, t
     # comes at the end; every byte lands once, the set starting on a line, just past one or
     # just before, a single segment or many with gaps, a total of a slot's size (pieces
     # rounded up to 4 MiB) or just over a full piece per thread
-    from engine import _io
+    from engine.io import _io
 
     rng = np.random.default_rng(start + threads)
     with _random_file(tmp_path, 60 << 20, 12, mapped=source != "pread") as (data, _, fd, mapping):
@@ -682,7 +683,7 @@ def test_an_adaptive_reader_times_the_mapping_and_copies_exact_bytes(tmp_path):
     # each thread maps part of its first timed piece, timing the mapping of the pages apart
     # from the copy, then keeps to the mapping or to pread by that figure, trying the
     # mapping again now and then; whichever it takes, the bytes are the file's
-    from engine import _io
+    from engine.io import _io
 
     with _random_file(tmp_path, 72 << 20, 8) as (data, _, fd, mapping):
         with _io.SplitReader(2, adaptive=True) as reader:
@@ -712,7 +713,7 @@ def test_an_adaptive_reader_times_the_mapping_and_copies_exact_bytes(tmp_path):
 def test_mapped_copies_are_exact_at_every_alignment_and_length(tmp_path, stream):
     # the streaming copy (stores past the caches) copies a head up to a 16-byte line, then
     # 64-byte blocks, then a tail, and small copies whole: every seam, in every position
-    from engine import _io
+    from engine.io import _io
 
     with _random_file(tmp_path, 1 << 20, 10) as (data, _, fd, mapping):
         with _io.SplitReader(1, stream=stream) as reader:
@@ -738,7 +739,7 @@ def test_mapped_copies_leave_no_file_pages_mapped(tmp_path, gaps):
     # file's size in resident memory until its end (the page cache keeps the pages); the
     # unmap covers each run of file-contiguous segments (tensors) whole, and runs broken by
     # gaps (a selective load) one by one
-    from engine import _io
+    from engine.io import _io
 
     with _random_file(tmp_path, 64 << 20, 9) as (data, _, fd, mapping):
         cuts = np.linspace(100, len(data) - 100, 200).astype(np.int64)  # 199 segments
@@ -785,7 +786,7 @@ def test_a_host_load_starts_no_more_threads_than_it_has_pieces(layout, monkeypat
 def test_remote_sources_are_read_by_requests_and_fresh_memory_is_faulted_in_first(monkeypatch, fresh):
     """A Source with ``ranges`` (a remote file) is read one request per call on worker
     threads; fresh host memory has its pages faulted in before each receive, and only then."""
-    from engine.plan import plan_reads
+    from engine.planning.plan import plan_reads
 
     data = bytes(range(256)) * 4096  # 1 MiB "file"
     begins, ends = np.array([0, 300_000, 700_000]), np.array([300_000, 700_000, 1_048_576])
@@ -815,7 +816,7 @@ def test_fresh_remote_destinations_are_faulted_in_ahead_in_the_order_of_the_work
     """With fault-ahead threads, every byte of a fresh destination is handed to them in
     the order the requests fill it (the threads race the receivers; the bytes never depend
     on who wins); without, none start."""
-    from engine.plan import plan_reads
+    from engine.planning.plan import plan_reads
 
     data = bytes(range(256)) * 8192  # 2 MiB "file"
     begins, ends = np.array([0, 600_000, 1_400_000]), np.array([600_000, 1_400_000, 2_097_152])

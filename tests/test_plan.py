@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import SafetensorError
-from engine.plan import InvalidSliceError, plan_slice
+from engine.planning.plan import InvalidSliceError, plan_slice
 
 
 def _apply(arr: np.ndarray, index):
@@ -99,7 +99,7 @@ def test_numpy_integer_types_are_indices():
 
 
 # -- whole-tensor read plans -------------------------------------------------------------------------
-from engine.plan import plan_reads  # noqa: E402
+from engine.planning.plan import plan_reads  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)

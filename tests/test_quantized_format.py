@@ -20,12 +20,12 @@ import pytest
 from test_kernels import needs_jit
 
 import engine
-import engine.quantized_format as qmod
+import engine.apps.quantized_format as qmod
 from engine import SerializationError, open_checkpoint, save_file
-from engine.checkpoint import save_sharded
+from engine.apps.quantized_format import METADATA_KEY, QuantizeSummary, load_quantized, quantize_file
+from engine.checkpoints.checkpoint import save_sharded
 from engine.quantize import NonFiniteError, NonFiniteWarning, QuantizedTensor, dequantize_int8, quantize_int8
-from engine.quantized_format import METADATA_KEY, QuantizeSummary, load_quantized, quantize_file
-from engine.writer import TensorWriter
+from engine.writing.writer import TensorWriter
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 H, KV, FF, V = 16, 8, 256, 32  # hidden, GQA kv width, MLP width (rows of 256: the fused path), vocab
@@ -104,12 +104,12 @@ def check_output(dst, src_tensors, selected, axis, *, clamp=False):
             got = f.get_tensor(name)
             if name not in selected:
                 info = f.info[name]
-                assert info.dtype == engine.dtypes.NAMES[engine.dtypes.from_numpy(x.dtype)]
+                assert info.dtype == engine.base.dtypes.NAMES[engine.base.dtypes.from_numpy(x.dtype)]
                 assert got.shape == x.shape and raw(got) == raw(x), name
                 continue
             ax = None if axis is None else axis % x.ndim
             assert record["tensors"][name] == {
-                "dtype": engine.dtypes.NAMES[engine.dtypes.from_numpy(x.dtype)],
+                "dtype": engine.base.dtypes.NAMES[engine.base.dtypes.from_numpy(x.dtype)],
                 "axis": ax,
             }
             with warnings.catch_warnings():
@@ -180,7 +180,7 @@ def test_empty_and_f16_tensors(tmp_path):
 
 
 def test_sub_byte_tensor_copied(tmp_path):
-    from engine.writer import open_writer
+    from engine.writing.writer import open_writer
 
     packed = np.arange(12, dtype=np.uint8).reshape(3, 4)
     with open_writer(
@@ -559,7 +559,7 @@ def test_peak_memory_is_one_tensor(tmp_path):
 
 
 def test_cli_quantize(model_files, tmp_path, capsys):
-    from engine.cli import main
+    from engine.commands.cli import main
 
     src, t = model_files["float32"]
     assert main(["quantize", str(src), str(tmp_path / "q.safetensors")]) == 0

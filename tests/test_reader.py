@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from gil import ticks_during
 
-from engine import reader
 from engine.errors import ReadError
+from engine.io import reader
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_pread_runs_releases_the_gil(data_file):
 
 
 def test_short_read_names_the_files_real_size(tmp_path):
-    from engine.reader import pread_into, pread_runs
+    from engine.io.reader import pread_into, pread_runs
 
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(100))
@@ -139,7 +139,7 @@ def mapped_file(tmp_path, monkeypatch):
 
 
 def _cold_pieces(mm, lo, hi):
-    from engine import _io
+    from engine.io import _io
 
     view = memoryview(mm)
     try:
@@ -168,7 +168,7 @@ def test_prefetch_ignores_empty_and_small_ranges(mapped_file, monkeypatch):
 
 
 def test_populate_makes_the_range_resident_and_an_empty_range_is_a_no_op(mapped_file):
-    from engine import _io
+    from engine.io import _io
 
     mm, _ = mapped_file
     view = memoryview(mm)
@@ -183,7 +183,7 @@ def test_populate_makes_the_range_resident_and_an_empty_range_is_a_no_op(mapped_
 def test_populate_write_faults_in_whole_pages_and_keeps_the_bytes():
     import mmap
 
-    from engine import _io
+    from engine.io import _io
 
     page = mmap.PAGESIZE
     mm = mmap.mmap(-1, 8 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -206,7 +206,7 @@ def test_populate_ranges_faults_in_its_share_of_steps_in_order_and_stops_when_to
     import array
     import mmap
 
-    from engine import _io
+    from engine.io import _io
 
     page = mmap.PAGESIZE
     mm = mmap.mmap(-1, 16 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -239,7 +239,7 @@ def test_populate_ranges_faults_in_its_share_of_steps_in_order_and_stops_when_to
 def test_fault_ahead_faults_a_destination_in_and_stops_on_close(monkeypatch):
     import mmap
 
-    from engine import _io
+    from engine.io import _io
 
     page = mmap.PAGESIZE
     size = 3 * reader.FAULT_STEP_BYTES
@@ -344,7 +344,7 @@ def test_streamed_copies_out_of_a_mapping_land_every_byte_at_any_alignment(tmp_p
     # length and both misalignments must still land each byte exactly once
     import mmap
 
-    from engine import _io
+    from engine.io import _io
 
     data = np.random.default_rng(9).integers(0, 256, 3 << 20, dtype=np.uint8)
     path = tmp_path / "s.bin"

@@ -1,4 +1,4 @@
-"""engine.remote against a real HTTP server on localhost (tests/rangeserver.py), counting requests."""
+"""engine.urls.remote against a real HTTP server on localhost (tests/rangeserver.py), counting requests."""
 
 from __future__ import annotations
 
@@ -12,10 +12,15 @@ import numpy as np
 import pytest
 
 import engine.numpy
-from engine.checkpoint import CheckpointIndexError, MissingShardError, read_checkpoint_info, save_sharded
+from engine.checkpoints.checkpoint import (
+    CheckpointIndexError,
+    MissingShardError,
+    read_checkpoint_info,
+    save_sharded,
+)
 from engine.errors import HeaderError, MissingDependencyError, ReadError, TensorNotFoundError
-from engine.header import read_header
-from engine.remote import RemoteFileNotFoundError, get_tensor, read_metadata
+from engine.format.header import read_header
+from engine.urls.remote import RemoteFileNotFoundError, get_tensor, read_metadata
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402

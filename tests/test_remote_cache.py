@@ -1,4 +1,4 @@
-"""engine/remote_cache.py: ``cache_dir=`` local copies written in the same pass as a remote load,
+"""engine/urls/remote_cache.py: ``cache_dir=`` local copies written in the same pass as a remote load,
 against tests/rangeserver.py (it counts the data GETs and injects faults) and nginx (HTTP and
 path-style S3)."""
 
@@ -24,9 +24,9 @@ import torch
 import engine
 import engine.numpy
 import engine.torch
-from engine import remote_cache
 from engine.errors import CacheWriteWarning, ReadError, WriteError
-from engine.remote_reads import Retry
+from engine.net.remote_reads import Retry
+from engine.urls import remote_cache
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
@@ -282,7 +282,7 @@ def test_a_file_read_from_its_copy_keeps_no_whole_file_answer_open(tmp_path):
     """http.server answers the header's request with the whole file: for a file then read
     from its copy, that answer is hung up on when the parts are opened, not handed to the
     load's reads to stay open (its connection held) until the load ends."""
-    from engine.remote_load import open_parts
+    from engine.urls.remote_load import open_parts
 
     www, d = tmp_path / "www", tmp_path / "cache"
     www.mkdir()
@@ -572,7 +572,7 @@ def test_a_device_load_writes_its_copies_from_the_staging_slots(tree, server, tm
     written from the slots, and the next device load reads the copies."""
     from emulated import EmulatedDevice, EmulatedSink
 
-    import engine.loader
+    import engine.loading.loader
 
     root, sd = tree
     d = tmp_path / "cache"
@@ -580,7 +580,7 @@ def test_a_device_load_writes_its_copies_from_the_staging_slots(tree, server, tm
     for attempt in range(2):
         emu = EmulatedDevice()
         sink = EmulatedSink(emu)
-        monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device, sink=sink: sink)
+        monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device, sink=sink: sink)
         try:
             got = dict(engine.stream(url, device="emulated", chunk_bytes=65536, slot_bytes=1 << 18, cache_dir=d))
         finally:

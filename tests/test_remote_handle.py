@@ -1,4 +1,4 @@
-"""engine.remote_handle: engine.safe_open(url) against nginx, equal to the local handle;
+"""engine.urls.remote_handle: engine.safe_open(url) against nginx, equal to the local handle;
 slices request only the rows they select (counted on tests/rangeserver.py)."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_a_slice_requests_only_the_rows_it_selects(files):
 
 
 def test_a_large_tensor_is_read_by_several_connections(files, monkeypatch):
-    import engine.remote_handle as rh
+    import engine.urls.remote_handle as rh
 
     root, sd = files
     monkeypatch.setattr(rh, "_SPLIT_BYTES", 4096)

@@ -1,4 +1,4 @@
-"""engine.remote_load: whole remote checkpoints (a file, an index, a prefix; HTTP and
+"""engine.urls.remote_load: whole remote checkpoints (a file, an index, a prefix; HTTP and
 path-style S3) against nginx, byte for byte equal to the local load; and loads through
 failing requests against tests/rangeserver.py."""
 
@@ -17,8 +17,8 @@ import engine
 import engine.numpy
 import engine.torch
 from engine.errors import RangeIgnoredWarning, ReadError, RemoteFileNotFoundError
-from engine.header import read_header
-from engine.remote_reads import Retry
+from engine.format.header import read_header
+from engine.net.remote_reads import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
@@ -107,8 +107,8 @@ def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, m
     land in staging slots, then the device's copies."""
     from emulated import EmulatedDevice
 
-    import engine.loader
-    from engine import dtypes
+    import engine.loading.loader
+    from engine.base import dtypes
     from engine.sinks._targets import FillTarget
 
     _, sd = checkpoint
@@ -126,8 +126,8 @@ def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, m
         def device_ops(self):
             return emu
 
-    real = engine.loader.fill_target
-    monkeypatch.setattr(engine.loader, "fill_target",
+    real = engine.loading.loader.fill_target
+    monkeypatch.setattr(engine.loading.loader, "fill_target",
                         lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
     on_device = [k for k in sd if "proj" in k]
     dst = {k: EmulatedArray(dtypes.from_torch(sd[k].dtype), tuple(sd[k].shape), len(raw(sd[k])))
@@ -150,14 +150,14 @@ def test_load_into_a_device_from_a_url_goes_through_staging(checkpoint, nginx, m
 def test_stream_to_a_device_from_a_url_is_one_allocation_through_staging(checkpoint, nginx, monkeypatch, gpu_path):
     from emulated import EmulatedDevice
 
-    import engine.loader
+    import engine.loading.loader
 
     _, sd = checkpoint
     emu = EmulatedDevice()
     from emulated import EmulatedSink
 
     sink = EmulatedSink(emu)
-    monkeypatch.setattr(engine.loader, "get_sink", lambda framework, device: sink)
+    monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
     try:
         got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", gpu_path=gpu_path,
                                  chunk_bytes=65536, slot_bytes=1 << 18))
@@ -354,12 +354,12 @@ def test_https_with_a_certificate_the_environment_trusts(checkpoint, tmp_path, m
     with a clear error naming the URL."""
     from servers import self_signed
 
-    import engine._http
+    import engine.net._http
 
     nginx_or_skip()
     root, sd = checkpoint
     cert, key = self_signed(str(tmp_path))
-    monkeypatch.setattr(engine._http, "_SSL_CONTEXT", None)  # made again from the environment below
+    monkeypatch.setattr(engine.net._http, "_SSL_CONTEXT", None)  # made again from the environment below
     with Nginx(str(root), tls=(cert, key)) as server:
         url = server.url(f"sharded/{INDEX}")
         assert url.startswith("https://")
@@ -367,13 +367,13 @@ def test_https_with_a_certificate_the_environment_trusts(checkpoint, tmp_path, m
             engine.torch.load_file(url, retry=Retry(attempts=6, base=5.0, cap=5.0))  # a retry would take 5 s
         assert err.value.reason == "CertificateError" and server.base in str(err.value)
         assert "CERTIFICATE_VERIFY_FAILED" in str(err.value) and "after" not in str(err.value)
-        monkeypatch.setattr(engine._http, "_SSL_CONTEXT", None)
+        monkeypatch.setattr(engine.net._http, "_SSL_CONTEXT", None)
         monkeypatch.setenv("SSL_CERT_FILE", cert)
         assert_same(engine.torch.load_file(url), sd)
         dst = {k: torch.empty_like(v) for k, v in sd.items()}
         engine.load_into(url, dst, connections=3)
         assert all(raw(dst[k]) == raw(sd[k]) for k in sd)
-    monkeypatch.setattr(engine._http, "_SSL_CONTEXT", None)  # no trust in this certificate afterwards
+    monkeypatch.setattr(engine.net._http, "_SSL_CONTEXT", None)  # no trust in this certificate afterwards
 
 
 def test_load_file_takes_the_remote_options_for_a_url_only(checkpoint, nginx):
@@ -432,7 +432,7 @@ def test_read_checkpoint_info_open_checkpoint_and_read_metadata_take_the_urls_lo
         checkpoint, nginx, where):
     """They raised a raw FileNotFoundError for a URL, and read_metadata of a folder URL got
     the server's 403 for the folder itself."""
-    from engine import remote
+    from engine.urls import remote
 
     root, sd = checkpoint
     url = nginx.url(where)
@@ -464,7 +464,8 @@ def test_read_header_of_a_url_holding_several_files_says_so(nginx):
 
 
 def test_the_local_only_functions_name_a_url_and_where_urls_go():
-    from engine import checkpoint, header
+    from engine.checkpoints import checkpoint
+    from engine.format import header
 
     url = "http://127.0.0.1:9/m/model.safetensors"
     for call in (header.read_header, checkpoint.read_checkpoint_info, checkpoint.open_checkpoint):

@@ -1,4 +1,4 @@
-"""engine.remote_reads against a real HTTP server on localhost (tests/rangeserver.py) that
+"""engine.net.remote_reads against a real HTTP server on localhost (tests/rangeserver.py) that
 keeps connections alive, sends ETags and fails chosen requests on purpose, and against the
 standard library's http.server, which ignores Range."""
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from engine.errors import RangeIgnoredWarning, ReadError, RemoteFileNotFoundError
+from engine.net.remote_reads import RangeReads, RemoteFile, Retry, public_url
 from engine.numpy import save_file
-from engine.remote_reads import RangeReads, RemoteFile, Retry, public_url
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
@@ -302,7 +302,7 @@ def test_retry_delay_is_full_jitter_within_its_cap():
 @pytest.mark.parametrize("kind", ["403", "404", "short", "slowdown"])
 def test_credentials_never_appear_in_errors(served, server, monkeypatch, kind):
     pytest.importorskip("botocore", reason="S3 signing needs botocore (the s3 extra)")
-    from engine._s3 import S3Config
+    from engine.net._s3 import S3Config
 
     _, data, start = served
     secret, key_id, token = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYSECRETKEY", "AKIAIOSFODNN7EXAMPLE", "hf_TOKENVALUE12345"
@@ -326,7 +326,7 @@ def test_credentials_never_appear_in_errors(served, server, monkeypatch, kind):
 
 # -- read_runs: neighbouring runs share a request --------------------------------------------------
 def test_read_runs_groups_neighbours_and_drops_the_gaps():
-    from engine.remote_reads import read_runs
+    from engine.net.remote_reads import read_runs
 
     data = bytes(range(256)) * 64
     calls = []
@@ -457,7 +457,7 @@ def test_a_load_from_http_server_is_one_transfer_of_the_file_and_one_warning(tmp
 @pytest.mark.parametrize("entry", ["stream", "load_into", "safe_open", "get_tensor", "tensor_parallel", "cache_dir"])
 def test_every_entry_point_makes_one_whole_file_request_per_file(tmp_path, entry):
     import engine
-    import engine.remote
+    import engine.urls.remote
 
     rng = np.random.default_rng(4)
     sd = {f"w{i:02d}": rng.standard_normal((40, 1000)).astype(np.float32) for i in range(12)}
@@ -479,7 +479,7 @@ def test_every_entry_point_makes_one_whole_file_request_per_file(tmp_path, entry
                     assert np.array_equal(f.get_tensor(k), sd[k])
                 assert np.array_equal(f.get_slice("w03")[2:5], sd["w03"][2:5])
         elif entry == "get_tensor":
-            assert np.array_equal(engine.remote.get_tensor(url, "w07"), sd["w07"])
+            assert np.array_equal(engine.urls.remote.get_tensor(url, "w07"), sd["w07"])
         elif entry == "tensor_parallel":
             from engine.distributed import ShardingPlan, Split, load_tensor_parallel
 
@@ -499,7 +499,7 @@ def test_a_whole_file_stream_limits_each_receive_on_a_closing_connection(tmp_pat
     """http.server closes each connection after its answer, so the connection drops the socket
     the stream reads from: each receive must still wait at most the load's timeout, set on the
     socket the answer reads from (not the deadline left over from sending the request)."""
-    from engine import remote_reads
+    from engine.net import remote_reads
 
     data = np.random.default_rng(8).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
     (tmp_path / "f.bin").write_bytes(data)

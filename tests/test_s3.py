@@ -1,4 +1,4 @@
-"""engine._s3 and s3:// loads against moto's S3 server (tests/servers.py MotoS3):
+"""engine.net._s3 and s3:// loads against moto's S3 server (tests/servers.py MotoS3):
 credentials from the environment, SigV4 checked by the server, errors, listing a prefix."""
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_anonymous_reads_of_a_public_bucket(files, moto, monkeypatch):
 
 
 def test_s3_config_takes_the_environment(moto, monkeypatch):
-    from engine._s3 import S3Config
+    from engine.net._s3 import S3Config
 
     aws_env(monkeypatch, moto.endpoint, "AKIDENV", "SECRETENV")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
@@ -186,7 +186,7 @@ def test_a_prefix_without_an_index_loads_every_file_right_under_it(files, moto, 
     """noindex/ holds the shards and, one level down, another file with the same names: the
     listing takes only the files right under the prefix (else the names would clash)."""
     aws_env(monkeypatch, moto.endpoint, "testing", "testing")
-    from engine.remote_load import open_parts
+    from engine.urls.remote_load import open_parts
 
     with open_parts(f"s3://{BUCKET}/noindex/") as opened:
         shown = [p.path for p in opened.parts]
@@ -209,7 +209,7 @@ def test_a_prefix_listed_over_several_pages_finds_the_shards_on_the_last(files, 
         list(pool.map(lambda i: client.put_object(Bucket=BUCKET, Key=f"paged/a-{i:04d}.txt", Body=b"x"), range(1000)))
     for name, body in shards.items():
         client.put_object(Bucket=BUCKET, Key=f"paged/{name}", Body=body)
-    from engine.remote_load import open_parts
+    from engine.urls.remote_load import open_parts
 
     with open_parts(f"s3://{BUCKET}/paged/") as opened:
         assert [p.path for p in opened.parts] == sorted(f"s3://{BUCKET}/paged/{n}" for n in shards)

@@ -1,4 +1,4 @@
-"""engine.shards: save_sharded under failure: killed saves, stale hidden directories, error paths;
+"""engine.checkpoints.shards: save_sharded under failure: killed saves, stale hidden directories, error paths;
 and its files byte for byte against huggingface_hub's and transformers'.
 
 The split and names against huggingface_hub are also tested in test_checkpoint.py, next to the
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import safetensors.numpy as ref_np
 
-from engine import _atomic
+from engine.base import _atomic
+from engine.checkpoints.shards import save_sharded
 from engine.errors import SerializationError, WriteError
-from engine.shards import save_sharded
 
 KILL_SHARDED = """
 seed = int(os.environ["SEED"])
@@ -95,7 +95,7 @@ def test_errors_name_the_checkpoint_directory_not_the_hidden_one(tmp_path, monke
     assert e.value.path == str(dest / "model.safetensors")
     assert not dest.exists()
 
-    from engine import writer
+    from engine.writing import writer
 
     def failing(fd, data, offset):
         raise OSError(5, "Input/output error")

@@ -308,7 +308,7 @@ def test_torch_unsupported_dtype():
 
 
 def _kind_of(dtype):
-    return engine.dtypes.NAMES[engine.dtypes.from_numpy(np.dtype(dtype))]
+    return engine.base.dtypes.NAMES[engine.base.dtypes.from_numpy(np.dtype(dtype))]
 
 
 @pytest.mark.parametrize("dtype", ALL, ids=lambda d: np.dtype(d).name)

@@ -1,4 +1,4 @@
-"""engine.tensorspec: the reference's TensorSpec / serialize / serialize_file / deserialize."""
+"""engine.writing.tensorspec: the reference's TensorSpec / serialize / serialize_file / deserialize."""
 
 from __future__ import annotations
 
@@ -66,6 +66,6 @@ def test_deserialize_like_the_reference():
     data = serialize(ours)
     # the reference returns them in its hash map's order; ours is file order
     assert dict(deserialize(data)) == dict(safetensors.deserialize(data))
-    assert [k for k, _ in deserialize(data)] == engine.header.parse_buffer(data).offset_keys()
+    assert [k for k, _ in deserialize(data)] == engine.format.header.parse_buffer(data).offset_keys()
     with pytest.raises(engine.HeaderError):
         deserialize(data[:20])

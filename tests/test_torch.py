@@ -268,7 +268,7 @@ def test_load_file_of_a_sharded_checkpoint(tmp_path, backend):
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
 def test_every_byte_sized_dtype_and_rank_gets_its_own_exact_storage(tmp_path, backend):
     # dtypes numpy has (one tensor from the array) and those it lacks (BF16, FP8: viewed)
-    from engine import dtypes
+    from engine.base import dtypes
 
     g = torch.Generator().manual_seed(1)
     state = {}

@@ -1,4 +1,4 @@
-"""engine.tp_remote: load_tensor_parallel(url) gives each rank the shards of the local load,
+"""engine.parallel.tp_remote: load_tensor_parallel(url) gives each rank the shards of the local load,
 requesting only its own byte ranges."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 import engine
 from engine.distributed import ShardingPlan, Split, llama_plan, load_tensor_parallel
-from engine.remote_reads import Retry
+from engine.net.remote_reads import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402

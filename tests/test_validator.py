@@ -10,7 +10,7 @@ import pytest
 
 import engine
 import engine.numpy
-from engine.validator import ConfigError, WeightValidator, expected_tensors
+from engine.apps.validator import ConfigError, WeightValidator, expected_tensors
 
 pytest.importorskip("numba", reason="the statistics kernels need Numba (a test extra)")
 

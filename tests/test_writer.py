@@ -1,4 +1,4 @@
-"""engine.writer against the reference ``safetensors`` package (0.8.0).
+"""engine.writing.writer against the reference ``safetensors`` package (0.8.0).
 
 Byte identity is checked with at most one metadata key: the reference writes metadata in
 Rust HashMap order, so with more keys only the parsed content can match.  Files are read
@@ -23,8 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from engine import writer
-from engine.dtypes import NAMES, from_numpy
+from engine.base.dtypes import NAMES, from_numpy
 from engine.errors import (
     HeaderError,
     SerializationError,
@@ -32,7 +31,8 @@ from engine.errors import (
     SharedTensorsError,
     WriteError,
 )
-from engine.header import read_header
+from engine.format.header import read_header
+from engine.writing import writer
 
 try:
     import safetensors.torch as ref_torch
@@ -787,7 +787,7 @@ def test_open_writer_io_error_closes_and_cleans_up(tmp_path, monkeypatch):
 def scheme(request, monkeypatch):
     """Both ways of writing a temporary: an unnamed O_TMPFILE file where the platform has
     one, and the named ``.<name>.<pid>.<random>.tmp`` file everywhere else."""
-    from engine import _atomic
+    from engine.base import _atomic
 
     if request.param == "named":
         monkeypatch.setattr(_atomic, "_linker", lambda directory: None)
@@ -818,7 +818,7 @@ def test_commit_through_both_schemes_new_and_existing_destination(tmp_path, sche
 
 
 def test_background_flush_overlaps_writing(tmp_path, monkeypatch):
-    from engine import writer as w
+    from engine.writing import writer as w
 
     monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
     monkeypatch.setattr(w, "_SYNC_FROM", 1 << 17)
@@ -854,7 +854,7 @@ def test_small_tensors_go_out_in_few_system_calls(tmp_path, monkeypatch):
 
 
 def test_no_background_flush_below_the_size_threshold(tmp_path, monkeypatch):
-    from engine import writer as w
+    from engine.writing import writer as w
 
     monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
     monkeypatch.setattr(w, "_CHUNK", 1 << 15)
@@ -870,7 +870,7 @@ def test_no_background_flush_below_the_size_threshold(tmp_path, monkeypatch):
 
 
 def test_background_flush_error_fails_the_save_atomically(tmp_path, monkeypatch):
-    from engine import writer as w
+    from engine.writing import writer as w
 
     monkeypatch.setattr(w, "_SYNC_EVERY", 1 << 16)
     monkeypatch.setattr(w, "_SYNC_FROM", 1 << 17)
@@ -892,7 +892,7 @@ def test_background_flush_error_fails_the_save_atomically(tmp_path, monkeypatch)
 
 
 def test_header_larger_than_the_readers_limit_is_refused_at_write_time(tmp_path):
-    from engine.header import MAX_HEADER_SIZE
+    from engine.format.header import MAX_HEADER_SIZE
 
     # one metadata value that pushes the header just past the limit both readers enforce
     big = {"x": "a" * (MAX_HEADER_SIZE - 40)}

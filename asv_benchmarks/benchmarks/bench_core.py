@@ -48,9 +48,9 @@ def _save_file(impl):
 
         return safetensors.torch.save_file
     if impl == "engine-nofsync":
-        import engine.writer
+        import engine.writing.writer
 
-        return lambda tensors, path: engine.writer.save_file(tensors, path, fsync=False)
+        return lambda tensors, path: engine.writing.writer.save_file(tensors, path, fsync=False)
     import engine.torch
 
     return engine.torch.save_file
@@ -89,7 +89,7 @@ class HeaderParse(_IO):
 
     def setup(self, files, n):
         import engine
-        from engine.dtypes import NAMES
+        from engine.base.dtypes import NAMES
 
         common.prepare("engine")
         self.read_header, self.names = engine.read_header, NAMES

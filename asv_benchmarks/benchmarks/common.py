@@ -406,7 +406,7 @@ def sharded_copy(path: str, shards: int) -> str:
     directory = path[: -len(".safetensors")] + f"-{shards}shards"
     if not os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
         import engine.numpy
-        from engine.shards import save_sharded
+        from engine.checkpoints.shards import save_sharded
 
         arrays = engine.numpy.load_file(path)
         total = sum(a.nbytes for a in arrays.values())

@@ -10,7 +10,7 @@
   :func:`cache_state`, which puts a file in the page cache in large folios or page by page
   (the two states price a mapping very differently);
 * :class:`BenchDevice`: a device for the engine's copy path (the native chunk ring,
-  ``engine.device_ring``) on a host without one: the emulated CUDA runtime of the tests
+  ``engine.gpu.device_ring``) on a host without one: the emulated CUDA runtime of the tests
   (``tests/emucudart``, the same entry points as ``libcudart``), whose streams run each
   "device copy" on a thread into a pre-faulted device buffer.  ``dma="memcpy"`` moves the
   bytes (a CPU copy stands in for the DMA engine: it costs this host a core and a read and
@@ -373,8 +373,8 @@ class DeviceLoad:
 
     def __init__(self, path: str, dma: str = "memcpy", slot_bytes: int | None = None) -> None:
         import engine
-        from engine import pipeline
-        from engine.plan import plan_reads
+        from engine.loading import pipeline
+        from engine.planning.plan import plan_reads
 
         self.pipeline = pipeline
         h = engine.read_header(path)

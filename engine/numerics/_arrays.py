@@ -18,8 +18,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .. import dtypes as _dt
-from ..errors import DeviceError, SerializationError
+from engine.base import dtypes as _dt
+from engine.errors import DeviceError, SerializationError
 
 try:  # numpy >= 2
     from numpy.lib.array_utils import normalize_axis_index

@@ -37,8 +37,8 @@ import importlib.util
 import numpy as np
 from numba import config, cuda, float32, float64, int64, uint64
 
-from ._arrays import BF16, F16
-from .kernels import chan, fold_one, moments
+from engine.numerics._arrays import BF16, F16
+from engine.numerics.kernels import chan, fold_one, moments
 
 
 def _load_array_support() -> None:

@@ -22,11 +22,11 @@ import numpy as np
 from numba import config as _numba_config
 from numba import cuda
 
-from ..errors import DeviceError
-from . import cuda_kernels as _ck
-from ._arrays import BF16, F16, FLOAT, FLOAT_FORMATS, float_consts, normalize_axis_index
-from .quantize import INPUTS, QuantizedTensor, raise_if_nonfinite
-from .statistics import Stats, stats_from_partials
+from engine.errors import DeviceError
+from engine.numerics import cuda_kernels as _ck
+from engine.numerics._arrays import BF16, F16, FLOAT, FLOAT_FORMATS, float_consts, normalize_axis_index
+from engine.numerics.quantize import INPUTS, QuantizedTensor, raise_if_nonfinite
+from engine.numerics.statistics import Stats, stats_from_partials
 
 __all__ = [
     "DeviceAccumulator",
@@ -370,7 +370,7 @@ def device_stats(x: Any, *, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any =
 
 
 def _kind_of_device(x) -> str:
-    from .. import dtypes as _dt
+    from engine.base import dtypes as _dt
 
     if _framework(x) == "torch":
         code = _dt.from_torch(x.dtype)

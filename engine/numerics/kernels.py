@@ -50,7 +50,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._arrays import BF16, F16, FLOAT  # ``fmt`` codes, shared with the device kernels
+from engine.numerics._arrays import BF16, F16, FLOAT  # ``fmt`` codes, shared with the device kernels
 
 __all__ = [
     "F16",

@@ -10,7 +10,7 @@ The formula, shared bit for bit with the NumPy oracle in ``tests/naive.py``::
 
 :class:`Int8` says which tensors of a checkpoint to quantize and how (used by the loads that
 quantize as they go and by :func:`engine.quantize_file`); :class:`QuantizedTensor` is one
-quantized tensor.  The quantized file format lives in :mod:`engine.quantized_format`.
+quantized tensor.  The quantized file format lives in :mod:`engine.apps.quantized_format`.
 
 Importing this module imports Numba; torch only when a torch tensor is passed in.
 """
@@ -28,10 +28,10 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .. import dtypes as _dt
-from ..errors import NonFiniteError, SerializationError
-from . import kernels as _k
-from ._arrays import (
+from engine.base import dtypes as _dt
+from engine.errors import NonFiniteError, SerializationError
+from engine.numerics import kernels as _k
+from engine.numerics._arrays import (
     BLOCK,
     CHUNK,
     FLOAT_FORMATS,

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes as _dt
-from . import kernels as _k
-from ._arrays import (
+from engine.base import dtypes as _dt
+from engine.numerics import kernels as _k
+from engine.numerics._arrays import (
     BLOCK,
     CHUNK,
     FLOAT_FORMATS,

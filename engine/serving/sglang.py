@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any
 
-from .weights import Weights, parse_options
+from engine.serving.weights import Weights, parse_options
 
 __all__ = ["loader_class"]
 
@@ -50,7 +50,7 @@ def loader_class() -> type:
             self.options = parse_options(extra, where="model_loader_extra_config")
 
         def download_model(self, model_config) -> None:
-            from .weights import checkpoint_files
+            from engine.serving.weights import checkpoint_files
 
             source = self.options.weights or model_config.model_path
             if os.path.exists(source):

@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any
 
-from .._files import is_url
-from .weights import Weights, check_loaded, parse_options
+from engine.base._files import is_url
+from engine.serving.weights import Weights, check_loaded, parse_options
 
 __all__ = ["LOAD_FORMAT", "register", "loader_class", "load_device", "exempt_parameters"]
 
@@ -129,7 +129,7 @@ def loader_class() -> type:
         def download_model(self, model_config) -> None:
             source = self.weights_source(model_config)
             if not is_url(source):
-                from .weights import checkpoint_files
+                from engine.serving.weights import checkpoint_files
 
                 checkpoint_files(source, max_header_size=self.options.max_header_size)
 

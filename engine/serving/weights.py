@@ -24,7 +24,7 @@ How they are handed out, and the copies of their bytes
   server's copy into its parameter is the only one, as with the reference ``safe_open``.
 * **CPU, ``cpu="owned"``**: :func:`engine.stream` into owned memory, 1 copy (page cache to the
   tensor) before the server's; for files that may change while the server loads them.
-* **A URL**: :func:`engine.remote_load.stream`, parallel ranged reads straight into the
+* **A URL**: :func:`engine.urls.remote_load.stream`, parallel ranged reads straight into the
   tensors (CPU 1 copy, CUDA 2), with ``cache_dir`` a local copy written in the same pass and
   read by the next load.
 
@@ -55,11 +55,11 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .._files import PREFETCH_MIN_BYTES, is_url, on_network_mount, open_regular
-from ..checkpoint_index import index_problems
-from ..checkpoint_info import INDEX_NAME, missing_shard, resolve
-from ..errors import OptionError, SafetensorError, TensorNotFoundError
-from ..header import MAX_HEADER_SIZE, read_header, read_header_fd
+from engine.base._files import PREFETCH_MIN_BYTES, is_url, on_network_mount, open_regular
+from engine.checkpoints.checkpoint_info import INDEX_NAME, missing_shard, resolve
+from engine.errors import OptionError, SafetensorError, TensorNotFoundError
+from engine.format.checkpoint_index import index_problems
+from engine.format.header import MAX_HEADER_SIZE, read_header, read_header_fd
 
 __all__ = ["Options", "parse_options", "checkpoint_files", "Weights", "missing_parameters", "check_loaded",
            "OPTION_DOCS"]
@@ -107,7 +107,7 @@ class Options:
     stats: bool = False
 
     def remote(self) -> dict[str, Any]:
-        """The options of :func:`engine.remote_load.stream` that were given."""
+        """The options of :func:`engine.urls.remote_load.stream` that were given."""
         out = {k: getattr(self, k) for k in _REMOTE_ONLY if getattr(self, k) is not None}
         out["max_header_size"] = self.max_header_size
         return out
@@ -125,7 +125,7 @@ def _positive_int(option: str, value: Any) -> int:
 
 def _size(option: str, value: Any) -> int:
     if isinstance(value, str):
-        from ..shards import parse_size
+        from engine.checkpoints.shards import parse_size
 
         try:
             return parse_size(value)
@@ -241,7 +241,7 @@ def checkpoint_files(path: str | os.PathLike[str], *, max_header_size: int = MAX
     layout = resolve(spath)
     if layout.index_path is None:
         return [os.path.join(layout.directory, f) for f in layout.files]
-    from ..checkpoint_index import read_index
+    from engine.format.checkpoint_index import read_index
 
     _, weight_map = read_index(layout.index_path, max_header_size)
     shards = sorted(set(weight_map.values()))
@@ -368,7 +368,7 @@ class Weights:
     def _tensors(self) -> Iterator[tuple[str, Any]]:
         o = self.options
         if self.remote:
-            from ..remote_load import stream as remote_stream
+            from engine.urls.remote_load import stream as remote_stream
 
             yield from remote_stream(self.source, framework="pt", device=self.device, chunk_bytes=o.chunk_bytes,
                                      **self._device_options(), **o.remote())
@@ -378,7 +378,7 @@ class Weights:
         if self.mode == "view":
             yield from self._views(files)
             return
-        from ..loader import stream
+        from engine.loading.loader import stream
 
         yield from stream(files, framework="pt", device=self.device, max_header_size=o.max_header_size,
                           chunk_bytes=o.chunk_bytes, **self._device_options())
@@ -391,9 +391,9 @@ class Weights:
         return out
 
     def _views(self, files: list[str]) -> Iterator[tuple[str, Any]]:
-        from ..file_handle import views
-        from ..reader import prefetch_mapping
-        from ..sinks import get_sink, map_file
+        from engine.io.reader import prefetch_mapping
+        from engine.loading.file_handle import views
+        from engine.sinks import get_sink, map_file
 
         sink = get_sink("pt", "cpu")
         for path in files:

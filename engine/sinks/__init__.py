@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import DeviceError, SafetensorError, TensorMismatchError, UnsupportedFrameworkError
+from engine.errors import DeviceError, SafetensorError, TensorMismatchError, UnsupportedFrameworkError
 
 __all__ = ["get_sink", "sink_kind", "map_file", "fill_target", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
 
@@ -18,7 +18,7 @@ def __getattr__(name: str):
     # owned host blocks (engine.sinks._host) are imported on first use: opening a file and
     # handing out mapped views needs none of them
     if name in ("host_block", "pack_offsets", "HOST_ALIGNMENT"):
-        from . import _host
+        from engine.sinks import _host
 
         return getattr(_host, name)
     raise AttributeError(f"module 'engine.sinks' has no attribute {name!r}")
@@ -81,16 +81,16 @@ def get_sink(framework: str, device="cpu"):
     """The sink for a framework name as the reference spells it (``"np"``, ``"pt"``, ...)."""
     kind = sink_kind(framework, device)
     if kind == "numpy":
-        from .numpy import NumpySink
+        from engine.sinks.numpy import NumpySink
 
         return NumpySink()
     if kind == "cupy":
-        from .cupy import CupySink
+        from engine.sinks.cupy import CupySink
 
         return CupySink(device)
     if kind == "unsupported":
         return _Unsupported(framework)
-    from .torch import TorchSink
+    from engine.sinks.torch import TorchSink
 
     return TorchSink(device)
 
@@ -144,18 +144,18 @@ def fill_target(x):
     # framework is imported already
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(x, numpy.ndarray):
-        from .. import dtypes
-        from ._targets import NumpyTarget
+        from engine.base import dtypes
+        from engine.sinks._targets import NumpyTarget
 
         return NumpyTarget(x, dtypes.from_numpy(x.dtype), x.shape, x.flags.c_contiguous and x.flags.writeable)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        from .torch import fill_target as torch_target
+        from engine.sinks.torch import fill_target as torch_target
 
         return torch_target(x)
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
-        from .cupy import fill_target as cupy_target
+        from engine.sinks.cupy import fill_target as cupy_target
 
         return cupy_target(x)
     raise TensorMismatchError(

@@ -69,7 +69,7 @@ class Runtime:
 
 
 def _loaded_cudart_path() -> str | None:
-    from ..device_ring import _loaded_cudart_path as loaded
+    from engine.gpu.device_ring import _loaded_cudart_path as loaded
 
     return loaded()
 
@@ -88,8 +88,8 @@ def _ctypes_runtime(path: str) -> Runtime:
 
 
 def runtime_path() -> str | None:
-    """The ``libcudart`` the engine's chunk ring opens (:func:`engine.device_ring.cuda_runtime_path`)."""
-    from ..device_ring import cuda_runtime_path
+    """The ``libcudart`` the engine's chunk ring opens (:func:`engine.gpu.device_ring.cuda_runtime_path`)."""
+    from engine.gpu.device_ring import cuda_runtime_path
 
     return cuda_runtime_path()
 

@@ -7,7 +7,7 @@ import glob
 import mmap
 import os
 
-from .. import dtypes
+from engine.base import dtypes
 
 #: Alignment of each tensor inside an owned host block when it cannot simply follow its
 #: neighbour (a cache line; also enough for every dtype's itemsize).

@@ -1,5 +1,5 @@
 """What the torch and CuPy device operations share: the host buffers the slot path's device
-copies read (:mod:`engine.device_load`), page-locked through the CUDA runtime
+copies read (:mod:`engine.gpu.device_load`), page-locked through the CUDA runtime
 (:mod:`engine.sinks._cudart`).  Each framework's ops add only what differs: how a slot is
 allocated where locking is refused, how a stream, an event and an asynchronous copy are
 spelled."""
@@ -21,7 +21,7 @@ class HostSource:
 
 
 class PinnedHostOps:
-    """The part of :class:`engine.pipeline.DeviceOps` that is the same for every framework."""
+    """The part of :class:`engine.loading.pipeline.DeviceOps` that is the same for every framework."""
 
     def free_staging(self, handle: HostSource) -> None:
         if handle.block is not None:

@@ -16,7 +16,7 @@ class FillTarget:
     Attributes
     ----------
     code : int
-        Its dtype's code (:mod:`engine.dtypes`).
+        Its dtype's code (:mod:`engine.base.dtypes`).
     shape : tuple
     ok_layout : bool
         Contiguous and writable.
@@ -50,7 +50,7 @@ class FillTarget:
         raise NotImplementedError
 
     def device_ops(self):
-        """The pipeline's :class:`~engine.pipeline.DeviceOps` for this target's device, or
+        """The pipeline's :class:`~engine.loading.pipeline.DeviceOps` for this target's device, or
         None where a load cannot fill it (a torch device other than CUDA)."""
         return None
 

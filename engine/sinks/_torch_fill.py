@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from .. import dtypes
-from ._staging import HostSource, PinnedHostOps
-from ._targets import FillTarget
+from engine.base import dtypes
+from engine.sinks._staging import HostSource, PinnedHostOps
+from engine.sinks._targets import FillTarget
 
 __all__ = ["TorchCudaOps", "TorchTarget"]
 
 
 class TorchCudaOps(PinnedHostOps):
-    """The pipeline's device operations on torch CUDA (see :class:`engine.pipeline.DeviceOps`).
+    """The pipeline's device operations on torch CUDA (see :class:`engine.loading.pipeline.DeviceOps`).
 
-    Plain loads go through the native chunk ring (:mod:`engine.device_ring`), which calls the
+    Plain loads go through the native chunk ring (:mod:`engine.gpu.device_ring`), which calls the
     CUDA runtime torch loaded on a stream of its own.  On the slot path, staging slots are
     anonymous memory page-locked by the engine (unlocked when the load frees them) and
     copies are ``Tensor.copy_(..., non_blocking=True)`` on the path's stream:
@@ -30,10 +30,10 @@ class TorchCudaOps(PinnedHostOps):
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)
 
-    # -- what the native chunk ring needs (engine.device_ring) --------------------------------
+    # -- what the native chunk ring needs (engine.gpu.device_ring) --------------------------------
 
     def runtime_path(self) -> str | None:
-        from . import _cudart
+        from engine.sinks import _cudart
 
         return _cudart.runtime_path()
 
@@ -50,7 +50,7 @@ class TorchCudaOps(PinnedHostOps):
         return target.data_ptr()
 
     def alloc_staging(self, nbytes: int):
-        from . import _cudart  # CUDA loads only: CPU tensors never need the runtime's bindings
+        from engine.sinks import _cudart  # CUDA loads only: CPU tensors never need the runtime's bindings
 
         block = _cudart.PinnedBlock(nbytes)
         if not block.locked:  # page-locking refused: torch's pinned memory (cached by torch)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import DeviceError, MissingDependencyError
-from . import _cudart
-from ._staging import HostSource, PinnedHostOps
-from ._targets import FillTarget
-from .numpy import NumpySink
+from engine.base import dtypes
+from engine.errors import DeviceError, MissingDependencyError
+from engine.sinks import _cudart
+from engine.sinks._staging import HostSource, PinnedHostOps
+from engine.sinks._targets import FillTarget
+from engine.sinks.numpy import NumpySink
 
 try:
     import cupy
@@ -46,7 +46,7 @@ def cupy_dtype(code: int) -> np.dtype:
 
 
 class CupyOps(PinnedHostOps):
-    """The pipeline's device operations on CuPy (see :class:`engine.pipeline.DeviceOps`):
+    """The pipeline's device operations on CuPy (see :class:`engine.loading.pipeline.DeviceOps`):
     the chunk ring as torch has it, and the slot path with ``cudaMemcpyAsync`` by address."""
 
     def __init__(self, device_id: int) -> None:
@@ -56,7 +56,7 @@ class CupyOps(PinnedHostOps):
     def bind_thread(self) -> None:
         self.device.use()
 
-    # -- what the native chunk ring needs (engine.device_ring) --------------------------------
+    # -- what the native chunk ring needs (engine.gpu.device_ring) --------------------------------
 
     def runtime_path(self) -> str | None:
         return _cudart.runtime_path()

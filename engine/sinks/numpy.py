@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import UnrepresentableTensorError
+from engine.base import dtypes
+from engine.errors import UnrepresentableTensorError
 
 if TYPE_CHECKING:
     import mmap
@@ -42,7 +42,7 @@ class NumpySink:
 
         Returns (row -> array, row -> writable byte memoryview).
         """
-        from ._host import host_block, pack_offsets  # owned loads only
+        from engine.sinks._host import host_block, pack_offsets  # owned loads only
 
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)

@@ -7,8 +7,8 @@ import functools
 import numpy as np
 import torch
 
-from .. import dtypes
-from ..errors import DeviceError, SafetensorError, UnrepresentableTensorError
+from engine.base import dtypes
+from engine.errors import DeviceError, SafetensorError, UnrepresentableTensorError
 
 
 class TorchSink:
@@ -44,7 +44,7 @@ class TorchSink:
         Each tensor has its own storage over its range of the block (see :func:`host_tensor`).
         Returns (row -> tensor, row -> writable byte memoryview).
         """
-        from ._host import host_block, pack_offsets  # owned loads only
+        from engine.sinks._host import host_block, pack_offsets  # owned loads only
 
         offsets, total = pack_offsets(specs, file_begins)
         block = host_block(total)
@@ -84,14 +84,14 @@ class TorchSink:
         """The device operations the copy ring needs (None off CUDA)."""
         if self.device.type != "cuda":
             return None
-        from ._torch_fill import TorchCudaOps  # device loads only
+        from engine.sinks._torch_fill import TorchCudaOps  # device loads only
 
         return TorchCudaOps(self.device)
 
     def allocate_device(self, specs, per_tensor: bool = False):
         """(row -> device tensor, row -> uint8 target, DeviceOps) for a device load."""
         tensors, targets = allocate_device(specs, self.device, per_tensor)
-        from ._torch_fill import TorchCudaOps  # device loads only
+        from engine.sinks._torch_fill import TorchCudaOps  # device loads only
 
         return tensors, targets, TorchCudaOps(self.device)
 
@@ -234,6 +234,8 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
 
 def fill_target(t: torch.Tensor):
     """``t`` as a destination of ``load_into`` (:class:`engine.sinks._torch_fill.TorchTarget`)."""
-    from ._torch_fill import TorchTarget  # load_into and CUDA loads only: opening a file needs none of it
+    from engine.sinks._torch_fill import (
+        TorchTarget,  # load_into and CUDA loads only: opening a file needs none of it
+    )
 
     return TorchTarget(t)

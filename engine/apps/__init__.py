@@ -1,0 +1,1 @@
+"""apps: see ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""base: see ARCHITECTURE.md."""

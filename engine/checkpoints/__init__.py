@@ -1,0 +1,1 @@
+"""checkpoints: see ARCHITECTURE.md."""

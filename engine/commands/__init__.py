@@ -1,0 +1,1 @@
+"""commands: see ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""format: see ARCHITECTURE.md."""

@@ -1,0 +1,932 @@
+# cython: language_level=3, embedsignature=True
+# distutils: language = c
+#
+# Bounds/wraparound checks and cdivision are set once in setup.py (ENGINE_CYTHON_CHECKS=1
+# turns them on).
+"""The device copy ring, natively: file bytes through small page-locked chunks to a device.
+
+Private: the public face is :mod:`engine.gpu.device_ring`, which plans a load's chunks, finds the
+CUDA runtime and turns the error tuples returned here into the engine's errors.
+
+A ring holds ``chunks`` page-locked host chunks of ``chunk_bytes`` each and ``threads``
+native copy threads.  Chunk ``k`` of a load goes through slot ``k % chunks``: a copy thread
+takes the next chunk on its own (a shared counter, no barrier), waits until that slot's
+previous copy to the device has completed (its event), fills it from the page cache (``pread``
+or a populated mapping, whichever that thread measures faster: :mod:`engine.io._io`'s
+``_copy_piece``, SIGBUS-guarded) and unmaps what it mapped; the calling thread issues each
+chunk's ``cudaMemcpyAsync`` in chunk order as soon as it is full and records the slot's event.
+No Python runs per chunk: the calling thread takes the GIL only every ``poll_seconds`` to report
+progress and see a cancel.
+
+The CUDA runtime is not linked: :class:`Runtime` opens a ``libcudart`` by path (the one torch
+or CuPy already loaded, so the same instance, contexts and streams) and looks its entry points
+up by name; the tests pass an emulated runtime with the same ones (``tests/emucudart``).
+"""
+
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport errno
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec, nanosleep
+
+from engine.io._io cimport (
+    _Choice, _Part, _copy_piece, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
+    pthread_cond_init, pthread_cond_signal, pthread_cond_t, pthread_cond_timedwait, pthread_cond_wait,
+    pthread_create, pthread_join, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
+    pthread_mutex_t, pthread_mutex_unlock, pthread_t,
+)
+
+
+cdef extern from "<dlfcn.h>" nogil:
+    void* dlopen(const char* path, int flags)
+    void* dlsym(void* handle, const char* name)
+    int dlclose(void* handle)
+    char* dlerror()
+    int RTLD_NOW
+    int RTLD_LOCAL
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+cdef extern from "<sys/mman.h>" nogil:
+    void* mmap(void* addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void* addr, size_t length)
+    int madvise(void* addr, size_t length, int advice)
+    int PROT_READ
+    int PROT_WRITE
+    int MAP_PRIVATE
+    int MAP_ANONYMOUS
+    void* MAP_FAILED
+
+cdef extern from *:
+    """
+    #include <time.h>
+    static inline int64_t engine_ring_take(int64_t *counter) {
+        return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+    }
+    static inline int engine_ring_stopped(int *flag) {
+        return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    }
+    static inline void engine_ring_stop(int *flag) {
+        __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+    }
+    /* an absolute CLOCK_REALTIME deadline ns from now, for pthread_cond_timedwait */
+    static inline void engine_ring_deadline(struct timespec *ts, long ns) {
+        clock_gettime(CLOCK_REALTIME, ts);
+        ts->tv_nsec += ns;
+        while (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+    }
+    """
+    int64_t _take "engine_ring_take"(int64_t* counter) noexcept nogil
+    int _stopped "engine_ring_stopped"(int* flag) noexcept nogil
+    void _stop "engine_ring_stop"(int* flag) noexcept nogil
+    void _deadline "engine_ring_deadline"(timespec* ts, long ns) noexcept nogil
+
+
+# -- the CUDA runtime, by name ------------------------------------------------------------------
+
+ctypedef int (*_f_int)(int) noexcept nogil
+ctypedef int (*_f_intp)(int*) noexcept nogil
+ctypedef int (*_f_register)(void*, size_t, unsigned int) noexcept nogil
+ctypedef int (*_f_ptr)(void*) noexcept nogil
+ctypedef int (*_f_memcpy)(void*, const void*, size_t, int, void*) noexcept nogil
+ctypedef int (*_f_event_create)(void**, unsigned int) noexcept nogil
+ctypedef int (*_f_record)(void*, void*) noexcept nogil
+ctypedef int (*_f_void)() noexcept nogil
+ctypedef const char* (*_f_errstr)(int) noexcept nogil
+
+cdef struct _Rt:
+    _f_int set_device
+    _f_intp get_device
+    _f_register host_register
+    _f_ptr host_unregister
+    _f_memcpy memcpy_async
+    _f_event_create event_create
+    _f_record event_record
+    _f_ptr event_query
+    _f_ptr event_destroy
+    _f_ptr stream_synchronize
+    _f_void get_last_error
+    _f_errstr error_string
+
+cdef enum:
+    _cudaErrorNotReady = 600
+    _cudaMemcpyHostToDevice = 1
+    _cudaHostRegisterPortable = 1
+    _cudaEventDisableTiming = 2
+    _MADV_HUGEPAGE = 14
+
+cdef size_t _HUGE = 2 << 20
+
+#: the entry points a ring calls, in the order of _Rt
+ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
+                "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
+                "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
+                "cudaGetErrorString")
+
+
+cdef class Runtime:
+    """A CUDA runtime opened by path; its entry points looked up by name.  Opening a library
+    the process has already loaded gives that same instance (the same contexts and streams)."""
+
+    cdef void* handle
+    cdef _Rt rt
+    cdef readonly str path
+
+    def __cinit__(self, str path):
+        cdef bytes raw = path.encode()
+        cdef void** slots = <void**>&self.rt
+        cdef int i
+        cdef void* fn
+        self.path = path
+        self.handle = dlopen(raw, RTLD_NOW | RTLD_LOCAL)
+        if self.handle == NULL:
+            err = dlerror()
+            raise OSError(f"cannot open the CUDA runtime {path}: {err.decode() if err != NULL else 'unknown'}")
+        for i, name in enumerate(ENTRY_POINTS):
+            fn = dlsym(self.handle, (<str>name).encode())
+            if fn == NULL:
+                dlclose(self.handle)
+                self.handle = NULL
+                raise OSError(f"the CUDA runtime {path} has no {name}")
+            slots[i] = fn
+
+    def error_string(self, int code) -> str:
+        """The runtime's description of an error code."""
+        cdef const char* s = self.rt.error_string(code)
+        return s.decode(errors="replace") if s != NULL else f"CUDA error {code}"
+
+
+
+# -- the ring ------------------------------------------------------------------------------------
+
+cdef double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+# error kinds in the tuple a run returns
+cdef enum:
+    _ERR_NONE = 0
+    _ERR_READ = 1      # code: errno or -1 for the end of the file; at, missing: where
+    _ERR_CUDA = 2      # code: the runtime's error; at: the chunk
+    _ERR_ALLOC = 3     # code: errno of mmap
+
+cdef struct _Plan:
+    int64_t nchunks
+    const int32_t* c_file      # chunk -> file index
+    const int64_t* c_seg       # chunk k's segments are c_seg[k] .. c_seg[k + 1]
+    const int64_t* s_pos       # segment -> position in its chunk
+    const int64_t* s_off       # segment -> file offset
+    const int64_t* s_len
+    const uint64_t* s_dst      # segment -> device address
+    const int32_t* fds
+    const uint64_t* maps       # file -> address of its read-only mapping, or 0: pread
+    const int64_t* map_lens
+    const uint8_t* keeps       # file -> its mapping is kept between loads: leave its pages mapped
+
+
+cdef struct _State:
+    _Rt* rt
+    int device
+    void* stream
+    int64_t chunk_bytes
+    int nslots
+    uint8_t* base              # nslots * chunk_bytes of host memory
+    uint8_t* blocks            # per block of slots (see _block_of): 0 pageable, 1 being
+                               # page-locked, 2 page-locked, 3 refused
+    int nblocks
+    int locked_refused         # a registration was refused: the chunks stay pageable
+    void** events
+    int64_t* filled            # per slot: the chunk it holds, filled (-1: none yet)
+    _Plan plan
+    pthread_mutex_t lock
+    pthread_cond_t filled_cond # a chunk filled (the issuing thread waits)
+    pthread_cond_t issued_cond # a chunk issued, or the run stops (copy threads wait)
+    pthread_cond_t run_cond    # a new run, a worker out of it, the ring closing
+    pthread_cond_t lock_cond   # a block's page-locking ended
+    int seats                  # workers the current run still takes (small runs wake fewer)
+    int64_t next_chunk         # the next chunk a copy thread takes
+    int64_t issued             # chunks whose copies are issued, in order
+    int generation             # bumped per run: wakes the workers
+    int active                 # workers still in the current run
+    int stop                   # the ring closes: workers exit
+    int cancel                 # the run stops (an error, or the caller's cancel)
+    int err_kind
+    int err_code
+    int64_t err_chunk
+    int64_t err_at
+    int64_t err_missing
+    double wait_slot           # seconds copy threads waited for a slot's copy (summed)
+    double wait_fill           # seconds the issuing thread waited for a chunk to fill
+    double lock_s              # seconds spent page-locking blocks (this run, or lock_all)
+    int lock_calls             # cudaHostRegister calls made (the same)
+    double* fill_s             # per worker (and the issuing thread, last): seconds filling
+    int adaptive               # threads learn pread or the mapping (else a mapping is always used)
+    int stream_stores          # copies out of a mapping store past the caches
+    _Choice* choices
+
+
+cdef struct _Worker:
+    _State* st
+    int index
+
+
+cdef int _block_of(int s) noexcept nogil:
+    """The block of slot ``s``: slot 0 alone, then blocks twice as large as the one before
+    ([1, 2), [2, 4), [4, 8) ...), so that a ring of 32 chunks is page-locked in 6 calls and the
+    first chunk's copy can start after one small call, before the rest is locked."""
+    cdef int b = 0
+    while s > 0:
+        s >>= 1
+        b += 1
+    return b
+
+
+cdef inline int _block_lo(int b) noexcept nogil:
+    return 0 if b == 0 else 1 << (b - 1)
+
+
+cdef inline int _block_hi(int b, int nslots) noexcept nogil:
+    cdef int hi = 1 << b
+    return hi if hi < nslots else nslots
+
+
+cdef void _lock_block(_State* st, int b) noexcept nogil:
+    """Page-lock block ``b`` of the chunks, once (a thread that finds another locking it
+    waits for that): one ``cudaHostRegister`` call for the whole block.  A refusal leaves the
+    chunks pageable (copies from them still land, at pageable speed) and no more is tried."""
+    cdef int rc, lo, hi
+    cdef double t0
+    pthread_mutex_lock(&st.lock)
+    while st.blocks[b] == 1:
+        pthread_cond_wait(&st.lock_cond, &st.lock)
+    if st.blocks[b] != 0 or st.locked_refused:
+        pthread_mutex_unlock(&st.lock)
+        return
+    st.blocks[b] = 1
+    pthread_mutex_unlock(&st.lock)
+    lo = _block_lo(b)
+    hi = _block_hi(b, st.nslots)
+    t0 = _now()
+    rc = st.rt.host_register(st.base + lo * st.chunk_bytes, <size_t>((hi - lo) * st.chunk_bytes),
+                             _cudaHostRegisterPortable)
+    pthread_mutex_lock(&st.lock)
+    if rc == 0:
+        st.blocks[b] = 2
+    else:
+        st.rt.get_last_error()
+        st.blocks[b] = 3
+        st.locked_refused = 1
+    st.lock_s += _now() - t0
+    st.lock_calls += 1
+    pthread_cond_broadcast(&st.lock_cond)
+    pthread_mutex_unlock(&st.lock)
+
+
+cdef int64_t _completed(_State* st, int64_t done) noexcept nogil:
+    """Chunks ``[0, n)`` whose copies have certainly completed, from ``done`` known so far.
+
+    Called on the issuing thread (the only one that records events or moves ``issued``).  A
+    chunk more than ``nslots`` behind the last issued one has completed: its slot was refilled,
+    which waits for its copy.  The chunks after it still own their slots' events, so each is
+    asked in order (one stream: copies complete in the order they were issued) up to the first
+    that has not completed."""
+    cdef int64_t issued = st.issued, c = st.issued - st.nslots
+    if c < done:
+        c = done
+    while c < issued:
+        if st.rt.event_query(st.events[c % st.nslots]) != 0:
+            break
+        c += 1
+    return c
+
+
+cdef void _fail(_State* st, int kind, int code, int64_t chunk, int64_t at, int64_t missing) noexcept nogil:
+    """Record the first failure of a run (lowest chunk wins among reads) and stop it."""
+    pthread_mutex_lock(&st.lock)
+    if st.err_kind == _ERR_NONE or (kind == _ERR_READ and st.err_kind == _ERR_READ and chunk < st.err_chunk):
+        st.err_kind = kind
+        st.err_code = code
+        st.err_chunk = chunk
+        st.err_at = at
+        st.err_missing = missing
+    _stop(&st.cancel)
+    pthread_cond_broadcast(&st.filled_cond)
+    pthread_cond_broadcast(&st.issued_cond)
+    pthread_mutex_unlock(&st.lock)
+
+
+cdef int _wait_event(_State* st, void* event) noexcept nogil:
+    """Poll an event until it completes (0), fails (its error) or the run stops (-1): a copy
+    thread with nothing else to do yields its core to the others meanwhile."""
+    cdef int rc, spins = 0
+    cdef timespec pause
+    pause.tv_sec = 0
+    pause.tv_nsec = 20000
+    while True:
+        rc = st.rt.event_query(event)
+        if rc != _cudaErrorNotReady:
+            return rc
+        if _stopped(&st.cancel):
+            return -1
+        spins += 1
+        if spins < 64:
+            sched_yield()
+        else:
+            nanosleep(&pause, NULL)
+
+
+cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out, _Choice* tally) noexcept nogil:
+    """Fill chunk ``k`` into ``out``: its segments, file-contiguous ones in one copy; then
+    unmap what was mapped (unless the file's mapping is held for the load).  0 or the read's
+    error (in ``part``).  Bytes by source go to ``tally`` (the adaptive copy counts its own)."""
+    cdef _Plan* p = &st.plan
+    cdef int f = p.c_file[k]
+    cdef int64_t j = p.c_seg[k], end = p.c_seg[k + 1], run_off, run_len, run_pos
+    cdef int err
+    part.fd = p.fds[f]
+    part.src = <const uint8_t*><uintptr_t>p.maps[f]
+    part.src_len = p.map_lens[f]
+    part.keep = p.keeps[f]
+    while j < end:
+        run_off = p.s_off[j]
+        run_pos = p.s_pos[j]
+        run_len = p.s_len[j]
+        j += 1
+        while j < end and p.s_off[j] == run_off + run_len and p.s_pos[j] == run_pos + run_len:
+            run_len += p.s_len[j]
+            j += 1
+        err = _copy_piece(part, out + run_pos, run_len, run_off)
+        if err:
+            return err
+        if part.src == NULL:
+            tally.nbytes[0] += run_len
+        elif part.choice == NULL:
+            tally.nbytes[1] += run_len
+        if part.src != NULL and not part.keep:
+            _unmap_run(part.src, part.src_len, run_off, run_off + run_len)
+    return 0
+
+
+cdef inline void _part_for(_State* st, _Part* part, int index) noexcept nogil:
+    memset(part, 0, sizeof(_Part))
+    part.choice = &st.choices[index] if st.adaptive else NULL
+    # stores past the caches (the default): the copy engine reads the chunk from memory either
+    # way where the ring is larger than the last-level cache, and stores that first read each
+    # line in (the cache's write-allocate) cost a third pass over memory
+    part.stream = st.stream_stores
+    # chunks smaller than the copies' timing threshold still time their runs, so that each
+    # thread learns which source is faster whatever the chunk size
+    part.timed = st.chunk_bytes // 2 if st.chunk_bytes < (2 << 20) else 0
+
+
+cdef void _run_worker(_State* st, int index) noexcept nogil:
+    cdef int64_t k, s
+    cdef int rc
+    cdef double t0
+    cdef _Part part
+    _part_for(st, &part, index)
+    st.rt.set_device(st.device)
+    while not _stopped(&st.cancel):
+        k = _take(&st.next_chunk)
+        if k >= st.plan.nchunks:
+            break
+        s = k % st.nslots
+        if k >= st.nslots:
+            # the slot's previous chunk must be issued, and its copy complete, before it is refilled
+            t0 = _now()
+            pthread_mutex_lock(&st.lock)
+            while st.issued <= k - st.nslots and not _stopped(&st.cancel):
+                pthread_cond_wait(&st.issued_cond, &st.lock)
+            pthread_mutex_unlock(&st.lock)
+            if _stopped(&st.cancel):
+                break
+            rc = _wait_event(st, st.events[s])
+            if rc == -1:
+                break
+            if rc != 0:
+                _fail(st, _ERR_CUDA, rc, k - st.nslots, 0, 0)
+                break
+            pthread_mutex_lock(&st.lock)
+            st.wait_slot += _now() - t0
+            pthread_mutex_unlock(&st.lock)
+        elif st.blocks[_block_of(<int>s)] != 2 and not st.locked_refused:
+            # first use of the slot: its block is page-locked here, beside the other threads' fills
+            _lock_block(st, _block_of(<int>s))
+        t0 = _now()
+        rc = _fill(st, &part, k, st.base + s * st.chunk_bytes, &st.choices[index])
+        st.fill_s[index] += _now() - t0
+        if rc:
+            _fail(st, _ERR_READ, rc, k, part.at, part.missing)
+            break
+        pthread_mutex_lock(&st.lock)
+        st.filled[s] = k
+        pthread_cond_signal(&st.filled_cond)
+        pthread_mutex_unlock(&st.lock)
+
+
+cdef void* _worker_main(void* arg) noexcept nogil:
+    cdef _Worker* w = <_Worker*>arg
+    cdef _State* st = w.st
+    cdef int seen = 0
+    while True:
+        pthread_mutex_lock(&st.lock)
+        # a new run takes this thread while it has seats left (a small run wakes only as many
+        # threads as it has chunks); a thread too late for one waits for the next
+        while not st.stop:
+            if st.generation != seen:
+                seen = st.generation
+                if st.seats > 0:
+                    st.seats -= 1
+                    break
+            pthread_cond_wait(&st.run_cond, &st.lock)
+        if st.stop:
+            pthread_mutex_unlock(&st.lock)
+            return NULL
+        pthread_mutex_unlock(&st.lock)
+        _run_worker(st, w.index)
+        pthread_mutex_lock(&st.lock)
+        st.active -= 1
+        pthread_cond_broadcast(&st.run_cond)
+        pthread_mutex_unlock(&st.lock)
+
+
+cdef class ChunkRing:
+    """``chunks`` page-locked chunks of ``chunk_bytes`` and ``threads`` native copy threads on
+    one device and stream of a :class:`Runtime`; :meth:`run` moves one load through them.
+
+    The chunks are one anonymous mapping (huge pages where the kernel offers them),
+    page-locked in blocks (slot 0, then blocks twice the size of the one before: 6 calls for
+    32 chunks) by the copy thread that first fills a slot of the block, or all at once ahead
+    of the first load by :meth:`lock_all`, and unlocked by :meth:`close`, which also joins the
+    threads and destroys the events.  One run at a time.
+    """
+
+    cdef Runtime runtime
+    cdef _State* st
+    cdef _Worker* workers
+    cdef pthread_t* tids
+    cdef int nthreads
+    cdef size_t nbytes
+    cdef size_t mapped
+    cdef void* mem
+    cdef bint busy
+    cdef int64_t last_chunks
+    cdef int64_t tally0[2]
+    cdef int last_threads
+    cdef object stream_owner
+    cdef object __weakref__
+
+    def __cinit__(self, Runtime runtime, int device, uintptr_t stream, int64_t chunk_bytes, int chunks,
+                  int threads, object stream_owner=None):
+        cdef int i, rc = 0
+        cdef void* mem
+        if chunk_bytes < 4096 or chunk_bytes % 4096:
+            raise ValueError("chunk_bytes must be a positive multiple of 4096")
+        if chunks < 1 or threads < 1 or threads > 256:
+            raise ValueError("chunks must be >= 1 and threads in [1, 256]")
+        self.runtime = runtime
+        self.stream_owner = stream_owner  # keeps the framework's stream object alive
+        self.nbytes = <size_t>chunk_bytes * chunks
+        self.st = <_State*>calloc(1, sizeof(_State))
+        if self.st == NULL:
+            raise MemoryError()
+        self.st.rt = &runtime.rt
+        self.st.device = device
+        self.st.stream = <void*>stream
+        self.st.chunk_bytes = chunk_bytes
+        self.st.nslots = chunks
+        self.st.nblocks = _block_of(chunks - 1) + 1
+        self.st.blocks = <uint8_t*>calloc(self.st.nblocks, 1)
+        self.st.events = <void**>calloc(chunks, sizeof(void*))
+        self.st.filled = <int64_t*>calloc(chunks, sizeof(int64_t))
+        # one more than the threads: the issuing thread fills a one-chunk run itself
+        self.st.choices = <_Choice*>calloc(threads + 1, sizeof(_Choice))
+        self.st.fill_s = <double*>calloc(threads + 1, sizeof(double))
+        self.tids = <pthread_t*>calloc(threads, sizeof(pthread_t))
+        self.workers = <_Worker*>calloc(threads, sizeof(_Worker))
+        pthread_mutex_init(&self.st.lock, NULL)
+        pthread_cond_init(&self.st.filled_cond, NULL)
+        pthread_cond_init(&self.st.issued_cond, NULL)
+        pthread_cond_init(&self.st.run_cond, NULL)
+        pthread_cond_init(&self.st.lock_cond, NULL)
+        if (self.st.blocks == NULL or self.st.events == NULL or self.st.filled == NULL
+                or self.st.choices == NULL or self.st.fill_s == NULL or self.tids == NULL
+                or self.workers == NULL):
+            self.close()
+            raise MemoryError()
+        # 2 MiB more, so that the chunks start on a huge page's line: fewer pages to lock and to
+        # translate for the DMA engine, where the kernel backs the mapping with huge pages
+        self.mapped = self.nbytes + _HUGE
+        mem = mmap(NULL, self.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if mem == MAP_FAILED:
+            self.close()
+            raise MemoryError(f"cannot map {self.nbytes} bytes for the ring's chunks")
+        self.mem = mem
+        self.st.base = <uint8_t*>((<uintptr_t>mem + _HUGE - 1) & ~(<uintptr_t>_HUGE - 1))
+        madvise(self.st.base, self.nbytes, _MADV_HUGEPAGE)
+        with nogil:
+            runtime.rt.set_device(device)
+            for i in range(chunks):
+                rc = runtime.rt.event_create(&self.st.events[i], _cudaEventDisableTiming)
+                if rc != 0:
+                    self.st.events[i] = NULL
+                    break
+        if rc != 0:
+            runtime.rt.get_last_error()
+            self.close()
+            raise RuntimeError(f"cudaEventCreateWithFlags failed: {runtime.error_string(rc)} ({rc})")
+        for i in range(threads):
+            self.workers[i].st = self.st
+            self.workers[i].index = i
+            if pthread_create(&self.tids[i], NULL, _worker_main, &self.workers[i]) != 0:
+                break
+            self.nthreads += 1
+        if self.nthreads == 0:
+            self.close()
+            raise RuntimeError("cannot start the ring's copy threads")
+
+    @property
+    def threads(self) -> int:
+        return self.nthreads
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.st.chunk_bytes if self.st != NULL else 0
+
+    @property
+    def chunks(self) -> int:
+        return self.st.nslots if self.st != NULL else 0
+
+    @property
+    def locked_bytes(self) -> int:
+        """Host bytes of the chunks page-locked now."""
+        cdef int b
+        cdef int64_t n = 0
+        if self.st == NULL:
+            return 0
+        for b in range(self.st.nblocks):
+            if self.st.blocks[b] == 2:
+                n += (_block_hi(b, self.st.nslots) - _block_lo(b)) * self.st.chunk_bytes
+        return n
+
+    def lock_all(self) -> tuple:
+        """Page-lock every block not locked yet (GIL released), ahead of a first load, so
+        that the load pays nothing for it.  Returns ``(seconds, calls)`` this took."""
+        cdef _State* st = self.st
+        cdef int b
+        cdef double t0
+        cdef int calls
+        if st == NULL:
+            raise ValueError("the ring is closed")
+        if self.busy:
+            raise RuntimeError("the ring is loading")
+        calls = st.lock_calls
+        t0 = _now()
+        self.busy = True
+        try:
+            with nogil:
+                for b in range(st.nblocks):
+                    _lock_block(st, b)
+        finally:
+            self.busy = False
+        return (_now() - t0, st.lock_calls - calls)
+
+    @property
+    def last_run(self) -> dict:
+        """What the last run did: ``chunks``; ``threads`` (copy threads it woke; 0 when the
+        issuing thread filled its one chunk itself); ``fill_wait_s`` (the issuing thread waiting
+        for fills); ``slot_wait_s`` (copy threads waiting for a slot's copy, summed);
+        ``fill_s`` (seconds filling chunks, summed over threads); ``lock_s`` and
+        ``lock_calls`` (page-locking done during the run); ``pread_bytes`` and
+        ``mmap_bytes`` (bytes filled with each source)."""
+        cdef _State* st = self.st
+        cdef int i
+        cdef double fill = 0
+        if st == NULL:
+            return {}
+        for i in range(self.nthreads + 1):
+            fill += st.fill_s[i]
+        return {"chunks": self.last_chunks, "threads": self.last_threads, "fill_wait_s": st.wait_fill,
+                "slot_wait_s": st.wait_slot, "fill_s": fill, "lock_s": st.lock_s,
+                "lock_calls": st.lock_calls, "pread_bytes": self._tally(0) - self.tally0[0],
+                "mmap_bytes": self._tally(1) - self.tally0[1]}
+
+    cdef int64_t _tally(self, int source):
+        cdef int k
+        cdef int64_t n = 0
+        for k in range(self.nthreads + 1):
+            n += self.st.choices[k].nbytes[source]
+        return n
+
+    @property
+    def pageable(self) -> bool:
+        """Whether the runtime refused to page-lock a chunk (copies then run at pageable speed)."""
+        return self.st != NULL and self.st.locked_refused != 0
+
+    def run(self, const int32_t[::1] c_file, const int64_t[::1] c_seg, const int64_t[::1] s_pos,
+            const int64_t[::1] s_off, const int64_t[::1] s_len, const uint64_t[::1] s_dst,
+            const int32_t[::1] fds, const uint64_t[::1] maps, const int64_t[::1] map_lens,
+            const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05, bint adaptive=True,
+            bint stream_stores=True):
+        """Move one planned load (see :func:`plan`) through the ring, GIL released.
+
+        ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
+        (``done``: chunks whose copies have certainly completed, a prefix: their events asked,
+        never inferred from chunks still being filled); it returns True to
+        cancel, or raises (the run stops and the exception propagates once every issued
+        copy has completed).  Signals are checked there too (Ctrl-C stops a load).
+        ``adaptive``: each thread measures whether ``pread`` or the mapping is faster (else
+        files with a mapping are always copied out of it).  ``stream_stores``: copies out of a
+        mapping store past the caches (else through them, for rings that fit the last-level
+        cache).
+
+        A run of one chunk is filled by the calling thread itself, and a run of fewer chunks
+        than threads wakes only as many threads as it has chunks (a loop of small loads, such
+        as ``get_tensor`` per key, wakes no copy thread).
+
+        Returns ``(kind, code, chunk, at, missing)``: kind 0 on success, 1 a read failed
+        (``code`` errno or -1 for the end of the file, ``at``/``missing`` where), 2 the
+        runtime failed (``code`` its error, ``chunk`` the chunk); 3 cancelled.  Whatever
+        happens, every issued copy has completed (or failed) when it returns.
+        """
+        cdef _State* st = self.st
+        cdef int64_t n = c_file.shape[0], j, s, seg, last, done = 0
+        cdef int rc = 0, prev = 0, kind, seats, i
+        cdef bint ready, inline
+        cdef _Part part
+        cdef double t0, next_poll
+        cdef timespec ts
+        cdef object raised = None
+        cdef bint cancelled = False
+        if st == NULL:
+            raise ValueError("the ring is closed")
+        if self.busy:
+            raise RuntimeError("one run at a time per ring")
+        if c_seg.shape[0] != n + 1 or s_off.shape[0] != s_len.shape[0] or s_pos.shape[0] != s_len.shape[0] \
+                or s_dst.shape[0] != s_len.shape[0] or maps.shape[0] != fds.shape[0] \
+                or map_lens.shape[0] != fds.shape[0] or keeps.shape[0] != fds.shape[0]:
+            raise ValueError("the plan's arrays do not agree")
+        if n == 0:
+            return (0, 0, 0, 0, 0)
+        for j in range(n):
+            if c_file[j] < 0 or c_file[j] >= fds.shape[0] or c_seg[j] > c_seg[j + 1] or c_seg[j] < 0:
+                raise ValueError("a chunk names no file or segments")
+        if c_seg[n] > s_len.shape[0]:
+            raise ValueError("the chunks name more segments than the plan has")
+        for j in range(s_len.shape[0]):
+            if s_pos[j] < 0 or s_len[j] < 0 or s_pos[j] + s_len[j] > st.chunk_bytes or s_off[j] < 0:
+                raise ValueError("a segment does not fit its chunk")
+        for j in range(fds.shape[0]):
+            if maps[j] != 0 and _guard_ready() != 0:
+                raise OSError("cannot install the SIGBUS guard of mapped copies")
+        self.busy = True
+        # one chunk: the calling thread fills it (no thread to wake, nothing to wait for)
+        inline = n == 1
+        seats = 0 if inline else (self.nthreads if n >= self.nthreads else <int>n)
+        self.last_chunks = n
+        self.last_threads = seats
+        self.tally0[0] = self._tally(0)
+        self.tally0[1] = self._tally(1)
+        try:
+            st.plan.nchunks = n
+            st.plan.c_file = &c_file[0]
+            st.plan.c_seg = &c_seg[0]
+            st.plan.s_pos = &s_pos[0] if s_pos.shape[0] else NULL
+            st.plan.s_off = &s_off[0] if s_off.shape[0] else NULL
+            st.plan.s_len = &s_len[0] if s_len.shape[0] else NULL
+            st.plan.s_dst = &s_dst[0] if s_dst.shape[0] else NULL
+            st.plan.fds = &fds[0]
+            st.plan.maps = &maps[0]
+            st.plan.map_lens = &map_lens[0]
+            st.plan.keeps = &keeps[0]
+            with nogil:
+                st.rt.get_device(&prev)
+                rc = st.rt.set_device(st.device)
+                pthread_mutex_lock(&st.lock)
+                for j in range(st.nslots):
+                    st.filled[j] = -1
+                st.next_chunk = 0
+                st.issued = 0
+                st.cancel = 0
+                st.err_kind = _ERR_NONE
+                st.err_code = 0
+                st.wait_slot = 0
+                st.wait_fill = 0
+                st.lock_s = 0
+                st.lock_calls = 0
+                for i in range(self.nthreads + 1):
+                    st.fill_s[i] = 0
+                st.adaptive = adaptive
+                st.stream_stores = stream_stores
+                st.active = seats
+                st.seats = seats
+                if seats:
+                    st.generation += 1
+                    if seats == self.nthreads:
+                        pthread_cond_broadcast(&st.run_cond)
+                    else:
+                        for i in range(seats):
+                            pthread_cond_signal(&st.run_cond)
+                pthread_mutex_unlock(&st.lock)
+                if rc != 0:
+                    st.rt.get_last_error()
+                    _fail(st, _ERR_CUDA, rc, 0, 0, 0)
+                elif inline:
+                    # slot 0 is free: the last run's copies completed before it returned
+                    if st.blocks[0] != 2 and not st.locked_refused:
+                        _lock_block(st, 0)
+                    _part_for(st, &part, self.nthreads)
+                    t0 = _now()
+                    rc = _fill(st, &part, 0, st.base, &st.choices[self.nthreads])
+                    st.fill_s[self.nthreads] += _now() - t0
+                    if rc:
+                        _fail(st, _ERR_READ, rc, 0, part.at, part.missing)
+                    else:
+                        st.filled[0] = 0
+                    rc = 0
+                next_poll = _now() + poll_seconds
+                j = 0
+                while j < n and not _stopped(&st.cancel):
+                    s = j % st.nslots
+                    t0 = _now()
+                    pthread_mutex_lock(&st.lock)
+                    while st.filled[s] != j and not _stopped(&st.cancel):
+                        _deadline(&ts, 10000000)
+                        pthread_cond_timedwait(&st.filled_cond, &st.lock, &ts)
+                        if _now() >= next_poll:
+                            break
+                    ready = st.filled[s] == j
+                    pthread_mutex_unlock(&st.lock)
+                    st.wait_fill += _now() - t0
+                    if _now() >= next_poll:
+                        with gil:
+                            try:
+                                PyErr_CheckSignals()
+                                done = _completed(st, done)
+                                if poll is not None and poll(done):
+                                    cancelled = True
+                            except BaseException as exc:
+                                raised = exc
+                        if raised is not None or cancelled:
+                            _fail(st, 4, 0, j, 0, 0)
+                            break
+                        next_poll = _now() + poll_seconds
+                    if not ready:
+                        continue  # woken to poll, or stopped: the loop's test decides
+                    last = st.plan.c_seg[j + 1]
+                    seg = st.plan.c_seg[j]
+                    while seg < last:
+                        rc = st.rt.memcpy_async(<void*><uintptr_t>st.plan.s_dst[seg],
+                                                st.base + s * st.chunk_bytes + st.plan.s_pos[seg],
+                                                <size_t>st.plan.s_len[seg], _cudaMemcpyHostToDevice, st.stream)
+                        if rc != 0:
+                            break
+                        seg += 1
+                    if rc == 0:
+                        rc = st.rt.event_record(st.events[s], st.stream)
+                    if rc != 0:
+                        st.rt.get_last_error()
+                        _fail(st, _ERR_CUDA, rc, j, 0, 0)
+                        # copies of this chunk may be queued: its event must still cover them
+                        st.rt.event_record(st.events[s], st.stream)
+                        st.rt.get_last_error()
+                        j += 1
+                        break
+                    j += 1
+                    pthread_mutex_lock(&st.lock)
+                    st.issued = j
+                    pthread_cond_broadcast(&st.issued_cond)
+                    pthread_mutex_unlock(&st.lock)
+                # the workers leave the run (stopped, or out of chunks) before it returns
+                pthread_mutex_lock(&st.lock)
+                if _stopped(&st.cancel):
+                    pthread_cond_broadcast(&st.issued_cond)
+                while st.active > 0:
+                    pthread_cond_wait(&st.run_cond, &st.lock)
+                pthread_mutex_unlock(&st.lock)
+                # every issued copy completes (or fails) before the chunks may be reused or freed:
+                # the whole stream (the load's own), whatever event a failure left unrecorded
+                if j > 0:
+                    rc = st.rt.stream_synchronize(st.stream)
+                    if rc != 0:
+                        st.rt.get_last_error()
+                        if st.err_kind == _ERR_NONE:
+                            _fail(st, _ERR_CUDA, rc, j - 1, 0, 0)
+                st.rt.set_device(prev)
+                st.plan.nchunks = 0
+        finally:
+            self.busy = False
+        if raised is not None:
+            raise raised
+        kind = st.err_kind
+        if kind == 4:
+            return (3, 0, st.err_chunk, 0, 0)
+        return (kind, st.err_code, st.err_chunk, st.err_at, st.err_missing)
+
+    def close(self) -> None:
+        """Join the threads, unlock and unmap the chunks, destroy the events (idempotent)."""
+        cdef _State* st = self.st
+        cdef int i
+        if st == NULL:
+            return
+        with nogil:
+            pthread_mutex_lock(&st.lock)
+            st.stop = 1
+            pthread_cond_broadcast(&st.run_cond)
+            pthread_mutex_unlock(&st.lock)
+            for i in range(self.nthreads):
+                pthread_join(self.tids[i], NULL)
+            if st.events != NULL:
+                for i in range(st.nslots):
+                    if st.events[i] != NULL:
+                        st.rt.event_destroy(st.events[i])
+            if st.base != NULL:
+                for i in range(st.nblocks):
+                    if st.blocks != NULL and st.blocks[i] == 2:
+                        st.rt.host_unregister(st.base + _block_lo(i) * st.chunk_bytes)
+                munmap(self.mem, self.mapped)
+        self.nthreads = 0
+        pthread_cond_destroy(&st.filled_cond)
+        pthread_cond_destroy(&st.issued_cond)
+        pthread_cond_destroy(&st.run_cond)
+        pthread_cond_destroy(&st.lock_cond)
+        pthread_mutex_destroy(&st.lock)
+        free(st.blocks); free(st.events); free(st.filled); free(st.choices); free(st.fill_s)
+        free(self.tids); free(self.workers)
+        self.tids = NULL
+        self.workers = NULL
+        free(st)
+        self.st = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def plan(const int32_t[::1] p_file, const int64_t[::1] p_off, const int64_t[::1] p_len,
+         const uint64_t[::1] p_dst, int64_t chunk_bytes, int32_t[::1] c_file, int64_t[::1] c_seg,
+         int64_t[::1] s_pos, int64_t[::1] s_off, int64_t[::1] s_len, uint64_t[::1] s_dst):
+    """Cut pieces (file, file offset, bytes, device address), in load order, into chunks.
+
+    A chunk holds the pieces of one file that fall in one ``chunk_bytes``-aligned block of
+    it, packed back to back (a gap in the file costs no chunk space); a piece that crosses a
+    block's end is split there.  So a whole file's chunks are its aligned blocks (2 MiB lines,
+    where the page cache's large folios end, for chunk sizes that are multiples of 2 MiB),
+    and adjacent pieces contiguous on both sides merge into one segment (one DMA).
+
+    Output arrays must hold ``len(p_len) + total // chunk_bytes + 1`` chunks (``c_seg`` one
+    more) and as many segments.  Returns ``(chunks, segments)``.
+    """
+    cdef Py_ssize_t i, n = p_len.shape[0]
+    cdef int64_t k = -1, m = -1, off, left, take, used = 0, block = -1, dst
+    cdef int32_t f = -1
+    if chunk_bytes < 1:
+        raise ValueError("chunk_bytes must be positive")
+    if p_off.shape[0] != n or p_file.shape[0] != n or p_dst.shape[0] != n:
+        raise ValueError("the pieces' arrays differ in length")
+    with nogil:
+        for i in range(n):
+            off = p_off[i]
+            left = p_len[i]
+            dst = <int64_t>p_dst[i]
+            while left > 0:
+                take = chunk_bytes - off % chunk_bytes
+                if take > left:
+                    take = left
+                if p_file[i] != f or off // chunk_bytes != block or used + take > chunk_bytes:
+                    k += 1
+                    if k >= c_file.shape[0]:
+                        with gil:
+                            raise ValueError("too few chunks in the output")
+                    f = p_file[i]
+                    block = off // chunk_bytes
+                    c_file[k] = f
+                    c_seg[k] = m + 1
+                    used = 0
+                if (m >= 0 and c_seg[k] <= m and s_off[m] + s_len[m] == off
+                        and <int64_t>s_dst[m] + s_len[m] == dst and s_pos[m] + s_len[m] == used):
+                    s_len[m] += take
+                else:
+                    m += 1
+                    if m >= s_len.shape[0]:
+                        with gil:
+                            raise ValueError("too few segments in the output")
+                    s_pos[m] = used
+                    s_off[m] = off
+                    s_len[m] = take
+                    s_dst[m] = <uint64_t>dst
+                used += take
+                off += take
+                dst += take
+                left -= take
+        c_seg[k + 1] = m + 1
+    return (k + 1, m + 1)

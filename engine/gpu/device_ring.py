@@ -1,0 +1,697 @@
+"""File to device through the native chunk ring (:mod:`engine.gpu._ring`): the copy path of a
+device load.
+
+A load's pieces (file, offset, bytes, device address) are cut into chunks once
+(:func:`engine.gpu._ring.plan`: one ``chunk_bytes``-aligned block of a file per chunk), then one
+native call moves them: ``threads`` copy threads each take the next chunk, wait for its slot's
+previous copy to complete, fill it from the page cache; the calling thread issues each chunk's
+``cudaMemcpyAsync`` in order on the load's stream as soon as it is full.  Two copies of each
+byte: page cache -> page-locked chunk, chunk -> device by DMA.  No Python runs per chunk:
+the calling thread takes the GIL every few tens of milliseconds to report the tensors that
+have landed and to see a cancel.
+
+The geometry (:class:`Geometry`: chunk size, chunks in flight, copy threads) depends on the
+host and the device; the defaults are set from ``scripts/gpu_check.py --sweep`` (BENCHMARKS.md
+names the run), and ``ENGINE_RING`` (``chunk_mib,chunks,threads``) or the loaders'
+``ring=`` argument overrides them.
+
+What a device framework provides (its ``DeviceOps``, :mod:`engine.sinks`): the path of the
+CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``), a stream
+(``ring_stream()`` -> ``(handle, owner)``) and the device address of a target
+(``address(target)``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.errors import DeviceError
+from engine.io.reader import check_read, close_mapping, copy_mapping, copy_source, kept
+
+__all__ = ["Geometry", "LoadRecord", "default_geometry", "supports", "load", "load_records", "prepare", "keep_rings",
+           "locked_bytes", "cuda_runtime_path", "unmap_mode"]
+
+_MIB = 1 << 20
+#: the most host memory a ring page-locks when the caller does not say
+MAX_RING_BYTES = 256 * _MIB
+
+
+class Geometry(NamedTuple):
+    """The ring's shape: bytes per chunk (a multiple of 4096), chunks in flight (the ring's
+    slots), native copy threads."""
+
+    chunk_bytes: int
+    chunks: int
+    threads: int
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.chunk_bytes * self.chunks
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def default_threads(cores: int | None = None) -> int:
+    """Copy threads: every core on small hosts, leaving cores for the issuing thread, the
+    driver and the caller on larger ones (``cores - 4`` from 12 cores on)."""
+    n = cores or _cores()
+    if n >= 12:
+        return n - 4
+    if n >= 6:
+        return n - 2
+    return n
+
+
+def default_geometry(cores: int | None = None) -> Geometry:
+    """The ring's shape when the caller says nothing: ``ENGINE_RING`` if set, else 4 MiB
+    chunks, 32 in flight (128 MiB page-locked), :func:`default_threads`."""
+    return _default_geometry(os.environ.get("ENGINE_RING", "").strip(), cores)
+
+
+@functools.lru_cache(maxsize=16)
+def _default_geometry(env: str, cores: int | None) -> Geometry:
+    if env:
+        return parse_geometry(env)
+    return Geometry(4 * _MIB, 32, default_threads(cores))
+
+
+def stores() -> str:
+    """How copy threads write chunks filled out of a mapping: ``"stream"`` (the default: past
+    the caches, for rings larger than the last-level cache) or ``"cached"`` (through them);
+    ``ENGINE_RING_STORES`` picks one, ``scripts/gpu_check.py --sweep`` measures both."""
+    value = os.environ.get("ENGINE_RING_STORES", "stream").strip().lower()
+    if value not in ("stream", "cached"):
+        raise ValueError(f"ENGINE_RING_STORES must be 'stream' or 'cached', not {value!r}")
+    return value
+
+
+UNMAPS = ("end", "chunk")
+
+
+def unmap_mode() -> str:
+    """When the pages a load mapped to copy its files are given back: ``"end"`` (the
+    default: each file is mapped once for the load, copy threads copy out of it with no
+    system call per chunk, and the mapping is dropped in one step after the load, on a
+    thread of its own) or ``"chunk"`` (each chunk's mapped run is unmapped as soon as it is
+    copied, ``MADV_DONTNEED``: on a many-core host each is a TLB shootdown across the
+    process).  The mapped pages are the page cache's, not new memory: the process's
+    anonymous and page-locked memory is the same either way.  ``ENGINE_RING_UNMAP`` picks
+    one; ``scripts/gpu_check.py`` times both."""
+    value = os.environ.get("ENGINE_RING_UNMAP", "end").strip().lower()
+    if value not in UNMAPS:
+        raise ValueError(f"ENGINE_RING_UNMAP must be one of {UNMAPS}, not {value!r}")
+    return value
+
+
+class _Closer:
+    """Closes file mappings on one thread of its own, after the load that used them: a
+    whole file's page-table entries are torn down off the caller's path."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.pending = 0
+        self.thread: threading.Thread | None = None
+
+    def close(self, mappings) -> None:
+        if not mappings:
+            return
+        with self.cond:
+            self.pending += 1
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="engine-unmap", daemon=True)
+                self.thread.start()
+        self.jobs.put(mappings)
+
+    def _run(self) -> None:
+        while True:
+            mappings = self.jobs.get()
+            try:
+                for m in mappings:
+                    close_mapping(m)
+            finally:
+                with self.cond:
+                    self.pending -= 1
+                    self.cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every mapping handed over so far is closed."""
+        with self.cond:
+            while self.pending:
+                self.cond.wait()
+
+
+CLOSER = _Closer()
+
+
+def flush_unmaps() -> None:
+    """Wait until the mappings of finished loads are dropped (:func:`unmap_mode` ``"end"``)."""
+    CLOSER.flush()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRecord:
+    """What one load through the chunk ring did (collected by :func:`load_records`).
+
+    Attributes
+    ----------
+    chunks, bytes : int
+        Chunks the load was cut into and tensor bytes it moved.
+    chunk_bytes, slots, threads : int
+        The ring's geometry; ``threads`` is the copy threads this load woke (0: the calling
+        thread filled its one chunk itself).
+    seconds : float
+        The whole load: planning, mapping, waiting for the ring, its run to the last copy
+        completed.
+    fill_wait_s : float
+        Time the issuing thread waited for copy threads to fill the next chunk (high: the
+        host side is the bottleneck, more threads or a faster source help).
+    slot_wait_s : float
+        Time copy threads waited for a slot's previous copy to complete, summed over threads
+        (high: the DMA is the bottleneck, more or larger chunks may help).
+    fill_s : float
+        Time spent filling chunks, summed over threads.
+    lock_s, lock_calls : float, int
+        Page-locking done during this load (0 for a ring set up before it).
+    cold, setup_s : bool, float
+        The ring was not ready when this load asked for it (a process's first load, unless
+        :func:`prepare` finished before it), and the seconds the load waited for its set-up.
+    source, unmap : str
+        :func:`engine.io.reader.copy_source` and :func:`unmap_mode` of the load.
+    pread_bytes, mmap_bytes : int
+        Bytes copied with ``pread`` and out of the file's mapping.
+    pageable : bool
+        The runtime refused to page-lock the chunks: copies ran at pageable speed.
+    """
+
+    chunks: int
+    bytes: int
+    chunk_bytes: int
+    slots: int
+    threads: int
+    seconds: float
+    fill_wait_s: float
+    slot_wait_s: float
+    fill_s: float
+    lock_s: float
+    lock_calls: int
+    cold: bool
+    setup_s: float
+    source: str
+    unmap: str
+    pread_bytes: int
+    mmap_bytes: int
+    pageable: bool
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in _RECORD_FIELDS}
+
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(LoadRecord))
+_LOG = logging.getLogger("engine.gpu.device_ring")
+_RECORDERS: list[list] = []
+_RECORDERS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def load_records():
+    """Collect a :class:`LoadRecord` for every load through the chunk ring (any thread)
+    while the block runs::
+
+        with engine.load_records() as records:
+            engine.torch.load_file(path, device="cuda:0")
+        print(records[-1].as_dict())
+
+    Every record is also logged at DEBUG level on the ``engine.gpu.device_ring`` logger.
+    """
+    out: list[LoadRecord] = []
+    with _RECORDERS_LOCK:
+        _RECORDERS.append(out)
+    try:
+        yield out
+    finally:
+        with _RECORDERS_LOCK:
+            for i, r in enumerate(_RECORDERS):
+                if r is out:
+                    del _RECORDERS[i]
+                    break
+
+
+def _publish(record: LoadRecord) -> None:
+    with _RECORDERS_LOCK:
+        for r in _RECORDERS:
+            r.append(record)
+    if _LOG.isEnabledFor(logging.DEBUG):
+        _LOG.debug("ring load: %s", record.as_dict())
+
+
+def parse_geometry(text: str) -> Geometry:
+    """``"chunk_mib,chunks,threads"`` (``ENGINE_RING``'s form) as a :class:`Geometry`."""
+    try:
+        mib, chunks, threads = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"a ring geometry is 'chunk_mib,chunks,threads', not {text!r}") from None
+    return checked(Geometry(int(mib * _MIB) // 4096 * 4096, int(chunks), int(threads)))
+
+
+def checked(g: Geometry) -> Geometry:
+    if g.chunk_bytes < 4096 or g.chunk_bytes % 4096:
+        raise ValueError(f"a ring chunk is a positive multiple of 4096 bytes, not {g.chunk_bytes}")
+    if g.chunks < 1 or not 1 <= g.threads <= 256:
+        raise ValueError(f"a ring has at least one chunk and 1 to 256 threads, not {g}")
+    return g
+
+
+def supports(ops) -> bool:
+    """Whether a device framework's operations can drive the ring."""
+    return all(hasattr(ops, m) for m in ("runtime_path", "ring_stream", "address")) and hasattr(ops, "device_index")
+
+
+def geometry_for(slot_bytes: int | None = None, threads: int | None = None) -> Geometry:
+    """The default geometry with a loader's ``slot_bytes`` (bytes per chunk; chunks as many as
+    fit :data:`MAX_RING_BYTES`, at least 2) and ``threads`` (copy threads) applied."""
+    g = default_geometry()
+    if slot_bytes:
+        chunk = max(4096, slot_bytes // 4096 * 4096)
+        g = Geometry(chunk, max(2, min(g.chunks, MAX_RING_BYTES // chunk)), g.threads)
+    if threads:
+        g = g._replace(threads=threads)
+    return checked(g)
+
+
+@functools.cache
+def _runtime(path: str):
+    from engine.gpu import _ring
+
+    return _ring.Runtime(path)
+
+
+#: seconds an unused ring stays set up after a load (so that a loop of small loads, such as
+#: ``get_tensor`` per key, sets it up once); then it is closed and nothing stays page-locked
+LINGER_SECONDS = 2.0
+
+
+class _Kept:
+    """Rings between loads: kept until :func:`keep_rings` (or ``engine.keep_staging``) turns
+    keeping off, or else for :data:`LINGER_SECONDS` after their last load.  A ring's threads,
+    events and page-locked chunks are then set up once for loads that follow each other.
+
+    One reaper thread (started with the first lingering ring) closes the rings whose time is
+    up: a load gives its ring back without starting a timer thread.  A ring being prepared
+    ahead of the first load (:func:`prepare`) is a pending entry that :meth:`take` waits for.
+    """
+
+    def __init__(self) -> None:
+        self.on = os.environ.get("ENGINE_KEEP_STAGING", "") == "1"
+        self.cond = threading.Condition()
+        self.rings: dict = {}  # key -> [ring or None while pending, expiry (monotonic) or None]
+        self.reaper: threading.Thread | None = None
+
+    def take(self, key):
+        """``(ring or None, waited)``: the ring kept for ``key``, and whether it was still
+        being prepared when asked for (the load then waited for its set-up)."""
+        waited = False
+        with self.cond:
+            while key in self.rings and self.rings[key][0] is None:  # being prepared
+                waited = True
+                self.cond.wait()
+            entry = self.rings.pop(key, None)
+        return (entry[0] if entry is not None else None), waited
+
+    def pending(self, key) -> bool:
+        """Mark ``key`` as being prepared (False when a ring is kept or pending for it)."""
+        with self.cond:
+            if key in self.rings:
+                return False
+            self.rings[key] = [None, None]
+            return True
+
+    def give(self, key, ring, linger: bool = True) -> bool:
+        """Keep ``ring`` for the next load of ``key``: while keeping is on, or for
+        :data:`LINGER_SECONDS` (``linger``; without it, until taken).  False when it is not
+        kept (another ring is, or lingering is off): close it then."""
+        with self.cond:
+            entry = self.rings.get(key)
+            if entry is not None and entry[0] is not None:
+                return False
+            expiry = None
+            if not self.on and linger:
+                if LINGER_SECONDS <= 0:
+                    if entry is not None:
+                        del self.rings[key]
+                        self.cond.notify_all()
+                    return False
+                expiry = time.monotonic() + LINGER_SECONDS
+                if self.reaper is None or not self.reaper.is_alive():
+                    self.reaper = threading.Thread(target=self._reap, name="engine-ring-reaper", daemon=True)
+                    self.reaper.start()
+            self.rings[key] = [ring, expiry]
+            self.cond.notify_all()
+        return True
+
+    def drop(self, key) -> None:
+        """Forget a pending entry whose preparation failed."""
+        with self.cond:
+            entry = self.rings.get(key)
+            if entry is not None and entry[0] is None:
+                del self.rings[key]
+            self.cond.notify_all()
+
+    def _reap(self) -> None:
+        while True:
+            with self.cond:
+                now = time.monotonic()
+                due = [k for k, (r, t) in self.rings.items() if r is not None and t is not None and t <= now]
+                expired = [self.rings.pop(k)[0] for k in due]
+                if not expired:
+                    times = [t for r, t in self.rings.values() if r is not None and t is not None]
+                    self.cond.wait(max(0.01, min(times) - now) if times else None)
+                    continue
+            for ring in expired:
+                ring.close()
+
+    def release(self) -> None:
+        with self.cond:
+            entries = [k for k, (r, _) in self.rings.items() if r is not None]
+            rings = [self.rings.pop(k)[0] for k in entries]
+            self.cond.notify_all()
+        for ring in rings:
+            ring.close()
+
+
+KEPT = _Kept()
+# closed before the CUDA runtime's own exit handlers run
+atexit.register(KEPT.release)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def keep_rings(on: bool = True) -> None:
+    """Keep each device's ring (threads, events, page-locked chunks) between loads until
+    turned off (``True``), or close the kept ones and keep them only briefly after each load
+    (``False``).  ``engine.keep_staging`` calls this."""
+    KEPT.on = bool(on)
+    if not on:
+        KEPT.release()
+
+
+def release_rings() -> None:
+    """Close every ring set up and not in use now: nothing the engine page-locked stays locked."""
+    KEPT.release()
+
+
+def locked_bytes() -> int:
+    """Host bytes the engine's rings hold page-locked now (kept and running ones)."""
+    return sum(r.locked_bytes for r in list(_LIVE))
+
+
+#: the runtime found mapped in this process (it stays mapped once loaded: looked up once)
+_MAPPED: list[str] = []
+
+
+def _loaded_cudart_path() -> str | None:
+    if _MAPPED:
+        return _MAPPED[0]
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(" ")[-1]
+                if "libcudart.so" in os.path.basename(path):
+                    _MAPPED.append(path)
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+#: sonames tried, newest first, when no runtime is mapped yet
+_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+
+
+def cuda_runtime_path() -> str | None:
+    """Path of the ``libcudart`` this process has loaded (torch's or CuPy's: opening it again
+    gives that same instance), else the first soname the dynamic loader finds, else None."""
+    path = _loaded_cudart_path()
+    if path is not None:
+        return path
+    import ctypes
+
+    for name in _SONAMES:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return name
+    return None
+
+
+def _new_ring(ops, g: Geometry):
+    from engine.gpu import _ring
+
+    path = ops.runtime_path()
+    if not path:
+        raise DeviceError("no CUDA runtime is loaded in this process to copy through")
+    try:
+        rt = _runtime(path)
+    except OSError as exc:
+        raise DeviceError(str(exc)) from exc
+    stream, owner = ops.ring_stream()
+    try:
+        ring = _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
+    except RuntimeError as exc:
+        raise DeviceError(f"cannot set up the copy ring: {exc}") from exc
+    _LIVE.add(ring)
+    return ring
+
+
+class _Pieces:
+    """The load's pieces in load order, as the native planner takes them, and for each
+    tensor key its bytes and the index of its last piece."""
+
+    def __init__(self, sources, targets, address) -> None:
+        files, offs, lens, dsts = [], [], [], []
+        self.keys: list = []  # per piece
+        self.sizes: dict = {}
+        self.empty: list = []
+        for i, src in enumerate(sources):
+            base = src.row_base
+            for req in src.requests:
+                for p in req.pieces:
+                    key = base + p.row
+                    if not p.nbytes:
+                        self.sizes.setdefault(key, 0)
+                        continue
+                    files.append(i)
+                    offs.append(req.offset + p.request_offset)
+                    lens.append(p.nbytes)
+                    dsts.append(address(targets[key]) + p.tensor_offset)
+                    self.keys.append(key)
+                    self.sizes[key] = self.sizes.get(key, 0) + p.nbytes
+        self.file = np.array(files, np.int32)
+        self.off = np.array(offs, np.int64)
+        self.len = np.array(lens, np.int64)
+        self.dst = np.array(dsts, np.uint64)
+
+
+def plan(pieces: _Pieces, chunk_bytes: int):
+    """The chunk plan of :func:`engine.gpu._ring.plan`, trimmed: ``(c_file, c_seg, s_pos, s_off,
+    s_len, s_dst)``."""
+    from engine.gpu import _ring
+
+    n = len(pieces.len)
+    total = int(pieces.len.sum()) if n else 0
+    cap = n + 2 * (total // chunk_bytes) + 2
+    c_file = np.empty(cap, np.int32)
+    c_seg = np.empty(cap + 1, np.int64)
+    s_pos, s_off, s_len = (np.empty(cap + n, np.int64) for _ in range(3))
+    s_dst = np.empty(cap + n, np.uint64)
+    k, m = _ring.plan(pieces.file, pieces.off, pieces.len, pieces.dst, chunk_bytes, c_file, c_seg, s_pos, s_off,
+                      s_len, s_dst)
+    return c_file[:k].copy(), c_seg[: k + 1].copy(), s_pos[:m].copy(), s_off[:m].copy(), s_len[:m].copy(), \
+        s_dst[:m].copy()
+
+
+class _Landing:
+    """Reports each tensor to the tracker once the chunk holding its last byte has completed."""
+
+    def __init__(self, pieces: _Pieces, c_seg, s_len, tracker) -> None:
+        self.tracker = tracker
+        self.sizes = pieces.sizes
+        self.reported = 0
+        if len(pieces.sizes) == 1 and len(pieces.len):
+            # one tensor (get_tensor's load): it lands with the load's last chunk
+            self.order = list(pieces.sizes)
+            self.chunk = np.array([len(c_seg) - 2], np.int64)
+            return
+        if len(pieces.len):
+            seg_end = np.cumsum(s_len)
+            chunk_end = seg_end[c_seg[1:] - 1]
+            piece_chunk = np.searchsorted(chunk_end, np.cumsum(pieces.len), side="left")
+        else:
+            piece_chunk = np.empty(0, np.int64)
+        last: dict = {}
+        for key, c in zip(pieces.keys, piece_chunk.tolist(), strict=True):
+            last[key] = c
+        order = sorted(last.items(), key=lambda kv: kv[1])
+        self.order = [k for k, _ in order]
+        self.chunk = np.array([c for _, c in order], np.int64)
+        tracker.landed([(k, 0) for k, n in pieces.sizes.items() if n == 0])
+
+    def upto(self, done: int) -> None:
+        """Chunks ``[0, done)`` have completed."""
+        if self.reported == len(self.order):
+            return
+        stop = int(np.searchsorted(self.chunk, done, side="left"))
+        if stop > self.reported:
+            keys = self.order[self.reported : stop]
+            self.reported = stop
+            self.tracker.landed([(k, self.sizes[k]) for k in keys])
+
+
+def _ring_key(ops, g: Geometry) -> tuple:
+    return (ops.runtime_path(), ops.device_index, g)
+
+
+def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, linger: bool = False):
+    """Set up the ring of ``ops``'s device (threads, events, every chunk page-locked) ahead of
+    the first load.  Returns ``(seconds, cudaHostRegister calls)`` the page-locking took:
+    ``(0.0, 0)`` when a ring is already set up or being set up for the device; None with
+    ``background`` (the set-up runs on a thread of its own: a load that starts meanwhile
+    waits for this ring rather than setting up a second one, and starts copying as soon as
+    it is ready).  The ring is kept until a load takes it (``linger``: for
+    :data:`LINGER_SECONDS` only, as after a load)."""
+    g = checked(geometry or default_geometry())
+    key = _ring_key(ops, g)
+    if not KEPT.pending(key):
+        return None if background else (0.0, 0)
+
+    def setup():
+        ring = None
+        try:
+            ring = _new_ring(ops, g)
+            return ring.lock_all()
+        finally:
+            if ring is None:
+                KEPT.drop(key)
+            elif not KEPT.give(key, ring, linger=linger):
+                ring.close()
+
+    if not background:
+        return setup()
+
+    def quietly():
+        try:
+            setup()
+        except Exception as exc:  # the load that follows sets its own ring up, and reports
+            _LOG.debug("preparing the copy ring failed: %s", exc)
+
+    threading.Thread(target=quietly, name="engine-ring-prepare", daemon=True).start()
+    return None
+
+
+def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | None = None) -> dict:
+    """Move every request of ``sources`` (local files) into ``dest``'s device targets through a
+    chunk ring; reports tensors to ``tracker`` as they land (each once every copy into it has
+    completed).  Returns what the ring did, as :meth:`LoadRecord.as_dict` (also published to
+    :func:`load_records`).
+
+    A source's ``mapping`` (a caller's mapping of the file, held beyond the load) is copied
+    from and left mapped; otherwise each file is mapped for the load (see :func:`unmap_mode`)
+    or read with ``pread`` (:func:`engine.io.reader.copy_source`).
+
+    Raises :class:`~engine.errors.ReadError` naming the file of a failed read,
+    :class:`~engine.errors.DeviceError` for a failure of the runtime; returns early, with
+    ``cancel`` set, when cancelled.  Every issued copy has completed when it returns.
+    """
+    t_start = time.perf_counter()
+    ops = dest.device_ops
+    g = checked(geometry or default_geometry())
+    targets = dest.device_targets
+    pieces = _Pieces(sources, targets, ops.address)
+    c_file, c_seg, s_pos, s_off, s_len, s_dst = plan(pieces, g.chunk_bytes)
+    landing = _Landing(pieces, c_seg, s_len, tracker)
+    if not len(c_file):
+        return {}
+    source, unmap = copy_source(), unmap_mode()
+    used = sorted(set(c_file.tolist()))
+    mappings: dict[int, object] = {}  # mappings this load made (or took from the kept ones)
+    arrays: list = []
+    fds = np.full(len(sources), -1, np.int32)
+    maps = np.zeros(len(sources), np.uint64)
+    lens = np.zeros(len(sources), np.int64)
+    keeps = np.zeros(len(sources), np.uint8)
+    key = _ring_key(ops, g)
+    t_ring = time.perf_counter()
+    ring, cold = KEPT.take(key)
+    try:
+        if ring is None:
+            ring, cold = _new_ring(ops, g), True
+        setup_s = time.perf_counter() - t_ring
+        for i in used:
+            fds[i] = sources[i].fd
+            m = sources[i].mapping  # the caller's, held beyond the load
+            if m is None:
+                m = mappings[i] = copy_mapping(sources[i].fd)
+            if m is not None:
+                # the only views of the mapping: cleared before it is closed
+                arrays.append(np.frombuffer(m, np.uint8))
+                maps[i] = arrays[-1].ctypes.data if len(arrays[-1]) else 0
+                lens[i] = len(arrays[-1])
+                keeps[i] = i not in mappings or unmap == "end" or kept(m)
+
+        def poll(done: int) -> bool:
+            landing.upto(done)
+            return cancel.is_set()
+
+        kind, code, chunk, at, missing = ring.run(c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens,
+                                                  keeps, poll, adaptive=source != "mmap",
+                                                  stream_stores=stores() == "stream")
+        run = ring.last_run
+        record = LoadRecord(
+            chunks=int(run["chunks"]), bytes=int(s_len.sum()), chunk_bytes=ring.chunk_bytes, slots=ring.chunks,
+            threads=int(run["threads"]), seconds=time.perf_counter() - t_start, fill_wait_s=run["fill_wait_s"],
+            slot_wait_s=run["slot_wait_s"], fill_s=run["fill_s"], lock_s=run["lock_s"],
+            lock_calls=int(run["lock_calls"]), cold=cold, setup_s=setup_s, source=source, unmap=unmap,
+            pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable)
+    finally:
+        arrays.clear()
+        later = []
+        for m in mappings.values():
+            if unmap == "end" and m is not None and not kept(m):
+                later.append(m)  # a whole file's page tables: torn down off the caller's path
+            else:
+                close_mapping(m)  # None, a kept mapping given back, or one "chunk" emptied as it went
+        CLOSER.close(later)
+        if ring is not None and not KEPT.give(key, ring):
+            ring.close()
+    if kind == 1:
+        src = sources[int(c_file[chunk])]
+        check_read((code, at, missing), "the load", src.path, src.fd)  # raises: code is an errno or -1
+    if kind == 2:
+        src = sources[int(c_file[chunk])]
+        rt = _runtime(ops.runtime_path())
+        raise DeviceError(
+            f"copying {src.path or 'the file'} to the device failed (chunk {chunk} of {len(c_file)}): "
+            f"{rt.error_string(code)} (CUDA error {code})", path=src.path)
+    _publish(record)
+    if kind == 3:
+        cancel.set()
+        return record.as_dict()
+    landing.upto(len(c_file))
+    return record.as_dict()

@@ -1,0 +1,1 @@
+"""loading: see ARCHITECTURE.md."""

@@ -1,0 +1,543 @@
+"""``safe_open``: the reference's file handle, stricter and faster.
+
+A handle parses and validates the header once (see :mod:`engine.format.header`), then hands out
+tensors through one of two backends:
+
+``"mmap"`` (default)
+    The file is mapped once; every tensor is a zero-copy view of the mapping.  numpy arrays
+    and torch tensors are writable, as the reference's are: the mapping is private
+    (copy-on-write), so a write copies only the page it touches and never reaches the file.  Fastest when the file is in the page cache and the
+    caller reads only part of it.  Like any mapping, a file truncated by another process
+    while mapped can crash the process (SIGBUS); use ``"pread"`` where files can change.
+``"pread"``
+    Owned, writable memory filled with ``preadv`` (GIL released, several threads for large
+    reads); no mapping.  For network file systems and for callers that need private memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import threading
+from typing import Any, NoReturn
+
+from engine.base import dtypes
+from engine.base._files import PREFETCH_MIN_BYTES, advise_sequential, on_network_mount, open_regular
+from engine.errors import (
+    MissingDependencyError,
+    SafetensorError,
+    TensorNotFoundError,
+    UnrepresentableTensorError,
+)
+from engine.format._file_handle import Slicer, TensorSlice
+from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
+from engine.sinks import get_sink, map_file, sink_kind
+
+__all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
+
+_BACKENDS = ("mmap", "pread")
+# below this a slice is read on the calling thread: threads cost more than they save
+_PARALLEL_SLICE_BYTES = 32 * 1024 * 1024
+
+
+def _sink_for(framework: str, device: Any):
+    """The sink of ``framework``; a framework that is not installed is a MissingDependencyError."""
+    try:
+        return get_sink(framework, device)
+    except ModuleNotFoundError as exc:
+        raise MissingDependencyError.for_framework(exc, framework) from None
+
+
+class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replacement
+    """Open a safetensors file for lazy, validated access.
+
+    Parameters
+    ----------
+    filename : str or os.PathLike
+        The file.  (``engine.safe_open`` also opens a ``model.safetensors.index.json`` or a
+        directory holding a checkpoint, as an :class:`engine.checkpoints.checkpoint.Checkpoint`.)
+    framework : {"np", "numpy", "pt", "torch"}
+        Kind of tensors handed out.
+    device : str, int or torch.device, default "cpu"
+        Where torch tensors go (``"cuda:0"``, ``0``, ...).  numpy arrays are always on the CPU.
+    backend : {"mmap", "pread"}, default "mmap"
+        See the module documentation.
+    max_header_size : int, default 100,000,000
+        Largest header accepted, in bytes; raise it for legitimate giant headers.
+
+    Raises
+    ------
+    HeaderError
+        The header breaks a rule of the format; ``.reason`` says which.
+    FileNotFoundError, PermissionError
+        As ``open`` raises them.
+    DeviceError
+        A device that the framework cannot use.
+
+    Notes
+    -----
+    Copies of tensor bytes: ``"mmap"`` 0 (views of the page cache); ``"pread"`` 1 (page
+    cache to owned memory).  A CUDA device, whatever the backend: 2 (page cache to a
+    page-locked chunk, then DMA).
+    Opening reads only the 8 + N header bytes.
+
+    Examples
+    --------
+    >>> with engine.safe_open("model.safetensors", framework="pt") as f:  # doctest: +SKIP
+    ...     w = f.get_slice("lm_head.weight")[:, :1024]
+    """
+
+    def __init__(
+        self,
+        filename,
+        framework: str = "numpy",
+        device: Any = "cpu",
+        *,
+        backend: str = "mmap",
+        max_header_size: int = MAX_HEADER_SIZE,
+    ) -> None:
+        path = os.fspath(filename)
+        # opened without blocking and checked to be a regular file (a FIFO would hang)
+        self._setup(path, open_regular(path), framework, device, backend, max_header_size)
+
+    def _setup(self, path: str, fd: int, framework, device, backend: str, max_header_size: int) -> None:
+        """Take ownership of the open ``fd`` (closed on failure) and read its header."""
+        # Reads borrow the descriptor (see _borrow): close() never frees the number while a
+        # read on another thread still uses it, so a reused number cannot feed another file's
+        # bytes into that read.
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closing = False
+        self._fd: int | None = fd
+        self._path = path
+        self._base = None
+        self._mm = None
+        self._held: object = None  # device loads' read-only mapping (False: they pread)
+        self._handed: set[int] = set()  # rows viewed out of the current mapping
+        self._network: bool | None = None  # on a network or FUSE mount; asked at the first mapping
+        try:
+            if backend not in _BACKENDS:
+                raise SafetensorError(
+                    f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend"
+                )
+            self._kind = sink_kind(framework, device)
+            self._device = device
+            # The sink (and numpy, and the torch sink's module) comes with the first tensor,
+            # not at open: a tool that reads only names, dtypes, shapes and metadata never
+            # pays for it.  torch on the CPU is imported now, as the reference imports it,
+            # so that a missing torch fails here; any other torch or CuPy device is checked
+            # now by making its sink, so that a bad device fails here too.
+            self._sink_obj = None
+            if self._kind == "torch" and str(device) == "cpu":
+                try:
+                    import torch  # noqa: F401 - the check; free where torch is loaded already
+                except ModuleNotFoundError as exc:
+                    raise MissingDependencyError.for_framework(exc, framework) from None
+            elif self._kind != "numpy":
+                self._sink_obj = _sink_for(framework, device)
+            self._backend = backend
+            size = os.fstat(fd).st_size
+            self.header: Header = read_header_fd(fd, path=path, file_size=size, max_header_size=max_header_size)
+        except BaseException:
+            self.close()
+            raise
+        # per-name lookups are the hot path of callers that walk every key: get_slice is a
+        # C callable bound to this handle (see engine.format._file_handle)
+        self._index = self.header.table.index
+        self.get_slice = Slicer(self, self.header)  # type: ignore[method-assign]
+
+    # -- context manager -------------------------------------------------------------
+    def __enter__(self) -> safe_open:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file.  Tensors already handed out stay valid (a mapping lives as
+        long as any view of it).
+
+        Safe while other threads read through this handle: reads already under way finish
+        with the right bytes (the descriptor is closed when the last of them ends), and
+        reads started after ``close()`` raise ``SafetensorError`` (``reason="FileClosed"``).
+        """
+        slicer = self.__dict__.get("get_slice")
+        if slicer is not None:
+            slicer.closed = True
+        held = None
+        with self._lock:
+            self._base = self._mm = None
+            self._closing = True
+            fd = self._fd if self._users == 0 else None
+            if fd is not None:
+                self._fd = None
+                held, self._held = self._held, None
+        if fd is not None:
+            _close_held(held)
+            os.close(fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise SafetensorError("the file is closed", reason="FileClosed", path=self._path)
+
+    def _borrow(self) -> int:
+        """The descriptor, kept open until the matching :meth:`_give_back`."""
+        with self._lock:
+            if self._closing:
+                raise SafetensorError("the file is closed", reason="FileClosed", path=self._path)
+            self._users += 1
+            return self._fd  # type: ignore[return-value]  # not None while not closing
+
+    def _give_back(self) -> None:
+        fd = held = None
+        with self._lock:
+            self._users -= 1
+            if self._closing and self._users == 0 and self._fd is not None:
+                fd, self._fd = self._fd, None
+                held, self._held = self._held, None
+        if fd is not None:
+            _close_held(held)
+            os.close(fd)
+
+    def _held_mapping(self, fd: int):
+        """The read-only mapping device loads copy out of (None: they ``pread``), made by the
+        first and kept until the handle closes: a loop of ``get_tensor`` calls maps the file
+        once, not once per key.  Call with the descriptor borrowed."""
+        held = self._held
+        if held is None:
+            from engine.io.reader import copy_mapping
+
+            advise_sequential(fd)  # once for the handle, not per load
+            made = copy_mapping(fd)
+            with self._lock:
+                if self._held is None:
+                    self._held, made = (made if made is not None else False), None
+                held = self._held
+            _close_held(made)  # another thread made one first
+        return held or None
+
+    # -- the reference's API -----------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Tensor names, sorted."""
+        self._check_open()
+        return self.header.keys()
+
+    def offset_keys(self) -> list[str]:
+        """Tensor names in the order of their bytes in the file."""
+        self._check_open()
+        return self.header.offset_keys()
+
+    def metadata(self) -> dict[str, str] | None:
+        """The ``__metadata__`` mapping, or None when the file has none."""
+        self._check_open()
+        md = self.header.metadata
+        return dict(md) if md is not None else None
+
+    def _row(self, name: str) -> int:
+        row = self._index.get(name)
+        if row is None or self._closing:
+            self._missing(name)
+        return row
+
+    def _missing(self, name) -> NoReturn:
+        """Raise what a lookup of ``name`` that found no open tensor must raise."""
+        self._check_open()
+        raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
+
+    @property
+    def _sink(self):
+        """This handle's sink, made on first use for numpy and CPU torch (see ``_setup``)."""
+        sink = self._sink_obj
+        if sink is None:  # CPU sinks hold no state: a second one made by a racing thread is as good
+            sink = self._sink_obj = _sink_for(self._kind, self._device)
+        return sink
+
+    def _mapping(self):
+        base = self._base
+        if base is None:
+            fd = self._borrow()
+            try:
+                if self._network is None:
+                    self._network = on_network_mount(fd)
+                    if self._network:
+                        # there each fault of the mapping is a round trip for the read-ahead
+                        # window around it: a doubled window halves them (as the reference
+                        # advises its mapping; scripts/bench_netfs.py)
+                        advise_sequential(fd)
+                mm = map_file(self._sink, fd)
+            finally:
+                self._give_back()
+            self._mm = mm
+            base = self._base = self._sink.map(mm)
+        return base
+
+    def _mapping_for(self, rows) -> object:
+        """The mapping to view ``rows`` out of: this handle's, or a new private one where one
+        of them was viewed before.  Views of one copy-on-write mapping share their writes,
+        and the reference hands out independent arrays each time, so a second ``get_tensor``
+        of a tensor whose first array was written to must still see the file's bytes.  The
+        views handed out before keep their mapping alive."""
+        with self._lock:
+            if not self._handed.isdisjoint(rows):
+                self._base = self._mm = None
+                self._handed = set()
+            self._handed.update(rows)
+        return self._mapping()
+
+    def get_tensor(self, name: str):
+        """The whole tensor ``name`` (a view for "mmap", owned memory for "pread")."""
+        return self._get_rows([self._row(name)])[name]
+
+    def get_tensors(self) -> dict:
+        """Every tensor, keyed by name, in file order."""
+        return self._get_rows(self.header.table.file_order())
+
+    def get_slice(self, name: str) -> TensorSlice:  # replaced per handle by a C callable
+        """A lazy slice handle: ``f.get_slice(name)[0:8, ::2]`` reads only those bytes."""
+        return self.__dict__["get_slice"](name)
+
+    # -- internals ---------------------------------------------------------------------
+    def _get_rows(self, rows: list[int]) -> dict:
+        return get_rows_many([(self, rows)])[0]
+
+    def _read_slice(self, row: int, index):
+        from engine.io.reader import default_threads, pread_runs
+        from engine.planning.plan import InvalidSliceError, plan_slice
+
+        t = self.header.table
+        code = int(t.codes[row])
+        d = dtypes.DTYPES[code]
+        name = t.names[row]
+        if d.sub_byte:
+            raise SafetensorError(
+                f"tensor {name!r} has the packed sub-byte dtype {d.name}; slice it after get_tensor()",
+                reason="InvalidSlice",
+                path=self._path,
+                tensors=(name,),
+            )
+        try:
+            # as the reference: numpy slices refuse bounds past an axis, torch slices clamp them
+            plan = plan_slice(t.shapes[row], d.itemsize, index, strict_bounds=self._kind != "torch")
+        except InvalidSliceError as err:
+            raise InvalidSliceError(
+                f"tensor {name!r} {list(t.shapes[row])}: {err.message}",
+                reason="InvalidSlice",
+                path=self._path,
+                tensors=(name,),
+            ) from None
+        begin, end = int(t.begins[row]), int(t.ends[row])
+        offset = self.header.data_start + begin
+        sink = self._sink
+        if self._backend == "mmap":
+            # basic indexing of the mapped view selects without copying; only the pages the
+            # selection touches are ever read
+            whole = sink.view(self._mapping_for((row,)), code, t.shapes[row], offset, end - begin)
+            return sink.to_device(sink.finish(whole[plan.forward_index], plan.flip_squeezed, plan.result_shape))
+        block = sink.empty(code, plan.out_shape, plan.nbytes)
+        if plan.nbytes:
+            threads = 1 if plan.nbytes < _PARALLEL_SLICE_BYTES else default_threads()
+            fd = self._borrow()
+            try:
+                pread_runs(fd, sink.raw(block), plan.src, plan.run_bytes, offset, path=self._path, threads=threads)
+            finally:
+                self._give_back()
+        return sink.to_device(sink.finish(block, plan.flip, plan.result_shape))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else f"{len(self.header)} tensors"
+        return f"<engine.safe_open {self._path!r} {self._kind} {self._backend} ({state})>"
+
+
+def _close_held(held) -> None:
+    if held:
+        from engine.io.reader import close_mapping
+
+        close_mapping(held)
+
+
+@contextlib.contextmanager
+def _borrowed(parts: list[tuple[safe_open, list[int]]], held: bool = False):
+    """:class:`engine.loading.loader.Part` of each (handle, rows), their descriptors kept open
+    against a concurrent ``close()`` until the block ends; with ``held``, each with its
+    handle's held mapping (device loads)."""
+    from engine.loading.loader import Part
+
+    taken: list[safe_open] = []
+    try:
+        files = []
+        for h, rows in parts:
+            fd = h._borrow()
+            taken.append(h)
+            files.append(Part(fd, h.header, rows, h._path, mapping=h._held_mapping(fd) if held else None))
+        yield files
+    finally:
+        for h in taken:
+            h._give_back()
+
+
+def load_into_many(handles: list[safe_open], tensors, *, source: str | None = None, **options) -> list[str]:
+    """:func:`engine.load_into` from several open handles (a checkpoint's shards) as one
+    load; ``options`` as :func:`engine.loading.loader.fill_parts` takes them."""
+    from engine.loading.loader import fill_parts
+
+    with _borrowed([(h, []) for h in handles]) as files:
+        return fill_parts(files, tensors, source=source, **options)
+
+
+def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
+    """The tensors of ``rows`` (name -> tensor) of each of several open handles, which share
+    one framework, device and backend (a checkpoint's shards).
+
+    ``"mmap"`` on the CPU makes views of each file's mapping (read ahead on several threads
+    when cold).  Everything else (owned ``"pread"`` loads, CUDA) is one load across every
+    file: one queue of reads, one set of threads or staging slots, one allocation
+    (:func:`engine.loading.loader.load_parts`).
+
+    Copies of tensor bytes: ``"mmap"`` 0; ``"pread"`` 1 (page cache to owned memory); a
+    CUDA device 2 (see :mod:`engine.loading.pipeline`).
+    """
+    if not parts:
+        return []
+    for h, _ in parts:
+        h._check_open()
+    sink = parts[0][0]._sink
+    if parts[0][0]._backend == "mmap" and not sink.on_device:
+        outs = []
+        for h, rows in parts:
+            t = h.header.table
+            base = h._mapping_for(rows)
+            start = h.header.data_start
+            columns = _columns(t, rows)
+            _, begins, ends = columns
+            spans = [(start + int(begins[r]), start + int(ends[r])) for r in rows]
+            if sum(hi - lo for lo, hi in spans) >= PREFETCH_MIN_BYTES and not h._network:
+                # a cold file is read on several threads in large pieces, not page by page as
+                # the caller touches it (a warm one costs a mincore call per 32 MiB); a small
+                # load (a tool's first tensor) needs none of the reader.  Not on a network or
+                # FUSE mount: there a populate runs one read-ahead window at a time through
+                # the mount, and the caller's own copy, faulting on all its threads with the
+                # doubled window, is faster (scripts/bench_netfs.py)
+                from engine.io.reader import prefetch_mapping
+
+                prefetch_mapping(h._mm, spans)
+            outs.append(views(sink, base, h.header, rows, start, path=h._path, columns=columns))
+    else:
+        # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
+        # opening a file and reading its header need none of it)
+        from engine.loading.loader import load_parts
+
+        with _borrowed(parts, held=sink.on_device) as files:
+            got = load_parts(files, sink)
+        outs = [{h.header.table.names[r]: g[r] for r in rows} for (h, rows), g in zip(parts, got, strict=True)]
+    if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
+        outs = [{name: sink.to_device(x) for name, x in out.items()} for out in outs]
+    return outs
+
+
+def _columns(table, rows) -> tuple:
+    """(codes, begins, ends) to index by row: Python lists when ``rows`` is much of the
+    table (indexing the arrays would build a numpy scalar per field; one ``tolist`` per
+    column is cheaper), else the arrays themselves (a few rows of a large file must not
+    pay for converting every row)."""
+    if len(rows) * 8 >= len(table.names):
+        return table.codes.tolist(), table.begins.tolist(), table.ends.tolist()
+    return table.codes, table.begins, table.ends
+
+
+def views(sink, base, header: Header, rows, data_start: int, path=None, columns=None) -> dict:
+    """Tensors of ``rows`` as zero-copy views of ``base``, whose byte ``data_start`` is the
+    first byte of the data region (a mapped file, the bytes of a whole file, or a copy of its
+    data region); keyed by name, in the order of ``rows``.
+
+    ``columns``: the table's (codes, begins, ends) as :func:`_columns` gave them, when the
+    caller has them already.  Raises ``UnrepresentableTensorError`` naming the tensor (and
+    ``path``) for a valid entry the framework cannot build."""
+    t = header.table
+    names, shapes = t.names, t.shapes
+    codes, begins, ends = columns if columns is not None else _columns(t, rows)
+    view = sink.view
+    out = {}
+    for r in rows:
+        b = int(begins[r])
+        try:
+            out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
+        except UnrepresentableTensorError as err:
+            raise UnrepresentableTensorError(
+                f"tensor {names[r]!r}: {err.message}", reason=err.reason, path=path, tensors=(names[r],)
+            ) from None
+    return out
+
+
+class _safe_open_handle(safe_open):  # noqa: N801 - the reference's spelling
+    """:class:`safe_open` over an open file object instead of a path (the reference's API).
+
+    Parameters
+    ----------
+    f : file object
+        A file opened by the caller: a real file (anything with a working ``fileno()``) is
+        read through a duplicate of its descriptor; any other readable object (an fsspec
+        file, ``io.BytesIO``) is read once, from its start, into anonymous memory.
+    framework, device, backend, max_header_size
+        As for :class:`safe_open`.
+
+    Notes
+    -----
+    The caller's file object is neither moved nor closed when it has a descriptor.  Copies
+    of tensor bytes: as :class:`safe_open` for real files; two more for other objects (their
+    bytes read into memory, then written to an anonymous in-memory file), with a peak of
+    twice the file's size.
+    """
+
+    def __init__(
+        self,
+        f,
+        framework: str,  # required, as by the reference
+        device: Any = "cpu",
+        *,
+        backend: str = "mmap",
+        max_header_size: int = MAX_HEADER_SIZE,
+    ) -> None:
+        name = getattr(f, "name", None)
+        path = os.fspath(name) if isinstance(name, (str, os.PathLike)) else repr(f)
+        self._setup(path, _handle_fd(f), framework, device, backend, max_header_size)
+
+
+def _handle_fd(f) -> int:
+    """A descriptor of our own for the file object ``f`` (see :class:`_safe_open_handle`)."""
+    try:
+        return os.dup(f.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    try:
+        f.seek(0)
+    except (AttributeError, OSError, ValueError):
+        pass
+    data = f.read()
+    if isinstance(data, str):
+        raise SafetensorError("the file object was opened in text mode and has no descriptor; open it with 'rb'",
+                              reason="InvalidFile")
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("safetensors", getattr(os, "MFD_CLOEXEC", 0))
+    else:  # pragma: no cover - not Linux
+        tmp = tempfile.TemporaryFile()
+        fd = os.dup(tmp.fileno())
+        tmp.close()
+    try:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

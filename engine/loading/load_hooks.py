@@ -1,0 +1,538 @@
+"""Work done on tensors while a load brings them in: device statistics and int8 quantization.
+
+:func:`plan` is the loaders' one entry point.  For a CUDA destination it returns a
+:class:`LoadWork` whose hooks run the kernels of :mod:`engine.numerics.device` where the bytes land:
+
+* ``after_copy(request, stream)`` (the pipeline calls it after each request's host-to-device
+  copies, on the copies' stream) folds every piece of a tensor that wants statistics into a
+  device accumulator of that reader thread; the accumulators of a tensor merge on the host
+  when it is handed out, as the CPU fold's do;
+* tensors selected for quantization land in a device staging buffer of their own source
+  dtype, allocated at their first piece; ``landed(row)`` (called when the tensor's last
+  copy has completed) quantizes it into int8 values and float32 scales and drops the
+  staging buffer.  Device memory at peak: the int8 tensors and scales, the unquantized
+  tensors, and the staging of the tensors whose copies are in flight (the slot path holds
+  at most ``slots`` units of ``slot_bytes``, so these are the tensors overlapping a window
+  of a few ``slot_bytes`` of the file): never a
+  full-precision copy of the quantized tensors all at once.
+
+Where Numba's CUDA target cannot run in the process (numba-cuda missing, no NVVM, a driver
+it does not know: :func:`device_kernels_unusable` asks once), torch and CuPy loads do the same
+work with their framework's own operations on the device
+(:mod:`engine.numerics._device_fallback`): statistics of each float tensor and its
+quantization when its last copy has landed, the same results, no tensor bytes through the
+host.  Device sinks of other frameworks take the CPU paths instead: statistics by the CPU fold
+on the staging slots, quantization by the CPU kernels on each tensor as it is handed out (one
+device to host copy of it, and the int8 values and scales copied back).  Either way one
+:class:`~engine.errors.DeviceFallbackWarning` per process says why and what to install.
+
+For CPU destinations statistics stay with the CPU fold on the reader threads
+(:class:`StatsCollector`, the pipeline's read hook); tensors selected for quantization are quantized on the CPU by
+:func:`engine.quantize_int8` as they are handed out.  Either way a quantized tensor is handed
+out as a :class:`~engine.quantize.QuantizedTensor`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine.base import dtypes as _dt
+from engine.errors import DeviceFallbackWarning, NonFiniteError
+from engine.format.header import Header
+from engine.io.reader import pread_into
+from engine.loading import pipeline
+
+__all__ = ["LoadWork", "StatsCollector", "device_kernels_unusable", "plan"]
+
+def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str | None = None,
+         launch=None) -> LoadWork | None:
+    """The work a load of ``rows`` into ``sink`` does besides landing bytes, or None.
+
+    ``quantize`` is None, ``"int8"`` or an :class:`~engine.quantize.Int8`; a selected tensor
+    without the spec's axis raises :class:`~engine.errors.SerializationError` here, before
+    anything is read.  Device statistics are planned for device sinks only, and only where
+    the device kernels work (:func:`device_kernels_unusable`): elsewhere a torch or CuPy
+    sink does the work with its framework's operations on the device, and other sinks keep
+    statistics with the CPU fold on the staging slots and quantize on the CPU; either way
+    with one :class:`~engine.errors.DeviceFallbackWarning` per process, and the same results.
+    """
+    device_stats = bool(stats) and sink.on_device
+    if quantize is None and not device_stats:
+        return None  # nothing to do: and Numba is not imported
+    from engine.numerics.quantize import Int8
+
+    spec = Int8.of(quantize)
+    on_cpu = False
+    fallback = None
+    if sink.on_device:
+        why = device_kernels_unusable()
+        if why is not None:
+            from engine.numerics._device_fallback import ops_for
+
+            fallback = ops_for(getattr(sink, "name", ""))
+            _warn_fallback(why, None if fallback is None else fallback.name)
+            if fallback is None:
+                device_stats, on_cpu = False, True
+                if spec is None:
+                    return None  # statistics alone: the CPU fold on the staging slots
+    return LoadWork(header, rows, sink, spec, device_stats, path, launch, quantize_on_cpu=on_cpu,
+                    fallback=fallback)
+
+
+#: the probe's verdict for this process: [None] (the kernels work) or [why not]
+_KERNELS: list[str | None] = []
+_KERNELS_LOCK = threading.Lock()
+_WARNED: list[bool] = []
+
+
+def device_kernels_unusable() -> str | None:
+    """Why Numba's CUDA kernels cannot run in this process, or None where they can.
+
+    Asked once per process (:func:`engine.device.probe` compiles and runs one small kernel
+    on the current device); any failure, from a missing ``numba`` to a missing NVVM, counts.
+    """
+    with _KERNELS_LOCK:
+        if not _KERNELS:
+            try:
+                from engine.numerics import device
+
+                device.probe()
+                _KERNELS.append(None)
+            except Exception as exc:  # every way the kernels can fail to come up is a fallback
+                _KERNELS.append(f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300])
+        return _KERNELS[0]
+
+
+def _warn_fallback(why: str, framework: str | None) -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        if framework is not None:
+            instead = (f"statistics and int8 quantization of GPU loads run as {framework} operations on the device "
+                       "instead (slower than the kernels)")
+        else:
+            instead = ("statistics of GPU loads are folded on the CPU and int8 quantization runs on the CPU, its "
+                       "results copied to the device")
+        warnings.warn(
+            f"the engine's CUDA kernels cannot run here ({why}): {instead}; the results are the same. "
+            f"{fallback_fix(why)}",
+            DeviceFallbackWarning, stacklevel=4,
+        )
+
+
+def fallback_fix(why: str) -> str:
+    """What to do about the probe's verdict ``why``: the install line or the upgrade that
+    lets the kernels compile."""
+    low = why.lower()
+    install = f'pip install "numba-cuda[cu{_cuda_major()}]"'
+    if "row_stack" in low:
+        return ("To fix: numba-cuda refers to numpy.row_stack, which numpy 2.5 removed, and its array support "
+                "was loaded before the engine could stand in for it: import engine.device before compiling other "
+                f"numba-cuda kernels, or install a numba-cuda that no longer refers to it ({install} --upgrade)")
+    if "no module named" in low or "nvvm" in low or "libdevice" in low or "cuda_home" in low:
+        return (f"To fix: install numba-cuda with the NVVM compiler as wheels: {install} (matching the CUDA major "
+                "version of your driver)")
+    if "driver" in low:
+        return (f"To fix: update the NVIDIA driver, or install the numba-cuda build for the CUDA version it "
+                f"supports: {install}")
+    return f"To fix: see the error above; installing numba-cuda with its NVVM ({install}) often does"
+
+
+def _cuda_major() -> int:
+    """The CUDA major version torch was built for, where torch is loaded (13 otherwise)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    version = getattr(getattr(torch, "version", None), "cuda", None) or ""
+    major = version.split(".")[0]
+    return int(major) if major.isdigit() and int(major) in (12, 13) else 13
+
+
+def _host_round_trip(sink) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """``(to_host, to_device)`` of the sink's framework: a device tensor as a CPU tensor or
+    array, and a CPU array back as a device tensor of the sink's device."""
+    if getattr(sink, "name", None) == "torch":
+        import torch
+
+        device = sink.device
+        return (lambda x: x.cpu()), (lambda a: torch.as_tensor(a).to(device))
+    if getattr(sink, "name", None) == "cupy":
+        import cupy
+
+        def to_device(a):
+            with cupy.cuda.Device(sink.device_id):
+                return cupy.asarray(a)
+
+        return cupy.asnumpy, to_device
+    # another device framework (or a test double) brings its own
+    return sink.to_host, sink.from_host
+
+
+def _allocator(sink) -> Callable[[tuple, Any], Any]:
+    """``empty(shape, numpy dtype)`` in the sink's framework and device."""
+    if getattr(sink, "name", None) == "torch":
+        import torch
+
+        device = sink.device
+        return lambda shape, dt: torch.empty(shape, dtype=getattr(torch, np.dtype(dt).name), device=device)
+    if getattr(sink, "name", None) == "cupy":
+        import cupy
+
+        def empty(shape, dt):
+            with cupy.cuda.Device(sink.device_id):
+                return cupy.empty(shape, np.dtype(dt))
+
+        return empty
+    return sink.empty_device  # another device framework (or a test double) brings its own
+
+
+class _Staging(dict):
+    """Row -> device byte buffer: the destinations of the unquantized tensors, and for the
+    tensors to quantize a staging buffer of their source bytes, made at first use."""
+
+    def __init__(self, targets, sizes: dict[int, int], empty) -> None:
+        super().__init__(targets)
+        self._sizes = sizes
+        self._empty = empty
+        self._lock = threading.Lock()
+
+    def __missing__(self, row: int):
+        with self._lock:  # two reader threads may bring the first pieces of one tensor
+            if dict.__contains__(self, row):
+                return dict.__getitem__(self, row)
+            if row not in self._sizes:
+                raise KeyError(row)
+            buf = self._empty((self._sizes[row],), np.uint8)
+            self[row] = buf
+            return buf
+
+
+class LoadWork:
+    """Statistics and quantization attached to one load (see the module docstring).
+
+    Built by :func:`plan`; the loader calls :meth:`destination`, passes :meth:`after_copy`
+    and :meth:`landed` to the pipeline, and hands out :meth:`tensor` and :meth:`stats`.
+    """
+
+    def __init__(self, header, rows, sink, spec, device_stats: bool, path, launch, *,
+                 quantize_on_cpu: bool = False, fallback=None) -> None:
+        t = header.table
+        self.sink = sink
+        self.path = path
+        self.spec = spec
+        self.on_device = bool(sink.on_device)
+        # quantize selected tensors on the device where they land (staging buffers, kernels),
+        # or on the CPU: CPU loads, and device loads where the kernels cannot run
+        self._quantize_here = self.on_device and not quantize_on_cpu
+        self._round_trip = _host_round_trip(sink) if self.on_device and quantize_on_cpu else None
+        # the framework's own operations on the device instead of the kernels (plan())
+        self._fallback = fallback
+        self._fallback_stats: dict[int, list] = {}  # row -> partial statistics on the device
+        self._launch = launch
+        self._names = t.names
+        self._quant: dict[int, tuple[str, tuple, int | None]] = {}
+        if spec is not None:
+            for r in rows:
+                kind = _dt.NAMES[int(t.codes[r])]
+                chosen, axis = spec.select(t.names[r], kind, tuple(t.shapes[r]), path)
+                if chosen:
+                    self._quant[r] = (kind, tuple(t.shapes[r]), axis)
+        self._stats_kind: dict[int, str] = {}
+        if device_stats:
+            if fallback is not None:  # the kernels' module needs numba.cuda: the fallback does not
+                from engine.numerics._device_fallback import SUPPORTED_NAMES
+            else:
+                from engine.numerics.device import SUPPORTED_NAMES
+
+            for r in rows:
+                kind = _dt.NAMES[int(t.codes[r])]
+                if kind in SUPPORTED_NAMES:
+                    self._stats_kind[r] = kind
+        self._acc: dict[int, dict[int, Any]] = {}  # row -> reader thread -> DeviceAccumulator
+        self._views: dict[int, Any] = {}
+        self._done: dict[int, Any] = {}  # row -> QuantizedTensor
+        self._targets: _Staging | None = None
+        self._empty = _allocator(sink) if self.on_device else None
+        dev = getattr(sink, "device", None)
+        self._gpu = getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
+        if self._gpu is None and self.on_device and fallback is None and getattr(sink, "name", None) == "torch":
+            import torch
+
+            self._gpu = torch.cuda.current_device()  # "cuda" without an index
+        self._streams = threading.local()
+
+    # ---------------------------------------------------------------- what the loader asks
+
+    def host_stats_rows(self, rows: list[int]) -> list[int]:
+        """The rows whose statistics the CPU fold still computes (those not on the device)."""
+        return [r for r in rows if r not in self._stats_kind]
+
+    def destination(self, header, rows: list[int], per_tensor: bool):
+        """(row -> tensor, pipeline.Destination) for a device load: the tensors to quantize
+        get no destination tensor, only a staging buffer made when their first piece comes."""
+        t = header.table
+        staged = self._quant if self._quantize_here else {}
+        plain = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows
+                 if r not in staged]
+        tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
+        sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
+        self._targets = _Staging(targets, sizes, self._empty)
+        return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops)
+
+    def after_copy(self, req, stream) -> None:
+        """Pipeline hook: fold the pieces of ``req`` just copied, on their ``stream``."""
+        if not self._stats_kind or self._fallback is not None:  # the fallback folds a landed tensor whole
+            return
+        from engine.numerics.device import DeviceAccumulator, as_device_array, on_gpu
+
+        with on_gpu(self._gpu):
+            self._fold(req, stream, DeviceAccumulator, as_device_array)
+
+    def _fold(self, req, stream, DeviceAccumulator, as_device_array) -> None:
+        me = threading.get_ident()
+        for p in req.pieces:
+            kind = self._stats_kind.get(p.row)
+            if kind is None:
+                continue
+            view = self._views.get(p.row)
+            if view is None:
+                view = self._views[p.row] = as_device_array(self._targets[p.row])  # type: ignore[index]  # set by destination()
+            per_thread = self._acc.setdefault(p.row, {})  # atomic: both threads get the same dict
+            acc = per_thread.get(me)
+            if acc is None:  # only this thread adds its own key
+                acc = per_thread[me] = DeviceAccumulator(kind, self._launch_config(), stream, self._empty)
+            acc.add(view[p.tensor_offset : p.tensor_offset + p.nbytes], stream)
+
+    def landed(self, row: int) -> None:
+        """Completion hook (every copy of ``row`` has completed): quantize a selected tensor
+        on the device and free its staging buffer."""
+        self._views.pop(row, None)  # no piece of it comes any more; the view would keep staging alive
+        if self._fallback is not None:
+            self._landed_fallback(row)
+            return
+        if row not in self._quant or not self._quantize_here:
+            return
+        from engine.numerics.device import on_gpu
+
+        src = self._targets.pop(row, None)  # type: ignore[union-attr]  # set by destination()
+        with on_gpu(self._gpu):
+            self._done[row] = self._quantize_device(row, src)
+
+    def tensor(self, row: int, tensor: Any) -> Any:
+        """What the load hands out for ``row``: its tensor, or its QuantizedTensor."""
+        if row not in self._quant:
+            return tensor
+        if self._fallback is not None:
+            return self._quantized_fallback(row)
+        if self._quantize_here:
+            done = self._done.pop(row, None)
+            if done is None:  # a tensor without bytes never lands
+                from engine.numerics.device import on_gpu
+
+                with on_gpu(self._gpu):
+                    done = self._quantize_device(row, None)
+            return done
+        from engine.numerics.quantize import QuantizedTensor, quantize_int8
+
+        kind, _, axis = self._quant[row]
+        name = self._names[row]
+        source = tensor if self._round_trip is None else self._round_trip[0](tensor)
+        try:
+            q, scale = quantize_int8(source, axis, on_nonfinite=self.spec.on_nonfinite, name=name)
+        except NonFiniteError as err:
+            err.path = self.path
+            raise
+        if self._round_trip is not None:  # the device's own copies; the full-precision tensor goes
+            q, scale = self._round_trip[1](q), self._round_trip[1](scale)
+        return QuantizedTensor(q, scale, axis, kind)
+
+    def stats(self, row: int):
+        """Device statistics of a complete tensor (asked once: its accumulators go), or
+        None when the CPU fold summarises it (or nothing does)."""
+        if row not in self._stats_kind:
+            return None
+        if self._fallback is not None:
+            from engine.numerics import _device_fallback
+
+            parts = self._fallback_stats.pop(row, None)
+            if parts is None:  # a tensor without bytes never lands
+                parts = _device_fallback.stats_parts(self._fallback, self._targets[row], self._stats_kind[row])  # type: ignore[index]  # set by destination()
+            return _device_fallback.stats_result(self._fallback, self._stats_kind[row], parts)
+        from engine.numerics.device import on_gpu
+        from engine.numerics.statistics import Stats
+
+        out = Stats.empty()
+        with on_gpu(self._gpu):
+            for acc in self._acc.pop(row, {}).values():
+                out = out.merge(acc.result(self._stream()))
+        return out
+
+    def has_device_stats(self, row: int) -> bool:
+        return row in self._stats_kind
+
+    # ---------------------------------------------------------------- device work
+
+    def _launch_config(self):
+        if self._launch is None:
+            from engine.numerics.device import DEFAULT_LAUNCH
+
+            self._launch = DEFAULT_LAUNCH
+        return self._launch
+
+    def _stream(self):
+        """A stream of this thread's own for the quantization kernels (the data is
+        complete: no ordering with the copies' streams is needed)."""
+        s = getattr(self._streams, "s", None)
+        if s is None:
+            from engine.numerics.device import SIMULATOR
+
+            if SIMULATOR:
+                s = 0
+            else:
+                from numba import cuda
+
+                s = cuda.stream()
+            self._streams.s = s
+        return s
+
+    def _landed_fallback(self, row: int) -> None:
+        """:meth:`landed` with the framework's operations: the statistics of a float tensor
+        and its quantization are queued on the device (nothing waits for them here)."""
+        from engine.numerics import _device_fallback
+
+        ops = self._fallback
+        quantized = row in self._quant
+        src = self._targets.pop(row, None) if quantized else self._targets[row]  # type: ignore[union-attr,index]  # set by destination()
+        if row in self._stats_kind and src is not None:
+            self._fallback_stats[row] = _device_fallback.stats_parts(ops, src, self._stats_kind[row])
+        if quantized:
+            self._done[row] = self._quantize_fallback(row, src)
+            if src is not None:
+                ops.release(src)  # the staging buffer goes now; the queued work must keep its memory
+
+    def _quantize_fallback(self, row: int, src):
+        from engine.numerics import _device_fallback
+
+        kind, shape, axis = self._quant[row]
+        q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
+        scale = self._empty((1 if axis is None else shape[axis],), np.float32)  # type: ignore[misc]  # device loads only
+        bad = _device_fallback.quantize(self._fallback, src, kind, shape, axis, q, scale)
+        return q, scale, bad
+
+    def _quantized_fallback(self, row: int):
+        """The QuantizedTensor of ``row`` from :meth:`_landed_fallback`'s work (waits for its
+        NaN/Inf counts: three numbers)."""
+        from engine.numerics.quantize import QuantizedTensor, raise_if_nonfinite
+
+        done = self._done.pop(row, None)
+        if done is None:  # a tensor without bytes never lands
+            done = self._quantize_fallback(row, None)
+        q, scale, bad = done
+        axis = self._quant[row][2]
+        if self.spec.on_nonfinite == "raise":
+            try:
+                raise_if_nonfinite(self._fallback.host(bad), self._names[row])  # type: ignore[union-attr]  # fallback set
+            except NonFiniteError as err:
+                err.path = self.path
+                raise
+        return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, self._quant[row][0])
+
+    def _quantize_device(self, row: int, src):
+        from engine.numerics.device import DeviceQuantizer
+        from engine.numerics.quantize import QuantizedTensor, raise_if_nonfinite
+
+        kind, shape, axis = self._quant[row]
+        C = 1 if axis is None else shape[axis]
+        q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
+        scale = self._empty((C,), np.float32)  # type: ignore[misc]  # device loads only
+        if math.prod(shape) and src is None:  # pragma: no cover - a tensor with bytes always lands
+            raise RuntimeError(f"tensor {self._names[row]!r} was never staged")
+        bad = DeviceQuantizer(self._launch_config(), self._empty).quantize(src, kind, shape, axis, q, scale,
+                                                                          self._stream())
+        if self.spec.on_nonfinite == "raise":
+            try:
+                raise_if_nonfinite(bad, self._names[row])
+            except NonFiniteError as err:
+                err.path = self.path
+                raise
+        return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, kind)
+
+
+class StatsCollector:
+    """Statistics of tensors as their pieces are read, on the reader threads.
+
+    Its :meth:`fill` is the pipeline's read hook.  A piece of at least ``WINDOW`` bytes is
+    read and summarised in one native call, a window at a time, so that the kernel finds
+    each window in the L2 cache where the read just left it (summarising a whole 16 MiB
+    request after reading it would fetch it back from memory).  Smaller pieces are read
+    together with one ``preadv`` and summarised right after.  Each reader thread has its
+    own accumulator per tensor; they merge when the tensor is complete.
+    """
+
+    #: bytes per window: well inside a core's L2 with room for the kernel's scratch
+    WINDOW = 256 << 10
+
+    def __init__(self, header: Header, rows: list[int], path: str | None) -> None:
+        from engine.numerics import statistics  # Numba: only for a load that asks for statistics
+
+        self._new = statistics.Accumulator
+        self._empty = statistics.Stats.empty()
+        self.path = path
+        t = header.table
+        self.kind: dict[int, str] = {}
+        for r in rows:
+            d = _dt.DTYPES[int(t.codes[r])]
+            if not d.sub_byte and d.name in statistics.SUPPORTED_NAMES:
+                self.kind[r] = d.name
+        self._acc: dict[int, dict[int, Any]] = {}  # row -> thread id -> Accumulator
+
+    def _accumulator(self, row: int):
+        per_thread = self._acc.setdefault(row, {})  # atomic: both threads get the same dict
+        me = threading.get_ident()
+        acc = per_thread.get(me)
+        if acc is None:  # only this thread adds its own key
+            acc = per_thread[me] = self._new(self.kind[row])
+        return acc
+
+    def fill(self, fd: int, req, targets: list) -> None:
+        kind = self.kind
+        run: list = []  # small pieces, contiguous in the file, read together
+        run_offset = req.offset
+
+        def flush() -> None:
+            if run:
+                pread_into(fd, run_offset, [v for _, v in run], path=self.path)
+                for row, v in run:
+                    if row in kind:
+                        self._accumulator(row).add(v)
+                run.clear()
+
+        for p, view in zip(req.pieces, targets, strict=True):
+            if p.nbytes < self.WINDOW or p.row not in kind:
+                if not run:
+                    run_offset = req.offset + p.request_offset
+                run.append((p.row, view))
+                continue
+            flush()
+            offset = req.offset + p.request_offset
+            dest = np.frombuffer(view, np.uint8)
+            acc = self._accumulator(p.row)
+            done = acc.read(fd, offset, dest, self.WINDOW)
+            if done < p.nbytes:  # a short read or an error: read the rest the usual way
+                pread_into(fd, offset + done, [view[done:]], path=self.path)
+                acc.add(view[done:])
+        flush()
+
+    def result(self, row: int):
+        """Statistics of a complete tensor (asked once per tensor: its accumulators go)."""
+        if row not in self.kind:
+            return None
+        out = self._empty
+        for acc in self._acc.pop(row, {}).values():
+            out = out.merge(acc.result())
+        return out

@@ -1,0 +1,685 @@
+"""Loads through the threaded pipeline: ``stream``, owned loads and ``load_into``.
+
+A file that shrinks during a load raises :class:`~engine.errors.ReadError`, never SIGBUS:
+reads are ``pread`` or copies out of a populated mapping under a SIGBUS guard, on the host
+and into a device's page-locked chunks alike.
+
+Which path to use
+-----------------
+* Warm page cache, CPU, reading part of a file: ``safe_open(..., backend="mmap")`` (no copy).
+* Private writable CPU memory, network file systems, files that may change: the owned load
+  (``backend="pread"``), one copy from the page cache straight into the tensors.
+* Cold cache: any of them.  The owned load and ``load_into`` read in large sequential
+  requests on several threads with sequential read-ahead advice, through the page cache.
+  (``scripts/bench_reader.py --only fresh`` compares bare buffered reads with ``O_DIRECT``;
+  direct reads need aligned offsets, sizes and memory, which tensors in a file do not
+  have, so they would cost a bounce copy.)  A mapped load of a cold file has the selected ranges read into the mapping on
+  several threads before it returns (:func:`engine.io.reader.prefetch_mapping`), instead of
+  page by page as the caller touches them.
+* GPU: ``stream`` / ``load_file(device="cuda")``: large pinned staging slots, the read into
+  one overlapped with the host-to-device copy out of the other, beside DMA straight from
+  the page cache (see :mod:`engine.loading.pipeline`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from engine.base import dtypes
+from engine.base._files import advise_sequential, open_regular
+from engine.errors import (
+    DeviceError,
+    MissingDependencyError,
+    SafetensorError,
+    TensorMismatchError,
+    TensorNotFoundError,
+)
+from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
+from engine.gpu import device_ring
+from engine.io.reader import IOV_MAX
+from engine.loading import pipeline
+from engine.loading.load_hooks import StatsCollector
+from engine.loading.load_hooks import plan as onload_plan
+from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
+from engine.sinks import fill_target, get_sink
+
+__all__ = ["stream", "stream_parts", "load_into", "load_file", "load_parts", "fill_parts", "Part"]
+
+
+def _open(path) -> tuple[int, str]:
+    path = os.fspath(path)
+    return open_regular(path), path  # a FIFO or device is refused, never waited on
+
+
+class Part(NamedTuple):
+    """One file's share of a load: an open descriptor, its header, the rows to read (file
+    order reads fastest) and the file's name for errors.  A remote file has ``fd`` -1 and
+    ``ranges`` (see :class:`engine.loading.pipeline.Source`)."""
+
+    fd: int
+    header: Header
+    rows: list[int]
+    path: str | None = None
+    ranges: Callable[[int, Sequence[memoryview]], None] | None = None
+    mapping: object = None  # a read-only mapping of the file held by the caller (see pipeline.Source)
+
+
+def _bases(parts: Sequence[Part]) -> list[int]:
+    """One key space over every file of a load: part ``i``'s row ``r`` is key ``bases[i] + r``."""
+    bases, base = [], 0
+    for p in parts:
+        bases.append(base)
+        base += len(p.header.table.names)
+    return bases
+
+
+def _destination(sink, parts: Sequence[Part], bases: list[int], per_tensor: bool):
+    """Tensors for every row of every part, keyed ``bases[i] + row``, in one allocation
+    (unless ``per_tensor``); returns (key -> tensor, Destination)."""
+    specs = []
+    for p, b in zip(parts, bases, strict=True):
+        t = p.header.table
+        specs += [(b + r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in p.rows]
+    if sink.on_device:
+        tensors, targets, ops = sink.allocate_device(specs, per_tensor)
+        return tensors, pipeline.Destination(device_targets=targets, device_ops=ops)
+    if len(parts) == 1:
+        begins: Any = parts[0].header.table.begins  # keys are rows
+    else:
+        # distinct files never count as neighbours when the host block is packed
+        begins = {
+            b + r: (i << 50) + int(p.header.table.begins[r])
+            for i, (p, b) in enumerate(zip(parts, bases, strict=True))
+            for r in p.rows
+        }
+    tensors, views = sink.allocate(specs, begins)
+    return tensors, pipeline.Destination(host_views=views, fresh=True)
+
+
+def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None) -> list[pipeline.Source]:
+    return [
+        pipeline.Source(
+            p.fd, p.path,
+            plan_reads(p.header.table.begins, p.header.table.ends, p.rows, p.header.data_start,
+                       chunk_bytes or DEFAULT_CHUNK_BYTES, IOV_MAX),
+            b,
+            p.ranges,
+            p.mapping,
+        )
+        for p, b in zip(parts, bases, strict=True)
+    ]
+
+
+def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int | None, **options) -> None:
+    """The reads of every part into ``destination`` (keyed as :func:`_bases` says), one pipeline."""
+    for p in parts:
+        if p.ranges is None and p.mapping is None:  # a held mapping's owner advised its file once
+            advise_sequential(p.fd)
+    pipeline.run_sources(
+        _sources(parts, bases, options.pop("chunk_bytes", None)),
+        destination,
+        threads=threads,
+        **options,
+    )
+
+
+def load_parts(
+    parts: Sequence[Part],
+    sink,
+    *,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
+    per_tensor: bool = False,
+    gpu_path: str = "auto",
+    slot_bytes: int | None = None,
+) -> list[dict[int, Any]]:
+    """Read the rows of one or more open files into new tensors of ``sink``, as one load.
+
+    Every file's reads go into one queue served by one set of reader threads (host
+    destinations) or one pair of staging slots (devices), into one allocation: the shards of
+    a checkpoint share them instead of each starting its own.  Returns, per part,
+    row -> tensor.  Device loads: ``threads`` native threads split each staging slot
+    (default every core), ``gpu_path`` and ``slot_bytes`` as in
+    :func:`engine.loading.pipeline.run_sources`.
+
+    Copies of tensor bytes: host destinations 1 (page cache to the tensor); device
+    destinations 2 (page cache to a page-locked chunk, DMA).
+    """
+    bases = _bases(parts)
+    if sink.on_device and all(p.ranges is None for p in parts):
+        # the ring (a process's first, or one closed since) is set up while the tensors are
+        # allocated: the load waits for it, not for both one after the other
+        ops = _ring_ops(sink)
+        if ops is not None:
+            device_ring.prepare(ops, device_ring.geometry_for(slot_bytes, threads), background=True, linger=True)
+    tensors, destination = _destination(sink, parts, bases, per_tensor)
+    _run(parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes, gpu_path=gpu_path,
+         slot_bytes=slot_bytes)
+    if len(parts) == 1:
+        return [tensors]
+    return [{r: tensors[b + r] for r in p.rows if b + r in tensors} for p, b in zip(parts, bases, strict=True)]
+
+
+_DONE = object()
+
+
+def sink_for(framework: str, device: Any = "cpu"):
+    """:func:`engine.sinks.get_sink`, with a framework that is not installed named as a
+    :class:`~engine.errors.MissingDependencyError` (the feature, the extra, the install line)."""
+    try:
+        return get_sink(framework, device)
+    except ModuleNotFoundError as exc:
+        raise MissingDependencyError.for_framework(exc, framework) from None
+
+
+def _need_kernels(stats: bool, quantize) -> None:
+    """Statistics and int8 on the way need the Numba kernels: say so before a byte is read."""
+    if not stats and quantize is None:
+        return
+    try:
+        from engine.numerics import kernels  # noqa: F401
+    except ModuleNotFoundError as exc:
+        feature = "stream(stats=True)" if stats else "stream(quantize=...)"
+        raise MissingDependencyError.of(exc, f"{feature} (the Numba kernels)") from None
+
+
+def stream(
+    path,
+    *,
+    framework: str = "pt",
+    device: Any = "cpu",
+    stats: bool = False,
+    quantize=None,
+    max_header_size: int = MAX_HEADER_SIZE,
+    **options,
+) -> Iterator[tuple]:
+    """Yield ``(name, tensor)`` as each tensor of a file (or of several files) finishes loading.
+
+    Parameters
+    ----------
+    path : str or os.PathLike, or a list of them
+        One file, or the shards of a checkpoint: several files are read as one pipeline
+        (one queue of reads, one device allocation), not one after the other.
+    framework : {"pt", "torch", "np", "numpy"}
+    device : str, int or torch.device, default "cpu"
+        Destination device for torch (``"cuda:0"``, ``0``, any torch device); numpy is
+        always "cpu".  The default is the reference's, so ``stream(path)`` works anywhere.
+    names, patterns, predicate, layers
+        Selection, see :func:`engine.planning.plan.select_rows`; by default every tensor.  Across
+        several files a name or pattern must be found in at least one of them.
+    threads : int, optional
+        Native threads that split each batch of reads (CPU destinations) or each staging slot
+        (GPU destinations): default every core.  With ``stats=True`` on the CPU, the worker
+        threads that read and fold (default one per core, 2 to 8).
+    chunk_bytes : int, optional
+        Bytes per read request (default 16 MiB).
+    per_tensor : bool, default False
+        On a GPU: one allocation per tensor instead of one per load.
+    stats : bool, default False
+        Also compute each tensor's :class:`~engine.statistics.Stats` (needs Numba; one file
+        only).  The reader threads read each piece in 256 KiB windows and summarise every
+        window right after it lands, while it is still in the core's L2 cache, in one native call without
+        the GIL; per-thread partial results merge when the tensor is complete.  There is no
+        second pass over memory.  ``None`` for dtypes the kernel does not summarise (FP8,
+        sub-byte, complex).  On a GPU, F64/F32/F16/BF16 tensors are summarised on the
+        device instead, by CUDA kernels queued on each copy's stream right after it (see
+        :mod:`engine.loading.load_hooks`); other dtypes keep the CPU fold.
+    quantize : None, "int8" or engine.quantize.Int8, optional
+        Quantize the selected tensors (default selection: F32/F16/BF16 weights of 2 or more
+        dimensions, not embeddings; one scale per row) to symmetric int8 while loading,
+        bit-identical to :func:`engine.quantize_int8`; each is yielded as a
+        :class:`~engine.quantize.QuantizedTensor`.  On a GPU the quantization runs on the
+        device and only a bounded window of source-dtype staging is held there.
+    gpu_path : {"auto", "copy"}, default "auto"
+        GPU destinations: both copy through the native chunk ring (:mod:`engine.gpu.device_ring`;
+        its geometry from ``ENGINE_RING``).  ``"register"`` was removed (see
+        :mod:`engine.loading.pipeline`).
+    slot_bytes : int, optional
+        GPU destinations: bytes per page-locked chunk (default
+        :func:`engine.gpu.device_ring.default_geometry`).
+
+    Yields
+    ------
+    (str, tensor) or (str, tensor, Stats or None)
+        In completion order, which is close to file order.
+
+    Raises
+    ------
+    HeaderError, ReadError, TensorNotFoundError, DeviceError
+
+    Notes
+    -----
+    Copies of tensor bytes: CPU destinations 1 (page cache to tensor); GPU destinations 2
+    (page cache to a page-locked chunk, then DMA to the device).  ``stats=True`` adds no
+    copy: the kernels read the bytes where they landed.  Page-locked host memory of a GPU
+    load: the ring's chunks (128 MiB by default, 256 MiB at most unless ``ENGINE_RING`` asks
+    for more), whatever the model's size; unlocked a moment after the load ends (see
+    :mod:`engine.loading.pipeline`).  Breaking out of the loop stops the
+    readers, joins their threads, unlocks and releases everything, and closes the files.
+    """
+    unknown = set(options) - _STREAM_OPTIONS
+    if unknown:  # as a signature would, at the call rather than at the first tensor
+        raise TypeError(f"stream() got unexpected keyword arguments: {sorted(unknown)}")
+    return _stream(path, framework, device, stats, quantize, max_header_size, options)
+
+
+def _stream(path, framework, device, stats, quantize, max_header_size, options) -> Iterator[tuple]:
+    many = not isinstance(path, (str, bytes, os.PathLike))
+    paths = list(path) if many else [path]
+    if (stats or quantize is not None) and len(paths) != 1:
+        raise ValueError("stats=True and quantize= stream one file at a time")
+    sink_for(framework, device)  # an unknown framework or device fails before a file is opened
+    _need_kernels(stats, quantize)
+    opened: list[tuple[int, str]] = []
+    try:
+        for p in paths:
+            opened.append(_open(p))
+        files = [
+            Part(fd, read_header_fd(fd, path=sp, file_size=os.fstat(fd).st_size, max_header_size=max_header_size),
+                 [], sp)
+            for fd, sp in opened
+        ]
+        # the selection and load options (names, patterns, threads, gpu_path, ...) as
+        # stream_parts takes them
+        yield from stream_parts(files, many=many, framework=framework, device=device, stats=stats,
+                                quantize=quantize, **options)
+    finally:
+        for fd, _ in opened:
+            os.close(fd)
+
+
+def stream_parts(
+    files: Sequence[Part],
+    *,
+    many: bool,
+    framework: str = "pt",
+    device: Any = "cpu",
+    names: Iterable[str] | None = None,
+    patterns: str | Iterable[str] | None = None,
+    predicate: Callable[[str], bool] | None = None,
+    layers=None,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
+    per_tensor: bool = False,
+    stats: bool = False,
+    quantize=None,
+    gpu_path: str = "auto",
+    slot_bytes: int | None = None,
+    cancel: threading.Event | None = None,
+) -> Iterator[tuple]:
+    """:func:`stream` over files whose headers are read (local and open, or remote with
+    ``ranges``); the parts' ``rows`` are ignored, the selection chooses them.  ``many``:
+    the files are the shards of one checkpoint (a name must be found in some file) rather
+    than one file.  ``cancel`` is set when the load fails or ends (the readers' waits may
+    watch it).  The caller closes the files after the generator is done."""
+    if (stats or quantize is not None) and len(files) != 1:
+        raise ValueError("stats=True and quantize= stream one file at a time")
+    if stats and any(f.ranges is not None for f in files):
+        raise ValueError("stats=True folds statistics while reading local files; load a remote file, then "
+                         "call engine.stats on its tensors")
+    sink = sink_for(framework, device)
+    _need_kernels(stats, quantize)
+    cancel = cancel if cancel is not None else threading.Event()
+    worker: threading.Thread | None = None
+    headers = [f.header for f in files]
+    spaths = [f.path or "" for f in files]
+    try:
+        if many:
+            selected = _select_many(headers, spaths, names, patterns, predicate, layers)
+        else:
+            selected = [_select(headers[0], spaths[0], names, patterns, predicate, layers)]
+        parts = [f._replace(rows=rows) for f, rows in zip(files, selected, strict=True)]
+        bases = _bases(parts)
+        where = {b + r: (i, r) for i, (p, b) in enumerate(zip(parts, bases, strict=True)) for r in p.rows}
+        # statistics and quantization on the way (one file: its keys are its rows)
+        hooks = None if many else onload_plan(
+            headers[0], selected[0], sink, stats=stats, quantize=quantize, path=spaths[0]
+        )
+        if hooks is not None and sink.on_device:
+            tensors, destination = hooks.destination(headers[0], selected[0], per_tensor)
+        else:
+            tensors, destination = _destination(sink, parts, bases, per_tensor)
+        collector = None
+        if stats:
+            rows0 = selected[0] if hooks is None else hooks.host_stats_rows(selected[0])
+            collector = StatsCollector(headers[0], rows0, spaths[0])
+
+        def result(key):
+            i, r = where[key]
+            name = headers[i].table.names[r]
+            tensor = tensors.get(key) if hooks is None else hooks.tensor(r, tensors.get(key))
+            if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
+                tensor = sink.to_device(tensor)
+            if collector is None:
+                return name, tensor
+            if hooks is not None and hooks.has_device_stats(r):
+                return name, tensor, hooks.stats(r)
+            return name, tensor, collector.result(r)
+
+        def landed(key):
+            if hooks is not None:
+                hooks.landed(where[key][1])
+            done.put(key)
+
+        # tensors with no bytes are complete before anything is read
+        for key, (i, r) in where.items():
+            t = headers[i].table
+            if int(t.ends[r]) == int(t.begins[r]):
+                yield result(key)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+
+        def work() -> None:
+            try:
+                _run(
+                    parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes,
+                    on_complete=landed, cancel=cancel,
+                    fill=collector.fill if collector is not None else None,
+                    gpu_path=gpu_path, slot_bytes=slot_bytes,
+                    after_copy=hooks.after_copy if hooks is not None else None,
+                )
+                done.put(_DONE)
+            except BaseException as exc:  # handed to the consumer
+                done.put(exc)
+
+        worker = threading.Thread(target=work, name="engine-stream", daemon=True)
+        worker.start()
+        while True:
+            item = done.get()
+            if item is _DONE:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield result(item)
+    finally:
+        cancel.set()
+        if worker is not None:
+            worker.join()
+
+
+_STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "threads", "chunk_bytes", "per_tensor",
+                              "gpu_path", "slot_bytes"})
+
+
+def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:
+    """Per-file rows for a selection over several files; each name and pattern must be
+    found in some file."""
+    import fnmatch
+
+    if names is not None:
+        names = [names] if isinstance(names, str) else list(names)
+        known = set().union(*(h.table.index for h in headers))
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise TensorNotFoundError(f"no tensor {missing[0]!r} to select in {len(paths)} files", tensors=missing)
+    if patterns is not None:
+        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for h in headers for n in h.table.names):
+                raise TensorNotFoundError(f"pattern {pattern!r} matches no tensor", tensors=(pattern,))
+    out = []
+    for h, p in zip(headers, paths, strict=True):
+        mine = None if names is None else [n for n in names if n in h.table.index]
+        pats = None
+        if patterns is not None:
+            pats = [q for q in patterns if any(fnmatch.fnmatchcase(n, q) for n in h.table.names)]
+        everything = names is None and patterns is None and predicate is None and layers is None
+        if everything:
+            out.append(_select(h, p, None, None, None, None))
+        else:
+            out.append(_select(h, p, mine or [], pats or [], predicate, layers))
+    return out
+
+
+def _select(header: Header, path: str, names, patterns, predicate, layers) -> list[int]:
+    try:
+        return select_rows(header.table, names, patterns=patterns, predicate=predicate, layers=layers)
+    except SafetensorError as err:
+        err.path = path
+        raise
+
+
+def load_into(
+    path,
+    tensors: Mapping[str, Any],
+    *,
+    strict: bool = False,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+    gpu_path: str = "auto",
+) -> list[str]:
+    """Fill existing tensors in place from a file (a model's parameters, on CPU or CUDA).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    tensors : mapping of str to numpy.ndarray, torch.Tensor or cupy.ndarray
+        Destinations, contiguous and writable, with the file's shapes and dtypes (for
+        sub-byte dtypes: ``uint8`` of the packed shape).
+    strict : bool, default False
+        Also fail when the file holds tensors that ``tensors`` does not name.
+    gpu_path : {"auto", "copy"}, default "auto"
+        CUDA destinations: see :func:`stream`.
+
+    Returns
+    -------
+    list of str
+        The names filled, in file order.
+
+    Raises
+    ------
+    TensorNotFoundError
+        A destination name that the file does not hold (or, with ``strict``, the reverse).
+    TensorMismatchError
+        A destination of the wrong shape, dtype or layout; nothing is read then.
+
+    Notes
+    -----
+    Copies of tensor bytes: CPU destinations 1 (page cache to the tensor, no staging, no
+    allocation); CUDA destinations 2 (page cache to a page-locked chunk, then DMA).
+    """
+    fd, spath = _open(path)
+    try:
+        header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+        return fill_parts(
+            [Part(fd, header, [], spath)], tensors, strict=strict, threads=threads, chunk_bytes=chunk_bytes,
+            gpu_path=gpu_path,
+        )
+    finally:
+        os.close(fd)
+
+
+def fill_parts(
+    files: Sequence[Part],
+    tensors: Mapping[str, Any],
+    *,
+    strict: bool = False,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
+    gpu_path: str = "auto",
+    source: str | None = None,
+    cancel: threading.Event | None = None,
+) -> list[str]:
+    """:func:`load_into` over one or more open files (a checkpoint's shards) as one load.
+    ``cancel`` is set as soon as a read fails (the other readers' waits may watch it).
+
+    The parts' ``rows`` are ignored: the rows are those ``tensors`` names.  A name is looked
+    up in the files in order.  Every destination is checked before anything is read.
+    ``source`` names the whole (a checkpoint directory) in errors about several files.
+    Returns the names filled, file by file, in file order within each.
+    """
+    where = source if source is not None or len(files) != 1 else files[0].path
+    found: dict[str, tuple[int, int]] = {}
+    for name in tensors:
+        for i, f in enumerate(files):
+            row = f.header.table.index.get(name)
+            if row is not None:
+                found[name] = (i, row)
+                break
+    missing = [n for n in tensors if n not in found]
+    if missing:
+        raise TensorNotFoundError(
+            f"{len(missing)} destination tensor(s) not in the file: {missing[:5]}", path=where, tensors=missing
+        )
+    if strict:
+        extra = [n for f in files for n in f.header.table.names if n not in tensors]
+        if extra:
+            raise TensorNotFoundError(
+                f"{len(extra)} tensor(s) of the file have no destination: {extra[:5]}", path=where, tensors=extra
+            )
+    host: list[list[int]] = [[] for _ in files]
+    empty: list[str] = []  # destinations of 0 bytes
+    device: dict[Any, list[list[int]]] = {}
+    fill: dict[str, Any] = {}  # name -> engine.sinks fill target
+    ops: dict[Any, Any] = {}
+    for name, dst in tensors.items():
+        i, row = found[name]
+        f = files[i]
+        t = f.header.table
+        target = fill[name] = fill_target(dst)
+        if target.device is not None and target.device not in ops:
+            ops[target.device] = target.device_ops()
+        if target.device is not None and ops[target.device] is None:
+            raise DeviceError(
+                f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {target.where!r}",
+                reason="UnsupportedDevice", path=f.path, tensors=(name,),
+            )
+        nbytes = int(t.ends[row]) - int(t.begins[row])
+        if not nbytes:
+            empty.append(name)  # filled before anything is read
+        want_code = int(t.codes[row])
+        want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
+        if dtypes.DTYPES[want_code].sub_byte and not target.accepts(want_code):
+            want_code = dtypes.BY_NAME["U8"].code  # packed bytes, or torch's own packed dtype
+        if not target.accepts(want_code) or target.shape != tuple(want_shape):
+            raise TensorMismatchError(
+                f"tensor {name!r}: the file has {dtypes.NAMES[int(t.codes[row])]}{list(t.shapes[row])}, "
+                f"the destination is {dtypes.NAMES[target.code]}{list(target.shape)}",
+                path=f.path,
+                tensors=(name,),
+            )
+        if not target.ok_layout:
+            raise TensorMismatchError(
+                f"tensor {name!r}: the destination must be contiguous and writable", path=f.path, tensors=(name,)
+            )
+        rows = device.setdefault(target.device, [[] for _ in files]) if target.device is not None else host
+        rows[i].append(row)
+
+    def parts_of(rows: list[list[int]]) -> list[Part]:
+        out = []
+        for f, r in zip(files, rows, strict=True):
+            begins = f.header.table.begins
+            out.append(Part(f.fd, f.header, sorted(r, key=lambda x: int(begins[x])), f.path, f.ranges))
+        return out
+
+    def targets(parts: list[Part], bases: list[int], on_device: bool) -> dict[int, Any]:
+        out = {}
+        for p, b in zip(parts, bases, strict=True):
+            t = p.header.table
+            for r in p.rows:
+                if int(t.ends[r]) > int(t.begins[r]):
+                    target = fill[t.names[r]]
+                    out[b + r] = target.device_bytes() if on_device else target.host_bytes()
+        return out
+
+    filled = list(empty)
+
+    def tracked(parts: list[Part], bases: list[int]) -> Callable[[int], None]:
+        keys = {b + r: p.header.table.names[r] for p, b in zip(parts, bases, strict=True) for r in p.rows}
+        return lambda key: filled.append(keys[key])
+
+    options: dict[str, Any] = {"threads": threads, "chunk_bytes": chunk_bytes, "cancel": cancel}
+    try:
+        if any(host):
+            parts = parts_of(host)
+            bases = _bases(parts)
+            _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, False)),
+                 on_complete=tracked(parts, bases), **options)
+        for dev, rows in device.items():
+            parts = parts_of(rows)
+            bases = _bases(parts)
+            dest = pipeline.Destination(device_targets=targets(parts, bases, True), device_ops=ops[dev])
+            _run(parts, bases, dest, gpu_path=gpu_path, on_complete=tracked(parts, bases), **options)
+    except SafetensorError as err:
+        # the caller must be able to tell complete destinations from partly written ones
+        err.filled = sorted(filled)  # type: ignore[attr-defined]
+        note = f" ({len(filled)} of {len(tensors)} destinations were filled before the failure: see .filled)"
+        err.message = f"{err.message}{note}"
+        err.args = (err.message,)
+        raise
+    wanted: list[set[int]] = [set() for _ in files]
+    for i, row in found.values():
+        wanted[i].add(row)
+    return [f.header.table.names[r] for f, w in zip(files, wanted, strict=True) for r in f.header.table.file_order()
+            if r in w]
+
+
+def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str, Any]:
+    """Every tensor of one file as new tensors of ``sink`` (owned host memory or a device),
+    by name in file order: the short path of ``engine.torch.load_file(f, device="cuda")``
+    and of owned loads, with no handle in between.
+
+    Copies of tensor bytes: host 1 (page cache to the tensor); a device 2 (page cache to a
+    page-locked chunk, DMA).
+    """
+    fd, spath = _open(path)
+    try:
+        header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+        rows = list(header.table.file_order())
+        got = load_parts([Part(fd, header, rows, spath)], sink)[0]
+    finally:
+        os.close(fd)
+    names = header.table.names
+    if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
+        return {names[r]: sink.to_device(got[r]) for r in rows}
+    return {names[r]: got[r] for r in rows}
+
+
+def _ring_ops(sink):
+    """The copy ring's device operations of a CUDA sink, or None (a CPU sink, a device the
+    ring cannot drive)."""
+    ring_ops = getattr(sink, "ring_ops", None) if sink.on_device else None
+    ops = ring_ops() if ring_ops is not None else None
+    return ops if ops is not None and device_ring.supports(ops) else None
+
+
+def prepare_device(device: Any = "cuda", *, framework: str = "pt", wait: bool = True) -> float | None:
+    """Set up the engine's copy ring for a CUDA device ahead of the first load.
+
+    A process's first load to a device otherwise sets the ring up itself: its copy threads,
+    its events and its page-locked chunks (128 MiB by default, locked in a few calls).  An
+    inference server can call this at start, while it does other work (``wait=False``), so
+    that its first load starts copying at once.  The ring is kept until a load takes it;
+    after that it lingers as after any load (see :func:`engine.keep_staging`).
+
+    Parameters
+    ----------
+    device : str, int or torch.device, default "cuda"
+        A CUDA device of ``framework``.
+    framework : {"pt", "torch", "cupy"}, default "pt"
+    wait : bool, default True
+        Return once the ring is ready; with False the set-up runs on a thread of its own (a
+        load that starts meanwhile waits for it, and never sets up a second ring).
+
+    Returns
+    -------
+    float or None
+        Seconds the page-locking took (0.0 when a ring was set up already); None with
+        ``wait=False``.
+
+    Raises
+    ------
+    ValueError
+        ``device`` is not a CUDA device.
+    DeviceError
+        The CUDA runtime cannot be found, or the ring cannot be set up.
+    """
+    ops = _ring_ops(sink_for(framework, device))
+    if ops is None:
+        raise ValueError(f"prepare_device needs a CUDA device, not {device!r}")
+    took = device_ring.prepare(ops, background=not wait)
+    return None if took is None else took[0]

@@ -1,0 +1,378 @@
+"""The threaded pipeline: read plans of one or many files -> destinations.
+
+Host destinations (numpy arrays, CPU torch tensors) are filled straight from the file by
+worker threads that take read requests (see :func:`engine.planning.plan.plan_reads`) in file order:
+each piece of a request is a slice of its tensor's memory and one ``preadv`` scatters the
+request into them.  No staging, one copy (page cache to destination).
+
+Device destinations (CUDA) of local files go through the native chunk ring
+(:mod:`engine.gpu.device_ring`): small page-locked chunks filled by native copy threads, each
+chunk's copy to the device issued in order as soon as it is full.  Loads with a ``fill`` or
+``after_copy`` hook, and remote files, take the slot path (:mod:`engine.gpu.device_load`, which
+also holds the :class:`DeviceOps` a framework provides): remote files' connections fill its
+staging slots, and on the host worker threads, one per connection (``threads``), receive
+each request into its tensors.
+
+A tensor is *complete* when every byte of it has landed (for a device: when the events of
+all its copies have completed); completions are reported through a callback as they happen,
+which is what :func:`engine.stream` yields from.  Several files (the shards of a
+checkpoint) run as one pipeline: :func:`run_sources`.
+
+Memory bounds of a device load: page-locked host memory ``chunks * chunk_bytes`` of the ring
+(:data:`engine.gpu.device_ring.MAX_RING_BYTES` at most by default; each chunk locked on first
+use), or ``slots * slot_bytes`` on the slot path; no file mapping outlives its chunk's
+copy.  A ring stays set up for a moment after the load (:data:`engine.gpu.device_ring.LINGER_SECONDS`,
+so that a loop of small loads sets it up once) and is then closed; nothing stays page-locked
+after that unless :func:`engine.gpu.device_staging.keep_staging` asks for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.base._threads import run_threads
+from engine.errors import Cancelled
+from engine.gpu import device_ring
+from engine.gpu.device_load import DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
+from engine.io.reader import (
+    FaultAhead,
+    check_read,
+    close_mapping,
+    copy_mapping,
+    default_threads,
+    kept,
+    populate_write,
+    split_piece_bytes,
+    split_reader,
+)
+from engine.planning.plan import Request
+
+__all__ = [
+    "DeviceOps",
+    "Destination",
+    "Source",
+    "run",
+    "run_sources",
+    "Cancelled",
+    "GPU_PATHS",
+    "default_slot_bytes",
+    "default_copy_threads",
+]
+
+#: Ways to feed a device: both paths at once, or one alone.
+GPU_PATHS = ("auto", "copy")
+
+
+class Destination:
+    """Where each selected tensor's bytes go.
+
+    Parameters
+    ----------
+    host_views : dict of key -> writable byte memoryview, optional
+        For host destinations.
+    device_targets : dict of key -> device byte buffer, optional
+        For device destinations, with ``device_ops``.
+    device_ops : DeviceOps, optional
+    fresh : bool, default False
+        The host views are newly allocated memory that no page has touched yet: before a
+        remote file's bytes are received into a view, its pages are faulted in with one
+        system call (:func:`engine.io.reader.populate_write`) rather than one fault per 4 KiB
+        inside the receive.
+
+    Keys are the rows of the file (plus the file's ``row_base`` when several files run as
+    one pipeline, see :class:`Source`).
+    """
+
+    def __init__(self, host_views=None, device_targets=None, device_ops: DeviceOps | None = None,
+                 fresh: bool = False) -> None:
+        if (host_views is None) == (device_targets is None):
+            raise ValueError("give exactly one of host_views and device_targets")
+        if device_targets is not None and device_ops is None:
+            raise ValueError("device destinations need device_ops")
+        self.host_views = host_views
+        self.device_targets = device_targets
+        self.device_ops = device_ops
+        self.fresh = fresh
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_targets is not None
+
+
+class Source(NamedTuple):
+    """One file of a load: an open descriptor, its name, its read plan, and the number added
+    to each piece's row to key the destination (distinct per file of one pipeline).
+
+    A remote file has no descriptor (``fd`` is -1) and ``ranges`` instead:
+    ``ranges(offset, views)`` fills ``views`` back to back from the file at ``offset``
+    (:meth:`engine.net.remote_reads.RangeReads.reader`).  Worker threads then call it once per
+    request, each on its own connection.
+
+    ``mapping``: a read-only mapping of the whole file that the caller holds beyond the load
+    (an open ``safe_open`` handle's): a device load copies out of it and leaves it mapped,
+    instead of mapping the file for itself.
+    """
+
+    fd: int
+    path: str | None
+    requests: Sequence[Request]
+    row_base: int = 0
+    ranges: Callable[[int, Sequence[memoryview]], None] | None = None
+    mapping: object = None
+
+
+class _Tracker:
+    """Outstanding bytes per tensor; reports each tensor once, when its last byte lands."""
+
+    def __init__(self, sizes: dict[int, int], on_complete: Callable[[int], None] | None) -> None:
+        self.remaining = sizes
+        self.on_complete = on_complete
+        self.lock = threading.Lock()
+
+    @classmethod
+    def of(cls, sources: Sequence[Source], on_complete) -> _Tracker:
+        remaining: dict[int, int] = {}
+        for src in sources:
+            base = src.row_base
+            for req in src.requests:
+                for p in req.pieces:
+                    remaining[base + p.row] = remaining.get(base + p.row, 0) + p.nbytes
+        return cls(remaining, on_complete)
+
+    def landed(self, parts) -> None:
+        """``parts``: iterable of ``(key, nbytes)``."""
+        done = []
+        with self.lock:
+            for key, nbytes in parts:
+                left = self.remaining[key] - nbytes
+                self.remaining[key] = left
+                if left == 0:
+                    done.append(key)
+        if self.on_complete is not None:
+            for key in done:
+                self.on_complete(key)
+
+
+def run(fd: int, requests: Sequence[Request], dest: Destination, *, path: str | None = None, **options) -> int:
+    """Execute ``requests`` of one open file into ``dest``; returns bytes read.
+
+    :func:`run_sources` with one :class:`Source`; ``options`` as it takes them.
+    """
+    return run_sources([Source(fd, path, requests)], dest, **options)
+
+
+def run_sources(
+    sources: Sequence[Source],
+    dest: Destination,
+    *,
+    threads: int | None = None,
+    slots: int = 2,
+    slot_bytes: int | None = None,
+    gpu_path: str = "auto",
+    on_complete: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
+    fill: Callable[[int, Request, list], None] | None = None,
+    after_copy: Callable[[Request, object], None] | None = None,
+) -> int:
+    """Execute the read plans of one or more files into ``dest``; returns bytes read.
+
+    Parameters
+    ----------
+    sources : sequence of Source
+        Files and their plans; rows are keyed ``row_base + row`` in ``dest``.
+    dest : Destination
+    threads : int, optional
+        Native threads that split each batch of a host load and each staging slot of a
+        device load (default every core, :func:`default_copy_threads`); with ``fill``, the
+        worker threads of a host load (default :func:`engine.io.reader.default_threads`).
+    slots : int, default 2
+        Staging slots of the device copy path.
+    slot_bytes : int, optional
+        Bytes per chunk of the ring (default :func:`engine.gpu.device_ring.default_geometry`) or
+        per staging slot of the slot path (default :func:`default_slot_bytes`: 4 MiB per copy
+        thread, 8 to 64 MiB; never more than the load rounded up to a page).
+    gpu_path : {"auto", "copy"}, default "auto"
+        Device destinations: both are the copy path.  ``"register"`` (page-locking the file's
+        own mapping) was removed: it measured slower than the copy path (BENCHMARKS.md).
+    on_complete : callable, optional
+        ``on_complete(key)`` once per tensor, when its last byte has landed.
+    cancel : threading.Event, optional
+        Set it to stop the load; :class:`Cancelled` is raised.
+    fill : callable, optional
+        ``fill(fd, request, targets)`` replaces the plain read of each request: it must
+        fill ``targets`` (one writable host memoryview per piece; for devices, parts of the
+        staging slot) or raise.  It runs on worker threads before the pieces are copied to
+        a device or reported complete: the place for work that must see the bytes while
+        they are in the CPU cache (statistics, see :class:`engine.loading.load_hooks.StatsCollector`).  With ``fill``,
+        device loads use the copy path alone.
+    after_copy : callable, optional
+        ``after_copy(request, stream)`` runs on a device worker right after a request's
+        host-to-device copies are issued, before the event that marks them done is
+        recorded: work it queues on ``stream`` (kernels reading the bytes where they landed,
+        see ``engine.loading.load_hooks``) is ordered after the copies and complete when the tensor is
+        reported complete.  Its requests carry the file's own rows: one source only.
+
+    Returns
+    -------
+    int
+        Bytes of tensor data moved.
+
+    Raises
+    ------
+    ReadError
+        Names the file, offset and size of the first failed read (after every thread has
+        stopped and every issued copy has completed).
+    Cancelled
+        ``cancel`` was set.
+    DeviceError
+        A device operation failed.
+
+    Notes
+    -----
+    Copies of tensor bytes: host destinations 1 (page cache to tensor); device destinations
+    2 (page cache to a page-locked chunk or slot, then to the device by DMA).  No thread of
+    the load outlives the call and every issued copy has completed when it returns.
+    """
+    if gpu_path == "register":
+        raise ValueError("gpu_path='register' was removed: page-locking the file's own mapping measured slower "
+                         "than the copy path on an H100 host and held the file's pages locked; use 'auto'")
+    if gpu_path not in GPU_PATHS:
+        raise ValueError(f"gpu_path must be one of {GPU_PATHS}, not {gpu_path!r}")
+    cancel = cancel or threading.Event()
+    tracker = _Tracker.of(sources, on_complete)
+    total = sum(r.nbytes for s in sources for r in s.requests)
+    if not total:
+        return 0
+    remote = [s for s in sources if s.ranges is not None]
+    # a load served partly from local copies of remote files (remote_cache): the local files
+    # first, on their own path, then the server's
+    groups = [[s for s in sources if s.ranges is None], remote] if remote and len(remote) < len(sources) \
+        else [sources]
+    for group in groups:
+        if cancel.is_set():
+            break
+        if dest.on_device and fill is None and after_copy is None and device_ring.supports(dest.device_ops) \
+                and not any(s.ranges is not None for s in group):
+            device_ring.load(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
+        elif dest.on_device:
+            DeviceLoad(group, dest, tracker, cancel, threads=threads, slots=slots,
+                       slot_bytes=slot_bytes, fill=fill,
+                       after_copy=after_copy).run()
+        else:
+            _run_host(group, dest, tracker, cancel, threads, fill)
+    if cancel.is_set():
+        path = sources[0].path if sources else None
+        raise Cancelled("the load was cancelled", reason="Cancelled", path=path)
+    return total
+
+
+# -- host destinations ---------------------------------------------------------------------------
+
+
+#: bytes of requests per native split copy of a host load: large enough that what a batch
+#: costs beyond its bytes (the Python call, and the threads that wait at its end for the
+#: last piece) is paid once per GiB, small enough that tensors are reported complete (and a
+#: cancel is seen) while the load goes on, after each GiB
+HOST_BATCH_BYTES = 1 << 30
+
+
+def _batches(requests: Sequence[Request], limit: int):
+    batch: list[Request] = []
+    size = 0
+    for r in requests:
+        batch.append(r)
+        size += r.nbytes
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
+    """Host destinations: each batch of requests is one native call that deals its bytes in
+    pieces to ``threads`` native threads (started once for the load, no more than the load
+    has pieces), GIL released; with ``fill``, or for remote files, worker threads take whole
+    requests instead."""
+    if any(s.ranges is not None for s in sources):
+        if fill is not None:  # a fill hook reads the file itself; a remote file has no descriptor
+            raise ValueError("a load of remote files takes no fill hook")
+        _run_host_fill(sources, dest, tracker, cancel, threads or default_threads(), None)
+        return
+    if fill is not None:
+        _run_host_fill(sources, dest, tracker, cancel, threads or default_threads(), fill)
+        return
+    views = dest.host_views
+    # no more threads than the load has pieces: an idle thread still costs its start and join
+    total = sum(r.nbytes for s in sources for r in s.requests)
+    # the destination (a caller's tensors, an owned block) is not read right away: its
+    # stores go past the caches
+    reader = split_reader(max(1, min(threads or default_copy_threads(), -(-total // split_piece_bytes()))),
+                          stream=True)
+    try:
+        for src in sources:
+            mapping = copy_mapping(src.fd)
+            try:
+                for batch in _batches(src.requests, HOST_BATCH_BYTES):
+                    if cancel.is_set():
+                        return
+                    offsets: list[int] = []
+                    targets: list[memoryview] = []
+                    for req in batch:
+                        for p in req.pieces:
+                            if p.nbytes:
+                                offsets.append(req.offset + p.request_offset)
+                                targets.append(views[src.row_base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes])
+                    check_read(reader.copy(src.fd, mapping, np.array(offsets, dtype=np.int64), targets, keep=kept(mapping)),
+                               "the load", src.path, src.fd)
+                    tracker.landed((src.row_base + p.row, p.nbytes) for req in batch for p in req.pieces)
+            finally:
+                close_mapping(mapping)
+    finally:
+        reader.close()
+
+
+def _run_host_fill(sources, dest, tracker, cancel, threads, fill) -> None:
+    work = [(s, req) for s in sources for req in s.requests]
+    lock = threading.Lock()
+    next_index = [0]
+
+    def take():
+        with lock:
+            i = next_index[0]
+            if i >= len(work) or cancel.is_set():
+                return None
+            next_index[0] = i + 1
+        return work[i]
+
+    def worker() -> None:
+        views = dest.host_views
+        while (item := take()) is not None:
+            src, req = item
+            base = src.row_base
+            targets = [views[base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes] for p in req.pieces]
+            if src.ranges is not None:
+                if dest.fresh:
+                    for t in targets:
+                        populate_write(t)
+                src.ranges(req.offset, targets)
+            else:
+                fill(src.fd, req, targets)
+            tracker.landed((base + p.row, p.nbytes) for p in req.pieces)
+
+    ahead = None
+    if dest.fresh and any(s.ranges is not None for s in sources):
+        # fresh memory that sockets fill: other threads fault it in, in the order of the work,
+        # so the receiving threads only receive
+        views = dest.host_views
+        ahead = FaultAhead(views[s.row_base + p.row][p.tensor_offset : p.tensor_offset + p.nbytes]
+                           for s, req in work for p in req.pieces if p.nbytes)
+    try:
+        run_threads([worker] * max(1, min(threads, len(work))), on_error=cancel.set)
+    finally:
+        if ahead is not None:
+            ahead.close()

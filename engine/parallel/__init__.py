@@ -1,0 +1,1 @@
+"""parallel: see ARCHITECTURE.md."""

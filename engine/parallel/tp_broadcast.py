@@ -1,0 +1,121 @@
+"""Tensor-parallel loading, broadcast mode: the first rank of each node reads every tensor
+once and hands the shards out with ``scatter`` (split tensors) and ``broadcast``
+(replicated ones), moving raw bytes so that every dtype works on every backend.
+
+Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.apps.opener import is_checkpoint_path
+from engine.base._files import is_url
+from engine.errors import ShardingError
+from engine.parallel.tp_slices import open_torch, pad
+from engine.planning.sharding_plan import Replicate, shard_index, shard_shape
+
+__all__ = ["load_broadcast"]
+
+
+def _node_group(world_size: int, process_group):
+    """(group of this node, global rank of its reader) from LOCAL_WORLD_SIZE."""
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local >= world_size or world_size % local:
+        return process_group, 0
+    me = dist.get_rank(process_group)
+    mine = None
+    for node in range(world_size // local):
+        ranks = list(range(node * local, (node + 1) * local))
+        group = dist.new_group(ranks)  # every rank must create every group, in the same order
+        if me in ranks:
+            mine = (group, ranks[0])
+    return mine
+
+
+def load_broadcast(path, plan, rank, world_size, process_group, device, names, remote=None):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ShardingError("mode='broadcast' needs an initialised torch.distributed", reason="NoProcessGroup")
+    group, reader = _node_group(world_size, process_group)
+    local_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+    local_rank = local_ranks.index(dist.get_rank())
+    comm_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    # collectives move raw bytes (uint8): see _bytes_of
+    out: dict[str, torch.Tensor] = {}
+    handle = open_torch(path, "pread", remote) if dist.get_rank() == reader else None
+    try:
+        # every rank walks the same tensors in the same order; the reader reuses its open handle
+        keys, shapes, dtype_of = _catalogue(handle if handle is not None else path, remote)
+        for name in keys:
+            if names is not None and not names(name):
+                continue
+            action = plan.action(name)
+            shape, dt = shapes[name], dtype_of[name]
+            pieces_of = [shard_index(name, shape, action, r, len(local_ranks)) for r in range(len(local_ranks))]
+            whole = handle.get_tensor(name).to(comm_device) if handle is not None else None
+            if isinstance(action, Replicate):
+                buf = _bytes_of(whole) if whole is not None else torch.empty(
+                    _nbytes(shape, dt), dtype=torch.uint8, device=comm_device)
+                dist.broadcast(buf, src=reader, group=group)
+                out[name] = buf.view(dt).view(shape).to(device)
+                continue
+            mine_shape = shard_shape(shape, action, pieces_of[local_rank])
+            recv = torch.empty(_nbytes(mine_shape, dt), dtype=torch.uint8, device=comm_device)
+            scatter_list = None
+            if whole is not None:
+                scatter_list = [_bytes_of(_assemble(whole, action, pieces)) for pieces in pieces_of]
+            dist.scatter(recv, scatter_list, src=reader, group=group)
+            out[name] = recv.view(dt).view(mine_shape).to(device)
+    finally:
+        if handle is not None:
+            handle.close()
+    return out
+
+
+def _catalogue(source, remote=None):
+    """(names in file order, name -> shape, name -> torch dtype) of a path or an open handle."""
+    from engine.base import dtypes
+
+    opened = None
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not is_url(path) and not is_checkpoint_path(path):
+            from engine.format.header import read_header
+
+            header = read_header(path)
+            keys = header.offset_keys()
+            return keys, {k: header[k].shape for k in keys}, {k: dtypes.torch_dtype(header[k].code) for k in keys}
+        source = opened = open_torch(path, "mmap", remote)
+    try:
+        keys = source.offset_keys()
+        slices = {k: source.get_slice(k) for k in keys}
+        shapes = {k: tuple(sl.get_shape()) for k, sl in slices.items()}
+        dts = {k: dtypes.torch_dtype(dtypes.code_of(sl.get_dtype())) for k, sl in slices.items()}
+        return keys, shapes, dts
+    finally:
+        if opened is not None:
+            opened.close()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor: collectives move bytes, so every dtype
+    works on every backend (gloo has no bfloat16 or float8)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _nbytes(shape, dt) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dt).element_size()
+
+
+def _assemble(whole: torch.Tensor, action, pieces) -> torch.Tensor:
+    parts = [pad(whole[index], action.dim, to) for index, to in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=action.dim)

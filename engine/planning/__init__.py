@@ -1,0 +1,1 @@
+"""planning: see ARCHITECTURE.md."""

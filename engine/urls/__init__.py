@@ -1,0 +1,1 @@
+"""urls: see ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""writing: see ARCHITECTURE.md."""
