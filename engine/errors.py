@@ -34,6 +34,7 @@ __all__ = [
     "InvalidSliceError",
     "Cancelled",
     "ConfigError",
+    "OptionError",
     "CheckpointIndexError",
     "MissingShardError",
     "RemoteFileNotFoundError",
@@ -344,6 +345,15 @@ class Cancelled(SafetensorError):
 
 class ConfigError(SafetensorError, ValueError):
     """A config.json that is missing keys or holds impossible values."""
+
+
+class OptionError(SafetensorError, ValueError):
+    """An option that a loader does not know, or a value it cannot take (an inference
+    server's ``--model-loader-extra-config``); ``.option`` names the option."""
+
+    def __init__(self, message: str, *, option: str, **kw) -> None:
+        super().__init__(message, reason=kw.pop("reason", "InvalidOption"), **kw)
+        self.option = option
 
 
 class CheckpointIndexError(SafetensorError, ValueError):

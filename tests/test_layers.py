@@ -62,6 +62,8 @@ FLOORS: dict[str, int] = {
     "distributed": 11,
     # the outermost shells
     "commands": 12,
+    # inference servers' loaders (vLLM, SGLang), built on the whole engine
+    "serving": 12,
     "compat": 12,
     "__main__": 12,
 }
