@@ -3,13 +3,10 @@ at all; the torch ops drive the chunk ring over the emulated runtime."""
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import pytest
 from conftest import run_python
-
-from engine.sinks import _cudart
 
 
 def test_no_runtime_without_cuda():
