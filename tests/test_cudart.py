@@ -1,5 +1,5 @@
-"""engine.sinks._cudart on a machine without CUDA: the runtime is found at run time or not
-at all; the torch ops drive the chunk ring over the emulated runtime."""
+"""The CUDA runtime the chunk ring calls, on a machine without CUDA: found at run time or not
+at all; the torch ops drive the ring over the emulated runtime."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def test_no_runtime_without_cuda():
 
     code = (
         "import torch\n"
-        "from engine.sinks import _cudart\n"
-        "print(_cudart._loaded_cudart_path())\n"
+        "from engine.gpu import device_ring\n"
+        "print(device_ring._loaded_cudart_path())\n"
     )
     assert run_python(code, timeout=120).split() == ["None"]
 

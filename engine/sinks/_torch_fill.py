@@ -22,9 +22,9 @@ class TorchCudaOps:
         self.device = device
 
     def runtime_path(self) -> str | None:
-        from engine.sinks import _cudart
+        from engine.gpu.device_ring import cuda_runtime_path
 
-        return _cudart.runtime_path()
+        return cuda_runtime_path()
 
     @property
     def device_index(self) -> int:

@@ -6,7 +6,6 @@ import numpy as np
 
 from engine.base import dtypes
 from engine.errors import DeviceError, MissingDependencyError
-from engine.sinks import _cudart
 from engine.sinks._targets import FillTarget
 from engine.sinks.numpy import NumpySink
 
@@ -52,7 +51,9 @@ class CupyOps:
         self.device = cupy.cuda.Device(device_id)
 
     def runtime_path(self) -> str | None:
-        return _cudart.runtime_path()
+        from engine.gpu.device_ring import cuda_runtime_path
+
+        return cuda_runtime_path()
 
     @property
     def device_index(self) -> int:
