@@ -58,7 +58,7 @@ _LAZY = {
     "deserialize": "engine.writing.tensorspec",
     "stream": "engine.apps.opener",
     "load_into": "engine.apps.opener",
-    "keep_staging": "engine.gpu.device_staging",
+    "keep_staging": "engine.gpu.device_ring",
     "keep_mappings": "engine.io.kept_mappings",
     "prepare_device": "engine.loading.loader",
     "load_records": "engine.gpu.device_ring",
@@ -96,7 +96,7 @@ _LAYERS = {
     "planning": "plan sharding_plan",
     "io": "_io reader kept_mappings",
     "net": "_http _s3 remote_reads",
-    "gpu": "_ring device_ring device_load device_units device_staging",
+    "gpu": "_ring device_ring",
     "loading": "pipeline loader load_hooks file_handle",
     "writing": "writer _tensor_bytes tensorspec",
     "checkpoints": "checkpoint checkpoint_info shards",
@@ -183,8 +183,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.checkpoints.shards import save_sharded
     from engine.format.checksums import add_checksums
     from engine.format.header import MAX_HEADER_SIZE, Header, TensorInfo
-    from engine.gpu.device_ring import LoadRecord, load_records
-    from engine.gpu.device_staging import keep_staging
+    from engine.gpu.device_ring import LoadRecord, keep_staging, load_records
     from engine.io.kept_mappings import keep_mappings
     from engine.loading.file_handle import _safe_open_handle
     from engine.loading.loader import prepare_device

@@ -414,7 +414,7 @@ class DeviceFallbackWarning(RuntimeWarning):
     driver it does not know), naming the cause and the fix: statistics and int8 quantization
     of a torch or CuPy load to a GPU then run as that framework's own operations on the
     device (``engine.numerics._device_fallback``); other device sinks fold statistics on the
-    CPU from the staging slots and quantize with the CPU kernels, the results copied back.
+    CPU from the file's bytes and quantize with the CPU kernels, the results copied back.
     ``warnings.simplefilter("error", DeviceFallbackWarning)`` makes it fatal.
     """
 

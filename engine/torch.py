@@ -63,7 +63,8 @@ def load_file(
         or other fsspec URL of a file, an index or a prefix, loaded by parallel ranged
         reads (:func:`engine.urls.remote_load.load`; ``backend`` does not apply).
     device : str, int or torch.device, default "cpu"
-        Any torch device: CUDA loads stream through pinned staging buffers; other devices
+        Any torch device: CUDA loads stream through the native chunk ring (two copies: page
+        cache to a page-locked chunk, DMA); other devices
         (``"mps"``, ``"xpu"``, ...) receive the CPU tensors through ``.to()``.
     backend : {"mmap", "pread"}
         ``"mmap"``: tensors view a private mapping (writable, copy-on-write);

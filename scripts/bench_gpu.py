@@ -294,7 +294,7 @@ def _engine_prepare_device_prepare(files, dev):
 
 
 def _engine_reload_prepare(files, dev):
-    """A server reloading its weights: staging slots and file mappings kept between loads
+    """A server reloading its weights: the ring and file mappings kept between loads
     (``engine.keep_staging``, ``engine.keep_mappings``), one untimed load first; the clock
     times the next."""
     import engine

@@ -132,12 +132,12 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
 
             os.environ["ENGINE_RING"] = f"{4096 / 2**20},64,{device_ring.default_geometry().threads}"
         dma, _, keep = kind.partition("-")[2].partition("-")
-        if keep:  # staging slots kept between loads (engine.keep_staging); "kept": mappings too
+        if keep:  # the ring kept between loads (engine.keep_staging); "kept": mappings too
             import engine
 
             engine.keep_staging(True)
             engine.keep_mappings(keep == "kept")
-        load = host.DeviceLoad(path, dma=dma)
+        load = host.RingLoad(path, dma=dma)
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()

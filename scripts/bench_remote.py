@@ -37,10 +37,8 @@ process (the engine's bytecode compiled first):
   clock starts after the headers are read, the other engine rows' before.  ``... memcpy``:
   the copies move the bytes (a CPU copy standing in for the DMA engine, a core's work a GPU
   host does not pay), so that the bytes that reached the "device" are compared;
-  ``engine http device slots``: the same load forced onto the slot path (pinned staging
-  slots, Python per unit), the way remote device loads went before the ring took them;
-  ``... repeated``: a warm-up load, then 3 in the same process, the ring (or the slots)
-  kept between them: the steady state, without a fresh process's set-up (the first touch
+  ``... repeated``: a warm-up load, then 3 in the same process, the ring kept between
+  them: the steady state, without a fresh process's set-up (the first touch
   of the ring's 128 MiB of page-locked chunks, huge pages where granted);
 * ``GETs + reference``: each shard fetched whole with ``urllib`` into memory, one after
   the other, then ``safetensors.torch.load`` of those bytes (the reference's own way to
@@ -200,17 +198,15 @@ def _engine_load_into(url: str, options: str = "") -> str:
     )
 
 
-def _engine_device(url: str, dma: str = "none", slots: bool = False, repeat: int = 0) -> str:
-    """A remote load into an emulated device (``host.BenchDevice``): the chunk ring, or with
-    ``slots`` the slot path (the ring refused, as for device operations without a runtime);
+def _engine_device(url: str, dma: str = "none", repeat: int = 0) -> str:
+    """A remote load into an emulated device (``host.BenchDevice``) through the chunk ring;
     with ``repeat``, a warm-up load and ``repeat`` more in the process, the ring kept between
     them (the median is the sample: the steady state, without the set-up of a first load)."""
     return (
         "import numpy as np\n"
         "from benchmarks import host\n"
-        "from engine.gpu import device_ring\nfrom engine.loading import pipeline\nfrom engine.urls import remote_load\n"
-        + ("device_ring.supports = lambda ops: False\n" if slots else "")
-        + "from engine.loading.loader import _bases, _sources\n"
+        "from engine.loading import pipeline\nfrom engine.urls import remote_load\n"
+        "from engine.loading.loader import _bases, _sources\n"
         f"opened = remote_load.open_parts({url!r})\n"
         "parts = [p._replace(rows=list(p.header.table.file_order())) for p in opened.parts]\n"
         "bases = _bases(parts)\n"
@@ -406,9 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 "engine http device": (py, _engine_device(index), env),
                 "engine s3 device": (py, _engine_device(s3_index), s3_env),
                 "engine http device memcpy": (py, _engine_device(index, "memcpy"), env),
-                "engine http device slots": (py, _engine_device(index, slots=True), env),
                 "engine http device repeated": (py, _engine_device(index, repeat=3), env),
-                "engine http device slots repeated": (py, _engine_device(index, slots=True, repeat=3), env),
                 "GETs + reference": (py, _gets_reference(shard_urls), env),
                 "GETs + reference repeated": (py, _gets_reference(shard_urls, repeat=3), env),
                 "download + reference": (py, _download_then_reference(shard_urls, scratch), env),
@@ -480,7 +474,7 @@ def _report(results: dict, nbytes: int, expected: int, args) -> None:
         peak = f"{statistics.median(hwm) / 1e9:.2f}" if hwm else "-"
         # the emulated device's copies move no bytes (dma=none): nothing to compare there
         same = "-" if name.startswith(("fault", "line", "disk")) or name.endswith(
-            ("device", "slots", "device repeated", "slots repeated")) else (
+            ("device", "device repeated")) else (
             "equal" if equal else "DIFFER")
         print(f"{name:34} {rate:6.2f} {xl:>7} {xe:>8} {peak:>11}  {same}")
         table[name] = {"seconds": s, "gbps": rate, "x_line": line / s if line else None,
@@ -497,10 +491,9 @@ def _report(results: dict, nbytes: int, expected: int, args) -> None:
             bound = f", {nbytes / s / 1e9 / fault_bound:.2f}x the owned-load bound" if fault_bound else ""
             print(f"{name}: {line / s:.2f}x the line rate, {ref / s:.2f}x GETs + reference{bound}")
     for suffix in ("", " repeated"):
-        ring, slot = med(f"engine http device{suffix}"), med(f"engine http device slots{suffix}")
+        ring = med(f"engine http device{suffix}")
         if ring and line:
-            was = f" (the slot path: {line / slot:.2f}x)" if slot else ""
-            print(f"engine http device{suffix} (chunk ring): {line / ring:.2f}x the line rate{was}")
+            print(f"engine http device{suffix} (chunk ring): {line / ring:.2f}x the line rate")
     disk, first, second = med("disk write+fsync"), med("engine http cache_dir 1st"), med("engine http cache_dir 2nd")
     if engine and disk and first:
         allowance = (engine + disk) / 0.9

@@ -82,7 +82,6 @@ import time
 START = time.monotonic()
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -711,12 +710,10 @@ def row_pytest(check: Check, name: str) -> None:
     check.step("pytest", name, name, check.priors[name], run)
 
 
-#: the emulated rows: the chunk ring (device loads of local and remote files) and the slot
-#: path (loads with a hook, device operations without a CUDA runtime for a ring);
-#: ``--child-emulated`` names them by the key
+#: the emulated row: the chunk ring (the one device path, local and remote files, with or
+#: without hooks); ``--child-emulated`` names it by the key
 EMULATED = {
     "ring": "emulated runtime: chunk ring, every shard in one load",
-    "slots": "emulated device: slot path, every shard in one load",
 }
 
 
@@ -736,9 +733,8 @@ def row_emulated(check: Check, kind: str) -> None:
                           "timed out at the budget's end" if rc is None else f"exit code {rc}: {_tail(err or out)}")
             return
         r = json.loads(lines[-1])
-        what = ("tests/emucudart's runtime (memcpy on a stream thread)" if kind == "ring" else
-                "tests/emulated.py's device (Python-thread copies)")
-        check.rep.add("emulated", row, "ok", f"bytes identical to the files; {what}, not a GPU rate",
+        check.rep.add("emulated", row, "ok", "bytes identical to the files; tests/emucudart's runtime "
+                      "(memcpy on a stream thread), not a GPU rate",
                       gbps=r["bytes"] / r["seconds"] / 1e9, seconds=r["seconds"], bytes=r["bytes"],
                       copies=r["copies"], records=r.get("records"))
 
@@ -923,8 +919,7 @@ def compare_child(dev: str, scratch: str) -> dict:
 def emulated_child(kind: str, files: list[str]) -> dict:
     """The checkpoint's shards through the engine's device pipeline (one pipeline over every
     shard): ``kind`` ``"ring"``, the chunk ring on the emulated CUDA runtime of
-    tests/emucudart; ``"slots"``, the slot path on tests/emulated.py's device (which has no
-    runtime for a ring).  Every byte checked against the files, nothing left page-locked."""
+    tests/emucudart.  Every byte checked against the files, nothing left page-locked."""
     import mmap
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -935,15 +930,12 @@ def emulated_child(kind: str, files: list[str]) -> dict:
 
     fds, sources, dst, base = [], [], {}, 0
     headers = [engine.read_header(f) for f in files]
-    if kind == "ring":
-        from emucudart import EmulatedRingOps, Emulator
+    if kind != "ring":
+        raise ValueError(f"no emulated row {kind!r}: the chunk ring is the one device path")
+    from emucudart import EmulatedRingOps, Emulator
 
-        emulator = Emulator()
-        ops = EmulatedRingOps(emulator)
-    else:
-        from emulated import EmulatedDevice
-
-        ops = EmulatedDevice(delay=0)
+    emulator = Emulator()
+    ops = EmulatedRingOps(emulator)
     try:
         for f, h in zip(files, headers, strict=True):
             fd = os.open(f, os.O_RDONLY)
@@ -954,24 +946,18 @@ def emulated_child(kind: str, files: list[str]) -> dict:
             for r in rows:
                 dst[base + r] = bytearray(int(t.ends[r]) - int(t.begins[r]))
             base += len(rows)
-        collect, on = bench_gpu.ring_records() if kind == "ring" else (contextlib.nullcontext(None), None)
+        collect, on = bench_gpu.ring_records()
         t0 = time.perf_counter()
         with collect as got:
             nbytes = pipeline.run_sources(sources, pipeline.Destination(device_targets=dst, device_ops=ops),
                                           slot_bytes=8 << 20)
-        if kind == "ring":
-            seconds = time.perf_counter() - t0  # the ring has synchronized its stream
-            device_ring.release_rings()
-            ops.close()
-            st = emulator.stats()
-            if st["registered"] or st["pageable"] or st["wrong_device"] or st["events"]:
-                raise AssertionError(f"the ring left the emulated runtime unclean: {st}")
-            copies = st["copies"]
-        else:
-            ops.close()  # every queued copy has run
-            seconds = time.perf_counter() - t0
-            ops.assert_clean()
-            copies = ops.copies
+        seconds = time.perf_counter() - t0  # the ring has synchronized its stream
+        device_ring.release_rings()
+        ops.close()
+        st = emulator.stats()
+        if st["registered"] or st["pageable"] or st["wrong_device"] or st["events"]:
+            raise AssertionError(f"the ring left the emulated runtime unclean: {st}")
+        copies = st["copies"]
     finally:
         for fd in fds:
             os.close(fd)

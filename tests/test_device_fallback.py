@@ -313,7 +313,6 @@ def load(monkeypatch, path, sink, **kw):
     import engine.loading.loader  # noqa: F401  (get_sink patched below)
 
     monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
-    monkeypatch.setattr(engine.loading.pipeline, "DeviceLoad", None)  # the ring, not the slot path
     return {n: (t, s) for n, t, s in engine.stream(path, framework="pt", device="cuda", stats=True, **kw)}
 
 
@@ -350,7 +349,7 @@ def test_device_load_falls_back_to_the_frameworks_operations(model_file, monkeyp
         (t, s), (tc, sc) = got[name], cpu[name]
         if x.dtype in KIND:
             assert_same_stats(s, x)
-        else:  # integers: the CPU fold on the staging slots, as before
+        else:  # integers: the CPU fold of the file's bytes, as before
             assert s == sc
         if isinstance(tc, QuantizedTensor):
             assert isinstance(t, QuantizedTensor) and t.axis == tc.axis and t.dtype == tc.dtype

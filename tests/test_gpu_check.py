@@ -52,7 +52,6 @@ REQUIRED = [
     "compare: engine.load_into gpu_path=auto",
     "compare: selective: engine.stream(names=every third)",
     "emulated runtime: chunk ring, every shard in one load",
-    "emulated device: slot path, every shard in one load",
     "engine from this checkout",
     "build_ext --inplace",
     "pytest -m cuda",

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 from conftest import run_python
-from emulated import EmulatedDevice
+from emucudart import EmulatedRingOps, Emulator
 
 import engine
 from engine.io import kept_mappings, reader
@@ -198,7 +198,7 @@ def test_a_kept_file_stays_mapped_and_a_plain_load_unmaps(tmp_path, monkeypatch)
     assert _rss_file_kib() - before < 8 << 10
 
 
-def test_the_device_copy_path_reads_the_kept_mapping(tmp_path):
+def test_the_device_ring_reads_the_kept_mapping(tmp_path):
     data = os.urandom(5 << 20)
     path = tmp_path / "blob"
     path.write_bytes(data)
@@ -206,16 +206,19 @@ def test_the_device_copy_path_reads_the_kept_mapping(tmp_path):
     requests = plan_reads(begins, ends, [0, 1], 0, 1 << 20, 64)
     engine.keep_mappings(True)
     fd = os.open(path, os.O_RDONLY)
-    dev = EmulatedDevice()
+    emulator = Emulator()
+    emulator.reset()
+    dev = EmulatedRingOps(emulator)
     try:
         for _ in range(2):
-            out = {0: bytearray(2 << 20), 1: bytearray(3 << 20)}
+            out = {0: np.zeros(2 << 20, np.uint8), 1: np.zeros(3 << 20, np.uint8)}
             pipeline.run(fd, requests, pipeline.Destination(device_targets=out, device_ops=dev), gpu_path="copy",
                          slot_bytes=1 << 20)
             assert bytes(out[0]) + bytes(out[1]) == data
         assert len(KEPT_MAPPINGS) == 1
     finally:
         os.close(fd)
+        emulator.assert_clean()
         dev.close()
 
 

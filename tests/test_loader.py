@@ -309,14 +309,16 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
     """load_into knows no framework: each destination's fill target gives its bytes and, on a
     device, the operations that copy into it (how CuPy arrays and CUDA tensors are filled).
     Host and device destinations in one call, the device emulated on the CPU."""
-    from emulated import EmulatedDevice
+    from emucudart import EmulatedRingOps, Emulator
 
     import engine.loading.loader
     from engine.base import dtypes
     from engine.sinks._targets import FillTarget
 
     path, sd = model_file
-    emu = EmulatedDevice()
+    emulator = Emulator()
+    emulator.reset()
+    emu = EmulatedRingOps(emulator)
     made: list[str] = []
 
     class EmulatedTarget(FillTarget):
@@ -326,7 +328,7 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
             super().__init__(arr, arr.code, arr.shape, True, "emulated")
 
         def device_bytes(self):
-            return self.tensor.data
+            return memoryview(self.tensor.data)
 
         def device_ops(self):
             made.append("ops")
@@ -341,14 +343,14 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
     try:
         filled = engine.load_into(path, {**dst, **host}, strict=True, gpu_path=gpu_path, chunk_bytes=4096)
     finally:
+        emulator.assert_clean()
         emu.close()
     assert sorted(filled) == sorted(sd) and made == ["ops"]  # one device load for all its tensors
     for k in on_device:
         assert bytes(dst[k].data) == sd[k].tobytes(), k
     for k, a in host.items():
         np.testing.assert_array_equal(a, sd[k])
-    assert emu.copies > 0
-    emu.assert_clean()
+    assert emulator.stats()["copies"] > 0
     with pytest.raises(TensorMismatchError, match="F64"):  # checked through the target too
         engine.load_into(path, {"ids": EmulatedArray(dtypes.BY_NAME["F64"].code, (10,), 80)})
 
@@ -515,18 +517,21 @@ def test_load_file_into_a_device_is_one_pipeline_in_file_order(model_file, monke
         return real(*a, **{**k, "gpu_path": gpu_path})
 
     monkeypatch.setattr(engine.loading.pipeline, "run_sources", counting)
-    from emulated import EmulatedSink
+    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
 
-    sink = EmulatedSink()
+    emulator = Emulator()
+    emulator.reset()
+    sink = EmulatedSink(EmulatedRingOps(emulator))
     try:
         out = engine.loading.loader.load_file(path, sink)
     finally:
+        emulator.assert_clean()
         sink.ops.close()
     assert runs == [1]
     assert list(out) == engine.read_header(path).offset_keys()
     for name, a in sd.items():
         assert bytes(out[name]) == a.tobytes(), name
-    sink.ops.assert_clean()
+    assert emulator.stats()["copies"] > 0 and sink.allocations == [len(sd)]
 
 
 def test_torch_load_file_pread_takes_the_short_path_and_equals_the_reference(model_file, monkeypatch):

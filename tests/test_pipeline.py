@@ -1,14 +1,14 @@
-"""The threaded pipeline on CPU: threads, the staging ring, completion, errors, cancellation.
+"""The threaded pipeline on CPU: threads, the chunk ring, completion, errors, cancellation.
 
-Device destinations are exercised with an emulated asynchronous device whose copies run
-later on a per-stream thread and read the staging slot only then: a ring that reused a slot
-before its copy finished would corrupt the data, and these tests would see it.
+Device destinations are exercised through the native chunk ring over the emulated CUDA
+runtime (tests/emucudart), whose copies run later on a stream thread and read their chunk
+only then: a ring that reused a chunk before its copy finished would corrupt the data, and
+these tests would see it (the ring's own tests: test_device_ring.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import mmap
 import os
 import threading
@@ -17,13 +17,13 @@ import time
 import numpy as np
 import pytest
 from conftest import SplitCopies
-from emulated import EmulatedDevice
+from emucudart import EmulatedRingOps, Emulator
 from gil import ticks_during
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import DeviceError, ReadError
-from engine.gpu import device_units
+from engine.gpu import device_ring
 from engine.io.reader import pread_into
 from engine.loading import pipeline
 from engine.planning.plan import plan_reads
@@ -45,6 +45,27 @@ def layout(tmp_path_factory):
     os.close(fd)
 
 
+_EMULATOR: list[Emulator] = []
+
+
+class RingDevice(EmulatedRingOps):
+    """The ring's device operations over the emulated runtime, reset for each load, with
+    the checks that nothing is left behind."""
+
+    def __init__(self) -> None:
+        if not _EMULATOR:
+            _EMULATOR.append(Emulator())
+        _EMULATOR[0].reset()
+        super().__init__(_EMULATOR[0])
+
+    def close(self) -> None:
+        device_ring.release_rings()  # a ring lingers briefly after a load: closed now
+        super().close()
+
+    def assert_clean(self) -> None:
+        self.emulator.assert_clean()
+
+
 def _expected(data, begins, ends, row):
     return data[64 + begins[row] : 64 + ends[row]].tobytes()
 
@@ -55,25 +76,24 @@ def _expected(data, begins, ends, row):
     threads=st.sampled_from([1, 2, 3, 8]),
     chunk=st.sampled_from([4096, 65_536, 1 << 20]),
     device=st.booleans(),
-    slots=st.sampled_from([1, 2, 3]),
     slot_bytes=st.sampled_from([5000, 65_536, 1 << 20, 1 << 24]),
     gpu_path=st.sampled_from(["auto", "copy"]),
 )
 def test_every_selected_byte_lands_and_every_tensor_completes_once(
-    layout, rows, threads, chunk, device, slots, slot_bytes, gpu_path
+    layout, rows, threads, chunk, device, slot_bytes, gpu_path
 ):
     fd, path, begins, ends, data = layout
     rows = sorted(rows, key=lambda r: begins[r])
     dst = {r: bytearray(int(ends[r] - begins[r])) for r in rows}
     completed = []
     requests = plan_reads(begins, ends, rows, 64, chunk)
-    emu = EmulatedDevice() if device else None
+    emu = RingDevice() if device else None
     if device:
         dest = pipeline.Destination(device_targets=dst, device_ops=emu)
     else:
         dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in dst.items() if len(b)})
     try:
-        n = pipeline.run(fd, requests, dest, path=path, threads=threads, slots=slots, slot_bytes=slot_bytes,
+        n = pipeline.run(fd, requests, dest, path=path, threads=threads, slot_bytes=slot_bytes,
                          gpu_path=gpu_path, on_complete=completed.append)
     finally:
         if emu:
@@ -85,12 +105,10 @@ def test_every_selected_byte_lands_and_every_tensor_completes_once(
         assert bytes(dst[r]) == _expected(data, begins, ends, r), r
     if device:
         emu.assert_clean()
-        # pinned staging is bounded by slots * slot_bytes, whatever the model size
-        assert emu.staging_bytes <= slots * (slot_bytes + device_units.SLOT_ALIGN)
+        assert (emu.emulator.stats()["copies"] > 0) == (n > 0)  # through the ring's DMAs
 
 
-@pytest.mark.parametrize("device", [False, True])
-def test_fill_hook_replaces_the_read_and_sees_one_target_per_piece(layout, device):
+def test_fill_hook_replaces_the_read_and_sees_one_target_per_piece(layout):
     fd, path, begins, ends, data = layout
     rows = [r for r in range(40) if ends[r] > begins[r]]
     dst = {r: bytearray(int(ends[r] - begins[r])) for r in rows}
@@ -104,16 +122,8 @@ def test_fill_hook_replaces_the_read_and_sees_one_target_per_piece(layout, devic
         with lock:  # what the hook saw is what a plain read would have landed
             seen.extend((p.row, p.tensor_offset, bytes(t)) for p, t in zip(req.pieces, targets, strict=True))
 
-    emu = EmulatedDevice() if device else None
-    if device:
-        dest = pipeline.Destination(device_targets=dst, device_ops=emu)
-    else:
-        dest = pipeline.Destination(host_views={r: memoryview(b) for r, b in dst.items()})
-    try:
-        pipeline.run(fd, requests, dest, path=path, threads=3, fill=fill)
-    finally:
-        if emu:
-            emu.close()
+    pipeline.run(fd, requests, pipeline.Destination(host_views={r: memoryview(b) for r, b in dst.items()}),
+                 path=path, threads=3, fill=fill)
     for r in rows:
         assert bytes(dst[r]) == _expected(data, begins, ends, r), r
         parts = sorted((off, b) for row, off, b in seen if row == r)
@@ -124,7 +134,8 @@ def test_completion_is_reported_only_after_the_device_copy(layout):
     fd, path, begins, ends, data = layout
     rows = list(range(40))
     dst = {r: bytearray(int(ends[r] - begins[r])) for r in rows}
-    emu = EmulatedDevice(delay=0.002)
+    emu = RingDevice()
+    emu.emulator.delay(0.002)  # each copy lands late: a tensor reported early shows stale bytes
     seen_complete_and_correct = []
 
     def check(row):
@@ -133,9 +144,10 @@ def test_completion_is_reported_only_after_the_device_copy(layout):
     try:
         pipeline.run(fd, plan_reads(begins, ends, rows, 64, 65_536),
                      pipeline.Destination(device_targets=dst, device_ops=emu),
-                     path=path, threads=2, slots=2, on_complete=check)
+                     path=path, threads=2, slot_bytes=65_536, on_complete=check)
     finally:
         emu.close()
+        emu.emulator.delay(0)
     assert seen_complete_and_correct and all(seen_complete_and_correct)
 
 
@@ -200,7 +212,7 @@ def test_destination_arguments():
         pipeline.Destination(device_targets={})
 
 
-# -- device loads on the slot path (the chunk ring: test_device_ring.py) ------------------------------
+# -- device loads through the pipeline (the ring itself: test_device_ring.py) --------------------------
 
 
 def _device_load(layout, emu, *, rows=None, slot_bytes=65_536, **kw):
@@ -218,19 +230,50 @@ def _device_load(layout, emu, *, rows=None, slot_bytes=65_536, **kw):
     return dst
 
 
-def test_the_slot_path_copies_every_byte_from_live_staging(layout):
-    emu = EmulatedDevice()
+def test_a_device_load_copies_every_byte_through_the_ring(layout):
+    emu = RingDevice()
     _device_load(layout, emu)
     emu.assert_clean()
-    assert emu.copies
+    assert emu.emulator.stats()["copies"] > 0
+
+
+def test_device_operations_without_the_rings_entry_points_are_a_device_error(layout):
+    """The ring is the one device path: operations it cannot drive fail the load, naming what
+    they lack, before anything is read."""
+
+    class NoRing:
+        def address(self, target):
+            return 0
+
+    fd, path, begins, ends, _ = layout
+    dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
+    with pytest.raises(DeviceError, match="cannot drive the chunk ring.*runtime_path") as info:
+        pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
+                     pipeline.Destination(device_targets=dst, device_ops=NoRing()), path=path)
+    assert info.value.path == path
+    assert not any(any(b) for b in dst.values())
+
+
+def test_a_device_load_takes_no_fill_hook(layout):
+    fd, path, begins, ends, _ = layout
+    emu = RingDevice()
+    dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
+    try:
+        with pytest.raises(ValueError, match="no fill hook"):
+            pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
+                         pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
+                         fill=lambda *a: None)
+    finally:
+        emu.close()
+    assert emu.emulator.stats()["copies"] == 0
 
 
 def test_gpu_path_is_checked(layout):
     with pytest.raises(ValueError, match="gpu_path"):
-        _device_load(layout, EmulatedDevice(), gpu_path="fast")
+        _device_load(layout, RingDevice(), gpu_path="fast")
     # page-locking the file's own mapping was removed, with the reason
     with pytest.raises(ValueError, match="removed.*slower"):
-        _device_load(layout, EmulatedDevice(), gpu_path="register")
+        _device_load(layout, RingDevice(), gpu_path="register")
 
 
 @pytest.fixture
@@ -244,36 +287,13 @@ def copy_of_layout(layout, tmp_path):
     os.close(fd)
 
 
-@pytest.mark.parametrize("gpu_path", ["auto", "copy"])
-def test_truncation_mid_load_is_a_read_error_and_releases_everything(copy_of_layout, gpu_path):
-    fd, path, begins, ends, data = copy_of_layout
-    cut = len(data) // 2
-    emu = EmulatedDevice()
-    truncated = []
-
-    def on_complete(row):
-        if not truncated:  # the file shrinks under the load after its first tensor landed
-            os.ftruncate(fd, cut)
-            truncated.append(row)
-
-    dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
-    with pytest.raises(ReadError) as info:
-        try:
-            pipeline.run(fd, plan_reads(begins, ends, range(40), 64, 1 << 20),
-                         pipeline.Destination(device_targets=dst, device_ops=emu), path=path,
-                         slot_bytes=65_536, gpu_path=gpu_path, on_complete=on_complete)
-        finally:
-            emu.close()
-    assert truncated
-    assert info.value.path == path and path in str(info.value)
-    assert info.value.offset >= cut and info.value.reason == "ShortRead"
-    emu.assert_clean()
+# a file truncated under a device load: test_device_ring.py
 
 
 def test_a_file_shorter_than_its_plan_is_a_read_error_at_its_end(copy_of_layout):
     fd, path, begins, ends, data = copy_of_layout
     os.ftruncate(fd, len(data) - 100_000)
-    emu = EmulatedDevice()
+    emu = RingDevice()
     dst = {r: bytearray(int(ends[r] - begins[r])) for r in range(40)}
     with pytest.raises(ReadError) as info:
         try:
@@ -301,7 +321,8 @@ def _os_threads(until: int = 1 << 30) -> int:
 def test_cancel_of_a_device_load_frees_everything(layout, gpu_path):
     fd, path, begins, ends, _ = layout
     before = _os_threads()
-    emu = EmulatedDevice()
+    emu = RingDevice()
+    emu.emulator.delay(0.002)  # copies land slowly: the cancel comes mid-load
     cancel = threading.Event()
     done = []
 
@@ -326,17 +347,9 @@ def test_cancel_of_a_device_load_frees_everything(layout, gpu_path):
 
 
 def test_a_failing_device_copy_still_frees_everything(layout):
-    emu = EmulatedDevice()
-    real = emu.copy_to_device
-    calls = itertools.count(1)  # next() is atomic, whichever thread copies
-
-    def flaky(*args):
-        if next(calls) == 7:
-            raise DeviceError("copy engine on fire")
-        return real(*args)
-
-    emu.copy_to_device = flaky
-    with pytest.raises(DeviceError, match="on fire"):
+    emu = RingDevice()
+    emu.emulator.fail_copy(7)
+    with pytest.raises(DeviceError):
         _device_load(layout, emu)
     emu.assert_clean()
 
@@ -353,7 +366,7 @@ def test_several_files_run_as_one_pipeline(layout, tmp_path, device):
     fd2 = os.open(path2, os.O_RDONLY)
     rows = [r for r in range(40) if ends[r] > begins[r]]
     dst = {base + r: bytearray(int(ends[r] - begins[r])) for base in (0, 100) for r in rows}
-    emu = EmulatedDevice() if device else None
+    emu = RingDevice() if device else None
     if device:
         dest = pipeline.Destination(device_targets=dst, device_ops=emu)
     else:
@@ -376,9 +389,6 @@ def test_several_files_run_as_one_pipeline(layout, tmp_path, device):
         assert bytes(dst[100 + r]) == _expected(other, begins, ends, r)
     if device:
         emu.assert_clean()
-
-
-# -- units ----------------------------------------------------------------------------------------
 
 
 # -- the native split read -----------------------------------------------------------------------
@@ -421,76 +431,10 @@ def test_resident_pages_of_a_fresh_file_and_of_an_empty_range(layout):
 
 
 def test_default_sizes():
-    assert pipeline.default_copy_threads() >= 1
-    slot = pipeline.default_slot_bytes()
-    assert 8 << 20 <= slot <= 64 << 20 and slot % mmap.PAGESIZE == 0
-    # 4 MiB per copy thread, within the bounds
-    assert [pipeline.default_slot_bytes(n) >> 20 for n in (1, 2, 3, 8, 16, 64)] == [8, 8, 12, 32, 64, 64]
-
-
-def test_the_read_into_one_slot_overlaps_the_copies_out_of_the_other(layout, monkeypatch):
-    """Slow emulated copies: with two slots, the next unit is read while the previous unit's
-    copies are still queued on the stream (its event not yet set)."""
-    from engine.io import _io
-
-    emu = EmulatedDevice(delay=0.02)
-    events = []
-    real_record = emu.record
-
-    def record(stream):
-        ev = real_record(stream)
-        events.append(ev)
-        return ev
-
-    overlapped = []
-    real_reader = _io.SplitReader
-
-    class Reader:  # the native reader, noting whether a copy was pending at each read
-        def __init__(self, threads, **kw):
-            self.inner = real_reader(threads, **kw)
-
-        def copy(self, *args, **kw):
-            overlapped.append(any(not ev.is_set() for ev in events))
-            return self.inner.copy(*args, **kw)
-
-        def close(self):
-            self.inner.close()
-
-    emu.record = record
-    monkeypatch.setattr(_io, "SplitReader", Reader)
-    _device_load(layout, emu, gpu_path="copy", slots=2, slot_bytes=1 << 20)
-    emu.assert_clean()
-    assert len(overlapped) > 3 and any(overlapped[1:])
-
-
-def test_a_staging_slot_that_cannot_be_allocated_fails_the_load_and_frees_the_others(layout):
-    emu = EmulatedDevice()
-    real = emu.alloc_staging
-    calls = [0]
-
-    def alloc(nbytes):
-        with emu.lock:
-            calls[0] += 1
-            n = calls[0]
-        if n == 2:  # the slot page-locked ahead on a helper thread
-            raise DeviceError("out of page-locked memory")
-        return real(nbytes)
-
-    emu.alloc_staging = alloc
-    with pytest.raises(DeviceError, match="page-locked"):
-        _device_load(layout, emu, gpu_path="copy", slots=3, slot_bytes=1 << 20)
-    assert calls[0] == 3
-    emu.assert_clean()
-
-
-def test_default_slots_are_never_larger_than_the_load(layout):
-    _, _, begins, ends, _ = layout
-    total = int(ends[-1])
-    emu = EmulatedDevice()
-    _device_load(layout, emu, slot_bytes=None, gpu_path="copy")
-    emu.assert_clean()
-    page = mmap.PAGESIZE
-    assert 0 < emu.staging_bytes <= 2 * (-(-total // page) * page + device_units.SLOT_ALIGN)
+    assert pipeline.default_copy_threads() == device_ring.cores() >= 1
+    # slot_bytes is the ring's chunk size, page-aligned
+    assert device_ring.geometry_for(5000).chunk_bytes == 4096
+    assert device_ring.geometry_for(1 << 20).chunk_bytes == 1 << 20
 
 
 def test_split_reader_keeps_its_threads_between_reads(layout):

@@ -74,17 +74,12 @@ def emu():
 
 @pytest.fixture
 def device(emu, monkeypatch):
-    """Loads to ``device="emulated"`` land in the emulated runtime's memory through the ring;
-    the slot path fails the test if anything reaches it."""
+    """Loads to ``device="emulated"`` land in the emulated runtime's memory through the ring
+    (the one device path)."""
     emu.reset()
     ops = EmulatedRingOps(emu)
     sink = EmulatedSink(ops)
     monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
-
-    def no_slots(*args, **kwargs):
-        raise AssertionError("a remote device load took the slot path")
-
-    monkeypatch.setattr(pipeline, "DeviceLoad", no_slots)
     monkeypatch.setenv("ENGINE_RING", "0.0625,4,2")  # 64 KiB chunks, 4 slots
     device_ring._default_geometry.cache_clear()
     yield ops

@@ -3,7 +3,7 @@ at the asv suites' moderate size (a 256 MiB BF16 checkpoint, warm page cache).
 
 * ``HostCopy.time_copy``: the limit (a native parallel ``memcpy`` of the same bytes out of a
   fully mapped read-only mapping into pre-faulted memory), the engine's device copy path into
-  a device whose copies move nothing (``dma=none``: page cache -> page-locked slot) or are a
+  a device whose copies move nothing (``dma=none``: page cache -> page-locked chunk) or are a
   CPU ``memcpy`` (``dma=memcpy``), and ``engine.load_into`` into pre-faulted torch tensors
   with each copy source (``ENGINE_COPY_SOURCE``), and with the file's mapping kept between
   calls (``load_into-kept``: ``engine.keep_mappings(True)``); the native floors (``pread``, and a fresh
@@ -32,7 +32,7 @@ def _runner(row: str, path: str):
         floor = host.Floor(path, row.partition("-")[2])
         return floor.run, floor.close
     if row.startswith("copy-path"):
-        load = host.DeviceLoad(path, dma=row.rpartition("-")[2])
+        load = host.RingLoad(path, dma=row.rpartition("-")[2])
         return load.run, load.close
     import torch
 

@@ -324,7 +324,6 @@ class BenchDevice:
             raise ValueError(dma)
         self.emulator = _emulator()
         self.emulator.noop(dma == "none")
-        self.emulator_noop = dma == "none"
         if not _STREAM:
             _STREAM.append(self.emulator.new_stream())
 
@@ -340,35 +339,8 @@ class BenchDevice:
     def close(self) -> None:
         pass
 
-    # the slot path's operations (remote device loads took it before the ring did;
-    # scripts/bench_remote.py's "device slots" row forces it for comparison): staging slots
-    # are plain memory and copies move bytes only with dma="memcpy"; every copy completes at once
 
-    def bind_thread(self) -> None:
-        pass
-
-    def new_stream(self):
-        return None
-
-    def alloc_staging(self, nbytes: int):
-        block = prefaulted(nbytes)
-        return block, memoryview(block)
-
-    def free_staging(self, handle) -> None:
-        pass
-
-    def copy_to_device(self, dst, dst_offset: int, src_handle, src_offset: int, nbytes: int, stream) -> None:
-        if not self.emulator_noop:
-            dst[dst_offset : dst_offset + nbytes] = src_handle[src_offset : src_offset + nbytes]
-
-    def record(self, stream):
-        return None
-
-    def wait(self, event) -> None:
-        pass
-
-
-class DeviceLoad:
+class RingLoad:
     """The engine's device copy path (the chunk ring, default geometry) for every tensor of
     ``path`` into pre-faulted "device" buffers of a :class:`BenchDevice`; ``run()`` loads once."""
 

@@ -205,7 +205,7 @@ class Checkpoint:
         ``"mmap"`` on the CPU makes views of each shard's mapping, read ahead on several
         threads when cold.  Owned (``"pread"``) and device loads read every shard through
         one pipeline (one queue of reads over all files, one set of reader threads or
-        staging slots, one allocation) instead of one per shard.
+        one chunk ring, one allocation) instead of one per shard.
         Copies of tensor bytes as for :class:`engine.safe_open`: 0 with ``"mmap"``, 1 with
         ``"pread"``; on a device 2 (page cache to a page-locked chunk, DMA).
         """

@@ -25,10 +25,10 @@ page-locked chunk, chunk -> device by DMA (a copy more with ``cache_dir``: the b
 the chunk to the local copy).  An HTTP request is an event of the interpreter anyway; nothing
 else runs in Python per chunk.
 
-What a device framework provides (its ``DeviceOps``, :mod:`engine.sinks`): the path of the
+What a device framework provides (its :class:`DeviceOps`, :mod:`engine.sinks`): the path of the
 CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``), a stream
 (``ring_stream()`` -> ``(handle, owner)``) and the device address of a target
-(``address(target)``).
+(``address(target)``).  The ring is the one device path: nothing else moves bytes to a device.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -51,12 +51,30 @@ from engine.errors import DeviceError
 from engine.format.checksums import combine
 from engine.io.reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
-__all__ = ["Geometry", "LoadRecord", "default_geometry", "supports", "load", "load_records", "prepare", "keep_rings",
+__all__ = ["DeviceOps", "Geometry", "LoadRecord", "default_geometry", "supports", "load", "load_records", "prepare", "keep_rings", "keep_staging",
            "locked_bytes", "cuda_runtime_path", "unmap_mode"]
 
 _MIB = 1 << 20
 #: the most host memory a ring page-locks when the caller does not say
 MAX_RING_BYTES = 256 * _MIB
+
+
+class DeviceOps(Protocol):
+    """What the ring needs from a device framework (torch CUDA, CuPy, or a test double);
+    :func:`supports` checks for it."""
+
+    @property
+    def device_index(self) -> int:
+        """The CUDA device the load's targets live on."""
+
+    def runtime_path(self) -> str | None:
+        """The path of the ``libcudart`` the framework loaded (None: none found)."""
+
+    def ring_stream(self):
+        """A stream of the load's own: ``(cudaStream_t, the framework's object owning it)``."""
+
+    def address(self, target) -> int:
+        """The device address of a byte target."""
 
 
 class Geometry(NamedTuple):
@@ -70,6 +88,11 @@ class Geometry(NamedTuple):
     @property
     def pinned_bytes(self) -> int:
         return self.chunk_bytes * self.chunks
+
+
+def cores() -> int:
+    """Cores this process may run on (at least 1): the default copy threads."""
+    return _cores()
 
 
 def _cores() -> int:
@@ -432,6 +455,16 @@ def keep_rings(on: bool = True) -> None:
     KEPT.on = bool(on)
     if not on:
         KEPT.release()
+
+
+def keep_staging(on: bool = True) -> None:
+    """Keep the page-locked host memory of device loads (each device's chunk ring: its
+    threads, events and chunks) between loads (``True``), or close what is kept and keep it
+    only briefly after each load (``False``).  A server that loads several models or reloads
+    one saves setting the ring up on every load after the first; the cost is the ring's
+    chunks (:data:`MAX_RING_BYTES` by default) locked until ``keep_staging(False)``.  Same as
+    ``ENGINE_KEEP_STAGING=1`` at start-up.  :func:`keep_rings` under its public name."""
+    keep_rings(on)
 
 
 def release_rings() -> None:

@@ -443,7 +443,7 @@ def split_reader(threads: int, *, stream: bool = False):
     :func:`copy_source`; with ``"auto"`` each thread learns which of the two is faster over
     the reader's life); it returns ``(errno or -1, offset, missing)`` for
     :func:`check_read`.  ``stream``: copies out of the mapping store past the caches, for
-    destinations not read soon (a caller's tensors; not a staging slot).  Close it when
+    destinations not read soon (a caller's tensors; not a ring's chunk).  Close it when
     done."""
     from engine.io import _io
 

@@ -414,7 +414,7 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
 
     ``"mmap"`` on the CPU makes views of each file's mapping (read ahead on several threads
     when cold).  Everything else (owned ``"pread"`` loads, CUDA) is one load across every
-    file: one queue of reads, one set of threads or staging slots, one allocation
+    file: one queue of reads, one set of threads or one chunk ring, one allocation
     (:func:`engine.loading.loader.load_parts`).
 
     Copies of tensor bytes: ``"mmap"`` 0; ``"pread"`` 1 (page cache to owned memory); a

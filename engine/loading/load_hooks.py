@@ -3,8 +3,8 @@
 :func:`plan` is the loaders' one entry point.  For a CUDA destination it returns a
 :class:`LoadWork` whose hooks run the kernels of :mod:`engine.numerics.device` where the bytes land.
 
-Through the chunk ring (:mod:`engine.gpu.device_ring`, every device framework whose operations
-drive it), in this order:
+Through the chunk ring (:mod:`engine.gpu.device_ring`, the one device path: local and remote
+files alike), in this order:
 
 * the ring moves the file as a plain load does; tensors selected for quantization land in a
   device scratch buffer of their own source dtype (made when the ring run that holds them
@@ -26,11 +26,6 @@ unquantized tensors, and the scratch of one window of the load (:meth:`LoadWork.
 never a full-precision copy of the quantized tensors all at once.  Copies of tensor bytes: the plain load's two (page cache to chunk, chunk to device);
 the kernels read the bytes where they landed.
 
-The slot path (remote files; device operations without the ring's entry points) runs the
-same kernels per request: ``after_copy(request, stream)`` folds every piece of a tensor
-that wants statistics on the copies' stream, and ``landed(row)`` quantizes a tensor when
-its last copy has completed (staging at most the tensors overlapping the slots in flight).
-
 Where Numba's CUDA target cannot run in the process (numba-cuda missing, no NVVM, a driver
 it does not know: :func:`device_kernels_unusable` asks once), torch and CuPy loads do the same
 work with their framework's own operations on the device
@@ -38,7 +33,7 @@ work with their framework's own operations on the device
 tensor and its quantization queued when it has landed, the same results, no tensor bytes
 through the host (the small results come back per tensor).  Device sinks of other frameworks
 take the CPU paths instead: statistics by the CPU fold (of the file's bytes as each tensor is
-handed out, through the ring; on the staging slots, on the slot path), quantization by the
+handed out), quantization by the
 CPU kernels on each tensor as it is handed out (one device to host copy of it, and the int8
 values and scales copied back).  Either way one
 :class:`~engine.errors.DeviceFallbackWarning` per process says why and what to install.
@@ -81,7 +76,7 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
     anything is read.  Device statistics are planned for device sinks only, and only where
     the device kernels work (:func:`device_kernels_unusable`): elsewhere a torch or CuPy
     sink does the work with its framework's operations on the device, and other sinks keep
-    statistics with the CPU fold on the staging slots and quantize on the CPU; either way
+    statistics with the CPU fold of the file's bytes and quantize on the CPU; either way
     with one :class:`~engine.errors.DeviceFallbackWarning` per process, and the same results.
     """
     device_stats = bool(stats) and sink.on_device
@@ -102,7 +97,7 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
             if fallback is None:
                 device_stats, on_cpu = False, True
                 if spec is None:
-                    return None  # statistics alone: the CPU fold on the staging slots
+                    return None  # statistics alone: the CPU fold of the file's bytes
     return LoadWork(header, rows, sink, spec, device_stats, path, launch, quantize_on_cpu=on_cpu,
                     fallback=fallback)
 
@@ -237,8 +232,8 @@ class _Staging(dict):
 class LoadWork:
     """Statistics and quantization attached to one load (see the module docstring).
 
-    Built by :func:`plan`; the loader calls :meth:`destination`, passes :meth:`after_copy`
-    and :meth:`landed` to the pipeline, and hands out :meth:`tensor` and :meth:`stats`.
+    Built by :func:`plan`; the loader calls :meth:`destination`, passes :meth:`landed` to
+    the pipeline, and hands out :meth:`tensor` and :meth:`stats`.
     """
 
     def __init__(self, header, rows, sink, spec, device_stats: bool, path, launch, *,
@@ -275,8 +270,6 @@ class LoadWork:
                 kind = _dt.NAMES[int(t.codes[r])]
                 if kind in SUPPORTED_NAMES:
                     self._stats_kind[r] = kind
-        self._acc: dict[int, dict[int, Any]] = {}  # row -> reader thread -> DeviceAccumulator
-        self._views: dict[int, Any] = {}
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
         self._targets: _Staging | None = None
         self._empty = _allocator(sink) if self.on_device else None
@@ -287,8 +280,7 @@ class LoadWork:
 
             self._gpu = torch.cuda.current_device()  # "cuda" without an index
         self._streams = threading.local()
-        # through the ring (destination()): kernels launched per landed tensor, gathered later
-        self.ring = False
+        # kernels launched per landed tensor, gathered later
         self.staging_bytes = STAGING_BYTES
         self._lock = threading.Lock()
         self._gathering = threading.Lock()  # one gather at a time: a row is found once it returns
@@ -306,9 +298,7 @@ class LoadWork:
     def destination(self, header, rows: list[int], per_tensor: bool):
         """(row -> tensor, pipeline.Destination) for a device load: the tensors to quantize
         get no destination tensor, only a scratch buffer of their source bytes, made when
-        their first piece is planned (through the ring: when the window holding them is)."""
-        from engine.gpu import device_ring
-
+        the ring run (window) holding them is planned."""
         t = header.table
         staged = self._quant if self._quantize_here else {}
         plain = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows
@@ -316,18 +306,9 @@ class LoadWork:
         tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
         sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
         self._targets = _Staging(targets, sizes, self._empty)
-        self.ring = device_ring.supports(ops)
-        if not self.ring:
-            return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops)
         hooked = bool(self._stats_kind) or bool(sizes)
         return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops,
                                              windows=self.windows if sizes else None, hooked=hooked)
-
-    @property
-    def copy_hook(self):
-        """The pipeline's ``after_copy`` hook: the slot path's alone (through the ring,
-        :meth:`landed` launches the kernels on whole tensors)."""
-        return None if self.ring else self.after_copy
 
     def windows(self, requests):
         """Consecutive runs of ``requests`` (one file's, in file order) for ring runs of their
@@ -360,56 +341,22 @@ class LoadWork:
             yield window
             self.gather()
 
-    def after_copy(self, req, stream) -> None:
-        """Pipeline hook: fold the pieces of ``req`` just copied, on their ``stream``."""
-        if not self._stats_kind or self._fallback is not None:  # the fallback folds a landed tensor whole
-            return
-        from engine.numerics.device import DeviceAccumulator, as_device_array, on_gpu
-
-        with on_gpu(self._gpu):
-            self._fold(req, stream, DeviceAccumulator, as_device_array)
-
-    def _fold(self, req, stream, DeviceAccumulator, as_device_array) -> None:
-        me = threading.get_ident()
-        for p in req.pieces:
-            kind = self._stats_kind.get(p.row)
-            if kind is None:
-                continue
-            view = self._views.get(p.row)
-            if view is None:
-                view = self._views[p.row] = as_device_array(self._targets[p.row])  # type: ignore[index]  # set by destination()
-            per_thread = self._acc.setdefault(p.row, {})  # atomic: both threads get the same dict
-            acc = per_thread.get(me)
-            if acc is None:  # only this thread adds its own key
-                acc = per_thread[me] = DeviceAccumulator(kind, self._launch_config(), stream, self._empty)
-            acc.add(view[p.tensor_offset : p.tensor_offset + p.nbytes], stream)
-
     def landed(self, row: int) -> None:
-        """Completion hook (every copy of ``row`` has completed): through the ring, launch its
-        statistics and quantization kernels (:meth:`gather` collects them); on the slot path,
-        quantize a selected tensor on the device and free its staging buffer.  A failure of
-        the kernels raises :class:`~engine.errors.DeviceError` naming the tensor."""
-        self._views.pop(row, None)  # no piece of it comes any more; the view would keep staging alive
-        if self._fallback is not None or self.ring:
-            try:
-                if self._fallback is not None:
-                    self._landed_fallback(row)
-                else:
-                    self._landed_ring(row)
-            except SafetensorError:
-                raise
-            except Exception as exc:  # a launch the runtime refused, a kernel that failed to compile
-                raise DeviceError(f"the device kernels of tensor {self._names[row]!r} failed: "
-                                  f"{type(exc).__name__}: {exc}", path=self.path,
-                                  tensors=(self._names[row],)) from exc
-            return
-        if row not in self._quant or not self._quantize_here:
-            return
-        from engine.numerics.device import on_gpu
-
-        src = self._targets.pop(row, None)  # type: ignore[union-attr]  # set by destination()
-        with on_gpu(self._gpu):
-            self._done[row] = self._quantize_device(row, src)
+        """Completion hook (every copy of ``row`` has completed): launch its statistics and
+        quantization kernels (:meth:`gather` collects them), or the framework's operations of
+        the fallback.  A failure of the kernels raises :class:`~engine.errors.DeviceError`
+        naming the tensor."""
+        try:
+            if self._fallback is not None:
+                self._landed_fallback(row)
+            else:
+                self._landed_ring(row)
+        except SafetensorError:
+            raise
+        except Exception as exc:  # a launch the runtime refused, a kernel that failed to compile
+            raise DeviceError(f"the device kernels of tensor {self._names[row]!r} failed: "
+                              f"{type(exc).__name__}: {exc}", path=self.path,
+                              tensors=(self._names[row],)) from exc
 
     def tensor(self, row: int, tensor: Any) -> Any:
         """What the load hands out for ``row``: its tensor, or its QuantizedTensor."""
@@ -417,18 +364,10 @@ class LoadWork:
             return tensor
         if self._fallback is not None:
             return self._quantized_fallback(row)
-        if self._quantize_here and self.ring:
+        if self._quantize_here:
             if row not in self._done:
                 self.gather()
             return self._quantized_ring(row)
-        if self._quantize_here:
-            done = self._done.pop(row, None)
-            if done is None:  # a tensor without bytes never lands
-                from engine.numerics.device import on_gpu
-
-                with on_gpu(self._gpu):
-                    done = self._quantize_device(row, None)
-            return done
         from engine.numerics.quantize import QuantizedTensor, quantize_int8
 
         kind, _, axis = self._quant[row]
@@ -455,19 +394,12 @@ class LoadWork:
             if parts is None:  # a tensor without bytes never lands
                 parts = _device_fallback.stats_parts(self._fallback, self._targets[row], self._stats_kind[row])  # type: ignore[index]  # set by destination()
             return _device_fallback.stats_result(self._fallback, self._stats_kind[row], parts)
-        from engine.numerics.device import on_gpu
         from engine.numerics.statistics import Stats
 
-        if self.ring:
-            if row not in self._stats_done:
-                self.gather()
-            got = self._stats_done.pop(row, None)
-            return Stats.empty() if got is None else got  # a tensor without bytes never lands
-        out = Stats.empty()
-        with on_gpu(self._gpu):
-            for acc in self._acc.pop(row, {}).values():
-                out = out.merge(acc.result(self._stream()))
-        return out
+        if row not in self._stats_done:
+            self.gather()
+        got = self._stats_done.pop(row, None)
+        return Stats.empty() if got is None else got  # a tensor without bytes never lands
 
     def has_device_stats(self, row: int) -> bool:
         return row in self._stats_kind
@@ -566,7 +498,7 @@ class LoadWork:
     def close(self) -> None:
         """The load ends (or failed): wait for kernels still queued, so that no scratch
         buffer or output is freed under them."""
-        if self.ring and self._fallback is None:
+        if self._fallback is None:
             try:
                 self.gather()
             except Exception:  # noqa: S110 - the load's own error, if any, is what the caller sees

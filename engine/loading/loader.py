@@ -16,9 +16,9 @@ Which path to use
   have, so they would cost a bounce copy.)  A mapped load of a cold file has the selected ranges read into the mapping on
   several threads before it returns (:func:`engine.io.reader.prefetch_mapping`), instead of
   page by page as the caller touches them.
-* GPU: ``stream`` / ``load_file(device="cuda")``: large pinned staging slots, the read into
-  one overlapped with the host-to-device copy out of the other, beside DMA straight from
-  the page cache (see :mod:`engine.loading.pipeline`).
+* GPU: ``stream`` / ``load_file(device="cuda")``: the native chunk ring, small page-locked
+  chunks filled by native copy threads while the DMAs out of the full ones run (see
+  :mod:`engine.loading.pipeline`, :mod:`engine.gpu.device_ring`).
 """
 
 from __future__ import annotations
@@ -147,10 +147,10 @@ def load_parts(
     """Read the rows of one or more open files into new tensors of ``sink``, as one load.
 
     Every file's reads go into one queue served by one set of reader threads (host
-    destinations) or one pair of staging slots (devices), into one allocation: the shards of
+    destinations) or one chunk ring (devices), into one allocation: the shards of
     a checkpoint share them instead of each starting its own.  Returns, per part,
-    row -> tensor.  Device loads: ``threads`` native threads split each staging slot
-    (default every core), ``gpu_path`` and ``slot_bytes`` as in
+    row -> tensor.  Device loads: ``threads`` copy threads of the ring (default its
+    geometry's), ``gpu_path`` and ``slot_bytes`` as in
     :func:`engine.loading.pipeline.run_sources`.
 
     Copies of tensor bytes: host destinations 1 (page cache to the tensor); device
@@ -217,8 +217,8 @@ def stream(
         Selection, see :func:`engine.planning.plan.select_rows`; by default every tensor.  Across
         several files a name or pattern must be found in at least one of them.
     threads : int, optional
-        Native threads that split each batch of reads (CPU destinations) or each staging slot
-        (GPU destinations): default every core.  With ``stats=True`` on the CPU, the worker
+        Native threads that split each batch of reads (CPU destinations) or copy threads of
+        the chunk ring (GPU destinations): default every core, or the ring's geometry.  With ``stats=True`` on the CPU, the worker
         threads that read and fold (default one per core, 2 to 8).
     chunk_bytes : int, optional
         Bytes per read request (default 16 MiB).
@@ -373,9 +373,9 @@ def stream_parts(
         else:
             tensors, destination = _destination(sink, parts, bases, per_tensor)
         collector = None
-        # a device load through the chunk ring: its copy threads are native, so no read hook;
-        # device kernels are launched as tensors land, the CPU fold reads the file at hand-out
-        ring = destination.on_device and device_ring.supports(destination.device_ops)
+        # a device load (the chunk ring): its copy threads are native, so no read hook; device
+        # kernels are launched as tensors land, the CPU fold reads the file at hand-out
+        ring = destination.on_device
         if stats:
             rows0 = selected[0] if hooks is None else hooks.host_stats_rows(selected[0])
             collector = StatsCollector(headers[0], rows0, spaths[0])
@@ -422,7 +422,6 @@ def stream_parts(
                     on_complete=landed, cancel=cancel,
                     fill=collector.fill if collector is not None and not ring else None,
                     gpu_path=gpu_path, slot_bytes=slot_bytes,
-                    after_copy=hooks.copy_hook if hooks is not None else None,
                     verify=verify,
                 )
                 done.put(_DONE)

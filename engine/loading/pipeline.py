@@ -15,8 +15,9 @@ copy has completed, a batch every few milliseconds, and the completion callback 
 one's kernels on a side stream, where they overlap the copies of the chunks that follow.  A
 destination's ``windows`` cuts such a load into consecutive ring runs, so that the source
 bytes of the tensors being quantized (landed in device scratch buffers) are never all on the
-device at once.  Device operations without the ring's entry points take the slot path
-(:mod:`engine.gpu.device_load`, which also holds the :class:`DeviceOps` a framework provides).
+device at once.  The ring is the one device path: device operations without its entry points
+(:class:`~engine.gpu.device_ring.DeviceOps`) fail the load with a
+:class:`~engine.errors.DeviceError`.
 On the host, worker threads, one per connection (``threads``), receive each request of a
 remote file into its tensors.
 
@@ -27,14 +28,14 @@ checkpoint) run as one pipeline: :func:`run_sources`.
 
 Memory bounds of a device load: page-locked host memory ``chunks * chunk_bytes`` of the ring
 (:data:`engine.gpu.device_ring.MAX_RING_BYTES` at most by default; each chunk locked on first
-use), or ``slots * slot_bytes`` on the slot path; no file mapping outlives its chunk's
-copy.  A ring stays set up for a moment after the load (:data:`engine.gpu.device_ring.LINGER_SECONDS`,
+use); no file mapping outlives its chunk's copy.  A ring stays set up for a moment after the load (:data:`engine.gpu.device_ring.LINGER_SECONDS`,
 so that a loop of small loads sets it up once) and is then closed; nothing stays page-locked
-after that unless :func:`engine.gpu.device_staging.keep_staging` asks for it.
+after that unless :func:`engine.gpu.device_ring.keep_rings` (``engine.keep_staging``) asks for it.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
@@ -42,10 +43,10 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.base._threads import run_threads
-from engine.errors import Cancelled, ChecksumError
+from engine.errors import Cancelled, ChecksumError, DeviceError
 from engine.format.checksums import Checks, combine_rows, crc32c, join, mismatch
 from engine.gpu import device_ring
-from engine.gpu.device_load import DeviceLoad, DeviceOps, default_copy_threads, default_slot_bytes
+from engine.gpu.device_ring import DeviceOps
 from engine.io.reader import (
     FaultAhead,
     check_read,
@@ -67,12 +68,17 @@ __all__ = [
     "run_sources",
     "Cancelled",
     "GPU_PATHS",
-    "default_slot_bytes",
     "default_copy_threads",
 ]
 
-#: Ways to feed a device: both paths at once, or one alone.
+#: Ways to feed a device, both the chunk ring (kept so that callers naming them keep working).
 GPU_PATHS = ("auto", "copy")
+
+
+@functools.cache
+def default_copy_threads() -> int:
+    """Native threads that split each batch of a host load: every core (at least 1)."""
+    return device_ring.cores()
 
 
 class Destination:
@@ -250,13 +256,11 @@ def run_sources(
     dest: Destination,
     *,
     threads: int | None = None,
-    slots: int = 2,
     slot_bytes: int | None = None,
     gpu_path: str = "auto",
     on_complete: Callable[[int], None] | None = None,
     cancel: threading.Event | None = None,
     fill: Callable[[int, Request, list], None] | None = None,
-    after_copy: Callable[[Request, object], None] | None = None,
 ) -> int:
     """Execute the read plans of one or more files into ``dest``; returns bytes read.
 
@@ -266,39 +270,29 @@ def run_sources(
         Files and their plans; rows are keyed ``row_base + row`` in ``dest``.
     dest : Destination
     threads : int, optional
-        Native threads that split each batch of a host load and each staging slot of a
-        device load (default every core, :func:`default_copy_threads`); with ``fill``, the
-        worker threads of a host load (default :func:`engine.io.reader.default_threads`); for
-        remote files, the connections (one thread each, host or device).
-    slots : int, default 2
-        Staging slots of the device copy path.
+        Native threads that split each batch of a host load and copy threads of the ring
+        (default every core, :func:`default_copy_threads`, and the ring's geometry); with
+        ``fill``, the worker threads of a host load (default
+        :func:`engine.io.reader.default_threads`); for remote files, the connections (one
+        thread each, host or device).
     slot_bytes : int, optional
-        Bytes per chunk of the ring (default :func:`engine.gpu.device_ring.default_geometry`) or
-        per staging slot of the slot path (default :func:`default_slot_bytes`: 4 MiB per copy
-        thread, 8 to 64 MiB; never more than the load rounded up to a page).
+        Bytes per chunk of the ring (default :func:`engine.gpu.device_ring.default_geometry`).
     gpu_path : {"auto", "copy"}, default "auto"
-        Device destinations: both are the copy path.  ``"register"`` (page-locking the file's
+        Device destinations: both are the chunk ring.  ``"register"`` (page-locking the file's
         own mapping) was removed: it measured slower than the copy path (BENCHMARKS.md).
     on_complete : callable, optional
         ``on_complete(key)`` once per tensor, when its last byte has landed.
     cancel : threading.Event, optional
         Set it to stop the load; :class:`Cancelled` is raised.
     fill : callable, optional
-        ``fill(fd, request, targets)`` replaces the plain read of each request: it must
-        fill ``targets`` (one writable host memoryview per piece; for devices, parts of the
-        staging slot) or raise.  It runs on worker threads before the pieces are copied to
-        a device or reported complete: the place for work that must see the bytes while
-        they are in the CPU cache (statistics, see :class:`engine.loading.load_hooks.StatsCollector`).  With ``fill``,
-        device loads take the slot path (the ring's copy threads are native: device loads
-        with statistics fold on the CPU after the fact instead, see :mod:`engine.loading.loader`).
-    after_copy : callable, optional
-        ``after_copy(request, stream)`` runs on a device worker right after a request's
-        host-to-device copies are issued, before the event that marks them done is
-        recorded: work it queues on ``stream`` (kernels reading the bytes where they landed,
-        see ``engine.loading.load_hooks``) is ordered after the copies and complete when the tensor is
-        reported complete.  Its requests carry the file's own rows: one source only.  The
-        slot path's hook: through the ring, device kernels are launched from ``on_complete``
-        instead, on whole landed tensors (``Destination(hooked=True)``).
+        Host destinations of local files: ``fill(fd, request, targets)`` replaces the plain
+        read of each request: it must fill ``targets`` (one writable host memoryview per
+        piece) or raise.  It runs on worker threads before the pieces are reported complete:
+        the place for work that must see the bytes while they are in the CPU cache
+        (statistics, see :class:`engine.loading.load_hooks.StatsCollector`).  A device load
+        takes none (the ring's copy threads are native): device kernels are launched from
+        ``on_complete`` on whole landed tensors (``Destination(hooked=True)``) and the CPU
+        fold reads the file at hand-out (:mod:`engine.loading.loader`).
 
     Returns
     -------
@@ -313,13 +307,16 @@ def run_sources(
     Cancelled
         ``cancel`` was set.
     DeviceError
-        A device operation failed.
+        A device operation failed, or the destination's device operations cannot drive the
+        ring.
+    ValueError
+        A ``fill`` hook with a device destination or remote files.
 
     Notes
     -----
     Copies of tensor bytes: host destinations 1 (page cache or socket to tensor); device
-    destinations 2 (page cache or socket to a page-locked chunk, or slot with hooks, then to
-    the device by DMA).  No thread of
+    destinations 2 (page cache or socket to a page-locked chunk of the ring, then to the
+    device by DMA).  No thread of
     the load outlives the call and every issued copy has completed when it returns.
     """
     if gpu_path == "register":
@@ -327,6 +324,13 @@ def run_sources(
                          "than the copy path on an H100 host and held the file's pages locked; use 'auto'")
     if gpu_path not in GPU_PATHS:
         raise ValueError(f"gpu_path must be one of {GPU_PATHS}, not {gpu_path!r}")
+    if dest.on_device:
+        if fill is not None:
+            raise ValueError("a device load takes no fill hook: the ring's copy threads are native")
+        if not device_ring.supports(dest.device_ops):
+            path = sources[0].path if sources else None
+            raise DeviceError(f"the device operations {type(dest.device_ops).__name__} cannot drive the chunk ring: "
+                              "they lack runtime_path, device_index, ring_stream or address", path=path)
     cancel = cancel or threading.Event()
     tracker = _Tracker.of(sources, on_complete)
     total = sum(r.nbytes for s in sources for r in s.requests)
@@ -340,7 +344,7 @@ def run_sources(
     for group in groups:
         if cancel.is_set():
             break
-        if dest.on_device and fill is None and after_copy is None and device_ring.supports(dest.device_ops):
+        if dest.on_device:
             if any(s.ranges is not None for s in group):
                 # remote files: ``threads`` is the connections, which fill the ring's chunks
                 # themselves; the ring's own copy threads (its default geometry, so the ring
@@ -349,10 +353,6 @@ def run_sources(
                           connections=threads or default_threads())
             else:
                 _run_ring(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
-        elif dest.on_device:
-            DeviceLoad(group, dest, tracker, cancel, threads=threads, slots=slots,
-                       slot_bytes=slot_bytes, fill=fill,
-                       after_copy=after_copy).run()
         else:
             _run_host(group, dest, tracker, cancel, threads, fill)
     if cancel.is_set():

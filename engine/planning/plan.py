@@ -180,8 +180,8 @@ def plan_slice(shape: tuple[int, ...], itemsize: int, index, *, strict_bounds: b
 # -- whole-tensor read plans --------------------------------------------------------------------
 
 #: Default bytes per read request: large enough that the system call costs nothing next to
-#: the copy, small enough to spread one big tensor over the reader threads and to keep the
-#: staging slots of a GPU load (threads x 2 x this) modest.
+#: the copy, small enough to spread one big tensor over the reader threads (a GPU load's
+#: chunks are the ring's own size).
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 
 

@@ -1,4 +1,4 @@
-"""CuPy destination: arrays in CUDA memory, filled through the pinned staging ring."""
+"""CuPy destination: arrays in CUDA memory, filled through the chunk ring."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import numpy as np
 
 from engine.base import dtypes
 from engine.errors import DeviceError, MissingDependencyError
-from engine.sinks import _cudart
-from engine.sinks._staging import HostSource, PinnedHostOps
 from engine.sinks._targets import FillTarget
 from engine.sinks.numpy import NumpySink
 
@@ -45,21 +43,17 @@ def cupy_dtype(code: int) -> np.dtype:
         return np.dtype(_RAW_BITS[dt.itemsize])
 
 
-class CupyOps(PinnedHostOps):
-    """The pipeline's device operations on CuPy (see :class:`engine.loading.pipeline.DeviceOps`):
-    the chunk ring as torch has it, and the slot path with ``cudaMemcpyAsync`` by address."""
+class CupyOps:
+    """The pipeline's device operations on CuPy (see :class:`engine.gpu.device_ring.DeviceOps`):
+    the chunk ring as torch has it."""
 
     def __init__(self, device_id: int) -> None:
         self.device = cupy.cuda.Device(device_id)
-        self.staging_key = ("cupy", device_id)  # slots may be kept between loads (keep_staging)
-
-    def bind_thread(self) -> None:
-        self.device.use()
-
-    # -- what the native chunk ring needs (engine.gpu.device_ring) --------------------------------
 
     def runtime_path(self) -> str | None:
-        return _cudart.runtime_path()
+        from engine.gpu.device_ring import cuda_runtime_path
+
+        return cuda_runtime_path()
 
     @property
     def device_index(self) -> int:
@@ -73,28 +67,6 @@ class CupyOps(PinnedHostOps):
 
     def address(self, target) -> int:
         return int(target.data.ptr)
-
-    def alloc_staging(self, nbytes: int):
-        block = _cudart.PinnedBlock(nbytes)
-        if not block.locked:  # page-locking refused: CuPy's pinned memory (cached by CuPy)
-            mem = cupy.cuda.alloc_pinned_memory(nbytes)
-            host = np.frombuffer(mem, np.uint8, nbytes)
-            return HostSource(mem, host.ctypes.data), memoryview(host)
-        return HostSource(block.view, block.addr, block), block.view
-
-    def new_stream(self):
-        return cupy.cuda.Stream(non_blocking=True)
-
-    def copy_to_device(self, dst, dst_offset: int, src: HostSource, src_offset: int, nbytes: int, stream) -> None:
-        cupy.cuda.runtime.memcpyAsync(
-            dst.data.ptr + dst_offset, src.addr + src_offset, nbytes, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr
-        )
-
-    def record(self, stream):
-        return stream.record()
-
-    def wait(self, event) -> None:
-        event.synchronize()
 
 
 class CupySink(NumpySink):
@@ -141,7 +113,7 @@ class CupySink(NumpySink):
 
 
 class CupyTarget(FillTarget):
-    """A CuPy array that a load fills in place through the pinned staging ring
+    """A CuPy array that a load fills in place through the chunk ring
     (:class:`CupyOps`).  BF16 and FP8 arrive as their raw bits, as :func:`cupy_dtype` says."""
 
     def __init__(self, arr) -> None:

@@ -24,7 +24,7 @@ class TorchSink:
             raise DeviceError(f"invalid torch device {device!r}: {exc}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
-        # CUDA loads stream through the pinned staging ring; any other torch device (mps,
+        # CUDA loads stream through the chunk ring; any other torch device (mps,
         # xpu, meta, ...) gets the CPU tensors handed over with .to(), as the reference does
         self.on_device = self.device.type == "cuda"
         self.moves = self.device.type not in ("cpu", "cuda")

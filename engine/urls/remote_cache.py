@@ -37,7 +37,7 @@ into ``d``, then reads the copies.
   must match for the copy to be read.  Request headers (``Authorization``) are never stored.
 * **Written as it lands** (loads): the header bytes come from the header's requests, and
   each request's body is written with ``pwritev`` from where it was received (the tensor,
-  or a device load's pinned slot) right after it lands: no second request, no second copy
+  or a device load's page-locked chunk of the ring) right after it lands: no second request, no second copy
   in memory, one write into the page cache, whose write-back to the disk starts at once
   (``sync_file_range``) so that it overlaps the rest of the load.  A file is copied only when
   every byte of its data region landed in this load (its bytes are counted and the union of

@@ -233,7 +233,7 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
     Notes
     -----
     Copies of tensor bytes: CPU 1 (socket to tensor); CUDA 2 (socket to a page-locked chunk
-    of the ring, DMA; with ``quantize``, a pinned slot of the slot path);
+    of the ring, DMA; with ``quantize`` too: the kernels read the bytes where they landed);
     fsspec protocols one more (fsspec returns ``bytes``); with ``cache_dir`` one more, the
     write of the copy from where the bytes landed (a file read from its copy: those of a
     local owned load, the file to the tensor).

@@ -88,6 +88,16 @@ class Emulator:
         self.lib.emu_stats(out)
         return dict(zip(_STATS, out, strict=True))
 
+    def assert_clean(self) -> None:
+        """Nothing left behind by the loads so far: every ring closed (lingering ones now),
+        every chunk unlocked, every event destroyed, every copy from page-locked memory."""
+        from engine.gpu import device_ring
+
+        device_ring.release_rings()
+        st = self.stats()
+        assert st["registered"] == 0 and st["events"] == 0, st
+        assert st["pageable"] == 0 and st["wrong_device"] == 0, st
+
     def new_stream(self) -> int:
         handle = ctypes.c_void_p()
         assert self.lib.cudaStreamCreate(ctypes.byref(handle)) == 0
@@ -126,7 +136,8 @@ class EmulatedRingOps:
 class EmulatedSink:
     """A device sink over the emulated runtime, for driving the engine's public loaders (a
     ``safe_open`` handle's ``get_tensor`` loop) down to the ring: "device" tensors are numpy
-    arrays, allocated as a CUDA sink allocates them (one block per load)."""
+    arrays, allocated as a CUDA sink allocates them (one block per load); ``allocations``
+    records each allocation's number of tensors."""
 
     name = "numpy"
     on_device = True
@@ -137,11 +148,13 @@ class EmulatedSink:
 
         self.ops = ops
         self.host = NumpySink()
+        self.allocations: list[int] = []
 
     def ring_ops(self) -> EmulatedRingOps:
         return self.ops
 
     def allocate_device(self, specs, per_tensor: bool = False):
+        self.allocations.append(len(specs))
         total = sum(n for _, _, _, n in specs)
         block = np.empty(max(total, 1), np.uint8)
         tensors, targets, off = {}, {}, 0
