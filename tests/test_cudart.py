@@ -36,13 +36,13 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
     from engine.gpu import device_ring
     from engine.loading import pipeline
     from engine.planning.plan import plan_reads
-    from engine.sinks import _torch_fill as torch_fill
+    from engine.sinks import torch as torch_sink
 
     emu = Emulator()
     emu.reset()
     stream = emu.new_stream()
 
-    class Ops(torch_fill.TorchCudaOps):
+    class Ops(torch_sink.TorchCudaOps):
         device_index = 0  # a CPU device has no CUDA index
 
         def runtime_path(self):
