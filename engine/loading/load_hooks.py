@@ -477,15 +477,18 @@ class LoadWork:
                 self._done[row] = (q, scale, np.asarray(bad, np.int64).copy())
 
     def _quantized_ring(self, row: int):
-        from engine.numerics.quantize import QuantizedTensor, raise_if_nonfinite
-
         done = self._done.pop(row, None)
         if done is None:  # a tensor without bytes never lands
             from engine.numerics.device import on_gpu
 
             with on_gpu(self._gpu):
                 return self._quantize_device(row, None)
-        q, scale, bad = done
+        return self._quantized(row, *done)
+
+    def _quantized(self, row: int, q, scale, bad):
+        """The QuantizedTensor of ``row`` once its NaN/Inf counts (``bad``, on the host) pass."""
+        from engine.numerics.quantize import QuantizedTensor, raise_if_nonfinite
+
         kind, _, axis = self._quant[row]
         if self.spec.on_nonfinite == "raise":
             try:
@@ -556,24 +559,14 @@ class LoadWork:
     def _quantized_fallback(self, row: int):
         """The QuantizedTensor of ``row`` from :meth:`_landed_fallback`'s work (waits for its
         NaN/Inf counts: three numbers)."""
-        from engine.numerics.quantize import QuantizedTensor, raise_if_nonfinite
-
         done = self._done.pop(row, None)
         if done is None:  # a tensor without bytes never lands
             done = self._quantize_fallback(row, None)
         q, scale, bad = done
-        axis = self._quant[row][2]
-        if self.spec.on_nonfinite == "raise":
-            try:
-                raise_if_nonfinite(self._fallback.host(bad), self._names[row])  # type: ignore[union-attr]  # fallback set
-            except NonFiniteError as err:
-                err.path = self.path
-                raise
-        return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, self._quant[row][0])
+        return self._quantized(row, q, scale, self._fallback.host(bad))  # type: ignore[union-attr]  # fallback set
 
     def _quantize_device(self, row: int, src):
         from engine.numerics.device import DeviceQuantizer
-        from engine.numerics.quantize import QuantizedTensor, raise_if_nonfinite
 
         kind, shape, axis = self._quant[row]
         C = 1 if axis is None else shape[axis]
@@ -583,13 +576,7 @@ class LoadWork:
             raise RuntimeError(f"tensor {self._names[row]!r} was never staged")
         bad = DeviceQuantizer(self._launch_config(), self._empty).quantize(src, kind, shape, axis, q, scale,
                                                                           self._stream())
-        if self.spec.on_nonfinite == "raise":
-            try:
-                raise_if_nonfinite(bad, self._names[row])
-            except NonFiniteError as err:
-                err.path = self.path
-                raise
-        return QuantizedTensor(q, scale.reshape(()) if axis is None else scale, axis, kind)
+        return self._quantized(row, q, scale, bad)
 
 
 class StatsCollector:
