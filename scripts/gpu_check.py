@@ -314,16 +314,19 @@ def _cores() -> int:
 def built_fresh() -> bool:
     """Whether every extension is built in place and newer than its Cython sources (its own
     ``.pyx`` and ``.pxd``, and the ``.pxd`` files it cimports): the build is then a quick no-op."""
-    sources = glob.glob(os.path.join(ROOT, "engine", "*.pyx"))
+    sources = glob.glob(os.path.join(ROOT, "engine", "**", "*.pyx"), recursive=True)
     if not sources:
         return False
     for pyx in sources:
         stem = pyx[: -len(".pyx")]
         with open(pyx) as f:
-            cimports = " ".join(line for line in f if "cimport" in line)
+            text = f.read()
+        cimports = " ".join(line for line in text.splitlines() if "cimport" in line)
         deps = [pyx, *glob.glob(stem + ".pxd")]
-        deps += [p for p in glob.glob(os.path.join(ROOT, "engine", "*.pxd"))
+        deps += [p for p in glob.glob(os.path.join(ROOT, "engine", "**", "*.pxd"), recursive=True)
                  if os.path.basename(p)[: -len(".pxd")] in cimports]
+        # C headers it includes (``cdef extern from "x.h"``), beside it
+        deps += [p for p in glob.glob(os.path.join(os.path.dirname(pyx), "*.h")) if os.path.basename(p) in text]
         built = glob.glob(stem + ".*.so")
         if not built or min(os.path.getmtime(p) for p in built) < max(os.path.getmtime(p) for p in deps):
             return False
