@@ -122,10 +122,7 @@ def save(tensor_dict: dict, metadata: dict[str, str] | None = None) -> bytes:
 
 
 def _checked_finite(filename, device, verify_checksums) -> dict:
-    """:func:`load_file` with ``check_finite``: the tensors of one stream, in file order."""
-    from engine.format.header import read_header
-    from engine.loading.loader import stream
+    """:func:`load_file` with ``check_finite`` (:func:`engine.loading.loader.load_finite`)."""
+    from engine.loading.loader import load_finite
 
-    got = dict(stream(filename, framework="numpy", device=device, check_finite=True,
-                      verify_checksums=verify_checksums))
-    return {name: got[name] for name in read_header(filename).offset_keys()}
+    return load_finite(filename, "numpy", device, verify_checksums)

@@ -752,3 +752,13 @@ def prepare_device(device: Any = "cuda", *, framework: str = "pt", wait: bool = 
         raise ValueError(f"prepare_device needs a CUDA device, not {device!r}")
     took = device_ring.prepare(ops, background=not wait)
     return None if took is None else took[0]
+
+
+def load_finite(filename, framework: str, device, verify_checksums) -> dict:
+    """The framework modules' ``load_file(check_finite=True)``: one :func:`stream` with the
+    NaN/Inf check, its tensors returned in file order."""
+    from engine.format.header import read_header
+
+    got = dict(stream(filename, framework=framework, device=device, check_finite=True,
+                      verify_checksums=verify_checksums))
+    return {name: got[name] for name in read_header(filename).offset_keys()}
