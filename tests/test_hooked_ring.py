@@ -192,7 +192,10 @@ def test_stats_and_int8_through_the_ring(model_file, sink, mode, monkeypatch, em
         assert set(seen) == {n for n, x in sd.items() if x.nbytes}
     # int8: each tensor's source bytes landed once in a scratch buffer, freed since
     chosen = default_selection(sd)
-    assert sink.staged == (sum(sd[n].nbytes for n in chosen) if mode != "cpu" else 0)
+    if mode == "cpu":
+        assert sink.staged == 0
+    else:  # one block per window for the scratch, each tensor's at an aligned offset of it
+        assert 0 <= sink.staged - sum(sd[n].nbytes for n in chosen) < load_hooks.ALIGN * len(chosen)
     assert sink.live == 0
 
 
@@ -217,8 +220,9 @@ def test_int8_scratch_is_bounded_by_windows(tmp_path, sink, mode, monkeypatch):
     quantized = sum(sd[n].nbytes for n in chosen)
     biggest = max(sd[n].nbytes for n in chosen)
     assert len(records) > 2  # one ring run per window
-    assert sink.staged == quantized and sink.live == 0
-    assert sink.peak <= budget + 2 * biggest < quantized  # never every quantized tensor's source at once
+    assert 0 <= sink.staged - quantized < load_hooks.ALIGN * len(chosen) and sink.live == 0
+    # never every quantized tensor's source at once (padding: the offsets' alignment)
+    assert sink.peak <= budget + 2 * biggest + load_hooks.ALIGN * len(chosen) < quantized
 
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)

@@ -210,13 +210,30 @@ def _allocator(sink) -> Callable[[tuple, Any], Any]:
 
 class _Staging(dict):
     """Row -> device byte buffer: the destinations of the unquantized tensors, and for the
-    tensors to quantize a staging buffer of their source bytes, made at first use."""
+    tensors to quantize a staging buffer of their source bytes: carved from one allocation
+    per window (:meth:`stage`), or made at first use."""
 
     def __init__(self, targets, sizes: dict[int, int], empty) -> None:
         super().__init__(targets)
         self._sizes = sizes
         self._empty = empty
         self._lock = threading.Lock()
+
+    def stage(self, rows: list[int]) -> None:
+        """The scratch of ``rows`` (a window's tensors to quantize, in file order) in two
+        device allocations, not one per tensor: the last row's own (it may straddle into the
+        next window, and must not keep this window's block alive there), and one block for
+        the others, each a view of it at an aligned offset.  A block lives until the last of
+        its views goes."""
+        rows = [r for r in rows if not dict.__contains__(self, r) and self._sizes.get(r, 0)]
+        for group in (rows[:-1], rows[-1:]):
+            offsets, total = carve([self._sizes[r] for r in group])
+            if not total:
+                continue
+            block = self._empty((total,), np.uint8)
+            with self._lock:
+                for r, off in zip(group, offsets, strict=True):
+                    self[r] = block[off : off + self._sizes[r]] if len(group) > 1 else block[: self._sizes[r]]
 
     def __missing__(self, row: int):
         with self._lock:  # two reader threads may bring the first pieces of one tensor
@@ -227,6 +244,21 @@ class _Staging(dict):
             buf = self._empty((self._sizes[row],), np.uint8)
             self[row] = buf
             return buf
+
+
+#: alignment of the buffers carved from one device allocation (that of cudaMalloc's
+#: smallest blocks: every view dtype and vector load of the kernels is aligned)
+ALIGN = 256
+
+
+def carve(sizes: list[int], align: int = ALIGN) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` bytes laid one after another at ``align``, and the
+    bytes they span."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // align) * align
+    return offsets, end
 
 
 class LoadWork:
@@ -286,6 +318,7 @@ class LoadWork:
         self._gathering = threading.Lock()  # one gather at a time: a row is found once it returns
         self._side: Any = None  # the load's side stream (ring)
         self._pending: list[tuple] = []  # (row, accumulator, q, scale, bad, scratch) launched, not gathered
+        self._counters: dict[int, tuple] = {}  # row -> (counts, keys, their block): zeroed per window (_stage)
         self._stats_done: dict[int, Any] = {}  # row -> Stats gathered
         self.launched = 0  # tensors whose kernels were launched as they landed (ring)
 
@@ -326,20 +359,48 @@ class LoadWork:
         sizes = self._targets._sizes if self._targets is not None else {}
         seen: set[int] = set()
         window: list = []
+        fresh: list[int] = []  # the rows whose first bytes are in the window, in file order
         staged = 0
         for req in requests:
-            new = {p.row for p in req.pieces if p.row in sizes and p.row not in seen}
+            new = [r for r in dict.fromkeys(p.row for p in req.pieces) if r in sizes and r not in seen]
             starts = sum(sizes[r] for r in new)
             if window and starts and staged + starts > self.staging_bytes:
+                self._stage(fresh)
                 yield window
                 self.gather()
-                window, staged = [], 0
+                window, fresh, staged = [], [], 0
             window.append(req)
+            fresh += new
             staged += starts
-            seen |= new
+            seen.update(new)
         if window:
+            self._stage(fresh)
             yield window
             self.gather()
+
+    def _stage(self, rows: list[int]) -> None:
+        """Before a window's ring run: one scratch allocation for its tensors to quantize,
+        and (the kernels' path) one zeroed allocation for their NaN/Inf counts and channel
+        maxima, so that a tensor's launches allocate and zero nothing of their own."""
+        self._targets.stage(rows)  # type: ignore[union-attr]  # set by destination()
+        if self._fallback is not None or not rows:
+            return
+        from engine.numerics.device import as_device_array, on_gpu, zero
+
+        channels = [max(self._channels(r), 1) for r in rows]
+        cells = [3 + -(-c // 2) for c in channels]  # int64 cells: 3 counts, then C uint32 keys
+        with on_gpu(self._gpu):
+            block = self._empty((sum(cells),), np.int64)  # type: ignore[misc]  # device loads only
+            flat = as_device_array(block)
+            zero(flat, self._side_stream())
+        at = 0
+        for r, c, n in zip(rows, channels, cells, strict=True):
+            self._counters[r] = (flat[at : at + 3], flat[at + 3 : at + n].view(np.uint32)[:c], block)
+            at += n
+
+    def _channels(self, row: int) -> int:
+        _, shape, axis = self._quant[row]
+        return 1 if axis is None else shape[axis]
 
     def landed(self, row: int) -> None:
         """Completion hook (every copy of ``row`` has completed): launch its statistics and
@@ -438,8 +499,11 @@ class LoadWork:
                 kind, shape, axis = self._quant[row]
                 q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
                 scale = self._empty((1 if axis is None else shape[axis],), np.float32)  # type: ignore[misc]
+                counts, keys, block = self._counters.pop(row, (None, None, None))
                 bad = DeviceQuantizer(self._launch_config(), self._empty).launch_quantize(
-                    src, kind, shape, axis, q, scale, stream)
+                    src, kind, shape, axis, q, scale, stream, counts=counts, keys=keys)
+                if block is not None:
+                    src = (src, block)  # the counts' block lives until they are gathered
         self.launched += 1
         with self._lock:
             # the scratch stays referenced until its kernels are waited for (a framework's

@@ -243,10 +243,14 @@ def default_empty(shape: tuple, dtype) -> Any:
 def _zeros(empty, shape, dtype, stream):
     """A zeroed device array from ``empty`` (the fill is a launch on ``stream``)."""
     a = as_device_array(empty(shape, dtype))
-    flat = _flat(a)
-    if flat.size:
-        _launch(_ck.fill_zero, (-(-flat.size // 128), 128, stream), flat)
+    zero(_flat(a), stream)
     return a
+
+
+def zero(a, stream: Any = None) -> None:
+    """``a[:] = 0`` for a 1-D Numba device array (one launch on ``stream``)."""
+    if a.size:
+        _launch(_ck.fill_zero, (-(-a.size // 128), 128, numba_stream(stream)), a)
 
 
 def probe() -> None:
@@ -440,18 +444,30 @@ class DeviceQuantizer:
             _sync(s)
         return np.asarray(out, np.int64).copy()
 
-    def launch_quantize(self, src, kind: str, shape: tuple, axis: int | None, q, scale, stream: Any = None):
+    def launch_quantize(self, src, kind: str, shape: tuple, axis: int | None, q, scale, stream: Any = None, *,
+                        counts=None, keys=None):
         """:meth:`quantize` without waiting: the kernels are queued on ``stream`` and the
         (NaN, +Inf, -Inf) counts come back as a device array of 3 int64 (bring it over with
-        :func:`to_host` once the stream is waited for; ``src`` must live until then)."""
+        :func:`to_host` once the stream is waited for; ``src`` must live until then).
+
+        ``counts`` (3 int64) and ``keys`` (``max(C, 1)`` uint32), Numba device arrays already
+        zeroed on ``stream``, spare the two allocations and zeroing launches of each call (a
+        load zeroes one block for a window's tensors)."""
         if kind not in INPUTS:
             raise TypeError(f"quantize_int8 supports {', '.join(INPUTS)} data, not {kind}")
         s = numba_stream(stream)
         n = math.prod(shape)
         outer, C, inner = (1, 1, n) if axis is None else (
             math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
-        bad = _zeros(self.empty, (3,), np.int64, s)
-        keys = _zeros(self.empty, (max(C, 1),), np.int32, s).view(np.uint32)
+        if (counts is None) != (keys is None):
+            raise ValueError("counts and keys come together")
+        if counts is None:
+            bad = _zeros(self.empty, (3,), np.int64, s)
+            keys = _zeros(self.empty, (max(C, 1),), np.int32, s).view(np.uint32)
+        else:
+            bad = counts
+            if len(bad) != 3 or len(keys) != max(C, 1):
+                raise ValueError(f"counts of 3 and keys of {max(C, 1)} elements, not {len(bad)} and {len(keys)}")
         lc = self.launch
         nt = lc.threads
         _, ut, lim, _ = FLOAT_FORMATS[kind]

@@ -18,8 +18,10 @@ Importing this module imports Numba; torch only when a torch tensor is passed in
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import operator
+import re
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -486,8 +488,14 @@ def _patterns(value: str | Iterable[str] | None, what: str) -> tuple[str, ...] |
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
-    # fnmatchcase: tensor names are case-sensitive on every platform
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    return _compiled(tuple(patterns)).match(name) is not None
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(patterns: tuple[str, ...]) -> re.Pattern:
+    """One expression for ``fnmatchcase`` against any of ``patterns`` (tensor names are
+    case-sensitive on every platform): a load asks it once per tensor."""
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns) or "(?!)")
 
 
 def _check_axis(axis: Any) -> int | None:
