@@ -57,15 +57,16 @@ ROWS = {"plain": {}, "stats=True": {"stats": True}, 'quantize="int8"': {"quantiz
 
 
 class Sink(EmulatedSink):
-    """The emulated runtime's sink, with the hooks' device arrays (numpy).  The small ones
-    (partial results, counts) are zeroed, as the kernels that would set them up run nothing
-    here; outputs and scratch are not (a device allocator does not touch memory)."""
+    """The emulated runtime's sink, with the hooks' device arrays (numpy).  The partial
+    results and counts (int64, float64) are zeroed, as the kernels that would set them up
+    run nothing here; outputs and scratch (int8, uint8, float32 scales) are not (a device
+    allocator does not touch memory)."""
 
     name = "emulated"
 
     def empty_device(self, shape, dtype):
         a = np.empty(shape, dtype)
-        if a.nbytes <= 1 << 16:
+        if np.dtype(dtype).itemsize == 8:
             a.fill(0)
         return a
 

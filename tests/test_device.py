@@ -230,6 +230,28 @@ def test_one_thread_one_block_and_far_from_zero():
     assert_stats(device_stats(y), naive.stats(y))
 
 
+def test_an_accumulator_block_holds_many_tensors_statistics():
+    xs = [specials(np.float32, 300, 1), specials(ml_dtypes.bfloat16, 77, 2), specials(np.float16, 5, 3),
+          specials(np.float64, 129, 4)]
+    block = D.AccumulatorBlock(3, LAUNCH)
+    taken = []
+    for x in xs[:3]:
+        acc, i = block.take(KIND[x.dtype])
+        acc.add(dev(x.view(np.uint8)))
+        taken.append(i)
+    assert taken == [0, 1, 2] and block.full()
+    with pytest.raises(ValueError, match="all taken"):
+        block.take("F32")
+    # rows brought over for a span of the block: each accumulator's own, none shared
+    rows = block.queue_rows(1, 3)
+    cuda.synchronize()
+    for i in (1, 2):
+        assert_stats(block.merge_rows(KIND[xs[i].dtype], i, 1, rows), naive.stats(xs[i]))
+    rows = block.queue_rows(0, 1)
+    cuda.synchronize()
+    assert_stats(block.merge_rows("F32", 0, 0, rows), naive.stats(xs[0]))
+
+
 def test_device_stats_of_an_array():
     x = specials(BF16, 40, seed=5)
     if SIM:
@@ -310,6 +332,27 @@ def test_quantize_bit_identical_to_oracle_and_cpu(dtype, shape, axis):
     assert not bad.any()
     assert_bits(q, scale, *naive.quantize_int8(x, axis))
     assert_bits(q, scale, *engine.quantize_int8(x, axis))
+
+
+def test_quantize_into_counts_and_keys_zeroed_by_the_caller():
+    x = specials(np.float32, 7 * 33, 5).reshape(7, 33)
+    block = dev(np.full(64, -1, np.int64))
+    D.zero(block)
+    counts, keys = block[:3], block[3:3 + 17].view(np.uint32)[:33]
+    q, scale = alloc(x.size, np.int8), alloc(33, np.float32)
+    got = D.DeviceQuantizer(LAUNCH).launch_quantize(dev(x.reshape(-1).view(np.uint8)), "F32", x.shape, 1, q, scale,
+                                                    counts=counts, keys=keys)
+    cuda.synchronize()
+    assert got is counts and host(counts).tolist() == [int(np.isnan(x).sum()), int((x == np.inf).sum()),
+                                                       int((x == -np.inf).sum())]
+    want = engine.quantize_int8(x, 1, on_nonfinite="clamp")
+    assert_bits(host(q).reshape(x.shape), host(scale), *want)
+    with pytest.raises(ValueError, match="come together"):
+        D.DeviceQuantizer(LAUNCH).launch_quantize(dev(x.reshape(-1).view(np.uint8)), "F32", x.shape, 1, q, scale,
+                                                  counts=counts)
+    with pytest.raises(ValueError, match="keys of 33"):
+        D.DeviceQuantizer(LAUNCH).launch_quantize(dev(x.reshape(-1).view(np.uint8)), "F32", x.shape, 1, q, scale,
+                                                  counts=counts, keys=keys[:5])
 
 
 @pytest.mark.parametrize("dtype", QFLOATS, ids=lambda d: np.dtype(d).name)

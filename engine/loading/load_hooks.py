@@ -12,12 +12,15 @@ files alike), in this order:
 * every few milliseconds the ring reports the tensors whose last copy has completed (a
   batch; Python per tensor, never per chunk) and :meth:`LoadWork.landed` launches each
   one's kernels on the load's side stream: the statistics fold of the whole tensor into
-  device partial rows of its own, and the quantization of its scratch bytes into its int8
-  values and float32 scales.  The copies of the following chunks go on meanwhile;
+  its partial rows (an :class:`~engine.numerics.device.AccumulatorBlock` holds
+  :data:`STATS_BLOCK` tensors' rows), and the quantization of its scratch bytes into its
+  int8 values and float32 scales (three launches: channel maxima, scales, values; the
+  counts and maxima they start from are zeroed once per window).  The copies of the
+  following chunks go on meanwhile;
 * the results are gathered without a wait per tensor (:meth:`LoadWork.gather`): the
   partial rows and NaN/Inf counts of every tensor launched so far are copied to the host
-  on the side stream and waited for once, when the first of them is handed out (or at the
-  end of a ring run at the latest); a scratch buffer goes then.
+  on the side stream, one copy per block, and waited for once, when the first of them is
+  handed out (or at the end of a ring run at the latest); a scratch buffer goes then.
 
 The copies' events have completed when a tensor is reported, so the kernels need no
 ordering with the ring's stream.  Device memory at peak: the int8 tensors and scales, the
@@ -66,6 +69,10 @@ __all__ = ["LoadWork", "STAGING_BYTES", "StatsCollector", "device_kernels_unusab
 #: scratch at once (see :meth:`LoadWork.windows`): each window is a ring run of its own, so
 #: fewer, larger windows cost fewer drains of the ring
 STAGING_BYTES = 2 << 30
+
+#: tensors whose device statistics share one block of partial-result rows (80 bytes per row,
+#: a row per block of the launch): allocated, and brought to the host, per block
+STATS_BLOCK = 64
 
 def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str | None = None,
          launch=None) -> LoadWork | None:
@@ -318,7 +325,8 @@ class LoadWork:
         self._gathering = threading.Lock()  # one gather at a time: a row is found once it returns
         self._side: Any = None  # the load's side stream (ring)
         self._pending: list[tuple] = []  # (row, accumulator, q, scale, bad, scratch) launched, not gathered
-        self._counters: dict[int, tuple] = {}  # row -> (counts, keys, their block): zeroed per window (_stage)
+        self._counters: dict[int, tuple] = {}  # row -> (counts, keys, their block, offset): zeroed per window
+        self._accumulators: Any = None  # the device statistics' AccumulatorBlock being filled
         self._stats_done: dict[int, Any] = {}  # row -> Stats gathered
         self.launched = 0  # tensors whose kernels were launched as they landed (ring)
 
@@ -395,7 +403,7 @@ class LoadWork:
             zero(flat, self._side_stream())
         at = 0
         for r, c, n in zip(rows, channels, cells, strict=True):
-            self._counters[r] = (flat[at : at + 3], flat[at + 3 : at + n].view(np.uint32)[:c], block)
+            self._counters[r] = (flat[at : at + 3], flat[at + 3 : at + n].view(np.uint32)[:c], flat, at)
             at += n
 
     def _channels(self, row: int) -> int:
@@ -486,29 +494,35 @@ class LoadWork:
         quant = row in self._quant and self._quantize_here
         if not stats and not quant:
             return
-        from engine.numerics.device import DeviceAccumulator, DeviceQuantizer, as_device_array, on_gpu
+        from engine.numerics.device import AccumulatorBlock, DeviceQuantizer, as_device_array, on_gpu
 
         src = self._targets.pop(row, None) if quant else self._targets[row]  # type: ignore[union-attr,index]  # set by destination()
+        keep: Any = src
         with on_gpu(self._gpu):
             stream = self._side_stream()
             acc = q = scale = bad = None
             if stats and src is not None:
-                acc = DeviceAccumulator(self._stats_kind[row], self._launch_config(), stream, self._empty)
-                acc.add(as_device_array(src), stream)
+                if self._accumulators is None or self._accumulators.full():
+                    self._accumulators = AccumulatorBlock(STATS_BLOCK, self._launch_config(), self._empty)
+                block = self._accumulators
+                rows, index = block.take(self._stats_kind[row], stream)
+                rows.add(as_device_array(src), stream)
+                acc = (block, index)
             if quant:
                 kind, shape, axis = self._quant[row]
                 q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
                 scale = self._empty((1 if axis is None else shape[axis],), np.float32)  # type: ignore[misc]
-                counts, keys, block = self._counters.pop(row, (None, None, None))
-                bad = DeviceQuantizer(self._launch_config(), self._empty).launch_quantize(
+                counts, keys, flat, at = self._counters.pop(row, (None, None, None, 0))
+                got = DeviceQuantizer(self._launch_config(), self._empty).launch_quantize(
                     src, kind, shape, axis, q, scale, stream, counts=counts, keys=keys)
-                if block is not None:
-                    src = (src, block)  # the counts' block lives until they are gathered
+                # the counts as (array, offset): a window's block is copied once per gather
+                bad = (got, 0) if flat is None else (flat, at)
+                keep = (src, flat)
         self.launched += 1
         with self._lock:
             # the scratch stays referenced until its kernels are waited for (a framework's
             # allocator could hand its memory out again while they run)
-            self._pending.append((row, acc, q, scale, bad, src))
+            self._pending.append((row, acc, q, scale, bad, keep))
 
     def gather(self) -> None:
         """Bring the results of every tensor launched so far to the host, with one wait on
@@ -527,18 +541,32 @@ class LoadWork:
                                       f"{type(exc).__name__}: {exc}", path=self.path, tensors=names) from exc
 
     def _gather(self, pending: list) -> None:
+        """One copy to the host per block of partial rows and per block of counts (the span
+        of them these tensors use), then one wait."""
         from engine.numerics.device import on_gpu, synchronize, to_host
 
+        spans: dict[int, list] = {}  # id(block) -> [block, lo, hi] of the rows to bring over
+        counts: dict[int, list] = {}  # id(array) -> [array, lo, hi] of the counts to bring over
+        for _, acc, _, _, bad, _ in pending:
+            if acc is not None:
+                span = spans.setdefault(id(acc[0]), [acc[0], acc[1], acc[1] + 1])
+                span[1], span[2] = min(span[1], acc[1]), max(span[2], acc[1] + 1)
+            if bad is not None:
+                span = counts.setdefault(id(bad[0]), [bad[0], bad[1], bad[1] + 3])
+                span[1], span[2] = min(span[1], bad[1]), max(span[2], bad[1] + 3)
         with on_gpu(self._gpu):
             stream = self._side_stream()
-            queued = [(row, acc, None if acc is None else acc.queue_rows(stream), q, scale,
-                       None if bad is None else to_host(bad, stream)) for row, acc, q, scale, bad, _ in pending]
+            rows = {k: block.queue_rows(lo, hi, stream) for k, (block, lo, hi) in spans.items()}
+            host = {k: to_host(a[lo:hi], stream) for k, (a, lo, hi) in counts.items()}
             synchronize(stream)
-        for row, acc, rows, q, scale, bad in queued:
+        for row, acc, q, scale, bad, _ in pending:
             if acc is not None:
-                self._stats_done[row] = acc.merge_rows(rows)
+                block, index = acc
+                self._stats_done[row] = block.merge_rows(self._stats_kind[row], index, spans[id(block)][1], rows[id(block)])
             if q is not None:
-                self._done[row] = (q, scale, np.asarray(bad, np.int64).copy())
+                a, at = bad
+                lo = counts[id(a)][1]
+                self._done[row] = (q, scale, np.asarray(host[id(a)][at - lo : at - lo + 3], np.int64).copy())
 
     def _quantized_ring(self, row: int):
         done = self._done.pop(row, None)

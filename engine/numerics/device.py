@@ -14,6 +14,7 @@ runs on numpy arrays standing for device memory; the test suite runs it that way
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any
@@ -29,6 +30,7 @@ from engine.numerics.quantize import INPUTS, QuantizedTensor, raise_if_nonfinite
 from engine.numerics.statistics import Stats, stats_from_partials
 
 __all__ = [
+    "AccumulatorBlock",
     "DeviceAccumulator",
     "DeviceQuantizer",
     "LaunchConfig",
@@ -176,6 +178,8 @@ _SIM_LOCK = threading.Lock()
 def check_launch(grid, threads) -> None:
     """Raise :class:`~engine.errors.DeviceError` where a GPU would refuse the launch sizes
     ``grid`` (an int or a tuple of up to 3) and ``threads`` (per block)."""
+    if type(grid) is int and 1 <= grid <= MAX_GRID[0] and type(threads) is int and 1 <= threads <= MAX_BLOCK_THREADS:
+        return  # the common case, asked per launch: one comparison each
     dims = tuple(grid) if isinstance(grid, tuple) else (grid,)
     if not (1 <= len(dims) <= 3 and all(1 <= int(g) <= m for g, m in zip(dims, MAX_GRID, strict=False))):
         raise DeviceError(f"grid {dims} is outside the device's limits {MAX_GRID[:len(dims)]}")
@@ -308,19 +312,20 @@ class DeviceAccumulator:
     """
 
     def __init__(self, kind: str, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None,
-                 empty: Any = None) -> None:
+                 empty: Any = None, *, rows: tuple | None = None) -> None:
         if kind not in SUPPORTED_NAMES:
             raise TypeError(f"device statistics support {', '.join(sorted(SUPPORTED_NAMES))} data, not {kind}")
         self.kind = kind
         self.launch = launch
-        _, _, sc, uc = float_consts(kind)
-        self._sc, self._uc = tuple(sc), tuple(uc)  # kernel arguments by value: no device copy
+        self._sc, self._uc = _stats_consts(kind)  # kernel arguments by value: no device copy
         s = numba_stream(stream)
         g = launch.blocks
-        empty = empty or default_empty
-        self._keep = [empty((g, 5), np.int64), empty((g, 2), np.float64), empty((g, 2), np.int64),
-                      empty((g,), np.int64)]  # the framework's arrays own the memory
-        self.cnt, self.mom, self.skey, ukey = (as_device_array(a) for a in self._keep)
+        if rows is None:
+            empty = empty or default_empty
+            self._keep = [empty((g, 5), np.int64), empty((g, 2), np.float64), empty((g, 2), np.int64),
+                          empty((g,), np.int64)]  # the framework's arrays own the memory
+            rows = tuple(as_device_array(a) for a in self._keep)
+        self.cnt, self.mom, self.skey, ukey = rows
         self.ukey = ukey.view(np.uint64)
         _launch(_ck.init_stats, (-(-g // 128), 128, s), self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey)
         self._fmt = _fmt(kind)
@@ -358,6 +363,60 @@ class DeviceAccumulator:
 
     def merge_rows(self, rows: list) -> Stats:
         return stats_from_partials(self.kind, *rows)
+
+
+@functools.cache
+def _stats_consts(kind: str) -> tuple[tuple, tuple]:
+    """The statistics kernels' constants of ``kind`` as tuples (asked once per tensor)."""
+    _, _, sc, uc = float_consts(kind)
+    return tuple(sc), tuple(uc)
+
+
+class AccumulatorBlock:
+    """The partial-result rows of up to ``count`` accumulators in four device allocations,
+    brought to the host with four copies for any number of them: a load's statistics of
+    many tensors allocate and copy per block, not per tensor.
+
+    Parameters
+    ----------
+    count : int
+        Accumulators the block holds.
+    launch : LaunchConfig, optional
+    empty : callable, optional
+        As for :class:`DeviceAccumulator`.
+    """
+
+    def __init__(self, count: int, launch: LaunchConfig = DEFAULT_LAUNCH, empty: Any = None) -> None:
+        g = launch.blocks
+        empty = empty or default_empty
+        self.count, self.used, self.launch, self._g = count, 0, launch, g
+        self._keep = [empty((count * g, 5), np.int64), empty((count * g, 2), np.float64),
+                      empty((count * g, 2), np.int64), empty((count * g,), np.int64)]
+        self._arrays = [as_device_array(a) for a in self._keep]
+
+    def full(self) -> bool:
+        return self.used == self.count
+
+    def take(self, kind: str, stream: Any = None) -> tuple[DeviceAccumulator, int]:
+        """The next free accumulator (its rows set up on ``stream``) and its index."""
+        if self.full():
+            raise ValueError("the block's accumulators are all taken")
+        i, g = self.used, self._g
+        self.used += 1
+        acc = DeviceAccumulator(kind, self.launch, stream, rows=tuple(a[i * g : (i + 1) * g] for a in self._arrays))
+        return acc, i
+
+    def queue_rows(self, lo: int, hi: int, stream: Any = None) -> list:
+        """The rows of accumulators ``lo`` to ``hi - 1``, their copies to the host queued
+        on ``stream`` (usable once it is waited for: :meth:`merge_rows`)."""
+        s, g = numba_stream(stream), self._g
+        return [_to_host(a[lo * g : hi * g], s) for a in self._arrays]
+
+    def merge_rows(self, kind: str, index: int, lo: int, rows: list) -> Stats:
+        """Statistics of accumulator ``index`` from :meth:`queue_rows` ``(lo, ...)``."""
+        g = self._g
+        at = (index - lo) * g
+        return stats_from_partials(kind, *(r[at : at + g] for r in rows))
 
 
 def device_stats(x: Any, *, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None) -> Stats:
