@@ -741,7 +741,8 @@ cdef class ChunkRing:
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
         (``done``: chunks whose copies have certainly completed, a prefix: their events asked,
-        never inferred from chunks still being filled); it returns True to
+        never inferred from chunks still being filled), also while the run waits for its
+        last copies once every chunk is issued; it returns True to
         cancel, or raises (the run stops and the exception propagates once every issued
         copy has completed).  Signals are checked there too (Ctrl-C stops a load).
         ``adaptive``: each thread measures whether ``pread`` or the mapping is faster (else
@@ -778,7 +779,7 @@ cdef class ChunkRing:
         cdef bint ready, inline
         cdef _Part part
         cdef double t0, next_poll
-        cdef timespec ts
+        cdef timespec ts, nap
         cdef object raised = None
         cdef bint cancelled = False
         if st == NULL:
@@ -965,6 +966,28 @@ cdef class ChunkRing:
                 while st.active > 0:
                     pthread_cond_wait(&st.run_cond, &st.lock)
                 pthread_mutex_unlock(&st.lock)
+                # every chunk issued: the last ones' tensors are still reported as their copies
+                # complete (a hooked load's kernels start then), not once the whole stream has
+                if poll is not None and j == n and not _stopped(&st.cancel):
+                    nap.tv_sec = 0
+                    nap.tv_nsec = 200000
+                    while True:
+                        done = _completed(st, done)
+                        if done >= n:
+                            break
+                        if _now() >= next_poll:
+                            with gil:
+                                try:
+                                    PyErr_CheckSignals()
+                                    if poll(done):
+                                        cancelled = True
+                                except BaseException as exc:
+                                    raised = exc
+                            if raised is not None or cancelled:
+                                _fail(st, 4, 0, n - 1, 0, 0)
+                                break
+                            next_poll = _now() + poll_seconds
+                        nanosleep(&nap, NULL)
                 # every issued copy completes (or fails) before the chunks may be reused or freed:
                 # the whole stream (the load's own), whatever event a failure left unrecorded
                 if j > 0:
