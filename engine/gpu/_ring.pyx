@@ -975,6 +975,8 @@ cdef class ChunkRing:
                         done = _completed(st, done)
                         if done >= n:
                             break
+                        if st.rt.event_query(st.events[done % st.nslots]) != _cudaErrorNotReady:
+                            break  # a failed copy: the stream's synchronisation below reports it
                         if _now() >= next_poll:
                             with gil:
                                 try:
