@@ -21,6 +21,7 @@ wait here is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -56,6 +57,14 @@ def nginx_or_skip() -> str:
             pytest.fail(why + ", and ENGINE_TESTS_REQUIRE_NGINX=1 says these tests must run")
         pytest.skip(why)
     return binary
+
+
+@contextlib.contextmanager
+def nginx_serving(root, **kw):
+    """:class:`Nginx` serving ``root`` while the block runs, after :func:`nginx_or_skip`."""
+    nginx_or_skip()
+    with Nginx(str(root), **kw) as server:
+        yield server
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, seconds: float = 15.0) -> None:

@@ -14,16 +14,13 @@ Three ways the kernels run, each checked against the CPU kernels (``engine.stats
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import naive
 import numba
 import numpy as np
 import pytest
 from emucudart import EmulatedRingOps, EmulatedSink, Emulator
 from test_kernels import assert_stats
-from test_load_hooks import BF16, default_selection, model
+from test_load_hooks import BF16, ScratchCounting, default_selection, model
 
 import engine
 import engine.loading.loader
@@ -41,7 +38,7 @@ MODES = [pytest.param("numba", marks=pytest.mark.skipif(
 CHUNK = 4096  # the ring's chunk: the big tensors span several
 
 
-class EmuSink(EmulatedSink):
+class EmuSink(ScratchCounting, EmulatedSink):
     """A device sink over the emulated runtime that also allocates the hooks' device arrays
     (numpy), counting the scratch buffers of source bytes alive at once."""
 
@@ -49,23 +46,7 @@ class EmuSink(EmulatedSink):
 
     def __init__(self, ops) -> None:
         super().__init__(ops)
-        self.lock = threading.Lock()
-        self.live = self.peak = self.staged = 0
         self.to_host_calls = 0
-
-    def _freed(self, n) -> None:
-        with self.lock:
-            self.live -= n
-
-    def empty_device(self, shape, dtype):
-        a = np.empty(shape, dtype)
-        if np.dtype(dtype) == np.uint8 and len(shape) == 1:  # a scratch buffer of source bytes
-            with self.lock:
-                self.live += a.nbytes
-                self.staged += a.nbytes
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(a, self._freed, a.nbytes)
-        return a
 
     def to_host(self, x):
         self.to_host_calls += 1

@@ -141,17 +141,35 @@ def ring_ops():
     return _OPS[0]
 
 
-class SimSink:
+class ScratchCounting:
+    """Device arrays as numpy arrays, counting the scratch buffers of source bytes (1-D
+    uint8) alive at once, at peak, and in all."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.lock = threading.Lock()
+        self.live = self.peak = self.staged = 0
+
+    def _freed(self, n) -> None:
+        with self.lock:
+            self.live -= n
+
+    def empty_device(self, shape, dtype):
+        a = np.empty(shape, dtype)
+        if np.dtype(dtype) == np.uint8 and len(shape) == 1:  # a scratch buffer of source bytes
+            with self.lock:
+                self.live += a.nbytes
+                self.staged += a.nbytes
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(a, self._freed, a.nbytes)
+        return a
+
+
+class SimSink(ScratchCounting):
     """A device sink whose device arrays are numpy arrays; counts live staging bytes."""
 
     name = "sim"
     on_device = True
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.live = 0
-        self.peak = 0
-        self.staged = 0
 
     def allocate_device(self, specs, per_tensor=False):
         tensors, targets = {}, {}
@@ -160,20 +178,6 @@ class SimSink:
             targets[row] = buf
             tensors[row] = buf.view(dtypes.numpy_dtype(code)).reshape(dtypes.packed_shape(code, shape, nbytes))
         return tensors, targets, ring_ops()
-
-    def _freed(self, n):
-        with self.lock:
-            self.live -= n
-
-    def empty_device(self, shape, dtype):
-        a = np.empty(shape, dtype)
-        if np.dtype(dtype) == np.uint8:  # a staging buffer of source bytes
-            with self.lock:
-                self.live += a.nbytes
-                self.staged += a.nbytes
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(a, self._freed, a.nbytes)
-        return a
 
 
 def sim_stream(monkeypatch, path, **kw):

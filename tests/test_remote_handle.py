@@ -16,7 +16,7 @@ from engine.errors import InvalidSliceError, TensorNotFoundError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
-from servers import Nginx, nginx_or_skip  # noqa: E402
+from servers import nginx_serving  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nginx(files):
-    nginx_or_skip()
-    with Nginx(str(files[0])) as server:
+    with nginx_serving(files[0]) as server:
         yield server
 
 

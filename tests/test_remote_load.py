@@ -23,7 +23,7 @@ from engine.net.remote_reads import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
-from servers import Nginx, nginx_or_skip  # noqa: E402
+from servers import Nginx, nginx_or_skip, nginx_serving  # noqa: E402
 from torch_models import assert_same, llama, raw  # noqa: E402
 
 FAST = Retry(attempts=4, base=0.001, cap=0.01)
@@ -45,8 +45,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nginx(checkpoint):
-    nginx_or_skip()
-    with Nginx(str(checkpoint[0])) as server:
+    with nginx_serving(checkpoint[0]) as server:
         yield server
 
 
