@@ -231,25 +231,28 @@ def test_one_thread_one_block_and_far_from_zero():
 
 
 def test_an_accumulator_block_holds_many_tensors_statistics():
-    xs = [specials(np.float32, 300, 1), specials(ml_dtypes.bfloat16, 77, 2), specials(np.float16, 5, 3),
-          specials(np.float64, 129, 4)]
-    block = D.AccumulatorBlock(3, LAUNCH)
-    taken = []
-    for x in xs[:3]:
-        acc, i = block.take(KIND[x.dtype])
-        acc.add(dev(x.view(np.uint8)))
-        taken.append(i)
-    assert taken == [0, 1, 2] and block.full()
-    with pytest.raises(ValueError, match="all taken"):
-        block.take("F32")
-    # rows brought over for a span of the block: each accumulator's own, none shared
-    rows = block.queue_rows(1, 3)
-    cuda.synchronize()
-    for i in (1, 2):
-        assert_stats(block.merge_rows(KIND[xs[i].dtype], i, 1, rows), naive.stats(xs[i]))
-    rows = block.queue_rows(0, 1)
-    cuda.synchronize()
-    assert_stats(block.merge_rows("F32", 0, 0, rows), naive.stats(xs[0]))
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.float64):
+        kind = KIND[np.dtype(dtype)]
+        these = [specials(dtype, n, seed) for seed, n in enumerate((300, 1, 77))]
+        block = D.AccumulatorBlock(3, kind, LAUNCH)
+        taken = []
+        for x in these:
+            acc, i = block.take()
+            acc.add(dev(x.view(np.uint8)))
+            taken.append(i)
+        assert taken == [0, 1, 2] and block.full()
+        with pytest.raises(ValueError, match="all taken"):
+            block.take()
+        # rows brought over for a span of the block: each accumulator's own, none shared
+        rows = block.queue_rows(1, 3)
+        cuda.synchronize()
+        for i in (1, 2):
+            assert_stats(block.merge_rows(i, 1, rows), naive.stats(these[i]))
+        rows = block.queue_rows(0, 1)
+        cuda.synchronize()
+        assert_stats(block.merge_rows(0, 0, rows), naive.stats(these[0]))
+    with pytest.raises(TypeError, match="not I32"):
+        D.AccumulatorBlock(2, "I32", LAUNCH)
 
 
 def test_device_stats_of_an_array():

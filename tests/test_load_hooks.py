@@ -45,7 +45,7 @@ def model(rng, layers=3):
         sd[p + "mlp.up_proj.weight"] = rng.standard_normal((37, 24)).astype(np.float32)
         sd[p + "mlp.down_proj.weight"] = rng.standard_normal((24, 37)).astype(BF16)
     sd["lm_head.weight"] = rng.standard_normal((11, 24)).astype(BF16)
-    sd["model.norm.weight"] = np.ones(24, np.float64)
+    sd["model.norm.weight"] = np.linspace(-1.5, 1, 24)  # F64 of either sign: every key of the statistics
     sd["position_ids"] = np.arange(17, dtype=np.int64)
     sd["empty.weight"] = np.zeros((0, 5), np.float32)
     return sd

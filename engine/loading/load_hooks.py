@@ -13,7 +13,7 @@ files alike), in this order:
   batch; Python per tensor, never per chunk) and :meth:`LoadWork.landed` launches each
   one's kernels on the load's side stream: the statistics fold of the whole tensor into
   its partial rows (an :class:`~engine.numerics.device.AccumulatorBlock` holds
-  :data:`STATS_BLOCK` tensors' rows), and the quantization of its scratch bytes into its
+  :data:`STATS_BLOCK` tensors' rows of one format, set up by one launch), and the quantization of its scratch bytes into its
   int8 values and float32 scales (three launches: channel maxima, scales, values; the
   counts and maxima they start from are zeroed once per window).  The copies of the
   following chunks go on meanwhile;
@@ -326,7 +326,7 @@ class LoadWork:
         self._side: Any = None  # the load's side stream (ring)
         self._pending: list[tuple] = []  # (row, accumulator, q, scale, bad, scratch) launched, not gathered
         self._counters: dict[int, tuple] = {}  # row -> (counts, keys, their block, offset): zeroed per window
-        self._accumulators: Any = None  # the device statistics' AccumulatorBlock being filled
+        self._accumulators: dict[str, Any] = {}  # format -> the AccumulatorBlock being filled
         self._stats_done: dict[int, Any] = {}  # row -> Stats gathered
         self.launched = 0  # tensors whose kernels were launched as they landed (ring)
 
@@ -502,10 +502,12 @@ class LoadWork:
             stream = self._side_stream()
             acc = q = scale = bad = None
             if stats and src is not None:
-                if self._accumulators is None or self._accumulators.full():
-                    self._accumulators = AccumulatorBlock(STATS_BLOCK, self._launch_config(), self._empty)
-                block = self._accumulators
-                rows, index = block.take(self._stats_kind[row], stream)
+                kind = self._stats_kind[row]
+                block = self._accumulators.get(kind)
+                if block is None or block.full():  # a block per format: its rows set up by one launch
+                    block = self._accumulators[kind] = AccumulatorBlock(STATS_BLOCK, kind, self._launch_config(),
+                                                                         self._empty, stream)
+                rows, index = block.take()
                 rows.add(as_device_array(src), stream)
                 acc = (block, index)
             if quant:
@@ -562,7 +564,7 @@ class LoadWork:
         for row, acc, q, scale, bad, _ in pending:
             if acc is not None:
                 block, index = acc
-                self._stats_done[row] = block.merge_rows(self._stats_kind[row], index, spans[id(block)][1], rows[id(block)])
+                self._stats_done[row] = block.merge_rows(index, spans[id(block)][1], rows[id(block)])
             if q is not None:
                 a, at = bad
                 lo = counts[id(a)][1]

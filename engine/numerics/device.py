@@ -312,7 +312,7 @@ class DeviceAccumulator:
     """
 
     def __init__(self, kind: str, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None,
-                 empty: Any = None, *, rows: tuple | None = None) -> None:
+                 empty: Any = None, *, rows: tuple | None = None, ready: bool = False) -> None:
         if kind not in SUPPORTED_NAMES:
             raise TypeError(f"device statistics support {', '.join(sorted(SUPPORTED_NAMES))} data, not {kind}")
         self.kind = kind
@@ -327,7 +327,9 @@ class DeviceAccumulator:
             rows = tuple(as_device_array(a) for a in self._keep)
         self.cnt, self.mom, self.skey, ukey = rows
         self.ukey = ukey.view(np.uint64)
-        _launch(_ck.init_stats, (-(-g // 128), 128, s), self._sc, self._uc, self.cnt, self.mom, self.skey, self.ukey)
+        if not ready:  # else ``rows`` are set up already (an AccumulatorBlock's, all at once)
+            _launch(_ck.init_stats, (-(-g // 128), 128, s), self._sc, self._uc, self.cnt, self.mom, self.skey,
+                    self.ukey)
         self._fmt = _fmt(kind)
 
     def add(self, buf, stream: Any = None) -> None:
@@ -373,37 +375,48 @@ def _stats_consts(kind: str) -> tuple[tuple, tuple]:
 
 
 class AccumulatorBlock:
-    """The partial-result rows of up to ``count`` accumulators in four device allocations,
-    brought to the host with four copies for any number of them: a load's statistics of
-    many tensors allocate and copy per block, not per tensor.
+    """The partial-result rows of up to ``count`` accumulators of format ``kind`` in four
+    device allocations, set up by one launch and brought to the host with four copies for
+    any number of them: a load's statistics of many tensors allocate, launch and copy per
+    block, not per tensor.
 
     Parameters
     ----------
     count : int
         Accumulators the block holds.
+    kind : {"F64", "F32", "F16", "BF16"}
     launch : LaunchConfig, optional
     empty : callable, optional
         As for :class:`DeviceAccumulator`.
+    stream : optional
+        Where the rows are set up.
     """
 
-    def __init__(self, count: int, launch: LaunchConfig = DEFAULT_LAUNCH, empty: Any = None) -> None:
+    def __init__(self, count: int, kind: str, launch: LaunchConfig = DEFAULT_LAUNCH, empty: Any = None,
+                 stream: Any = None) -> None:
+        if kind not in SUPPORTED_NAMES:
+            raise TypeError(f"device statistics support {', '.join(sorted(SUPPORTED_NAMES))} data, not {kind}")
         g = launch.blocks
         empty = empty or default_empty
-        self.count, self.used, self.launch, self._g = count, 0, launch, g
+        self.count, self.used, self.kind, self.launch, self._g = count, 0, kind, launch, g
         self._keep = [empty((count * g, 5), np.int64), empty((count * g, 2), np.float64),
                       empty((count * g, 2), np.int64), empty((count * g,), np.int64)]
         self._arrays = [as_device_array(a) for a in self._keep]
+        self._arrays[3] = self._arrays[3].view(np.uint64)  # the unsigned keys, compared as such on the host too
+        sc, uc = _stats_consts(kind)
+        _launch(_ck.init_stats, (-(-count * g // 128), 128, numba_stream(stream)), sc, uc, *self._arrays)
 
     def full(self) -> bool:
         return self.used == self.count
 
-    def take(self, kind: str, stream: Any = None) -> tuple[DeviceAccumulator, int]:
-        """The next free accumulator (its rows set up on ``stream``) and its index."""
+    def take(self) -> tuple[DeviceAccumulator, int]:
+        """The next free accumulator and its index."""
         if self.full():
             raise ValueError("the block's accumulators are all taken")
         i, g = self.used, self._g
         self.used += 1
-        acc = DeviceAccumulator(kind, self.launch, stream, rows=tuple(a[i * g : (i + 1) * g] for a in self._arrays))
+        acc = DeviceAccumulator(self.kind, self.launch, rows=tuple(a[i * g : (i + 1) * g] for a in self._arrays),
+                                ready=True)
         return acc, i
 
     def queue_rows(self, lo: int, hi: int, stream: Any = None) -> list:
@@ -412,11 +425,11 @@ class AccumulatorBlock:
         s, g = numba_stream(stream), self._g
         return [_to_host(a[lo * g : hi * g], s) for a in self._arrays]
 
-    def merge_rows(self, kind: str, index: int, lo: int, rows: list) -> Stats:
+    def merge_rows(self, index: int, lo: int, rows: list) -> Stats:
         """Statistics of accumulator ``index`` from :meth:`queue_rows` ``(lo, ...)``."""
         g = self._g
         at = (index - lo) * g
-        return stats_from_partials(kind, *(r[at : at + g] for r in rows))
+        return stats_from_partials(self.kind, *(r[at : at + g] for r in rows))
 
 
 def device_stats(x: Any, *, launch: LaunchConfig = DEFAULT_LAUNCH, stream: Any = None) -> Stats:
