@@ -52,7 +52,7 @@ def pread_runs(int fd, uint8_t[::1] dst, const int64_t[::1] src, Py_ssize_t run_
 # ---------------------------------------------------------------------------------------------
 # Split copies: one large batch of a load spread over many native threads.
 #
-# A staging slot of a device load (or a batch of a host load) is hundreds of MiB; one thread
+# A batch of a host load is hundreds of MiB; one thread
 # copying it out of the page cache runs at a fraction of the host's memory bandwidth, so it
 # is dealt out in pieces to threads kept for the whole load (SplitReader), each taking its
 # pieces with pread or out of a mapping, with the GIL released for the whole call: the cost
@@ -644,10 +644,10 @@ cdef int _plan_parts(_Part* parts, int nparts, int fd, const uint8_t* src, int64
                      int64_t align, _Choice* choices, int stream, int keep, int64_t* cursor) noexcept nogil:
     """Shares of the concatenated segments: pieces of ``_PIECE`` bytes (less for a small set:
     an equal share each) taken in order from a shared cursor.  Pieces of 2 MiB and more (a
-    host load's, a staging slot's) are a multiple of 2 MiB, cut where the file offset is a
+    host load's) are a multiple of 2 MiB, cut where the file offset is a
     multiple of 2 MiB (the first piece shorter), so that mapped pieces unmap whole 2 MiB
     folios (see ``_unmap_run``); where the segments follow each other in the file (a whole
-    load, a slot) every cut is on such a line.  Smaller ones are cut a multiple of ``align``
+    load, a batch) every cut is on such a line.  Smaller ones are cut a multiple of ``align``
     bytes into the concatenation.  With ``keep`` (a kept mapping), the pages a piece mapped
     stay mapped."""
     cdef int k
@@ -752,7 +752,7 @@ cdef tuple _first_error(_Part* parts, int nparts):
 
 
 # A pool of native threads kept for the length of a load: each read wakes them instead of
-# starting new ones (a staging slot is read dozens of times per load).
+# starting new ones (a host load reads a batch at a time, dozens of times per load).
 
 cdef struct _PoolState:
     pthread_mutex_t lock
@@ -806,8 +806,8 @@ cdef class SplitReader:
     reader's life (see ``_Choice``); :attr:`costs` shows what they learned and
     :attr:`sources` what each source copied.  With ``stream``, copies out of the mapping
     store past the caches (for destinations nobody reads soon: a caller's
-    tensors, owned blocks; not a staging slot, which the DMA engine reads next and is
-    better found in the cache)."""
+    tensors, owned blocks; not a buffer the DMA engine reads next, which is better found in
+    the cache)."""
 
     cdef _PoolState* st
     cdef _WorkerArg* args
