@@ -478,16 +478,17 @@ class LoadWork:
     def _side_stream(self):
         """The load's one stream for the kernels launched as tensors land (their bytes are
         complete when reported: no ordering with the ring's stream is needed)."""
-        if self._side is None:
-            from engine.numerics.device import SIMULATOR
+        with self._lock:  # one stream, whichever thread (issuing, handing out) asks first
+            if self._side is None:
+                from engine.numerics.device import SIMULATOR
 
-            if SIMULATOR:
-                self._side = 0
-            else:
-                from numba import cuda
+                if SIMULATOR:
+                    self._side = 0
+                else:
+                    from numba import cuda
 
-                self._side = cuda.stream()
-        return self._side
+                    self._side = cuda.stream()
+            return self._side
 
     def _landed_ring(self, row: int) -> None:
         stats = row in self._stats_kind
