@@ -117,6 +117,7 @@ cdef struct _Rt:
     _f_event_create event_create
     _f_record event_record
     _f_ptr event_query
+    _f_ptr event_synchronize
     _f_ptr event_destroy
     _f_ptr stream_synchronize
     _f_void get_last_error
@@ -134,7 +135,7 @@ cdef size_t _HUGE = 2 << 20
 #: the entry points a ring calls, in the order of _Rt
 ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
                 "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
-                "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
+                "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
                 "cudaGetErrorString")
 
 
@@ -779,7 +780,7 @@ cdef class ChunkRing:
         cdef bint ready, inline
         cdef _Part part
         cdef double t0, next_poll
-        cdef timespec ts, nap
+        cdef timespec ts
         cdef object raised = None
         cdef bint cancelled = False
         if st == NULL:
@@ -967,17 +968,16 @@ cdef class ChunkRing:
                     pthread_cond_wait(&st.run_cond, &st.lock)
                 pthread_mutex_unlock(&st.lock)
                 # every chunk issued: the last ones' tensors are still reported as their copies
-                # complete (a hooked load's kernels start then), not once the whole stream has
+                # complete (a hooked load's kernels start then), not once the whole stream has;
+                # each chunk's event waited for in turn, so the wait ends when the copies do
                 if poll is not None and j == n and not _stopped(&st.cancel):
-                    nap.tv_sec = 0
-                    nap.tv_nsec = 200000
-                    while True:
-                        done = _completed(st, done)
-                        if done >= n:
-                            break
-                        if st.rt.event_query(st.events[done % st.nslots]) != _cudaErrorNotReady:
+                    done = _completed(st, done)
+                    while done < n:
+                        if st.rt.event_synchronize(st.events[done % st.nslots]) != 0:
+                            st.rt.get_last_error()
                             break  # a failed copy: the stream's synchronisation below reports it
-                        if _now() >= next_poll:
+                        done += 1
+                        if done < n and _now() >= next_poll:
                             with gil:
                                 try:
                                     PyErr_CheckSignals()
@@ -989,7 +989,6 @@ cdef class ChunkRing:
                                 _fail(st, 4, 0, n - 1, 0, 0)
                                 break
                             next_poll = _now() + poll_seconds
-                        nanosleep(&nap, NULL)
                 # every issued copy completes (or fails) before the chunks may be reused or freed:
                 # the whole stream (the load's own), whatever event a failure left unrecorded
                 if j > 0:

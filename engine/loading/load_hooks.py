@@ -327,6 +327,7 @@ class LoadWork:
         self._pending: list[tuple] = []  # (row, accumulator, q, scale, bad, scratch) launched, not gathered
         self._counters: dict[int, tuple] = {}  # row -> (counts, keys, their block, offset): zeroed per window
         self._accumulators: dict[str, Any] = {}  # format -> the AccumulatorBlock being filled
+        self._orphans: list = []  # memory of tensors whose launches failed part way (close() waits)
         self._stats_done: dict[int, Any] = {}  # row -> Stats gathered
         self.launched = 0  # tensors whose kernels were launched as they landed (ring)
 
@@ -362,7 +363,8 @@ class LoadWork:
         Scratch on the device at once: the run's own tensors, at most ``staging_bytes`` or
         else those starting in its first read request, plus the one straddling from the run
         before; in all at most ``staging_bytes`` plus twice the largest tensor to quantize
-        (or plus one read request's bytes and the largest tensor, where that is more).
+        (or plus one read request's bytes and the largest tensor, where that is more), plus
+        under :data:`ALIGN` bytes of padding per tensor (their offsets in the run's block).
         """
         sizes = self._targets._sizes if self._targets is not None else {}
         seen: set[int] = set()
@@ -396,15 +398,24 @@ class LoadWork:
         from engine.numerics.device import as_device_array, on_gpu, zero
 
         channels = [max(self._channels(r), 1) for r in rows]
-        cells = [3 + -(-c // 2) for c in channels]  # int64 cells: 3 counts, then C uint32 keys
-        with on_gpu(self._gpu):
-            block = self._empty((sum(cells),), np.int64)  # type: ignore[misc]  # device loads only
-            flat = as_device_array(block)
-            zero(flat, self._side_stream())
-        at = 0
-        for r, c, n in zip(rows, channels, cells, strict=True):
-            self._counters[r] = (flat[at : at + 3], flat[at + 3 : at + n].view(np.uint32)[:c], flat, at)
-            at += n
+        # int64 cells: every tensor's 3 counts first (brought to the host together, a few bytes
+        # a tensor), then each one's C uint32 keys
+        keys_at = 3 * len(rows)
+        try:
+            with on_gpu(self._gpu):
+                block = self._empty((keys_at + sum(-(-c // 2) for c in channels),), np.int64)  # type: ignore[misc]  # device loads only
+                flat = as_device_array(block)
+                zero(flat, self._side_stream())
+        except SafetensorError:
+            raise
+        except Exception as exc:  # a launch the runtime refused, an allocation that failed
+            names = tuple(self._names[r] for r in rows)
+            raise DeviceError(f"setting up the device kernels of {len(names)} tensor(s) failed: "
+                              f"{type(exc).__name__}: {exc}", path=self.path, tensors=names) from exc
+        for i, (r, c) in enumerate(zip(rows, channels, strict=True)):
+            n = -(-c // 2)
+            self._counters[r] = (flat[3 * i : 3 * i + 3], flat[keys_at : keys_at + n].view(np.uint32)[:c], flat, 3 * i)
+            keys_at += n
 
     def _channels(self, row: int) -> int:
         _, shape, axis = self._quant[row]
@@ -431,12 +442,17 @@ class LoadWork:
         """What the load hands out for ``row``: its tensor, or its QuantizedTensor."""
         if row not in self._quant:
             return tensor
-        if self._fallback is not None:
-            return self._quantized_fallback(row)
-        if self._quantize_here:
-            if row not in self._done:
+        if self._fallback is not None or self._quantize_here:
+            if self._fallback is None and row not in self._done:
                 self.gather()
-            return self._quantized_ring(row)
+            try:
+                return self._quantized_fallback(row) if self._fallback is not None else self._quantized_ring(row)
+            except SafetensorError:
+                raise
+            except Exception as exc:  # a tensor without bytes is quantized here: a launch refused
+                raise DeviceError(f"the device kernels of tensor {self._names[row]!r} failed: "
+                                  f"{type(exc).__name__}: {exc}", path=self.path,
+                                  tensors=(self._names[row],)) from exc
         from engine.numerics.quantize import QuantizedTensor, quantize_int8
 
         kind, _, axis = self._quant[row]
@@ -498,34 +514,42 @@ class LoadWork:
         from engine.numerics.device import AccumulatorBlock, DeviceQuantizer, as_device_array, on_gpu
 
         src = self._targets.pop(row, None) if quant else self._targets[row]  # type: ignore[union-attr,index]  # set by destination()
-        keep: Any = src
-        with on_gpu(self._gpu):
-            stream = self._side_stream()
-            acc = q = scale = bad = None
-            if stats and src is not None:
-                kind = self._stats_kind[row]
-                block = self._accumulators.get(kind)
-                if block is None or block.full():  # a block per format: its rows set up by one launch
-                    block = self._accumulators[kind] = AccumulatorBlock(STATS_BLOCK, kind, self._launch_config(),
-                                                                         self._empty, stream)
-                rows, index = block.take()
-                rows.add(as_device_array(src), stream)
-                acc = (block, index)
-            if quant:
-                kind, shape, axis = self._quant[row]
-                q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
-                scale = self._empty((1 if axis is None else shape[axis],), np.float32)  # type: ignore[misc]
-                counts, keys, flat, at = self._counters.pop(row, (None, None, None, 0))
-                got = DeviceQuantizer(self._launch_config(), self._empty).launch_quantize(
-                    src, kind, shape, axis, q, scale, stream, counts=counts, keys=keys)
-                # the counts as (array, offset): a window's block is copied once per gather
-                bad = (got, 0) if flat is None else (flat, at)
-                keep = (src, flat)
+        held: list = [src]  # the device memory this tensor's launches use
+        try:
+            with on_gpu(self._gpu):
+                stream = self._side_stream()
+                acc = q = scale = bad = None
+                if stats and src is not None:
+                    kind = self._stats_kind[row]
+                    block = self._accumulators.get(kind)
+                    if block is None or block.full():  # a block per format: its rows set up by one launch
+                        block = self._accumulators[kind] = AccumulatorBlock(
+                            STATS_BLOCK, kind, self._launch_config(), self._empty, stream)
+                    held.append(block)
+                    rows, index = block.take()
+                    rows.add(as_device_array(src), stream)
+                    acc = (block, index)
+                if quant:
+                    kind, shape, axis = self._quant[row]
+                    q = self._empty(shape, np.int8)  # type: ignore[misc]  # device loads only
+                    scale = self._empty((1 if axis is None else shape[axis],), np.float32)  # type: ignore[misc]
+                    counts, keys, flat, at = self._counters.pop(row, (None, None, None, 0))
+                    held += [q, scale, flat]
+                    got = DeviceQuantizer(self._launch_config(), self._empty).launch_quantize(
+                        src, kind, shape, axis, q, scale, stream, counts=counts, keys=keys)
+                    # the counts as (array, offset): a window's block is copied once per gather
+                    bad = (got, 0) if flat is None else (flat, at)
+        except BaseException:
+            # launches queued before the one that failed may still use this memory: it is kept
+            # until close() has waited for the side stream
+            with self._lock:
+                self._orphans.append(held)
+            raise
         self.launched += 1
         with self._lock:
             # the scratch stays referenced until its kernels are waited for (a framework's
             # allocator could hand its memory out again while they run)
-            self._pending.append((row, acc, q, scale, bad, keep))
+            self._pending.append((row, acc, q, scale, bad, held))
 
     def gather(self) -> None:
         """Bring the results of every tensor launched so far to the host, with one wait on
@@ -559,9 +583,11 @@ class LoadWork:
                 span[1], span[2] = min(span[1], bad[1]), max(span[2], bad[1] + 3)
         with on_gpu(self._gpu):
             stream = self._side_stream()
-            rows = {k: block.queue_rows(lo, hi, stream) for k, (block, lo, hi) in spans.items()}
-            host = {k: to_host(a[lo:hi], stream) for k, (a, lo, hi) in counts.items()}
-            synchronize(stream)
+            try:
+                rows = {k: block.queue_rows(lo, hi, stream) for k, (block, lo, hi) in spans.items()}
+                host = {k: to_host(a[lo:hi], stream) for k, (a, lo, hi) in counts.items()}
+            finally:  # whatever was queued on these tensors' memory is done before it may go
+                synchronize(stream)
         for row, acc, q, scale, bad, _ in pending:
             if acc is not None:
                 block, index = acc
@@ -601,6 +627,15 @@ class LoadWork:
                 self.gather()
             except Exception:  # noqa: S110 - the load's own error, if any, is what the caller sees
                 pass
+            if self._side is not None:  # launches no gather waits for: a window's zeroing, a tensor's
+                from engine.numerics.device import on_gpu, synchronize  # launches before one failed
+
+                try:
+                    with on_gpu(self._gpu):
+                        synchronize(self._side)
+                except Exception:  # noqa: S110 - as above
+                    pass
+            self._orphans.clear()
 
     # ---------------------------------------------------------------- device work
 
