@@ -67,7 +67,9 @@ def load_file(
     1 with "pread" (page cache to the array).
     """
     if check_finite:
-        return _checked_finite(filename, "cpu", verify_checksums)
+        from engine.loading.loader import load_finite
+
+        return load_finite(filename, "numpy", "cpu", verify_checksums)
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the arrays
             from engine.urls.remote_load import load
@@ -119,10 +121,3 @@ def save(tensor_dict: dict, metadata: dict[str, str] | None = None) -> bytes:
     """The bytes of a safetensors file holding ``tensor_dict``; see :func:`engine.writing.writer.save`."""
     _check(tensor_dict)
     return writer.save(tensor_dict, metadata)
-
-
-def _checked_finite(filename, device, verify_checksums) -> dict:
-    """:func:`load_file` with ``check_finite`` (:func:`engine.loading.loader.load_finite`)."""
-    from engine.loading.loader import load_finite
-
-    return load_finite(filename, "numpy", device, verify_checksums)

@@ -95,7 +95,9 @@ def load_file(
     :mod:`engine.loading.pipeline`.
     """
     if check_finite:
-        return _checked_finite(filename, device, verify_checksums)
+        from engine.loading.loader import load_finite
+
+        return load_finite(filename, "pt", device, verify_checksums)
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the tensors
             from engine.urls.remote_load import load
@@ -429,10 +431,3 @@ def deduplicate(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, s
             if name not in copied:
                 copied.append(name)
     return {n: out[n] for n in tensors if n in out}, aliases, copied
-
-
-def _checked_finite(filename, device, verify_checksums) -> dict:
-    """:func:`load_file` with ``check_finite`` (:func:`engine.loading.loader.load_finite`)."""
-    from engine.loading.loader import load_finite
-
-    return load_finite(filename, "pt", device, verify_checksums)

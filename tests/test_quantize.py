@@ -327,3 +327,27 @@ def test_torch_round_trip(name):
         back.view(torch.int16 if dt != torch.float32 else torch.int32).numpy(),
         want.view(np.int16 if dt != torch.float32 else np.int32),
     )
+
+
+# -- Int8's include/exclude globs: one compiled expression, fnmatchcase's answers -------------------
+
+_GLOB_CHARS = "ab.*?[]!-\\|^()~\n0"
+
+
+@settings(max_examples=400, deadline=None)
+@given(name=st.text(_GLOB_CHARS, max_size=12),
+       patterns=st.lists(st.text(_GLOB_CHARS, max_size=8), max_size=4))
+def test_glob_matching_agrees_with_fnmatchcase(name, patterns):
+    import fnmatch
+
+    from engine.numerics.quantize import _matches
+
+    assert _matches(name, patterns) == any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    assert _matches(name, iter(patterns)) == _matches(name, tuple(patterns))  # any iterable, as before
+
+
+def test_glob_matching_is_case_sensitive_and_empty_lists_match_nothing():
+    from engine.numerics.quantize import _matches
+
+    assert _matches("model.Embed.weight", ["*Embed*"]) and not _matches("model.embed.weight", ["*Embed*"])
+    assert not _matches("anything", []) and not _matches("", [])

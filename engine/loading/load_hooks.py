@@ -49,6 +49,7 @@ out as a :class:`~engine.quantize.QuantizedTensor`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -240,7 +241,7 @@ class _Staging(dict):
             block = self._empty((total,), np.uint8)
             with self._lock:
                 for r, off in zip(group, offsets, strict=True):
-                    self[r] = block[off : off + self._sizes[r]] if len(group) > 1 else block[: self._sizes[r]]
+                    self[r] = block[off : off + self._sizes[r]]
 
     def __missing__(self, row: int):
         with self._lock:  # two reader threads may bring the first pieces of one tensor
@@ -266,6 +267,12 @@ def carve(sizes: list[int], align: int = ALIGN) -> tuple[list[int], int]:
         offsets.append(end)
         end += -(-n // align) * align
     return offsets, end
+
+
+def _widen(spans: dict[int, list], of, lo: int, hi: int) -> None:
+    """``spans[id(of)]`` (``[of, lo, hi]``) widened to cover ``lo:hi``."""
+    span = spans.setdefault(id(of), [of, lo, hi])
+    span[1], span[2] = min(span[1], lo), max(span[2], hi)
 
 
 class LoadWork:
@@ -401,17 +408,10 @@ class LoadWork:
         # int64 cells: every tensor's 3 counts first (brought to the host together, a few bytes
         # a tensor), then each one's C uint32 keys
         keys_at = 3 * len(rows)
-        try:
-            with on_gpu(self._gpu):
-                block = self._empty((keys_at + sum(-(-c // 2) for c in channels),), np.int64)  # type: ignore[misc]  # device loads only
-                flat = as_device_array(block)
-                zero(flat, self._side_stream())
-        except SafetensorError:
-            raise
-        except Exception as exc:  # a launch the runtime refused, an allocation that failed
-            names = tuple(self._names[r] for r in rows)
-            raise DeviceError(f"setting up the device kernels of {len(names)} tensor(s) failed: "
-                              f"{type(exc).__name__}: {exc}", path=self.path, tensors=names) from exc
+        with self._failing_as_device_error(rows, "setting up the device kernels of", batch=True), on_gpu(self._gpu):
+            block = self._empty((keys_at + sum(-(-c // 2) for c in channels),), np.int64)  # type: ignore[misc]  # device loads only
+            flat = as_device_array(block)
+            zero(flat, self._side_stream())
         for i, (r, c) in enumerate(zip(rows, channels, strict=True)):
             n = -(-c // 2)
             self._counters[r] = (flat[3 * i : 3 * i + 3], flat[keys_at : keys_at + n].view(np.uint32)[:c], flat, 3 * i)
@@ -426,17 +426,26 @@ class LoadWork:
         quantization kernels (:meth:`gather` collects them), or the framework's operations of
         the fallback.  A failure of the kernels raises :class:`~engine.errors.DeviceError`
         naming the tensor."""
-        try:
+        with self._failing_as_device_error([row]):  # a launch refused, a kernel that failed to compile
             if self._fallback is not None:
                 self._landed_fallback(row)
             else:
                 self._landed_ring(row)
+
+    @contextlib.contextmanager
+    def _failing_as_device_error(self, rows: list[int], what: str = "the device kernels of", batch: bool = False):
+        """Whatever the device work of ``rows`` raises (a launch the runtime refused, a kernel
+        that failed, an allocation) as :class:`~engine.errors.DeviceError` naming them (the
+        message names one tensor, or counts a batch's)."""
+        try:
+            yield
         except SafetensorError:
             raise
-        except Exception as exc:  # a launch the runtime refused, a kernel that failed to compile
-            raise DeviceError(f"the device kernels of tensor {self._names[row]!r} failed: "
-                              f"{type(exc).__name__}: {exc}", path=self.path,
-                              tensors=(self._names[row],)) from exc
+        except Exception as exc:
+            names = tuple(self._names[r] for r in rows)
+            who = f"tensor {names[0]!r}" if not batch else f"{len(names)} tensor(s)"
+            raise DeviceError(f"{what} {who} failed: {type(exc).__name__}: {exc}", path=self.path,
+                              tensors=names) from exc
 
     def tensor(self, row: int, tensor: Any) -> Any:
         """What the load hands out for ``row``: its tensor, or its QuantizedTensor."""
@@ -445,14 +454,8 @@ class LoadWork:
         if self._fallback is not None or self._quantize_here:
             if self._fallback is None and row not in self._done:
                 self.gather()
-            try:
+            with self._failing_as_device_error([row]):  # a tensor without bytes is quantized here
                 return self._quantized_fallback(row) if self._fallback is not None else self._quantized_ring(row)
-            except SafetensorError:
-                raise
-            except Exception as exc:  # a tensor without bytes is quantized here: a launch refused
-                raise DeviceError(f"the device kernels of tensor {self._names[row]!r} failed: "
-                                  f"{type(exc).__name__}: {exc}", path=self.path,
-                                  tensors=(self._names[row],)) from exc
         from engine.numerics.quantize import QuantizedTensor, quantize_int8
 
         kind, _, axis = self._quant[row]
@@ -558,14 +561,8 @@ class LoadWork:
             with self._lock:
                 pending, self._pending = self._pending, []
             if pending:
-                try:
+                with self._failing_as_device_error([p[0] for p in pending], batch=True):  # a kernel's failure shows at the wait
                     self._gather(pending)
-                except SafetensorError:
-                    raise
-                except Exception as exc:  # a kernel that failed on the device shows at the wait
-                    names = tuple(self._names[p[0]] for p in pending)
-                    raise DeviceError(f"the device kernels of {len(names)} tensor(s) failed: "
-                                      f"{type(exc).__name__}: {exc}", path=self.path, tensors=names) from exc
 
     def _gather(self, pending: list) -> None:
         """One copy to the host per block of partial rows and per block of counts (the span
@@ -576,11 +573,9 @@ class LoadWork:
         counts: dict[int, list] = {}  # id(array) -> [array, lo, hi] of the counts to bring over
         for _, acc, _, _, bad, _ in pending:
             if acc is not None:
-                span = spans.setdefault(id(acc[0]), [acc[0], acc[1], acc[1] + 1])
-                span[1], span[2] = min(span[1], acc[1]), max(span[2], acc[1] + 1)
+                _widen(spans, acc[0], acc[1], acc[1] + 1)
             if bad is not None:
-                span = counts.setdefault(id(bad[0]), [bad[0], bad[1], bad[1] + 3])
-                span[1], span[2] = min(span[1], bad[1]), max(span[2], bad[1] + 3)
+                _widen(counts, bad[0], bad[1], bad[1] + 3)
         with on_gpu(self._gpu):
             stream = self._side_stream()
             try:
