@@ -105,6 +105,7 @@ import checkout_path  # noqa: E402
 # place by the build row and installed nowhere (the parent imports it only after that row)
 ROOT = checkout_path.use_checkout()
 import bench_gpu  # noqa: E402
+import driver_check  # noqa: E402
 import ring_sweep  # noqa: E402
 
 #: seconds of the whole command by default: 7 minutes on a GPU host, whose 15 minutes of
@@ -177,10 +178,10 @@ PYTEST_RUNS = {
 PRIORS = {
     "cuda": {"wheels": 15, "build": 75, "build-fresh": 10, "engine": 20, "checkpoint": 5, "checkpoint-read": 2,
              "sample": 10, "limit": 8, "per-key": 12, "onload": 15, "sweep": 45, "compare": 20,
-             "pytest -m cuda": 40, "pytest device-kernel modules": 100, "emulated": 15},
+             "pytest -m cuda": 40, "pytest device-kernel modules": 100, "emulated": 15, "driver": 30},
     "cpu": {"wheels": 15, "build": 120, "build-fresh": 10, "engine": 10, "checkpoint": 60, "checkpoint-read": 5,
             "sample": 6, "limit": 6, "per-key": 6, "onload": 25, "sweep": 20, "compare": 12,
-            "pytest -m cuda": 90, "pytest device-kernel modules": 90, "emulated": 10},
+            "pytest -m cuda": 90, "pytest device-kernel modules": 90, "emulated": 10, "driver": 15},
 }
 #: the reference's dtypes (torch attribute names); a torch without one leaves it out
 DTYPES = {
@@ -749,6 +750,26 @@ def row_emulated(check: Check, kind: str) -> None:
     check.step("emulated", row, f"emulated {kind}", check.priors["emulated"] / 2, run)
 
 
+def row_driver(check: Check) -> None:
+    """scripts/driver_check.py in a child of its own (a fresh process: no context made before
+    it): what a load leaves behind as the driver sees it, one row each."""
+
+    def run(left: float) -> None:
+        cmd = [sys.executable, os.path.join(HERE, "driver_check.py"), "--device", check.dev,
+               "--dir", os.path.join(check.scratch, "driver")]
+        rc, out, err = _run(cmd, left, check.env())
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if rc != 0 or not lines:
+            why = "timed out at the budget's end" if rc is None else f"exit code {rc}: {_tail(err or out)}"
+            for name in driver_check.ROWS:
+                check.rep.add("driver", name, "failed", why)
+            return
+        for r in json.loads(lines[-1])["rows"]:
+            check.rep.add("driver", r["row"], r["status"], r["reason"], seconds=r["seconds"])
+
+    check.step("driver", "driver rows", "driver", check.priors["driver"], run)
+
+
 Step = tuple[str, list[str], Callable[[], None]]  # phase, the rows it reports, what runs it
 
 
@@ -769,6 +790,7 @@ def plan(check: Check, size: int, inject: str | None) -> list[Step]:
         ("wheels", [f"wheel: {p}" for p in PEERS], lambda: row_wheels(check)),
         ("build", ["build_ext --inplace"], lambda: row_build(check)),
         ("engine", ["engine from this checkout"], lambda: row_engine(check)),
+        ("driver", list(driver_check.ROWS), lambda: row_driver(check)),
         ("checkpoint", ["checkpoint"], lambda: row_checkpoint(check, size)),
         *loads("loads", ([inject] if inject else []) + DECISIVE),
         *loads("per-key", PER_KEY, "per-key"),

@@ -73,3 +73,73 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
         emu.destroy_stream(stream)
     st = emu.stats()
     assert st["copies"] > 0 and st["pageable"] == 0 and st["registered"] == 0 and st["events"] == 0
+
+
+# -- which libcudart: the framework's CUDA major --------------------------------------------------
+
+
+def test_the_runtime_of_the_frameworks_cuda_major_is_chosen(tmp_path):
+    """Two runtimes mapped (torch's and another library's), or none: the one of the
+    framework's CUDA major is taken, not the first mapped or the newest soname (a 13.x runtime
+    fails with "insufficient driver" on a 12.x driver)."""
+    import shutil
+
+    from emucudart import Emulator
+
+    lib = Emulator().path
+    for major in (13, 12):
+        shutil.copy(lib, tmp_path / f"libcudart.so.{major}")
+    code = (
+        "import ctypes, sys\n"
+        "from engine.gpu import device_ring\n"
+        f"ctypes.CDLL({str(tmp_path / 'libcudart.so.13')!r}); ctypes.CDLL({str(tmp_path / 'libcudart.so.12')!r})\n"
+        "print(device_ring.cuda_runtime_path(12)); print(device_ring.cuda_runtime_path(13))\n"
+        "print(device_ring.cuda_runtime_path())\n"
+    )
+    twelve, thirteen, first = run_python(code, timeout=120).split()
+    assert twelve == str(tmp_path / "libcudart.so.12") and thirteen == str(tmp_path / "libcudart.so.13")
+    assert first in (twelve, thirteen)  # no major known: the first mapped, as before
+    code = "from engine.gpu import device_ring\nprint(device_ring.cuda_runtime_path(12))\n"
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    assert run_python(code, timeout=120, env=env).split() == ["libcudart.so.12"]  # nothing mapped: its soname first
+
+
+# -- "cuda" without an index: the caller's device, resolved on the caller's thread -----------------
+
+
+def test_cuda_without_an_index_is_the_callers_device_resolved_on_its_thread(monkeypatch):
+    """torch's current device and stream are per thread; the ring asks for the device index
+    and the consumer's stream from its own threads (the stream worker, the prepare thread),
+    where the current device is GPU 0.  Both are resolved once, on the caller's thread.  A
+    CPU build of torch has no CUDA: its per-thread current device and stream are stood in
+    for here (a GPU run checks the same with the real ones: ``scripts/gpu_check.py``)."""
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    import threading
+
+    from engine.sinks import torch as torch_sink
+
+    local = threading.local()
+
+    class Stream:
+        def __init__(self, device):
+            self.cuda_stream = 0x1000 * (1 + getattr(local, "device", 0))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(local, "device", 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    local.device = 1  # the caller's torch.cuda.set_device(1)
+    sink = torch_sink.TorchSink("cuda")
+    seen: dict = {}
+
+    def elsewhere():  # a thread of the engine's: its current device is GPU 0
+        ops = sink.ring_ops()
+        seen.update(index=ops.device_index, stream=ops.consumer_stream())
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    t.join()
+    assert sink.device == torch.device("cuda", 1)
+    # the ops made on the engine's thread still name the caller's device; its stream there
+    assert seen["index"] == 1
+    ops = sink.ring_ops()
+    assert ops.device_index == 1 and ops.consumer_stream() == 0x2000

@@ -301,7 +301,7 @@ def kernels_fail(monkeypatch):
     monkeypatch.setattr(load_hooks, "_KERNELS", [])
     monkeypatch.setattr(load_hooks, "_WARNED", [])
 
-    def probe():
+    def probe(index=None):
         raise RuntimeError("NvvmSupportError: libNVVM cannot be found. Do `conda install cudatoolkit`")
 
     from engine.numerics import device

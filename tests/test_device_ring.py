@@ -256,28 +256,6 @@ def test_a_missing_runtime_is_a_device_error(layout, ops, emu, monkeypatch):
         _load(layout, ops)
 
 
-def test_the_issuing_thread_copies_on_the_ring_device_and_keeps_its_own(layout, emu):
-    emu.reset()
-    emu.devices(2)
-    ops = EmulatedRingOps(emu, device=1)
-    try:
-        import ctypes
-
-        ctypes.CDLL(emu.path).cudaSetDevice(1)  # streams belong to the device current at creation
-        dst, _, _ = _load(layout, ops)
-        ctypes.CDLL(emu.path).cudaSetDevice(0)
-        _check(layout, dst)
-        assert emu.stats()["wrong_device"] == 0
-        current = ctypes.c_int(-1)
-        ctypes.CDLL(emu.path).cudaGetDevice(ctypes.byref(current))
-        assert current.value == 0  # the caller's device is restored
-    finally:
-        device_ring.release_rings()
-        ops.close()
-        emu.devices(1)
-        emu.reset()
-
-
 # -- memory: bounded, nothing left mapped ----------------------------------------------------------
 
 
@@ -638,3 +616,181 @@ def test_a_get_tensor_loop_on_a_device_maps_the_file_once_and_reports_right_byte
     with open("/proc/self/maps") as f:
         assert path not in f.read()
     _clean(emu)
+
+
+# -- what a real driver holds per thread and per device (the emulator as strict as one) ------------
+
+
+def _into(layout, ops, dst, geometry=_SMALL):
+    """:func:`_load` into the caller's own targets ``dst`` (row -> array)."""
+    path, begins, ends, _ = layout
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        src = pipeline.Source(fd, path, plan_reads(begins, ends, sorted(dst), 64, 1 << 20))
+        tracker = pipeline._Tracker.of([src], lambda row: None)
+        device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops), tracker,
+                         threading.Event(), geometry)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def two_gpus(emu):
+    emu.reset()
+    emu.devices(2)
+    yield emu
+    device_ring.release_rings()
+    emu.devices(1)
+    emu.reset()
+
+
+def test_a_load_leaves_no_not_ready_error_on_the_callers_thread(layout, ops, emu):
+    """The issuing thread queries events whose copies are still running (every poll, and
+    right after the last copy is issued): "not ready", which the runtime records as the
+    thread's last error, must not be left for the caller's next ``cudaGetLastError`` (torch
+    checks every kernel launch with it)."""
+    emu.delay(0.002)
+    dst, _, _ = _load(layout, ops)
+    _check(layout, dst)
+    assert emu.last_error() == 0
+
+
+def test_setting_up_a_ring_and_loading_leave_the_callers_device_and_context(layout, two_gpus):
+    emu = two_gpus
+    ops = EmulatedRingOps(emu, device=1)
+    try:
+        emu.set_device(0)
+        ctx = emu.current_context()
+        device_ring.prepare(ops, _SMALL)  # the ring made and page-locked on this thread
+        assert (emu.current_device(), emu.current_context()) == (0, ctx)
+        dst, _, _ = _load(layout, ops)
+        _check(layout, dst)
+        assert (emu.current_device(), emu.current_context()) == (0, ctx)
+        assert emu.stats()["wrong_device"] == 0
+    finally:
+        device_ring.release_rings()
+        ops.close()
+
+
+def test_no_context_is_made_on_a_gpu_nobody_asked_for(layout, two_gpus, monkeypatch):
+    """A rank on GPU 1 loads from a thread with no device of its own (as ``engine.stream``'s
+    worker), and its ring is closed later by the reaper: no context appears on GPU 0 (in a
+    torchrun job, a few hundred MiB of GPU 0 per rank; in exclusive-process mode, a failure)."""
+    emu = two_gpus
+    monkeypatch.setattr(device_ring, "LINGER_SECONDS", 0.05)
+    ops = EmulatedRingOps(emu, device=1)
+    try:
+        emu.set_device(1)  # the rank's own device, as torch.cuda.set_device(local_rank)
+        out: dict = {}
+        worker = threading.Thread(target=lambda: out.update(dst=_load(layout, ops)[0]))
+        worker.start()
+        worker.join()
+        _check(layout, out["dst"])
+        deadline = time.monotonic() + 10
+        while emu.stats()["events"] and time.monotonic() < deadline:  # the reaper closes the ring
+            time.sleep(0.01)
+        assert emu.stats()["events"] == 0 and emu.stats()["registered"] == 0
+        assert emu.contexts(1) == 1
+        assert emu.contexts(0) == 0, "a context was made on GPU 0"
+        assert emu.current_device() == 1
+    finally:
+        device_ring.release_rings()
+        ops.close()
+
+
+@pytest.mark.parametrize("consumer", ["default stream", "a stream of its own"])
+def test_copies_wait_for_the_work_queued_on_the_consumers_stream(layout, emu, consumer):
+    """A kernel still queued on the consumer's stream when the load starts (a ``zero_()`` of a
+    ``load_into`` target, the last user of a block the caching allocator hands out again)
+    writes the targets before the ring's copies do, not after: the file's bytes are what stay."""
+    emu.reset()
+    stream = 0 if consumer == "default stream" else emu.new_stream(0)
+    ops = EmulatedRingOps(emu, consumer=stream)
+    try:
+        _, begins, ends, _ = layout
+        dst = {r: np.zeros(int(ends[r] - begins[r]), np.uint8) for r in range(len(begins))}
+        emu.set_device(0)
+        for i, target in enumerate(dst.values()):  # the first is slow: the rest queue behind it
+            emu.launch_fill(stream, target, 0xA5, 0.3 if i == 0 else 0.0)
+        _into(layout, ops, dst)
+        assert emu.synchronize(stream) == 0  # the consumer waits for its own stream, as it would
+        _check(layout, dst)
+    finally:
+        device_ring.release_rings()
+        ops.close()
+        if stream:
+            emu.destroy_stream(stream, 0)
+    _clean(emu)
+
+
+def test_a_consumer_stream_of_another_device_is_a_device_error(layout, two_gpus):
+    """The consumer's stream must be on the ring's device (an event and a stream of two
+    devices are refused, as a driver refuses them): a failure, never an unordered copy."""
+    emu = two_gpus
+    other = emu.new_stream(0)
+    ops = EmulatedRingOps(emu, device=1, consumer=other)
+    try:
+        with pytest.raises(DeviceError, match="invalid resource handle"):
+            _load(layout, ops)
+    finally:
+        device_ring.release_rings()
+        ops.close()
+        emu.destroy_stream(other, 0)
+
+
+def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, ops, emu, tmp_path):
+    """A child forked while rings are kept (a DataLoader worker, multiprocessing's fork) has
+    none of their threads: releasing them at its exit must not wait for those threads (or
+    call the parent's driver), and host loads work there as anywhere."""
+    import engine.numpy
+
+    device_ring.keep_rings(True)
+    try:
+        dst, _, _ = _load(layout, ops)
+        _check(layout, dst)
+        assert emu.stats()["registered"] > 0  # kept: its threads wait for the next load
+        saved = tmp_path / "small.safetensors"
+        engine.numpy.save_file({"w": np.arange(10, dtype=np.float32)}, str(saved))
+        before = emu.stats()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                device_ring.release_rings()  # what exit does (atexit)
+                got = engine.numpy.load_file(str(saved))["w"]
+                code = 0 if np.array_equal(got, np.arange(10, dtype=np.float32)) else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 20
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.02)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung releasing the rings it inherited")
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        after = emu.stats()  # the parent's ring untouched by the child
+        assert after["registered"] == before["registered"] and after["events"] == before["events"]
+        dst, _, _ = _load(layout, ops)  # and still serves the parent
+        _check(layout, dst)
+    finally:
+        device_ring.keep_rings(False)
+    _clean(emu)
+
+
+def test_registration_takes_page_aligned_ranges_and_costs_time(layout, ops, emu):
+    """The ring page-locks its chunks in aligned blocks (the emulated runtime refuses any
+    other range, and charges for each MiB), once per ring: a prepared ring's load pays none."""
+    emu.register_cost(0.002)
+    t0 = time.perf_counter()
+    device_ring.prepare(ops, device_ring.Geometry(1 << 20, 8, 2))
+    assert time.perf_counter() - t0 >= 8 * 0.002
+    with device_ring.load_records() as records:
+        dst, _, _ = _load(layout, ops, geometry=device_ring.Geometry(1 << 20, 8, 2))
+    _check(layout, dst)
+    assert records[-1].lock_calls == 0 and not records[-1].pageable
+    assert emu.stats()["registrations"] == 4  # slot 0, then blocks of 1, 2 and 4 chunks

@@ -57,6 +57,11 @@ REQUIRED = [
     "pytest -m cuda",
     "pytest device-kernel modules",
     "sweep: the fastest configuration's bytes",
+    "driver: no stale error after a load",
+    "driver: current device unchanged by a load",
+    "driver: load_into after a queued zero_()",
+    "driver: no context on another GPU",
+    "driver: a load in a forked child",
 ]
 #: the dry run's budget here: enough for every row on a 16 MB checkpoint (the stats and int8
 #: rows compile their kernels in a fresh checkout), well under it otherwise
@@ -122,12 +127,27 @@ def test_every_row_has_a_result_or_a_reason(dry_run):
     assert not [r["row"] for r in report["rows"] if "register" in r["row"]]
     # the most decisive rows first, then the per-key loop, warm start, the sweep, the rest
     phases = [p["phase"] for p in report["phases"]]
-    assert phases[:8] == ["wheels", "build", "engine", "checkpoint", "loads", "per-key", "warm-start", "sweep"]
+    assert phases[:9] == ["wheels", "build", "engine", "driver", "checkpoint", "loads", "per-key", "warm-start",
+                          "sweep"]
     assert all(p["elapsed_s"] >= 0 for p in report["phases"])
     # the run finished inside its budget, and every planned row was reached
     assert report["meta"]["finished"] and report["pending"] == []
     assert report["meta"]["total_s"] <= DRY_BUDGET
     assert not [r for r in report["rows"] if (r["reason"] or "").startswith("budget")]
+
+
+def test_the_driver_rows_run_on_the_emulated_runtime_or_say_where_they_are_checked(dry_run):
+    """scripts/driver_check.py: what a load leaves behind (a stale error, the current device, a
+    forked child's inherited rings) on the emulated runtime; the rows that need a GPU's
+    streams and contexts name the tests that check them here."""
+    _, report, _ = dry_run
+    rows = {r["row"]: r for r in report["rows"]}
+    for name in ("driver: no stale error after a load", "driver: current device unchanged by a load",
+                 "driver: a load in a forked child"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert "cudaGetLastError 0" in rows["driver: no stale error after a load"]["reason"]
+    for name in ("driver: load_into after a queued zero_()", "driver: no context on another GPU"):
+        assert rows[name]["status"] == "skipped" and "tests/test_device_ring.py" in rows[name]["reason"]
 
 
 def test_the_second_load_and_the_ring_records(dry_run):

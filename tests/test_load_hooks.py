@@ -24,7 +24,8 @@ import engine
 import engine.loading.loader  # noqa: F401  (sim_stream patches its get_sink)
 import engine.numpy
 from engine.base import dtypes
-from engine.errors import NonFiniteError, SerializationError
+from engine.errors import DeviceFallbackWarning, NonFiniteError, SerializationError
+from engine.format.header import parse_buffer
 from engine.quantize import Int8, NonFiniteWarning, QuantizedTensor
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
@@ -333,12 +334,12 @@ def test_the_probe_names_why_the_kernels_cannot_run(monkeypatch):
 
     monkeypatch.setattr(load_hooks, "_KERNELS", [])
 
-    def broken():
+    def broken(index=None):
         raise RuntimeError("CUDA driver version is insufficient\nsecond line")
 
     monkeypatch.setattr(device, "probe", broken)
     assert load_hooks.device_kernels_unusable() == "RuntimeError: CUDA driver version is insufficient"
-    monkeypatch.setattr(device, "probe", lambda: None)
+    monkeypatch.setattr(device, "probe", lambda index=None: None)
     assert load_hooks.device_kernels_unusable() is not None  # asked once per process
     monkeypatch.setattr(load_hooks, "_KERNELS", [])
     assert load_hooks.device_kernels_unusable() is None
@@ -355,3 +356,46 @@ def test_the_real_probe_on_this_machine(monkeypatch):
         assert why is None  # the simulator, or a GPU with a working toolkit, runs the kernels
     else:
         assert why  # no device: the load would take the CPU paths, and says why
+
+
+def test_the_probe_runs_on_the_loads_device(monkeypatch):
+    """The kernels' probe compiles and runs on the load's GPU: on a thread with no current
+    device, Numba's default would make a context on GPU 0 of a rank that uses GPU 1."""
+    from engine.loading import load_hooks
+    from engine.numerics import device
+
+    monkeypatch.setattr(load_hooks, "_KERNELS", [])
+    seen: list = []
+
+    def probe(index=None):
+        seen.append(index)
+        raise RuntimeError("no kernels here")
+
+    class Sink:  # a device sink of GPU 1, as a CuPy sink of device 1 is
+        name = "numpy"
+        on_device = True
+        device_id = 1
+
+    monkeypatch.setattr(device, "probe", probe)
+    hdr = parse_buffer(engine.numpy.save({"w": np.ones(4, np.float32)}))
+    with pytest.warns(DeviceFallbackWarning):
+        assert load_hooks.plan(hdr, [0], Sink(), stats=True, quantize=None) is None
+    assert seen == [1]
+
+
+@pytest.mark.skipif(not SIM, reason="needs NUMBA_ENABLE_CUDASIM=1 set before Numba is imported (CI's simulator pass)")
+def test_the_probe_makes_its_device_current(monkeypatch):
+    import contextlib
+
+    from engine.numerics import device
+
+    entered: list = []
+
+    @contextlib.contextmanager
+    def on_gpu(index):
+        entered.append(index)
+        yield
+
+    monkeypatch.setattr(device, "on_gpu", on_gpu)
+    device.probe(1)
+    assert entered == [1]

@@ -1,6 +1,8 @@
 import numpy as np
 
 ENTRY_POINTS: tuple[str, ...]
+DRIVER_ENTRY_POINTS: tuple[str, ...]
+DRIVER: str
 
 class Runtime:
     """A CUDA runtime opened by path; its entry points looked up by name."""
@@ -56,8 +58,10 @@ class ChunkRing:
         d_first: np.ndarray | None = ...,
         d_cell: np.ndarray | None = ...,
         cells: np.ndarray | None = ...,
+        after: int | None = ...,
     ) -> tuple[int, int, int, int, int]: ...
     def close(self) -> None: ...
+    def abandon(self) -> None: ...
     def __enter__(self) -> ChunkRing: ...
     def __exit__(self, *exc: object) -> None: ...
 

@@ -27,6 +27,15 @@ released), writes it through :meth:`ChunkRing.memory` and reports it with
 The CUDA runtime is not linked: :class:`Runtime` opens a ``libcudart`` by path (the one torch
 or CuPy already loaded, so the same instance, contexts and streams) and looks its entry points
 up by name; the tests pass an emulated runtime with the same ones (``tests/emucudart``).
+
+What a driver holds per thread is left as the caller had it.  A thread the engine does not
+own (the caller's, a finaliser's) gets the ring's device made current around the ring's calls
+and its own context (or none) put back after, with the driver's ``cuCtxGetCurrent`` /
+``cuCtxSetCurrent``: restoring a device with ``cudaSetDevice`` would make a context on GPU 0
+for a thread that had none.  "Not ready" from an event query is cleared from the thread's
+last error at once, as torch does, so the caller's next check of ``cudaGetLastError`` does
+not see it.  A run's first copy waits (``cudaStreamWaitEvent``) for the work already queued
+on the consumer's stream, the stream its memory was allocated or last used on.
 """
 
 from cpython.buffer cimport PyBUF_WRITE
@@ -107,6 +116,8 @@ ctypedef int (*_f_event_create)(void**, unsigned int) noexcept nogil
 ctypedef int (*_f_record)(void*, void*) noexcept nogil
 ctypedef int (*_f_void)() noexcept nogil
 ctypedef const char* (*_f_errstr)(int) noexcept nogil
+ctypedef int (*_f_wait)(void*, void*, unsigned int) noexcept nogil
+ctypedef int (*_f_ctx_get)(void**) noexcept nogil
 
 cdef struct _Rt:
     _f_int set_device
@@ -122,6 +133,10 @@ cdef struct _Rt:
     _f_ptr stream_synchronize
     _f_void get_last_error
     _f_errstr error_string
+    _f_wait stream_wait_event
+    # the driver's (libcuda's): a thread's current context, saved and put back
+    _f_ctx_get ctx_get_current
+    _f_ptr ctx_set_current
 
 cdef enum:
     _cudaErrorNotReady = 600
@@ -136,7 +151,11 @@ cdef size_t _HUGE = 2 << 20
 ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
                 "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
                 "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
-                "cudaGetErrorString")
+                "cudaGetErrorString", "cudaStreamWaitEvent")
+#: the driver's entry points a ring calls (after ENTRY_POINTS in _Rt): looked up in the runtime's
+#: library first (the emulated one has them), else in the driver's, which every CUDA process maps
+DRIVER_ENTRY_POINTS = ("cuCtxGetCurrent", "cuCtxSetCurrent")
+DRIVER = "libcuda.so.1"
 
 
 cdef class Runtime:
@@ -144,13 +163,14 @@ cdef class Runtime:
     the process has already loaded gives that same instance (the same contexts and streams)."""
 
     cdef void* handle
+    cdef void* driver
     cdef _Rt rt
     cdef readonly str path
 
     def __cinit__(self, str path):
         cdef bytes raw = path.encode()
         cdef void** slots = <void**>&self.rt
-        cdef int i
+        cdef int i, n = len(ENTRY_POINTS)
         cdef void* fn
         self.path = path
         self.handle = dlopen(raw, RTLD_NOW | RTLD_LOCAL)
@@ -160,10 +180,31 @@ cdef class Runtime:
         for i, name in enumerate(ENTRY_POINTS):
             fn = dlsym(self.handle, (<str>name).encode())
             if fn == NULL:
-                dlclose(self.handle)
-                self.handle = NULL
+                self._close()
                 raise OSError(f"the CUDA runtime {path} has no {name}")
             slots[i] = fn
+        lib = self.handle
+        if dlsym(lib, b"cuCtxGetCurrent") == NULL:
+            self.driver = dlopen((<str>DRIVER).encode(), RTLD_NOW | RTLD_LOCAL)
+            if self.driver == NULL:
+                err = dlerror()
+                self._close()
+                raise OSError(f"cannot open the CUDA driver {DRIVER}: {err.decode() if err != NULL else 'unknown'}")
+            lib = self.driver
+        for i, name in enumerate(DRIVER_ENTRY_POINTS):
+            fn = dlsym(lib, (<str>name).encode())
+            if fn == NULL:
+                self._close()
+                raise OSError(f"the CUDA driver has no {name}")
+            slots[n + i] = fn
+
+    cdef void _close(self):
+        if self.handle != NULL:
+            dlclose(self.handle)
+            self.handle = NULL
+        if self.driver != NULL:
+            dlclose(self.driver)
+            self.driver = NULL
 
     def error_string(self, int code) -> str:
         """The runtime's description of an error code."""
@@ -249,6 +290,7 @@ cdef struct _State:
     int adaptive               # threads learn pread or the mapping (else a mapping is always used)
     int stream_stores          # copies out of a mapping store past the caches
     _Choice* choices
+    void* fence                # recorded on the consumer's stream; the ring's stream waits for it
     int external               # the run's chunks are filled by callers' threads (take/filled)
     int64_t net_bytes          # bytes external fillers filled (over the ring's life)
 
@@ -323,6 +365,9 @@ cdef int64_t _completed(_State* st, int64_t done) noexcept nogil:
         c = done
     while c < issued:
         if st.rt.event_query(st.events[c % st.nslots]) != 0:
+            # "not ready" (or a failure the stream's synchronisation reports) recorded as the
+            # thread's last error: cleared, or the caller's next check would raise it
+            st.rt.get_last_error()
             break
         c += 1
     return c
@@ -344,6 +389,35 @@ cdef void _fail(_State* st, int kind, int code, int64_t chunk, int64_t at, int64
     pthread_mutex_unlock(&st.lock)
 
 
+cdef struct _Saved:
+    void* ctx       # the thread's current context before (NULL: none)
+    int switched    # the ring's device was made current: put ``ctx`` back after
+
+
+cdef int _enter(_Rt* rt, int device, _Saved* saved) noexcept nogil:
+    """Make ``device`` current on this thread for the ring's calls, saving what was: nothing
+    changes where that device's context is current already.  0 or the runtime's error."""
+    cdef int cur = -1, rc
+    saved.ctx = NULL
+    saved.switched = 0
+    if rt.ctx_get_current(&saved.ctx) != 0:  # the driver not initialised: no context current
+        saved.ctx = NULL
+    if saved.ctx != NULL and rt.get_device(&cur) == 0 and cur == device:
+        return 0
+    saved.switched = 1
+    rc = rt.set_device(device)
+    if rc != 0:
+        rt.get_last_error()
+    return rc
+
+
+cdef void _leave(_Rt* rt, _Saved* saved) noexcept nogil:
+    """Put back the context :func:`_enter` found (none stays none: no context is made)."""
+    if saved.switched:
+        rt.ctx_set_current(saved.ctx)
+        saved.switched = 0
+
+
 cdef int _wait_event(_State* st, void* event) noexcept nogil:
     """Poll an event until it completes (0), fails (its error) or the run stops (-1): a copy
     thread with nothing else to do yields its core to the others meanwhile."""
@@ -355,6 +429,7 @@ cdef int _wait_event(_State* st, void* event) noexcept nogil:
         rc = st.rt.event_query(event)
         if rc != _cudaErrorNotReady:
             return rc
+        st.rt.get_last_error()  # "not ready" is no error: the runtime recorded it as one
         if _stopped(&st.cancel):
             return -1
         spins += 1
@@ -587,6 +662,7 @@ cdef class ChunkRing:
                   int threads, object stream_owner=None):
         cdef int i, rc = 0
         cdef void* mem
+        cdef _Saved saved
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise ValueError("chunk_bytes must be a positive multiple of 4096")
         if chunks < 1 or threads < 1 or threads > 256:
@@ -632,16 +708,24 @@ cdef class ChunkRing:
         self.st.base = <uint8_t*>((<uintptr_t>mem + _HUGE - 1) & ~(<uintptr_t>_HUGE - 1))
         madvise(self.st.base, self.nbytes, _MADV_HUGEPAGE)
         with nogil:
-            runtime.rt.set_device(device)
-            for i in range(chunks):
-                rc = runtime.rt.event_create(&self.st.events[i], _cudaEventDisableTiming)
+            rc = _enter(&runtime.rt, device, &saved)
+            if rc == 0:
+                rc = runtime.rt.event_create(&self.st.fence, _cudaEventDisableTiming)
                 if rc != 0:
-                    self.st.events[i] = NULL
-                    break
+                    self.st.fence = NULL
+            if rc == 0:
+                for i in range(chunks):
+                    rc = runtime.rt.event_create(&self.st.events[i], _cudaEventDisableTiming)
+                    if rc != 0:
+                        self.st.events[i] = NULL
+                        break
+            if rc != 0:
+                runtime.rt.get_last_error()
+            _leave(&runtime.rt, &saved)
         if rc != 0:
-            runtime.rt.get_last_error()
             self.close()
-            raise RuntimeError(f"cudaEventCreateWithFlags failed: {runtime.error_string(rc)} ({rc})")
+            raise RuntimeError(f"setting up the ring's events on device {device} failed: "
+                               f"{runtime.error_string(rc)} ({rc})")
         for i in range(threads):
             self.workers[i].st = self.st
             self.workers[i].index = i
@@ -683,6 +767,7 @@ cdef class ChunkRing:
         cdef int b
         cdef double t0
         cdef int calls
+        cdef _Saved saved
         if st == NULL:
             raise ValueError("the ring is closed")
         if self.busy:
@@ -692,8 +777,10 @@ cdef class ChunkRing:
         self.busy = True
         try:
             with nogil:
-                for b in range(st.nblocks):
-                    _lock_block(st, b)
+                if _enter(st.rt, st.device, &saved) == 0:
+                    for b in range(st.nblocks):
+                        _lock_block(st, b)
+                _leave(st.rt, &saved)
         finally:
             self.busy = False
         return (_now() - t0, st.lock_calls - calls)
@@ -737,7 +824,7 @@ cdef class ChunkRing:
             const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05, bint adaptive=True,
             bint stream_stores=True, int fillers=0, object start=None, const int64_t[::1] d_off=None,
             const int64_t[::1] d_len=None, const int64_t[::1] d_first=None, const int64_t[::1] d_cell=None,
-            uint32_t[::1] cells=None):
+            uint32_t[::1] cells=None, object after=None):
         """Move one planned load (see :func:`plan`) through the ring, GIL released.
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
@@ -768,6 +855,13 @@ cdef class ChunkRing:
         threads take the CRC-32C of each piece's share of each chunk right after filling it
         (stored through the caches then), into ``cells``.
 
+        ``after``: the consumer's stream (a ``cudaStream_t``; 0 is the device's default
+        stream) on the ring's device: the run's copies wait for the work queued there when
+        the run starts (an event recorded on it, ``cudaStreamWaitEvent`` on the ring's own),
+        so that a kernel still writing the targets, or a freed block's last user, runs first.
+
+        The calling thread's current device and context are left as they were.
+
         Returns ``(kind, code, chunk, at, missing)``: kind 0 on success, 1 a read failed
         (``code`` errno or -1 for the end of the file, ``at``/``missing`` where), 2 the
         runtime failed (``code`` its error, ``chunk`` the chunk); 3 cancelled; 5 a filler
@@ -776,8 +870,10 @@ cdef class ChunkRing:
         """
         cdef _State* st = self.st
         cdef int64_t n = c_file.shape[0], j, s, seg, last, done = 0
-        cdef int rc = 0, prev = 0, kind, seats, i, started = 0
-        cdef bint ready, inline
+        cdef int rc = 0, kind, seats, i, started = 0
+        cdef bint ready, inline, fenced = after is not None
+        cdef uintptr_t consumer = <uintptr_t>after if after is not None else 0
+        cdef _Saved saved
         cdef _Part part
         cdef double t0, next_poll
         cdef timespec ts
@@ -847,8 +943,12 @@ cdef class ChunkRing:
                 st.plan.d_cell = &d_cell[0]
                 st.plan.cells = &cells[0]
             with nogil:
-                st.rt.get_device(&prev)
-                rc = st.rt.set_device(st.device)
+                rc = _enter(st.rt, st.device, &saved)
+                if rc == 0 and fenced:
+                    # before any copy: the work queued on the consumer's stream now
+                    rc = st.rt.event_record(st.fence, <void*>consumer)
+                    if rc == 0:
+                        rc = st.rt.stream_wait_event(st.stream, st.fence, 0)
                 pthread_mutex_lock(&st.lock)
                 for j in range(st.nslots):
                     st.filled[j] = -1
@@ -997,7 +1097,7 @@ cdef class ChunkRing:
                         st.rt.get_last_error()
                         if st.err_kind == _ERR_NONE:
                             _fail(st, _ERR_CUDA, rc, j - 1, 0, 0)
-                st.rt.set_device(prev)
+                _leave(st.rt, &saved)
                 st.plan.nchunks = 0
                 st.external = 0
         finally:
@@ -1099,6 +1199,7 @@ cdef class ChunkRing:
         """Join the threads, unlock and unmap the chunks, destroy the events (idempotent)."""
         cdef _State* st = self.st
         cdef int i
+        cdef _Saved saved
         if st == NULL:
             return
         with nogil:
@@ -1108,14 +1209,23 @@ cdef class ChunkRing:
             pthread_mutex_unlock(&st.lock)
             for i in range(self.nthreads):
                 pthread_join(self.tids[i], NULL)
-            if st.events != NULL:
-                for i in range(st.nslots):
-                    if st.events[i] != NULL:
-                        st.rt.event_destroy(st.events[i])
+            # on the ring's device whatever thread closes it (a reaper, a finaliser, exit): a
+            # call on a thread with no context would make one on GPU 0
+            if st.events != NULL or st.fence != NULL or (st.base != NULL and st.blocks != NULL):
+                _enter(st.rt, st.device, &saved)
+                if st.fence != NULL:
+                    st.rt.event_destroy(st.fence)
+                if st.events != NULL:
+                    for i in range(st.nslots):
+                        if st.events[i] != NULL:
+                            st.rt.event_destroy(st.events[i])
+                if st.base != NULL:
+                    for i in range(st.nblocks):
+                        if st.blocks != NULL and st.blocks[i] == 2:
+                            st.rt.host_unregister(st.base + _block_lo(i) * st.chunk_bytes)
+                st.rt.get_last_error()
+                _leave(st.rt, &saved)
             if st.base != NULL:
-                for i in range(st.nblocks):
-                    if st.blocks != NULL and st.blocks[i] == 2:
-                        st.rt.host_unregister(st.base + _block_lo(i) * st.chunk_bytes)
                 munmap(self.mem, self.mapped)
         self.nthreads = 0
         pthread_cond_destroy(&st.filled_cond)
@@ -1129,6 +1239,21 @@ cdef class ChunkRing:
         self.workers = NULL
         free(st)
         self.st = NULL
+
+    def abandon(self) -> None:
+        """Forget the ring without touching it: in a process forked from the one that made
+        it, where its threads do not exist (joining them would wait forever), its locks may be
+        held by threads that are gone, and its events and page-locking belong to the parent's
+        driver.  Only the child's copy of the chunks is unmapped; the rest is left as it is."""
+        if self.st == NULL:
+            return
+        if self.mem != NULL:
+            munmap(self.mem, self.mapped)
+            self.mem = NULL
+        self.st = NULL
+        self.tids = NULL
+        self.workers = NULL
+        self.nthreads = 0
 
     def __dealloc__(self):
         self.close()

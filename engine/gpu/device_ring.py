@@ -26,9 +26,14 @@ the chunk to the local copy).  An HTTP request is an event of the interpreter an
 else runs in Python per chunk.
 
 What a device framework provides (its :class:`DeviceOps`, :mod:`engine.sinks`): the path of the
-CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``), a stream
-(``ring_stream()`` -> ``(handle, owner)``) and the device address of a target
-(``address(target)``).  The ring is the one device path: nothing else moves bytes to a device.
+CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``, resolved on the
+caller's thread), a stream (``ring_stream()`` -> ``(handle, owner)``), the consumer's stream
+(``consumer_stream()``: the copies wait for what is queued there) and the device address of a
+target (``address(target)``).  The ring is the one device path: nothing else moves bytes to a
+device.
+
+A forked child forgets the rings it inherited without touching them (their threads are the
+parent's): :func:`_after_fork`.
 """
 
 from __future__ import annotations
@@ -72,6 +77,11 @@ class DeviceOps(Protocol):
 
     def ring_stream(self):
         """A stream of the load's own: ``(cudaStream_t, the framework's object owning it)``."""
+
+    def consumer_stream(self) -> int | None:
+        """The caller's current stream on the device (``cudaStream_t``; 0 the default stream),
+        where its allocations were made and its kernels queued: a load's copies start after
+        the work queued there.  None: nothing to wait for."""
 
     def address(self, target) -> int:
         """The device address of a byte target."""
@@ -159,6 +169,11 @@ class _Closer:
     whole file's page-table entries are torn down off the caller's path."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Nothing pending and no thread (also a forked child's start: the thread and what it
+        was given are the parent's)."""
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.cond = threading.Condition()
         self.pending = 0
@@ -366,6 +381,10 @@ class _Kept:
 
     def __init__(self) -> None:
         self.on = os.environ.get("ENGINE_KEEP_STAGING", "") == "1"
+        self.forget()
+
+    def forget(self) -> None:
+        """No ring kept and no reaper, without closing any (a forked child's start)."""
         self.cond = threading.Condition()
         self.rings: dict = {}  # key -> [ring or None while pending, expiry (monotonic) or None]
         self.reaper: threading.Thread | None = None
@@ -477,44 +496,87 @@ def locked_bytes() -> int:
     return sum(r.locked_bytes for r in list(_LIVE))
 
 
-#: the runtime found mapped in this process (it stays mapped once loaded: looked up once)
-_MAPPED: list[str] = []
+#: runtime paths found mapped in this process, per CUDA major asked for (a library stays
+#: mapped once loaded: each question is answered once)
+_MAPPED: dict[int | None, str] = {}
 
 
-def _loaded_cudart_path() -> str | None:
-    if _MAPPED:
-        return _MAPPED[0]
+def _major_of(path: str) -> int | None:
+    """The CUDA major in a runtime's file name (``libcudart.so.12.8.90`` -> 12), or None."""
+    tail = os.path.basename(path).partition("libcudart.so.")[2]
+    head = tail.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _loaded_cudart_path(major: int | None = None) -> str | None:
+    """A ``libcudart`` mapped in this process: of CUDA ``major`` where one is (a process may
+    map two, torch's and another library's), else the first mapped."""
+    if major in _MAPPED:
+        return _MAPPED[major]
+    found: list[str] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.rstrip("\n").split(" ")[-1]
-                if "libcudart.so" in os.path.basename(path):
-                    _MAPPED.append(path)
-                    return path
+                if "libcudart.so" in os.path.basename(path) and path not in found:
+                    found.append(path)
     except OSError:
         pass
-    return None
+    if not found:
+        return None
+    pick = next((p for p in found if _major_of(p) == major), found[0]) if major is not None else found[0]
+    _MAPPED[major] = pick
+    return pick
 
 
-#: sonames tried, newest first, when no runtime is mapped yet
+#: sonames tried when no runtime is mapped yet: the framework's major first, then newest first
 _SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
 
 
-def cuda_runtime_path() -> str | None:
+def cuda_runtime_path(major: int | None = None) -> str | None:
     """Path of the ``libcudart`` this process has loaded (torch's or CuPy's: opening it again
-    gives that same instance), else the first soname the dynamic loader finds, else None."""
-    path = _loaded_cudart_path()
+    gives that same instance), else the first soname the dynamic loader finds, else None.
+
+    ``major``: the CUDA major the framework was built with (``torch.version.cuda``, CuPy's
+    runtime version): a mapped runtime of that major is preferred, and with none mapped its
+    soname is tried first (a newer one may need a newer driver than the machine has)."""
+    path = _loaded_cudart_path(major)
     if path is not None:
         return path
     import ctypes
 
-    for name in _SONAMES:
+    names = ((f"libcudart.so.{major}",) if major is not None else ()) + _SONAMES
+    for name in dict.fromkeys(names):
         try:
             ctypes.CDLL(name)
         except OSError:
             continue
         return name
     return None
+
+
+def consumer_stream(ops) -> int | None:
+    """``ops.consumer_stream()`` where the framework has one (a test double may not)."""
+    get = getattr(ops, "consumer_stream", None)
+    return get() if get is not None else None
+
+
+def _after_fork() -> None:
+    """In a forked child: the rings, the reaper and the unmapping thread are the parent's.
+    Each inherited ring is forgotten untouched (:meth:`~engine.gpu._ring.ChunkRing.abandon`),
+    and the keeping starts empty, with locks of its own (a parent's thread may have held one
+    at the fork).  CUDA itself cannot be used in a child forked after it started; host
+    loads go on as in any process."""
+    global _RECORDERS_LOCK
+    for ring in list(_LIVE):
+        ring.abandon()
+    KEPT.forget()
+    CLOSER.forget()
+    _RECORDERS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _new_ring(ops, g: Geometry):
@@ -936,7 +998,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 HOOKED_POLL_SECONDS if hooked else POLL_SECONDS,
                 adaptive=source != "mmap", stream_stores=stores() == "stream",
                 fillers=fillers.count if fillers else 0, start=fillers.start if fillers else None,
-                **(digests.arrays() if digests is not None else {}))
+                after=consumer_stream(ops), **(digests.arrays() if digests is not None else {}))
         finally:
             if fillers is not None:
                 fillers.join()  # they left the run before it returned: only their exits remain

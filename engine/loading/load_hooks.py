@@ -96,7 +96,7 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
     on_cpu = False
     fallback = None
     if sink.on_device:
-        why = device_kernels_unusable()
+        why = device_kernels_unusable(gpu_of(sink))
         if why is not None:
             from engine.numerics._device_fallback import ops_for
 
@@ -116,18 +116,25 @@ _KERNELS_LOCK = threading.Lock()
 _WARNED: list[bool] = []
 
 
-def device_kernels_unusable() -> str | None:
+def gpu_of(sink) -> int | None:
+    """The CUDA device index of a device sink (resolved when the sink was made), or None."""
+    dev = getattr(sink, "device", None)
+    return getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
+
+
+def device_kernels_unusable(gpu: int | None = None) -> str | None:
     """Why Numba's CUDA kernels cannot run in this process, or None where they can.
 
     Asked once per process (:func:`engine.device.probe` compiles and runs one small kernel
-    on the current device); any failure, from a missing ``numba`` to a missing NVVM, counts.
+    on GPU ``gpu``, the load's: on the thread's current device only for None, which makes a
+    context there); any failure, from a missing ``numba`` to a missing NVVM, counts.
     """
     with _KERNELS_LOCK:
         if not _KERNELS:
             try:
                 from engine.numerics import device
 
-                device.probe()
+                device.probe(gpu)
                 _KERNELS.append(None)
             except Exception as exc:  # every way the kernels can fail to come up is a fallback
                 _KERNELS.append(f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300])
@@ -319,12 +326,7 @@ class LoadWork:
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
         self._targets: _Staging | None = None
         self._empty = _allocator(sink) if self.on_device else None
-        dev = getattr(sink, "device", None)
-        self._gpu = getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
-        if self._gpu is None and self.on_device and fallback is None and getattr(sink, "name", None) == "torch":
-            import torch
-
-            self._gpu = torch.cuda.current_device()  # "cuda" without an index
+        self._gpu = gpu_of(sink)  # "cuda" without an index was resolved by the sink, on the caller's thread
         self._streams = threading.local()
         # kernels launched per landed tensor, gathered later
         self.staging_bytes = STAGING_BYTES

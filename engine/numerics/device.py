@@ -257,16 +257,18 @@ def zero(a, stream: Any = None) -> None:
         _launch(_ck.fill_zero, (-(-a.size // 128), 128, numba_stream(stream)), a)
 
 
-def probe() -> None:
-    """Compile and run one small kernel now, on the current device.
+def probe(index: int | None = None) -> None:
+    """Compile and run one small kernel now, on GPU ``index`` (None: the current device).
 
     Raises whatever keeps Numba's CUDA target from working in this process (no NVVM or
     libdevice, a driver Numba does not know, no device): the loaders ask once, before any
-    byte of a load is read, and take their CPU paths where it raises.
+    byte of a load is read, and take their CPU paths where it raises.  On the load's own
+    device: a thread with no current device would otherwise make a context on GPU 0.
     """
-    a = default_empty((1,), np.uint8)
-    _launch(_ck.fill_zero, (1, 1, 0), a)
-    _sync(0)
+    with on_gpu(index):
+        a = default_empty((1,), np.uint8)
+        _launch(_ck.fill_zero, (1, 1, 0), a)
+        _sync(0)
 
 
 def _to_host(d, stream):

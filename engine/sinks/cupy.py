@@ -49,11 +49,23 @@ class CupyOps:
 
     def __init__(self, device_id: int) -> None:
         self.device = cupy.cuda.Device(device_id)
+        # the caller's current stream on the device, asked on the caller's thread (CuPy's
+        # current stream is per thread and per device): the load's copies wait for it
+        with self.device:
+            self._consumer = int(cupy.cuda.get_current_stream().ptr)
 
     def runtime_path(self) -> str | None:
         from engine.gpu.device_ring import cuda_runtime_path
 
-        return cuda_runtime_path()
+        try:
+            major = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+        except Exception:  # noqa: BLE001 - a CuPy without a runtime: no preference
+            major = None
+        return cuda_runtime_path(major)
+
+    def consumer_stream(self) -> int | None:
+        """The caller's current stream on the device when these ops were made."""
+        return self._consumer
 
     @property
     def device_index(self) -> int:

@@ -25,6 +25,10 @@ class TorchSink:
             raise DeviceError(f"invalid torch device {device!r}: {exc}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" is the caller's current device, asked here on the caller's thread: the
+            # threads that allocate and copy later may have another current device (GPU 0)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         # CUDA loads stream through the chunk ring; any other torch device (mps,
         # xpu, meta, ...) gets the CPU tensors handed over with .to(), as the reference does
         self.on_device = self.device.type == "cuda"
@@ -241,19 +245,31 @@ class TorchCudaOps:
     """The pipeline's device operations on torch CUDA (see :class:`engine.gpu.device_ring.DeviceOps`):
     every load to a CUDA tensor goes through the native chunk ring (:mod:`engine.gpu.device_ring`),
     which calls the CUDA runtime torch loaded, on a stream of its own.
+
+    Made on the caller's thread: the device (``"cuda"`` without an index is the caller's
+    current one) and the caller's current stream on it are resolved here, once, since both
+    are per thread and the ring runs its calls on threads of its own.
     """
 
     def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self._consumer = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
     def runtime_path(self) -> str | None:
         from engine.gpu.device_ring import cuda_runtime_path
 
-        return cuda_runtime_path()
+        return cuda_runtime_path(_cuda_major())
 
     @property
     def device_index(self) -> int:
-        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return self.device.index
+
+    def consumer_stream(self) -> int | None:
+        """The caller's current stream on the device when these ops were made: the caching
+        allocator's blocks and a ``load_into`` target's pending kernels are ordered on it."""
+        return self._consumer
 
     def ring_stream(self):
         """A stream of the load's own on the device: ``(cudaStream_t, the torch object)``."""
@@ -262,6 +278,13 @@ class TorchCudaOps:
 
     def address(self, target: torch.Tensor) -> int:
         return target.data_ptr()
+
+
+def _cuda_major() -> int | None:
+    """The CUDA major torch was built with (``torch.version.cuda``), or None."""
+    version = getattr(torch.version, "cuda", None) or ""
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 class TorchTarget(FillTarget):

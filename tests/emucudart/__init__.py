@@ -7,6 +7,7 @@ Used by the tests, ``scripts/bench_host.py`` and ``scripts/gpu_check.py``'s dry 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -56,8 +57,13 @@ class Emulator:
             getattr(self.lib, name).argtypes = [ctypes.c_int64]
         self.lib.emu_fail_copy.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         self.lib.emu_fail_event_record_after.argtypes = [ctypes.c_int64]
+        self.lib.emu_set_register_cost.argtypes = [ctypes.c_int64]
+        self.lib.emu_contexts.restype = ctypes.c_int64
+        self.lib.emu_launch_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t,
+                                             ctypes.c_int64]
         self.lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
         self.lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        self.lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
 
     def reset(self) -> None:
         self.lib.emu_reset()
@@ -76,6 +82,43 @@ class Emulator:
 
     def fail_register(self, code: int) -> None:
         self.lib.emu_fail_register(code)
+
+    def register_cost(self, seconds_per_mib: float) -> None:
+        """Each ``cudaHostRegister`` takes this long per MiB it page-locks."""
+        self.lib.emu_set_register_cost(int(seconds_per_mib * 1e9))
+
+    def contexts(self, device: int) -> int:
+        """Primary contexts made on ``device`` since the last reset (by any thread)."""
+        return int(self.lib.emu_contexts(device))
+
+    def set_device(self, device: int) -> None:
+        """``cudaSetDevice`` on the calling thread (its context made current, as CUDA 12 does)."""
+        assert self.lib.cudaSetDevice(device) == 0
+
+    def current_device(self) -> int:
+        """``cudaGetDevice`` on the calling thread."""
+        out = ctypes.c_int(-1)
+        self.lib.cudaGetDevice(ctypes.byref(out))
+        return out.value
+
+    def current_context(self) -> int | None:
+        """``cuCtxGetCurrent`` on the calling thread (None: no context current)."""
+        out = ctypes.c_void_p()
+        self.lib.cuCtxGetCurrent(ctypes.byref(out))
+        return out.value
+
+    def last_error(self) -> int:
+        """``cudaGetLastError`` on the calling thread (which clears it)."""
+        return int(self.lib.cudaGetLastError())
+
+    def launch_fill(self, stream: int, target, value: int, seconds: float) -> None:
+        """A kernel stand-in queued on ``stream`` (0: the current device's default stream): after
+        ``seconds``, every byte of ``target`` (a numpy array, "device memory") set to ``value``."""
+        arr = np.frombuffer(target, np.uint8)
+        assert self.lib.emu_launch_fill(stream or None, arr.ctypes.data, value, arr.nbytes, int(seconds * 1e9)) == 0
+
+    def synchronize(self, stream: int) -> int:
+        return int(self.lib.cudaStreamSynchronize(stream or None))
 
     def fail_event_record_after(self, n: int) -> None:
         self.lib.emu_fail_event_record_after(n)
@@ -98,38 +141,61 @@ class Emulator:
         assert st["registered"] == 0 and st["events"] == 0, st
         assert st["pageable"] == 0 and st["wrong_device"] == 0, st
 
-    def new_stream(self) -> int:
-        handle = ctypes.c_void_p()
-        assert self.lib.cudaStreamCreate(ctypes.byref(handle)) == 0
+    def new_stream(self, device: int | None = None) -> int:
+        """A stream of ``device`` (None: the calling thread's), made as a framework makes one:
+        on that device, the thread's own context put back after."""
+        with self.on_device(device):
+            handle = ctypes.c_void_p()
+            assert self.lib.cudaStreamCreate(ctypes.byref(handle)) == 0
         return int(handle.value or 0)
 
-    def destroy_stream(self, handle: int) -> None:
-        self.lib.cudaStreamDestroy(handle)
+    def destroy_stream(self, handle: int, device: int | None = None) -> None:
+        with self.on_device(device):
+            self.lib.cudaStreamDestroy(handle)
+
+    @contextlib.contextmanager
+    def on_device(self, device: int | None):
+        """``device`` current on this thread for the block, the thread's context restored
+        after (none stays none: no context is made on a device nobody asked for)."""
+        if device is None:
+            yield
+            return
+        saved = ctypes.c_void_p()
+        self.lib.cuCtxGetCurrent(ctypes.byref(saved))
+        assert self.lib.cudaSetDevice(device) == 0
+        try:
+            yield
+        finally:
+            self.lib.cuCtxSetCurrent(saved)
 
 
 class EmulatedRingOps:
     """Device operations for the engine's chunk ring over the emulated runtime: "device"
     buffers are numpy arrays in this process, a stream is one the emulator made."""
 
-    def __init__(self, emulator: Emulator, device: int = 0) -> None:
+    def __init__(self, emulator: Emulator, device: int = 0, consumer: int | None = 0) -> None:
         self.emulator = emulator
         self.device_index = device
+        self.consumer = consumer  # the consumer's stream (0: the default stream; None: none)
         self.streams: list[int] = []
 
     def runtime_path(self) -> str:
         return self.emulator.path
 
     def ring_stream(self):
-        handle = self.emulator.new_stream()
+        handle = self.emulator.new_stream(self.device_index)
         self.streams.append(handle)
         return handle, None
+
+    def consumer_stream(self) -> int | None:
+        return self.consumer
 
     def address(self, target) -> int:
         return int(np.frombuffer(target, np.uint8).ctypes.data) if len(target) else 0
 
     def close(self) -> None:
         for handle in self.streams:
-            self.emulator.destroy_stream(handle)
+            self.emulator.destroy_stream(handle, self.device_index)
         self.streams = []
 
 

@@ -8,9 +8,20 @@
  * stream reaches them.  Page-locking is recorded, and a copy from memory nobody locked is
  * counted (the real runtime would run it synchronously, at pageable speed).
  *
+ * As strict as a driver where the engine could go wrong: the last error is per thread, and
+ * cudaEventQuery records cudaErrorNotReady there as the real runtime does; each device has a
+ * primary context, made on first use by a thread with none current (on the thread's device,
+ * 0 unless it set one: a context "nobody asked for" is counted per device), and cuCtxGetCurrent /
+ * cuCtxSetCurrent (the driver's, exported here too) save and restore a thread's; streams and
+ * events belong to the device current when they were made, and a record on another device's
+ * stream fails; stream 0 is the current device's default stream; cudaStreamWaitEvent orders a
+ * stream after an event; a "kernel" (emu_launch_fill) writes device memory later, on a
+ * consumer's stream; an asynchronous fault is sticky: every later call returns it;
+ * cudaHostRegister takes page-aligned ranges only and may be given a cost per MiB.
+ *
  * Controls for the tests (emu_*): delays, copies that do nothing (to time the ring alone),
  * a copy or a registration that fails (at issue or, like a fault on the device, when it
- * runs: a sticky error that later calls return), and counters.
+ * runs: a sticky error that later calls return), slow kernels, and counters.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -33,10 +44,13 @@ enum {
 };
 
 #define MAX_REGIONS 4096
+#define MAX_DEVICES 8
 
 typedef struct op {
     struct op *next;
-    int kind; /* 0 copy, 1 event */
+    int kind; /* 0 copy, 1 event record, 2 wait for an event, 3 a kernel that fills memory */
+    int value;
+    int64_t delay_ns;
     void *dst;
     const void *src;
     size_t n;
@@ -55,14 +69,32 @@ typedef struct stream {
 
 typedef struct event {
     int64_t recorded, completed;
+    int device;
 } event_t;
+
+/* a device's primary context: what cuCtxGetCurrent hands out */
+typedef struct context {
+    int device;
+} context_t;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_done = PTHREAD_COND_INITIALIZER;
 static struct { uintptr_t addr; size_t n; } g_regions[MAX_REGIONS];
 static int g_nregions;
-static __thread int t_device = 0;
 static int g_devices = 1;
+static context_t g_contexts[MAX_DEVICES];
+static int g_primary[MAX_DEVICES];      /* the device's primary context exists */
+static int64_t g_ctx_made[MAX_DEVICES]; /* primary contexts made per device since the last reset */
+static int g_ctx_gen = 1;               /* bumped by emu_reset: every thread's binding is forgotten */
+static stream_t *g_default[MAX_DEVICES];
+static int64_t g_register_ns_per_mib;   /* cudaHostRegister sleeps this long per MiB */
+
+/* per thread, as the runtime keeps them: the device cudaSetDevice chose (0 until then), the
+ * context current (device + 1, or 0: none) in the generation it was bound in, the last error */
+static __thread int t_device = 0;
+static __thread int t_ctx = 0;
+static __thread int t_ctx_gen = 0;
+static __thread int t_last = 0;
 
 static int64_t g_copy_delay_ns;      /* each copy sleeps this long when it runs */
 static int g_noop;                   /* copies move no bytes */
@@ -71,7 +103,6 @@ static int g_fail_code, g_fail_async;
 static int g_fail_register;          /* cudaHostRegister returns this */
 static int64_t g_fail_event_after = -1; /* event records past this many fail */
 static cudaError_t g_sticky;         /* an asynchronous failure: later calls return it */
-static cudaError_t g_last;
 
 /* counters: copies issued, bytes, copies from memory not page-locked, copies issued from a
  * thread whose current device is not the stream's, registrations live, streams live, events
@@ -86,8 +117,58 @@ static void sleep_ns(int64_t ns) {
 }
 
 static cudaError_t fail(cudaError_t e) {
-    g_last = e;
+    t_last = e;
     return e;
+}
+
+static cudaError_t sticky(void) {
+    cudaError_t e = g_sticky;
+    return e ? fail(e) : e;
+}
+
+static void make_primary(int d) {
+    pthread_mutex_lock(&g_lock);
+    if (!g_primary[d]) {
+        g_primary[d] = 1;
+        g_ctx_made[d]++;
+        g_contexts[d].device = d;
+    }
+    pthread_mutex_unlock(&g_lock);
+}
+
+static int current_ctx(void) { return t_ctx && t_ctx_gen == g_ctx_gen ? t_ctx : 0; }
+
+/* the device of the context current to this thread; a call that needs one on a thread with
+ * none binds (and, the first time, makes) the primary context of the thread's device */
+static int need_ctx(void) {
+    int c = current_ctx();
+    if (c)
+        return c - 1;
+    make_primary(t_device);
+    t_ctx = t_device + 1;
+    t_ctx_gen = g_ctx_gen;
+    return t_device;
+}
+
+static void *stream_main(void *arg);
+
+/* stream 0: the default stream of the current context's device (made on first use) */
+static stream_t *resolve(stream_t *s) {
+    if (s)
+        return s;
+    int d = need_ctx();
+    pthread_mutex_lock(&g_lock);
+    if (!g_default[d]) {
+        stream_t *n = calloc(1, sizeof *n);
+        pthread_mutex_init(&n->lock, NULL);
+        pthread_cond_init(&n->cond, NULL);
+        n->device = d;
+        pthread_create(&n->thread, NULL, stream_main, n);
+        g_default[d] = n;
+    }
+    s = g_default[d];
+    pthread_mutex_unlock(&g_lock);
+    return s;
 }
 
 static void *stream_main(void *arg) {
@@ -116,12 +197,23 @@ static void *stream_main(void *arg) {
             pthread_mutex_unlock(&g_lock);
             if (!skip && !g_noop)
                 memcpy(o->dst, o->src, o->n);
-        } else {
+        } else if (o->kind == 1) {
             pthread_mutex_lock(&g_lock);
             if (o->gen > o->event->completed)
                 o->event->completed = o->gen;
             pthread_cond_broadcast(&g_done);
             pthread_mutex_unlock(&g_lock);
+        } else if (o->kind == 2) {
+            /* cudaStreamWaitEvent: nothing after this runs before the event's record has */
+            pthread_mutex_lock(&g_lock);
+            while (!g_sticky && o->event->completed < o->gen)
+                pthread_cond_wait(&g_done, &g_lock);
+            pthread_mutex_unlock(&g_lock);
+        } else {
+            if (o->delay_ns)
+                sleep_ns(o->delay_ns);
+            if (!g_sticky)
+                memset(o->dst, o->value, o->n);
         }
         free(o);
         pthread_mutex_lock(&s->lock);
@@ -156,10 +248,13 @@ static void push(stream_t *s, op_t *o) {
 /* ---- the runtime's entry points ---------------------------------------------------------- */
 
 cudaError_t cudaGetLastError(void) {
-    cudaError_t e = g_last;
-    g_last = cudaSuccess;
-    return e;
+    /* a sticky error cannot be cleared: the context is unusable */
+    cudaError_t e = t_last;
+    t_last = cudaSuccess;
+    return e ? e : g_sticky;
 }
+
+cudaError_t cudaPeekAtLastError(void) { return t_last ? t_last : g_sticky; }
 
 const char *cudaGetErrorString(cudaError_t e) {
     switch (e) {
@@ -181,25 +276,52 @@ cudaError_t cudaGetDeviceCount(int *n) {
     return cudaSuccess;
 }
 
+/* as since CUDA 12: the device's primary context is made (if need be) and made current */
 cudaError_t cudaSetDevice(int d) {
     if (d < 0 || d >= g_devices)
         return fail(cudaErrorInvalidDevice);
     t_device = d;
+    make_primary(d);
+    t_ctx = d + 1;
+    t_ctx_gen = g_ctx_gen;
     return cudaSuccess;
 }
 
+/* the current context's device, else the thread's (no context is made) */
 cudaError_t cudaGetDevice(int *d) {
-    *d = t_device;
+    int c = current_ctx();
+    *d = c ? c - 1 : t_device;
     return cudaSuccess;
+}
+
+/* ---- the driver's entry points for a thread's context ---------------------------------------- */
+
+int cuCtxGetCurrent(context_t **out) {
+    int c = current_ctx();
+    *out = c ? &g_contexts[c - 1] : NULL;
+    return 0;
+}
+
+int cuCtxSetCurrent(context_t *ctx) {
+    if (ctx && (ctx < g_contexts || ctx >= g_contexts + MAX_DEVICES || !g_primary[ctx->device]))
+        return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    t_ctx = ctx ? ctx->device + 1 : 0;
+    t_ctx_gen = g_ctx_gen;
+    return 0;
 }
 
 cudaError_t cudaHostRegister(void *p, size_t n, unsigned int flags) {
     (void)flags;
+    need_ctx();
+    if (g_sticky)
+        return sticky();
+    if (g_register_ns_per_mib)
+        sleep_ns((int64_t)((double)g_register_ns_per_mib * (double)n / (1 << 20)));
     pthread_mutex_lock(&g_lock);
     cudaError_t e = cudaSuccess;
     if (g_fail_register) {
         e = g_fail_register;
-    } else if (!p || !n) {
+    } else if (!p || !n || (uintptr_t)p % 4096 || n % 4096) {
         e = cudaErrorInvalidValue;
     } else if (g_nregions == MAX_REGIONS) {
         e = cudaErrorMemoryAllocation;
@@ -219,6 +341,7 @@ cudaError_t cudaHostRegister(void *p, size_t n, unsigned int flags) {
 }
 
 cudaError_t cudaHostUnregister(void *p) {
+    need_ctx();
     pthread_mutex_lock(&g_lock);
     cudaError_t e = cudaErrorHostMemoryNotRegistered;
     for (int i = 0; i < g_nregions; i++)
@@ -240,12 +363,15 @@ static int locked(const void *p, size_t n) {
 
 cudaError_t cudaStreamCreateWithFlags(stream_t **out, unsigned int flags) {
     (void)flags;
+    int d = need_ctx();
+    if (g_sticky)
+        return sticky();
     stream_t *s = calloc(1, sizeof *s);
     if (!s)
         return fail(cudaErrorMemoryAllocation);
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->cond, NULL);
-    s->device = t_device;
+    s->device = d;
     if (pthread_create(&s->thread, NULL, stream_main, s) != 0) {
         free(s);
         return fail(cudaErrorMemoryAllocation);
@@ -260,8 +386,7 @@ cudaError_t cudaStreamCreateWithFlags(stream_t **out, unsigned int flags) {
 cudaError_t cudaStreamCreate(stream_t **out) { return cudaStreamCreateWithFlags(out, 0); }
 
 cudaError_t cudaStreamSynchronize(stream_t *s) {
-    if (!s)
-        return fail(cudaErrorInvalidResourceHandle);
+    s = resolve(s);
     /* the idle check and the wait under g_lock, so the stream's wake cannot fall between them
        (it cost a lost millisecond per synchronisation, which a real stream does not) */
     pthread_mutex_lock(&g_lock);
@@ -281,10 +406,11 @@ cudaError_t cudaStreamSynchronize(stream_t *s) {
         pthread_cond_timedwait(&g_done, &g_lock, &ts);
     }
     pthread_mutex_unlock(&g_lock);
-    return g_sticky;
+    return sticky();
 }
 
 cudaError_t cudaStreamDestroy(stream_t *s) {
+    need_ctx();
     if (!s)
         return fail(cudaErrorInvalidResourceHandle);
     pthread_mutex_lock(&s->lock);
@@ -302,16 +428,18 @@ cudaError_t cudaStreamDestroy(stream_t *s) {
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stream_t *s) {
-    if (!s || kind != 1 /* cudaMemcpyHostToDevice */)
+    int d = need_ctx();
+    if (kind != 1 /* cudaMemcpyHostToDevice */)
         return fail(cudaErrorInvalidValue);
+    s = resolve(s);
     if (g_sticky)
-        return g_sticky;
+        return sticky();
     pthread_mutex_lock(&g_lock);
     int64_t seq = g_copies++;
     g_bytes += (int64_t)n;
     if (!locked(src, n))
         g_pageable++;
-    if (t_device != s->device)
+    if (d != s->device)
         g_wrong_device++;
     int now = seq == g_fail_copy && !g_fail_async;
     if (now) {
@@ -336,9 +464,13 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stre
 
 cudaError_t cudaEventCreateWithFlags(event_t **out, unsigned int flags) {
     (void)flags;
+    int d = need_ctx();
+    if (g_sticky)
+        return sticky();
     event_t *e = calloc(1, sizeof *e);
     if (!e)
         return fail(cudaErrorMemoryAllocation);
+    e->device = d;
     pthread_mutex_lock(&g_lock);
     g_events++;
     pthread_mutex_unlock(&g_lock);
@@ -349,6 +481,7 @@ cudaError_t cudaEventCreateWithFlags(event_t **out, unsigned int flags) {
 cudaError_t cudaEventCreate(event_t **out) { return cudaEventCreateWithFlags(out, 0); }
 
 cudaError_t cudaEventDestroy(event_t *e) {
+    need_ctx();
     if (!e)
         return fail(cudaErrorInvalidResourceHandle);
     pthread_mutex_lock(&g_lock);
@@ -359,10 +492,14 @@ cudaError_t cudaEventDestroy(event_t *e) {
 }
 
 cudaError_t cudaEventRecord(event_t *e, stream_t *s) {
-    if (!e || !s)
+    need_ctx();
+    if (!e)
         return fail(cudaErrorInvalidResourceHandle);
+    s = resolve(s);
     if (g_sticky)
-        return g_sticky;
+        return sticky();
+    if (e->device != s->device) /* an event and a stream of different devices */
+        return fail(cudaErrorInvalidResourceHandle);
     pthread_mutex_lock(&g_lock);
     int refuse = g_fail_event_after >= 0 && g_records >= g_fail_event_after;
     g_records++;
@@ -380,24 +517,47 @@ cudaError_t cudaEventRecord(event_t *e, stream_t *s) {
     return cudaSuccess;
 }
 
+/* "not ready" is recorded as the thread's last error, as the real runtime does (a caller that
+ * checks cudaGetLastError next sees it unless it was cleared) */
 cudaError_t cudaEventQuery(event_t *e) {
+    need_ctx();
     if (!e)
         return fail(cudaErrorInvalidResourceHandle);
     pthread_mutex_lock(&g_lock);
     cudaError_t r = g_sticky ? g_sticky : (e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady);
     pthread_mutex_unlock(&g_lock);
-    return r;
+    return r ? fail(r) : r;
 }
 
 cudaError_t cudaEventSynchronize(event_t *e) {
+    need_ctx();
     if (!e)
         return fail(cudaErrorInvalidResourceHandle);
     pthread_mutex_lock(&g_lock);
     while (!g_sticky && e->completed < e->recorded)
         pthread_cond_wait(&g_done, &g_lock);
-    cudaError_t r = g_sticky;
     pthread_mutex_unlock(&g_lock);
-    return r;
+    return sticky();
+}
+
+/* work queued on the stream after this waits for the event's last record to complete */
+cudaError_t cudaStreamWaitEvent(stream_t *s, event_t *e, unsigned int flags) {
+    need_ctx();
+    if (!e || flags)
+        return fail(!e ? cudaErrorInvalidResourceHandle : cudaErrorInvalidValue);
+    s = resolve(s);
+    if (g_sticky)
+        return sticky();
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return fail(cudaErrorMemoryAllocation);
+    o->kind = 2;
+    o->event = e;
+    pthread_mutex_lock(&g_lock);
+    o->gen = e->recorded;
+    pthread_mutex_unlock(&g_lock);
+    push(s, o);
+    return cudaSuccess;
 }
 
 /* ---- controls for the tests -------------------------------------------------------------- */
@@ -412,12 +572,18 @@ void emu_reset(void) {
     g_fail_register = 0;
     g_fail_event_after = -1;
     g_sticky = cudaSuccess;
-    g_last = cudaSuccess;
+    g_register_ns_per_mib = 0;
+    /* every context is forgotten: each thread starts with none current, as a fresh process's */
+    g_ctx_gen++;
+    for (int d = 0; d < MAX_DEVICES; d++) {
+        g_primary[d] = 0;
+        g_ctx_made[d] = 0;
+    }
     g_copies = g_bytes = g_pageable = g_wrong_device = g_max_queued = g_records = g_registers = 0;
     pthread_mutex_unlock(&g_lock);
 }
 
-void emu_set_devices(int n) { g_devices = n; }
+void emu_set_devices(int n) { g_devices = n < 1 ? 1 : n > MAX_DEVICES ? MAX_DEVICES : n; }
 void emu_set_copy_delay_ns(int64_t ns) { g_copy_delay_ns = ns; }
 void emu_set_noop(int on) { g_noop = on; }
 
@@ -432,6 +598,29 @@ void emu_fail_copy(int64_t n, int code, int async) {
 }
 
 void emu_fail_register(int code) { g_fail_register = code; }
+void emu_set_register_cost(int64_t ns_per_mib) { g_register_ns_per_mib = ns_per_mib; }
+
+/* primary contexts made on device d since the last reset */
+int64_t emu_contexts(int d) { return d >= 0 && d < MAX_DEVICES ? g_ctx_made[d] : -1; }
+
+/* a kernel stand-in: on stream s (0: the current device's default), after delay_ns, sets n
+ * bytes at dst to value; work queued before it on s runs first, as on a device */
+cudaError_t emu_launch_fill(stream_t *s, void *dst, int value, size_t n, int64_t delay_ns) {
+    need_ctx();
+    s = resolve(s);
+    if (g_sticky)
+        return sticky();
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return fail(cudaErrorMemoryAllocation);
+    o->kind = 3;
+    o->dst = dst;
+    o->value = value;
+    o->n = n;
+    o->delay_ns = delay_ns;
+    push(s, o);
+    return cudaSuccess;
+}
 void emu_fail_event_record_after(int64_t n) { g_fail_event_after = n; }
 
 /* out[0..9]: copies, bytes, pageable copies, copies from a thread on another device, regions

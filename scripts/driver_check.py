@@ -1,0 +1,281 @@
+"""What a device load leaves behind in the process, as the CUDA driver sees it.
+
+``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints one JSON line, ``{"rows":
+[{"row", "status", "reason", "seconds"}, ...]}``, with these rows (``scripts/gpu_check.py``
+runs it as a child and adds them to its table):
+
+1. no stale error: right after a load, the thread's ``cudaPeekAtLastError`` is clear and a
+   torch kernel (whose launch torch checks with ``cudaGetLastError``) runs;
+2. the current device: ``torch.cuda.current_device()`` is the same before and after a load
+   to another GPU (the last one), and ``device="cuda"`` lands on the current device;
+3. ordering: ``load_into`` of tensors whose ``zero_()`` is still queued behind a slow kernel
+   on the current stream gives the file's bytes (the zeros run first);
+4. contexts: a process on the last GPU that loads (from its own thread and from
+   ``engine.stream``'s worker) and lets its rings close has a context on no other GPU
+   (``nvidia-smi``; a machine with one GPU says so and skips);
+5. fork: a child forked while a ring is kept releases what it inherited and loads from the
+   host without hanging.
+
+With ``--device cpu`` (no GPU: the dry run of ``gpu_check.py``), rows 1, 2 and 5 run on the
+emulated CUDA runtime (``tests/emucudart``); rows 3 and 4 are skipped and say where the suite
+checks them on that runtime (``tests/test_device_ring.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # this checkout's engine, not an installed one
+
+#: rows in the order they run
+ROWS = ("driver: no stale error after a load", "driver: current device unchanged by a load",
+        "driver: load_into after a queued zero_()", "driver: no context on another GPU",
+        "driver: a load in a forked child")
+#: cycles of torch.cuda._sleep ahead of the queued zero_() (about half a second on an H100)
+SLEEP_CYCLES = 1_000_000_000
+
+
+class Rows:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def run(self, name: str, fn) -> None:
+        t0 = time.monotonic()
+        try:
+            status, reason = fn()
+        except Exception as exc:  # a row that breaks is a failed row; the others still run
+            status, reason = "failed", f"{type(exc).__name__}: {exc}"[:400]
+        self.rows.append({"row": name, "status": status, "reason": reason,
+                          "seconds": round(time.monotonic() - t0, 2)})
+
+    def skip(self, name: str, reason: str) -> None:
+        self.rows.append({"row": name, "status": "skipped", "reason": reason, "seconds": 0.0})
+
+
+def _checkpoint(folder: str, torch=None):
+    """A 48 MiB file of four tensors (F32, BF16, F16, I8): its path and its tensors."""
+    import numpy as np
+
+    import engine.numpy
+
+    rng = np.random.default_rng(7)
+    arrays = {
+        "f32": rng.standard_normal((1024, 4096), dtype=np.float32),
+        "bf16": rng.integers(0, 1 << 16, (2048, 4096), dtype=np.uint16),
+        "f16": rng.standard_normal((1024, 4100)).astype(np.float16),
+        "i8": rng.integers(-128, 128, (4096, 1025), dtype=np.int8),
+    }
+    path = os.path.join(folder, "driver-check.safetensors")
+    if torch is None:
+        engine.numpy.save_file(arrays, path)
+        return path, arrays
+    import engine.torch
+
+    tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    tensors["bf16"] = tensors["bf16"].view(torch.bfloat16)
+    engine.torch.save_file(tensors, path)
+    return path, tensors
+
+
+def _fork_row(load_in_parent, path: str, arrays: dict) -> tuple[str, str]:
+    """A ring kept by a load in this process, then a fork: the child releases what it inherited
+    (as its exit would) and loads ``path`` to numpy; it must exit 0 within 30 s."""
+    import numpy as np
+
+    import engine
+    import engine.numpy
+
+    engine.keep_staging(True)
+    try:
+        load_in_parent()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                from engine.gpu import device_ring
+
+                device_ring.release_rings()
+                got = engine.numpy.load_file(path)
+                code = 0 if all(np.array_equal(np.asarray(got[k]).view(np.uint8),
+                                               np.ascontiguousarray(v).view(np.uint8)) for k, v in arrays.items()) else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+                    return "ok", "the child released its inherited rings and loaded the file's bytes"
+                return "failed", f"the child ended with status {status}"
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return "failed", "the forked child hung (killed after 30 s)"
+    finally:
+        engine.keep_staging(False)
+
+
+def cuda_rows(device: str, folder: str) -> list[dict]:
+    import torch
+
+    import engine
+    import engine.torch
+    from engine.gpu import device_ring
+    from engine.sinks import torch as torch_sink
+
+    out = Rows()
+    target = torch.device(device)
+    torch.cuda.set_device(target)
+    n = torch.cuda.device_count()
+    path, tensors = _checkpoint(folder, torch)
+
+    def same(got: dict) -> bool:
+        return all(torch.equal(got[k].cpu().view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
+
+    def stale():
+        rt = ctypes.CDLL(device_ring.cuda_runtime_path(torch_sink._cuda_major()))
+        got = engine.torch.load_file(path, device=str(target))
+        err = rt.cudaPeekAtLastError()  # before anything clears it
+        y = (torch.ones(1 << 20, device=target) * 2).sum().item()  # torch checks its launch
+        ok = err == 0 and y == 2 << 20 and same(got)
+        return ("ok" if ok else "failed"), f"cudaPeekAtLastError {err} after the load; a kernel ran: {y == 2 << 20}"
+
+    def current():
+        before = torch.cuda.current_device()
+        other = n - 1
+        device_ring.release_rings()  # the load sets its ring up on this thread
+        engine.torch.load_file(path, device=f"cuda:{other}")
+        after = torch.cuda.current_device()
+        plain = engine.torch.load_file(path, device="cuda")
+        on = {t.device.index for t in plain.values()}
+        ok = before == after and on == {before}
+        return ("ok" if ok else "failed"), (f"current device {before} before, {after} after a load to cuda:{other}"
+                                            f" ({n} GPU(s)); device='cuda' landed on {sorted(on)}")
+
+    def ordered():
+        dst = {k: torch.empty(v.shape, dtype=v.dtype, device=target) for k, v in tensors.items()}
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)  # a slow kernel on the current stream
+        for t in dst.values():
+            t.zero_()  # queued behind it
+        t0 = time.perf_counter()
+        engine.load_into(path, dst)
+        waited = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        ok = same(dst)
+        return ("ok" if ok else "failed"), (f"{'the file' if ok else 'NOT the file'}'s bytes after the queued zero_(); "
+                                            f"load_into took {waited:.2f} s behind the slow kernel")
+
+    def contexts():
+        if n < 2:
+            return "skipped", "one GPU: no other GPU to find a context on"
+        code = ("import sys, torch, engine, engine.torch\n"
+                "from engine.gpu import device_ring\n"
+                "torch.cuda.set_device(int(sys.argv[1]))\n"
+                "engine.torch.load_file(sys.argv[2], device='cuda')\n"
+                "list(engine.stream(sys.argv[2], framework='pt', device='cuda'))\n"
+                "device_ring.release_rings(); torch.cuda.synchronize()\n"
+                "import subprocess, os\n"
+                "gpus = dict(l.split(', ') for l in subprocess.run(['nvidia-smi', '--query-gpu=uuid,index',"
+                " '--format=csv,noheader'], capture_output=True, text=True, check=True).stdout.split('\\n') if l)\n"
+                "apps = subprocess.run(['nvidia-smi', '--query-compute-apps=pid,gpu_uuid', '--format=csv,noheader'],"
+                " capture_output=True, text=True, check=True).stdout\n"
+                "print(sorted(int(gpus[u]) for p, u in (l.split(', ') for l in apps.split('\\n') if l)"
+                " if int(p) == os.getpid()))\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+        r = subprocess.run([sys.executable, "-c", code, str(n - 1), path], capture_output=True, text=True,
+                           timeout=120, env=env)
+        if r.returncode != 0:
+            return "failed", f"exit code {r.returncode}: {r.stderr[-300:]}"
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+        if not seen:
+            return "skipped", "nvidia-smi lists no process of the child's (another PID namespace)"
+        ok = seen == [n - 1]
+        return ("ok" if ok else "failed"), f"a process on GPU {n - 1} has contexts on GPU(s) {seen}"
+
+    out.run(ROWS[0], stale)
+    out.run(ROWS[1], current)
+    out.run(ROWS[2], ordered)
+    out.run(ROWS[3], contexts)
+    cpu = {k: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy() for k, v in tensors.items()}
+    out.run(ROWS[4], lambda: _fork_row(lambda: engine.torch.load_file(path, device=str(target)), path, cpu))
+    return out.rows
+
+
+def emulated_rows(folder: str) -> list[dict]:
+    """Rows 1, 2 and 5 on the emulated runtime: the ring's loads through the pipeline."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import numpy as np
+    from emucudart import EmulatedRingOps, Emulator
+
+    import engine
+    from engine.gpu import device_ring
+    from engine.loading import pipeline
+    from engine.planning.plan import plan_reads
+
+    out = Rows()
+    path, arrays = _checkpoint(folder)
+    header = engine.read_header(path)
+    emu = Emulator()
+    emu.reset()
+    emu.devices(2)
+    ops = EmulatedRingOps(emu, device=1)
+
+    def load() -> bool:
+        t = header.table
+        rows = list(range(len(t.names)))
+        dst = {r: bytearray(int(t.ends[r]) - int(t.begins[r])) for r in rows}
+        emu.delay(0.0005)  # copies still running at the polls
+        with open(path, "rb") as f:
+            src = pipeline.Source(f.fileno(), path, plan_reads(t.begins, t.ends, rows, header.data_start, 8 << 20))
+            pipeline.run_sources([src], pipeline.Destination(device_targets=dst, device_ops=ops), slot_bytes=4 << 20)
+        emu.delay(0)
+        return all(bytes(dst[r]) == np.ascontiguousarray(arrays[n]).tobytes() for r, n in enumerate(t.names))
+
+    def stale():
+        ok = load()
+        err = emu.last_error()
+        return ("ok" if ok and err == 0 else "failed"), f"cudaGetLastError {err} after the load (emulated runtime)"
+
+    def current():
+        emu.set_device(0)
+        device_ring.release_rings()  # the load sets its ring up on this thread
+        ok = load()
+        after = emu.current_device()
+        return ("ok" if ok and after == 0 else "failed"), f"current device 0 before, {after} after a load to device 1 (emulated runtime)"
+
+    try:
+        out.run(ROWS[0], stale)
+        out.run(ROWS[1], current)
+        out.skip(ROWS[2], "no CUDA device: tests/test_device_ring.py checks it on the emulated runtime")
+        out.skip(ROWS[3], "no CUDA device: tests/test_device_ring.py checks it on the emulated runtime")
+        out.run(ROWS[4], lambda: _fork_row(load, path, arrays))
+    finally:
+        device_ring.release_rings()
+        ops.close()
+        emu.devices(1)
+    return out.rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for the emulated runtime")
+    ap.add_argument("--dir", required=True, help="a folder for the small checkpoint")
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    rows = cuda_rows(args.device, args.dir) if args.device.startswith("cuda") else emulated_rows(args.dir)
+    print(json.dumps({"rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
