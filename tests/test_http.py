@@ -1,5 +1,6 @@
-"""engine.net._http: the GET client under engine.urls.remote (its behaviour against servers is in
-test_remote.py): Content-Range parsing, proxies from the environment, the watchdog."""
+"""engine.net._http: HTTP's parts under the one client (engine.net.remote_reads; its behaviour
+against servers is in test_remote.py and test_remote_reads.py): Content-Range parsing, proxies
+from the environment, the watchdog."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 import pytest
 
 from engine.errors import ReadError
-from engine.net._http import Client, content_range
+from engine.net._http import content_range
+from engine.net.remote_reads import RangeReads, Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402
@@ -44,26 +46,31 @@ def test_requests_go_through_the_environments_proxy(server, monkeypatch):
     monkeypatch.setenv("http_proxy", server.base)
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    client = Client({}, 5.0, 0)
-    with client.open("http://files.example.invalid/f.bin", 4, 11) as r:
-        assert r.partial and (r.first, r.last, r.total) == (4, 11, 1024)
-        assert r.read_exact(8) == bytes(range(4, 12))
-    assert server.paths() == ["/f.bin"]
+    with RangeReads(timeout=5.0) as reads:
+        first = reads.first("http://files.example.invalid/f.bin")
+        assert first.file.size == 1024 and first.prefix == bytes(range(8))
+        got = bytearray(8)
+        reads.read(first.file, 4, [memoryview(got)])
+        assert got == bytes(range(4, 12))
+    assert server.paths() == ["/f.bin", "/f.bin"]
 
 
 def test_loopback_never_uses_a_proxy(server, monkeypatch):
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
-    with Client({}, 5.0, 0).open(server.url("f.bin")) as r:
-        assert r.read_all(4096, "the file") == bytes(range(256)) * 4
+    with RangeReads(timeout=5.0) as reads:
+        assert reads.document(server.url("f.bin"), 4096, "the file") == bytes(range(256)) * 4
 
 
-def test_the_deadline_starts_with_the_client(server):
-    client = Client({}, 0.3, 0)
-    time.sleep(0.35)
-    with pytest.raises(ReadError) as e:
-        client.open(server.url("f.bin"))
-    assert e.value.reason == "Timeout" and e.value.phase == "connect"
-    assert server.requests == []
+def test_each_request_has_its_own_deadline_and_a_stall_is_tried_again(server):
+    """``timeout`` is each request's: a server that stalls past it is asked again, as every
+    transient fault is, and the last try names the timeout."""
+    server.modes["/f.bin"] = "slow"
+    t0 = time.monotonic()
+    with RangeReads(timeout=0.3, retry=Retry(attempts=3, base=0.01, cap=0.02)) as reads, \
+            pytest.raises(ReadError) as e:
+        reads.first(server.url("f.bin"))
+    assert e.value.reason == "Timeout" and "after 3 tries" in str(e.value)
+    assert len(server.requests) == 3 and time.monotonic() - t0 < 3
 
 
 def _socket_pair():

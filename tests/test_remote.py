@@ -20,6 +20,7 @@ from engine.checkpoints.checkpoint import (
 )
 from engine.errors import HeaderError, MissingDependencyError, ReadError, TensorNotFoundError
 from engine.format.header import read_header
+from engine.net.remote_reads import Retry
 from engine.urls.remote import RemoteFileNotFoundError, get_tensor, read_metadata
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -255,9 +256,10 @@ def test_slow_server_times_out(server):
     server.modes["*"] = "slow"
     t0 = time.monotonic()
     with pytest.raises(ReadError) as e:
-        read_metadata(server.url("model.safetensors"), timeout=0.3)
-    assert e.value.reason == "Timeout"
-    assert time.monotonic() - t0 < 3
+        read_metadata(server.url("model.safetensors"), timeout=0.3, retry=Retry(attempts=2, base=0.01, cap=0.01))
+    assert e.value.reason == "Timeout" and "after 2 tries" in str(e.value)
+    assert time.monotonic() - t0 < 3  # each request's own deadline, tried twice
+    assert len(server.requests) == 2
     assert isinstance(e.value, OSError)
 
 
@@ -311,7 +313,8 @@ def test_header_size_limit(server):
     with pytest.raises(HeaderError) as e:
         read_metadata(server.url("model.safetensors"), timeout=TIMEOUT, max_header_size=64)
     assert e.value.reason == "HeaderTooLarge"
-    assert len(server.requests) == 1
+    # a length past the limit may be a damaged byte: read once more, the same bytes again
+    assert len(server.requests) == 2 and "the same bytes both times" in str(e.value)
 
 
 # --------------------------------------------------------------------------- index rules
@@ -402,35 +405,30 @@ def test_http_needs_no_fsspec(server, monkeypatch):
     assert len(read_metadata(server.url("model.safetensors"), timeout=TIMEOUT)) == len(tensors())
 
 
-# -- the timeout is a deadline over the whole call ---------------------------------------------
+# -- the timeout is each request's deadline ----------------------------------------------------
 
 
-@pytest.mark.parametrize(("mode", "phase"), [("drip", "body"), ("drip-head", "request"), ("slow", "request")])
+@pytest.mark.parametrize(("mode", "phase"), [("drip", "while receiving the body"), ("drip-head", "no answer"),
+                                             ("slow", "no answer")])
 def test_timeout_bounds_a_server_that_drips(server, mode, phase):
     # one byte every 0.25 s never lets a single socket wait time out; the deadline still holds
     server.modes["*"] = mode
     t0 = time.monotonic()
     with pytest.raises(ReadError) as e:
-        read_metadata(server.url("model.safetensors"), timeout=1.0)
+        read_metadata(server.url("model.safetensors"), timeout=1.0, retry=Retry(attempts=1))
     elapsed = time.monotonic() - t0
-    assert e.value.reason == "Timeout" and e.value.phase == phase, str(e.value)
-    assert phase in str(e.value) and "1 s" in str(e.value)
+    assert e.value.reason == "Timeout", str(e.value)
+    assert phase in str(e.value), str(e.value)
     assert elapsed < 1.0 + 0.5, elapsed
 
 
-def test_timeout_covers_every_request_of_the_call(server):
-    # get_tensor makes three requests; each answered in 0.45 s fits a per-request timeout of
-    # 1 s, the call (about 1.35 s) does not
+def test_timeout_is_each_requests_own(server):
+    # get_tensor makes three requests; each answered in 0.45 s fits a timeout of 1 s, though
+    # the call takes longer: the timeout is each request's, the same in every entry point
     server.modes["*"] = "delay:0.45"
-    t0 = time.monotonic()
-    with pytest.raises(ReadError) as e:
-        get_tensor(server.url("model.safetensors"), "layers.0.w", timeout=1.0)
-    assert e.value.reason == "Timeout" and time.monotonic() - t0 < 1.5
-    assert len(server.requests) == 3
-    # with time enough the same call succeeds
-    server.reset()
-    got = get_tensor(server.url("model.safetensors"), "layers.0.w", timeout=TIMEOUT)
+    got = get_tensor(server.url("model.safetensors"), "layers.0.w", timeout=1.0, retry=Retry(attempts=1))
     np.testing.assert_array_equal(got, tensors()["layers.0.w"])
+    assert len(server.requests) == 3
 
 
 def test_connect_timeout_names_the_phase():
@@ -450,8 +448,9 @@ def test_connect_timeout_names_the_phase():
             fillers.append(c)
         t0 = time.monotonic()
         with pytest.raises(ReadError) as e:
-            read_metadata(f"http://127.0.0.1:{s.getsockname()[1]}/model.safetensors", timeout=0.5)
-        assert e.value.reason == "Timeout" and e.value.phase in ("connect", "request")
+            read_metadata(f"http://127.0.0.1:{s.getsockname()[1]}/model.safetensors", timeout=0.5,
+                          retry=Retry(attempts=1))
+        assert e.value.reason == "Timeout" and "deadline" in str(e.value)
         assert time.monotonic() - t0 < 1.5
     finally:
         for c in fillers:

@@ -1,4 +1,10 @@
-"""Ranged reads of remote files for a load: keep-alive connections, deadlines and retries.
+"""Every HTTP(S) request of the engine: keep-alive connections, deadlines and retries.
+
+One client (:class:`RangeReads`) for every request a remote file needs, whatever the entry
+point: the first request of a file (:meth:`RangeReads.first`: its size, version and first
+bytes), its header and every tensor range (:meth:`RangeReads.read`), whole small documents (an
+index, an S3 listing: :meth:`RangeReads.document`).  One rule for faults, one meaning of
+``timeout`` (each request's), the same retries in every phase.
 
 The remote counterpart of :mod:`engine.io.reader`: the pipeline's workers call a file's
 :meth:`RangeReads.reader` with a file offset and the destination views of one planned
@@ -13,10 +19,14 @@ connection, GIL released): no growing ``bytes``, no staging buffer on the host.
   is limited to the time left, and a watchdog shuts the socket down when the deadline
   passes during the body.
 * **Retries**: a transient failure (connection refused or reset, a timeout, a body that
-  ends early, HTTP 408/429/500/502/503/504, S3's ``SlowDown``) is retried with capped
-  exponential backoff and full jitter, for the bytes of the request not yet landed, up to
-  ``Retry.attempts`` tries; anything else (403, 404, a file whose size or ETag changed, a
-  416) fails at once.  Every request after the header carries ``If-Match`` with the ETag
+  ends early, HTTP 408/425/429/500/502/503/504 (after ``Retry-After`` where the server
+  sends one, up to the retry's cap), S3's ``SlowDown``, a ``Content-Range`` that does not
+  answer the request) is retried with capped exponential backoff and full jitter, for the
+  bytes of the request not yet landed, up to ``Retry.attempts`` tries; anything else (403,
+  404, a file whose size or ETag changed, a 416, a body compressed although ``identity`` was
+  asked for) fails at once.  A file's first request is the call's first contact with the
+  server: a refused connection or a name that does not resolve fails it at once (no server
+  answered; the bulk reads retry a refusal, a server restarting).  Every request after the header carries ``If-Match`` with the ETag
   seen when the header was read, so a file replaced during the load is a ``FileChanged``
   error, never a mix of two files.
 * **Servers that ignore Range** (``python -m http.server``) answer a ranged GET with the
@@ -44,6 +54,7 @@ import threading
 import time
 import urllib.parse
 import warnings
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -74,7 +85,7 @@ DEFAULT_CONNECTIONS = max(4, min(16, 2 * (os.cpu_count() or 2)))
 DEFAULT_TIMEOUT = 60.0
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _TRANSIENT_S3 = frozenset({"SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable", "Throttling"})
-_TRANSIENT_REASONS = frozenset({"ConnectionError", "Timeout", "ShortRead"})
+_TRANSIENT_REASONS = frozenset({"ConnectionError", "Timeout", "ShortRead", "BadRange"})
 _STALL_S = 30.0  # longest single socket wait, so a deadline check comes round often
 _ERROR_BODY = 65536
 _PROGRESS = 1 << 20  # bytes a failed try must land to count as progress
@@ -107,10 +118,24 @@ class RemoteFile(NamedTuple):
     headers: Mapping[str, str] | None = None
 
 
+class First(NamedTuple):
+    """What a file's first request (:meth:`RangeReads.first`) learned: the file (its size
+    and version, the URL as asked for: the reads go where it was redirected), its first
+    ``min(8, size)`` bytes, and the answer's ``Content-Type``, ``Last-Modified`` and
+    ``Date`` (``None`` where the server sent none)."""
+
+    file: RemoteFile
+    prefix: bytes
+    content_type: str | None
+    last_modified: str | None
+    date: str | None
+
+
 def transient(err: SafetensorError) -> bool:
     """Whether a request that failed with ``err`` may succeed when tried again: the
-    connection failed or the body ended early, a timeout, or an HTTP status of a busy or
-    failing server (408, 425, 429, 500, 502, 503, 504; S3's ``SlowDown`` is a 503)."""
+    connection failed or the body ended early, a timeout, an answer for another range, or
+    an HTTP status of a busy or failing server (408, 425, 429, 500, 502, 503, 504; S3's
+    ``SlowDown`` is a 503)."""
     return err.reason in _TRANSIENT_REASONS or getattr(err, "status", None) in _TRANSIENT_STATUS
 
 
@@ -132,13 +157,21 @@ def public_url(url: str) -> str:
 
 
 class _Failed(Exception):
-    """A try that failed after ``landed`` bytes; ``error`` is what the caller would see."""
+    """A try that failed after ``landed`` bytes; ``error`` is what the caller would see;
+    ``after``: seconds the server asked to wait before the next try (``Retry-After``)."""
 
-    def __init__(self, error: SafetensorError, landed: int, transient: bool) -> None:
+    def __init__(self, error: SafetensorError, landed: int, transient: bool, after: float = 0.0) -> None:
         super().__init__(str(error))
         self.error = error
         self.landed = landed
         self.transient = transient
+        self.after = after
+
+
+def _retry_after(resp: http.client.HTTPResponse, cap: float) -> float:
+    """The seconds of a ``Retry-After: N`` header (a date is read as no wait), at most ``cap``."""
+    value = (resp.getheader("Retry-After") or "").strip()
+    return min(float(value), cap) if value.isdigit() else 0.0
 
 
 class _Streamed(Exception):
@@ -192,11 +225,12 @@ class _Stream:
 
     # -- the requests' side ----------------------------------------------------------------
 
-    def read(self, offset: int, views: list[memoryview]) -> None:
+    def read(self, offset: int, views: list[memoryview], quiet: bool = False) -> None:
         want = sum(len(v) for v in views)
         done = 0
         with self.cond:
-            self._warn()
+            if not quiet:  # a header's read says nothing: only a load's do
+                self._warn()
             self.waiting.append(offset)
             try:
                 while True:
@@ -275,7 +309,8 @@ class _Stream:
         self._hang_up()
         reads, file = self.reads, self.file
         deadline = time.monotonic() + reads.timeout
-        conn, _, resp = reads._open(file, offset, None, deadline, self.name)
+        conn, _, resp, watchdog = reads._open(file, offset, None, deadline, self.name)
+        watchdog.cancel()  # a stream is as long as its file: each receive is limited instead
         try:
             # the checks of a ranged answer's head (status, ETag, encoding, Content-Range or
             # Content-Length), as for every range
@@ -429,6 +464,10 @@ class RangeReads:
         #: counters, for tests and benchmarks
         self.requests = 0
         self.retries = 0
+        #: what each URL's last answer said it was (``Content-Type``), and where its last
+        #: redirect led: how a folder's URL without its slash is recognised
+        self.content_types: dict[str, str | None] = {}
+        self.moved: dict[str, str] = {}
 
     # -- connections ------------------------------------------------------------------
 
@@ -457,6 +496,12 @@ class RangeReads:
         with self._lock:
             self._idle.setdefault((parts.scheme.lower(), parts.netloc), []).append(conn)
 
+    def __enter__(self) -> RangeReads:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Close the idle connections (a connection in use is closed by its request) and
         the whole-file streams."""
@@ -475,13 +520,171 @@ class RangeReads:
 
     # -- reads ------------------------------------------------------------------------
 
+    def first(self, url: str, *, name: str | None = None, not_found: type | None = None,
+              headers: Mapping[str, str] | None = None) -> First:
+        """A file's first request: a ranged GET of bytes 0-7, which says the file's size
+        (``Content-Range``) and version (``ETag``), retried as every request is.  Where the
+        server ignores Range (a 200 with the whole file), the answer becomes the file's one
+        stream (:meth:`adopt`): the header and tensors are read on from it, with no second
+        whole-file request.  ``not_found``: the error class of a 404 (default
+        :class:`~engine.errors.RemoteFileNotFoundError`).
+
+        Raises :class:`~engine.errors.ReadError` (``UnknownSize`` where the server says no
+        size; ``BadRange``; the status of an error answer),
+        :class:`~engine.errors.HeaderError` for a file of fewer than 8 bytes.
+        """
+        name = name or public_url(url)
+        probe = RemoteFile(url, -1, None, name, headers)
+        return self._again(name, lambda: self._first(probe, not_found), contact=True)
+
+    def document(self, url: str, limit: int, what: str, *, name: str | None = None,
+                 not_found: type | None = None) -> bytes:
+        """A whole small document (an index, an S3 listing page) of at most ``limit`` bytes,
+        decompressed where the server compressed it anyway (within the limit); retried as
+        every request is."""
+        name = name or public_url(url)
+        return self._again(name, lambda: self._document(url, name, limit, what, not_found), contact=True)
+
+    def _again(self, name: str, fn: Callable[[], Any], contact: bool = False) -> Any:
+        """``fn()`` (one whole try of a request that lands nothing until it succeeds), tried
+        again after a transient failure as :meth:`read` does; with ``contact`` (a call's
+        first requests), a server that could not be reached at all fails at once."""
+        tries = 0
+        while True:
+            try:
+                return fn()
+            except _Failed as failed:
+                err = failed.error
+                if not failed.transient or (contact and getattr(err, "unreachable", False)):
+                    raise err from None
+                tries += 1
+                if tries >= self.retry.attempts:
+                    err.message = f"{err.message} (after {tries} tries)"
+                    err.args = (err.message,)
+                    raise err from None
+                with self._lock:
+                    self.retries += 1
+                if self.cancel.wait(max(self.retry.delay(tries), failed.after)):
+                    raise err from None
+
+    def _first(self, probe: RemoteFile, not_found: type | None) -> First:
+        name = probe.name or public_url(probe.url)
+        deadline = time.monotonic() + self.timeout
+        conn, sock, resp, watchdog = self._open(probe, 0, 7, deadline, name)
+        try:
+            with self._lock:
+                self.content_types[probe.url] = resp.getheader("Content-Type")
+            if resp.status not in (200, 206):
+                raise self._status(resp, name, 0, 8, not_found)
+            self._identity(resp, name, 0, 8)
+            if resp.status == 206:
+                first, last, total = content_range(resp.getheader("Content-Range"))
+                what = "Content-Range total"
+            else:
+                length = resp.getheader("Content-Length")
+                first, last = 0, None
+                total = int(length) if length is not None and length.strip().isdigit() else None
+                what = "Content-Length"
+            if total is None:
+                _discard(resp)
+                raise _Failed(read_error(
+                    f"the server did not say how large the file is (no {what}); the size is needed to check "
+                    "the header against the data region", name, "UnknownSize"), 0, False)
+            if resp.status == 206 and (first != 0 or last is None or last < min(7, total - 1)):
+                _discard(resp)
+                raise self._fail(name, 0, 8, "BadRange", f"asked for bytes 0-7, the server sent {first}-{last}", 0)
+            file = RemoteFile(probe.url, total, resp.getheader("ETag"), name, probe.headers)
+            prefix = bytearray(min(8, total))
+            if prefix:
+                self._receive(resp, sock, name, 0, [memoryview(prefix)], deadline, len(prefix))
+            found = First(file, bytes(prefix), resp.getheader("Content-Type"), resp.getheader("Last-Modified"),
+                          resp.getheader("Date"))
+        except _Failed:
+            watchdog.cancel()
+            conn.close()
+            raise
+        watchdog.cancel()
+        if resp.status == 200:  # the whole file: its one stream from here on (see _Stream)
+            self.forget(probe.url)  # an earlier answer of the same URL (its first request again)
+            self.adopt(file, conn, resp, len(found.prefix))
+        else:
+            self._finish(probe.url, conn, resp)
+        return found
+
+    def _document(self, url: str, name: str, limit: int, what: str, not_found: type | None) -> bytes:
+        deadline = time.monotonic() + self.timeout
+        conn, sock, resp, watchdog = self._open(RemoteFile(url, -1, None, name), None, None, deadline, name)
+        try:
+            with self._lock:
+                self.content_types[url] = resp.getheader("Content-Type")
+            if resp.status not in (200, 206):
+                raise self._status(resp, name, 0, 0, not_found)
+            length = resp.getheader("Content-Length")
+            if length is not None and length.strip().isdigit() and int(length) > limit:
+                raise _Failed(read_error(f"{what} is {int(length)} bytes, more than the limit of {limit}", name,
+                                         "TooLarge"), 0, False)
+            parts, got = [], 0
+            while True:
+                self._arm(sock, deadline, name, 0, limit, got)
+                try:
+                    chunk = resp.read1(1 << 20) if not resp.isclosed() else b""
+                except http.client.IncompleteRead as exc:
+                    raise self._fail(name, 0, limit, "ShortRead",
+                                     f"the body ended after {got + len(exc.partial or b'')} bytes (truncated)", 0) \
+                        from None
+                except (OSError, http.client.HTTPException) as exc:
+                    timed_out = isinstance(exc, (TimeoutError, socket.timeout)) or time.monotonic() >= deadline
+                    raise self._fail(name, 0, limit, "Timeout" if timed_out else "ConnectionError",
+                                     "the request's deadline passed while receiving the body" if timed_out
+                                     else f"the connection failed: {exc}", 0) from None
+                if not chunk:
+                    break
+                got += len(chunk)
+                if got > limit:
+                    raise _Failed(read_error(f"{what} is larger than the limit of {limit} bytes", name, "TooLarge"),
+                                  0, False)
+                parts.append(chunk)
+            data = b"".join(parts)
+            if length is not None and length.strip().isdigit() and len(data) != int(length):
+                raise self._fail(name, 0, limit, "ShortRead",
+                                 f"the body ended after {len(data)} of {int(length)} bytes (truncated)", 0)
+        except _Failed:
+            watchdog.cancel()
+            conn.close()
+            raise
+        watchdog.cancel()
+        self._finish(url, conn, resp)
+        encoding = (resp.getheader("Content-Encoding") or "identity").strip().lower()
+        if encoding in ("gzip", "x-gzip", "deflate"):
+            # a small document may come compressed despite the request: bounded, so that it
+            # cannot inflate past the limit
+            try:
+                data = zlib.decompressobj(wbits=15 if encoding == "deflate" else 47).decompress(data, limit + 1)
+            except zlib.error as exc:
+                raise read_error(f"cannot decompress the {encoding} body: {exc}", name, "HTTPError") from None
+            if len(data) > limit:
+                raise read_error(f"{what} is larger than the limit of {limit} bytes", name, "TooLarge")
+        elif encoding != "identity":
+            raise read_error(f"the server compressed the body (Content-Encoding: {encoding}) although it was asked "
+                             "for identity", name, "HTTPError")
+        return data
+
+    def forget(self, url: str) -> None:
+        """Hang up on the whole-file stream of ``url``, if it has one (a file its caller will
+        not read on: read from a local copy instead)."""
+        with self._lock:
+            stream = self._streams.pop(url, None)
+        if stream is not None:
+            stream.close()
+
     def reader(self, file: RemoteFile) -> Callable[[int, Sequence[memoryview]], None]:
         """``read(offset, views)``: fill ``views``, back to back, from ``file`` at ``offset``."""
         return functools.partial(self.read, file)
 
-    def read(self, file: RemoteFile, offset: int, views: Sequence[memoryview]) -> None:
+    def read(self, file: RemoteFile, offset: int, views: Sequence[memoryview], *, quiet: bool = False) -> None:
         """Fill ``views`` (back to back) with the bytes of ``file`` from ``offset``, retrying
-        transient failures for the bytes not yet landed.
+        transient failures for the bytes not yet landed.  ``quiet``: a file whose server
+        ignores Range is read on from its stream without the warning (a header's read).
 
         Copies of tensor bytes: 1 (socket to ``views``).
         """
@@ -498,7 +701,7 @@ class RangeReads:
         while True:
             stream = self._streams.get(file.url)
             if stream is not None:  # a server that ignores Range: this file's one answer
-                stream.read(offset + done, skip_views(views, done))
+                stream.read(offset + done, skip_views(views, done), quiet)
                 return
             try:
                 # a whole answer may be shorter than asked (a server that caps its ranges):
@@ -524,7 +727,7 @@ class RangeReads:
                     raise err from None
                 with self._lock:
                     self.retries += 1
-                if self.cancel.wait(self.retry.delay(tries)):
+                if self.cancel.wait(max(self.retry.delay(tries), failed.after)):
                     raise failed.error from None
 
     def _get(self, file: RemoteFile, offset: int, views: list[memoryview]) -> int:
@@ -534,12 +737,10 @@ class RangeReads:
         want = sum(len(v) for v in views)
         name = file.name or public_url(file.url)
         deadline = time.monotonic() + self.timeout
-        conn, sock, resp = self._open(file, offset, offset + want - 1, deadline, name)
         # every socket wait is limited to the time left, but a read that a trickling server
         # answers a byte at a time could still outlast the deadline: the watchdog shuts the
         # socket down when it passes, which wakes the read
-        watchdog = Watchdog(deadline)
-        watchdog.watch(sock)
+        conn, sock, resp, watchdog = self._open(file, offset, offset + want - 1, deadline, name)
         try:
             landed = self._body(resp, sock, file, name, offset, views, deadline)
         except _Failed:
@@ -554,27 +755,30 @@ class RangeReads:
         self._finish(file.url, conn, resp)
         return landed
 
-    def _open(self, file: RemoteFile, offset: int, last: int | None, deadline: float, name: str):
-        """Send a GET of bytes ``offset..last`` (to the end when ``last`` is None), following
-        redirects: ``(connection, socket, response)`` with the answer's head read."""
-        want = file.size - offset if last is None else last - offset + 1
+    def _open(self, file: RemoteFile, offset: int | None, last: int | None, deadline: float, name: str):
+        """Send a GET of bytes ``offset..last`` (to the end when ``last`` is None; the whole
+        document, no Range, when ``offset`` is None), following redirects: ``(connection,
+        socket, response, watchdog)`` with the answer's head read (see :meth:`_send`)."""
+        want = 0 if offset is None else (file.size - offset if last is None else last - offset + 1)
         with self._lock:
             url, headers = self._moved.get(file.url, (file.url, file.headers if file.headers is not None
                                                       else self.headers))
             self.requests += 1
         for _ in range(self.max_redirects + 1):
-            req = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers,
-                   "Range": f"bytes={offset}-{'' if last is None else last}"}
+            req = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers}
+            if offset is not None:
+                req["Range"] = f"bytes={offset}-{'' if last is None else last}"
             if self.sign is not None:
                 req.update(self.sign(url))
             if file.etag and not file.etag.startswith("W/"):
                 # If-Match compares strongly: a weak ETag (a CDN's, say) would never match;
                 # the answer's ETag is still compared below
                 req["If-Match"] = file.etag
-            conn, sock, resp = self._send(url, req, deadline, name, offset, want)
+            conn, sock, resp, watchdog = self._send(url, req, deadline, name, offset or 0, want)
             if resp.status not in REDIRECTS:
-                return conn, sock, resp
+                return conn, sock, resp, watchdog
             location = resp.getheader("Location")
+            watchdog.cancel()
             self._finish(url, conn, resp)
             try:
                 url, headers = redirect(name, url, headers, location)
@@ -582,6 +786,7 @@ class RangeReads:
                 raise _Failed(err, 0, False) from None
             with self._lock:
                 self._moved[file.url] = (url, headers)
+                self.moved[file.url] = url
         raise _Failed(read_error(f"more than {self.max_redirects} redirects", name, "TooManyRedirects"), 0, False)
 
     def adopt(self, file: RemoteFile, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
@@ -598,28 +803,39 @@ class RangeReads:
         conn.close()
 
     def _send(self, url: str, req: dict, deadline: float, name: str, offset: int, want: int):
-        """Send the request and read the answer's head: ``(connection, socket, response)``.
-        A keep-alive connection the server has closed meanwhile is replaced once at no cost."""
+        """Send the request and read the answer's head: ``(connection, socket, response,
+        watchdog)``; the watchdog (cancelled by the caller once the body is read) shuts the
+        socket down at the deadline from the connection on, so that a server that sends its
+        head a byte at a time cannot stretch the request either.  A keep-alive connection the
+        server has closed meanwhile is replaced once at no cost."""
         for _ in range(2):
             conn, target, extra, reused = self._connection(url, deadline)
+            watchdog = Watchdog(deadline)
             try:
                 timeout = max(0.001, min(_STALL_S, deadline - time.monotonic()))
                 conn.timeout = timeout
-                if conn.sock is not None:
-                    conn.sock.settimeout(timeout)
+                if conn.sock is None:
+                    conn.connect()
+                conn.sock.settimeout(timeout)
+                watchdog.watch(conn.sock)
                 conn.request("GET", target, headers={**req, **extra})
                 sock = conn.sock  # the response owns it once the server says it will close
-                return conn, sock, conn.getresponse()
+                return conn, sock, conn.getresponse(), watchdog
             except (OSError, http.client.HTTPException) as exc:
+                watchdog.cancel()
                 conn.close()
-                timed_out = isinstance(exc, (TimeoutError, socket.timeout)) or time.monotonic() >= deadline
+                timed_out = isinstance(exc, (TimeoutError, socket.timeout)) or time.monotonic() >= deadline \
+                    or watchdog.fired
                 if reused and not timed_out:
                     continue
                 if isinstance(exc, ssl.SSLCertVerificationError):  # trying again cannot help
                     err = connect_error(exc, name)
                     raise _Failed(err, 0, False) from None
                 what = "no answer within the request's deadline" if timed_out else f"the connection failed: {exc}"
-                raise self._fail(name, offset, want, "Timeout" if timed_out else "ConnectionError", what, 0) from None
+                failed = self._fail(name, offset, want, "Timeout" if timed_out else "ConnectionError", what, 0)
+                # nothing listens there, or the name does not resolve (see RangeReads.first)
+                failed.error.unreachable = isinstance(exc, (ConnectionRefusedError, socket.gaierror))  # type: ignore[attr-defined]
+                raise failed from None
         raise AssertionError("unreachable")
 
     def _finish(self, url: str, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
@@ -639,24 +855,14 @@ class RangeReads:
         :class:`_Failed` for an error status, another version of the file, a compressed body
         or a range other than the one asked for."""
         if resp.status not in (200, 206):
-            detail = error_code(error_body(resp))
-            err = status_error(name, resp, offset, detail=detail)
-            err.message = f"bytes {offset}-{offset + want - 1}: {err.message}"
-            err.args = (err.message,)
-            err.offset, err.size = offset, want  # type: ignore[attr-defined]
-            transient = resp.status in _TRANSIENT_STATUS or detail in _TRANSIENT_S3
-            raise _Failed(err, 0, transient)
+            raise self._status(resp, name, offset, want)
         etag = resp.getheader("ETag")
         if file.etag and etag and etag != file.etag:
             _discard(resp)
             raise self._fail(name, offset, want, "FileChanged",
                              f"the file changed since its header was read (ETag {file.etag}, now {etag})",
                              0, transient=False)
-        encoding = (resp.getheader("Content-Encoding") or "identity").strip().lower()
-        if encoding != "identity":
-            _discard(resp)
-            raise self._fail(name, offset, want, "HTTPError",
-                             f"the server compressed the body (Content-Encoding: {encoding})", 0, transient=False)
+        self._identity(resp, name, offset, want)
         if resp.status == 206:
             first, lastb, total = content_range(resp.getheader("Content-Range"))
             if total is not None and total != file.size:
@@ -679,12 +885,42 @@ class RangeReads:
                              0, transient=False)
         return None
 
+    def _status(self, resp: http.client.HTTPResponse, name: str, offset: int, want: int,
+                not_found: type | None = None) -> _Failed:
+        """The failure of an error answer (its body read when short, for S3's code): transient
+        for a busy or failing server, after its ``Retry-After``."""
+        detail = error_code(error_body(resp))
+        err = status_error(name, resp, offset, not_found, detail=detail)
+        if want:
+            err.message = f"bytes {offset}-{offset + want - 1}: {err.message}"
+            err.args = (err.message,)
+            err.offset, err.size = offset, want  # type: ignore[attr-defined]
+        transient = resp.status in _TRANSIENT_STATUS or detail in _TRANSIENT_S3
+        return _Failed(err, 0, transient, _retry_after(resp, self.retry.cap) if transient else 0.0)
+
+    def _identity(self, resp: http.client.HTTPResponse, name: str, offset: int, want: int) -> None:
+        """Byte ranges mean nothing in a compressed body: one sent against ``Accept-Encoding:
+        identity`` fails (a server that does so does it every time)."""
+        encoding = (resp.getheader("Content-Encoding") or "identity").strip().lower()
+        if encoding != "identity":
+            _discard(resp)
+            raise self._fail(name, offset, want, "HTTPError",
+                             f"the server compressed the body (Content-Encoding: {encoding}) although it was asked "
+                             "for identity; byte ranges cannot be read from it", 0, transient=False)
+
     def _body(self, resp: http.client.HTTPResponse, sock, file: RemoteFile, name: str, offset: int,
               views: list[memoryview], deadline: float) -> int:
         want = sum(len(v) for v in views)
         send = self._check_head(resp, file, name, offset, want)
         if send is None:  # 200: the whole file from byte 0, a server that ignores Range
             raise _Streamed()
+        return self._receive(resp, sock, name, offset, views, deadline, send)
+
+    def _receive(self, resp: http.client.HTTPResponse, sock, name: str, offset: int, views: list[memoryview],
+                 deadline: float, send: int) -> int:
+        """Receive the first ``send`` bytes of the body into ``views``: the bytes landed, or
+        :class:`_Failed` with them."""
+        want = sum(len(v) for v in views)
         landed = 0
         for view in views:
             if landed >= send:

@@ -4,7 +4,8 @@ Shared by :mod:`engine.urls.remote` (headers, single tensors) and :mod:`engine.u
 (whole loads).  A :class:`RemoteSource` is made from one URL and knows its transport:
 
 ``http://``, ``https://``
-    :mod:`engine.net._http` (exact request counts, one deadline per call).
+    :class:`engine.net.remote_reads.RangeReads`, the one client of every request (exact
+    request counts, each request's deadline, the same retries in every phase).
 ``s3://bucket/key``
     The same client, each request signed by :class:`engine.net._s3.S3Config` (botocore's
     credentials, region and endpoint; anonymous when there are none).
@@ -12,7 +13,9 @@ any other fsspec protocol
     Through :mod:`fsspec` (the ``remote`` extra).
 
 The header of a file costs two ranged GETs (its length, then the header); an index one GET;
-an S3 prefix one ``ListObjectsV2`` per 1000 keys.
+an S3 prefix one ``ListObjectsV2`` per 1000 keys.  A header that fails to parse or check is
+read once more from the server: the same bytes again are the file's fault (the error says
+so), other bytes were damaged on the way.
 """
 
 from __future__ import annotations
@@ -34,13 +37,12 @@ from engine.errors import (
     MissingShardError,
     ReadError,
     RemoteFileNotFoundError,
-    SafetensorError,
 )
 from engine.format.checkpoint_index import index_problems, parse_index
 from engine.format.header import Header, checked_length, parse_header
-from engine.net._http import Client, Response, read_error, unreachable
+from engine.net._http import read_error
 from engine.net._s3 import S3Config, parse_listing, split_s3_url
-from engine.net.remote_reads import RangeReads, RemoteFile, Retry, public_url, transient
+from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
 
 __all__ = ["RemoteSource", "is_index", "is_url", "checkpoint_info", "INDEX_NAME", "SINGLE_NAME"]
 
@@ -77,94 +79,44 @@ def _parse(buf: bytes | bytearray, total: int, n: int, url: str) -> Header:
 # --------------------------------------------------------------------------- HTTP
 
 
-def _http_header(http: Client, url: str, max_header_size: int, not_found=None, etags=None, raws=None,
-                 modified=None, bodies=None, dates=None) -> Header:
-    """Two ranged GETs (one if the server ignores Range): the length, then the header.
-    ``etags``, a dict, receives ``url -> ETag`` (or ``None``) of the first answer, ``modified``
-    its ``Last-Modified`` and ``dates`` its ``Date`` (this machine's clock where the server
-    sends none); ``raws`` ``url -> `` the file's first ``8 + N`` bytes as received
-    (for a local copy, :mod:`engine.urls.remote_cache`); ``bodies``, where the server ignored
-    Range, ``url -> `` the whole-file :class:`~engine.net._http.Response`, read up to the end
-    of the header and kept open, for the tensor reads to go on with (no second whole-file
-    request)."""
-    with http.open(url, 0, 7, not_found=not_found) as r:
-        if etags is not None:
-            etags[url] = r.etag
-        if modified is not None:
-            modified[url] = r.last_modified
-        if dates is not None:
-            dates[url] = r.date or email.utils.formatdate(time.time(), usegmt=True)
-        total = r.total
-        if total is None:
-            what = "Content-Range total" if r.partial else "Content-Length"
-            raise read_error(
-                f"the server did not say how large the file is (no {what}); the size is needed to check "
-                "the header against the data region",
-                url,
-                "UnknownSize",
-            )
-        if r.partial and r.first != 0:
-            raise read_error(f"asked for bytes 0-7, the server sent bytes {r.first}-{r.last}", url, "BadRange")
-        prefix = bytes(r.read_exact(min(8, total)))
-        n = _length(prefix, total, max_header_size, url, r.content_type)
-        if not r.partial:
-            # the server ignored Range: keep reading this body for the header, then hand it
-            # on to the bulk reads (bodies) or hang up
-            body = r.read_exact(n)
-            if raws is not None:
-                raws[url] = prefix + bytes(body)
-            header = _parse(body, total, n, url)
-            if bodies is not None:
-                r.keep_open()
-                bodies[url] = r
-            return header
-    if n == 0:
-        if raws is not None:
-            raws[url] = prefix
-        return _parse(b"", total, n, url)
-    with http.open(url, 8, 7 + n) as r:
-        if r.partial:
-            if r.first != 8 or r.last != 7 + n:
-                raise read_error(f"asked for bytes 8-{7 + n}, the server sent {r.first}-{r.last}", url, "BadRange")
-        else:
-            r.skip(8)
-        if (r.total is not None and r.total != total) or (
-            etags is not None and r.etag and etags.get(url) and r.etag != etags[url]
-        ) or (modified is not None and r.last_modified and modified.get(url) and r.last_modified != modified[url]):
-            raise read_error(
-                f"the file changed between two requests ({total} bytes, then {r.total})", url, "FileChanged"
-            )
-        body = r.read_exact(n)
-        if raws is not None:
-            raws[url] = prefix + bytes(body)
-        return _parse(body, total, n, url)
-
-
-def _http_range_into(http: Client, url: str, offset: int, view: memoryview, total: int, kept=None) -> None:
-    """``view`` from ``offset``: one ranged GET, or the rest of ``kept``, the whole-file
-    answer of the header's request (a server that ignores Range), when it has not passed
-    ``offset``."""
-    if kept is not None:
+def _http_header(reads: RangeReads, url: str, name: str, max_header_size: int, not_found=None):
+    """Two ranged GETs (one if the server ignores Range: its answer is read on): the length,
+    then the header.  ``(header, first, raw)``: the :class:`~engine.net.remote_reads.First`
+    of the file and its first ``8 + N`` bytes as received.  Bytes that fail to parse or
+    check are read again once (see the module's doc)."""
+    try:
+        return _http_header_once(reads, url, name, max_header_size, not_found)
+    except HeaderError as err:
+        raw = getattr(err, "raw", None)
+        if raw is None or err.reason == "NotSafetensors" or "html" in (reads.content_types.get(url) or "").lower():
+            raise  # another kind of file (a page, an LFS pointer), or no bytes of one: nothing to read again
         try:
-            if kept.pos <= offset:
-                kept.skip(offset - kept.pos)
-                kept.readinto(view)
-                return
-        finally:
-            kept.close(force=True)
-    with http.open(url, offset, offset + len(view) - 1) as r:
-        if r.partial:
-            if r.first != offset:
-                raise read_error(
-                    f"asked for bytes from {offset}, the server sent bytes from {r.first}", url, "BadRange"
-                )
-        else:
-            r.skip(offset)
-        if r.total is not None and r.total != total:
-            raise read_error(
-                f"the file changed since its header was read ({total} bytes, now {r.total})", url, "FileChanged"
-            )
-        r.readinto(view)
+            header, first, again = _http_header_once(reads, url, name, max_header_size, not_found)
+        except HeaderError as second:
+            if raw is not None and getattr(second, "raw", None) == raw:
+                second.message = f"{second.message} (read twice from the server, the same bytes both times)"
+                second.args = (second.message,)
+            raise second from None
+        return header, first, again
+
+
+def _http_header_once(reads: RangeReads, url: str, name: str, max_header_size: int, not_found=None):
+    first = reads.first(url, name=name, not_found=not_found)
+    total = first.file.size
+    try:
+        n = _length(first.prefix, total, max_header_size, name, first.content_type)
+    except HeaderError as err:
+        err.raw = first.prefix  # type: ignore[attr-defined]
+        raise
+    body = bytearray(n)
+    if n:
+        reads.read(first.file, 8, [memoryview(body)], quiet=True)
+    raw = first.prefix + bytes(body)
+    try:
+        return _parse(body, total, n, name), first, raw
+    except HeaderError as err:
+        err.raw = raw  # type: ignore[attr-defined]
+        raise
 
 
 # --------------------------------------------------------------------------- fsspec
@@ -253,12 +205,14 @@ class RemoteSource:
         ``endpoint_url``, ``region``, ``profile``, ``anonymous`` for ``s3://``
         (:class:`engine.net._s3.S3Config`).
     retry : Retry, optional
-        Transient failures of the header, index and listing requests are retried so
-        (default: not retried).
-    keep_bodies : bool
-        Where a server ignores Range, keep each file's whole-file answer open after its
-        header for the tensor reads to go on with (:meth:`ranges`, :meth:`read_into`);
-        :meth:`close` hangs up on those not used.  Otherwise the header's read hangs up.
+        How transient failures of every request are retried (default :class:`Retry`).
+    connections : int, optional
+        Keep-alive connections per host of the source's client (its :attr:`reads`): the
+        worker threads of a load that reads through it.
+
+    Every HTTP(S) and S3 request goes through :attr:`reads`, the one client, which a load
+    goes on to read its tensors with (a server that ignores Range: each file's whole-file
+    answer is read on, no second whole-file request); :meth:`close` closes it.
 
     Locations (``where``) are what the transport requests: an http(s) URL (also for S3,
     signed on each request) or an fsspec path; :meth:`display` turns one back into the URL
@@ -267,7 +221,7 @@ class RemoteSource:
 
     def __init__(self, url: str, *, headers, timeout, max_redirects, storage_options,
                  s3: Mapping[str, Any] | None = None, retry: Retry | None = None,
-                 keep_bodies: bool = False) -> None:
+                 connections: int | None = None) -> None:
         self.url = url
         try:
             urllib.parse.urlsplit(url).port  # noqa: B018 - a malformed host or port fails here, named
@@ -279,19 +233,23 @@ class RemoteSource:
         self.raw_headers: dict[str, bytes] = {}  # location -> its first 8 + N bytes (HTTP and S3)
         self.last_modified: dict[str, str | None] = {}  # location -> Last-Modified (HTTP and S3)
         self.dates: dict[str, str] = {}  # location -> Date of its header's answer (HTTP and S3)
-        # location -> the whole-file answer of a server that ignores Range, kept open
-        self.bodies: dict[str, Response] | None = {} if keep_bodies else None
+        self.files: dict[str, Any] = {}  # location -> its RemoteFile (HTTP and S3)
         self.s3: S3Config | None = None
         self.fs: _Fs | None = None
-        self.http: Client | None = None
+        self.reads: RangeReads | None = None
         scheme = urllib.parse.urlsplit(url).scheme.lower()
+
+        def client(sign=None) -> RangeReads:
+            return RangeReads(connections=connections or DEFAULT_CONNECTIONS, timeout=timeout, retry=retry,
+                              headers=headers, sign=sign, max_redirects=max_redirects)
+
         if scheme in ("http", "https"):
-            self.http = Client(headers, timeout, max_redirects)
+            self.reads = client()
             self.root = url
         elif scheme == "s3" and not storage_options:
             self.bucket, self.key = split_s3_url(url)
             self.s3 = S3Config(**dict(s3 or {}))
-            self.http = Client(headers, timeout, max_redirects, sign=self.s3.headers)
+            self.reads = client(self.s3.headers)
             self.root = self.s3.http_url(self.bucket, self.key)
         elif len(scheme) > 1:
             self.fs = _Fs(url, storage_options)
@@ -310,33 +268,12 @@ class RemoteSource:
             return self.fs.url(where)
         return public_url(where)  # a user:password part is for the server, never for messages
 
-    def _named(self, where: str, fn: Callable[[], Any]):
-        """Errors name the user's URL (an S3 location is an http URL on the wire).  With a
-        ``retry``, a transient failure (:func:`~engine.net.remote_reads.transient`; not a
-        timeout: the call's one deadline has passed) is tried again, ``fn`` from its start.
-        A refused connection or a name that does not resolve is not: these requests are the
-        call's first contact with the server, and no server answered (see
-        :func:`engine.net._http.unreachable`)."""
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except SafetensorError as err:
-                attempt += 1
-                if (self.retry is not None and attempt < self.retry.attempts and err.reason != "Timeout"
-                        and transient(err) and not unreachable(err)):
-                    time.sleep(self.retry.delay(attempt))
-                    continue
-                if isinstance(err.path, str) and err.path == where:
-                    err.path = self.display(where)
-                raise
-
     def shard(self, name: str) -> str:
         """Location of a shard named by the index (the name is already checked as safe)."""
         if self.s3 is not None:
             key = posixpath.join(posixpath.dirname(self.key), name)
             return self.s3.http_url(self.bucket, key)
-        if self.http is not None:
+        if self.reads is not None:
             return urllib.parse.urljoin(self.url, urllib.parse.quote(name, safe="/"))
         assert self.fs is not None
         return posixpath.join(posixpath.dirname(self.fs.root), name)
@@ -345,11 +282,14 @@ class RemoteSource:
         if where in self._probed:
             return self._probed.pop(where)
         not_found = MissingShardError if shard else None
-        if self.http is not None:
-            http = self.http
-            return self._named(where, lambda: _http_header(http, where, max_header_size, not_found, self.etags,
-                                                           self.raw_headers, self.last_modified, self.bodies,
-                                                           self.dates))
+        if self.reads is not None:
+            header, first, raw = _http_header(self.reads, where, self.display(where), max_header_size, not_found)
+            self.files[where] = first.file
+            self.etags[where] = first.file.etag
+            self.last_modified[where] = first.last_modified
+            self.dates[where] = first.date or email.utils.formatdate(time.time(), usegmt=True)
+            self.raw_headers[where] = raw
+            return header
         assert self.fs is not None
         return self.fs.header(where, max_header_size, not_found)
 
@@ -357,14 +297,8 @@ class RemoteSource:
         where = where or self.root
         if where in self._probed:
             return self._probed.pop(where)
-        if self.http is not None:
-            http = self.http
-
-            def get() -> bytes:
-                with http.open(where) as r:
-                    return r.read_all(max_size, "the index")
-
-            data = self._named(where, get)
+        if self.reads is not None:
+            data = self.reads.document(where, max_size, "the index", name=self.display(where))
         else:
             assert self.fs is not None
             data = self.fs.read_all(where, max_size, "the index")
@@ -373,20 +307,28 @@ class RemoteSource:
     def read_into(self, where: str, offset: int, view: memoryview, total: int) -> None:
         if not len(view):
             return
-        if self.http is not None:
-            http = self.http
-            kept = self.bodies.pop(where, None) if self.bodies is not None else None
-            self._named(where, lambda: _http_range_into(http, where, offset, view, total, kept))
+        if self.reads is not None:
+            self.reads.read(self.files[where], offset, [view])
         else:
             assert self.fs is not None
             view[:] = self.fs.read(where, offset, len(view))
 
+    def forget(self, where: str) -> None:
+        """The file at ``where`` is not read on (a local copy serves it): hang up on its
+        whole-file answer, if its server ignores Range."""
+        if self.reads is not None:
+            self.reads.forget(where)
+
     def close(self) -> None:
-        """Hang up on the whole-file answers no read took over."""
-        if self.bodies:
-            for r in self.bodies.values():
-                r.close(force=True)
-            self.bodies.clear()
+        """Close the client: its idle connections and whole-file answers."""
+        if self.reads is not None:
+            self.reads.close()
+
+    def __enter__(self) -> RemoteSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- what a URL holds ----------------------------------------------------------------
 
@@ -400,11 +342,11 @@ class RemoteSource:
             if self.key.endswith(".safetensors"):
                 return "file", [self.root]
             return self._s3_prefix(max_size)
-        path = urllib.parse.urlsplit(self.url).path if self.http is not None else self.root
+        path = urllib.parse.urlsplit(self.url).path if self.reads is not None else self.root
         if is_index(self.url):
             return "index", [self.root]
         if not path.endswith("/"):
-            if self.http is None or path.endswith(".safetensors"):
+            if self.reads is None or path.endswith(".safetensors"):
                 return "file", [self.root]
             return self._file_or_folder(max_size)
         return self._folder(max_size)
@@ -413,15 +355,15 @@ class RemoteSource:
         """An http(s) URL that names neither a ``.safetensors`` file nor a folder (no slash):
         read as a file, unless the server redirects it to itself plus ``/`` or answers an
         HTML page (a folder's listing): then it is read as that folder."""
-        assert self.http is not None
+        assert self.reads is not None
         url = self.root
         try:
             # kept for the caller's own request of the same thing (no second fetch)
             self._probed[url] = self.header(url, max_size)
             return "file", [url]
         except (HeaderError, ReadError) as err:
-            moved = self.http.moved.get(url)
-            html = "html" in (self.http.content_types.get(url) or "").lower()
+            moved = self.reads.moved.get(url)
+            html = "html" in (self.reads.content_types.get(url) or "").lower()
             parts = urllib.parse.urlsplit(url)
             slash = urllib.parse.urlunsplit(parts._replace(path=parts.path + "/"))
             if moved is not None and urllib.parse.urlsplit(moved)._replace(query="", fragment="") != \
@@ -456,25 +398,19 @@ class RemoteSource:
         )
 
     def shard_of_prefix(self, name: str) -> str:
-        if self.http is not None:
+        if self.reads is not None:
             return urllib.parse.urljoin(self.url, name)
         assert self.fs is not None
         return posixpath.join(self.root, name)
 
     def _s3_prefix(self, max_size: int) -> tuple[str, list[str]]:
-        assert self.s3 is not None and self.http is not None
+        assert self.s3 is not None and self.reads is not None
         prefix = self.key if not self.key or self.key.endswith("/") else self.key + "/"
         keys: list[str] = []
         token: str | None = None
-        http = self.http
         for _ in range(1000):  # 1000 pages of 1000 keys
             where = self.s3.list_url(self.bucket, prefix, token)
-
-            def page(where=where) -> bytes:
-                with http.open(where) as r:
-                    return r.read_all(64 << 20, "the listing")
-
-            body = self._named(where, page)
+            body = self.reads.document(where, 64 << 20, "the listing", name=self.url)
             try:
                 found, token = parse_listing(body)
             except Exception as exc:  # an S3-compatible server that answers something else
@@ -492,16 +428,11 @@ class RemoteSource:
 
     # -- bulk reads ----------------------------------------------------------------------
 
-    def ranges(self, where: str, header: Header, reads: RangeReads) -> Callable[[int, Sequence[memoryview]], None]:
-        """``read(offset, views)`` for the bulk reads of one file of a load."""
-        if self.http is not None:
-            # where the header's requests ended after redirects, with the headers sent there
-            final, headers = self.http.resolved.get(where, (where, None))
-            file = RemoteFile(final, header.file_size, self.etags.get(where), self.display(where), headers)
-            kept = self.bodies.pop(where, None) if self.bodies is not None else None
-            if kept is not None:  # the server ignored Range: the bulk reads go on with this answer
-                reads.adopt(file, *kept.detach(), kept.pos)
-            return reads.reader(file)
+    def ranges(self, where: str) -> Callable[[int, Sequence[memoryview]], None]:
+        """``read(offset, views)`` for the bulk reads of one file of a load (its header read:
+        the same client, where its first requests were redirected, and its version)."""
+        if self.reads is not None:
+            return self.reads.reader(self.files[where])
         fs = self.fs
         assert fs is not None
 

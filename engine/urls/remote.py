@@ -10,12 +10,12 @@ and come back as the same :class:`~engine.format.header.Header` objects.
 Transports:
 
 ``http://``, ``https://``
-    A small direct client on :mod:`http.client` (standard library; environment proxies apply),
-    so the request count is exact: no ``HEAD``, no read-ahead, redirects followed by hand
-    (a bounded number; ``Authorization`` is dropped when a redirect leaves the host), and
-    one deadline over the whole call (see :mod:`engine.net._http`).  A server that ignores
-    ``Range`` and answers ``200`` with the whole file is read only as far as needed, then
-    the connection is closed.
+    The engine's one client (:class:`engine.net.remote_reads.RangeReads`, on :mod:`http.client`;
+    environment proxies apply), so the request count is exact: no ``HEAD``, no read-ahead,
+    redirects followed by hand (a bounded number; ``Authorization`` is dropped when a redirect
+    leaves the host), each request within ``timeout``, transient faults retried as in every
+    load.  A server that ignores ``Range`` and answers ``200`` with the whole file is read
+    only as far as needed, then the connection is closed.
 ``s3://bucket/key``
     The same client, each request signed with SigV4 by :mod:`engine.net._s3` (botocore's
     credentials, region and endpoint; the ``s3`` extra; anonymous when there are no
@@ -41,7 +41,7 @@ from engine.errors import (
     TensorNotFoundError,
 )
 from engine.format.header import MAX_HEADER_SIZE, Header
-from engine.net.remote_reads import public_url
+from engine.net.remote_reads import Retry, public_url
 from engine.urls._remote_files import RemoteSource, checkpoint_info, is_index, is_url
 
 __all__ = [
@@ -63,10 +63,10 @@ DEFAULT_MAX_REDIRECTS = 5
 _MAX_WORKERS = 8
 
 
-def _source(url, headers, timeout, max_redirects, storage_options, keep_bodies: bool = False) -> RemoteSource:
+def _source(url, headers, timeout, max_redirects, storage_options, retry=None) -> RemoteSource:
     return RemoteSource(
         os.fspath(url), headers=headers, timeout=timeout, max_redirects=max_redirects, storage_options=storage_options,
-        keep_bodies=keep_bodies,
+        retry=retry,
     )
 
 
@@ -78,6 +78,7 @@ def read_header(
     headers: Mapping[str, str] | None = None,
     max_redirects: int = DEFAULT_MAX_REDIRECTS,
     storage_options: Mapping[str, Any] | None = None,
+    retry: Retry | None = None,
 ) -> Header:
     """The validated header of one remote safetensors file.
 
@@ -85,7 +86,7 @@ def read_header(
     ----------
     url : str
         ``http(s)://`` or any fsspec URL of a ``.safetensors`` file.
-    max_header_size, timeout, headers, max_redirects, storage_options
+    max_header_size, timeout, headers, max_redirects, storage_options, retry
         As for :func:`read_metadata`.
 
     Returns
@@ -102,15 +103,15 @@ def read_header(
     Over HTTP exactly two requests (one when the server ignores Range), plus any redirects
     of the first; copies of tensor bytes: 0.
     """
-    src = _source(url, headers, timeout, max_redirects, storage_options)
-    kind, wheres = src.layout(max_header_size)
-    if kind != "file":
-        raise ReadError(
-            f"this URL holds a checkpoint of several files ({'an index' if kind == 'index' else 'no index'}), "
-            "not one file: read its headers with engine.read_checkpoint_info or engine.urls.remote.read_metadata",
-            reason="NotAFile", path=public_url(os.fspath(url)),
-        )
-    return src.header(wheres[0], max_header_size)
+    with _source(url, headers, timeout, max_redirects, storage_options, retry) as src:
+        kind, wheres = src.layout(max_header_size)
+        if kind != "file":
+            raise ReadError(
+                f"this URL holds a checkpoint of several files ({'an index' if kind == 'index' else 'no index'}), "
+                "not one file: read its headers with engine.read_checkpoint_info or engine.urls.remote.read_metadata",
+                reason="NotAFile", path=public_url(os.fspath(url)),
+            )
+        return src.header(wheres[0], max_header_size)
 
 
 def read_metadata(
@@ -123,6 +124,7 @@ def read_metadata(
     max_redirects: int = DEFAULT_MAX_REDIRECTS,
     max_workers: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    retry: Retry | None = None,
 ) -> CheckpointInfo:
     """Headers of a remote checkpoint, a single file or an index and its shards.
 
@@ -137,11 +139,12 @@ def read_metadata(
     max_shards : int, default 4096
         Largest number of shards an index may name.
     timeout : float, default 30
-        Seconds allowed for the whole call over HTTP: a deadline over every connection,
-        request and body, however the server paces its bytes.  A ``ReadError`` with
-        ``reason="Timeout"`` says in ``.phase`` where the time ran out (``"connect"``,
-        ``"request"``: waiting for the answer, ``"body"``).  Name resolution (DNS) is not
-        bounded.  fsspec protocols use their own settings (``storage_options``).
+        Seconds allowed for each HTTP request: connecting, the answer and the whole body,
+        however the server paces its bytes (a watchdog shuts a trickling socket down).  A
+        request that runs out of time is tried again, as every transient fault is
+        (:class:`~engine.net.remote_reads.Retry`); the last try's ``ReadError`` has
+        ``reason="Timeout"``.  Name resolution (DNS) is not bounded.  fsspec protocols use
+        their own settings (``storage_options``).
     headers : mapping of str to str, optional
         Extra HTTP request headers, e.g. ``{"Authorization": "Bearer hf_..."}`` for a gated
         repository; dropped on a redirect to another host.
@@ -151,6 +154,9 @@ def read_metadata(
         Shards fetched concurrently (default: up to 8).
     storage_options : mapping, optional
         Passed to ``fsspec.core.url_to_fs`` for non-HTTP URLs.
+    retry : Retry, optional
+        How transient faults of every request are tried again (default
+        :class:`~engine.net.remote_reads.Retry`: 6 tries, as a load's).
 
     Returns
     -------
@@ -191,8 +197,8 @@ def read_metadata(
     spath = os.fspath(url)
     if not is_url(spath):  # no scheme, or a Windows drive letter
         return read_checkpoint_info(spath, max_header_size=max_header_size, max_workers=max_workers)
-    src = _source(spath, headers, timeout, max_redirects, storage_options)
-    info, _ = checkpoint_info(src, max_header_size, max_shards, max_workers or _MAX_WORKERS)
+    with _source(spath, headers, timeout, max_redirects, storage_options, retry) as src:
+        info, _ = checkpoint_info(src, max_header_size, max_shards, max_workers or _MAX_WORKERS)
     return info
 
 
@@ -207,6 +213,7 @@ def get_tensor(
     headers: Mapping[str, str] | None = None,
     max_redirects: int = DEFAULT_MAX_REDIRECTS,
     storage_options: Mapping[str, Any] | None = None,
+    retry: Retry | None = None,
 ):
     """One tensor of a remote checkpoint, through a ranged read of just its bytes.
 
@@ -221,8 +228,8 @@ def get_tensor(
         Kind of tensor returned.
     device : str, int or torch.device, default "cpu"
         For torch, where the tensor goes.
-    max_header_size, timeout, headers, max_redirects, storage_options
-        As for :func:`read_metadata`; ``timeout`` bounds the whole call, the data request
+    max_header_size, timeout, headers, max_redirects, storage_options, retry
+        As for :func:`read_metadata`; ``timeout`` bounds each request, the data request
         included.
 
     Returns
@@ -249,7 +256,7 @@ def get_tensor(
     sink = sink_for(framework, device)
     spath = os.fspath(url)
     # a server that ignores Range: the tensor is read on from the header's answer
-    src = _source(spath, headers, timeout, max_redirects, storage_options, keep_bodies=True)
+    src = _source(spath, headers, timeout, max_redirects, storage_options, retry)
     try:
         where, shard = src.root, False
         if is_index(spath):

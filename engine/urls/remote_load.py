@@ -129,17 +129,19 @@ def open_parts(
     spath = os.fspath(url)
     shown = public_url(spath)  # what errors name: without a user:password part
     retry = retry or Retry()
-    src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
-                       storage_options=storage_options, s3=s3, retry=retry, keep_bodies=True)
     workers = connections or DEFAULT_CONNECTIONS
+    src = RemoteSource(spath, headers=headers, timeout=timeout, max_redirects=max_redirects,
+                       storage_options=storage_options, s3=s3, retry=retry, connections=workers)
     try:
         info, wheres = checkpoint_info(src, max_header_size, max_shards, workers)
     except BaseException:
         src.close()
         raise
     found = list(info.headers.values())
-    reads = RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
-                       sign=src.s3.headers if src.s3 is not None else None, max_redirects=max_redirects)
+    # the source's client reads on (HTTP, S3: one client for every request of the call); an
+    # fsspec source's reads are fsspec's, this one only carries the workers and the cancel
+    reads = src.reads or RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
+                                    max_redirects=max_redirects)
     copies = None
     parts: list[Part] = []
     try:
@@ -150,17 +152,18 @@ def open_parts(
         for w, h in zip(wheres, found, strict=True):
             shown_w = src.display(w)
             if copies is None:
-                parts.append(Part(-1, h, [], shown_w, src.ranges(w, h, reads)))
+                parts.append(Part(-1, h, [], shown_w, src.ranges(w)))
                 continue
             version = (src.etags.get(w), src.last_modified.get(w), h, src.raw_headers.get(w))
             date = dates[shown_w] = src.dates.get(w)
             local = copies.open(shown_w, *version, date=date)
-            if local is not None:  # read from its copy: no ranges (src.close() hangs up its whole-file answer)
+            if local is not None:  # read from its copy: no ranges, and no whole-file answer kept for it
+                src.forget(w)
                 parts.append(Part(local[0], h, [], local[1]))
                 continue
             # taken only for a file read from the server: a server that ignores Range hands
             # the header's whole-file answer on to these reads
-            ranges = src.ranges(w, h, reads)
+            ranges = src.ranges(w)
             if download:
                 wanted.append((len(parts), (shown_w, *version, ranges)))
                 parts.append(Part(-1, h, [], shown_w, ranges))
@@ -178,8 +181,6 @@ def open_parts(
         if copies is not None:
             copies.close()
         raise
-    finally:
-        src.close()  # the whole-file answers of files read from their copies
     return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies)
 
 
