@@ -33,7 +33,10 @@ For the bulk reads of a load (:mod:`engine.net.remote_reads`) the server also ha
   sent, then close), ``slow`` (the head, then a stall of ``server.stall`` seconds
   before the body), ``503``, ``slowdown`` (503 with S3's ``SlowDown`` XML), ``500``, ``403``,
   ``404``, ``change`` (the file's ETag changes before this request is answered), ``grow``
-  (``Content-Range`` says the file is one byte longer).  ``server.sent`` records, per data
+  (``Content-Range`` says the file is one byte longer), ``503-retry`` (503 with
+  ``Retry-After: 0``), ``flip`` (the body with one byte flipped, its middle one), ``other-range``
+  (a well-formed 206 for the range one byte further, or one byte back at the file's end),
+  ``gzip`` (the answer compressed although ``identity`` was asked for).  ``server.sent`` records, per data
   GET, ``(n, first, bytes sent)`` of a faulty answer.  With ``server.faults_on = "all"``
   every GET of a file counts (headers, indexes), not only data GETs.
 """
@@ -230,6 +233,23 @@ class _Handler(BaseHTTPRequestHandler):
             if self.server.max_range:  # a server that answers at most this many bytes per range
                 last = min(last, first + self.server.max_range - 1)
         fault = self._fault(path, file, first if ranged else None, last, record)
+        if fault == "other-range" and ranged:  # a well-formed answer for another range
+            shift = 1 if last + 1 < size else -1 if first > 0 else 0
+            first, last = first + shift, last + shift
+        if fault == "503-retry":
+            return self._status(503, {"Retry-After": "0"})
+        if fault == "gzip":
+            with open(file, "rb") as f:
+                f.seek(first)
+                body = gzip.compress(f.read(last - first + 1))
+            self.send_response(206 if ranged else 200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            if ranged:
+                self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.end_headers()
+            self.wfile.write(body)
+            return
         if fault == "change":
             with self.server.lock:
                 self.server.generation += 1
@@ -280,10 +300,14 @@ class _Handler(BaseHTTPRequestHandler):
             with open(file, "rb") as f:
                 f.seek(first)
                 left = send
+                flip = send // 2 if fault == "flip" else -1  # the body's byte to damage
                 while left:
                     chunk = f.read(min(left, 1 << 16))
                     if not chunk:
                         break
+                    if 0 <= flip < len(chunk):
+                        chunk = chunk[:flip] + bytes([chunk[flip] ^ 0x40]) + chunk[flip + 1:]
+                    flip -= len(chunk)
                     self.wfile.write(chunk)
                     left -= len(chunk)
             self.wfile.flush()

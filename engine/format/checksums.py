@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from engine.base import _crc32c
@@ -188,6 +188,63 @@ def mismatch(path: str | None, name: str, want: int, got: int) -> ChecksumError:
         "(the file is corrupt or was changed after it was written)",
         reason="ChecksumMismatch", path=path, tensors=(name,), expected=int(want), computed=int(got),
     )
+
+
+#: reads more of a tensor whose bytes came over a network and failed their checksum: until
+#: the recorded checksum comes, or two reads agree (the server's own bytes are damaged)
+REREADS = 3
+
+
+def read_until_agreed(first: int, want: int, again: Callable[[], int]) -> tuple[int, bool]:
+    """Read a tensor again (``again()``: its new CRC-32C) after a first read of CRC ``first``
+    failed: until ``want`` comes, two reads agree, or :data:`REREADS` more reads.  Returns
+    ``(the last CRC, whether two reads agreed)``."""
+    seen = {first}
+    crc = first
+    for _ in range(REREADS):
+        crc = again()
+        if crc == want:
+            return crc, False
+        if crc in seen:
+            return crc, True
+        seen.add(crc)
+    return crc, False
+
+
+def read_again(err: ChecksumError, again: int, agreed: bool) -> ChecksumError:
+    """``err``, a mismatch of bytes that came over a network, once the tensor was read again
+    (:func:`read_until_agreed`) and its last CRC-32C was ``again``: the message says whether
+    two reads agreed (the file itself is damaged) or every read differed."""
+    note = (f"read again from the server: the same bytes twice ({again:08x}), so the file itself is damaged"
+            if agreed else
+            f"read {REREADS + 1} times from the server, different bytes each time (last {again:08x}): damaged on "
+            "the way every time")
+    err.message = f"{err.message} ({note})"
+    err.args = (err.message,)
+    return err
+
+
+def verify_received(checks: Checks | None, row: int, data, receive_again: Callable[[], None]) -> None:
+    """Verify ``data``, row ``row``'s whole bytes just received over a network (nothing where
+    ``checks`` is None); on a mismatch ``receive_again()`` reads them into ``data`` again from
+    the server (:func:`read_until_agreed`), and only a mismatch that stays raises
+    (:func:`read_again`'s error)."""
+    if checks is None:
+        return
+    try:
+        checks.verify_bytes(row, data)
+    except ChecksumError as err:
+        if not len(data):
+            raise
+
+        def again() -> int:
+            receive_again()
+            return crc32c(data)
+
+        want = int(checks.expected[row])
+        crc, agreed = read_until_agreed(int(getattr(err, "computed", -1)), want, again)
+        if crc != want:
+            raise read_again(err, crc, agreed) from None
 
 
 def check(path: str | None, name: str, want: int, data) -> None:

@@ -38,13 +38,21 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from engine.base._threads import run_threads
 from engine.errors import Cancelled, ChecksumError, DeviceError
-from engine.format.checksums import Checks, combine_rows, crc32c, join, mismatch
+from engine.format.checksums import (
+    Checks,
+    combine_rows,
+    crc32c,
+    join,
+    mismatch,
+    read_again,
+    read_until_agreed,
+)
 from engine.gpu import device_ring
 from engine.gpu.device_ring import DeviceOps
 from engine.io.reader import (
@@ -157,7 +165,11 @@ class _Tracker:
     verified when its last byte lands, before it is reported: its CRC-32C is ``digests[key]``
     (segments joined in order by the copy: :meth:`add_ordered`) or the join of the segments
     recorded out of order (:meth:`add_segment`).  A mismatch raises
-    :class:`~engine.errors.ChecksumError` and the tensor is never reported."""
+    :class:`~engine.errors.ChecksumError` and the tensor is never reported; where the bytes
+    came over a network (``reread``, set for remote files), the tensor is first read
+    again from the server into its destination (until its checksum comes or two reads agree:
+    :func:`~engine.format.checksums.read_until_agreed`), and only a mismatch that stays raises
+    (the error says whether two reads agreed: the file's own bytes are damaged)."""
 
     def __init__(self, sizes: dict[int, int], on_complete: Callable[[int], None] | None,
                  checked: dict[int, tuple[Checks, int]] | None = None) -> None:
@@ -172,6 +184,8 @@ class _Tracker:
         for key, (c, row) in self.checked.items():
             self.want[key] = c.expected[row]
         self.segments: dict[int, list[tuple[int, int, int]]] = {}
+        #: ``reread(key)``: the tensor read again into its destination, its new CRC-32C
+        self.reread: Callable[[int], int] | None = None
 
     @classmethod
     def of(cls, sources: Sequence[Source], on_complete) -> _Tracker:
@@ -215,13 +229,23 @@ class _Tracker:
                 if segs is not None:
                     self.digests[k] = join(segs)
         ks = np.asarray(keys, dtype=np.intp)
-        bad = ks[self.digests[ks] != self.want[ks]]
-        if not bad.size:
+        bad = ks[self.digests[ks] != self.want[ks]].tolist()
+        if not bad:
             return done, None
-        first = int(bad[0])
+        again: dict[int, tuple[int, bool]] = {}
+        if self.reread is not None:  # bytes that crossed a network: read again
+            reread = self.reread
+            for k in bad:
+                again[k] = read_until_agreed(int(self.digests[k]), int(self.want[k]), lambda k=k: reread(k))
+            bad = [k for k in bad if again[k][0] != int(self.want[k])]
+            if not bad:
+                return done, None
+        first = bad[0]
         c, row = self.checked[first]
         err = mismatch(c.path, c.names[row], int(self.want[first]), int(self.digests[first]))
-        failed = set(bad.tolist())
+        if first in again:
+            err = read_again(err, *again[first])
+        failed = set(bad)
         return [k for k in done if k not in failed], err
 
     def landed(self, parts) -> None:
@@ -449,6 +473,32 @@ def _run_host(sources, dest, tracker, cancel, threads, fill) -> None:
         reader.close()
 
 
+class _Reread:
+    """A checked tensor of a remote file read again from the server into its host
+    destination (the pieces the load planned for it), its CRC-32C taken over the whole
+    tensor: the tracker's ``reread`` after a mismatch.  Copies of tensor bytes: 1 (socket to
+    the destination, again)."""
+
+    def __init__(self, sources, views) -> None:
+        self.views = views
+        self.pieces: dict[int, tuple[Any, list]] = {}
+        for src in sources:
+            if src.ranges is None:
+                continue
+            for req in src.requests:
+                for p in req.pieces:
+                    if p.nbytes:
+                        self.pieces.setdefault(src.row_base + p.row, (src, []))[1].append(
+                            (req.offset + p.request_offset, p.nbytes, p.tensor_offset))
+
+    def __call__(self, key: int) -> int:
+        src, pieces = self.pieces[key]
+        view = self.views[key]
+        for offset, nbytes, at in pieces:
+            src.ranges(offset, [view[at : at + nbytes]])
+        return crc32c(view)
+
+
 def _run_host_fill(sources, dest, tracker, cancel, threads, fill) -> None:
     work = [(s, req) for s in sources for req in s.requests]
     lock = threading.Lock()
@@ -483,6 +533,8 @@ def _run_host_fill(sources, dest, tracker, cancel, threads, fill) -> None:
                         tracker.add_segment(base + p.row, p.tensor_offset, p.nbytes, crc32c(t))
             tracker.landed((base + p.row, p.nbytes) for p in req.pieces)
 
+    if any(s.ranges is not None and s.checks is not None for s in sources):
+        tracker.reread = _Reread(sources, dest.host_views)
     ahead = None
     if dest.fresh and any(s.ranges is not None for s in sources):
         # fresh memory that sockets fill: other threads fault it in, in the order of the work,

@@ -873,8 +873,7 @@ class RangeReads:
             if first != offset or lastb is None or lastb < first:
                 _discard(resp)
                 raise self._fail(name, offset, want, "BadRange",
-                                 f"asked for bytes {offset}-{offset + want - 1}, the server sent {first}-{lastb}",
-                                 0, transient=False)
+                                 f"asked for bytes {offset}-{offset + want - 1}, the server sent {first}-{lastb}", 0)
             return min(want, lastb - first + 1)
         # 200: the whole file from byte 0
         length = resp.getheader("Content-Length")

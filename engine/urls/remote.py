@@ -40,6 +40,7 @@ from engine.errors import (
     RemoteFileNotFoundError,
     TensorNotFoundError,
 )
+from engine.format.checksums import Checks, verify_received, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header
 from engine.net.remote_reads import Retry, public_url
 from engine.urls._remote_files import RemoteSource, checkpoint_info, is_index, is_url
@@ -268,7 +269,15 @@ def get_tensor(
         info = header[name]  # TensorNotFoundError names the file
         begin, end = info.data_offsets
         arr = sink.empty(info.code, info.shape, end - begin)
-        src.read_into(where, header.data_start + begin, sink.raw(arr), header.file_size)
+        raw = sink.raw(arr)
+
+        def receive() -> None:
+            src.read_into(where, header.data_start + begin, raw, header.file_size)
+
+        receive()
+        # the file's checksum of the tensor, where it records one (a mismatch is read again once)
+        checks = Checks.of(header, src.display(where)) if verifying() else None
+        verify_received(checks, header.table.index[name], raw, receive)
     finally:
         src.close()
     return sink.to_device(arr)

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.base import dtypes
 from engine.errors import InvalidSliceError, SafetensorError, TensorNotFoundError
-from engine.format.checksums import Checks, verifying
+from engine.format.checksums import Checks, verify_received, verifying
 from engine.io.reader import map_threads
 from engine.loading.loader import sink_for, stream_parts
 from engine.net.remote_reads import read_runs
@@ -145,8 +145,9 @@ class RemoteHandle:
         t = part.header.table
         code, begin, end = int(t.codes[row]), int(t.begins[row]), int(t.ends[row])
         arr = self._sink.empty(code, t.shapes[row], end - begin)
-        if end > begin:
-            raw = self._sink.raw(arr)
+        raw = self._sink.raw(arr) if end > begin else memoryview(b"")
+
+        def fetch() -> None:
             offset = part.header.data_start + begin
             n = end - begin
             assert self._opened is not None
@@ -154,9 +155,12 @@ class RemoteHandle:
             cuts = [n * k // pieces for k in range(pieces + 1)]
             map_threads(lambda k: part.ranges(offset + cuts[k], [raw[cuts[k] : cuts[k + 1]]]), range(pieces),
                         pieces, name="engine-remote")
-        checks = Checks.of(part.header, part.path) if self._verify else None
-        if checks is not None:  # one read of the bytes just received, before the tensor is handed out
-            checks.verify_bytes(row, self._sink.raw(arr) if end > begin else b"")
+
+        if end > begin:
+            fetch()
+        # one read of the bytes just received, before the tensor is handed out; a mismatch
+        # is read again from the server before the file is blamed
+        verify_received(Checks.of(part.header, part.path) if self._verify else None, row, raw, fetch)
         return self._sink.to_device(arr)
 
     def get_slice(self, name: str) -> RemoteSlice:
