@@ -7,7 +7,8 @@ runs it as a child and adds them to its table):
 1. no stale error: right after a load, the thread's ``cudaPeekAtLastError`` is clear and a
    torch kernel (whose launch torch checks with ``cudaGetLastError``) runs;
 2. the current device: ``torch.cuda.current_device()`` is the same before and after a load
-   to another GPU (the last one), and ``device="cuda"`` lands on the current device;
+   to another GPU (the last one), on this thread and on a fresh one, and ``device="cuda"``
+   lands on the current device;
 3. ordering: ``load_into`` of tensors whose ``zero_()`` is still queued behind a slow kernel
    on the current stream gives the file's bytes (the zeros run first);
 4. contexts: a process on the last GPU that loads (from its own thread and from
@@ -29,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -157,9 +159,20 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
         after = torch.cuda.current_device()
         plain = engine.torch.load_file(path, device="cuda")
         on = {t.device.index for t in plain.values()}
-        ok = before == after and on == {before}
+        fresh: dict = {}
+
+        def elsewhere() -> None:  # a thread that never used CUDA: its device stays its own
+            fresh["before"] = torch.cuda.current_device()
+            engine.torch.load_file(path, device=f"cuda:{other}")
+            fresh["after"] = torch.cuda.current_device()
+
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+        ok = before == after and on == {before} and fresh.get("before") == fresh.get("after")
         return ("ok" if ok else "failed"), (f"current device {before} before, {after} after a load to cuda:{other}"
-                                            f" ({n} GPU(s)); device='cuda' landed on {sorted(on)}")
+                                            f" ({n} GPU(s)); device='cuda' landed on {sorted(on)}; a fresh thread's"
+                                            f" {fresh.get('before')} before, {fresh.get('after')} after")
 
     def ordered():
         dst = {k: torch.empty(v.shape, dtype=v.dtype, device=target) for k, v in tensors.items()}

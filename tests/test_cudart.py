@@ -109,10 +109,11 @@ def test_the_runtime_of_the_frameworks_cuda_major_is_chosen(tmp_path):
 
 def test_cuda_without_an_index_is_the_callers_device_resolved_on_its_thread(monkeypatch):
     """torch's current device and stream are per thread; the ring asks for the device index
-    and the consumer's stream from its own threads (the stream worker, the prepare thread),
-    where the current device is GPU 0.  Both are resolved once, on the caller's thread.  A
-    CPU build of torch has no CUDA: its per-thread current device and stream are stood in
-    for here (a GPU run checks the same with the real ones: ``scripts/gpu_check.py``)."""
+    from its own threads (the stream worker, the prepare thread), where the current device is
+    GPU 0.  It is resolved once, on the caller's thread, and the consumer's fence is recorded
+    there too.  A CPU build of torch has no CUDA: its per-thread current device and the
+    fence's event are stood in for here (a GPU run checks the same with the real ones:
+    ``scripts/driver_check.py``)."""
     torch = pytest.importorskip("torch", reason="torch is an optional extra")
     import threading
 
@@ -120,20 +121,20 @@ def test_cuda_without_an_index_is_the_callers_device_resolved_on_its_thread(monk
 
     local = threading.local()
 
-    class Stream:
+    class Fence:  # recorded on the current stream of the thread that makes it
         def __init__(self, device):
-            self.cuda_stream = 0x1000 * (1 + getattr(local, "device", 0))
+            self.cuda_event = 0x1000 * (1 + getattr(local, "device", 0))
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(local, "device", 0))
-    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch_sink, "_fence", Fence)
     local.device = 1  # the caller's torch.cuda.set_device(1)
     sink = torch_sink.TorchSink("cuda")
     seen: dict = {}
 
     def elsewhere():  # a thread of the engine's: its current device is GPU 0
         ops = sink.ring_ops()
-        seen.update(index=ops.device_index, stream=ops.consumer_stream())
+        seen.update(index=ops.device_index)
 
     t = threading.Thread(target=elsewhere)
     t.start()
@@ -142,4 +143,4 @@ def test_cuda_without_an_index_is_the_callers_device_resolved_on_its_thread(monk
     # the ops made on the engine's thread still name the caller's device; its stream there
     assert seen["index"] == 1
     ops = sink.ring_ops()
-    assert ops.device_index == 1 and ops.consumer_stream() == 0x2000
+    assert ops.device_index == 1 and ops.consumer_fence() == 0x2000

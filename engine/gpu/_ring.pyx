@@ -29,13 +29,14 @@ or CuPy already loaded, so the same instance, contexts and streams) and looks it
 up by name; the tests pass an emulated runtime with the same ones (``tests/emucudart``).
 
 What a driver holds per thread is left as the caller had it.  A thread the engine does not
-own (the caller's, a finaliser's) gets the ring's device made current around the ring's calls
-and its own context (or none) put back after, with the driver's ``cuCtxGetCurrent`` /
-``cuCtxSetCurrent``: restoring a device with ``cudaSetDevice`` would make a context on GPU 0
-for a thread that had none.  "Not ready" from an event query is cleared from the thread's
-last error at once, as torch does, so the caller's next check of ``cudaGetLastError`` does
-not see it.  A run's first copy waits (``cudaStreamWaitEvent``) for the work already queued
-on the consumer's stream, the stream its memory was allocated or last used on.
+own (the caller's, a finaliser's) gets the ring's device's primary context pushed around the
+ring's calls and popped after (the driver's ``cuCtxPushCurrent`` / ``cuCtxPopCurrent``): its
+own context, or none, and its runtime device stay as they were, where ``cudaSetDevice``
+would change the device and restoring one would make a context on GPU 0 for a thread that
+had none.  "Not ready" from an event query is cleared from the thread's last error at once,
+as torch does, so the caller's next check of ``cudaGetLastError`` does not see it.  A run's
+first copy waits (``cudaStreamWaitEvent``) for the consumer's fence: an event its framework
+recorded on the caller's current stream when the load was set up, on the caller's thread.
 """
 
 from cpython.buffer cimport PyBUF_WRITE
@@ -118,6 +119,9 @@ ctypedef int (*_f_void)() noexcept nogil
 ctypedef const char* (*_f_errstr)(int) noexcept nogil
 ctypedef int (*_f_wait)(void*, void*, unsigned int) noexcept nogil
 ctypedef int (*_f_ctx_get)(void**) noexcept nogil
+ctypedef int (*_f_init)(unsigned int) noexcept nogil
+ctypedef int (*_f_device_get)(int*, int) noexcept nogil
+ctypedef int (*_f_retain)(void**, int) noexcept nogil
 
 cdef struct _Rt:
     _f_int set_device
@@ -134,9 +138,14 @@ cdef struct _Rt:
     _f_void get_last_error
     _f_errstr error_string
     _f_wait stream_wait_event
-    # the driver's (libcuda's): a thread's current context, saved and put back
+    # the driver's (libcuda's): a device's primary context, pushed on a thread and popped
+    _f_init driver_init
+    _f_device_get device_get
+    _f_retain primary_retain
+    _f_int primary_release
     _f_ctx_get ctx_get_current
-    _f_ptr ctx_set_current
+    _f_ptr ctx_push
+    _f_ctx_get ctx_pop
 
 cdef enum:
     _cudaErrorNotReady = 600
@@ -154,7 +163,8 @@ ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostU
                 "cudaGetErrorString", "cudaStreamWaitEvent")
 #: the driver's entry points a ring calls (after ENTRY_POINTS in _Rt): looked up in the runtime's
 #: library first (the emulated one has them), else in the driver's, which every CUDA process maps
-DRIVER_ENTRY_POINTS = ("cuCtxGetCurrent", "cuCtxSetCurrent")
+DRIVER_ENTRY_POINTS = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",
+                       "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2")
 DRIVER = "libcuda.so.1"
 
 
@@ -184,7 +194,7 @@ cdef class Runtime:
                 raise OSError(f"the CUDA runtime {path} has no {name}")
             slots[i] = fn
         lib = self.handle
-        if dlsym(lib, b"cuCtxGetCurrent") == NULL:
+        if dlsym(lib, b"cuCtxPushCurrent_v2") == NULL:
             self.driver = dlopen((<str>DRIVER).encode(), RTLD_NOW | RTLD_LOCAL)
             if self.driver == NULL:
                 err = dlerror()
@@ -197,6 +207,26 @@ cdef class Runtime:
                 self._close()
                 raise OSError(f"the CUDA driver has no {name}")
             slots[n + i] = fn
+        self.rt.driver_init(0)  # initialised already where a framework loaded CUDA; cheap then
+
+    def primary_context(self, int device) -> int:
+        """Retain ``device``'s primary context (made if need be, not made current); its
+        handle.  Released by :meth:`release_primary`."""
+        cdef void* ctx = NULL
+        cdef int dev = 0, rc
+        with nogil:
+            rc = self.rt.device_get(&dev, device)
+            if rc == 0:
+                rc = self.rt.primary_retain(&ctx, dev)
+        if rc != 0:
+            raise RuntimeError(f"cannot retain the primary context of device {device} (CUDA driver error {rc})")
+        return <uintptr_t>ctx
+
+    def release_primary(self, int device) -> None:
+        cdef int dev = 0
+        with nogil:
+            if self.rt.device_get(&dev, device) == 0:
+                self.rt.primary_release(dev)
 
     cdef void _close(self):
         if self.handle != NULL:
@@ -290,7 +320,7 @@ cdef struct _State:
     int adaptive               # threads learn pread or the mapping (else a mapping is always used)
     int stream_stores          # copies out of a mapping store past the caches
     _Choice* choices
-    void* fence                # recorded on the consumer's stream; the ring's stream waits for it
+    void* ctx                  # the device's primary context (retained by the ring)
     int external               # the run's chunks are filled by callers' threads (take/filled)
     int64_t net_bytes          # bytes external fillers filled (over the ring's life)
 
@@ -390,32 +420,59 @@ cdef void _fail(_State* st, int kind, int code, int64_t chunk, int64_t at, int64
 
 
 cdef struct _Saved:
-    void* ctx       # the thread's current context before (NULL: none)
-    int switched    # the ring's device was made current: put ``ctx`` back after
+    int pushed      # ``ctx`` was pushed: pop it after
 
 
-cdef int _enter(_Rt* rt, int device, _Saved* saved) noexcept nogil:
-    """Make ``device`` current on this thread for the ring's calls, saving what was: nothing
-    changes where that device's context is current already.  0 or the runtime's error."""
-    cdef int cur = -1, rc
-    saved.ctx = NULL
-    saved.switched = 0
-    if rt.ctx_get_current(&saved.ctx) != 0:  # the driver not initialised: no context current
-        saved.ctx = NULL
-    if saved.ctx != NULL and rt.get_device(&cur) == 0 and cur == device:
+cdef int _enter(_Rt* rt, void* ctx, _Saved* saved) noexcept nogil:
+    """Make the primary context ``ctx`` current on this thread for the ring's calls: nothing
+    where it is current already, else pushed (the thread's own context, or none, and its
+    runtime device are untouched).  0 or the driver's error."""
+    cdef void* cur = NULL
+    cdef int rc
+    saved.pushed = 0
+    if rt.ctx_get_current(&cur) == 0 and cur == ctx:
         return 0
-    saved.switched = 1
-    rc = rt.set_device(device)
-    if rc != 0:
-        rt.get_last_error()
+    rc = rt.ctx_push(ctx)
+    saved.pushed = rc == 0
     return rc
 
 
 cdef void _leave(_Rt* rt, _Saved* saved) noexcept nogil:
-    """Put back the context :func:`_enter` found (none stays none: no context is made)."""
-    if saved.switched:
-        rt.ctx_set_current(saved.ctx)
-        saved.switched = 0
+    """Pop what :func:`_enter` pushed: the thread is as it was."""
+    cdef void* popped = NULL
+    if saved.pushed:
+        rt.ctx_pop(&popped)
+        saved.pushed = 0
+
+
+cdef class OnDevice:
+    """``with OnDevice(runtime, device):`` the device's primary context current on this thread
+    for the block, the thread as it was after (a framework's stream made for a ring on a
+    thread of the engine's: no context on GPU 0, the thread's device untouched)."""
+
+    cdef Runtime runtime
+    cdef int device
+    cdef void* ctx
+    cdef _Saved saved
+
+    def __cinit__(self, Runtime runtime, int device):
+        self.runtime = runtime
+        self.device = device
+
+    def __enter__(self):
+        cdef int rc
+        self.ctx = <void*><uintptr_t>self.runtime.primary_context(self.device)
+        with nogil:
+            rc = _enter(&self.runtime.rt, self.ctx, &self.saved)
+        if rc != 0:
+            self.runtime.release_primary(self.device)
+            raise RuntimeError(f"cannot make device {self.device} current (CUDA driver error {rc})")
+        return self
+
+    def __exit__(self, *exc):
+        with nogil:
+            _leave(&self.runtime.rt, &self.saved)
+        self.runtime.release_primary(self.device)
 
 
 cdef int _wait_event(_State* st, void* event) noexcept nogil:
@@ -707,12 +764,13 @@ cdef class ChunkRing:
         self.mem = mem
         self.st.base = <uint8_t*>((<uintptr_t>mem + _HUGE - 1) & ~(<uintptr_t>_HUGE - 1))
         madvise(self.st.base, self.nbytes, _MADV_HUGEPAGE)
+        try:
+            self.st.ctx = <void*><uintptr_t>runtime.primary_context(device)
+        except RuntimeError:
+            self.close()
+            raise
         with nogil:
-            rc = _enter(&runtime.rt, device, &saved)
-            if rc == 0:
-                rc = runtime.rt.event_create(&self.st.fence, _cudaEventDisableTiming)
-                if rc != 0:
-                    self.st.fence = NULL
+            rc = _enter(&runtime.rt, self.st.ctx, &saved)
             if rc == 0:
                 for i in range(chunks):
                     rc = runtime.rt.event_create(&self.st.events[i], _cudaEventDisableTiming)
@@ -766,7 +824,7 @@ cdef class ChunkRing:
         cdef _State* st = self.st
         cdef int b
         cdef double t0
-        cdef int calls
+        cdef int calls, rc = 0
         cdef _Saved saved
         if st == NULL:
             raise ValueError("the ring is closed")
@@ -777,12 +835,15 @@ cdef class ChunkRing:
         self.busy = True
         try:
             with nogil:
-                if _enter(st.rt, st.device, &saved) == 0:
+                rc = _enter(st.rt, st.ctx, &saved)
+                if rc == 0:
                     for b in range(st.nblocks):
                         _lock_block(st, b)
                 _leave(st.rt, &saved)
         finally:
             self.busy = False
+        if rc != 0:
+            raise RuntimeError(f"cannot make device {st.device} current to page-lock the ring (CUDA driver error {rc})")
         return (_now() - t0, st.lock_calls - calls)
 
     @property
@@ -824,7 +885,7 @@ cdef class ChunkRing:
             const uint8_t[::1] keeps, object poll=None, double poll_seconds=0.05, bint adaptive=True,
             bint stream_stores=True, int fillers=0, object start=None, const int64_t[::1] d_off=None,
             const int64_t[::1] d_len=None, const int64_t[::1] d_first=None, const int64_t[::1] d_cell=None,
-            uint32_t[::1] cells=None, object after=None):
+            uint32_t[::1] cells=None, object wait_for=None):
         """Move one planned load (see :func:`plan`) through the ring, GIL released.
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
@@ -855,10 +916,10 @@ cdef class ChunkRing:
         threads take the CRC-32C of each piece's share of each chunk right after filling it
         (stored through the caches then), into ``cells``.
 
-        ``after``: the consumer's stream (a ``cudaStream_t``; 0 is the device's default
-        stream) on the ring's device: the run's copies wait for the work queued there when
-        the run starts (an event recorded on it, ``cudaStreamWaitEvent`` on the ring's own),
-        so that a kernel still writing the targets, or a freed block's last user, runs first.
+        ``wait_for``: the consumer's fence (a ``cudaEvent_t`` recorded on the caller's current
+        stream when the load was set up): the run's copies wait for it (``cudaStreamWaitEvent``
+        on the ring's stream), so that a kernel still writing the targets, or a freed block's
+        last user, runs first.
 
         The calling thread's current device and context are left as they were.
 
@@ -871,8 +932,8 @@ cdef class ChunkRing:
         cdef _State* st = self.st
         cdef int64_t n = c_file.shape[0], j, s, seg, last, done = 0
         cdef int rc = 0, kind, seats, i, started = 0
-        cdef bint ready, inline, fenced = after is not None
-        cdef uintptr_t consumer = <uintptr_t>after if after is not None else 0
+        cdef bint ready, inline, fenced = wait_for is not None
+        cdef uintptr_t fence = <uintptr_t>wait_for if wait_for is not None else 0
         cdef _Saved saved
         cdef _Part part
         cdef double t0, next_poll
@@ -943,12 +1004,10 @@ cdef class ChunkRing:
                 st.plan.d_cell = &d_cell[0]
                 st.plan.cells = &cells[0]
             with nogil:
-                rc = _enter(st.rt, st.device, &saved)
+                rc = _enter(st.rt, st.ctx, &saved)
                 if rc == 0 and fenced:
-                    # before any copy: the work queued on the consumer's stream now
-                    rc = st.rt.event_record(st.fence, <void*>consumer)
-                    if rc == 0:
-                        rc = st.rt.stream_wait_event(st.stream, st.fence, 0)
+                    # before any copy: the work the consumer had queued when the load was set up
+                    rc = st.rt.stream_wait_event(st.stream, <void*>fence, 0)
                 pthread_mutex_lock(&st.lock)
                 for j in range(st.nslots):
                     st.filled[j] = -1
@@ -1130,7 +1189,7 @@ cdef class ChunkRing:
         with nogil:
             if st.external and not _stopped(&st.cancel):
                 # the slots' events are asked, and their blocks page-locked, on the ring's device
-                # (a filler is the caller's thread: its current device may be any; cheap when set)
+                # (a filler is a thread of the engine's own, device_ring._Fillers'; cheap when set)
                 st.rt.set_device(st.device)
                 k = _take_n(&st.next_chunk, most)
                 if k >= st.plan.nchunks:
@@ -1211,10 +1270,8 @@ cdef class ChunkRing:
                 pthread_join(self.tids[i], NULL)
             # on the ring's device whatever thread closes it (a reaper, a finaliser, exit): a
             # call on a thread with no context would make one on GPU 0
-            if st.events != NULL or st.fence != NULL or (st.base != NULL and st.blocks != NULL):
-                _enter(st.rt, st.device, &saved)
-                if st.fence != NULL:
-                    st.rt.event_destroy(st.fence)
+            if st.ctx != NULL and (st.events != NULL or (st.base != NULL and st.blocks != NULL)):
+                _enter(st.rt, st.ctx, &saved)
                 if st.events != NULL:
                     for i in range(st.nslots):
                         if st.events[i] != NULL:
@@ -1227,6 +1284,9 @@ cdef class ChunkRing:
                 _leave(st.rt, &saved)
             if st.base != NULL:
                 munmap(self.mem, self.mapped)
+        if st.ctx != NULL:
+            self.runtime.release_primary(st.device)
+            st.ctx = NULL
         self.nthreads = 0
         pthread_cond_destroy(&st.filled_cond)
         pthread_cond_destroy(&st.issued_cond)
@@ -1243,13 +1303,11 @@ cdef class ChunkRing:
     def abandon(self) -> None:
         """Forget the ring without touching it: in a process forked from the one that made
         it, where its threads do not exist (joining them would wait forever), its locks may be
-        held by threads that are gone, and its events and page-locking belong to the parent's
-        driver.  Only the child's copy of the chunks is unmapped; the rest is left as it is."""
+        held by threads that are gone, and its events, page-locking and stream belong to the
+        parent's driver.  Nothing is freed or unmapped (a driver may have kept the page-locked
+        range out of the child, whose own memory could lie there now)."""
         if self.st == NULL:
             return
-        if self.mem != NULL:
-            munmap(self.mem, self.mapped)
-            self.mem = NULL
         self.st = NULL
         self.tids = NULL
         self.workers = NULL

@@ -27,9 +27,9 @@ else runs in Python per chunk.
 
 What a device framework provides (its :class:`DeviceOps`, :mod:`engine.sinks`): the path of the
 CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``, resolved on the
-caller's thread), a stream (``ring_stream()`` -> ``(handle, owner)``), the consumer's stream
-(``consumer_stream()``: the copies wait for what is queued there) and the device address of a
-target (``address(target)``).  The ring is the one device path: nothing else moves bytes to a
+caller's thread), a stream (``ring_stream()`` -> ``(handle, owner)``), the consumer's fence
+(``consumer_fence()``: an event recorded on the caller's current stream when the operations
+were made, which the copies wait for) and the device address of a target (``address(target)``).  The ring is the one device path: nothing else moves bytes to a
 device.
 
 A forked child forgets the rings it inherited without touching them (their threads are the
@@ -78,10 +78,11 @@ class DeviceOps(Protocol):
     def ring_stream(self):
         """A stream of the load's own: ``(cudaStream_t, the framework's object owning it)``."""
 
-    def consumer_stream(self) -> int | None:
-        """The caller's current stream on the device (``cudaStream_t``; 0 the default stream),
-        where its allocations were made and its kernels queued: a load's copies start after
-        the work queued there.  None: nothing to wait for."""
+    def consumer_fence(self) -> int | None:
+        """An event (``cudaEvent_t``) recorded on the caller's current stream on the device
+        when these operations were made, on the caller's thread (where its allocations were
+        made and its kernels queued): a load's copies start after it.  None: nothing to wait
+        for."""
 
     def address(self, target) -> int:
         """The device address of a byte target."""
@@ -524,7 +525,9 @@ def _loaded_cudart_path(major: int | None = None) -> str | None:
         pass
     if not found:
         return None
-    pick = next((p for p in found if _major_of(p) == major), found[0]) if major is not None else found[0]
+    pick = next((p for p in found if _major_of(p) == major), None) if major is not None else found[0]
+    if pick is None:  # none of that major mapped (yet): the first, asked again next time
+        return found[0]
     _MAPPED[major] = pick
     return pick
 
@@ -555,9 +558,9 @@ def cuda_runtime_path(major: int | None = None) -> str | None:
     return None
 
 
-def consumer_stream(ops) -> int | None:
-    """``ops.consumer_stream()`` where the framework has one (a test double may not)."""
-    get = getattr(ops, "consumer_stream", None)
+def consumer_fence(ops) -> int | None:
+    """``ops.consumer_fence()`` where the framework has one (a test double may not)."""
+    get = getattr(ops, "consumer_fence", None)
     return get() if get is not None else None
 
 
@@ -570,10 +573,13 @@ def _after_fork() -> None:
     global _RECORDERS_LOCK
     for ring in list(_LIVE):
         ring.abandon()
+        _ABANDONED.append(ring)  # never freed here: its stream's owner would call the parent's driver
     KEPT.forget()
     CLOSER.forget()
     _RECORDERS_LOCK = threading.Lock()
 
+
+_ABANDONED: list = []
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
@@ -589,8 +595,11 @@ def _new_ring(ops, g: Geometry):
         rt = _runtime(path)
     except OSError as exc:
         raise DeviceError(str(exc)) from exc
-    stream, owner = ops.ring_stream()
     try:
+        # on the ring's device, the thread left as it was: a framework's stream made on one of
+        # the engine's threads (the prepare thread, a stream's worker) makes no context on GPU 0
+        with _ring.OnDevice(rt, ops.device_index):
+            stream, owner = ops.ring_stream()
         ring = _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
     except RuntimeError as exc:
         raise DeviceError(f"cannot set up the copy ring: {exc}") from exc
@@ -998,7 +1007,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 HOOKED_POLL_SECONDS if hooked else POLL_SECONDS,
                 adaptive=source != "mmap", stream_stores=stores() == "stream",
                 fillers=fillers.count if fillers else 0, start=fillers.start if fillers else None,
-                after=consumer_stream(ops), **(digests.arrays() if digests is not None else {}))
+                wait_for=consumer_fence(ops), **(digests.arrays() if digests is not None else {}))
         finally:
             if fillers is not None:
                 fillers.join()  # they left the run before it returned: only their exits remain

@@ -49,10 +49,12 @@ class CupyOps:
 
     def __init__(self, device_id: int) -> None:
         self.device = cupy.cuda.Device(device_id)
-        # the caller's current stream on the device, asked on the caller's thread (CuPy's
-        # current stream is per thread and per device): the load's copies wait for it
+        # a fence on the caller's current stream, recorded on the caller's thread (CuPy's
+        # current stream is per thread and per device, and with per-thread default streams
+        # its handle means "the calling thread's"): the load's copies wait for it
         with self.device:
-            self._consumer = int(cupy.cuda.get_current_stream().ptr)
+            self._fence = cupy.cuda.Event(disable_timing=True)
+            self._fence.record(cupy.cuda.get_current_stream())
 
     def runtime_path(self) -> str | None:
         from engine.gpu.device_ring import cuda_runtime_path
@@ -63,9 +65,9 @@ class CupyOps:
             major = None
         return cuda_runtime_path(major)
 
-    def consumer_stream(self) -> int | None:
-        """The caller's current stream on the device when these ops were made."""
-        return self._consumer
+    def consumer_fence(self) -> int | None:
+        """The event recorded on the caller's current stream when these ops were made."""
+        return int(self._fence.ptr)
 
     @property
     def device_index(self) -> int:

@@ -246,16 +246,16 @@ class TorchCudaOps:
     every load to a CUDA tensor goes through the native chunk ring (:mod:`engine.gpu.device_ring`),
     which calls the CUDA runtime torch loaded, on a stream of its own.
 
-    Made on the caller's thread: the device (``"cuda"`` without an index is the caller's
-    current one) and the caller's current stream on it are resolved here, once, since both
-    are per thread and the ring runs its calls on threads of its own.
+    Made on the caller's thread, for one load: the device (``"cuda"`` without an index is the
+    caller's current one) is resolved here, and a fence recorded on the caller's current
+    stream, since both are per thread and the ring runs its calls on threads of its own.
     """
 
     def __init__(self, device: torch.device) -> None:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._consumer = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        self._fence = _fence(device) if device.type == "cuda" else None
 
     def runtime_path(self) -> str | None:
         from engine.gpu.device_ring import cuda_runtime_path
@@ -266,10 +266,11 @@ class TorchCudaOps:
     def device_index(self) -> int:
         return self.device.index
 
-    def consumer_stream(self) -> int | None:
-        """The caller's current stream on the device when these ops were made: the caching
-        allocator's blocks and a ``load_into`` target's pending kernels are ordered on it."""
-        return self._consumer
+    def consumer_fence(self) -> int | None:
+        """The event recorded on the caller's current stream when these ops were made: the
+        caching allocator's blocks and a ``load_into`` target's pending kernels are ordered
+        on that stream."""
+        return self._fence.cuda_event if self._fence is not None else None
 
     def ring_stream(self):
         """A stream of the load's own on the device: ``(cudaStream_t, the torch object)``."""
@@ -278,6 +279,13 @@ class TorchCudaOps:
 
     def address(self, target: torch.Tensor) -> int:
         return target.data_ptr()
+
+
+def _fence(device: torch.device):
+    """An event recorded now on the calling thread's current stream of ``device``."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _cuda_major() -> int | None:

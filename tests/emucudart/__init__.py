@@ -64,6 +64,9 @@ class Emulator:
         self.lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
         self.lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         self.lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        self.lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        self.lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.cudaEventDestroy.argtypes = [ctypes.c_void_p]
 
     def reset(self) -> None:
         self.lib.emu_reset()
@@ -126,10 +129,17 @@ class Emulator:
     def devices(self, n: int) -> None:
         self.lib.emu_set_devices(n)
 
+    #: the consumers' fences alive, per library (every Emulator of a path drives the one
+    #: library): ``stats()``'s ``events`` counts the others, the engine's
+    fences: dict[str, int] = {}
+
     def stats(self) -> dict[str, int]:
         out = (ctypes.c_int64 * len(_STATS))()
         self.lib.emu_stats(out)
-        return dict(zip(_STATS, out, strict=True))
+        st = dict(zip(_STATS, out, strict=True))
+        st["fences"] = Emulator.fences.get(self.path, 0)
+        st["events"] -= st["fences"]
+        return st
 
     def assert_clean(self) -> None:
         """Nothing left behind by the loads so far: every ring closed (lingering ones now),
@@ -155,18 +165,33 @@ class Emulator:
 
     @contextlib.contextmanager
     def on_device(self, device: int | None):
-        """``device`` current on this thread for the block, the thread's context restored
-        after (none stays none: no context is made on a device nobody asked for)."""
+        """``device``'s primary context pushed on this thread for the block and popped after,
+        as a framework's device guard does it: the thread's own context (or none) and device
+        are as they were."""
         if device is None:
             yield
             return
-        saved = ctypes.c_void_p()
-        self.lib.cuCtxGetCurrent(ctypes.byref(saved))
-        assert self.lib.cudaSetDevice(device) == 0
+        ctx = ctypes.c_void_p()
+        assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) == 0
+        assert self.lib.cuCtxPushCurrent_v2(ctx) == 0
         try:
             yield
         finally:
-            self.lib.cuCtxSetCurrent(saved)
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def fence(self, stream: int, device: int) -> int:
+        """An event of ``device`` recorded now on ``stream`` (0: the default stream; 2: the
+        calling thread's own) from the calling thread, as a framework records a fence."""
+        event = ctypes.c_void_p()
+        with self.on_device(device):
+            assert self.lib.cudaEventCreateWithFlags(ctypes.byref(event), 2) == 0
+            assert self.lib.cudaEventRecord(event, stream or None) == 0
+        Emulator.fences[self.path] = Emulator.fences.get(self.path, 0) + 1
+        return int(event.value or 0)
+
+    def destroy_event(self, event: int) -> None:
+        self.lib.cudaEventDestroy(event)
+        Emulator.fences[self.path] -= 1
 
 
 class EmulatedRingOps:
@@ -176,8 +201,11 @@ class EmulatedRingOps:
     def __init__(self, emulator: Emulator, device: int = 0, consumer: int | None = 0) -> None:
         self.emulator = emulator
         self.device_index = device
-        self.consumer = consumer  # the consumer's stream (0: the default stream; None: none)
         self.streams: list[int] = []
+        # the consumer's fence, on its stream (0: the device's default stream; 2: this
+        # thread's own; None: none), recorded here on the thread that makes the ops, as the
+        # framework's ops record theirs
+        self.fence = emulator.fence(consumer, device) if consumer is not None else None
 
     def runtime_path(self) -> str:
         return self.emulator.path
@@ -187,8 +215,8 @@ class EmulatedRingOps:
         self.streams.append(handle)
         return handle, None
 
-    def consumer_stream(self) -> int | None:
-        return self.consumer
+    def consumer_fence(self) -> int | None:
+        return self.fence
 
     def address(self, target) -> int:
         return int(np.frombuffer(target, np.uint8).ctypes.data) if len(target) else 0
@@ -197,6 +225,10 @@ class EmulatedRingOps:
         for handle in self.streams:
             self.emulator.destroy_stream(handle, self.device_index)
         self.streams = []
+        if self.fence is not None:
+            with self.emulator.on_device(self.device_index):
+                self.emulator.destroy_event(self.fence)
+            self.fence = None
 
 
 class EmulatedSink:

@@ -11,10 +11,12 @@
  * As strict as a driver where the engine could go wrong: the last error is per thread, and
  * cudaEventQuery records cudaErrorNotReady there as the real runtime does; each device has a
  * primary context, made on first use by a thread with none current (on the thread's device,
- * 0 unless it set one: a context "nobody asked for" is counted per device), and cuCtxGetCurrent /
- * cuCtxSetCurrent (the driver's, exported here too) save and restore a thread's; streams and
+ * 0 unless it set one: a context "nobody asked for" is counted per device), and the driver's
+ * entry points for a thread's contexts (exported here too: cuCtxGetCurrent / cuCtxSetCurrent,
+ * a stack with cuCtxPushCurrent / cuCtxPopCurrent, cuDevicePrimaryCtxRetain); streams and
  * events belong to the device current when they were made, and a record on another device's
- * stream fails; stream 0 is the current device's default stream; cudaStreamWaitEvent orders a
+ * stream fails; stream 0 is the current device's default stream and stream 2
+ * (cudaStreamPerThread) the calling thread's own; cudaStreamWaitEvent orders a
  * stream after an event; a "kernel" (emu_launch_fill) writes device memory later, on a
  * consumer's stream; an asynchronous fault is sticky: every later call returns it;
  * cudaHostRegister takes page-aligned ranges only and may be given a cost per MiB.
@@ -70,6 +72,8 @@ typedef struct stream {
 typedef struct event {
     int64_t recorded, completed;
     int device;
+    int pending;   /* queued operations that name it: freed after the last, as a driver does */
+    int destroyed;
 } event_t;
 
 /* a device's primary context: what cuCtxGetCurrent hands out */
@@ -95,6 +99,13 @@ static __thread int t_device = 0;
 static __thread int t_ctx = 0;
 static __thread int t_ctx_gen = 0;
 static __thread int t_last = 0;
+/* the thread's context stack below the current one (cuCtxPushCurrent), and its per-thread
+ * default streams */
+#define MAX_STACK 16
+static __thread int t_stack[MAX_STACK];
+static __thread int t_stack_gen[MAX_STACK];
+static __thread int t_depth = 0;
+static __thread stream_t *t_ptds[MAX_DEVICES];
 
 static int64_t g_copy_delay_ns;      /* each copy sleeps this long when it runs */
 static int g_noop;                   /* copies move no bytes */
@@ -152,23 +163,38 @@ static int need_ctx(void) {
 
 static void *stream_main(void *arg);
 
-/* stream 0: the default stream of the current context's device (made on first use) */
+static stream_t *new_stream_thread(int d) {
+    stream_t *n = calloc(1, sizeof *n);
+    pthread_mutex_init(&n->lock, NULL);
+    pthread_cond_init(&n->cond, NULL);
+    n->device = d;
+    pthread_create(&n->thread, NULL, stream_main, n);
+    return n;
+}
+
+/* stream 0: the default stream of the current context's device; stream 2
+ * (cudaStreamPerThread): this thread's own default stream there (both made on first use) */
 static stream_t *resolve(stream_t *s) {
-    if (s)
+    if (s && (uintptr_t)s != 2)
         return s;
     int d = need_ctx();
-    pthread_mutex_lock(&g_lock);
-    if (!g_default[d]) {
-        stream_t *n = calloc(1, sizeof *n);
-        pthread_mutex_init(&n->lock, NULL);
-        pthread_cond_init(&n->cond, NULL);
-        n->device = d;
-        pthread_create(&n->thread, NULL, stream_main, n);
-        g_default[d] = n;
+    if (s) {
+        if (!t_ptds[d])
+            t_ptds[d] = new_stream_thread(d);
+        return t_ptds[d];
     }
+    pthread_mutex_lock(&g_lock);
+    if (!g_default[d])
+        g_default[d] = new_stream_thread(d);
     s = g_default[d];
     pthread_mutex_unlock(&g_lock);
     return s;
+}
+
+/* an operation naming ``e`` is done with it: the last frees a destroyed event (under g_lock) */
+static void event_done(event_t *e) {
+    if (--e->pending == 0 && e->destroyed)
+        free(e);
 }
 
 static void *stream_main(void *arg) {
@@ -201,6 +227,7 @@ static void *stream_main(void *arg) {
             pthread_mutex_lock(&g_lock);
             if (o->gen > o->event->completed)
                 o->event->completed = o->gen;
+            event_done(o->event);
             pthread_cond_broadcast(&g_done);
             pthread_mutex_unlock(&g_lock);
         } else if (o->kind == 2) {
@@ -208,6 +235,7 @@ static void *stream_main(void *arg) {
             pthread_mutex_lock(&g_lock);
             while (!g_sticky && o->event->completed < o->gen)
                 pthread_cond_wait(&g_done, &g_lock);
+            event_done(o->event);
             pthread_mutex_unlock(&g_lock);
         } else {
             if (o->delay_ns)
@@ -243,6 +271,23 @@ static void push(stream_t *s, op_t *o) {
     s->tail = o;
     pthread_cond_signal(&s->cond);
     pthread_mutex_unlock(&s->lock);
+}
+
+/* a copy (kind 0) or a kernel stand-in (kind 3) queued on ``s`` */
+static cudaError_t queue_op(stream_t *s, int kind, void *dst, const void *src, size_t n, int64_t seq, int value,
+                            int64_t delay_ns) {
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return fail(cudaErrorMemoryAllocation);
+    o->kind = kind;
+    o->dst = dst;
+    o->src = src;
+    o->n = n;
+    o->seq = seq;
+    o->value = value;
+    o->delay_ns = delay_ns;
+    push(s, o);
+    return cudaSuccess;
 }
 
 /* ---- the runtime's entry points ---------------------------------------------------------- */
@@ -307,6 +352,52 @@ int cuCtxSetCurrent(context_t *ctx) {
         return 201; /* CUDA_ERROR_INVALID_CONTEXT */
     t_ctx = ctx ? ctx->device + 1 : 0;
     t_ctx_gen = g_ctx_gen;
+    return 0;
+}
+
+int cuInit(unsigned int flags) { return flags ? 1 : 0; }
+
+int cuDeviceGet(int *dev, int ordinal) {
+    if (ordinal < 0 || ordinal >= g_devices)
+        return 101; /* CUDA_ERROR_INVALID_DEVICE */
+    *dev = ordinal;
+    return 0;
+}
+
+/* the device's primary context, made if need be (not made current) */
+int cuDevicePrimaryCtxRetain(context_t **out, int dev) {
+    if (dev < 0 || dev >= g_devices)
+        return 101;
+    make_primary(dev);
+    *out = &g_contexts[dev];
+    return 0;
+}
+
+int cuDevicePrimaryCtxRelease(int dev) { return dev < 0 || dev >= g_devices ? 101 : 0; }
+
+/* ``ctx`` current, the one before kept below it; the thread's runtime device is untouched */
+int cuCtxPushCurrent(context_t *ctx) {
+    if (!ctx || ctx < g_contexts || ctx >= g_contexts + MAX_DEVICES || !g_primary[ctx->device])
+        return 201;
+    if (t_depth == MAX_STACK)
+        return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    t_stack[t_depth] = current_ctx();
+    t_stack_gen[t_depth] = g_ctx_gen;
+    t_depth++;
+    t_ctx = ctx->device + 1;
+    t_ctx_gen = g_ctx_gen;
+    return 0;
+}
+
+int cuCtxPopCurrent(context_t **out) {
+    if (t_depth == 0)
+        return 201;
+    int was = current_ctx();
+    t_depth--;
+    t_ctx = t_stack[t_depth];
+    t_ctx_gen = t_stack_gen[t_depth];
+    if (out)
+        *out = was ? &g_contexts[was - 1] : NULL;
     return 0;
 }
 
@@ -450,16 +541,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stre
     if (g_queued > g_max_queued)
         g_max_queued = g_queued;
     pthread_mutex_unlock(&g_lock);
-    op_t *o = calloc(1, sizeof *o);
-    if (!o)
-        return fail(cudaErrorMemoryAllocation);
-    o->kind = 0;
-    o->dst = dst;
-    o->src = src;
-    o->n = n;
-    o->seq = seq;
-    push(s, o);
-    return cudaSuccess;
+    return queue_op(s, 0, dst, src, n, seq, 0, 0);
 }
 
 cudaError_t cudaEventCreateWithFlags(event_t **out, unsigned int flags) {
@@ -486,8 +568,10 @@ cudaError_t cudaEventDestroy(event_t *e) {
         return fail(cudaErrorInvalidResourceHandle);
     pthread_mutex_lock(&g_lock);
     g_events--;
+    e->destroyed = 1;
+    if (e->pending == 0)
+        free(e);
     pthread_mutex_unlock(&g_lock);
-    free(e);
     return cudaSuccess;
 }
 
@@ -504,6 +588,8 @@ cudaError_t cudaEventRecord(event_t *e, stream_t *s) {
     int refuse = g_fail_event_after >= 0 && g_records >= g_fail_event_after;
     g_records++;
     int64_t gen = refuse ? 0 : ++e->recorded;
+    if (!refuse)
+        e->pending++;
     pthread_mutex_unlock(&g_lock);
     if (refuse)
         return fail(cudaErrorIllegalAddress);
@@ -555,10 +641,16 @@ cudaError_t cudaStreamWaitEvent(stream_t *s, event_t *e, unsigned int flags) {
     o->event = e;
     pthread_mutex_lock(&g_lock);
     o->gen = e->recorded;
+    e->pending++;
     pthread_mutex_unlock(&g_lock);
     push(s, o);
     return cudaSuccess;
 }
+
+/* the names the driver exports them under (its header maps the plain ones to these) */
+int cuDevicePrimaryCtxRelease_v2(int dev) { return cuDevicePrimaryCtxRelease(dev); }
+int cuCtxPushCurrent_v2(context_t *ctx) { return cuCtxPushCurrent(ctx); }
+int cuCtxPopCurrent_v2(context_t **out) { return cuCtxPopCurrent(out); }
 
 /* ---- controls for the tests -------------------------------------------------------------- */
 
@@ -610,16 +702,7 @@ cudaError_t emu_launch_fill(stream_t *s, void *dst, int value, size_t n, int64_t
     s = resolve(s);
     if (g_sticky)
         return sticky();
-    op_t *o = calloc(1, sizeof *o);
-    if (!o)
-        return fail(cudaErrorMemoryAllocation);
-    o->kind = 3;
-    o->dst = dst;
-    o->value = value;
-    o->n = n;
-    o->delay_ns = delay_ns;
-    push(s, o);
-    return cudaSuccess;
+    return queue_op(s, 3, dst, NULL, n, 0, value, delay_ns);
 }
 void emu_fail_event_record_after(int64_t n) { g_fail_event_after = n; }
 
