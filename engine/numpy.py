@@ -111,13 +111,14 @@ def _check(tensor_dict) -> None:
             )
 
 
-def save_file(tensor_dict: dict, filename, metadata: dict[str, str] | None = None) -> None:
-    """Write numpy arrays to ``filename`` atomically; see :func:`engine.writing.writer.save_file`."""
+def save_file(tensor_dict: dict, filename, metadata: dict[str, str] | None = None, *, checksums: bool = False) -> None:
+    """Write numpy arrays to ``filename`` atomically; see :func:`engine.writing.writer.save_file`
+    (``checksums=True`` records every tensor's CRC-32C and the header's, verified by every load)."""
     _check(tensor_dict)
-    writer.save_file(tensor_dict, os.fspath(filename), metadata)
+    writer.save_file(tensor_dict, os.fspath(filename), metadata, checksums=checksums)
 
 
-def save(tensor_dict: dict, metadata: dict[str, str] | None = None) -> bytes:
+def save(tensor_dict: dict, metadata: dict[str, str] | None = None, *, checksums: bool = False) -> bytes:
     """The bytes of a safetensors file holding ``tensor_dict``; see :func:`engine.writing.writer.save`."""
     _check(tensor_dict)
-    return writer.save(tensor_dict, metadata)
+    return writer.save(tensor_dict, metadata, checksums=checksums)

@@ -139,8 +139,9 @@ def _check(tensors) -> None:
             raise SerializationError(f"tensor {name!r} is a {type(t).__name__}, expected torch.Tensor", tensors=(name,))
 
 
-def save_file(tensors: dict, filename, metadata: dict[str, str] | None = None) -> None:
-    """Write torch tensors to ``filename`` atomically; see :func:`engine.writing.writer.save_file`.
+def save_file(tensors: dict, filename, metadata: dict[str, str] | None = None, *, checksums: bool = False) -> None:
+    """Write torch tensors to ``filename`` atomically; see :func:`engine.writing.writer.save_file`
+    (``checksums=True`` records every tensor's CRC-32C and the header's, verified by every load).
 
     Raises
     ------
@@ -151,13 +152,13 @@ def save_file(tensors: dict, filename, metadata: dict[str, str] | None = None) -
         Sparse or non-contiguous tensors, unknown dtypes (a ``ValueError``).
     """
     _check(tensors)
-    writer.save_file(tensors, os.fspath(filename), metadata)
+    writer.save_file(tensors, os.fspath(filename), metadata, checksums=checksums)
 
 
-def save(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
+def save(tensors: dict, metadata: dict[str, str] | None = None, *, checksums: bool = False) -> bytes:
     """The bytes of a safetensors file holding ``tensors``; see :func:`engine.writing.writer.save`."""
     _check(tensors)
-    return writer.save(tensors, metadata)
+    return writer.save(tensors, metadata, checksums=checksums)
 
 
 # -- storages -------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A Range server (tests/rangeserver.py, keep-alive, ETags) misbehaves at random: e
 file draws, from a seed and the request's identity (its path, first byte and how many times
 that range was asked for), whether it fails and how.  Transient faults (a reset mid-body, a
 body closed early, a stall past the timeout, 500, 503, 503 with ``Retry-After: 0``, S3's
-``SlowDown``, a well-formed answer for another range, a flipped byte in a tensor's bytes)
+``SlowDown``, a well-formed answer for another range, a flipped byte in a file's header or a
+whole tensor's bytes, both recorded in the file's checksums)
 never strike one range more than :data:`MAX_IN_A_ROW` times running: a retry mends each.
 Permanent faults (the file's ETag changes, a body compressed against ``identity``) end a run
 with a named error.
@@ -84,11 +85,10 @@ class Faults:
                 kind = PERMANENT[pick % len(PERMANENT)]
             elif draw < self.permanent + self.rate and self.row[key] < MAX_IN_A_ROW:
                 kinds = list(TRANSIENT)
-                tensor_bytes = path.endswith(".safetensors") and first is not None and \
-                    first >= self._data_start(path)
-                if not tensor_bytes or not self.flips:
-                    # a damaged header is the header checksum's (not yet recorded); a slice of a
-                    # tensor has no checksum of its own to catch a damaged byte
+                data = path.endswith(".safetensors") and first is not None and first >= self._data_start(path)
+                if not path.endswith(".safetensors") or (data and not self.flips):
+                    # the index records no checksum of itself; a slice of a tensor has none of
+                    # its own to catch a damaged byte (a header and a whole tensor do)
                     kinds.remove("flip")
                 if first is None:
                     kinds.remove("other-range")

@@ -34,7 +34,8 @@ For the bulk reads of a load (:mod:`engine.net.remote_reads`) the server also ha
   before the body), ``503``, ``slowdown`` (503 with S3's ``SlowDown`` XML), ``500``, ``403``,
   ``404``, ``change`` (the file's ETag changes before this request is answered), ``grow``
   (``Content-Range`` says the file is one byte longer), ``503-retry`` (503 with
-  ``Retry-After: 0``), ``flip`` (the body with one byte flipped, its middle one), ``other-range``
+  ``Retry-After: 0``), ``flip`` (the body with one byte flipped: the middle one, moved on by
+  one per flip the server made, as damage on the way does not repeat), ``other-range``
   (a well-formed 206 for the range one byte further, or one byte back at the file's end),
   ``gzip`` (the answer compressed although ``identity`` was asked for).  ``server.sent`` records, per data
   GET, ``(n, first, bytes sent)`` of a faulty answer.  With ``server.faults_on = "all"``
@@ -81,6 +82,7 @@ class RangeServer(ThreadingHTTPServer):
         self.faults: dict | object = {}
         self.faults_on = "data"
         self.data_gets = 0
+        self.flips = 0
         self.stall = 5.0
         self.sent: list[tuple[int, int, int]] = []
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -300,7 +302,11 @@ class _Handler(BaseHTTPRequestHandler):
             with open(file, "rb") as f:
                 f.seek(first)
                 left = send
-                flip = send // 2 if fault == "flip" else -1  # the body's byte to damage
+                flip = -1
+                if fault == "flip" and send:  # the body's byte to damage
+                    with self.server.lock:
+                        flip = (send // 2 + self.server.flips) % send
+                        self.server.flips += 1
                 while left:
                     chunk = f.read(min(left, 1 << 16))
                     if not chunk:

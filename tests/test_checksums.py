@@ -123,7 +123,7 @@ def saved(tmp_path):
 def test_save_file_records_each_tensors_crc32c(saved):
     path, t = saved
     h = read_header(path)
-    assert h.metadata["format"] == "np" and h.metadata[checksums.KEY].startswith("1:")
+    assert h.metadata["format"] == "np" and h.metadata[checksums.KEY].startswith("2:")
     want = checksums.expected(h)
     got = digests_py(path)
     for r, name in enumerate(h.table.names):
@@ -210,8 +210,9 @@ def read_header_bytes_start(raw: bytes) -> int:
 
 
 @pytest.mark.parametrize("value, why", [
-    ("2:00000000", "does not start"),
+    ("3:00000000", "does not start"),
     ("1:0000", "hex digits where"),
+    ("2:" + "0" * 8 * 16, "hex digits where"),  # the header's own CRC missing
     ("1:" + "zz" * 4 * 16, "not hex"),
     ("1:" + "0" * 8 * 15 + " " * 8, "white space"),
 ])
@@ -226,6 +227,69 @@ def test_a_malformed_entry_is_refused_by_name(tmp_path, value, why):
             load(path)
         assert e.value.reason == "InvalidChecksums" and e.value.path == path
     assert len(engine.numpy.load_file(path, verify_checksums=False)) == 16
+
+
+def _damaged_name(path: str, out: str) -> str:
+    """``path`` with one byte of its first tensor's name flipped in the header (the JSON still
+    parses): the name changes, nothing else."""
+    raw = bytearray(open(path, "rb").read())
+    name = read_header(path).names[0]
+    at = raw.index(f'"{name}"'.encode()) + 1
+    raw[at] ^= 0x01  # a letter or digit to another printable character
+    with open(out, "wb") as f:
+        f.write(raw)
+    return read_header(out).names[0]
+
+
+def test_a_header_damaged_in_a_way_that_still_parses_is_caught(saved, tmp_path):
+    """A tensor's name changed by one flipped byte (or a dtype, a shape, an offset, the
+    metadata): every load refuses the file by the header's own CRC before handing anything
+    out; without verification it loads as it reads."""
+    path, t = saved
+    bad = str(tmp_path / "renamed.safetensors")
+    renamed = _damaged_name(path, bad)
+    assert renamed not in t
+    loads = (engine.numpy.load_file, functools.partial(engine.numpy.load_file, backend="pread"),
+             lambda p: dict(engine.stream(p, framework="np")),
+             lambda p: engine.safe_open(p, framework="np").get_tensor(renamed))
+    for load in loads:
+        with pytest.raises(ChecksumError, match="the header's CRC-32C") as e:
+            load(bad)
+        assert e.value.reason == "HeaderChecksumMismatch" and e.value.path == bad
+    assert renamed in engine.numpy.load_file(bad, verify_checksums=False)
+
+
+def test_files_of_the_first_format_still_load_and_are_checked(saved, tmp_path):
+    """``"1:"`` entries (the tensors' digits alone, no header CRC) load, their tensors checked."""
+    path, t = saved
+    h = read_header(path)
+    value = h.metadata[checksums.KEY]
+    old = str(tmp_path / "v1.safetensors")
+    engine.save_file(t, old, metadata={"format": "np", checksums.KEY: "1:" + value[2 + 8 :]})
+    got = engine.numpy.load_file(old)
+    assert all(np.array_equal(got[n], t[n]) for n in t)
+    raw = bytearray(open(old, "rb").read())
+    raw[read_header_bytes_start(bytes(raw)) + 3] ^= 0x10
+    open(old, "wb").write(raw)
+    with pytest.raises(ChecksumError) as e:
+        engine.numpy.load_file(old)
+    assert e.value.reason == "ChecksumMismatch"
+
+
+def test_the_framework_modules_write_checksums_too(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    import engine.torch
+
+    t = tensors()
+    engine.numpy.save_file(t, str(tmp_path / "n.safetensors"), checksums=True)
+    assert engine.numpy.save(t, checksums=True) == engine.save(t, checksums=True)
+    pt = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in t.items() if v.dtype != np.bool_}
+    engine.torch.save_file(pt, str(tmp_path / "t.safetensors"), checksums=True)
+    assert engine.torch.save(pt, checksums=True) == open(tmp_path / "t.safetensors", "rb").read()
+    for f in ("n", "t"):
+        assert read_header(str(tmp_path / f"{f}.safetensors")).metadata[checksums.KEY].startswith("2:")
+    got = engine.torch.load_file(str(tmp_path / "t.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in pt.items())
 
 
 def test_save_file_refuses_a_checksum_key_it_would_write(tmp_path):

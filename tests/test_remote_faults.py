@@ -49,6 +49,20 @@ def _shard(root: str) -> str:
     return sorted(f for f in os.listdir(os.path.join(root, "campaign")) if f.startswith("model-"))[0]
 
 
+class _Once:
+    """A faults callable for the server: ``kind`` at the first GET that ``where(path, first)``
+    picks, nothing else; ``hit`` holds that GET's path and first byte."""
+
+    def __init__(self, kind: str, where) -> None:
+        self.kind, self.where, self.hit = kind, where, []
+
+    def __call__(self, n, path, first, last):
+        if not self.hit and self.where(path, first):
+            self.hit.append((path, first))
+            return self.kind
+        return None
+
+
 def _damaged(root: str) -> str:
     """A copy of the first shard with its first tensor byte flipped, on the server's disk."""
     shard = _shard(root)
@@ -100,20 +114,13 @@ def test_an_answer_for_another_range_or_with_a_damaged_byte_is_read_again(campai
     root, tensors, _ = campaign
     shard = _shard(root)
     start = _data_start(root, shard)
-    hit: list = []
-
-    def once(n, path, first, last):
-        if first is not None and first >= start and not hit:
-            hit.append(first)
-            return kind
-        return None
-
+    once = _Once(kind, lambda path, first: first is not None and first >= start)
     server.faults = once
     got = engine.numpy.load_file(server.url(f"campaign/{shard}"), retry=FAST, timeout=5.0)
     for name, arr in got.items():
         np.testing.assert_array_equal(arr, tensors[name])
     asked = [r for r in server.data_requests() if int(r["range"][6:].partition("-")[0]) >= start]
-    assert hit and len(asked) >= 2  # the damaged range, then again
+    assert once.hit and len(asked) >= 2  # the damaged range, then again
 
 
 def test_bytes_damaged_on_the_server_itself_fail_after_a_second_read(campaign, server):
@@ -131,17 +138,10 @@ def test_a_damaged_header_length_is_read_again(campaign, server):
     root, tensors, _ = campaign
     shard = _shard(root)
     server.faults_on = "all"
-    hit: list = []
-
-    def once(n, path, first, last):
-        if path.endswith(shard) and first == 0 and not hit:
-            hit.append(n)
-            return "flip"
-        return None
-
+    once = _Once("flip", lambda path, first: path.endswith(shard) and first == 0)
     server.faults = once
     header = remote.read_header(server.url(f"campaign/{shard}"), retry=FAST, timeout=5.0)
-    assert header.names == engine.read_header(os.path.join(root, "campaign", shard)).names and hit
+    assert header.names == engine.read_header(os.path.join(root, "campaign", shard)).names and once.hit
 
 
 def test_urls_get_tensor_verifies_what_it_received(campaign, server):
@@ -151,18 +151,34 @@ def test_urls_get_tensor_verifies_what_it_received(campaign, server):
     shard = _shard(root)
     start = _data_start(root, shard)
     name = engine.read_header(os.path.join(root, "campaign", shard)).names[0]
-    hit: list = []
-
-    def once(n, path, first, last):
-        if first is not None and first >= start and not hit:
-            hit.append(first)
-            return "flip"
-        return None
-
+    once = _Once("flip", lambda path, first: first is not None and first >= start)
     server.faults = once
     got = remote.get_tensor(server.url(f"campaign/{shard}"), name, retry=FAST, timeout=5.0)
     np.testing.assert_array_equal(got, tensors[name])
-    assert hit
+    assert once.hit
     server.faults = {}
     with pytest.raises(ChecksumError, match="the same bytes twice"):
         remote.get_tensor(server.url(f"campaign/{_damaged(root)}"), name, retry=FAST, timeout=5.0)
+
+
+def test_a_damaged_header_is_read_again(campaign, server):
+    """A flipped byte in the header's own bytes (a name, a number: what still parses is caught
+    by the header's recorded CRC) is read again; a header damaged on the server's disk fails
+    after two reads agree."""
+    root, tensors, _ = campaign
+    shard = _shard(root)
+    server.faults_on = "all"
+    once = _Once("flip", lambda path, first: path.endswith(shard) and first == 8)
+    server.faults = once
+    header = remote.read_header(server.url(f"campaign/{shard}"), retry=FAST, timeout=5.0)
+    assert header.names == engine.read_header(os.path.join(root, "campaign", shard)).names and once.hit
+    server.faults = {}
+    bad = os.path.join(root, "campaign", "renamed.safetensors")
+    data = bytearray(open(os.path.join(root, "campaign", shard), "rb").read())
+    name = engine.read_header(os.path.join(root, "campaign", shard)).names[0]
+    data[data.index(f'"{name}"'.encode()) + 1] ^= 0x01
+    with open(bad, "wb") as f:
+        f.write(data)
+    with pytest.raises(ChecksumError, match="the same bytes twice") as e:
+        remote.read_header(server.url("campaign/renamed.safetensors"), retry=FAST, timeout=5.0)
+    assert e.value.reason == "HeaderChecksumMismatch"

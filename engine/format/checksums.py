@@ -2,10 +2,15 @@
 
 A file carries one CRC-32C (Castagnoli, as iSCSI, ext4 and Google Cloud Storage use it:
 ``crc32c(b"123456789") == 0xE3069283``) per tensor in its ``__metadata__`` under the key
-:data:`KEY`.  The value is ``"1:"`` followed by eight lower-case hex digits per tensor, the
-tensors taken in file order (by data offset; tensors at the same offset, which only empty
-ones can share with another, by name).  The reference ``safetensors`` reads such a file
-unchanged: ``__metadata__`` is a string-to-string map and this is one string in it.
+:data:`KEY`.  The value is ``"2:"``, eight lower-case hex digits of the header's own CRC
+(:func:`header_digest`: every tensor's name, dtype, shape and offsets and the metadata but
+this entry, in a canonical form, so that any JSON spelling of the same header agrees), then
+eight per tensor, the tensors taken in file order (by data offset; tensors at the same
+offset, which only empty ones can share with another, by name).  Files of the first format,
+``"1:"`` and the tensors' digits alone, are read as before (their header is not covered).
+The reference ``safetensors`` reads such a file unchanged: ``__metadata__`` is a
+string-to-string map and this is one string in it.  A header damaged in a way that still
+parses (a name, a dtype, a shape) fails the header's CRC before any tensor is handed out.
 
 Why positional hex and not ``name:hex`` pairs or JSON: the names are already in the header,
 and repeating them would double a header of 100,000 tensors with long names; JSON inside a
@@ -51,13 +56,17 @@ __all__ = [
     "verifying",
     "file_digests",
     "add_checksums",
+    "header_digest",
+    "canonical_digest",
 ]
 
 #: the ``__metadata__`` key of the checksums
 KEY = "engine.crc32c"
-#: the format of the entry's value (its prefix, ``"1:"``)
-VERSION = "1"
+#: the format of the entry's value that writers write (its prefix, ``"2:"``: the header's
+#: CRC first); ``"1:"`` (the tensors' alone) is still read
+VERSION = "2"
 _PREFIX = VERSION + ":"
+_V1 = "1:"
 
 
 
@@ -121,19 +130,60 @@ def _file_order(header: Header) -> list[int]:
     return out
 
 
-def encode(header: Header, digests: Mapping[str, int] | Sequence[int]) -> str:
-    """The entry's value for ``header``'s tensors: ``digests`` by name, or per row."""
+def encode(header: Header, digests: Mapping[str, int] | Sequence[int],
+           metadata: Mapping[str, str] | None = None) -> str:
+    """The entry's value for ``header``'s tensors: ``digests`` by name, or per row; the
+    header's CRC over its tensors and ``metadata`` (default its own)."""
     names = header.table.names
     if isinstance(digests, Mapping):
         values = [int(digests[names[r]]) for r in _file_order(header)]
     else:
         values = [int(digests[r]) for r in _file_order(header)]
-    return _PREFIX + "".join(f"{v & 0xFFFFFFFF:08x}" for v in values)
+    return encode_ordered(values, header_digest(header, metadata))
 
 
-def encode_ordered(values: Sequence[int]) -> str:
-    """The entry's value from digests already in the entry's order (file order)."""
-    return _PREFIX + "".join(f"{v & 0xFFFFFFFF:08x}" for v in values)
+def encode_ordered(values: Sequence[int], header_crc: int) -> str:
+    """The entry's value from the header's CRC and the digests already in the entry's order
+    (file order)."""
+    return _PREFIX + f"{header_crc & 0xFFFFFFFF:08x}" + "".join(f"{v & 0xFFFFFFFF:08x}" for v in values)
+
+
+def header_digest(header: Header, metadata: Mapping[str, str] | None = None) -> int:
+    """The CRC-32C of ``header`` in canonical form (:func:`canonical_digest` of its rows in
+    file order), with ``metadata`` (default the header's own) but the checksum entry."""
+    table = header.table
+    rows = _file_order(header)
+    names = table.names
+    shapes = table.shapes
+    return canonical_digest([names[r] for r in rows], [int(c) for c in _taken(table.codes, rows)],
+                            [shapes[r] for r in rows], _taken(table.begins, rows), _taken(table.ends, rows),
+                            header.metadata if metadata is None else metadata)
+
+
+def _taken(column, rows: list[int]) -> list[int]:
+    import numpy as np
+
+    return np.asarray(column)[np.asarray(rows, dtype=np.intp)].tolist()
+
+
+def canonical_digest(names: Sequence[str], codes: Sequence[int], shapes: Sequence[Sequence[int]],
+                     begins: Sequence[int], ends: Sequence[int], metadata: Mapping[str, str] | None) -> int:
+    """The CRC-32C of a header's canonical form: the tensors in file order, each its name (UTF-8),
+    a NUL, its dtype code, rank, dimensions and offsets as little-endian 64-bit integers; then
+    the metadata but the checksum entry, as compact JSON with sorted keys.  The writers and
+    the readers compute it from the same columns, so that it never depends on the JSON's
+    spelling."""
+    import json
+    from itertools import chain
+
+    import numpy as np
+
+    crc = crc32c("\x00".join(names).encode("utf-8"))
+    ranks = [len(s) for s in shapes]
+    ints = np.fromiter(chain(codes, ranks, chain.from_iterable(shapes), begins, ends), dtype="<u8")
+    crc = crc32c(ints.tobytes(), crc)
+    md = {k: v for k, v in (metadata or {}).items() if k != KEY}
+    return crc32c(json.dumps(md, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8"), crc)
 
 
 def has_checksums(header: Header) -> bool:
@@ -149,8 +199,10 @@ def expected(header: Header, path: str | None = None) -> Any:
     Raises
     ------
     ChecksumError
-        ``reason="InvalidChecksums"``: the entry is not ``"1:"`` and eight hex digits per
-        tensor of the header.
+        ``reason="InvalidChecksums"``: the entry is not ``"2:"`` and eight hex digits for the
+        header and per tensor (or ``"1:"`` and eight per tensor); ``reason="HeaderChecksumMismatch"``:
+        the header's CRC (:func:`header_digest`) is not the one recorded (a damaged name,
+        dtype, shape, offset or metadata).
     """
     md = header.metadata
     if md is None or KEY not in md:
@@ -164,11 +216,16 @@ def expected(header: Header, path: str | None = None) -> Any:
     def bad(why: str) -> ChecksumError:
         return ChecksumError(f"the {KEY!r} metadata entry {why}", reason="InvalidChecksums", path=where)
 
-    if not value.startswith(_PREFIX):
-        raise bad(f"does not start with {_PREFIX!r} (an unknown format or not a checksum list)")
-    digits = value[len(_PREFIX):]
-    if len(digits) != 8 * n:
-        raise bad(f"holds {len(digits)} hex digits where the header's {n} tensors take {8 * n}")
+    if value.startswith(_PREFIX):
+        digits, covered = value[len(_PREFIX):], True
+    elif value.startswith(_V1):
+        digits, covered = value[len(_V1):], False
+    else:
+        raise bad(f"does not start with {_PREFIX!r} or {_V1!r} (an unknown format or not a checksum list)")
+    want = 8 * n + (8 if covered else 0)
+    if len(digits) != want:
+        raise bad(f"holds {len(digits)} hex digits where the header{' and its' if covered else chr(39) + 's'} "
+                  f"{n} tensors take {want}")
     try:
         raw = bytes.fromhex(digits)
     except ValueError:
@@ -176,6 +233,14 @@ def expected(header: Header, path: str | None = None) -> Any:
     if any(c in digits for c in " \t\n\r"):
         raise bad("holds white space")
     values = np.frombuffer(raw, dtype=">u4")
+    if covered:
+        recorded, values = int(values[0]), values[1:]
+        got = header_digest(header)
+        if got != recorded:
+            raise ChecksumError(
+                f"the header's CRC-32C is {got:08x}, the file records {recorded:08x}: a tensor's name, dtype, "
+                "shape or offsets, or the metadata, changed after the file was written (the header is damaged)",
+                reason="HeaderChecksumMismatch", path=where, expected=recorded, computed=got)
     out = np.empty(n, dtype=np.uint32)
     out[np.asarray(_file_order(header), dtype=np.intp)] = values
     return out
@@ -361,7 +426,8 @@ def add_checksums(path: str | os.PathLike[str], *, fsync: bool = True) -> int:
         header = read_header_fd(fd, path=p, file_size=st.st_size)
         n = len(header.table.names)
         metadata = dict(header.metadata or {})
-        metadata[KEY] = encode_ordered([0] * n)
+        header_crc = header_digest(header, metadata)  # the same tensors at the same offsets
+        metadata[KEY] = encode_ordered([0] * n, header_crc)
         placeholder = _header_keeping_offsets(header, metadata)
         base = len(placeholder)
         mode = st.st_mode & 0o7777 or (0o666 & ~_umask())
@@ -371,7 +437,7 @@ def add_checksums(path: str | os.PathLike[str], *, fsync: bool = True) -> int:
             ofd = out.fd
             _write_all(ofd, placeholder, 0)
             crcs = _digests_of(fd, header, p, lambda data, pos: _write_all(ofd, data, base + pos))
-            metadata[KEY] = encode_ordered(crcs)
+            metadata[KEY] = encode_ordered(crcs, header_crc)
             final = _header_keeping_offsets(header, metadata)
             assert len(final) == base
             _write_all(ofd, final, 0)

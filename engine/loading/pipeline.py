@@ -236,7 +236,7 @@ class _Tracker:
         if self.reread is not None:  # bytes that crossed a network: read again
             reread = self.reread
             for k in bad:
-                again[k] = read_until_agreed(int(self.digests[k]), int(self.want[k]), lambda k=k: reread(k))
+                again[k] = read_until_agreed(int(self.digests[k]), int(self.want[k]), functools.partial(reread, k))
             bad = [k for k in bad if again[k][0] != int(self.want[k])]
             if not bad:
                 return done, None

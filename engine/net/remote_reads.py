@@ -554,18 +554,24 @@ class RangeReads:
             try:
                 return fn()
             except _Failed as failed:
-                err = failed.error
-                if not failed.transient or (contact and getattr(err, "unreachable", False)):
-                    raise err from None
+                if not failed.transient or (contact and getattr(failed.error, "unreachable", False)):
+                    raise failed.error from None
                 tries += 1
-                if tries >= self.retry.attempts:
-                    err.message = f"{err.message} (after {tries} tries)"
-                    err.args = (err.message,)
-                    raise err from None
-                with self._lock:
-                    self.retries += 1
-                if self.cancel.wait(max(self.retry.delay(tries), failed.after)):
-                    raise err from None
+                self._wait_to_retry(failed, tries)
+
+    def _wait_to_retry(self, failed: _Failed, tries: int) -> None:
+        """After the ``tries``-th transient failure of a request: its error when the tries ran
+        out (saying how many) or the load stopped meanwhile, else the backoff (or the server's
+        ``Retry-After``, up to the cap) waited out."""
+        err = failed.error
+        if tries >= self.retry.attempts:
+            err.message = f"{err.message} (after {tries} tries)"
+            err.args = (err.message,)
+            raise err from None
+        with self._lock:
+            self.retries += 1
+        if self.cancel.wait(max(self.retry.delay(tries), failed.after)):
+            raise err from None
 
     def _first(self, probe: RemoteFile, not_found: type | None) -> First:
         name = probe.name or public_url(probe.url)
@@ -720,15 +726,7 @@ class RangeReads:
                 if not failed.transient:
                     raise failed.error from None
                 tries = 0 if progressed else tries + 1
-                if tries >= self.retry.attempts:
-                    err = failed.error
-                    err.message = f"{err.message} (after {tries} tries)"
-                    err.args = (err.message,)
-                    raise err from None
-                with self._lock:
-                    self.retries += 1
-                if self.cancel.wait(max(self.retry.delay(tries), failed.after)):
-                    raise failed.error from None
+                self._wait_to_retry(failed, tries)
 
     def _get(self, file: RemoteFile, offset: int, views: list[memoryview]) -> int:
         """One try: a ranged GET of ``views``' bytes at ``offset``; returns the bytes landed

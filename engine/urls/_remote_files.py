@@ -32,6 +32,7 @@ from engine.base._threads import map_threads
 from engine.checkpoints.checkpoint_info import CheckpointInfo
 from engine.errors import (
     CheckpointIndexError,
+    ChecksumError,
     HeaderError,
     MissingDependencyError,
     MissingShardError,
@@ -39,6 +40,7 @@ from engine.errors import (
     RemoteFileNotFoundError,
 )
 from engine.format.checkpoint_index import index_problems, parse_index
+from engine.format.checksums import REREADS, expected, verifying
 from engine.format.header import Header, checked_length, parse_header
 from engine.net._http import read_error
 from engine.net._s3 import S3Config, parse_listing, split_s3_url
@@ -83,21 +85,29 @@ def _http_header(reads: RangeReads, url: str, name: str, max_header_size: int, n
     """Two ranged GETs (one if the server ignores Range: its answer is read on): the length,
     then the header.  ``(header, first, raw)``: the :class:`~engine.net.remote_reads.First`
     of the file and its first ``8 + N`` bytes as received.  Bytes that fail to parse or
-    check are read again once (see the module's doc)."""
+    check are read again (see the module's doc), as a tensor's are: until they pass, or two
+    reads agree (the file's own bytes: the error says so), or
+    :data:`~engine.format.checksums.REREADS` reads more."""
     try:
         return _http_header_once(reads, url, name, max_header_size, not_found)
-    except HeaderError as err:
+    except (HeaderError, ChecksumError) as err:
         raw = getattr(err, "raw", None)
         if raw is None or err.reason == "NotSafetensors" or "html" in (reads.content_types.get(url) or "").lower():
             raise  # another kind of file (a page, an LFS pointer), or no bytes of one: nothing to read again
-        try:
-            header, first, again = _http_header_once(reads, url, name, max_header_size, not_found)
-        except HeaderError as second:
-            if raw is not None and getattr(second, "raw", None) == raw:
-                second.message = f"{second.message} (read twice from the server, the same bytes both times)"
-                second.args = (second.message,)
-            raise second from None
-        return header, first, again
+        seen = {raw}
+        for _ in range(REREADS):
+            try:
+                return _http_header_once(reads, url, name, max_header_size, not_found)
+            except (HeaderError, ChecksumError) as again:
+                raw = getattr(again, "raw", None)
+                if raw is None or raw in seen:
+                    if raw is not None:
+                        again.message = f"{again.message} (read again from the server: the same bytes twice)"
+                        again.args = (again.message,)
+                    raise again from None
+                seen.add(raw)
+                err = again
+        raise err
 
 
 def _http_header_once(reads: RangeReads, url: str, name: str, max_header_size: int, not_found=None):
@@ -113,9 +123,12 @@ def _http_header_once(reads: RangeReads, url: str, name: str, max_header_size: i
         reads.read(first.file, 8, [memoryview(body)], quiet=True)
     raw = first.prefix + bytes(body)
     try:
-        return _parse(body, total, n, name), first, raw
-    except HeaderError as err:
-        err.raw = raw  # type: ignore[attr-defined]
+        header = _parse(body, total, n, name)
+        if verifying():  # a header that records its own checksum is checked here, while it can be read again
+            expected(header, name)
+        return header, first, raw
+    except (HeaderError, ChecksumError) as err:
+        err.raw = raw  # type: ignore[union-attr]
         raise
 
 

@@ -91,8 +91,15 @@ def _with_checksums(items, metadata, layout, max_header_size):
             crc = _checksums.crc32c(piece, crc)
             del piece
         crcs.append(crc)
+    # the header's own CRC, from the same columns a reader takes from the parsed header
+    raws = [items[index][1] for index, _ in ordered]
+    start = ordered[0][1] if ordered else 0  # the layout's offsets are the file's: the data region's here
+    header_crc = _checksums.canonical_digest(
+        [items[index][0] for index, _ in ordered], [r.code for r in raws], [tuple(r.shape) for r in raws],
+        [begin - start for _, begin in ordered],
+        [begin - start + r.nbytes for (_, begin), r in zip(ordered, raws, strict=True)], metadata)
     full = dict(metadata or {})
-    full[_checksums.KEY] = _checksums.encode_ordered(crcs)
+    full[_checksums.KEY] = _checksums.encode_ordered(crcs, header_crc)
     return build_header(((name, r.code, r.shape, r.nbytes) for name, r in items), full,
                         max_header_size=max_header_size)
 
