@@ -430,3 +430,17 @@ def test_checksums_are_verified_on_the_chunks_the_connections_fill(checkpoint, n
             assert name != "layers.7.w"
     assert caught.value.tensors == ("layers.7.w",) and caught.value.expected != caught.value.computed
     _released(emu)
+
+
+def test_a_tensor_damaged_on_the_way_to_a_device_is_read_again(checkpoint, rangeserver, device, emu):
+    """A byte flipped in one answer (not on the server's disk): the tensor whose checksum fails
+    is read again from the server and put on the device; the load hands out the file's bytes."""
+    root, sd = checkpoint
+    good = root / "summed"
+    if not good.exists():
+        engine.save_sharded(sd, good, max_shard_size=1_500_000, fsync=False, checksums=True)
+    rangeserver.faults = {2: "flip"}
+    got, early = _stream_checked(rangeserver.url(f"summed/{INDEX}"), sd)
+    assert sorted(got) == sorted(sd) and early == []
+    assert rangeserver.flips == 1
+    _released(emu)

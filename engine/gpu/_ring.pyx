@@ -118,6 +118,7 @@ ctypedef int (*_f_record)(void*, void*) noexcept nogil
 ctypedef int (*_f_void)() noexcept nogil
 ctypedef const char* (*_f_errstr)(int) noexcept nogil
 ctypedef int (*_f_wait)(void*, void*, unsigned int) noexcept nogil
+ctypedef int (*_f_memcpy_sync)(void*, const void*, size_t, int) noexcept nogil
 ctypedef int (*_f_ctx_get)(void**) noexcept nogil
 ctypedef int (*_f_init)(unsigned int) noexcept nogil
 ctypedef int (*_f_device_get)(int*, int) noexcept nogil
@@ -138,6 +139,7 @@ cdef struct _Rt:
     _f_void get_last_error
     _f_errstr error_string
     _f_wait stream_wait_event
+    _f_memcpy_sync memcpy_sync
     # the driver's (libcuda's): a device's primary context, pushed on a thread and popped
     _f_init driver_init
     _f_device_get device_get
@@ -160,7 +162,7 @@ cdef size_t _HUGE = 2 << 20
 ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
                 "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
                 "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
-                "cudaGetErrorString", "cudaStreamWaitEvent")
+                "cudaGetErrorString", "cudaStreamWaitEvent", "cudaMemcpy")
 #: the driver's entry points a ring calls (after ENTRY_POINTS in _Rt): looked up in the runtime's
 #: library first (the emulated one has them), else in the driver's, which every CUDA process maps
 DRIVER_ENTRY_POINTS = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",
@@ -1299,6 +1301,28 @@ cdef class ChunkRing:
         self.workers = NULL
         free(st)
         self.st = NULL
+
+    def put(self, uint64_t dst, const uint8_t[::1] src) -> None:
+        """Copy ``src`` (host memory) to the device address ``dst`` now, synchronously, on the
+        ring's device: a tensor read again after a failed checksum (rare: no chunk, no stream).
+        Raises RuntimeError naming the runtime's error."""
+        cdef _State* st = self.st
+        cdef int rc = 0
+        cdef _Saved saved
+        cdef size_t n = src.shape[0]
+        if st == NULL:
+            raise ValueError("the ring is closed")
+        if n == 0:
+            return
+        with nogil:
+            rc = _enter(st.rt, st.ctx, &saved)
+            if rc == 0:
+                rc = st.rt.memcpy_sync(<void*><uintptr_t>dst, &src[0], n, _cudaMemcpyHostToDevice)
+                if rc != 0:
+                    st.rt.get_last_error()
+            _leave(st.rt, &saved)
+        if rc != 0:
+            raise RuntimeError(f"copying {n} bytes to the device failed: {self.runtime.error_string(rc)} ({rc})")
 
     def abandon(self) -> None:
         """Forget the ring without touching it: in a process forked from the one that made

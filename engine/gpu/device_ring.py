@@ -701,6 +701,35 @@ def plan(pieces: _Pieces, chunk_bytes: int):
         s_dst[:m].copy()
 
 
+class _DeviceReread:
+    """A checked tensor of a remote file read again from the server (the pieces the load
+    planned for it) into host memory, its CRC-32C taken, and its bytes put on the device
+    (:meth:`engine.gpu._ring.ChunkRing.put`): the tracker's ``reread`` after a mismatch.
+    Copies of tensor bytes: 2 (socket to host memory, host memory to the device)."""
+
+    def __init__(self, sources, pieces: _Pieces, targets, address, ring) -> None:
+        self.sources, self.ring = sources, ring
+        self.targets, self.address = targets, address
+        self.of: dict = {}
+        for i, key in enumerate(pieces.keys):
+            self.of.setdefault(key, []).append((int(pieces.file[i]), int(pieces.off[i]), int(pieces.len[i]),
+                                                pieces.toff[i]))
+
+    def __call__(self, key: int) -> int:
+        from engine.format.checksums import crc32c
+
+        pieces = self.of[key]
+        host = np.empty(sum(n for _, _, n, _ in pieces), np.uint8)
+        view = memoryview(host)
+        for f, off, n, at in pieces:
+            self.sources[f].ranges(off, [view[at : at + n]])
+        try:
+            self.ring.put(self.address(self.targets[key]), host)
+        except RuntimeError as exc:
+            raise DeviceError(str(exc), path=self.sources[pieces[0][0]].path) from exc
+        return crc32c(host)
+
+
 class _Landing:
     """Reports each tensor to the tracker once the chunk holding its last byte has completed."""
 
@@ -995,6 +1024,9 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
                 landing.seconds += time.perf_counter() - t0
             return cancel.is_set()
 
+        if remote[0] and digests is not None:
+            # bytes that crossed a network and fail their checksum are read again, onto the device
+            tracker.reread = _DeviceReread(sources, pieces, targets, ops.address, ring)
         if remote[0]:
             # one request per ``group`` chunks of a file: the request size the caller planned
             # (remote_load's chunk_bytes), the ring's chunks however small

@@ -544,6 +544,18 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stre
     return queue_op(s, 0, dst, src, n, seq, 0, 0);
 }
 
+/* synchronous, from any host memory (the real runtime stages pageable memory itself) */
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, int kind) {
+    need_ctx();
+    if (kind != 1 /* cudaMemcpyHostToDevice */)
+        return fail(cudaErrorInvalidValue);
+    if (g_sticky)
+        return sticky();
+    if (!g_noop)
+        memcpy(dst, src, n);
+    return cudaSuccess;
+}
+
 cudaError_t cudaEventCreateWithFlags(event_t **out, unsigned int flags) {
     (void)flags;
     int d = need_ctx();
