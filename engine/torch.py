@@ -22,7 +22,7 @@ import torch
 from engine.apps.opener import is_checkpoint_path, safe_open
 from engine.base import dtypes
 from engine.base._files import is_url
-from engine.errors import SerializationError
+from engine.errors import DeviceError, SerializationError
 from engine.format.checksums import verification
 from engine.format.header import parse_buffer
 from engine.loading.file_handle import views
@@ -50,7 +50,7 @@ __all__ = [
 
 def load_file(
     filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap",
-    verify_checksums: bool | None = None, check_finite: bool = False, **remote
+    verify_checksums: bool | None = None, check_finite: bool = False, process_group=None, **remote
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a file, or of a checkpoint, as torch tensors.
 
@@ -69,6 +69,11 @@ def load_file(
     backend : {"mmap", "pread"}
         ``"mmap"``: tensors view a private mapping (writable, copy-on-write);
         ``"pread"``: owned tensors filled by positional reads.
+    process_group : torch.distributed.ProcessGroup, optional
+        Every rank of the group calls this with the same ``filename``: each reads a share of
+        the bytes and sends it to the others, so that the group reads the checkpoint once
+        (:mod:`engine.parallel.group_load`; owned CPU tensors, ``gloo``; a file, an index, a
+        folder or a URL with its options).  ``torch.distributed.group.WORLD`` for every rank.
     verify_checksums : bool, optional
         Check every tensor against the CRC-32C its file records, where it records them
         (:mod:`engine.format.checksums`), before returning; default True.  A mismatch raises
@@ -98,6 +103,12 @@ def load_file(
         from engine.loading.loader import load_finite
 
         return load_finite(filename, "pt", device, verify_checksums)
+    if process_group is not None:
+        if torch.device(device if not isinstance(device, int) else f"cuda:{device}").type != "cpu":
+            raise DeviceError(f"process_group= loads to the CPU so far, not {device!r}", reason="UnsupportedDevice")
+        from engine.parallel.group_load import load as group_load
+
+        return group_load(filename, process_group, verify_checksums=verify_checksums, **remote)
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the tensors
             from engine.urls.remote_load import load

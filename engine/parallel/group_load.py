@@ -1,0 +1,181 @@
+"""A group of ranks loads a checkpoint once: each rank reads a share of its bytes, then sends it.
+
+Every rank of a ``torch.distributed`` process group calls :func:`load` with the same source
+(a local file, index or folder, or an ``http(s)://``/``s3://`` URL with the remote options).
+Each rank reads the headers, lays every tensor out in one owned host block in the same order
+(file order, shard after shard), and cuts the block into ``world_size`` spans of equal bytes
+(a tensor may be split between two ranks).  Each rank reads only its span from the files or
+the server, straight into its block, and verifies the checksums of the tensors it read whole;
+then every span is sent to the others with ``broadcast`` in buckets of :data:`BUCKET_BYTES`
+(one collective per bucket, not per tensor).  Every rank returns every tensor, byte-equal to
+the file: the group reads each byte of the checkpoint once, not once per rank.
+
+A failure to read on any rank fails the load on every rank (one ``all_reduce`` of a flag
+before the exchange, so that no rank waits for a span that will never come).
+
+Copies of tensor bytes: 1 on the rank that reads a byte (page cache or socket -> its block), 1
+on every other rank (the collective's receive into its block).  Host destinations over
+``gloo`` for now; each rank's reads finish before the exchange starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from engine.base._files import is_url
+from engine.errors import ReadError, SafetensorError
+from engine.format.checksums import Checks, verification, verifying
+
+__all__ = ["load", "BUCKET_BYTES", "spans"]
+
+#: bytes per broadcast: large enough that a collective's fixed cost is paid per tens of MiB
+BUCKET_BYTES = 64 << 20
+#: each tensor's offset in the block (as an owned load's: any dtype's alignment)
+_ALIGN = 64
+
+
+def spans(total: int, world: int) -> list[tuple[int, int]]:
+    """``world`` spans ``[lo, hi)`` of equal bytes (to one byte) covering ``[0, total)``."""
+    return [(total * k // world, total * (k + 1) // world) for k in range(world)]
+
+
+@contextlib.contextmanager
+def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[list]:
+    """The source's files as :class:`engine.loading.loader.Part` (all rows, in file order)."""
+    from engine.loading.loader import Part
+
+    spath = os.fspath(source)
+    if is_url(spath):
+        from engine.urls.remote_load import open_parts
+
+        with open_parts(spath, max_header_size=max_header_size, **remote) as opened:
+            yield [p._replace(rows=p.header.table.file_order()) for p in opened.ranged().parts]
+        return
+    if remote:
+        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
+    from engine.base._files import open_regular
+    from engine.checkpoints.checkpoint_info import open_layout
+    from engine.format.header import read_header_fd
+
+    layout, _, _ = open_layout(spath, max_header_size)
+    fds: list[int] = []
+    try:
+        parts = []
+        for shard in layout.files:
+            path = os.path.join(layout.directory, shard)
+            fd = open_regular(path)
+            fds.append(fd)
+            header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+            parts.append(Part(fd, header, header.table.file_order(), path))
+        yield parts
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def load(source, process_group, *, verify_checksums: bool | None = None, max_header_size: int | None = None,
+         bucket_bytes: int = BUCKET_BYTES, **remote) -> dict:
+    """Every tensor of ``source`` as owned CPU torch tensors on every rank of ``process_group``,
+    each byte read by one rank (see the module's doc).  ``remote``: the options of a URL's
+    load (``headers``, ``timeout``, ``retry``, ``connections``, ...).
+
+    Raises what a load raises (on every rank, where any rank's read failed), and
+    :class:`~engine.errors.SafetensorError` for tensor names that two files both hold.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from engine.base import dtypes
+    from engine.format.header import MAX_HEADER_SIZE
+    from engine.io.reader import map_threads, pread_into
+    from engine.sinks._host import host_block
+    from engine.sinks.torch import host_tensor
+
+    group = process_group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    with verification(verify_checksums), _parts(source, remote, max_header_size or MAX_HEADER_SIZE) as parts:
+        layout = []  # (part, row, name, block offset, bytes)
+        at = 0
+        seen: dict[str, str | None] = {}
+        for i, p in enumerate(parts):
+            t = p.header.table
+            for r in p.rows:
+                name = t.names[r]
+                if name in seen:
+                    raise SafetensorError(f"tensor {name!r} is in two files: {seen[name]} and {p.path}",
+                                          reason="DuplicateTensor", path=p.path, tensors=(name,))
+                seen[name] = p.path
+                n = int(t.ends[r]) - int(t.begins[r])
+                layout.append((i, r, name, at, n))
+                at += -(-n // _ALIGN) * _ALIGN
+        total = at
+        block = host_block(total)
+        flat = np.frombuffer(block, np.uint8) if total else np.zeros(1, np.uint8)
+        lo, hi = spans(total, world)[rank]
+        mine = []  # (part, file offset, block offset, bytes): my span's share of each tensor
+        whole = []  # (part, row, block offset, bytes): the tensors I read whole
+        for i, r, _, off, n in layout:
+            a, b = max(lo, off), min(hi, off + n)
+            if a >= b:
+                continue
+            p = parts[i]
+            begin = p.header.data_start + int(p.header.table.begins[r])
+            mine.append((i, begin + (a - off), a, b - a))
+            if a == off and b == off + n:
+                whole.append((i, r, off, n))
+        view = memoryview(flat)
+        failed: list[BaseException] = []
+
+        def read(piece) -> None:
+            i, offset, a, n = piece
+            p = parts[i]
+            if p.ranges is not None:
+                p.ranges(offset, [view[a : a + n]])
+            else:
+                pread_into(p.fd, offset, [view[a : a + n]], path=p.path)
+
+        try:
+            map_threads(read, mine, max(1, min(8, len(mine))), name="engine-group")
+            if verifying():  # the tensors read whole, checked by the rank that read them
+                for i, r, off, n in whole:
+                    checks = Checks.of(parts[i].header, parts[i].path)
+                    if checks is not None:
+                        checks.verify_bytes(r, view[off : off + n])
+        except BaseException as exc:  # every rank hears of it before the exchange
+            failed.append(exc)
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if failed:
+            raise failed[0]
+        if int(flag.item()):
+            raise ReadError("another rank of the process group failed to read its share of the checkpoint",
+                            reason="GroupReadFailed", path=os.fspath(source))
+        for k, (a, b) in enumerate(spans(total, world)):
+            src = dist.get_global_rank(group, k) if group is not None else k
+            while a < b:
+                step = min(bucket_bytes, b - a)
+                dist.broadcast(torch.from_numpy(flat[a : a + step]), src=src, group=group)
+                a += step
+        if verifying():  # the tensors split between ranks: checked whole, on every rank (a few)
+            for i, r, _, off, n in layout:
+                if n and _split(off, n, total, world):
+                    checks = Checks.of(parts[i].header, parts[i].path)
+                    if checks is not None:
+                        checks.verify_bytes(r, view[off : off + n])
+        out = {}
+        for i, r, name, off, n in layout:
+            t = parts[i].header.table
+            code = int(t.codes[r])
+            out[name] = host_tensor(block, code, dtypes.packed_shape(code, t.shapes[r], n), off, n)
+        return out
+
+
+def _split(off: int, n: int, total: int, world: int) -> bool:
+    """Whether the tensor at ``[off, off + n)`` of the block lies in more than one rank's span."""
+    owners = {k for k, (a, b) in enumerate(spans(total, world)) if a < off + n and off < b}
+    return len(owners) > 1

@@ -1,0 +1,130 @@
+"""engine.parallel.group_load: ``load_file(..., process_group=...)`` on real gloo ranks (two
+processes on 127.0.0.1): every rank returns every tensor byte-equal to the file, the group
+reads each byte once (a server counts the bytes asked for), and a read that fails on one rank
+fails the load on every rank instead of leaving the others waiting."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is an optional extra")
+if not torch.distributed.is_available():  # pragma: no cover - depends on the torch build
+    pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rangeserver import serving  # noqa: E402
+from servers import free_port  # noqa: E402
+
+import engine  # noqa: E402
+from engine.parallel.group_load import spans  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = r"""
+import hashlib, json, os, sys
+import torch, torch.distributed as dist
+import engine.torch
+from engine.net.remote_reads import Retry
+rank, world, port, source, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+kw = {"timeout": 5.0, "retry": Retry(attempts=2, base=0.01, cap=0.02)} if "://" in source else {}
+try:
+    got = engine.torch.load_file(source, process_group=dist.group.WORLD, **kw)
+    result = {"tensors": {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                          for k, v in got.items()}}
+except Exception as exc:
+    result = {"error": type(exc).__name__, "reason": getattr(exc, "reason", None), "message": str(exc)}
+json.dump(result, open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("group")
+    rng = np.random.default_rng(5)
+    sd = {f"layers.{i}.w": rng.standard_normal((128, 100 + 3 * i), dtype=np.float32) for i in range(7)}
+    sd["norm"] = rng.standard_normal(333).astype(np.float16)
+    sd["empty"] = np.zeros((0, 4), np.int8)
+    engine.save_sharded(sd, str(root / "sharded"), max_shard_size=150_000, checksums=True)
+    engine.save_file(sd, str(root / "one.safetensors"), checksums=True)
+    return root, sd
+
+
+def _digests(sd: dict) -> dict:
+    return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in sd.items()}
+
+
+def _ranks(source: str, tmp_path, world: int = 2) -> list[dict]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), str(port), source, outs[r]], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [json.load(open(o)) for o in outs]
+
+
+@pytest.mark.parametrize("where", ["one.safetensors", "sharded", "sharded/model.safetensors.index.json"])
+def test_every_rank_returns_every_tensor_of_a_local_checkpoint(checkpoint, tmp_path, where):
+    root, sd = checkpoint
+    for got in _ranks(str(root / where), tmp_path):
+        assert got.get("tensors") == _digests(sd), got
+
+
+def _data_bytes_asked(server, root) -> int:
+    """Bytes of tensor data the server was asked for (ranges past each file's header)."""
+    total = 0
+    for r in server.requests:
+        if not r["range"] or not r["path"].endswith(".safetensors"):
+            continue
+        with open(os.path.join(root, r["path"].lstrip("/")), "rb") as f:
+            start = 8 + int.from_bytes(f.read(8), "little")
+        a, _, b = r["range"][6:].partition("-")
+        lo, hi = int(a), int(b)
+        total += max(0, hi + 1 - max(lo, start))
+    return total
+
+
+def test_the_group_reads_each_byte_of_a_url_once(checkpoint, tmp_path):
+    """Two ranks load the same URL: the server is asked for the tensors' bytes once in all,
+    where two plain loads ask for them twice."""
+    root, sd = checkpoint
+    tensor_bytes = sum(v.nbytes for v in sd.values())
+    with serving(str(root)) as server:
+        server.bulk()
+        for got in _ranks(server.url("sharded/model.safetensors.index.json"), tmp_path):
+            assert got.get("tensors") == _digests(sd), got
+        asked = _data_bytes_asked(server, str(root))
+    assert tensor_bytes <= asked < 1.1 * tensor_bytes, (asked, tensor_bytes)
+
+
+def test_a_failed_read_on_one_rank_fails_every_rank(checkpoint, tmp_path):
+    root, sd = checkpoint
+    with serving(str(root)) as server:
+        server.bulk()
+        server.faults = lambda n, path, first, last: "403"  # every data GET is refused
+        results = _ranks(server.url("sharded/model.safetensors.index.json"), tmp_path)
+    for got in results:
+        assert got.get("error") == "ReadError" and got["reason"] in ("AccessDenied", "GroupReadFailed"), got
+
+
+def test_spans_cover_the_block_once_in_equal_shares():
+    for total, world in ((0, 3), (10, 3), (1 << 20, 7), (5, 8)):
+        s = spans(total, world)
+        assert s[0][0] == 0 and s[-1][1] == total and all(a[1] == b[0] for a, b in zip(s, s[1:], strict=False))
+        assert max(b - a for a, b in s) - min(b - a for a, b in s) <= 1
