@@ -31,7 +31,7 @@ __all__ = ["load_file", "load", "save_file", "save"]
 
 def load_file(
     filename, *, backend: str = "mmap", verify_checksums: bool | None = None, check_finite: bool = False,
-    **remote
+    process_group=None, **remote
 ) -> dict[str, np.ndarray]:
     """Load every tensor of a file, or of a checkpoint, as numpy arrays.
 
@@ -52,6 +52,10 @@ def load_file(
         when a floating tensor holds NaN or Inf, counted as the bytes land by the statistics
         kernels (needs Numba; one local file; owned tensors, as :func:`engine.stream` makes
         them, whatever ``backend``).
+    process_group : torch.distributed.ProcessGroup, optional
+        A ``gloo`` group whose every rank loads the same checkpoint: the group reads it once,
+        each rank a share, and every rank returns every array (owned; see
+        :func:`engine.torch.load_file` and :mod:`engine.parallel.group_load`).
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -70,6 +74,10 @@ def load_file(
         from engine.loading.loader import load_finite
 
         return load_finite(filename, "numpy", "cpu", verify_checksums)
+    if process_group is not None:
+        from engine.parallel.group_load import load as group_load
+
+        return group_load(filename, process_group, framework="numpy", verify_checksums=verify_checksums, **remote)
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the arrays
             from engine.urls.remote_load import load

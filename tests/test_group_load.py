@@ -29,16 +29,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
 import hashlib, json, os, sys
+import numpy as np
 import torch, torch.distributed as dist
-import engine.torch
+import engine.numpy, engine.torch
 from engine.net.remote_reads import Retry
 rank, world, port, source, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+framework = sys.argv[6]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 kw = {"timeout": 5.0, "retry": Retry(attempts=2, base=0.01, cap=0.02)} if "://" in source else {}
 try:
-    got = engine.torch.load_file(source, process_group=dist.group.WORLD, **kw)
-    result = {"tensors": {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                          for k, v in got.items()}}
+    if framework == "numpy":
+        got = engine.numpy.load_file(source, process_group=dist.group.WORLD, **kw)
+        raw = {k: np.ascontiguousarray(v).tobytes() for k, v in got.items()}
+    else:
+        got = engine.torch.load_file(source, process_group=dist.group.WORLD, **kw)
+        raw = {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in got.items()}
+    result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}}
 except Exception as exc:
     result = {"error": type(exc).__name__, "reason": getattr(exc, "reason", None), "message": str(exc)}
 json.dump(result, open(out, "w"))
@@ -62,11 +68,12 @@ def _digests(sd: dict) -> dict:
     return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in sd.items()}
 
 
-def _ranks(source: str, tmp_path, world: int = 2) -> list[dict]:
+def _ranks(source: str, tmp_path, world: int = 2, framework: str = "pt") -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     outs = [str(tmp_path / f"rank{r}.json") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), str(port), source, outs[r]], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), str(port), source, outs[r], framework],
+                              env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     try:
         for p in procs:
@@ -79,10 +86,11 @@ def _ranks(source: str, tmp_path, world: int = 2) -> list[dict]:
     return [json.load(open(o)) for o in outs]
 
 
-@pytest.mark.parametrize("where", ["one.safetensors", "sharded", "sharded/model.safetensors.index.json"])
-def test_every_rank_returns_every_tensor_of_a_local_checkpoint(checkpoint, tmp_path, where):
+@pytest.mark.parametrize(("where", "framework"), [("one.safetensors", "pt"), ("sharded", "pt"),
+                                                  ("sharded/model.safetensors.index.json", "numpy")])
+def test_every_rank_returns_every_tensor_of_a_local_checkpoint(checkpoint, tmp_path, where, framework):
     root, sd = checkpoint
-    for got in _ranks(str(root / where), tmp_path):
+    for got in _ranks(str(root / where), tmp_path, framework=framework):
         assert got.get("tensors") == _digests(sd), got
 
 

@@ -78,10 +78,11 @@ def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[
             os.close(fd)
 
 
-def load(source, process_group, *, verify_checksums: bool | None = None, max_header_size: int | None = None,
-         bucket_bytes: int = BUCKET_BYTES, **remote) -> dict:
-    """Every tensor of ``source`` as owned CPU torch tensors on every rank of ``process_group``,
-    each byte read by one rank (see the module's doc).  ``remote``: the options of a URL's
+def load(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
+         max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, **remote) -> dict:
+    """Every tensor of ``source`` as owned CPU tensors (``framework`` ``"pt"``: torch, ``"numpy"``:
+    arrays, each over its range of one block) on every rank of ``process_group``, each byte read
+    by one rank (see the module's doc).  ``remote``: the options of a URL's
     load (``headers``, ``timeout``, ``retry``, ``connections``, ...).
 
     Raises what a load raises (on every rank, where any rank's read failed), and
@@ -90,11 +91,10 @@ def load(source, process_group, *, verify_checksums: bool | None = None, max_hea
     import torch
     import torch.distributed as dist
 
-    from engine.base import dtypes
     from engine.format.header import MAX_HEADER_SIZE
     from engine.io.reader import map_threads, pread_into
+    from engine.sinks import get_sink
     from engine.sinks._host import host_block
-    from engine.sinks.torch import host_tensor
 
     group = process_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -167,11 +167,11 @@ def load(source, process_group, *, verify_checksums: bool | None = None, max_hea
                     checks = Checks.of(parts[i].header, parts[i].path)
                     if checks is not None:
                         checks.verify_bytes(r, view[off : off + n])
+        sink = get_sink(framework)
         out = {}
         for i, r, name, off, n in layout:
             t = parts[i].header.table
-            code = int(t.codes[r])
-            out[name] = host_tensor(block, code, dtypes.packed_shape(code, t.shapes[r], n), off, n)
+            out[name] = sink.view(block, int(t.codes[r]), t.shapes[r], off, n)
         return out
 
 
