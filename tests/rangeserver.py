@@ -26,6 +26,7 @@ For the bulk reads of a load (:mod:`engine.net.remote_reads`) the server also ha
   to the second, as HTTP dates go);
 * ``server.etags = True``: an ``ETag`` on every file answer, and ``If-Match`` honoured (a
   mismatch is 412, unless ``server.if_match = False``); ``server.generation += 1`` changes every ETag, as a replaced file would;
+* ``server.rate``: bytes per second sent in all, over every connection (a throttled store);
 * ``server.faults``: a fault at chosen *data* GETs, those of a ``.safetensors`` file whose
   range starts past its header (numbered from 1 in arrival order, ``server.data_gets``):
   a dict ``{n: kind}`` or a callable ``faults(n, path, first, last) -> kind or None``.
@@ -54,6 +55,7 @@ import shutil
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,6 +80,8 @@ class RangeServer(ThreadingHTTPServer):
         self.weak_etags = False  # W/"..." as a CDN may send: If-Match (strong) never matches one
         self.last_modified = False
         self.max_range = 0  # > 0: ranges are answered with at most this many bytes (a capped server)
+        self.rate = 0  # > 0: bytes per second the server sends in all, over every connection
+        self._sent_at = 0.0  # when the bytes sent so far may all have gone, at ``rate``
         self.generation = 0
         self.faults: dict | object = {}
         self.faults_on = "data"
@@ -315,6 +319,7 @@ class _Handler(BaseHTTPRequestHandler):
                         chunk = chunk[:flip] + bytes([chunk[flip] ^ 0x40]) + chunk[flip + 1:]
                     flip -= len(chunk)
                     self.wfile.write(chunk)
+                    self._pace(len(chunk))
                     left -= len(chunk)
             self.wfile.flush()
             if fault == "slow":
@@ -326,6 +331,18 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             with self.server.lock:
                 self.server.aborted += 1
+
+    def _pace(self, n: int) -> None:
+        """With ``server.rate``, wait until ``n`` more bytes fit the server's rate (one budget
+        for every connection: a shared link or a throttled store)."""
+        if not self.server.rate:
+            return
+        with self.server.lock:
+            now = time.monotonic()
+            self.server._sent_at = max(self.server._sent_at, now) + n / self.server.rate
+            wait = self.server._sent_at - now
+        if wait > 0:
+            self.server.release.wait(wait)
 
     def _drip(self, source, n: int) -> None:
         """Send ``n`` bytes of ``source`` one at a time, 0.25 s apart; stops when the client
