@@ -34,20 +34,24 @@ import torch, torch.distributed as dist
 import engine.numpy, engine.torch
 from engine.net.remote_reads import Retry
 rank, world, port, source, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-framework = sys.argv[6]
+framework, members = sys.argv[6], [int(x) for x in sys.argv[7].split(",")]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+group = dist.group.WORLD if len(members) == world else dist.new_group(members)  # every rank makes it
+if rank not in members:  # not in the group: loads nothing
+    json.dump({"outside": True}, open(out, "w")); dist.barrier(); dist.destroy_process_group(); sys.exit(0)
 kw = {"timeout": 5.0, "retry": Retry(attempts=2, base=0.01, cap=0.02)} if "://" in source else {}
 try:
     if framework == "numpy":
-        got = engine.numpy.load_file(source, process_group=dist.group.WORLD, **kw)
+        got = engine.numpy.load_file(source, process_group=group, **kw)
         raw = {k: np.ascontiguousarray(v).tobytes() for k, v in got.items()}
     else:
-        got = engine.torch.load_file(source, process_group=dist.group.WORLD, **kw)
+        got = engine.torch.load_file(source, process_group=group, **kw)
         raw = {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in got.items()}
     result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}}
 except Exception as exc:
     result = {"error": type(exc).__name__, "reason": getattr(exc, "reason", None), "message": str(exc)}
 json.dump(result, open(out, "w"))
+dist.barrier()  # every rank done before any tears its process group down (gloo aborts otherwise)
 dist.destroy_process_group()
 """
 
@@ -68,12 +72,14 @@ def _digests(sd: dict) -> dict:
     return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in sd.items()}
 
 
-def _ranks(source: str, tmp_path, world: int = 2, framework: str = "pt") -> list[dict]:
+def _ranks(source: str, tmp_path, world: int = 2, framework: str = "pt", members: list[int] | None = None
+           ) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     outs = [str(tmp_path / f"rank{r}.json") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), str(port), source, outs[r], framework],
-                              env=env,
+    group = ",".join(str(m) for m in (members if members is not None else range(world)))
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), str(port), source, outs[r], framework,
+                               group], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     try:
         for p in procs:
@@ -91,6 +97,16 @@ def _ranks(source: str, tmp_path, world: int = 2, framework: str = "pt") -> list
 def test_every_rank_returns_every_tensor_of_a_local_checkpoint(checkpoint, tmp_path, where, framework):
     root, sd = checkpoint
     for got in _ranks(str(root / where), tmp_path, framework=framework):
+        assert got.get("tensors") == _digests(sd), got
+
+
+def test_a_sub_group_loads_as_the_world_does(checkpoint, tmp_path):
+    """Ranks 1 and 2 of three form a group (``new_group``): its ranks broadcast from their
+    global ranks; rank 0, outside it, loads nothing."""
+    root, sd = checkpoint
+    outside, *inside = _ranks(str(root / "sharded"), tmp_path, world=3, members=[1, 2])
+    assert outside == {"outside": True}
+    for got in inside:
         assert got.get("tensors") == _digests(sd), got
 
 
