@@ -938,3 +938,20 @@ def test_add_checksums_command_and_convert_checksums(tmp_path, capsys):
     assert code == 0 and "CRC-32C" in out, err
     h = engine.read_header(str(tmp_path / "m.safetensors"))
     assert int(checksums.expected(h)[0]) == checksums.crc32c(torch.arange(6.0).numpy())
+
+
+def test_validate_reports_a_header_that_fails_its_own_checksum(tmp_path, capsys):
+    """A tensor renamed by a damaged byte (the JSON still parses) is a finding (exit 1), named,
+    locally and over HTTP; not an error that ends the command."""
+    src = tmp_path / "m.safetensors"
+    engine.save_file({"weight": np.arange(6, dtype=np.float32)}, str(src), checksums=True)
+    raw = bytearray(src.read_bytes())
+    raw[raw.index(b'"weight"') + 1] ^= 0x01
+    src.write_bytes(raw)
+    code, out, err = in_process(capsys, "validate", str(src), "--no-config")
+    assert code == 1 and err == "", err
+    assert "HeaderChecksumMismatch" in out and "invalid:" in out
+    with StdlibHTTP(str(tmp_path)) as srv:
+        code, out, err = in_process(capsys, "validate", srv.url("m.safetensors"), "--no-config", "--timeout", "5")
+    assert code == 1 and err == "", err
+    assert "HeaderChecksumMismatch" in out

@@ -34,11 +34,14 @@ import torch, torch.distributed as dist
 import engine.numpy, engine.torch
 from engine.net.remote_reads import Retry
 rank, world, port, source, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+source = source.split("|")[rank] if "|" in source else source  # a source per rank, where they differ
 framework, members = sys.argv[6], [int(x) for x in sys.argv[7].split(",")]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 group = dist.group.WORLD if len(members) == world else dist.new_group(members)  # every rank makes it
 if rank not in members:  # not in the group: loads nothing
-    json.dump({"outside": True}, open(out, "w")); dist.barrier(); dist.destroy_process_group(); sys.exit(0)
+    with open(out, "w") as f:
+        json.dump({"outside": True}, f)
+    dist.barrier(); os._exit(0)
 kw = {"timeout": 5.0, "retry": Retry(attempts=2, base=0.01, cap=0.02)} if "://" in source else {}
 try:
     if framework == "numpy":
@@ -50,9 +53,10 @@ try:
     result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}}
 except Exception as exc:
     result = {"error": type(exc).__name__, "reason": getattr(exc, "reason", None), "message": str(exc)}
-json.dump(result, open(out, "w"))
-dist.barrier()  # every rank done before any tears its process group down (gloo aborts otherwise)
-dist.destroy_process_group()
+with open(out, "w") as f:
+    json.dump(result, f)
+dist.barrier()  # every rank done before any leaves
+os._exit(0)  # no interpreter teardown: gloo's threads may abort the process there ("terminate called ...")
 """
 
 
@@ -145,6 +149,19 @@ def test_a_failed_read_on_one_rank_fails_every_rank(checkpoint, tmp_path):
         results = _ranks(server.url("sharded/model.safetensors.index.json"), tmp_path)
     for got in results:
         assert got.get("error") == "ReadError" and got["reason"] in ("AccessDenied", "GroupReadFailed"), got
+
+
+@pytest.mark.parametrize("other", ["missing.safetensors", "other.safetensors"])
+def test_ranks_given_different_checkpoints_fail_together(checkpoint, tmp_path, other):
+    """A rank that cannot open its source, or that sees another checkpoint than the others: every
+    rank fails, none waits forever or returns a mix of two files."""
+    root, sd = checkpoint
+    engine.save_file({"x": np.ones(3, np.float32)}, str(root / "other.safetensors"))
+    results = _ranks(f"{root / 'one.safetensors'}|{root / other}", tmp_path)
+    if other.startswith("missing"):
+        assert results[0]["reason"] == "GroupReadFailed" and results[1]["error"] in ("FileNotFoundError", "ReadError")
+    else:
+        assert [r["reason"] for r in results] == ["GroupMismatch", "GroupMismatch"], results
 
 
 def test_spans_cover_the_block_once_in_equal_shares():

@@ -182,3 +182,40 @@ def test_a_damaged_header_is_read_again(campaign, server):
     with pytest.raises(ChecksumError, match="the same bytes twice") as e:
         remote.read_header(server.url("campaign/renamed.safetensors"), retry=FAST, timeout=5.0)
     assert e.value.reason == "HeaderChecksumMismatch"
+
+
+def test_a_tensor_damaged_in_a_whole_file_answer_is_read_again_from_the_server(campaign, server):
+    """A server that ignores Range: the tensor's bytes come from the file's one stream, and what
+    the stream kept is not asked again: the read again goes to the server."""
+    root, tensors, _ = campaign
+    shard = _shard(root)
+    server.modes["*"] = "ignore-range"
+    server.faults_on = "all"
+    try:
+        once = _Once("flip", lambda path, first: path.endswith(shard))
+        server.faults = once
+        with pytest.warns(engine.RangeIgnoredWarning), \
+                engine.safe_open(server.url(f"campaign/{shard}"), framework="np", retry=FAST, timeout=5.0) as f:
+            for name in f.keys():
+                np.testing.assert_array_equal(f.get_tensor(name), tensors[name])
+        assert once.hit
+    finally:
+        server.modes.clear()
+
+
+def test_a_tensor_read_again_still_leaves_a_complete_local_copy(campaign, server, tmp_path):
+    """With ``cache_dir``, the bytes read again replace the damaged ones in the copy: the copy is
+    complete, and the next load reads it without a byte from the server."""
+    root, tensors, _ = campaign
+    shard = _shard(root)
+    start = _data_start(root, shard)
+    once = _Once("flip", lambda path, first: first is not None and first >= start)
+    server.faults = once
+    url = server.url(f"campaign/{shard}")
+    got = engine.numpy.load_file(url, retry=FAST, timeout=5.0, cache_dir=str(tmp_path))
+    assert once.hit and all(np.array_equal(got[n], tensors[n]) for n in got)
+    server.faults = {}
+    server.requests.clear()
+    again = engine.numpy.load_file(url, retry=FAST, timeout=5.0, cache_dir=str(tmp_path))
+    assert all(np.array_equal(again[n], tensors[n]) for n in again)
+    assert not [r for r in server.requests if r["range"] and int(r["range"][6:].partition("-")[0]) >= start]

@@ -32,6 +32,7 @@ from engine.commands._cli_output import UsageError as _UsageError
 from engine.commands._cli_output import http_headers as _http_headers
 from engine.errors import (
     CheckpointIndexError,
+    ChecksumError,
     HeaderError,
     MissingDependencyError,
     MissingShardError,
@@ -182,9 +183,10 @@ def _cmd_validate(args) -> int:
         try:
             info = _checkpoint_info(args)
             problems: list[SafetensorError] = []
-        except (HeaderError, CheckpointIndexError, MissingShardError) as err:
-            # what the server holds is broken: a finding (exit 1), as for a local file; a
-            # server that cannot be reached or has no such file is an error (exit 2)
+        except (HeaderError, CheckpointIndexError, MissingShardError, ChecksumError) as err:
+            # what the server holds is broken (a header that fails its own checksum too): a
+            # finding (exit 1), as for a local file; a server that cannot be reached or has no
+            # such file is an error (exit 2)
             info, problems = None, [err]
     else:
         problems = check_checkpoint(args.path, max_header_size=args.max_header_size)
@@ -232,7 +234,12 @@ def _checksum_checks(args, info) -> int:
         if not checksums.has_checksums(header):
             continue
         path = info.shard_path(shard)
-        want = checksums.expected(header, path)
+        try:
+            want = checksums.expected(header, path)
+        except ChecksumError as err:  # a damaged header, or a malformed entry: a finding
+            mismatched += 1
+            print(f"problem: {one_line(err)}")
+            continue
         got = checksums.file_digests(path)
         for row, name in enumerate(header.table.names):
             if got[name] == int(want[row]):

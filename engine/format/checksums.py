@@ -239,7 +239,9 @@ def expected(header: Header, path: str | None = None) -> Any:
         if got != recorded:
             raise ChecksumError(
                 f"the header's CRC-32C is {got:08x}, the file records {recorded:08x}: a tensor's name, dtype, "
-                "shape or offsets, or the metadata, changed after the file was written (the header is damaged)",
+                "shape or offsets, or the metadata, changed after the file was written (the header is damaged, "
+                "or edited by a tool that kept the old checksums: engine.add_checksums records them again; "
+                "verify_checksums=False loads it unchecked)",
                 reason="HeaderChecksumMismatch", path=where, expected=recorded, computed=got)
     out = np.empty(n, dtype=np.uint32)
     out[np.asarray(_file_order(header), dtype=np.intp)] = values

@@ -1318,6 +1318,10 @@ cdef class ChunkRing:
             rc = _enter(st.rt, st.ctx, &saved)
             if rc == 0:
                 rc = st.rt.memcpy_sync(<void*><uintptr_t>dst, &src[0], n, _cudaMemcpyHostToDevice)
+                if rc == 0:
+                    # from pageable memory the call may return before its DMA ends: the legacy
+                    # stream's work done, so that the tensor is whole when it is reported
+                    rc = st.rt.stream_synchronize(NULL)
                 if rc != 0:
                     st.rt.get_last_error()
             _leave(st.rt, &saved)

@@ -722,7 +722,8 @@ class _DeviceReread:
         host = np.empty(sum(n for _, _, n, _ in pieces), np.uint8)
         view = memoryview(host)
         for f, off, n, at in pieces:
-            self.sources[f].ranges(off, [view[at : at + n]])
+            ranges = self.sources[f].ranges
+            getattr(ranges, "fresh", ranges)(off, [view[at : at + n]])  # from the server, not a kept copy
         try:
             self.ring.put(self.address(self.targets[key]), host)
         except RuntimeError as exc:

@@ -494,8 +494,9 @@ class _Reread:
     def __call__(self, key: int) -> int:
         src, pieces = self.pieces[key]
         view = self.views[key]
+        read = getattr(src.ranges, "fresh", src.ranges)  # from the server, not what a stream kept
         for offset, nbytes, at in pieces:
-            src.ranges(offset, [view[at : at + nbytes]])
+            read(offset, [view[at : at + nbytes]])
         return crc32c(view)
 
 

@@ -265,6 +265,20 @@ class _Stream:
             "kept in a temporary file; a server that honours Range (nginx, S3) loads it in parallel"),
             stacklevel=4)
 
+    def drop_kept(self, offset: int, n: int) -> None:
+        """Forget the kept bytes ``[offset, offset + n)``: a request for them goes to the server."""
+        with self.cond:
+            out: list[tuple[int, int]] = []
+            for a, b in self.kept:
+                if b <= offset or a >= offset + n:
+                    out.append((a, b))
+                    continue
+                if a < offset:
+                    out.append((a, offset))
+                if b > offset + n:
+                    out.append((offset + n, b))
+            self.kept = out
+
     def _from_kept(self, offset: int, views: list[memoryview]) -> int:
         """Fill ``views`` from the temporary file as far as it holds the bytes from ``offset``."""
         i = bisect.bisect_right(self.kept, (offset, 1 << 62)) - 1
@@ -684,13 +698,19 @@ class RangeReads:
             stream.close()
 
     def reader(self, file: RemoteFile) -> Callable[[int, Sequence[memoryview]], None]:
-        """``read(offset, views)``: fill ``views``, back to back, from ``file`` at ``offset``."""
-        return functools.partial(self.read, file)
+        """``read(offset, views)``: fill ``views``, back to back, from ``file`` at ``offset``;
+        its ``fresh`` attribute reads from the server whatever a whole-file stream kept (bytes
+        read again after a failed checksum)."""
+        read = functools.partial(self.read, file)
+        read.fresh = functools.partial(self.read, file, fresh=True)  # type: ignore[attr-defined]
+        return read
 
-    def read(self, file: RemoteFile, offset: int, views: Sequence[memoryview], *, quiet: bool = False) -> None:
+    def read(self, file: RemoteFile, offset: int, views: Sequence[memoryview], *, quiet: bool = False,
+             fresh: bool = False) -> None:
         """Fill ``views`` (back to back) with the bytes of ``file`` from ``offset``, retrying
         transient failures for the bytes not yet landed.  ``quiet``: a file whose server
-        ignores Range is read on from its stream without the warning (a header's read).
+        ignores Range is read on from its stream without the warning (a header's read);
+        ``fresh``: from the server, not from the bytes such a stream kept (a read again).
 
         Copies of tensor bytes: 1 (socket to ``views``).
         """
@@ -707,6 +727,8 @@ class RangeReads:
         while True:
             stream = self._streams.get(file.url)
             if stream is not None:  # a server that ignores Range: this file's one answer
+                if fresh:
+                    stream.drop_kept(offset + done, want - done)
                 stream.read(offset + done, skip_views(views, done), quiet)
                 return
             try:

@@ -21,6 +21,7 @@ on every other rank (the collective's receive into its block).  Host destination
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,6 +38,9 @@ __all__ = ["load", "BUCKET_BYTES", "spans"]
 BUCKET_BYTES = 64 << 20
 #: each tensor's offset in the block (as an owned load's: any dtype's alignment)
 _ALIGN = 64
+#: the most bytes of one read of a rank's span (a request within its deadline; the reads of a
+#: span run on several threads)
+_CHUNK = 16 << 20
 
 
 def spans(total: int, world: int) -> list[tuple[int, int]]:
@@ -79,45 +83,68 @@ def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[
 
 
 def load(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
-         max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, **remote) -> dict:
+         max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
+         **remote) -> dict:
     """Every tensor of ``source`` as owned CPU tensors (``framework`` ``"pt"``: torch, ``"numpy"``:
     arrays, each over its range of one block) on every rank of ``process_group``, each byte read
-    by one rank (see the module's doc).  ``remote``: the options of a URL's
-    load (``headers``, ``timeout``, ``retry``, ``connections``, ...).
+    by one rank (see the module's doc).  ``remote``: the options of a URL's load (``headers``,
+    ``timeout``, ``retry``, ``connections``, ...; ``cache_dir`` is refused: each rank would write a
+    share of each copy); ``chunk_bytes``: the most bytes of one read (default 16 MiB).
 
-    Raises what a load raises (on every rank, where any rank's read failed), and
-    :class:`~engine.errors.SafetensorError` for tensor names that two files both hold.
+    Raises what a load raises (on every rank, where any rank's open or read failed: the others
+    raise ``ReadError`` with ``reason="GroupReadFailed"``); ``ReadError`` with
+    ``reason="GroupMismatch"`` on every rank where the ranks read different checkpoints (another
+    layout of names, dtypes, shapes or offsets); :class:`~engine.errors.SafetensorError` for
+    tensor names that two files both hold.
     """
     import torch
     import torch.distributed as dist
 
+    from engine.format.checksums import canonical_digest, verify_received
     from engine.format.header import MAX_HEADER_SIZE
     from engine.io.reader import map_threads, pread_into
     from engine.sinks import get_sink
     from engine.sinks._host import host_block
 
+    if "cache_dir" in remote:
+        raise TypeError("process_group= takes no cache_dir: each rank reads a share of every file")
     group = process_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    with verification(verify_checksums), _parts(source, remote, max_header_size or MAX_HEADER_SIZE) as parts:
-        layout = []  # (part, row, name, block offset, bytes)
-        at = 0
-        seen: dict[str, str | None] = {}
-        for i, p in enumerate(parts):
-            t = p.header.table
-            for r in p.rows:
-                name = t.names[r]
-                if name in seen:
-                    raise SafetensorError(f"tensor {name!r} is in two files: {seen[name]} and {p.path}",
-                                          reason="DuplicateTensor", path=p.path, tensors=(name,))
-                seen[name] = p.path
-                n = int(t.ends[r]) - int(t.begins[r])
-                layout.append((i, r, name, at, n))
-                at += -(-n // _ALIGN) * _ALIGN
-        total = at
-        block = host_block(total)
+    step = max(1, chunk_bytes or _CHUNK)
+
+    def agree(failed: BaseException | None, fingerprint: int = 0) -> None:
+        """Every rank learns whether any failed, and whether all saw the same checkpoint (one
+        all_reduce: no rank goes on to a collective that another will never reach)."""
+        status = torch.tensor([int(failed is not None), fingerprint, -fingerprint], dtype=torch.int64)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
+        if failed is not None:
+            raise failed
+        if int(status[0]):
+            raise ReadError("another rank of the process group failed to read its share of the checkpoint",
+                            reason="GroupReadFailed", path=os.fspath(source))
+        if int(status[1]) != -int(status[2]):
+            raise ReadError("the ranks of the process group read different checkpoints (names, dtypes, shapes "
+                            "or offsets differ): give every rank the same source", reason="GroupMismatch",
+                            path=os.fspath(source))
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(verification(verify_checksums))
+        try:
+            parts = stack.enter_context(_parts(source, remote, max_header_size or MAX_HEADER_SIZE))
+            layout = _layout(parts)
+            total = layout[-1][3] + -(-layout[-1][4] // _ALIGN) * _ALIGN if layout else 0
+            fingerprint = canonical_digest([n for _, _, n, _, _ in layout],
+                                           [int(parts[i].header.table.codes[r]) for i, r, _, _, _ in layout],
+                                           [parts[i].header.table.shapes[r] for i, r, _, _, _ in layout],
+                                           [off for _, _, _, off, _ in layout], [n for *_, n in layout], None)
+            block = host_block(total)
+        except Exception as exc:  # every rank hears of it before any exchange
+            agree(exc)
+        agree(None, (fingerprint << 20) ^ total)
         flat = np.frombuffer(block, np.uint8) if total else np.zeros(1, np.uint8)
+        view = memoryview(flat)
         lo, hi = spans(total, world)[rank]
-        mine = []  # (part, file offset, block offset, bytes): my span's share of each tensor
+        mine = []  # (part, file offset, block offset, bytes): my span's reads, at most ``step`` bytes each
         whole = []  # (part, row, block offset, bytes): the tensors I read whole
         for i, r, _, off, n in layout:
             a, b = max(lo, off), min(hi, off + n)
@@ -125,42 +152,36 @@ def load(source, process_group, *, framework: str = "pt", verify_checksums: bool
                 continue
             p = parts[i]
             begin = p.header.data_start + int(p.header.table.begins[r])
-            mine.append((i, begin + (a - off), a, b - a))
+            for c in range(a, b, step):
+                mine.append((i, begin + (c - off), c, min(step, b - c)))
             if a == off and b == off + n:
                 whole.append((i, r, off, n))
-        view = memoryview(flat)
-        failed: list[BaseException] = []
 
-        def read(piece) -> None:
+        def read(piece, fresh: bool = False) -> None:
             i, offset, a, n = piece
             p = parts[i]
             if p.ranges is not None:
-                p.ranges(offset, [view[a : a + n]])
+                (getattr(p.ranges, "fresh", p.ranges) if fresh else p.ranges)(offset, [view[a : a + n]])
             else:
                 pread_into(p.fd, offset, [view[a : a + n]], path=p.path)
 
+        failed = None
         try:
-            map_threads(read, mine, max(1, min(8, len(mine))), name="engine-group")
-            if verifying():  # the tensors read whole, checked by the rank that read them
-                for i, r, off, n in whole:
-                    checks = Checks.of(parts[i].header, parts[i].path)
-                    if checks is not None:
-                        checks.verify_bytes(r, view[off : off + n])
-        except BaseException as exc:  # every rank hears of it before the exchange
-            failed.append(exc)
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if failed:
-            raise failed[0]
-        if int(flag.item()):
-            raise ReadError("another rank of the process group failed to read its share of the checkpoint",
-                            reason="GroupReadFailed", path=os.fspath(source))
+            connections = remote.get("connections") or 8
+            map_threads(read, mine, max(1, min(connections, len(mine))), name="engine-group")
+            if verifying():  # the tensors read whole, checked by the rank that read them (read again
+                for i, r, off, n in whole:  # from a server on a mismatch, as every remote load does)
+                    verify_received(Checks.of(parts[i].header, parts[i].path), r, view[off : off + n],
+                                    functools.partial(_again, read, mine, i, off, n))
+        except Exception as exc:  # every rank hears of it before the exchange
+            failed = exc
+        agree(failed)
         for k, (a, b) in enumerate(spans(total, world)):
             src = dist.get_global_rank(group, k) if group is not None else k
             while a < b:
-                step = min(bucket_bytes, b - a)
-                dist.broadcast(torch.from_numpy(flat[a : a + step]), src=src, group=group)
-                a += step
+                size = min(bucket_bytes, b - a)
+                dist.broadcast(torch.from_numpy(flat[a : a + size]), src=src, group=group)
+                a += size
         if verifying():  # the tensors split between ranks: checked whole, on every rank (a few)
             for i, r, _, off, n in layout:
                 if n and _split(off, n, total, world):
@@ -173,6 +194,34 @@ def load(source, process_group, *, framework: str = "pt", verify_checksums: bool
             t = parts[i].header.table
             out[name] = sink.view(block, int(t.codes[r]), t.shapes[r], off, n)
         return out
+
+
+def _layout(parts) -> list[tuple[int, int, str, int, int]]:
+    """``(part, row, name, block offset, bytes)`` of every tensor, in file order, each at an
+    offset aligned to :data:`_ALIGN`; a name in two files is an error."""
+    layout = []
+    at = 0
+    seen: dict[str, str | None] = {}
+    for i, p in enumerate(parts):
+        t = p.header.table
+        for r in p.rows:
+            name = t.names[r]
+            if name in seen:
+                raise SafetensorError(f"tensor {name!r} is in two files: {seen[name]} and {p.path}",
+                                      reason="DuplicateTensor", path=p.path, tensors=(name,))
+            seen[name] = p.path
+            n = int(t.ends[r]) - int(t.begins[r])
+            layout.append((i, r, name, at, n))
+            at += -(-n // _ALIGN) * _ALIGN
+    return layout
+
+
+def _again(read, mine, i: int, off: int, n: int) -> None:
+    """Read the pieces of the tensor at ``[off, off + n)`` of the block (file ``i``) again,
+    from the server where it is remote (not from what a stream kept)."""
+    for m in mine:
+        if m[0] == i and off <= m[2] < off + n:
+            read(m, fresh=True)
 
 
 def _split(off: int, n: int, total: int, world: int) -> bool:

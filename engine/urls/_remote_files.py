@@ -317,11 +317,13 @@ class RemoteSource:
             data = self.fs.read_all(where, max_size, "the index")
         return parse_index(data, source=self.display(where))
 
-    def read_into(self, where: str, offset: int, view: memoryview, total: int) -> None:
+    def read_into(self, where: str, offset: int, view: memoryview, total: int, fresh: bool = False) -> None:
+        """``view`` from ``offset`` of the file at ``where``; ``fresh``: from the server, not
+        from what a whole-file stream kept (a read again after a failed checksum)."""
         if not len(view):
             return
         if self.reads is not None:
-            self.reads.read(self.files[where], offset, [view])
+            self.reads.read(self.files[where], offset, [view], fresh=fresh)
         else:
             assert self.fs is not None
             view[:] = self.fs.read(where, offset, len(view))

@@ -271,13 +271,13 @@ def get_tensor(
         arr = sink.empty(info.code, info.shape, end - begin)
         raw = sink.raw(arr)
 
-        def receive() -> None:
-            src.read_into(where, header.data_start + begin, raw, header.file_size)
+        def receive(fresh: bool = False) -> None:
+            src.read_into(where, header.data_start + begin, raw, header.file_size, fresh)
 
         receive()
         # the file's checksum of the tensor, where it records one (a mismatch is read again once)
         checks = Checks.of(header, src.display(where)) if verifying() else None
-        verify_received(checks, header.table.index[name], raw, receive)
+        verify_received(checks, header.table.index[name], raw, lambda: receive(True))
     finally:
         src.close()
     return sink.to_device(arr)

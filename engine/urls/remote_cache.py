@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import email.utils
 import errno
+import functools
 import hashlib
 import json
 import mmap
@@ -202,9 +203,14 @@ class _Copy:
             self.spans.append((offset, nbytes))
             self.landed += nbytes
 
-    def write(self, offset: int, views: Sequence[memoryview]) -> None:
+    def write(self, offset: int, views: Sequence[memoryview], again: bool = False) -> None:
+        """Write bytes that landed at ``offset``; ``again``: bytes read again after a failed
+        checksum, over the damaged ones already counted (written, not counted twice)."""
         _pwrite_all(self.fd, views, offset)
-        self.landed_at(offset, sum(len(v) for v in views))
+        if again:
+            start_writeback(self.fd, offset, sum(len(v) for v in views))
+        else:
+            self.landed_at(offset, sum(len(v) for v in views))
 
     def drop(self, exc: OSError) -> None:
         """The copy cannot be written: warn once, write no more of it."""
@@ -343,15 +349,16 @@ class Copies:
         if copy is None:
             return ranges
 
-        def read(offset: int, views: Sequence[memoryview]) -> None:
-            ranges(offset, views)
+        def read(offset: int, views: Sequence[memoryview], again: bool = False) -> None:
+            (getattr(ranges, "fresh", ranges) if again else ranges)(offset, views)
             if copy.failed:
                 return
             try:
-                copy.write(offset, views)
+                copy.write(offset, views, again)
             except OSError as exc:  # the copy is lost, the load is not: the tensors are whole
                 copy.drop(exc)
 
+        read.fresh = functools.partial(read, again=True)  # type: ignore[attr-defined]
         return read
 
     def fetch(self, files: Sequence[tuple[str, str | None, str | None, Header, bytes | None, Ranges]], *,

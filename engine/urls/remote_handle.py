@@ -147,20 +147,21 @@ class RemoteHandle:
         arr = self._sink.empty(code, t.shapes[row], end - begin)
         raw = self._sink.raw(arr) if end > begin else memoryview(b"")
 
-        def fetch() -> None:
+        def fetch(fresh: bool = False) -> None:  # fresh: from the server, not what a stream kept
             offset = part.header.data_start + begin
             n = end - begin
             assert self._opened is not None
             pieces = max(1, min(self._opened.reads.connections, n // _SPLIT_BYTES))
             cuts = [n * k // pieces for k in range(pieces + 1)]
-            map_threads(lambda k: part.ranges(offset + cuts[k], [raw[cuts[k] : cuts[k + 1]]]), range(pieces),
+            read = getattr(part.ranges, "fresh", part.ranges) if fresh else part.ranges
+            map_threads(lambda k: read(offset + cuts[k], [raw[cuts[k] : cuts[k + 1]]]), range(pieces),
                         pieces, name="engine-remote")
 
         if end > begin:
             fetch()
         # one read of the bytes just received, before the tensor is handed out; a mismatch
         # is read again from the server before the file is blamed
-        verify_received(Checks.of(part.header, part.path) if self._verify else None, row, raw, fetch)
+        verify_received(Checks.of(part.header, part.path) if self._verify else None, row, raw, lambda: fetch(True))
         return self._sink.to_device(arr)
 
     def get_slice(self, name: str) -> RemoteSlice:
