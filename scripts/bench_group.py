@@ -50,18 +50,6 @@ import os; os._exit(0)  # no interpreter teardown: gloo's threads may abort the 
 """
 
 
-def _asked(server, root: str) -> int:
-    total = 0
-    for r in server.requests:
-        if not r["range"] or not r["path"].endswith(".safetensors"):
-            continue
-        with open(os.path.join(root, r["path"].lstrip("/")), "rb") as f:
-            start = 8 + int.from_bytes(f.read(8), "little")
-        a, _, b = r["range"][6:].partition("-")
-        total += max(0, int(b) + 1 - max(int(a), start))
-    return total
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
@@ -99,7 +87,7 @@ def main() -> int:
                     if any(g["digest"] != want for g in got):
                         raise SystemExit(f"wrong bytes ({name})")
                     times.append(max(g["seconds"] for g in got))
-                    asked.append(_asked(server, root) / nbytes)
+                    asked.append(server.tensor_bytes_asked() / nbytes)
                 rows[name] = (statistics.median(times), statistics.median(asked))
     print(f"{nbytes / 1e6:.0f} MB of tensors in 4 shards, {args.ranks} gloo ranks, server {args.rate_mb:g} MB/s in all, "
           f"{args.runs} runs, medians; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

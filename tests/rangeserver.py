@@ -141,6 +141,19 @@ class RangeServer(ThreadingHTTPServer):
     def paths(self) -> list[str]:
         return [r["path"] for r in self.requests]
 
+    def tensor_bytes_asked(self) -> int:
+        """Bytes of tensor data asked for so far: of each ranged GET of a ``.safetensors`` file,
+        what lies past that file's header."""
+        total = 0
+        for r in self.requests:
+            if not r["range"] or not r["path"].endswith(".safetensors"):
+                continue
+            with open(os.path.join(self.root, r["path"].lstrip("/")), "rb") as f:
+                start = 8 + struct.unpack("<Q", f.read(8))[0]
+            a, _, b = r["range"][6:].partition("-")
+            total += max(0, int(b) + 1 - max(int(a), start)) if a and b else 0
+        return total
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: RangeServer

@@ -114,20 +114,6 @@ def test_a_sub_group_loads_as_the_world_does(checkpoint, tmp_path):
         assert got.get("tensors") == _digests(sd), got
 
 
-def _data_bytes_asked(server, root) -> int:
-    """Bytes of tensor data the server was asked for (ranges past each file's header)."""
-    total = 0
-    for r in server.requests:
-        if not r["range"] or not r["path"].endswith(".safetensors"):
-            continue
-        with open(os.path.join(root, r["path"].lstrip("/")), "rb") as f:
-            start = 8 + int.from_bytes(f.read(8), "little")
-        a, _, b = r["range"][6:].partition("-")
-        lo, hi = int(a), int(b)
-        total += max(0, hi + 1 - max(lo, start))
-    return total
-
-
 def test_the_group_reads_each_byte_of_a_url_once(checkpoint, tmp_path):
     """Two ranks load the same URL: the server is asked for the tensors' bytes once in all,
     where two plain loads ask for them twice."""
@@ -137,7 +123,7 @@ def test_the_group_reads_each_byte_of_a_url_once(checkpoint, tmp_path):
         server.bulk()
         for got in _ranks(server.url("sharded/model.safetensors.index.json"), tmp_path):
             assert got.get("tensors") == _digests(sd), got
-        asked = _data_bytes_asked(server, str(root))
+        asked = server.tensor_bytes_asked()
     assert tensor_bytes <= asked < 1.1 * tensor_bytes, (asked, tensor_bytes)
 
 
