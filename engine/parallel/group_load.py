@@ -10,8 +10,10 @@ then every span is sent to the others with ``broadcast`` in buckets of :data:`BU
 (one collective per bucket, not per tensor).  Every rank returns every tensor, byte-equal to
 the file: the group reads each byte of the checkpoint once, not once per rank.
 
-A failure to read on any rank fails the load on every rank (one ``all_reduce`` of a flag
-before the exchange, so that no rank waits for a span that will never come).
+The ranks agree before anything is exchanged: one ``all_reduce`` after the files are opened
+(a flag for a rank that failed, and a fingerprint of each rank's layout: ranks given different
+checkpoints all fail), one after the reads.  A failure on any rank fails the load on every
+rank; no rank waits for a span that will never come, and none returns a mix of two files.
 
 Copies of tensor bytes: 1 on the rank that reads a byte (page cache or socket -> its block), 1
 on every other rank (the collective's receive into its block).  Host destinations over
