@@ -35,6 +35,9 @@ import engine.numpy, engine.torch
 from engine.net.remote_reads import Retry
 rank, world, port, source, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 source = source.split("|")[rank] if "|" in source else source  # a source per rank, where they differ
+if os.environ.get("GROUP_TEST_DIE") == str(rank):  # this rank dies in its reads, as a killed process does
+    import engine.io.reader
+    engine.io.reader.pread_into = lambda *a, **k: os._exit(3)
 framework, members = sys.argv[6], [int(x) for x in sys.argv[7].split(",")]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 group = dist.group.WORLD if len(members) == world else dist.new_group(members)  # every rank makes it
@@ -55,7 +58,8 @@ except Exception as exc:
     result = {"error": type(exc).__name__, "reason": getattr(exc, "reason", None), "message": str(exc)}
 with open(out, "w") as f:
     json.dump(result, f)
-dist.barrier()  # every rank done before any leaves
+if "GROUP_TEST_DIE" not in os.environ:  # (a dead rank meets no barrier)
+    dist.barrier()  # every rank done before any leaves
 os._exit(0)  # no interpreter teardown: gloo's threads may abort the process there ("terminate called ...")
 """
 
@@ -76,24 +80,26 @@ def _digests(sd: dict) -> dict:
     return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in sd.items()}
 
 
-def _ranks(source: str, tmp_path, world: int = 2, framework: str = "pt", members: list[int] | None = None
-           ) -> list[dict]:
+def _ranks(source: str, tmp_path, world: int = 2, framework: str = "pt", members: list[int] | None = None,
+           die: int | None = None) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    if die is not None:
+        env["GROUP_TEST_DIE"] = str(die)
     outs = [str(tmp_path / f"rank{r}.json") for r in range(world)]
     group = ",".join(str(m) for m in (members if members is not None else range(world)))
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), str(port), source, outs[r], framework,
                                group], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
             _, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-2000:]
+            assert p.returncode == (3 if r == die else 0), err[-2000:]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return [json.load(open(o)) for o in outs]
+    return [json.load(open(o)) if r != die else {"died": True} for r, o in enumerate(outs)]
 
 
 @pytest.mark.parametrize(("where", "framework"), [("one.safetensors", "pt"), ("sharded", "pt"),
@@ -148,6 +154,15 @@ def test_ranks_given_different_checkpoints_fail_together(checkpoint, tmp_path, o
         assert results[0]["reason"] == "GroupReadFailed" and results[1]["error"] in ("FileNotFoundError", "ReadError")
     else:
         assert [r["reason"] for r in results] == ["GroupMismatch", "GroupMismatch"], results
+
+
+def test_a_rank_that_dies_mid_load_makes_the_others_raise(checkpoint, tmp_path):
+    """Rank 1 exits in the middle of its reads (as a killed process): rank 0 raises, naming the
+    source, instead of waiting for a span that will never come."""
+    root, sd = checkpoint
+    alive, dead = _ranks(str(root / "sharded"), tmp_path, die=1)
+    assert dead == {"died": True}
+    assert alive.get("error") == "ReadError" and alive["reason"] == "GroupFailed", alive
 
 
 def test_spans_cover_the_block_once_in_equal_shares():

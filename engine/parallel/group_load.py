@@ -118,7 +118,8 @@ def load(source, process_group, *, framework: str = "pt", verify_checksums: bool
         """Every rank learns whether any failed, and whether all saw the same checkpoint (one
         all_reduce: no rank goes on to a collective that another will never reach)."""
         status = torch.tensor([int(failed is not None), fingerprint, -fingerprint], dtype=torch.int64)
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
+        with _peers(source):
+            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
         if failed is not None:
             raise failed
         if int(status[0]):
@@ -178,12 +179,13 @@ def load(source, process_group, *, framework: str = "pt", verify_checksums: bool
         except Exception as exc:  # every rank hears of it before the exchange
             failed = exc
         agree(failed)
-        for k, (a, b) in enumerate(spans(total, world)):
-            src = dist.get_global_rank(group, k) if group is not None else k
-            while a < b:
-                size = min(bucket_bytes, b - a)
-                dist.broadcast(torch.from_numpy(flat[a : a + size]), src=src, group=group)
-                a += size
+        with _peers(source):
+            for k, (a, b) in enumerate(spans(total, world)):
+                src = dist.get_global_rank(group, k) if group is not None else k
+                while a < b:
+                    size = min(bucket_bytes, b - a)
+                    dist.broadcast(torch.from_numpy(flat[a : a + size]), src=src, group=group)
+                    a += size
         if verifying():  # the tensors split between ranks: checked whole, on every rank (a few)
             for i, r, _, off, n in layout:
                 if n and _split(off, n, total, world):
@@ -196,6 +198,17 @@ def load(source, process_group, *, framework: str = "pt", verify_checksums: bool
             t = parts[i].header.table
             out[name] = sink.view(block, int(t.codes[r]), t.shapes[r], off, n)
         return out
+
+
+@contextlib.contextmanager
+def _peers(source) -> Iterator[None]:
+    """A collective that fails because a rank of the group died or left (the backend's error,
+    when its connection closes) as :class:`~engine.errors.ReadError` naming the source."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch's DistBackendError and gloo's errors are RuntimeErrors
+        raise ReadError(f"a rank of the process group failed or left during the load: {exc}",
+                        reason="GroupFailed", path=os.fspath(source)) from exc
 
 
 def _layout(parts) -> list[tuple[int, int, str, int, int]]:
