@@ -21,6 +21,7 @@ __all__ = [
     "SerializationError",
     "SerializationTypeError",
     "ReadError",
+    "DistributedLoadError",
     "WriteError",
     "DeviceError",
     "MissingDependencyError",
@@ -197,6 +198,22 @@ class ReadError(SafetensorError, OSError):
         super().__init__(message, **kw)
         self.offset = offset
         self.size = size
+
+
+class DistributedLoadError(ReadError):
+    """A load shared by the ranks of a process group failed; raised on every rank of the group.
+
+    ``.reason`` is ``"GroupReadFailed"`` (a rank failed to open, read or check its share:
+    ``.rank`` is that rank in the group, ``.cause`` its error in words; on that rank the error is
+    also the ``__cause__``), ``"GroupMismatch"`` (the ranks were given different checkpoints or
+    options) or ``"GroupFailed"`` (a rank died or left during the load; ``.cause``: the
+    backend's words).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, cause: str | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.rank = rank
+        self.cause = cause
 
 
 class WriteError(SafetensorError, OSError):

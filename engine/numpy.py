@@ -55,7 +55,7 @@ def load_file(
     process_group : torch.distributed.ProcessGroup, optional
         A ``gloo`` group whose every rank loads the same checkpoint: the group reads it once,
         each rank a share, and every rank returns every array (owned; see
-        :func:`engine.torch.load_file` and :mod:`engine.parallel.group_load`).
+        :func:`engine.torch.load_file` and :mod:`engine.apps.group_load`).
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -75,7 +75,7 @@ def load_file(
 
         return load_finite(filename, "numpy", "cpu", verify_checksums)
     if process_group is not None:
-        from engine.parallel.group_load import load as group_load
+        from engine.apps.group_load import load as group_load
 
         return group_load(filename, process_group, framework="numpy", verify_checksums=verify_checksums, **remote)
     with verification(verify_checksums):

@@ -72,7 +72,7 @@ def load_file(
     process_group : torch.distributed.ProcessGroup, optional
         Every rank of the group calls this with the same ``filename``: each reads a share of
         the bytes and sends it to the others, so that the group reads the checkpoint once
-        (:mod:`engine.parallel.group_load`; owned CPU tensors, ``gloo``; a file, an index, a
+        (:mod:`engine.apps.group_load`; owned CPU tensors, ``gloo``; a file, an index, a
         folder or a URL with its options).  ``torch.distributed.group.WORLD`` for every rank.
     verify_checksums : bool, optional
         Check every tensor against the CRC-32C its file records, where it records them
@@ -106,7 +106,7 @@ def load_file(
     if process_group is not None:
         if torch.device(device if not isinstance(device, int) else f"cuda:{device}").type != "cpu":
             raise DeviceError(f"process_group= loads to the CPU so far, not {device!r}", reason="UnsupportedDevice")
-        from engine.parallel.group_load import load as group_load
+        from engine.apps.group_load import load as group_load
 
         return group_load(filename, process_group, verify_checksums=verify_checksums, **remote)
     with verification(verify_checksums):

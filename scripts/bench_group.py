@@ -4,7 +4,7 @@
 (4 shards and an index), serves it from tests/rangeserver.py on 127.0.0.1 sending at most
 ``--rate-mb`` MB/s in all (a shared link, a throttled store), and times, each in fresh
 processes, ``--ranks`` gloo ranks loading it with ``engine.torch.load_file(url)`` each on its own
-and with ``process_group=`` (``engine.parallel.group_load``: the group reads each byte once).
+and with ``process_group=`` (``engine.apps.group_load``: the group reads each byte once).
 It prints, per row, the slowest rank's seconds (median of ``--runs``) and the tensor bytes the
 server was asked for, as a multiple of the checkpoint's; every rank's tensors are compared
 with the file's.

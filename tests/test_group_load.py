@@ -1,4 +1,4 @@
-"""engine.parallel.group_load: ``load_file(..., process_group=...)`` on real gloo ranks (two
+"""engine.apps.group_load: ``load_file(..., process_group=...)`` on real gloo ranks (two
 processes on 127.0.0.1): every rank returns every tensor byte-equal to the file, the group
 reads each byte once (a server counts the bytes asked for), and a read that fails on one rank
 fails the load on every rank instead of leaving the others waiting."""
@@ -23,7 +23,7 @@ from rangeserver import serving  # noqa: E402
 from servers import free_port  # noqa: E402
 
 import engine  # noqa: E402
-from engine.parallel.group_load import spans  # noqa: E402
+from engine.apps.group_load import spans  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,14 +31,15 @@ CHILD = r"""
 import hashlib, json, os, sys
 import numpy as np
 import torch, torch.distributed as dist
-import engine.numpy, engine.torch
+import engine, engine.numpy, engine.torch
 from engine.net.remote_reads import Retry
 rank, world, port, source, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 source = source.split("|")[rank] if "|" in source else source  # a source per rank, where they differ
 if os.environ.get("GROUP_TEST_DIE") == str(rank):  # this rank dies in its reads, as a killed process does
     import engine.io.reader
     engine.io.reader.pread_into = lambda *a, **k: os._exit(3)
-framework, members = sys.argv[6], [int(x) for x in sys.argv[7].split(",")]
+framework, members, mode = sys.argv[6], [int(x) for x in sys.argv[7].split(",")], sys.argv[8]
+opts = json.loads(os.environ.get("GROUP_TEST_OPTS", "{}")).get(str(rank), {})  # options of this rank
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 group = dist.group.WORLD if len(members) == world else dist.new_group(members)  # every rank makes it
 if rank not in members:  # not in the group: loads nothing
@@ -46,16 +47,30 @@ if rank not in members:  # not in the group: loads nothing
         json.dump({"outside": True}, f)
     dist.barrier(); os._exit(0)
 kw = {"timeout": 5.0, "retry": Retry(attempts=2, base=0.01, cap=0.02)} if "://" in source else {}
+if source.startswith("s3://"):  # the test's Range server as an anonymous path-style bucket
+    kw["s3"] = {"endpoint_url": os.environ["GROUP_TEST_S3"], "anonymous": True}
+kw.update(opts)
+order = []
 try:
-    if framework == "numpy":
+    if mode == "stream":
+        got = {}
+        for k, v in engine.stream(source, framework=framework, process_group=group, **kw):
+            got[k] = v; order.append(k)
+    elif mode == "into":
+        shapes = json.loads(os.environ["GROUP_TEST_SHAPES"])
+        got = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in shapes.items()}
+        order = engine.load_into(source, got, process_group=group, **kw)
+    elif framework == "numpy":
         got = engine.numpy.load_file(source, process_group=group, **kw)
-        raw = {k: np.ascontiguousarray(v).tobytes() for k, v in got.items()}
     else:
         got = engine.torch.load_file(source, process_group=group, **kw)
-        raw = {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in got.items()}
-    result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}}
+    raw = {k: (np.ascontiguousarray(v).tobytes() if isinstance(v, np.ndarray)
+               else v.contiguous().view(torch.uint8).numpy().tobytes()) for k, v in got.items()}
+    result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}, "order": order}
 except Exception as exc:
-    result = {"error": type(exc).__name__, "reason": getattr(exc, "reason", None), "message": str(exc)}
+    result = {"error": type(exc).__name__, "reason": getattr(exc, "reason", None), "message": str(exc),
+              "rank": getattr(exc, "rank", None), "cause": getattr(exc, "cause", None),
+              "chained": type(exc.__cause__).__name__ if exc.__cause__ is not None else None}
 with open(out, "w") as f:
     json.dump(result, f)
 if "GROUP_TEST_DIE" not in os.environ:  # (a dead rank meets no barrier)
@@ -81,15 +96,18 @@ def _digests(sd: dict) -> dict:
 
 
 def _ranks(source: str, tmp_path, world: int = 2, framework: str = "pt", members: list[int] | None = None,
-           die: int | None = None) -> list[dict]:
+           die: int | None = None, mode: str = "load", opts: dict | None = None, env: dict | None = None) -> list[dict]:
+    """What each of ``world`` ranks (processes) got from loading ``source`` together: the
+    digest of each tensor, or the error.  ``opts``: options per rank ``{rank: {...}}``."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    env["GROUP_TEST_OPTS"] = json.dumps({str(k): v for k, v in (opts or {}).items()})
     if die is not None:
         env["GROUP_TEST_DIE"] = str(die)
     outs = [str(tmp_path / f"rank{r}.json") for r in range(world)]
     group = ",".join(str(m) for m in (members if members is not None else range(world)))
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), str(port), source, outs[r], framework,
-                               group], env=env,
+                               group, mode], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     try:
         for r, p in enumerate(procs):
@@ -133,14 +151,46 @@ def test_the_group_reads_each_byte_of_a_url_once(checkpoint, tmp_path):
     assert tensor_bytes <= asked < 1.1 * tensor_bytes, (asked, tensor_bytes)
 
 
-def test_a_failed_read_on_one_rank_fails_every_rank(checkpoint, tmp_path):
+def _same_error_everywhere(results: list[dict], rank: int, cause: str, all_failed: bool = False) -> None:
+    """Every rank raised DistributedLoadError naming ``rank`` and a cause mentioning ``cause``;
+    the failing rank's own error (every rank's, where ``all_failed``) is chained to it."""
+    for k, got in enumerate(results):
+        assert got.get("error") == "DistributedLoadError" and got["reason"] == "GroupReadFailed", got
+        assert got["rank"] == rank and cause in got["cause"], got
+        assert (got["chained"] is not None) == (all_failed or k == rank), got
+
+
+def test_a_failed_read_on_every_rank_fails_every_rank_with_the_first_cause(checkpoint, tmp_path):
     root, sd = checkpoint
     with serving(str(root)) as server:
         server.bulk()
         server.faults = lambda n, path, first, last: "403"  # every data GET is refused
         results = _ranks(server.url("sharded/model.safetensors.index.json"), tmp_path)
     for got in results:
-        assert got.get("error") == "ReadError" and got["reason"] in ("AccessDenied", "GroupReadFailed"), got
+        assert got.get("error") == "DistributedLoadError" and got["rank"] == 0 and "AccessDenied" in got["cause"], got
+
+
+@pytest.mark.parametrize("fault", ["404", "reset"])
+def test_a_read_that_fails_on_one_ranks_share_reaches_every_rank(checkpoint, tmp_path, fault):
+    """Only the second half of the file fails (a 404, or a connection reset on every try):
+    rank 1's share.  Both ranks raise the same named error, naming rank 1 and its cause."""
+    root, sd = checkpoint
+    size = os.path.getsize(root / "one.safetensors")
+    with serving(str(root)) as server:
+        server.bulk()
+        server.faults = lambda n, path, first, last: fault if first >= size // 2 else None
+        results = _ranks(server.url("one.safetensors"), tmp_path)
+    _same_error_everywhere(results, 1, "NotFound" if fault == "404" else "Error")
+
+
+def test_a_damaged_tensor_in_one_ranks_share_fails_every_rank(checkpoint, tmp_path):
+    """A byte of the last tensor flipped on disk: rank 1 reads it, its checksum fails there
+    before anything is sent, and rank 0 hears why."""
+    root, sd = checkpoint
+    data = bytearray((root / "one.safetensors").read_bytes())
+    data[-3] ^= 0x10
+    (tmp_path / "bad.safetensors").write_bytes(bytes(data))
+    _same_error_everywhere(_ranks(str(tmp_path / "bad.safetensors"), tmp_path), 1, "ChecksumError")
 
 
 @pytest.mark.parametrize("other", ["missing.safetensors", "other.safetensors"])
@@ -151,9 +201,16 @@ def test_ranks_given_different_checkpoints_fail_together(checkpoint, tmp_path, o
     engine.save_file({"x": np.ones(3, np.float32)}, str(root / "other.safetensors"))
     results = _ranks(f"{root / 'one.safetensors'}|{root / other}", tmp_path)
     if other.startswith("missing"):
-        assert results[0]["reason"] == "GroupReadFailed" and results[1]["error"] in ("FileNotFoundError", "ReadError")
+        _same_error_everywhere(results, 1, "FileNotFoundError")
     else:
-        assert [r["reason"] for r in results] == ["GroupMismatch", "GroupMismatch"], results
+        assert [(r["error"], r["reason"]) for r in results] == [("DistributedLoadError", "GroupMismatch")] * 2, results
+
+
+def test_ranks_given_different_options_fail_at_once(checkpoint, tmp_path):
+    """Another bucket size on one rank would pair different collectives: both ranks refuse."""
+    root, sd = checkpoint
+    results = _ranks(str(root / "one.safetensors"), tmp_path, opts={1: {"bucket_bytes": 4096}})
+    assert [r["reason"] for r in results] == ["GroupMismatch", "GroupMismatch"], results
 
 
 def test_a_rank_that_dies_mid_load_makes_the_others_raise(checkpoint, tmp_path):
@@ -162,7 +219,56 @@ def test_a_rank_that_dies_mid_load_makes_the_others_raise(checkpoint, tmp_path):
     root, sd = checkpoint
     alive, dead = _ranks(str(root / "sharded"), tmp_path, die=1)
     assert dead == {"died": True}
-    assert alive.get("error") == "ReadError" and alive["reason"] == "GroupFailed", alive
+    assert alive.get("error") == "DistributedLoadError" and alive["reason"] == "GroupFailed", alive
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_small_buckets_exchange_in_many_rounds(checkpoint, tmp_path, world):
+    """Buckets of 4 KiB and reads of 1000 bytes: many rounds, tensors split between ranks and
+    between buckets, pieces cut at a bucket's end; every rank still gets every tensor."""
+    root, sd = checkpoint
+    opts = {r: {"bucket_bytes": 4096, "chunk_bytes": 1000} for r in range(world)}
+    for got in _ranks(str(root / "sharded"), tmp_path, world=world, opts=opts):
+        assert got.get("tensors") == _digests(sd), got
+
+
+def test_a_stream_yields_every_tensor_once_on_every_rank(checkpoint, tmp_path):
+    root, sd = checkpoint
+    opts = {r: {"bucket_bytes": 8192} for r in range(2)}
+    for got in _ranks(str(root / "sharded"), tmp_path, mode="stream", framework="numpy", opts=opts):
+        assert got.get("tensors") == _digests(sd), got
+        assert sorted(got["order"]) == sorted(sd), got
+
+
+def test_load_into_fills_every_ranks_tensors(checkpoint, tmp_path):
+    root, sd = checkpoint
+    shapes = {k: [list(v.shape), str(v.dtype)] for k, v in sd.items()}
+    for got in _ranks(str(root / "sharded"), tmp_path, mode="into", env={"GROUP_TEST_SHAPES": json.dumps(shapes)}):
+        assert got.get("tensors") == _digests(sd), got
+        assert sorted(got["order"]) == sorted(sd), got
+
+
+def test_load_into_a_wrong_destination_fails_every_rank_before_reading(checkpoint, tmp_path):
+    root, sd = checkpoint
+    shapes = {k: [list(v.shape), str(v.dtype)] for k, v in sd.items()}
+    shapes["norm"] = [[3], "float16"]
+    results = _ranks(str(root / "one.safetensors"), tmp_path, mode="into", env={"GROUP_TEST_SHAPES": json.dumps(shapes)})
+    _same_error_everywhere(results, 0, "TensorMismatchError", all_failed=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_four_ranks_read_each_byte_of_an_s3_checkpoint_once(checkpoint, tmp_path, world):
+    """The same files as an anonymous path-style S3 bucket (the test's Range server)."""
+    root, sd = checkpoint
+    tensor_bytes = sum(v.nbytes for v in sd.values())
+    with serving(str(root)) as server:
+        server.bulk()
+        results = _ranks("s3://sharded/model.safetensors.index.json", tmp_path, world=world,
+                         env={"GROUP_TEST_S3": server.url("").rstrip("/")})
+        asked = server.tensor_bytes_asked()
+    for got in results:
+        assert got.get("tensors") == _digests(sd), got
+    assert tensor_bytes <= asked <= 1.02 * tensor_bytes + 64 * world, (asked, tensor_bytes)
 
 
 def test_spans_cover_the_block_once_in_equal_shares():

@@ -230,8 +230,6 @@ SAME_FLOOR: set[tuple[str, str]] = {
     ("base", "errors"),
     ("device", "numerics"), ("quantize", "numerics"), ("statistics", "numerics"),
     ("__main__", "commands"),
-    # the framework modules' load_file(process_group=) hands a group's load to engine.parallel.group_load
-    ("torch", "parallel"), ("numpy", "parallel"),
 }
 
 

@@ -212,11 +212,19 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
     and ``strict`` counts the tensors of every shard.  An ``http(s)://``, ``s3://`` or other
     fsspec URL loads with parallel ranged reads (:func:`engine.urls.remote_load.load_into`;
     ``cache_dir=`` keeps local copies, see :mod:`engine.urls.remote_cache`).
+    ``process_group=`` (a ``torch.distributed`` group; every rank calls this with the same
+    source) reads each byte once in the group and sends it to the other ranks
+    (:func:`engine.apps.group_load.load_into`).
     When a load fails part way, the error's ``.filled`` names the destinations whose bytes
     all landed.  ``verify_checksums=False`` skips the check of the checksums a file records
     (:mod:`engine.format.checksums`; on by default): a tensor that fails it raises
     :class:`~engine.errors.ChecksumError`, its destination holding the bytes that landed.
     """
+    if options.get("process_group") is not None:
+        from engine.apps.group_load import load_into as group_load_into
+
+        return group_load_into(path, tensors, options.pop("process_group"), **options)
+    options.pop("process_group", None)
     if is_url(path):
         from engine.urls import remote_load
 
@@ -241,7 +249,13 @@ def stream(path, **options):
     for local files (a checkpoint's directory or index: its shards as one pipeline),
     :func:`engine.urls.remote_load.stream` for a URL (``http(s)://``, ``s3://`` or another fsspec
     protocol: a file, an index or a prefix; ``cache_dir=`` keeps local copies, see
-    :mod:`engine.urls.remote_cache`), with the same options."""
+    :mod:`engine.urls.remote_cache`), with the same options.  ``process_group=`` (a
+    ``torch.distributed`` group; every rank calls this with the same source and consumes the
+    stream to its end) reads each byte once in the group and yields each tensor on every rank
+    as its last bucket is exchanged (:func:`engine.apps.group_load.stream`; CPU)."""
+    if options.get("process_group") is not None:
+        return _group_stream(path, **options)
+    options.pop("process_group", None)
     if is_url(path):
         from engine.urls import remote_load
 
@@ -257,3 +271,14 @@ def stream(path, **options):
         return loader.stream(shards if len(shards) != 1 else shards[0], **options)
     return loader.stream(path, **options)
 
+
+def _group_stream(path, *, process_group, framework: str = "pt", device: Any = "cpu", **options):
+    """:func:`stream` shared by a process group (:func:`engine.apps.group_load.stream`)."""
+    if str(device) != "cpu":
+        from engine.errors import DeviceError
+
+        raise DeviceError(f"process_group= streams to the CPU so far, not {device!r}", reason="UnsupportedDevice")
+    from engine.apps.group_load import stream as group_stream
+
+    return group_stream(path, process_group, framework={"torch": "pt", "np": "numpy"}.get(framework, framework),
+                        **options)

@@ -551,6 +551,30 @@ def load_into(
         os.close(fd)
 
 
+def check_destination(target, table, row: int, path: str | None) -> None:
+    """Raise :class:`~engine.errors.TensorMismatchError` unless ``target`` (a
+    :func:`engine.sinks.fill_target`) can take row ``row`` of ``table`` whole: the file's dtype
+    (sub-byte: its packed bytes as ``uint8``, or the framework's own packed dtype) and shape,
+    contiguous and writable."""
+    name = table.names[row]
+    nbytes = int(table.ends[row]) - int(table.begins[row])
+    want_code = int(table.codes[row])
+    want_shape = dtypes.packed_shape(want_code, table.shapes[row], nbytes)
+    if dtypes.DTYPES[want_code].sub_byte and not target.accepts(want_code):
+        want_code = dtypes.BY_NAME["U8"].code
+    if not target.accepts(want_code) or target.shape != tuple(want_shape):
+        raise TensorMismatchError(
+            f"tensor {name!r}: the file has {dtypes.NAMES[int(table.codes[row])]}{list(table.shapes[row])}, "
+            f"the destination is {dtypes.NAMES[target.code]}{list(target.shape)}",
+            path=path,
+            tensors=(name,),
+        )
+    if not target.ok_layout:
+        raise TensorMismatchError(
+            f"tensor {name!r}: the destination must be contiguous and writable", path=path, tensors=(name,)
+        )
+
+
 def fill_parts(
     files: Sequence[Part],
     tensors: Mapping[str, Any],
@@ -606,24 +630,9 @@ def fill_parts(
                 f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {target.where!r}",
                 reason="UnsupportedDevice", path=f.path, tensors=(name,),
             )
-        nbytes = int(t.ends[row]) - int(t.begins[row])
-        if not nbytes:
+        check_destination(target, t, row, f.path)
+        if int(t.ends[row]) == int(t.begins[row]):
             empty.append(name)  # filled before anything is read
-        want_code = int(t.codes[row])
-        want_shape = dtypes.packed_shape(want_code, t.shapes[row], nbytes)
-        if dtypes.DTYPES[want_code].sub_byte and not target.accepts(want_code):
-            want_code = dtypes.BY_NAME["U8"].code  # packed bytes, or torch's own packed dtype
-        if not target.accepts(want_code) or target.shape != tuple(want_shape):
-            raise TensorMismatchError(
-                f"tensor {name!r}: the file has {dtypes.NAMES[int(t.codes[row])]}{list(t.shapes[row])}, "
-                f"the destination is {dtypes.NAMES[target.code]}{list(target.shape)}",
-                path=f.path,
-                tensors=(name,),
-            )
-        if not target.ok_layout:
-            raise TensorMismatchError(
-                f"tensor {name!r}: the destination must be contiguous and writable", path=f.path, tensors=(name,)
-            )
         rows = device.setdefault(target.device, [[] for _ in files]) if target.device is not None else host
         rows[i].append(row)
 

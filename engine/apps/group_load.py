@@ -1,0 +1,385 @@
+"""A group of ranks loads a checkpoint once: each rank reads a share of its bytes and sends it.
+
+Every rank of a ``torch.distributed`` process group calls :func:`load` (or :func:`stream`,
+:func:`load_into`) with the same source: a local file, index or folder, or an
+``http(s)://``/``s3://`` URL with the remote options.  Each rank reads the headers, lays every
+tensor out in one owned host block in the same order (file order, shard after shard), and
+cuts the block into ``world_size`` spans of equal bytes (a tensor may be split between two
+ranks).  Each rank reads only its span, from the files or the server, straight into its block.
+
+The exchange is pipelined in rounds: each span is cut into buckets of :data:`BUCKET_BYTES`,
+and round ``j`` sends bucket ``j`` of every span with ``broadcast`` (one collective per bucket,
+not per tensor) while the readers go on with the next buckets.  Before each round the ranks
+agree (one small ``all_reduce``) that every bucket of the round landed and its whole tensors
+passed their checksums on the rank that read them; a tensor split between ranks is checked on
+every rank once its last bucket came.  Every rank ends with every tensor, byte-equal to the
+file: the group reads each byte of the checkpoint once, not once per rank.
+
+The ranks also agree before anything is read: a flag for a rank that failed to open its
+source, and a fingerprint of each rank's layout and options (ranks given different
+checkpoints, or a different bucket size, all fail at once).  A failure on any rank fails the
+load on every rank with :class:`~engine.errors.DistributedLoadError` naming the rank and the
+cause; no rank waits in a collective for bytes that will never come, and none returns a mix
+of two files.  Every rank must go on calling until the load ends (a stream consumed to its
+end), as with any collective.
+
+Copies of tensor bytes: 1 on the rank that reads a byte (page cache or socket -> its block), 1
+on every other rank (the collective's receive into its block); :func:`load_into` adds one
+(block -> the destination, host or CUDA).  Host blocks over ``gloo``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from engine.base._files import is_url
+from engine.errors import DistributedLoadError, SafetensorError, TensorNotFoundError
+from engine.format.checksums import Checks, verification, verifying
+
+__all__ = ["load", "stream", "load_into", "BUCKET_BYTES", "spans"]
+
+#: bytes per broadcast: large enough that a collective's fixed cost is paid per tens of MiB
+BUCKET_BYTES = 64 << 20
+#: each tensor's offset in the block (as an owned load's: any dtype's alignment)
+_ALIGN = 64
+#: the most bytes of one read of a rank's span (a request within its deadline; the reads of a
+#: span run on several threads)
+_CHUNK = 16 << 20
+
+
+def spans(total: int, world: int) -> list[tuple[int, int]]:
+    """``world`` spans ``[lo, hi)`` of equal bytes (to one byte) covering ``[0, total)``."""
+    return [(total * k // world, total * (k + 1) // world) for k in range(world)]
+
+
+@contextlib.contextmanager
+def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[list]:
+    """The source's files as :class:`engine.loading.loader.Part` (all rows, in file order)."""
+    from engine.loading.loader import Part
+
+    spath = os.fspath(source)
+    if is_url(spath):
+        from engine.urls.remote_load import open_parts
+
+        with open_parts(spath, max_header_size=max_header_size, **remote) as opened:
+            yield [p._replace(rows=p.header.table.file_order()) for p in opened.ranged().parts]
+        return
+    if remote:
+        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
+    from engine.base._files import open_regular
+    from engine.checkpoints.checkpoint_info import open_layout
+    from engine.format.header import read_header_fd
+
+    layout, _, _ = open_layout(spath, max_header_size)
+    fds: list[int] = []
+    try:
+        parts = []
+        for shard in layout.files:
+            path = os.path.join(layout.directory, shard)
+            fd = open_regular(path)
+            fds.append(fd)
+            header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
+            parts.append(Part(fd, header, header.table.file_order(), path))
+        yield parts
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def load(source, process_group, *, framework: str = "pt", **options) -> dict:
+    """Every tensor of ``source`` as owned CPU tensors (``framework`` ``"pt"``: torch,
+    ``"numpy"``: arrays, each over its range of one block) on every rank of ``process_group``,
+    each byte read by one rank (see the module's doc).
+
+    Parameters
+    ----------
+    source : str or os.PathLike
+        The same on every rank: a file, an index, a folder or a URL.
+    process_group : torch.distributed.ProcessGroup
+        ``gloo`` (host tensors); ``torch.distributed.group.WORLD`` or a sub-group.
+    framework : {"pt", "numpy"}
+    verify_checksums : bool, optional
+        Check the CRC-32C the files record (default True): on the rank that read a tensor,
+        before it is sent (a remote tensor that fails is read again from the server), and on
+        every rank for a tensor split between ranks.
+    bucket_bytes : int, optional
+        Bytes per broadcast (default :data:`BUCKET_BYTES`); the same on every rank.
+    chunk_bytes : int, optional
+        The most bytes of one read (default 16 MiB).
+    max_header_size : int, optional
+    **remote
+        A URL's options (``headers``, ``timeout``, ``retry``, ``connections``, ...);
+        ``cache_dir`` is refused (each rank reads a share of every file).
+
+    Raises
+    ------
+    DistributedLoadError
+        On every rank, when any rank's open, read or check failed (``.rank``: the first rank
+        that failed, ``.cause``: its error in words; ``reason="GroupReadFailed"``), when the
+        ranks read different checkpoints or gave different options (``"GroupMismatch"``), or
+        when a rank died or left during the load (``"GroupFailed"``).
+    SafetensorError
+        For tensor names that two files both hold (on every rank).
+    """
+    return dict(stream(source, process_group, framework=framework, **options))
+
+
+def stream(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
+           max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
+           _wanted=None, **remote) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's last bucket
+    lands (a round of the exchange); options, errors and copies as :func:`load`.  Every rank
+    must consume the stream to its end.  The tensors are views of one host block of the
+    checkpoint's size, held while any of them is."""
+    with verification(verify_checksums):
+        yield from _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted,
+                          remote)
+
+
+def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool = False, **options) -> list[str]:
+    """Fill existing tensors (host or CUDA; numpy, torch or CuPy) in place on every rank of
+    ``process_group``, each byte of ``source`` read by one rank; options and errors as
+    :func:`load`, and as :func:`engine.load_into` for the destinations (checked on every rank
+    before anything is read: a wrong one fails every rank).
+
+    Returns the names filled, in file order.  Copies of tensor bytes: 2 on every rank (the read
+    or the collective's receive into a host block, then block -> destination as each tensor's
+    last bucket lands); the block is freed when the load returns.
+    """
+    from engine.sinks import fill_target
+
+    targets = {name: fill_target(dst) for name, dst in tensors.items()}
+    filled = []
+    for name, data in stream(source, process_group, framework="raw", _wanted=(targets, strict), **options):
+        target = targets.get(name)
+        if target is None or not len(data):
+            filled.extend([name] if target is not None else [])
+            continue
+        if target.device is None:
+            np.frombuffer(target.host_bytes(), np.uint8)[:] = data
+        elif hasattr(dst := target.device_bytes(), "copy_"):  # torch CUDA
+            import torch
+
+            dst.copy_(torch.from_numpy(data))
+        else:  # CuPy
+            dst.set(data)
+        filled.append(name)
+    return filled
+
+
+class _Group:
+    """One group load: open, agree, read in buckets, exchange round by round, yield."""
+
+    def __init__(self, source, group, framework, max_header_size, bucket_bytes, chunk_bytes, wanted, remote) -> None:
+        import torch.distributed as dist
+
+        if "cache_dir" in remote:
+            raise TypeError("process_group= takes no cache_dir: each rank reads a share of every file")
+        self.wanted = wanted  # load_into's (destinations, strict)
+        self.source, self.group, self.framework, self.remote = os.fspath(source), group, framework, remote
+        self.max_header_size, self.bucket = max_header_size, max(1, int(bucket_bytes))
+        self.step = max(1, chunk_bytes or _CHUNK)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        from engine.format.header import MAX_HEADER_SIZE
+
+        with contextlib.ExitStack() as stack:
+            try:
+                parts = stack.enter_context(_parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
+                layout = _layout(parts)
+                if self.wanted is not None:
+                    _check_destinations(parts, layout, self.wanted[0], self.wanted[1], self.source)
+                total = layout[-1][3] + -(-layout[-1][4] // _ALIGN) * _ALIGN if layout else 0
+                fingerprint = self._fingerprint(parts, layout, total)
+                from engine.sinks._host import host_block
+
+                block = host_block(total)
+            except Exception as exc:  # every rank hears of it before any exchange
+                self._agree(exc)
+                raise  # (not reached: _agree raised)
+            self._agree(None, fingerprint)
+            pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(
+                max(1, min(self.remote.get("connections") or 8, 64)), thread_name_prefix="engine-group"))
+            stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # a failed round stops the reads
+            yield from self._rounds(parts, layout, total, block, pool)
+
+    def _fingerprint(self, parts, layout, total: int) -> int:
+        """63 bits of the layout (names, dtypes, shapes, offsets) and of the options every rank
+        must share (a different bucket size would pair different collectives)."""
+        from engine.format.checksums import canonical_digest
+
+        digest = canonical_digest([n for _, _, n, _, _ in layout],
+                                  [int(parts[i].header.table.codes[r]) for i, r, _, _, _ in layout],
+                                  [parts[i].header.table.shapes[r] for i, r, _, _, _ in layout],
+                                  [off for _, _, _, off, _ in layout], [n for *_, n in layout], None)
+        text = f"{digest}:{total}:{self.bucket}:{verifying()}:{self.wanted is not None}"
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+    def _agree(self, failed: BaseException | None, fingerprint: int = 0) -> None:
+        """Every rank learns whether any failed (and then which, and why), and whether all saw
+        the same checkpoint: no rank goes on to a collective that another will never reach."""
+        import torch
+        import torch.distributed as dist
+
+        status = torch.tensor([int(failed is not None), fingerprint, -fingerprint], dtype=torch.int64)
+        with _peers(self.source):
+            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
+        if int(status[0]):
+            causes: list[str | None] = [None] * self.world
+            mine = None if failed is None else f"{type(failed).__name__}: {failed}"
+            with _peers(self.source):
+                dist.all_gather_object(causes, mine, group=self.group)
+            who = next(k for k, c in enumerate(causes) if c is not None)
+            raise DistributedLoadError(f"rank {who} of the process group failed: {causes[who]}", rank=who,
+                                       cause=causes[who], reason="GroupReadFailed", path=self.source) from failed
+        if int(status[1]) != -int(status[2]):
+            raise DistributedLoadError("the ranks of the process group were given different checkpoints or options "
+                                       "(names, dtypes, shapes, offsets, bucket_bytes, verify_checksums or load_into "
+                                       "differ): give every rank the same", reason="GroupMismatch", path=self.source)
+
+    def _rounds(self, parts, layout, total: int, block, pool) -> Iterator[tuple[str, Any]]:
+        import torch
+        import torch.distributed as dist
+
+        flat = np.frombuffer(block, np.uint8) if total else np.zeros(1, np.uint8)
+        view = memoryview(flat)
+        cuts = spans(total, self.world)
+        lo, hi = cuts[self.rank]
+        bucket = self.bucket
+        rounds = max((-(-(b - a) // bucket) for a, b in cuts), default=0)
+        mine: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # my reads, by round
+        whole: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # tensors I read whole
+        split: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # tensors split between ranks
+        ready: list[list[int]] = [[] for _ in range(max(rounds, 1))]  # tensors complete after each round
+        for t, (i, r, _, off, n) in enumerate(layout):
+            owners = [(k, max(a, off), min(b, off + n)) for k, (a, b) in enumerate(cuts) if max(a, off) < min(b, off + n)]
+            last = max(((b - 1 - cuts[k][0]) // bucket for k, _, b in owners), default=0)
+            ready[last].append(t)
+            if len(owners) > 1:
+                split[last].append((i, r, off, n))
+            for k, a, b in owners:
+                if k != self.rank:
+                    continue
+                if (a, b) == (off, off + n):
+                    whole[last].append((i, r, off, n))
+                begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
+                while a < b:  # pieces of at most ``step`` bytes, none across a bucket's end
+                    j = (a - lo) // bucket
+                    e = min(b, a + self.step, lo + (j + 1) * bucket)
+                    mine[j].append((i, begin + (a - off), a, e - a))
+                    a = e
+
+        def read(piece, fresh: bool = False) -> None:
+            i, offset, a, n = piece
+            p = parts[i]
+            if p.ranges is not None:
+                (getattr(p.ranges, "fresh", p.ranges) if fresh else p.ranges)(offset, [view[a : a + n]])
+            else:
+                from engine.io.reader import pread_into
+
+                pread_into(p.fd, offset, [view[a : a + n]], path=p.path)
+
+        pending = [[pool.submit(read, piece) for piece in pieces] for pieces in mine]
+        every = [m for ms in mine for m in ms]
+        from engine.format.checksums import verify_received
+        from engine.sinks import get_sink
+
+        sink = get_sink(self.framework) if self.framework != "raw" else None
+        for j in range(max(rounds, 1)):
+            if rounds:
+                failed = None
+                try:
+                    for f in pending[j]:
+                        f.result()
+                    if verifying():  # my whole tensors, before they are sent (read again from a server)
+                        for i, r, off, n in whole[j]:
+                            again = functools.partial(_again, read, every, i, off, n)
+                            verify_received(Checks.of(parts[i].header, parts[i].path), r, view[off : off + n], again)
+                except Exception as exc:  # every rank hears of it before the round's collectives
+                    failed = exc
+                self._agree(failed)
+                with _peers(self.source):
+                    for k, (a, b) in enumerate(cuts):
+                        a += j * bucket
+                        if a < b:
+                            src = dist.get_global_rank(self.group, k) if self.group is not None else k
+                            dist.broadcast(torch.from_numpy(flat[a : min(b, a + bucket)]), src=src, group=self.group)
+                if verifying():  # a tensor split between ranks, checked whole on every rank
+                    for i, r, off, n in split[j]:
+                        checks = Checks.of(parts[i].header, parts[i].path)
+                        if checks is not None:
+                            checks.verify_bytes(r, view[off : off + n])
+            for t in ready[j]:
+                i, r, name, off, n = layout[t]
+                if sink is None:
+                    yield name, flat[off : off + n]
+                else:
+                    table = parts[i].header.table
+                    yield name, sink.view(block, int(table.codes[r]), table.shapes[r], off, n)
+
+
+def _check_destinations(parts, layout, targets: Mapping[str, Any], strict: bool, where: str) -> None:
+    """:func:`load_into`'s checks, before anything is read: every destination named in the
+    checkpoint and of its tensor's dtype and shape (and, with ``strict``, every tensor named)."""
+    from engine.loading.loader import check_destination
+
+    rows = {name: (i, r) for i, r, name, _, _ in layout}
+    missing = [n for n in targets if n not in rows]
+    if missing:
+        raise TensorNotFoundError(f"{len(missing)} destination tensor(s) not in the file: {missing[:5]}",
+                                  path=where, tensors=missing)
+    extra = [n for n in rows if n not in targets]
+    if strict and extra:
+        raise TensorNotFoundError(f"{len(extra)} tensor(s) of the file have no destination: {extra[:5]}",
+                                  path=where, tensors=extra)
+    for name, target in targets.items():
+        i, r = rows[name]
+        check_destination(target, parts[i].header.table, r, parts[i].path)
+
+
+@contextlib.contextmanager
+def _peers(source) -> Iterator[None]:
+    """A collective that fails because a rank of the group died or left (the backend's error,
+    when its connection closes) as :class:`~engine.errors.DistributedLoadError` naming the source."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch's DistBackendError and gloo's errors are RuntimeErrors
+        raise DistributedLoadError(f"a rank of the process group failed or left during the load: {exc}",
+                                   cause=str(exc), reason="GroupFailed", path=os.fspath(source)) from exc
+
+
+def _layout(parts) -> list[tuple[int, int, str, int, int]]:
+    """``(part, row, name, block offset, bytes)`` of every tensor, in file order, each at an
+    offset aligned to :data:`_ALIGN`; a name in two files is an error."""
+    layout = []
+    at = 0
+    seen: dict[str, str | None] = {}
+    for i, p in enumerate(parts):
+        t = p.header.table
+        for r in p.rows:
+            name = t.names[r]
+            if name in seen:
+                raise SafetensorError(f"tensor {name!r} is in two files: {seen[name]} and {p.path}",
+                                      reason="DuplicateTensor", path=p.path, tensors=(name,))
+            seen[name] = p.path
+            n = int(t.ends[r]) - int(t.begins[r])
+            layout.append((i, r, name, at, n))
+            at += -(-n // _ALIGN) * _ALIGN
+    return layout
+
+
+def _again(read, mine, i: int, off: int, n: int) -> None:
+    """Read the pieces of the tensor at ``[off, off + n)`` of the block (file ``i``) again,
+    from the server where it is remote (not from what a stream kept)."""
+    for m in mine:
+        if m[0] == i and off <= m[2] < off + n:
+            read(m, fresh=True)
