@@ -169,6 +169,57 @@ def test_a_url_loads_through_the_remote_path_and_its_cache(tmp_path):
         server.stop()
 
 
+GROUP_WEIGHTS = textwrap.dedent("""
+    import hashlib, json, os, sys
+    import torch, torch.distributed as dist
+    from engine.serving.weights import Weights, parse_options
+    rank, port, url, out, extra = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    with Weights(url, options=parse_options(extra), group=dist.group.WORLD) as w:
+        got = {k: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for k, t in w}
+    json.dump({"mode": w.mode, "tensors": got}, open(out, "w"))
+    dist.barrier()
+    os._exit(0)
+""")
+
+
+@pytest.mark.parametrize(("extra", "mode", "reads"), [({}, "group", 1), ({"distributed": False}, "remote", 2)])
+def test_the_workers_of_a_group_read_url_weights_once_between_them(tmp_path, extra, mode, reads):
+    """Two gloo ranks, each with its own Weights over the same URL: by default they read the
+    checkpoint once between them; ``distributed: false`` reads it on each."""
+    import hashlib
+
+    from rangeserver import serving
+    from servers import free_port
+
+    sd = tensors(3)
+    write_sharded(tmp_path / "model", sd, shards=2)
+    want = {k: hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, t in sd.items()}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    port = free_port()
+    with serving(str(tmp_path)) as server:
+        server.bulk()
+        url = server.url(f"model/{INDEX}")
+        procs = [subprocess.Popen([sys.executable, "-c", GROUP_WEIGHTS, str(r), str(port), url,
+                                   str(tmp_path / f"{r}.json"), json.dumps(extra)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+        asked = server.tensor_bytes_asked()
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    for r in range(2):
+        got = json.loads((tmp_path / f"{r}.json").read_text())
+        assert got == {"mode": mode, "tensors": want}
+    assert reads * nbytes <= asked <= reads * nbytes * 1.02 + 128, (asked, nbytes)
+
+
+def test_distributed_with_a_cache_dir_is_refused():
+    with pytest.raises(OptionError, match="distributed"):
+        Weights("http://127.0.0.1:1/model", options=parse_options({"distributed": True, "cache_dir": "/tmp/c"}))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no CUDA device")
 def test_a_cuda_load_goes_to_the_ring_with_its_options_and_fails_clearly_without_a_gpu(tmp_path):
     write_sharded(tmp_path, tensors(), shards=2)
@@ -393,7 +444,8 @@ RUN_LLM = textwrap.dedent("""
     from vllm import LLM, SamplingParams
     model, fmt, out, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     llm = LLM(model=model, load_format=fmt, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.08, model_loader_extra_config=extra)
+              max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.08, model_loader_extra_config=extra,
+              tensor_parallel_size=int(os.environ.get("LANE_TP", "1")))
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 42, 99], [300, 2, 7], [11] * 9)]
     results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     tokens = [list(r.outputs[0].token_ids) for r in results]
@@ -408,8 +460,10 @@ RUN_LLM = textwrap.dedent("""
 """)
 
 
-def run_llm(model, fmt: str, out, extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+def run_llm(model, fmt: str, out, extra: dict | None = None, tp: int = 1) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", LANE_TP=str(tp))
+    if tp > 1:  # vLLM's CPU build binds each worker's OpenMP threads to cores of its own
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     return subprocess.run([sys.executable, "-c", RUN_LLM, str(model), fmt, str(out), json.dumps(extra or {})],
                           capture_output=True, text=True, env=env, timeout=600)
 
@@ -430,6 +484,29 @@ def test_vllm_generates_the_same_tokens_with_the_same_parameters_as_its_own_load
     assert len({tuple(t) for t in tokens}) > 1  # the prompts lead somewhere different
     assert_same(state, want_state)
     assert len(state) >= 9
+
+
+@needs_vllm
+def test_vllm_tensor_parallel_workers_read_url_weights_once_between_them(tmp_path):
+    """tensor_parallel_size=2, weights from a URL: the two workers read the checkpoint once
+    between them (the ``distributed`` default), and generate the tokens vLLM's own loader
+    generates from the local files at the same TP."""
+    from rangeserver import serving
+
+    write_llama(tmp_path / "llama")
+    tensor_bytes = sum(os.path.getsize(p) for p in (tmp_path / "llama").glob("*.safetensors"))
+    proc = run_llm(tmp_path / "llama", "safetensors", tmp_path / "own", tp=2)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with serving(str(tmp_path)) as server:
+        server.bulk()
+        proc = run_llm(tmp_path / "llama", LOAD_FORMAT, tmp_path / "ours", {"weights": server.url(f"llama/{INDEX}"),
+                                                                          "stats": True}, tp=2)
+        asked = server.tensor_bytes_asked()
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "safetensors-engine (group, cpu)" in log, log[-3000:]
+    assert json.loads((tmp_path / "ours.json").read_text()) == json.loads((tmp_path / "own.json").read_text())
+    assert 0.9 * tensor_bytes <= asked <= 1.1 * tensor_bytes, (asked, tensor_bytes)
 
 
 @needs_vllm

@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any
 
-from engine.serving.weights import Weights, parse_options
+from engine.serving.weights import Weights, parse_options, tp_group_of
 
 __all__ = ["loader_class"]
 
@@ -64,7 +64,9 @@ def loader_class() -> type:
             with sgl.set_default_torch_dtype(model_config.dtype):
                 with target:
                     model = sgl._initialize_model(model_config, self.load_config)
-                with Weights(source, device=device, options=self.options) as weights:
+                from sglang.srt.distributed import parallel_state
+
+                with Weights(source, device=device, options=self.options, group=tp_group_of(parallel_state)) as weights:
                     sgl.DefaultModelLoader.load_weights_and_postprocess(model, iter(weights), target)
             return model.eval()
 

@@ -11,7 +11,9 @@ each of its processes), so that::
 load the weights with the engine: through the chunk ring to the model's GPU, or as zero-copy
 views (or owned tensors) on the CPU; sharded checkpoints, ``*.safetensors.index.json``, and
 ``http(s)://`` / ``s3://`` weights (vLLM's ``model_weights``, or the ``weights`` option) with
-``cache_dir``.  The options are those of :data:`engine.serving.weights.OPTION_DOCS`.
+``cache_dir``.  The options are those of :data:`engine.serving.weights.OPTION_DOCS`; with
+tensor parallelism, URL weights are read once by the workers between them (the ``distributed``
+option, on by default there: :func:`tp_group`).
 
 vLLM is imported only when :func:`register` or :func:`loader_class` is called.
 """
@@ -25,9 +27,9 @@ import time
 from typing import Any
 
 from engine.base._files import is_url
-from engine.serving.weights import Weights, check_loaded, parse_options
+from engine.serving.weights import Weights, check_loaded, parse_options, tp_group_of
 
-__all__ = ["LOAD_FORMAT", "register", "loader_class", "load_device", "exempt_parameters"]
+__all__ = ["LOAD_FORMAT", "register", "loader_class", "load_device", "exempt_parameters", "tp_group"]
 
 #: the name users pass as ``--load-format`` (vLLM lower-cases load formats)
 LOAD_FORMAT = "safetensors_engine"
@@ -90,6 +92,14 @@ def exempt_parameters(model: Any, quantized: bool) -> set[str]:
     return out
 
 
+def tp_group() -> Any:
+    """The gloo side of this worker's tensor-parallel group, or None without one (see
+    :func:`engine.serving.weights.tp_group_of`)."""
+    from vllm.distributed import parallel_state
+
+    return tp_group_of(parallel_state)
+
+
 @functools.cache
 def loader_class() -> type:
     """The ``BaseModelLoader`` subclass of the load format (vLLM imported here)."""
@@ -136,7 +146,7 @@ def loader_class() -> type:
         def load_weights(self, model, model_config) -> None:
             source = self.weights_source(model_config)
             started = time.perf_counter()
-            with Weights(source, device=load_device(model), options=self.options) as weights:
+            with Weights(source, device=load_device(model), options=self.options, group=tp_group()) as weights:
                 loaded = model.load_weights(iter(weights))
             # the same line as vLLM's default loader, over the same span (iterator to the end
             # of the model's load_weights), so that the two can be compared from the logs

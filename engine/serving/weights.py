@@ -62,7 +62,7 @@ from engine.format.checkpoint_index import index_problems
 from engine.format.header import MAX_HEADER_SIZE, read_header, read_header_fd
 
 __all__ = ["Options", "parse_options", "checkpoint_files", "Weights", "missing_parameters", "check_loaded",
-           "OPTION_DOCS"]
+           "OPTION_DOCS", "tp_group_of"]
 
 logger = logging.getLogger("engine.serving")
 
@@ -82,6 +82,9 @@ OPTION_DOCS: dict[str, str] = {
     "s3": "URL weights: endpoint_url, region, profile, anonymous",
     "max_header_size": "largest header (and index) accepted, in bytes",
     "stats": "log one line of what the load did: tensors, bytes, seconds, GB/s (default false)",
+    "distributed": "the server's tensor-parallel workers read the checkpoint once between them and send each "
+                   "other the bytes (engine.apps.group_load, over the group's gloo side); default: on for URL "
+                   "weights on the CPU when there is more than one worker and no cache_dir",
 }
 
 _REMOTE_ONLY = ("cache_dir", "connections", "timeout", "headers", "s3")
@@ -105,6 +108,7 @@ class Options:
     s3: dict[str, Any] | None = None
     max_header_size: int = MAX_HEADER_SIZE
     stats: bool = False
+    distributed: bool | None = None
 
     def remote(self) -> dict[str, Any]:
         """The options of :func:`engine.urls.remote_load.stream` that were given."""
@@ -190,7 +194,7 @@ def parse_options(extra: Mapping[str, Any] | None, *, where: str = "--model-load
             kw[key] = _positive_int(key, value)
         elif key in ("chunk_bytes", "slot_bytes"):
             kw[key] = _size(key, value)
-        elif key in ("per_tensor", "stats"):
+        elif key in ("per_tensor", "stats", "distributed"):
             kw[key] = _flag(key, value)
         elif key == "timeout":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -317,11 +321,19 @@ class Weights:
     device : str or torch.device, default "cpu"
         Where the tensors are handed out: ``"cpu"`` or a CUDA device.
     options : Options, optional
+    group : torch.distributed.ProcessGroup, optional
+        The server's tensor-parallel workers (a group whose backend moves CPU tensors: gloo),
+        every one of which iterates its own ``Weights`` over the same source.  With the
+        ``distributed`` option (default: on for URL weights on the CPU, when the group has more
+        than one rank and there is no ``cache_dir``) the workers read the checkpoint once between
+        them (:func:`engine.apps.group_load.stream`): host tensors, 1 copy (the read, or the
+        collective's receive) before the server's own; every worker must iterate to the end.
 
     Raises
     ------
     OptionError
-        An option for URL weights (``cache_dir``, ``connections``, ...) with a local source.
+        An option for URL weights (``cache_dir``, ``connections``, ...) with a local source;
+        ``distributed`` with ``cache_dir``.
 
     Notes
     -----
@@ -330,7 +342,8 @@ class Weights:
     :meth:`close` and was made private (see "The rule for views").
     """
 
-    def __init__(self, source: str | os.PathLike[str], *, device: Any = "cpu", options: Options | None = None) -> None:
+    def __init__(self, source: str | os.PathLike[str], *, device: Any = "cpu", options: Options | None = None,
+                 group: Any = None) -> None:
         self.source = os.fspath(source)
         self.options = options or Options()
         self.device = str(device)
@@ -341,7 +354,14 @@ class Weights:
                 raise OptionError(f"option {given[0]!r} applies to http(s):// and s3:// weights, and the weights are "
                                   f"the local path {self.source!r}", option=given[0])
         self.on_cuda = self.device.startswith("cuda")
-        self.mode = "remote" if self.remote else "ring" if self.on_cuda else self.options.cpu
+        if self.options.distributed and self.options.cache_dir is not None:
+            raise OptionError("option 'distributed' takes no cache_dir: each worker reads a share of every file",
+                              option="distributed")
+        self.group = group if group is not None and self._ranks(group) > 1 and (
+            self.options.distributed or (self.options.distributed is None and self.remote and not self.on_cuda
+                                         and self.options.cache_dir is None)) else None
+        self.mode = "group" if self.group is not None else "remote" if self.remote else "ring" if self.on_cuda \
+            else self.options.cpu
         self.tensors = 0
         self.nbytes = 0
         self.files = 0
@@ -365,8 +385,21 @@ class Weights:
             self.nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor
 
+    @staticmethod
+    def _ranks(group) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(group)
+
     def _tensors(self) -> Iterator[tuple[str, Any]]:
         o = self.options
+        if self.group is not None:
+            from engine.apps.group_load import stream as group_stream
+
+            remote = {k: v for k, v in o.remote().items() if k != "max_header_size"} if self.remote else {}
+            yield from group_stream(self.source, self.group, framework="pt", max_header_size=o.max_header_size,
+                                    chunk_bytes=o.chunk_bytes, **remote)
+            return
         if self.remote:
             from engine.urls.remote_load import stream as remote_stream
 
@@ -454,6 +487,16 @@ class Weights:
         kept = f"; {len(self.kept)} shards kept by the model were made private" if self.kept else ""
         return (f"safetensors-engine ({self.mode}, {self.device}): {self.tensors} tensors, "
                 f"{self.nbytes / 1e9:.3f} GB{files} in {self.seconds:.3f} s ({rate:.2f} GB/s){kept}")
+
+
+def tp_group_of(parallel_state: Any) -> Any:
+    """The gloo side (``cpu_group``) of a server's tensor-parallel group, from its
+    ``parallel_state`` module (vLLM's, or SGLang's fork of it), or None where its distributed
+    state is not set up or the group has one worker."""
+    group = getattr(parallel_state, "_TP", None)
+    if group is None or getattr(group, "world_size", 1) < 2:
+        return None
+    return group.cpu_group
 
 
 def missing_parameters(parameters: Iterable[str], loaded: Iterable[str], exempt: Iterable[str] = ()) -> list[str]:
