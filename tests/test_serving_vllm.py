@@ -453,9 +453,10 @@ RUN_LLM = textwrap.dedent("""
     def params(model):
         return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
-    state = llm.apply_model(params)[0]
-    from safetensors.torch import save_file
-    save_file(state, out + ".safetensors")
+    if os.environ.get("LANE_TP", "1") == "1":  # (workers in processes of their own cannot unpickle params)
+        state = llm.apply_model(params)[0]
+        from safetensors.torch import save_file
+        save_file(state, out + ".safetensors")
     json.dump(tokens, open(out + ".json", "w"))
 """)
 

@@ -134,14 +134,20 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
 
 def stream(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
            max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
-           _wanted=None, **remote) -> Iterator[tuple[str, Any]]:
+           _wanted=None, _select=None, _release: bool = False, **remote) -> Iterator[tuple[str, Any]]:
     """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's last bucket
     lands (a round of the exchange); options, errors and copies as :func:`load`.  Every rank
     must consume the stream to its end.  The tensors are views of one host block of the
-    checkpoint's size, held while any of them is."""
+    checkpoint's size, held while any of them is.
+
+    For the engine's own callers: ``_select`` (a predicate of names) loads only those tensors
+    (the same on every rank); with ``_release`` the caller keeps nothing it was handed past the
+    next step of the stream, and each tensor's pages go back to the system once it is
+    consumed (a tensor-parallel rank keeps its shards, not the block)."""
     with verification(verify_checksums):
-        yield from _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted,
-                          remote)
+        group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote)
+        group.select, group.release = _select, _release
+        yield from group
 
 
 def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool = False, **options) -> list[str]:
@@ -188,6 +194,7 @@ class _Group:
         self.max_header_size, self.bucket = max_header_size, max(1, int(bucket_bytes))
         self.step = max(1, chunk_bytes or _CHUNK)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.select, self.release = None, False
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         from engine.format.header import MAX_HEADER_SIZE
@@ -195,6 +202,8 @@ class _Group:
         with contextlib.ExitStack() as stack:
             try:
                 parts = stack.enter_context(_parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
+                if self.select is not None:
+                    parts = [p._replace(rows=[r for r in p.rows if self.select(p.header.table.names[r])]) for p in parts]
                 layout = _layout(parts)
                 if self.wanted is not None:
                     _check_destinations(parts, layout, self.wanted[0], self.wanted[1], self.source)
@@ -221,7 +230,7 @@ class _Group:
                                   [int(parts[i].header.table.codes[r]) for i, r, _, _, _ in layout],
                                   [parts[i].header.table.shapes[r] for i, r, _, _, _ in layout],
                                   [off for _, _, _, off, _ in layout], [n for *_, n in layout], None)
-        text = f"{digest}:{total}:{self.bucket}:{verifying()}:{self.wanted is not None}"
+        text = f"{digest}:{total}:{self.bucket}:{verifying()}:{self.wanted is not None}:{self.release}"
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
     def _agree(self, failed: BaseException | None, fingerprint: int = 0) -> None:
@@ -325,6 +334,19 @@ class _Group:
                 else:
                     table = parts[i].header.table
                     yield name, sink.view(block, int(table.codes[r]), table.shapes[r], off, n)
+                if self.release:
+                    _release(block, off, n)
+
+
+def _release(block, off: int, n: int) -> None:
+    """Give the whole pages of ``[off, off + n)`` of the block back to the system (they read as
+    zeros afterwards); the pages it shares with its neighbours stay."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    a, b = -(-off // page) * page, (off + n) // page * page
+    if b > a and hasattr(mmap, "MADV_DONTNEED"):
+        block.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
 def _check_destinations(parts, layout, targets: Mapping[str, Any], strict: bool, where: str) -> None:

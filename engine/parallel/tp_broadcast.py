@@ -1,6 +1,12 @@
-"""Tensor-parallel loading, broadcast mode: the first rank of each node reads every tensor
-once and hands the shards out with ``scatter`` (split tensors) and ``broadcast``
-(replicated ones), moving raw bytes so that every dtype works on every backend.
+"""Tensor-parallel loading, broadcast mode: the ranks of each node read the checkpoint once
+between them, as a group load does (:func:`engine.apps.group_load.stream`: each rank an equal
+span, sent to the others in 64 MiB buckets round by round), and each rank keeps only its shard
+of every tensor, the block's pages given back as each tensor is cut.  Over NCCL (device
+tensors) the node's first rank reads every tensor and hands the shards out with ``scatter``
+and ``broadcast``, one collective per tensor, moving raw bytes so that every dtype works.
+
+Copies on the gloo path: the read or the collective's receive into the block, the cut into
+the shard, and ``.to(device)`` where the device is not the CPU.
 
 Importing this module imports torch.
 """
@@ -45,8 +51,35 @@ def load_broadcast(path, plan, rank, world_size, process_group, device, names, r
     group, reader = _node_group(world_size, process_group)
     local_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
     local_rank = local_ranks.index(dist.get_rank())
-    comm_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    # collectives move raw bytes (uint8): see _bytes_of
+    if dist.get_backend(group) == "nccl":
+        return _per_tensor(path, plan, group, reader, local_ranks, local_rank, device, names, remote)
+    from engine.apps.group_load import stream
+
+    _, shapes, _ = _catalogue(path, remote)
+    out: dict[str, torch.Tensor] = {}
+    for name, whole in stream(path, group, framework="pt", _select=names, _release=True, **(remote or {})):
+        out[name] = _shard(whole, name, shapes[name], plan.action(name), local_rank, len(local_ranks)).to(device)
+    return out
+
+
+def _shard(whole: torch.Tensor, name: str, shape, action, rank: int, world: int) -> torch.Tensor:
+    """This rank's shard of ``whole`` (a view of a group load's block, given back once this
+    returns) as a tensor of its own memory; ``shape``: the file's, which a packed sub-byte
+    tensor's is not (it is cut along its rows only)."""
+    if isinstance(action, Replicate):
+        return whole.clone()
+    if tuple(whole.shape) != tuple(shape) and action.dim % len(shape) == len(shape) - 1:
+        raise ShardingError(f"tensor {name!r}: a packed sub-byte tensor cannot be split along its last dimension",
+                            reason="InvalidSplit", tensors=(name,))
+    parts = [pad(whole[index], action.dim, to) for index, to in shard_index(name, shape, action, rank, world)]
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=action.dim)
+
+
+def _per_tensor(path, plan, group, reader, local_ranks, local_rank, device, names, remote):
+    """Broadcast mode over NCCL: the node's first rank reads each tensor and scatters its
+    shards from the device, one collective per tensor (the group load is host-side for now)."""
+    import torch.distributed as dist
+
     out: dict[str, torch.Tensor] = {}
     handle = open_torch(path, "pread", remote) if dist.get_rank() == reader else None
     try:
@@ -58,20 +91,20 @@ def load_broadcast(path, plan, rank, world_size, process_group, device, names, r
             action = plan.action(name)
             shape, dt = shapes[name], dtype_of[name]
             pieces_of = [shard_index(name, shape, action, r, len(local_ranks)) for r in range(len(local_ranks))]
-            whole = handle.get_tensor(name).to(comm_device) if handle is not None else None
+            whole = handle.get_tensor(name).to(device) if handle is not None else None
             if isinstance(action, Replicate):
                 buf = _bytes_of(whole) if whole is not None else torch.empty(
-                    _nbytes(shape, dt), dtype=torch.uint8, device=comm_device)
+                    _nbytes(shape, dt), dtype=torch.uint8, device=device)
                 dist.broadcast(buf, src=reader, group=group)
-                out[name] = buf.view(dt).view(shape).to(device)
+                out[name] = buf.view(dt).view(shape)
                 continue
             mine_shape = shard_shape(shape, action, pieces_of[local_rank])
-            recv = torch.empty(_nbytes(mine_shape, dt), dtype=torch.uint8, device=comm_device)
+            recv = torch.empty(_nbytes(mine_shape, dt), dtype=torch.uint8, device=device)
             scatter_list = None
             if whole is not None:
                 scatter_list = [_bytes_of(_assemble(whole, action, pieces)) for pieces in pieces_of]
             dist.scatter(recv, scatter_list, src=reader, group=group)
-            out[name] = recv.view(dt).view(mine_shape).to(device)
+            out[name] = recv.view(dt).view(mine_shape)
     finally:
         if handle is not None:
             handle.close()
