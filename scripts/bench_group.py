@@ -5,14 +5,15 @@ MB (4 shards and an index), serves it from tests/rangeserver.py on 127.0.0.1 sen
 ``--rate-mb`` MB/s in all (a token bucket shared by every connection, as a storage service or
 a node's NIC is), and times, in fresh processes per sample:
 
-* ``one rank alone``: one process, ``engine.torch.load_file(url)`` (what a group load is held to);
+* ``one rank alone``: one process, ``engine.torch.load_file(url)`` (what a group load is held to;
+  with ``--local``, ``backend="pread"``: owned tensors, as a group load's are);
 * ``N ranks, each alone``: N gloo ranks, each ``load_file(url)`` by itself (N times the bytes);
 * ``N ranks, process_group``: N gloo ranks, ``load_file(url, process_group=WORLD)``
   (``engine.apps.group_load``: the group reads each byte once and broadcasts).
 
 Per row: the slowest rank's seconds (median of ``--runs``), the tensor bytes the server was
 asked for as a multiple of the checkpoint's, and the largest peak resident memory of a rank
-(``ru_maxrss``); every rank's tensors are compared with the file's.  ``--json PATH`` writes the
+(``VmHWM``); every rank's tensors are compared with the file's.  ``--json PATH`` writes the
 rows.  ``--local`` loads the files from disk instead (warm page cache; no server): where
 sharing does not pay.
 """
@@ -38,7 +39,7 @@ from rangeserver import serving  # noqa: E402
 from servers import free_port  # noqa: E402
 
 CHILD = r"""
-import hashlib, json, resource, sys, time
+import hashlib, json, sys, time
 import torch, torch.distributed as dist
 import engine.torch
 rank, world, port, url, out, group = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
@@ -46,12 +47,15 @@ if world > 1:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dist.barrier()
 t0 = time.perf_counter()
-got = engine.torch.load_file(url, process_group=dist.group.WORLD) if group == "1" else engine.torch.load_file(url)
+local = "://" not in url  # owned tensors both ways (a local file's default is a lazy mapping)
+alone = {"backend": "pread"} if local else {}
+got = engine.torch.load_file(url, process_group=dist.group.WORLD) if group == "1" else engine.torch.load_file(url, **alone)
 seconds = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM: this process's peak (ru_maxrss would keep the parent's across exec), before the digest
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) / 1024
 digest = hashlib.sha256()
 for k in sorted(got):
-    digest.update(got[k].contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(memoryview(got[k].contiguous().view(torch.uint8).numpy()))
 with open(out, "w") as f:
     json.dump({"seconds": seconds, "digest": digest.hexdigest(), "peak_mb": peak}, f)
 if world > 1:
