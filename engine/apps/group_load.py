@@ -61,8 +61,9 @@ def spans(total: int, world: int) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[list]:
-    """The source's files as :class:`engine.loading.loader.Part` (all rows, in file order)."""
+def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[tuple[list, Any]]:
+    """The source's files as :class:`engine.loading.loader.Part` (all rows, in file order), and
+    what to call once the load succeeded (a URL's ``cache_dir`` copies are linked into place)."""
     from engine.loading.loader import Part
 
     spath = os.fspath(source)
@@ -70,7 +71,8 @@ def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[
         from engine.urls.remote_load import open_parts
 
         with open_parts(spath, max_header_size=max_header_size, **remote) as opened:
-            yield [p._replace(rows=p.header.table.file_order()) for p in opened.ranged().parts]
+            ranged = opened.ranged()
+            yield [p._replace(rows=p.header.table.file_order()) for p in ranged.parts], ranged.commit
         return
     if remote:
         raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
@@ -88,7 +90,7 @@ def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[
             fds.append(fd)
             header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
             parts.append(Part(fd, header, header.table.file_order(), path))
-        yield parts
+        yield parts, lambda: None
     finally:
         for fd in fds:
             os.close(fd)
@@ -116,8 +118,11 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
         The most bytes of one read (default 16 MiB).
     max_header_size : int, optional
     **remote
-        A URL's options (``headers``, ``timeout``, ``retry``, ``connections``, ...);
-        ``cache_dir`` is refused (each rank reads a share of every file).
+        A URL's options (``headers``, ``timeout``, ``retry``, ``connections``, ``cache_dir``,
+        ...).  With ``cache_dir``, a rank that has a current copy of a file reads its span from
+        the copy, and a rank that has none writes one: the bytes it read and those it received,
+        a complete copy once the load succeeded.  Ranks of one machine that share a directory
+        should pass it on one of them (each rank that passes it writes the whole copy).
 
     Raises
     ------
@@ -134,11 +139,17 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
 
 def stream(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
            max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
-           _wanted=None, _select=None, _release: bool = False, **remote) -> Iterator[tuple[str, Any]]:
+           stats: bool = False, quantize=None, _wanted=None, _select=None, _release: bool = False,
+           **remote) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's last bucket
     lands (a round of the exchange); options, errors and copies as :func:`load`.  Every rank
     must consume the stream to its end.  The tensors are views of one host block of the
     checkpoint's size, held while any of them is.
+
+    ``stats=True`` yields ``(name, tensor, Stats)`` (``None`` for dtypes the kernels do not
+    summarise) and ``quantize`` (``"int8"`` or :class:`engine.quantize.Int8`) yields the tensors
+    it selects as :class:`~engine.quantize.QuantizedTensor`, as :func:`engine.stream` does: both
+    computed on every rank from its landed bytes (a pass over each tensor, needs Numba).
 
     For the engine's own callers: ``_select`` (a predicate of names) loads only those tensors
     (the same on every rank); with ``_release`` the caller keeps nothing it was handed past the
@@ -147,7 +158,14 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
     with verification(verify_checksums):
         group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote)
         group.select, group.release = _select, _release
-        yield from group
+        if not stats and quantize is None:
+            yield from group
+            return
+        from engine.numerics.quantize import Int8
+
+        spec = Int8.of(quantize)
+        for name, tensor in group:
+            yield _hooked(name, tensor, group.kinds[name], stats, spec, group.source)
 
 
 def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool = False, **options) -> list[str]:
@@ -187,24 +205,27 @@ class _Group:
     def __init__(self, source, group, framework, max_header_size, bucket_bytes, chunk_bytes, wanted, remote) -> None:
         import torch.distributed as dist
 
-        if "cache_dir" in remote:
-            raise TypeError("process_group= takes no cache_dir: each rank reads a share of every file")
         self.wanted = wanted  # load_into's (destinations, strict)
         self.source, self.group, self.framework, self.remote = os.fspath(source), group, framework, remote
         self.max_header_size, self.bucket = max_header_size, max(1, int(bucket_bytes))
         self.step = max(1, chunk_bytes or _CHUNK)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.select, self.release = None, False
+        self.kinds: dict[str, str] = {}  # name -> format dtype, for the hooks
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         from engine.format.header import MAX_HEADER_SIZE
 
         with contextlib.ExitStack() as stack:
             try:
-                parts = stack.enter_context(_parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
+                parts, commit = stack.enter_context(
+                    _parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
                 if self.select is not None:
                     parts = [p._replace(rows=[r for r in p.rows if self.select(p.header.table.names[r])]) for p in parts]
                 layout = _layout(parts)
+                from engine.base import dtypes
+
+                self.kinds = {name: dtypes.NAMES[int(parts[i].header.table.codes[r])] for i, r, name, _, _ in layout}
                 if self.wanted is not None:
                     _check_destinations(parts, layout, self.wanted[0], self.wanted[1], self.source)
                 total = layout[-1][3] + -(-layout[-1][4] // _ALIGN) * _ALIGN if layout else 0
@@ -220,6 +241,7 @@ class _Group:
                 max(1, min(self.remote.get("connections") or 8, 64)), thread_name_prefix="engine-group"))
             stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # a failed round stops the reads
             yield from self._rounds(parts, layout, total, block, pool)
+            commit()
 
     def _fingerprint(self, parts, layout, total: int) -> int:
         """63 bits of the layout (names, dtypes, shapes, offsets) and of the options every rank
@@ -269,18 +291,26 @@ class _Group:
         whole: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # tensors I read whole
         split: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # tensors split between ranks
         ready: list[list[int]] = [[] for _ in range(max(rounds, 1))]  # tensors complete after each round
+        theirs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # received, for cache_dir
+        keeps: list[Any] = [getattr(p.ranges, "keep", None) for p in parts]  # a URL's cache_dir copy, written as it lands
         for t, (i, r, _, off, n) in enumerate(layout):
             owners = [(k, max(a, off), min(b, off + n)) for k, (a, b) in enumerate(cuts) if max(a, off) < min(b, off + n)]
             last = max(((b - 1 - cuts[k][0]) // bucket for k, _, b in owners), default=0)
             ready[last].append(t)
             if len(owners) > 1:
                 split[last].append((i, r, off, n))
+            begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
             for k, a, b in owners:
                 if k != self.rank:
+                    if keeps[i]:  # the bytes other ranks read, for this rank's local copy
+                        while a < b:
+                            j = (a - cuts[k][0]) // bucket
+                            e = min(b, cuts[k][0] + (j + 1) * bucket)
+                            theirs[j].append((i, begin + (a - off), a, e - a))
+                            a = e
                     continue
                 if (a, b) == (off, off + n):
                     whole[last].append((i, r, off, n))
-                begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
                 while a < b:  # pieces of at most ``step`` bytes, none across a bucket's end
                     j = (a - lo) // bucket
                     e = min(b, a + self.step, lo + (j + 1) * bucket)
@@ -322,6 +352,8 @@ class _Group:
                         if a < b:
                             src = dist.get_global_rank(self.group, k) if self.group is not None else k
                             dist.broadcast(torch.from_numpy(flat[a : min(b, a + bucket)]), src=src, group=self.group)
+                for i, offset, a, n in theirs[j]:
+                    keeps[i](offset, [view[a : a + n]])
                 if verifying():  # a tensor split between ranks, checked whole on every rank
                     for i, r, off, n in split[j]:
                         checks = Checks.of(parts[i].header, parts[i].path)
@@ -336,6 +368,24 @@ class _Group:
                     yield name, sink.view(block, int(table.codes[r]), table.shapes[r], off, n)
                 if self.release:
                     _release(block, off, n)
+
+
+def _hooked(name: str, tensor, kind: str, stats: bool, spec, where: str) -> tuple:
+    """``(name, tensor or its QuantizedTensor[, Stats])`` as :func:`engine.stream` yields them."""
+    out = tensor
+    if spec is not None:
+        chosen, axis = spec.select(name, kind, tuple(tensor.shape), where)
+        if chosen:
+            from engine.numerics.quantize import QuantizedTensor, quantize_int8
+
+            q, scale = quantize_int8(tensor, axis=axis, name=name)
+            out = QuantizedTensor(q, scale, axis, kind)
+    if not stats:
+        return name, out
+    from engine.numerics.statistics import SUPPORTED_NAMES
+    from engine.numerics.statistics import stats as summarise
+
+    return name, out, summarise(tensor) if kind in SUPPORTED_NAMES else None
 
 
 def _release(block, off: int, n: int) -> None:

@@ -252,7 +252,8 @@ def stream(path, **options):
     :mod:`engine.urls.remote_cache`), with the same options.  ``process_group=`` (a
     ``torch.distributed`` group; every rank calls this with the same source and consumes the
     stream to its end) reads each byte once in the group and yields each tensor on every rank
-    as its last bucket is exchanged (:func:`engine.apps.group_load.stream`; CPU)."""
+    as its last bucket is exchanged (:func:`engine.apps.group_load.stream`; CPU; ``stats`` and
+    ``quantize`` as here, ``cache_dir`` for URLs)."""
     if options.get("process_group") is not None:
         return _group_stream(path, **options)
     options.pop("process_group", None)

@@ -358,7 +358,17 @@ class Copies:
             except OSError as exc:  # the copy is lost, the load is not: the tensors are whole
                 copy.drop(exc)
 
+        def keep(offset: int, views: Sequence[memoryview]) -> None:
+            """Write bytes that landed some other way (another rank of a group load read them)."""
+            if copy.failed:
+                return
+            try:
+                copy.write(offset, views)
+            except OSError as exc:
+                copy.drop(exc)
+
         read.fresh = functools.partial(read, again=True)  # type: ignore[attr-defined]
+        read.keep = keep  # type: ignore[attr-defined]
         return read
 
     def fetch(self, files: Sequence[tuple[str, str | None, str | None, Header, bytes | None, Ranges]], *,
