@@ -83,7 +83,9 @@ try:
                else v.contiguous().view(torch.uint8).numpy().tobytes()) for k, v in got.items()}
     result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}, "order": order}
 except Exception as exc:
-    result = {"error": type(exc).__name__, "reason": getattr(exc, "reason", None), "message": str(exc),
+    import threading  # the group's reader threads are joined before the error comes out
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("engine-group")]
+    result = {"error": type(exc).__name__, "threads_left": alive, "reason": getattr(exc, "reason", None), "message": str(exc),
               "rank": getattr(exc, "rank", None), "cause": getattr(exc, "cause", None),
               "chained": type(exc.__cause__).__name__ if exc.__cause__ is not None else None}
 with open(out, "w") as f:
@@ -171,6 +173,7 @@ def _same_error_everywhere(results: list[dict], rank: int, cause: str, all_faile
     the failing rank's own error (every rank's, where ``all_failed``) is chained to it."""
     for k, got in enumerate(results):
         assert got.get("error") == "DistributedLoadError" and got["reason"] == "GroupReadFailed", got
+        assert got["threads_left"] == [], got
         assert got["rank"] == rank and cause in got["cause"], got
         assert (got["chained"] is not None) == (all_failed or k == rank), got
 
