@@ -302,7 +302,8 @@ class MissingDependencyError(SafetensorError, ModuleNotFoundError):
         extra = EXTRA_OF.get(package)
         if extra is None or not isinstance(exc, ModuleNotFoundError):
             return exc
-        return cls(package, extra, feature)
+        # llvmlite comes with numba: name the package the user knows and installs
+        return cls("numba" if package == "llvmlite" else package, extra, feature)
 
     @classmethod
     def for_framework(cls, exc: ImportError, framework: str) -> ImportError:

@@ -940,6 +940,19 @@ def test_add_checksums_command_and_convert_checksums(tmp_path, capsys):
     assert int(checksums.expected(h)[0]) == checksums.crc32c(torch.arange(6.0).numpy())
 
 
+def test_add_checksums_on_a_folder_without_a_checkpoint_says_so_and_names_paths_as_given(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """As every other command: ``[NoCheckpoint]`` and exit 2 for a folder with no safetensors
+    file; an error about a file names it as the user typed it, not as an absolute path."""
+    (tmp_path / "empty").mkdir()
+    code, out, err = in_process(capsys, "add-checksums", str(tmp_path / "empty"))
+    assert code == 2 and "[NoCheckpoint]" in err and str(tmp_path / "empty") in err, (code, out, err)
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file at all")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = in_process(capsys, "add-checksums", "bad.safetensors")
+    assert code == 2 and err.split(": ")[2] == "bad.safetensors" and str(tmp_path) not in err, err
+
+
 def test_validate_reports_a_header_that_fails_its_own_checksum(tmp_path, capsys):
     """A tensor renamed by a damaged byte (the JSON still parses) is a finding (exit 1), named,
     locally and over HTTP; not an error that ends the command."""

@@ -27,6 +27,15 @@ def test_setuptools_reads_the_metadata_without_a_deprecation_warning():
     assert int(setuptools.__version__.split(".")[0]) >= 77  # what build-system.requires asks for
 
 
+def test_the_readmes_quick_start_names_no_placeholder():
+    """The quick start's Python runs as written (with the network): a real file, not ``host``."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = "\n".join(lines[:25])
+    block = start.split("```python", 1)[1].split("```", 1)[0]
+    assert "://host" not in block and "model.safetensors\")" not in block.replace("/model.safetensors", ""), block
+    assert "https://huggingface.co/" in block
+
+
 def test_the_readme_starts_with_everything_a_new_user_needs_in_25_lines():
     """What it is, a virtual environment, the demo and test commands, a few lines of API and
     where the rest is: within the first 25 lines; the long reference follows them."""

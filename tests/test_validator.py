@@ -121,3 +121,12 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         WeightValidator(tmp_path / "missing.json")
 
+
+
+def test_a_long_list_of_missing_tensors_says_how_many_more_it_does_not_name():
+    from engine.apps.validator import ValidationReport
+
+    report = ValidationReport(path="model", missing=[f"layers.{i}.w" for i in range(9)], unexpected=["a", "b"])
+    missing, unexpected = report.problems[:2]
+    assert missing == "9 missing tensor(s): layers.0.w, layers.1.w, layers.2.w, layers.3.w, layers.4.w, and 4 more"
+    assert unexpected == "2 unexpected tensor(s): a, b"

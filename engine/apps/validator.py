@@ -163,13 +163,13 @@ class ValidationReport:
     def problems(self) -> list[str]:
         found = []
         if self.missing:
-            found.append(f"{len(self.missing)} missing tensor(s): {', '.join(self.missing[:5])}")
+            found.append(f"{len(self.missing)} missing tensor(s): {_some(self.missing)}")
         if self.unexpected:
-            found.append(f"{len(self.unexpected)} unexpected tensor(s): {', '.join(self.unexpected[:5])}")
+            found.append(f"{len(self.unexpected)} unexpected tensor(s): {_some(self.unexpected)}")
         for m in self.mismatched:
             found.append(f"{m['name']}: shape {m['actual']}, expected {m['expected']}")
         if self.mixed_dtypes:
-            found.append(f"mixed dtypes among weight matrices {self.dtypes}: {', '.join(self.mixed_dtypes[:5])}")
+            found.append(f"mixed dtypes among weight matrices {self.dtypes}: {_some(self.mixed_dtypes)}")
         for bad in self.nonfinite:
             found.append(f"{bad['name']}: {bad['nan']} NaN, {bad['posinf']} +Inf, {bad['neginf']} -Inf")
         if self.recognised_parameters != self.expected_parameters:
@@ -345,3 +345,9 @@ class WeightValidator:
                 if math.isfinite(t.std) and (t.std > median * f or t.std < median / f):
                     report.outliers.append(dict(
                         name=t.name, reason=f"std {t.std:.4g} against a median of {median:.4g} for its peers"))
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    """The first ``shown`` names, and how many more there are."""
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -318,7 +318,12 @@ def _cmd_add_checksums(args) -> int:
     files = []
     for path in args.paths:
         if os.path.isdir(path):
-            files += sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+            found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not found:
+                from engine.errors import SafetensorError
+
+                raise SafetensorError("the directory holds no safetensors file", reason="NoCheckpoint", path=path)
+            files += found
         elif os.path.exists(path):
             files.append(path)
         else:

@@ -421,11 +421,12 @@ def add_checksums(path: str | os.PathLike[str], *, fsync: bool = True) -> int:
     digits and overwritten with the real ones at the end.  The data region is kept byte for
     byte, each tensor at its own offset.
     """
-    p = os.path.realpath(os.fspath(path))
-    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    shown = os.fspath(path)  # errors name the path as given
+    p = os.path.realpath(shown)  # the file a link points to is the one rewritten
+    fd = os.open(shown, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
-        header = read_header_fd(fd, path=p, file_size=st.st_size)
+        header = read_header_fd(fd, path=shown, file_size=st.st_size)
         n = len(header.table.names)
         metadata = dict(header.metadata or {})
         header_crc = header_digest(header, metadata)  # the same tensors at the same offsets
@@ -438,7 +439,7 @@ def add_checksums(path: str | os.PathLike[str], *, fsync: bool = True) -> int:
             assert out.fd is not None
             ofd = out.fd
             _write_all(ofd, placeholder, 0)
-            crcs = _digests_of(fd, header, p, lambda data, pos: _write_all(ofd, data, base + pos))
+            crcs = _digests_of(fd, header, shown, lambda data, pos: _write_all(ofd, data, base + pos))
             metadata[KEY] = encode_ordered(crcs, header_crc)
             final = _header_keeping_offsets(header, metadata)
             assert len(final) == base
@@ -451,7 +452,7 @@ def add_checksums(path: str | os.PathLike[str], *, fsync: bool = True) -> int:
             raise
         except OSError as exc:
             out.discard()
-            raise _write_error("rewrite", p, exc) from exc
+            raise _write_error("rewrite", shown, exc) from exc
         except BaseException:
             out.discard()
             raise
