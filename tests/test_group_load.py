@@ -58,7 +58,9 @@ try:
             got[k] = v; order.append(k)
     elif mode == "into":
         shapes = json.loads(os.environ["GROUP_TEST_SHAPES"])
-        got = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in shapes.items()}
+        devices = os.environ.get("GROUP_TEST_DEVICE", "cpu").split(",")  # one for all, or one per rank
+        device = devices[rank % len(devices)]
+        got = {k: torch.zeros(shape, dtype=getattr(torch, dt), device=device) for k, (shape, dt) in shapes.items()}
         order = engine.load_into(source, got, process_group=group, **kw)
     elif mode == "hooks":  # stats and int8 on every rank's landed bytes
         got, hooks = {}, {}
@@ -315,6 +317,77 @@ def test_stats_and_int8_run_on_every_ranks_landed_bytes(checkpoint, tmp_path):
     assert sum(q for q, _ in hooks.values()) >= 5
     for got in _ranks(path, tmp_path, mode="hooks"):
         assert got.get("tensors") == want and got["order"] == hooks, got
+
+
+def _flip_once(at: int):
+    """A server fault: the first GET that starts at file offset ``at`` gets a flipped byte."""
+    state = {"done": False}
+
+    def faults(n, path, first, last):
+        if not state["done"] and first == at:
+            state["done"] = True
+            return "flip"
+        return None
+
+    return faults, state
+
+
+def test_a_tensor_damaged_on_the_way_is_read_again_before_any_of_it_is_sent(checkpoint, tmp_path):
+    """A tensor read whole by rank 0 spans many 4 KiB buckets; its first piece comes back with
+    a flipped byte.  It is checked (and read again) before its first bucket is sent, so rank 1
+    never receives the damaged bytes, and rank 1's local copy is whole."""
+    root, sd = checkpoint
+    path = root / "one.safetensors"
+    faults, state = _flip_once(8 + int.from_bytes(path.read_bytes()[:8], "little"))
+    opts = {0: {"bucket_bytes": 4096, "chunk_bytes": 1000},
+            1: {"bucket_bytes": 4096, "chunk_bytes": 1000, "cache_dir": str(tmp_path / "cache")}}
+    with serving(str(root)) as server:
+        server.bulk()
+        server.etags = True
+        server.faults = faults
+        results = _ranks(server.url("one.safetensors"), tmp_path, opts=opts)
+    assert state["done"]
+    for got in results:
+        assert got.get("tensors") == _digests(sd), got
+    (copy,) = (tmp_path / "cache").glob("*.safetensors")
+    assert copy.read_bytes() == path.read_bytes()
+
+
+def test_a_tensor_split_between_ranks_damaged_on_the_way_is_read_again_by_its_owners(checkpoint, tmp_path):
+    """The byte flipped is in rank 1's half of the tensor that straddles the two spans: every
+    rank sees the mismatch, the owners read their parts again and send them again."""
+    root, sd = checkpoint
+    path = root / "one.safetensors"
+    data_start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    header = engine.read_header(str(path))
+    middle = (os.path.getsize(path) - data_start) // 2  # about where the spans meet
+    straddling = [k for k in header.keys() if header[k].data_offsets[0] < middle < header[k].data_offsets[1]]
+    assert straddling
+    faults, state = _flip_once(data_start + spans(sum(-(-v.nbytes // 64) * 64 for v in sd.values()), 2)[1][0])
+    with serving(str(root)) as server:
+        server.bulk()
+        server.faults = faults
+        results = _ranks(server.url("one.safetensors"), tmp_path)
+    assert state["done"]
+    for got in results:
+        assert got.get("tensors") == _digests(sd), got
+
+
+def test_a_bad_destination_on_one_rank_fails_every_rank_at_once(checkpoint, tmp_path):
+    """Rank 1's destinations are on torch's meta device (nothing a load can fill): both ranks
+    raise before anything is read, none waits for the other."""
+    root, sd = checkpoint
+    shapes = {k: [list(v.shape), str(v.dtype)] for k, v in sd.items()}
+    results = _ranks(str(root / "one.safetensors"), tmp_path, mode="into",
+                     env={"GROUP_TEST_SHAPES": json.dumps(shapes), "GROUP_TEST_DEVICE": "cpu,meta"})
+    _same_error_everywhere(results, 1, "DeviceError")
+
+
+def test_options_a_group_load_does_not_take_are_a_type_error_on_every_rank(checkpoint, tmp_path):
+    root, sd = checkpoint
+    results = _ranks(str(root / "one.safetensors"), tmp_path, opts={r: {"names": ["norm"]} for r in range(2)})
+    for got in results:
+        assert got["error"] == "TypeError" and "names" in got["message"], got
 
 
 def test_released_tensors_give_their_pages_back(checkpoint, tmp_path):

@@ -173,7 +173,8 @@ GROUP_WEIGHTS = textwrap.dedent("""
     import hashlib, json, os, sys
     import torch, torch.distributed as dist
     from engine.serving.weights import Weights, parse_options
-    rank, port, url, out, extra = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+    rank, port, url, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    extra = json.loads(sys.argv[5].replace("{rank}", str(rank)))  # a cache directory per rank
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     with Weights(url, options=parse_options(extra), group=dist.group.WORLD) as w:
         got = {k: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for k, t in w}
@@ -183,10 +184,13 @@ GROUP_WEIGHTS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize(("extra", "mode", "reads"), [({}, "group", 1), ({"distributed": False}, "remote", 2)])
+@pytest.mark.parametrize(("extra", "mode", "reads"), [
+    ({}, "group", 1), ({"distributed": False}, "remote", 2), ({"cache_dir": "{tmp}/c{rank}"}, "remote", 2),
+    ({"distributed": True, "cache_dir": "{tmp}/c{rank}"}, "group", 1)])
 def test_the_workers_of_a_group_read_url_weights_once_between_them(tmp_path, extra, mode, reads):
     """Two gloo ranks, each with its own Weights over the same URL: by default they read the
-    checkpoint once between them; ``distributed: false`` reads it on each."""
+    checkpoint once between them; ``distributed: false`` reads it on each, and so does a
+    ``cache_dir`` unless ``distributed`` is asked for (then each keeps a whole copy)."""
     import hashlib
 
     from rangeserver import serving
@@ -202,7 +206,8 @@ def test_the_workers_of_a_group_read_url_weights_once_between_them(tmp_path, ext
         server.bulk()
         url = server.url(f"model/{INDEX}")
         procs = [subprocess.Popen([sys.executable, "-c", GROUP_WEIGHTS, str(r), str(port), url,
-                                   str(tmp_path / f"{r}.json"), json.dumps(extra)], env=env,
+                                   str(tmp_path / f"{r}.json"), json.dumps(extra).replace("{tmp}", str(tmp_path))],
+                                  env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
         for p in procs:
             _, err = p.communicate(timeout=120)
@@ -212,12 +217,9 @@ def test_the_workers_of_a_group_read_url_weights_once_between_them(tmp_path, ext
     for r in range(2):
         got = json.loads((tmp_path / f"{r}.json").read_text())
         assert got == {"mode": mode, "tensors": want}
+        if "cache_dir" in extra:
+            assert len(list((tmp_path / f"c{r}").glob("*.safetensors"))) == 2
     assert reads * nbytes <= asked <= reads * nbytes * 1.02 + 128, (asked, nbytes)
-
-
-def test_distributed_with_a_cache_dir_is_refused():
-    with pytest.raises(OptionError, match="distributed"):
-        Weights("http://127.0.0.1:1/model", options=parse_options({"distributed": True, "cache_dir": "/tmp/c"}))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no CUDA device")

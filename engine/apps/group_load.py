@@ -139,7 +139,7 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
 
 def stream(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
            max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
-           stats: bool = False, quantize=None, _wanted=None, _select=None, _release: bool = False,
+           stats: bool = False, quantize=None, _wanted=None, _select=None, _release: bool = False, _meta=None,
            **remote) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's last bucket
     lands (a round of the exchange); options, errors and copies as :func:`load`.  Every rank
@@ -154,49 +154,69 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
     For the engine's own callers: ``_select`` (a predicate of names) loads only those tensors
     (the same on every rank); with ``_release`` the caller keeps nothing it was handed past the
     next step of the stream, and each tensor's pages go back to the system once it is
-    consumed (a tensor-parallel rank keeps its shards, not the block)."""
+    consumed (a tensor-parallel rank keeps its shards, not the block); ``_meta``, a dict, gets
+    ``name -> (format dtype, shape)`` of every tensor before the first is yielded."""
+    _check_options(source, remote)
     with verification(verify_checksums):
         group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote)
-        group.select, group.release = _select, _release
-        if not stats and quantize is None:
-            yield from group
-            return
-        from engine.numerics.quantize import Int8
-
-        spec = Int8.of(quantize)
+        group.select, group.release, group.quantize, group.meta = _select, _release, quantize, _meta
         for name, tensor in group:
-            yield _hooked(name, tensor, group.kinds[name], stats, spec, group.source)
+            yield _hooked(name, tensor, group.meta[name][0], stats, group.spec, group.source) \
+                if stats or group.spec is not None else (name, tensor)
+
+
+def _check_options(source, remote: Mapping[str, Any]) -> None:
+    """A ``TypeError`` on every rank, before any collective, for options a group load does
+    not take (the same options reach every rank, so every rank raises)."""
+    if not is_url(os.fspath(source)):
+        if remote:
+            raise TypeError(f"a group load of a local path got options it does not take: {sorted(remote)}")
+        return
+    import inspect
+
+    from engine.urls.remote_load import open_parts
+
+    known = set(inspect.signature(open_parts).parameters) - {"download", "url", "max_header_size"}
+    unknown = sorted(set(remote) - known)
+    if unknown:
+        raise TypeError(f"a group load of a URL got options it does not take: {unknown}")
 
 
 def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool = False, **options) -> list[str]:
     """Fill existing tensors (host or CUDA; numpy, torch or CuPy) in place on every rank of
     ``process_group``, each byte of ``source`` read by one rank; options and errors as
     :func:`load`, and as :func:`engine.load_into` for the destinations (checked on every rank
-    before anything is read: a wrong one fails every rank).
+    before anything is read: a wrong one fails every rank; a failure's ``.filled`` names the
+    destinations whose bytes all landed).
 
     Returns the names filled, in file order.  Copies of tensor bytes: 2 on every rank (the read
     or the collective's receive into a host block, then block -> destination as each tensor's
     last bucket lands); the block is freed when the load returns.
     """
-    from engine.sinks import fill_target
+    filled: list[str] = []
+    meta: dict[str, Any] = {}
+    wanted: tuple[dict, bool, dict] = (dict(tensors), strict, {})  # the destinations, strict, and their fill targets once checked
+    try:
+        for name, data in stream(source, process_group, framework="raw", _wanted=wanted, _meta=meta, **options):
+            target = wanted[2].get(name)
+            if target is None:
+                continue
+            if not len(data):
+                pass
+            elif target.device is None:
+                np.frombuffer(target.host_bytes(), np.uint8)[:] = data
+            elif hasattr(dst := target.device_bytes(), "copy_"):  # torch CUDA
+                import torch
 
-    targets = {name: fill_target(dst) for name, dst in tensors.items()}
-    filled = []
-    for name, data in stream(source, process_group, framework="raw", _wanted=(targets, strict), **options):
-        target = targets.get(name)
-        if target is None or not len(data):
-            filled.extend([name] if target is not None else [])
-            continue
-        if target.device is None:
-            np.frombuffer(target.host_bytes(), np.uint8)[:] = data
-        elif hasattr(dst := target.device_bytes(), "copy_"):  # torch CUDA
-            import torch
-
-            dst.copy_(torch.from_numpy(data))
-        else:  # CuPy
-            dst.set(data)
-        filled.append(name)
-    return filled
+                dst.copy_(torch.from_numpy(data))
+            else:  # CuPy
+                dst.set(data)
+            filled.append(name)
+    except SafetensorError as err:
+        err.filled = sorted(filled)  # type: ignore[attr-defined]
+        raise
+    order = {name: k for k, name in enumerate(meta)}  # file order
+    return sorted(filled, key=order.__getitem__)
 
 
 class _Group:
@@ -205,19 +225,20 @@ class _Group:
     def __init__(self, source, group, framework, max_header_size, bucket_bytes, chunk_bytes, wanted, remote) -> None:
         import torch.distributed as dist
 
-        self.wanted = wanted  # load_into's (destinations, strict)
+        self.wanted = wanted  # load_into's (destinations, strict, targets filled here)
         self.source, self.group, self.framework, self.remote = os.fspath(source), group, framework, remote
         self.max_header_size, self.bucket = max_header_size, max(1, int(bucket_bytes))
         self.step = max(1, chunk_bytes or _CHUNK)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.select, self.release = None, False
-        self.kinds: dict[str, str] = {}  # name -> format dtype, for the hooks
+        self.select, self.release, self.quantize = None, False, None
+        self.spec = None  # the quantize spec, checked with the rest before any exchange
+        self.meta: dict[str, tuple[str, tuple]] = {}  # name -> (format dtype, shape), file order
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         from engine.format.header import MAX_HEADER_SIZE
 
         with contextlib.ExitStack() as stack:
-            try:
+            try:  # everything that can fail on one rank alone, before the first collective
                 parts, commit = stack.enter_context(
                     _parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
                 if self.select is not None:
@@ -225,9 +246,20 @@ class _Group:
                 layout = _layout(parts)
                 from engine.base import dtypes
 
-                self.kinds = {name: dtypes.NAMES[int(parts[i].header.table.codes[r])] for i, r, name, _, _ in layout}
+                if self.meta is None:
+                    self.meta = {}
+                for i, r, name, _, _ in layout:
+                    table = parts[i].header.table
+                    self.meta[name] = (dtypes.NAMES[int(table.codes[r])], tuple(table.shapes[r]))
                 if self.wanted is not None:
-                    _check_destinations(parts, layout, self.wanted[0], self.wanted[1], self.source)
+                    from engine.sinks import fill_target
+
+                    self.wanted[2].update({name: fill_target(dst) for name, dst in self.wanted[0].items()})
+                    _check_destinations(parts, layout, self.wanted[2], self.wanted[1], self.source)
+                if self.quantize is not None:
+                    from engine.numerics.quantize import Int8
+
+                    self.spec = Int8.of(self.quantize)
                 total = layout[-1][3] + -(-layout[-1][4] // _ALIGN) * _ALIGN if layout else 0
                 fingerprint = self._fingerprint(parts, layout, total)
                 from engine.sinks._host import host_block
@@ -277,6 +309,12 @@ class _Group:
                                        "(names, dtypes, shapes, offsets, bucket_bytes, verify_checksums or load_into "
                                        "differ): give every rank the same", reason="GroupMismatch", path=self.source)
 
+    def _src(self, k: int) -> int:
+        """The global rank of the group's rank ``k`` (what ``broadcast`` takes)."""
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.group, k) if self.group is not None else k
+
     def _rounds(self, parts, layout, total: int, block, pool) -> Iterator[tuple[str, Any]]:
         import torch
         import torch.distributed as dist
@@ -287,35 +325,41 @@ class _Group:
         lo, hi = cuts[self.rank]
         bucket = self.bucket
         rounds = max((-(-(b - a) // bucket) for a, b in cuts), default=0)
-        mine: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # my reads, by round
-        whole: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # tensors I read whole
-        split: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # tensors split between ranks
+        pieces: list[tuple[int, int, int, int]] = []  # my reads: (part, file offset, block offset, bytes)
+        by_round: list[list[int]] = [[] for _ in range(rounds)]  # my pieces, by the round that sends them
+        # tensors I read whole, checked before the round of their first bucket (before any byte is sent)
+        whole: list[list[tuple[int, int, int, int, list[int]]]] = [[] for _ in range(rounds)]
+        # tensors split between ranks, checked on every rank once their last bucket came
+        split: list[list[tuple[int, int, int, int, list]]] = [[] for _ in range(rounds)]
         ready: list[list[int]] = [[] for _ in range(max(rounds, 1))]  # tensors complete after each round
         theirs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # received, for cache_dir
-        keeps: list[Any] = [getattr(p.ranges, "keep", None) for p in parts]  # a URL's cache_dir copy, written as it lands
+        keeps: list[Any] = [getattr(p.ranges, "keep", None) for p in parts]  # a URL's cache_dir copy
         for t, (i, r, _, off, n) in enumerate(layout):
             owners = [(k, max(a, off), min(b, off + n)) for k, (a, b) in enumerate(cuts) if max(a, off) < min(b, off + n)]
             last = max(((b - 1 - cuts[k][0]) // bucket for k, _, b in owners), default=0)
             ready[last].append(t)
             if len(owners) > 1:
-                split[last].append((i, r, off, n))
+                split[last].append((i, r, off, n, owners))
             begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
             for k, a, b in owners:
                 if k != self.rank:
-                    if keeps[i]:  # the bytes other ranks read, for this rank's local copy
-                        while a < b:
-                            j = (a - cuts[k][0]) // bucket
-                            e = min(b, cuts[k][0] + (j + 1) * bucket)
-                            theirs[j].append((i, begin + (a - off), a, e - a))
-                            a = e
+                    while keeps[i] and a < b:  # the bytes other ranks read, for this rank's local copy
+                        j = (a - cuts[k][0]) // bucket
+                        e = min(b, cuts[k][0] + (j + 1) * bucket)
+                        theirs[j].append((i, begin + (a - off), a, e - a))
+                        a = e
                     continue
-                if (a, b) == (off, off + n):
-                    whole[last].append((i, r, off, n))
+                first, mine = (a - lo) // bucket, []
+                whole_tensor = (a, b) == (off, off + n)
                 while a < b:  # pieces of at most ``step`` bytes, none across a bucket's end
                     j = (a - lo) // bucket
                     e = min(b, a + self.step, lo + (j + 1) * bucket)
-                    mine[j].append((i, begin + (a - off), a, e - a))
+                    by_round[j].append(len(pieces))
+                    mine.append(len(pieces))
+                    pieces.append((i, begin + (a - off), a, e - a))
                     a = e
+                if whole_tensor:
+                    whole[first].append((i, r, off, n, mine))
 
         def read(piece, fresh: bool = False) -> None:
             i, offset, a, n = piece
@@ -327,8 +371,7 @@ class _Group:
 
                 pread_into(p.fd, offset, [view[a : a + n]], path=p.path)
 
-        pending = [[pool.submit(read, piece) for piece in pieces] for pieces in mine]
-        every = [m for ms in mine for m in ms]
+        futures = [pool.submit(read, piece) for piece in pieces]  # in order: the buckets land in order
         from engine.format.checksums import verify_received
         from engine.sinks import get_sink
 
@@ -337,11 +380,13 @@ class _Group:
             if rounds:
                 failed = None
                 try:
-                    for f in pending[j]:
-                        f.result()
-                    if verifying():  # my whole tensors, before they are sent (read again from a server)
-                        for i, r, off, n in whole[j]:
-                            again = functools.partial(_again, read, every, i, off, n)
+                    for x in by_round[j]:
+                        futures[x].result()
+                    if verifying():  # read again from a server on a mismatch, before anything of it is sent
+                        for i, r, off, n, mine in whole[j]:
+                            for x in mine:
+                                futures[x].result()
+                            again = functools.partial(_again, read, [pieces[x] for x in mine])
                             verify_received(Checks.of(parts[i].header, parts[i].path), r, view[off : off + n], again)
                 except Exception as exc:  # every rank hears of it before the round's collectives
                     failed = exc
@@ -350,15 +395,13 @@ class _Group:
                     for k, (a, b) in enumerate(cuts):
                         a += j * bucket
                         if a < b:
-                            src = dist.get_global_rank(self.group, k) if self.group is not None else k
-                            dist.broadcast(torch.from_numpy(flat[a : min(b, a + bucket)]), src=src, group=self.group)
+                            dist.broadcast(torch.from_numpy(flat[a : min(b, a + bucket)]), src=self._src(k),
+                                           group=self.group)
                 for i, offset, a, n in theirs[j]:
                     keeps[i](offset, [view[a : a + n]])
-                if verifying():  # a tensor split between ranks, checked whole on every rank
-                    for i, r, off, n in split[j]:
-                        checks = Checks.of(parts[i].header, parts[i].path)
-                        if checks is not None:
-                            checks.verify_bytes(r, view[off : off + n])
+                if verifying():
+                    for item in split[j]:
+                        self._verify_split(item, parts, flat, read, keeps)
             for t in ready[j]:
                 i, r, name, off, n = layout[t]
                 if sink is None:
@@ -368,6 +411,54 @@ class _Group:
                     yield name, sink.view(block, int(table.codes[r]), table.shapes[r], off, n)
                 if self.release:
                     _release(block, off, n)
+
+    def _verify_split(self, item, parts, flat, read, keeps) -> None:
+        """Check a tensor split between ranks, on every rank (the same bytes everywhere, so the
+        same verdict).  A mismatch of bytes from a server: each owner reads its part again and
+        sends it again, until the checksum passes or two reads agree; then every rank raises."""
+        import torch
+        import torch.distributed as dist
+
+        from engine.errors import ChecksumError
+        from engine.format.checksums import crc32c, read_again, read_until_agreed
+
+        i, r, off, n, owners = item
+        checks = Checks.of(parts[i].header, parts[i].path)
+        if checks is None:
+            return
+        first = crc32c(flat[off : off + n])
+        try:
+            checks.verify(r, first)
+            return
+        except ChecksumError as exc:
+            err = exc
+        begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
+
+        def again() -> int:
+            failed = None
+            try:
+                for k, a, b in owners:
+                    for c in range(a, b, self.step) if k == self.rank else ():
+                        read((i, begin + (c - off), c, min(self.step, b - c)), fresh=True)
+            except Exception as exc:
+                failed = exc
+            self._agree(failed)
+            with _peers(self.source):
+                for k, a, b in owners:
+                    dist.broadcast(torch.from_numpy(flat[a:b]), src=self._src(k), group=self.group)
+                    if k != self.rank and keeps[i]:
+                        keeps[i](begin + (a - off), [memoryview(flat[a:b])], again=True)
+            return crc32c(flat[off : off + n])
+
+        if parts[i].ranges is not None:
+            crc, agreed = read_until_agreed(first, int(checks.expected[r]), again)
+            if crc == int(checks.expected[r]):
+                return
+            err = read_again(err, crc, agreed)
+        who = ", ".join(str(k) for k, _, _ in owners)
+        raise DistributedLoadError(f"a tensor split between ranks {who} failed its checksum on every rank: {err}",
+                                   cause=f"ChecksumError: {err}", reason="GroupReadFailed", path=self.source,
+                                   tensors=err.tensors) from err
 
 
 def _hooked(name: str, tensor, kind: str, stats: bool, spec, where: str) -> tuple:
@@ -401,7 +492,9 @@ def _release(block, off: int, n: int) -> None:
 
 def _check_destinations(parts, layout, targets: Mapping[str, Any], strict: bool, where: str) -> None:
     """:func:`load_into`'s checks, before anything is read: every destination named in the
-    checkpoint and of its tensor's dtype and shape (and, with ``strict``, every tensor named)."""
+    checkpoint, of its tensor's dtype and shape, in memory a load can fill (and, with
+    ``strict``, every tensor named)."""
+    from engine.errors import DeviceError
     from engine.loading.loader import check_destination
 
     rows = {name: (i, r) for i, r, name, _, _ in layout}
@@ -415,6 +508,9 @@ def _check_destinations(parts, layout, targets: Mapping[str, Any], strict: bool,
                                   path=where, tensors=extra)
     for name, target in targets.items():
         i, r = rows[name]
+        if target.device is not None and target.device_ops() is None:
+            raise DeviceError(f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on "
+                              f"{target.where!r}", reason="UnsupportedDevice", path=parts[i].path, tensors=(name,))
         check_destination(target, parts[i].header.table, r, parts[i].path)
 
 
@@ -449,9 +545,8 @@ def _layout(parts) -> list[tuple[int, int, str, int, int]]:
     return layout
 
 
-def _again(read, mine, i: int, off: int, n: int) -> None:
-    """Read the pieces of the tensor at ``[off, off + n)`` of the block (file ``i``) again,
-    from the server where it is remote (not from what a stream kept)."""
-    for m in mine:
-        if m[0] == i and off <= m[2] < off + n:
-            read(m, fresh=True)
+def _again(read, mine) -> None:
+    """Read the pieces ``mine`` (one tensor's) again, from the server where it is remote (not
+    from what a stream kept)."""
+    for piece in mine:
+        read(piece, fresh=True)

@@ -275,7 +275,7 @@ def stream(path, **options):
 
 def _group_stream(path, *, process_group, framework: str = "pt", device: Any = "cpu", **options):
     """:func:`stream` shared by a process group (:func:`engine.apps.group_load.stream`)."""
-    if str(device) != "cpu":
+    if str(device).partition(":")[0] != "cpu":
         from engine.errors import DeviceError
 
         raise DeviceError(f"process_group= streams to the CPU so far, not {device!r}", reason="UnsupportedDevice")

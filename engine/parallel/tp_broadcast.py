@@ -55,10 +55,10 @@ def load_broadcast(path, plan, rank, world_size, process_group, device, names, r
         return _per_tensor(path, plan, group, reader, local_ranks, local_rank, device, names, remote)
     from engine.apps.group_load import stream
 
-    _, shapes, _ = _catalogue(path, remote)
+    meta: dict = {}  # name -> (dtype, the file's shape), filled before the first tensor comes
     out: dict[str, torch.Tensor] = {}
-    for name, whole in stream(path, group, framework="pt", _select=names, _release=True, **(remote or {})):
-        out[name] = _shard(whole, name, shapes[name], plan.action(name), local_rank, len(local_ranks)).to(device)
+    for name, whole in stream(path, group, framework="pt", _select=names, _release=True, _meta=meta, **(remote or {})):
+        out[name] = _shard(whole, name, meta[name][1], plan.action(name), local_rank, len(local_ranks)).to(device)
     return out
 
 

@@ -13,7 +13,7 @@ views (or owned tensors) on the CPU; sharded checkpoints, ``*.safetensors.index.
 ``http(s)://`` / ``s3://`` weights (vLLM's ``model_weights``, or the ``weights`` option) with
 ``cache_dir``.  The options are those of :data:`engine.serving.weights.OPTION_DOCS`; with
 tensor parallelism, URL weights are read once by the workers between them (the ``distributed``
-option, on by default there: :func:`tp_group`).
+option: on by default for URL weights on the CPU, ``true`` for GPU servers; :func:`tp_group`).
 
 vLLM is imported only when :func:`register` or :func:`loader_class` is called.
 """

@@ -84,7 +84,8 @@ OPTION_DOCS: dict[str, str] = {
     "stats": "log one line of what the load did: tensors, bytes, seconds, GB/s (default false)",
     "distributed": "the server's tensor-parallel workers read the checkpoint once between them and send each "
                    "other the bytes (engine.apps.group_load, over the group's gloo side); default: on for URL "
-                   "weights on the CPU when there is more than one worker and no cache_dir",
+                   "weights on the CPU when there is more than one worker and no cache_dir (with one, each "
+                   "worker would write a whole copy)",
 }
 
 _REMOTE_ONLY = ("cache_dir", "connections", "timeout", "headers", "s3")
@@ -327,13 +328,14 @@ class Weights:
         ``distributed`` option (default: on for URL weights on the CPU, when the group has more
         than one rank and there is no ``cache_dir``) the workers read the checkpoint once between
         them (:func:`engine.apps.group_load.stream`): host tensors, 1 copy (the read, or the
-        collective's receive) before the server's own; every worker must iterate to the end.
+        collective's receive) before the server's own; every worker must iterate to the end, and
+        holds the checkpoint's bytes in one host block until then (views the model may keep).
+        With ``"distributed": true`` and ``cache_dir`` each worker writes a whole copy.
 
     Raises
     ------
     OptionError
-        An option for URL weights (``cache_dir``, ``connections``, ...) with a local source;
-        ``distributed`` with ``cache_dir``.
+        An option for URL weights (``cache_dir``, ``connections``, ...) with a local source.
 
     Notes
     -----
@@ -354,9 +356,6 @@ class Weights:
                 raise OptionError(f"option {given[0]!r} applies to http(s):// and s3:// weights, and the weights are "
                                   f"the local path {self.source!r}", option=given[0])
         self.on_cuda = self.device.startswith("cuda")
-        if self.options.distributed and self.options.cache_dir is not None:
-            raise OptionError("option 'distributed' takes no cache_dir: each worker reads a share of every file",
-                              option="distributed")
         self.group = group if group is not None and self._ranks(group) > 1 and (
             self.options.distributed or (self.options.distributed is None and self.remote and not self.on_cuda
                                          and self.options.cache_dir is None)) else None

@@ -358,12 +358,13 @@ class Copies:
             except OSError as exc:  # the copy is lost, the load is not: the tensors are whole
                 copy.drop(exc)
 
-        def keep(offset: int, views: Sequence[memoryview]) -> None:
-            """Write bytes that landed some other way (another rank of a group load read them)."""
+        def keep(offset: int, views: Sequence[memoryview], again: bool = False) -> None:
+            """Write bytes that landed some other way (another rank of a group load read them;
+            ``again``: read again after a failed checksum, not counted twice)."""
             if copy.failed:
                 return
             try:
-                copy.write(offset, views)
+                copy.write(offset, views, again)
             except OSError as exc:
                 copy.drop(exc)
 
