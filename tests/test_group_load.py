@@ -203,14 +203,20 @@ def test_a_read_that_fails_on_one_ranks_share_reaches_every_rank(checkpoint, tmp
     _same_error_everywhere(results, 1, "NotFound" if fault == "404" else "Error")
 
 
-def test_a_damaged_tensor_in_one_ranks_share_fails_every_rank(checkpoint, tmp_path):
-    """A byte of the last tensor flipped on disk: rank 1 reads it, its checksum fails there
-    before anything is sent, and rank 0 hears why."""
+@pytest.mark.parametrize("bucket", [None, 4096])
+def test_a_damaged_tensor_in_one_ranks_share_fails_every_rank(checkpoint, tmp_path, bucket):
+    """A byte in the middle of the last large tensor flipped on disk: rank 1 reads it.  In one
+    bucket, its checksum fails on rank 1 before anything is sent, and rank 0 hears why; in many
+    buckets (4 KiB), it fails on every rank once it came, naming rank 1."""
     root, sd = checkpoint
     data = bytearray((root / "one.safetensors").read_bytes())
-    data[-3] ^= 0x10
+    header = engine.read_header(str(root / "one.safetensors"))
+    begin, end = header["layers.6.w"].data_offsets
+    data[header.data_start + (begin + end) // 2] ^= 0x10
     (tmp_path / "bad.safetensors").write_bytes(bytes(data))
-    _same_error_everywhere(_ranks(str(tmp_path / "bad.safetensors"), tmp_path), 1, "ChecksumError")
+    opts = {r: {"bucket_bytes": bucket} for r in range(2)} if bucket else None
+    results = _ranks(str(tmp_path / "bad.safetensors"), tmp_path, opts=opts)
+    _same_error_everywhere(results, 1, "ChecksumError", all_failed=bucket is not None)
 
 
 @pytest.mark.parametrize("other", ["missing.safetensors", "other.safetensors"])
@@ -332,10 +338,10 @@ def _flip_once(at: int):
     return faults, state
 
 
-def test_a_tensor_damaged_on_the_way_is_read_again_before_any_of_it_is_sent(checkpoint, tmp_path):
+def test_a_tensor_in_many_buckets_damaged_on_the_way_is_read_again_and_sent_again(checkpoint, tmp_path):
     """A tensor read whole by rank 0 spans many 4 KiB buckets; its first piece comes back with
-    a flipped byte.  It is checked (and read again) before its first bucket is sent, so rank 1
-    never receives the damaged bytes, and rank 1's local copy is whole."""
+    a flipped byte.  Every rank finds the mismatch once it came, rank 0 reads it again and sends
+    it again: both ranks end with the file's bytes, and rank 1's local copy is whole."""
     root, sd = checkpoint
     path = root / "one.safetensors"
     faults, state = _flip_once(8 + int.from_bytes(path.read_bytes()[:8], "little"))

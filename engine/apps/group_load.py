@@ -10,9 +10,10 @@ ranks).  Each rank reads only its span, from the files or the server, straight i
 The exchange is pipelined in rounds: each span is cut into buckets of :data:`BUCKET_BYTES`,
 and round ``j`` sends bucket ``j`` of every span with ``broadcast`` (one collective per bucket,
 not per tensor) while the readers go on with the next buckets.  Before each round the ranks
-agree (one small ``all_reduce``) that every bucket of the round landed and its whole tensors
-passed their checksums on the rank that read them; a tensor split between ranks is checked on
-every rank once its last bucket came.  Every rank ends with every tensor, byte-equal to the
+agree (one small ``all_reduce``) that every bucket of the round landed and the tensors that lie
+in one bucket passed their checksums on the rank that read them; a tensor in several buckets
+(or split between ranks) is checked on every rank once its last bucket came, and read again by
+its owners and sent again on a mismatch of bytes from a server.  Every rank ends with every tensor, byte-equal to the
 file: the group reads each byte of the checkpoint once, not once per rank.
 
 The ranks also agree before anything is read: a flag for a rank that failed to open its
@@ -109,9 +110,9 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
         ``gloo`` (host tensors); ``torch.distributed.group.WORLD`` or a sub-group.
     framework : {"pt", "numpy"}
     verify_checksums : bool, optional
-        Check the CRC-32C the files record (default True): on the rank that read a tensor,
-        before it is sent (a remote tensor that fails is read again from the server), and on
-        every rank for a tensor split between ranks.
+        Check the CRC-32C the files record (default True): a tensor in one bucket on the rank
+        that read it, before it is sent; a tensor in several buckets on every rank once it
+        came.  A remote tensor that fails is read again from the server (and sent again).
     bucket_bytes : int, optional
         Bytes per broadcast (default :data:`BUCKET_BYTES`); the same on every rank.
     chunk_bytes : int, optional
@@ -327,9 +328,10 @@ class _Group:
         rounds = max((-(-(b - a) // bucket) for a, b in cuts), default=0)
         pieces: list[tuple[int, int, int, int]] = []  # my reads: (part, file offset, block offset, bytes)
         by_round: list[list[int]] = [[] for _ in range(rounds)]  # my pieces, by the round that sends them
-        # tensors I read whole, checked before the round of their first bucket (before any byte is sent)
+        # tensors in one bucket of mine, checked (and read again) before that bucket is sent
         whole: list[list[tuple[int, int, int, int, list[int]]]] = [[] for _ in range(rounds)]
-        # tensors split between ranks, checked on every rank once their last bucket came
+        # tensors in several buckets or split between ranks, checked on every rank once their last
+        # bucket came (checking them before their first bucket is sent would hold the rounds back)
         split: list[list[tuple[int, int, int, int, list]]] = [[] for _ in range(rounds)]
         ready: list[list[int]] = [[] for _ in range(max(rounds, 1))]  # tensors complete after each round
         theirs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # received, for cache_dir
@@ -338,7 +340,9 @@ class _Group:
             owners = [(k, max(a, off), min(b, off + n)) for k, (a, b) in enumerate(cuts) if max(a, off) < min(b, off + n)]
             last = max(((b - 1 - cuts[k][0]) // bucket for k, _, b in owners), default=0)
             ready[last].append(t)
-            if len(owners) > 1:
+            spread = len(owners) > 1 or any((a - cuts[k][0]) // bucket != (b - 1 - cuts[k][0]) // bucket
+                                            for k, a, b in owners)
+            if spread:
                 split[last].append((i, r, off, n, owners))
             begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
             for k, a, b in owners:
@@ -358,7 +362,7 @@ class _Group:
                     mine.append(len(pieces))
                     pieces.append((i, begin + (a - off), a, e - a))
                     a = e
-                if whole_tensor:
+                if whole_tensor and not spread:
                     whole[first].append((i, r, off, n, mine))
 
         def read(piece, fresh: bool = False) -> None:
@@ -384,10 +388,13 @@ class _Group:
                         futures[x].result()
                     if verifying():  # read again from a server on a mismatch, before anything of it is sent
                         for i, r, off, n, mine in whole[j]:
-                            for x in mine:
-                                futures[x].result()
+                            checks = Checks.of(parts[i].header, parts[i].path)
+                            if parts[i].ranges is None:  # a local file: its bytes are what they are
+                                if checks is not None:
+                                    checks.verify_bytes(r, view[off : off + n])
+                                continue
                             again = functools.partial(_again, read, [pieces[x] for x in mine])
-                            verify_received(Checks.of(parts[i].header, parts[i].path), r, view[off : off + n], again)
+                            verify_received(checks, r, view[off : off + n], again)
                 except Exception as exc:  # every rank hears of it before the round's collectives
                     failed = exc
                 self._agree(failed)
@@ -413,9 +420,10 @@ class _Group:
                     _release(block, off, n)
 
     def _verify_split(self, item, parts, flat, read, keeps) -> None:
-        """Check a tensor split between ranks, on every rank (the same bytes everywhere, so the
-        same verdict).  A mismatch of bytes from a server: each owner reads its part again and
-        sends it again, until the checksum passes or two reads agree; then every rank raises."""
+        """Check a tensor sent in several buckets (by one rank or several), on every rank (the
+        same bytes everywhere, so the same verdict).  A mismatch of bytes from a server: each
+        owner reads its part again and sends it again, until the checksum passes or two reads
+        agree; then every rank raises."""
         import torch
         import torch.distributed as dist
 
@@ -456,9 +464,9 @@ class _Group:
                 return
             err = read_again(err, crc, agreed)
         who = ", ".join(str(k) for k, _, _ in owners)
-        raise DistributedLoadError(f"a tensor split between ranks {who} failed its checksum on every rank: {err}",
-                                   cause=f"ChecksumError: {err}", reason="GroupReadFailed", path=self.source,
-                                   tensors=err.tensors) from err
+        raise DistributedLoadError(f"a tensor read by rank(s) {who} failed its checksum on every rank: {err}",
+                                   rank=owners[0][0] if len(owners) == 1 else None, cause=f"ChecksumError: {err}",
+                                   reason="GroupReadFailed", path=self.source, tensors=err.tensors) from err
 
 
 def _hooked(name: str, tensor, kind: str, stats: bool, spec, where: str) -> tuple:
