@@ -1,7 +1,7 @@
 """A process group loading one checkpoint from a throttled server: one rank, each rank alone, the group once.
 
 ``python scripts/bench_group.py --ranks 2 4 --mb 96 --rate-mb 40`` writes a checkpoint of ``--mb``
-MB (4 shards and an index), serves it from tests/rangeserver.py on 127.0.0.1 sending at most
+MB (4 shards and an index, with checksums), serves it from tests/rangeserver.py on 127.0.0.1 sending at most
 ``--rate-mb`` MB/s in all (a token bucket shared by every connection, as a storage service or
 a node's NIC is), and times, in fresh processes per sample:
 
@@ -91,7 +91,8 @@ def main() -> int:
         rng = np.random.default_rng(0)
         n = int(args.mb * 1e6) // 4 // 8
         sd = {f"layers.{i}.w": rng.standard_normal((8, n // 8), dtype=np.float32) for i in range(8)}
-        engine.save_sharded(sd, os.path.join(root, "ckpt"), max_shard_size=int(args.mb * 1e6) // 4 + 1)
+        engine.save_sharded(sd, os.path.join(root, "ckpt"), max_shard_size=int(args.mb * 1e6) // 4 + 1,
+                            checksums=True)  # every load checks them, as it would a checkpoint that records them
         want = hashlib.sha256(b"".join(np.ascontiguousarray(sd[k]).tobytes() for k in sorted(sd))).hexdigest()
         nbytes = sum(v.nbytes for v in sd.values())
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
@@ -114,7 +115,7 @@ def main() -> int:
                     times.append(max(g["seconds"] for g in got))
                     asked.append(server.tensor_bytes_asked() / nbytes)
                     peaks.append(max(g["peak_mb"] for g in got))
-                rows[name] = {"ranks": world, "group": group == "1", "seconds": statistics.median(times),
+                rows[name] = {"ranks": world, "group": group == "1", "seconds": statistics.median(times), "samples": times,
                               "bytes_asked": statistics.median(asked), "peak_rank_mb": statistics.median(peaks)}
     where = "local files, warm page cache" if args.local else f"server {args.rate_mb:g} MB/s in all"
     print(f"{nbytes / 1e6:.0f} MB of tensors in 4 shards, gloo ranks, {where}, {args.runs} runs, medians; "

@@ -40,7 +40,7 @@ class GroupLoad:
         self.root = tempfile.mkdtemp(prefix="engine-asv-group-")
         rng = np.random.default_rng(0)
         sd = {f"layers.{i}.w": rng.standard_normal((8, MB * 10**6 // 4 // 64), dtype=np.float32) for i in range(8)}
-        engine.save_sharded(sd, os.path.join(self.root, "ckpt"), max_shard_size=MB * 10**6 // 4 + 1)
+        engine.save_sharded(sd, os.path.join(self.root, "ckpt"), max_shard_size=MB * 10**6 // 4 + 1, checksums=True)
         self.nbytes = sum(v.nbytes for v in sd.values())
         self.server = RangeServer(self.root).start()
         self.server.bulk()
