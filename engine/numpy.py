@@ -13,8 +13,8 @@ import numpy as np
 from engine.apps.opener import safe_open
 from engine.base._files import is_url
 from engine.errors import SerializationError
-from engine.format.checksums import verification
 from engine.format.header import parse_buffer
+from engine.format.verification import verification
 from engine.loading.file_handle import views
 from engine.sinks import host_block
 from engine.sinks.numpy import NumpySink

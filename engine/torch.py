@@ -23,8 +23,8 @@ from engine.apps.opener import is_checkpoint_path, safe_open
 from engine.base import dtypes
 from engine.base._files import is_url
 from engine.errors import DeviceError, SerializationError
-from engine.format.checksums import verification
 from engine.format.header import parse_buffer
+from engine.format.verification import verification
 from engine.loading.file_handle import views
 from engine.sinks.torch import TorchSink
 from engine.writing import writer

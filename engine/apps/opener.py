@@ -229,7 +229,7 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
         from engine.urls import remote_load
 
         return remote_load.load_into(path, tensors, **options)
-    from engine.format.checksums import verification
+    from engine.format.verification import verification
 
     with verification(options.pop("verify_checksums", None)):
         if not is_checkpoint_path(path):

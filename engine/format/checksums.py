@@ -28,10 +28,8 @@ Files without the entry load as before, with no checksum work at all.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine.base import _crc32c
@@ -40,6 +38,7 @@ from engine.base._atomic import umask as _umask
 from engine.base._atomic import write_error as _write_error
 from engine.errors import ChecksumError, ReadError
 from engine.format.header import Header, read_header_fd
+from engine.format.verification import verification, verifying  # noqa: F401  (the names every load reaches here)
 
 __all__ = [
     "KEY",
@@ -83,29 +82,6 @@ combine = _crc32c.combine
 combine_rows = _crc32c.combine_rows
 spans = _crc32c.spans
 hardware = _crc32c.hardware
-
-_VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("engine_verify_checksums", default=True)
-
-
-def verifying() -> bool:
-    """Whether loads started now verify the checksums their files carry (default True)."""
-    return _VERIFY.get()
-
-
-@contextlib.contextmanager
-def verification(enabled: bool | None) -> Iterator[None]:
-    """Loads started inside the block verify checksums (``True``) or skip them (``False``);
-    ``None`` keeps what the surrounding code chose.  The entry points' ``verify_checksums=``
-    arguments set this for their own call."""
-    if enabled is None:
-        yield
-        return
-    token = _VERIFY.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _VERIFY.reset(token)
-
 
 def _file_order(header: Header) -> list[int]:
     """Rows in the order of the entry's digests: by data offset, ties by name."""

@@ -32,8 +32,8 @@ from engine.errors import (
     UnrepresentableTensorError,
 )
 from engine.format._file_handle import Slicer, TensorSlice
-from engine.format.checksums import Checks, verification, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
+from engine.format.verification import verification, verifying
 from engine.sinks import get_sink, map_file, sink_kind
 
 __all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
@@ -444,7 +444,7 @@ def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
                 from engine.io.reader import prefetch_mapping
 
                 prefetch_mapping(h._mm, spans)
-            checks = Checks.of(h.header, h._path) if h._verify else None
+            checks = _checks_of(h.header, h._path) if h._verify else None
             if checks is not None:
                 # zero copies here: the check is one read of the mapped bytes, before any view
                 # is handed out (it also reads a cold file in)
@@ -560,3 +560,11 @@ def _handle_fd(f) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _checks_of(header, path):
+    """:meth:`engine.format.checksums.Checks.of`, imported when first needed: a handle's first
+    open of a file (with or without checksums) imports none of the checksum code."""
+    from engine.format.checksums import Checks
+
+    return Checks.of(header, path)

@@ -31,8 +31,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from engine.checkpoints.checkpoint import CheckpointInfo
-from engine.format.checksums import verification
 from engine.format.header import MAX_HEADER_SIZE
+from engine.format.verification import verification
 from engine.io.reader import pread_into
 from engine.loading.loader import Part, fill_parts, prepare_ring, sink_for, stream_parts
 from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
