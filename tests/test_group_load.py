@@ -23,6 +23,7 @@ from rangeserver import serving  # noqa: E402
 from servers import free_port  # noqa: E402
 
 import engine  # noqa: E402
+import engine.numpy  # noqa: E402
 from engine.apps.group_load import spans  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,6 +231,51 @@ def test_ranks_given_different_checkpoints_fail_together(checkpoint, tmp_path, o
         _same_error_everywhere(results, 1, "FileNotFoundError")
     else:
         assert [(r["error"], r["reason"]) for r in results] == [("DistributedLoadError", "GroupMismatch")] * 2, results
+
+
+def _rewrite_header(path, change) -> None:
+    """``change(header dict)`` written back in place (the same length, padded with spaces)."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    data[8 : 8 + n] = new + b" " * (n - len(new))
+    path.write_bytes(bytes(data))
+
+
+def test_copies_that_record_different_checksums_fail_together(checkpoint, tmp_path):
+    """One rank's copy records checksums, the other's does not (same tensors, same offsets):
+    they would check different things, so both refuse before any exchange."""
+    root, sd = checkpoint
+    engine.save_file(sd, str(tmp_path / "plain.safetensors"))
+    results = _ranks(f"{root / 'one.safetensors'}|{tmp_path / 'plain.safetensors'}", tmp_path)
+    assert [r.get("reason") for r in results] == ["GroupMismatch", "GroupMismatch"], results
+
+
+def test_a_header_that_fails_its_checksum_fails_every_rank_before_the_exchange(checkpoint, tmp_path):
+    root, sd = checkpoint
+    path = tmp_path / "renamed.safetensors"
+    path.write_bytes((root / "one.safetensors").read_bytes())
+    _rewrite_header(path, lambda h: h.__setitem__("layers.0.x", h.pop("layers.0.w")))  # the JSON still parses
+    _same_error_everywhere(_ranks(str(path), tmp_path), 0, "ChecksumError", all_failed=True)
+
+
+def test_an_empty_tensor_whose_recorded_checksum_is_wrong_fails_as_the_plain_load_does(checkpoint, tmp_path):
+    root, sd = checkpoint
+    path = tmp_path / "empty.safetensors"
+    path.write_bytes((root / "one.safetensors").read_bytes())
+
+    def damage(h):  # the entry's digits: format, the header's CRC, then one per tensor in file order
+        order = sorted((k for k in h if k != "__metadata__"), key=lambda k: tuple(h[k]["data_offsets"]))
+        value, at = h["__metadata__"]["engine.crc32c"], 2 + 8 + 8 * order.index("empty")
+        h["__metadata__"]["engine.crc32c"] = value[:at] + "deadbeef" + value[at + 8 :]
+
+    _rewrite_header(path, damage)
+    with pytest.raises(engine.ChecksumError):
+        engine.numpy.load_file(str(path))
+    _same_error_everywhere(_ranks(str(path), tmp_path), 0, "ChecksumError", all_failed=True)
 
 
 def test_ranks_given_different_options_fail_at_once(checkpoint, tmp_path):

@@ -233,11 +233,13 @@ class _Group:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.select, self.release, self.quantize = None, False, None
         self.spec = None  # the quantize spec, checked with the rest before any exchange
+        self.verify = True  # whether this load checks checksums (read once, when it starts)
         self.meta: dict[str, tuple[str, tuple]] = {}  # name -> (format dtype, shape), file order
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         from engine.format.header import MAX_HEADER_SIZE
 
+        self.verify = verifying()  # read once: every round of every rank checks the same way
         with contextlib.ExitStack() as stack:
             try:  # everything that can fail on one rank alone, before the first collective
                 parts, commit = stack.enter_context(
@@ -261,6 +263,13 @@ class _Group:
                     from engine.numerics.quantize import Int8
 
                     self.spec = Int8.of(self.quantize)
+                if self.verify:  # a header that fails its own checksum, and empty tensors, fail here
+                    for i, r, _, _, n in layout:
+                        checks = Checks.of(parts[i].header, parts[i].path)
+                        if checks is not None and not n:
+                            checks.verify_bytes(r, b"")
+                    for p in parts:
+                        Checks.of(p.header, p.path)
                 total = layout[-1][3] + -(-layout[-1][4] // _ALIGN) * _ALIGN if layout else 0
                 fingerprint = self._fingerprint(parts, layout, total)
                 from engine.sinks._host import host_block
@@ -285,7 +294,11 @@ class _Group:
                                   [int(parts[i].header.table.codes[r]) for i, r, _, _, _ in layout],
                                   [parts[i].header.table.shapes[r] for i, r, _, _, _ in layout],
                                   [off for _, _, _, off, _ in layout], [n for *_, n in layout], None)
-        text = f"{digest}:{total}:{self.bucket}:{verifying()}:{self.wanted is not None}:{self.release}"
+        from engine.format.checksums import KEY
+
+        # the checksum entries too: ranks that check different things would run different collectives
+        entries = hashlib.blake2b("|".join(str((p.header.metadata or {}).get(KEY)) for p in parts).encode()).hexdigest()
+        text = f"{digest}:{total}:{self.bucket}:{self.verify}:{self.wanted is not None}:{self.release}:{entries}"
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
     def _agree(self, failed: BaseException | None, fingerprint: int = 0) -> None:
@@ -386,7 +399,7 @@ class _Group:
                 try:
                     for x in by_round[j]:
                         futures[x].result()
-                    if verifying():  # read again from a server on a mismatch, before anything of it is sent
+                    if self.verify:  # read again from a server on a mismatch, before anything of it is sent
                         for i, r, off, n, mine in whole[j]:
                             checks = Checks.of(parts[i].header, parts[i].path)
                             if parts[i].ranges is None:  # a local file: its bytes are what they are
@@ -406,7 +419,7 @@ class _Group:
                                            group=self.group)
                 for i, offset, a, n in theirs[j]:
                     keeps[i](offset, [view[a : a + n]])
-                if verifying():
+                if self.verify:
                     for item in split[j]:
                         self._verify_split(item, parts, flat, read, keeps)
             for t in ready[j]:
