@@ -161,6 +161,43 @@ def test_each_rank_reads_only_its_shard_and_broadcast_reads_once(llama_file, tmp
             assert max(reads) <= total // world + header + 64, reads
 
 
+def _broadcast_url_worker(rank, world, port, url, path, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        plan = llama_plan(CONFIG, world_size=world)
+        got = load_tensor_parallel(url, plan, mode="broadcast", timeout=10.0)
+        want = load_tensor_parallel(path, plan, rank=rank, world_size=world)
+        same = sorted(got) == sorted(want) and all(
+            got[k].shape == want[k].shape and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+            for k in want)
+        with open(os.path.join(out_dir, f"url-rank{rank}.json"), "w") as f:
+            json.dump({"same": same, "names": len(got)}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_broadcast_mode_reads_a_urls_bytes_once_per_node(llama_file, tmp_path):
+    """Two ranks in broadcast mode over HTTP: each ends with the shards of the direct load, and
+    the server is asked for every tensor byte once in all."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from rangeserver import serving
+
+    path, sd = llama_file
+    with serving(os.path.dirname(path)) as server:
+        server.bulk()
+        mp.spawn(_broadcast_url_worker, args=(2, _free_port(), server.url(os.path.basename(path)), path, str(tmp_path)),
+                 nprocs=2, join=True)
+        asked = server.tensor_bytes_asked()
+    for rank in range(2):
+        report = json.loads((tmp_path / f"url-rank{rank}.json").read_text())
+        assert report == {"same": True, "names": len(sd)}, report
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    assert total <= asked <= 1.02 * total, (asked, total)
+
+
 def test_gqa_kv_replicated_when_fewer_heads_than_ranks():
     plan4 = llama_plan(CONFIG, world_size=4)
     plan2 = llama_plan(CONFIG, world_size=2)
