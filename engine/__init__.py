@@ -8,8 +8,6 @@ shapes, metadata) imports no numpy either, and the first array does.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
 from typing import TYPE_CHECKING
 
@@ -88,43 +86,6 @@ _LAZY = {
     "ValidationReport": "engine.apps.validator",
 }
 
-# Where each module of the flat layout lives now (``engine/<layer>/<module>``): the old import
-# paths (``engine.checkpoints.checkpoint``, ``engine.urls.remote_load.Retry`` ...) keep working, as the same
-# module objects, through the finder below.
-_LAYERS = {
-    "base": "dtypes _files _atomic _threads _crc32c",
-    "format": "_header header _header_encode _file_handle checkpoint_index checksums",
-    "planning": "plan sharding_plan",
-    "io": "_io reader kept_mappings",
-    "net": "_http _s3 remote_reads",
-    "gpu": "_ring device_ring",
-    "loading": "pipeline loader load_hooks file_handle",
-    "writing": "writer _tensor_bytes tensorspec",
-    "checkpoints": "checkpoint checkpoint_info shards",
-    "urls": "_remote_files remote_cache remote remote_load remote_handle",
-    "apps": "opener validator checkpoint_stats quantized_format",
-    "parallel": "tp_slices tp_direct tp_broadcast tp_remote",
-    "commands": "cli _cli_bench _cli_convert _cli_output demo",
-}
-_MOVED = {f"engine.{m}": f"engine.{pkg}.{m}" for pkg, ms in _LAYERS.items() for m in ms.split()}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports a module by its path in the flat layout as the module at its new place."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _MOVED:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec):
-        return importlib.import_module(_MOVED[spec.name])
-
-    def exec_module(self, module) -> None:
-        pass
-
-
-sys.meta_path.append(_MovedModules())
 
 
 __all__ = [
