@@ -73,7 +73,7 @@ def test_own_numpy_dtype_is_numpy_s_whether_or_not_ml_dtypes_is_loaded():
     its names with numpy, and without importing ml_dtypes."""
     code = (
         "import sys\n"
-        "from engine import dtypes\n"
+        "from engine.base import dtypes\n"
         "def table():\n"
         "    return [(d.name, str(dtypes.own_numpy_dtype(d.code))) for d in dtypes.DTYPES]\n"
         "before = table()\n"

@@ -67,11 +67,11 @@ CASES = {
         ("numpy", "dataclasses", "statistics", "inspect"),
     ),
     "numpy dtypes, then BF16": Case(
-        "from engine import dtypes\n"
+        "from engine.base import dtypes\n"
         "a = [str(dtypes.numpy_dtype(dtypes.BY_NAME[n].code)) for n in ('F32', 'I64', 'BOOL', 'F4', 'C64')]\n"
         "assert a == ['float32', 'int64', 'bool', 'uint8', 'complex64'], a\n",
         ("ml_dtypes",),
-        then="from engine import dtypes\n"
+        then="from engine.base import dtypes\n"
              "assert str(dtypes.numpy_dtype(dtypes.BY_NAME['BF16'].code)) == 'bfloat16'\n",
         present=("ml_dtypes",),
     ),
