@@ -264,12 +264,11 @@ class _Group:
 
                     self.spec = Int8.of(self.quantize)
                 if self.verify:  # a header that fails its own checksum, and empty tensors, fail here
+                    checks_of = [Checks.of(p.header, p.path) for p in parts]
                     for i, r, _, _, n in layout:
-                        checks = Checks.of(parts[i].header, parts[i].path)
+                        checks = checks_of[i]
                         if checks is not None and not n:
                             checks.verify_bytes(r, b"")
-                    for p in parts:
-                        Checks.of(p.header, p.path)
                 total = layout[-1][3] + -(-layout[-1][4] // _ALIGN) * _ALIGN if layout else 0
                 fingerprint = self._fingerprint(parts, layout, total)
                 from engine.sinks._host import host_block
