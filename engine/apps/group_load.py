@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import hashlib
 import os
 from collections.abc import Iterator, Mapping
@@ -75,10 +74,8 @@ def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[
             ranged = opened.ranged()
             yield [p._replace(rows=p.header.table.file_order()) for p in ranged.parts], ranged.commit
         return
-    if remote:
-        raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
     from engine.base._files import open_regular
-    from engine.checkpoints.checkpoint_info import open_layout
+    from engine.checkpoints.checkpoint_info import missing_shard, open_layout
     from engine.format.header import read_header_fd
 
     layout, _, _ = open_layout(spath, max_header_size)
@@ -87,7 +84,12 @@ def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[
         parts = []
         for shard in layout.files:
             path = os.path.join(layout.directory, shard)
-            fd = open_regular(path)
+            try:
+                fd = open_regular(path)
+            except FileNotFoundError as exc:
+                if layout.index_path:  # a shard the index names, not there
+                    raise missing_shard(shard, layout, exc) from exc
+                raise
             fds.append(fd)
             header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
             parts.append(Part(fd, header, header.table.file_order(), path))
@@ -173,14 +175,12 @@ def _check_options(source, remote: Mapping[str, Any]) -> None:
         if remote:
             raise TypeError(f"a group load of a local path got options it does not take: {sorted(remote)}")
         return
-    import inspect
+    from engine.urls.remote_load import remote_options
 
-    from engine.urls.remote_load import open_parts
-
-    known = set(inspect.signature(open_parts).parameters) - {"download", "url", "max_header_size"}
-    unknown = sorted(set(remote) - known)
-    if unknown:
-        raise TypeError(f"a group load of a URL got options it does not take: {unknown}")
+    left = dict(remote)
+    remote_options(left)
+    if left:
+        raise TypeError(f"a group load of a URL got options it does not take: {sorted(left)}")
 
 
 def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool = False, **options) -> list[str]:
@@ -234,6 +234,7 @@ class _Group:
         self.select, self.release, self.quantize = None, False, None
         self.spec = None  # the quantize spec, checked with the rest before any exchange
         self.verify = True  # whether this load checks checksums (read once, when it starts)
+        self.checks_of: list = []  # each file's Checks, or None
         self.meta: dict[str, tuple[str, tuple]] = {}  # name -> (format dtype, shape), file order
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -263,10 +264,12 @@ class _Group:
                     from engine.numerics.quantize import Int8
 
                     self.spec = Int8.of(self.quantize)
-                if self.verify:  # a header that fails its own checksum, and empty tensors, fail here
-                    checks_of = [Checks.of(p.header, p.path) for p in parts]
+                # each file's checks, looked up once (None: no checksums, or not checking); a header
+                # that fails its own checksum, and an empty tensor's wrong one, fail here
+                self.checks_of = [Checks.of(p.header, p.path) if self.verify else None for p in parts]
+                if self.verify:
                     for i, r, _, _, n in layout:
-                        checks = checks_of[i]
+                        checks = self.checks_of[i]
                         if checks is not None and not n:
                             checks.verify_bytes(r, b"")
                 total = layout[-1][3] + -(-layout[-1][4] // _ALIGN) * _ALIGN if layout else 0
@@ -400,12 +403,15 @@ class _Group:
                         futures[x].result()
                     if self.verify:  # read again from a server on a mismatch, before anything of it is sent
                         for i, r, off, n, mine in whole[j]:
-                            checks = Checks.of(parts[i].header, parts[i].path)
+                            checks = self.checks_of[i]
                             if parts[i].ranges is None:  # a local file: its bytes are what they are
                                 if checks is not None:
                                     checks.verify_bytes(r, view[off : off + n])
                                 continue
-                            again = functools.partial(_again, read, [pieces[x] for x in mine])
+                            def again(mine: list[int] = mine) -> None:  # from the server, not a kept stream
+                                for x in mine:
+                                    read(pieces[x], fresh=True)
+
                             verify_received(checks, r, view[off : off + n], again)
                 except Exception as exc:  # every rank hears of it before the round's collectives
                     failed = exc
@@ -443,7 +449,7 @@ class _Group:
         from engine.format.checksums import crc32c, read_again, read_until_agreed
 
         i, r, off, n, owners = item
-        checks = Checks.of(parts[i].header, parts[i].path)
+        checks = self.checks_of[i]
         if checks is None:
             return
         first = crc32c(flat[off : off + n])
@@ -564,9 +570,3 @@ def _layout(parts) -> list[tuple[int, int, str, int, int]]:
             at += -(-n // _ALIGN) * _ALIGN
     return layout
 
-
-def _again(read, mine) -> None:
-    """Read the pieces ``mine`` (one tensor's) again, from the server where it is remote (not
-    from what a stream kept)."""
-    for piece in mine:
-        read(piece, fresh=True)

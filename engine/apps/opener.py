@@ -281,5 +281,4 @@ def _group_stream(path, *, process_group, framework: str = "pt", device: Any = "
         raise DeviceError(f"process_group= streams to the CPU so far, not {device!r}", reason="UnsupportedDevice")
     from engine.apps.group_load import stream as group_stream
 
-    return group_stream(path, process_group, framework={"torch": "pt", "np": "numpy"}.get(framework, framework),
-                        **options)
+    return group_stream(path, process_group, framework=framework, **options)
