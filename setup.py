@@ -41,12 +41,6 @@ extensions = [
         extra_compile_args=compile_args,
     ),
     Extension(
-        "engine.format._file_handle",
-        ["engine/format/_file_handle.pyx"],
-        define_macros=macros,
-        extra_compile_args=compile_args,
-    ),
-    Extension(
         "engine.io._io",
         ["engine/io/_io.pyx"],
         define_macros=macros,

@@ -21,7 +21,10 @@ from engine.base._files import is_url, open_regular
 from engine.base.dtypes import BITS, BY_NAME, NAMES
 from engine.errors import HeaderError, ReadError, TensorNotFoundError
 from engine.format import _header
-from engine.format._header import HeaderTable, header_length, parse_header
+
+# Slicer and TensorSlice are the handle's per-name lookups, native in the header's extension
+# (see _slices.pxi); engine.loading.file_handle takes them from here
+from engine.format._header import HeaderTable, Slicer, TensorSlice, header_length, parse_header
 
 __all__ = [
     "MAX_HEADER_SIZE",
@@ -34,6 +37,8 @@ __all__ = [
     "header_length",
     "checked_length",
     "not_safetensors",
+    "Slicer",
+    "TensorSlice",
 ]
 
 #: Largest header (the JSON part, in bytes) accepted unless ``max_header_size`` says otherwise.

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import tempfile
 import threading
 from typing import Any, NoReturn
 
@@ -31,8 +30,7 @@ from engine.errors import (
     TensorNotFoundError,
     UnrepresentableTensorError,
 )
-from engine.format._file_handle import Slicer, TensorSlice
-from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
+from engine.format.header import MAX_HEADER_SIZE, Header, Slicer, TensorSlice, read_header_fd
 from engine.format.verification import verification, verifying
 from engine.sinks import get_sink, map_file, sink_kind
 
@@ -158,7 +156,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             self.close()
             raise
         # per-name lookups are the hot path of callers that walk every key: get_slice is a
-        # C callable bound to this handle (see engine.format._file_handle)
+        # C callable bound to this handle (see engine.format._slices.pxi)
         self._index = self.header.table.index
         self.get_slice = Slicer(self, self.header)  # type: ignore[method-assign]
 
@@ -548,6 +546,8 @@ def _handle_fd(f) -> int:
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("safetensors", getattr(os, "MFD_CLOEXEC", 0))
     else:  # pragma: no cover - not Linux
+        import tempfile  # here, not at the top: a first open would pay for its import
+
         tmp = tempfile.TemporaryFile()
         fd = os.dup(tmp.fileno())
         tmp.close()

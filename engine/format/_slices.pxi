@@ -1,24 +1,9 @@
-# cython: language_level=3, embedsignature=True
-# distutils: language = c
+# Included by _header.pyx: the per-name lookups of engine.loading.file_handle.safe_open in C, in
+# the header's extension so that a first open loads one native module, not two.
 #
-# Bounds/wraparound checks and cdivision are set once in setup.py.
-"""Per-name lookups of :class:`engine.loading.file_handle.safe_open` in C (private; see engine.loading.file_handle).
-
-Callers walk every key of a file with ``f.get_slice(name).get_shape()`` and
-``.get_dtype()``; on a header of 100,000 tensors those three calls are the whole cost of
-the loop, so they are C methods here: a dict lookup, one small object, a list or a str.
-"""
-
-import weakref
-
-from engine.errors import SafetensorError
-
-cimport cython
-from cpython.dict cimport PyDict_GetItem
-from cpython.list cimport PyList_GET_ITEM
-from cpython.object cimport PyObject
-from cpython.ref cimport Py_INCREF
-
+# Callers walk every key of a file with ``f.get_slice(name).get_shape()`` and
+# ``.get_dtype()``; on a header of 100,000 tensors those three calls are the whole cost of
+# the loop, so they are C methods here: a dict lookup, one small object, a list or a str.
 
 @cython.freelist(64)
 @cython.final
