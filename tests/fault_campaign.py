@@ -151,7 +151,7 @@ def run(server, root: str, tensors: dict, *, seed: int, runs: int, rates=(0.05, 
     ``rates[0]`` to ``rates[1]``) and seed (``seed + run``).  Returns the counts by outcome and
     by entry point, the faults injected by kind, the retries and the file descriptors left."""
     from engine.errors import SafetensorError
-    from engine.net.remote_reads import Retry
+    from engine.net.retry import Retry
 
 
     outcomes: Counter = Counter()

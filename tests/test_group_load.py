@@ -33,7 +33,7 @@ import hashlib, json, os, sys
 import numpy as np
 import torch, torch.distributed as dist
 import engine, engine.numpy, engine.torch
-from engine.net.remote_reads import Retry
+from engine.net.retry import Retry
 rank, world, port, source, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 source = source.split("|")[rank] if "|" in source else source  # a source per rank, where they differ
 if os.environ.get("GROUP_TEST_DIE") == str(rank):  # this rank dies in its reads, as a killed process does

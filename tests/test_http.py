@@ -12,7 +12,8 @@ import pytest
 
 from engine.errors import ReadError
 from engine.net._http import content_range
-from engine.net.remote_reads import RangeReads, Retry
+from engine.net.remote_reads import RangeReads
+from engine.net.retry import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402

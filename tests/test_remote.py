@@ -20,7 +20,7 @@ from engine.checkpoints.checkpoint import (
 )
 from engine.errors import HeaderError, MissingDependencyError, ReadError, TensorNotFoundError
 from engine.format.header import read_header
-from engine.net.remote_reads import Retry
+from engine.net.retry import Retry
 from engine.urls.remote import RemoteFileNotFoundError, get_tensor, read_metadata
 
 sys.path.insert(0, os.path.dirname(__file__))

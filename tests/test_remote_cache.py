@@ -25,7 +25,7 @@ import engine
 import engine.numpy
 import engine.torch
 from engine.errors import CacheWriteWarning, ReadError, WriteError
-from engine.net.remote_reads import Retry
+from engine.net.retry import Retry
 from engine.urls import remote_cache
 
 sys.path.insert(0, os.path.dirname(__file__))

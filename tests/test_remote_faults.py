@@ -18,7 +18,7 @@ from rangeserver import serving  # noqa: E402
 import engine  # noqa: E402
 import engine.numpy  # noqa: E402
 from engine.errors import ChecksumError  # noqa: E402
-from engine.net.remote_reads import Retry  # noqa: E402
+from engine.net.retry import Retry  # noqa: E402
 from engine.urls import remote  # noqa: E402
 
 FAST = Retry(attempts=5, base=0.005, cap=0.02)

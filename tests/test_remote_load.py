@@ -19,7 +19,7 @@ import engine.numpy
 import engine.torch
 from engine.errors import RangeIgnoredWarning, ReadError, RemoteFileNotFoundError
 from engine.format.header import read_header
-from engine.net.remote_reads import Retry
+from engine.net.retry import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from engine.errors import RangeIgnoredWarning, ReadError, RemoteFileNotFoundError
-from engine.net.remote_reads import RangeReads, RemoteFile, Retry, public_url
+from engine.net.remote_file import RemoteFile, public_url
+from engine.net.remote_reads import RangeReads
+from engine.net.retry import Retry
 from engine.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -326,7 +328,7 @@ def test_credentials_never_appear_in_errors(served, server, monkeypatch, kind):
 
 # -- read_runs: neighbouring runs share a request --------------------------------------------------
 def test_read_runs_groups_neighbours_and_drops_the_gaps():
-    from engine.net.remote_reads import read_runs
+    from engine.net.views import read_runs
 
     data = bytes(range(256)) * 64
     calls = []
@@ -499,7 +501,7 @@ def test_a_whole_file_stream_limits_each_receive_on_a_closing_connection(tmp_pat
     """http.server closes each connection after its answer, so the connection drops the socket
     the stream reads from: each receive must still wait at most the load's timeout, set on the
     socket the answer reads from (not the deadline left over from sending the request)."""
-    from engine.net import remote_reads
+    from engine.net import _response
 
     data = np.random.default_rng(8).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
     (tmp_path / "f.bin").write_bytes(data)
@@ -511,7 +513,7 @@ def test_a_whole_file_stream_limits_each_receive_on_a_closing_connection(tmp_pat
                 got = read(reads, file, 1 << 20, 1000)
             stream = reads._streams[file.url]
             assert stream.conn.sock is None  # the connection let go of it
-            sock = remote_reads._socket_of(stream.resp)
+            sock = _response.socket_of(stream.resp)
             assert sock is not None and sock.gettimeout() == 7.0
         finally:
             reads.close()

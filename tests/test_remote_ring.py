@@ -21,7 +21,7 @@ import engine.loading.loader
 from engine.errors import RangeIgnoredWarning, ReadError
 from engine.gpu import device_ring
 from engine.loading import pipeline
-from engine.net.remote_reads import Retry
+from engine.net.retry import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from emucudart import EmulatedRingOps, EmulatedSink, Emulator  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 
 import engine
 from engine.distributed import ShardingPlan, Split, llama_plan, load_tensor_parallel
-from engine.net.remote_reads import Retry
+from engine.net.retry import Retry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rangeserver import serve  # noqa: E402

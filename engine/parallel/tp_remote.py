@@ -3,7 +3,7 @@
 ``engine.load_tensor_parallel(url, plan, ...)`` in direct mode comes here.  The reads are
 planned as for a local file (:func:`engine.parallel.tp_direct.direct_jobs`): a replicated tensor or a
 block of rows is one range of the file, received straight into the rank's shard; a column
-block is one request per group of neighbouring rows (:func:`engine.net.remote_reads.read_runs`:
+block is one request per group of neighbouring rows (:func:`engine.net.views.read_runs`:
 the bytes between a rank's runs within a group are received into a scratch buffer and
 dropped, so a rank receives about its share plus the gaps of at most ``max_gap`` between
 its runs).  The requests of every file share the load's connections.  Tensors the plan
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.base._threads import map_threads
-from engine.net.remote_reads import read_runs
+from engine.net.views import read_runs
 from engine.parallel.tp_direct import direct_jobs
 from engine.parallel.tp_slices import shard_of
 from engine.planning.sharding_plan import ShardingPlan

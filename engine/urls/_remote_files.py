@@ -44,7 +44,9 @@ from engine.format.checksums import REREADS, Checks
 from engine.format.header import Header, checked_length, parse_header
 from engine.net._http import read_error
 from engine.net._s3 import S3Config, parse_listing, split_s3_url
-from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
+from engine.net.remote_file import public_url
+from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads
+from engine.net.retry import Retry
 
 __all__ = ["RemoteSource", "is_index", "is_url", "checkpoint_info", "INDEX_NAME", "SINGLE_NAME"]
 

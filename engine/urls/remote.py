@@ -42,7 +42,8 @@ from engine.errors import (
 )
 from engine.format.checksums import Checks, verify_received, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header
-from engine.net.remote_reads import Retry, public_url
+from engine.net.remote_file import public_url
+from engine.net.retry import Retry
 from engine.urls._remote_files import RemoteSource, checkpoint_info, is_index, is_url
 
 __all__ = [
@@ -143,7 +144,7 @@ def read_metadata(
         Seconds allowed for each HTTP request: connecting, the answer and the whole body,
         however the server paces its bytes (a watchdog shuts a trickling socket down).  A
         request that runs out of time is tried again, as every transient fault is
-        (:class:`~engine.net.remote_reads.Retry`); the last try's ``ReadError`` has
+        (:class:`~engine.net.retry.Retry`); the last try's ``ReadError`` has
         ``reason="Timeout"``.  Name resolution (DNS) is not bounded.  fsspec protocols use
         their own settings (``storage_options``).
     headers : mapping of str to str, optional
@@ -157,7 +158,7 @@ def read_metadata(
         Passed to ``fsspec.core.url_to_fs`` for non-HTTP URLs.
     retry : Retry, optional
         How transient faults of every request are tried again (default
-        :class:`~engine.net.remote_reads.Retry`: 6 tries, as a load's).
+        :class:`~engine.net.retry.Retry`: 6 tries, as a load's).
 
     Returns
     -------

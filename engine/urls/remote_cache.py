@@ -29,7 +29,7 @@ into ``d``, then reads the copies.
       <d>/<url key>-<version key>-<name>.json   {"url", "size", "etag", "last_modified", "fetched"}
 
   The url key is the first 32 hex digits of the SHA-256 of the file's URL without any
-  ``user:password@`` (:func:`~engine.net.remote_reads.public_url`); the version key 16 of the
+  ``user:password@`` (:func:`~engine.net.remote_file.public_url`); the version key 16 of the
   version's.  ``<name>`` is the URL's last path segment reduced to ``[A-Za-z0-9._-]`` with
   no leading dot: nothing the server or the URL holds can reach outside ``d``.  The JSON
   sidecar, named only once its file is on the disk, records the URL without its query (a
@@ -92,7 +92,8 @@ from engine.base._threads import run_threads
 from engine.errors import CacheWriteWarning, WriteError
 from engine.format.header import Header
 from engine.io.reader import start_writeback
-from engine.net.remote_reads import public_url, skip_views
+from engine.net.remote_file import public_url
+from engine.net.views import skip_views
 
 __all__ = ["identity", "entry_path", "Copies"]
 

@@ -4,7 +4,7 @@ A :class:`RemoteHandle` reads the headers once (two ranged GETs per file, see
 :mod:`engine.urls._remote_files`) and then reads tensor bytes only when asked: ``get_tensor``
 one range (split over the load's connections when it is large), ``get_slice(...)[...]``
 only the rows the index selects (neighbouring runs share a request, see
-:func:`engine.net.remote_reads.read_runs`), ``get_tensors`` every selected tensor in parallel
+:func:`engine.net.views.read_runs`), ``get_tensors`` every selected tensor in parallel
 through the same pipeline as :func:`engine.urls.remote_load.stream`.  Every request has the
 deadlines, retries and ETag pinning of :mod:`engine.net.remote_reads`.
 """
@@ -19,7 +19,7 @@ from engine.errors import InvalidSliceError, SafetensorError, TensorNotFoundErro
 from engine.format.checksums import Checks, verify_received, verifying
 from engine.io.reader import map_threads
 from engine.loading.loader import sink_for, stream_parts
-from engine.net.remote_reads import read_runs
+from engine.net.views import read_runs
 from engine.urls.remote_load import RemoteParts, open_parts, remote_options
 
 __all__ = ["RemoteHandle", "RemoteSlice"]

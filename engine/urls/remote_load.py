@@ -35,7 +35,9 @@ from engine.format.header import MAX_HEADER_SIZE
 from engine.format.verification import verification
 from engine.io.reader import pread_into
 from engine.loading.loader import Part, fill_parts, prepare_ring, sink_for, stream_parts
-from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads, Retry, public_url
+from engine.net.remote_file import public_url
+from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads
+from engine.net.retry import Retry
 from engine.urls._remote_files import RemoteSource, checkpoint_info, is_url
 from engine.urls.remote import DEFAULT_MAX_REDIRECTS, DEFAULT_MAX_SHARDS, DEFAULT_TIMEOUT
 from engine.urls.remote_cache import Copies
