@@ -40,11 +40,11 @@ extensions = [
         define_macros=macros,
         extra_compile_args=compile_args,
     ),
-    Extension(
-        "engine.io._io",
-        ["engine/io/_io.pyx"],
-        define_macros=macros,
-        extra_compile_args=compile_args,
+    # local reads: the copy engine (_io) and the SIGBUS guard of its mapped copies, the split
+    # copies over a thread pool, the page-cache calls, the pread gathers of strided runs
+    *(
+        Extension(f"engine.io.{name}", [f"engine/io/{name}.pyx"], define_macros=macros, extra_compile_args=compile_args)
+        for name in ("_guard", "_io", "_split", "_pages", "_spans")
     ),
     Extension(
         "engine.gpu._ring",

@@ -471,14 +471,14 @@ def _limit_page_cache_to_pinned(threads: int):
         import numpy as np
         import torch
 
-        from engine.io import _io
+        from engine.io import _split
 
         slot = 512 << 20
         buf = torch.empty(slot, dtype=torch.uint8, pin_memory=True)
         out = buf.numpy()
         out.fill(0)
         fds = [os.open(f, os.O_RDONLY) for f in files]
-        reader = _io.SplitReader(threads)  # the engine's copy path, without the DMA
+        reader = _split.SplitReader(threads)  # the engine's copy path, without the DMA
         times = []
         # the median of three passes over every shard: one fresh process per row is enough
         for _ in range(LIMIT_PASSES):

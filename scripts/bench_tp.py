@@ -113,7 +113,9 @@ def worker(rank, world, port, path, cfg, impl, out):
     import safetensors  # noqa: F401  (imported before timing, as the engine is)
 
     import engine
-    import engine.io._io  # noqa: F401  (loaded before timing, as a server would have it)
+    import engine.io._pages  # noqa: F401  (the native readers, loaded before timing, as a server would have them)
+    import engine.io._spans  # noqa: F401
+    import engine.io._split  # noqa: F401
     from engine.distributed import llama_plan, load_tensor_parallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -66,7 +66,9 @@ def _worker(rank, world, port, path, modes, out_dir):
     import engine.apps.group_load  # noqa: F401  (broadcast mode's group load, and what it imports)
     import engine.checkpoints.checkpoint_info  # noqa: F401
     import engine.format.checksums  # noqa: F401
-    import engine.io._io  # noqa: F401  (imported up front so its loading is not counted)
+    import engine.io._pages  # noqa: F401  (the native readers, imported up front so their loading is not counted)
+    import engine.io._spans  # noqa: F401
+    import engine.io._split  # noqa: F401
     import engine.loading.loader  # noqa: F401  (opening a file does not import the readers: slicing does)
     import engine.sinks._host  # noqa: F401  (nor the owned-block code: the first owned load does)
     import engine.sinks.torch  # noqa: F401
@@ -245,7 +247,9 @@ def test_fused_qkv_splits_each_part(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's /proc/self/io to count reads")
 def test_column_split_reads_strided_ranges(tmp_path):
-    import engine.io._io  # noqa: F401  (loaded before counting)
+    import engine.io._pages  # noqa: F401  (the native readers, loaded before counting)
+    import engine.io._spans  # noqa: F401
+    import engine.io._split  # noqa: F401
 
     w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
     path = tmp_path / "c.safetensors"

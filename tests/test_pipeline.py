@@ -395,7 +395,7 @@ def test_several_files_run_as_one_pipeline(layout, tmp_path, device):
 
 
 def test_split_copy_reads_segments_over_threads_and_reports_the_first_short_read(layout):
-    from engine.io import _io
+    from engine.io import _split
 
     fd, _, _, _, data = layout
     file_offsets = np.array([100, 2_000_000, 3_000_000, 5], dtype=np.int64)
@@ -404,12 +404,12 @@ def test_split_copy_reads_segments_over_threads_and_reports_the_first_short_read
     for threads in (1, 3, 16):
         out = np.zeros(2_500_000, np.uint8)
         targets = [memoryview(out)[d : d + n] for d, n in zip(dst_offsets, sizes, strict=True)]
-        with _io.SplitReader(threads) as reader:
+        with _split.SplitReader(threads) as reader:
             assert reader.copy(fd, None, file_offsets, targets) == (0, 0, 0)
         for f, d, n in zip(file_offsets, dst_offsets, sizes, strict=True):
             assert (out[d : d + n] == data[f : f + n]).all()
     end = len(data)
-    with _io.SplitReader(4) as reader:
+    with _split.SplitReader(4) as reader:
         err, at, missing = reader.copy(fd, None, np.array([end - 300_000], np.int64),
                                        [memoryview(np.zeros(1 << 20, np.uint8))], 4096)
         assert (err, at) == (-1, end)
@@ -419,14 +419,14 @@ def test_split_copy_reads_segments_over_threads_and_reports_the_first_short_read
 
 
 def test_resident_pages_of_a_fresh_file_and_of_an_empty_range(layout):
-    from engine.io import _io
+    from engine.io import _pages
 
     fd, _, _, _, data = layout
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
         view = memoryview(m)
-        resident, pages = _io.resident_pages(view[123 : 123 + 3 * mmap.PAGESIZE])
+        resident, pages = _pages.resident_pages(view[123 : 123 + 3 * mmap.PAGESIZE])
         assert pages == 4 and 0 <= resident <= pages
-        assert _io.resident_pages(view[:0]) == (0, 0)
+        assert _pages.resident_pages(view[:0]) == (0, 0)
         view.release()
 
 
@@ -438,11 +438,11 @@ def test_default_sizes():
 
 
 def test_split_reader_keeps_its_threads_between_reads(layout):
-    from engine.io import _io
+    from engine.io import _split
 
     fd, _, _, _, data = layout
     rng = np.random.default_rng(3)
-    with _io.SplitReader(5) as reader:
+    with _split.SplitReader(5) as reader:
         assert reader.threads == 5
         for _ in range(200):
             n = int(rng.integers(1, 6))
@@ -463,13 +463,13 @@ def test_split_reader_keeps_its_threads_between_reads(layout):
 
 @pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_split_copy_fills_every_target_from_either_source(layout, source):
-    from engine.io import _io
+    from engine.io import _split
 
     fd, _, _, _, data = layout
     rng = np.random.default_rng(4)
     mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source != "pread" else None
     try:
-        with _io.SplitReader(3, adaptive=source == "auto") as reader:
+        with _split.SplitReader(3, adaptive=source == "auto") as reader:
             for _ in range(100):
                 n = int(rng.integers(1, 8))
                 sizes = rng.integers(0, 300_000, n)
@@ -490,16 +490,16 @@ def test_split_copy_fills_every_target_from_either_source(layout, source):
 
 
 def test_split_copy_refuses_read_only_targets(layout):
-    from engine.io import _io
+    from engine.io import _split
 
     fd, _, _, _, _ = layout
-    with _io.SplitReader(2) as reader, pytest.raises((TypeError, ValueError, BufferError)):
+    with _split.SplitReader(2) as reader, pytest.raises((TypeError, ValueError, BufferError)):
         reader.copy(fd, None, np.array([0], np.int64), [memoryview(bytes(16))])
 
 
 @pytest.mark.parametrize("source", ["mmap", "pread", "auto"])
 def test_split_copy_releases_the_gil(layout, source):
-    from engine.io import _io
+    from engine.io import _split
 
     fd, _, _, _, data = layout
     n = len(data) // 4096
@@ -508,7 +508,7 @@ def test_split_copy_releases_the_gil(layout, source):
     targets = [memoryview(out)[i * 4096 : (i + 1) * 4096] for i in range(n * 8)]
     mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if source != "pread" else None
     try:
-        with _io.SplitReader(2, adaptive=source == "auto") as reader:
+        with _split.SplitReader(2, adaptive=source == "auto") as reader:
 
             def work():
                 for _ in range(10):
@@ -528,19 +528,19 @@ def test_a_copy_from_pages_the_file_lost_is_an_error_not_a_crash(tmp_path):
     code = """
 import faulthandler, mmap, os, sys
 import numpy as np
-from engine.io import _io
+from engine.io import _guard, _split
 path = sys.argv[1]
 np.ones(1 << 20, np.uint8).tofile(path)
 fd = os.open(path, os.O_RDONLY)
 m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
 out = np.zeros(8192, np.uint8)
 faulthandler.enable()
-assert _io.guarded_copy(m, 4096, out) == 0 and out.sum() == 8192
+assert _guard.guarded_copy(m, 4096, out) == 0 and out.sum() == 8192
 faulthandler.disable(); faulthandler.enable()   # a handler set after the guard's
 os.truncate(path, 0)
 out[:] = 0
-print(_io.guarded_copy(m, 4096, out), _io.guarded_copy(m, 0, out))
-with _io.SplitReader(2) as r:
+print(_guard.guarded_copy(m, 4096, out), _guard.guarded_copy(m, 0, out))
+with _split.SplitReader(2) as r:
     print(r.copy(fd, m, np.array([4096], np.int64), [memoryview(out)]))
     # a kept mapping (engine.io.kept_mappings) of the file as it was: the same error
     print(r.copy(fd, m, np.array([4096], np.int64), [memoryview(out)], keep=True))
@@ -579,11 +579,11 @@ def _random_file(tmp_path, nbytes: int, seed: int, mapped: bool = True):
 def test_split_copy_deals_pieces_in_turn_over_a_large_set(tmp_path, source):
     # more than a piece (8 MiB) per thread: the threads take pieces in turn, and segments
     # start and end anywhere inside and across pieces
-    from engine.io import _io
+    from engine.io import _split
 
     rng = np.random.default_rng(6)
     with _random_file(tmp_path, 60 << 20, 6, mapped=source != "pread") as (data, path, fd, mapping):
-        with _io.SplitReader(3, adaptive=source == "auto") as reader:
+        with _split.SplitReader(3, adaptive=source == "auto") as reader:
             cuts = np.sort(rng.integers(0, len(data) - 1000, 9))
             offsets = np.concatenate([[17], cuts]).astype(np.int64)
             sizes = np.diff(np.concatenate([offsets, [len(data) - 5]]))
@@ -606,11 +606,11 @@ def test_split_copy_cuts_pieces_on_two_mib_file_lines(tmp_path, source, start, t
     # comes at the end; every byte lands once, the set starting on a line, just past one or
     # just before, a single segment or many with gaps, a total of a slot's size (pieces
     # rounded up to 4 MiB) or just over a full piece per thread
-    from engine.io import _io
+    from engine.io import _split
 
     rng = np.random.default_rng(start + threads)
     with _random_file(tmp_path, 60 << 20, 12, mapped=source != "pread") as (data, _, fd, mapping):
-        with _io.SplitReader(threads, adaptive=source == "auto", stream=True) as reader:
+        with _split.SplitReader(threads, adaptive=source == "auto", stream=True) as reader:
             for total in ((5 << 20) + 7, (8 << 20) * threads + 3, len(data) - start - 1):
                 out = np.zeros(total, np.uint8)
                 assert reader.copy(fd, mapping, np.array([start], np.int64), [memoryview(out)]) == (0, 0, 0)
@@ -627,10 +627,10 @@ def test_an_adaptive_reader_times_the_mapping_and_copies_exact_bytes(tmp_path):
     # each thread maps part of its first timed piece, timing the mapping of the pages apart
     # from the copy, then keeps to the mapping or to pread by that figure, trying the
     # mapping again now and then; whichever it takes, the bytes are the file's
-    from engine.io import _io
+    from engine.io import _split
 
     with _random_file(tmp_path, 72 << 20, 8) as (data, _, fd, mapping):
-        with _io.SplitReader(2, adaptive=True) as reader:
+        with _split.SplitReader(2, adaptive=True) as reader:
             assert reader.costs == [(0.0, 0.0), (0.0, 0.0)]
             assert reader.sources == [(0, 0), (0, 0)]
             # pieces under 1 MiB are not timed, and before a figure they are read
@@ -649,7 +649,7 @@ def test_an_adaptive_reader_times_the_mapping_and_copies_exact_bytes(tmp_path):
             # every byte went through one source or the other, and each thread mapped
             sources = reader.sources
             assert sum(p + m for p, m in sources) == copied and all(m > 0 for _, m in sources), sources
-        with _io.SplitReader(2) as fixed:
+        with _split.SplitReader(2) as fixed:
             assert fixed.costs == [] and fixed.sources == []
 
 
@@ -657,10 +657,10 @@ def test_an_adaptive_reader_times_the_mapping_and_copies_exact_bytes(tmp_path):
 def test_mapped_copies_are_exact_at_every_alignment_and_length(tmp_path, stream):
     # the streaming copy (stores past the caches) copies a head up to a 16-byte line, then
     # 64-byte blocks, then a tail, and small copies whole: every seam, in every position
-    from engine.io import _io
+    from engine.io import _split
 
     with _random_file(tmp_path, 1 << 20, 10) as (data, _, fd, mapping):
-        with _io.SplitReader(1, stream=stream) as reader:
+        with _split.SplitReader(1, stream=stream) as reader:
             for length in (1, 15, 1023, 1024, 1025, 1024 + 63, 4096, 65_536 + 17, 300_001):
                 for shift in range(17):
                     buf = np.zeros(length + 32, np.uint8)
@@ -683,7 +683,7 @@ def test_mapped_copies_leave_no_file_pages_mapped(tmp_path, gaps):
     # file's size in resident memory until its end (the page cache keeps the pages); the
     # unmap covers each run of file-contiguous segments (tensors) whole, and runs broken by
     # gaps (a selective load) one by one
-    from engine.io import _io
+    from engine.io import _split
 
     with _random_file(tmp_path, 64 << 20, 9) as (data, _, fd, mapping):
         cuts = np.linspace(100, len(data) - 100, 200).astype(np.int64)  # 199 segments
@@ -694,7 +694,7 @@ def test_mapped_copies_leave_no_file_pages_mapped(tmp_path, gaps):
         outs = [np.zeros(int(n), np.uint8) for n in sizes]
         for o in outs:
             o[::4096] = 1  # pre-faulted: anonymous memory, not counted in RssFile
-        with _io.SplitReader(2) as reader:
+        with _split.SplitReader(2) as reader:
             before = _rss_file_kib()
             assert reader.copy(fd, mapping, offsets, [memoryview(o) for o in outs], 4096) == (0, 0, 0)
             grown = _rss_file_kib() - before

@@ -142,11 +142,11 @@ def mapped_file(tmp_path, monkeypatch):
 
 
 def _cold_pieces(mm, lo, hi):
-    from engine.io import _io
+    from engine.io import _pages
 
     view = memoryview(mm)
     try:
-        return sum(not _io.mapping_resident(view, p, min(p + reader.PREFETCH_PIECE, hi))
+        return sum(not _pages.mapping_resident(view, p, min(p + reader.PREFETCH_PIECE, hi))
                    for p in range(lo, hi, reader.PREFETCH_PIECE))
     finally:
         view.release()
@@ -171,14 +171,14 @@ def test_prefetch_ignores_empty_and_small_ranges(mapped_file, monkeypatch):
 
 
 def test_populate_makes_the_range_resident_and_an_empty_range_is_a_no_op(mapped_file):
-    from engine.io import _io
+    from engine.io import _pages
 
     mm, _ = mapped_file
     view = memoryview(mm)
     try:
         assert reader.populate_mapping(view, 0, len(mm)) == 0
-        assert _io.mapping_resident(view, 0, len(mm))
-        assert reader.populate_mapping(view, 5, 5) == 0 and _io.mapping_resident(view, 5, 5)  # empty range
+        assert _pages.mapping_resident(view, 0, len(mm))
+        assert reader.populate_mapping(view, 5, 5) == 0 and _pages.mapping_resident(view, 5, 5)  # empty range
     finally:
         view.release()
 
@@ -186,18 +186,18 @@ def test_populate_makes_the_range_resident_and_an_empty_range_is_a_no_op(mapped_
 def test_populate_write_faults_in_whole_pages_and_keeps_the_bytes():
     import mmap
 
-    from engine.io import _io
+    from engine.io import _pages
 
     page = mmap.PAGESIZE
     mm = mmap.mmap(-1, 8 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(mm)
     try:
         view[page + 3] = 7
-        assert not _io.mapping_resident(view, 3 * page, 7 * page)  # fresh pages are not mapped yet
+        assert not _pages.mapping_resident(view, 3 * page, 7 * page)  # fresh pages are not mapped yet
         # bytes 100 .. 7 pages + 100: whole pages 1..6 are faulted in; the partial ones at the
         # ends may belong to a neighbour and are left alone
         assert reader.populate_write(view[100 : 7 * page + 100]) == 0
-        assert _io.mapping_resident(view, page, 7 * page)
+        assert _pages.mapping_resident(view, page, 7 * page)
         assert view[page + 3] == 7 and bytes(view[2 * page : 3 * page]) == bytes(page)
         assert reader.populate_write(view[5:5]) == 0 and reader.populate_write(view[10:20]) == 0
     finally:
@@ -209,7 +209,7 @@ def test_populate_ranges_faults_in_its_share_of_steps_in_order_and_stops_when_to
     import array
     import mmap
 
-    from engine.io import _io
+    from engine.io import _pages
 
     page = mmap.PAGESIZE
     mm = mmap.mmap(-1, 16 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -220,19 +220,19 @@ def test_populate_ranges_faults_in_its_share_of_steps_in_order_and_stops_when_to
         steps = [[view[0:page], view[page:2 * page]], [view[4 * page:6 * page]], [view[8 * page + 1:10 * page]],
                  [view[12 * page:14 * page]]]
         stop = array.array("i", [0])
-        assert _io.populate_ranges(steps, 1, 2, stop) == 0  # steps 1 and 3 only
-        assert _io.mapping_resident(view, 4 * page, 6 * page) and _io.mapping_resident(view, 12 * page, 14 * page)
-        assert not _io.mapping_resident(view, 0, page) and not _io.mapping_resident(view, 8 * page, 10 * page)
+        assert _pages.populate_ranges(steps, 1, 2, stop) == 0  # steps 1 and 3 only
+        assert _pages.mapping_resident(view, 4 * page, 6 * page) and _pages.mapping_resident(view, 12 * page, 14 * page)
+        assert not _pages.mapping_resident(view, 0, page) and not _pages.mapping_resident(view, 8 * page, 10 * page)
         assert view[5 * page + 1] == 9 and bytes(view[4 * page : 5 * page]) == bytes(page)
-        assert _io.populate_ranges(steps, 0, 2, stop) == 0
-        assert _io.mapping_resident(view, 0, 2 * page) and _io.mapping_resident(view, 9 * page, 10 * page)
-        assert not _io.mapping_resident(view, 8 * page, 9 * page)  # a partial page: a neighbour's
+        assert _pages.populate_ranges(steps, 0, 2, stop) == 0
+        assert _pages.mapping_resident(view, 0, 2 * page) and _pages.mapping_resident(view, 9 * page, 10 * page)
+        assert not _pages.mapping_resident(view, 8 * page, 9 * page)  # a partial page: a neighbour's
         stop[0] = 1  # a stopped call faults nothing in
-        assert _io.populate_ranges([[view[15 * page:16 * page]]], 0, 1, stop) == 0
-        assert not _io.mapping_resident(view, 15 * page, 16 * page)
-        assert _io.populate_ranges([], 0, 1, stop) == 0 and _io.populate_ranges(steps, 9, 1, stop) == 0
+        assert _pages.populate_ranges([[view[15 * page:16 * page]]], 0, 1, stop) == 0
+        assert not _pages.mapping_resident(view, 15 * page, 16 * page)
+        assert _pages.populate_ranges([], 0, 1, stop) == 0 and _pages.populate_ranges(steps, 9, 1, stop) == 0
         with pytest.raises(ValueError):
-            _io.populate_ranges(steps, 0, 0, stop)
+            _pages.populate_ranges(steps, 0, 0, stop)
         del steps
     finally:
         view.release()
@@ -242,7 +242,7 @@ def test_populate_ranges_faults_in_its_share_of_steps_in_order_and_stops_when_to
 def test_fault_ahead_faults_a_destination_in_and_stops_on_close(monkeypatch):
     import mmap
 
-    from engine.io import _io
+    from engine.io import _pages
 
     page = mmap.PAGESIZE
     size = 3 * reader.FAULT_STEP_BYTES
@@ -253,7 +253,7 @@ def test_fault_ahead_faults_a_destination_in_and_stops_on_close(monkeypatch):
         with reader.FaultAhead(views, threads=2) as ahead:
             assert ahead.threads == 2
             ahead.wait()  # close() would stop them between runs
-        assert _io.mapping_resident(view, 0, size)
+        assert _pages.mapping_resident(view, 0, size)
         assert bytes(view[:page]) == bytes(page)
         with reader.FaultAhead(views[:1], threads=8) as ahead:
             assert ahead.threads == 1  # no more threads than steps
@@ -347,14 +347,14 @@ def test_streamed_copies_out_of_a_mapping_land_every_byte_at_any_alignment(tmp_p
     # length and both misalignments must still land each byte exactly once
     import mmap
 
-    from engine.io import _io
+    from engine.io import _split
 
     data = np.random.default_rng(9).integers(0, 256, 3 << 20, dtype=np.uint8)
     path = tmp_path / "s.bin"
     path.write_bytes(data.tobytes())
     fd = os.open(path, os.O_RDONLY)
     try:
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m, _io.SplitReader(1, stream=True) as r:
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m, _split.SplitReader(1, stream=True) as r:
             for n in (1023, 1024, 1025, 4095, 65_537, (1 << 20) + 13, 2 << 20):
                 for src_off, dst_off in ((0, 0), (1, 0), (7, 33), (4096 + 63, 1), (100_000, 61)):
                     dst = np.zeros(n + dst_off + 64, np.uint8)

@@ -1,4 +1,5 @@
-# Declarations shared with the chunk ring (engine/gpu/_ring.pyx): pthreads, and a copy of file
+# The copy engine (engine/io/_io.pyx), cimported by the split copies (_split.pyx), the pread
+# gathers (_spans.pyx) and the chunk ring (engine/gpu/_ring.pyx): pthreads, and a copy of file
 # bytes into memory, from pread or a populated mapping, learning per thread which is faster.
 from libc.stdint cimport int64_t, uint8_t, uint32_t
 from posix.time cimport timespec
@@ -66,3 +67,5 @@ cdef int _copy_piece(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset) noe
 cdef uint32_t _crc_landed(_Part* p, const uint8_t* out, int64_t nbytes, int64_t offset, uint32_t crc) noexcept nogil
 cdef void _unmap_run(const uint8_t* src, int64_t src_len, int64_t lo, int64_t hi) noexcept nogil
 cdef int _guard_ready() noexcept nogil
+cdef int _pread_full(int fd, uint8_t* out, int64_t nbytes, int64_t offset, int64_t* at,
+                     int64_t* missing) noexcept nogil

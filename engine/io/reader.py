@@ -49,7 +49,7 @@ def copy_source() -> str:
     page cache holds the file, so ``"auto"`` measures as it goes: every thread times what
     mapping its pieces' pages costs against copying them, maps while that is under a quarter,
     and ``pread``s past it, trying the mapping on part of a piece now and then
-    (``engine.io._io.SplitReader``).
+    (``engine.io._split.SplitReader``).
     ``ENGINE_COPY_SOURCE`` pins one (``scripts/bench_host.py --source all`` measures all three).
     A file truncated underneath is a ReadError either way (the populate reports pages the file
     no longer backs; a copy that faults anyway is caught; the rest is read with ``pread``,
@@ -182,7 +182,7 @@ def pread_runs(
 
     Run ``i`` (``run_bytes`` bytes at file offset ``base + src[i]``) lands at
     ``dst[i * run_bytes:]``.  This is how a column block of a tensor is read: one run per
-    row.  The loop is native code with the GIL released (``engine.io._io``), so thousands of
+    row.  The loop is native code with the GIL released (``engine.io._spans``), so thousands of
     runs cost one Python call; with ``threads > 1`` the runs are shared among threads.
 
     Raises
@@ -196,7 +196,7 @@ def pread_runs(
     """
     import numpy as np
 
-    from engine.io import _io
+    from engine.io import _spans
 
     src = np.ascontiguousarray(src, dtype=np.int64)
     out = np.frombuffer(dst, dtype=np.uint8)
@@ -204,7 +204,7 @@ def pread_runs(
     threads = max(1, min(threads, n))
 
     def part(lo: int, hi: int) -> None:
-        check_read(_io.pread_runs(fd, out[lo * run_bytes : hi * run_bytes], src[lo:hi], run_bytes, base),
+        check_read(_spans.pread_runs(fd, out[lo * run_bytes : hi * run_bytes], src[lo:hi], run_bytes, base),
                    f"a {run_bytes}-byte run", path, fd)
 
     bounds = [n * k // threads for k in range(threads + 1)]
@@ -261,13 +261,13 @@ def prefetch_mapping(buf, ranges, *, threads: int | None = None) -> int:
             merged.append([lo, hi])
     if sum(hi - lo for lo, hi in merged) < PREFETCH_MIN_BYTES:
         return 0
-    from engine.io import _io  # here: a small load (a short-lived tool's first tensor) needs no native reader
+    from engine.io import _pages  # here: a short-lived tool's small load needs no native reader
 
     pieces = [(p, min(p + PREFETCH_PIECE, hi)) for lo, hi in merged for p in range(lo, hi, PREFETCH_PIECE)]
     view = memoryview(buf).cast("B")
     try:
         # on the calling thread: a warm file starts no threads
-        cold = [p for p in pieces if not _io.mapping_resident(view, p[0], p[1])]
+        cold = [p for p in pieces if not _pages.mapping_resident(view, p[0], p[1])]
         if cold:
             lock = threading.Lock()
             todo = iter(cold)
@@ -278,7 +278,7 @@ def prefetch_mapping(buf, ranges, *, threads: int | None = None) -> int:
                         piece = next(todo, None)
                     if piece is None:
                         return
-                    _io.populate_mapping(view, piece[0], piece[1])
+                    _pages.populate_mapping(view, piece[0], piece[1])
 
             run_threads([work] * max(1, min(threads or default_threads(), len(cold))), name="engine-prefetch")
     finally:
@@ -294,9 +294,9 @@ def populate_mapping(buf, start: int, stop: int) -> int:
     fault.  Returns ``errno`` or 0: advice only, an error leaves the pages to be faulted in
     as usual.
     """
-    from engine.io import _io
+    from engine.io import _pages
 
-    return _io.populate_mapping(buf, start, stop)
+    return _pages.populate_mapping(buf, start, stop)
 
 
 def check_read(result: tuple, what: str, path: str | None, fd: int) -> None:
@@ -321,9 +321,9 @@ def populate_write(buf) -> int:
     released (``MADV_POPULATE_WRITE``); its bytes are unchanged.  Returns ``errno`` or 0.
     For fresh memory that a copy the engine cannot split (a socket receive) is about to
     fill: the copy then runs without a page fault per 4 KiB."""
-    from engine.io import _io
+    from engine.io import _pages
 
-    return _io.populate_write(buf)
+    return _pages.populate_write(buf)
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> int:
@@ -331,9 +331,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> int:
     return at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, GIL released), so that a
     file written during a load (a ``cache_dir`` copy) is mostly on the disk by its
     ``fsync``.  Returns ``errno`` or 0: advice only."""
-    from engine.io import _io
+    from engine.io import _pages
 
-    return _io.start_writeback(fd, offset, nbytes)
+    return _pages.start_writeback(fd, offset, nbytes)
 
 
 #: Bytes of destination per step of :class:`FaultAhead` (the order its threads take them in).
@@ -357,7 +357,7 @@ class FaultAhead:
     """Threads that fault in fresh destination memory in the order a load will fill it,
     so that the threads receiving the bytes (a socket's, which the engine cannot split)
     find the pages there: ``MADV_POPULATE_WRITE`` per run of views, no Python per step
-    (:func:`engine.io._io.populate_ranges`).  Whoever reaches a page first faults it in; the
+    (:func:`engine.io._pages.populate_ranges`).  Whoever reaches a page first faults it in; the
     other finds it present, so the bytes never depend on who wins.
 
     Parameters
@@ -369,7 +369,7 @@ class FaultAhead:
     """
 
     def __init__(self, views, threads: int | None = None) -> None:
-        from engine.io import _io
+        from engine.io import _pages
 
         self._stop = array.array("i", [0])  # int32: read by the threads between runs
         self._threads: list[threading.Thread] = []
@@ -390,7 +390,7 @@ class FaultAhead:
         self._steps = steps
         n = min(want, len(steps))
         self._threads = [
-            threading.Thread(target=_io.populate_ranges, args=(steps, i, n, self._stop),
+            threading.Thread(target=_pages.populate_ranges, args=(steps, i, n, self._stop),
                              name=f"engine-fault-{i}", daemon=True)
             for i in range(n)
         ]
@@ -422,32 +422,32 @@ class FaultAhead:
 
 def resident_pages(buf) -> tuple[int, int]:
     """(resident pages, pages) of a range of a file mapping, by ``mincore``; GIL released."""
-    from engine.io import _io
+    from engine.io import _pages
 
-    return _io.resident_pages(buf)
+    return _pages.resident_pages(buf)
 
 
 def split_piece_bytes() -> int:
     """Bytes of the pieces a split copy deals to its threads, in order, each to the first
     free thread (8 MiB): a load of fewer pieces than threads needs no more threads than
     pieces."""
-    from engine.io import _io
+    from engine.io import _split
 
-    return _io.PIECE_BYTES
+    return _split.PIECE_BYTES
 
 
 def split_reader(threads: int, *, stream: bool = False):
     """A native reader whose ``copy(fd, mapping, file_offsets, targets)`` deals each call's
-    bytes in pieces to ``threads`` pthreads started once (``engine.io._io.SplitReader``;
+    bytes in pieces to ``threads`` pthreads started once (``engine.io._split.SplitReader``;
     ``mapping`` is None for ``pread`` or a read-only mapping of the file, see
     :func:`copy_source`; with ``"auto"`` each thread learns which of the two is faster over
     the reader's life); it returns ``(errno or -1, offset, missing)`` for
     :func:`check_read`.  ``stream``: copies out of the mapping store past the caches, for
     destinations not read soon (a caller's tensors; not a ring's chunk).  Close it when
     done."""
-    from engine.io import _io
+    from engine.io import _split
 
-    return _io.SplitReader(threads, adaptive=copy_source() == "auto", stream=stream)
+    return _split.SplitReader(threads, adaptive=copy_source() == "auto", stream=stream)
 
 
 def pread_spans(fd: int, dst: memoryview, src, run_bytes: int, base: int, bounce, *,
@@ -473,17 +473,17 @@ def pread_spans(fd: int, dst: memoryview, src, run_bytes: int, base: int, bounce
     """
     import numpy as np
 
-    from engine.io import _io
+    from engine.io import _spans
 
     src = np.ascontiguousarray(src, dtype=np.int64)
-    check_read(_io.pread_spans(fd, np.frombuffer(dst, dtype=np.uint8), src, run_bytes, base,
-                               np.frombuffer(bounce, dtype=np.uint8)), f"a {run_bytes}-byte run", path, fd)
+    check_read(_spans.pread_spans(fd, np.frombuffer(dst, dtype=np.uint8), src, run_bytes, base,
+                                  np.frombuffer(bounce, dtype=np.uint8)), f"a {run_bytes}-byte run", path, fd)
 
 
 def spans_bytes(src, run_bytes: int, bounce_bytes: int) -> int:
     """Bytes :func:`pread_spans` reads for runs ``src`` of ``run_bytes`` with that bounce size."""
     import numpy as np
 
-    from engine.io import _io
+    from engine.io import _spans
 
-    return int(_io.spans_bytes(np.ascontiguousarray(src, dtype=np.int64), run_bytes, bounce_bytes))
+    return int(_spans.spans_bytes(np.ascontiguousarray(src, dtype=np.int64), run_bytes, bounce_bytes))

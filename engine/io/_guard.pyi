@@ -1,0 +1,3 @@
+import numpy as np
+
+def guarded_copy(src: memoryview | object, offset: int, dst: np.ndarray | memoryview) -> int: ...
