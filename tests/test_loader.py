@@ -311,7 +311,7 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
     Host and device destinations in one call, the device emulated on the CPU."""
     from emucudart import EmulatedRingOps, Emulator
 
-    import engine.loading.loader
+    import engine.loading.fill
     from engine.base import dtypes
     from engine.sinks._targets import FillTarget
 
@@ -334,8 +334,8 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
             made.append("ops")
             return emu
 
-    real = engine.loading.loader.fill_target
-    monkeypatch.setattr(engine.loading.loader, "fill_target",
+    real = engine.loading.fill.fill_target
+    monkeypatch.setattr(engine.loading.fill, "fill_target",
                         lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
     on_device = [k for k in sd if "proj" in k or k == "ids"]
     dst = {k: EmulatedArray(dtypes.from_numpy(sd[k].dtype), sd[k].shape, sd[k].nbytes) for k in on_device}
