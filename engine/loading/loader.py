@@ -33,15 +33,16 @@ from typing import Any, NamedTuple
 
 from engine.base import dtypes
 from engine.base._files import advise_sequential, open_regular
-from engine.errors import MissingDependencyError, NonFiniteError, SafetensorError, TensorNotFoundError
+from engine.errors import MissingDependencyError, NonFiniteError
 from engine.format.checksums import Checks, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
 from engine.gpu import device_ring
 from engine.io.reader import IOV_MAX
 from engine.loading import pipeline
+from engine.loading._selection import select_file, select_files
 from engine.loading.load_hooks import StatsCollector
 from engine.loading.load_hooks import plan as onload_plan
-from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
+from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads
 from engine.sinks import get_sink
 
 __all__ = ["stream", "stream_parts", "load_file", "load_parts", "Part"]
@@ -354,9 +355,9 @@ def stream_parts(
     spaths = [f.path or "" for f in files]
     try:
         if many:
-            selected = _select_many(headers, spaths, names, patterns, predicate, layers)
+            selected = select_files(headers, spaths, names, patterns, predicate, layers)
         else:
-            selected = [_select(headers[0], spaths[0], names, patterns, predicate, layers)]
+            selected = [select_file(headers[0], spaths[0], names, patterns, predicate, layers)]
         parts = [f._replace(rows=rows) for f, rows in zip(files, selected, strict=True)]
         bases = key_bases(parts)
         where = {b + r: (i, r) for i, (p, b) in enumerate(zip(parts, bases, strict=True)) for r in p.rows}
@@ -456,44 +457,6 @@ def _finite_or_raise(found, name: str, dtype: str, path: str) -> None:
 
 _STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "threads", "chunk_bytes", "per_tensor",
                               "gpu_path", "slot_bytes", "verify_checksums", "check_finite"})
-
-
-def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:
-    """Per-file rows for a selection over several files; each name and pattern must be
-    found in some file."""
-    import fnmatch
-
-    if names is not None:
-        names = [names] if isinstance(names, str) else list(names)
-        known = set().union(*(h.table.index for h in headers))
-        missing = [n for n in names if n not in known]
-        if missing:
-            raise TensorNotFoundError(f"no tensor {missing[0]!r} to select in {len(paths)} files", tensors=missing)
-    if patterns is not None:
-        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(n, pattern) for h in headers for n in h.table.names):
-                raise TensorNotFoundError(f"pattern {pattern!r} matches no tensor", tensors=(pattern,))
-    out = []
-    for h, p in zip(headers, paths, strict=True):
-        mine = None if names is None else [n for n in names if n in h.table.index]
-        pats = None
-        if patterns is not None:
-            pats = [q for q in patterns if any(fnmatch.fnmatchcase(n, q) for n in h.table.names)]
-        everything = names is None and patterns is None and predicate is None and layers is None
-        if everything:
-            out.append(_select(h, p, None, None, None, None))
-        else:
-            out.append(_select(h, p, mine or [], pats or [], predicate, layers))
-    return out
-
-
-def _select(header: Header, path: str, names, patterns, predicate, layers) -> list[int]:
-    try:
-        return select_rows(header.table, names, patterns=patterns, predicate=predicate, layers=layers)
-    except SafetensorError as err:
-        err.path = path
-        raise
 
 
 def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str, Any]:
