@@ -40,7 +40,7 @@ from engine.gpu import device_ring
 from engine.io.reader import IOV_MAX
 from engine.loading import pipeline
 from engine.loading._selection import select_file, select_files
-from engine.loading.load_hooks import StatsCollector
+from engine.loading.cpu_stats import StatsCollector
 from engine.loading.load_hooks import plan as onload_plan
 from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads
 from engine.sinks import get_sink
