@@ -27,7 +27,7 @@ import engine.loading.loader
 import engine.numpy
 from engine.errors import DeviceError, ReadError
 from engine.gpu import device_ring
-from engine.loading import load_hooks
+from engine.loading import kernel_probe, load_hooks
 from engine.numerics import _device_fallback
 from engine.quantize import Int8, QuantizedTensor
 
@@ -82,11 +82,11 @@ def mode(request, monkeypatch):
     from engine.numerics import device
 
     if kind == "numba":
-        monkeypatch.setattr(load_hooks, "_KERNELS", [None])
+        monkeypatch.setattr(kernel_probe, "_KERNELS", [None])
         monkeypatch.setattr(device, "DEFAULT_LAUNCH", device.LaunchConfig(threads=8, blocks=2))
         return kind
-    monkeypatch.setattr(load_hooks, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
-    monkeypatch.setattr(load_hooks, "_WARNED", [True])  # the warning is tested elsewhere
+    monkeypatch.setattr(kernel_probe, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
+    monkeypatch.setattr(kernel_probe, "_WARNED", [True])  # the warning is tested elsewhere
     if kind == "fallback":
         real = _device_fallback.ops_for
         monkeypatch.setattr(_device_fallback, "ops_for",

@@ -30,7 +30,7 @@ never a full-precision copy of the quantized tensors all at once.  Copies of ten
 the kernels read the bytes where they landed.
 
 Where Numba's CUDA target cannot run in the process (numba-cuda missing, no NVVM, a driver
-it does not know: :func:`device_kernels_unusable` asks once), torch and CuPy loads do the same
+it does not know: :mod:`engine.loading.kernel_probe` asks once), torch and CuPy loads do the same
 work with their framework's own operations on the device
 (:mod:`engine.numerics._device_fallback`), in the same order: statistics of each float
 tensor and its quantization queued when it has landed, the same results, no tensor bytes
@@ -52,17 +52,17 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from engine.base import dtypes as _dt
-from engine.errors import DeviceError, DeviceFallbackWarning, NonFiniteError, SafetensorError
+from engine.errors import DeviceError, NonFiniteError, SafetensorError
 from engine.loading import pipeline
+from engine.loading.kernel_probe import device_kernels_unusable, warn_fallback
 
-__all__ = ["LoadWork", "STAGING_BYTES", "device_kernels_unusable", "plan"]
+__all__ = ["LoadWork", "STAGING_BYTES", "plan"]
 
 #: source bytes of tensors being quantized that a device load through the ring holds in
 #: scratch at once (see :meth:`LoadWork.windows`): each window is a ring run of its own, so
@@ -80,7 +80,7 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
     ``quantize`` is None, ``"int8"`` or an :class:`~engine.quantize.Int8`; a selected tensor
     without the spec's axis raises :class:`~engine.errors.SerializationError` here, before
     anything is read.  Device statistics are planned for device sinks only, and only where
-    the device kernels work (:func:`device_kernels_unusable`): elsewhere a torch or CuPy
+    the device kernels work (:mod:`engine.loading.kernel_probe`): elsewhere a torch or CuPy
     sink does the work with its framework's operations on the device, and other sinks keep
     statistics with the CPU fold of the file's bytes and quantize on the CPU; either way
     with one :class:`~engine.errors.DeviceFallbackWarning` per process, and the same results.
@@ -99,7 +99,7 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
             from engine.numerics._device_fallback import ops_for
 
             fallback = ops_for(getattr(sink, "name", ""))
-            _warn_fallback(why, None if fallback is None else fallback.name)
+            warn_fallback(why, None if fallback is None else fallback.name)
             if fallback is None:
                 device_stats, on_cpu = False, True
                 if spec is None:
@@ -108,79 +108,10 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
                     fallback=fallback)
 
 
-#: the probe's verdict for this process: [None] (the kernels work) or [why not]
-_KERNELS: list[str | None] = []
-_KERNELS_LOCK = threading.Lock()
-_WARNED: list[bool] = []
-
-
 def gpu_of(sink) -> int | None:
     """The CUDA device index of a device sink (resolved when the sink was made), or None."""
     dev = getattr(sink, "device", None)
     return getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
-
-
-def device_kernels_unusable(gpu: int | None = None) -> str | None:
-    """Why Numba's CUDA kernels cannot run in this process, or None where they can.
-
-    Asked once per process (:func:`engine.device.probe` compiles and runs one small kernel
-    on GPU ``gpu``, the load's: on the thread's current device only for None, which makes a
-    context there); any failure, from a missing ``numba`` to a missing NVVM, counts.
-    """
-    with _KERNELS_LOCK:
-        if not _KERNELS:
-            try:
-                from engine.numerics import device
-
-                device.probe(gpu)
-                _KERNELS.append(None)
-            except Exception as exc:  # every way the kernels can fail to come up is a fallback
-                _KERNELS.append(f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300])
-        return _KERNELS[0]
-
-
-def _warn_fallback(why: str, framework: str | None) -> None:
-    if not _WARNED:
-        _WARNED.append(True)
-        if framework is not None:
-            instead = (f"statistics and int8 quantization of GPU loads run as {framework} operations on the device "
-                       "instead (slower than the kernels)")
-        else:
-            instead = ("statistics of GPU loads are folded on the CPU and int8 quantization runs on the CPU, its "
-                       "results copied to the device")
-        warnings.warn(
-            f"the engine's CUDA kernels cannot run here ({why}): {instead}; the results are the same. "
-            f"{fallback_fix(why)}",
-            DeviceFallbackWarning, stacklevel=4,
-        )
-
-
-def fallback_fix(why: str) -> str:
-    """What to do about the probe's verdict ``why``: the install line or the upgrade that
-    lets the kernels compile."""
-    low = why.lower()
-    install = f'pip install "numba-cuda[cu{_cuda_major()}]"'
-    if "row_stack" in low:
-        return ("To fix: numba-cuda refers to numpy.row_stack, which numpy 2.5 removed, and its array support "
-                "was loaded before the engine could stand in for it: import engine.device before compiling other "
-                f"numba-cuda kernels, or install a numba-cuda that no longer refers to it ({install} --upgrade)")
-    if "no module named" in low or "nvvm" in low or "libdevice" in low or "cuda_home" in low:
-        return (f"To fix: install numba-cuda with the NVVM compiler as wheels: {install} (matching the CUDA major "
-                "version of your driver)")
-    if "driver" in low:
-        return (f"To fix: update the NVIDIA driver, or install the numba-cuda build for the CUDA version it "
-                f"supports: {install}")
-    return f"To fix: see the error above; installing numba-cuda with its NVVM ({install}) often does"
-
-
-def _cuda_major() -> int:
-    """The CUDA major version torch was built for, where torch is loaded (13 otherwise)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    version = getattr(getattr(torch, "version", None), "cuda", None) or ""
-    major = version.split(".")[0]
-    return int(major) if major.isdigit() and int(major) in (12, 13) else 13
 
 
 def _host_round_trip(sink) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
