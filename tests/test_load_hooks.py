@@ -211,7 +211,7 @@ def test_device_quantize_on_load_bit_identical_and_bounded(monkeypatch, tmp_path
     sd = model(np.random.default_rng(1), layers=4)
     path = tmp_path / "m.safetensors"
     engine.numpy.save_file(sd, path)
-    from engine.loading import load_hooks
+    from engine.loading import _staging, load_hooks
 
     chunk, threads = 4096, 2
     monkeypatch.setattr(load_hooks, "STAGING_BYTES", 2 * chunk)  # windows of the ring's runs
@@ -228,10 +228,10 @@ def test_device_quantize_on_load_bit_identical_and_bounded(monkeypatch, tmp_path
             assert np.array_equal(t.view(np.uint8), x.view(np.uint8))
     quantized_bytes = sum(sd[n].nbytes for n in chosen)
     # each staged once, at an aligned offset of its window's block
-    assert 0 <= sink.staged - quantized_bytes < load_hooks.ALIGN * len(chosen)
+    assert 0 <= sink.staged - quantized_bytes < _staging.ALIGN * len(chosen)
     biggest = max(sd[n].nbytes for n in chosen)
     # scratch held at once: a window's tensors and the one straddling into it, not the model
-    assert sink.peak <= 2 * chunk + 2 * biggest + load_hooks.ALIGN * len(chosen) < quantized_bytes
+    assert sink.peak <= 2 * chunk + 2 * biggest + _staging.ALIGN * len(chosen) < quantized_bytes
     assert sink.live == 0
 
 

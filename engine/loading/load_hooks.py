@@ -60,6 +60,7 @@ import numpy as np
 from engine.base import dtypes as _dt
 from engine.errors import DeviceError, NonFiniteError, SafetensorError
 from engine.loading import pipeline
+from engine.loading._staging import Staging, cut_windows
 from engine.loading.kernel_probe import device_kernels_unusable, warn_fallback
 
 __all__ = ["LoadWork", "STAGING_BYTES", "plan"]
@@ -152,59 +153,6 @@ def _allocator(sink) -> Callable[[tuple, Any], Any]:
     return sink.empty_device  # another device framework (or a test double) brings its own
 
 
-class _Staging(dict):
-    """Row -> device byte buffer: the destinations of the unquantized tensors, and for the
-    tensors to quantize a staging buffer of their source bytes: carved from one allocation
-    per window (:meth:`stage`), or made at first use."""
-
-    def __init__(self, targets, sizes: dict[int, int], empty) -> None:
-        super().__init__(targets)
-        self._sizes = sizes
-        self._empty = empty
-        self._lock = threading.Lock()
-
-    def stage(self, rows: list[int]) -> None:
-        """The scratch of ``rows`` (a window's tensors to quantize, in file order) in two
-        device allocations, not one per tensor: the last row's own (it may straddle into the
-        next window, and must not keep this window's block alive there), and one block for
-        the others, each a view of it at an aligned offset.  A block lives until the last of
-        its views goes."""
-        rows = [r for r in rows if not dict.__contains__(self, r) and self._sizes.get(r, 0)]
-        for group in (rows[:-1], rows[-1:]):
-            offsets, total = carve([self._sizes[r] for r in group])
-            if not total:
-                continue
-            block = self._empty((total,), np.uint8)
-            with self._lock:
-                for r, off in zip(group, offsets, strict=True):
-                    self[r] = block[off : off + self._sizes[r]]
-
-    def __missing__(self, row: int):
-        with self._lock:  # two reader threads may bring the first pieces of one tensor
-            if dict.__contains__(self, row):
-                return dict.__getitem__(self, row)
-            if row not in self._sizes:
-                raise KeyError(row)
-            buf = self._empty((self._sizes[row],), np.uint8)
-            self[row] = buf
-            return buf
-
-
-#: alignment of the buffers carved from one device allocation (that of cudaMalloc's
-#: smallest blocks: every view dtype and vector load of the kernels is aligned)
-ALIGN = 256
-
-
-def carve(sizes: list[int], align: int = ALIGN) -> tuple[list[int], int]:
-    """Offsets of buffers of ``sizes`` bytes laid one after another at ``align``, and the
-    bytes they span."""
-    offsets, end = [], 0
-    for n in sizes:
-        offsets.append(end)
-        end += -(-n // align) * align
-    return offsets, end
-
-
 def _widen(spans: dict[int, list], of, lo: int, hi: int) -> None:
     """``spans[id(of)]`` (``[of, lo, hi]``) widened to cover ``lo:hi``."""
     span = spans.setdefault(id(of), [of, lo, hi])
@@ -253,7 +201,7 @@ class LoadWork:
                 if kind in SUPPORTED_NAMES:
                     self._stats_kind[r] = kind
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
-        self._targets: _Staging | None = None
+        self._targets: Staging | None = None
         self._empty = _allocator(sink) if self.on_device else None
         self._gpu = gpu_of(sink)  # "cuda" without an index was resolved by the sink, on the caller's thread
         self._streams = threading.local()
@@ -285,7 +233,7 @@ class LoadWork:
                  if r not in staged]
         tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
         sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
-        self._targets = _Staging(targets, sizes, self._empty)
+        self._targets = Staging(targets, sizes, self._empty)
         hooked = bool(self._stats_kind) or bool(sizes)
         return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops,
                                              windows=self.windows if sizes else None, hooked=hooked)
@@ -302,26 +250,11 @@ class LoadWork:
         else those starting in its first read request, plus the one straddling from the run
         before; in all at most ``staging_bytes`` plus twice the largest tensor to quantize
         (or plus one read request's bytes and the largest tensor, where that is more), plus
-        under :data:`ALIGN` bytes of padding per tensor (their offsets in the run's block).
+        under :data:`~engine.loading._staging.ALIGN` bytes of padding per tensor (their offsets in
+        the run's block); the cut itself is :func:`~engine.loading._staging.cut_windows`.
         """
-        sizes = self._targets._sizes if self._targets is not None else {}
-        seen: set[int] = set()
-        window: list = []
-        fresh: list[int] = []  # the rows whose first bytes are in the window, in file order
-        staged = 0
-        for req in requests:
-            new = [r for r in dict.fromkeys(p.row for p in req.pieces) if r in sizes and r not in seen]
-            starts = sum(sizes[r] for r in new)
-            if window and starts and staged + starts > self.staging_bytes:
-                self._stage(fresh)
-                yield window
-                self.gather()
-                window, fresh, staged = [], [], 0
-            window.append(req)
-            fresh += new
-            staged += starts
-            seen.update(new)
-        if window:
+        sizes = self._targets.sizes if self._targets is not None else {}
+        for window, fresh in cut_windows(requests, sizes, self.staging_bytes):
             self._stage(fresh)
             yield window
             self.gather()
