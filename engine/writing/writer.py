@@ -14,18 +14,17 @@ Three layers, each usable on its own:
 - :func:`save_file` and :func:`save` write a whole mapping of numpy arrays or torch tensors
   (each turned into bytes by :mod:`engine.writing._tensor_bytes`).
 
-This module is the writing itself: the checks before a file is touched, the positioned
-(vectored) writes, the background flush and the atomic commit.
+This module is the writing itself: the checks before a file is touched, where each tensor's
+bytes go (small tensors batched into one vectored write), when to start the background flush,
+and the atomic commit; the positioned writes and the flush are :mod:`engine.writing._file_writes`.
 """
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import stat
 import sys
-import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Union
@@ -33,12 +32,12 @@ from typing import Any, NamedTuple, Union
 from engine.base._atomic import AtomicFile, sync_dir
 from engine.base._atomic import umask as _umask
 from engine.base._atomic import write_error as _write_error
-from engine.base._files import IOV_MAX
 from engine.base.dtypes import BY_NAME, DTYPES, NAMES
 from engine.errors import SerializationError
 from engine.format import checksums as _checksums
 from engine.format._header_encode import build_header, check_name, checked_shape, dtype_code, packed_nbytes
 from engine.format.header import MAX_HEADER_SIZE
+from engine.writing._file_writes import WRITEV_MAX, BackgroundSync, write_all, writev_all
 from engine.writing._tensor_bytes import Raw, check_shared, host_chunks, tensor_bytes
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
@@ -134,57 +133,12 @@ def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None 
 
 
 # --------------------------------------------------------------------------- files
-
-
-if hasattr(os, "pwrite"):
-
-    def _write_at(fd: int, data: memoryview, offset: int) -> int:
-        return os.pwrite(fd, data, offset)
-
-else:  # pragma: no cover - Windows
-
-    def _write_at(fd: int, data: memoryview, offset: int) -> int:
-        os.lseek(fd, offset, os.SEEK_SET)
-        return os.write(fd, data)
-
-
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = _write_at(fd, data, offset)
-        if written <= 0:  # a full disk can show as a zero-length write
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        data = data[written:]
-        offset += written
-
-
-# one buffer per call where there is no pwritev (Windows, macOS before 11)
-_IOV_MAX = IOV_MAX if hasattr(os, "pwritev") else 1
-
+# (the positioned writes and the background flush themselves: engine.writing._file_writes)
 
 #: Tensors smaller than this are gathered into one ``pwritev`` of up to ``_BATCH`` bytes;
 #: larger ones are written on their own, as large writes already amortise the call.
 _SMALL = 1 << 20
 _BATCH = 8 << 20
-
-
-def _writev_at(fd: int, views: list[memoryview], offset: int) -> int:
-    return os.pwritev(fd, views, offset)
-
-
-def _writev_all(fd: int, views: list[memoryview], offset: int) -> None:
-    """``pwritev`` of ``views`` (back to back in the file from ``offset``), partial writes resumed."""
-    views = list(views)
-    while views:
-        written = _writev_at(fd, views, offset)
-        if written <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        offset += written
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if written:
-            views[0] = views[0][written:]
-
 
 #: Written bytes after which a background thread starts flushing them to disk, so that the
 #: final fsync of an atomic save has only the tail left instead of the whole file.
@@ -193,48 +147,6 @@ _SYNC_EVERY = 256 << 20
 #: the writes (journal commits on the same file), which a smaller file does not win back
 #: (548 MB saved about 3x slower with it: BENCHMARKS.md, "Saves", scripts/bench_save.py).
 _SYNC_FROM = 1 << 30
-
-
-class _BackgroundSync:
-    """Runs ``fdatasync`` on a thread while the writer goes on filling the page cache.
-
-    Writing and flushing then overlap: a save costs about the longer of the two instead of
-    their sum.  ``os.fdatasync`` releases the GIL.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.wake = threading.Event()
-        self.pending = False
-        self.closing = False
-        self.error: OSError | None = None
-        self.thread = threading.Thread(target=self._run, name="engine-fsync", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self.wake.wait()
-            self.wake.clear()
-            # a flush asked for before close() still runs: what was kicked is flushed
-            if self.pending:
-                self.pending = False
-                try:
-                    os.fdatasync(self.fd)
-                except OSError as exc:  # reported by close(), which commit() calls
-                    self.error = exc
-                    return
-            if self.closing:
-                return
-
-    def kick(self) -> None:
-        self.pending = True
-        self.wake.set()
-
-    def close(self) -> OSError | None:
-        self.closing = True
-        self.wake.set()
-        self.thread.join()
-        return self.error
 
 
 class _Entry(NamedTuple):
@@ -276,7 +188,7 @@ class TensorWriter:
     def _open(self, path: PathLike, header: bytes, entries: dict[str, _Entry], fsync: bool) -> None:
         self.path = os.fspath(path)
         self._fsync = fsync
-        self._syncer: _BackgroundSync | None = None
+        self._syncer: BackgroundSync | None = None
         self._unsynced = 0
         self._background = fsync and len(header) + sum(e.nbytes for e in entries.values()) >= _SYNC_FROM
         self._entries = entries  # in layout order
@@ -301,7 +213,7 @@ class TensorWriter:
         # A writer dropped without commit() or abort() must not leave its temporary file.
         self._finalizer = weakref.finalize(self, self._file.discard)
         try:
-            _write_all(fd, memoryview(header), 0)
+            write_all(fd, memoryview(header), 0)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
@@ -397,7 +309,7 @@ class TensorWriter:
         if self._background and self._unsynced >= _SYNC_EVERY:
             assert self._fd is not None
             if self._syncer is None:
-                self._syncer = _BackgroundSync(self._fd)
+                self._syncer = BackgroundSync(self._fd)
                 weakref.finalize(self, self._syncer.close)  # a dropped writer stops it too
             self._syncer.kick()
             self._unsynced = 0
@@ -421,7 +333,7 @@ class TensorWriter:
                 return
             name0 = batch[0][0]
             try:
-                _writev_all(fd, [v for _, v in batch], self._entries[name0].offset)
+                writev_all(fd, [v for _, v in batch], self._entries[name0].offset)
             except BaseException as exc:
                 self.abort()
                 if isinstance(exc, OSError):
@@ -436,8 +348,8 @@ class TensorWriter:
 
         for name, raw in items:
             view = raw.direct
-            if view is not None and raw.nbytes < _SMALL and _IOV_MAX > 1:
-                if batch and (size + raw.nbytes > _BATCH or len(batch) >= _IOV_MAX):
+            if view is not None and raw.nbytes < _SMALL and WRITEV_MAX > 1:
+                if batch and (size + raw.nbytes > _BATCH or len(batch) >= WRITEV_MAX):
                     flush()
                 if raw.nbytes:
                     batch.append((name, view))
@@ -452,7 +364,7 @@ class TensorWriter:
         offset = self._entries[name].offset + self._filled[name]
         try:
             for piece in raw.chunks(_CHUNK):
-                _write_all(self._fd, piece, offset)
+                write_all(self._fd, piece, offset)
                 offset += len(piece)
                 self._filled[name] += len(piece)
                 n = len(piece)
