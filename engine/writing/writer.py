@@ -14,9 +14,10 @@ Three layers, each usable on its own:
 - :func:`save_file` and :func:`save` write a whole mapping of numpy arrays or torch tensors
   (each turned into bytes by :mod:`engine.writing._tensor_bytes`).
 
-This module is the writing itself: the checks before a file is touched, where each tensor's
-bytes go (small tensors batched into one vectored write), when to start the background flush,
-and the atomic commit; the positioned writes and the flush are :mod:`engine.writing._file_writes`.
+This module is the writing itself: where each tensor's bytes go (small tensors batched into
+one vectored write), when to start the background flush, and the atomic commit.  A whole
+mapping is checked and laid out before a file is touched by :mod:`engine.writing._prepare`;
+the positioned writes and the flush are :mod:`engine.writing._file_writes`.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from engine.base._atomic import umask as _umask
 from engine.base._atomic import write_error as _write_error
 from engine.base.dtypes import BY_NAME, DTYPES, NAMES
 from engine.errors import SerializationError
-from engine.format import checksums as _checksums
 from engine.format._header_encode import build_header, check_name, checked_shape, dtype_code, packed_nbytes
 from engine.format.header import MAX_HEADER_SIZE
 from engine.writing._file_writes import WRITEV_MAX, BackgroundSync, write_all, writev_all
-from engine.writing._tensor_bytes import Raw, check_shared, host_chunks, tensor_bytes
+from engine.writing._prepare import prepare
+from engine.writing._tensor_bytes import Raw, host_chunks, tensor_bytes
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
 
@@ -52,55 +53,6 @@ _U8 = BY_NAME["U8"].code
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _prepare(
-    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, max_header_size: int = MAX_HEADER_SIZE,
-    checksums: bool = False,
-) -> tuple[list[tuple[str, Raw]], bytes, list[tuple[int, int]]]:
-    """Validate everything, before any file is touched; return the items, header and layout."""
-    if not isinstance(tensors, Mapping):
-        raise SerializationError(
-            f"expected a mapping of names to tensors, got {type(tensors).__name__}", reason="UnsupportedType"
-        )
-    items = []
-    for name, x in tensors.items():
-        check_name(name)
-        items.append((name, tensor_bytes(name, x)))
-    check_shared(items)
-    header, layout = build_header(
-        ((name, r.code, r.shape, r.nbytes) for name, r in items), metadata, max_header_size=max_header_size
-    )
-    if checksums:
-        header, layout = _with_checksums(items, metadata, layout, max_header_size)
-    return items, header, layout
-
-
-def _with_checksums(items, metadata, layout, max_header_size):
-    """The header and layout again, with every tensor's CRC-32C in the metadata
-    (:mod:`engine.format.checksums`): one read of each tensor's bytes before the file is written."""
-    if metadata is not None and _checksums.KEY in metadata:
-        raise SerializationError(f"metadata key {_checksums.KEY!r} is written by checksums=True; leave it out",
-                                 reason="InvalidMetadata")
-    ordered = sorted(layout, key=lambda e: (e[1], items[e[0]][0]))
-    crcs = []
-    for index, _ in ordered:
-        crc = 0
-        for piece in items[index][1].chunks(_CHUNK):
-            crc = _checksums.crc32c(piece, crc)
-            del piece
-        crcs.append(crc)
-    # the header's own CRC, from the same columns a reader takes from the parsed header
-    raws = [items[index][1] for index, _ in ordered]
-    start = ordered[0][1] if ordered else 0  # the layout's offsets are the file's: the data region's here
-    header_crc = _checksums.canonical_digest(
-        [items[index][0] for index, _ in ordered], [r.code for r in raws], [tuple(r.shape) for r in raws],
-        [begin - start for _, begin in ordered],
-        [begin - start + r.nbytes for (_, begin), r in zip(ordered, raws, strict=True)], metadata)
-    full = dict(metadata or {})
-    full[_checksums.KEY] = _checksums.encode_ordered(crcs, header_crc)
-    return build_header(((name, r.code, r.shape, r.nbytes) for name, r in items), full,
-                        max_header_size=max_header_size)
 
 
 def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> dict[str, int]:
@@ -128,7 +80,7 @@ def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None 
     -----
     Reads no tensor bytes (a device tensor is not copied); memory: a few objects per tensor.
     """
-    items, _, _ = _prepare(tensors, metadata, max_header_size=sys.maxsize)
+    items, _, _ = prepare(tensors, metadata, max_header_size=sys.maxsize, checksums=False, chunk=_CHUNK)
     return {name: raw.nbytes for name, raw in items}
 
 
@@ -575,7 +527,8 @@ def save_file(
     tensor; saving a 2 GB dict allocates no buffer in proportion to it.  The written pages
     sit in the OS page cache, not in the process.
     """
-    items, header, layout = _prepare(tensors, metadata, max_header_size, checksums)
+    items, header, layout = prepare(tensors, metadata, max_header_size=max_header_size, checksums=checksums,
+                                   chunk=_CHUNK)
     entries = {
         items[i][0]: _Entry(items[i][1].code, items[i][1].shape, items[i][1].nbytes, offset)
         for i, offset in layout
@@ -626,7 +579,8 @@ def save(
     the returned ``bytes`` without a further copy.  Peak memory: the tensors plus the
     result plus, for big-endian or device tensors, one staging slice of at most 64 MiB.
     """
-    items, header, layout = _prepare(tensors, metadata, max_header_size, checksums)
+    items, header, layout = prepare(tensors, metadata, max_header_size=max_header_size, checksums=checksums,
+                                   chunk=_CHUNK)
     total = len(header) + sum(raw.nbytes for _, raw in items)
     # BytesIO adopts an unshared bytes object as its buffer, writes into it in place and
     # hands it back from getvalue() when the size matches: one allocation, no final copy.
