@@ -49,7 +49,7 @@ import engine  # noqa: E402
 import engine.loading.loader  # noqa: E402
 import engine.numpy  # noqa: E402
 from engine.gpu import device_ring  # noqa: E402
-from engine.loading import load_hooks  # noqa: E402
+from engine.loading import kernel_probe  # noqa: E402
 from engine.quantize import Int8  # noqa: E402
 
 #: the kernels run nothing here (their NaN counts are whatever memory held): clamp, never raise
@@ -124,7 +124,7 @@ def main() -> int:
         launches[0] += 1
 
     device._launch = queued
-    load_hooks._KERNELS[:] = [None]  # the kernels "work": no fallback
+    kernel_probe._KERNELS[:] = [None]  # the kernels "work": no fallback
     emulator = Emulator()
     emulator.noop(True)
     ops = EmulatedRingOps(emulator)

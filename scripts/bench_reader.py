@@ -364,7 +364,7 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
     """
     from engine import statistics as est
     from engine.io.reader import pread_into, run_threads
-    from engine.loading import load_hooks
+    from engine.loading.cpu_stats import StatsCollector
     from engine.sinks import host_block
 
     start = engine.read_header(path).data_start
@@ -372,7 +372,7 @@ def _bare_load(path, engine, mode: str, threads: int = 2, request: int = 16 << 2
     block = host_block(size)  # the anonymous block an owned load fills
     dest = np.frombuffer(block, np.uint8)
     fd = os.open(path, os.O_RDONLY)
-    window = load_hooks.StatsCollector.WINDOW
+    window = StatsCollector.WINDOW
 
     def worker(i: int) -> None:
         acc = est.Accumulator("BF16")

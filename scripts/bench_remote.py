@@ -206,7 +206,7 @@ def _engine_device(url: str, dma: str = "none", repeat: int = 0) -> str:
         "import numpy as np\n"
         "from benchmarks import host\n"
         "from engine.loading import pipeline\nfrom engine.urls import remote_load\n"
-        "from engine.loading.loader import _bases, _sources\n"
+        "from engine.loading.loader import _sources, key_bases as _bases\n"
         f"opened = remote_load.open_parts({url!r})\n"
         "parts = [p._replace(rows=list(p.header.table.file_order())) for p in opened.parts]\n"
         "bases = _bases(parts)\n"

@@ -296,10 +296,10 @@ def model_file(tmp_path):
 @pytest.fixture
 def kernels_fail(monkeypatch):
     """numba-cuda's compile fails in this process (the probe's verdict where NVVM is missing)."""
-    from engine.loading import load_hooks
+    from engine.loading import kernel_probe
 
-    monkeypatch.setattr(load_hooks, "_KERNELS", [])
-    monkeypatch.setattr(load_hooks, "_WARNED", [])
+    monkeypatch.setattr(kernel_probe, "_KERNELS", [])
+    monkeypatch.setattr(kernel_probe, "_WARNED", [])
 
     def probe(index=None):
         raise RuntimeError("NvvmSupportError: libNVVM cannot be found. Do `conda install cudatoolkit`")
@@ -392,7 +392,7 @@ def test_stats_alone_per_axis_and_dtype_through_a_load(tmp_path, monkeypatch, ke
 
 
 def test_fixes_named_for_each_cause():
-    from engine.loading.load_hooks import fallback_fix
+    from engine.loading.kernel_probe import fallback_fix
 
     assert 'pip install "numba-cuda[cu' in fallback_fix("ModuleNotFoundError: No module named 'numba_cuda'")
     assert "NVVM" in fallback_fix("NvvmSupportError: libNVVM cannot be found")

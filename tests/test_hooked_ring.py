@@ -27,7 +27,7 @@ import engine.loading.loader
 import engine.numpy
 from engine.errors import DeviceError, ReadError
 from engine.gpu import device_ring
-from engine.loading import load_hooks
+from engine.loading import _staging, kernel_probe, load_hooks
 from engine.numerics import _device_fallback
 from engine.quantize import Int8, QuantizedTensor
 
@@ -82,11 +82,11 @@ def mode(request, monkeypatch):
     from engine.numerics import device
 
     if kind == "numba":
-        monkeypatch.setattr(load_hooks, "_KERNELS", [None])
+        monkeypatch.setattr(kernel_probe, "_KERNELS", [None])
         monkeypatch.setattr(device, "DEFAULT_LAUNCH", device.LaunchConfig(threads=8, blocks=2))
         return kind
-    monkeypatch.setattr(load_hooks, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
-    monkeypatch.setattr(load_hooks, "_WARNED", [True])  # the warning is tested elsewhere
+    monkeypatch.setattr(kernel_probe, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
+    monkeypatch.setattr(kernel_probe, "_WARNED", [True])  # the warning is tested elsewhere
     if kind == "fallback":
         real = _device_fallback.ops_for
         monkeypatch.setattr(_device_fallback, "ops_for",
@@ -176,7 +176,7 @@ def test_stats_and_int8_through_the_ring(model_file, sink, mode, monkeypatch, em
     if mode == "cpu":
         assert sink.staged == 0
     else:  # one block per window for the scratch, each tensor's at an aligned offset of it
-        assert 0 <= sink.staged - sum(sd[n].nbytes for n in chosen) < load_hooks.ALIGN * len(chosen)
+        assert 0 <= sink.staged - sum(sd[n].nbytes for n in chosen) < _staging.ALIGN * len(chosen)
     assert sink.live == 0
 
 
@@ -201,9 +201,9 @@ def test_int8_scratch_is_bounded_by_windows(tmp_path, sink, mode, monkeypatch):
     quantized = sum(sd[n].nbytes for n in chosen)
     biggest = max(sd[n].nbytes for n in chosen)
     assert len(records) > 2  # one ring run per window
-    assert 0 <= sink.staged - quantized < load_hooks.ALIGN * len(chosen) and sink.live == 0
+    assert 0 <= sink.staged - quantized < _staging.ALIGN * len(chosen) and sink.live == 0
     # never every quantized tensor's source at once (padding: the offsets' alignment)
-    assert sink.peak <= budget + 2 * biggest + load_hooks.ALIGN * len(chosen) < quantized
+    assert sink.peak <= budget + 2 * biggest + _staging.ALIGN * len(chosen) < quantized
 
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)

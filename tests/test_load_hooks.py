@@ -211,7 +211,7 @@ def test_device_quantize_on_load_bit_identical_and_bounded(monkeypatch, tmp_path
     sd = model(np.random.default_rng(1), layers=4)
     path = tmp_path / "m.safetensors"
     engine.numpy.save_file(sd, path)
-    from engine.loading import load_hooks
+    from engine.loading import _staging, load_hooks
 
     chunk, threads = 4096, 2
     monkeypatch.setattr(load_hooks, "STAGING_BYTES", 2 * chunk)  # windows of the ring's runs
@@ -228,10 +228,10 @@ def test_device_quantize_on_load_bit_identical_and_bounded(monkeypatch, tmp_path
             assert np.array_equal(t.view(np.uint8), x.view(np.uint8))
     quantized_bytes = sum(sd[n].nbytes for n in chosen)
     # each staged once, at an aligned offset of its window's block
-    assert 0 <= sink.staged - quantized_bytes < load_hooks.ALIGN * len(chosen)
+    assert 0 <= sink.staged - quantized_bytes < _staging.ALIGN * len(chosen)
     biggest = max(sd[n].nbytes for n in chosen)
     # scratch held at once: a window's tensors and the one straddling into it, not the model
-    assert sink.peak <= 2 * chunk + 2 * biggest + load_hooks.ALIGN * len(chosen) < quantized_bytes
+    assert sink.peak <= 2 * chunk + 2 * biggest + _staging.ALIGN * len(chosen) < quantized_bytes
     assert sink.live == 0
 
 
@@ -274,10 +274,10 @@ class HostRoundTripSink(SimSink):
 def no_device_kernels(monkeypatch):
     """A process whose Numba CUDA target cannot compile: the probe's verdict, as it is where
     NVVM is missing (a fresh warning state too)."""
-    from engine.loading import load_hooks
+    from engine.loading import kernel_probe
 
-    monkeypatch.setattr(load_hooks, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
-    monkeypatch.setattr(load_hooks, "_WARNED", [])
+    monkeypatch.setattr(kernel_probe, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
+    monkeypatch.setattr(kernel_probe, "_WARNED", [])
 
 
 def test_device_loads_fall_back_to_the_cpu_where_the_kernels_cannot_run(model_file, monkeypatch,
@@ -329,29 +329,29 @@ def test_device_stats_alone_fall_back_to_the_cpu_fold(model_file, monkeypatch, n
 
 
 def test_the_probe_names_why_the_kernels_cannot_run(monkeypatch):
-    from engine.loading import load_hooks
+    from engine.loading import kernel_probe
     from engine.numerics import device
 
-    monkeypatch.setattr(load_hooks, "_KERNELS", [])
+    monkeypatch.setattr(kernel_probe, "_KERNELS", [])
 
     def broken(index=None):
         raise RuntimeError("CUDA driver version is insufficient\nsecond line")
 
     monkeypatch.setattr(device, "probe", broken)
-    assert load_hooks.device_kernels_unusable() == "RuntimeError: CUDA driver version is insufficient"
+    assert kernel_probe.device_kernels_unusable() == "RuntimeError: CUDA driver version is insufficient"
     monkeypatch.setattr(device, "probe", lambda index=None: None)
-    assert load_hooks.device_kernels_unusable() is not None  # asked once per process
-    monkeypatch.setattr(load_hooks, "_KERNELS", [])
-    assert load_hooks.device_kernels_unusable() is None
+    assert kernel_probe.device_kernels_unusable() is not None  # asked once per process
+    monkeypatch.setattr(kernel_probe, "_KERNELS", [])
+    assert kernel_probe.device_kernels_unusable() is None
 
 
 def test_the_real_probe_on_this_machine(monkeypatch):
     from numba import cuda
 
-    from engine.loading import load_hooks
+    from engine.loading import kernel_probe
 
-    monkeypatch.setattr(load_hooks, "_KERNELS", [])
-    why = load_hooks.device_kernels_unusable()
+    monkeypatch.setattr(kernel_probe, "_KERNELS", [])
+    why = kernel_probe.device_kernels_unusable()
     if SIM or cuda.is_available():
         assert why is None  # the simulator, or a GPU with a working toolkit, runs the kernels
     else:
@@ -361,10 +361,10 @@ def test_the_real_probe_on_this_machine(monkeypatch):
 def test_the_probe_runs_on_the_loads_device(monkeypatch):
     """The kernels' probe compiles and runs on the load's GPU: on a thread with no current
     device, Numba's default would make a context on GPU 0 of a rank that uses GPU 1."""
-    from engine.loading import load_hooks
+    from engine.loading import kernel_probe, load_hooks
     from engine.numerics import device
 
-    monkeypatch.setattr(load_hooks, "_KERNELS", [])
+    monkeypatch.setattr(kernel_probe, "_KERNELS", [])
     seen: list = []
 
     def probe(index=None):

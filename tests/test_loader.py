@@ -12,7 +12,7 @@ import pytest
 from conftest import SplitCopies, in_threads
 
 import engine
-import engine.loading.load_hooks
+import engine.loading.cpu_stats
 import engine.loading.loader
 import engine.loading.pipeline
 import engine.numpy
@@ -145,7 +145,7 @@ def test_stream_stats_of_tensors_at_odd_file_offsets(tmp_path, monkeypatch, wind
     import ml_dtypes
 
     if window:
-        monkeypatch.setattr(engine.loading.load_hooks.StatsCollector, "WINDOW", window)
+        monkeypatch.setattr(engine.loading.cpu_stats.StatsCollector, "WINDOW", window)
     rng = np.random.default_rng(9)
     parts = {
         "u8": np.arange(3, dtype=np.uint8),
@@ -180,7 +180,7 @@ def test_stream_stats_truncated_mid_load_is_a_read_error(tmp_path, monkeypatch):
     engine.numpy.save_file(sd, path)
     from engine.statistics import Accumulator
 
-    monkeypatch.setattr(engine.loading.load_hooks.StatsCollector, "WINDOW", 4096)
+    monkeypatch.setattr(engine.loading.cpu_stats.StatsCollector, "WINDOW", 4096)
     real = Accumulator.read
     calls = itertools.count(1)  # next() is atomic: the reader threads share the count
 
@@ -311,7 +311,7 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
     Host and device destinations in one call, the device emulated on the CPU."""
     from emucudart import EmulatedRingOps, Emulator
 
-    import engine.loading.loader
+    import engine.loading.fill
     from engine.base import dtypes
     from engine.sinks._targets import FillTarget
 
@@ -334,8 +334,8 @@ def test_load_into_reaches_a_device_through_the_destinations_own_ops(model_file,
             made.append("ops")
             return emu
 
-    real = engine.loading.loader.fill_target
-    monkeypatch.setattr(engine.loading.loader, "fill_target",
+    real = engine.loading.fill.fill_target
+    monkeypatch.setattr(engine.loading.fill, "fill_target",
                         lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
     on_device = [k for k in sd if "proj" in k or k == "ids"]
     dst = {k: EmulatedArray(dtypes.from_numpy(sd[k].dtype), sd[k].shape, sd[k].nbytes) for k in on_device}
@@ -372,7 +372,7 @@ def test_load_into_a_device_it_cannot_fill_is_a_device_error(model_file):
 def test_stream_stats_equal_stats_of_the_loaded_tensors(tmp_path, monkeypatch, chunk, window):
     pytest.importorskip("numba", reason="statistics need Numba (a test extra)")
     if window:  # pieces of at least `window` bytes take the native read-and-fold path
-        monkeypatch.setattr(engine.loading.load_hooks.StatsCollector, "WINDOW", window)
+        monkeypatch.setattr(engine.loading.cpu_stats.StatsCollector, "WINDOW", window)
     import ml_dtypes
 
     rng = np.random.default_rng(3)

@@ -124,7 +124,7 @@ def ring_ops():
 def test_load_into_a_device_from_a_url_goes_through_the_ring(checkpoint, nginx, monkeypatch, gpu_path, ring_ops):
     """A device destination, emulated on the CPU: remote bytes land in the ring's chunks,
     then the device's copies."""
-    import engine.loading.loader
+    import engine.loading.fill
     from engine.base import dtypes
     from engine.sinks._targets import FillTarget
 
@@ -143,8 +143,8 @@ def test_load_into_a_device_from_a_url_goes_through_the_ring(checkpoint, nginx, 
         def device_ops(self):
             return emu
 
-    real = engine.loading.loader.fill_target
-    monkeypatch.setattr(engine.loading.loader, "fill_target",
+    real = engine.loading.fill.fill_target
+    monkeypatch.setattr(engine.loading.fill, "fill_target",
                         lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
     on_device = [k for k in sd if "proj" in k]
     dst = {k: EmulatedArray(dtypes.from_torch(sd[k].dtype), tuple(sd[k].shape), len(raw(sd[k])))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import engine
+import engine.loading.fill
 import engine.loading.loader
 from engine.errors import RangeIgnoredWarning, ReadError
 from engine.gpu import device_ring
@@ -164,8 +165,8 @@ def test_load_into_device_tensors_from_a_url_through_the_ring(checkpoint, nginx,
         def device_ops(self):
             return ops
 
-    real = engine.loading.loader.fill_target
-    monkeypatch.setattr(engine.loading.loader, "fill_target",
+    real = engine.loading.fill.fill_target
+    monkeypatch.setattr(engine.loading.fill, "fill_target",
                         lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
     dst = {k: EmulatedArray(v.nbytes) for k, v in sd.items()}
     with device_ring.load_records() as records:

@@ -95,12 +95,12 @@ def test_errors_name_the_checkpoint_directory_not_the_hidden_one(tmp_path, monke
     assert e.value.path == str(dest / "model.safetensors")
     assert not dest.exists()
 
-    from engine.writing import writer
+    from engine.writing import _file_writes
 
     def failing(fd, data, offset):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(writer, "_write_at", failing)
+    monkeypatch.setattr(_file_writes, "write_at", failing)
     with pytest.raises(WriteError) as w:
         save_sharded(_arrays(1), dest, max_shard_size=4 << 20, max_workers=1)
     assert w.value.path == str(dest / "model-00001-of-00004.safetensors")

@@ -32,7 +32,7 @@ from engine.errors import (
     WriteError,
 )
 from engine.format.header import read_header
-from engine.writing import writer
+from engine.writing import _file_writes, writer
 
 try:
     import safetensors.torch as ref_torch
@@ -271,13 +271,13 @@ def test_writes_come_straight_from_tensor_memory(tmp_path, monkeypatch):
     a = random_array(np.float32, (64,))
     t = random_tensor("bfloat16", (32,))
     pieces = []
-    real = writer._write_at
+    real = _file_writes.write_at
 
     def spy(fd, data, offset):
         pieces.append(data)
         return real(fd, data, offset)
 
-    monkeypatch.setattr(writer, "_write_at", spy)
+    monkeypatch.setattr(_file_writes, "write_at", spy)
     monkeypatch.setattr(writer, "_CHUNK", 64)
     monkeypatch.setattr(writer, "_SMALL", 0)  # every tensor on its own, in 64-byte slices
     writer.save_file({"a": a, "t": t}, tmp_path / "m")
@@ -362,8 +362,8 @@ def fail_on_write(monkeypatch, n, exc):
 
         return write
 
-    monkeypatch.setattr(writer, "_write_at", wrap(writer._write_at))
-    monkeypatch.setattr(writer, "_writev_at", wrap(writer._writev_at))
+    monkeypatch.setattr(_file_writes, "write_at", wrap(_file_writes.write_at))
+    monkeypatch.setattr(_file_writes, "writev_at", wrap(_file_writes.writev_at))
 
 
 TWO_TENSORS = {"first": random_array(np.float32, (8,)), "second": random_array(np.float32, (4,))}
@@ -404,8 +404,8 @@ def test_interrupt_mid_write_is_reraised_and_cleaned_up(tmp_path, monkeypatch, f
 
 
 def test_zero_length_write_is_disk_full(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer, "_write_at", lambda fd, data, offset: 0)
-    monkeypatch.setattr(writer, "_writev_at", lambda fd, views, offset: 0)
+    monkeypatch.setattr(_file_writes, "write_at", lambda fd, data, offset: 0)
+    monkeypatch.setattr(_file_writes, "writev_at", lambda fd, views, offset: 0)
     with pytest.raises(WriteError) as info:
         writer.save_file(TWO_TENSORS, tmp_path / "m")
     assert info.value.errno == errno.ENOSPC
@@ -837,7 +837,7 @@ def test_background_flush_overlaps_writing(tmp_path, monkeypatch):
 
 def test_small_tensors_go_out_in_few_system_calls(tmp_path, monkeypatch):
     calls = []
-    real = writer._writev_at
+    real = _file_writes.writev_at
 
     def spy(fd, views, offset):
         calls.append((len(views), offset))
@@ -846,7 +846,7 @@ def test_small_tensors_go_out_in_few_system_calls(tmp_path, monkeypatch):
         return real(fd, views, offset)
 
     many = {f"t{i:03d}": random_array(np.float32, (i % 7 + 1,)) for i in range(300)}
-    monkeypatch.setattr(writer, "_writev_at", spy)
+    monkeypatch.setattr(_file_writes, "writev_at", spy)
     dest = tmp_path / "m.safetensors"
     writer.save_file(many, dest)
     assert len(calls) == 1 and calls[0][0] == 300

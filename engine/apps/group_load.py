@@ -521,7 +521,7 @@ def _check_destinations(parts, layout, targets: Mapping[str, Any], strict: bool,
     checkpoint, of its tensor's dtype and shape, in memory a load can fill (and, with
     ``strict``, every tensor named)."""
     from engine.errors import DeviceError
-    from engine.loading.loader import check_destination
+    from engine.loading.fill import check_destination
 
     rows = {name: (i, r) for i, r, name, _, _ in layout}
     missing = [n for n in targets if n not in rows]

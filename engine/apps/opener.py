@@ -207,7 +207,7 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
     """Fill existing tensors in place from a file, or from a checkpoint (an index or a
     directory) as one load across its shards.
 
-    Parameters, returns, errors and copies as :func:`engine.loading.loader.load_into`; for a
+    Parameters, returns, errors and copies as :func:`engine.loading.fill.load_into`; for a
     checkpoint the names come shard by shard (sorted shards), in file order within each,
     and ``strict`` counts the tensors of every shard.  An ``http(s)://``, ``s3://`` or other
     fsspec URL loads with parallel ranged reads (:func:`engine.urls.remote_load.load_into`;
@@ -233,9 +233,9 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
 
     with verification(options.pop("verify_checksums", None)):
         if not is_checkpoint_path(path):
-            from engine.loading import loader  # the threaded pipeline: opening a file needs none of it
+            from engine.loading import fill  # the threaded pipeline: opening a file needs none of it
 
-            return loader.load_into(path, tensors, **options)
+            return fill.load_into(path, tensors, **options)
         from engine.checkpoints.checkpoint import Checkpoint
         from engine.format.header import MAX_HEADER_SIZE
 

@@ -399,8 +399,8 @@ def _borrowed(parts: list[tuple[safe_open, list[int]]], held: bool = False):
 
 def load_into_many(handles: list[safe_open], tensors, *, source: str | None = None, **options) -> list[str]:
     """:func:`engine.load_into` from several open handles (a checkpoint's shards) as one
-    load; ``options`` as :func:`engine.loading.loader.fill_parts` takes them."""
-    from engine.loading.loader import fill_parts
+    load; ``options`` as :func:`engine.loading.fill.fill_parts` takes them."""
+    from engine.loading.fill import fill_parts
 
     with _borrowed([(h, []) for h in handles]) as files, verification(handles[0]._verify if handles else None):
         return fill_parts(files, tensors, source=source, **options)

@@ -30,7 +30,7 @@ never a full-precision copy of the quantized tensors all at once.  Copies of ten
 the kernels read the bytes where they landed.
 
 Where Numba's CUDA target cannot run in the process (numba-cuda missing, no NVVM, a driver
-it does not know: :func:`device_kernels_unusable` asks once), torch and CuPy loads do the same
+it does not know: :mod:`engine.loading.kernel_probe` asks once), torch and CuPy loads do the same
 work with their framework's own operations on the device
 (:mod:`engine.numerics._device_fallback`), in the same order: statistics of each float
 tensor and its quantization queued when it has landed, the same results, no tensor bytes
@@ -42,7 +42,7 @@ values and scales copied back).  Either way one
 :class:`~engine.errors.DeviceFallbackWarning` per process says why and what to install.
 
 For CPU destinations statistics stay with the CPU fold on the reader threads
-(:class:`StatsCollector`, the pipeline's read hook); tensors selected for quantization are quantized on the CPU by
+(:class:`engine.loading.cpu_stats.StatsCollector`, the pipeline's read hook); tensors selected for quantization are quantized on the CPU by
 :func:`engine.quantize_int8` as they are handed out.  Either way a quantized tensor is handed
 out as a :class:`~engine.quantize.QuantizedTensor`.
 """
@@ -52,19 +52,18 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from engine.base import dtypes as _dt
-from engine.errors import DeviceError, DeviceFallbackWarning, NonFiniteError, SafetensorError
-from engine.format.header import Header
-from engine.io.reader import pread_into
+from engine.errors import DeviceError, NonFiniteError, SafetensorError
 from engine.loading import pipeline
+from engine.loading._staging import Staging, cut_windows
+from engine.loading.kernel_probe import device_kernels_unusable, warn_fallback
 
-__all__ = ["LoadWork", "STAGING_BYTES", "StatsCollector", "device_kernels_unusable", "plan"]
+__all__ = ["LoadWork", "STAGING_BYTES", "plan"]
 
 #: source bytes of tensors being quantized that a device load through the ring holds in
 #: scratch at once (see :meth:`LoadWork.windows`): each window is a ring run of its own, so
@@ -82,7 +81,7 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
     ``quantize`` is None, ``"int8"`` or an :class:`~engine.quantize.Int8`; a selected tensor
     without the spec's axis raises :class:`~engine.errors.SerializationError` here, before
     anything is read.  Device statistics are planned for device sinks only, and only where
-    the device kernels work (:func:`device_kernels_unusable`): elsewhere a torch or CuPy
+    the device kernels work (:mod:`engine.loading.kernel_probe`): elsewhere a torch or CuPy
     sink does the work with its framework's operations on the device, and other sinks keep
     statistics with the CPU fold of the file's bytes and quantize on the CPU; either way
     with one :class:`~engine.errors.DeviceFallbackWarning` per process, and the same results.
@@ -101,7 +100,7 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
             from engine.numerics._device_fallback import ops_for
 
             fallback = ops_for(getattr(sink, "name", ""))
-            _warn_fallback(why, None if fallback is None else fallback.name)
+            warn_fallback(why, None if fallback is None else fallback.name)
             if fallback is None:
                 device_stats, on_cpu = False, True
                 if spec is None:
@@ -110,79 +109,10 @@ def plan(header, rows: list[int], sink, *, stats: bool, quantize: Any, path: str
                     fallback=fallback)
 
 
-#: the probe's verdict for this process: [None] (the kernels work) or [why not]
-_KERNELS: list[str | None] = []
-_KERNELS_LOCK = threading.Lock()
-_WARNED: list[bool] = []
-
-
 def gpu_of(sink) -> int | None:
     """The CUDA device index of a device sink (resolved when the sink was made), or None."""
     dev = getattr(sink, "device", None)
     return getattr(sink, "device_id", None) if dev is None else getattr(dev, "index", None)
-
-
-def device_kernels_unusable(gpu: int | None = None) -> str | None:
-    """Why Numba's CUDA kernels cannot run in this process, or None where they can.
-
-    Asked once per process (:func:`engine.device.probe` compiles and runs one small kernel
-    on GPU ``gpu``, the load's: on the thread's current device only for None, which makes a
-    context there); any failure, from a missing ``numba`` to a missing NVVM, counts.
-    """
-    with _KERNELS_LOCK:
-        if not _KERNELS:
-            try:
-                from engine.numerics import device
-
-                device.probe(gpu)
-                _KERNELS.append(None)
-            except Exception as exc:  # every way the kernels can fail to come up is a fallback
-                _KERNELS.append(f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300])
-        return _KERNELS[0]
-
-
-def _warn_fallback(why: str, framework: str | None) -> None:
-    if not _WARNED:
-        _WARNED.append(True)
-        if framework is not None:
-            instead = (f"statistics and int8 quantization of GPU loads run as {framework} operations on the device "
-                       "instead (slower than the kernels)")
-        else:
-            instead = ("statistics of GPU loads are folded on the CPU and int8 quantization runs on the CPU, its "
-                       "results copied to the device")
-        warnings.warn(
-            f"the engine's CUDA kernels cannot run here ({why}): {instead}; the results are the same. "
-            f"{fallback_fix(why)}",
-            DeviceFallbackWarning, stacklevel=4,
-        )
-
-
-def fallback_fix(why: str) -> str:
-    """What to do about the probe's verdict ``why``: the install line or the upgrade that
-    lets the kernels compile."""
-    low = why.lower()
-    install = f'pip install "numba-cuda[cu{_cuda_major()}]"'
-    if "row_stack" in low:
-        return ("To fix: numba-cuda refers to numpy.row_stack, which numpy 2.5 removed, and its array support "
-                "was loaded before the engine could stand in for it: import engine.device before compiling other "
-                f"numba-cuda kernels, or install a numba-cuda that no longer refers to it ({install} --upgrade)")
-    if "no module named" in low or "nvvm" in low or "libdevice" in low or "cuda_home" in low:
-        return (f"To fix: install numba-cuda with the NVVM compiler as wheels: {install} (matching the CUDA major "
-                "version of your driver)")
-    if "driver" in low:
-        return (f"To fix: update the NVIDIA driver, or install the numba-cuda build for the CUDA version it "
-                f"supports: {install}")
-    return f"To fix: see the error above; installing numba-cuda with its NVVM ({install}) often does"
-
-
-def _cuda_major() -> int:
-    """The CUDA major version torch was built for, where torch is loaded (13 otherwise)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    version = getattr(getattr(torch, "version", None), "cuda", None) or ""
-    major = version.split(".")[0]
-    return int(major) if major.isdigit() and int(major) in (12, 13) else 13
 
 
 def _host_round_trip(sink) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
@@ -221,59 +151,6 @@ def _allocator(sink) -> Callable[[tuple, Any], Any]:
 
         return empty
     return sink.empty_device  # another device framework (or a test double) brings its own
-
-
-class _Staging(dict):
-    """Row -> device byte buffer: the destinations of the unquantized tensors, and for the
-    tensors to quantize a staging buffer of their source bytes: carved from one allocation
-    per window (:meth:`stage`), or made at first use."""
-
-    def __init__(self, targets, sizes: dict[int, int], empty) -> None:
-        super().__init__(targets)
-        self._sizes = sizes
-        self._empty = empty
-        self._lock = threading.Lock()
-
-    def stage(self, rows: list[int]) -> None:
-        """The scratch of ``rows`` (a window's tensors to quantize, in file order) in two
-        device allocations, not one per tensor: the last row's own (it may straddle into the
-        next window, and must not keep this window's block alive there), and one block for
-        the others, each a view of it at an aligned offset.  A block lives until the last of
-        its views goes."""
-        rows = [r for r in rows if not dict.__contains__(self, r) and self._sizes.get(r, 0)]
-        for group in (rows[:-1], rows[-1:]):
-            offsets, total = carve([self._sizes[r] for r in group])
-            if not total:
-                continue
-            block = self._empty((total,), np.uint8)
-            with self._lock:
-                for r, off in zip(group, offsets, strict=True):
-                    self[r] = block[off : off + self._sizes[r]]
-
-    def __missing__(self, row: int):
-        with self._lock:  # two reader threads may bring the first pieces of one tensor
-            if dict.__contains__(self, row):
-                return dict.__getitem__(self, row)
-            if row not in self._sizes:
-                raise KeyError(row)
-            buf = self._empty((self._sizes[row],), np.uint8)
-            self[row] = buf
-            return buf
-
-
-#: alignment of the buffers carved from one device allocation (that of cudaMalloc's
-#: smallest blocks: every view dtype and vector load of the kernels is aligned)
-ALIGN = 256
-
-
-def carve(sizes: list[int], align: int = ALIGN) -> tuple[list[int], int]:
-    """Offsets of buffers of ``sizes`` bytes laid one after another at ``align``, and the
-    bytes they span."""
-    offsets, end = [], 0
-    for n in sizes:
-        offsets.append(end)
-        end += -(-n // align) * align
-    return offsets, end
 
 
 def _widen(spans: dict[int, list], of, lo: int, hi: int) -> None:
@@ -324,7 +201,7 @@ class LoadWork:
                 if kind in SUPPORTED_NAMES:
                     self._stats_kind[r] = kind
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
-        self._targets: _Staging | None = None
+        self._targets: Staging | None = None
         self._empty = _allocator(sink) if self.on_device else None
         self._gpu = gpu_of(sink)  # "cuda" without an index was resolved by the sink, on the caller's thread
         self._streams = threading.local()
@@ -356,7 +233,7 @@ class LoadWork:
                  if r not in staged]
         tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
         sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
-        self._targets = _Staging(targets, sizes, self._empty)
+        self._targets = Staging(targets, sizes, self._empty)
         hooked = bool(self._stats_kind) or bool(sizes)
         return tensors, pipeline.Destination(device_targets=self._targets, device_ops=ops,
                                              windows=self.windows if sizes else None, hooked=hooked)
@@ -373,26 +250,11 @@ class LoadWork:
         else those starting in its first read request, plus the one straddling from the run
         before; in all at most ``staging_bytes`` plus twice the largest tensor to quantize
         (or plus one read request's bytes and the largest tensor, where that is more), plus
-        under :data:`ALIGN` bytes of padding per tensor (their offsets in the run's block).
+        under :data:`~engine.loading._staging.ALIGN` bytes of padding per tensor (their offsets in
+        the run's block); the cut itself is :func:`~engine.loading._staging.cut_windows`.
         """
-        sizes = self._targets._sizes if self._targets is not None else {}
-        seen: set[int] = set()
-        window: list = []
-        fresh: list[int] = []  # the rows whose first bytes are in the window, in file order
-        staged = 0
-        for req in requests:
-            new = [r for r in dict.fromkeys(p.row for p in req.pieces) if r in sizes and r not in seen]
-            starts = sum(sizes[r] for r in new)
-            if window and starts and staged + starts > self.staging_bytes:
-                self._stage(fresh)
-                yield window
-                self.gather()
-                window, fresh, staged = [], [], 0
-            window.append(req)
-            fresh += new
-            staged += starts
-            seen.update(new)
-        if window:
+        sizes = self._targets.sizes if self._targets is not None else {}
+        for window, fresh in cut_windows(requests, sizes, self.staging_bytes):
             self._stage(fresh)
             yield window
             self.gather()
@@ -704,100 +566,3 @@ class LoadWork:
         bad = DeviceQuantizer(self._launch_config(), self._empty).quantize(src, kind, shape, axis, q, scale,
                                                                           self._stream())
         return self._quantized(row, q, scale, bad)
-
-
-class StatsCollector:
-    """Statistics of tensors as their pieces are read, on the reader threads.
-
-    Its :meth:`fill` is the pipeline's read hook.  A piece of at least ``WINDOW`` bytes is
-    read and summarised in one native call, a window at a time, so that the kernel finds
-    each window in the L2 cache where the read just left it (summarising a whole 16 MiB
-    request after reading it would fetch it back from memory).  Smaller pieces are read
-    together with one ``preadv`` and summarised right after.  Each reader thread has its
-    own accumulator per tensor; they merge when the tensor is complete.
-    """
-
-    #: bytes per window: well inside a core's L2 with room for the kernel's scratch
-    WINDOW = 256 << 10
-
-    def __init__(self, header: Header, rows: list[int], path: str | None) -> None:
-        from engine.numerics import statistics  # Numba: only for a load that asks for statistics
-
-        self._new = statistics.Accumulator
-        self._empty = statistics.Stats.empty()
-        self.path = path
-        t = header.table
-        self.kind: dict[int, str] = {}
-        for r in rows:
-            d = _dt.DTYPES[int(t.codes[r])]
-            if not d.sub_byte and d.name in statistics.SUPPORTED_NAMES:
-                self.kind[r] = d.name
-        self._acc: dict[int, dict[int, Any]] = {}  # row -> thread id -> Accumulator
-
-    def _accumulator(self, row: int):
-        per_thread = self._acc.setdefault(row, {})  # atomic: both threads get the same dict
-        me = threading.get_ident()
-        acc = per_thread.get(me)
-        if acc is None:  # only this thread adds its own key
-            acc = per_thread[me] = self._new(self.kind[row])
-        return acc
-
-    def fill(self, fd: int, req, targets: list) -> None:
-        kind = self.kind
-        run: list = []  # small pieces, contiguous in the file, read together
-        run_offset = req.offset
-
-        def flush() -> None:
-            if run:
-                pread_into(fd, run_offset, [v for _, v in run], path=self.path)
-                for row, v in run:
-                    if row in kind:
-                        self._accumulator(row).add(v)
-                run.clear()
-
-        for p, view in zip(req.pieces, targets, strict=True):
-            if p.nbytes < self.WINDOW or p.row not in kind:
-                if not run:
-                    run_offset = req.offset + p.request_offset
-                run.append((p.row, view))
-                continue
-            flush()
-            offset = req.offset + p.request_offset
-            dest = np.frombuffer(view, np.uint8)
-            acc = self._accumulator(p.row)
-            done = acc.read(fd, offset, dest, self.WINDOW)
-            if done < p.nbytes:  # a short read or an error: read the rest the usual way
-                pread_into(fd, offset + done, [view[done:]], path=self.path)
-                acc.add(view[done:])
-        flush()
-
-    #: bytes of the host buffer :meth:`fold_file` reads through
-    SCRATCH = 4 << 20
-
-    def fold_file(self, fd: int, offset: int, nbytes: int, row: int) -> None:
-        """Fold ``row``'s bytes from the file (``nbytes`` at ``offset``) when no reader thread
-        saw them: a device load through the ring, whose copy threads are native, folds the
-        tensors the device does not summarise this way as each is handed out (the bytes come
-        from the page cache again, through a bounded host buffer, never back from the device)."""
-        if row not in self.kind or not nbytes:
-            return
-        acc = self._accumulator(row)
-        scratch = np.empty(min(nbytes, self.SCRATCH), np.uint8)
-        done = 0
-        while done < nbytes:
-            n = min(len(scratch), nbytes - done)
-            view = scratch[:n]
-            got = acc.read(fd, offset + done, view, self.WINDOW)
-            if got < n:  # a short read or an error: the rest the usual way, which raises with the reason
-                pread_into(fd, offset + done + got, [memoryview(view)[got:]], path=self.path)
-                acc.add(memoryview(view)[got:])
-            done += n
-
-    def result(self, row: int):
-        """Statistics of a complete tensor (asked once per tensor: its accumulators go)."""
-        if row not in self.kind:
-            return None
-        out = self._empty
-        for acc in self._acc.pop(row, {}).values():
-            out = out.merge(acc.result())
-        return out

@@ -1,4 +1,6 @@
-"""Loads through the threaded pipeline: ``stream``, owned loads and ``load_into``.
+"""Loads through the threaded pipeline: ``stream`` and owned loads (``load_into``, which fills
+existing tensors, is :mod:`engine.loading.fill`), and the parts they share with it: a file's
+:class:`Part`, one key space over several files, one pipeline run over them.
 
 A file that shrinks during a load raises :class:`~engine.errors.ReadError`, never SIGBUS:
 reads are ``pread`` or copies out of a populated mapping under a SIGBUS guard, on the host
@@ -26,33 +28,28 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from engine.base import dtypes
 from engine.base._files import advise_sequential, open_regular
-from engine.errors import (
-    DeviceError,
-    MissingDependencyError,
-    NonFiniteError,
-    SafetensorError,
-    TensorMismatchError,
-    TensorNotFoundError,
-)
+from engine.errors import MissingDependencyError, NonFiniteError
 from engine.format.checksums import Checks, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
 from engine.gpu import device_ring
 from engine.io.reader import IOV_MAX
 from engine.loading import pipeline
-from engine.loading.load_hooks import StatsCollector
+from engine.loading._selection import select_file, select_files
+from engine.loading.cpu_stats import StatsCollector
 from engine.loading.load_hooks import plan as onload_plan
-from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads, select_rows
-from engine.sinks import fill_target, get_sink
+from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads
+from engine.sinks import get_sink
 
-__all__ = ["stream", "stream_parts", "load_into", "load_file", "load_parts", "fill_parts", "Part"]
+__all__ = ["stream", "stream_parts", "load_file", "load_parts", "Part"]
 
 
-def _open(path) -> tuple[int, str]:
+def open_file(path) -> tuple[int, str]:
+    """A descriptor of the regular file ``path``, and its name as a string."""
     path = os.fspath(path)
     return open_regular(path), path  # a FIFO or device is refused, never waited on
 
@@ -70,7 +67,7 @@ class Part(NamedTuple):
     mapping: object = None  # a read-only mapping of the file held by the caller (see pipeline.Source)
 
 
-def _bases(parts: Sequence[Part]) -> list[int]:
+def key_bases(parts: Sequence[Part]) -> list[int]:
     """One key space over every file of a load: part ``i``'s row ``r`` is key ``bases[i] + r``."""
     bases, base = [], 0
     for p in parts:
@@ -121,8 +118,8 @@ def _sources(parts: Sequence[Part], bases: list[int], chunk_bytes: int | None,
     ]
 
 
-def _run(parts: Sequence[Part], bases: list[int], destination, *, threads: int | None, **options) -> None:
-    """The reads of every part into ``destination`` (keyed as :func:`_bases` says), one pipeline."""
+def run_parts(parts: Sequence[Part], bases: list[int], destination, *, threads: int | None, **options) -> None:
+    """The reads of every part into ``destination`` (keyed as :func:`key_bases` says), one pipeline."""
     for p in parts:
         if p.ranges is None and p.mapping is None:  # a held mapping's owner advised its file once
             advise_sequential(p.fd)
@@ -156,13 +153,13 @@ def load_parts(
     Copies of tensor bytes: host destinations 1 (page cache to the tensor); device
     destinations 2 (page cache to a page-locked chunk, DMA).
     """
-    bases = _bases(parts)
+    bases = key_bases(parts)
     if all(p.ranges is None for p in parts):
         # the ring (a process's first, or one closed since) is set up while the tensors are
         # allocated: the load waits for it, not for both one after the other
         prepare_ring(sink, slot_bytes, threads)
     tensors, destination = _destination(sink, parts, bases, per_tensor)
-    _run(parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes, gpu_path=gpu_path,
+    run_parts(parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes, gpu_path=gpu_path,
          slot_bytes=slot_bytes)
     if len(parts) == 1:
         return [tensors]
@@ -299,7 +296,7 @@ def _stream(path, framework, device, stats, quantize, max_header_size, options) 
     opened: list[tuple[int, str]] = []
     try:
         for p in paths:
-            opened.append(_open(p))
+            opened.append(open_file(p))
         files = [
             Part(fd, read_header_fd(fd, path=sp, file_size=os.fstat(fd).st_size, max_header_size=max_header_size),
                  [], sp)
@@ -358,11 +355,11 @@ def stream_parts(
     spaths = [f.path or "" for f in files]
     try:
         if many:
-            selected = _select_many(headers, spaths, names, patterns, predicate, layers)
+            selected = select_files(headers, spaths, names, patterns, predicate, layers)
         else:
-            selected = [_select(headers[0], spaths[0], names, patterns, predicate, layers)]
+            selected = [select_file(headers[0], spaths[0], names, patterns, predicate, layers)]
         parts = [f._replace(rows=rows) for f, rows in zip(files, selected, strict=True)]
-        bases = _bases(parts)
+        bases = key_bases(parts)
         where = {b + r: (i, r) for i, (p, b) in enumerate(zip(parts, bases, strict=True)) for r in p.rows}
         # statistics and quantization on the way (one file: its keys are its rows)
         hooks = None if many else onload_plan(
@@ -417,7 +414,7 @@ def stream_parts(
 
         def work() -> None:
             try:
-                _run(
+                run_parts(
                     parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes,
                     on_complete=landed, cancel=cancel,
                     fill=collector.fill if collector is not None and not ring else None,
@@ -462,229 +459,6 @@ _STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "thread
                               "gpu_path", "slot_bytes", "verify_checksums", "check_finite"})
 
 
-def _select_many(headers: list[Header], paths: list[str], names, patterns, predicate, layers) -> list[list[int]]:
-    """Per-file rows for a selection over several files; each name and pattern must be
-    found in some file."""
-    import fnmatch
-
-    if names is not None:
-        names = [names] if isinstance(names, str) else list(names)
-        known = set().union(*(h.table.index for h in headers))
-        missing = [n for n in names if n not in known]
-        if missing:
-            raise TensorNotFoundError(f"no tensor {missing[0]!r} to select in {len(paths)} files", tensors=missing)
-    if patterns is not None:
-        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(n, pattern) for h in headers for n in h.table.names):
-                raise TensorNotFoundError(f"pattern {pattern!r} matches no tensor", tensors=(pattern,))
-    out = []
-    for h, p in zip(headers, paths, strict=True):
-        mine = None if names is None else [n for n in names if n in h.table.index]
-        pats = None
-        if patterns is not None:
-            pats = [q for q in patterns if any(fnmatch.fnmatchcase(n, q) for n in h.table.names)]
-        everything = names is None and patterns is None and predicate is None and layers is None
-        if everything:
-            out.append(_select(h, p, None, None, None, None))
-        else:
-            out.append(_select(h, p, mine or [], pats or [], predicate, layers))
-    return out
-
-
-def _select(header: Header, path: str, names, patterns, predicate, layers) -> list[int]:
-    try:
-        return select_rows(header.table, names, patterns=patterns, predicate=predicate, layers=layers)
-    except SafetensorError as err:
-        err.path = path
-        raise
-
-
-def load_into(
-    path,
-    tensors: Mapping[str, Any],
-    *,
-    strict: bool = False,
-    threads: int | None = None,
-    chunk_bytes: int | None = None,
-    max_header_size: int = MAX_HEADER_SIZE,
-    gpu_path: str = "auto",
-) -> list[str]:
-    """Fill existing tensors in place from a file (a model's parameters, on CPU or CUDA).
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-    tensors : mapping of str to numpy.ndarray, torch.Tensor or cupy.ndarray
-        Destinations, contiguous and writable, with the file's shapes and dtypes (for
-        sub-byte dtypes: ``uint8`` of the packed shape).
-    strict : bool, default False
-        Also fail when the file holds tensors that ``tensors`` does not name.
-    gpu_path : {"auto", "copy"}, default "auto"
-        CUDA destinations: see :func:`stream`.
-
-    Returns
-    -------
-    list of str
-        The names filled, in file order.
-
-    Raises
-    ------
-    TensorNotFoundError
-        A destination name that the file does not hold (or, with ``strict``, the reverse).
-    TensorMismatchError
-        A destination of the wrong shape, dtype or layout; nothing is read then.
-
-    Notes
-    -----
-    Copies of tensor bytes: CPU destinations 1 (page cache to the tensor, no staging, no
-    allocation); CUDA destinations 2 (page cache to a page-locked chunk, then DMA).
-    """
-    fd, spath = _open(path)
-    try:
-        header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
-        return fill_parts(
-            [Part(fd, header, [], spath)], tensors, strict=strict, threads=threads, chunk_bytes=chunk_bytes,
-            gpu_path=gpu_path,
-        )
-    finally:
-        os.close(fd)
-
-
-def check_destination(target, table, row: int, path: str | None) -> None:
-    """Raise :class:`~engine.errors.TensorMismatchError` unless ``target`` (a
-    :func:`engine.sinks.fill_target`) can take row ``row`` of ``table`` whole: the file's dtype
-    (sub-byte: its packed bytes as ``uint8``, or the framework's own packed dtype) and shape,
-    contiguous and writable."""
-    name = table.names[row]
-    nbytes = int(table.ends[row]) - int(table.begins[row])
-    want_code = int(table.codes[row])
-    want_shape = dtypes.packed_shape(want_code, table.shapes[row], nbytes)
-    if dtypes.DTYPES[want_code].sub_byte and not target.accepts(want_code):
-        want_code = dtypes.BY_NAME["U8"].code
-    if not target.accepts(want_code) or target.shape != tuple(want_shape):
-        raise TensorMismatchError(
-            f"tensor {name!r}: the file has {dtypes.NAMES[int(table.codes[row])]}{list(table.shapes[row])}, "
-            f"the destination is {dtypes.NAMES[target.code]}{list(target.shape)}",
-            path=path,
-            tensors=(name,),
-        )
-    if not target.ok_layout:
-        raise TensorMismatchError(
-            f"tensor {name!r}: the destination must be contiguous and writable", path=path, tensors=(name,)
-        )
-
-
-def fill_parts(
-    files: Sequence[Part],
-    tensors: Mapping[str, Any],
-    *,
-    strict: bool = False,
-    threads: int | None = None,
-    chunk_bytes: int | None = None,
-    gpu_path: str = "auto",
-    source: str | None = None,
-    cancel: threading.Event | None = None,
-) -> list[str]:
-    """:func:`load_into` over one or more open files (a checkpoint's shards) as one load.
-    ``cancel`` is set as soon as a read fails (the other readers' waits may watch it).
-
-    The parts' ``rows`` are ignored: the rows are those ``tensors`` names.  A name is looked
-    up in the files in order.  Every destination is checked before anything is read.
-    ``source`` names the whole (a checkpoint directory) in errors about several files.
-    Returns the names filled, file by file, in file order within each.
-    """
-    where = source if source is not None or len(files) != 1 else files[0].path
-    found: dict[str, tuple[int, int]] = {}
-    for name in tensors:
-        for i, f in enumerate(files):
-            row = f.header.table.index.get(name)
-            if row is not None:
-                found[name] = (i, row)
-                break
-    missing = [n for n in tensors if n not in found]
-    if missing:
-        raise TensorNotFoundError(
-            f"{len(missing)} destination tensor(s) not in the file: {missing[:5]}", path=where, tensors=missing
-        )
-    if strict:
-        extra = [n for f in files for n in f.header.table.names if n not in tensors]
-        if extra:
-            raise TensorNotFoundError(
-                f"{len(extra)} tensor(s) of the file have no destination: {extra[:5]}", path=where, tensors=extra
-            )
-    host: list[list[int]] = [[] for _ in files]
-    empty: list[str] = []  # destinations of 0 bytes
-    device: dict[Any, list[list[int]]] = {}
-    fill: dict[str, Any] = {}  # name -> engine.sinks fill target
-    ops: dict[Any, Any] = {}
-    for name, dst in tensors.items():
-        i, row = found[name]
-        f = files[i]
-        t = f.header.table
-        target = fill[name] = fill_target(dst)
-        if target.device is not None and target.device not in ops:
-            ops[target.device] = target.device_ops()
-        if target.device is not None and ops[target.device] is None:
-            raise DeviceError(
-                f"tensor {name!r}: load_into fills CPU or CUDA memory, and the destination is on {target.where!r}",
-                reason="UnsupportedDevice", path=f.path, tensors=(name,),
-            )
-        check_destination(target, t, row, f.path)
-        if int(t.ends[row]) == int(t.begins[row]):
-            empty.append(name)  # filled before anything is read
-        rows = device.setdefault(target.device, [[] for _ in files]) if target.device is not None else host
-        rows[i].append(row)
-
-    def parts_of(rows: list[list[int]]) -> list[Part]:
-        out = []
-        for f, r in zip(files, rows, strict=True):
-            begins = f.header.table.begins
-            out.append(Part(f.fd, f.header, sorted(r, key=lambda x: int(begins[x])), f.path, f.ranges))
-        return out
-
-    def targets(parts: list[Part], bases: list[int], on_device: bool) -> dict[int, Any]:
-        out = {}
-        for p, b in zip(parts, bases, strict=True):
-            t = p.header.table
-            for r in p.rows:
-                if int(t.ends[r]) > int(t.begins[r]):
-                    target = fill[t.names[r]]
-                    out[b + r] = target.device_bytes() if on_device else target.host_bytes()
-        return out
-
-    filled = list(empty)
-
-    def tracked(parts: list[Part], bases: list[int]) -> Callable[[int], None]:
-        keys = {b + r: p.header.table.names[r] for p, b in zip(parts, bases, strict=True) for r in p.rows}
-        return lambda key: filled.append(keys[key])
-
-    options: dict[str, Any] = {"threads": threads, "chunk_bytes": chunk_bytes, "cancel": cancel}
-    try:
-        if any(host):
-            parts = parts_of(host)
-            bases = _bases(parts)
-            _run(parts, bases, pipeline.Destination(host_views=targets(parts, bases, False)),
-                 on_complete=tracked(parts, bases), **options)
-        for dev, rows in device.items():
-            parts = parts_of(rows)
-            bases = _bases(parts)
-            dest = pipeline.Destination(device_targets=targets(parts, bases, True), device_ops=ops[dev])
-            _run(parts, bases, dest, gpu_path=gpu_path, on_complete=tracked(parts, bases), **options)
-    except SafetensorError as err:
-        # the caller must be able to tell complete destinations from partly written ones
-        err.filled = sorted(filled)  # type: ignore[attr-defined]
-        note = f" ({len(filled)} of {len(tensors)} destinations were filled before the failure: see .filled)"
-        err.message = f"{err.message}{note}"
-        err.args = (err.message,)
-        raise
-    wanted: list[set[int]] = [set() for _ in files]
-    for i, row in found.values():
-        wanted[i].add(row)
-    return [f.header.table.names[r] for f, w in zip(files, wanted, strict=True) for r in f.header.table.file_order()
-            if r in w]
-
-
 def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str, Any]:
     """Every tensor of one file as new tensors of ``sink`` (owned host memory or a device),
     by name in file order: the short path of ``engine.torch.load_file(f, device="cuda")``
@@ -693,7 +467,7 @@ def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str
     Copies of tensor bytes: host 1 (page cache to the tensor); a device 2 (page cache to a
     page-locked chunk, DMA).
     """
-    fd, spath = _open(path)
+    fd, spath = open_file(path)
     try:
         header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
         rows = list(header.table.file_order())

@@ -313,7 +313,7 @@ def run_sources(
         read of each request: it must fill ``targets`` (one writable host memoryview per
         piece) or raise.  It runs on worker threads before the pieces are reported complete:
         the place for work that must see the bytes while they are in the CPU cache
-        (statistics, see :class:`engine.loading.load_hooks.StatsCollector`).  A device load
+        (statistics, see :class:`engine.loading.cpu_stats.StatsCollector`).  A device load
         takes none (the ring's copy threads are native): device kernels are launched from
         ``on_complete`` on whole landed tensors (``Destination(hooked=True)``) and the CPU
         fold reads the file at hand-out (:mod:`engine.loading.loader`).

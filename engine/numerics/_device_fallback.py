@@ -1,7 +1,7 @@
 """Statistics and int8 quantization with the array framework's own operations, where the data is.
 
 The fallback of device loads where Numba's CUDA target cannot run (numba-cuda missing, no
-NVVM, a driver it does not know: :func:`engine.loading.load_hooks.device_kernels_unusable`): the
+NVVM, a driver it does not know: :func:`engine.loading.kernel_probe.device_kernels_unusable`): the
 same results as :func:`engine.stats` and :func:`engine.quantize_int8` (counts, min, max,
 absmax, every int8 value and scale exactly; mean and std within rounding of the float64
 sums, taken in another order), computed by torch operations on the tensor's own device, or

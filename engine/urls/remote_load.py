@@ -34,7 +34,8 @@ from engine.checkpoints.checkpoint import CheckpointInfo
 from engine.format.header import MAX_HEADER_SIZE
 from engine.format.verification import verification
 from engine.io.reader import pread_into
-from engine.loading.loader import Part, fill_parts, prepare_ring, sink_for, stream_parts
+from engine.loading.fill import fill_parts
+from engine.loading.loader import Part, prepare_ring, sink_for, stream_parts
 from engine.net.remote_file import public_url
 from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads
 from engine.net.retry import Retry

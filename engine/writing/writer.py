@@ -14,18 +14,18 @@ Three layers, each usable on its own:
 - :func:`save_file` and :func:`save` write a whole mapping of numpy arrays or torch tensors
   (each turned into bytes by :mod:`engine.writing._tensor_bytes`).
 
-This module is the writing itself: the checks before a file is touched, the positioned
-(vectored) writes, the background flush and the atomic commit.
+This module is the writing itself: where each tensor's bytes go (small tensors batched into
+one vectored write), when to start the background flush, and the atomic commit.  A whole
+mapping is checked and laid out before a file is touched by :mod:`engine.writing._prepare`;
+the positioned writes and the flush are :mod:`engine.writing._file_writes`.
 """
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import stat
 import sys
-import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Union
@@ -33,13 +33,13 @@ from typing import Any, NamedTuple, Union
 from engine.base._atomic import AtomicFile, sync_dir
 from engine.base._atomic import umask as _umask
 from engine.base._atomic import write_error as _write_error
-from engine.base._files import IOV_MAX
 from engine.base.dtypes import BY_NAME, DTYPES, NAMES
 from engine.errors import SerializationError
-from engine.format import checksums as _checksums
 from engine.format._header_encode import build_header, check_name, checked_shape, dtype_code, packed_nbytes
 from engine.format.header import MAX_HEADER_SIZE
-from engine.writing._tensor_bytes import Raw, check_shared, host_chunks, tensor_bytes
+from engine.writing._file_writes import WRITEV_MAX, BackgroundSync, write_all, writev_all
+from engine.writing._prepare import prepare
+from engine.writing._tensor_bytes import Raw, host_chunks, tensor_bytes
 
 __all__ = ["save_file", "save", "build_header", "open_writer", "TensorWriter", "tensor_sizes"]
 
@@ -53,55 +53,6 @@ _U8 = BY_NAME["U8"].code
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _prepare(
-    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, max_header_size: int = MAX_HEADER_SIZE,
-    checksums: bool = False,
-) -> tuple[list[tuple[str, Raw]], bytes, list[tuple[int, int]]]:
-    """Validate everything, before any file is touched; return the items, header and layout."""
-    if not isinstance(tensors, Mapping):
-        raise SerializationError(
-            f"expected a mapping of names to tensors, got {type(tensors).__name__}", reason="UnsupportedType"
-        )
-    items = []
-    for name, x in tensors.items():
-        check_name(name)
-        items.append((name, tensor_bytes(name, x)))
-    check_shared(items)
-    header, layout = build_header(
-        ((name, r.code, r.shape, r.nbytes) for name, r in items), metadata, max_header_size=max_header_size
-    )
-    if checksums:
-        header, layout = _with_checksums(items, metadata, layout, max_header_size)
-    return items, header, layout
-
-
-def _with_checksums(items, metadata, layout, max_header_size):
-    """The header and layout again, with every tensor's CRC-32C in the metadata
-    (:mod:`engine.format.checksums`): one read of each tensor's bytes before the file is written."""
-    if metadata is not None and _checksums.KEY in metadata:
-        raise SerializationError(f"metadata key {_checksums.KEY!r} is written by checksums=True; leave it out",
-                                 reason="InvalidMetadata")
-    ordered = sorted(layout, key=lambda e: (e[1], items[e[0]][0]))
-    crcs = []
-    for index, _ in ordered:
-        crc = 0
-        for piece in items[index][1].chunks(_CHUNK):
-            crc = _checksums.crc32c(piece, crc)
-            del piece
-        crcs.append(crc)
-    # the header's own CRC, from the same columns a reader takes from the parsed header
-    raws = [items[index][1] for index, _ in ordered]
-    start = ordered[0][1] if ordered else 0  # the layout's offsets are the file's: the data region's here
-    header_crc = _checksums.canonical_digest(
-        [items[index][0] for index, _ in ordered], [r.code for r in raws], [tuple(r.shape) for r in raws],
-        [begin - start for _, begin in ordered],
-        [begin - start + r.nbytes for (_, begin), r in zip(ordered, raws, strict=True)], metadata)
-    full = dict(metadata or {})
-    full[_checksums.KEY] = _checksums.encode_ordered(crcs, header_crc)
-    return build_header(((name, r.code, r.shape, r.nbytes) for name, r in items), full,
-                        max_header_size=max_header_size)
 
 
 def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> dict[str, int]:
@@ -129,62 +80,17 @@ def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None 
     -----
     Reads no tensor bytes (a device tensor is not copied); memory: a few objects per tensor.
     """
-    items, _, _ = _prepare(tensors, metadata, max_header_size=sys.maxsize)
+    items, _, _ = prepare(tensors, metadata, max_header_size=sys.maxsize, checksums=False, chunk=_CHUNK)
     return {name: raw.nbytes for name, raw in items}
 
 
 # --------------------------------------------------------------------------- files
-
-
-if hasattr(os, "pwrite"):
-
-    def _write_at(fd: int, data: memoryview, offset: int) -> int:
-        return os.pwrite(fd, data, offset)
-
-else:  # pragma: no cover - Windows
-
-    def _write_at(fd: int, data: memoryview, offset: int) -> int:
-        os.lseek(fd, offset, os.SEEK_SET)
-        return os.write(fd, data)
-
-
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = _write_at(fd, data, offset)
-        if written <= 0:  # a full disk can show as a zero-length write
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        data = data[written:]
-        offset += written
-
-
-# one buffer per call where there is no pwritev (Windows, macOS before 11)
-_IOV_MAX = IOV_MAX if hasattr(os, "pwritev") else 1
-
+# (the positioned writes and the background flush themselves: engine.writing._file_writes)
 
 #: Tensors smaller than this are gathered into one ``pwritev`` of up to ``_BATCH`` bytes;
 #: larger ones are written on their own, as large writes already amortise the call.
 _SMALL = 1 << 20
 _BATCH = 8 << 20
-
-
-def _writev_at(fd: int, views: list[memoryview], offset: int) -> int:
-    return os.pwritev(fd, views, offset)
-
-
-def _writev_all(fd: int, views: list[memoryview], offset: int) -> None:
-    """``pwritev`` of ``views`` (back to back in the file from ``offset``), partial writes resumed."""
-    views = list(views)
-    while views:
-        written = _writev_at(fd, views, offset)
-        if written <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        offset += written
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if written:
-            views[0] = views[0][written:]
-
 
 #: Written bytes after which a background thread starts flushing them to disk, so that the
 #: final fsync of an atomic save has only the tail left instead of the whole file.
@@ -193,48 +99,6 @@ _SYNC_EVERY = 256 << 20
 #: the writes (journal commits on the same file), which a smaller file does not win back
 #: (548 MB saved about 3x slower with it: BENCHMARKS.md, "Saves", scripts/bench_save.py).
 _SYNC_FROM = 1 << 30
-
-
-class _BackgroundSync:
-    """Runs ``fdatasync`` on a thread while the writer goes on filling the page cache.
-
-    Writing and flushing then overlap: a save costs about the longer of the two instead of
-    their sum.  ``os.fdatasync`` releases the GIL.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.wake = threading.Event()
-        self.pending = False
-        self.closing = False
-        self.error: OSError | None = None
-        self.thread = threading.Thread(target=self._run, name="engine-fsync", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self.wake.wait()
-            self.wake.clear()
-            # a flush asked for before close() still runs: what was kicked is flushed
-            if self.pending:
-                self.pending = False
-                try:
-                    os.fdatasync(self.fd)
-                except OSError as exc:  # reported by close(), which commit() calls
-                    self.error = exc
-                    return
-            if self.closing:
-                return
-
-    def kick(self) -> None:
-        self.pending = True
-        self.wake.set()
-
-    def close(self) -> OSError | None:
-        self.closing = True
-        self.wake.set()
-        self.thread.join()
-        return self.error
 
 
 class _Entry(NamedTuple):
@@ -276,7 +140,7 @@ class TensorWriter:
     def _open(self, path: PathLike, header: bytes, entries: dict[str, _Entry], fsync: bool) -> None:
         self.path = os.fspath(path)
         self._fsync = fsync
-        self._syncer: _BackgroundSync | None = None
+        self._syncer: BackgroundSync | None = None
         self._unsynced = 0
         self._background = fsync and len(header) + sum(e.nbytes for e in entries.values()) >= _SYNC_FROM
         self._entries = entries  # in layout order
@@ -301,7 +165,7 @@ class TensorWriter:
         # A writer dropped without commit() or abort() must not leave its temporary file.
         self._finalizer = weakref.finalize(self, self._file.discard)
         try:
-            _write_all(fd, memoryview(header), 0)
+            write_all(fd, memoryview(header), 0)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
@@ -397,7 +261,7 @@ class TensorWriter:
         if self._background and self._unsynced >= _SYNC_EVERY:
             assert self._fd is not None
             if self._syncer is None:
-                self._syncer = _BackgroundSync(self._fd)
+                self._syncer = BackgroundSync(self._fd)
                 weakref.finalize(self, self._syncer.close)  # a dropped writer stops it too
             self._syncer.kick()
             self._unsynced = 0
@@ -421,7 +285,7 @@ class TensorWriter:
                 return
             name0 = batch[0][0]
             try:
-                _writev_all(fd, [v for _, v in batch], self._entries[name0].offset)
+                writev_all(fd, [v for _, v in batch], self._entries[name0].offset)
             except BaseException as exc:
                 self.abort()
                 if isinstance(exc, OSError):
@@ -436,8 +300,8 @@ class TensorWriter:
 
         for name, raw in items:
             view = raw.direct
-            if view is not None and raw.nbytes < _SMALL and _IOV_MAX > 1:
-                if batch and (size + raw.nbytes > _BATCH or len(batch) >= _IOV_MAX):
+            if view is not None and raw.nbytes < _SMALL and WRITEV_MAX > 1:
+                if batch and (size + raw.nbytes > _BATCH or len(batch) >= WRITEV_MAX):
                     flush()
                 if raw.nbytes:
                     batch.append((name, view))
@@ -452,7 +316,7 @@ class TensorWriter:
         offset = self._entries[name].offset + self._filled[name]
         try:
             for piece in raw.chunks(_CHUNK):
-                _write_all(self._fd, piece, offset)
+                write_all(self._fd, piece, offset)
                 offset += len(piece)
                 self._filled[name] += len(piece)
                 n = len(piece)
@@ -663,7 +527,8 @@ def save_file(
     tensor; saving a 2 GB dict allocates no buffer in proportion to it.  The written pages
     sit in the OS page cache, not in the process.
     """
-    items, header, layout = _prepare(tensors, metadata, max_header_size, checksums)
+    items, header, layout = prepare(tensors, metadata, max_header_size=max_header_size, checksums=checksums,
+                                   chunk=_CHUNK)
     entries = {
         items[i][0]: _Entry(items[i][1].code, items[i][1].shape, items[i][1].nbytes, offset)
         for i, offset in layout
@@ -714,7 +579,8 @@ def save(
     the returned ``bytes`` without a further copy.  Peak memory: the tensors plus the
     result plus, for big-endian or device tensors, one staging slice of at most 64 MiB.
     """
-    items, header, layout = _prepare(tensors, metadata, max_header_size, checksums)
+    items, header, layout = prepare(tensors, metadata, max_header_size=max_header_size, checksums=checksums,
+                                   chunk=_CHUNK)
     total = len(header) + sum(raw.nbytes for _, raw in items)
     # BytesIO adopts an unshared bytes object as its buffer, writes into it in place and
     # hands it back from getvalue() when the size matches: one allocation, no final copy.
