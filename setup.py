@@ -53,11 +53,17 @@ extensions = [
         extra_compile_args=compile_args,
     ),
     Extension(
+        "engine.gpu._cudart",
+        ["engine/gpu/_cudart.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+        libraries=["dl"],
+    ),
+    Extension(
         "engine.gpu._ring",
         ["engine/gpu/_ring.pyx"],
         define_macros=macros,
         extra_compile_args=compile_args,
-        libraries=["dl"],
     ),
 ]
 

@@ -370,13 +370,13 @@ def test_plan_packs_gaps_and_keeps_files_apart():
 
 
 def test_ring_checks_its_arguments(emu):
-    from engine.gpu import _ring
+    from engine.gpu import _cudart, _ring
 
-    rt = _ring.Runtime(emu.path)
+    rt = _cudart.Runtime(emu.path)
     with pytest.raises(ValueError):
         _ring.ChunkRing(rt, 0, 0, 1000, 2, 1)
     with pytest.raises(OSError, match="cannot open"):
-        _ring.Runtime("/nonexistent/libcudart.so")
+        _cudart.Runtime("/nonexistent/libcudart.so")
     stream = emu.new_stream()
     try:
         with _ring.ChunkRing(rt, 0, stream, 4096, 2, 1) as ring:

@@ -306,12 +306,12 @@ def test_a_failed_copy_stops_the_connections_and_is_a_device_error(checkpoint, n
 def test_the_rings_external_fill_api_checks_its_use(emu):
     """take() outside a run has nothing to give, filled() names a chunk of the run; a start()
     that starts no filler, or raises, stops the run rather than leaving it waiting."""
-    from engine.gpu import _ring
+    from engine.gpu import _cudart, _ring
 
     emu.reset()
     ops = EmulatedRingOps(emu)
     stream, _ = ops.ring_stream()
-    ring = _ring.ChunkRing(_ring.Runtime(emu.path), 0, stream, SMALL, 4, 1)
+    ring = _ring.ChunkRing(_cudart.Runtime(emu.path), 0, stream, SMALL, 4, 1)
     try:
         assert ring.take() == (-1, 0)
         with pytest.raises(ValueError, match="not being filled"):

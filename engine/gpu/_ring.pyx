@@ -24,19 +24,14 @@ with :meth:`ChunkRing.take` (the same native wait for the slot as a copy thread'
 released), writes it through :meth:`ChunkRing.memory` and reports it with
 :meth:`ChunkRing.filled` or :meth:`ChunkRing.fail`; the issuing side is the same.
 
-The CUDA runtime is not linked: :class:`Runtime` opens a ``libcudart`` by path (the one torch
-or CuPy already loaded, so the same instance, contexts and streams) and looks its entry points
-up by name; the tests pass an emulated runtime with the same ones (``tests/emucudart``).
-
-What a driver holds per thread is left as the caller had it.  A thread the engine does not
-own (the caller's, a finaliser's) gets the ring's device's primary context pushed around the
-ring's calls and popped after (the driver's ``cuCtxPushCurrent`` / ``cuCtxPopCurrent``): its
-own context, or none, and its runtime device stay as they were, where ``cudaSetDevice``
-would change the device and restoring one would make a context on GPU 0 for a thread that
-had none.  "Not ready" from an event query is cleared from the thread's last error at once,
-as torch does, so the caller's next check of ``cudaGetLastError`` does not see it.  A run's
-first copy waits (``cudaStreamWaitEvent``) for the consumer's fence: an event its framework
-recorded on the caller's current stream when the load was set up, on the caller's thread.
+The CUDA runtime is not linked: it is called through a :class:`engine.gpu._cudart.Runtime`'s
+table of entry points, and a thread the engine does not own gets the ring's device's primary
+context pushed around the ring's calls (:mod:`engine.gpu._cudart`), its own context and device
+left as they were.  "Not ready" from an event query is cleared from the thread's last error at
+once, as torch does, so the caller's next check of ``cudaGetLastError`` does not see it.  A
+run's first copy waits (``cudaStreamWaitEvent``) for the consumer's fence: an event its
+framework recorded on the caller's current stream when the load was set up, on the caller's
+thread.
 """
 
 from cpython.buffer cimport PyBUF_WRITE
@@ -48,6 +43,10 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec, nanosleep
 
+from engine.gpu._cudart cimport (
+    Runtime, _Rt, _Saved, _cudaErrorNotReady, _cudaEventDisableTiming, _cudaHostRegisterPortable,
+    _cudaMemcpyHostToDevice, _enter, _leave,
+)
 from engine.io._io cimport (
     _Choice, _Part, _copy_piece, _crc_landed, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
     pthread_cond_init, pthread_cond_signal, pthread_cond_t, pthread_cond_timedwait, pthread_cond_wait,
@@ -55,14 +54,6 @@ from engine.io._io cimport (
     pthread_mutex_t, pthread_mutex_unlock, pthread_t,
 )
 
-
-cdef extern from "<dlfcn.h>" nogil:
-    void* dlopen(const char* path, int flags)
-    void* dlsym(void* handle, const char* name)
-    int dlclose(void* handle)
-    char* dlerror()
-    int RTLD_NOW
-    int RTLD_LOCAL
 
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
@@ -106,143 +97,10 @@ cdef extern from *:
     void _deadline "engine_ring_deadline"(timespec* ts, long ns) noexcept nogil
 
 
-# -- the CUDA runtime, by name ------------------------------------------------------------------
-
-ctypedef int (*_f_int)(int) noexcept nogil
-ctypedef int (*_f_intp)(int*) noexcept nogil
-ctypedef int (*_f_register)(void*, size_t, unsigned int) noexcept nogil
-ctypedef int (*_f_ptr)(void*) noexcept nogil
-ctypedef int (*_f_memcpy)(void*, const void*, size_t, int, void*) noexcept nogil
-ctypedef int (*_f_event_create)(void**, unsigned int) noexcept nogil
-ctypedef int (*_f_record)(void*, void*) noexcept nogil
-ctypedef int (*_f_void)() noexcept nogil
-ctypedef const char* (*_f_errstr)(int) noexcept nogil
-ctypedef int (*_f_wait)(void*, void*, unsigned int) noexcept nogil
-ctypedef int (*_f_memcpy_sync)(void*, const void*, size_t, int) noexcept nogil
-ctypedef int (*_f_ctx_get)(void**) noexcept nogil
-ctypedef int (*_f_init)(unsigned int) noexcept nogil
-ctypedef int (*_f_device_get)(int*, int) noexcept nogil
-ctypedef int (*_f_retain)(void**, int) noexcept nogil
-
-cdef struct _Rt:
-    _f_int set_device
-    _f_intp get_device
-    _f_register host_register
-    _f_ptr host_unregister
-    _f_memcpy memcpy_async
-    _f_event_create event_create
-    _f_record event_record
-    _f_ptr event_query
-    _f_ptr event_synchronize
-    _f_ptr event_destroy
-    _f_ptr stream_synchronize
-    _f_void get_last_error
-    _f_errstr error_string
-    _f_wait stream_wait_event
-    _f_memcpy_sync memcpy_sync
-    # the driver's (libcuda's): a device's primary context, pushed on a thread and popped
-    _f_init driver_init
-    _f_device_get device_get
-    _f_retain primary_retain
-    _f_int primary_release
-    _f_ctx_get ctx_get_current
-    _f_ptr ctx_push
-    _f_ctx_get ctx_pop
-
 cdef enum:
-    _cudaErrorNotReady = 600
-    _cudaMemcpyHostToDevice = 1
-    _cudaHostRegisterPortable = 1
-    _cudaEventDisableTiming = 2
     _MADV_HUGEPAGE = 14
 
 cdef size_t _HUGE = 2 << 20
-
-#: the entry points a ring calls, in the order of _Rt
-ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
-                "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
-                "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
-                "cudaGetErrorString", "cudaStreamWaitEvent", "cudaMemcpy")
-#: the driver's entry points a ring calls (after ENTRY_POINTS in _Rt): looked up in the runtime's
-#: library first (the emulated one has them), else in the driver's, which every CUDA process maps
-DRIVER_ENTRY_POINTS = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",
-                       "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2")
-DRIVER = "libcuda.so.1"
-
-
-cdef class Runtime:
-    """A CUDA runtime opened by path; its entry points looked up by name.  Opening a library
-    the process has already loaded gives that same instance (the same contexts and streams)."""
-
-    cdef void* handle
-    cdef void* driver
-    cdef _Rt rt
-    cdef readonly str path
-
-    def __cinit__(self, str path):
-        cdef bytes raw = path.encode()
-        cdef void** slots = <void**>&self.rt
-        cdef int i, n = len(ENTRY_POINTS)
-        cdef void* fn
-        self.path = path
-        self.handle = dlopen(raw, RTLD_NOW | RTLD_LOCAL)
-        if self.handle == NULL:
-            err = dlerror()
-            raise OSError(f"cannot open the CUDA runtime {path}: {err.decode() if err != NULL else 'unknown'}")
-        for i, name in enumerate(ENTRY_POINTS):
-            fn = dlsym(self.handle, (<str>name).encode())
-            if fn == NULL:
-                self._close()
-                raise OSError(f"the CUDA runtime {path} has no {name}")
-            slots[i] = fn
-        lib = self.handle
-        if dlsym(lib, b"cuCtxPushCurrent_v2") == NULL:
-            self.driver = dlopen((<str>DRIVER).encode(), RTLD_NOW | RTLD_LOCAL)
-            if self.driver == NULL:
-                err = dlerror()
-                self._close()
-                raise OSError(f"cannot open the CUDA driver {DRIVER}: {err.decode() if err != NULL else 'unknown'}")
-            lib = self.driver
-        for i, name in enumerate(DRIVER_ENTRY_POINTS):
-            fn = dlsym(lib, (<str>name).encode())
-            if fn == NULL:
-                self._close()
-                raise OSError(f"the CUDA driver has no {name}")
-            slots[n + i] = fn
-        self.rt.driver_init(0)  # initialised already where a framework loaded CUDA; cheap then
-
-    def primary_context(self, int device) -> int:
-        """Retain ``device``'s primary context (made if need be, not made current); its
-        handle.  Released by :meth:`release_primary`."""
-        cdef void* ctx = NULL
-        cdef int dev = 0, rc
-        with nogil:
-            rc = self.rt.device_get(&dev, device)
-            if rc == 0:
-                rc = self.rt.primary_retain(&ctx, dev)
-        if rc != 0:
-            raise RuntimeError(f"cannot retain the primary context of device {device} (CUDA driver error {rc})")
-        return <uintptr_t>ctx
-
-    def release_primary(self, int device) -> None:
-        cdef int dev = 0
-        with nogil:
-            if self.rt.device_get(&dev, device) == 0:
-                self.rt.primary_release(dev)
-
-    cdef void _close(self):
-        if self.handle != NULL:
-            dlclose(self.handle)
-            self.handle = NULL
-        if self.driver != NULL:
-            dlclose(self.driver)
-            self.driver = NULL
-
-    def error_string(self, int code) -> str:
-        """The runtime's description of an error code."""
-        cdef const char* s = self.rt.error_string(code)
-        return s.decode(errors="replace") if s != NULL else f"CUDA error {code}"
-
 
 
 # -- the ring ------------------------------------------------------------------------------------
@@ -419,63 +277,6 @@ cdef void _fail(_State* st, int kind, int code, int64_t chunk, int64_t at, int64
     pthread_cond_broadcast(&st.filled_cond)
     pthread_cond_broadcast(&st.issued_cond)
     pthread_mutex_unlock(&st.lock)
-
-
-cdef struct _Saved:
-    int pushed      # ``ctx`` was pushed: pop it after
-
-
-cdef int _enter(_Rt* rt, void* ctx, _Saved* saved) noexcept nogil:
-    """Make the primary context ``ctx`` current on this thread for the ring's calls: nothing
-    where it is current already, else pushed (the thread's own context, or none, and its
-    runtime device are untouched).  0 or the driver's error."""
-    cdef void* cur = NULL
-    cdef int rc
-    saved.pushed = 0
-    if rt.ctx_get_current(&cur) == 0 and cur == ctx:
-        return 0
-    rc = rt.ctx_push(ctx)
-    saved.pushed = rc == 0
-    return rc
-
-
-cdef void _leave(_Rt* rt, _Saved* saved) noexcept nogil:
-    """Pop what :func:`_enter` pushed: the thread is as it was."""
-    cdef void* popped = NULL
-    if saved.pushed:
-        rt.ctx_pop(&popped)
-        saved.pushed = 0
-
-
-cdef class OnDevice:
-    """``with OnDevice(runtime, device):`` the device's primary context current on this thread
-    for the block, the thread as it was after (a framework's stream made for a ring on a
-    thread of the engine's: no context on GPU 0, the thread's device untouched)."""
-
-    cdef Runtime runtime
-    cdef int device
-    cdef void* ctx
-    cdef _Saved saved
-
-    def __cinit__(self, Runtime runtime, int device):
-        self.runtime = runtime
-        self.device = device
-
-    def __enter__(self):
-        cdef int rc
-        self.ctx = <void*><uintptr_t>self.runtime.primary_context(self.device)
-        with nogil:
-            rc = _enter(&self.runtime.rt, self.ctx, &self.saved)
-        if rc != 0:
-            self.runtime.release_primary(self.device)
-            raise RuntimeError(f"cannot make device {self.device} current (CUDA driver error {rc})")
-        return self
-
-    def __exit__(self, *exc):
-        with nogil:
-            _leave(&self.runtime.rt, &self.saved)
-        self.runtime.release_primary(self.device)
-
 
 cdef int _wait_event(_State* st, void* event) noexcept nogil:
     """Poll an event until it completes (0), fails (its error) or the run stops (-1): a copy

@@ -360,9 +360,9 @@ def geometry_for(slot_bytes: int | None = None, threads: int | None = None) -> G
 
 @functools.cache
 def _runtime(path: str):
-    from engine.gpu import _ring
+    from engine.gpu import _cudart
 
-    return _ring.Runtime(path)
+    return _cudart.Runtime(path)
 
 
 #: seconds an unused ring stays set up after a load (so that a loop of small loads, such as
@@ -586,7 +586,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def _new_ring(ops, g: Geometry):
-    from engine.gpu import _ring
+    from engine.gpu import _cudart, _ring
 
     path = ops.runtime_path()
     if not path:
@@ -598,7 +598,7 @@ def _new_ring(ops, g: Geometry):
     try:
         # on the ring's device, the thread left as it was: a framework's stream made on one of
         # the engine's threads (the prepare thread, a stream's worker) makes no context on GPU 0
-        with _ring.OnDevice(rt, ops.device_index):
+        with _cudart.OnDevice(rt, ops.device_index):
             stream, owner = ops.ring_stream()
         ring = _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
     except RuntimeError as exc:
