@@ -60,6 +60,12 @@ extensions = [
         libraries=["dl"],
     ),
     Extension(
+        "engine.gpu._chunk_plan",
+        ["engine/gpu/_chunk_plan.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
+    Extension(
         "engine.gpu._ring",
         ["engine/gpu/_ring.pyx"],
         define_macros=macros,

@@ -2,7 +2,7 @@
 device load.
 
 A load's pieces (file, offset, bytes, device address) are cut into chunks once
-(:func:`engine.gpu._ring.plan`: one ``chunk_bytes``-aligned block of a file per chunk), then one
+(:func:`engine.gpu._chunk_plan.plan`: one ``chunk_bytes``-aligned block of a file per chunk), then one
 native call moves them: ``threads`` copy threads each take the next chunk, wait for its slot's
 previous copy to complete, fill it from the page cache; the calling thread issues each chunk's
 ``cudaMemcpyAsync`` in order on the load's stream as soon as it is full.  Two copies of each
@@ -684,9 +684,9 @@ class _Digests:
 
 
 def plan(pieces: _Pieces, chunk_bytes: int):
-    """The chunk plan of :func:`engine.gpu._ring.plan`, trimmed: ``(c_file, c_seg, s_pos, s_off,
+    """The chunk plan of :func:`engine.gpu._chunk_plan.plan`, trimmed: ``(c_file, c_seg, s_pos, s_off,
     s_len, s_dst)``."""
-    from engine.gpu import _ring
+    from engine.gpu import _chunk_plan
 
     n = len(pieces.len)
     total = int(pieces.len.sum()) if n else 0
@@ -695,7 +695,7 @@ def plan(pieces: _Pieces, chunk_bytes: int):
     c_seg = np.empty(cap + 1, np.int64)
     s_pos, s_off, s_len = (np.empty(cap + n, np.int64) for _ in range(3))
     s_dst = np.empty(cap + n, np.uint64)
-    k, m = _ring.plan(pieces.file, pieces.off, pieces.len, pieces.dst, chunk_bytes, c_file, c_seg, s_pos, s_off,
+    k, m = _chunk_plan.plan(pieces.file, pieces.off, pieces.len, pieces.dst, chunk_bytes, c_file, c_seg, s_pos, s_off,
                       s_len, s_dst)
     return c_file[:k].copy(), c_seg[: k + 1].copy(), s_pos[:m].copy(), s_off[:m].copy(), s_len[:m].copy(), \
         s_dst[:m].copy()
