@@ -66,6 +66,12 @@ extensions = [
         extra_compile_args=compile_args,
     ),
     Extension(
+        "engine.gpu._copy_loop",
+        ["engine/gpu/_copy_loop.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
+    Extension(
         "engine.gpu._ring",
         ["engine/gpu/_ring.pyx"],
         define_macros=macros,
