@@ -314,12 +314,12 @@ def child(dev: str, files: list[str], seconds: float, short: bool = False) -> in
     deadline = t_start + seconds
     dry = not dev.startswith("cuda")
     target: _Target = _Emulated(files) if dry else _Cuda(files, dev)
-    from engine.gpu import device_ring
+    from engine.gpu.geometry import default_geometry
 
     saved = {k: os.environ.get(k) for k in KNOBS}
     for k in saved:  # the first load and the default geometry: the engine's defaults
         os.environ.pop(k, None)
-    default = device_ring.default_geometry()
+    default = default_geometry()
     try:  # the cores this process may run on, as the engine counts them for its default
         cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):

@@ -18,6 +18,7 @@ from emucudart import EmulatedRingOps, Emulator
 
 from engine.errors import DeviceError, ReadError
 from engine.gpu import device_ring
+from engine.gpu.geometry import MAX_RING_BYTES, Geometry, default_geometry, default_threads, stores
 from engine.loading import pipeline
 from engine.planning.plan import Piece, Request, plan_reads
 
@@ -62,7 +63,7 @@ def _clean(emu) -> None:
     assert st["wrong_device"] == 0, st
 
 
-_SMALL = device_ring.Geometry(64 * 1024, 4, 2)
+_SMALL = Geometry(64 * 1024, 4, 2)
 
 
 def _load(layout, ops, rows=None, geometry=_SMALL, chunk=1 << 20, **kw):
@@ -88,11 +89,11 @@ def _check(layout, dst) -> None:
 
 
 @pytest.mark.parametrize("geometry", [
-    device_ring.Geometry(4096, 1, 1),          # one chunk: every fill waits for the last copy
-    device_ring.Geometry(64 * 1024, 3, 4),     # more threads than chunks
-    device_ring.Geometry(256 * 1024, 16, 2),
-    device_ring.Geometry(2 * _MIB, 8, 3),
-    device_ring.Geometry(32 * _MIB, 2, 2),     # chunks larger than the file
+    Geometry(4096, 1, 1),          # one chunk: every fill waits for the last copy
+    Geometry(64 * 1024, 3, 4),     # more threads than chunks
+    Geometry(256 * 1024, 16, 2),
+    Geometry(2 * _MIB, 8, 3),
+    Geometry(32 * _MIB, 2, 2),     # chunks larger than the file
 ])
 @pytest.mark.parametrize("source", ["pread", "mmap", "auto"])
 def test_every_byte_lands_and_every_tensor_completes_once(layout, ops, emu, geometry, source, monkeypatch):
@@ -118,7 +119,7 @@ def test_every_byte_lands_and_every_tensor_completes_once(layout, ops, emu, geom
 def test_a_selection_with_gaps_packs_chunks_and_lands(layout, ops, emu):
     rows = list(range(0, 60, 3))
     emu.delay(0.0001)
-    dst, done, _ = _load(layout, ops, rows=rows, geometry=device_ring.Geometry(128 * 1024, 4, 2))
+    dst, done, _ = _load(layout, ops, rows=rows, geometry=Geometry(128 * 1024, 4, 2))
     _check(layout, dst)
     assert sorted(done) == sorted(r for r in rows if len(dst[r]))
     _clean(emu)
@@ -138,7 +139,7 @@ def test_several_files_in_one_ring(layout, ops, emu, tmp_path):
                 pipeline.Source(fds[1], str(path2), plan_reads(begins, ends, rows, 64, 1 << 20), 100)]
         device_ring.load(srcs, pipeline.Destination(device_targets=dst, device_ops=ops),
                          pipeline._Tracker.of(srcs, done.append), threading.Event(),
-                         device_ring.Geometry(256 * 1024, 6, 2))
+                         Geometry(256 * 1024, 6, 2))
     finally:
         for fd in fds:
             os.close(fd)
@@ -214,7 +215,7 @@ def test_cancel_stops_the_load_and_waits_for_issued_copies(layout, ops, emu):
     try:
         src = pipeline.Source(fd, path, plan_reads(begins, ends, range(60), 64, 1 << 20))
         device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
-                         pipeline._Tracker.of([src], on_complete), cancel, device_ring.Geometry(16 * 1024, 4, 2))
+                         pipeline._Tracker.of([src], on_complete), cancel, Geometry(16 * 1024, 4, 2))
     finally:
         os.close(fd)
     assert cancel.is_set() and len(landed) < 58
@@ -237,7 +238,7 @@ def test_an_exception_in_the_progress_report_propagates_after_the_copies(layout,
         with pytest.raises(KeyboardInterrupt):
             device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
                              pipeline._Tracker.of([src], on_complete), threading.Event(),
-                             device_ring.Geometry(16 * 1024, 4, 2))
+                             Geometry(16 * 1024, 4, 2))
     finally:
         os.close(fd)
     _clean(emu)
@@ -294,7 +295,7 @@ def test_no_file_stays_mapped_and_mapped_pages_are_released(ops, emu, tmp_path, 
     try:
         src = pipeline.Source(fd, str(path), [Request(0, n, (Piece(0, 0, 0, n),))])
         device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
-                         pipeline._Tracker.of([src], None), threading.Event(), device_ring.Geometry(2 * _MIB, 4, 2))
+                         pipeline._Tracker.of([src], None), threading.Event(), Geometry(2 * _MIB, 4, 2))
     finally:
         stop.set()
         sampler.join()
@@ -391,14 +392,14 @@ def test_ring_checks_its_arguments(emu):
 
 def test_geometry_from_the_environment(monkeypatch):
     monkeypatch.setenv("ENGINE_RING", "2,36,12")
-    assert device_ring.default_geometry() == device_ring.Geometry(2 * _MIB, 36, 12)
+    assert default_geometry() == Geometry(2 * _MIB, 36, 12)
     monkeypatch.setenv("ENGINE_RING", "2,0,12")
     with pytest.raises(ValueError):
-        device_ring.default_geometry()
+        default_geometry()
     monkeypatch.delenv("ENGINE_RING")
-    g = device_ring.default_geometry(16)
-    assert g.threads == 12 and g.pinned_bytes <= device_ring.MAX_RING_BYTES
-    assert device_ring.default_threads(2) == 2
+    g = default_geometry(16)
+    assert g.threads == 12 and g.pinned_bytes <= MAX_RING_BYTES
+    assert default_threads(2) == 2
 
 
 @pytest.mark.parametrize("stores", ["stream", "cached"])
@@ -413,7 +414,7 @@ def test_either_kind_of_store_lands_every_byte(layout, ops, emu, stores, monkeyp
 def test_stores_are_checked(monkeypatch):
     monkeypatch.setenv("ENGINE_RING_STORES", "fast")
     with pytest.raises(ValueError, match="ENGINE_RING_STORES"):
-        device_ring.stores()
+        stores()
 
 
 # -- progress: a tensor is reported only once every copy into it has completed ---------------------
@@ -454,7 +455,7 @@ def test_no_tensor_is_reported_before_its_bytes_have_landed(aligned, ops, emu, c
         src = pipeline.Source(fd, path, plan_reads(begins, ends, range(len(begins)), size, 1 << 20))
         device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
                          pipeline._Tracker.of([src], on_complete), threading.Event(),
-                         device_ring.Geometry(size, chunks, threads))
+                         Geometry(size, chunks, threads))
     finally:
         os.close(fd)
     end = time.monotonic()
@@ -473,7 +474,7 @@ def test_no_tensor_is_reported_before_its_bytes_have_landed(aligned, ops, emu, c
 
 
 def test_a_ring_is_page_locked_in_a_few_calls_and_can_be_prepared_ahead(layout, ops, emu):
-    g = device_ring.Geometry(64 * 1024, 32, 2)
+    g = Geometry(64 * 1024, 32, 2)
     took = device_ring.prepare(ops, g)
     assert took[1] == 6  # slot 0, then blocks of 1, 2, 4, 8, 16 slots
     assert emu.stats()["registrations"] == 6 and device_ring.locked_bytes() == 32 * 64 * 1024
@@ -489,7 +490,7 @@ def test_a_ring_is_page_locked_in_a_few_calls_and_can_be_prepared_ahead(layout, 
 
 def test_a_cold_load_records_its_page_locking_and_what_it_did(layout, ops, emu, monkeypatch):
     monkeypatch.setenv("ENGINE_COPY_SOURCE", "pread")
-    g = device_ring.Geometry(64 * 1024, 8, 2)
+    g = Geometry(64 * 1024, 8, 2)
     with device_ring.load_records() as records:
         dst, _, stats = _load(layout, ops, geometry=g)
     _check(layout, dst)
@@ -502,7 +503,7 @@ def test_a_cold_load_records_its_page_locking_and_what_it_did(layout, ops, emu, 
 
 
 def test_a_load_started_while_its_ring_is_prepared_waits_for_that_ring(layout, ops, emu, monkeypatch):
-    g = device_ring.Geometry(64 * 1024, 4, 2)
+    g = Geometry(64 * 1024, 4, 2)
     key = device_ring._ring_key(ops, g)
     assert device_ring.KEPT.pending(key)  # as prepare() marks it before setting the ring up
     out: list = []
@@ -522,7 +523,7 @@ def test_a_load_started_while_its_ring_is_prepared_waits_for_that_ring(layout, o
 
 def test_small_loads_wake_no_more_threads_than_they_have_chunks(layout, ops, emu):
     path, begins, ends, data = layout
-    g = device_ring.Geometry(2 * _MIB, 4, 4)
+    g = Geometry(2 * _MIB, 4, 4)
     with device_ring.load_records() as records:
         _load(layout, ops, rows=[5], geometry=g)        # one chunk: the calling thread fills it
         _load(layout, ops, rows=[0, 59], geometry=g)    # two chunks: two threads
@@ -533,7 +534,7 @@ def test_small_loads_wake_no_more_threads_than_they_have_chunks(layout, ops, emu
 
 
 def test_a_loop_of_loads_starts_no_thread_per_load(layout, ops, emu):
-    g = device_ring.Geometry(64 * 1024, 4, 2)
+    g = Geometry(64 * 1024, 4, 2)
     _load(layout, ops, rows=[1], geometry=g)
     threads = threading.active_count()
     for r in range(2, 40):
@@ -582,7 +583,7 @@ def test_either_unmap_mode_lands_every_byte(layout, ops, emu, unmap, source, mon
     monkeypatch.setenv("ENGINE_RING_UNMAP", unmap)
     monkeypatch.setenv("ENGINE_COPY_SOURCE", source)
     emu.delay(0.0002)
-    dst, done, stats = _load(layout, ops, geometry=device_ring.Geometry(256 * 1024, 4, 2))
+    dst, done, stats = _load(layout, ops, geometry=Geometry(256 * 1024, 4, 2))
     _check(layout, dst)
     assert stats["unmap"] == unmap and stats["mmap_bytes"] > 0
     _clean(emu)
@@ -803,10 +804,10 @@ def test_registration_takes_page_aligned_ranges_and_costs_time(layout, ops, emu)
     other range, and charges for each MiB), once per ring: a prepared ring's load pays none."""
     emu.register_cost(0.002)
     t0 = time.perf_counter()
-    device_ring.prepare(ops, device_ring.Geometry(1 << 20, 8, 2))
+    device_ring.prepare(ops, Geometry(1 << 20, 8, 2))
     assert time.perf_counter() - t0 >= 8 * 0.002
     with device_ring.load_records() as records:
-        dst, _, _ = _load(layout, ops, geometry=device_ring.Geometry(1 << 20, 8, 2))
+        dst, _, _ = _load(layout, ops, geometry=Geometry(1 << 20, 8, 2))
     _check(layout, dst)
     assert records[-1].lock_calls == 0 and not records[-1].pageable
     assert emu.stats()["registrations"] == 4  # slot 0, then blocks of 1, 2 and 4 chunks

@@ -20,6 +20,7 @@ import engine
 import engine.loading.loader
 from engine.errors import RangeIgnoredWarning, ReadError
 from engine.gpu import device_ring
+from engine.gpu.geometry import Geometry, _default_geometry
 from engine.loading import pipeline
 from engine.net.remote_reads import Retry
 
@@ -80,9 +81,9 @@ def device(emu, monkeypatch):
     sink = EmulatedSink(ops)
     monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
     monkeypatch.setenv("ENGINE_RING", "0.0625,4,2")  # 64 KiB chunks, 4 slots
-    device_ring._default_geometry.cache_clear()
+    _default_geometry.cache_clear()
     yield ops
-    device_ring._default_geometry.cache_clear()
+    _default_geometry.cache_clear()
     device_ring.release_rings()
     ops.close()
     emu.reset()
@@ -275,7 +276,7 @@ def test_a_ring_load_takes_local_or_remote_files_not_both(device):
     local = pipeline.Source(0, "y", [])
     with pytest.raises(ValueError, match="not both"):
         device_ring.load([src, local], pipeline.Destination(device_targets={}, device_ops=device),
-                         pipeline._Tracker({}, None), threading.Event(), device_ring.Geometry(SMALL, 4, 1))
+                         pipeline._Tracker({}, None), threading.Event(), Geometry(SMALL, 4, 1))
 
 
 def test_the_ring_is_set_up_while_the_headers_are_fetched(checkpoint, nginx, device, emu, monkeypatch):
@@ -289,7 +290,7 @@ def test_the_ring_is_set_up_while_the_headers_are_fetched(checkpoint, nginx, dev
         got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", framework="pt"))
     assert sorted(got) == sorted(sd)
     assert all(np.asarray(got[k]).tobytes() == sd[k].tobytes() for k in sd)
-    assert calls == [device_ring.Geometry(SMALL, 4, 2)]
+    assert calls == [Geometry(SMALL, 4, 2)]
     assert records[0].lock_calls == 0 and emu.stats()["registrations"] > 0
     _released(emu)
 
@@ -388,7 +389,7 @@ def test_an_error_in_the_progress_report_ends_the_connections_waits(device, emu)
     t0 = time.monotonic()
     with pytest.raises(KeyError, match="consumer failed"):
         device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=device),
-                         pipeline._Tracker.of([src], on_complete), cancel, device_ring.Geometry(size, 4, 1),
+                         pipeline._Tracker.of([src], on_complete), cancel, Geometry(size, 4, 1),
                          connections=3)
     assert time.monotonic() - t0 < 10 and cancel.is_set()
     _released(emu)

@@ -10,10 +10,9 @@ byte: page cache -> page-locked chunk, chunk -> device by DMA.  No Python runs p
 the calling thread takes the GIL every few tens of milliseconds to report the tensors that
 have landed and to see a cancel.
 
-The geometry (:class:`Geometry`: chunk size, chunks in flight, copy threads) depends on the
-host and the device; the defaults are set from ``scripts/gpu_check.py --sweep`` (BENCHMARKS.md
-names the run), and ``ENGINE_RING`` (``chunk_mib,chunks,threads``) or the loaders'
-``ring=`` argument overrides them.
+The ring's shape (chunk size, chunks in flight, copy threads) is a
+:class:`~engine.gpu.geometry.Geometry`: host-dependent defaults, ``ENGINE_RING`` or the
+loaders' ``ring=`` argument (:mod:`engine.gpu.geometry`).
 
 Remote files (a :class:`~engine.loading.pipeline.Source` with ``ranges``) take the same ring: the
 load's connections, one Python thread each, take the next chunks from the ring (which waits,
@@ -48,20 +47,17 @@ import queue
 import threading
 import time
 import weakref
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from engine.errors import DeviceError
 from engine.format.checksums import combine
+from engine.gpu.geometry import Geometry, checked, default_geometry, stores
 from engine.io.reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
-__all__ = ["DeviceOps", "Geometry", "LoadRecord", "default_geometry", "supports", "load", "load_records", "prepare", "keep_rings", "keep_staging",
+__all__ = ["DeviceOps", "LoadRecord", "supports", "load", "load_records", "prepare", "keep_rings", "keep_staging",
            "locked_bytes", "cuda_runtime_path", "unmap_mode"]
-
-_MIB = 1 << 20
-#: the most host memory a ring page-locks when the caller does not say
-MAX_RING_BYTES = 256 * _MIB
 
 
 class DeviceOps(Protocol):
@@ -86,65 +82,6 @@ class DeviceOps(Protocol):
 
     def address(self, target) -> int:
         """The device address of a byte target."""
-
-
-class Geometry(NamedTuple):
-    """The ring's shape: bytes per chunk (a multiple of 4096), chunks in flight (the ring's
-    slots), native copy threads."""
-
-    chunk_bytes: int
-    chunks: int
-    threads: int
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self.chunk_bytes * self.chunks
-
-
-def cores() -> int:
-    """Cores this process may run on (at least 1): the default copy threads."""
-    return _cores()
-
-
-def _cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def default_threads(cores: int | None = None) -> int:
-    """Copy threads: every core on small hosts, leaving cores for the issuing thread, the
-    driver and the caller on larger ones (``cores - 4`` from 12 cores on)."""
-    n = cores or _cores()
-    if n >= 12:
-        return n - 4
-    if n >= 6:
-        return n - 2
-    return n
-
-
-def default_geometry(cores: int | None = None) -> Geometry:
-    """The ring's shape when the caller says nothing: ``ENGINE_RING`` if set, else 4 MiB
-    chunks, 32 in flight (128 MiB page-locked), :func:`default_threads`."""
-    return _default_geometry(os.environ.get("ENGINE_RING", "").strip(), cores)
-
-
-@functools.lru_cache(maxsize=16)
-def _default_geometry(env: str, cores: int | None) -> Geometry:
-    if env:
-        return parse_geometry(env)
-    return Geometry(4 * _MIB, 32, default_threads(cores))
-
-
-def stores() -> str:
-    """How copy threads write chunks filled out of a mapping: ``"stream"`` (the default: past
-    the caches, for rings larger than the last-level cache) or ``"cached"`` (through them);
-    ``ENGINE_RING_STORES`` picks one, ``scripts/gpu_check.py --sweep`` measures both."""
-    value = os.environ.get("ENGINE_RING_STORES", "stream").strip().lower()
-    if value not in ("stream", "cached"):
-        raise ValueError(f"ENGINE_RING_STORES must be 'stream' or 'cached', not {value!r}")
-    return value
 
 
 UNMAPS = ("end", "chunk")
@@ -324,38 +261,9 @@ def _publish(record: LoadRecord) -> None:
         _LOG.debug("ring load: %s", record.as_dict())
 
 
-def parse_geometry(text: str) -> Geometry:
-    """``"chunk_mib,chunks,threads"`` (``ENGINE_RING``'s form) as a :class:`Geometry`."""
-    try:
-        mib, chunks, threads = (float(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"a ring geometry is 'chunk_mib,chunks,threads', not {text!r}") from None
-    return checked(Geometry(int(mib * _MIB) // 4096 * 4096, int(chunks), int(threads)))
-
-
-def checked(g: Geometry) -> Geometry:
-    if g.chunk_bytes < 4096 or g.chunk_bytes % 4096:
-        raise ValueError(f"a ring chunk is a positive multiple of 4096 bytes, not {g.chunk_bytes}")
-    if g.chunks < 1 or not 1 <= g.threads <= 256:
-        raise ValueError(f"a ring has at least one chunk and 1 to 256 threads, not {g}")
-    return g
-
-
 def supports(ops) -> bool:
     """Whether a device framework's operations can drive the ring."""
     return all(hasattr(ops, m) for m in ("runtime_path", "ring_stream", "address")) and hasattr(ops, "device_index")
-
-
-def geometry_for(slot_bytes: int | None = None, threads: int | None = None) -> Geometry:
-    """The default geometry with a loader's ``slot_bytes`` (bytes per chunk; chunks as many as
-    fit :data:`MAX_RING_BYTES`, at least 2) and ``threads`` (copy threads) applied."""
-    g = default_geometry()
-    if slot_bytes:
-        chunk = max(4096, slot_bytes // 4096 * 4096)
-        g = Geometry(chunk, max(2, min(g.chunks, MAX_RING_BYTES // chunk)), g.threads)
-    if threads:
-        g = g._replace(threads=threads)
-    return checked(g)
 
 
 @functools.cache
@@ -482,7 +390,7 @@ def keep_staging(on: bool = True) -> None:
     threads, events and chunks) between loads (``True``), or close what is kept and keep it
     only briefly after each load (``False``).  A server that loads several models or reloads
     one saves setting the ring up on every load after the first; the cost is the ring's
-    chunks (:data:`MAX_RING_BYTES` by default) locked until ``keep_staging(False)``.  Same as
+    chunks (:data:`~engine.gpu.geometry.MAX_RING_BYTES` by default) locked until ``keep_staging(False)``.  Same as
     ``ENGINE_KEEP_STAGING=1`` at start-up.  :func:`keep_rings` under its public name."""
     keep_rings(on)
 
