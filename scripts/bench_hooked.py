@@ -49,6 +49,7 @@ import engine  # noqa: E402
 import engine.loading.loader  # noqa: E402
 import engine.numpy  # noqa: E402
 from engine.gpu import device_ring  # noqa: E402
+from engine.gpu.records import load_records  # noqa: E402
 from engine.loading import load_hooks  # noqa: E402
 from engine.quantize import Int8  # noqa: E402
 
@@ -143,7 +144,7 @@ def main() -> int:
             for row, kw in ROWS.items():
                 launches[0] = 0
                 sink.reset()
-                with device_ring.load_records() as records:
+                with load_records() as records:
                     t0 = time.perf_counter()
                     for _item in engine.stream(path, framework="np", device="cuda", **kw):
                         pass

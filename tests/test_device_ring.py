@@ -19,6 +19,7 @@ from emucudart import EmulatedRingOps, Emulator
 from engine.errors import DeviceError, ReadError
 from engine.gpu import device_ring
 from engine.gpu.geometry import MAX_RING_BYTES, Geometry, default_geometry, default_threads, stores
+from engine.gpu.records import load_records
 from engine.loading import pipeline
 from engine.planning.plan import Piece, Request, plan_reads
 
@@ -479,7 +480,7 @@ def test_a_ring_is_page_locked_in_a_few_calls_and_can_be_prepared_ahead(layout, 
     assert took[1] == 6  # slot 0, then blocks of 1, 2, 4, 8, 16 slots
     assert emu.stats()["registrations"] == 6 and device_ring.locked_bytes() == 32 * 64 * 1024
     assert device_ring.prepare(ops, g) == (0.0, 0)  # already set up: nothing more
-    with device_ring.load_records() as records:
+    with load_records() as records:
         dst, _, stats = _load(layout, ops, geometry=g)
     _check(layout, dst)
     assert emu.stats()["registrations"] == 6  # the load found its ring ready
@@ -491,7 +492,7 @@ def test_a_ring_is_page_locked_in_a_few_calls_and_can_be_prepared_ahead(layout, 
 def test_a_cold_load_records_its_page_locking_and_what_it_did(layout, ops, emu, monkeypatch):
     monkeypatch.setenv("ENGINE_COPY_SOURCE", "pread")
     g = Geometry(64 * 1024, 8, 2)
-    with device_ring.load_records() as records:
+    with load_records() as records:
         dst, _, stats = _load(layout, ops, geometry=g)
     _check(layout, dst)
     r = records[0]
@@ -524,7 +525,7 @@ def test_a_load_started_while_its_ring_is_prepared_waits_for_that_ring(layout, o
 def test_small_loads_wake_no_more_threads_than_they_have_chunks(layout, ops, emu):
     path, begins, ends, data = layout
     g = Geometry(2 * _MIB, 4, 4)
-    with device_ring.load_records() as records:
+    with load_records() as records:
         _load(layout, ops, rows=[5], geometry=g)        # one chunk: the calling thread fills it
         _load(layout, ops, rows=[0, 59], geometry=g)    # two chunks: two threads
         dst, _, _ = _load(layout, ops, geometry=g)
@@ -558,7 +559,7 @@ def test_a_held_mapping_is_copied_from_and_left_mapped(layout, ops, emu, monkeyp
         for r in rows[:5]:
             dst = {r: np.zeros(int(ends[r] - begins[r]), np.uint8)}
             src = pipeline.Source(fd, path, plan_reads(begins, ends, [r], 64, 1 << 20), mapping=held)
-            with device_ring.load_records() as records:
+            with load_records() as records:
                 device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
                                  pipeline._Tracker.of([src], None), threading.Event(), _SMALL)
             _check(layout, dst)
@@ -604,7 +605,7 @@ def test_a_get_tensor_loop_on_a_device_maps_the_file_once_and_reports_right_byte
     engine.save_file(tensors, path)
     h = engine.safe_open(path, framework="np")
     h._sink_obj = EmulatedSink(ops)
-    with device_ring.load_records() as records:
+    with load_records() as records:
         h.get_tensor("t0")
         threads = threading.active_count()
         for name, want in tensors.items():
@@ -806,7 +807,7 @@ def test_registration_takes_page_aligned_ranges_and_costs_time(layout, ops, emu)
     t0 = time.perf_counter()
     device_ring.prepare(ops, Geometry(1 << 20, 8, 2))
     assert time.perf_counter() - t0 >= 8 * 0.002
-    with device_ring.load_records() as records:
+    with load_records() as records:
         dst, _, _ = _load(layout, ops, geometry=Geometry(1 << 20, 8, 2))
     _check(layout, dst)
     assert records[-1].lock_calls == 0 and not records[-1].pageable

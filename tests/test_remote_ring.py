@@ -21,6 +21,7 @@ import engine.loading.loader
 from engine.errors import RangeIgnoredWarning, ReadError
 from engine.gpu import device_ring
 from engine.gpu.geometry import Geometry, _default_geometry
+from engine.gpu.records import load_records
 from engine.loading import pipeline
 from engine.net.remote_reads import Retry
 
@@ -122,7 +123,7 @@ def test_a_remote_load_to_a_device_goes_through_the_ring(checkpoint, nginx, devi
     else:
         url = nginx.url("sharded/")
     emu.delay(0.002)  # copies slower than the fills: reports and slot reuse must wait for them
-    with warnings.catch_warnings(), device_ring.load_records() as records:
+    with warnings.catch_warnings(), load_records() as records:
         warnings.simplefilter("error", RangeIgnoredWarning)
         got, early = _stream_checked(url, sd, connections=3)
     assert early == []
@@ -169,7 +170,7 @@ def test_load_into_device_tensors_from_a_url_through_the_ring(checkpoint, nginx,
     monkeypatch.setattr(engine.loading.loader, "fill_target",
                         lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
     dst = {k: EmulatedArray(v.nbytes) for k, v in sd.items()}
-    with device_ring.load_records() as records:
+    with load_records() as records:
         filled = engine.load_into(nginx.url(f"sharded/{INDEX}"), dst, strict=True, connections=2)
     assert sorted(filled) == sorted(sd)
     assert all(dst[k].data.tobytes() == sd[k].tobytes() for k in sd)
@@ -183,7 +184,7 @@ def test_a_selection_with_gaps_receives_only_what_it_needs(checkpoint, nginx, de
     received and dropped within one GET, as read_runs does)."""
     _, sd = checkpoint
     names = sorted(sd)[::2]
-    with device_ring.load_records() as records:
+    with load_records() as records:
         got, early = _stream_checked(nginx.url(f"sharded/{INDEX}"), sd, connections=2, names=names)
     assert early == [] and sorted(got) == names
     assert all(got[k].tobytes() == sd[k].tobytes() for k in got)
@@ -206,7 +207,7 @@ def test_a_connection_dropped_mid_chunk_is_retried(checkpoint, rangeserver, devi
 def test_a_server_that_ignores_range_streams_each_file_into_the_ring(checkpoint, rangeserver, device, emu):
     _, sd = checkpoint
     rangeserver.modes["*"] = "ignore-range"
-    with pytest.warns(RangeIgnoredWarning), device_ring.load_records() as records:
+    with pytest.warns(RangeIgnoredWarning), load_records() as records:
         got, early = _stream_checked(rangeserver.url("sharded/"), sd, connections=3, retry=FAST)
     assert early == [] and sorted(got) == sorted(sd)
     assert all(got[k].tobytes() == sd[k].tobytes() for k in sd)
@@ -260,11 +261,11 @@ def test_cache_dir_writes_the_copies_from_the_ring_and_a_second_load_reads_them(
                                                                                  tmp_path):
     _, sd = checkpoint
     cache = tmp_path / "cache"
-    with device_ring.load_records() as first:
+    with load_records() as first:
         got, early = _stream_checked(nginx.url("sharded/"), sd, cache_dir=str(cache))
     assert early == [] and all(got[k].tobytes() == sd[k].tobytes() for k in sd)
     assert [r.source for r in first] == ["network"]
-    with device_ring.load_records() as second:
+    with load_records() as second:
         got, early = _stream_checked(nginx.url("sharded/"), sd, cache_dir=str(cache))
     assert early == [] and all(got[k].tobytes() == sd[k].tobytes() for k in sd)
     assert [r.source for r in second] != ["network"] and second[0].network_bytes == 0
@@ -286,7 +287,7 @@ def test_the_ring_is_set_up_while_the_headers_are_fetched(checkpoint, nginx, dev
     calls = []
     real = device_ring.prepare
     monkeypatch.setattr(device_ring, "prepare", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
-    with device_ring.load_records() as records:
+    with load_records() as records:
         got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", framework="pt"))
     assert sorted(got) == sorted(sd)
     assert all(np.asarray(got[k]).tobytes() == sd[k].tobytes() for k in sd)
