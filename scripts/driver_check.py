@@ -132,6 +132,7 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
     import engine
     import engine.torch
     from engine.gpu import device_ring
+    from engine.gpu.cudart import cuda_runtime_path
     from engine.sinks import torch as torch_sink
 
     out = Rows()
@@ -144,7 +145,7 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
         return all(torch.equal(got[k].cpu().view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
 
     def stale():
-        rt = ctypes.CDLL(device_ring.cuda_runtime_path(torch_sink._cuda_major()))
+        rt = ctypes.CDLL(cuda_runtime_path(torch_sink._cuda_major()))
         got = engine.torch.load_file(path, device=str(target))
         err = rt.cudaPeekAtLastError()  # before anything clears it
         y = (torch.ones(1 << 20, device=target) * 2).sum().item()  # torch checks its launch

@@ -17,8 +17,8 @@ def test_no_runtime_without_cuda():
 
     code = (
         "import torch\n"
-        "from engine.gpu import device_ring\n"
-        "print(device_ring._loaded_cudart_path())\n"
+        "from engine.gpu import cudart\n"
+        "print(cudart._loaded_cudart_path())\n"
     )
     assert run_python(code, timeout=120).split() == ["None"]
 
@@ -91,15 +91,15 @@ def test_the_runtime_of_the_frameworks_cuda_major_is_chosen(tmp_path):
         shutil.copy(lib, tmp_path / f"libcudart.so.{major}")
     code = (
         "import ctypes, sys\n"
-        "from engine.gpu import device_ring\n"
+        "from engine.gpu import cudart\n"
         f"ctypes.CDLL({str(tmp_path / 'libcudart.so.13')!r}); ctypes.CDLL({str(tmp_path / 'libcudart.so.12')!r})\n"
-        "print(device_ring.cuda_runtime_path(12)); print(device_ring.cuda_runtime_path(13))\n"
-        "print(device_ring.cuda_runtime_path())\n"
+        "print(cudart.cuda_runtime_path(12)); print(cudart.cuda_runtime_path(13))\n"
+        "print(cudart.cuda_runtime_path())\n"
     )
     twelve, thirteen, first = run_python(code, timeout=120).split()
     assert twelve == str(tmp_path / "libcudart.so.12") and thirteen == str(tmp_path / "libcudart.so.13")
     assert first in (twelve, thirteen)  # no major known: the first mapped, as before
-    code = "from engine.gpu import device_ring\nprint(device_ring.cuda_runtime_path(12))\n"
+    code = "from engine.gpu import cudart\nprint(cudart.cuda_runtime_path(12))\n"
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
     assert run_python(code, timeout=120, env=env).split() == ["libcudart.so.12"]  # nothing mapped: its soname first
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import logging
 import os
 import queue
@@ -52,12 +51,13 @@ import numpy as np
 
 from engine.errors import DeviceError
 from engine.format.checksums import combine
+from engine.gpu.cudart import on_device, runtime
 from engine.gpu.geometry import Geometry, checked, default_geometry, stores
 from engine.gpu.records import LoadRecord, publish
 from engine.io.reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
 __all__ = ["DeviceOps", "supports", "load", "prepare", "keep_rings", "keep_staging",
-           "locked_bytes", "cuda_runtime_path", "unmap_mode"]
+           "locked_bytes", "unmap_mode"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -158,13 +158,6 @@ def flush_unmaps() -> None:
 def supports(ops) -> bool:
     """Whether a device framework's operations can drive the ring."""
     return all(hasattr(ops, m) for m in ("runtime_path", "ring_stream", "address")) and hasattr(ops, "device_index")
-
-
-@functools.cache
-def _runtime(path: str):
-    from engine.gpu import _cudart
-
-    return _cudart.Runtime(path)
 
 
 #: seconds an unused ring stays set up after a load (so that a loop of small loads, such as
@@ -299,67 +292,6 @@ def locked_bytes() -> int:
     return sum(r.locked_bytes for r in list(_LIVE))
 
 
-#: runtime paths found mapped in this process, per CUDA major asked for (a library stays
-#: mapped once loaded: each question is answered once)
-_MAPPED: dict[int | None, str] = {}
-
-
-def _major_of(path: str) -> int | None:
-    """The CUDA major in a runtime's file name (``libcudart.so.12.8.90`` -> 12), or None."""
-    tail = os.path.basename(path).partition("libcudart.so.")[2]
-    head = tail.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def _loaded_cudart_path(major: int | None = None) -> str | None:
-    """A ``libcudart`` mapped in this process: of CUDA ``major`` where one is (a process may
-    map two, torch's and another library's), else the first mapped."""
-    if major in _MAPPED:
-        return _MAPPED[major]
-    found: list[str] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(" ")[-1]
-                if "libcudart.so" in os.path.basename(path) and path not in found:
-                    found.append(path)
-    except OSError:
-        pass
-    if not found:
-        return None
-    pick = next((p for p in found if _major_of(p) == major), None) if major is not None else found[0]
-    if pick is None:  # none of that major mapped (yet): the first, asked again next time
-        return found[0]
-    _MAPPED[major] = pick
-    return pick
-
-
-#: sonames tried when no runtime is mapped yet: the framework's major first, then newest first
-_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
-
-
-def cuda_runtime_path(major: int | None = None) -> str | None:
-    """Path of the ``libcudart`` this process has loaded (torch's or CuPy's: opening it again
-    gives that same instance), else the first soname the dynamic loader finds, else None.
-
-    ``major``: the CUDA major the framework was built with (``torch.version.cuda``, CuPy's
-    runtime version): a mapped runtime of that major is preferred, and with none mapped its
-    soname is tried first (a newer one may need a newer driver than the machine has)."""
-    path = _loaded_cudart_path(major)
-    if path is not None:
-        return path
-    import ctypes
-
-    names = ((f"libcudart.so.{major}",) if major is not None else ()) + _SONAMES
-    for name in dict.fromkeys(names):
-        try:
-            ctypes.CDLL(name)
-        except OSError:
-            continue
-        return name
-    return None
-
-
 def consumer_fence(ops) -> int | None:
     """``ops.consumer_fence()`` where the framework has one (a test double may not)."""
     get = getattr(ops, "consumer_fence", None)
@@ -386,19 +318,19 @@ if hasattr(os, "register_at_fork"):
 
 
 def _new_ring(ops, g: Geometry):
-    from engine.gpu import _cudart, _ring
+    from engine.gpu import _ring
 
     path = ops.runtime_path()
     if not path:
         raise DeviceError("no CUDA runtime is loaded in this process to copy through")
     try:
-        rt = _runtime(path)
+        rt = runtime(path)
     except OSError as exc:
         raise DeviceError(str(exc)) from exc
     try:
         # on the ring's device, the thread left as it was: a framework's stream made on one of
         # the engine's threads (the prepare thread, a stream's worker) makes no context on GPU 0
-        with _cudart.OnDevice(rt, ops.device_index):
+        with on_device(rt, ops.device_index):
             stream, owner = ops.ring_stream()
         ring = _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
     except RuntimeError as exc:
@@ -868,7 +800,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         check_read((code, at, missing), "the load", src.path, src.fd)  # raises: code is an errno or -1
     if kind == 2:
         src = sources[int(c_file[chunk])]
-        rt = _runtime(ops.runtime_path())
+        rt = runtime(ops.runtime_path())
         raise DeviceError(
             f"copying {src.path or 'the file'} to the device failed (chunk {chunk} of {len(c_file)}): "
             f"{rt.error_string(code)} (CUDA error {code})", path=src.path)
