@@ -461,12 +461,12 @@ def test_files_without_checksums_do_no_checksum_work(tmp_path, monkeypatch):
 def ring_ops():
     from emucudart import EmulatedRingOps, Emulator
 
-    from engine.gpu import device_ring
+    from engine.gpu import rings
 
     emu = Emulator()
     ops = EmulatedRingOps(emu)
     yield ops
-    device_ring.release_rings()
+    rings.release_rings()
     ops.close()
 
 

@@ -33,7 +33,7 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
     import numpy as np
     from emucudart import Emulator
 
-    from engine.gpu import device_ring
+    from engine.gpu import rings
     from engine.loading import pipeline
     from engine.planning.plan import plan_reads
     from engine.sinks import torch as torch_sink
@@ -69,7 +69,7 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
             assert bytes(dst[r].numpy()) == data[b : b + n].tobytes(), r
     finally:
         os.close(fd)
-        device_ring.release_rings()
+        rings.release_rings()
         emu.destroy_stream(stream)
     st = emu.stats()
     assert st["copies"] > 0 and st["pageable"] == 0 and st["registered"] == 0 and st["events"] == 0

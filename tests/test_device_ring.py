@@ -17,7 +17,7 @@ import pytest
 from emucudart import EmulatedRingOps, Emulator
 
 from engine.errors import DeviceError, ReadError
-from engine.gpu import device_ring
+from engine.gpu import device_ring, rings
 from engine.gpu.geometry import MAX_RING_BYTES, Geometry, default_geometry, default_threads, stores
 from engine.gpu.records import load_records
 from engine.loading import pipeline
@@ -36,7 +36,7 @@ def ops(emu):
     emu.reset()
     ops = EmulatedRingOps(emu)
     yield ops
-    device_ring.release_rings()  # a ring kept after a load uses the stream about to go
+    rings.release_rings()  # a ring kept after a load uses the stream about to go
     ops.close()
     emu.reset()
 
@@ -56,7 +56,7 @@ def layout(tmp_path_factory):
 
 
 def _clean(emu) -> None:
-    device_ring.release_rings()  # rings linger briefly after a load: closed now
+    rings.release_rings()  # rings linger briefly after a load: closed now
     st = emu.stats()
     assert st["registered"] == 0, st  # every chunk unlocked
     assert st["events"] == 0, st      # every event destroyed
@@ -315,10 +315,10 @@ def test_no_file_stays_mapped_and_mapped_pages_are_released(ops, emu, tmp_path, 
 def test_a_ring_lingers_briefly_for_the_next_load_then_unlocks_everything(layout, ops, emu, monkeypatch):
     import time
 
-    monkeypatch.setattr(device_ring, "LINGER_SECONDS", 0.3)
+    monkeypatch.setattr(rings, "LINGER_SECONDS", 0.3)
     _load(layout, ops)
     first = emu.stats()["registrations"]
-    assert device_ring.locked_bytes() > 0
+    assert rings.locked_bytes() > 0
     dst, _, _ = _load(layout, ops)  # a loop of loads (get_tensor per key) sets the ring up once
     _check(layout, dst)
     assert emu.stats()["registrations"] == first
@@ -326,11 +326,11 @@ def test_a_ring_lingers_briefly_for_the_next_load_then_unlocks_everything(layout
     while emu.stats()["registered"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert emu.stats()["registered"] == 0 and emu.stats()["events"] == 0
-    assert device_ring.locked_bytes() == 0
+    assert rings.locked_bytes() == 0
 
 
 def test_kept_rings_are_reused_and_released(layout, ops, emu):
-    device_ring.keep_rings(True)
+    rings.keep_rings(True)
     try:
         _load(layout, ops)
         first = emu.stats()["registrations"]
@@ -339,7 +339,7 @@ def test_kept_rings_are_reused_and_released(layout, ops, emu):
         _check(layout, dst)
         assert emu.stats()["registrations"] == first  # nothing locked again
     finally:
-        device_ring.keep_rings(False)
+        rings.keep_rings(False)
     assert emu.stats()["registered"] == 0  # turning keeping off closes the kept ring
     _clean(emu)
 
@@ -478,7 +478,7 @@ def test_a_ring_is_page_locked_in_a_few_calls_and_can_be_prepared_ahead(layout, 
     g = Geometry(64 * 1024, 32, 2)
     took = device_ring.prepare(ops, g)
     assert took[1] == 6  # slot 0, then blocks of 1, 2, 4, 8, 16 slots
-    assert emu.stats()["registrations"] == 6 and device_ring.locked_bytes() == 32 * 64 * 1024
+    assert emu.stats()["registrations"] == 6 and rings.locked_bytes() == 32 * 64 * 1024
     assert device_ring.prepare(ops, g) == (0.0, 0)  # already set up: nothing more
     with load_records() as records:
         dst, _, stats = _load(layout, ops, geometry=g)
@@ -506,15 +506,15 @@ def test_a_cold_load_records_its_page_locking_and_what_it_did(layout, ops, emu, 
 def test_a_load_started_while_its_ring_is_prepared_waits_for_that_ring(layout, ops, emu, monkeypatch):
     g = Geometry(64 * 1024, 4, 2)
     key = device_ring._ring_key(ops, g)
-    assert device_ring.KEPT.pending(key)  # as prepare() marks it before setting the ring up
+    assert rings.KEPT.pending(key)  # as prepare() marks it before setting the ring up
     out: list = []
     t = threading.Thread(target=lambda: out.append(_load(layout, ops, geometry=g)))
     t.start()
     time.sleep(0.1)
     assert t.is_alive() and emu.stats()["registrations"] == 0  # waiting, not setting up its own
-    ring = device_ring._new_ring(ops, g)
+    ring = rings.new_ring(ops, g)
     ring.lock_all()
-    device_ring.KEPT.give(key, ring, linger=False)
+    rings.KEPT.give(key, ring, linger=False)
     t.join(10)
     _check(layout, out[0][0])
     assert emu.stats()["registrations"] == 3  # the prepared ring's blocks, no second ring
@@ -641,7 +641,7 @@ def two_gpus(emu):
     emu.reset()
     emu.devices(2)
     yield emu
-    device_ring.release_rings()
+    rings.release_rings()
     emu.devices(1)
     emu.reset()
 
@@ -670,7 +670,7 @@ def test_setting_up_a_ring_and_loading_leave_the_callers_device_and_context(layo
         assert (emu.current_device(), emu.current_context()) == (0, ctx)
         assert emu.stats()["wrong_device"] == 0
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         ops.close()
 
 
@@ -679,7 +679,7 @@ def test_no_context_is_made_on_a_gpu_nobody_asked_for(layout, two_gpus, monkeypa
     worker), and its ring is closed later by the reaper: no context appears on GPU 0 (in a
     torchrun job, a few hundred MiB of GPU 0 per rank; in exclusive-process mode, a failure)."""
     emu = two_gpus
-    monkeypatch.setattr(device_ring, "LINGER_SECONDS", 0.05)
+    monkeypatch.setattr(rings, "LINGER_SECONDS", 0.05)
     ops = EmulatedRingOps(emu, device=1)
     try:
         emu.set_device(1)  # the rank's own device, as torch.cuda.set_device(local_rank)
@@ -703,7 +703,7 @@ def test_no_context_is_made_on_a_gpu_nobody_asked_for(layout, two_gpus, monkeypa
         assert emu.contexts(0) == 0, "a context was made on GPU 0"
         assert emu.current_device() == 1
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         ops.close()
 
 
@@ -726,7 +726,7 @@ def test_copies_wait_for_the_work_queued_on_the_consumers_stream(layout, emu, co
         assert emu.synchronize(stream) == 0  # the consumer waits for its own stream, as it would
         _check(layout, dst)
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         if ops is not None:
             ops.close()
         if stream:
@@ -753,7 +753,7 @@ def test_copies_follow_the_callers_per_thread_stream_when_another_thread_runs_th
         assert emu.synchronize(2) == 0
         _check(layout, dst)
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         if ops is not None:
             ops.close()
     _clean(emu)
@@ -765,7 +765,7 @@ def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, op
     call the parent's driver), and host loads work there as anywhere."""
     import engine.numpy
 
-    device_ring.keep_rings(True)
+    rings.keep_rings(True)
     try:
         dst, _, _ = _load(layout, ops)
         _check(layout, dst)
@@ -776,7 +776,7 @@ def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, op
         if pid == 0:  # the child: never returns into pytest
             code = 1
             try:
-                device_ring.release_rings()  # what exit does (atexit)
+                rings.release_rings()  # what exit does (atexit)
                 got = engine.numpy.load_file(str(saved))["w"]
                 code = 0 if np.array_equal(got, np.arange(10, dtype=np.float32)) else 2
             finally:
@@ -796,7 +796,7 @@ def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, op
         dst, _, _ = _load(layout, ops)  # the parent's ring still serves it
         _check(layout, dst)
     finally:
-        device_ring.keep_rings(False)
+        rings.keep_rings(False)
     _clean(emu)
 
 

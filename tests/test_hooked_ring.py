@@ -26,7 +26,7 @@ import engine
 import engine.loading.loader
 import engine.numpy
 from engine.errors import DeviceError, ReadError
-from engine.gpu import device_ring
+from engine.gpu import rings
 from engine.gpu.records import load_records
 from engine.loading import load_hooks
 from engine.numerics import _device_fallback
@@ -69,7 +69,7 @@ def sink(emu, monkeypatch):
     s = EmuSink(ops)
     monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: s)
     yield s
-    device_ring.release_rings()
+    rings.release_rings()
     ops.close()
     st = emu.stats()
     assert st["registered"] == 0 and st["events"] == 0 and st["pageable"] == 0, st  # nothing left locked
@@ -223,8 +223,8 @@ def test_stats_alone_and_nonfinite_raise(model_file, sink, mode):
 
 
 def _leaks(sink):
-    device_ring.release_rings()
-    assert device_ring.locked_bytes() == 0
+    rings.release_rings()
+    assert rings.locked_bytes() == 0
     st = sink.ops.emulator.stats()
     assert st["registered"] == 0 and st["events"] == 0, st
     import gc

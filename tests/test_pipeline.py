@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import DeviceError, ReadError
-from engine.gpu import device_ring
+from engine.gpu import rings
 from engine.gpu.geometry import cores, geometry_for
 from engine.io.reader import pread_into
 from engine.loading import pipeline
@@ -60,7 +60,7 @@ class RingDevice(EmulatedRingOps):
         super().__init__(_EMULATOR[0])
 
     def close(self) -> None:
-        device_ring.release_rings()  # a ring lingers briefly after a load: closed now
+        rings.release_rings()  # a ring lingers briefly after a load: closed now
         super().close()
 
     def assert_clean(self) -> None:

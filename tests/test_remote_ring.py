@@ -19,7 +19,7 @@ import pytest
 import engine
 import engine.loading.loader
 from engine.errors import RangeIgnoredWarning, ReadError
-from engine.gpu import device_ring
+from engine.gpu import device_ring, rings
 from engine.gpu.geometry import Geometry, _default_geometry
 from engine.gpu.records import load_records
 from engine.loading import pipeline
@@ -85,18 +85,18 @@ def device(emu, monkeypatch):
     _default_geometry.cache_clear()
     yield ops
     _default_geometry.cache_clear()
-    device_ring.release_rings()
+    rings.release_rings()
     ops.close()
     emu.reset()
 
 
 def _released(emu) -> None:
-    device_ring.release_rings()
+    rings.release_rings()
     st = emu.stats()
     assert st["registered"] == 0, st  # nothing stays page-locked
     assert st["events"] == 0, st
     assert st["pageable"] == 0, st  # every copy came out of page-locked chunks
-    assert device_ring.locked_bytes() == 0
+    assert rings.locked_bytes() == 0
     assert not [t for t in threading.enumerate() if t.name == "engine-remote-ring"]
 
 

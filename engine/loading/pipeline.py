@@ -28,9 +28,9 @@ checkpoint) run as one pipeline: :func:`run_sources`.
 
 Memory bounds of a device load: page-locked host memory ``chunks * chunk_bytes`` of the ring
 (:data:`engine.gpu.geometry.MAX_RING_BYTES` at most by default; each chunk locked on first
-use); no file mapping outlives its chunk's copy.  A ring stays set up for a moment after the load (:data:`engine.gpu.device_ring.LINGER_SECONDS`,
+use); no file mapping outlives its chunk's copy.  A ring stays set up for a moment after the load (:data:`engine.gpu.rings.LINGER_SECONDS`,
 so that a loop of small loads sets it up once) and is then closed; nothing stays page-locked
-after that unless :func:`engine.gpu.device_ring.keep_rings` (``engine.keep_staging``) asks for it.
+after that unless :func:`engine.gpu.rings.keep_rings` (``engine.keep_staging``) asks for it.
 """
 
 from __future__ import annotations
