@@ -17,7 +17,7 @@ import pytest
 from emucudart import EmulatedRingOps, Emulator
 
 from engine.errors import DeviceError, ReadError
-from engine.gpu import device_ring, rings
+from engine.gpu import chunk_plan, device_ring, rings
 from engine.gpu.geometry import MAX_RING_BYTES, Geometry, default_geometry, default_threads, stores
 from engine.gpu.records import load_records
 from engine.loading import pipeline
@@ -348,12 +348,12 @@ def test_kept_rings_are_reused_and_released(layout, ops, emu):
 
 
 def _plan(pieces, chunk):
-    p = device_ring._Pieces([], {}, None)
+    p = chunk_plan.Pieces([], {}, None)
     p.file = np.array([f for f, _, _, _ in pieces], np.int32)
     p.off = np.array([o for _, o, _, _ in pieces], np.int64)
     p.len = np.array([n for _, _, n, _ in pieces], np.int64)
     p.dst = np.array([d for _, _, _, d in pieces], np.uint64)
-    return device_ring.plan(p, chunk)
+    return chunk_plan.plan(p, chunk)
 
 
 def test_plan_cuts_on_aligned_blocks_and_merges_contiguous_pieces():

@@ -268,7 +268,7 @@ def test_same_floor_imports_are_the_listed_ones():
 #: private native modules and the one public module that wraps each
 NATIVE_OWNERS = {"base._crc32c": "format.checksums", "format._header": "format.header", "format._file_handle": "loading.file_handle",
                  "io._io": "io.reader", "gpu._cudart": "gpu.cudart",
-                 "gpu._chunk_plan": "gpu.device_ring", "gpu._ring": "gpu.rings"}
+                 "gpu._chunk_plan": "gpu.chunk_plan", "gpu._ring": "gpu.rings"}
 
 
 def test_private_native_modules_are_reached_through_their_public_module():

@@ -19,7 +19,7 @@ import pytest
 import engine
 import engine.loading.loader
 from engine.errors import RangeIgnoredWarning, ReadError
-from engine.gpu import device_ring, rings
+from engine.gpu import chunk_plan, device_ring, rings
 from engine.gpu.geometry import Geometry, _default_geometry
 from engine.gpu.records import load_records
 from engine.loading import pipeline
@@ -319,7 +319,7 @@ def test_the_rings_external_fill_api_checks_its_use(emu):
         with pytest.raises(ValueError, match="not being filled"):
             ring.filled(0)
         dst = np.zeros(3 * SMALL, np.uint8)
-        c_file, c_seg, s_pos, s_off, s_len, s_dst = device_ring.plan(
+        c_file, c_seg, s_pos, s_off, s_len, s_dst = chunk_plan.plan(
             type("P", (), {"file": np.zeros(1, np.int32), "off": np.zeros(1, np.int64),
                            "len": np.array([dst.nbytes], np.int64),
                            "dst": np.array([dst.ctypes.data], np.uint64)})(), SMALL)

@@ -5,7 +5,7 @@
 # turns them on).
 """A device load's chunk plan, natively: its pieces cut into the chunks the ring moves.
 
-Private: the public face is :mod:`engine.gpu.device_ring`, which sizes the output arrays and
+Private: the public face is :mod:`engine.gpu.chunk_plan`, which sizes the output arrays and
 trims them; :meth:`engine.gpu._ring.ChunkRing.run` takes the plan.
 """
 

@@ -2,7 +2,7 @@
 device load.
 
 A load's pieces (file, offset, bytes, device address) are cut into chunks once
-(:func:`engine.gpu._chunk_plan.plan`: one ``chunk_bytes``-aligned block of a file per chunk), then one
+(:mod:`engine.gpu.chunk_plan`: one ``chunk_bytes``-aligned block of a file per chunk), then one
 native call moves them: ``threads`` copy threads each take the next chunk, wait for its slot's
 previous copy to complete, fill it from the page cache; the calling thread issues each chunk's
 ``cudaMemcpyAsync`` in order on the load's stream as soon as it is full.  Two copies of each
@@ -47,7 +47,7 @@ from typing import Protocol
 import numpy as np
 
 from engine.errors import DeviceError
-from engine.format.checksums import combine
+from engine.gpu.chunk_plan import Digests, Landing, Pieces, plan
 from engine.gpu.cudart import runtime
 from engine.gpu.geometry import Geometry, checked, default_geometry, stores
 from engine.gpu.records import LoadRecord, publish
@@ -165,107 +165,13 @@ def consumer_fence(ops) -> int | None:
     return get() if get is not None else None
 
 
-class _Pieces:
-    """The load's pieces in load order, as the native planner takes them, and for each
-    tensor key its bytes and the index of its last piece."""
-
-    def __init__(self, sources, targets, address) -> None:
-        files, offs, lens, dsts, toffs = [], [], [], [], []
-        self.keys: list = []  # per piece
-        self.sizes: dict = {}
-        self.empty: list = []
-        for i, src in enumerate(sources):
-            base = src.row_base
-            for req in src.requests:
-                for p in req.pieces:
-                    key = base + p.row
-                    if not p.nbytes:
-                        self.sizes.setdefault(key, 0)
-                        continue
-                    files.append(i)
-                    offs.append(req.offset + p.request_offset)
-                    lens.append(p.nbytes)
-                    dsts.append(address(targets[key]) + p.tensor_offset)
-                    toffs.append(p.tensor_offset)
-                    self.keys.append(key)
-                    self.sizes[key] = self.sizes.get(key, 0) + p.nbytes
-        self.file = np.array(files, np.int32)
-        self.off = np.array(offs, np.int64)
-        self.len = np.array(lens, np.int64)
-        self.dst = np.array(dsts, np.uint64)
-        self.toff = toffs  # per piece: its offset in its tensor
-
-
-class _Digests:
-    """The checksum cells of a ring load (see ``engine.gpu._ring.ChunkRing.run``): the copy
-    threads fill them; :meth:`give` joins each checked tensor's cells, in its byte order,
-    into the tracker just before the tensor is reported."""
-
-    def __init__(self, pieces: _Pieces, nfiles: int, chunk_bytes: int, tracker) -> None:
-        self.tracker = tracker
-        order = np.lexsort((pieces.off, pieces.file)) if len(pieces.len) else np.empty(0, np.intp)
-        self.d_off = np.ascontiguousarray(pieces.off[order])
-        self.d_len = np.ascontiguousarray(pieces.len[order])
-        self.d_first = np.searchsorted(pieces.file[order], np.arange(nfiles + 1), side="left").astype(np.int64)
-        first = self.d_off // chunk_bytes
-        ncell = (self.d_off + self.d_len - 1) // chunk_bytes - first + 1
-        self.d_cell = (np.cumsum(ncell) - ncell).astype(np.int64)
-        self.cells = np.zeros(max(int(ncell.sum()), 1), np.uint32)
-        self.chunk_bytes = chunk_bytes
-        # key -> its pieces as (offset in the tensor, index into the sorted arrays)
-        self.of: dict = {}
-        for i, p in enumerate(order.tolist()):
-            key = pieces.keys[p]
-            if key in tracker.checked:
-                self.of.setdefault(key, []).append((pieces.toff[p], i))
-
-    def arrays(self) -> dict:
-        return {"d_off": self.d_off, "d_len": self.d_len, "d_first": self.d_first, "d_cell": self.d_cell,
-                "cells": self.cells}
-
-    def give(self, keys) -> None:
-        cb = self.chunk_bytes
-        for key in keys:
-            segs = self.of.pop(key, None)
-            if segs is None:
-                continue
-            crc = 0
-            for _, i in sorted(segs):
-                off, n, cell = int(self.d_off[i]), int(self.d_len[i]), int(self.d_cell[i])
-                end = off + n
-                while off < end:
-                    nxt = min(end, (off // cb + 1) * cb)
-                    crc = combine(crc, int(self.cells[cell]), nxt - off)
-                    cell += 1
-                    off = nxt
-            self.tracker.add_segment(key, 0, self.tracker.remaining[key], crc)
-
-
-def plan(pieces: _Pieces, chunk_bytes: int):
-    """The chunk plan of :func:`engine.gpu._chunk_plan.plan`, trimmed: ``(c_file, c_seg, s_pos, s_off,
-    s_len, s_dst)``."""
-    from engine.gpu import _chunk_plan
-
-    n = len(pieces.len)
-    total = int(pieces.len.sum()) if n else 0
-    cap = n + 2 * (total // chunk_bytes) + 2
-    c_file = np.empty(cap, np.int32)
-    c_seg = np.empty(cap + 1, np.int64)
-    s_pos, s_off, s_len = (np.empty(cap + n, np.int64) for _ in range(3))
-    s_dst = np.empty(cap + n, np.uint64)
-    k, m = _chunk_plan.plan(pieces.file, pieces.off, pieces.len, pieces.dst, chunk_bytes, c_file, c_seg, s_pos, s_off,
-                      s_len, s_dst)
-    return c_file[:k].copy(), c_seg[: k + 1].copy(), s_pos[:m].copy(), s_off[:m].copy(), s_len[:m].copy(), \
-        s_dst[:m].copy()
-
-
 class _DeviceReread:
     """A checked tensor of a remote file read again from the server (the pieces the load
     planned for it) into host memory, its CRC-32C taken, and its bytes put on the device
     (:meth:`engine.gpu._ring.ChunkRing.put`): the tracker's ``reread`` after a mismatch.
     Copies of tensor bytes: 2 (socket to host memory, host memory to the device)."""
 
-    def __init__(self, sources, pieces: _Pieces, targets, address, ring) -> None:
+    def __init__(self, sources, pieces: Pieces, targets, address, ring) -> None:
         self.sources, self.ring = sources, ring
         self.targets, self.address = targets, address
         self.of: dict = {}
@@ -287,47 +193,6 @@ class _DeviceReread:
         except RuntimeError as exc:
             raise DeviceError(str(exc), path=self.sources[pieces[0][0]].path) from exc
         return crc32c(host)
-
-
-class _Landing:
-    """Reports each tensor to the tracker once the chunk holding its last byte has completed."""
-
-    def __init__(self, pieces: _Pieces, c_seg, s_len, tracker, digests: _Digests | None = None) -> None:
-        self.tracker = tracker
-        self.digests = digests
-        self.sizes = pieces.sizes
-        self.reported = 0
-        self.seconds = 0.0  # spent reporting (and in what the tracker's callbacks do)
-        if len(pieces.sizes) == 1 and len(pieces.len):
-            # one tensor (get_tensor's load): it lands with the load's last chunk
-            self.order = list(pieces.sizes)
-            self.chunk = np.array([len(c_seg) - 2], np.int64)
-            return
-        if len(pieces.len):
-            seg_end = np.cumsum(s_len)
-            chunk_end = seg_end[c_seg[1:] - 1]
-            piece_chunk = np.searchsorted(chunk_end, np.cumsum(pieces.len), side="left")
-        else:
-            piece_chunk = np.empty(0, np.int64)
-        last: dict = {}
-        for key, c in zip(pieces.keys, piece_chunk.tolist(), strict=True):
-            last[key] = c
-        order = sorted(last.items(), key=lambda kv: kv[1])
-        self.order = [k for k, _ in order]
-        self.chunk = np.array([c for _, c in order], np.int64)
-        tracker.landed([(k, 0) for k, n in pieces.sizes.items() if n == 0])
-
-    def upto(self, done: int) -> None:
-        """Chunks ``[0, done)`` have completed."""
-        if self.reported == len(self.order):
-            return
-        stop = int(np.searchsorted(self.chunk, done, side="left"))
-        if stop > self.reported:
-            keys = self.order[self.reported : stop]
-            self.reported = stop
-            if self.digests is not None:
-                self.digests.give(keys)
-            self.tracker.landed([(k, self.sizes[k]) for k in keys])
 
 
 #: a gap in the file up to this size between two pieces of one chunk is received (into a
@@ -535,12 +400,12 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     ops = dest.device_ops
     g = checked(geometry or default_geometry())
     targets = dest.device_targets
-    pieces = _Pieces(sources, targets, ops.address)
+    pieces = Pieces(sources, targets, ops.address)
     c_file, c_seg, s_pos, s_off, s_len, s_dst = plan(pieces, g.chunk_bytes)
     # files with checksums: the copy threads take each piece's CRC per chunk as they fill it
-    digests = _Digests(pieces, len(sources), g.chunk_bytes, tracker) \
+    digests = Digests(pieces, len(sources), g.chunk_bytes, tracker) \
         if getattr(tracker, "checked", None) and len(pieces.len) else None
-    landing = _Landing(pieces, c_seg, s_len, tracker, digests)
+    landing = Landing(pieces, c_seg, s_len, tracker, digests)
     if not len(c_file):
         return {}
     source, unmap = ("network" if remote[0] else copy_source()), unmap_mode()
