@@ -478,7 +478,7 @@ cdef class ChunkRing:
         with nogil:
             if st.external and not _stopped(&st.cancel):
                 # the slots' events are asked, and their blocks page-locked, on the ring's device
-                # (a filler is a thread of the engine's own, device_ring._Fillers'; cheap when set)
+                # (a filler is a thread of the engine's own, remote_fill.Fillers'; cheap when set)
                 st.rt.set_device(st.device)
                 k = _take_n(&st.next_chunk, most)
                 if k >= st.plan.nchunks:
