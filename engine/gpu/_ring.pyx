@@ -5,8 +5,9 @@
 # turns them on).
 """The device copy ring, natively: file bytes through small page-locked chunks to a device.
 
-Private: the public face is :mod:`engine.gpu.device_ring`, which plans a load's chunks, finds the
-CUDA runtime and turns the error tuples returned here into the engine's errors.
+Private: the public face is :mod:`engine.gpu.rings`, which sets rings up and keeps them between
+loads; :mod:`engine.gpu.device_ring` runs a load through one and turns the error tuples
+returned here into the engine's errors.
 
 A ring holds ``chunks`` page-locked host chunks of ``chunk_bytes`` each and ``threads``
 native copy threads (their loop, and the issuing thread's: :mod:`engine.gpu._copy_loop`, on the
