@@ -47,11 +47,29 @@ extensions = [
         for name in ("_guard", "_io", "_split", "_pages", "_spans")
     ),
     Extension(
+        "engine.gpu._cudart",
+        ["engine/gpu/_cudart.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+        libraries=["dl"],
+    ),
+    Extension(
+        "engine.gpu._chunk_plan",
+        ["engine/gpu/_chunk_plan.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
+    Extension(
+        "engine.gpu._copy_loop",
+        ["engine/gpu/_copy_loop.pyx"],
+        define_macros=macros,
+        extra_compile_args=compile_args,
+    ),
+    Extension(
         "engine.gpu._ring",
         ["engine/gpu/_ring.pyx"],
         define_macros=macros,
         extra_compile_args=compile_args,
-        libraries=["dl"],
     ),
 ]
 

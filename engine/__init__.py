@@ -57,11 +57,11 @@ _LAZY = {
     "deserialize": "engine.writing.tensorspec",
     "stream": "engine.apps.opener",
     "load_into": "engine.apps.opener",
-    "keep_staging": "engine.gpu.device_ring",
+    "keep_staging": "engine.gpu.rings",
     "keep_mappings": "engine.io.kept_mappings",
     "prepare_device": "engine.loading.loader",
-    "load_records": "engine.gpu.device_ring",
-    "LoadRecord": "engine.gpu.device_ring",
+    "load_records": "engine.gpu.records",
+    "LoadRecord": "engine.gpu.records",
     "load_file": "engine.numpy",
     "load": "engine.numpy",
     "save_file": "engine.writing.writer",
@@ -146,7 +146,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.checkpoints.shards import save_sharded
     from engine.format.checksums import add_checksums
     from engine.format.header import MAX_HEADER_SIZE, Header, TensorInfo
-    from engine.gpu.device_ring import LoadRecord, keep_staging, load_records
+    from engine.gpu.records import LoadRecord, load_records
+    from engine.gpu.rings import keep_staging
     from engine.io.kept_mappings import keep_mappings
     from engine.loading.file_handle import _safe_open_handle
     from engine.loading.loader import prepare_device

@@ -48,7 +48,8 @@ from emucudart import EmulatedRingOps, EmulatedSink, Emulator  # noqa: E402
 import engine  # noqa: E402
 import engine.loading.loader  # noqa: E402
 import engine.numpy  # noqa: E402
-from engine.gpu import device_ring  # noqa: E402
+from engine.gpu import rings  # noqa: E402
+from engine.gpu.records import load_records  # noqa: E402
 from engine.loading import kernel_probe  # noqa: E402
 from engine.quantize import Int8  # noqa: E402
 
@@ -143,7 +144,7 @@ def main() -> int:
             for row, kw in ROWS.items():
                 launches[0] = 0
                 sink.reset()
-                with device_ring.load_records() as records:
+                with load_records() as records:
                     t0 = time.perf_counter()
                     for _item in engine.stream(path, framework="np", device="cuda", **kw):
                         pass
@@ -152,7 +153,7 @@ def main() -> int:
                 seconds[row].append(dt)
                 chunks[row].append(sum(r.chunks for r in records) / dt)
                 records_of[row + " launches"] = [launches[0]]
-        device_ring.release_rings()
+        rings.release_rings()
         ops.close()
     base = statistics.median(seconds["plain"][1:])
     print(f"{nbytes / 2**20:.0f} MiB, {args.runs} run(s), emulated runtime with no-op copies, "

@@ -128,9 +128,9 @@ def child(kind: str, path: str, reps: int, cold: bool) -> dict:
         lim.close()
     elif kind.startswith("device") or kind.startswith("ringrate"):
         if kind.startswith("ringrate"):  # one page per chunk: the ring's own cost per chunk
-            from engine.gpu import device_ring
+            from engine.gpu.geometry import default_geometry
 
-            os.environ["ENGINE_RING"] = f"{4096 / 2**20},64,{device_ring.default_geometry().threads}"
+            os.environ["ENGINE_RING"] = f"{4096 / 2**20},64,{default_geometry().threads}"
         dma, _, keep = kind.partition("-")[2].partition("-")
         if keep:  # the ring kept between loads (engine.keep_staging); "kept": mappings too
             import engine

@@ -46,9 +46,10 @@ if variant == "ring-alone":
     import numpy as np
     import engine
     from emucudart import EmulatedRingOps, Emulator
-    from engine.gpu import device_ring
+    from engine.gpu import rings
+    from engine.gpu.geometry import default_geometry
     ops = EmulatedRingOps(Emulator())
-    ring = device_ring._new_ring(ops, device_ring.default_geometry())
+    ring = rings.new_ring(ops, default_geometry())
     h = engine.read_header(path)
     t = h.table
     n = int(t.ends[0] - t.begins[0])

@@ -103,9 +103,9 @@ def _fork_row(load_in_parent, path: str, arrays: dict) -> tuple[str, str]:
         if pid == 0:
             code = 1
             try:
-                from engine.gpu import device_ring
+                from engine.gpu import rings
 
-                device_ring.release_rings()
+                rings.release_rings()
                 got = engine.numpy.load_file(path)
                 code = 0 if all(np.array_equal(np.asarray(got[k]).view(np.uint8),
                                                np.ascontiguousarray(v).view(np.uint8)) for k, v in arrays.items()) else 2
@@ -131,7 +131,8 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
 
     import engine
     import engine.torch
-    from engine.gpu import device_ring
+    from engine.gpu import rings
+    from engine.gpu.cudart import cuda_runtime_path
     from engine.sinks import torch as torch_sink
 
     out = Rows()
@@ -144,7 +145,7 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
         return all(torch.equal(got[k].cpu().view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
 
     def stale():
-        rt = ctypes.CDLL(device_ring.cuda_runtime_path(torch_sink._cuda_major()))
+        rt = ctypes.CDLL(cuda_runtime_path(torch_sink._cuda_major()))
         got = engine.torch.load_file(path, device=str(target))
         err = rt.cudaPeekAtLastError()  # before anything clears it
         y = (torch.ones(1 << 20, device=target) * 2).sum().item()  # torch checks its launch
@@ -154,7 +155,7 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
     def current():
         before = torch.cuda.current_device()
         other = n - 1
-        device_ring.release_rings()  # the load sets its ring up on this thread
+        rings.release_rings()  # the load sets its ring up on this thread
         engine.torch.load_file(path, device=f"cuda:{other}")
         after = torch.cuda.current_device()
         plain = engine.torch.load_file(path, device="cuda")
@@ -192,11 +193,11 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
         if n < 2:
             return "skipped", "one GPU: no other GPU to find a context on"
         code = ("import sys, torch, engine, engine.torch\n"
-                "from engine.gpu import device_ring\n"
+                "from engine.gpu import rings\n"
                 "torch.cuda.set_device(int(sys.argv[1]))\n"
                 "engine.torch.load_file(sys.argv[2], device='cuda')\n"
                 "list(engine.stream(sys.argv[2], framework='pt', device='cuda'))\n"
-                "device_ring.release_rings(); torch.cuda.synchronize()\n"
+                "rings.release_rings(); torch.cuda.synchronize()\n"
                 "import subprocess, os\n"
                 "gpus = dict(l.split(', ') for l in subprocess.run(['nvidia-smi', '--query-gpu=uuid,index',"
                 " '--format=csv,noheader'], capture_output=True, text=True, check=True).stdout.split('\\n') if l)\n"
@@ -231,7 +232,7 @@ def emulated_rows(folder: str) -> list[dict]:
     from emucudart import EmulatedRingOps, Emulator
 
     import engine
-    from engine.gpu import device_ring
+    from engine.gpu import rings
     from engine.loading import pipeline
     from engine.planning.plan import plan_reads
 
@@ -261,7 +262,7 @@ def emulated_rows(folder: str) -> list[dict]:
 
     def current():
         emu.set_device(0)
-        device_ring.release_rings()  # the load sets its ring up on this thread
+        rings.release_rings()  # the load sets its ring up on this thread
         ok = load()
         after = emu.current_device()
         return ("ok" if ok and after == 0 else "failed"), f"current device 0 before, {after} after a load to device 1 (emulated runtime)"
@@ -273,7 +274,7 @@ def emulated_rows(folder: str) -> list[dict]:
         out.skip(ROWS[3], "no CUDA device: tests/test_device_ring.py checks it on the emulated runtime")
         out.run(ROWS[4], lambda: _fork_row(load, path, arrays))
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         ops.close()
         emu.devices(1)
     return out.rows

@@ -954,7 +954,7 @@ def emulated_child(kind: str, files: list[str]) -> dict:
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import engine
-    from engine.gpu import device_ring
+    from engine.gpu import rings
     from engine.loading import pipeline
     from engine.planning.plan import plan_reads
 
@@ -982,7 +982,7 @@ def emulated_child(kind: str, files: list[str]) -> dict:
             nbytes = pipeline.run_sources(sources, pipeline.Destination(device_targets=dst, device_ops=ops),
                                           slot_bytes=8 << 20)
         seconds = time.perf_counter() - t0  # the ring has synchronized its stream
-        device_ring.release_rings()
+        rings.release_rings()
         ops.close()
         st = emulator.stats()
         if st["registered"] or st["pageable"] or st["wrong_device"] or st["events"]:

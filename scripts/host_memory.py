@@ -4,7 +4,7 @@ From ``/proc/self/status``: anonymous pages (``RssAnon``: heap, page-locked buff
 anonymous mappings, a host copy of the model), file-backed mapped pages (``RssFile``: a
 file's mapping, which the kernel can drop and the page cache holds anyway) and
 ``mlock``-ed pages (``VmLck``); and the bytes the engine's rings hold page-locked, by the
-engine's own count (``engine.gpu.device_ring.locked_bytes()``: ``cudaHostRegister`` locks pages
+engine's own count (``engine.gpu.rings.locked_bytes()``: ``cudaHostRegister`` locks pages
 without ``mlock``, so ``VmLck`` does not see them).  A process's total resident size mixes
 the kinds; a device load's host cost is what it adds to the anonymous and page-locked
 memory (scripts/gpu_check.py bounds that sum), while mapped file pages are the page cache
@@ -48,13 +48,13 @@ def read_status(path: str = "/proc/self/status") -> dict[str, int]:
 
 
 def engine_locked() -> Callable[[], int]:
-    """``engine.gpu.device_ring.locked_bytes`` when the engine is importable, else a count of 0
+    """``engine.gpu.rings.locked_bytes`` when the engine is importable, else a count of 0
     (a peer's row in a process without the engine)."""
     try:
-        from engine.gpu import device_ring
+        from engine.gpu import rings
     except Exception:  # the engine is not what this process measures
         return lambda: 0
-    return device_ring.locked_bytes
+    return rings.locked_bytes
 
 
 class Sampler:

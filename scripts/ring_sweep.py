@@ -179,10 +179,10 @@ class _Cuda(_Target):
 
     def load(self, cold: bool = True) -> float:
         import engine
-        from engine.gpu import device_ring
+        from engine.gpu import rings
 
         if cold:  # the load sets its ring up, as a process's first load does
-            device_ring.release_rings()
+            rings.release_rings()
         self.torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.load_into(self.directory, self.tensors, strict=True)
@@ -237,12 +237,12 @@ class _Emulated(_Target):
         self.nbytes = sum(len(a) for a in self.dst.values())
 
     def load(self, cold: bool = True) -> float:
-        from engine.gpu import device_ring
+        from engine.gpu import rings
         from engine.loading import pipeline
         from engine.planning.plan import plan_reads
 
         if cold:
-            device_ring.release_rings()
+            rings.release_rings()
         fds = []
         try:
             sources = []
@@ -268,9 +268,9 @@ class _Emulated(_Target):
         return h.hexdigest()
 
     def close(self) -> dict:
-        from engine.gpu import device_ring
+        from engine.gpu import rings
 
-        device_ring.release_rings()
+        rings.release_rings()
         self.ops.close()
         st = self.emu.stats()
         # every chunk unlocked, every copy from a page-locked chunk, on the ring's device
@@ -314,12 +314,12 @@ def child(dev: str, files: list[str], seconds: float, short: bool = False) -> in
     deadline = t_start + seconds
     dry = not dev.startswith("cuda")
     target: _Target = _Emulated(files) if dry else _Cuda(files, dev)
-    from engine.gpu import device_ring
+    from engine.gpu.geometry import default_geometry
 
     saved = {k: os.environ.get(k) for k in KNOBS}
     for k in saved:  # the first load and the default geometry: the engine's defaults
         os.environ.pop(k, None)
-    default = device_ring.default_geometry()
+    default = default_geometry()
     try:  # the cores this process may run on, as the engine counts them for its default
         cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):

@@ -461,12 +461,12 @@ def test_files_without_checksums_do_no_checksum_work(tmp_path, monkeypatch):
 def ring_ops():
     from emucudart import EmulatedRingOps, Emulator
 
-    from engine.gpu import device_ring
+    from engine.gpu import rings
 
     emu = Emulator()
     ops = EmulatedRingOps(emu)
     yield ops
-    device_ring.release_rings()
+    rings.release_rings()
     ops.close()
 
 
@@ -476,11 +476,11 @@ def ring_ops():
 def test_the_ring_catches_a_flipped_bit(saved, ring_ops, monkeypatch, ring, name, where):
     from emucudart import EmulatedSink
 
-    from engine.gpu import device_ring
+    from engine.gpu.records import load_records
 
     monkeypatch.setenv("ENGINE_RING", ring)
     path, t = saved
-    with device_ring.load_records() as records, engine.safe_open(path, framework="np") as f:
+    with load_records() as records, engine.safe_open(path, framework="np") as f:
         f._sink_obj = EmulatedSink(ring_ops)
         got = f.get_tensors()
         assert all(np.array_equal(got[k], t[k]) for k in t)

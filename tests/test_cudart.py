@@ -17,8 +17,8 @@ def test_no_runtime_without_cuda():
 
     code = (
         "import torch\n"
-        "from engine.gpu import device_ring\n"
-        "print(device_ring._loaded_cudart_path())\n"
+        "from engine.gpu import cudart\n"
+        "print(cudart._loaded_cudart_path())\n"
     )
     assert run_python(code, timeout=120).split() == ["None"]
 
@@ -33,7 +33,7 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
     import numpy as np
     from emucudart import Emulator
 
-    from engine.gpu import device_ring
+    from engine.gpu import rings
     from engine.loading import pipeline
     from engine.planning.plan import plan_reads
     from engine.sinks import torch as torch_sink
@@ -69,7 +69,7 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
             assert bytes(dst[r].numpy()) == data[b : b + n].tobytes(), r
     finally:
         os.close(fd)
-        device_ring.release_rings()
+        rings.release_rings()
         emu.destroy_stream(stream)
     st = emu.stats()
     assert st["copies"] > 0 and st["pageable"] == 0 and st["registered"] == 0 and st["events"] == 0
@@ -91,15 +91,15 @@ def test_the_runtime_of_the_frameworks_cuda_major_is_chosen(tmp_path):
         shutil.copy(lib, tmp_path / f"libcudart.so.{major}")
     code = (
         "import ctypes, sys\n"
-        "from engine.gpu import device_ring\n"
+        "from engine.gpu import cudart\n"
         f"ctypes.CDLL({str(tmp_path / 'libcudart.so.13')!r}); ctypes.CDLL({str(tmp_path / 'libcudart.so.12')!r})\n"
-        "print(device_ring.cuda_runtime_path(12)); print(device_ring.cuda_runtime_path(13))\n"
-        "print(device_ring.cuda_runtime_path())\n"
+        "print(cudart.cuda_runtime_path(12)); print(cudart.cuda_runtime_path(13))\n"
+        "print(cudart.cuda_runtime_path())\n"
     )
     twelve, thirteen, first = run_python(code, timeout=120).split()
     assert twelve == str(tmp_path / "libcudart.so.12") and thirteen == str(tmp_path / "libcudart.so.13")
     assert first in (twelve, thirteen)  # no major known: the first mapped, as before
-    code = "from engine.gpu import device_ring\nprint(device_ring.cuda_runtime_path(12))\n"
+    code = "from engine.gpu import cudart\nprint(cudart.cuda_runtime_path(12))\n"
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
     assert run_python(code, timeout=120, env=env).split() == ["libcudart.so.12"]  # nothing mapped: its soname first
 

@@ -17,7 +17,9 @@ import pytest
 from emucudart import EmulatedRingOps, Emulator
 
 from engine.errors import DeviceError, ReadError
-from engine.gpu import device_ring
+from engine.gpu import chunk_plan, device_ring, rings
+from engine.gpu.geometry import MAX_RING_BYTES, Geometry, default_geometry, default_threads, stores
+from engine.gpu.records import load_records
 from engine.loading import pipeline
 from engine.planning.plan import Piece, Request, plan_reads
 
@@ -34,7 +36,7 @@ def ops(emu):
     emu.reset()
     ops = EmulatedRingOps(emu)
     yield ops
-    device_ring.release_rings()  # a ring kept after a load uses the stream about to go
+    rings.release_rings()  # a ring kept after a load uses the stream about to go
     ops.close()
     emu.reset()
 
@@ -54,7 +56,7 @@ def layout(tmp_path_factory):
 
 
 def _clean(emu) -> None:
-    device_ring.release_rings()  # rings linger briefly after a load: closed now
+    rings.release_rings()  # rings linger briefly after a load: closed now
     st = emu.stats()
     assert st["registered"] == 0, st  # every chunk unlocked
     assert st["events"] == 0, st      # every event destroyed
@@ -62,7 +64,7 @@ def _clean(emu) -> None:
     assert st["wrong_device"] == 0, st
 
 
-_SMALL = device_ring.Geometry(64 * 1024, 4, 2)
+_SMALL = Geometry(64 * 1024, 4, 2)
 
 
 def _load(layout, ops, rows=None, geometry=_SMALL, chunk=1 << 20, **kw):
@@ -88,11 +90,11 @@ def _check(layout, dst) -> None:
 
 
 @pytest.mark.parametrize("geometry", [
-    device_ring.Geometry(4096, 1, 1),          # one chunk: every fill waits for the last copy
-    device_ring.Geometry(64 * 1024, 3, 4),     # more threads than chunks
-    device_ring.Geometry(256 * 1024, 16, 2),
-    device_ring.Geometry(2 * _MIB, 8, 3),
-    device_ring.Geometry(32 * _MIB, 2, 2),     # chunks larger than the file
+    Geometry(4096, 1, 1),          # one chunk: every fill waits for the last copy
+    Geometry(64 * 1024, 3, 4),     # more threads than chunks
+    Geometry(256 * 1024, 16, 2),
+    Geometry(2 * _MIB, 8, 3),
+    Geometry(32 * _MIB, 2, 2),     # chunks larger than the file
 ])
 @pytest.mark.parametrize("source", ["pread", "mmap", "auto"])
 def test_every_byte_lands_and_every_tensor_completes_once(layout, ops, emu, geometry, source, monkeypatch):
@@ -118,7 +120,7 @@ def test_every_byte_lands_and_every_tensor_completes_once(layout, ops, emu, geom
 def test_a_selection_with_gaps_packs_chunks_and_lands(layout, ops, emu):
     rows = list(range(0, 60, 3))
     emu.delay(0.0001)
-    dst, done, _ = _load(layout, ops, rows=rows, geometry=device_ring.Geometry(128 * 1024, 4, 2))
+    dst, done, _ = _load(layout, ops, rows=rows, geometry=Geometry(128 * 1024, 4, 2))
     _check(layout, dst)
     assert sorted(done) == sorted(r for r in rows if len(dst[r]))
     _clean(emu)
@@ -138,7 +140,7 @@ def test_several_files_in_one_ring(layout, ops, emu, tmp_path):
                 pipeline.Source(fds[1], str(path2), plan_reads(begins, ends, rows, 64, 1 << 20), 100)]
         device_ring.load(srcs, pipeline.Destination(device_targets=dst, device_ops=ops),
                          pipeline._Tracker.of(srcs, done.append), threading.Event(),
-                         device_ring.Geometry(256 * 1024, 6, 2))
+                         Geometry(256 * 1024, 6, 2))
     finally:
         for fd in fds:
             os.close(fd)
@@ -214,7 +216,7 @@ def test_cancel_stops_the_load_and_waits_for_issued_copies(layout, ops, emu):
     try:
         src = pipeline.Source(fd, path, plan_reads(begins, ends, range(60), 64, 1 << 20))
         device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
-                         pipeline._Tracker.of([src], on_complete), cancel, device_ring.Geometry(16 * 1024, 4, 2))
+                         pipeline._Tracker.of([src], on_complete), cancel, Geometry(16 * 1024, 4, 2))
     finally:
         os.close(fd)
     assert cancel.is_set() and len(landed) < 58
@@ -237,7 +239,7 @@ def test_an_exception_in_the_progress_report_propagates_after_the_copies(layout,
         with pytest.raises(KeyboardInterrupt):
             device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
                              pipeline._Tracker.of([src], on_complete), threading.Event(),
-                             device_ring.Geometry(16 * 1024, 4, 2))
+                             Geometry(16 * 1024, 4, 2))
     finally:
         os.close(fd)
     _clean(emu)
@@ -294,7 +296,7 @@ def test_no_file_stays_mapped_and_mapped_pages_are_released(ops, emu, tmp_path, 
     try:
         src = pipeline.Source(fd, str(path), [Request(0, n, (Piece(0, 0, 0, n),))])
         device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
-                         pipeline._Tracker.of([src], None), threading.Event(), device_ring.Geometry(2 * _MIB, 4, 2))
+                         pipeline._Tracker.of([src], None), threading.Event(), Geometry(2 * _MIB, 4, 2))
     finally:
         stop.set()
         sampler.join()
@@ -313,10 +315,10 @@ def test_no_file_stays_mapped_and_mapped_pages_are_released(ops, emu, tmp_path, 
 def test_a_ring_lingers_briefly_for_the_next_load_then_unlocks_everything(layout, ops, emu, monkeypatch):
     import time
 
-    monkeypatch.setattr(device_ring, "LINGER_SECONDS", 0.3)
+    monkeypatch.setattr(rings, "LINGER_SECONDS", 0.3)
     _load(layout, ops)
     first = emu.stats()["registrations"]
-    assert device_ring.locked_bytes() > 0
+    assert rings.locked_bytes() > 0
     dst, _, _ = _load(layout, ops)  # a loop of loads (get_tensor per key) sets the ring up once
     _check(layout, dst)
     assert emu.stats()["registrations"] == first
@@ -324,11 +326,11 @@ def test_a_ring_lingers_briefly_for_the_next_load_then_unlocks_everything(layout
     while emu.stats()["registered"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert emu.stats()["registered"] == 0 and emu.stats()["events"] == 0
-    assert device_ring.locked_bytes() == 0
+    assert rings.locked_bytes() == 0
 
 
 def test_kept_rings_are_reused_and_released(layout, ops, emu):
-    device_ring.keep_rings(True)
+    rings.keep_rings(True)
     try:
         _load(layout, ops)
         first = emu.stats()["registrations"]
@@ -337,7 +339,7 @@ def test_kept_rings_are_reused_and_released(layout, ops, emu):
         _check(layout, dst)
         assert emu.stats()["registrations"] == first  # nothing locked again
     finally:
-        device_ring.keep_rings(False)
+        rings.keep_rings(False)
     assert emu.stats()["registered"] == 0  # turning keeping off closes the kept ring
     _clean(emu)
 
@@ -346,12 +348,12 @@ def test_kept_rings_are_reused_and_released(layout, ops, emu):
 
 
 def _plan(pieces, chunk):
-    p = device_ring._Pieces([], {}, None)
+    p = chunk_plan.Pieces([], {}, None)
     p.file = np.array([f for f, _, _, _ in pieces], np.int32)
     p.off = np.array([o for _, o, _, _ in pieces], np.int64)
     p.len = np.array([n for _, _, n, _ in pieces], np.int64)
     p.dst = np.array([d for _, _, _, d in pieces], np.uint64)
-    return device_ring.plan(p, chunk)
+    return chunk_plan.plan(p, chunk)
 
 
 def test_plan_cuts_on_aligned_blocks_and_merges_contiguous_pieces():
@@ -370,13 +372,13 @@ def test_plan_packs_gaps_and_keeps_files_apart():
 
 
 def test_ring_checks_its_arguments(emu):
-    from engine.gpu import _ring
+    from engine.gpu import _cudart, _ring
 
-    rt = _ring.Runtime(emu.path)
+    rt = _cudart.Runtime(emu.path)
     with pytest.raises(ValueError):
         _ring.ChunkRing(rt, 0, 0, 1000, 2, 1)
     with pytest.raises(OSError, match="cannot open"):
-        _ring.Runtime("/nonexistent/libcudart.so")
+        _cudart.Runtime("/nonexistent/libcudart.so")
     stream = emu.new_stream()
     try:
         with _ring.ChunkRing(rt, 0, stream, 4096, 2, 1) as ring:
@@ -391,14 +393,14 @@ def test_ring_checks_its_arguments(emu):
 
 def test_geometry_from_the_environment(monkeypatch):
     monkeypatch.setenv("ENGINE_RING", "2,36,12")
-    assert device_ring.default_geometry() == device_ring.Geometry(2 * _MIB, 36, 12)
+    assert default_geometry() == Geometry(2 * _MIB, 36, 12)
     monkeypatch.setenv("ENGINE_RING", "2,0,12")
     with pytest.raises(ValueError):
-        device_ring.default_geometry()
+        default_geometry()
     monkeypatch.delenv("ENGINE_RING")
-    g = device_ring.default_geometry(16)
-    assert g.threads == 12 and g.pinned_bytes <= device_ring.MAX_RING_BYTES
-    assert device_ring.default_threads(2) == 2
+    g = default_geometry(16)
+    assert g.threads == 12 and g.pinned_bytes <= MAX_RING_BYTES
+    assert default_threads(2) == 2
 
 
 @pytest.mark.parametrize("stores", ["stream", "cached"])
@@ -413,7 +415,7 @@ def test_either_kind_of_store_lands_every_byte(layout, ops, emu, stores, monkeyp
 def test_stores_are_checked(monkeypatch):
     monkeypatch.setenv("ENGINE_RING_STORES", "fast")
     with pytest.raises(ValueError, match="ENGINE_RING_STORES"):
-        device_ring.stores()
+        stores()
 
 
 # -- progress: a tensor is reported only once every copy into it has completed ---------------------
@@ -454,7 +456,7 @@ def test_no_tensor_is_reported_before_its_bytes_have_landed(aligned, ops, emu, c
         src = pipeline.Source(fd, path, plan_reads(begins, ends, range(len(begins)), size, 1 << 20))
         device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
                          pipeline._Tracker.of([src], on_complete), threading.Event(),
-                         device_ring.Geometry(size, chunks, threads))
+                         Geometry(size, chunks, threads))
     finally:
         os.close(fd)
     end = time.monotonic()
@@ -473,12 +475,12 @@ def test_no_tensor_is_reported_before_its_bytes_have_landed(aligned, ops, emu, c
 
 
 def test_a_ring_is_page_locked_in_a_few_calls_and_can_be_prepared_ahead(layout, ops, emu):
-    g = device_ring.Geometry(64 * 1024, 32, 2)
+    g = Geometry(64 * 1024, 32, 2)
     took = device_ring.prepare(ops, g)
     assert took[1] == 6  # slot 0, then blocks of 1, 2, 4, 8, 16 slots
-    assert emu.stats()["registrations"] == 6 and device_ring.locked_bytes() == 32 * 64 * 1024
+    assert emu.stats()["registrations"] == 6 and rings.locked_bytes() == 32 * 64 * 1024
     assert device_ring.prepare(ops, g) == (0.0, 0)  # already set up: nothing more
-    with device_ring.load_records() as records:
+    with load_records() as records:
         dst, _, stats = _load(layout, ops, geometry=g)
     _check(layout, dst)
     assert emu.stats()["registrations"] == 6  # the load found its ring ready
@@ -489,8 +491,8 @@ def test_a_ring_is_page_locked_in_a_few_calls_and_can_be_prepared_ahead(layout, 
 
 def test_a_cold_load_records_its_page_locking_and_what_it_did(layout, ops, emu, monkeypatch):
     monkeypatch.setenv("ENGINE_COPY_SOURCE", "pread")
-    g = device_ring.Geometry(64 * 1024, 8, 2)
-    with device_ring.load_records() as records:
+    g = Geometry(64 * 1024, 8, 2)
+    with load_records() as records:
         dst, _, stats = _load(layout, ops, geometry=g)
     _check(layout, dst)
     r = records[0]
@@ -502,17 +504,17 @@ def test_a_cold_load_records_its_page_locking_and_what_it_did(layout, ops, emu, 
 
 
 def test_a_load_started_while_its_ring_is_prepared_waits_for_that_ring(layout, ops, emu, monkeypatch):
-    g = device_ring.Geometry(64 * 1024, 4, 2)
+    g = Geometry(64 * 1024, 4, 2)
     key = device_ring._ring_key(ops, g)
-    assert device_ring.KEPT.pending(key)  # as prepare() marks it before setting the ring up
+    assert rings.KEPT.pending(key)  # as prepare() marks it before setting the ring up
     out: list = []
     t = threading.Thread(target=lambda: out.append(_load(layout, ops, geometry=g)))
     t.start()
     time.sleep(0.1)
     assert t.is_alive() and emu.stats()["registrations"] == 0  # waiting, not setting up its own
-    ring = device_ring._new_ring(ops, g)
+    ring = rings.new_ring(ops, g)
     ring.lock_all()
-    device_ring.KEPT.give(key, ring, linger=False)
+    rings.KEPT.give(key, ring, linger=False)
     t.join(10)
     _check(layout, out[0][0])
     assert emu.stats()["registrations"] == 3  # the prepared ring's blocks, no second ring
@@ -522,8 +524,8 @@ def test_a_load_started_while_its_ring_is_prepared_waits_for_that_ring(layout, o
 
 def test_small_loads_wake_no_more_threads_than_they_have_chunks(layout, ops, emu):
     path, begins, ends, data = layout
-    g = device_ring.Geometry(2 * _MIB, 4, 4)
-    with device_ring.load_records() as records:
+    g = Geometry(2 * _MIB, 4, 4)
+    with load_records() as records:
         _load(layout, ops, rows=[5], geometry=g)        # one chunk: the calling thread fills it
         _load(layout, ops, rows=[0, 59], geometry=g)    # two chunks: two threads
         dst, _, _ = _load(layout, ops, geometry=g)
@@ -533,7 +535,7 @@ def test_small_loads_wake_no_more_threads_than_they_have_chunks(layout, ops, emu
 
 
 def test_a_loop_of_loads_starts_no_thread_per_load(layout, ops, emu):
-    g = device_ring.Geometry(64 * 1024, 4, 2)
+    g = Geometry(64 * 1024, 4, 2)
     _load(layout, ops, rows=[1], geometry=g)
     threads = threading.active_count()
     for r in range(2, 40):
@@ -557,7 +559,7 @@ def test_a_held_mapping_is_copied_from_and_left_mapped(layout, ops, emu, monkeyp
         for r in rows[:5]:
             dst = {r: np.zeros(int(ends[r] - begins[r]), np.uint8)}
             src = pipeline.Source(fd, path, plan_reads(begins, ends, [r], 64, 1 << 20), mapping=held)
-            with device_ring.load_records() as records:
+            with load_records() as records:
                 device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=ops),
                                  pipeline._Tracker.of([src], None), threading.Event(), _SMALL)
             _check(layout, dst)
@@ -582,7 +584,7 @@ def test_either_unmap_mode_lands_every_byte(layout, ops, emu, unmap, source, mon
     monkeypatch.setenv("ENGINE_RING_UNMAP", unmap)
     monkeypatch.setenv("ENGINE_COPY_SOURCE", source)
     emu.delay(0.0002)
-    dst, done, stats = _load(layout, ops, geometry=device_ring.Geometry(256 * 1024, 4, 2))
+    dst, done, stats = _load(layout, ops, geometry=Geometry(256 * 1024, 4, 2))
     _check(layout, dst)
     assert stats["unmap"] == unmap and stats["mmap_bytes"] > 0
     _clean(emu)
@@ -603,7 +605,7 @@ def test_a_get_tensor_loop_on_a_device_maps_the_file_once_and_reports_right_byte
     engine.save_file(tensors, path)
     h = engine.safe_open(path, framework="np")
     h._sink_obj = EmulatedSink(ops)
-    with device_ring.load_records() as records:
+    with load_records() as records:
         h.get_tensor("t0")
         threads = threading.active_count()
         for name, want in tensors.items():
@@ -639,7 +641,7 @@ def two_gpus(emu):
     emu.reset()
     emu.devices(2)
     yield emu
-    device_ring.release_rings()
+    rings.release_rings()
     emu.devices(1)
     emu.reset()
 
@@ -668,7 +670,7 @@ def test_setting_up_a_ring_and_loading_leave_the_callers_device_and_context(layo
         assert (emu.current_device(), emu.current_context()) == (0, ctx)
         assert emu.stats()["wrong_device"] == 0
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         ops.close()
 
 
@@ -677,7 +679,7 @@ def test_no_context_is_made_on_a_gpu_nobody_asked_for(layout, two_gpus, monkeypa
     worker), and its ring is closed later by the reaper: no context appears on GPU 0 (in a
     torchrun job, a few hundred MiB of GPU 0 per rank; in exclusive-process mode, a failure)."""
     emu = two_gpus
-    monkeypatch.setattr(device_ring, "LINGER_SECONDS", 0.05)
+    monkeypatch.setattr(rings, "LINGER_SECONDS", 0.05)
     ops = EmulatedRingOps(emu, device=1)
     try:
         emu.set_device(1)  # the rank's own device, as torch.cuda.set_device(local_rank)
@@ -701,7 +703,7 @@ def test_no_context_is_made_on_a_gpu_nobody_asked_for(layout, two_gpus, monkeypa
         assert emu.contexts(0) == 0, "a context was made on GPU 0"
         assert emu.current_device() == 1
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         ops.close()
 
 
@@ -724,7 +726,7 @@ def test_copies_wait_for_the_work_queued_on_the_consumers_stream(layout, emu, co
         assert emu.synchronize(stream) == 0  # the consumer waits for its own stream, as it would
         _check(layout, dst)
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         if ops is not None:
             ops.close()
         if stream:
@@ -751,7 +753,7 @@ def test_copies_follow_the_callers_per_thread_stream_when_another_thread_runs_th
         assert emu.synchronize(2) == 0
         _check(layout, dst)
     finally:
-        device_ring.release_rings()
+        rings.release_rings()
         if ops is not None:
             ops.close()
     _clean(emu)
@@ -763,7 +765,7 @@ def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, op
     call the parent's driver), and host loads work there as anywhere."""
     import engine.numpy
 
-    device_ring.keep_rings(True)
+    rings.keep_rings(True)
     try:
         dst, _, _ = _load(layout, ops)
         _check(layout, dst)
@@ -774,7 +776,7 @@ def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, op
         if pid == 0:  # the child: never returns into pytest
             code = 1
             try:
-                device_ring.release_rings()  # what exit does (atexit)
+                rings.release_rings()  # what exit does (atexit)
                 got = engine.numpy.load_file(str(saved))["w"]
                 code = 0 if np.array_equal(got, np.arange(10, dtype=np.float32)) else 2
             finally:
@@ -794,7 +796,7 @@ def test_a_forked_child_forgets_inherited_rings_without_touching_them(layout, op
         dst, _, _ = _load(layout, ops)  # the parent's ring still serves it
         _check(layout, dst)
     finally:
-        device_ring.keep_rings(False)
+        rings.keep_rings(False)
     _clean(emu)
 
 
@@ -803,10 +805,10 @@ def test_registration_takes_page_aligned_ranges_and_costs_time(layout, ops, emu)
     other range, and charges for each MiB), once per ring: a prepared ring's load pays none."""
     emu.register_cost(0.002)
     t0 = time.perf_counter()
-    device_ring.prepare(ops, device_ring.Geometry(1 << 20, 8, 2))
+    device_ring.prepare(ops, Geometry(1 << 20, 8, 2))
     assert time.perf_counter() - t0 >= 8 * 0.002
-    with device_ring.load_records() as records:
-        dst, _, _ = _load(layout, ops, geometry=device_ring.Geometry(1 << 20, 8, 2))
+    with load_records() as records:
+        dst, _, _ = _load(layout, ops, geometry=Geometry(1 << 20, 8, 2))
     _check(layout, dst)
     assert records[-1].lock_calls == 0 and not records[-1].pageable
     assert emu.stats()["registrations"] == 4  # slot 0, then blocks of 1, 2 and 4 chunks

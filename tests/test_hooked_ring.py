@@ -26,7 +26,8 @@ import engine
 import engine.loading.loader
 import engine.numpy
 from engine.errors import DeviceError, ReadError
-from engine.gpu import device_ring
+from engine.gpu import rings
+from engine.gpu.records import load_records
 from engine.loading import _staging, kernel_probe, load_hooks
 from engine.numerics import _device_fallback
 from engine.quantize import Int8, QuantizedTensor
@@ -68,7 +69,7 @@ def sink(emu, monkeypatch):
     s = EmuSink(ops)
     monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: s)
     yield s
-    device_ring.release_rings()
+    rings.release_rings()
     ops.close()
     st = emu.stats()
     assert st["registered"] == 0 and st["events"] == 0 and st["pageable"] == 0, st  # nothing left locked
@@ -154,7 +155,7 @@ def test_stats_and_int8_through_the_ring(model_file, sink, mode, monkeypatch, em
     seen: list[str] = []
     watch_reports(monkeypatch, sd, seen)
     spec = Int8(on_nonfinite="clamp")
-    with device_ring.load_records() as records:
+    with load_records() as records:
         got = {}
         for name, t, s in engine.stream(path, framework="np", device="cuda", stats=True, quantize=spec,
                                         chunk_bytes=4096, slot_bytes=CHUNK):
@@ -191,7 +192,7 @@ def test_int8_scratch_is_bounded_by_windows(tmp_path, sink, mode, monkeypatch):
     budget = 6 << 10
     monkeypatch.setattr(load_hooks, "STAGING_BYTES", budget)
     chosen = default_selection(sd)
-    with device_ring.load_records() as records:
+    with load_records() as records:
         got = dict(engine.stream(path, framework="np", device="cuda", quantize=Int8(axis=None, on_nonfinite="clamp"),
                                  chunk_bytes=2048, slot_bytes=CHUNK))
     for name in chosen:
@@ -222,8 +223,8 @@ def test_stats_alone_and_nonfinite_raise(model_file, sink, mode):
 
 
 def _leaks(sink):
-    device_ring.release_rings()
-    assert device_ring.locked_bytes() == 0
+    rings.release_rings()
+    assert rings.locked_bytes() == 0
     st = sink.ops.emulator.stats()
     assert st["registered"] == 0 and st["events"] == 0, st
     import gc
@@ -291,7 +292,7 @@ def test_a_cancel_stops_the_load_and_leaks_nothing(model_file, sink, mode, monke
     kw = dict(stats=True, quantize=Int8(on_nonfinite="clamp"), chunk_bytes=4096, slot_bytes=CHUNK)
     assert len(list(engine.stream(path, framework="np", device="cuda", **kw))) == len(sd)  # compiled, warm
     sink.ops.emulator.delay(0.02)  # slow copies: the load is still running when it is left
-    with device_ring.load_records() as records:
+    with load_records() as records:
         it = engine.stream(path, framework="np", device="cuda", **kw)
         name = next(it)[0]
         while not sd[name].nbytes:  # tensors without bytes come before anything is read

@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import DeviceError, ReadError
-from engine.gpu import device_ring
+from engine.gpu import rings
+from engine.gpu.geometry import cores, geometry_for
 from engine.io.reader import pread_into
 from engine.loading import pipeline
 from engine.planning.plan import plan_reads
@@ -59,7 +60,7 @@ class RingDevice(EmulatedRingOps):
         super().__init__(_EMULATOR[0])
 
     def close(self) -> None:
-        device_ring.release_rings()  # a ring lingers briefly after a load: closed now
+        rings.release_rings()  # a ring lingers briefly after a load: closed now
         super().close()
 
     def assert_clean(self) -> None:
@@ -431,10 +432,10 @@ def test_resident_pages_of_a_fresh_file_and_of_an_empty_range(layout):
 
 
 def test_default_sizes():
-    assert pipeline.default_copy_threads() == device_ring.cores() >= 1
+    assert pipeline.default_copy_threads() == cores() >= 1
     # slot_bytes is the ring's chunk size, page-aligned
-    assert device_ring.geometry_for(5000).chunk_bytes == 4096
-    assert device_ring.geometry_for(1 << 20).chunk_bytes == 1 << 20
+    assert geometry_for(5000).chunk_bytes == 4096
+    assert geometry_for(1 << 20).chunk_bytes == 1 << 20
 
 
 def test_split_reader_keeps_its_threads_between_reads(layout):

@@ -573,7 +573,8 @@ def test_a_device_load_writes_its_copies_from_the_ring(tree, server, tmp_path, m
     from emucudart import EmulatedRingOps, EmulatedSink, Emulator
 
     import engine.loading.loader
-    from engine.gpu import device_ring
+    from engine.gpu import rings
+    from engine.gpu.records import load_records
 
     root, sd = tree
     d = tmp_path / "cache"
@@ -585,10 +586,10 @@ def test_a_device_load_writes_its_copies_from_the_ring(tree, server, tmp_path, m
         sink = EmulatedSink(ops)
         monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device, sink=sink: sink)
         try:
-            with device_ring.load_records() as records:
+            with load_records() as records:
                 got = dict(engine.stream(url, device="emulated", chunk_bytes=65536, slot_bytes=1 << 18, cache_dir=d))
         finally:
-            device_ring.release_rings()
+            rings.release_rings()
             ops.close()
         assert sorted(got) == sorted(sd)
         assert all(got[k].tobytes() == raw(v) for k, v in sd.items())

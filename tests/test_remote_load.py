@@ -107,13 +107,13 @@ def ring_ops():
     go through the chunk ring (tests/test_remote_ring.py tests that path in depth)."""
     from emucudart import EmulatedRingOps, Emulator
 
-    from engine.gpu import device_ring
+    from engine.gpu import rings
 
     emulator = Emulator()
     emulator.reset()
     ops = EmulatedRingOps(emulator)
     yield ops
-    device_ring.release_rings()
+    rings.release_rings()
     st = emulator.stats()
     ops.close()
     emulator.reset()

@@ -20,7 +20,9 @@ import engine
 import engine.loading.fill
 import engine.loading.loader
 from engine.errors import RangeIgnoredWarning, ReadError
-from engine.gpu import device_ring
+from engine.gpu import chunk_plan, device_ring, rings
+from engine.gpu.geometry import Geometry, _default_geometry
+from engine.gpu.records import load_records
 from engine.loading import pipeline
 from engine.net.retry import Retry
 
@@ -81,21 +83,21 @@ def device(emu, monkeypatch):
     sink = EmulatedSink(ops)
     monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
     monkeypatch.setenv("ENGINE_RING", "0.0625,4,2")  # 64 KiB chunks, 4 slots
-    device_ring._default_geometry.cache_clear()
+    _default_geometry.cache_clear()
     yield ops
-    device_ring._default_geometry.cache_clear()
-    device_ring.release_rings()
+    _default_geometry.cache_clear()
+    rings.release_rings()
     ops.close()
     emu.reset()
 
 
 def _released(emu) -> None:
-    device_ring.release_rings()
+    rings.release_rings()
     st = emu.stats()
     assert st["registered"] == 0, st  # nothing stays page-locked
     assert st["events"] == 0, st
     assert st["pageable"] == 0, st  # every copy came out of page-locked chunks
-    assert device_ring.locked_bytes() == 0
+    assert rings.locked_bytes() == 0
     assert not [t for t in threading.enumerate() if t.name == "engine-remote-ring"]
 
 
@@ -122,7 +124,7 @@ def test_a_remote_load_to_a_device_goes_through_the_ring(checkpoint, nginx, devi
     else:
         url = nginx.url("sharded/")
     emu.delay(0.002)  # copies slower than the fills: reports and slot reuse must wait for them
-    with warnings.catch_warnings(), device_ring.load_records() as records:
+    with warnings.catch_warnings(), load_records() as records:
         warnings.simplefilter("error", RangeIgnoredWarning)
         got, early = _stream_checked(url, sd, connections=3)
     assert early == []
@@ -169,7 +171,7 @@ def test_load_into_device_tensors_from_a_url_through_the_ring(checkpoint, nginx,
     monkeypatch.setattr(engine.loading.fill, "fill_target",
                         lambda x: EmulatedTarget(x) if isinstance(x, EmulatedArray) else real(x))
     dst = {k: EmulatedArray(v.nbytes) for k, v in sd.items()}
-    with device_ring.load_records() as records:
+    with load_records() as records:
         filled = engine.load_into(nginx.url(f"sharded/{INDEX}"), dst, strict=True, connections=2)
     assert sorted(filled) == sorted(sd)
     assert all(dst[k].data.tobytes() == sd[k].tobytes() for k in sd)
@@ -183,7 +185,7 @@ def test_a_selection_with_gaps_receives_only_what_it_needs(checkpoint, nginx, de
     received and dropped within one GET, as read_runs does)."""
     _, sd = checkpoint
     names = sorted(sd)[::2]
-    with device_ring.load_records() as records:
+    with load_records() as records:
         got, early = _stream_checked(nginx.url(f"sharded/{INDEX}"), sd, connections=2, names=names)
     assert early == [] and sorted(got) == names
     assert all(got[k].tobytes() == sd[k].tobytes() for k in got)
@@ -206,7 +208,7 @@ def test_a_connection_dropped_mid_chunk_is_retried(checkpoint, rangeserver, devi
 def test_a_server_that_ignores_range_streams_each_file_into_the_ring(checkpoint, rangeserver, device, emu):
     _, sd = checkpoint
     rangeserver.modes["*"] = "ignore-range"
-    with pytest.warns(RangeIgnoredWarning), device_ring.load_records() as records:
+    with pytest.warns(RangeIgnoredWarning), load_records() as records:
         got, early = _stream_checked(rangeserver.url("sharded/"), sd, connections=3, retry=FAST)
     assert early == [] and sorted(got) == sorted(sd)
     assert all(got[k].tobytes() == sd[k].tobytes() for k in sd)
@@ -260,11 +262,11 @@ def test_cache_dir_writes_the_copies_from_the_ring_and_a_second_load_reads_them(
                                                                                  tmp_path):
     _, sd = checkpoint
     cache = tmp_path / "cache"
-    with device_ring.load_records() as first:
+    with load_records() as first:
         got, early = _stream_checked(nginx.url("sharded/"), sd, cache_dir=str(cache))
     assert early == [] and all(got[k].tobytes() == sd[k].tobytes() for k in sd)
     assert [r.source for r in first] == ["network"]
-    with device_ring.load_records() as second:
+    with load_records() as second:
         got, early = _stream_checked(nginx.url("sharded/"), sd, cache_dir=str(cache))
     assert early == [] and all(got[k].tobytes() == sd[k].tobytes() for k in sd)
     assert [r.source for r in second] != ["network"] and second[0].network_bytes == 0
@@ -276,7 +278,7 @@ def test_a_ring_load_takes_local_or_remote_files_not_both(device):
     local = pipeline.Source(0, "y", [])
     with pytest.raises(ValueError, match="not both"):
         device_ring.load([src, local], pipeline.Destination(device_targets={}, device_ops=device),
-                         pipeline._Tracker({}, None), threading.Event(), device_ring.Geometry(SMALL, 4, 1))
+                         pipeline._Tracker({}, None), threading.Event(), Geometry(SMALL, 4, 1))
 
 
 def test_the_ring_is_set_up_while_the_headers_are_fetched(checkpoint, nginx, device, emu, monkeypatch):
@@ -286,11 +288,11 @@ def test_the_ring_is_set_up_while_the_headers_are_fetched(checkpoint, nginx, dev
     calls = []
     real = device_ring.prepare
     monkeypatch.setattr(device_ring, "prepare", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
-    with device_ring.load_records() as records:
+    with load_records() as records:
         got = dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", framework="pt"))
     assert sorted(got) == sorted(sd)
     assert all(np.asarray(got[k]).tobytes() == sd[k].tobytes() for k in sd)
-    assert calls == [device_ring.Geometry(SMALL, 4, 2)]
+    assert calls == [Geometry(SMALL, 4, 2)]
     assert records[0].lock_calls == 0 and emu.stats()["registrations"] > 0
     _released(emu)
 
@@ -307,18 +309,18 @@ def test_a_failed_copy_stops_the_connections_and_is_a_device_error(checkpoint, n
 def test_the_rings_external_fill_api_checks_its_use(emu):
     """take() outside a run has nothing to give, filled() names a chunk of the run; a start()
     that starts no filler, or raises, stops the run rather than leaving it waiting."""
-    from engine.gpu import _ring
+    from engine.gpu import _cudart, _ring
 
     emu.reset()
     ops = EmulatedRingOps(emu)
     stream, _ = ops.ring_stream()
-    ring = _ring.ChunkRing(_ring.Runtime(emu.path), 0, stream, SMALL, 4, 1)
+    ring = _ring.ChunkRing(_cudart.Runtime(emu.path), 0, stream, SMALL, 4, 1)
     try:
         assert ring.take() == (-1, 0)
         with pytest.raises(ValueError, match="not being filled"):
             ring.filled(0)
         dst = np.zeros(3 * SMALL, np.uint8)
-        c_file, c_seg, s_pos, s_off, s_len, s_dst = device_ring.plan(
+        c_file, c_seg, s_pos, s_off, s_len, s_dst = chunk_plan.plan(
             type("P", (), {"file": np.zeros(1, np.int32), "off": np.zeros(1, np.int64),
                            "len": np.array([dst.nbytes], np.int64),
                            "dst": np.array([dst.ctypes.data], np.uint64)})(), SMALL)
@@ -389,7 +391,7 @@ def test_an_error_in_the_progress_report_ends_the_connections_waits(device, emu)
     t0 = time.monotonic()
     with pytest.raises(KeyError, match="consumer failed"):
         device_ring.load([src], pipeline.Destination(device_targets=dst, device_ops=device),
-                         pipeline._Tracker.of([src], on_complete), cancel, device_ring.Geometry(size, 4, 1),
+                         pipeline._Tracker.of([src], on_complete), cancel, Geometry(size, 4, 1),
                          connections=3)
     assert time.monotonic() - t0 < 10 and cancel.is_set()
     _released(emu)

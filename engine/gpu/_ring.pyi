@@ -1,24 +1,6 @@
 import numpy as np
 
-ENTRY_POINTS: tuple[str, ...]
-DRIVER_ENTRY_POINTS: tuple[str, ...]
-DRIVER: str
-
-class Runtime:
-    """A CUDA runtime opened by path; its entry points looked up by name."""
-
-    path: str
-    def __init__(self, path: str) -> None: ...
-    def error_string(self, code: int) -> str: ...
-    def primary_context(self, device: int) -> int: ...
-    def release_primary(self, device: int) -> None: ...
-
-class OnDevice:
-    """The device's primary context current on this thread for a ``with`` block."""
-
-    def __init__(self, runtime: Runtime, device: int) -> None: ...
-    def __enter__(self) -> OnDevice: ...
-    def __exit__(self, *exc: object) -> None: ...
+from engine.gpu._cudart import Runtime
 
 class ChunkRing:
     """Page-locked chunks and native copy threads on one device and stream."""
@@ -74,17 +56,3 @@ class ChunkRing:
     def abandon(self) -> None: ...
     def __enter__(self) -> ChunkRing: ...
     def __exit__(self, *exc: object) -> None: ...
-
-def plan(
-    p_file: np.ndarray,
-    p_off: np.ndarray,
-    p_len: np.ndarray,
-    p_dst: np.ndarray,
-    chunk_bytes: int,
-    c_file: np.ndarray,
-    c_seg: np.ndarray,
-    s_pos: np.ndarray,
-    s_off: np.ndarray,
-    s_len: np.ndarray,
-    s_dst: np.ndarray,
-) -> tuple[int, int]: ...

@@ -5,11 +5,13 @@
 # turns them on).
 """The device copy ring, natively: file bytes through small page-locked chunks to a device.
 
-Private: the public face is :mod:`engine.gpu.device_ring`, which plans a load's chunks, finds the
-CUDA runtime and turns the error tuples returned here into the engine's errors.
+Private: the public face is :mod:`engine.gpu.rings`, which sets rings up and keeps them between
+loads; :mod:`engine.gpu.device_ring` runs a load through one and turns the error tuples
+returned here into the engine's errors.
 
 A ring holds ``chunks`` page-locked host chunks of ``chunk_bytes`` each and ``threads``
-native copy threads.  Chunk ``k`` of a load goes through slot ``k % chunks``: a copy thread
+native copy threads (their loop, and the issuing thread's: :mod:`engine.gpu._copy_loop`, on the
+state set up here).  Chunk ``k`` of a load goes through slot ``k % chunks``: a copy thread
 takes the next chunk on its own (a shared counter, no barrier), waits until that slot's
 previous copy to the device has completed (its event), fills it from the page cache (``pread``
 or a populated mapping, whichever that thread measures faster: :mod:`engine.io._io`'s
@@ -24,48 +26,32 @@ with :meth:`ChunkRing.take` (the same native wait for the slot as a copy thread'
 released), writes it through :meth:`ChunkRing.memory` and reports it with
 :meth:`ChunkRing.filled` or :meth:`ChunkRing.fail`; the issuing side is the same.
 
-The CUDA runtime is not linked: :class:`Runtime` opens a ``libcudart`` by path (the one torch
-or CuPy already loaded, so the same instance, contexts and streams) and looks its entry points
-up by name; the tests pass an emulated runtime with the same ones (``tests/emucudart``).
-
-What a driver holds per thread is left as the caller had it.  A thread the engine does not
-own (the caller's, a finaliser's) gets the ring's device's primary context pushed around the
-ring's calls and popped after (the driver's ``cuCtxPushCurrent`` / ``cuCtxPopCurrent``): its
-own context, or none, and its runtime device stay as they were, where ``cudaSetDevice``
-would change the device and restoring one would make a context on GPU 0 for a thread that
-had none.  "Not ready" from an event query is cleared from the thread's last error at once,
-as torch does, so the caller's next check of ``cudaGetLastError`` does not see it.  A run's
-first copy waits (``cudaStreamWaitEvent``) for the consumer's fence: an event its framework
-recorded on the caller's current stream when the load was set up, on the caller's thread.
+The CUDA runtime is not linked: it is called through a :class:`engine.gpu._cudart.Runtime`'s
+table of entry points, and a thread the engine does not own gets the ring's device's primary
+context pushed around the ring's calls (:mod:`engine.gpu._cudart`), its own context and device
+left as they were.  "Not ready" from an event query is cleared from the thread's last error at
+once, as torch does, so the caller's next check of ``cudaGetLastError`` does not see it.  A
+run's first copy waits (``cudaStreamWaitEvent``) for the consumer's fence: an event its
+framework recorded on the caller's current stream when the load was set up, on the caller's
+thread.
 """
 
 from cpython.buffer cimport PyBUF_WRITE
-from cpython.exc cimport PyErr_CheckSignals
 from cpython.memoryview cimport PyMemoryView_FromMemory
-from libc.errno cimport errno
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec, nanosleep
 
+from engine.gpu._copy_loop cimport (
+    _ERR_CUDA, _ERR_FILL, _ERR_NONE, _ERR_READ, _State, _Worker, _block_hi, _block_lo, _block_of, _claim,
+    _digest_filled, _fail, _fill, _issue, _lock_block, _now, _part_for, _stopped, _take_n, _worker_main,
+)
+from engine.gpu._cudart cimport Runtime, _Saved, _cudaEventDisableTiming, _cudaMemcpyHostToDevice, _enter, _leave
 from engine.io._io cimport (
-    _Choice, _Part, _copy_piece, _crc_landed, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
-    pthread_cond_init, pthread_cond_signal, pthread_cond_t, pthread_cond_timedwait, pthread_cond_wait,
-    pthread_create, pthread_join, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock,
-    pthread_mutex_t, pthread_mutex_unlock, pthread_t,
+    _Choice, _Part, _guard_ready, pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
+    pthread_cond_signal, pthread_create, pthread_join, pthread_mutex_destroy, pthread_mutex_init,
+    pthread_mutex_lock, pthread_mutex_unlock, pthread_t,
 )
 
-
-cdef extern from "<dlfcn.h>" nogil:
-    void* dlopen(const char* path, int flags)
-    void* dlsym(void* handle, const char* name)
-    int dlclose(void* handle)
-    char* dlerror()
-    int RTLD_NOW
-    int RTLD_LOCAL
-
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
 
 cdef extern from "<sys/mman.h>" nogil:
     void* mmap(void* addr, size_t length, int prot, int flags, int fd, long offset)
@@ -77,617 +63,10 @@ cdef extern from "<sys/mman.h>" nogil:
     int MAP_ANONYMOUS
     void* MAP_FAILED
 
-cdef extern from *:
-    """
-    #include <time.h>
-    static inline int64_t engine_ring_take(int64_t *counter) {
-        return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
-    }
-    static inline int64_t engine_ring_take_n(int64_t *counter, int64_t n) {
-        return __atomic_fetch_add(counter, n, __ATOMIC_RELAXED);
-    }
-    static inline int engine_ring_stopped(int *flag) {
-        return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
-    }
-    static inline void engine_ring_stop(int *flag) {
-        __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
-    }
-    /* an absolute CLOCK_REALTIME deadline ns from now, for pthread_cond_timedwait */
-    static inline void engine_ring_deadline(struct timespec *ts, long ns) {
-        clock_gettime(CLOCK_REALTIME, ts);
-        ts->tv_nsec += ns;
-        while (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
-    }
-    """
-    int64_t _take "engine_ring_take"(int64_t* counter) noexcept nogil
-    int64_t _take_n "engine_ring_take_n"(int64_t* counter, int64_t n) noexcept nogil
-    int _stopped "engine_ring_stopped"(int* flag) noexcept nogil
-    void _stop "engine_ring_stop"(int* flag) noexcept nogil
-    void _deadline "engine_ring_deadline"(timespec* ts, long ns) noexcept nogil
-
-
-# -- the CUDA runtime, by name ------------------------------------------------------------------
-
-ctypedef int (*_f_int)(int) noexcept nogil
-ctypedef int (*_f_intp)(int*) noexcept nogil
-ctypedef int (*_f_register)(void*, size_t, unsigned int) noexcept nogil
-ctypedef int (*_f_ptr)(void*) noexcept nogil
-ctypedef int (*_f_memcpy)(void*, const void*, size_t, int, void*) noexcept nogil
-ctypedef int (*_f_event_create)(void**, unsigned int) noexcept nogil
-ctypedef int (*_f_record)(void*, void*) noexcept nogil
-ctypedef int (*_f_void)() noexcept nogil
-ctypedef const char* (*_f_errstr)(int) noexcept nogil
-ctypedef int (*_f_wait)(void*, void*, unsigned int) noexcept nogil
-ctypedef int (*_f_memcpy_sync)(void*, const void*, size_t, int) noexcept nogil
-ctypedef int (*_f_ctx_get)(void**) noexcept nogil
-ctypedef int (*_f_init)(unsigned int) noexcept nogil
-ctypedef int (*_f_device_get)(int*, int) noexcept nogil
-ctypedef int (*_f_retain)(void**, int) noexcept nogil
-
-cdef struct _Rt:
-    _f_int set_device
-    _f_intp get_device
-    _f_register host_register
-    _f_ptr host_unregister
-    _f_memcpy memcpy_async
-    _f_event_create event_create
-    _f_record event_record
-    _f_ptr event_query
-    _f_ptr event_synchronize
-    _f_ptr event_destroy
-    _f_ptr stream_synchronize
-    _f_void get_last_error
-    _f_errstr error_string
-    _f_wait stream_wait_event
-    _f_memcpy_sync memcpy_sync
-    # the driver's (libcuda's): a device's primary context, pushed on a thread and popped
-    _f_init driver_init
-    _f_device_get device_get
-    _f_retain primary_retain
-    _f_int primary_release
-    _f_ctx_get ctx_get_current
-    _f_ptr ctx_push
-    _f_ctx_get ctx_pop
-
 cdef enum:
-    _cudaErrorNotReady = 600
-    _cudaMemcpyHostToDevice = 1
-    _cudaHostRegisterPortable = 1
-    _cudaEventDisableTiming = 2
     _MADV_HUGEPAGE = 14
 
 cdef size_t _HUGE = 2 << 20
-
-#: the entry points a ring calls, in the order of _Rt
-ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
-                "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
-                "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
-                "cudaGetErrorString", "cudaStreamWaitEvent", "cudaMemcpy")
-#: the driver's entry points a ring calls (after ENTRY_POINTS in _Rt): looked up in the runtime's
-#: library first (the emulated one has them), else in the driver's, which every CUDA process maps
-DRIVER_ENTRY_POINTS = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",
-                       "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2")
-DRIVER = "libcuda.so.1"
-
-
-cdef class Runtime:
-    """A CUDA runtime opened by path; its entry points looked up by name.  Opening a library
-    the process has already loaded gives that same instance (the same contexts and streams)."""
-
-    cdef void* handle
-    cdef void* driver
-    cdef _Rt rt
-    cdef readonly str path
-
-    def __cinit__(self, str path):
-        cdef bytes raw = path.encode()
-        cdef void** slots = <void**>&self.rt
-        cdef int i, n = len(ENTRY_POINTS)
-        cdef void* fn
-        self.path = path
-        self.handle = dlopen(raw, RTLD_NOW | RTLD_LOCAL)
-        if self.handle == NULL:
-            err = dlerror()
-            raise OSError(f"cannot open the CUDA runtime {path}: {err.decode() if err != NULL else 'unknown'}")
-        for i, name in enumerate(ENTRY_POINTS):
-            fn = dlsym(self.handle, (<str>name).encode())
-            if fn == NULL:
-                self._close()
-                raise OSError(f"the CUDA runtime {path} has no {name}")
-            slots[i] = fn
-        lib = self.handle
-        if dlsym(lib, b"cuCtxPushCurrent_v2") == NULL:
-            self.driver = dlopen((<str>DRIVER).encode(), RTLD_NOW | RTLD_LOCAL)
-            if self.driver == NULL:
-                err = dlerror()
-                self._close()
-                raise OSError(f"cannot open the CUDA driver {DRIVER}: {err.decode() if err != NULL else 'unknown'}")
-            lib = self.driver
-        for i, name in enumerate(DRIVER_ENTRY_POINTS):
-            fn = dlsym(lib, (<str>name).encode())
-            if fn == NULL:
-                self._close()
-                raise OSError(f"the CUDA driver has no {name}")
-            slots[n + i] = fn
-        self.rt.driver_init(0)  # initialised already where a framework loaded CUDA; cheap then
-
-    def primary_context(self, int device) -> int:
-        """Retain ``device``'s primary context (made if need be, not made current); its
-        handle.  Released by :meth:`release_primary`."""
-        cdef void* ctx = NULL
-        cdef int dev = 0, rc
-        with nogil:
-            rc = self.rt.device_get(&dev, device)
-            if rc == 0:
-                rc = self.rt.primary_retain(&ctx, dev)
-        if rc != 0:
-            raise RuntimeError(f"cannot retain the primary context of device {device} (CUDA driver error {rc})")
-        return <uintptr_t>ctx
-
-    def release_primary(self, int device) -> None:
-        cdef int dev = 0
-        with nogil:
-            if self.rt.device_get(&dev, device) == 0:
-                self.rt.primary_release(dev)
-
-    cdef void _close(self):
-        if self.handle != NULL:
-            dlclose(self.handle)
-            self.handle = NULL
-        if self.driver != NULL:
-            dlclose(self.driver)
-            self.driver = NULL
-
-    def error_string(self, int code) -> str:
-        """The runtime's description of an error code."""
-        cdef const char* s = self.rt.error_string(code)
-        return s.decode(errors="replace") if s != NULL else f"CUDA error {code}"
-
-
-
-# -- the ring ------------------------------------------------------------------------------------
-
-cdef double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
-
-
-# error kinds in the tuple a run returns
-cdef enum:
-    _ERR_NONE = 0
-    _ERR_READ = 1      # code: errno or -1 for the end of the file; at, missing: where
-    _ERR_CUDA = 2      # code: the runtime's error; at: the chunk
-    _ERR_ALLOC = 3     # code: errno of mmap
-    _ERR_FILL = 5      # an external filler failed chunk ``chunk`` (it holds its own error)
-
-cdef struct _Plan:
-    int64_t nchunks
-    const int32_t* c_file      # chunk -> file index
-    const int64_t* c_seg       # chunk k's segments are c_seg[k] .. c_seg[k + 1]
-    const int64_t* s_pos       # segment -> position in its chunk
-    const int64_t* s_off       # segment -> file offset
-    const int64_t* s_len
-    const uint64_t* s_dst      # segment -> device address
-    const int32_t* fds
-    const uint64_t* maps       # file -> address of its read-only mapping, or 0: pread
-    const int64_t* map_lens
-    const uint8_t* keeps       # file -> its mapping is kept between loads: leave its pages mapped
-    # checksums (cells NULL: none): the load's pieces sorted by file and offset (d_off, d_len;
-    # file f's are d_first[f] .. d_first[f + 1]); the CRC of piece i's part in the file's
-    # chunk_bytes-aligned block b goes to cells[d_cell[i] + b - d_off[i] // chunk_bytes]
-    const int64_t* d_off
-    const int64_t* d_len
-    const int64_t* d_first
-    const int64_t* d_cell
-    uint32_t* cells
-
-
-cdef struct _State:
-    _Rt* rt
-    int device
-    void* stream
-    int64_t chunk_bytes
-    int nslots
-    uint8_t* base              # nslots * chunk_bytes of host memory
-    uint8_t* blocks            # per block of slots (see _block_of): 0 pageable, 1 being
-                               # page-locked, 2 page-locked, 3 refused
-    int nblocks
-    int locked_refused         # a registration was refused: the chunks stay pageable
-    void** events
-    int64_t* filled            # per slot: the chunk it holds, filled (-1: none yet)
-    _Plan plan
-    pthread_mutex_t lock
-    pthread_cond_t filled_cond # a chunk filled (the issuing thread waits)
-    pthread_cond_t issued_cond # a chunk issued, or the run stops (copy threads wait)
-    pthread_cond_t run_cond    # a new run, a worker out of it, the ring closing
-    pthread_cond_t lock_cond   # a block's page-locking ended
-    int seats                  # workers the current run still takes (small runs wake fewer)
-    int64_t next_chunk         # the next chunk a copy thread takes
-    int64_t issued             # chunks whose copies are issued, in order
-    int generation             # bumped per run: wakes the workers
-    int active                 # workers still in the current run
-    int stop                   # the ring closes: workers exit
-    int cancel                 # the run stops (an error, or the caller's cancel)
-    int err_kind
-    int err_code
-    int64_t err_chunk
-    int64_t err_at
-    int64_t err_missing
-    double wait_slot           # seconds copy threads waited for a slot's copy (summed)
-    double wait_fill           # seconds the issuing thread waited for a chunk to fill
-    double lock_s              # seconds spent page-locking blocks (this run, or lock_all)
-    int lock_calls             # cudaHostRegister calls made (the same)
-    double* fill_s             # per worker (and the issuing thread, last): seconds filling
-    int adaptive               # threads learn pread or the mapping (else a mapping is always used)
-    int stream_stores          # copies out of a mapping store past the caches
-    _Choice* choices
-    void* ctx                  # the device's primary context (retained by the ring)
-    int external               # the run's chunks are filled by callers' threads (take/filled)
-    int64_t net_bytes          # bytes external fillers filled (over the ring's life)
-
-
-cdef struct _Worker:
-    _State* st
-    int index
-
-
-cdef int _block_of(int s) noexcept nogil:
-    """The block of slot ``s``: slot 0 alone, then blocks twice as large as the one before
-    ([1, 2), [2, 4), [4, 8) ...), so that a ring of 32 chunks is page-locked in 6 calls and the
-    first chunk's copy can start after one small call, before the rest is locked."""
-    cdef int b = 0
-    while s > 0:
-        s >>= 1
-        b += 1
-    return b
-
-
-cdef inline int _block_lo(int b) noexcept nogil:
-    return 0 if b == 0 else 1 << (b - 1)
-
-
-cdef inline int _block_hi(int b, int nslots) noexcept nogil:
-    cdef int hi = 1 << b
-    return hi if hi < nslots else nslots
-
-
-cdef void _lock_block(_State* st, int b) noexcept nogil:
-    """Page-lock block ``b`` of the chunks, once (a thread that finds another locking it
-    waits for that): one ``cudaHostRegister`` call for the whole block.  A refusal leaves the
-    chunks pageable (copies from them still land, at pageable speed) and no more is tried."""
-    cdef int rc, lo, hi
-    cdef double t0
-    pthread_mutex_lock(&st.lock)
-    while st.blocks[b] == 1:
-        pthread_cond_wait(&st.lock_cond, &st.lock)
-    if st.blocks[b] != 0 or st.locked_refused:
-        pthread_mutex_unlock(&st.lock)
-        return
-    st.blocks[b] = 1
-    pthread_mutex_unlock(&st.lock)
-    lo = _block_lo(b)
-    hi = _block_hi(b, st.nslots)
-    t0 = _now()
-    rc = st.rt.host_register(st.base + lo * st.chunk_bytes, <size_t>((hi - lo) * st.chunk_bytes),
-                             _cudaHostRegisterPortable)
-    pthread_mutex_lock(&st.lock)
-    if rc == 0:
-        st.blocks[b] = 2
-    else:
-        st.rt.get_last_error()
-        st.blocks[b] = 3
-        st.locked_refused = 1
-    st.lock_s += _now() - t0
-    st.lock_calls += 1
-    pthread_cond_broadcast(&st.lock_cond)
-    pthread_mutex_unlock(&st.lock)
-
-
-cdef int64_t _completed(_State* st, int64_t done) noexcept nogil:
-    """Chunks ``[0, n)`` whose copies have certainly completed, from ``done`` known so far.
-
-    Called on the issuing thread (the only one that records events or moves ``issued``).  A
-    chunk more than ``nslots`` behind the last issued one has completed: its slot was refilled,
-    which waits for its copy.  The chunks after it still own their slots' events, so each is
-    asked in order (one stream: copies complete in the order they were issued) up to the first
-    that has not completed."""
-    cdef int64_t issued = st.issued, c = st.issued - st.nslots
-    if c < done:
-        c = done
-    while c < issued:
-        if st.rt.event_query(st.events[c % st.nslots]) != 0:
-            # "not ready" (or a failure the stream's synchronisation reports) recorded as the
-            # thread's last error: cleared, or the caller's next check would raise it
-            st.rt.get_last_error()
-            break
-        c += 1
-    return c
-
-
-cdef void _fail(_State* st, int kind, int code, int64_t chunk, int64_t at, int64_t missing) noexcept nogil:
-    """Record the first failure of a run (lowest chunk wins among reads) and stop it."""
-    pthread_mutex_lock(&st.lock)
-    if st.err_kind == _ERR_NONE or (kind == st.err_kind and (kind == _ERR_READ or kind == _ERR_FILL)
-                                    and chunk < st.err_chunk):
-        st.err_kind = kind
-        st.err_code = code
-        st.err_chunk = chunk
-        st.err_at = at
-        st.err_missing = missing
-    _stop(&st.cancel)
-    pthread_cond_broadcast(&st.filled_cond)
-    pthread_cond_broadcast(&st.issued_cond)
-    pthread_mutex_unlock(&st.lock)
-
-
-cdef struct _Saved:
-    int pushed      # ``ctx`` was pushed: pop it after
-
-
-cdef int _enter(_Rt* rt, void* ctx, _Saved* saved) noexcept nogil:
-    """Make the primary context ``ctx`` current on this thread for the ring's calls: nothing
-    where it is current already, else pushed (the thread's own context, or none, and its
-    runtime device are untouched).  0 or the driver's error."""
-    cdef void* cur = NULL
-    cdef int rc
-    saved.pushed = 0
-    if rt.ctx_get_current(&cur) == 0 and cur == ctx:
-        return 0
-    rc = rt.ctx_push(ctx)
-    saved.pushed = rc == 0
-    return rc
-
-
-cdef void _leave(_Rt* rt, _Saved* saved) noexcept nogil:
-    """Pop what :func:`_enter` pushed: the thread is as it was."""
-    cdef void* popped = NULL
-    if saved.pushed:
-        rt.ctx_pop(&popped)
-        saved.pushed = 0
-
-
-cdef class OnDevice:
-    """``with OnDevice(runtime, device):`` the device's primary context current on this thread
-    for the block, the thread as it was after (a framework's stream made for a ring on a
-    thread of the engine's: no context on GPU 0, the thread's device untouched)."""
-
-    cdef Runtime runtime
-    cdef int device
-    cdef void* ctx
-    cdef _Saved saved
-
-    def __cinit__(self, Runtime runtime, int device):
-        self.runtime = runtime
-        self.device = device
-
-    def __enter__(self):
-        cdef int rc
-        self.ctx = <void*><uintptr_t>self.runtime.primary_context(self.device)
-        with nogil:
-            rc = _enter(&self.runtime.rt, self.ctx, &self.saved)
-        if rc != 0:
-            self.runtime.release_primary(self.device)
-            raise RuntimeError(f"cannot make device {self.device} current (CUDA driver error {rc})")
-        return self
-
-    def __exit__(self, *exc):
-        with nogil:
-            _leave(&self.runtime.rt, &self.saved)
-        self.runtime.release_primary(self.device)
-
-
-cdef int _wait_event(_State* st, void* event) noexcept nogil:
-    """Poll an event until it completes (0), fails (its error) or the run stops (-1): a copy
-    thread with nothing else to do yields its core to the others meanwhile."""
-    cdef int rc, spins = 0
-    cdef timespec pause
-    pause.tv_sec = 0
-    pause.tv_nsec = 20000
-    while True:
-        rc = st.rt.event_query(event)
-        if rc != _cudaErrorNotReady:
-            return rc
-        st.rt.get_last_error()  # "not ready" is no error: the runtime recorded it as one
-        if _stopped(&st.cancel):
-            return -1
-        spins += 1
-        if spins < 64:
-            sched_yield()
-        else:
-            nanosleep(&pause, NULL)
-
-
-# a checksummed chunk is filled this many bytes at a time, each block's CRC taken right after
-# its copy while it is in the core's cache (the copy then stores through the caches)
-cdef int64_t _DIGEST_BLOCK = 512 << 10
-
-
-cdef void _digest_run(_State* st, _Part* part, int f, const uint8_t* out, int64_t off, int64_t n) noexcept nogil:
-    """Add the bytes of a block just filled (``n`` bytes of file ``f`` from ``off``, at
-    ``out``) to the CRC of each piece's share of its chunk: one cell per (piece, block of the
-    file), filled in file order by the one thread that fills that chunk, joined per tensor
-    when it is reported."""
-    cdef uint32_t* cell
-    cdef _Plan* p = &st.plan
-    cdef int64_t lo = p.d_first[f], hi = p.d_first[f + 1], mid, a, b, cb = st.chunk_bytes
-    while lo < hi:  # the first piece that ends after off
-        mid = (lo + hi) // 2
-        if p.d_off[mid] + p.d_len[mid] <= off:
-            lo = mid + 1
-        else:
-            hi = mid
-    while lo < p.d_first[f + 1] and p.d_off[lo] < off + n:
-        a = p.d_off[lo] if p.d_off[lo] > off else off
-        b = p.d_off[lo] + p.d_len[lo]
-        if b > off + n:
-            b = off + n
-        if b > a:
-            cell = &p.cells[p.d_cell[lo] + a // cb - p.d_off[lo] // cb]
-            cell[0] = _crc_landed(part, out + (a - off), b - a, a, cell[0])
-        lo += 1
-
-
-cdef int _fill_digest(_State* st, _Part* part, int f, uint8_t* out, int64_t n, int64_t off) noexcept nogil:
-    """:func:`_copy_piece` of a run a block at a time, each block checksummed as it lands."""
-    cdef int64_t step
-    cdef int err
-    while n > 0:
-        step = n if n < _DIGEST_BLOCK else _DIGEST_BLOCK
-        err = _copy_piece(part, out, step, off)
-        if err:
-            return err
-        _digest_run(st, part, f, out, off, step)
-        out += step
-        off += step
-        n -= step
-    return 0
-
-
-cdef void _digest_filled(_State* st, int64_t k) noexcept nogil:
-    """The checksum cells of chunk ``k``, filled by an external filler (a connection): read
-    back out of the chunk, which the filler just wrote (in this core's cache where it was)."""
-    cdef _Plan* p = &st.plan
-    cdef _Part part
-    cdef int f = p.c_file[k]
-    cdef int64_t j = p.c_seg[k], end = p.c_seg[k + 1]
-    cdef uint8_t* out = st.base + (k % st.nslots) * st.chunk_bytes
-    memset(&part, 0, sizeof(part))  # no mapping: _crc_landed reads the chunk
-    while j < end:
-        _digest_run(st, &part, f, out + p.s_pos[j], p.s_off[j], p.s_len[j])
-        j += 1
-
-
-cdef int _fill(_State* st, _Part* part, int64_t k, uint8_t* out, _Choice* tally) noexcept nogil:
-    """Fill chunk ``k`` into ``out``: its segments, file-contiguous ones in one copy; then
-    unmap what was mapped (unless the file's mapping is held for the load).  0 or the read's
-    error (in ``part``).  Bytes by source go to ``tally`` (the adaptive copy counts its own)."""
-    cdef _Plan* p = &st.plan
-    cdef int f = p.c_file[k]
-    cdef int64_t j = p.c_seg[k], end = p.c_seg[k + 1], run_off, run_len, run_pos
-    cdef int err
-    part.fd = p.fds[f]
-    part.src = <const uint8_t*><uintptr_t>p.maps[f]
-    part.src_len = p.map_lens[f]
-    part.keep = p.keeps[f]
-    while j < end:
-        run_off = p.s_off[j]
-        run_pos = p.s_pos[j]
-        run_len = p.s_len[j]
-        j += 1
-        while j < end and p.s_off[j] == run_off + run_len and p.s_pos[j] == run_pos + run_len:
-            run_len += p.s_len[j]
-            j += 1
-        if p.cells != NULL:
-            err = _fill_digest(st, part, f, out + run_pos, run_len, run_off)
-        else:
-            err = _copy_piece(part, out + run_pos, run_len, run_off)
-        if err:
-            return err
-        if part.src == NULL:
-            tally.nbytes[0] += run_len
-        elif part.choice == NULL:
-            tally.nbytes[1] += run_len
-        if part.src != NULL and not part.keep:
-            _unmap_run(part.src, part.src_len, run_off, run_off + run_len)
-    return 0
-
-
-cdef inline void _part_for(_State* st, _Part* part, int index) noexcept nogil:
-    memset(part, 0, sizeof(_Part))
-    part.choice = &st.choices[index] if st.adaptive else NULL
-    # stores past the caches (the default): the copy engine reads the chunk from memory either
-    # way where the ring is larger than the last-level cache, and stores that first read each
-    # line in (the cache's write-allocate) cost a third pass over memory
-    part.stream = st.stream_stores
-    # chunks smaller than the copies' timing threshold still time their runs, so that each
-    # thread learns which source is faster whatever the chunk size
-    part.timed = st.chunk_bytes // 2 if st.chunk_bytes < (2 << 20) else 0
-    if st.plan.cells != NULL:  # checksummed runs are copied a block at a time: time the blocks
-        part.timed = _DIGEST_BLOCK // 2
-
-
-cdef int _claim(_State* st, int64_t k) noexcept nogil:
-    """Make slot ``k % nslots`` ready for chunk ``k``: its previous chunk issued and that copy
-    completed (or, on its first use, its block page-locked).  0, or -1 when the run stopped
-    (a failed copy is recorded here)."""
-    cdef int64_t s = k % st.nslots
-    cdef int rc
-    cdef double t0
-    if k >= st.nslots:
-        # the slot's previous chunk must be issued, and its copy complete, before it is refilled
-        t0 = _now()
-        pthread_mutex_lock(&st.lock)
-        while st.issued <= k - st.nslots and not _stopped(&st.cancel):
-            pthread_cond_wait(&st.issued_cond, &st.lock)
-        pthread_mutex_unlock(&st.lock)
-        if _stopped(&st.cancel):
-            return -1
-        rc = _wait_event(st, st.events[s])
-        if rc == -1:
-            return -1
-        if rc != 0:
-            _fail(st, _ERR_CUDA, rc, k - st.nslots, 0, 0)
-            return -1
-        pthread_mutex_lock(&st.lock)
-        st.wait_slot += _now() - t0
-        pthread_mutex_unlock(&st.lock)
-    elif st.blocks[_block_of(<int>s)] != 2 and not st.locked_refused:
-        # first use of the slot: its block is page-locked here, beside the other threads' fills
-        _lock_block(st, _block_of(<int>s))
-    return 0
-
-
-cdef void _run_worker(_State* st, int index) noexcept nogil:
-    cdef int64_t k, s
-    cdef int rc
-    cdef double t0
-    cdef _Part part
-    _part_for(st, &part, index)
-    st.rt.set_device(st.device)
-    while not _stopped(&st.cancel):
-        k = _take(&st.next_chunk)
-        if k >= st.plan.nchunks:
-            break
-        s = k % st.nslots
-        if _claim(st, k):
-            break
-        t0 = _now()
-        rc = _fill(st, &part, k, st.base + s * st.chunk_bytes, &st.choices[index])
-        st.fill_s[index] += _now() - t0
-        if rc:
-            _fail(st, _ERR_READ, rc, k, part.at, part.missing)
-            break
-        pthread_mutex_lock(&st.lock)
-        st.filled[s] = k
-        pthread_cond_signal(&st.filled_cond)
-        pthread_mutex_unlock(&st.lock)
-
-
-cdef void* _worker_main(void* arg) noexcept nogil:
-    cdef _Worker* w = <_Worker*>arg
-    cdef _State* st = w.st
-    cdef int seen = 0
-    while True:
-        pthread_mutex_lock(&st.lock)
-        # a new run takes this thread while it has seats left (a small run wakes only as many
-        # threads as it has chunks); a thread too late for one waits for the next
-        while not st.stop:
-            if st.generation != seen:
-                seen = st.generation
-                if st.seats > 0:
-                    st.seats -= 1
-                    break
-            pthread_cond_wait(&st.run_cond, &st.lock)
-        if st.stop:
-            pthread_mutex_unlock(&st.lock)
-            return NULL
-        pthread_mutex_unlock(&st.lock)
-        _run_worker(st, w.index)
-        pthread_mutex_lock(&st.lock)
-        st.active -= 1
-        pthread_cond_broadcast(&st.run_cond)
-        pthread_mutex_unlock(&st.lock)
 
 
 cdef class ChunkRing:
@@ -888,7 +267,7 @@ cdef class ChunkRing:
             bint stream_stores=True, int fillers=0, object start=None, const int64_t[::1] d_off=None,
             const int64_t[::1] d_len=None, const int64_t[::1] d_first=None, const int64_t[::1] d_cell=None,
             uint32_t[::1] cells=None, object wait_for=None):
-        """Move one planned load (see :func:`plan`) through the ring, GIL released.
+        """Move one planned load (see :func:`engine.gpu._chunk_plan.plan`) through the ring, GIL released.
 
         ``poll(done)``, when given, runs every ``poll_seconds`` on this thread with the GIL
         (``done``: chunks whose copies have certainly completed, a prefix: their events asked,
@@ -932,16 +311,14 @@ cdef class ChunkRing:
         happens, every issued copy has completed (or failed) when it returns.
         """
         cdef _State* st = self.st
-        cdef int64_t n = c_file.shape[0], j, s, seg, last, done = 0
+        cdef int64_t n = c_file.shape[0], j
         cdef int rc = 0, kind, seats, i, started = 0
-        cdef bint ready, inline, fenced = wait_for is not None
+        cdef bint inline, fenced = wait_for is not None
         cdef uintptr_t fence = <uintptr_t>wait_for if wait_for is not None else 0
         cdef _Saved saved
         cdef _Part part
-        cdef double t0, next_poll
-        cdef timespec ts
-        cdef object raised = None
-        cdef bint cancelled = False
+        cdef double t0
+        cdef list raised = []  # what start() or the poll raised: raised once every copy completed
         if st == NULL:
             raise ValueError("the ring is closed")
         if self.busy:
@@ -1043,14 +420,14 @@ cdef class ChunkRing:
                             try:
                                 started = start()
                             except BaseException as exc:  # start() counts its own threads: none here
-                                raised = exc
+                                raised.append(exc)
                     if started < fillers:
                         # the fillers that never started never leave: counted out here
                         pthread_mutex_lock(&st.lock)
                         st.active -= fillers - (started if started > 0 else 0)
                         pthread_cond_broadcast(&st.run_cond)
                         pthread_mutex_unlock(&st.lock)
-                    if raised is not None or (rc == 0 and started < 1):
+                    if raised or (rc == 0 and started < 1):
                         _fail(st, 4, 0, 0, 0, 0)
                 if rc != 0:
                     st.rt.get_last_error()
@@ -1068,103 +445,14 @@ cdef class ChunkRing:
                     else:
                         st.filled[0] = 0
                     rc = 0
-                next_poll = _now() + poll_seconds
-                j = 0
-                while j < n and not _stopped(&st.cancel):
-                    s = j % st.nslots
-                    t0 = _now()
-                    pthread_mutex_lock(&st.lock)
-                    while st.filled[s] != j and not _stopped(&st.cancel):
-                        _deadline(&ts, 10000000)
-                        pthread_cond_timedwait(&st.filled_cond, &st.lock, &ts)
-                        if _now() >= next_poll:
-                            break
-                    ready = st.filled[s] == j
-                    pthread_mutex_unlock(&st.lock)
-                    st.wait_fill += _now() - t0
-                    if _now() >= next_poll:
-                        with gil:
-                            try:
-                                PyErr_CheckSignals()
-                                done = _completed(st, done)
-                                if poll is not None and poll(done):
-                                    cancelled = True
-                            except BaseException as exc:
-                                raised = exc
-                        if raised is not None or cancelled:
-                            _fail(st, 4, 0, j, 0, 0)
-                            break
-                        next_poll = _now() + poll_seconds
-                    if not ready:
-                        continue  # woken to poll, or stopped: the loop's test decides
-                    last = st.plan.c_seg[j + 1]
-                    seg = st.plan.c_seg[j]
-                    while seg < last:
-                        rc = st.rt.memcpy_async(<void*><uintptr_t>st.plan.s_dst[seg],
-                                                st.base + s * st.chunk_bytes + st.plan.s_pos[seg],
-                                                <size_t>st.plan.s_len[seg], _cudaMemcpyHostToDevice, st.stream)
-                        if rc != 0:
-                            break
-                        seg += 1
-                    if rc == 0:
-                        rc = st.rt.event_record(st.events[s], st.stream)
-                    if rc != 0:
-                        st.rt.get_last_error()
-                        _fail(st, _ERR_CUDA, rc, j, 0, 0)
-                        # copies of this chunk may be queued: its event must still cover them
-                        st.rt.event_record(st.events[s], st.stream)
-                        st.rt.get_last_error()
-                        j += 1
-                        break
-                    j += 1
-                    pthread_mutex_lock(&st.lock)
-                    st.issued = j
-                    pthread_cond_broadcast(&st.issued_cond)
-                    pthread_mutex_unlock(&st.lock)
-                # the workers leave the run (stopped, or out of chunks) before it returns
-                pthread_mutex_lock(&st.lock)
-                if _stopped(&st.cancel):
-                    pthread_cond_broadcast(&st.issued_cond)
-                while st.active > 0:
-                    pthread_cond_wait(&st.run_cond, &st.lock)
-                pthread_mutex_unlock(&st.lock)
-                # every chunk issued: the last ones' tensors are still reported as their copies
-                # complete (a hooked load's kernels start then), not once the whole stream has;
-                # each chunk's event waited for in turn, so the wait ends when the copies do
-                if poll is not None and j == n and not _stopped(&st.cancel):
-                    done = _completed(st, done)
-                    while done < n:
-                        if st.rt.event_synchronize(st.events[done % st.nslots]) != 0:
-                            st.rt.get_last_error()
-                            break  # a failed copy: the stream's synchronisation below reports it
-                        done += 1
-                        if done < n and _now() >= next_poll:
-                            with gil:
-                                try:
-                                    PyErr_CheckSignals()
-                                    if poll(done):
-                                        cancelled = True
-                                except BaseException as exc:
-                                    raised = exc
-                            if raised is not None or cancelled:
-                                _fail(st, 4, 0, n - 1, 0, 0)
-                                break
-                            next_poll = _now() + poll_seconds
-                # every issued copy completes (or fails) before the chunks may be reused or freed:
-                # the whole stream (the load's own), whatever event a failure left unrecorded
-                if j > 0:
-                    rc = st.rt.stream_synchronize(st.stream)
-                    if rc != 0:
-                        st.rt.get_last_error()
-                        if st.err_kind == _ERR_NONE:
-                            _fail(st, _ERR_CUDA, rc, j - 1, 0, 0)
+                _issue(st, n, poll, poll_seconds, raised)
                 _leave(st.rt, &saved)
                 st.plan.nchunks = 0
                 st.external = 0
         finally:
             self.busy = False
-        if raised is not None:
-            raise raised
+        if raised:
+            raise raised[0]
         kind = st.err_kind
         if kind == 4:
             return (3, 0, st.err_chunk, 0, 0)
@@ -1191,7 +479,7 @@ cdef class ChunkRing:
         with nogil:
             if st.external and not _stopped(&st.cancel):
                 # the slots' events are asked, and their blocks page-locked, on the ring's device
-                # (a filler is a thread of the engine's own, device_ring._Fillers'; cheap when set)
+                # (a filler is a thread of the engine's own, remote_fill.Fillers'; cheap when set)
                 st.rt.set_device(st.device)
                 k = _take_n(&st.next_chunk, most)
                 if k >= st.plan.nchunks:
@@ -1349,63 +637,3 @@ cdef class ChunkRing:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def plan(const int32_t[::1] p_file, const int64_t[::1] p_off, const int64_t[::1] p_len,
-         const uint64_t[::1] p_dst, int64_t chunk_bytes, int32_t[::1] c_file, int64_t[::1] c_seg,
-         int64_t[::1] s_pos, int64_t[::1] s_off, int64_t[::1] s_len, uint64_t[::1] s_dst):
-    """Cut pieces (file, file offset, bytes, device address), in load order, into chunks.
-
-    A chunk holds the pieces of one file that fall in one ``chunk_bytes``-aligned block of
-    it, packed back to back (a gap in the file costs no chunk space); a piece that crosses a
-    block's end is split there.  So a whole file's chunks are its aligned blocks (2 MiB lines,
-    where the page cache's large folios end, for chunk sizes that are multiples of 2 MiB),
-    and adjacent pieces contiguous on both sides merge into one segment (one DMA).
-
-    Output arrays must hold ``len(p_len) + total // chunk_bytes + 1`` chunks (``c_seg`` one
-    more) and as many segments.  Returns ``(chunks, segments)``.
-    """
-    cdef Py_ssize_t i, n = p_len.shape[0]
-    cdef int64_t k = -1, m = -1, off, left, take, used = 0, block = -1, dst
-    cdef int32_t f = -1
-    if chunk_bytes < 1:
-        raise ValueError("chunk_bytes must be positive")
-    if p_off.shape[0] != n or p_file.shape[0] != n or p_dst.shape[0] != n:
-        raise ValueError("the pieces' arrays differ in length")
-    with nogil:
-        for i in range(n):
-            off = p_off[i]
-            left = p_len[i]
-            dst = <int64_t>p_dst[i]
-            while left > 0:
-                take = chunk_bytes - off % chunk_bytes
-                if take > left:
-                    take = left
-                if p_file[i] != f or off // chunk_bytes != block or used + take > chunk_bytes:
-                    k += 1
-                    if k >= c_file.shape[0]:
-                        with gil:
-                            raise ValueError("too few chunks in the output")
-                    f = p_file[i]
-                    block = off // chunk_bytes
-                    c_file[k] = f
-                    c_seg[k] = m + 1
-                    used = 0
-                if (m >= 0 and c_seg[k] <= m and s_off[m] + s_len[m] == off
-                        and <int64_t>s_dst[m] + s_len[m] == dst and s_pos[m] + s_len[m] == used):
-                    s_len[m] += take
-                else:
-                    m += 1
-                    if m >= s_len.shape[0]:
-                        with gil:
-                            raise ValueError("too few segments in the output")
-                    s_pos[m] = used
-                    s_off[m] = off
-                    s_len[m] = take
-                    s_dst[m] = <uint64_t>dst
-                used += take
-                off += take
-                dst += take
-                left -= take
-        c_seg[k + 1] = m + 1
-    return (k + 1, m + 1)

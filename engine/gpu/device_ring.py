@@ -2,7 +2,7 @@
 device load.
 
 A load's pieces (file, offset, bytes, device address) are cut into chunks once
-(:func:`engine.gpu._ring.plan`: one ``chunk_bytes``-aligned block of a file per chunk), then one
+(:mod:`engine.gpu.chunk_plan`: one ``chunk_bytes``-aligned block of a file per chunk), then one
 native call moves them: ``threads`` copy threads each take the next chunk, wait for its slot's
 previous copy to complete, fill it from the page cache; the calling thread issues each chunk's
 ``cudaMemcpyAsync`` in order on the load's stream as soon as it is full.  Two copies of each
@@ -10,20 +10,17 @@ byte: page cache -> page-locked chunk, chunk -> device by DMA.  No Python runs p
 the calling thread takes the GIL every few tens of milliseconds to report the tensors that
 have landed and to see a cancel.
 
-The geometry (:class:`Geometry`: chunk size, chunks in flight, copy threads) depends on the
-host and the device; the defaults are set from ``scripts/gpu_check.py --sweep`` (BENCHMARKS.md
-names the run), and ``ENGINE_RING`` (``chunk_mib,chunks,threads``) or the loaders'
-``ring=`` argument overrides them.
+The ring's shape (chunk size, chunks in flight, copy threads) is a
+:class:`~engine.gpu.geometry.Geometry`: host-dependent defaults, ``ENGINE_RING`` or the
+loaders' ``ring=`` argument (:mod:`engine.gpu.geometry`).
 
 Remote files (a :class:`~engine.loading.pipeline.Source` with ``ranges``) take the same ring: the
-load's connections, one Python thread each, take the next chunks from the ring (which waits,
-natively, for their slots' previous copies), receive one ranged GET of those chunks' file
-blocks (the request size the caller planned) straight into the page-locked chunks (``recv_into``, GIL released: :mod:`engine.net.remote_reads`
-with its retries, deadlines, byte checks and whole-file streams) and mark it filled; the
-issuing thread sends their DMAs in order as for a local file.  Two copies of each byte: socket ->
-page-locked chunk, chunk -> device by DMA (a copy more with ``cache_dir``: the body written from
-the chunk to the local copy).  An HTTP request is an event of the interpreter anyway; nothing
-else runs in Python per chunk.
+load's connections, one Python thread each, fill the chunks instead of the copy threads
+(:mod:`engine.gpu.remote_fill`: one ranged GET of a few chunks' file blocks straight into the
+page-locked chunks); the issuing thread sends their DMAs in order as for a local file.  Two
+copies of each byte: socket -> page-locked chunk, chunk -> device by DMA (a copy more with
+``cache_dir``: the body written from the chunk to the local copy).  An HTTP request is an event
+of the interpreter anyway; nothing else runs in Python per chunk.
 
 What a device framework provides (its :class:`DeviceOps`, :mod:`engine.sinks`): the path of the
 CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``, resolved on the
@@ -32,36 +29,33 @@ caller's thread), a stream (``ring_stream()`` -> ``(handle, owner)``), the consu
 were made, which the copies wait for) and the device address of a target (``address(target)``).  The ring is the one device path: nothing else moves bytes to a
 device.
 
-A forked child forgets the rings it inherited without touching them (their threads are the
-parent's): :func:`_after_fork`.
+Rings are set up, kept between loads and closed by :mod:`engine.gpu.rings`.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import queue
 import threading
 import time
-import weakref
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from engine.errors import DeviceError
-from engine.format.checksums import combine
+from engine.gpu.chunk_plan import Digests, Landing, Pieces, plan
+from engine.gpu.cudart import runtime
+from engine.gpu.geometry import Geometry, checked, default_geometry, stores
+from engine.gpu.records import LoadRecord, publish
+from engine.gpu.remote_fill import DeviceReread, Fillers
+from engine.gpu.rings import KEPT, new_ring
 from engine.io.reader import check_read, close_mapping, copy_mapping, copy_source, kept
 
-__all__ = ["DeviceOps", "Geometry", "LoadRecord", "default_geometry", "supports", "load", "load_records", "prepare", "keep_rings", "keep_staging",
-           "locked_bytes", "cuda_runtime_path", "unmap_mode"]
+__all__ = ["DeviceOps", "supports", "load", "prepare", "unmap_mode", "flush_unmaps"]
 
-_MIB = 1 << 20
-#: the most host memory a ring page-locks when the caller does not say
-MAX_RING_BYTES = 256 * _MIB
+_LOG = logging.getLogger(__name__)
 
 
 class DeviceOps(Protocol):
@@ -86,65 +80,6 @@ class DeviceOps(Protocol):
 
     def address(self, target) -> int:
         """The device address of a byte target."""
-
-
-class Geometry(NamedTuple):
-    """The ring's shape: bytes per chunk (a multiple of 4096), chunks in flight (the ring's
-    slots), native copy threads."""
-
-    chunk_bytes: int
-    chunks: int
-    threads: int
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self.chunk_bytes * self.chunks
-
-
-def cores() -> int:
-    """Cores this process may run on (at least 1): the default copy threads."""
-    return _cores()
-
-
-def _cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def default_threads(cores: int | None = None) -> int:
-    """Copy threads: every core on small hosts, leaving cores for the issuing thread, the
-    driver and the caller on larger ones (``cores - 4`` from 12 cores on)."""
-    n = cores or _cores()
-    if n >= 12:
-        return n - 4
-    if n >= 6:
-        return n - 2
-    return n
-
-
-def default_geometry(cores: int | None = None) -> Geometry:
-    """The ring's shape when the caller says nothing: ``ENGINE_RING`` if set, else 4 MiB
-    chunks, 32 in flight (128 MiB page-locked), :func:`default_threads`."""
-    return _default_geometry(os.environ.get("ENGINE_RING", "").strip(), cores)
-
-
-@functools.lru_cache(maxsize=16)
-def _default_geometry(env: str, cores: int | None) -> Geometry:
-    if env:
-        return parse_geometry(env)
-    return Geometry(4 * _MIB, 32, default_threads(cores))
-
-
-def stores() -> str:
-    """How copy threads write chunks filled out of a mapping: ``"stream"`` (the default: past
-    the caches, for rings larger than the last-level cache) or ``"cached"`` (through them);
-    ``ENGINE_RING_STORES`` picks one, ``scripts/gpu_check.py --sweep`` measures both."""
-    value = os.environ.get("ENGINE_RING_STORES", "stream").strip().lower()
-    if value not in ("stream", "cached"):
-        raise ValueError(f"ENGINE_RING_STORES must be 'stream' or 'cached', not {value!r}")
-    return value
 
 
 UNMAPS = ("end", "chunk")
@@ -209,6 +144,8 @@ class _Closer:
 
 
 CLOSER = _Closer()
+if hasattr(os, "register_at_fork"):  # in a forked child the thread and its jobs are the parent's
+    os.register_at_fork(after_in_child=CLOSER.forget)
 
 
 def flush_unmaps() -> None:
@@ -216,684 +153,15 @@ def flush_unmaps() -> None:
     CLOSER.flush()
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadRecord:
-    """What one load through the chunk ring did (collected by :func:`load_records`).
-
-    Attributes
-    ----------
-    chunks, bytes : int
-        Chunks the load was cut into and tensor bytes it moved.
-    chunk_bytes, slots, threads : int
-        The ring's geometry; ``threads`` is the copy threads this load woke (0: the calling
-        thread filled its one chunk itself), or for remote files its connections.
-    seconds : float
-        The whole load: planning, mapping, waiting for the ring, its run to the last copy
-        completed.
-    fill_wait_s : float
-        Time the issuing thread waited for copy threads to fill the next chunk (high: the
-        host side is the bottleneck, more threads or a faster source help).
-    slot_wait_s : float
-        Time copy threads waited for a slot's previous copy to complete, summed over threads
-        (high: the DMA is the bottleneck, more or larger chunks may help).
-    fill_s : float
-        Time spent filling chunks, summed over threads (remote files: the connections' time
-        receiving them, requests included).
-    lock_s, lock_calls : float, int
-        Page-locking done during this load (0 for a ring set up before it).
-    cold, setup_s : bool, float
-        The ring was not ready when this load asked for it (a process's first load, unless
-        :func:`prepare` finished before it), and the seconds the load waited for its set-up.
-    source, unmap : str
-        :func:`engine.io.reader.copy_source` and :func:`unmap_mode` of the load.
-    pread_bytes, mmap_bytes, network_bytes : int
-        Bytes copied with ``pread``, out of the file's mapping, and received from a server
-        into the chunks (``source`` is then ``"network"``).
-    pageable : bool
-        The runtime refused to page-lock the chunks: copies ran at pageable speed.
-    reported, report_s : int, float
-        Tensors reported landed, and the seconds the issuing thread spent reporting them
-        (with the GIL, in its polls): for a load with device kernels (``stats=True``,
-        ``quantize="int8"``) this includes launching each landed tensor's kernels.
-    hooked : bool
-        The load had device kernels to launch as tensors landed.
-    """
-
-    chunks: int
-    bytes: int
-    chunk_bytes: int
-    slots: int
-    threads: int
-    seconds: float
-    fill_wait_s: float
-    slot_wait_s: float
-    fill_s: float
-    lock_s: float
-    lock_calls: int
-    cold: bool
-    setup_s: float
-    source: str
-    unmap: str
-    pread_bytes: int
-    mmap_bytes: int
-    pageable: bool
-    network_bytes: int = 0
-    reported: int = 0
-    report_s: float = 0.0
-    hooked: bool = False
-
-    def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in _RECORD_FIELDS}
-
-
-_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(LoadRecord))
-_LOG = logging.getLogger("engine.gpu.device_ring")
-_RECORDERS: list[list] = []
-_RECORDERS_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def load_records():
-    """Collect a :class:`LoadRecord` for every load through the chunk ring (any thread)
-    while the block runs::
-
-        with engine.load_records() as records:
-            engine.torch.load_file(path, device="cuda:0")
-        print(records[-1].as_dict())
-
-    Every record is also logged at DEBUG level on the ``engine.gpu.device_ring`` logger.
-    """
-    out: list[LoadRecord] = []
-    with _RECORDERS_LOCK:
-        _RECORDERS.append(out)
-    try:
-        yield out
-    finally:
-        with _RECORDERS_LOCK:
-            for i, r in enumerate(_RECORDERS):
-                if r is out:
-                    del _RECORDERS[i]
-                    break
-
-
-def _publish(record: LoadRecord) -> None:
-    with _RECORDERS_LOCK:
-        for r in _RECORDERS:
-            r.append(record)
-    if _LOG.isEnabledFor(logging.DEBUG):
-        _LOG.debug("ring load: %s", record.as_dict())
-
-
-def parse_geometry(text: str) -> Geometry:
-    """``"chunk_mib,chunks,threads"`` (``ENGINE_RING``'s form) as a :class:`Geometry`."""
-    try:
-        mib, chunks, threads = (float(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"a ring geometry is 'chunk_mib,chunks,threads', not {text!r}") from None
-    return checked(Geometry(int(mib * _MIB) // 4096 * 4096, int(chunks), int(threads)))
-
-
-def checked(g: Geometry) -> Geometry:
-    if g.chunk_bytes < 4096 or g.chunk_bytes % 4096:
-        raise ValueError(f"a ring chunk is a positive multiple of 4096 bytes, not {g.chunk_bytes}")
-    if g.chunks < 1 or not 1 <= g.threads <= 256:
-        raise ValueError(f"a ring has at least one chunk and 1 to 256 threads, not {g}")
-    return g
-
-
 def supports(ops) -> bool:
     """Whether a device framework's operations can drive the ring."""
     return all(hasattr(ops, m) for m in ("runtime_path", "ring_stream", "address")) and hasattr(ops, "device_index")
-
-
-def geometry_for(slot_bytes: int | None = None, threads: int | None = None) -> Geometry:
-    """The default geometry with a loader's ``slot_bytes`` (bytes per chunk; chunks as many as
-    fit :data:`MAX_RING_BYTES`, at least 2) and ``threads`` (copy threads) applied."""
-    g = default_geometry()
-    if slot_bytes:
-        chunk = max(4096, slot_bytes // 4096 * 4096)
-        g = Geometry(chunk, max(2, min(g.chunks, MAX_RING_BYTES // chunk)), g.threads)
-    if threads:
-        g = g._replace(threads=threads)
-    return checked(g)
-
-
-@functools.cache
-def _runtime(path: str):
-    from engine.gpu import _ring
-
-    return _ring.Runtime(path)
-
-
-#: seconds an unused ring stays set up after a load (so that a loop of small loads, such as
-#: ``get_tensor`` per key, sets it up once); then it is closed and nothing stays page-locked
-LINGER_SECONDS = 2.0
-
-
-class _Kept:
-    """Rings between loads: kept until :func:`keep_rings` (or ``engine.keep_staging``) turns
-    keeping off, or else for :data:`LINGER_SECONDS` after their last load.  A ring's threads,
-    events and page-locked chunks are then set up once for loads that follow each other.
-
-    One reaper thread (started with the first lingering ring) closes the rings whose time is
-    up: a load gives its ring back without starting a timer thread.  A ring being prepared
-    ahead of the first load (:func:`prepare`) is a pending entry that :meth:`take` waits for.
-    """
-
-    def __init__(self) -> None:
-        self.on = os.environ.get("ENGINE_KEEP_STAGING", "") == "1"
-        self.forget()
-
-    def forget(self) -> None:
-        """No ring kept and no reaper, without closing any (a forked child's start)."""
-        self.cond = threading.Condition()
-        self.rings: dict = {}  # key -> [ring or None while pending, expiry (monotonic) or None]
-        self.reaper: threading.Thread | None = None
-
-    def take(self, key):
-        """``(ring or None, waited)``: the ring kept for ``key``, and whether it was still
-        being prepared when asked for (the load then waited for its set-up)."""
-        waited = False
-        with self.cond:
-            while key in self.rings and self.rings[key][0] is None:  # being prepared
-                waited = True
-                self.cond.wait()
-            entry = self.rings.pop(key, None)
-        return (entry[0] if entry is not None else None), waited
-
-    def pending(self, key) -> bool:
-        """Mark ``key`` as being prepared (False when a ring is kept or pending for it)."""
-        with self.cond:
-            if key in self.rings:
-                return False
-            self.rings[key] = [None, None]
-            return True
-
-    def give(self, key, ring, linger: bool = True) -> bool:
-        """Keep ``ring`` for the next load of ``key``: while keeping is on, or for
-        :data:`LINGER_SECONDS` (``linger``; without it, until taken).  False when it is not
-        kept (another ring is, or lingering is off): close it then."""
-        with self.cond:
-            entry = self.rings.get(key)
-            if entry is not None and entry[0] is not None:
-                return False
-            expiry = None
-            if not self.on and linger:
-                if LINGER_SECONDS <= 0:
-                    if entry is not None:
-                        del self.rings[key]
-                        self.cond.notify_all()
-                    return False
-                expiry = time.monotonic() + LINGER_SECONDS
-                if self.reaper is None or not self.reaper.is_alive():
-                    self.reaper = threading.Thread(target=self._reap, name="engine-ring-reaper", daemon=True)
-                    self.reaper.start()
-            self.rings[key] = [ring, expiry]
-            self.cond.notify_all()
-        return True
-
-    def drop(self, key) -> None:
-        """Forget a pending entry whose preparation failed."""
-        with self.cond:
-            entry = self.rings.get(key)
-            if entry is not None and entry[0] is None:
-                del self.rings[key]
-            self.cond.notify_all()
-
-    def _reap(self) -> None:
-        while True:
-            with self.cond:
-                now = time.monotonic()
-                due = [k for k, (r, t) in self.rings.items() if r is not None and t is not None and t <= now]
-                expired = [self.rings.pop(k)[0] for k in due]
-                if not expired:
-                    times = [t for r, t in self.rings.values() if r is not None and t is not None]
-                    self.cond.wait(max(0.01, min(times) - now) if times else None)
-                    continue
-            for ring in expired:
-                ring.close()
-
-    def release(self) -> None:
-        with self.cond:
-            entries = [k for k, (r, _) in self.rings.items() if r is not None]
-            rings = [self.rings.pop(k)[0] for k in entries]
-            self.cond.notify_all()
-        for ring in rings:
-            ring.close()
-
-
-KEPT = _Kept()
-# closed before the CUDA runtime's own exit handlers run
-atexit.register(KEPT.release)
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def keep_rings(on: bool = True) -> None:
-    """Keep each device's ring (threads, events, page-locked chunks) between loads until
-    turned off (``True``), or close the kept ones and keep them only briefly after each load
-    (``False``).  ``engine.keep_staging`` calls this."""
-    KEPT.on = bool(on)
-    if not on:
-        KEPT.release()
-
-
-def keep_staging(on: bool = True) -> None:
-    """Keep the page-locked host memory of device loads (each device's chunk ring: its
-    threads, events and chunks) between loads (``True``), or close what is kept and keep it
-    only briefly after each load (``False``).  A server that loads several models or reloads
-    one saves setting the ring up on every load after the first; the cost is the ring's
-    chunks (:data:`MAX_RING_BYTES` by default) locked until ``keep_staging(False)``.  Same as
-    ``ENGINE_KEEP_STAGING=1`` at start-up.  :func:`keep_rings` under its public name."""
-    keep_rings(on)
-
-
-def release_rings() -> None:
-    """Close every ring set up and not in use now: nothing the engine page-locked stays locked."""
-    KEPT.release()
-
-
-def locked_bytes() -> int:
-    """Host bytes the engine's rings hold page-locked now (kept and running ones)."""
-    return sum(r.locked_bytes for r in list(_LIVE))
-
-
-#: runtime paths found mapped in this process, per CUDA major asked for (a library stays
-#: mapped once loaded: each question is answered once)
-_MAPPED: dict[int | None, str] = {}
-
-
-def _major_of(path: str) -> int | None:
-    """The CUDA major in a runtime's file name (``libcudart.so.12.8.90`` -> 12), or None."""
-    tail = os.path.basename(path).partition("libcudart.so.")[2]
-    head = tail.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def _loaded_cudart_path(major: int | None = None) -> str | None:
-    """A ``libcudart`` mapped in this process: of CUDA ``major`` where one is (a process may
-    map two, torch's and another library's), else the first mapped."""
-    if major in _MAPPED:
-        return _MAPPED[major]
-    found: list[str] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(" ")[-1]
-                if "libcudart.so" in os.path.basename(path) and path not in found:
-                    found.append(path)
-    except OSError:
-        pass
-    if not found:
-        return None
-    pick = next((p for p in found if _major_of(p) == major), None) if major is not None else found[0]
-    if pick is None:  # none of that major mapped (yet): the first, asked again next time
-        return found[0]
-    _MAPPED[major] = pick
-    return pick
-
-
-#: sonames tried when no runtime is mapped yet: the framework's major first, then newest first
-_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
-
-
-def cuda_runtime_path(major: int | None = None) -> str | None:
-    """Path of the ``libcudart`` this process has loaded (torch's or CuPy's: opening it again
-    gives that same instance), else the first soname the dynamic loader finds, else None.
-
-    ``major``: the CUDA major the framework was built with (``torch.version.cuda``, CuPy's
-    runtime version): a mapped runtime of that major is preferred, and with none mapped its
-    soname is tried first (a newer one may need a newer driver than the machine has)."""
-    path = _loaded_cudart_path(major)
-    if path is not None:
-        return path
-    import ctypes
-
-    names = ((f"libcudart.so.{major}",) if major is not None else ()) + _SONAMES
-    for name in dict.fromkeys(names):
-        try:
-            ctypes.CDLL(name)
-        except OSError:
-            continue
-        return name
-    return None
 
 
 def consumer_fence(ops) -> int | None:
     """``ops.consumer_fence()`` where the framework has one (a test double may not)."""
     get = getattr(ops, "consumer_fence", None)
     return get() if get is not None else None
-
-
-def _after_fork() -> None:
-    """In a forked child: the rings, the reaper and the unmapping thread are the parent's.
-    Each inherited ring is forgotten untouched (:meth:`~engine.gpu._ring.ChunkRing.abandon`),
-    and the keeping starts empty, with locks of its own (a parent's thread may have held one
-    at the fork).  CUDA itself cannot be used in a child forked after it started; host
-    loads go on as in any process."""
-    global _RECORDERS_LOCK
-    for ring in list(_LIVE):
-        ring.abandon()
-        _ABANDONED.append(ring)  # never freed here: its stream's owner would call the parent's driver
-    KEPT.forget()
-    CLOSER.forget()
-    _RECORDERS_LOCK = threading.Lock()
-
-
-_ABANDONED: list = []
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
-
-
-def _new_ring(ops, g: Geometry):
-    from engine.gpu import _ring
-
-    path = ops.runtime_path()
-    if not path:
-        raise DeviceError("no CUDA runtime is loaded in this process to copy through")
-    try:
-        rt = _runtime(path)
-    except OSError as exc:
-        raise DeviceError(str(exc)) from exc
-    try:
-        # on the ring's device, the thread left as it was: a framework's stream made on one of
-        # the engine's threads (the prepare thread, a stream's worker) makes no context on GPU 0
-        with _ring.OnDevice(rt, ops.device_index):
-            stream, owner = ops.ring_stream()
-        ring = _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
-    except RuntimeError as exc:
-        raise DeviceError(f"cannot set up the copy ring: {exc}") from exc
-    _LIVE.add(ring)
-    return ring
-
-
-class _Pieces:
-    """The load's pieces in load order, as the native planner takes them, and for each
-    tensor key its bytes and the index of its last piece."""
-
-    def __init__(self, sources, targets, address) -> None:
-        files, offs, lens, dsts, toffs = [], [], [], [], []
-        self.keys: list = []  # per piece
-        self.sizes: dict = {}
-        self.empty: list = []
-        for i, src in enumerate(sources):
-            base = src.row_base
-            for req in src.requests:
-                for p in req.pieces:
-                    key = base + p.row
-                    if not p.nbytes:
-                        self.sizes.setdefault(key, 0)
-                        continue
-                    files.append(i)
-                    offs.append(req.offset + p.request_offset)
-                    lens.append(p.nbytes)
-                    dsts.append(address(targets[key]) + p.tensor_offset)
-                    toffs.append(p.tensor_offset)
-                    self.keys.append(key)
-                    self.sizes[key] = self.sizes.get(key, 0) + p.nbytes
-        self.file = np.array(files, np.int32)
-        self.off = np.array(offs, np.int64)
-        self.len = np.array(lens, np.int64)
-        self.dst = np.array(dsts, np.uint64)
-        self.toff = toffs  # per piece: its offset in its tensor
-
-
-class _Digests:
-    """The checksum cells of a ring load (see ``engine.gpu._ring.ChunkRing.run``): the copy
-    threads fill them; :meth:`give` joins each checked tensor's cells, in its byte order,
-    into the tracker just before the tensor is reported."""
-
-    def __init__(self, pieces: _Pieces, nfiles: int, chunk_bytes: int, tracker) -> None:
-        self.tracker = tracker
-        order = np.lexsort((pieces.off, pieces.file)) if len(pieces.len) else np.empty(0, np.intp)
-        self.d_off = np.ascontiguousarray(pieces.off[order])
-        self.d_len = np.ascontiguousarray(pieces.len[order])
-        self.d_first = np.searchsorted(pieces.file[order], np.arange(nfiles + 1), side="left").astype(np.int64)
-        first = self.d_off // chunk_bytes
-        ncell = (self.d_off + self.d_len - 1) // chunk_bytes - first + 1
-        self.d_cell = (np.cumsum(ncell) - ncell).astype(np.int64)
-        self.cells = np.zeros(max(int(ncell.sum()), 1), np.uint32)
-        self.chunk_bytes = chunk_bytes
-        # key -> its pieces as (offset in the tensor, index into the sorted arrays)
-        self.of: dict = {}
-        for i, p in enumerate(order.tolist()):
-            key = pieces.keys[p]
-            if key in tracker.checked:
-                self.of.setdefault(key, []).append((pieces.toff[p], i))
-
-    def arrays(self) -> dict:
-        return {"d_off": self.d_off, "d_len": self.d_len, "d_first": self.d_first, "d_cell": self.d_cell,
-                "cells": self.cells}
-
-    def give(self, keys) -> None:
-        cb = self.chunk_bytes
-        for key in keys:
-            segs = self.of.pop(key, None)
-            if segs is None:
-                continue
-            crc = 0
-            for _, i in sorted(segs):
-                off, n, cell = int(self.d_off[i]), int(self.d_len[i]), int(self.d_cell[i])
-                end = off + n
-                while off < end:
-                    nxt = min(end, (off // cb + 1) * cb)
-                    crc = combine(crc, int(self.cells[cell]), nxt - off)
-                    cell += 1
-                    off = nxt
-            self.tracker.add_segment(key, 0, self.tracker.remaining[key], crc)
-
-
-def plan(pieces: _Pieces, chunk_bytes: int):
-    """The chunk plan of :func:`engine.gpu._ring.plan`, trimmed: ``(c_file, c_seg, s_pos, s_off,
-    s_len, s_dst)``."""
-    from engine.gpu import _ring
-
-    n = len(pieces.len)
-    total = int(pieces.len.sum()) if n else 0
-    cap = n + 2 * (total // chunk_bytes) + 2
-    c_file = np.empty(cap, np.int32)
-    c_seg = np.empty(cap + 1, np.int64)
-    s_pos, s_off, s_len = (np.empty(cap + n, np.int64) for _ in range(3))
-    s_dst = np.empty(cap + n, np.uint64)
-    k, m = _ring.plan(pieces.file, pieces.off, pieces.len, pieces.dst, chunk_bytes, c_file, c_seg, s_pos, s_off,
-                      s_len, s_dst)
-    return c_file[:k].copy(), c_seg[: k + 1].copy(), s_pos[:m].copy(), s_off[:m].copy(), s_len[:m].copy(), \
-        s_dst[:m].copy()
-
-
-class _DeviceReread:
-    """A checked tensor of a remote file read again from the server (the pieces the load
-    planned for it) into host memory, its CRC-32C taken, and its bytes put on the device
-    (:meth:`engine.gpu._ring.ChunkRing.put`): the tracker's ``reread`` after a mismatch.
-    Copies of tensor bytes: 2 (socket to host memory, host memory to the device)."""
-
-    def __init__(self, sources, pieces: _Pieces, targets, address, ring) -> None:
-        self.sources, self.ring = sources, ring
-        self.targets, self.address = targets, address
-        self.of: dict = {}
-        for i, key in enumerate(pieces.keys):
-            self.of.setdefault(key, []).append((int(pieces.file[i]), int(pieces.off[i]), int(pieces.len[i]),
-                                                pieces.toff[i]))
-
-    def __call__(self, key: int) -> int:
-        from engine.format.checksums import crc32c
-
-        pieces = self.of[key]
-        host = np.empty(sum(n for _, _, n, _ in pieces), np.uint8)
-        view = memoryview(host)
-        for f, off, n, at in pieces:
-            ranges = self.sources[f].ranges
-            getattr(ranges, "fresh", ranges)(off, [view[at : at + n]])  # from the server, not a kept copy
-        try:
-            self.ring.put(self.address(self.targets[key]), host)
-        except RuntimeError as exc:
-            raise DeviceError(str(exc), path=self.sources[pieces[0][0]].path) from exc
-        return crc32c(host)
-
-
-class _Landing:
-    """Reports each tensor to the tracker once the chunk holding its last byte has completed."""
-
-    def __init__(self, pieces: _Pieces, c_seg, s_len, tracker, digests: _Digests | None = None) -> None:
-        self.tracker = tracker
-        self.digests = digests
-        self.sizes = pieces.sizes
-        self.reported = 0
-        self.seconds = 0.0  # spent reporting (and in what the tracker's callbacks do)
-        if len(pieces.sizes) == 1 and len(pieces.len):
-            # one tensor (get_tensor's load): it lands with the load's last chunk
-            self.order = list(pieces.sizes)
-            self.chunk = np.array([len(c_seg) - 2], np.int64)
-            return
-        if len(pieces.len):
-            seg_end = np.cumsum(s_len)
-            chunk_end = seg_end[c_seg[1:] - 1]
-            piece_chunk = np.searchsorted(chunk_end, np.cumsum(pieces.len), side="left")
-        else:
-            piece_chunk = np.empty(0, np.int64)
-        last: dict = {}
-        for key, c in zip(pieces.keys, piece_chunk.tolist(), strict=True):
-            last[key] = c
-        order = sorted(last.items(), key=lambda kv: kv[1])
-        self.order = [k for k, _ in order]
-        self.chunk = np.array([c for _, c in order], np.int64)
-        tracker.landed([(k, 0) for k, n in pieces.sizes.items() if n == 0])
-
-    def upto(self, done: int) -> None:
-        """Chunks ``[0, done)`` have completed."""
-        if self.reported == len(self.order):
-            return
-        stop = int(np.searchsorted(self.chunk, done, side="left"))
-        if stop > self.reported:
-            keys = self.order[self.reported : stop]
-            self.reported = stop
-            if self.digests is not None:
-                self.digests.give(keys)
-            self.tracker.landed([(k, self.sizes[k]) for k in keys])
-
-
-#: a gap in the file up to this size between two pieces of one chunk is received (into a
-#: scratch buffer) and dropped rather than costing a second request, as
-#: :func:`engine.net.remote_reads.read_runs` does
-_MAX_GAP = 1 << 20
-
-
-class _Fillers:
-    """The connections of a remote load, filling the ring's chunks: ``count`` threads, each
-    taking the next ``group`` chunks (:meth:`engine.gpu._ring.ChunkRing.take`, which waits
-    natively for their slots), receiving their runs of the file with ``ranges(offset,
-    views)`` into views of the chunks' page-locked memory (one request per run: ``group``
-    chunks of one file make one request of the size the caller planned), and marking them
-    filled.  A failed chunk (after the reader's retries) stops the run; the first error that
-    is not a consequence of the stop is the load's."""
-
-    def __init__(self, ring, sources, c_file, c_seg, s_pos, s_off, s_len, cancel, count: int,
-                 group: int = 1) -> None:
-        self.ring = ring
-        self.sources = sources
-        self.c_file = c_file.tolist()
-        self.c_seg = c_seg.tolist()
-        self.s_pos, self.s_off, self.s_len = s_pos.tolist(), s_off.tolist(), s_len.tolist()
-        self.cancel = cancel
-        self.group = max(1, group)
-        self.count = max(1, min(count, -(-len(self.c_file) // self.group)))
-        self.memory = ring.memory()
-        self.chunk_bytes, self.slots = ring.chunk_bytes, ring.chunks
-        self.errors: list[tuple[int, BaseException]] = []
-        self.lock = threading.Lock()
-        self.fill_s = 0.0  # seconds the connections spent receiving chunks, summed
-        self.threads: list[threading.Thread] = []
-
-    def start(self) -> int:
-        """Start the threads (the ring's run calls it once ready): how many started."""
-        for _ in range(self.count):
-            t = threading.Thread(target=self._run, name="engine-remote-ring", daemon=True)
-            try:
-                t.start()
-            except RuntimeError:  # no more threads: the ones started carry the load
-                break
-            self.threads.append(t)
-        return len(self.threads)
-
-    def _run(self) -> None:
-        ring = self.ring
-        scratch: list = []
-        busy = 0.0
-        try:
-            while True:
-                k, n = ring.take(self.group)
-                if k < 0:
-                    break
-                t0 = time.perf_counter()
-                try:
-                    self._chunks(k, n, scratch)
-                except BaseException as exc:
-                    with self.lock:
-                        self.errors.append((k, exc))
-                    ring.fail(k)
-                    self.cancel.set()  # the other connections stop waiting between their tries
-                    return
-                finally:
-                    busy += time.perf_counter() - t0
-                ring.filled(k, n)
-        finally:
-            with self.lock:
-                self.fill_s += busy
-            ring.leave()
-
-    def _chunks(self, k: int, n: int, scratch: list) -> None:
-        """Receive chunks ``k .. k+n-1``: one ranged GET per run of file-contiguous pieces (a
-        small gap received into ``scratch`` and dropped), into the chunks' slots (adjacent
-        slots' memory in one view)."""
-        cb, slots = self.chunk_bytes, self.slots
-        c_seg, c_file, s_pos, s_off, s_len = self.c_seg, self.c_file, self.s_pos, self.s_off, self.s_len
-        run: list = []  # the current request: [file, first offset, end offset, spans]
-        c = k
-        for j in range(c_seg[k], c_seg[k + n]):
-            while c_seg[c + 1] <= j:
-                c += 1
-            f, off, ln = c_file[c], s_off[j], s_len[j]
-            a = (c % slots) * cb + s_pos[j]  # where it lands in the ring's memory
-            if run and run[0] == f and 0 <= off - run[2] <= _MAX_GAP:
-                spans = run[3]
-                gap = off - run[2]
-                if gap:
-                    spans.append([None, gap])
-                if not gap and spans[-1][0] is not None and spans[-1][1] == a:
-                    spans[-1][1] += ln  # contiguous in the ring too: one view
-                else:
-                    spans.append([a, a + ln])
-                run[2] = off + ln
-                continue
-            if run:
-                self._get(run, scratch)
-            run = [f, off, off + ln, [[a, a + ln]]]
-        if run:
-            self._get(run, scratch)
-
-    def _get(self, run: list, scratch: list) -> None:
-        f, start, _, spans = run
-        views = []
-        for a, b in spans:
-            if a is None:
-                if not scratch:
-                    scratch.append(memoryview(bytearray(_MAX_GAP)))
-                views.append(scratch[0][:b])
-            else:
-                views.append(self.memory[a:b])
-        self.sources[f].ranges(start, views)
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join()
-        self.memory = None
-
-    def error(self) -> BaseException | None:
-        """The load's error: the first a connection met that is not the stop itself."""
-        from engine.errors import Cancelled
-
-        causes = [e for _, e in self.errors if not isinstance(e, Cancelled)]
-        return causes[0] if causes else (self.errors[0][1] if self.errors else None)
 
 
 def _ring_key(ops, g: Geometry) -> tuple:
@@ -907,7 +175,7 @@ def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, 
     ``background`` (the set-up runs on a thread of its own: a load that starts meanwhile
     waits for this ring rather than setting up a second one, and starts copying as soon as
     it is ready).  The ring is kept until a load takes it (``linger``: for
-    :data:`LINGER_SECONDS` only, as after a load)."""
+    :data:`~engine.gpu.rings.LINGER_SECONDS` only, as after a load)."""
     g = checked(geometry or default_geometry())
     key = _ring_key(ops, g)
     if not KEPT.pending(key):
@@ -916,7 +184,7 @@ def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, 
     def setup():
         ring = None
         try:
-            ring = _new_ring(ops, g)
+            ring = new_ring(ops, g)
             return ring.lock_all()
         finally:
             if ring is None:
@@ -977,12 +245,12 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     ops = dest.device_ops
     g = checked(geometry or default_geometry())
     targets = dest.device_targets
-    pieces = _Pieces(sources, targets, ops.address)
+    pieces = Pieces(sources, targets, ops.address)
     c_file, c_seg, s_pos, s_off, s_len, s_dst = plan(pieces, g.chunk_bytes)
     # files with checksums: the copy threads take each piece's CRC per chunk as they fill it
-    digests = _Digests(pieces, len(sources), g.chunk_bytes, tracker) \
+    digests = Digests(pieces, len(sources), g.chunk_bytes, tracker) \
         if getattr(tracker, "checked", None) and len(pieces.len) else None
-    landing = _Landing(pieces, c_seg, s_len, tracker, digests)
+    landing = Landing(pieces, c_seg, s_len, tracker, digests)
     if not len(c_file):
         return {}
     source, unmap = ("network" if remote[0] else copy_source()), unmap_mode()
@@ -999,7 +267,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     fillers = None
     try:
         if ring is None:
-            ring, cold = _new_ring(ops, g), True
+            ring, cold = new_ring(ops, g), True
         setup_s = time.perf_counter() - t_ring
         for i in used:
             fds[i] = sources[i].fd
@@ -1027,13 +295,13 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
 
         if remote[0] and digests is not None:
             # bytes that crossed a network and fail their checksum are read again, onto the device
-            tracker.reread = _DeviceReread(sources, pieces, targets, ops.address, ring)
+            tracker.reread = DeviceReread(sources, pieces, targets, ops.address, ring)
         if remote[0]:
             # one request per ``group`` chunks of a file: the request size the caller planned
             # (remote_load's chunk_bytes), the ring's chunks however small
             planned = max((r.nbytes for src in sources for r in src.requests), default=0)
-            fillers = _Fillers(ring, sources, c_file, c_seg, s_pos, s_off, s_len, cancel,
-                               connections or ring.threads, max(1, planned // ring.chunk_bytes))
+            fillers = Fillers(ring, sources, c_file, c_seg, s_pos, s_off, s_len, cancel,
+                              connections or ring.threads, max(1, planned // ring.chunk_bytes))
         try:
             kind, code, chunk, at, missing = ring.run(
                 c_file, c_seg, s_pos, s_off, s_len, s_dst, fds, maps, lens, keeps, poll,
@@ -1068,7 +336,7 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         check_read((code, at, missing), "the load", src.path, src.fd)  # raises: code is an errno or -1
     if kind == 2:
         src = sources[int(c_file[chunk])]
-        rt = _runtime(ops.runtime_path())
+        rt = runtime(ops.runtime_path())
         raise DeviceError(
             f"copying {src.path or 'the file'} to the device failed (chunk {chunk} of {len(c_file)}): "
             f"{rt.error_string(code)} (CUDA error {code})", path=src.path)
@@ -1076,11 +344,11 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     if failed is not None:
         raise failed
     if kind == 3:
-        _publish(record)
+        publish(record)
         cancel.set()
         return record.as_dict()
     t0 = time.perf_counter()
     landing.upto(len(c_file))  # the last tensors (their kernels too) before the record is published
     record = dataclasses.replace(record, reported=landing.reported, report_s=landing.seconds + time.perf_counter() - t0)
-    _publish(record)
+    publish(record)
     return record.as_dict()

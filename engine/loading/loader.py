@@ -37,6 +37,7 @@ from engine.errors import MissingDependencyError, NonFiniteError
 from engine.format.checksums import Checks, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header, read_header_fd
 from engine.gpu import device_ring
+from engine.gpu.geometry import geometry_for
 from engine.io.reader import IOV_MAX
 from engine.loading import pipeline
 from engine.loading._selection import select_file, select_files
@@ -245,7 +246,7 @@ def stream(
         :mod:`engine.loading.pipeline`).
     slot_bytes : int, optional
         GPU destinations: bytes per page-locked chunk (default
-        :func:`engine.gpu.device_ring.default_geometry`).
+        :func:`engine.gpu.geometry.default_geometry`).
     verify_checksums : bool, optional
         Check each tensor against the CRC-32C its file records (:mod:`engine.format.checksums`)
         before yielding it (default True; files without checksums do no checksum work).  A
@@ -487,7 +488,7 @@ def prepare_ring(sink, slot_bytes: int | None = None, threads: int | None = None
     a load of remote files (whose ``threads`` are connections, not the ring's)."""
     ops = _ring_ops(sink)
     if ops is not None:
-        g = device_ring.geometry_for(slot_bytes) if remote else device_ring.geometry_for(slot_bytes, threads)
+        g = geometry_for(slot_bytes) if remote else geometry_for(slot_bytes, threads)
         device_ring.prepare(ops, g, background=True, linger=True)
 
 

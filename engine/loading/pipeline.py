@@ -27,10 +27,10 @@ which is what :func:`engine.stream` yields from.  Several files (the shards of a
 checkpoint) run as one pipeline: :func:`run_sources`.
 
 Memory bounds of a device load: page-locked host memory ``chunks * chunk_bytes`` of the ring
-(:data:`engine.gpu.device_ring.MAX_RING_BYTES` at most by default; each chunk locked on first
-use); no file mapping outlives its chunk's copy.  A ring stays set up for a moment after the load (:data:`engine.gpu.device_ring.LINGER_SECONDS`,
+(:data:`engine.gpu.geometry.MAX_RING_BYTES` at most by default; each chunk locked on first
+use); no file mapping outlives its chunk's copy.  A ring stays set up for a moment after the load (:data:`engine.gpu.rings.LINGER_SECONDS`,
 so that a loop of small loads sets it up once) and is then closed; nothing stays page-locked
-after that unless :func:`engine.gpu.device_ring.keep_rings` (``engine.keep_staging``) asks for it.
+after that unless :func:`engine.gpu.rings.keep_rings` (``engine.keep_staging``) asks for it.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from engine.format.checksums import (
 )
 from engine.gpu import device_ring
 from engine.gpu.device_ring import DeviceOps
+from engine.gpu.geometry import cores, geometry_for
 from engine.io.reader import (
     FaultAhead,
     check_read,
@@ -86,7 +87,7 @@ GPU_PATHS = ("auto", "copy")
 @functools.cache
 def default_copy_threads() -> int:
     """Native threads that split each batch of a host load: every core (at least 1)."""
-    return device_ring.cores()
+    return cores()
 
 
 class Destination:
@@ -300,7 +301,7 @@ def run_sources(
         :func:`engine.io.reader.default_threads`); for remote files, the connections (one
         thread each, host or device).
     slot_bytes : int, optional
-        Bytes per chunk of the ring (default :func:`engine.gpu.device_ring.default_geometry`).
+        Bytes per chunk of the ring (default :func:`engine.gpu.geometry.default_geometry`).
     gpu_path : {"auto", "copy"}, default "auto"
         Device destinations: both are the chunk ring.  ``"register"`` (page-locking the file's
         own mapping) was removed: it measured slower than the copy path (BENCHMARKS.md).
@@ -373,10 +374,10 @@ def run_sources(
                 # remote files: ``threads`` is the connections, which fill the ring's chunks
                 # themselves; the ring's own copy threads (its default geometry, so the ring
                 # is the one local loads keep) stay asleep
-                _run_ring(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes),
+                _run_ring(group, dest, tracker, cancel, geometry_for(slot_bytes),
                           connections=threads or default_threads())
             else:
-                _run_ring(group, dest, tracker, cancel, device_ring.geometry_for(slot_bytes, threads))
+                _run_ring(group, dest, tracker, cancel, geometry_for(slot_bytes, threads))
         else:
             _run_host(group, dest, tracker, cancel, threads, fill)
     if cancel.is_set():

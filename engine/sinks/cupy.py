@@ -57,7 +57,7 @@ class CupyOps:
             self._fence.record(cupy.cuda.get_current_stream())
 
     def runtime_path(self) -> str | None:
-        from engine.gpu.device_ring import cuda_runtime_path
+        from engine.gpu.cudart import cuda_runtime_path
 
         try:
             major = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000

@@ -258,7 +258,7 @@ class TorchCudaOps:
         self._fence = _fence(device) if device.type == "cuda" else None
 
     def runtime_path(self) -> str | None:
-        from engine.gpu.device_ring import cuda_runtime_path
+        from engine.gpu.cudart import cuda_runtime_path
 
         return cuda_runtime_path(_cuda_major())
 

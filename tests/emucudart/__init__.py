@@ -144,9 +144,9 @@ class Emulator:
     def assert_clean(self) -> None:
         """Nothing left behind by the loads so far: every ring closed (lingering ones now),
         every chunk unlocked, every event destroyed, every copy from page-locked memory."""
-        from engine.gpu import device_ring
+        from engine.gpu import rings
 
-        device_ring.release_rings()
+        rings.release_rings()
         st = self.stats()
         assert st["registered"] == 0 and st["events"] == 0, st
         assert st["pageable"] == 0 and st["wrong_device"] == 0, st

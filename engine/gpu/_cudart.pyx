@@ -1,0 +1,166 @@
+# cython: language_level=3, embedsignature=True
+# distutils: language = c
+#
+# Bounds/wraparound checks and cdivision are set once in setup.py (ENGINE_CYTHON_CHECKS=1
+# turns them on).
+"""The CUDA runtime the chunk ring calls, natively: opened by path, its entry points looked up by name.
+
+Private: the public face is :mod:`engine.gpu.cudart`, which finds the runtime's path and opens
+each path once; the ring (:mod:`engine.gpu._ring`) cimports :class:`Runtime`'s table of entry
+points and :func:`_enter`/:func:`_leave`.
+
+The CUDA runtime is not linked: :class:`Runtime` opens a ``libcudart`` by path (the one torch
+or CuPy already loaded, so the same instance, contexts and streams) and looks its entry points
+up by name; the tests pass an emulated runtime with the same ones (``tests/emucudart``).
+
+What a driver holds per thread is left as the caller had it.  A thread the engine does not
+own (the caller's, a finaliser's) gets the ring's device's primary context pushed around the
+ring's calls and popped after (the driver's ``cuCtxPushCurrent`` / ``cuCtxPopCurrent``:
+:func:`_enter`, :func:`_leave`, :class:`OnDevice`): its own context, or none, and its runtime
+device stay as they were, where ``cudaSetDevice`` would change the device and restoring one
+would make a context on GPU 0 for a thread that had none.
+"""
+
+from libc.stdint cimport uintptr_t
+
+
+cdef extern from "<dlfcn.h>" nogil:
+    void* dlopen(const char* path, int flags)
+    void* dlsym(void* handle, const char* name)
+    int dlclose(void* handle)
+    char* dlerror()
+    int RTLD_NOW
+    int RTLD_LOCAL
+
+
+#: the entry points a ring calls, in the order of _Rt
+ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
+                "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
+                "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
+                "cudaGetErrorString", "cudaStreamWaitEvent", "cudaMemcpy")
+#: the driver's entry points a ring calls (after ENTRY_POINTS in _Rt): looked up in the runtime's
+#: library first (the emulated one has them), else in the driver's, which every CUDA process maps
+DRIVER_ENTRY_POINTS = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",
+                       "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2")
+DRIVER = "libcuda.so.1"
+
+
+cdef class Runtime:
+    """A CUDA runtime opened by path; its entry points looked up by name.  Opening a library
+    the process has already loaded gives that same instance (the same contexts and streams)."""
+
+    def __cinit__(self, str path):
+        cdef bytes raw = path.encode()
+        cdef void** slots = <void**>&self.rt
+        cdef int i, n = len(ENTRY_POINTS)
+        cdef void* fn
+        self.path = path
+        self.handle = dlopen(raw, RTLD_NOW | RTLD_LOCAL)
+        if self.handle == NULL:
+            err = dlerror()
+            raise OSError(f"cannot open the CUDA runtime {path}: {err.decode() if err != NULL else 'unknown'}")
+        for i, name in enumerate(ENTRY_POINTS):
+            fn = dlsym(self.handle, (<str>name).encode())
+            if fn == NULL:
+                self._close()
+                raise OSError(f"the CUDA runtime {path} has no {name}")
+            slots[i] = fn
+        lib = self.handle
+        if dlsym(lib, b"cuCtxPushCurrent_v2") == NULL:
+            self.driver = dlopen((<str>DRIVER).encode(), RTLD_NOW | RTLD_LOCAL)
+            if self.driver == NULL:
+                err = dlerror()
+                self._close()
+                raise OSError(f"cannot open the CUDA driver {DRIVER}: {err.decode() if err != NULL else 'unknown'}")
+            lib = self.driver
+        for i, name in enumerate(DRIVER_ENTRY_POINTS):
+            fn = dlsym(lib, (<str>name).encode())
+            if fn == NULL:
+                self._close()
+                raise OSError(f"the CUDA driver has no {name}")
+            slots[n + i] = fn
+        self.rt.driver_init(0)  # initialised already where a framework loaded CUDA; cheap then
+
+    def primary_context(self, int device) -> int:
+        """Retain ``device``'s primary context (made if need be, not made current); its
+        handle.  Released by :meth:`release_primary`."""
+        cdef void* ctx = NULL
+        cdef int dev = 0, rc
+        with nogil:
+            rc = self.rt.device_get(&dev, device)
+            if rc == 0:
+                rc = self.rt.primary_retain(&ctx, dev)
+        if rc != 0:
+            raise RuntimeError(f"cannot retain the primary context of device {device} (CUDA driver error {rc})")
+        return <uintptr_t>ctx
+
+    def release_primary(self, int device) -> None:
+        cdef int dev = 0
+        with nogil:
+            if self.rt.device_get(&dev, device) == 0:
+                self.rt.primary_release(dev)
+
+    cdef void _close(self):
+        if self.handle != NULL:
+            dlclose(self.handle)
+            self.handle = NULL
+        if self.driver != NULL:
+            dlclose(self.driver)
+            self.driver = NULL
+
+    def error_string(self, int code) -> str:
+        """The runtime's description of an error code."""
+        cdef const char* s = self.rt.error_string(code)
+        return s.decode(errors="replace") if s != NULL else f"CUDA error {code}"
+
+
+cdef int _enter(_Rt* rt, void* ctx, _Saved* saved) noexcept nogil:
+    """Make the primary context ``ctx`` current on this thread for the ring's calls: nothing
+    where it is current already, else pushed (the thread's own context, or none, and its
+    runtime device are untouched).  0 or the driver's error."""
+    cdef void* cur = NULL
+    cdef int rc
+    saved.pushed = 0
+    if rt.ctx_get_current(&cur) == 0 and cur == ctx:
+        return 0
+    rc = rt.ctx_push(ctx)
+    saved.pushed = rc == 0
+    return rc
+
+
+cdef void _leave(_Rt* rt, _Saved* saved) noexcept nogil:
+    """Pop what :func:`_enter` pushed: the thread is as it was."""
+    cdef void* popped = NULL
+    if saved.pushed:
+        rt.ctx_pop(&popped)
+        saved.pushed = 0
+
+
+cdef class OnDevice:
+    """``with OnDevice(runtime, device):`` the device's primary context current on this thread
+    for the block, the thread as it was after (a framework's stream made for a ring on a
+    thread of the engine's: no context on GPU 0, the thread's device untouched)."""
+
+    cdef Runtime runtime
+    cdef int device
+    cdef void* ctx
+    cdef _Saved saved
+
+    def __cinit__(self, Runtime runtime, int device):
+        self.runtime = runtime
+        self.device = device
+
+    def __enter__(self):
+        cdef int rc
+        self.ctx = <void*><uintptr_t>self.runtime.primary_context(self.device)
+        with nogil:
+            rc = _enter(&self.runtime.rt, self.ctx, &self.saved)
+        if rc != 0:
+            self.runtime.release_primary(self.device)
+            raise RuntimeError(f"cannot make device {self.device} current (CUDA driver error {rc})")
+        return self
+
+    def __exit__(self, *exc):
+        with nogil:
+            _leave(&self.runtime.rt, &self.saved)
+        self.runtime.release_primary(self.device)
