@@ -50,7 +50,7 @@ class DeviceReread:
 
 #: a gap in the file up to this size between two pieces of one chunk is received (into a
 #: scratch buffer) and dropped rather than costing a second request, as
-#: :func:`engine.net.remote_reads.read_runs` does
+#: :func:`engine.net.views.read_runs` does
 _MAX_GAP = 1 << 20
 
 
