@@ -1,0 +1,433 @@
+"""What every benchmark script shares: paths, fresh-process samples, medians, the table and the JSON.
+
+A script imports it first (scripts/ is ``sys.path[0]`` when a script runs), then holds only what
+it measures::
+
+    import harness                           # this checkout, tests/ and asv_benchmarks/ on sys.path
+    from benchmarks import common            # the asv suites' data files, page cache and RSS helpers
+
+    def sample(path: str, impl: str) -> dict:        # runs in a fresh interpreter
+        return {"seconds": harness.times(lambda: LOADS[impl](path), reps=3)}
+
+    def main(argv=None) -> int:
+        ap = harness.parser(__doc__)                 # --json PATH is there
+        ap.add_argument("--runs", type=int, default=5)
+        a = ap.parse_args(argv)
+        path = harness.checkpoint(harness.parse_size("64MB"))
+        got = harness.rounds(["engine", "reference"], a.runs, lambda impl: harness.call(sample, path, impl))
+        report = harness.Report()
+        for impl, samples in got.items():
+            report.add("local file -> CPU, owned", impl, [harness.median(s["seconds"]) for s in samples],
+                       nbytes=os.path.getsize(path))
+        report.against("x_reference", "reference")
+        return report.finish(a.json, "case", "impl", "median_s", "gbps", "x_reference")
+
+:func:`call` runs a function of the script in a new interpreter (the script imported as a module,
+its ``main`` not run) and returns what it returned (JSON); :func:`run_code` does the same for a
+snippet that must start from a bare interpreter (it prints ``RESULT <json>`` itself).  Every
+``--json`` file has one shape (:meth:`Report.save`): ``{"script", "argv", "commit", "date",
+"machine": {"cores", "memory_gib", "cpu"}, "rows": [{"case", "impl", "median_s", "gbps",
+"bytes", "runs", "samples", ...}]}``; ``impl`` is ``engine`` (or ``engine, <variant>``),
+``reference``, a peer's name, or ``limit: <what>`` for a machine limit measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import checkout_path
+
+ROOT = checkout_path.use_checkout()
+TESTS = os.path.join(ROOT, "tests")
+ASV = os.path.join(ROOT, "asv_benchmarks")
+HERE = os.path.join(ROOT, "scripts")
+for _p in (TESTS, ASV):
+    if _p not in sys.path:
+        sys.path.insert(1, _p)
+
+RESULT = "RESULT "
+median = statistics.median
+
+
+# -- arguments ----------------------------------------------------------------------------------
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the script's docstring as its help, and ``--json PATH``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", metavar="PATH", default=None, help="write the rows here (the common shape)")
+    return ap
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of ``2GB``, ``1.5GB``, ``256MiB``, ``4G`` (decimal) or a plain number of bytes."""
+    t = str(text).strip()
+    if t.isdigit():
+        return int(t)
+    from engine.checkpoints.shards import parse_size as engine_size
+
+    return engine_size(t + "B" if t[-1:].upper() in "KMGT" else t)
+
+
+def cannot(reason: str) -> None:
+    """Stop: this script cannot run on this machine (exit 2, the reason on stderr)."""
+    print(f"cannot run here: {reason}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def missing(module: str, python: str | None = None) -> str | None:
+    """Why ``module`` cannot be imported (by ``python``, default this one), or None if it can."""
+    if python in (None, sys.executable):
+        found = importlib.util.find_spec(module) is not None
+    else:
+        found = subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+    return None if found else f"{module} is not installed" + (f" in {python}" if python else "")
+
+
+# -- fresh processes ------------------------------------------------------------------------------
+
+
+def _entry(fn: Callable) -> tuple[str, str]:
+    """(folder, module name) under which a child imports ``fn``'s script."""
+    mod = sys.modules[fn.__module__]
+    path = os.path.abspath(mod.__file__ or "")
+    return os.path.dirname(path), os.path.basename(path)[:-3]
+
+
+def _command(fn: Callable, args: tuple, python: str | None) -> list[str]:
+    folder, name = _entry(fn)
+    code = (f"import sys, json; sys.path.insert(0, {folder!r}); import harness, {name}; "
+            f"harness._child({name}.{fn.__name__}, json.loads(sys.argv[1]))")
+    return [python or sys.executable, "-c", code, json.dumps(args)]
+
+
+def _child(fn: Callable, args: list) -> None:
+    out = fn(*args)
+    sys.stdout.write(RESULT + json.dumps(out) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown: nothing to time there, and gloo's threads may abort it
+
+
+class _Proc:
+    """A child with its output in files (pipes of several children at once could fill and stall)."""
+
+    def __init__(self, cmd: list[str], env: dict | None, what: str) -> None:
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.what = what
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, text=True, env=env, cwd=ROOT)
+
+    def result(self, timeout: float, check: bool) -> dict:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            rc = f"killed after {timeout:g} s"
+        self.out.seek(0)
+        self.err.seek(0)
+        out, err = self.out.read(), self.err.read()
+        self.out.close()
+        self.err.close()
+        for line in reversed(out.splitlines()):
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT):])
+        lines = (err or out).strip().splitlines()
+        if check:
+            raise RuntimeError(f"{self.what}: exit {rc}:\n" + "\n".join(lines[-25:]))
+        return {"error": lines[-1][:300] if lines else f"exit {rc}"}
+
+
+def call(fn: Callable, *args, env: dict | None = None, python: str | None = None, timeout: float = 600,
+         check: bool = True) -> dict:
+    """``fn(*args)`` in a fresh interpreter: its return value (JSON-able).  ``fn`` is a function of
+    a script in scripts/, imported there as a module; ``check=False`` returns ``{"error": ...}``
+    for a child that failed instead of raising."""
+    return _Proc(_command(fn, args, python), env, f"{fn.__name__}{args}"[:200]).result(timeout, check)
+
+
+def run_code(code: str, *, env: dict | None = None, python: str | None = None, timeout: float = 600,
+             check: bool = True) -> dict:
+    """A snippet in a bare fresh interpreter (nothing imported first, the checkout's root as the
+    working folder); it prints ``RESULT <json>`` itself.  Returns that, as :func:`call`."""
+    return _Proc([python or sys.executable, "-c", code], env, code[:80]).result(timeout, check)
+
+
+def ranks(fn: Callable, world: int, *args, env: dict | None = None, timeout: float = 600) -> list[dict]:
+    """``fn(rank, world, port, *args)`` in ``world`` fresh interpreters started together (``port``:
+    a free one for their process group); what each returned, by rank."""
+    from servers import free_port
+
+    port = free_port()
+    procs = [_Proc(_command(fn, (r, world, port, *args), None), env, f"rank {r} of {world}") for r in range(world)]
+    return [p.result(timeout, True) for p in procs]
+
+
+def child_env(**extra: str | None) -> dict:
+    """This process's environment with ``extra`` set (None: removed), and the checkout on
+    ``PYTHONPATH`` for children that import the engine without this harness."""
+    env = {**os.environ, "PYTHONPATH": checkout_path.pythonpath()}
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+
+def times(fn: Callable, reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of ``reps`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def rounds(rows: Iterable, runs: int, sample: Callable, *, warmup: bool = False, rotate: bool = False) -> dict:
+    """``sample(row)`` for every row, ``runs`` rounds, interleaved (drift on a shared machine hits
+    every row alike); ``warmup``: one untimed round first; ``rotate``: each round starts one row
+    later.  Returns ``{row: [sample, ...]}``."""
+    rows = list(rows)
+    out: dict = {r: [] for r in rows}
+    if warmup:
+        for r in rows:
+            sample(r)
+    began = time.time()
+    for i in range(runs):
+        k = i % len(rows) if rotate and rows else 0
+        for r in rows[k:] + rows[:k]:
+            out[r].append(sample(r))
+        print(f"round {i + 1}/{runs} done ({time.time() - began:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+
+
+# -- data -------------------------------------------------------------------------------------------
+
+_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", weights: bool = False,
+               shards: int = 1, checksums: bool = False) -> str:
+    """A Llama-shaped checkpoint of about ``nbytes`` tensor bytes (``common.checkpoint_entries``'
+    shapes) in ``folder`` (default ``common.cache_dir()``), made once: random bytes, or with
+    ``weights`` values like trained weights (normal, std 0.02: finite, as statistics and models
+    want).  ``shards > 1`` or ``checksums``: a directory of shard files and its index."""
+    from benchmarks import common
+
+    folder = common.cache_dir(folder)
+    if dtype == "BF16" and not weights:
+        path = common.checkpoint_file(nbytes, base=folder)
+    else:
+        path = os.path.join(folder, f"v{common.GEN_VERSION}-ckpt-{nbytes}-{dtype}{'-weights' * weights}.safetensors")
+        if not os.path.exists(path):
+            entries = [(n, dtype, s) for n, _, s in common.checkpoint_entries(nbytes * 2 // _ITEM[dtype])]
+            if weights:
+                _write_weights(path, entries)
+            else:
+                common.write_file(path, entries, metadata={"format": "pt"})
+    if shards == 1 and not checksums:
+        return path
+    directory = path[: -len(".safetensors")] + f"-{shards}shards" + "-crc" * checksums
+    if not os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
+        import engine.numpy
+        from engine.checkpoints.shards import save_sharded
+
+        arrays = engine.numpy.load_file(path)
+        total = sum(a.nbytes for a in arrays.values())
+        save_sharded(arrays, directory, max_shard_size=-(-total // shards), checksums=checksums, fsync=False)
+    return directory
+
+
+def _write_weights(path: str, entries: list) -> None:
+    import ml_dtypes
+    import numpy as np
+
+    import engine.numpy
+
+    kind = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for name, dtype, shape in entries:
+        w = rng.standard_normal(shape, dtype=np.float32)
+        w *= 0.02
+        arrays[name] = w.astype(kind[dtype])
+    engine.numpy.save_file(arrays, path + ".partial", metadata={"format": "pt"})
+    os.replace(path + ".partial", path)
+
+
+# -- servers -----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def served(directory: str) -> Iterator[tuple]:
+    """nginx (tests/servers.py) serving the checkpoint ``directory`` on 127.0.0.1 from a warm page
+    cache, over HTTP and as S3 (path-style anonymous GETs of the same files): yields ``(nginx,
+    http index URL, s3 index URL, the environment an S3 client needs)``; shard ``f`` is at
+    ``nginx.url("ckpt/" + f)`` and ``s3://bucket/ckpt/`` + ``f``."""
+    from benchmarks import common
+    from servers import Nginx, nginx_binary
+
+    if nginx_binary() is None:
+        cannot("nginx is not installed (apt-get install nginx-light)")
+    www = tempfile.mkdtemp(prefix="engine-www-")
+    try:
+        os.symlink(directory, os.path.join(www, "ckpt"))
+        os.makedirs(os.path.join(www, "bucket"))
+        os.symlink(directory, os.path.join(www, "bucket", "ckpt"))
+        for f in common.checkpoint_files(directory):
+            os.chmod(f, 0o644)
+        common.warm_cache(directory)
+        with Nginx(www) as ng:
+            env = {**os.environ, "AWS_ENDPOINT_URL": ng.base, "AWS_NO_SIGN_REQUEST": "1",
+                   "AWS_ACCESS_KEY_ID": "anonymous", "AWS_SECRET_ACCESS_KEY": "anonymous",
+                   "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
+                   "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+            yield ng, ng.url("ckpt/model.safetensors.index.json"), "s3://bucket/ckpt/model.safetensors.index.json", env
+    finally:
+        shutil.rmtree(www, ignore_errors=True)
+
+
+def curl(urls: list[str]) -> float:
+    """Seconds for one ``curl -o /dev/null`` per URL, all at once: the line rate of a server."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["curl", "-s", "-f", "-o", "/dev/null", u]) for u in urls]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"curl failed: {codes}")
+    return time.perf_counter() - t0
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    """Cores, memory (GiB) and the CPU's model name of this machine."""
+    cpu, mem = "", None
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+        with open("/proc/meminfo") as f:
+            mem = round(int(f.readline().split()[1]) / 2**20, 1)
+    import platform
+
+    return {"cores": os.cpu_count(), "memory_gib": mem, "cpu": cpu or platform.machine()}
+
+
+def commit() -> str:
+    """The checkout's short commit hash (``+dirty`` with uncommitted changes to tracked files)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    try:
+        rev = git("rev-parse", "--short", "HEAD") or "unknown"
+        return rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except OSError:
+        return "unknown"
+
+
+_TITLES = {"median_s": "median", "gbps": "GB/s", "bytes": "MB"}
+
+
+def _cell(key: str, v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if key.endswith("_s"):
+        return fmt_time(v)
+    if key.startswith("x_"):
+        return f"{v:.2f}x"
+    if key == "bytes" or key.endswith("_bytes"):
+        return f"{v / 1e6:.1f}"
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) >= 0.01 else f"{v:.3g}"
+    return str(v)
+
+
+class Report:
+    """The rows of one run: printed as a Markdown table, written by ``--json`` in the common shape."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+
+    def add(self, case: str, impl: str, seconds, nbytes: int | None = None, **extra) -> dict:
+        """A row: ``seconds`` one figure or the samples (their median is the row's); GB/s where
+        ``nbytes`` is given; ``extra`` keys go into the row as they are."""
+        xs = [seconds] if isinstance(seconds, (int, float)) else [s for s in (seconds or []) if s is not None]
+        med = median(xs) if xs else None
+        row = {"case": case, "impl": impl, "median_s": med, "gbps": nbytes / med / 1e9 if nbytes and med else None,
+               "bytes": nbytes, "runs": len(xs), "samples": xs, **extra}
+        self.rows.append(row)
+        return row
+
+    def find(self, case: str | None = None, impl: str | None = None) -> dict | None:
+        return next((r for r in self.rows if case in (None, r["case"]) and impl in (None, r["impl"])), None)
+
+    def seconds(self, case: str | None = None, impl: str | None = None) -> float | None:
+        row = self.find(case, impl)
+        return row["median_s"] if row else None
+
+    def ratio(self, key: str, base: Callable[[dict], float | None]) -> None:
+        """``row[key] = base(row) / row's median`` (above 1: faster than the base)."""
+        for r in self.rows:
+            b = base(r)
+            r[key] = b / r["median_s"] if b and r["median_s"] else None
+
+    def against(self, key: str, impl: str) -> None:
+        """:meth:`ratio` against the row of the same case whose impl is ``impl``."""
+        self.ratio(key, lambda r: None if r["impl"] == impl else self.seconds(r["case"], impl))
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def print(self, *cols: str) -> None:
+        cols = cols or ("case", "impl", "median_s", "gbps")
+        print("| " + " | ".join(_TITLES.get(c, c.replace("_", " ")) for c in cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in self.rows:
+            print("| " + " | ".join(_cell(c, r.get(c)) for c in cols) + " |")
+        for n in self.notes:
+            print(n)
+
+    def save(self, path: str, **meta) -> None:
+        """The common JSON shape (see the module docstring); ``meta``: more top-level keys."""
+        doc = {"script": os.path.basename(sys.argv[0]), "argv": sys.argv[1:], "commit": commit(),
+               "date": datetime.date.today().isoformat(), "machine": machine(), "rows": self.rows, **meta}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {path}", file=sys.stderr)
+
+    def finish(self, path: str | None, *cols: str, **meta) -> int:
+        """Print the table (``cols``), write ``path`` if given; 0 (a script's exit status)."""
+        m = machine()
+        print(f"# {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; commit {commit()}; "
+              f"{datetime.datetime.now():%Y-%m-%d %H:%M}; medians of fresh samples")
+        self.print(*cols)
+        if path:
+            self.save(path, **meta)
+        return 0
