@@ -352,6 +352,10 @@ def commit() -> str:
 _TITLES = {"median_s": "median", "gbps": "GB/s", "bytes": "MB"}
 
 
+def _title(key: str) -> str:
+    return _TITLES.get(key) or (key[:-6] + " MB" if key.endswith("_bytes") else key).replace("_", " ")
+
+
 def _cell(key: str, v) -> str:
     if v is None:
         return "-"
@@ -407,7 +411,7 @@ class Report:
 
     def print(self, *cols: str) -> None:
         cols = cols or ("case", "impl", "median_s", "gbps")
-        print("| " + " | ".join(_TITLES.get(c, c.replace("_", " ")) for c in cols) + " |")
+        print("| " + " | ".join(_title(c) for c in cols) + " |")
         print("|" + "---|" * len(cols))
         for r in self.rows:
             print("| " + " | ".join(_cell(c, r.get(c)) for c in cols) + " |")
