@@ -251,14 +251,16 @@ def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", w
                 common.write_file(path, entries, metadata={"format": "pt"})
     if shards == 1 and not checksums:
         return path
-    directory = path[: -len(".safetensors")] + f"-{shards}shards" + "-crc" * checksums
+    if not checksums:
+        return common.sharded_copy(path, shards)
+    directory = path[: -len(".safetensors")] + f"-{shards}shards-crc"
     if not os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
         import engine.numpy
         from engine.checkpoints.shards import save_sharded
 
         arrays = engine.numpy.load_file(path)
         total = sum(a.nbytes for a in arrays.values())
-        save_sharded(arrays, directory, max_shard_size=-(-total // shards), checksums=checksums, fsync=False)
+        save_sharded(arrays, directory, max_shard_size=-(-total // shards), checksums=True, fsync=False)
     return directory
 
 
