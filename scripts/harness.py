@@ -230,25 +230,26 @@ def fmt_time(s: float | None) -> str:
 _ITEM = {"BF16": 2, "F16": 2, "F32": 4}
 
 
-def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", weights: bool = False,
+def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", values: str = "bytes",
                shards: int = 1, checksums: bool = False) -> str:
     """A Llama-shaped checkpoint of about ``nbytes`` tensor bytes (``common.checkpoint_entries``'
-    shapes) in ``folder`` (default ``common.cache_dir()``), made once: random bytes, or with
-    ``weights`` values like trained weights (normal, std 0.02: finite, as statistics and models
-    want).  ``shards > 1`` or ``checksums``: a directory of shard files and its index."""
+    shapes) in ``folder`` (default ``common.cache_dir()``), made once.  ``values``: ``"bytes"``
+    (random, NaNs included: I/O does not care), ``"finite"`` (random finite bit patterns, all
+    positive, many zeros and subnormals) or ``"weights"`` (like trained weights: normal, std 0.02),
+    for statistics and models.  ``shards > 1`` or ``checksums``: a directory of shards and an index."""
     from benchmarks import common
 
     folder = common.cache_dir(folder)
-    if dtype == "BF16" and not weights:
+    if dtype == "BF16" and values == "bytes":
         path = common.checkpoint_file(nbytes, base=folder)
     else:
-        path = os.path.join(folder, f"v{common.GEN_VERSION}-ckpt-{nbytes}-{dtype}{'-weights' * weights}.safetensors")
+        path = os.path.join(folder, f"v{common.GEN_VERSION}-ckpt-{nbytes}-{dtype}-{values}.safetensors")
         if not os.path.exists(path):
             entries = [(n, dtype, s) for n, _, s in common.checkpoint_entries(nbytes * 2 // _ITEM[dtype])]
-            if weights:
-                _write_weights(path, entries)
-            else:
+            if values == "bytes":
                 common.write_file(path, entries, metadata={"format": "pt"})
+            else:
+                _write_values(path, entries, values)
     if shards == 1 and not checksums:
         return path
     if not checksums:
@@ -264,7 +265,7 @@ def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", w
     return directory
 
 
-def _write_weights(path: str, entries: list) -> None:
+def _write_values(path: str, entries: list, values: str) -> None:
     import ml_dtypes
     import numpy as np
 
@@ -274,6 +275,10 @@ def _write_weights(path: str, entries: list) -> None:
     rng = np.random.default_rng(0)
     arrays = {}
     for name, dtype, shape in entries:
+        bits = 8 * _ITEM[dtype]
+        if values == "finite":  # below the top two bits: the exponent never reaches inf/NaN
+            arrays[name] = rng.integers(0, 1 << (bits - 2), shape, dtype=f"int{bits}").view(kind[dtype])
+            continue
         w = rng.standard_normal(shape, dtype=np.float32)
         w *= 0.02
         arrays[name] = w.astype(kind[dtype])
