@@ -366,6 +366,8 @@ def _title(key: str) -> str:
 def _cell(key: str, v) -> str:
     if v is None:
         return "-"
+    if isinstance(v, list):
+        return " ".join(_cell(key, x) for x in v)
     if isinstance(v, bool):
         return "yes" if v else "NO"
     if key.endswith("_s"):
