@@ -26,6 +26,12 @@ import tempfile
 import harness
 
 
+def entries(mb: float) -> list:
+    """Eight F32 tensors of ``mb`` MB in all (4 shards of two)."""
+    n = int(mb * 1e6) // 4 // 8
+    return [(f"layers.{i}.w", "F32", (8, n // 8)) for i in range(8)]
+
+
 def _digest(tensors: dict) -> str:
     import torch
 
@@ -72,7 +78,7 @@ def main(argv=None) -> int:
     report = harness.Report()
     with tempfile.TemporaryDirectory(prefix="engine-group-") as root:
         # every load checks the checksums, as it would a checkpoint that records them
-        directory = harness.checkpoint(int(a.mb * 1e6), root, shards=4, checksums=True)
+        directory = harness.checkpoint(0, root, entries=entries(a.mb), shards=4, checksums=True)
         want = _digest(engine.torch.load_file(directory, backend="pread"))
         nbytes = sum(engine.read_header(f).data_size for f in common.checkpoint_files(directory))
         plan = [("one rank alone", 1, False)]

@@ -95,7 +95,13 @@ def main(argv=None) -> int:
     sink = Sink(ops, 3 * (a.mib << 20) + (64 << 20))  # int8 outputs and scratch: under 2x the file
     engine.loading.loader.get_sink = lambda framework, dev: sink
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
-        path = harness.checkpoint(a.mib << 20, d)
+        hidden, inter, layers = 1024, 2816, -(-(a.mib << 20) // (2 * 1024 * (2 * 1024 + 2 * 256 + 3 * 2816)))
+        shapes = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (hidden // 4, hidden),
+                  "self_attn.v_proj.weight": (hidden // 4, hidden), "self_attn.o_proj.weight": (hidden, hidden),
+                  "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+                  "mlp.down_proj.weight": (hidden, inter), "input_layernorm.weight": (hidden,)}
+        path = harness.checkpoint(0, d, values="weights", entries=[
+            (f"model.layers.{i}.{k}", "BF16", s) for i in range(layers) for k, s in shapes.items()])
         nbytes = engine.read_header(path).data_size
         common.warm_cache(path)
 

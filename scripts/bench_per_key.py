@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="where to write the file (default a temporary folder)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=a.dir) as folder:
-        path = os.path.join(folder, "per_key.safetensors")
-        common.write_file(path, [(f"layer.{i}.weight", "F32", (a.kib * 256,)) for i in range(a.tensors)])
+        path = harness.checkpoint(0, folder, entries=[(f"layer.{i}.weight", "F32", (a.kib * 256,))
+                                                      for i in range(a.tensors)])
         common.warm_cache(path)
         got = harness.rounds(VARIANTS, a.runs, lambda v: harness.call(sample, path, v), warmup=True)
     report = harness.Report()

@@ -199,7 +199,11 @@ def main(argv=None) -> int:
     import engine
     import engine.torch
 
-    path = harness.checkpoint(size, a.dir, values="finite")
+    # layers of four 4096 x 4096 BF16 projections and a norm
+    layout = [(f"model.layers.{i}.self_attn.{p}.weight", "BF16", (4096, 4096)) for i in range(max(1, size >> 27))
+              for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    layout += [(f"model.layers.{i}.input_layernorm.weight", "BF16", (4096,)) for i in range(max(1, size >> 27))]
+    path = harness.checkpoint(size, a.dir, values="finite", entries=layout)
     nbytes = os.path.getsize(path)
     header = engine.read_header(path)
     report = harness.Report()
@@ -233,7 +237,7 @@ def main(argv=None) -> int:
              "reference load_file, every page touched")
         warm(path)
     if a.only in (None, "stats"):
-        weights = harness.checkpoint(size, a.dir, values="weights")
+        weights = harness.checkpoint(size, a.dir, values="weights", entries=layout)
         for label, p in (("random bit patterns", path), ("weight-like values", weights)):
             warm(p)
             gb = os.path.getsize(p) / 1e9

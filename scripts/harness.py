@@ -231,25 +231,28 @@ _ITEM = {"BF16": 2, "F16": 2, "F32": 4}
 
 
 def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", values: str = "bytes",
-               shards: int = 1, checksums: bool = False) -> str:
-    """A Llama-shaped checkpoint of about ``nbytes`` tensor bytes (``common.checkpoint_entries``'
-    shapes) in ``folder`` (default ``common.cache_dir()``), made once.  ``values``: ``"bytes"``
-    (random, NaNs included: I/O does not care), ``"finite"`` (random finite bit patterns, all
-    positive, many zeros and subnormals) or ``"weights"`` (like trained weights: normal, std 0.02),
-    for statistics and models.  ``shards > 1`` or ``checksums``: a directory of shards and an index."""
+               entries: list | None = None, shards: int = 1, checksums: bool = False) -> str:
+    """A checkpoint in ``folder`` (default ``common.cache_dir()``), made once: ``entries``
+    (``[(name, dtype, shape)]``), or Llama-shaped of about ``nbytes`` tensor bytes of ``dtype``
+    (``common.checkpoint_entries``' shapes).  ``values``: ``"bytes"`` (random, NaNs included: I/O
+    does not care), ``"finite"`` (random finite bit patterns, all positive, many zeros and
+    subnormals) or ``"weights"`` (like trained weights: normal, std 0.02), for statistics and
+    models.  ``shards > 1`` or ``checksums``: a directory of shard files and an index."""
+    import hashlib
+
     from benchmarks import common
 
     folder = common.cache_dir(folder)
-    if dtype == "BF16" and values == "bytes":
+    if entries is None and dtype == "BF16" and values == "bytes":
         path = common.checkpoint_file(nbytes, base=folder)
     else:
-        path = os.path.join(folder, f"v{common.GEN_VERSION}-ckpt-{nbytes}-{dtype}-{values}.safetensors")
-        if not os.path.exists(path):
-            entries = [(n, dtype, s) for n, _, s in common.checkpoint_entries(nbytes * 2 // _ITEM[dtype])]
-            if values == "bytes":
-                common.write_file(path, entries, metadata={"format": "pt"})
-            else:
-                _write_values(path, entries, values)
+        entries = entries or [(n, dtype, s) for n, _, s in common.checkpoint_entries(nbytes * 2 // _ITEM[dtype])]
+        tag = hashlib.sha1(repr(entries).encode()).hexdigest()[:10]
+        path = os.path.join(folder, f"v{common.GEN_VERSION}-{tag}-{values}.safetensors")
+        if not os.path.exists(path) and values == "bytes":
+            common.write_file(path, entries, metadata={"format": "pt"})
+        elif not os.path.exists(path):
+            _write_values(path, entries, values)
     if shards == 1 and not checksums:
         return path
     if not checksums:

@@ -32,13 +32,14 @@ class GroupLoad:
     timeout = 600
 
     def setup(self, row, ranks):
+        import bench_group
         import harness
         from rangeserver import RangeServer
 
         import engine
 
         self.root = tempfile.mkdtemp(prefix="engine-asv-group-")
-        directory = harness.checkpoint(MB * 10**6, self.root, shards=4, checksums=True)
+        directory = harness.checkpoint(0, self.root, entries=bench_group.entries(MB), shards=4, checksums=True)
         self.nbytes = sum(engine.read_header(f).data_size for f in common.checkpoint_files(directory))
         self.server = RangeServer(self.root).start()
         self.server.bulk()
