@@ -1,34 +1,29 @@
-"""What every benchmark script shares: paths, fresh-process samples, medians, the table and the JSON.
+"""What the benchmark scripts share: fresh-process samples, rounds, data, servers, the table and the JSON.
 
-A script imports it first (scripts/ is ``sys.path[0]`` when a script runs), then holds only what
-it measures::
+A script imports it first (scripts/ is ``sys.path[0]`` when a script runs: this checkout, tests/
+and asv_benchmarks/ then come first on ``sys.path``) and holds only what it measures::
 
-    import harness                           # this checkout, tests/ and asv_benchmarks/ on sys.path
-    from benchmarks import common            # the asv suites' data files, page cache and RSS helpers
+    import harness
+    from benchmarks import common                    # the asv suites' data, page cache and RSS helpers
 
-    def sample(path: str, impl: str) -> dict:        # runs in a fresh interpreter
-        return {"seconds": harness.times(lambda: LOADS[impl](path), reps=3)}
+    def sample(path: str, impl: str) -> list[float]:  # run in a fresh interpreter by harness.call
+        return harness.times(lambda: LOADS[impl](path), reps=3)
 
     def main(argv=None) -> int:
-        ap = harness.parser(__doc__)                 # --json PATH is there
-        ap.add_argument("--runs", type=int, default=5)
+        ap = harness.parser(__doc__)                 # with --json PATH
         a = ap.parse_args(argv)
         path = harness.checkpoint(harness.parse_size("64MB"))
-        got = harness.rounds(["engine", "reference"], a.runs, lambda impl: harness.call(sample, path, impl))
+        got = harness.rounds(["engine", "reference"], 5, lambda impl: harness.call(sample, path, impl))
         report = harness.Report()
         for impl, samples in got.items():
-            report.add("local file -> CPU, owned", impl, [harness.median(s["seconds"]) for s in samples],
-                       nbytes=os.path.getsize(path))
+            report.add("local file -> CPU, owned", impl, [harness.median(s) for s in samples], nbytes)
         report.against("x_reference", "reference")
         return report.finish(a.json, "case", "impl", "median_s", "gbps", "x_reference")
 
-:func:`call` runs a function of the script in a new interpreter (the script imported as a module,
-its ``main`` not run) and returns what it returned (JSON); :func:`run_code` does the same for a
-snippet that must start from a bare interpreter (it prints ``RESULT <json>`` itself).  Every
-``--json`` file has one shape (:meth:`Report.save`): ``{"script", "argv", "commit", "date",
-"machine": {"cores", "memory_gib", "cpu"}, "rows": [{"case", "impl", "median_s", "gbps",
-"bytes", "runs", "samples", ...}]}``; ``impl`` is ``engine`` (or ``engine, <variant>``),
-``reference``, a peer's name, or ``limit: <what>`` for a machine limit measured in the same run.
+Every ``--json`` file has one shape (:meth:`Report.save`): ``{"script", "argv", "commit", "date",
+"machine": {"cores", "memory_gib", "cpu"}, "rows": [{"case", "impl", "median_s", "gbps", "bytes",
+"runs", "samples", ...}]}``; ``impl`` is ``engine`` (or ``engine, <variant>``), ``reference``, a
+peer's name, or ``limit: <what>`` for a machine limit measured in the same run.
 """
 
 from __future__ import annotations
@@ -50,18 +45,11 @@ from collections.abc import Callable, Iterable, Iterator
 import checkout_path
 
 ROOT = checkout_path.use_checkout()
-TESTS = os.path.join(ROOT, "tests")
-ASV = os.path.join(ROOT, "asv_benchmarks")
-HERE = os.path.join(ROOT, "scripts")
-for _p in (TESTS, ASV):
+for _p in (os.path.join(ROOT, "asv_benchmarks"), os.path.join(ROOT, "tests")):
     if _p not in sys.path:
         sys.path.insert(1, _p)
-
 RESULT = "RESULT "
 median = statistics.median
-
-
-# -- arguments ----------------------------------------------------------------------------------
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -82,13 +70,13 @@ def parse_size(text: str | int) -> int:
 
 
 def cannot(reason: str) -> None:
-    """Stop: this script cannot run on this machine (exit 2, the reason on stderr)."""
+    """Stop: the script cannot run on this machine (exit status 2, the reason on stderr)."""
     print(f"cannot run here: {reason}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def missing(module: str, python: str | None = None) -> str | None:
-    """Why ``module`` cannot be imported (by ``python``, default this one), or None if it can."""
+    """Why ``python`` (default this one) cannot import ``module``, or None if it can."""
     if python in (None, sys.executable):
         found = importlib.util.find_spec(module) is not None
     else:
@@ -99,74 +87,64 @@ def missing(module: str, python: str | None = None) -> str | None:
 # -- fresh processes ------------------------------------------------------------------------------
 
 
-def _entry(fn: Callable) -> tuple[str, str]:
-    """(folder, module name) under which a child imports ``fn``'s script."""
-    mod = sys.modules[fn.__module__]
-    path = os.path.abspath(mod.__file__ or "")
-    return os.path.dirname(path), os.path.basename(path)[:-3]
-
-
 def _command(fn: Callable, args: tuple, python: str | None) -> list[str]:
-    folder, name = _entry(fn)
-    code = (f"import sys, json; sys.path.insert(0, {folder!r}); import harness, {name}; "
+    path = os.path.abspath(sys.modules[fn.__module__].__file__ or "")
+    name = os.path.basename(path)[:-3]
+    code = (f"import sys, json; sys.path.insert(0, {os.path.dirname(path)!r}); import harness, {name}; "
             f"harness._child({name}.{fn.__name__}, json.loads(sys.argv[1]))")
     return [python or sys.executable, "-c", code, json.dumps(args)]
 
 
 def _child(fn: Callable, args: list) -> None:
-    out = fn(*args)
-    sys.stdout.write(RESULT + json.dumps(out) + "\n")
+    sys.stdout.write(RESULT + json.dumps(fn(*args)) + "\n")
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown: nothing to time there, and gloo's threads may abort it
 
 
 class _Proc:
-    """A child with its output in files (pipes of several children at once could fill and stall)."""
+    """A child with its output in files (the pipes of several children at once could fill and stall)."""
 
     def __init__(self, cmd: list[str], env: dict | None, what: str) -> None:
-        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self.what = what
+        self.out, self.err, self.what = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"), what
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, text=True, env=env, cwd=ROOT)
 
-    def result(self, timeout: float, check: bool) -> dict:
+    def result(self, timeout: float, check: bool):
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
-            rc = f"killed after {timeout:g} s"
-        self.out.seek(0)
-        self.err.seek(0)
-        out, err = self.out.read(), self.err.read()
-        self.out.close()
-        self.err.close()
-        for line in reversed(out.splitlines()):
-            if line.startswith(RESULT):
-                return json.loads(line[len(RESULT):])
-        lines = (err or out).strip().splitlines()
+            rc = f"killed after {timeout:g} s ({self.proc.wait()})"
+        text = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            text.append(f.read())
+            f.close()
+        found = [ln for ln in text[0].splitlines() if ln.startswith(RESULT)]
+        if found:
+            return json.loads(found[-1][len(RESULT):])
+        lines = (text[1] or text[0]).strip().splitlines()
         if check:
             raise RuntimeError(f"{self.what}: exit {rc}:\n" + "\n".join(lines[-25:]))
         return {"error": lines[-1][:300] if lines else f"exit {rc}"}
 
 
 def call(fn: Callable, *args, env: dict | None = None, python: str | None = None, timeout: float = 600,
-         check: bool = True) -> dict:
-    """``fn(*args)`` in a fresh interpreter: its return value (JSON-able).  ``fn`` is a function of
-    a script in scripts/, imported there as a module; ``check=False`` returns ``{"error": ...}``
-    for a child that failed instead of raising."""
+         check: bool = True):
+    """``fn(*args)`` in a fresh interpreter (``fn``'s script imported there as a module, its ``main``
+    not run): what it returned (JSON).  ``check=False``: ``{"error": ...}`` where it failed."""
     return _Proc(_command(fn, args, python), env, f"{fn.__name__}{args}"[:200]).result(timeout, check)
 
 
 def run_code(code: str, *, env: dict | None = None, python: str | None = None, timeout: float = 600,
-             check: bool = True) -> dict:
-    """A snippet in a bare fresh interpreter (nothing imported first, the checkout's root as the
-    working folder); it prints ``RESULT <json>`` itself.  Returns that, as :func:`call`."""
+             check: bool = True):
+    """A snippet in a bare fresh interpreter (nothing imported first, the checkout as the working
+    folder) that prints ``RESULT <json>`` itself: that JSON, as :func:`call`."""
     return _Proc([python or sys.executable, "-c", code], env, code[:80]).result(timeout, check)
 
 
-def ranks(fn: Callable, world: int, *args, env: dict | None = None, timeout: float = 600) -> list[dict]:
-    """``fn(rank, world, port, *args)`` in ``world`` fresh interpreters started together (``port``:
-    a free one for their process group); what each returned, by rank."""
+def ranks(fn: Callable, world: int, *args, env: dict | None = None, timeout: float = 600) -> list:
+    """``fn(rank, world, port, *args)`` in ``world`` fresh interpreters started together (``port``: a
+    free one for their process group): what each returned, by rank."""
     from servers import free_port
 
     port = free_port()
@@ -175,14 +153,10 @@ def ranks(fn: Callable, world: int, *args, env: dict | None = None, timeout: flo
 
 
 def child_env(**extra: str | None) -> dict:
-    """This process's environment with ``extra`` set (None: removed), and the checkout on
-    ``PYTHONPATH`` for children that import the engine without this harness."""
+    """This environment with ``extra`` set (None: removed) and the checkout on ``PYTHONPATH``."""
     env = {**os.environ, "PYTHONPATH": checkout_path.pythonpath()}
     for k, v in extra.items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = v
+        env.pop(k, None) if v is None else env.__setitem__(k, v)
     return env
 
 
@@ -202,17 +176,16 @@ def times(fn: Callable, reps: int, warmup: int = 1) -> list[float]:
 
 
 def rounds(rows: Iterable, runs: int, sample: Callable, *, warmup: bool = False, rotate: bool = False) -> dict:
-    """``sample(row)`` for every row, ``runs`` rounds, interleaved (drift on a shared machine hits
-    every row alike); ``warmup``: one untimed round first; ``rotate``: each round starts one row
-    later.  Returns ``{row: [sample, ...]}``."""
+    """``{row: [sample(row), ...]}``: ``runs`` rounds of every row, interleaved (drift on a shared
+    machine hits every row alike); ``warmup``: an untimed round first; ``rotate``: each round starts
+    one row later."""
     rows = list(rows)
     out: dict = {r: [] for r in rows}
-    if warmup:
-        for r in rows:
-            sample(r)
+    for r in rows if warmup else []:
+        sample(r)
     began = time.time()
     for i in range(runs):
-        k = i % len(rows) if rotate and rows else 0
+        k = i % len(rows) if rotate else 0
         for r in rows[k:] + rows[:k]:
             out[r].append(sample(r))
         print(f"round {i + 1}/{runs} done ({time.time() - began:.0f} s)", file=sys.stderr, flush=True)
@@ -225,19 +198,17 @@ def fmt_time(s: float | None) -> str:
     return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
 
 
-# -- data -------------------------------------------------------------------------------------------
-
-_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
+# -- data and servers ------------------------------------------------------------------------------------
 
 
 def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", values: str = "bytes",
                entries: list | None = None, shards: int = 1, checksums: bool = False) -> str:
     """A checkpoint in ``folder`` (default ``common.cache_dir()``), made once: ``entries``
     (``[(name, dtype, shape)]``), or Llama-shaped of about ``nbytes`` tensor bytes of ``dtype``
-    (``common.checkpoint_entries``' shapes).  ``values``: ``"bytes"`` (random, NaNs included: I/O
-    does not care), ``"finite"`` (random finite bit patterns, all positive, many zeros and
-    subnormals) or ``"weights"`` (like trained weights: normal, std 0.02), for statistics and
-    models.  ``shards > 1`` or ``checksums``: a directory of shard files and an index."""
+    (``common.checkpoint_entries``).  ``values``: ``"bytes"`` (random, NaNs included: I/O does not
+    care), ``"finite"`` (random finite bit patterns, all positive, many zeros and subnormals) or
+    ``"weights"`` (normal, std 0.02), for statistics and models.  ``shards > 1`` or ``checksums``:
+    a directory of shard files and an index."""
     import hashlib
 
     from benchmarks import common
@@ -246,13 +217,15 @@ def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", v
     if entries is None and dtype == "BF16" and values == "bytes":
         path = common.checkpoint_file(nbytes, base=folder)
     else:
-        entries = entries or [(n, dtype, s) for n, _, s in common.checkpoint_entries(nbytes * 2 // _ITEM[dtype])]
-        tag = hashlib.sha1(repr(entries).encode()).hexdigest()[:10]
-        path = os.path.join(folder, f"v{common.GEN_VERSION}-{tag}-{values}.safetensors")
-        if not os.path.exists(path) and values == "bytes":
-            common.write_file(path, entries, metadata={"format": "pt"})
-        elif not os.path.exists(path):
-            _write_values(path, entries, values)
+        entries = entries or [(n, dtype, s) for n, _, s in common.checkpoint_entries(nbytes * _ITEM["BF16"] //
+                                                                                     _ITEM[dtype])]
+        path = os.path.join(folder, f"v{common.GEN_VERSION}-{hashlib.sha1(repr(entries).encode()).hexdigest()[:10]}"
+                                    f"-{values}.safetensors")
+        if not os.path.exists(path):
+            if values == "bytes":
+                common.write_file(path, entries, metadata={"format": "pt"})
+            else:
+                _write_values(path, entries, values)
     if shards == 1 and not checksums:
         return path
     if not checksums:
@@ -263,9 +236,12 @@ def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", v
         from engine.checkpoints.shards import save_sharded
 
         arrays = engine.numpy.load_file(path)
-        total = sum(a.nbytes for a in arrays.values())
-        save_sharded(arrays, directory, max_shard_size=-(-total // shards), checksums=True, fsync=False)
+        save_sharded(arrays, directory, max_shard_size=-(-sum(a.nbytes for a in arrays.values()) // shards),
+                     checksums=True, fsync=False)
     return directory
+
+
+_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
 
 
 def _write_values(path: str, entries: list, values: str) -> None:
@@ -281,23 +257,18 @@ def _write_values(path: str, entries: list, values: str) -> None:
         bits = 8 * _ITEM[dtype]
         if values == "finite":  # below the top two bits: the exponent never reaches inf/NaN
             arrays[name] = rng.integers(0, 1 << (bits - 2), shape, dtype=f"int{bits}").view(kind[dtype])
-            continue
-        w = rng.standard_normal(shape, dtype=np.float32)
-        w *= 0.02
-        arrays[name] = w.astype(kind[dtype])
+        else:
+            arrays[name] = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(kind[dtype])
     engine.numpy.save_file(arrays, path + ".partial", metadata={"format": "pt"})
     os.replace(path + ".partial", path)
 
 
-# -- servers -----------------------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def served(directory: str) -> Iterator[tuple]:
-    """nginx (tests/servers.py) serving the checkpoint ``directory`` on 127.0.0.1 from a warm page
-    cache, over HTTP and as S3 (path-style anonymous GETs of the same files): yields ``(nginx,
-    http index URL, s3 index URL, the environment an S3 client needs)``; shard ``f`` is at
-    ``nginx.url("ckpt/" + f)`` and ``s3://bucket/ckpt/`` + ``f``."""
+    """nginx (tests/servers.py) on 127.0.0.1 serving the checkpoint ``directory`` from a warm page
+    cache over HTTP and as S3 (path-style anonymous GETs of the same files): ``(nginx, http index URL,
+    s3 index URL, the environment an S3 client needs)``; shard ``f`` is ``nginx.url("ckpt/" + f)``
+    and ``s3://bucket/ckpt/`` + ``f``."""
     from benchmarks import common
     from servers import Nginx, nginx_binary
 
@@ -322,10 +293,9 @@ def served(directory: str) -> Iterator[tuple]:
 
 
 def curl(urls: list[str]) -> float:
-    """Seconds for one ``curl -o /dev/null`` per URL, all at once: the line rate of a server."""
+    """Seconds for one ``curl -o /dev/null`` per URL, all at once: a server's line rate."""
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(["curl", "-s", "-f", "-o", "/dev/null", u]) for u in urls]
-    codes = [p.wait() for p in procs]
+    codes = [p.wait() for p in [subprocess.Popen(["curl", "-s", "-f", "-o", "/dev/null", u]) for u in urls]]
     if any(codes):
         raise RuntimeError(f"curl failed: {codes}")
     return time.perf_counter() - t0
@@ -336,34 +306,32 @@ def curl(urls: list[str]) -> float:
 
 def machine() -> dict:
     """Cores, memory (GiB) and the CPU's model name of this machine."""
-    cpu, mem = "", None
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-        with open("/proc/meminfo") as f:
-            mem = round(int(f.readline().split()[1]) / 2**20, 1)
     import platform
 
-    return {"cores": os.cpu_count(), "memory_gib": mem, "cpu": cpu or platform.machine()}
+    cpu, mem = platform.machine(), None
+    with contextlib.suppress(OSError, StopIteration):
+        with open("/proc/meminfo") as f:
+            mem = round(int(f.readline().split()[1]) / 2**20, 1)
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    return {"cores": os.cpu_count(), "memory_gib": mem, "cpu": cpu}
 
 
 def commit() -> str:
-    """The checkout's short commit hash (``+dirty`` with uncommitted changes to tracked files)."""
+    """The checkout's short commit hash, ``+dirty`` with uncommitted changes to tracked files."""
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     try:
-        rev = git("rev-parse", "--short", "HEAD") or "unknown"
-        return rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+        return (git("rev-parse", "--short", "HEAD") or "unknown") + (
+            "+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except OSError:
         return "unknown"
 
 
-_TITLES = {"median_s": "median", "gbps": "GB/s", "bytes": "MB"}
-
-
 def _title(key: str) -> str:
-    return _TITLES.get(key) or (key[:-6] + " MB" if key.endswith("_bytes") else key).replace("_", " ")
+    titles = {"median_s": "median", "gbps": "GB/s", "bytes": "MB"}
+    return titles.get(key) or (key[:-6] + " MB" if key.endswith("_bytes") else key).replace("_", " ")
 
 
 def _cell(key: str, v) -> str:
@@ -385,14 +353,14 @@ def _cell(key: str, v) -> str:
 
 
 class Report:
-    """The rows of one run: printed as a Markdown table, written by ``--json`` in the common shape."""
+    """The rows of one run: a Markdown table on stdout, the common JSON shape with ``--json``."""
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
         self.notes: list[str] = []
 
     def add(self, case: str, impl: str, seconds, nbytes: int | None = None, **extra) -> dict:
-        """A row: ``seconds`` one figure or the samples (their median is the row's); GB/s where
+        """A row: ``seconds`` one figure or the samples (the row's is their median); GB/s where
         ``nbytes`` is given; ``extra`` keys go into the row as they are."""
         xs = [seconds] if isinstance(seconds, (int, float)) else [s for s in (seconds or []) if s is not None]
         med = median(xs) if xs else None
@@ -401,15 +369,12 @@ class Report:
         self.rows.append(row)
         return row
 
-    def find(self, case: str | None = None, impl: str | None = None) -> dict | None:
-        return next((r for r in self.rows if case in (None, r["case"]) and impl in (None, r["impl"])), None)
-
     def seconds(self, case: str | None = None, impl: str | None = None) -> float | None:
-        row = self.find(case, impl)
-        return row["median_s"] if row else None
+        """The median of the first row of ``case`` and ``impl`` (either may be left out)."""
+        return next((r["median_s"] for r in self.rows if case in (None, r["case"]) and impl in (None, r["impl"])), None)
 
     def ratio(self, key: str, base: Callable[[dict], float | None]) -> None:
-        """``row[key] = base(row) / row's median`` (above 1: faster than the base)."""
+        """``row[key] = base(row) / row's median`` for every row (above 1: faster than the base)."""
         for r in self.rows:
             b = base(r)
             r[key] = b / r["median_s"] if b and r["median_s"] else None
@@ -421,17 +386,8 @@ class Report:
     def note(self, text: str) -> None:
         self.notes.append(text)
 
-    def print(self, *cols: str) -> None:
-        cols = cols or ("case", "impl", "median_s", "gbps")
-        print("| " + " | ".join(_title(c) for c in cols) + " |")
-        print("|" + "---|" * len(cols))
-        for r in self.rows:
-            print("| " + " | ".join(_cell(c, r.get(c)) for c in cols) + " |")
-        for n in self.notes:
-            print(n)
-
     def save(self, path: str, **meta) -> None:
-        """The common JSON shape (see the module docstring); ``meta``: more top-level keys."""
+        """The common JSON shape (the module docstring); ``meta``: more top-level keys."""
         doc = {"script": os.path.basename(sys.argv[0]), "argv": sys.argv[1:], "commit": commit(),
                "date": datetime.date.today().isoformat(), "machine": machine(), "rows": self.rows, **meta}
         with open(path, "w") as f:
@@ -439,11 +395,14 @@ class Report:
         print(f"wrote {path}", file=sys.stderr)
 
     def finish(self, path: str | None, *cols: str, **meta) -> int:
-        """Print the table (``cols``), write ``path`` if given; 0 (a script's exit status)."""
+        """Print the machine, the table of ``cols`` and the notes; write ``path`` if given; 0."""
         m = machine()
         print(f"# {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; commit {commit()}; "
-              f"{datetime.datetime.now():%Y-%m-%d %H:%M}; medians of fresh samples")
-        self.print(*cols)
+              f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
+        print("| " + " | ".join(_title(c) for c in cols) + " |\n|" + "---|" * len(cols))
+        for r in self.rows:
+            print("| " + " | ".join(_cell(c, r.get(c)) for c in cols) + " |")
+        print("\n".join(self.notes))
         if path:
             self.save(path, **meta)
         return 0
