@@ -1,30 +1,21 @@
 """The host copy engine against this machine's own limit, in one run.
 
-Every row moves the tensor bytes of one warm BF16 checkpoint (2 GiB by default) out of the page
-cache on every core, as GB/s and as a ratio to the limit measured in the same run
-(``asv_benchmarks/benchmarks/host.py``):
+Every row moves the tensor bytes of one warm BF16 checkpoint (2 GiB) out of the page cache on every
+core, as GB/s and as a ratio to the limits measured in the same run (``asv_benchmarks/benchmarks/host.py``):
+``limit: native memcpy`` (from a populated read-only mapping into pre-faulted 4 KiB pages, a tensor's
+memory; ``... into huge pages``: faster by the TLB misses no model gets), ``limit: native pread`` and
+``native fresh mapping`` (what a load holding no populated mapping pays at least).  Engine rows:
+``page cache -> page-locked chunk`` (the device copy path, the native chunk ring, over the emulated
+CUDA runtime whose copies move nothing: the host side of a GPU load; ``staging kept``, ``staging and
+mappings kept``: ``engine.keep_staging`` / ``keep_mappings``; ``dma=memcpy``: each copy a CPU
+``memcpy``; ``ring alone, 4 KiB chunks``: the ring's own cost per chunk); ``load_into`` into
+pre-faulted torch tensors (first call in a fresh process, and repeated; ``mappings kept``) against
+``safetensors.torch.load_file`` + ``copy_``; ``--cold``: the file evicted first.
 
-* ``limit: native memcpy``: a native parallel ``memcpy`` of the same bytes from a warm, fully
-  mapped read-only mapping into pre-faulted 4 KiB pages (a torch tensor's memory); ``... into huge
-  pages``: the same into transparent huge pages (faster by the TLB misses, which no model gets);
-* ``limit: native pread`` / ``native fresh mapping``: what a load that holds no populated mapping
-  pays at least: the kernel's copy out of the page cache, or a mapping built, populated, copied
-  from and torn down;
-* ``page cache -> page-locked chunk``: the engine's device copy path (the native chunk ring) over
-  the emulated CUDA runtime (``tests/emucudart``) whose copies move nothing (``dma=none``: the host
-  side of a GPU load); ``staging kept`` (``engine.keep_staging``), ``staging and mappings kept``
-  (``engine.keep_mappings`` too); ``dma=memcpy``: each copy a CPU ``memcpy`` on a stream thread;
-  ``ring alone, 4 KiB chunks``: chunks of one page, so that the ring's cost per chunk dominates;
-* ``load_into, first call`` / ``repeated``: ``engine.load_into`` into pre-faulted torch tensors
-  (first call in a fresh process, and the calls after it; ``mappings kept``: the file's mapping
-  kept between calls), against ``safetensors.torch.load_file`` + ``copy_`` (``reference``);
-* ``cold`` (``--cold``): the file evicted from the page cache first.
-
-``--cache both`` (default) measures the file read in by large reads (large folios: a mapping costs
-little) and a copy read page by page (4 KiB folios: an entry per page to map and unmap);
-``--aligned`` adds a copy whose data starts on a 64-byte line (the kernel's copy slows by a third
-when offset and destination sit differently in a line); ``--source`` pins the engine's copy source
-(``ENGINE_COPY_SOURCE``; ``all``: each).  Every sample is a fresh process, rows interleaved.
+``--cache both`` measures the file read in by large reads (large folios: a mapping costs little)
+and a copy read page by page (4 KiB folios: an entry per page to map and unmap); ``--aligned`` adds
+a copy whose data starts on a 64-byte line; ``--source`` pins ``ENGINE_COPY_SOURCE`` (``all``: each).
+Every sample is a fresh process, rows interleaved.
 
     python scripts/bench_host.py                       # 2 GiB, 7 samples per row, both cache states
     python scripts/bench_host.py --size 256MB --runs 3 # quick

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Full-size benchmarks of the Numba kernels against the issue's targets.
 
   stats_f32     engine.stats of an F32 array of --size       vs torch's separate calls
@@ -8,15 +7,11 @@
   stats_f16     engine.stats of an F16 array of --size / 2   vs NumPy (no issue target)
   quant_row_f16 per-row int8 quantization of F16 --size / 2  vs torch (no issue target)
 
-The baselines are the functions of ``asv_benchmarks/benchmarks/bench_kernels.py``, so both tools
-time the same code.  Each implementation's runs follow each other (engine first), deliberately not
-interleaved: right after torch churned through gigabytes of temporaries, this VM is slow to hand
-out fresh pages, a cost interleaving would charge to whichever operation runs next.  The engine's
-first call of each signature (Numba compilation or its cache) is made on a small slice first.
-Quantization rows also check the output bit for bit against the NumPy oracle of ``tests/naive.py``
-(slab by slab) and report the extra peak RSS of the engine call against the int8 output plus the
-scales.  "x base" is baseline time / engine time; ``issue`` rows are the figures the issue measured
-on its 2-core machine, shown at the issue's sizes only (the default).
+The baselines are ``asv_benchmarks/benchmarks/bench_kernels.py``'s.  Each implementation's runs
+follow each other, engine first (right after torch churned through gigabytes, this VM is slow to hand
+out fresh pages: interleaving would charge that to the next operation).  Quantization rows check the
+output bit for bit against ``tests/naive.py`` and report the extra peak RSS against the int8 output
+plus the scales.  ``x base``: baseline time / engine time; the issue's own figures at its sizes only.
 
     python scripts/bench_kernels.py                   # issue sizes: 1 GiB F32, 512 MiB BF16
     python scripts/bench_kernels.py --size 64MiB      # smoke run

@@ -1,29 +1,20 @@
 """Tensor-parallel loading: what a server waits for, engine against the reference.
 
-Every sample starts WORLD fresh gloo processes that load their shards of a generated LLaMA-shaped
-BF16 checkpoint at the same moment (after a barrier); the sample's time is the slowest rank's, from
-the common start to the last rank done (the system-wide monotonic clock).  Implementations
-(``--impls``), alternated sample by sample:
-
-* engine: ``load_tensor_parallel(path, llama_plan(config, world_size))`` (``strided="auto"``);
-  engine-runs: ``strided="runs"`` (one read per row of a column block); engine-1t: one reader
-  thread per rank, as the reference has; engine-mmap: ``backend="mmap"`` (shards copied out of a
-  mapping); engine-view: ``backend="mmap", copy=False`` (one-range shards are views of a private
-  mapping, as the reference hands out); engine-slices: the reference row's code on ``engine.safe_open``;
-* reference: ``safetensors.safe_open(framework="pt")`` + ``get_slice(name)[index]``, concatenated
-  for fused tensors, made contiguous (contiguous slices stay views of its mapping: compare it with
-  engine-view; the other engine rows own every byte when they return);
-* floor: no engine: each rank reads as many bytes as its shard holds from its own quarter of the
-  file into fresh memory with two threads of 8 MiB ``preadv`` (a lower bound for both sides).
-
-"warm": the file read into the page cache before each sample; "cold": evicted before each.  Per
-rank: CPU ms (user + system of its process), MB asked of read calls (``rchar``; a mapping reads
-without them) and, cold, MB pulled from storage (``read_bytes``).
+Every sample starts WORLD fresh gloo processes that load their shards of a LLaMA-shaped BF16
+checkpoint together (after a barrier); its time is the slowest rank's, from the common start to
+the last rank done.  Implementations (``--impls``), alternated: ``engine``
+(``load_tensor_parallel(path, llama_plan(config, world))``), ``engine-runs`` (``strided="runs"``),
+``engine-1t`` (one reader thread per rank), ``engine-mmap`` (``backend="mmap"``), ``engine-view``
+(``copy=False``: one-range shards are views of a mapping, as the reference hands out),
+``engine-slices`` (the reference row's code on ``engine.safe_open``), ``reference``
+(``safe_open`` + ``get_slice(name)[index]``, contiguous slices stay views of its mapping), ``floor``
+(each rank reads its shard's size from its own quarter of the file with two threads: a lower bound).
+"warm": the file read into the page cache before each sample; "cold": evicted.  Per rank: CPU ms,
+MB asked of read calls (``rchar``; a mapping reads without them) and, cold, MB from storage.
 
     python scripts/bench_tp.py                      # ~1 GB checkpoint, world 4, 5 samples each
     python scripts/bench_tp.py --quick              # small, world 2, 3 samples (smoke)
     python scripts/bench_tp.py --only cold --runs 7
-    python scripts/bench_tp.py --impls engine engine-view floor   # these rows and the reference
     python scripts/bench_tp.py --shards 4 --impls engine engine-view engine-slices
 """
 
