@@ -32,30 +32,6 @@ ROWS = [("owned load", "engine, verify"), ("owned load", "engine, skip"), ("owne
         ("rewrite a file", "limit: shutil.copyfile")]
 
 
-def _ring(path: str, verify: bool):
-    import engine
-    from engine.format import checksums
-    from engine.loading import pipeline
-    from engine.planning.plan import plan_reads
-
-    h = engine.read_header(path)
-    t = h.table
-    rows = list(t.file_order())
-    requests = plan_reads(t.begins, t.ends, rows, h.data_start)
-    block = host.prefaulted(h.data_size)
-    targets = {r: block[int(t.begins[r]) : int(t.ends[r])] for r in rows if int(t.ends[r]) > int(t.begins[r])}
-    fd = os.open(path, os.O_RDONLY)
-    checks = checksums.Checks.of(h, path) if verify else None
-
-    def run() -> None:
-        dev = host.BenchDevice("none")
-        pipeline.run_sources([pipeline.Source(fd, path, requests, checks=checks)],
-                             pipeline.Destination(device_targets=targets, device_ops=dev),
-                             threads=host.threads(), gpu_path="copy")
-
-    return run
-
-
 def _streamed_copy(src: str, dst: str, step: int) -> None:
     """A plain copy as add_checksums reads and writes: steps of ``step`` through one buffer."""
     buf = memoryview(bytearray(step))
@@ -74,7 +50,7 @@ def sample(case: str, impl: str, path: str, plain: str, reps: int) -> list[float
         src = plain if impl.endswith("plain file") else path
         return harness.times(lambda: engine.numpy.load_file(src, backend="pread", **kw), reps)
     if case.startswith("page cache"):
-        return harness.times(_ring(path, impl.endswith("verify")), reps)
+        return harness.times(host.RingLoad(path, dma="none", verify=impl.endswith("verify")).run, reps)
     # each call replaces an existing copy of the plain file, as add_checksums replaces its file
     out = os.path.join(os.path.dirname(plain), "rewrite.safetensors")
     temp = out + ".tmp"
