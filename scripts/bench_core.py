@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Core benchmarks of safetensors-engine against the reference ``safetensors`` package.
 
 The targets of the performance issue, engine and reference in the same run, interleaved rep by
@@ -70,14 +69,6 @@ BYTES = {"lazy2g", "save2g", "pread2g"}  # GB/s of the checkpoint's tensor bytes
 def _digest(rows) -> str:
     norm = sorted((str(k), str(d).replace("torch.", ""), tuple(int(x) for x in s)) for k, d, s in rows)
     return hashlib.sha1(repr(norm).encode()).hexdigest()[:12]
-
-
-def preflight() -> str:
-    import safetensors  # noqa: F401
-
-    import engine
-
-    return engine.__file__
 
 
 def sample(case: str, impl: str, path: str | None, spec: dict) -> dict:
@@ -187,20 +178,19 @@ def _first_open(case: str, impl: str, path: str) -> dict:
 
 def _summarize(report, case: str, title: str, impl: str, samples: list[dict], nbytes: int | None) -> None:
     ok = [s for s in samples if "error" not in s]
-    times = ok[0]["samples"] if ok and "samples" in ok[0] else [s["seconds"] for s in ok]
     extra: dict = {"errors": [s["error"] for s in samples if "error" in s]}
-    for key in ("extra_peak", "extra_maxrss", "load_seconds", "gc_seconds", "gc_full", "first_seconds"):
+    for key in ("extra_peak", "extra_maxrss", "load_seconds", "gc_seconds", "gc_full", "first_seconds", "digest",
+                "checksum", "count", "file_bytes", "hwm_reset"):
         vals = [s[key] for s in ok if key in s]
-        if vals:
-            extra[key.replace("extra_peak", "extra_peak_bytes")] = max(vals) if key.startswith("extra") else \
-                harness.median(vals)
+        if key.startswith("extra") and vals:  # the largest; figures: the median; outputs: the same in every sample
+            extra[key + "_bytes"] = max(vals)
+        elif vals:
+            extra[key] = harness.median(vals) if key.endswith(("seconds", "full")) else vals[0] if all(
+                v == vals[0] for v in vals) else "VARIES"
     if "gc_seconds" in extra:  # the sample's own work, collector time taken out
         extra["without_gc_s"] = harness.median(s["seconds"] - s["gc_seconds"] for s in ok)
-    for key in ("digest", "checksum", "count", "file_bytes", "hwm_reset"):
-        vals = {repr(s.get(key)) for s in ok if key in s}
-        if vals:
-            extra[key] = next(s[key] for s in ok if key in s) if len(vals) == 1 else "VARIES"
-    report.add(title, impl, times, nbytes, target=case, **extra)
+    report.add(title, impl, ok[0]["samples"] if ok and "samples" in ok[0] else [s["seconds"] for s in ok], nbytes,
+               target=case, **extra)
 
 
 def _goal(report, row: dict, goal: tuple) -> None:
@@ -243,19 +233,11 @@ def main(argv=None) -> int:
     if free < need * 1.1:
         harness.cannot(f"not enough free disk space in {bench_dir}: need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB "
                        "free; use --dir elsewhere, --quick or --only")
-    pre = harness.call(preflight, check=False)
-    if isinstance(pre, dict):
-        harness.cannot(f"cannot import the engine or the reference: {pre['error']} "
-                       "(build the extension in place: python setup.py build_ext --inplace)")
-    files = {}
-    if {"header100k", "many_load"} & set(cases):
-        files["many"] = common.many_tensors_file(sz["many"], base=bench_dir)
-    if {"header_small", "first_open", "first_open_pt", "first_tensor_pt"} & set(cases):
-        files["small"] = common.small_model_file(sz["small_layers"], base=bench_dir)
-    if "first_tensor" in cases:  # F32: the reference's numpy has no BF16
-        files["small_f32"] = common.small_model_file(sz["small_layers"], base=bench_dir, dtype="F32")
-    if big:
-        files["ckpt"] = common.checkpoint_file(sz["ckpt"], base=bench_dir)
+    make = {"many": lambda: common.many_tensors_file(sz["many"], base=bench_dir),
+            "small": lambda: common.small_model_file(sz["small_layers"], base=bench_dir),
+            "small_f32": lambda: common.small_model_file(sz["small_layers"], base=bench_dir, dtype="F32"),  # numpy
+            "ckpt": lambda: common.checkpoint_file(sz["ckpt"], base=bench_dir)}  # has no BF16 for the reference
+    files = {f: make[f]() for f in {CASES[c][1] for c in cases} - {None}}
     ckpt_bytes = common.entries_bytes(common.checkpoint_entries(sz["ckpt"]))
     labels = {"many": sz["many"], "small_n": len(common.model_entries(sz["small_layers"], 1, 1, 1, 1)),
               "ckpt_gb": f"{ckpt_bytes / 1e9:.2f} GB"}
