@@ -78,31 +78,42 @@ def paired_medians(fn_a, fn_b, runs: int):
     return med(ta), med(tb), med(b / a for a, b in zip(ta, tb, strict=True)), med_cpu(ca, cb), med_cpu(cb, ca)
 
 
-def fresh_sample(case: str, impl: str, path: str) -> float:
-    """One timed sample in this fresh process: its seconds."""
+def _loads(path: str, dst: dict) -> dict:
+    """What the load rows run: ``{case: (the engine's, the reference's)}``."""
     import safetensors.torch as ref
-    import torch
 
     import engine
     import engine.torch
-
-    header = engine.read_header(path)
-    dst = {k: torch.empty(header[k].shape, dtype=torch.bfloat16).zero_() for k in header.keys()}  # pre-faulted
 
     def ref_into():
         for k, t in ref.load_file(path).items():
             dst[k].copy_(t)
 
-    fn = {
-        ("load_into, warm", "engine"): lambda: engine.load_into(path, dst),
-        ("load_into, warm", "reference"): ref_into,
-        ("load_into, cold", "engine"): lambda: engine.load_into(path, dst),
-        ("load_into, cold", "reference"): ref_into,
-        ("load_file default (mmap), cold", "engine"): lambda: _touch(engine.torch.load_file(path)),
-        ("load_file default (mmap), cold", "reference"): lambda: _touch(ref.load_file(path)),
-        ("load_file pread, cold", "engine"): lambda: engine.torch.load_file(path, backend="pread"),
-        ("load_file pread, cold", "reference"): lambda: ref.load_file(path, backend="pread"),
-    }.get((case, impl)) or (lambda: _bare_cold(path, direct=impl == "reference"))
+    def into():
+        engine.load_into(path, dst)
+
+    return {"load_into, warm": (into, ref_into), "load_into, cold": (into, ref_into),
+            "load_file default (mmap), cold": (lambda: _touch(engine.torch.load_file(path)),
+                                               lambda: _touch(ref.load_file(path))),
+            "load_file pread, cold": (lambda: engine.torch.load_file(path, backend="pread"),
+                                      lambda: ref.load_file(path, backend="pread")),
+            "bare reads, cold: buffered vs O_DIRECT": (lambda: _bare_cold(path, direct=False),
+                                                       lambda: _bare_cold(path, direct=True))}
+
+
+def _dest(path: str) -> dict:
+    """Pre-faulted BF16 tensors for every tensor of ``path``: memory a model already owns."""
+    import torch
+
+    import engine
+
+    h = engine.read_header(path)
+    return {k: torch.empty(h[k].shape, dtype=torch.bfloat16).zero_() for k in h.keys()}
+
+
+def fresh_sample(case: str, impl: str, path: str) -> float:
+    """One timed sample in this fresh process: its seconds."""
+    fn = _loads(path, _dest(path))[case][impl == "reference"]
     (evict if "cold" in case else warm)(path)
     return harness.times(fn, 1, warmup=0)[0]
 
@@ -222,19 +233,13 @@ def main(argv=None) -> int:
             report.add(case + " [fresh]", "engine", got["engine"], nbytes, note=note, x_other=ratio)
             report.add(case + " [fresh]", "reference", got["reference"], nbytes)
     if a.only in (None, "load"):
-        pair("owned CPU load, warm (pread)", _median_time(lambda: engine.torch.load_file(path, backend="pread"), runs),
-             _median_time(lambda: ref.load_file(path, backend="pread"), runs))
-        dst = {k: torch.empty(header[k].shape, dtype=torch.bfloat16).zero_() for k in header.keys()}
-
-        def ref_into():
-            for k, t in ref.load_file(path).items():
-                dst[k].copy_(t)
-
-        pair("load_into, warm", _median_time(lambda: engine.load_into(path, dst), runs), _median_time(ref_into, runs),
-             "reference load_file + copy_")
-        pair("load_into, cold", _median_time(lambda: engine.load_into(path, dst), runs, lambda: evict(path)),
-             _median_time(lambda: _touch(ref.load_file(path)), runs, lambda: evict(path)),
-             "reference load_file, every page touched")
+        loads = _loads(path, _dest(path))
+        for case, (ours, theirs), before, note in (
+                ("owned CPU load, warm (pread)", loads["load_file pread, cold"], None, "load_file(backend='pread')"),
+                ("load_into, warm", loads["load_into, warm"], None, "reference load_file + copy_"),
+                ("load_into, cold", (loads["load_into, cold"][0], loads["load_file default (mmap), cold"][1]),
+                 lambda: evict(path), "reference load_file, every page touched")):
+            pair(case, _median_time(ours, runs, before), _median_time(theirs, runs, before), note)
         warm(path)
     if a.only in (None, "stats"):
         weights = harness.checkpoint(size, a.dir, values="weights", entries=layout)
