@@ -1,16 +1,11 @@
 """What verifying per-tensor checksums costs a load, and what adding them costs a file.
 
-One warm BF16 checkpoint (1 GiB by default) is written plain and with a CRC-32C per tensor
-(``engine.add_checksums``).  Every sample is a fresh process (rows interleaved), each the median of
-the calls after a first untimed one:
-
-* ``owned load``: ``engine.numpy.load_file(backend="pread")`` of the checksummed file, verifying
-  (``engine``) and with ``verify_checksums=False``, and of the plain file (no checksum work);
-* ``page cache -> page-locked chunk``: the device copy path (the chunk ring) over the emulated
-  runtime whose copies move nothing (``host.BenchDevice("none")``), the CRC taken by the copy
-  threads as they fill each chunk, verifying or not;
-* ``rewrite a file``: ``add_checksums`` against a streamed copy (same step size) and
-  ``shutil.copyfile``, each replacing a file in the same folder.
+One warm BF16 checkpoint (1 GiB) written plain and with a CRC-32C per tensor (``engine.add_checksums``);
+every sample a fresh process, the median of the calls after an untimed one.  Rows: ``owned load``
+(``engine.numpy.load_file(backend="pread")`` verifying, with ``verify_checksums=False``, and of the
+plain file); ``page cache -> page-locked chunk`` (the chunk ring over the emulated runtime whose
+copies move nothing, the CRC taken by the copy threads, verifying or not); ``rewrite a file``
+(``add_checksums`` against a streamed copy of the same step size and ``shutil.copyfile``).
 
     python scripts/bench_checksums.py [--size 1GiB] [--runs 7] [--reps 5] [--dir DIR]
     python scripts/bench_checksums.py --size 64MiB --runs 1 --reps 1      # a dry run

@@ -1,19 +1,13 @@
 """A process group loading one checkpoint from a throttled server: one rank, each rank alone, the group once.
 
-``python scripts/bench_group.py --ranks 2 4 --mb 96 --rate-mb 40`` writes a checkpoint of ``--mb``
-MB (4 shards and an index, with checksums), serves it from tests/rangeserver.py on 127.0.0.1
-sending at most ``--rate-mb`` MB/s in all (one token bucket for every connection, as a storage
-service or a node's NIC is), and times, gloo ranks in fresh processes per sample:
-
-* ``one rank alone``: ``engine.torch.load_file(url)`` (with ``--local``, ``backend="pread"``:
-  owned tensors, as a group load's are);
-* ``N ranks, each alone``: N ranks, each ``load_file(url)`` by itself (N times the bytes);
-* ``N ranks, process_group``: ``load_file(url, process_group=WORLD)`` (``engine.apps.group_load``:
-  the group reads each byte once and broadcasts).
-
-Per row: the slowest rank's seconds, the tensor bytes the server was asked for as a multiple of
-the checkpoint's, the largest peak RSS of a rank (``VmHWM``); every rank's bytes are compared with
-the file's.  ``--local`` loads the files from disk instead (warm page cache, no server).
+``python scripts/bench_group.py --ranks 2 4 --mb 96 --rate-mb 40`` serves a checkpoint of ``--mb`` MB
+(4 shards and an index, with checksums) from tests/rangeserver.py sending at most ``--rate-mb`` MB/s
+in all (one token bucket, as a storage service or a NIC), and times gloo ranks in fresh processes:
+``one rank alone`` (``engine.torch.load_file(url)``), ``N ranks, each alone`` (N times the bytes) and
+``N ranks, process_group`` (``load_file(url, process_group=WORLD)``: each byte read once and
+broadcast).  Per row: the slowest rank's seconds, the tensor bytes asked of the server as a multiple
+of the checkpoint's, a rank's peak RSS; every rank's bytes are checked.  ``--local``: from the local
+files instead (warm page cache; owned tensors, as a group load's are).
 """
 
 from __future__ import annotations

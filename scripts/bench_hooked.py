@@ -1,21 +1,14 @@
-"""Hooked device loads (``stats=True``, ``quantize="int8"``) against the plain device load,
-through the chunk ring on the emulated CUDA runtime with no-op copies: what launching each
-landed tensor's kernels costs the ring's chunk rate (the line: hooked >= 0.9x plain).
-
-The device is ``tests/emucudart`` with ``Emulator.noop`` (copies move nothing, so the ring's own
-rate is timed).  The kernels are Numba's under its simulator (``NUMBA_ENABLE_CUDASIM=1``, set
-here) with each launch queued and not run, as a GPU queues it: every step of the host side of a
-hooked load runs (the ring's reports, the accumulators and outputs, the launches' arguments, one
-gather per batch), the device's arithmetic does not (``scripts/gpu_check.py`` times that on a GPU).
-Every load is ``engine.stream(path, device=...)`` over a Llama-shaped BF16 file, rows interleaved
-run by run (the first round warms up); GB/s and chunks per second from ``engine.load_records``.
+"""Hooked device loads (``stats=True``, ``quantize="int8"``) against the plain device load through the
+chunk ring: what launching each landed tensor's kernels costs the ring's chunk rate (the line:
+hooked >= 0.9x plain).  The device is ``tests/emucudart`` with no-op copies; the kernels are Numba's
+under its simulator (``NUMBA_ENABLE_CUDASIM=1``) with each launch queued and not run, as a GPU
+queues it: the host side of a hooked load runs whole, the device's arithmetic not
+(``scripts/gpu_check.py`` times that).  Every load is ``engine.stream(path, device=...)`` over a
+Llama-shaped BF16 file, rows interleaved after a warm-up round.  On a host with few cores the hooked
+rows' Python takes cores from the copy threads: ``ENGINE_RING=4,32,1`` leaves one free.
 
     python scripts/bench_hooked.py --mib 1024 --runs 5
     python scripts/bench_hooked.py --dry-run        # 32 MiB, one run: that the script works
-
-With no-op copies the copy threads fill chunks as fast as the cores allow, so on a host with few
-cores the hooked rows' Python takes cores from them, which a GPU host's spare cores do not:
-``ENGINE_RING=4,32,1`` (one copy thread, every row alike) leaves a core free on a 2-core machine.
 """
 
 from __future__ import annotations

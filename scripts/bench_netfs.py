@@ -1,22 +1,13 @@
-#!/usr/bin/env python
-"""Loads from a network-like mount: a file read through a real FUSE file system (bindfs over a
-tmpfs folder, so that the daemon, not a disk, is what each read crosses), cold in the FUSE mount's
-page cache for every sample.
+"""Loads from a network-like mount: a file read through a real FUSE file system (bindfs over a tmpfs
+folder: the daemon, not a disk, is what each read crosses), cold in the mount's page cache for every
+sample; each row the median of fresh processes (torch imported, destination tensors touched first).
 
-Rows, each the median of ``--runs`` fresh processes (torch imported, destination tensors allocated
-and touched before the clock), interleaved after an untimed round:
-
-* ``limit: native pread``: ``host.Floor(path, "pread")``, one thread per core each ``pread``-ing its
-  contiguous share (far-apart streams on one descriptor, which FUSE's read-ahead takes for random
-  reads: a floor, not the mount's limit); ``limit: one stream``: one thread reading the file front
-  to back with 8 MiB ``preadv`` calls (what a ``cat`` costs);
-* ``engine``: ``engine.load_into`` with the source it chooses (``pread`` on a FUSE mount); ``engine,
-  mapped``: ``ENGINE_COPY_SOURCE=mmap`` (the file faulted in through the mount);
-* ``engine, get_tensor loop``: ``engine.safe_open`` and ``get_tensor`` of every name in order with
-  a copy into the destination (sglang's and vLLM's weight iterators); ``reference``: the same loop
-  with ``safetensors``.
-
-Needs root (or FUSE rights), bindfs and /dev/fuse.
+Rows: ``limit: native pread`` (``host.Floor``: one thread per core, each ``pread``-ing its share:
+far-apart streams FUSE's read-ahead takes for random reads), ``limit: one stream`` (8 MiB ``preadv``
+calls front to back: a ``cat``), ``engine`` (``engine.load_into``, the source it chooses: ``pread``
+on FUSE), ``engine, mapped`` (``ENGINE_COPY_SOURCE=mmap``), ``engine, get_tensor loop`` (``safe_open``
+and ``get_tensor`` of every name copied into the destination, as sglang's and vLLM's weight
+iterators do) and ``reference`` (the same loop with ``safetensors``).  Needs bindfs and /dev/fuse.
 
     python scripts/bench_netfs.py                 # 1 GiB, 5 runs
     python scripts/bench_netfs.py --gib 2 --runs 7

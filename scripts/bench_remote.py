@@ -1,26 +1,18 @@
 """Whole checkpoints over HTTP and S3 against the line rate, in one run.
 
 A BF16 Llama-shaped checkpoint (2 GB, 4 shards and an index) served by nginx on 127.0.0.1 from a
-warm page cache over HTTP and as S3 (path-style anonymous GETs of the same files: the server is
-never the bottleneck).  Rows (``--rows`` names them), interleaved, each sample a fresh process:
-
-* ``line rate``: one ``curl -o /dev/null`` per shard at once; ``fault limit (no network)``: fresh
-  memory faulted in as an owned load's is (the owned-load bound below: the two one after the other);
-* ``engine http`` / ``s3``: ``engine.torch.load_file(url)`` of the index; ``... repeated``: a warm-up
-  load then 3 in the process; ``huge pages`` / ``4k pages`` / ``fault-ahead 1`` / ``0``:
-  ``ENGINE_HUGE_PAGES`` or ``ENGINE_FAULT_AHEAD`` forced; ``load_into``: into pre-faulted tensors;
-* ``engine http cache_dir 1st`` / ``2nd``: into an empty ``cache_dir``, then from it; ``disk
-  write+fsync``: the bytes written and fsynced (the 1st load's allowance is ``(engine http + disk
-  write+fsync) / 0.9``); ``local owned load``: ``load_file(backend="pread")`` of the local shards;
-* ``engine http device`` / ``s3 device``: into an emulated device (``tests/emucudart``) through the
-  chunk ring, copies that move nothing (socket -> page-locked chunk); ``memcpy``: copies that move
-  the bytes; ``repeated``: the ring kept between 3 loads;
-* ``GETs + reference``: each shard fetched with ``urllib``, then ``safetensors.torch.load``;
-  ``download + reference``: fetched to files, then ``load_file``; peers in ``--peers-python``:
-  ``s3fs`` (+ reference), ``runai`` (Run:ai Model Streamer, S3), ``safetensors-streaming``.
-
-Per row: GB/s of tensor bytes, ratios to the line rate and to ``engine http``, the peak RSS
-(``VmHWM``), whether the bytes equal the local files' (lazily mapped tensors read inside the clock).
+warm page cache, over HTTP and as S3 (path-style anonymous GETs of the same files).  Rows (``--rows``
+names them), interleaved, each sample a fresh process: ``line rate`` (one ``curl`` per shard at
+once); ``fault limit (no network)`` (fresh memory faulted in as an owned load's is); ``engine http``
+/ ``s3`` (``engine.torch.load_file(url)``; ``repeated``: 3 loads after a warm-up in one process;
+``huge pages``, ``4k pages``, ``fault-ahead 1`` / ``0``: ``ENGINE_HUGE_PAGES`` or
+``ENGINE_FAULT_AHEAD`` forced; ``load_into``: into pre-faulted tensors; ``device``: into an emulated
+device through the chunk ring, copies moving nothing, ``memcpy`` moving the bytes, ``repeated`` the
+ring kept); ``engine http cache_dir 1st`` / ``2nd`` against ``disk write+fsync`` (the 1st load's
+allowance: ``(engine http + disk write+fsync) / 0.9``) and ``local owned load``; ``GETs + reference``
+(``urllib`` then ``safetensors.torch.load``), ``download + reference`` (to files, then
+``load_file``); peers in ``--peers-python``: ``s3fs``, ``runai`` (S3), ``safetensors-streaming``.
+Per row: GB/s, x line rate, x engine http, peak RSS and whether the bytes equal the files'.
 
     python scripts/bench_remote.py                       # 2 GB, 5 samples per row
     python scripts/bench_remote.py --size 512MB --runs 3 # quick

@@ -1,20 +1,14 @@
-#!/usr/bin/env python
-"""save_file against the reference ``safetensors``, at two sizes and both durabilities.
+"""save_file against the reference ``safetensors``, at three sizes and both durabilities.
 
-  gpt2   a GPT-2 (124M) shaped F32 state dict with its attention-mask buffers: 548 MB,
-         160 tensors (the Hub's ``gpt2/model.safetensors``)
-  2g     a 2 GB BF16 Llama-shaped checkpoint (``asv_benchmarks/benchmarks/common.py``)
-  fixed  GPT-2's 160 names with 16-byte tensors: only the per-save and per-tensor costs;
-         each sample is the median of 50 saves in its process
+  gpt2   a GPT-2 (124M) shaped F32 state dict with its attention-mask buffers: 548 MB, 160 tensors
+  2g     a 2 GB BF16 Llama-shaped checkpoint (``common.checkpoint_tensors``)
+  fixed  GPT-2's 160 names with 16-byte tensors: the per-save and per-tensor costs (each sample the
+         median of 50 saves in its process)
 
-Durability ``fsync``: the engine's default ``save_file`` (file synced before the rename, directory
-after) against the reference's ``save_file`` followed by ``fsync`` of the file and its directory.
-``nofsync``: ``save_file(..., fsync=False)`` against the plain reference.
-
-Every sample is a fresh process: the tensors built (every page touched), ``os.sync()``, an untimed
-one-tensor save with the same library, then the timed save; the output removed afterwards.  The
-four variants alternate in an order that rotates from round to round.  x reference: the
-reference's median over the engine's (above 1 the engine is faster), and the per-round range.
+``fsync``: the engine's default (file synced before the rename, directory after) against the
+reference's ``save_file`` then ``fsync`` of the file and its directory; ``nofsync``: ``fsync=False``
+against the plain reference.  Every sample is a fresh process (tensors built, ``os.sync()``, an
+untimed one-tensor save, the timed save); the four variants rotate their order round by round.
 
     python scripts/bench_save.py                      # all sizes, 7 rounds
     python scripts/bench_save.py --only gpt2 --repeat 11 --dir /data/tmp

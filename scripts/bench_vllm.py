@@ -1,22 +1,17 @@
 """vLLM's weight-loading time with its own loader and with the engine's load format.
 
-Writes a Llama-shaped sharded checkpoint of ``--gb`` gigabytes (weight-like values, a
-``config.json``; no tokenizer: vLLM starts with ``skip_tokenizer_init``), reads it once so that the
-page cache is warm, then starts vLLM in a fresh process per sample and load format, interleaved,
-and reads the time vLLM logs ("Loading weights took X seconds": from the weights iterator to the
-end of the model's ``load_weights``; the engine's format logs the same line over the same span).
-Prints each format's median and its ratio to the first format (vLLM's default ``safetensors``).
+Writes a Llama-shaped sharded checkpoint of ``--gb`` GB (weight-like values, a ``config.json``; vLLM
+starts with ``skip_tokenizer_init``), warm in the page cache (``--cold``: evicted before each
+sample), starts vLLM in a fresh process per sample and format, interleaved, and reads the time it
+logs ("Loading weights took X seconds"; the engine's format logs the same span).  Run it with the
+Python of a venv with vLLM and the engine (``.ci/vllm_lane.sh install`` makes one) or name it with
+``--python``; without vLLM the rows say so.  ``--engine-config``: the engine format's
+``--model-loader-extra-config`` (e.g. ``'{"cpu": "owned"}'``).
 
     python scripts/bench_vllm.py                         # 1.05 GB float32, 5 samples, CPU
     python scripts/bench_vllm.py --gb 0.05 --runs 1      # a dry run
-    python scripts/bench_vllm.py --cold                  # the checkpoint evicted before each sample
     python scripts/bench_vllm.py --load-formats safetensors,safetensors_engine,instanttensor,fastsafetensors \\
         --dtype bfloat16 --gb 8                          # a GPU host with those packages
-
-Run it with the Python of a venv that has vLLM and the engine installed (``.ci/vllm_lane.sh
-install`` makes one), or name that Python with ``--python``; where vLLM is missing the checkpoint
-is still written and each format's row says so.  ``--engine-config`` passes
-``--model-loader-extra-config`` to the engine's format (e.g. ``'{"cpu": "owned"}'``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,22 @@
 """What the benchmark scripts share: fresh-process samples, rounds, data, servers, the table and the JSON.
 
-A script imports it first (scripts/ is ``sys.path[0]`` when a script runs: this checkout, tests/
-and asv_benchmarks/ then come first on ``sys.path``) and holds only what it measures::
+A script imports it first (scripts/ is ``sys.path[0]``; this checkout, asv_benchmarks/ and tests/
+then come first on ``sys.path``) and holds only what it measures::
 
-    import harness
-    from benchmarks import common                    # the asv suites' data, page cache and RSS helpers
+    def sample(path, impl):                       # in a fresh interpreter, through harness.call
+        return harness.times(LOADS[impl](path), reps=3)
 
-    def sample(path: str, impl: str) -> list[float]:  # run in a fresh interpreter by harness.call
-        return harness.times(lambda: LOADS[impl](path), reps=3)
+    got = harness.rounds(["engine", "reference"], a.runs, lambda impl: harness.call(sample, path, impl))
+    report = harness.Report()
+    for impl, samples in got.items():
+        report.add("local file -> CPU, owned", impl, [harness.median(s) for s in samples], nbytes)
+    report.against("x_reference", "reference")
+    return report.finish(a.json, "case", "impl", "median_s", "gbps", "x_reference")
 
-    def main(argv=None) -> int:
-        ap = harness.parser(__doc__)                 # with --json PATH
-        a = ap.parse_args(argv)
-        path = harness.checkpoint(harness.parse_size("64MB"))
-        got = harness.rounds(["engine", "reference"], 5, lambda impl: harness.call(sample, path, impl))
-        report = harness.Report()
-        for impl, samples in got.items():
-            report.add("local file -> CPU, owned", impl, [harness.median(s) for s in samples], nbytes)
-        report.against("x_reference", "reference")
-        return report.finish(a.json, "case", "impl", "median_s", "gbps", "x_reference")
-
-Every ``--json`` file has one shape (:meth:`Report.save`): ``{"script", "argv", "commit", "date",
-"machine": {"cores", "memory_gib", "cpu"}, "rows": [{"case", "impl", "median_s", "gbps", "bytes",
-"runs", "samples", ...}]}``; ``impl`` is ``engine`` (or ``engine, <variant>``), ``reference``, a
-peer's name, or ``limit: <what>`` for a machine limit measured in the same run.
+Every ``--json`` (:func:`parser`) has one shape (:meth:`Report.save`): ``{"script", "argv", "commit",
+"date", "machine": {"cores", "memory_gib", "cpu"}, "rows": [{"case", "impl", "median_s", "gbps",
+"bytes", "runs", "samples", ...}]}``; ``impl`` is ``engine`` (``engine, <variant>``), ``reference``,
+a peer's name, or ``limit: <what>`` for a machine limit measured in the same run.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 #!/usr/bin/env python
 """Where the first open's time goes: every module the engine imports on the way to its first
-``safe_open`` (and first tensor), with what each costs itself, children excluded.
+``safe_open`` and first tensor, with what each costs itself, children excluded.
 
-Each sample is a fresh interpreter that imports torch first (untimed, as the processes that
-use ``framework="pt"`` have it), then hooks the import system and runs the first-open code of
-``scripts/bench_core.py`` (``import engine``, ``safe_open(f, "pt")``, every dtype and shape,
-one ``get_tensor``).  Per module it prints the median over ``--runs`` samples of
-
-* ``load``: finding and reading the compiled file, unmarshalling it (``.py`` modules), or
-  loading the shared object (``dlopen`` and the module object, extensions);
-* ``exec``: running the module's body (for an extension, its native module init), less the
-  modules it imports in turn (but with the import system's work of finding them);
-
-and the total of the timed code, with the reference's total beside it.  What is left of the
-total after the modules is the open itself, the key loop and the tensor.  The engine's
-bytecode is compiled first (``python -m compileall engine``), as an install has it.
+Each sample is a bare fresh interpreter that imports torch first (untimed; ``--framework np``: not),
+hooks the import system and runs ``common.first_open_code`` (``import engine``, ``safe_open``, every
+dtype and shape, one ``get_tensor``).  Per module, the median of ``load`` (reading the compiled file
+or loading the shared object) and ``exec`` (running its body, less the modules it imports), and the
+total against the reference's (hooks off for it).
 
     python scripts/import_costs.py                 # the demo-sized 291-tensor file, 15 runs
     python scripts/import_costs.py --runs 31 --framework np --json out.json
