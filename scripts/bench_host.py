@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default="both", choices=["large", "small", "both"],
                     help="the page cache state of the file: large folios, 4 KiB pages, or a file in each")
     ap.add_argument("--aligned", action="store_true", help="also a copy of the file with its data on a 64-byte line")
-    ap.add_argument("--rows", default=None, help="only the rows whose case contains this text (and the limit)")
+    ap.add_argument("--rows", default=None, help="only the rows whose name contains this text (and the limit)")
     ap.add_argument("--dir", default=None)
     a = ap.parse_args(argv)
     common.compile_engine()
@@ -135,31 +135,37 @@ def main(argv=None) -> int:
     files = [(f" [{FOLIOS[st]}]" * (len(states) > 1) + btag, base if st == "large" else host.twin(base, "pages"), st)
              for btag, base in bases.items() for st in states]
     sources = ["auto", "pread", "mmap"] if a.source == "all" else [a.source]
-    # (case, impl, child kind, copy source, cold, file, state)
-    plan = [("warm file -> CPU memory", "limit: native memcpy", "limit", sources[0], False, path, states[0])]
+    plan = []  # (label, the old row name --rows matches; case; impl; child kind; copy source; cold; file; state)
+
+    def add(label, case, impl, kind, f=path, st=states[0], source=sources[0], cold=False):
+        if not a.rows or kind == "limit" or a.rows in label:
+            plan.append((label, case, impl, kind, source, cold, f, st))
+
+    add("limit", "warm file -> CPU memory", "limit: native memcpy", "limit")
     for ftag, f, st in files:
-        case = f"warm file -> CPU memory{ftag}"
-        plan += [(case, "limit: native pread", "floor-pread", sources[0], False, f, st),
-                 (case, "limit: native fresh mapping", "floor-mapped", sources[0], False, f, st),
-                 (f"load_into{ftag}", "reference", "reference", sources[0], False, f, st)]
+        add(f"floor: native pread{ftag}", f"warm file -> CPU memory{ftag}", "limit: native pread", "floor-pread", f, st)
+        add(f"floor: native fresh mapping{ftag}", f"warm file -> CPU memory{ftag}", "limit: native fresh mapping",
+            "floor-mapped", f, st)
         for s in sources:
-            tag = f" [{s}]" * (len(sources) > 1) + ftag
-            plan += [(f"page cache -> page-locked chunk, dma=none{tag}", "engine", "device-none", s, False, f, st),
-                     (f"page cache -> page-locked chunk, dma=none{tag}", "engine, staging kept", "device-none-keep",
-                      s, False, f, st),
-                     (f"page cache -> page-locked chunk, dma=none{tag}", "engine, staging and mappings kept",
-                      "device-none-kept", s, False, f, st),
-                     (f"ring alone, 4 KiB chunks, dma=none{tag}", "engine", "ringrate-none", s, False, f, st),
-                     (f"page cache -> page-locked chunk, dma=memcpy{tag}", "engine", "device-memcpy", s, False, f, st),
-                     (f"load_into{ftag}", "engine" + f" [{s}]" * (len(sources) > 1), "engine", s, False, f, st),
-                     (f"load_into{ftag}", "engine, mappings kept" + f" [{s}]" * (len(sources) > 1), "engine-kept",
-                      s, False, f, st)]
+            tag, stag = f" [{s}]" * (len(sources) > 1) + ftag, f" [{s}]" * (len(sources) > 1)
+            chunk = f"page cache -> page-locked chunk, dma=none{tag}"
+            add(f"engine copy path, dma=none{tag}", chunk, "engine", "device-none", f, st, s)
+            add(f"engine ring alone, 4 KiB chunks, dma=none{tag}", f"ring alone, 4 KiB chunks, dma=none{tag}", "engine",
+                "ringrate-none", f, st, s)
+            add(f"engine copy path, dma=none, staging kept{tag}", chunk, "engine, staging kept", "device-none-keep", f,
+                st, s)
+            add(f"engine copy path, dma=none, staging and mappings kept{tag}", chunk, "engine, staging and mappings kept",
+                "device-none-kept", f, st, s)
+            add(f"engine copy path, dma=memcpy{tag}", f"page cache -> page-locked chunk, dma=memcpy{tag}", "engine",
+                "device-memcpy", f, st, s)
+            add(f"load_into{tag}", f"load_into{ftag}", "engine" + stag, "engine", f, st, s)
+            add(f"load_into, mappings kept{tag}", f"load_into{ftag}", "engine, mappings kept" + stag, "engine-kept", f,
+                st, s)
+        add(f"reference load_file + copy_{ftag}", f"load_into{ftag}", "reference", "reference", f, st)
     if a.cold:
-        plan += [("cold file -> CPU memory", "limit: native pread", "floor-pread", sources[0], True, path, "large"),
-                 ("load_into cold", "engine", "engine", sources[0], True, path, "large"),
-                 ("load_into cold", "reference", "reference", sources[0], True, path, "large")]
-    if a.rows:
-        plan = [p for p in plan if p[2] == "limit" or a.rows in p[0]]
+        add("floor: native pread, cold", "cold file -> CPU memory", "limit: native pread", "floor-pread", cold=True)
+        add("load_into cold", "load_into cold", "engine", "engine", cold=True)
+        add("reference cold", "load_into cold", "reference", "reference", cold=True)
     for _, f, st in files:
         gained = host.cache_state(f, st)
         if gained is not None:
@@ -167,7 +173,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
 
     def one(p):
-        _, _, kind, source, cold, f, st = p
+        kind, source, cold, f, st = p[3:]
         if not cold:
             host.cache_state(f, st, evict=False)  # whatever was reclaimed comes back in its state
         return harness.call(sample, kind, f, a.reps, cold, env=harness.child_env(ENGINE_COPY_SOURCE=source))
@@ -175,8 +181,8 @@ def main(argv=None) -> int:
     got = harness.rounds(plan, a.runs, one)
     report = harness.Report()
     for p, samples in got.items():
-        case, impl, kind = p[:3]
-        extra = {"ok": all(s.get("ok", True) for s in samples), "peak_rss_bytes": max(s["maxrss"] for s in samples)}
+        label, case, impl, kind = p[:4]
+        extra = {"row": label, "ok": all(s.get("ok", True) for s in samples), "peak_rss_bytes": max(s["maxrss"] for s in samples)}
         if any(s.get("huge_gained_kib") is not None for s in samples):
             extra["huge_gained_kib"] = harness.median(s.get("huge_gained_kib", 0) for s in samples)
         if "first" in samples[0] and not kind.startswith(("device", "ringrate")):
