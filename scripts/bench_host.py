@@ -33,15 +33,6 @@ from benchmarks import common, host
 FOLIOS = {"large": "large folios", "small": "4 KiB pages"}
 
 
-def _tensors(path: str):
-    import torch
-
-    import engine
-
-    h = engine.read_header(path)
-    return {k: torch.empty(h[k].shape, dtype=torch.bfloat16).fill_(1) for k in h.keys()}  # pre-faulted
-
-
 def sample(kind: str, path: str, reps: int, cold: bool) -> dict:
     """One sample of ``kind`` (runs in a fresh process): the first call's seconds, the next calls'."""
     out: dict = {}
@@ -86,7 +77,7 @@ def sample(kind: str, path: str, reps: int, cold: bool) -> dict:
         import engine
 
         lib, _, mode = kind.partition("-")
-        dst = _tensors(path)
+        dst = harness.destination(path)
         if lib == "engine":
             engine.keep_mappings(mode == "kept")
 

@@ -29,13 +29,11 @@ ROWS = {"floor": "limit: native pread", "one stream": "limit: one stream of 8 Mi
 
 def sample(path: str, row: str) -> float:
     """One cold load through the mount in this fresh process: its seconds."""
-    import torch
 
     import engine
 
     floor = host.Floor(path, "pread") if row == "floor" else None  # its destination allocated here, untimed
-    h = engine.read_header(path)
-    dest = {k: torch.empty(i.shape, dtype=torch.float32).fill_(0) for k, i in h.items()}
+    dest = harness.destination(path)
     common.evict_cache(path)  # cold in the FUSE mount's page cache
 
     def stream():

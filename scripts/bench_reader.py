@@ -101,19 +101,9 @@ def _loads(path: str, dst: dict) -> dict:
                                                        lambda: _bare_cold(path, direct=True))}
 
 
-def _dest(path: str) -> dict:
-    """Pre-faulted BF16 tensors for every tensor of ``path``: memory a model already owns."""
-    import torch
-
-    import engine
-
-    h = engine.read_header(path)
-    return {k: torch.empty(h[k].shape, dtype=torch.bfloat16).zero_() for k in h.keys()}
-
-
 def fresh_sample(case: str, impl: str, path: str) -> float:
     """One timed sample in this fresh process: its seconds."""
-    fn = _loads(path, _dest(path))[case][impl == "reference"]
+    fn = _loads(path, harness.destination(path))[case][impl == "reference"]
     (evict if "cold" in case else warm)(path)
     return harness.times(fn, 1, warmup=0)[0]
 
@@ -233,7 +223,7 @@ def main(argv=None) -> int:
             report.add(case + " [fresh]", "engine", got["engine"], nbytes, note=note, x_other=ratio)
             report.add(case + " [fresh]", "reference", got["reference"], nbytes)
     if a.only in (None, "load"):
-        loads = _loads(path, _dest(path))
+        loads = _loads(path, harness.destination(path))
         for case, (ours, theirs), before, note in (
                 ("owned CPU load, warm (pread)", loads["load_file pread, cold"], None, "load_file(backend='pread')"),
                 ("load_into, warm", loads["load_into, warm"], None, "reference load_file + copy_"),

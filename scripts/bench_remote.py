@@ -53,14 +53,11 @@ def engine_load(url: str, options: dict, repeat: int = 0) -> dict:
 
 
 def engine_load_into(url: str) -> dict:
-    import torch
 
     import engine
     import engine.urls.remote
 
-    dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-    out = {k: torch.ones(h[k].shape, dtype=dt[h[k].dtype]) for h in engine.urls.remote.read_metadata(url).headers.values()
-           for k in h.keys()}
+    out = harness.destination(list(engine.urls.remote.read_metadata(url).headers.values()))
     return _measure(lambda: (engine.load_into(url, out), out)[1])
 
 

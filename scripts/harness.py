@@ -256,6 +256,18 @@ def _write_values(path: str, entries: list, values: str) -> None:
     os.replace(path + ".partial", path)
 
 
+def destination(headers) -> dict:
+    """Torch tensors shaped and typed as every tensor of ``headers`` (a file's path, or headers), every
+    page written once: the memory a model's parameters already own when a load fills them."""
+    import torch
+
+    import engine
+
+    dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    headers = [engine.read_header(headers)] if isinstance(headers, str) else headers
+    return {k: torch.empty(h[k].shape, dtype=dt[h[k].dtype]).fill_(1) for h in headers for k in h.keys()}
+
+
 @contextlib.contextmanager
 def served(directory: str) -> Iterator[tuple]:
     """nginx (tests/servers.py) on 127.0.0.1 serving the checkpoint ``directory`` from a warm page
