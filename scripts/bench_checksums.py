@@ -49,15 +49,21 @@ def sample(case: str, impl: str, path: str, plain: str, reps: int) -> list[float
     # each call replaces an existing copy of the plain file, as add_checksums replaces its file
     out = os.path.join(os.path.dirname(plain), "rewrite.safetensors")
     temp = out + ".tmp"
+
+    def rewrite() -> None:
+        if impl == "engine add_checksums":
+            checksums.add_checksums(out, fsync=False)
+            return
+        if impl.endswith("copyfile"):
+            shutil.copyfile(plain, temp)
+        else:
+            _streamed_copy(plain, temp, checksums.STEP_BYTES)
+        os.replace(temp, out)
+
     times = []
     for _ in range(reps + 1):
         shutil.copyfile(plain, out)  # untimed: the file to replace
-        if impl == "engine add_checksums":
-            times.append(harness.times(lambda: checksums.add_checksums(out, fsync=False), 1, warmup=0)[0])
-            continue
-        copy = (lambda: shutil.copyfile(plain, temp)) if impl.endswith("copyfile") else (
-            lambda: _streamed_copy(plain, temp, checksums.STEP_BYTES))
-        times.append(harness.times(lambda: (copy(), os.replace(temp, out)), 1, warmup=0)[0])  # noqa: B023
+        times += harness.times(rewrite, 1, warmup=0)
     os.remove(out)
     return times[1:]
 

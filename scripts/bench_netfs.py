@@ -49,8 +49,10 @@ def sample(path: str, row: str) -> float:
             for k in sorted(f.keys()):
                 dest[k].copy_(f.get_tensor(k))
 
-    run = {"floor": floor.run if floor else None, "one stream": stream, "load_into": lambda: engine.load_into(path, dest),
-           "load_into mapped": lambda: engine.load_into(path, dest)}.get(row, loop)
+    def into():
+        engine.load_into(path, dest)
+
+    run = floor.run if floor else {"one stream": stream, "load_into": into, "load_into mapped": into}.get(row, loop)
     return harness.times(run, 1, warmup=0)[0]
 
 

@@ -36,8 +36,14 @@ def sample(size: int, huge: bool, threads: int) -> dict:
             if libc.madvise(base + off, min(step, size - off), 23) != 0:  # MADV_POPULATE_WRITE
                 raise OSError(ctypes.get_errno(), "madvise")
 
-    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-    seconds = harness.times(lambda: ([t.start() for t in pool], [t.join() for t in pool]), 1, warmup=0)[0]
+    def run() -> None:
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+
+    seconds = harness.times(run, 1, warmup=0)[0]
     with open("/proc/self/smaps_rollup") as f:
         huge_kib = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
     return {"seconds": seconds, "huge_kib": huge_kib}

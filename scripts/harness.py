@@ -103,7 +103,7 @@ class _Proc:
 
     def result(self, timeout: float, check: bool):
         try:
-            rc = self.proc.wait(timeout=timeout)
+            rc: int | str = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             rc = f"killed after {timeout:g} s ({self.proc.wait()})"
