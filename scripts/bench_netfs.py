@@ -1,136 +1,95 @@
-#!/usr/bin/env python
-"""Loads from a network-like mount: a file read through a real FUSE file system (bindfs over
-a tmpfs folder, so that the daemon, not a disk, is what each read crosses), cold in the FUSE
-mount's page cache for every sample.
+"""Loads from a network-like mount: a file read through a real FUSE file system (bindfs over a tmpfs
+folder: the daemon, not a disk, is what each read crosses), cold in the mount's page cache for every
+sample; each row the median of fresh processes (torch imported, destination tensors touched first).
 
-Rows, each the median of ``--runs`` fresh processes (torch imported, destination tensors
-allocated and touched before the timing), interleaved:
+Rows: ``limit: native pread`` (``host.Floor``: one thread per core, each ``pread``-ing its share:
+far-apart streams FUSE's read-ahead takes for random reads), ``limit: one stream`` (8 MiB ``preadv``
+calls front to back: a ``cat``), ``engine`` (``engine.load_into``, the source it chooses: ``pread``
+on FUSE), ``engine, mapped`` (``ENGINE_COPY_SOURCE=mmap``), ``engine, get_tensor loop`` (``safe_open``
+and ``get_tensor`` of every name copied into the destination, as sglang's and vLLM's weight
+iterators do) and ``reference`` (the same loop with ``safetensors``).  Needs bindfs and /dev/fuse.
 
-* ``floor``: native code, nothing of the engine's, as ``scripts/bench_host.py`` prices a load:
-  ``asv_benchmarks/benchmarks/host.py`` ``Floor(path, "pread")``, one thread per core, each
-  ``pread``-ing its contiguous share in 16 MiB requests into pre-faulted memory.  Through a
-  FUSE mount the shares are far-apart streams on one descriptor, which the kernel's read-ahead
-  takes for random reads, so this is a floor and not the mount's limit;
-* ``one stream``: one thread reading the file front to back with 8 MiB ``preadv`` calls (what a
-  ``cat`` of the file costs through the mount);
-* ``load_into``: ``engine.load_into`` as it chooses its source (``pread`` on a network or
-  FUSE mount);
-* ``load_into mapped``: the same with ``ENGINE_COPY_SOURCE=mmap``, the source it took on such
-  a mount before (a populated mapping: the file faulted in through the mount);
-* ``get_tensor loop``: ``engine.safe_open(f, "pt")``, ``get_tensor`` of every name in sorted
-  order and a copy into the destination (the loop of sglang's and vLLM's weight iterators);
-* ``reference``: the same loop with the reference ``safetensors``.
-
-Needs root (or FUSE rights), bindfs and /dev/fuse.  Prints GB/s and ratios to the floor and
-to the reference.
-
-    python scripts/bench_netfs.py                 # 1 GiB of F32, 5 runs
+    python scripts/bench_netfs.py                 # 1 GiB, 5 runs
     python scripts/bench_netfs.py --gib 2 --runs 7
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+import harness
+from benchmarks import common, host
 
-CHILD = r"""
-import os, sys, time
-import torch
-path, row = sys.argv[1], sys.argv[2]
-import engine
-if row == "floor":
-    sys.path.insert(0, "asv_benchmarks")
-    from benchmarks import host
-    floor = host.Floor(path, "pread")  # its destination is allocated and touched here, untimed
-h = engine.read_header(path)
-dest = {k: torch.empty(i.shape, dtype=torch.float32) for k, i in h.items()}
-for t in dest.values():
-    t.fill_(0)
-fd = os.open(path, os.O_RDONLY)
-os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold in the FUSE mount's page cache
-os.close(fd)
-t0 = time.perf_counter()
-if row == "floor":
-    floor.run()
-elif row == "one stream":
-    fd = os.open(path, os.O_RDONLY)
-    buf = bytearray(8 << 20)
-    while os.readv(fd, [buf]):
-        pass
-    os.close(fd)
-elif row.startswith("load_into"):
-    engine.load_into(path, dest)
-else:
-    lib = engine if row == "get_tensor loop" else __import__("safetensors")
-    with lib.safe_open(path, framework="pt") as f:
-        for k in sorted(f.keys()):
-            dest[k].copy_(f.get_tensor(k))
-print(time.perf_counter() - t0)
-"""
-
-ROWS = ("floor", "one stream", "load_into", "load_into mapped", "get_tensor loop", "reference")
+ROWS = {"floor": "limit: native pread", "one stream": "limit: one stream of 8 MiB reads", "load_into": "engine",
+        "load_into mapped": "engine, mapped", "get_tensor loop": "engine, get_tensor loop", "reference": "reference"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def sample(path: str, row: str) -> float:
+    """One cold load through the mount in this fresh process: its seconds."""
+
+    import engine
+
+    floor = host.Floor(path, "pread") if row == "floor" else None  # its destination allocated here, untimed
+    dest = harness.destination(path)
+    common.evict_cache(path)  # cold in the FUSE mount's page cache
+
+    def stream():
+        fd = os.open(path, os.O_RDONLY)
+        buf = bytearray(8 << 20)
+        while os.readv(fd, [buf]):
+            pass
+        os.close(fd)
+
+    def loop():
+        lib = engine if row == "get_tensor loop" else __import__("safetensors")
+        with lib.safe_open(path, framework="pt") as f:
+            for k in sorted(f.keys()):
+                dest[k].copy_(f.get_tensor(k))
+
+    def into():
+        engine.load_into(path, dest)
+
+    run = floor.run if floor else {"one stream": stream, "load_into": into, "load_into mapped": into}.get(row, loop)
+    return harness.times(run, 1, warmup=0)[0]
+
+
+def main(argv=None) -> int:
+    ap = harness.parser(__doc__)
     ap.add_argument("--gib", type=float, default=1.0, help="file size in GiB of F32 tensors of 32 MiB")
     ap.add_argument("--runs", type=int, default=5)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    from servers import FuseMount
+
     if shutil.which("bindfs") is None or not os.path.exists("/dev/fuse"):
-        sys.exit("needs bindfs (apt-get install bindfs) and /dev/fuse")
-    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "engine")], check=True)
+        harness.cannot("needs bindfs (apt-get install bindfs) and /dev/fuse")
+    common.compile_engine()
     base = tempfile.mkdtemp(prefix="engine-netfs-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    src, mnt = os.path.join(base, "src"), tempfile.mkdtemp(prefix="engine-netfs-mnt-")
-    os.makedirs(src)
     try:
-        import numpy as np
-
-        sys.path.insert(0, REPO)
-        import engine.numpy
-
-        n = max(1, round(a.gib * 32))
-        rng = np.random.default_rng(0)
-        engine.numpy.save_file({f"layers.{i}.weight": rng.standard_normal((2048, 4096), dtype=np.float32)
-                                for i in range(n)}, os.path.join(src, "m.safetensors"))
-        size = os.path.getsize(os.path.join(src, "m.safetensors"))
-        subprocess.run(["bindfs", src, mnt], check=True)
+        src = harness.checkpoint(0, os.path.join(base, "src"), entries=[
+            (f"layers.{i}.weight", "F32", (2048, 4096)) for i in range(max(1, round(a.gib * 32)))])
+        size = os.path.getsize(src)
+        env = {r: harness.child_env(ENGINE_COPY_SOURCE="mmap" if r == "load_into mapped" else None) for r in ROWS}
         try:
-            path = os.path.join(mnt, "m.safetensors")
-            times: dict[str, list[float]] = {r: [] for r in ROWS}
-            for run in range(a.runs + 1):  # the first round warms up, untimed
-                for row in ROWS:
-                    env = dict(os.environ)
-                    env.pop("ENGINE_COPY_SOURCE", None)
-                    if row == "load_into mapped":
-                        env["ENGINE_COPY_SOURCE"] = "mmap"
-                    out = subprocess.run([sys.executable, "-c", CHILD, path, row], capture_output=True, text=True,
-                                         cwd=REPO, env=env)
-                    if out.returncode:
-                        sys.exit(f"{row}: {out.stderr.strip()[-400:]}")
-                    if run:
-                        times[row].append(float(out.stdout.split()[-1]))
-        finally:
-            subprocess.run(["fusermount", "-u", mnt], check=False)
+            with FuseMount(os.path.dirname(src), os.path.join(base, "mnt")) as mount:
+                path = mount.path(os.path.basename(src))
+                got = harness.rounds(ROWS, a.runs, lambda r: harness.call(sample, path, r, env=env[r]), warmup=True)
+        except BaseException as exc:  # FuseMount says why it cannot mount with pytest's skip
+            if type(exc).__name__ != "Skipped":
+                raise
+            harness.cannot(str(exc))
     finally:
         shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(mnt, ignore_errors=True)
-    med = {r: statistics.median(v) for r, v in times.items()}
-    print(f"{size / 1e9:.2f} GB through bindfs (FUSE) over tmpfs, cold in the mount's page cache, "
-          f"median of {a.runs} fresh processes")
-    print("| row | ms | GB/s | x floor | x reference | samples (ms) |")
-    print("|---|---|---|---|---|---|")
-    for r in ROWS:
-        print(f"| {r} | {med[r] * 1e3:.0f} | {size / med[r] / 1e9:.2f} | {med['floor'] / med[r]:.2f} | "
-              f"{med['reference'] / med[r]:.2f} | {' '.join(f'{t * 1e3:.0f}' for t in times[r])} |")
+    report = harness.Report()
+    for row, secs in got.items():
+        report.add("file on a FUSE mount (bindfs over tmpfs), cold -> CPU tensors", ROWS[row], secs, size)
+    floor, ref = report.seconds(impl=ROWS["floor"]), report.seconds(impl="reference")
+    report.ratio("x_floor", lambda r: floor)
+    report.ratio("x_reference", lambda r: ref)
+    return report.finish(a.json, "impl", "median_s", "gbps", "x_floor", "x_reference")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,43 +1,36 @@
 """vLLM's weight-loading time with its own loader and with the engine's load format.
 
-Writes a Llama-shaped sharded checkpoint of ``--gb`` gigabytes (random weights, a
-``config.json``; no tokenizer: the engine is started with ``skip_tokenizer_init``), reads it
-once so that the page cache is warm, then starts vLLM in a fresh process per sample and load
-format, interleaved (sample 1 of every format, then sample 2, ...), and reads the time vLLM
-logs ("Loading weights took X seconds": from the weights iterator to the end of the model's
-``load_weights``; the engine's format logs the same line over the same span).  Prints the
-median of each format and its ratio to vLLM's default (``safetensors``).
+Writes a Llama-shaped sharded checkpoint of ``--gb`` GB (weight-like values, a ``config.json``; vLLM
+starts with ``skip_tokenizer_init``), warm in the page cache (``--cold``: evicted before each
+sample), starts vLLM in a fresh process per sample and format, interleaved, and reads the time it
+logs ("Loading weights took X seconds"; the engine's format logs the same span).  Run it with the
+Python of a venv with vLLM and the engine (``.ci/vllm_lane.sh install`` makes one) or name it with
+``--python``; without vLLM the rows say so.  ``--engine-config``: the engine format's
+``--model-loader-extra-config`` (e.g. ``'{"cpu": "owned"}'``).
 
     python scripts/bench_vllm.py                         # 1.05 GB float32, 5 samples, CPU
     python scripts/bench_vllm.py --gb 0.05 --runs 1      # a dry run
-    python scripts/bench_vllm.py --cold                  # the checkpoint evicted before each sample
     python scripts/bench_vllm.py --load-formats safetensors,safetensors_engine,instanttensor,fastsafetensors \\
         --dtype bfloat16 --gb 8                          # a GPU host with those packages
-
-Run it with the Python of a venv that has vLLM and the engine installed (``.ci/vllm_lane.sh
-install`` makes one).  ``--engine-config`` passes ``--model-loader-extra-config`` to the
-engine's format (e.g. ``'{"cpu": "owned"}'``); ``--json`` writes every sample.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-TOOK = re.compile(r"Loading weights took ([0-9.]+) seconds")
+import harness
+from benchmarks import common
 
-# TinyLlama's shape: hidden 2048, 32 heads of 64, 4 KV heads, MLP 5632, vocabulary 32000
-HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 2048, 5632, 32, 4, 32000
+TOOK = re.compile(r"Loading weights took ([0-9.]+) seconds")
+DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+IMPLS = {"safetensors": "reference", "safetensors_engine": "engine", "runai_streamer": "runai"}
 
 CHILD = r"""
 import os, sys, json
@@ -54,47 +47,22 @@ LLM(**kw)
 """
 
 
-def layers_for(gb: float, itemsize: int) -> int:
-    per_layer = (2 * HIDDEN * HIDDEN + 2 * KV_HEADS * 64 * HIDDEN + 3 * HIDDEN * INTER + 2 * HIDDEN) * itemsize
-    fixed = (2 * VOCAB * HIDDEN + HIDDEN) * itemsize
-    return max(1, -(-int(gb * 1e9 - fixed) // per_layer))
-
-
 def write_checkpoint(directory: str, gb: float, dtype: str) -> int:
-    """A Llama-shaped sharded checkpoint of about ``gb`` GB (at least one layer); returns its bytes."""
-    import torch
-
-    sys.path.insert(0, ROOT)
-    from engine.checkpoints.shards import save_sharded
-
-    tdtype = getattr(torch, dtype)
-    itemsize = torch.empty((), dtype=tdtype).element_size()
-    layers = layers_for(gb, itemsize)
-    hidden, inter, vocab = HIDDEN, INTER, VOCAB
-    if gb < 0.2:  # a dry run: a narrower model, still at least one layer of every kind
-        hidden, inter, vocab = 256, 704, 4000
-        layers = 2
-    gen = torch.Generator().manual_seed(0)
-
-    def w(*shape):
-        return (torch.randn(*shape, generator=gen) * 0.02).to(tdtype)
-
-    kv = KV_HEADS * 64 if hidden >= KV_HEADS * 64 * 2 else hidden // 2
-    t = {"model.embed_tokens.weight": w(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=tdtype)
-        t[p + "self_attn.q_proj.weight"] = w(hidden, hidden)
-        t[p + "self_attn.k_proj.weight"] = w(kv, hidden)
-        t[p + "self_attn.v_proj.weight"] = w(kv, hidden)
-        t[p + "self_attn.o_proj.weight"] = w(hidden, hidden)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=tdtype)
-        t[p + "mlp.gate_proj.weight"] = w(inter, hidden)
-        t[p + "mlp.up_proj.weight"] = w(inter, hidden)
-        t[p + "mlp.down_proj.weight"] = w(hidden, inter)
-    t["model.norm.weight"] = torch.ones(hidden, dtype=tdtype)
-    t["lm_head.weight"] = w(vocab, hidden)
-    save_sharded(t, directory, max_shard_size="500MB", fsync=False)
+    """A Llama-shaped sharded checkpoint of about ``gb`` GB (TinyLlama's widths; a narrower model for
+    a dry run under 0.2 GB) and its ``config.json``; returns its tensor bytes."""
+    item = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    hidden, inter, vocab, kv = (2048, 5632, 32000, 256) if gb >= 0.2 else (256, 704, 4000, 128)
+    fixed = common.entries_bytes(common.model_entries(0, hidden, inter, vocab, kv)) // 2 * item
+    per_layer = common.entries_bytes(common.model_entries(1, hidden, inter, vocab, kv)) // 2 * item - fixed
+    layers = max(1, -(-int(gb * 1e9 - fixed) // per_layer)) if gb >= 0.2 else 2
+    entries = common.model_entries(layers, hidden, inter, vocab, kv, dtype=DTYPES[dtype])
+    path = harness.checkpoint(0, directory, values="weights", entries=entries)
+    nbytes = common.entries_bytes(entries) // 2 * item
+    shards = common.sharded_copy(path, -(-nbytes // 500_000_000))
+    for f in os.listdir(shards):
+        os.replace(os.path.join(shards, f), os.path.join(directory, f))
+    os.rmdir(shards)
+    os.remove(path)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": inter, "num_attention_heads": hidden // 64, "num_key_value_heads": kv // 64,
@@ -104,45 +72,24 @@ def write_checkpoint(directory: str, gb: float, dtype: str) -> int:
     }
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
-    return sum(x.numel() * x.element_size() for x in t.values())
+    return nbytes
 
 
-def warm(directory: str) -> None:
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), "rb") as f:
-            while f.read(64 << 20):
-                pass
-
-
-def evict(directory: str) -> None:
-    """Drop the checkpoint's pages from the page cache (``POSIX_FADV_DONTNEED``; clean pages
-    of a file nobody maps go at once), for a cold-cache sample."""
-    for name in sorted(os.listdir(directory)):
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def sample(python: str, model: str, fmt: str, dtype: str, extra, memory, timeout: float) -> dict:
+def sample(python: str, model: str, fmt: str, dtype: str, extra, memory, timeout: float) -> float:
+    """One vLLM start in a fresh process: the load time it logs."""
     args = {"model": model, "format": fmt, "dtype": dtype, "extra": extra, "memory": memory}
-    started = time.perf_counter()
     proc = subprocess.run([python, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - started
-    out = proc.stdout + proc.stderr
-    found = TOOK.findall(out)
+    found = TOOK.findall(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not found:
-        tail = "\n".join(out.splitlines()[-25:])
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
         raise SystemExit(f"load format {fmt!r}: exit {proc.returncode}, no load time logged:\n{tail}")
-    return {"format": fmt, "seconds": float(found[-1]), "process_s": round(wall, 2)}
+    return float(found[-1])
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--gb", type=float, default=1.05, help="checkpoint size in GB (default 1.05)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
     ap.add_argument("--runs", type=int, default=5, help="samples per load format (default 5)")
     ap.add_argument("--load-formats", default="safetensors,safetensors_engine",
                     help="comma-separated; the first is the baseline of the ratios")
@@ -156,9 +103,7 @@ def main(argv=None) -> int:
                     help="evict the checkpoint from the page cache before every sample (default: warm)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per sample")
     ap.add_argument("--python", default=sys.executable, help="the Python that runs vLLM (default: this one)")
-    ap.add_argument("--json", default=None, help="write every sample here")
     a = ap.parse_args(argv)
-
     formats = [f.strip() for f in a.load_formats.split(",") if f.strip()]
     extra = json.loads(a.engine_config) if a.engine_config else None
     memory = a.memory
@@ -168,38 +113,33 @@ def main(argv=None) -> int:
         memory = None if torch.cuda.is_available() else 0.25
     directory = a.dir or tempfile.mkdtemp(prefix="bench_vllm-")
     os.makedirs(directory, exist_ok=True)
+    report = harness.Report()
     try:
         nbytes = write_checkpoint(directory, a.gb, a.dtype)
-        warm(directory)
-        print(f"checkpoint: {directory}, {nbytes / 1e9:.3f} GB of {a.dtype} weights, "
-              f"{len([n for n in os.listdir(directory) if n.endswith('.safetensors')])} shards; "
-              f"page cache {'cold (evicted before each sample)' if a.cold else 'warm'}")
-        samples: list[dict] = []
-        for run in range(a.runs):
-            for fmt in formats:
-                if a.cold:
-                    evict(directory)
-                s = sample(a.python, directory, fmt, a.dtype, extra if fmt == "safetensors_engine" else None,
-                           memory, a.timeout)
-                s["run"] = run
-                samples.append(s)
-                print(f"  run {run + 1}/{a.runs} {fmt:20s} {s['seconds']:.2f} s (process {s['process_s']:.1f} s)",
-                      flush=True)
-        base = statistics.median(s["seconds"] for s in samples if s["format"] == formats[0])
-        print(f"\n{'load format':22s} {'median s':>9s} {'min s':>7s} {'GB/s':>6s} {'vs ' + formats[0]:>16s}")
-        for fmt in formats:
-            xs = [s["seconds"] for s in samples if s["format"] == fmt]
-            med = statistics.median(xs)
-            rate = nbytes / med / 1e9 if med else float("inf")
-            ratio = base / med if med else float("inf")
-            print(f"{fmt:22s} {med:9.2f} {min(xs):7.2f} {rate:6.2f} {ratio:15.2f}x")
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"bytes": nbytes, "dtype": a.dtype, "engine_config": extra, "samples": samples}, f, indent=1)
+        common.warm_cache(directory)
+        why = harness.missing("vllm", a.python)
+        case = f"vLLM load of a {nbytes / 1e9:.2f} GB {a.dtype} Llama, page cache {'cold' if a.cold else 'warm'}"
+
+        def one(fmt):
+            if a.cold:
+                common.evict_cache(directory)
+            t0 = time.perf_counter()
+            s = sample(a.python, directory, fmt, a.dtype, extra if fmt == "safetensors_engine" else None, memory,
+                       a.timeout)
+            return {"seconds": s, "process_s": time.perf_counter() - t0}
+
+        got = {f: [] for f in formats} if why else harness.rounds(formats, a.runs, one)
+        for fmt, samples in got.items():
+            report.add(case, IMPLS.get(fmt, fmt), [s["seconds"] for s in samples], nbytes, format=fmt,
+                       process_s=harness.median([s["process_s"] for s in samples] or [0]) or None, skipped=why)
+        base = report.rows[0]["median_s"]
+        report.ratio("x_" + formats[0], lambda r: base)
+        if why:
+            report.note(f"skipped: {why}")
     finally:
         if not a.keep and a.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
-    return 0
+    return report.finish(a.json, "format", "impl", "median_s", "gbps", "x_" + formats[0], "process_s")
 
 
 if __name__ == "__main__":

@@ -32,21 +32,19 @@ class GroupLoad:
     timeout = 600
 
     def setup(self, row, ranks):
-        import numpy as np
+        import bench_group
+        import harness
         from rangeserver import RangeServer
 
         import engine
 
         self.root = tempfile.mkdtemp(prefix="engine-asv-group-")
-        rng = np.random.default_rng(0)
-        sd = {f"layers.{i}.w": rng.standard_normal((8, MB * 10**6 // 4 // 64), dtype=np.float32) for i in range(8)}
-        engine.save_sharded(sd, os.path.join(self.root, "ckpt"), max_shard_size=MB * 10**6 // 4 + 1, checksums=True)
-        self.nbytes = sum(v.nbytes for v in sd.values())
+        directory = harness.checkpoint(0, self.root, entries=bench_group.entries(MB), shards=4, checksums=True)
+        self.nbytes = sum(engine.read_header(f).data_size for f in common.checkpoint_files(directory))
         self.server = RangeServer(self.root).start()
         self.server.bulk()
         self.server.rate = RATE
-        self.url = self.server.url("ckpt/model.safetensors.index.json")
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([common.REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+        self.url = self.server.url(os.path.basename(directory) + "/model.safetensors.index.json")
 
     def teardown(self, row, ranks):
         import shutil
@@ -55,10 +53,11 @@ class GroupLoad:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def _run(self, row, ranks):
-        from bench_group import _sample
+        import bench_group
+        import harness
 
         self.server.requests.clear()
-        _sample(self.url, ranks, "1" if row == "group" else "0", self.env, self.root)
+        harness.ranks(bench_group.rank, ranks, self.url, row == "group")
 
     def time_load(self, row, ranks):
         self._run(row, ranks)

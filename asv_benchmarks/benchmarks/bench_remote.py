@@ -11,9 +11,9 @@ page cache; nginx is started by the benchmark and skipped where it is not instal
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -21,7 +21,7 @@ import urllib.request
 from . import common
 
 common.ensure_engine_importable()
-sys.path.insert(0, os.path.join(common.REPO_ROOT, "tests"))
+sys.path[:0] = [os.path.join(common.REPO_ROOT, "tests"), os.path.join(common.REPO_ROOT, "scripts")]
 
 CKPT_BYTES = 256_000_000
 SHARDS = 4
@@ -39,25 +39,19 @@ class RemoteLoad:
         return common.sharded_copy(common.checkpoint_file(CKPT_BYTES), SHARDS)
 
     def setup(self, directory, row):
-        from servers import Nginx, nginx_binary
+        from servers import nginx_binary
 
         if nginx_binary() is None:
             raise NotImplementedError("nginx is not installed")
+        import harness
         import torch
 
         import engine
 
-        self.www = tempfile.mkdtemp(prefix="engine-asv-www-")
-        os.makedirs(os.path.join(self.www, "bucket"))
-        os.symlink(directory, os.path.join(self.www, "bucket", "ckpt"))
+        self.served = contextlib.ExitStack()
+        self.nginx, index, s3_index, self.env = self.served.enter_context(harness.served(directory))
         self.files = common.checkpoint_files(directory)
-        for f in self.files:
-            os.chmod(f, 0o644)
-        common.warm_cache(directory)
-        self.nginx = Nginx(self.www).start()
-        self.urls = [self.nginx.url("bucket/ckpt/" + os.path.basename(f)) for f in self.files]
-        index = self.nginx.url("bucket/ckpt/model.safetensors.index.json")
-        self.env = {"AWS_ENDPOINT_URL": self.nginx.base, "AWS_NO_SIGN_REQUEST": "1"}
+        self.urls = [self.nginx.url("ckpt/" + os.path.basename(f)) for f in self.files]
         headers = [engine.read_header(f) for f in self.files]
         self.dst = {k: torch.empty(h[k].shape, dtype=torch.bfloat16).fill_(1) for h in headers for k in h.keys()}
         self.scratch = tempfile.mkdtemp(prefix="engine-asv-dl-", dir=common.cache_dir())
@@ -65,21 +59,20 @@ class RemoteLoad:
             "line-rate": self._curl,
             "load_into-http": lambda: engine.load_into(index, self.dst),
             "load_into-s3": lambda: self._with_env(
-                lambda: engine.load_into("s3://bucket/ckpt/model.safetensors.index.json", self.dst)),
+                lambda: engine.load_into(s3_index, self.dst)),
             "load_file-http": lambda: self._load_file(index),
             "download-reference": self._download_reference,
         }[row]
         self.run()  # first touch of the destination and the connections
 
     def teardown(self, directory, row):
-        self.nginx.stop()
-        shutil.rmtree(self.www, ignore_errors=True)
+        self.served.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _curl(self) -> None:
-        procs = [subprocess.Popen(["curl", "-s", "-f", "-o", "/dev/null", u]) for u in self.urls]
-        if any(p.wait() for p in procs):
-            raise RuntimeError("curl failed")
+        import harness
+
+        harness.curl(self.urls)
 
     def _with_env(self, fn) -> None:
         old = {k: os.environ.get(k) for k in self.env}

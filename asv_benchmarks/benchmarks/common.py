@@ -1,4 +1,4 @@
-"""Benchmark data shared by the asv suites and ``scripts/bench_core.py``.
+"""Benchmark data shared by the asv suites and the scripts (``scripts/harness.py`` builds on it).
 
 Files are written directly (header JSON + bytes), with numpy only: the data does not
 depend on the code under test, so every commit is measured on the same bytes.  The layout
@@ -494,16 +494,6 @@ def reference_shards(path: str, plan, rank: int, world: int, opener=None) -> dic
                 parts = [sl[index] for index, _ in shard_index(name, sl.get_shape(), action, rank, world)]
                 got[name] = (parts[0] if len(parts) == 1 else torch.cat(parts, action.dim)).contiguous()
     return got
-
-
-def parse_size(text: str) -> int:
-    """Bytes of ``"2GB"``, ``"256MiB"``, ``"512MB"`` or a plain number (the scripts' ``--size``)."""
-    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-    t = text.strip().upper()
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * units[u])
-    return int(t)
 
 
 def best_time(fn, n: int = 5) -> float:

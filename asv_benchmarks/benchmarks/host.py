@@ -342,10 +342,12 @@ class BenchDevice:
 
 class RingLoad:
     """The engine's device copy path (the chunk ring, default geometry) for every tensor of
-    ``path`` into pre-faulted "device" buffers of a :class:`BenchDevice`; ``run()`` loads once."""
+    ``path`` into pre-faulted "device" buffers of a :class:`BenchDevice`; ``run()`` loads once.
+    ``verify``: the file's per-tensor checksums checked as the copy threads fill each chunk."""
 
-    def __init__(self, path: str, dma: str = "memcpy", slot_bytes: int | None = None) -> None:
+    def __init__(self, path: str, dma: str = "memcpy", slot_bytes: int | None = None, verify: bool = False) -> None:
         import engine
+        from engine.format import checksums
         from engine.loading import pipeline
         from engine.planning.plan import plan_reads
 
@@ -362,13 +364,14 @@ class RingLoad:
         self.path = path
         self.dma = dma
         self.slot_bytes = slot_bytes
+        self.checks = checksums.Checks.of(h, path) if verify else None
 
     def run(self) -> None:
         dev = BenchDevice(self.dma)
         try:
-            self.pipeline.run(self.fd, self.requests,
-                              self.pipeline.Destination(device_targets=self.targets, device_ops=dev),
-                              path=self.path, threads=threads(), slot_bytes=self.slot_bytes, gpu_path="copy")
+            self.pipeline.run_sources([self.pipeline.Source(self.fd, self.path, self.requests, checks=self.checks)],
+                                      self.pipeline.Destination(device_targets=self.targets, device_ops=dev),
+                                      threads=threads(), slot_bytes=self.slot_bytes, gpu_path="copy")
         finally:
             dev.close()
 

@@ -1,0 +1,197 @@
+"""The first screen of BENCHMARKS.md: one table and one picture, made from the benchmarks' JSON.
+
+    python scripts/bench_page.py          # docs/bench/*.json -> BENCHMARKS.md's table + docs/bench/paths.svg
+    python scripts/bench_page.py --run    # first run every benchmark of the table, writing docs/bench/*.json
+
+Each path of ``PATHS`` names the script and arguments that measure it, the row of that script's
+``--json`` output that is the engine, the rows that are peers (the best one is shown) and the row that
+is the machine's limit, all from the same run.  A path with no JSON file yet is listed as not measured.
+The GPU row reads ``scripts/gpu_check.py``'s JSON of the last GPU run.  Nothing here measures: it only
+reads, so the page cannot show a figure that no command produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import NamedTuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "docs", "bench")
+PAGE = os.path.join(ROOT, "BENCHMARKS.md")
+PICTURE = os.path.join(DATA, "paths.svg")
+START, END = "<!-- table: made by scripts/bench_page.py -->", "<!-- end of table -->"
+
+
+class Path(NamedTuple):
+    name: str
+    stem: str  # docs/bench/<stem>.json
+    command: str  # what --run runs, with --json appended
+    engine: str  # "case | impl" patterns (regular expressions, searched)
+    peers: tuple[str, ...] = ()
+    limit: str | None = None
+    unit: str = "GB/s"  # or "ms": lower is better, ratios are time ratios
+
+
+PATHS = [
+    Path("local file -> CPU, owned", "host", "scripts/bench_reader.py --only fresh --runs 5",
+         "owned|engine", ("owned|reference",), "read|limit"),
+]
+
+
+def rows_of(doc: dict) -> list[dict]:
+    """One shape for both kinds of JSON: the harness's ``rows`` and gpu_check's ``rows`` with ``row``."""
+    out = []
+    for r in doc.get("rows", []):
+        if "case" not in r and "row" in r:  # gpu_check: "engine load_file(f) per shard", "limit: ..."
+            name = r["row"]
+            impl = "limit" if name.startswith("limit") else name.split(" ")[0]
+            r = dict(r, case=name, impl=impl)
+        if r.get("gbps") is not None or r.get("median_s") is not None:
+            out.append(r)
+    return out
+
+
+def pick(rows: list[dict], pattern: str, unit: str) -> dict | None:
+    """The best row whose ``case | impl`` matches ``pattern`` (fastest; highest GB/s)."""
+    case_p, _, impl_p = pattern.partition("|")
+    found = [r for r in rows if re.search(case_p, r["case"]) and re.search(impl_p or ".", r["impl"])]
+    key = (lambda r: r["gbps"] or 0.0) if unit == "GB/s" else (lambda r: -(r["median_s"] or 1e9))
+    return max(found, key=key, default=None)
+
+
+def value(row: dict | None, unit: str) -> float | None:
+    if row is None:
+        return None
+    return row.get("gbps") if unit == "GB/s" else row["median_s"] * 1e3
+
+
+def ratio(a: float | None, b: float | None, unit: str) -> str:
+    """How many times the speed of ``b`` the engine's ``a`` is (above 1: faster)."""
+    if not a or not b:
+        return ""
+    return f"{(a / b if unit == 'GB/s' else b / a):.2f}x"
+
+
+def measured(p: Path) -> dict | None:
+    path = os.path.join(DATA, p.stem + ".json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        doc = json.load(f)
+    rows = rows_of(doc)
+    eng = pick(rows, p.engine, p.unit)
+    peers = [r for r in (pick(rows, q, p.unit) for q in p.peers) if r is not None]
+    peer = max(peers, key=lambda r: value(r, p.unit) * (1 if p.unit == "GB/s" else -1), default=None)
+    lim = pick(rows, p.limit, "GB/s") if p.limit else None
+    meta = doc.get("meta") or doc
+    machine = meta.get("machine") or {}
+    where = (machine.get("name") or meta.get("device_name")
+             or (f"{machine.get('cores')}-core VM" if machine.get("cores") else ""))
+    date = str(meta.get("date", ""))[:10]
+    return dict(engine=eng, peer=peer, limit=lim, where=where, date=date, commit=meta.get("commit", ""))
+
+
+def fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f} {unit}" if unit == "GB/s" else f"{v:.1f} ms"
+
+
+def table(found: dict[str, dict | None]) -> str:
+    lines = ["| path | engine | best peer, same run | machine's limit | x peer | x limit | run | command |",
+             "|---|---:|---|---:|---:|---:|---|---|"]
+    for p in PATHS:
+        m = found[p.name]
+        cmd = f"`python {p.command}`" if p.command else "(see below)"
+        if m is None or m["engine"] is None:
+            lines.append(f"| {p.name} | not measured | | | | | | {cmd} |")
+            continue
+        e, peer, lim = (value(m[k], p.unit) for k in ("engine", "peer", "limit"))
+        peer_txt = f"{fmt(peer, p.unit)} ({m['peer']['impl']})" if m["peer"] else "-"
+        lim_txt = fmt(value(m["limit"], "GB/s"), "GB/s") if m["limit"] else "-"
+        x_lim = ratio(e, value(m["limit"], "GB/s"), "GB/s") if m["limit"] and p.unit == "GB/s" else ""
+        run = f"{m['date']}, {m['where']}" + (f", {m['commit']}" if m["commit"] else "")
+        lines.append(f"| {p.name} | {fmt(e, p.unit)} | {peer_txt} | {lim_txt} | {ratio(e, peer, p.unit)} "
+                     f"| {x_lim} | {run} | {cmd} |")
+    return "\n".join(lines)
+
+
+def picture(found: dict[str, dict | None]) -> str:
+    """Small multiples: one group of bars per path, each group on its own scale (paths differ by 100x)."""
+    bar_h, gap, label_w, bar_w = 14, 10, 250, 420
+    colours = {"engine": "#1f77b4", "peer": "#ff7f0e", "limit": "#7f7f7f"}
+    groups = [(p, found[p.name]) for p in PATHS if p.unit == "GB/s" and found[p.name] and found[p.name]["engine"]]
+    height = 40 + sum(3 * bar_h + gap + 16 for _ in groups)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + bar_w + 190}" height="{height}" '
+           'font-family="sans-serif" font-size="11">',
+           '<text x="4" y="16" font-size="13">GB/s per path: engine, best peer in the same run, '
+           "the machine's limit (each path on its own scale)</text>"]
+    y = 32
+    for p, m in groups:
+        bars = [(k, m[k]) for k in ("engine", "peer", "limit") if m[k] is not None]
+        top = max(value(r, "GB/s") or 0.0 for _, r in bars) or 1.0
+        out.append(f'<text x="4" y="{y + 11}" font-weight="bold">{html.escape(p.name)}</text>')
+        y += 16
+        for k, r in bars:
+            v = value(r, "GB/s") or 0.0
+            w = max(1, round(bar_w * v / top))
+            who = "engine" if k == "engine" else r["impl"]
+            out.append(f'<text x="{label_w - 6}" y="{y + 11}" text-anchor="end">{html.escape(who)}</text>')
+            out.append(f'<rect x="{label_w}" y="{y}" width="{w}" height="{bar_h - 2}" fill="{colours[k]}"/>')
+            out.append(f'<text x="{label_w + w + 4}" y="{y + 11}">{v:.2f}</text>')
+            y += bar_h
+        y += gap
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def run_all() -> int:
+    os.makedirs(DATA, exist_ok=True)
+    failed = 0
+    for p in PATHS:
+        if not p.command.startswith("scripts/"):
+            continue
+        out = os.path.join(DATA, p.stem + ".json")
+        argv = [sys.executable, *p.command.split(), "--json", out]
+        print("$", " ".join(argv[1:]), flush=True)
+        failed += subprocess.call(argv, cwd=ROOT) != 0
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", action="store_true", help="run every benchmark of the table first")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page or picture is not what the JSON gives")
+    a = ap.parse_args(argv)
+    if a.run and run_all():
+        print("a benchmark failed; the page is made from what is there", file=sys.stderr)
+    found = {p.name: measured(p) for p in PATHS}
+    svg, tab = picture(found), table(found)
+    with open(PAGE) as f:
+        page = f.read()
+    head, sep, rest = page.partition(START)
+    if not sep or END not in rest:
+        print(f"{PAGE} has no {START} ... {END} block", file=sys.stderr)
+        return 2
+    new = head + START + "\n" + tab + "\n" + END + rest.split(END, 1)[1]
+    old_svg = open(PICTURE).read() if os.path.exists(PICTURE) else ""
+    if a.check:
+        stale = [n for n, old, now in (("BENCHMARKS.md", page, new), ("paths.svg", old_svg, svg)) if old != now]
+        print("stale: " + ", ".join(stale) if stale else "page and picture match the JSON")
+        return 1 if stale else 0
+    with open(PAGE, "w") as f:
+        f.write(new)
+    with open(PICTURE, "w") as f:
+        f.write(svg)
+    print(f"wrote {os.path.relpath(PAGE, ROOT)} and {os.path.relpath(PICTURE, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
