@@ -491,7 +491,7 @@ def median_records(summaries: list[dict | None]) -> dict | None:
     return out or None
 
 
-def _timed_load(fn, files, dev, dst, engine_row: bool) -> tuple[object, float, dict | None]:
+def _timed_load(fn, files, dev, dst, engine_row: bool) -> tuple[dict, float, dict | None]:
     """One load on the clock (to the device's synchronisation): its output, seconds, and for
     the engine's rows the ring's records."""
     with ring_records() if engine_row else contextlib.nullcontext() as records:
@@ -590,7 +590,8 @@ def against_cpu_kernels(out: dict, files: list[str]) -> dict:
 
 def where() -> dict:
     """Which engine and ring extension a child imports, and what it sees (torch, the device)."""
-    out = {"engine_file": checkout_path.engine_origin(), "ring_file": checkout_path.engine_origin("engine.gpu._ring")}
+    out: dict = {"engine_file": checkout_path.engine_origin(),
+                 "ring_file": checkout_path.engine_origin("engine.gpu._ring")}
     try:
         import torch
 
@@ -655,7 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     size = harness.parse_size(a.size)
     files, nbytes = checkpoint(a.dir, size)
-    print(f"checkpoint: {len(files)} shards, {nbytes / 1e9:.2f} GB of tensors in {_dir(files)}", file=sys.stderr)
+    seen = harness.call(where)  # what the children see: torch and the device
+    print(f"checkpoint: {len(files)} shards, {nbytes / 1e9:.2f} GB of tensors in {_dir(files)}; {seen['name']};"
+          f" torch {seen['torch']}", file=sys.stderr)
     words = [w.strip().lower() for w in a.only.split(",") if w.strip()]
     rows = [n for n in [*IMPLEMENTATIONS, *LIMITS] if not words or any(w in n.lower() for w in words)]
     report = harness.Report()
@@ -673,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
 
         got = harness.rounds([n for n in todo if not skipped[n]], a.runs, one)
         for impl in todo:
-            r = summarise(got[impl], cache["how"]) if impl in got else {"status": "skipped", "reason": skipped[impl]}
+            r: dict = summarise(got[impl], cache["how"]) if impl in got else {"status": "skipped",
+                                                                               "reason": skipped[impl]}
             ok = [s["seconds"] for s in r.get("samples", []) if "error" not in s]
             extra = {k: v for k, v in r.items() if k not in ("samples", "seconds", "gbps", "bytes", "checksums")}
             report.add(f"checkpoint -> {a.device}, {mode} cache", impl, ok, r.get("bytes"),
@@ -683,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         report.note(f"reference checksum: {', '.join(sorted(ref))}; rows with another checksum loaded other bytes")
     report.ratio("x_reference", lambda r: report.seconds(r["case"], "reference load_file(f, device) per shard"))
     return report.finish(a.json, "case", "impl", "median_s", "gbps", "x_reference", "host_peak_bytes",
-                         "device_peak_bytes", "checksum", "status", size=size, device=a.device, runs=a.runs)
+                         "device_peak_bytes", "checksum", "status", size=size, device=a.device, runs=a.runs,
+                         device_name=seen["name"], torch=seen["torch"])
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     report.against("x_plain", "engine, plain")
     report.against("x_reference", "reference")
     return report.finish(a.json, "case", "impl", "median_s", "gbps", "x_plain", "x_reference", "device_peak_bytes",
-                         size=a.size, device=a.device, repeat=a.repeat)
+                         size=a.size, device=a.device, repeat=a.repeat, device_name=harness.call(bench_gpu.where)["name"])
 
 
 if __name__ == "__main__":

@@ -1,25 +1,20 @@
 """What a device load leaves behind in the process, as the CUDA driver sees it.
 
-``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints one JSON line, ``{"rows":
-[{"row", "status", "reason", "seconds"}, ...]}`` (``scripts/gpu_check.py`` runs :func:`rows` in
-a fresh process and adds them to its table):
+``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints ``{"rows": [{"row", "status",
+"reason", "seconds"}, ...]}`` (scripts/gpu_check.py runs :func:`rows` in a fresh process):
 
-1. no stale error: right after a load, the thread's ``cudaPeekAtLastError`` is clear and a
-   torch kernel (whose launch torch checks with ``cudaGetLastError``) runs;
-2. the current device: ``torch.cuda.current_device()`` is the same before and after a load
-   to another GPU (the last one), on this thread and on a fresh one, and ``device="cuda"``
-   lands on the current device;
-3. ordering: ``load_into`` of tensors whose ``zero_()`` is still queued behind a slow kernel
-   on the current stream gives the file's bytes (the zeros run first);
-4. contexts: a process on the last GPU that loads (from its own thread and from
-   ``engine.stream``'s worker) and lets its rings close has a context on no other GPU
-   (``nvidia-smi``; a machine with one GPU says so and skips);
+1. no stale error: right after a load ``cudaPeekAtLastError`` is clear and a torch kernel runs;
+2. the current device is the same before and after a load to another GPU (the last one), on
+   this thread and on a fresh one, and ``device="cuda"`` lands on the current device;
+3. ordering: ``load_into`` of tensors whose ``zero_()`` is queued behind a slow kernel on the
+   current stream gives the file's bytes;
+4. contexts: a process on the last GPU that loads (from its thread and from ``engine.stream``'s
+   worker) and closes its rings has a context on no other GPU (``nvidia-smi``);
 5. fork: a child forked while a ring is kept releases what it inherited and loads from the
    host without hanging.
 
-With ``--device cpu`` (no GPU: the dry run of ``gpu_check.py``), rows 1, 2 and 5 run on the
-emulated CUDA runtime (``tests/emucudart``); rows 3 and 4 are skipped and say where the suite
-checks them on that runtime (``tests/test_device_ring.py``).
+With ``--device cpu`` (gpu_check's dry run) rows 1, 2 and 5 run on the emulated CUDA runtime
+(tests/emucudart); rows 3 and 4 say where the suite checks them (tests/test_device_ring.py).
 """
 
 from __future__ import annotations

@@ -1,37 +1,28 @@
 """Everything that decides the engine's device path, in one GPU command of at most 7 minutes.
 
 ``python3 scripts/gpu_check.py --wheels .whl --out OUT`` runs, within ``--budget`` seconds (420
-by default) of its own start, these rows, the most decisive first:
-
-1. set-up: the peers' wheels of ``--wheels DIR`` installed (``pip --no-index --no-deps
-   --target``) into a scratch folder on the children's PYTHONPATH; the extensions built in
-   place; the engine a child imports, and its ring extension, must be this checkout's (nothing
-   needs to be installed); scripts/driver_check.py's rows (what a load leaves behind, as the
-   driver sees it);
-2. the checkpoint of scripts/bench_gpu.py: Llama-3-8B shapes, ``--size`` (8 GB in 4 shards by
-   default, made once in ``--dir``; 16.06 GB with ``--long``), its pages read once;
-3. bench_gpu.py's load rows, each sample a fresh process: the limits, InstantTensor
-   ``Backend.MMAP``, every engine entry point (3 samples each), fastsafetensors; then the
-   per-key loop of accelerate's ``load_state_dict``, engine and reference;
-4. warm start: the second load in the same process (each ``load_into(directory)`` sample loads
-   twice), and a first load after ``engine.prepare_device``;
-5. the ring's short sweep (scripts/ring_sweep.py ``--short``, one process);
-6. the rest: every dtype through every entry point (and over HTTP) byte for byte against the
-   reference, ``pytest -m cuda``, the reference's ``load_file``, the loads with device kernels
-   (``stream(f)`` with ``stats=True``, ``quantize="int8"`` and both, each beside the plain
-   ``stream(f)`` of the same run and checked against the CPU kernels), the validator's
-   statistics, the device-kernel test modules on the real GPU; with ``--device cpu``, every
-   shard through the device pipeline on the emulated CUDA runtime (tests/emucudart).
+by default) of its own start, the most decisive rows first: the peers' wheels installed into a
+scratch folder on the children's PYTHONPATH, the extensions built in place, the engine a child
+imports checked to be this checkout's, scripts/driver_check.py's rows; the checkpoint of
+scripts/bench_gpu.py (8 GB in 4 shards, 16.06 GB with ``--long``), read once; bench_gpu.py's
+load rows, each sample a fresh process (the limits, InstantTensor ``Backend.MMAP``, every
+engine entry point, fastsafetensors, the per-key loop of accelerate's ``load_state_dict``);
+warm start (a second load in the same process, a first load after ``engine.prepare_device``);
+scripts/ring_sweep.py's short sweep; then every dtype through every entry point (and over
+HTTP) byte for byte against the reference, ``pytest -m cuda``, the reference's ``load_file``,
+the loads with device kernels (``stats=True``, ``quantize="int8"``, both; each beside the
+plain ``stream(f)`` and checked against the CPU kernels), the validator, and the device-kernel
+test modules.  With ``--device cpu`` the loads go to the host and say so, and every shard goes
+through the device pipeline on the emulated CUDA runtime (tests/emucudart).
 
 No row (no sample, no test run) starts that the rest of the budget cannot hold: a row's cost is
-estimated from its own runs so far, else from :data:`PRIORS` (a load sample's scaled by how the
-samples so far compared with theirs), and every child is stopped at the budget's end.  The
-JSON and markdown files are rewritten after every row; a row that did not run says why
-("budget: needs ~40s, 12s left"), and rows never reached are listed.  Every load row reports
-its rate (the median of its samples), host memory peak and growth by kind, device memory peak
-and the chunk ring's records; on a GPU a row whose anonymous + page-locked growth passes
-:data:`HOST_BOUND` is marked over bound.  Writes ``gpu_check-<mode>.json`` and ``.md`` to
-``--out`` and prints a summary; exit status 1 when a row failed (a row skipped is not one).
+estimated from its own runs so far, else from :data:`PRIORS`, and every child is stopped at the
+budget's end.  ``gpu_check-<mode>.json`` and ``.md`` in ``--out`` are rewritten after every
+row; a row that did not run says why ("budget: needs ~40s, 12s left"), rows never reached are
+listed.  Each load row reports its rate (the median of its samples), host memory peak and
+growth by kind, device memory peak and the chunk ring's records; on a GPU a row whose
+anonymous + page-locked growth passes :data:`HOST_BOUND` is marked over bound.  Exit status 1
+when a row failed (a skipped row is not one).
 
 On a lent GPU host (``.whl/`` is git-ignored: carried only when named)::
 
@@ -39,11 +30,10 @@ On a lent GPU host (``.whl/`` is git-ignored: carried only when named)::
     # device tool: carry [".whl"], timeout_s 480, command:
     python3 scripts/gpu_check.py --wheels .whl --out $OUT/gpu-check
 
-``--long`` (16.06 GB, more rows, 9 minutes) and ``--sweep`` (the ring's whole geometry grid,
-210 s, gpu_check-sweep.json and .md) are commands of their own; ``--budget`` sets any of them.
-Dry run without a GPU (CI's): ``python scripts/gpu_check.py --device cpu --budget 60 --out DIR``;
-device rows load to ``device="cpu"`` and say so, the sweep runs on the emulated runtime, and
-``--skip build,pytest`` leaves phases out.
+``--long`` (more rows, 9 minutes) and ``--sweep`` (the ring's whole grid, 210 s, writing
+gpu_check-sweep.json and .md) are commands of their own.  The dry run without a GPU (CI's):
+``python scripts/gpu_check.py --device cpu --budget 60 --out DIR`` (``--skip build,pytest``
+leaves phases out).
 """
 
 from __future__ import annotations
@@ -68,6 +58,7 @@ import tempfile  # noqa: E402
 import traceback  # noqa: E402
 import xml.etree.ElementTree as ET  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from functools import partial  # noqa: E402
 
 # this checkout first on sys.path (its engine, built in place by the build row, in this process
 # and every child), then asv_benchmarks/ and tests/
@@ -394,10 +385,11 @@ def row_checkpoint(check: Check, size: int) -> None:
     check.step("checkpoint", "checkpoint", "checkpoint", prior, make)
 
 
-def _no_files(check: Check, phase: str, row: str) -> bool:
+def _files(check: Check, phase: str, row: str) -> list[str] | None:
+    """The checkpoint's shards, or None and the row skipped for want of them."""
     if check.files is None:
         check.rep.add(phase, row, "skipped", "no checkpoint (its row did not run or failed)")
-    return check.files is None
+    return check.files
 
 
 def row_loads(check: Check, phase: str, impl: str, runs: int, prior_key: str) -> None:
@@ -408,17 +400,17 @@ def row_loads(check: Check, phase: str, impl: str, runs: int, prior_key: str) ->
     if why:
         rep.add(phase, impl, "skipped", why)
         return
-    if _no_files(check, phase, impl):
+    if (files := _files(check, phase, impl)) is None:
         return
     prior, samples, cut, cache = check.priors[prior_key], [], None, check.args.modes
     for _ in range(runs):
         if cut := budget.refuse(budget.estimate(impl, prior, scaled=True)):
             break
         if check.args.modes == "cold":
-            cache = bench_gpu.drop_cache(check.files)
+            cache = bench_gpu.drop_cache(files)
         t0 = time.monotonic()
         limit = max(1.0, min(SAMPLE_LIMIT, budget.left()))  # a hung child is stopped before it takes every row's time
-        s = bench_gpu.sample(impl, check.files, check.dev, limit, check.env())
+        s = bench_gpu.sample(impl, files, check.dev, limit, check.env())
         budget.note(impl, time.monotonic() - t0, prior)
         if str(s.get("error")).startswith("timed out") and limit < SAMPLE_LIMIT:
             cut = f"budget: its sample was stopped at the {limit:.0f} s the budget had left"  # not run, not failed
@@ -479,13 +471,13 @@ def row_second_load(check: Check) -> None:
 def row_sweep(check: Check) -> None:
     """The short sweep in one child: a row per configuration, in the order timed, and one for the
     fastest's bytes."""
-    if _no_files(check, "sweep", "ring sweep"):
+    if (files := _files(check, "sweep", "ring sweep")) is None:
         return
     prior = check.priors["sweep"]
 
     def sweep(left: float) -> None:
         # the child stops starting configurations when what is left would not hold one
-        events, error = ring_sweep.run_child(check.dev, check.files, min(left, 2 * prior), check.env(), short=True)
+        events, error = ring_sweep.run_child(check.dev, files, min(left, 2 * prior), check.env(), short=True)
         result = ring_sweep.summarize(events)
         start = result["start"] or {}
         timed = [e for e in events if e["event"] == "config"]
@@ -544,7 +536,7 @@ def row_pytest(check: Check, name: str) -> None:
             raise Failed(f"exit code {rc}: {_tail(err or out)}")
         root = ET.parse(xml).getroot()
         suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-        c = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+        c: dict = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
         c["passed"] = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
         c["failing"] = [f"{t.get('classname')}::{t.get('name')}" for t in root.iter("testcase")
                         if t.find("failure") is not None or t.find("error") is not None][:10]
@@ -563,11 +555,11 @@ def row_pytest(check: Check, name: str) -> None:
 
 def row_emulated(check: Check) -> None:
     """Every shard through the chunk ring on the emulated runtime (ring_sweep.emulated_load)."""
-    if _no_files(check, "emulated", EMULATED_ROW):
+    if (files := _files(check, "emulated", EMULATED_ROW)) is None:
         return
 
     def run(left: float) -> None:
-        r = check.call(ring_sweep.emulated_load, check.files, left=left)
+        r = check.call(ring_sweep.emulated_load, files, left=left)
         check.rep.add("emulated", EMULATED_ROW, "ok", "bytes identical to the files; tests/emucudart's runtime"
                       " (memcpy on a stream thread), not a GPU rate", gbps=r["bytes"] / r["seconds"] / 1e9, **r)
 
@@ -586,11 +578,10 @@ def plan(check: Check, size: int, inject: str | None) -> list[Step]:
             limit = impl.startswith("limit:")
             runs = check.args.runs or ((LIMIT_RUNS if limit else RUNS) if check.cuda else 1)
             prior = key or ("limit" if limit else "sample")
-            out.append((phase, [impl], lambda impl=impl, runs=runs, prior=prior: row_loads(check, phase, impl, runs,
-                                                                                            prior)))
+            out.append((phase, [impl], partial(row_loads, check, phase, impl, runs, prior)))
         return out
 
-    pytest_step = [("pytest", [name], lambda name=name: row_pytest(check, name)) for name in PYTEST_RUNS]
+    pytest_step: list[Step] = [("pytest", [name], partial(row_pytest, check, name)) for name in PYTEST_RUNS]
     return [
         ("wheels", [f"wheel: {p}" for p in PEERS], lambda: row_wheels(check)),
         ("build", ["build_ext --inplace"], lambda: row_build(check)),
@@ -679,15 +670,14 @@ def compare_child(dev: str, scratch: str) -> list[dict]:
     server = serve(scratch)
     server.keepalive = True
     url = server.url(os.path.basename(path))
-    entries = {  # entry -> (load(names) -> {name: tensor}, names)
+    entries: dict[str, tuple[Callable, list]] = {  # entry -> (load(names) -> {name: tensor}, names)
         "remote: engine.torch.load_file(url)": (lambda names: engine.torch.load_file(url, device=dev), every),
         "remote: engine.load_into(url)": (lambda names: load_into(url, names), every),
         "remote: engine.stream(url, names=every third)": (lambda names: stream(url, names), subset),
         "engine.torch.load_file": (lambda names: engine.torch.load_file(path, device=dev), every),
         "engine.safe_open get_tensor": (get, every),
-        **{f"engine.stream gpu_path={gp}": (lambda names, gp=gp: stream(path, names, gp), every) for gp in ("auto", "copy")},
-        **{f"engine.load_into gpu_path={gp}": (lambda names, gp=gp: load_into(path, names, gp), every)
-           for gp in ("auto", "copy")},
+        **{f"engine.stream gpu_path={gp}": (partial(stream, path, gpu_path=gp), every) for gp in ("auto", "copy")},
+        **{f"engine.load_into gpu_path={gp}": (partial(load_into, path, gpu_path=gp), every) for gp in ("auto", "copy")},
         "selective: engine.stream(names=every third)": (lambda names: stream(path, names), subset),
         "selective: engine.load_into(every third)": (lambda names: load_into(path, names), subset),
         "selective: safe_open get_slice rows 1:3": (lambda names: get(names, slices=True), two_d),
@@ -745,11 +735,8 @@ def markdown(meta: dict, rep: Report) -> str:
              f" budget {meta.get('budget_s')} s, {meta.get('elapsed_s')} s elapsed"
              f"{'' if meta.get('finished') else ' (still running, or stopped from outside)'}", "",
              "Host memory growth during the load, MiB, peaks sampled every 10 ms: anonymous + page-locked"
-             f" (bound {HOST_BOUND >> 20} MiB on a GPU) = anonymous (RssAnon) + page-locked (the engine's count);"
-             " file: mapped file pages (RssFile); after: mapped file pages left after the load.  Ring records:"
-             " the chunk ring's own account of the row's loads (engine.load_records(), the median over the"
-             " samples): loads (how many set the ring up), seconds the issuing thread waited for fills and the"
-             " copy threads for slots, page-locking seconds, GB per source, the ring's shape.", "",
+             f" (bound {HOST_BOUND >> 20} MiB on a GPU) = RssAnon + the engine's page-locked count; file: RssFile"
+             " (after: left after the load).  Ring records: engine.load_records(), the median over the samples.", "",
              "| phase | row | status | GB/s | s | peak host GiB (before) | host growth MiB (anon+locked = anon"
              " + locked; file) | file after MiB | peak device GiB | ring records | detail |",
              "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]

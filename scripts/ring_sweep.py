@@ -398,13 +398,19 @@ def records_text(rec: dict | None) -> str:
             + (f"; kernels at {rec.get('reported') or 0:g} reports, {sec('report_s')} s" if rec.get("hooked") else ""))
 
 
-def sweep(files: list[str] | None, dev: str, deadline: float, env: dict, meta: dict,
-          short: bool = False) -> tuple[harness.Report, dict, str | None]:
+#: the printed and markdown table's columns
+COLUMNS = ("case", "stage", "median_s", "gbps", "each", "ring", "detail")
+
+
+def run(files: list[str] | None, dev: str, deadline: float, env: dict, meta: dict, json_path: str | None,
+        md_path: str | None = None, short: bool = False) -> int:
     """The sweep within what is left until ``deadline`` (``time.monotonic()``): the checkpoint's
-    pages read once, the child, its configurations as a report (fastest first; the best
-    line, the default's rank and the best rate for each value of each parameter as notes),
-    the JSON's other keys, and why the sweep failed (or None)."""
-    events, error = [], "no checkpoint"
+    pages read once, the child, its configurations as a table (fastest first; then the best,
+    the default's rank and the best rate for each value of each parameter), printed and
+    written to ``md_path``, and to ``json_path`` in the common shape with the sweep's own keys
+    (``start``, ``best``, ``check``, ``end``, ``ring``, ``meta``, ``error``).  1 if it failed."""
+    events: list[dict] = []
+    error: str | None = "no checkpoint"
     if files is not None:
         bench_gpu.warm(files)
         events, error = run_child(dev, files, deadline - time.monotonic() - 5, env, short)  # 5 s for the report
@@ -428,8 +434,9 @@ def sweep(files: list[str] | None, dev: str, deadline: float, env: dict, meta: d
                    gbps=c.get("median_gbps"), load_gbps=c.get("gbps"), bytes_ok=c.get("bytes_ok"),
                    records=c.get("records"), ring=records_text((c.get("records") or [None])[0]),
                    each=" / ".join(f"{g:.2f}" for g in c.get("gbps", [])), detail=c.get("error"))
+    ring = env_line(best).split()[0] if best else None
     if best:
-        report.note(f"\nbest: `{env_line(best).split()[0]}` (with `{env_line(best)}`): {best['median_gbps']:.2f} GB/s"
+        report.note(f"\nbest: `{ring}` (with `{env_line(best)}`): {best['median_gbps']:.2f} GB/s"
                     f" ({'bytes checked' if check.get('bytes_ok') else 'BYTES DIFFER or not checked'})")
         d = start.get("default") or []
         ranked = [c for c in result["configs"] if c.get("median_gbps")]
@@ -439,42 +446,28 @@ def sweep(files: list[str] | None, dev: str, deadline: float, env: dict, meta: d
             report.note(f"the default ({d[0]} MiB x {d[1]} chunks, {d[2]} threads): rank {ref} of {len(ranked)}")
     for key in KEYS:
         by: dict = {}
-        for c in result["configs"]:
-            if c.get("median_gbps"):
-                by.setdefault(str(c[key]), []).append(c["median_gbps"])
+        for c in ranked if best else []:
+            by.setdefault(str(c[key]), []).append(c["median_gbps"])
         report.note(f"\n| {key} | best GB/s | median GB/s | configurations |\n|---|---:|---:|---:|\n" + "\n".join(
             f"| {v} | {max(r):.2f} | {statistics.median(r):.2f} | {len(r)} |" for v, r in sorted(by.items())))
-    extra = {"meta": {**meta, "engine_file": where, "device_name": start.get("device", dev)}, "error": error,
-             "ring": env_line(best).split()[0] if best else None, **{k: result[k] for k in
-                                                                     ("best", "check", "start", "warmup", "end")}}
-    return report, extra, error
-
-
-COLUMNS = ("case", "stage", "median_s", "gbps", "each", "ring", "detail")
-
-
-def run(files: list[str] | None, dev: str, deadline: float, env: dict, meta: dict, json_path: str | None,
-        md_path: str | None = None, short: bool = False) -> int:
-    """:func:`sweep`, its table printed and written (``json_path``: the common shape with the
-    sweep's keys; ``md_path``: the table); 1 if it failed."""
-    report, extra, error = sweep(files, dev, deadline, env, meta, short)
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
+    meta = {**meta, "engine_file": where, "device_name": start.get("device", dev)}
+    table = io.StringIO()
+    with contextlib.redirect_stdout(table):
         report.print(*COLUMNS)
-    start = extra["start"] or {}
-    head = (f"ring sweep on {extra['meta']['device_name']}: {len(report.rows)} of {start.get('configs', '?')}"
-            f" configurations, checkpoint {start.get('bytes', 0) / 1e9:.2f} GB of tensors, each loaded twice"
-            f" (GB/s: the median of the two); engine {extra['meta']['engine_file']}")
-    print(head + "\n\n" + text.getvalue())
+    text = (f"ring sweep on {meta['device_name']}: {len(report.rows)} of {start.get('configs', '?')} configurations,"
+            f" checkpoint {start.get('bytes', 0) / 1e9:.2f} GB of tensors, each loaded twice (GB/s: the median of the"
+            f" two); engine {where}\n\n{table.getvalue()}")
+    print(text)
     if md_path:
         with open(md_path, "w") as f:
-            f.write(head + "\n\n" + text.getvalue())
+            f.write(text)
     if json_path:
-        report.save(json_path, **extra)
+        report.save(json_path, meta=meta, error=error, ring=ring,
+                    **{k: result[k] for k in ("best", "check", "start", "warmup", "end")})
     if error:
         print(f"FAILED: {error}")
-    if extra["ring"]:
-        print(extra["ring"])
+    if ring:
+        print(ring)
     return 1 if error else 0
 
 
