@@ -362,10 +362,11 @@ def summarize(events: list[dict]) -> dict:
 
 
 def name(c: dict) -> str:
-    """A configuration's shape and variant ("default": the engine's, the variable left unset)."""
+    """A configuration's shape and variant ("default": the engine's, the variable left unset;
+    the stores named only where set)."""
     knob = {k: "default" if c.get(k, "-") == "-" else c[k] for k in ("source", "stores", "unmap")}
-    return (f"{c['chunk_mib']} MiB x {c['chunks']}, threads {c['threads']}, source {knob['source']},"
-            f" stores {knob['stores']}, unmap {knob['unmap']}")
+    stores = f" stores {c['stores']}," if c.get("stores", "-") != "-" else ""
+    return f"{c['chunk_mib']} MiB x {c['chunks']}, threads {c['threads']}, source {knob['source']},{stores} unmap {knob['unmap']}"
 
 
 def env_line(c: dict) -> str:
