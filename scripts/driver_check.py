@@ -1,42 +1,33 @@
 """What a device load leaves behind in the process, as the CUDA driver sees it.
 
-``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints one JSON line, ``{"rows":
-[{"row", "status", "reason", "seconds"}, ...]}``, with these rows (``scripts/gpu_check.py``
-runs it as a child and adds them to its table):
+``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints ``{"rows": [{"row", "status",
+"reason", "seconds"}, ...]}`` (scripts/gpu_check.py runs :func:`rows` in a fresh process):
 
-1. no stale error: right after a load, the thread's ``cudaPeekAtLastError`` is clear and a
-   torch kernel (whose launch torch checks with ``cudaGetLastError``) runs;
-2. the current device: ``torch.cuda.current_device()`` is the same before and after a load
-   to another GPU (the last one), on this thread and on a fresh one, and ``device="cuda"``
-   lands on the current device;
-3. ordering: ``load_into`` of tensors whose ``zero_()`` is still queued behind a slow kernel
-   on the current stream gives the file's bytes (the zeros run first);
-4. contexts: a process on the last GPU that loads (from its own thread and from
-   ``engine.stream``'s worker) and lets its rings close has a context on no other GPU
-   (``nvidia-smi``; a machine with one GPU says so and skips);
+1. no stale error: right after a load ``cudaPeekAtLastError`` is clear and a torch kernel runs;
+2. the current device is the same before and after a load to another GPU (the last one), on
+   this thread and on a fresh one, and ``device="cuda"`` lands on the current device;
+3. ordering: ``load_into`` of tensors whose ``zero_()`` is queued behind a slow kernel on the
+   current stream gives the file's bytes;
+4. contexts: a process on the last GPU that loads (from its thread and from ``engine.stream``'s
+   worker) and closes its rings has a context on no other GPU (``nvidia-smi``);
 5. fork: a child forked while a ring is kept releases what it inherited and loads from the
    host without hanging.
 
-With ``--device cpu`` (no GPU: the dry run of ``gpu_check.py``), rows 1, 2 and 5 run on the
-emulated CUDA runtime (``tests/emucudart``); rows 3 and 4 are skipped and say where the suite
-checks them on that runtime (``tests/test_device_ring.py``).
+With ``--device cpu`` (gpu_check's dry run) rows 1, 2 and 5 run on the emulated CUDA runtime
+(tests/emucudart); rows 3 and 4 say where the suite checks them (tests/test_device_ring.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # this checkout's engine, not an installed one
+# this checkout first on sys.path, then tests/ (the emulated runtime)
+import harness
 
 #: rows in the order they run
 ROWS = ("driver: no stale error after a load", "driver: current device unchanged by a load",
@@ -46,21 +37,14 @@ ROWS = ("driver: no stale error after a load", "driver: current device unchanged
 SLEEP_CYCLES = 1_000_000_000
 
 
-class Rows:
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def run(self, name: str, fn) -> None:
-        t0 = time.monotonic()
-        try:
-            status, reason = fn()
-        except Exception as exc:  # a row that breaks is a failed row; the others still run
-            status, reason = "failed", f"{type(exc).__name__}: {exc}"[:400]
-        self.rows.append({"row": name, "status": status, "reason": reason,
-                          "seconds": round(time.monotonic() - t0, 2)})
-
-    def skip(self, name: str, reason: str) -> None:
-        self.rows.append({"row": name, "status": "skipped", "reason": reason, "seconds": 0.0})
+def _row(name: str, fn) -> dict:
+    """``fn() -> (status, reason)`` as a row; an exception is a failed row (the others still run)."""
+    t0 = time.monotonic()
+    try:
+        status, reason = fn()
+    except Exception as exc:
+        status, reason = "failed", f"{type(exc).__name__}: {exc}"[:400]
+    return {"row": name, "status": status, "reason": reason, "seconds": round(time.monotonic() - t0, 2)}
 
 
 def _checkpoint(folder: str, torch=None):
@@ -135,7 +119,6 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
     from engine.gpu.cudart import cuda_runtime_path
     from engine.sinks import torch as torch_sink
 
-    out = Rows()
     target = torch.device(device)
     torch.cuda.set_device(target)
     n = torch.cuda.device_count()
@@ -192,42 +175,34 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
     def contexts():
         if n < 2:
             return "skipped", "one GPU: no other GPU to find a context on"
-        code = ("import sys, torch, engine, engine.torch\n"
+        code = ("import json, subprocess, os, torch, engine, engine.torch\n"
                 "from engine.gpu import rings\n"
-                "torch.cuda.set_device(int(sys.argv[1]))\n"
-                "engine.torch.load_file(sys.argv[2], device='cuda')\n"
-                "list(engine.stream(sys.argv[2], framework='pt', device='cuda'))\n"
+                f"torch.cuda.set_device({n - 1})\n"
+                f"engine.torch.load_file({path!r}, device='cuda')\n"
+                f"list(engine.stream({path!r}, framework='pt', device='cuda'))\n"
                 "rings.release_rings(); torch.cuda.synchronize()\n"
-                "import subprocess, os\n"
-                "gpus = dict(l.split(', ') for l in subprocess.run(['nvidia-smi', '--query-gpu=uuid,index',"
-                " '--format=csv,noheader'], capture_output=True, text=True, check=True).stdout.split('\\n') if l)\n"
-                "apps = subprocess.run(['nvidia-smi', '--query-compute-apps=pid,gpu_uuid', '--format=csv,noheader'],"
-                " capture_output=True, text=True, check=True).stdout\n"
-                "print(sorted(int(gpus[u]) for p, u in (l.split(', ') for l in apps.split('\\n') if l)"
-                " if int(p) == os.getpid()))\n")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-        r = subprocess.run([sys.executable, "-c", code, str(n - 1), path], capture_output=True, text=True,
-                           timeout=120, env=env)
-        if r.returncode != 0:
-            return "failed", f"exit code {r.returncode}: {r.stderr[-300:]}"
-        seen = json.loads(r.stdout.strip().splitlines()[-1])
+                "def smi(q): return subprocess.run(['nvidia-smi', q, '--format=csv,noheader'], capture_output=True,"
+                " text=True, check=True).stdout\n"
+                "gpus = dict(l.split(', ') for l in smi('--query-gpu=uuid,index').split('\\n') if l)\n"
+                "apps = smi('--query-compute-apps=pid,gpu_uuid')\n"
+                "print('RESULT', json.dumps(sorted(int(gpus[u]) for p, u in (l.split(', ') for l in"
+                " apps.split('\\n') if l) if int(p) == os.getpid())))\n")
+        seen = harness.run_code(code, env=harness.child_env(), timeout=120)
         if not seen:
             return "skipped", "nvidia-smi lists no process of the child's (another PID namespace)"
         ok = seen == [n - 1]
         return ("ok" if ok else "failed"), f"a process on GPU {n - 1} has contexts on GPU(s) {seen}"
 
-    out.run(ROWS[0], stale)
-    out.run(ROWS[1], current)
-    out.run(ROWS[2], ordered)
-    out.run(ROWS[3], contexts)
     cpu = {k: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy() for k, v in tensors.items()}
-    out.run(ROWS[4], lambda: _fork_row(lambda: engine.torch.load_file(path, device=str(target)), path, cpu))
-    return out.rows
+
+    def fork():
+        return _fork_row(lambda: engine.torch.load_file(path, device=str(target)), path, cpu)
+
+    return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, ordered, contexts, fork), strict=True)]
 
 
 def emulated_rows(folder: str) -> list[dict]:
     """Rows 1, 2 and 5 on the emulated runtime: the ring's loads through the pipeline."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     import numpy as np
     from emucudart import EmulatedRingOps, Emulator
 
@@ -236,7 +211,6 @@ def emulated_rows(folder: str) -> list[dict]:
     from engine.loading import pipeline
     from engine.planning.plan import plan_reads
 
-    out = Rows()
     path, arrays = _checkpoint(folder)
     header = engine.read_header(path)
     emu = Emulator()
@@ -267,27 +241,30 @@ def emulated_rows(folder: str) -> list[dict]:
         after = emu.current_device()
         return ("ok" if ok and after == 0 else "failed"), f"current device 0 before, {after} after a load to device 1 (emulated runtime)"
 
+    def elsewhere():
+        return "skipped", "no CUDA device: tests/test_device_ring.py checks it on the emulated runtime"
+
     try:
-        out.run(ROWS[0], stale)
-        out.run(ROWS[1], current)
-        out.skip(ROWS[2], "no CUDA device: tests/test_device_ring.py checks it on the emulated runtime")
-        out.skip(ROWS[3], "no CUDA device: tests/test_device_ring.py checks it on the emulated runtime")
-        out.run(ROWS[4], lambda: _fork_row(load, path, arrays))
+        return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, elsewhere, elsewhere,
+                                                          lambda: _fork_row(load, path, arrays)), strict=True)]
     finally:
         rings.release_rings()
         ops.close()
         emu.devices(1)
-    return out.rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def rows(device: str, folder: str) -> list[dict]:
+    """The rows on ``device`` (``cpu``: the emulated runtime), the small checkpoint in ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    return cuda_rows(device, folder) if device.startswith("cuda") else emulated_rows(folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.parser(__doc__)
     ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for the emulated runtime")
     ap.add_argument("--dir", required=True, help="a folder for the small checkpoint")
-    args = ap.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    rows = cuda_rows(args.device, args.dir) if args.device.startswith("cuda") else emulated_rows(args.dir)
-    print(json.dumps({"rows": rows}))
+    a = ap.parse_args(argv)
+    print(json.dumps({"rows": rows(a.device, a.dir)}))
     return 0
 
 

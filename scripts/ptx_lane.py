@@ -6,18 +6,11 @@ through ``numba.cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))``: Numba's CUDA
 and lowers each one and NVVM turns it into PTX, as a GPU host's first load would, plus the
 checks the bit-identity with the CPU needs (IEEE division, no flush-to-zero).
 
-Runs twice: once with numpy as installed, once in a fresh interpreter with
-``numpy.row_stack`` removed before numba-cuda loads (what numpy 2.5 did; numba-cuda refers to
-it when its array support loads, see ``cuda_kernels._load_array_support``).  One line per
-kernel and signature; the exit status is 1 if any failed.
-
-Needs numba-cuda with NVVM, no GPU: ``pip install "numba-cuda[cu13]"`` (NVVM as wheels).
-
-Usage::
-
-    python scripts/ptx_lane.py                       # both passes
-    python scripts/ptx_lane.py --pass installed      # one of them
-    python scripts/ptx_lane.py --pass no-row-stack
+``python scripts/ptx_lane.py`` runs twice, each pass in a fresh interpreter (``--pass`` names
+one): with numpy as installed, and with ``numpy.row_stack`` removed before numba-cuda loads
+(what numpy 2.5 did; numba-cuda refers to it, see ``cuda_kernels._load_array_support``).  One
+line per kernel and signature; exit status 1 if any failed.  Needs numba-cuda with NVVM, no
+GPU: ``pip install "numba-cuda[cu13]"`` (NVVM as wheels).
 """
 
 from __future__ import annotations

@@ -467,7 +467,9 @@ def test_the_dry_sweep_writes_its_curve_and_the_best_geometry(sweep):
     with open(out / "gpu_check-sweep.json") as f:
         report = json.load(f)
     md = (out / "gpu_check-sweep.md").read_text()
-    configs = report["configs"]
+    # the harness's common shape: a row per configuration, the sweep's own keys beside them
+    assert {"script", "commit", "machine", "rows"} <= set(report)
+    configs = report["rows"]
     start = report["start"]
     assert len(configs) == start["configs"] == len(start["geometries"]) * len(start["threads"]) * 6
     assert {(c["source"], c["stores"], c["unmap"]) for c in configs} == {
@@ -476,23 +478,42 @@ def test_the_dry_sweep_writes_its_curve_and_the_best_geometry(sweep):
     assert report["end"]["not_run"] == 0 and report["end"]["clean"], report["end"]
     # every configuration loaded twice, its bytes checked against the files
     for c in configs:
-        assert len(c["gbps"]) == 2 and c["median_gbps"] > 0 and c["bytes_ok"], c
+        assert len(c["load_gbps"]) == 2 and len(c["samples"]) == 2 and c["gbps"] > 0 and c["bytes_ok"], c
         # the whole grid sets the ring up for each load; the records say which unmap mode ran
         assert [r["cold"] for r in c["records"]] == [1, 1], c
         if c["unmap"] != "-":
             assert c["records"][0]["unmap"] == c["unmap"], c
     # fastest first; the best is the first, its bytes checked again, printed as a line to paste
-    rates = [c["median_gbps"] for c in configs]
+    rates = [c["gbps"] for c in configs]
     assert rates == sorted(rates, reverse=True)
     best = report["best"]
-    assert best == configs[0] and report["check"]["bytes_ok"]
+    assert best["median_gbps"] == configs[0]["gbps"] and best["chunk_mib"] == configs[0]["chunk_mib"]
+    assert report["check"]["bytes_ok"]
     line = f"ENGINE_RING={best['chunk_mib']},{best['chunks']},{best['threads']}"
     assert "| unmap | best GB/s |" in md
     assert report["ring"] == line
     assert line in proc.stdout.splitlines()
     assert f"best: `{line}`" in md
-    assert "| rank | chunk MiB | chunks |" in md and "| threads | best GB/s |" in md
+    assert "| case | stage | median | GB/s |" in md and "| threads | best GB/s |" in md
     assert report["meta"]["engine_file"]["child"].startswith(os.path.join(ROOT, "engine") + os.sep)
+
+
+def test_the_benchmark_scripts_write_the_common_shape_on_their_dry_runs(tmp_path):
+    """bench_gpu.py and ring_sweep.py on the CPU (CI's smoke runs): the table printed, ``--json``
+    in the harness's shape."""
+    runs = {"bench_gpu.py": ["--modes", "warm", "--runs", "1", "--only", "load_file(directory)"],
+            "ring_sweep.py": ["--short"]}
+    for script, extra in runs.items():
+        out = tmp_path / f"{script}.json"
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", script), "--device", "cpu", "--size", "16MB",
+               "--dir", str(tmp_path / "checkpoint"), "--json", str(out), *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        report = json.loads(out.read_text())
+        assert report["script"] == script and report["rows"], report
+        for r in report["rows"]:
+            assert r["median_s"] > 0 and r["gbps"] > 0 and r["bytes"] > 0 and r["runs"] >= 1, r
+        assert "| case |" in proc.stdout
 
 
 # -- the checkout's own engine, from anywhere --------------------------------------------------------
@@ -523,9 +544,11 @@ def test_the_scripts_import_the_engine_of_their_own_checkout(tmp_path):
     assert where["root"] == str(copy) and where["first"] == str(copy)
     assert where["engine"] == str(copy / "engine" / "__init__.py")
     assert where["pythonpath"].split(os.pathsep)[0] == str(copy)
-    # a child as gpu_check starts them: the script by its path
-    child = subprocess.run([sys.executable, str(copy / "scripts" / "bench_gpu.py"), "--where"], cwd=elsewhere,
-                           env=env, capture_output=True, text=True, timeout=120)
+    # a child as gpu_check starts them (harness.call: a fresh interpreter that imports the script)
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import harness, bench_gpu;"
+            " print(json.dumps(harness.call(bench_gpu.where)))")
+    child = subprocess.run([sys.executable, "-c", code, str(copy / "scripts")], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-2000:]
     where = json.loads(child.stdout.splitlines()[-1])
     assert where["engine_file"] == str(copy / "engine" / "__init__.py")
