@@ -1,33 +1,19 @@
 """Statistics and int8 quantization on the GPU during a load, against a plain load and the reference.
 
-Streams the checkpoint of scripts/bench_gpu.py (Llama-3-8B shapes, BF16, 16.06 GB in 4 shards,
-made once; ``--size`` scales it) shard by shard to the device with the page cache warm, through
-bench_gpu.py's rows and children (one fresh process per sample, modes interleaved; the first
-round untimed, so that Numba's CUDA cache is warm):
+bench_gpu.py's checkpoint and children (a fresh process per sample, modes interleaved, the first round
+untimed: Numba's CUDA cache warm), shard by shard with the page cache warm: ``reference`` (safetensors'
+``get_tensor`` per key), ``plain`` (``engine.stream(f, device=...)``), ``stats`` (``stats=True``), ``int8``
+(``quantize="int8"``) and ``int8+stats``; ``x_plain`` and ``x_reference`` are the ratios the project
+tracks.  The device-kernel rows also check a few tensors against the CPU kernels.
 
-* ``reference``   safetensors ``safe_open(f, "pt", device=...)``, ``get_tensor`` for every key
-* ``plain``       ``engine.stream(f, device=...)``
-* ``stats``       the same with ``stats=True`` (device statistics, CUDA kernels on each copy's stream)
-* ``int8``        ``quantize="int8"``: default selection (2-D weights, not embeddings), a scale per row
-* ``int8+stats``  both
-
-with the median wall time, GB/s of the file's tensor bytes, peak device memory, and the ratios
-the project tracks: ``x_plain`` (plain's seconds over the row's: stats >= 1/1.05, int8 >= 0.90)
-and ``x_reference``.  The device-kernel rows also check a few tensors against the CPU kernels.
-
-    python scripts/bench_gpu_kernels.py --json kernels.json             # 16 GB, 5 samples per mode
-    python scripts/bench_gpu_kernels.py --device cpu --size 16MB --repeat 1   # the dry run, CPU kernels
-    python scripts/bench_gpu_kernels.py --path /data/llama3.safetensors
-
-Needs a CUDA GPU, torch with CUDA, the reference ``safetensors``, and Numba's CUDA target (with
-the CUDA toolkit's NVVM: a CUDA_HOME, or the ``nvidia-cuda-nvcc-cu12`` wheel).
+    python scripts/bench_gpu_kernels.py --json kernels.json                       # 16 GB, 5 samples per mode
+    python scripts/bench_gpu_kernels.py --device cpu --size 16MB --repeat 1 --only plain stats   # dry run
 """
 
 from __future__ import annotations
 
 import sys
 
-# this checkout first on sys.path, then asv_benchmarks/ and tests/
 import harness
 
 # isort: split
@@ -42,12 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__)
     ap.add_argument("--size", default="16.06GB", help="checkpoint size (bench_gpu.py's)")
     ap.add_argument("--dir", default=bench_gpu.DIR, help="where the checkpoint is made (and reused)")
-    ap.add_argument("--path", default=None, help="a checkpoint file of your own, instead")
     ap.add_argument("--repeat", type=int, default=5, help="samples per mode")
     ap.add_argument("--only", nargs="+", choices=list(MODES))
     ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for the dry run")
     a = ap.parse_args(argv)
-    files = [a.path] if a.path else bench_gpu.checkpoint(a.dir, harness.parse_size(a.size))[0]
+    files = bench_gpu.checkpoint(a.dir, harness.parse_size(a.size))[0]
     bench_gpu.warm(files)
 
     def sample(mode: str) -> dict:

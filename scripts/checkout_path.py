@@ -1,24 +1,16 @@
-"""The checkout these scripts belong to, first on ``sys.path``.
-
-scripts/gpu_check.py, scripts/bench_gpu.py, scripts/ring_sweep.py and the child processes
-they start import the engine of the checkout they sit in: on a GPU host its extensions are
-built in place (``python setup.py build_ext --inplace``) and nothing is installed, and where
-another copy of the engine is installed (an editable install of another checkout) it must
-not be the one measured.  :func:`engine_origin` says which one a process imported.
-"""
+"""The checkout these scripts sit in, first on ``sys.path``: on a GPU host its extensions are built in
+place and nothing is installed, and an engine installed from another checkout must not be the one measured."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-#: the checkout's root: the folder above scripts/
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def use_checkout() -> str:
-    """Put :data:`ROOT` first on ``sys.path`` (ahead of site-packages and of an editable
-    install's path entries); returns it."""
+    """Put :data:`ROOT` first on ``sys.path`` (ahead of an editable install's entries); returns it."""
     if sys.path[:1] != [ROOT]:
         while ROOT in sys.path:
             sys.path.remove(ROOT)
@@ -27,20 +19,18 @@ def use_checkout() -> str:
 
 
 def pythonpath(*extra: str) -> str:
-    """A ``PYTHONPATH`` for child processes: the checkout, ``extra`` folders, then what this
-    process was given."""
+    """A child's ``PYTHONPATH``: the checkout, ``extra`` folders, then this process's own."""
     given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.pathsep.join([ROOT, *extra, *given])
 
 
 def engine_origin(module: str = "engine") -> str:
-    """The file that ``import engine`` (or ``module``, such as ``engine.gpu._ring``) finds in this
-    process, or why it cannot be imported (an exception's type and text)."""
+    """The file ``import engine`` (or ``module``) finds in this process, or why it cannot be imported."""
     import importlib
 
     try:
         found = importlib.import_module(module)
-    except Exception as exc:  # a checkout whose extensions are not built yet, or no engine at all
+    except Exception as exc:  # extensions not built yet, or no engine at all
         return f"not importable: {type(exc).__name__}: {exc}"
     return os.path.abspath(found.__file__ or "")
 

@@ -1,20 +1,15 @@
-"""What a device load leaves behind in the process, as the CUDA driver sees it.
+"""What a device load leaves behind in the process, as the CUDA driver sees it (rows of gpu_check.py).
 
-``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints ``{"rows": [{"row", "status",
-"reason", "seconds"}, ...]}`` (scripts/gpu_check.py runs :func:`rows` in a fresh process):
+1. no stale error: after a load ``cudaPeekAtLastError`` is clear and a torch kernel runs;
+2. the current device is the same before and after a load to another GPU, on this thread and on a fresh
+   one, and ``device="cuda"`` lands on the current device;
+3. ``load_into`` of tensors whose ``zero_()`` is queued behind a slow kernel gives the file's bytes;
+4. a process on the last GPU that loads (from its thread and ``engine.stream``'s worker) has a context on
+   no other GPU (``nvidia-smi``);
+5. a child forked while a ring is kept releases what it inherited and loads without hanging.
 
-1. no stale error: right after a load ``cudaPeekAtLastError`` is clear and a torch kernel runs;
-2. the current device is the same before and after a load to another GPU (the last one), on
-   this thread and on a fresh one, and ``device="cuda"`` lands on the current device;
-3. ordering: ``load_into`` of tensors whose ``zero_()`` is queued behind a slow kernel on the
-   current stream gives the file's bytes;
-4. contexts: a process on the last GPU that loads (from its thread and from ``engine.stream``'s
-   worker) and closes its rings has a context on no other GPU (``nvidia-smi``);
-5. fork: a child forked while a ring is kept releases what it inherited and loads from the
-   host without hanging.
-
-With ``--device cpu`` (gpu_check's dry run) rows 1, 2 and 5 run on the emulated CUDA runtime
-(tests/emucudart); rows 3 and 4 say where the suite checks them (tests/test_device_ring.py).
+``--device cpu``: rows 1, 2 and 5 on the emulated CUDA runtime (tests/emucudart); 3 and 4 name the tests
+that check them.  ``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints the rows as JSON.
 """
 
 from __future__ import annotations
@@ -26,19 +21,17 @@ import sys
 import threading
 import time
 
-# this checkout first on sys.path, then tests/ (the emulated runtime)
 import harness
 
-#: rows in the order they run
 ROWS = ("driver: no stale error after a load", "driver: current device unchanged by a load",
         "driver: load_into after a queued zero_()", "driver: no context on another GPU",
         "driver: a load in a forked child")
-#: cycles of torch.cuda._sleep ahead of the queued zero_() (about half a second on an H100)
+#: torch.cuda._sleep's cycles ahead of the queued zero_() (about half a second on an H100)
 SLEEP_CYCLES = 1_000_000_000
 
 
 def _row(name: str, fn) -> dict:
-    """``fn() -> (status, reason)`` as a row; an exception is a failed row (the others still run)."""
+    """``fn() -> (status, reason)`` as a row; an exception is a failed row."""
     t0 = time.monotonic()
     try:
         status, reason = fn()
@@ -73,8 +66,8 @@ def _checkpoint(folder: str, torch=None):
 
 
 def _fork_row(load_in_parent, path: str, arrays: dict) -> tuple[str, str]:
-    """A ring kept by a load in this process, then a fork: the child releases what it inherited
-    (as its exit would) and loads ``path`` to numpy; it must exit 0 within 30 s."""
+    """A ring kept by a load here, then a fork: the child releases its inherited rings and loads
+    ``path`` to numpy; it must exit 0 within 30 s."""
     import numpy as np
 
     import engine

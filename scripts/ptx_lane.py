@@ -1,16 +1,10 @@
 """Compile every CUDA kernel of engine.numerics.cuda_kernels to PTX for sm_90, without a GPU.
 
-Every kernel at every signature engine.numerics.device launches it with (:func:`signatures`:
-the dtypes, dimensions and layouts of the arrays and the types of the scalars it passes),
-through ``numba.cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))``: Numba's CUDA target types
-and lowers each one and NVVM turns it into PTX, as a GPU host's first load would, plus the
-checks the bit-identity with the CPU needs (IEEE division, no flush-to-zero).
-
-``python scripts/ptx_lane.py`` runs twice, each pass in a fresh interpreter (``--pass`` names
-one): with numpy as installed, and with ``numpy.row_stack`` removed before numba-cuda loads
-(what numpy 2.5 did; numba-cuda refers to it, see ``cuda_kernels._load_array_support``).  One
-line per kernel and signature; exit status 1 if any failed.  Needs numba-cuda with NVVM, no
-GPU: ``pip install "numba-cuda[cu13]"`` (NVVM as wheels).
+Each kernel at every signature engine.numerics.device launches it with goes through
+``numba.cuda.compile_ptx``, as a GPU host's first load would, with the checks bit-identity with the CPU
+needs (IEEE division, no flush-to-zero).  ``python scripts/ptx_lane.py`` runs two passes, each in a fresh
+interpreter: numpy as installed, and ``numpy.row_stack`` removed (as numpy 2.5 did) before numba-cuda
+loads.  Exit status 1 if any kernel failed.  Needs ``pip install "numba-cuda[cu13]"`` (NVVM as wheels).
 """
 
 from __future__ import annotations
@@ -21,11 +15,10 @@ import subprocess
 import sys
 import time
 
-#: the compute capability compiled for (an H100 or H200)
+#: an H100's or H200's compute capability
 CC = (9, 0)
-
-#: The float formats of each kernel family (engine.numerics.device.SUPPORTED_NAMES and
-#: engine.numerics.quantize.INPUTS) and their views: (values, signed, unsigned).
+#: the float formats of each kernel family (device.SUPPORTED_NAMES, quantize.INPUTS) and their
+#: views: (values, signed, unsigned)
 STATS_KINDS = ("F64", "F32", "F16", "BF16")
 QUANT_KINDS = ("F32", "F16", "BF16")
 VIEWS = {"F32": ("float32", "int32", "uint32"), "F64": ("float64", "int64", "uint64"),
@@ -33,13 +26,8 @@ VIEWS = {"F32": ("float32", "int32", "uint32"), "F64": ("float64", "int64", "uin
 
 
 def signatures() -> list[tuple[str, str, tuple]]:
-    """(kernel name, label, argument types) of every launch in engine.numerics.device.
-
-    Arrays are C-contiguous (device.py refuses others, and its own arrays are fresh), 1-D
-    views of a tensor's bytes or small 1-D/2-D scratch arrays; Python ints are int64, the
-    ``absmask``/``lim`` scalars numpy scalars of the unsigned view's type, the statistics
-    constants tuples of numpy scalars (``tuple(sc)``, ``tuple(uc)``).
-    """
+    """(kernel name, label, argument types) of every launch in engine.numerics.device: C-contiguous
+    arrays, Python ints as int64, ``absmask``/``lim`` of the unsigned view's type, tuples of constants."""
     from numba import types as T
 
     def a1(t):
@@ -108,8 +96,7 @@ def run_pass(label: str) -> int:
 
 
 def _without_row_stack() -> None:
-    """Take ``row_stack`` off numpy as numpy 2.5 did: the attribute and its ``__all__`` entry
-    (``from numpy import *`` in other libraries would otherwise ask for it)."""
+    """``row_stack`` off numpy as numpy 2.5 did, its ``__all__`` entry too (``from numpy import *``)."""
     import numpy
 
     if "row_stack" in vars(numpy):
@@ -125,15 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         if "numba" in sys.modules:
             raise SystemExit("--pass no-row-stack must run before numba is imported")
         _without_row_stack()
-        failed = run_pass("no-row-stack")
-        import numpy
-
-        if "row_stack" in vars(numpy):
+    if args.which != "both":
+        failed = run_pass(args.which)
+        if args.which == "no-row-stack" and "row_stack" in vars(sys.modules["numpy"]):
             print("FAIL [no-row-stack] numpy.row_stack was left on numpy", flush=True)
             failed += 1
         return 1 if failed else 0
-    if args.which == "installed":
-        return 1 if run_pass("installed") else 0
     # both: each in a fresh interpreter, so that neither sees what the other loaded
     status = 0
     for which in ("installed", "no-row-stack"):
