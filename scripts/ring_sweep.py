@@ -1,31 +1,23 @@
 """The chunk ring's geometry by measurement (also ``scripts/gpu_check.py --sweep``).
 
-Times device loads of the checkpoint (``engine.load_into(directory, tensors)`` into device
-tensors made once) over a grid of the ring's parameters: chunk size, chunks in flight (at most
-:data:`MAX_PINNED` page-locked), copy threads (the host's cores less 8, 6, 4, 2 and 0, at
-least 1), where the copy threads take the bytes (``ENGINE_COPY_SOURCE`` auto / pread / mmap),
-how chunks filled out of a mapping are written (``ENGINE_RING_STORES`` stream / cached) and
-when mapped runs are dropped (``ENGINE_RING_UNMAP`` end / chunk).  One child process does it
-all, the CUDA context up once: each configuration sets the variables (the engine reads them
-at each load) and loads twice, each after closing the rings earlier loads left, as a
-process's first load does; its rate is the median of the two, and the ring's records of
-each load are kept.  The order makes a sweep cut short by its budget still useful: every
-geometry at the default threads and variant, then every thread count and variant of the
-three fastest geometries, then the rest.  No configuration starts that the budget would not
-cover; the fastest's bytes are checked at the end against the process's first (untimed) load.
-
-``--short`` (what gpu_check runs in its budget): the default geometry with every source under
-each unmap mode, then three other shapes; each first load sets its ring up, each second
-reuses it.  ``--device cpu`` is the dry run on the emulated CUDA runtime (tests/emucudart: a
-memcpy on a stream thread, not a GPU's rate), every configuration's bytes checked:
+Device loads of the checkpoint (``engine.load_into(directory, tensors)``) over a grid: chunk size,
+chunks in flight (at most :data:`MAX_PINNED` page-locked), copy threads (the cores less 8, 6, 4, 2, 0),
+``ENGINE_COPY_SOURCE``, ``ENGINE_RING_STORES`` and ``ENGINE_RING_UNMAP``.  One child, the CUDA context up
+once, loads each configuration twice (the rate: their median); the order keeps a sweep cut short by its
+budget useful (every geometry, then every variant of the :data:`TOP` fastest, then the rest), and the
+fastest's bytes are checked at the end.  ``--short`` (gpu_check's): the default geometry with every source
+under each unmap mode, then three other shapes, each second load reusing the first's ring.  ``--device
+cpu``: the dry run on the emulated runtime (tests/emucudart), every configuration's bytes checked:
 ``python scripts/ring_sweep.py --device cpu --size 16MB --short --json sweep.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
+import mmap
 import os
 import statistics
 import sys
@@ -33,7 +25,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-# this checkout first on sys.path, then asv_benchmarks/ and tests/
 import harness
 
 # isort: split
@@ -47,12 +38,11 @@ DRY_CHUNK_MIB, DRY_CHUNKS = (1, 4), (4, 16)
 #: the most a configuration page-locks (the engine's own default ceiling)
 MAX_PINNED = 256 * MIB
 THREAD_OFFSETS = (-8, -6, -4, -2, 0)
-#: (``ENGINE_COPY_SOURCE``, ``ENGINE_RING_STORES``, ``ENGINE_RING_UNMAP``): a chunk filled by
-#: ``pread`` holds no mapping, so neither stores nor unmap applies to it ("-": left unset)
+#: (``ENGINE_COPY_SOURCE``, ``ENGINE_RING_STORES``, ``ENGINE_RING_UNMAP``); "-": left unset (a chunk
+#: filled by ``pread`` holds no mapping to store or unmap)
 VARIANTS = (("auto", "stream", "end"), ("auto", "cached", "end"), ("pread", "-", "-"), ("mmap", "stream", "end"),
             ("auto", "stream", "chunk"), ("mmap", "stream", "chunk"))
 SHORT_SOURCES, SHORT_UNMAP = ("pread", "mmap", "auto"), ("end", "chunk")
-#: geometries whose every thread count and variant are timed right after the first pass
 TOP = 3
 #: the variables a configuration sets, and a configuration's keys
 KNOBS = ("ENGINE_RING", "ENGINE_COPY_SOURCE", "ENGINE_RING_STORES", "ENGINE_RING_UNMAP")
@@ -71,9 +61,8 @@ def geometries(dry: bool) -> list[tuple[int, int]]:
 
 
 def short_configs(default: tuple[int, int, int], cores: int) -> list[Config]:
-    """``default`` (chunk MiB, chunks, threads) with every source under each unmap mode, then
-    half and twice the chunk size (the same page-locked bytes) and another thread count, at
-    the engine's default source and unmap."""
+    """``default`` (chunk MiB, chunks, threads) with every source under each unmap mode, then half and
+    twice the chunk size (the same page-locked bytes) and another thread count."""
     mib, chunks, threads = default
     out: list[Config] = [(mib, chunks, threads, src, "-", unmap) for unmap in SHORT_UNMAP for src in SHORT_SOURCES]
     other = cores if cores != threads else max(1, threads // 2)
@@ -86,9 +75,9 @@ def short_configs(default: tuple[int, int, int], cores: int) -> list[Config]:
 
 def order(geoms: list[tuple[int, int]], threads: list[int], base_threads: int, rates: dict,
           first: tuple[int, int] | None = None) -> Iterator[tuple[str, Config]]:
-    """Configurations in the order timed, each with its stage (``A``: every geometry at the
-    default threads and variant, ``first`` first; ``B``: every thread count and variant of the
-    :data:`TOP` fastest by ``rates``, read as the sweep goes; ``C``: the rest)."""
+    """Configurations in the order timed, with their stage: ``A`` every geometry at the default threads
+    and variant (``first`` first), ``B`` every thread count and variant of the :data:`TOP` fastest by
+    ``rates`` (read as the sweep goes), ``C`` the rest."""
     seen: set = set()
     if first in geoms:
         geoms = [first, *[g for g in geoms if g != first]]
@@ -151,14 +140,10 @@ class _Cuda:
 
 
 class _Emulated:
-    """The checkpoint's tensors as host arrays behind the emulated CUDA runtime
-    (tests/emucudart): the engine's pipeline and chunk ring as on a GPU, the copies a memcpy
-    on the emulator's stream thread; ``reference``: the files' bytes."""
+    """The checkpoint's tensors as host arrays behind the emulated CUDA runtime: the engine's pipeline
+    and chunk ring as on a GPU, each copy a memcpy on the emulator's stream thread."""
 
     def __init__(self, files: list[str]) -> None:
-        import hashlib
-        import mmap
-
         import numpy as np
         from emucudart import EmulatedRingOps, Emulator
 
@@ -179,7 +164,7 @@ class _Emulated:
                     self.dst[base + r] = np.zeros(e - b, np.uint8)
                     ref.update(m[b:e])
             base += len(t.names)
-        self.reference = ref.hexdigest()
+        self.reference = ref.hexdigest()  # the files' bytes
         self.nbytes = sum(len(a) for a in self.dst.values())
 
     def load(self, cold: bool = True) -> float:
@@ -205,8 +190,6 @@ class _Emulated:
             a.fill(0)
 
     def fingerprint(self) -> str:
-        import hashlib
-
         h = hashlib.blake2b(digest_size=16)
         for key in sorted(self.dst):
             h.update(self.dst[key].data)
@@ -224,11 +207,10 @@ class _Emulated:
 
 
 def emulated_load(files: list[str]) -> dict:
-    """gpu_check's dry row: every shard through the device pipeline in one load on the emulated
-    runtime, its bytes checked against the files and nothing left behind."""
+    """gpu_check's dry row: every shard through the device pipeline in one load on the emulated runtime,
+    its bytes checked against the files and nothing left behind."""
     target = _Emulated(files)
-    with bench_gpu.ring_records() as records:
-        seconds = target.load()
+    seconds, records = _recorded(target, True)
     same, end = target.fingerprint() == target.reference, target.close()
     if not same or not end["clean"]:
         raise AssertionError("bytes differ from the files" if not same else f"the ring left the emulated"
@@ -252,9 +234,8 @@ def _recorded(target, cold: bool) -> tuple[float, dict]:
 
 
 def child(dev: str, files: list[str], seconds: float, short: bool, log: str) -> dict:
-    """Time the grid (or the short sweep) within ``seconds`` from now, appending one JSON line
-    per event to ``log`` as it goes (a child stopped from outside leaves what it did): the
-    start, the untimed first load, each configuration, the check of the best one, the end."""
+    """Time the grid (or the short sweep) within ``seconds``, one JSON line per event appended to ``log``
+    as it goes (a child stopped from outside leaves what it did): start, warm-up, each config, check, end."""
     t_start = time.monotonic()
     deadline = t_start + seconds
     dry = not dev.startswith("cuda")
@@ -281,8 +262,8 @@ def child(dev: str, files: list[str], seconds: float, short: bool, log: str) -> 
     rates: dict = {}
     walls: list[float] = []
     try:
-        # a process's first load pays for what only a first load sets up: untimed, the default
-        # geometry, into zeroed tensors; on a GPU its bytes are the reference for the best's
+        # a process's first load pays for what only a first load sets up: untimed, at the default, into
+        # zeroed tensors; on a GPU its bytes are the reference for the best's
         t0 = time.monotonic()
         target.zero()
         target.load()
@@ -338,8 +319,8 @@ def child(dev: str, files: list[str], seconds: float, short: bool, log: str) -> 
 
 
 def run_child(dev: str, files: list[str], left: float, env: dict, short: bool = False) -> tuple[list[dict], str | None]:
-    """The child within ``left`` seconds (it stops starting configurations 10 s before, and is
-    stopped at ``left``): its events, and why it failed (or None)."""
+    """The child within ``left`` seconds (it starts no configuration in the last 10): its events, and
+    why it failed (or None)."""
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as log:
         t0 = time.monotonic()
         got = harness.call(child, dev, files, max(1.0, left - 10), short, log.name, env=env, timeout=max(1.0, left),
@@ -351,8 +332,7 @@ def run_child(dev: str, files: list[str], left: float, env: dict, short: bool = 
 
 
 def summarize(events: list[dict]) -> dict:
-    """``start``, ``warmup``, ``check``, ``end`` (each None if missing), ``configs`` (those that
-    ran, fastest first) and ``best`` (or None)."""
+    """``start``, ``warmup``, ``check``, ``end`` (None if missing), ``configs`` (fastest first), ``best``."""
     first = {e["event"]: e for e in reversed(events)}
     configs = sorted((e for e in events if e["event"] == "config"),
                      key=lambda e: -(e.get("median_gbps") or 0.0) if e.get("bytes_ok", True) else 0.0)
@@ -362,8 +342,7 @@ def summarize(events: list[dict]) -> dict:
 
 
 def name(c: dict) -> str:
-    """A configuration's shape and variant ("default": the engine's, the variable left unset;
-    the stores named only where set)."""
+    """A configuration's shape and variant ("default": the variable left unset; stores only where set)."""
     knob = {k: "default" if c.get(k, "-") == "-" else c[k] for k in ("source", "stores", "unmap")}
     stores = f" stores {c['stores']}," if c.get("stores", "-") != "-" else ""
     return f"{c['chunk_mib']} MiB x {c['chunks']}, threads {c['threads']}, source {knob['source']},{stores} unmap {knob['unmap']}"
@@ -376,8 +355,8 @@ def env_line(c: dict) -> str:
 
 
 def records_text(rec: dict | None) -> str:
-    """A load's ring records in a table cell: waits, page-locking, bytes per source, the ring's
-    shape and unmap mode, and with device kernels the reports' count and seconds."""
+    """A load's ring records in a table cell: waits, page-locking, bytes per source, shape, unmap mode,
+    and with device kernels the reports' count and seconds."""
     if not rec:
         return "-"
     if not rec.get("loads"):
@@ -399,17 +378,11 @@ def records_text(rec: dict | None) -> str:
             + (f"; kernels at {rec.get('reported') or 0:g} reports, {sec('report_s')} s" if rec.get("hooked") else ""))
 
 
-#: the printed and markdown table's columns
-COLUMNS = ("case", "stage", "median_s", "gbps", "each", "ring", "detail")
-
-
 def run(files: list[str] | None, dev: str, deadline: float, env: dict, meta: dict, json_path: str | None,
         md_path: str | None = None, short: bool = False) -> int:
-    """The sweep within what is left until ``deadline`` (``time.monotonic()``): the checkpoint's
-    pages read once, the child, its configurations as a table (fastest first; then the best,
-    the default's rank and the best rate for each value of each parameter), printed and
-    written to ``md_path``, and to ``json_path`` in the common shape with the sweep's own keys
-    (``start``, ``best``, ``check``, ``end``, ``ring``, ``meta``, ``error``).  1 if it failed."""
+    """The sweep until ``deadline`` (``time.monotonic()``): its configurations fastest first, the best,
+    the default's rank and the best rate for each value of each key, printed and written to ``md_path``,
+    and ``json_path`` in the common shape with the sweep's own keys.  1 if it failed."""
     events: list[dict] = []
     error: str | None = "no checkpoint"
     if files is not None:
@@ -436,25 +409,26 @@ def run(files: list[str] | None, dev: str, deadline: float, env: dict, meta: dic
                    records=c.get("records"), ring=records_text((c.get("records") or [None])[0]),
                    each=" / ".join(f"{g:.2f}" for g in c.get("gbps", [])), detail=c.get("error"))
     ring = env_line(best).split()[0] if best else None
+    ranked = [c for c in result["configs"] if c.get("median_gbps")] if best else []
     if best:
         report.note(f"\nbest: `{ring}` (with `{env_line(best)}`): {best['median_gbps']:.2f} GB/s"
                     f" ({'bytes checked' if check.get('bytes_ok') else 'BYTES DIFFER or not checked'})")
         d = start.get("default") or []
-        ranked = [c for c in result["configs"] if c.get("median_gbps")]
         ref = next((i for i, c in enumerate(ranked, 1) if [c["chunk_mib"], c["chunks"], c["threads"]] == d
                     and (c["source"], c["stores"], c["unmap"]) in (VARIANTS[0], ("-", "-", "-"))), None)
         if ref:
             report.note(f"the default ({d[0]} MiB x {d[1]} chunks, {d[2]} threads): rank {ref} of {len(ranked)}")
     for key in KEYS:
         by: dict = {}
-        for c in ranked if best else []:
+        for c in ranked:
             by.setdefault(str(c[key]), []).append(c["median_gbps"])
         report.note(f"\n| {key} | best GB/s | median GB/s | configurations |\n|---|---:|---:|---:|\n" + "\n".join(
             f"| {v} | {max(r):.2f} | {statistics.median(r):.2f} | {len(r)} |" for v, r in sorted(by.items())))
     meta = {**meta, "engine_file": where, "device_name": start.get("device", dev)}
     table = io.StringIO()
     with contextlib.redirect_stdout(table):
-        report.print(*COLUMNS)
+        report.finish(json_path, "case", "stage", "median_s", "gbps", "each", "ring", "detail", meta=meta,
+                      error=error, ring=ring, **{k: result[k] for k in ("best", "check", "start", "warmup", "end")})
     text = (f"ring sweep on {meta['device_name']}: {len(report.rows)} of {start.get('configs', '?')} configurations,"
             f" checkpoint {start.get('bytes', 0) / 1e9:.2f} GB of tensors, each loaded twice (GB/s: the median of the"
             f" two); engine {where}\n\n{table.getvalue()}")
@@ -462,9 +436,6 @@ def run(files: list[str] | None, dev: str, deadline: float, env: dict, meta: dic
     if md_path:
         with open(md_path, "w") as f:
             f.write(text)
-    if json_path:
-        report.save(json_path, meta=meta, error=error, ring=ring,
-                    **{k: result[k] for k in ("best", "check", "start", "warmup", "end")})
     if error:
         print(f"FAILED: {error}")
     if ring:
@@ -472,20 +443,25 @@ def run(files: list[str] | None, dev: str, deadline: float, env: dict, meta: dic
     return 1 if error else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, start: float | None = None) -> int:
     ap = harness.parser(__doc__)
     ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for the dry run on the emulated runtime")
     ap.add_argument("--size", default="16.06GB", help="checkpoint size (bench_gpu.py's, in --dir)")
     ap.add_argument("--dir", default=bench_gpu.DIR)
-    ap.add_argument("--budget", type=float, default=210, help="seconds for the whole sweep")
-    ap.add_argument("--short", action="store_true", help="the short sweep of scripts/gpu_check.py")
+    ap.add_argument("--budget", type=float, default=210, help="seconds for the whole sweep, the checkpoint's too")
+    ap.add_argument("--short", action="store_true", help="gpu_check.py's short sweep")
+    ap.add_argument("--md", default=None, help="write the table here too")
     a = ap.parse_args(argv)
-    deadline = time.monotonic() + a.budget
-    size = harness.parse_size(a.size)
-    files, _ = bench_gpu.checkpoint(a.dir, size)
-    env = harness.child_env(NUMBA_ENABLE_CUDASIM=None)
-    return run(files, a.device, deadline, env, {"device": a.device, "size": size, "budget_s": a.budget}, a.json,
-               short=a.short)
+    deadline = (start or time.monotonic()) + a.budget
+    size, env = harness.parse_size(a.size), harness.child_env(NUMBA_ENABLE_CUDASIM=None)
+    # the sweep needs about a minute of the budget after the checkpoint to say anything
+    got = harness.call(bench_gpu.made, os.path.join(a.dir, f"llama3-shapes-{size}"), size, env=env,
+                       timeout=max(1.0, deadline - time.monotonic() - 60), check=False)
+    rc = run(got.get("files"), a.device, deadline, env, {"device": a.device, "size": size, "budget_s": a.budget},
+             a.json, a.md, a.short)
+    if "error" in got:
+        print(f"FAILED checkpoint: {got['error']}")
+    return 1 if "error" in got else rc
 
 
 if __name__ == "__main__":
