@@ -1,39 +1,18 @@
-"""Everything that decides the engine's device path, in one GPU command of at most 7 minutes.
+"""Everything that decides the engine's device path, in one budgeted GPU command (7 minutes by default).
 
-``python3 scripts/gpu_check.py --wheels .whl --out OUT`` runs, within ``--budget`` seconds (420
-by default) of its own start, the most decisive rows first: the peers' wheels installed into a
-scratch folder on the children's PYTHONPATH, the extensions built in place, the engine a child
-imports checked to be this checkout's, scripts/driver_check.py's rows; the checkpoint of
-scripts/bench_gpu.py (8 GB in 4 shards, 16.06 GB with ``--long``), read once; bench_gpu.py's
-load rows, each sample a fresh process (the limits, InstantTensor ``Backend.MMAP``, every
-engine entry point, fastsafetensors, the per-key loop of accelerate's ``load_state_dict``);
-warm start (a second load in the same process, a first load after ``engine.prepare_device``);
-scripts/ring_sweep.py's short sweep; then every dtype through every entry point (and over
-HTTP) byte for byte against the reference, ``pytest -m cuda``, the reference's ``load_file``,
-the loads with device kernels (``stats=True``, ``quantize="int8"``, both; each beside the
-plain ``stream(f)`` and checked against the CPU kernels), the validator, and the device-kernel
-test modules.  With ``--device cpu`` the loads go to the host and say so, and every shard goes
-through the device pipeline on the emulated CUDA runtime (tests/emucudart).
+Most decisive first: the peers' wheels installed in a scratch folder, the extensions built in place, the
+engine a child imports checked to be this checkout's, driver_check.py's rows, bench_gpu.py's checkpoint
+and load rows (fresh-process samples), warm start, ring_sweep.py's short sweep, every dtype byte for byte
+against the reference (and over HTTP), ``pytest -m cuda``, the loads with device kernels and the
+device-kernel tests.  No row starts that the rest of ``--budget`` cannot hold (its cost from its own runs,
+else :data:`PRIORS`); ``gpu_check-<mode>.json`` and ``.md`` in ``--out`` are rewritten after every row,
+naming what did not run and why.  Exit status 1 when a row failed.  On a lent GPU host (carry ``.whl``)::
 
-No row (no sample, no test run) starts that the rest of the budget cannot hold: a row's cost is
-estimated from its own runs so far, else from :data:`PRIORS`, and every child is stopped at the
-budget's end.  ``gpu_check-<mode>.json`` and ``.md`` in ``--out`` are rewritten after every
-row; a row that did not run says why ("budget: needs ~40s, 12s left"), rows never reached are
-listed.  Each load row reports its rate (the median of its samples), host memory peak and
-growth by kind, device memory peak and the chunk ring's records; on a GPU a row whose
-anonymous + page-locked growth passes :data:`HOST_BOUND` is marked over bound.  Exit status 1
-when a row failed (a skipped row is not one).
-
-On a lent GPU host (``.whl/`` is git-ignored: carried only when named)::
-
-    mkdir -p .whl && cp ../shared/wheels/*.whl .whl/
-    # device tool: carry [".whl"], timeout_s 480, command:
     python3 scripts/gpu_check.py --wheels .whl --out $OUT/gpu-check
 
-``--long`` (more rows, 9 minutes) and ``--sweep`` (the ring's whole grid, 210 s, writing
-gpu_check-sweep.json and .md) are commands of their own.  The dry run without a GPU (CI's):
-``python scripts/gpu_check.py --device cpu --budget 60 --out DIR`` (``--skip build,pytest``
-leaves phases out).
+``--long`` (16.06 GB, more rows) and ``--sweep`` (the ring's whole grid) are commands of their own.  The
+dry run (CI's): ``python scripts/gpu_check.py --device cpu --budget 60 --out DIR``: host loads, and the
+device pipeline on the emulated CUDA runtime (tests/emucudart).
 """
 
 from __future__ import annotations
@@ -60,8 +39,6 @@ import xml.etree.ElementTree as ET  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from functools import partial  # noqa: E402
 
-# this checkout first on sys.path (its engine, built in place by the build row, in this process
-# and every child), then asv_benchmarks/ and tests/
 import harness  # noqa: E402
 
 # isort: split
@@ -71,10 +48,9 @@ import driver_check  # noqa: E402
 import ring_sweep  # noqa: E402
 
 ROOT = harness.ROOT
-#: seconds of the whole command by default (a lent GPU host's 15 minutes include its start-up),
-#: with ``--long`` and with ``--sweep``; seconds kept for the summary and the last write
+#: seconds of the command (by default: a lent GPU host's 15 minutes include its start-up; ``--long``;
+#: ``--sweep``), and those kept for the last write
 BUDGET, LONG_BUDGET, SWEEP_BUDGET, RESERVE = 420.0, 540.0, 210.0, 3.0
-#: checkpoint sizes by default
 SIZE = {"check": "8GB", "long": "16.06GB", "cpu": "64MB"}
 PEERS = ("instanttensor", "fastsafetensors", "runai_model_streamer")
 #: the rows that decide the device path, first
@@ -88,7 +64,7 @@ FIRST_ROW = "engine load_into(directory)"
 SECOND_ROW = "engine load_into(directory) second load in the same process"
 PREPARED_ROW = "engine load_into(directory) first load after engine.prepare_device"
 REFERENCE_ROWS = ["reference load_file(f, device) per shard"]
-#: loads with device kernels beside the plain load of the same entry point in the same run, and the validator
+#: loads with device kernels beside the plain load of the same entry point, and the validator
 ONLOAD_PLAIN = "engine stream(f) per shard"
 ONLOAD_ROWS = [ONLOAD_PLAIN, "engine stream(f) stats=True per shard", "engine stream(f) quantize=int8 per shard",
                "engine stream(f) stats=True quantize=int8 per shard",
@@ -104,8 +80,8 @@ HOST_BOUND = 512 << 20
 PYTEST_RUNS = {"pytest -m cuda": ["-m", "cuda", "tests"],
                "pytest device-kernel modules": ["tests/test_device.py", "tests/test_cuda_kernels.py",
                                                 "tests/test_cudart.py", "tests/test_load_hooks.py"]}
-#: conservative costs, seconds, before a row has run (GPU: the H100 run of 2026-11-26 doubled or so;
-#: cpu: the 2-core CI machine); a load row's per sample; ``checkpoint`` per GB to make, ``-read`` to read
+#: conservative seconds before a row has run (a load row's per sample; ``checkpoint`` per GB to make,
+#: ``-read`` to read)
 PRIORS = {
     "cuda": {"wheels": 15, "build": 75, "build-fresh": 10, "engine": 20, "checkpoint": 5, "checkpoint-read": 2,
              "sample": 10, "limit": 8, "per-key": 12, "onload": 15, "sweep": 45, "compare": 20,
@@ -122,11 +98,8 @@ DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
 
 
 class Budget:
-    """The command's seconds: what is left, what a row will cost, whether it may start.
-
-    A row's estimate: 1.2 times its slowest run so far plus half a second; before it has run,
-    its prior, scaled for load samples by how the samples so far compared with their priors
-    (between 0.5 and 2 times, with a quarter added)."""
+    """The command's seconds: what is left, what a row will cost (1.2 times its slowest run so far, else
+    its prior, scaled for load samples by how the samples so far compared with theirs), whether it may start."""
 
     def __init__(self, seconds: float, start: float | None = None, clock: Callable[[], float] = time.monotonic,
                  reserve: float = RESERVE) -> None:
@@ -146,7 +119,6 @@ class Budget:
         return prior
 
     def note(self, key: str, seconds: float, prior: float | None = None) -> None:
-        """What a run of ``key`` took; with ``prior``, it also scales the load samples' priors."""
         self.walls.setdefault(key, []).append(seconds)
         if prior:
             self.ratios.append(seconds / prior)
@@ -158,20 +130,19 @@ class Budget:
 
 
 class Report:
-    """Rows as they come: each printed, the JSON and markdown files rewritten after it (through a
-    temporary file and a rename: a run stopped at any moment leaves whole files)."""
+    """Rows as they come: each printed, the JSON and markdown rewritten after it (through a rename: a run
+    stopped at any moment leaves whole files)."""
 
-    def __init__(self, base: str | None = None, meta: dict | None = None) -> None:
+    def __init__(self, base: str, meta: dict) -> None:
         self.rows: list[dict] = []
         self.phases: list[dict] = []
-        self.base, self.meta = base, meta or {}
+        self.base, self.meta = base, meta
         self.pending: list[str] = []  # rows planned and not reported yet, in order
 
     def plan(self, names: list[str]) -> None:
         self.pending = [n for n in names if n not in self.pending] + [n for n in self.pending if n not in names]
 
     def done(self, names: list[str]) -> None:
-        """A step has run: the rows it stood for are no longer pending."""
         self.pending = [n for n in self.pending if n not in names]
 
     def add(self, phase: str, row: str, status: str, reason: str | None = None, **fields) -> dict:
@@ -185,8 +156,6 @@ class Report:
         return record
 
     def write(self) -> None:
-        if not self.base:
-            return
         meta = {**self.meta, "elapsed_s": round(time.monotonic() - START, 1)}
         body = {"meta": meta, "phases": self.phases, "rows": self.rows, "pending": self.pending}
         for suffix, text in ((".json", json.dumps(body, indent=1, default=str)), (".md", markdown(meta, self))):
@@ -200,8 +169,8 @@ class Failed(Exception):
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str]:
-    """(exit code, None on timeout; stdout; stderr) of a command in the checkout; on timeout its
-    whole process group is killed (a test's own children would keep the pipes open)."""
+    """(exit code or None on timeout, stdout, stderr) of a command; on timeout its whole process group is
+    killed (a test's own children would keep the pipes open)."""
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
     try:
@@ -219,8 +188,8 @@ def _tail(text: str) -> str:
 
 
 def built_fresh() -> bool:
-    """Whether every extension is built in place and newer than its Cython sources (its .pyx and
-    .pxd, the .pxd files it cimports, the C headers it includes): the build is then a no-op."""
+    """Whether every extension is built in place and newer than its .pyx, .pxd, the .pxd it cimports and
+    the headers it includes: the build is then a no-op."""
     sources = glob.glob(os.path.join(ROOT, "engine", "**", "*.pyx"), recursive=True)
     pxds = glob.glob(os.path.join(ROOT, "engine", "**", "*.pxd"), recursive=True)
     for pyx in sources:
@@ -253,7 +222,6 @@ class Check:
         self.priors = PRIORS["cuda" if self.cuda else "cpu"]
         self.path: list[str] = []  # the peers' site folder, for the children
         self.files: list[str] | None = None
-        self.nbytes = 0
         self.skip = {p.strip() for p in args.skip.split(",") if p.strip()}
         self.samples: dict[str, list[dict]] = {}
 
@@ -261,8 +229,7 @@ class Check:
         return harness.child_env(NUMBA_ENABLE_CUDASIM=None, PYTHONPATH=checkout_path.pythonpath(*self.path))
 
     def call(self, fn: Callable, *args, left: float):
-        """``fn(*args)`` in a fresh process stopped after ``left`` seconds: what it returned, or
-        :class:`Failed`."""
+        """``fn(*args)`` in a fresh process stopped after ``left`` seconds: what it returned, or :class:`Failed`."""
         t0 = time.monotonic()
         got = harness.call(fn, *args, env=self.env(), timeout=max(1.0, left), check=False)
         if isinstance(got, dict) and "error" in got:
@@ -277,8 +244,8 @@ class Check:
         return out
 
     def step(self, phase: str, row: str, key: str, prior: float, fn: Callable[[float], None]) -> None:
-        """``fn(seconds it may take)`` if the budget holds its estimate, else the row skipped with
-        the reason; an exception is a failed row."""
+        """``fn(seconds it may take)`` if the budget holds its estimate, else the row skipped with the
+        reason; an exception is a failed row (the later rows still run)."""
         why = f"--skip {phase}" if phase in self.skip else self.budget.refuse(self.budget.estimate(key, prior))
         if why:
             self.rep.add(phase, row, "skipped", why)
@@ -288,7 +255,7 @@ class Check:
             fn(self.budget.left())
         except Failed as exc:
             self.rep.add(phase, row, "failed", str(exc))
-        except Exception as exc:  # a row that breaks is a failed row; the later rows still run
+        except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
             self.rep.add(phase, row, "failed",
                          f"{type(exc).__name__}: {exc} ({os.path.basename(where.filename)}:{where.lineno})")
@@ -328,9 +295,8 @@ def row_build(check: Check) -> None:
 
 
 def row_engine(check: Check) -> None:
-    """The engine the parent and a child import must be this checkout's, extensions included (an
-    editable install of another checkout would otherwise lend its extensions); the child also
-    names torch and the device."""
+    """The engine the parent and a child import, extensions included, must be this checkout's (an editable
+    install of another checkout would lend its own); the child also names torch and the device."""
 
     def probe(left: float) -> None:
         t0 = time.monotonic()
@@ -350,7 +316,7 @@ def row_engine(check: Check) -> None:
 
 
 def row_driver(check: Check) -> None:
-    """scripts/driver_check.py's rows in a fresh process (no context made before it)."""
+    """driver_check.py's rows in a fresh process (no context made before it)."""
 
     def run(left: float) -> None:
         try:
@@ -364,8 +330,7 @@ def row_driver(check: Check) -> None:
 
 
 def row_checkpoint(check: Check, size: int) -> None:
-    """Make (or reuse) the checkpoint in a child, which also counts its tensor bytes (the parent
-    imports no engine for it), then read its pages once."""
+    """The checkpoint made (or reused) in a child, which counts its tensor bytes, then read once."""
     folder = os.path.join(check.args.dir, f"llama3-shapes-{size}")
     exists = os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
     prior = 5 + size / 1e9 * (check.priors["checkpoint-read"] + (0 if exists else check.priors["checkpoint"]))
@@ -374,13 +339,12 @@ def row_checkpoint(check: Check, size: int) -> None:
         t0 = time.monotonic()
         got = check.call(bench_gpu.made, folder, size, left=left)
         made = time.monotonic() - t0
-        if check.args.modes == "warm":
-            bench_gpu.warm(got["files"])
-        check.files, check.nbytes = got["files"], got["bytes"]
+        bench_gpu.warm(got["files"])
+        check.files = got["files"]
         check.rep.add("checkpoint", "checkpoint", "ok",
-                      f"{len(check.files)} shards, {check.nbytes / 1e9:.2f} GB of tensors in {folder}"
+                      f"{len(check.files)} shards, {got['bytes'] / 1e9:.2f} GB of tensors in {folder}"
                       f" ({'reused' if exists else 'made'} in {made:.1f} s, then read once)",
-                      seconds=round(time.monotonic() - t0, 1), bytes=check.nbytes, made=not exists)
+                      seconds=round(time.monotonic() - t0, 1), bytes=got["bytes"], made=not exists)
 
     check.step("checkpoint", "checkpoint", "checkpoint", prior, make)
 
@@ -393,8 +357,8 @@ def _files(check: Check, phase: str, row: str) -> list[str] | None:
 
 
 def row_loads(check: Check, phase: str, impl: str, runs: int, prior_key: str) -> None:
-    """One load row: ``runs`` fresh-process samples, each started only if the budget holds it; a
-    row cut short keeps the samples it has and says why."""
+    """One load row: ``runs`` fresh-process samples, each started only if the budget holds it; a row cut
+    short keeps the samples it has and says why."""
     rep, budget = check.rep, check.budget
     why = f"--skip {phase}" if phase in check.skip else bench_gpu.skip_reason(impl, check.dev, check.path)
     if why:
@@ -402,12 +366,10 @@ def row_loads(check: Check, phase: str, impl: str, runs: int, prior_key: str) ->
         return
     if (files := _files(check, phase, impl)) is None:
         return
-    prior, samples, cut, cache = check.priors[prior_key], [], None, check.args.modes
+    prior, samples, cut = check.priors[prior_key], [], None
     for _ in range(runs):
         if cut := budget.refuse(budget.estimate(impl, prior, scaled=True)):
             break
-        if check.args.modes == "cold":
-            cache = bench_gpu.drop_cache(files)
         t0 = time.monotonic()
         limit = max(1.0, min(SAMPLE_LIMIT, budget.left()))  # a hung child is stopped before it takes every row's time
         s = bench_gpu.sample(impl, files, check.dev, limit, check.env())
@@ -420,14 +382,14 @@ def row_loads(check: Check, phase: str, impl: str, runs: int, prior_key: str) ->
             break
     check.samples[impl] = samples
     if samples:
-        add_load_row(check, phase, impl, samples, runs, cache, cut)
+        add_load_row(check, phase, impl, samples, runs, cut)
     else:
         rep.add(phase, impl, "skipped", cut)
 
 
-def add_load_row(check: Check, phase: str, impl: str, samples: list[dict], runs: int, cache: str,
-                 cut: str | None, note: str = "") -> None:
-    r = bench_gpu.summarise(samples, cache)
+def add_load_row(check: Check, phase: str, impl: str, samples: list[dict], runs: int, cut: str | None,
+                 note: str = "") -> None:
+    r = bench_gpu.summarise(samples, "warm")
     status, reason = r.pop("status"), r.pop("reason")
     if status == "ok":
         where = "" if check.cuda else f"device={check.dev}: a host load (no GPU); "
@@ -450,21 +412,20 @@ def add_load_row(check: Check, phase: str, impl: str, samples: list[dict], runs:
             reason += (f"; {cpu['checked']} tensors against the CPU kernels: "
                        + (f"DIFFER {sorted(cpu['mismatched'])[:3]}" if cpu["mismatched"] else "equal"))
             status = "failed" if cpu["mismatched"] else status
-    # the JSON keeps each sample's figures; a second load is its own row's sample
+    # a second load is its own row's sample
     r["samples"] = [{k: v for k, v in s.items() if k != "second"} for s in r.get("samples", [])]
     check.rep.add(phase, impl, status, reason, **r)
 
 
 def row_second_load(check: Check) -> None:
-    """The second loads of :data:`FIRST_ROW`'s samples (the same processes, timed after the
-    first): a row of their own beside the first loads."""
+    """The second loads of :data:`FIRST_ROW`'s samples (the same processes): a row of their own."""
     first = check.samples.get(FIRST_ROW) or []
     seconds = [{**s["second"], "second_of": i} for i, s in enumerate(first) if isinstance(s.get("second"), dict)]
     if not seconds:
         why = "no sample of its first load ran" if not first else "its samples made no second load"
         check.rep.add("warm-start", SECOND_ROW, "skipped", f"{why} (row {FIRST_ROW!r})")
         return
-    add_load_row(check, "warm-start", SECOND_ROW, seconds, len(first), check.args.modes, None,
+    add_load_row(check, "warm-start", SECOND_ROW, seconds, len(first), None,
                  note=f"the second load of each sample of {FIRST_ROW!r} (its first loads are that row); ")
 
 
@@ -576,7 +537,7 @@ def plan(check: Check, size: int, inject: str | None) -> list[Step]:
         out: list[Step] = []
         for impl in rows:
             limit = impl.startswith("limit:")
-            runs = check.args.runs or ((LIMIT_RUNS if limit else RUNS) if check.cuda else 1)
+            runs = (LIMIT_RUNS if limit else RUNS) if check.cuda else 1
             prior = key or ("limit" if limit else "sample")
             out.append((phase, [impl], partial(row_loads, check, phase, impl, runs, prior)))
         return out
@@ -607,8 +568,7 @@ def plan(check: Check, size: int, inject: str | None) -> list[Step]:
 
 
 def compare_child(dev: str, scratch: str) -> list[dict]:
-    """Each engine entry point's tensors against the reference's, byte for byte, for every dtype:
-    a row each."""
+    """Each engine entry point's tensors against the reference's, byte for byte, every dtype: a row each."""
     import torch
     from rangeserver import serve
     from safetensors import safe_open as ref_open
@@ -665,8 +625,7 @@ def compare_child(dev: str, scratch: str) -> list[dict]:
         with engine.safe_open(path, framework="pt", device=dev) as f:
             return {n: f.get_slice(n)[1:3] if slices else f.get_tensor(n) for n in names}
 
-    # the same file over HTTP (the tests' Range server, keep-alive, on 127.0.0.1): the remote
-    # loads' device path, connections filling the chunk ring's page-locked chunks
+    # the same file over HTTP (the tests' Range server): connections filling the ring's page-locked chunks
     server = serve(scratch)
     server.keepalive = True
     url = server.url(os.path.basename(path))
@@ -734,9 +693,8 @@ def markdown(meta: dict, rep: Report) -> str:
              f" {meta.get('size')} bytes; engine {eng.get('parent')} (a child's: {eng.get('child')});"
              f" budget {meta.get('budget_s')} s, {meta.get('elapsed_s')} s elapsed"
              f"{'' if meta.get('finished') else ' (still running, or stopped from outside)'}", "",
-             "Host memory growth during the load, MiB, peaks sampled every 10 ms: anonymous + page-locked"
-             f" (bound {HOST_BOUND >> 20} MiB on a GPU) = RssAnon + the engine's page-locked count; file: RssFile"
-             " (after: left after the load).  Ring records: engine.load_records(), the median over the samples.", "",
+             f"Host memory growth during the load, peaks every 10 ms (bound {HOST_BOUND >> 20} MiB on a GPU):"
+             " RssAnon + the engine's page-locked count; file: RssFile.  Ring records: the samples' median.", "",
              "| phase | row | status | GB/s | s | peak host GiB (before) | host growth MiB (anon+locked = anon"
              " + locked; file) | file after MiB | peak device GiB | ring records | detail |",
              "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
@@ -759,6 +717,8 @@ def markdown(meta: dict, rep: Report) -> str:
 
 
 def summary(meta: dict, rep: Report, total: float) -> str:
+    """The counts, the engine, the phases, each load row's rate against InstantTensor's MMAP backend, what
+    differs or was left out, and every failure."""
     counts = {s: sum(r["status"] == s for r in rep.rows) for s in ("ok", "failed", "skipped")}
     eng = meta.get("engine_file") or {}
     out = [f"== gpu_check {meta['mode']} on {meta.get('device_name')}: {counts['ok']} ok, {counts['failed']} failed,"
@@ -767,8 +727,9 @@ def summary(meta: dict, rep: Report, total: float) -> str:
            "phases: " + ", ".join(f"{p['phase']} {p['elapsed_s']:.0f} s" for p in rep.phases),
            *(f"{r['row']}: {r['reason']}" for r in rep.rows if r["phase"] == "pytest" and r.get("counts"))]
     ref = next((r for r in rep.rows if r["row"] == "InstantTensor Backend.MMAP" and r.get("gbps")), None)
+    loads = ("loads", "per-key", "warm-start", "reference", "onload", "long")
     for r in rep.rows:
-        if r.get("gbps") is not None and r["phase"] in ("loads", "per-key", "warm-start", "reference", "onload", "long"):
+        if r.get("gbps") is not None and r["phase"] in loads:
             ratio = f" {r['gbps'] / ref['gbps']:.2f}x IT-MMAP" if ref else ""
             out.append(f"  {r['row'][:52]:52s} {r['gbps']:7.2f} GB/s{ratio} n={len(r.get('samples', []))} host MiB"
                        f" {_kinds(r)} device {_gib(r.get('device_peak_bytes'))} GiB")
@@ -776,8 +737,7 @@ def summary(meta: dict, rep: Report, total: float) -> str:
         out.append(f"  sweep: fastest {best['reason']}")
     if over := [r["row"] for r in rep.rows if r.get("host_bounded") is False]:
         out.append(f"  over the host bound (anonymous + page-locked growth > {HOST_BOUND >> 20} MiB): {'; '.join(over)}")
-    sums = {c for r in rep.rows if r["phase"] in ("loads", "per-key", "warm-start", "reference")
-            for c in r.get("checksums", [])}
+    sums = {c for r in rep.rows if r["phase"] in loads[:4] for c in r.get("checksums", [])}
     if len(sums) > 1:
         out.append(f"  checksums differ between rows: {sorted(sums)}")
     if budget := [r["row"] for r in rep.rows if r["status"] == "skipped" and (r["reason"] or "").startswith("budget")]:
@@ -789,35 +749,20 @@ def summary(meta: dict, rep: Report, total: float) -> str:
 # -- the commands ---------------------------------------------------------------------------------------
 
 
-def _meta(args, size: int) -> dict:
-    return {"device": args.device, "device_name": args.device, "size": size, "python": platform.python_version(),
-            "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:]}
-
-
 def run_sweep(args) -> int:
-    """``--sweep``: the extensions built in place if they are not, the checkpoint made or reused,
-    then scripts/ring_sweep.py's whole grid within the budget."""
-    budget = args.budget or SWEEP_BUDGET
-    size = harness.parse_size(args.size or SIZE["long" if args.device.startswith("cuda") else "cpu"])
-    env, failed = harness.child_env(NUMBA_ENABLE_CUDASIM=None), []
-    deadline = START + budget
+    """``--sweep``: the extensions built in place if they are not, then ring_sweep.py's whole grid."""
+    budget, failed = args.budget or SWEEP_BUDGET, None
     if not built_fresh():  # a fresh checkout on a GPU host has no extensions until they are built
         print("== build (the extensions are not built in this checkout)", flush=True)
-        rc, out, err = _run(_build_command(), min(150.0, deadline - time.monotonic() - 90), env)
-        if rc != 0:
-            failed.append(f"build: {'timed out' if rc is None else _tail(err or out)}")
-    folder = os.path.join(args.dir, f"llama3-shapes-{size}")
-    print(f"== checkpoint ({size} bytes in {folder})", flush=True)
-    # the sweep needs about a minute of the budget after the checkpoint to say anything
-    got = harness.call(bench_gpu.made, folder, size, env=env, timeout=max(1.0, deadline - time.monotonic() - 60),
-                       check=False)
-    if "error" in got:
-        failed.append(f"checkpoint: {got['error']}")
+        rc, out, err = _run(_build_command(), min(150.0, START + budget - time.monotonic() - 90),
+                            harness.child_env(NUMBA_ENABLE_CUDASIM=None))
+        failed = None if rc == 0 else f"build: {'timed out' if rc is None else _tail(err or out)}"
     base = os.path.join(args.out, "gpu_check-sweep")
-    rc = ring_sweep.run(got.get("files"), args.device, deadline, env, {**_meta(args, size), "budget_s": budget},
-                        base + ".json", base + ".md")
-    for why in failed:
-        print(f"FAILED {why}")
+    size = args.size or SIZE["long" if args.device.startswith("cuda") else "cpu"]
+    rc = ring_sweep.main(["--device", args.device, "--size", size, "--dir", args.dir, "--budget", str(budget),
+                          "--json", base + ".json", "--md", base + ".md"], start=START)
+    if failed:
+        print(f"FAILED {failed}")
     return 1 if failed else rc
 
 
@@ -825,16 +770,17 @@ def run_check(args) -> int:
     cpu = not args.device.startswith("cuda")
     budget = Budget(args.budget or (LONG_BUDGET if args.long else BUDGET), start=START)
     size = harness.parse_size(args.size or SIZE["cpu" if cpu else "long" if args.long else "check"])
-    meta = {"mode": args.modes, **_meta(args, size), "budget_s": budget.seconds, "long": args.long, "finished": False}
-    base = os.path.join(args.out, f"gpu_check-{args.modes}")
+    meta = {"mode": "warm", "device": args.device, "device_name": args.device, "size": size, "budget_s": budget.seconds,
+            "python": platform.python_version(), "cores": os.cpu_count(), "long": args.long, "finished": False,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:]}
+    base = os.path.join(args.out, "gpu_check-warm")
     rep = Report(base, meta)
     # pytest's reports, the compare file and the wheels: not under --out, which the device tool copies back
     scratch = tempfile.mkdtemp(prefix="gpu-check-")
-    check = Check(args, budget, rep, scratch)
-    steps = plan(check, size, args.inject_row)
+    steps = plan(Check(args, budget, rep, scratch), size, args.inject_row)
     rep.plan([name for _, names, _ in steps for name in names])
     rep.write()
-    print(f"gpu_check {args.modes} on {args.device}: budget {budget.seconds:.0f} s, checkpoint {size} bytes", flush=True)
+    print(f"gpu_check warm on {args.device}: budget {budget.seconds:.0f} s, checkpoint {size} bytes", flush=True)
     phase_t0, current = time.monotonic(), None
     for phase, names, run in [*steps, ("", [], lambda: None)]:
         if phase != current:
@@ -856,31 +802,19 @@ def run_check(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="folder for gpu_check-<mode>.json and .md (required)")
+    ap.add_argument("--out", required=True, help="folder for gpu_check-warm.json and .md")
     ap.add_argument("--device", default="cuda:0", help="cuda:0, or cpu for the dry run")
-    ap.add_argument("--budget", type=float, default=None,
-                    help=f"seconds the whole command may take, from its start (default {BUDGET:.0f};"
-                         f" {LONG_BUDGET:.0f} with --long, {SWEEP_BUDGET:.0f} with --sweep)")
-    ap.add_argument("--size", default=None, help=f"checkpoint size (default {SIZE['check']}; {SIZE['long']} with"
-                                                 f" --long; {SIZE['cpu']} with --device cpu)")
-    ap.add_argument("--long", action="store_true",
-                    help="the longer check: a 16.06 GB checkpoint and more rows (its own command)")
-    ap.add_argument("--modes", default="warm", choices=["warm", "cold"])
-    ap.add_argument("--wheels", default=None, help="folder of the peers' wheels, installed in a scratch folder")
+    ap.add_argument("--budget", type=float, default=None, help=f"seconds from the start (default {BUDGET:.0f};"
+                    f" {LONG_BUDGET:.0f} with --long, {SWEEP_BUDGET:.0f} with --sweep)")
+    ap.add_argument("--size", default=None, help=f"checkpoint size (default {SIZE})")
+    ap.add_argument("--long", action="store_true", help="a 16.06 GB checkpoint and more rows")
+    ap.add_argument("--wheels", default=None, help="folder of the peers' wheels")
     ap.add_argument("--dir", default=bench_gpu.DIR, help="where the checkpoint is made (and reused)")
-    ap.add_argument("--runs", type=int, default=None,
-                    help=f"samples per load row (default {RUNS} on a GPU, a limit {LIMIT_RUNS}; 1 on cpu)")
-    ap.add_argument("--skip", default="", help="phases to leave out, comma-separated (e.g. build,pytest)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="instead of the check: time the chunk ring's whole geometry grid (scripts/ring_sweep.py)"
-                         " and write gpu_check-sweep.json and .md; with --device cpu, a dry run on the emulated"
-                         " runtime")
-    # a row whose implementation does not exist, run first among the load rows: a failing row is
-    # reported and the rest still run
+    ap.add_argument("--skip", default="", help="phases to leave out, e.g. build,pytest")
+    ap.add_argument("--sweep", action="store_true", help="the ring's whole grid instead (gpu_check-sweep.json, .md)")
+    # a row with no implementation, first among the load rows: a failing row is reported, the rest run
     ap.add_argument("--inject-row", default=os.environ.get("GPU_CHECK_INJECT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not args.out:
-        ap.error("--out DIR is required")
     os.makedirs(args.out, exist_ok=True)
     return run_sweep(args) if args.sweep else run_check(args)
 

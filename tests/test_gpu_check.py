@@ -280,8 +280,7 @@ def test_a_row_that_cannot_fit_is_not_started_and_the_table_says_why(tmp_path):
     gc, b = _budget(60, clock)
     rep = gc.Report(str(tmp_path / "gpu_check-warm"), {"mode": "warm", "budget_s": 60})
     rep.plan(["first", "too long", "last"])
-    args = type("Args", (), {"device": "cpu", "skip": "", "wheels": None, "modes": "warm", "dir": str(tmp_path),
-                             "runs": None, "long": False})()
+    args = type("Args", (), {"device": "cpu", "skip": "", "wheels": None, "dir": str(tmp_path), "long": False})()
     check = gc.Check(args, b, rep, str(tmp_path))
     started = []
 
@@ -320,8 +319,7 @@ def test_a_load_row_keeps_the_samples_the_budget_held(tmp_path, monkeypatch):
     clock = Clock()
     gc, b = _budget(30, clock)
     rep = gc.Report(str(tmp_path / "gpu_check-warm"), {"mode": "warm", "budget_s": 30})
-    args = type("Args", (), {"device": "cpu", "skip": "", "wheels": None, "modes": "warm", "dir": str(tmp_path),
-                             "runs": 3, "long": False})()
+    args = type("Args", (), {"device": "cpu", "skip": "", "wheels": None, "dir": str(tmp_path), "long": False})()
     check = gc.Check(args, b, rep, str(tmp_path))
     check.files = ["f"]
     calls = []
