@@ -1,30 +1,15 @@
 """File to GPU: every engine entry point against the reference and the peer loaders, in one run.
 
-A checkpoint of Llama-3-8B shapes (BF16, 291 tensors, 16.06 GB in 4 shards and
-``model.safetensors.index.json``; ``--size`` scales the layer count, and below 2.5 GB every
-dimension) is made once in ``--dir``.  Each row (an engine entry point, the reference, a peer,
-or a limit: pinned and pageable host-to-device copies of 1 GiB, page cache to pinned memory
-with the engine's split read on 1 / 8 / 16 threads) takes ``--runs`` samples per page-cache
-mode, interleaved, each in a fresh process: the CUDA context is up before the clock, which
-stops after ``torch.cuda.synchronize()`` with every tensor on the device.  A sample also
-reports a checksum of the tensors (after the clock: every row must load the reference's
-bytes), the host memory peak (``VmHWM`` reset just before the clock) and its growth by kind
-(scripts/host_memory.py), torch's device memory peak, and the chunk ring's records
-(``engine.load_records()``).  The ``stats=True`` and ``quantize="int8"`` rows count the
-file's tensor bytes and check a few tensors against the CPU kernels; the per-key rows are
-the loop of accelerate's ``load_state_dict``.  Cold samples drop the page cache first
-(``drop_caches`` as root, else ``POSIX_FADV_DONTNEED`` on every shard).
+A Llama-3-8B-shaped checkpoint (BF16, 16.06 GB in 4 shards and an index; ``--size`` scales it) is made
+once in ``--dir``.  Each row (an entry point, the reference, a peer, or a limit: host-to-device copies,
+page cache to pinned memory) takes ``--runs`` samples per page-cache mode, interleaved, each in a fresh
+process with the CUDA context up before the clock, which stops after ``torch.cuda.synchronize()``.  A
+sample also reports the tensors' checksum, host memory peak and growth by kind (host_memory.py), device
+memory peak and the chunk ring's records.  Cold samples drop the page cache (``drop_caches`` as root, else
+``POSIX_FADV_DONTNEED``).  Peers (fastsafetensors, instanttensor, runai_model_streamer) are optional.
 
-Peers (``fastsafetensors``, ``instanttensor``, ``runai_model_streamer``) are optional; a row
-whose package is missing says so.  scripts/gpu_check.py runs a selection of these rows, and
-scripts/bench_gpu_kernels.py the device-kernel ones, with this file's children.  On a GPU host::
-
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    python3 setup.py -q build_ext --inplace
     PYTHONPATH=/tmp/site python3 scripts/bench_gpu.py --runs 3 --modes warm,cold --json gpu.json
-
-Dry run (no GPU): ``python scripts/bench_gpu.py --device cpu --size 16MB --runs 1 --modes warm
---only "load_file(directory)"``.
+    python scripts/bench_gpu.py --device cpu --size 16MB --runs 1 --modes warm --only "load_file(directory)"
 """
 
 from __future__ import annotations
@@ -38,7 +23,6 @@ import sys
 import tempfile
 import time
 
-# this checkout first on sys.path, then asv_benchmarks/ and tests/
 import harness
 
 # isort: split
@@ -55,9 +39,8 @@ LLAMA3 = (4096, 14336, 1024, 128256)
 
 
 def model_shapes(total_bytes: int) -> list[tuple[str, str, tuple]]:
-    """(name, "BF16", shape) of a Llama-3-8B-like model of about ``total_bytes``, each layer's
-    tensors in name order.  From about 2.5 GB up Llama-3-8B's tensors, as many layers as fit;
-    below, every dimension scaled down alike, so that 64 MB still holds several layers."""
+    """(name, "BF16", shape) of a Llama-3-8B-like model of about ``total_bytes``, each layer in name order:
+    Llama-3-8B's tensors from about 2.5 GB up, below that every dimension scaled down alike."""
     hidden, inter, kv, vocab = LLAMA3
     per_layer = common.entries_bytes(common.model_entries(1, *LLAMA3[:2], 0, kv)[1:-2])
     if total_bytes < 4 * vocab * hidden + per_layer:
@@ -71,9 +54,8 @@ def model_shapes(total_bytes: int) -> list[tuple[str, str, tuple]]:
 
 
 def make_checkpoint(folder: str, total_bytes: int, shards: int = 4) -> list[str]:
-    """Write the checkpoint (once: reused when its index exists) and return the shard paths;
-    each shard through the engine's streaming writer without ``fsync``, one tensor at a time,
-    its values random finite BF16 bit patterns."""
+    """The shard paths of the checkpoint, written once through the engine's streaming writer (no
+    ``fsync``), its values random finite BF16 bit patterns."""
     import ml_dtypes
     import numpy as np
 
@@ -123,8 +105,7 @@ def made(folder: str, size: int) -> dict:
 
 
 def checkpoint(directory: str, size: int) -> tuple[list[str], int]:
-    """The shards of the checkpoint of ``size`` bytes in ``directory``, made in a child, and
-    its tensor bytes."""
+    """The shards of the checkpoint of ``size`` bytes in ``directory`` (made in a child), its tensor bytes."""
     got = harness.call(made, os.path.join(directory, f"llama3-shapes-{size}"), size)
     return got["files"], got["bytes"]
 
@@ -146,7 +127,7 @@ def drop_cache(files: list[str]) -> str:
         return "fadvise"
 
 
-# -- implementations (each runs in a fresh child; what they import, they import on the clock) ----
+# -- implementations (each in a fresh child: what they import, they import on the clock) -----------
 
 
 def _m(name: str):
@@ -169,13 +150,8 @@ def _dir(files: list[str]) -> str:
     return os.path.dirname(files[0])
 
 
-def _stream(**kw):
-    return lambda files, dev: dict(_m("engine").stream(files, framework="pt", device=dev, **kw))
-
-
 def _stream_each(**kw):
-    """stream(f) one shard at a time; with ``stats`` each tensor's statistics kept as ``<name> stats``
-    (a quantized tensor counts as its int8 values and its scales)."""
+    """stream(f) one shard at a time; with ``stats`` each tensor's statistics kept as ``<name> stats``."""
 
     def load(f, dev):
         out = {}
@@ -207,8 +183,8 @@ def _dst(files, dev) -> tuple[dict, dict]:
 
 
 def _prepare_device(files, dev):
-    """The destinations, then ``engine.prepare_device(dev)`` (timed, before the load's clock):
-    an inference server that warms the ring at start, before its first load."""
+    """The destinations, then ``engine.prepare_device(dev)`` timed before the load's clock (a server
+    that warms the ring at start)."""
     dst, _ = _dst(files, dev)
     _sync(dev)
     t0 = time.perf_counter()
@@ -218,21 +194,17 @@ def _prepare_device(files, dev):
 
 
 def _reload(files, dev):
-    """A server reloading its weights: staging and file mappings kept between loads, one
-    untimed load first; the clock times the next."""
+    """A server reloading its weights: staging and mappings kept, one untimed load first."""
     engine = _m("engine")
     engine.keep_staging(True)
     engine.keep_mappings(True)
     dst, _ = _dst(files, dev)
-    return _into_dir()(files, dev, dst), {}
+    return _into_dir(files, dev, dst), {}
 
 
-def _into_dir(**kw):
-    def load(files, dev, dst):
-        _m("engine").load_into(_dir(files), dst, strict=True, **kw)  # every shard, one load
-        return dst
-
-    return load
+def _into_dir(files, dev, dst):
+    _m("engine").load_into(_dir(files), dst, strict=True)  # every shard, one load
+    return dst
 
 
 def _into_each(files, dev, dst):
@@ -340,16 +312,12 @@ IMPLEMENTATIONS: dict = {
     "engine load_file(directory)": lambda files, dev: _m("engine.torch").load_file(_dir(files), device=dev),
     "engine safe_open(directory).get_tensors()": _safe_open(False),
     "engine safe_open(index).get_tensors()": _safe_open(True),
-    "engine stream(shards) auto": _stream(),
-    "engine stream(shards) gpu_path=copy": _stream(gpu_path="copy"),
-    "engine stream(shards) slot_bytes=128MiB": _stream(slot_bytes=128 << 20),
-    "engine stream(shards) slot_bytes=256MiB": _stream(slot_bytes=256 << 20),
+    "engine stream(shards) auto": lambda files, dev: dict(_m("engine").stream(files, framework="pt", device=dev)),
     "engine stream(f) per shard": _stream_each(),
     "engine load_into(f) per shard": (_dst, _into_each),
-    "engine load_into(directory)": (_dst, _into_dir()),
-    "engine load_into(directory) gpu_path=copy": (_dst, _into_dir(gpu_path="copy")),
-    "engine load_into(directory) first load after engine.prepare_device": (_prepare_device, _into_dir()),
-    "engine load_into(directory) reload, staging and mappings kept": (_reload, _into_dir()),
+    "engine load_into(directory)": (_dst, _into_dir),
+    "engine load_into(directory) first load after engine.prepare_device": (_prepare_device, _into_dir),
+    "engine load_into(directory) reload, staging and mappings kept": (_reload, _into_dir),
     "engine stream(f) stats=True per shard": _stream_each(stats=True),
     "engine stream(f) quantize=int8 per shard": _stream_each(quantize="int8"),
     "engine stream(f) stats=True quantize=int8 per shard": _stream_each(stats=True, quantize="int8"),
@@ -384,8 +352,7 @@ SOURCE_BYTES = {"engine stream(f) stats=True per shard", "engine stream(f) quant
 HOOKED = SOURCE_BYTES - {"engine WeightValidator(config).validate(directory)"}
 #: tensors checked per hooked sample (spread over the checkpoint; each costs a CPU pass)
 CPU_CHECKS = 6
-#: rows whose child times a second load in the same process (``record["second"]``): a
-#: process's first load against a warm ring's
+#: rows whose child times a second load in the same process (``record["second"]``): a warm ring's
 TWICE = {"engine load_into(directory)"}
 #: the package a row needs beyond torch and the engine
 REQUIRES = {**{n: "instanttensor" for n in IMPLEMENTATIONS if n.startswith("InstantTensor")},
@@ -398,8 +365,8 @@ NEEDS_CUDA = {*(n for n, m in REQUIRES.items() if m != "numba"),
 
 
 def skip_reason(impl: str, dev: str, path: list[str] | None = None) -> str | None:
-    """Why ``impl`` cannot run on ``dev`` here (its package is missing, or it needs CUDA), or
-    None; ``path``: more folders the children look for packages in."""
+    """Why ``impl`` cannot run on ``dev`` (a package missing, or no CUDA), or None; ``path``: more
+    folders the children look for packages in."""
     module = REQUIRES.get(impl)
     if module is not None:
         saved = sys.path[:]
@@ -419,8 +386,8 @@ def skip_reason(impl: str, dev: str, path: list[str] | None = None) -> str | Non
 
 
 def checksum(tensors: dict) -> str:
-    """Over every tensor in name order, each byte weighted by its position in its tensor (a
-    swapped tensor or shifted bytes change it); computed where the tensors are, in 64 Mi-word chunks."""
+    """Every tensor in name order, each word weighted by its position (a swapped tensor or shifted bytes
+    change it), computed where the tensors are."""
     import torch
 
     mod, acc = (1 << 61) - 1, 0
@@ -455,8 +422,8 @@ def _flatten(out: dict) -> tuple[dict, int]:
     return tensors, stats
 
 
-#: the records' fields summed over a sample's loads (a per-shard row makes one load per shard),
-#: and those that describe the ring rather than count its work (the first load's)
+#: the records' fields summed over a sample's loads (one per shard in a per-shard row), and the ring's
+#: shape (the first load's)
 RECORD_SUMS = ("chunks", "bytes", "seconds", "fill_wait_s", "slot_wait_s", "fill_s", "lock_s", "lock_calls",
                "pread_bytes", "mmap_bytes", "network_bytes", "reported", "report_s")
 RECORD_SHAPE = ("chunk_bytes", "slots", "threads")
@@ -464,10 +431,9 @@ RECORD_SHAPE = ("chunk_bytes", "slots", "threads")
 
 @contextlib.contextmanager
 def ring_records():
-    """Yields a dict that holds, after the block, the engine's records of the chunk ring's loads
-    in it (``engine.load_records()``) as one: ``loads``, ``cold`` (how many set the ring up),
-    ``pageable``, ``hooked``; :data:`RECORD_SUMS` summed, :data:`RECORD_SHAPE` of the first
-    load, ``source`` and ``unmap`` (every value seen, ``/``-joined)."""
+    """A dict that holds, after the block, ``engine.load_records()`` of its loads as one: counts of
+    ``loads``, ``cold``, ``pageable``, ``hooked``; :data:`RECORD_SUMS` summed; :data:`RECORD_SHAPE`;
+    every ``source`` and ``unmap`` seen."""
     out: dict = {}
     with _m("engine").load_records() as got:
         yield out
@@ -492,8 +458,7 @@ def median_records(summaries: list[dict | None]) -> dict | None:
 
 
 def _timed_load(fn, files, dev, dst, engine_row: bool) -> tuple[dict, float, dict | None]:
-    """One load on the clock (to the device's synchronisation): its output, seconds, and for
-    the engine's rows the ring's records."""
+    """One load on the clock: its output, seconds, and for the engine's rows the ring's records."""
     with ring_records() if engine_row else contextlib.nullcontext() as records:
         t0 = time.perf_counter()
         out = fn(files, dev) if dst is None else fn(files, dev, dst)
@@ -507,7 +472,7 @@ def child(impl: str, files: list[str], dev: str) -> dict:
     import torch
 
     cuda = dev != "cpu"
-    if cuda:  # (--device cpu: the dry run, on a machine without a GPU)
+    if cuda:
         torch.cuda.init()
         torch.empty(1, device=dev)  # the CUDA context is up before the clock
     _sync(dev)
@@ -554,10 +519,8 @@ def child(impl: str, files: list[str], dev: str) -> dict:
 
 
 def against_cpu_kernels(out: dict, files: list[str]) -> dict:
-    """A few tensors' statistics and int8 values and scales from a hooked load against
-    ``engine.stats`` and ``engine.quantize_int8`` of the same tensors read on the CPU:
-    counts, min, max and absmax exactly, mean and std to a relative 1e-6, int8 values and
-    scale bits exactly.  ``{"checked": n, "mismatched": {name: what}}``."""
+    """A few tensors of a hooked load against ``engine.stats`` and ``engine.quantize_int8`` on the CPU:
+    counts, min, max, absmax, int8 values and scale bits exactly, mean and std to 1e-6."""
     import math
 
     import numpy as np
@@ -606,8 +569,7 @@ def where() -> dict:
 
 
 def sample(impl: str, files: list[str], dev: str, timeout: float, env: dict | None = None) -> dict:
-    """One fresh-process sample of ``impl``: its record, or ``{"error": why}`` (the exception's
-    last line, or the timeout)."""
+    """One fresh-process sample of ``impl``: its record, or ``{"error": why}``."""
     t0 = time.monotonic()
     got = harness.call(child, impl, files, dev, env={**(env or harness.child_env()), **ENV.get(impl, {})},
                        timeout=timeout, check=False)
@@ -622,8 +584,8 @@ MEMORY_KINDS = ("anon_growth_bytes", "file_growth_bytes", "vmlck_growth_bytes", 
 
 
 def summarise(samples: list[dict], cache: str) -> dict:
-    """A row from its samples: ``status`` (failed if any sample failed), ``reason``, medians of
-    the rates and times and of the ring's records, maxima of the memory, the checksums seen."""
+    """A row from its samples: ``status`` (failed if any failed), ``reason``, medians of the rates,
+    times and ring records, maxima of the memory, the checksums seen."""
     bad = [s["error"] for s in samples if "error" in s]
     if bad or not samples:
         return {"status": "failed", "reason": bad[0] if bad else "no sample ran", "samples": samples}
