@@ -5,7 +5,7 @@ engine a child imports checked to be this checkout's, driver_check.py's rows, be
 and load rows (fresh-process samples), warm start, ring_sweep.py's short sweep, every dtype byte for byte
 against the reference (and over HTTP), ``pytest -m cuda``, the loads with device kernels and the
 device-kernel tests.  No row starts that the rest of ``--budget`` cannot hold (its cost from its own runs,
-else :data:`PRIORS`); ``gpu_check-<mode>.json`` and ``.md`` in ``--out`` are rewritten after every row,
+else :data:`PRIORS`); ``gpu_check-warm.json`` and ``.md`` in ``--out`` are rewritten after every row,
 naming what did not run and why.  Exit status 1 when a row failed.  On a lent GPU host (carry ``.whl``)::
 
     python3 scripts/gpu_check.py --wheels .whl --out $OUT/gpu-check
