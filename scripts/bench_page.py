@@ -17,6 +17,7 @@ import html
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from typing import NamedTuple
@@ -30,17 +31,58 @@ START, END = "<!-- table: made by scripts/bench_page.py -->", "<!-- end of table
 
 class Path(NamedTuple):
     name: str
-    stem: str  # docs/bench/<stem>.json
-    command: str  # what --run runs, with --json appended
-    engine: str  # "case | impl" patterns (regular expressions, searched)
+    stem: str  # docs/bench/<stem>.json: what this path's engine and peer rows come from
+    engine: str  # "case | impl": regular expressions, searched
     peers: tuple[str, ...] = ()
-    limit: str | None = None
+    limit: str | None = None  # "[stem:]case | impl": a limit measured by another script of the same --run
     unit: str = "GB/s"  # or "ms": lower is better, ratios are time ratios
+    label: str = ""  # what the peer column's row is, where its impl does not say it
+    limit_label: str = ""  # likewise for the limit column
 
 
+GPU = "gpu_check-warm-2026-11-26"  # what the H100 printed for the last GPU run (shared/gpu-runs)
+#: each script once, at the sizes of the table (about 30 minutes on the 2-core VM); GPU: by hand
+COMMANDS = {
+    "core": "scripts/bench_core.py --only header100k first_open_pt lazy2g pread2g save2g --repeat 5",
+    "host": "scripts/bench_host.py --size 1GB --runs 5 --reps 3",
+    "tp": "scripts/bench_tp.py --runs 3 --only warm --impls engine reference floor",
+    "remote": "scripts/bench_remote.py --size 1GB --runs 3 --peers-python /tmp/peers/bin/python --rows "
+              "\"engine http,engine http device,GETs + reference,safetensors-streaming,fault limit (no network)\"",
+    "group": "scripts/bench_group.py --ranks 4 --mb 96 --rate-mb 40 --runs 3",
+    "checksums": "scripts/bench_checksums.py --size 512MiB --runs 5 --reps 3",
+    "kernels": "scripts/bench_kernels.py --size 256MiB --only stats_bf16 quant_row",
+    "vllm": "scripts/bench_vllm.py --gb 1 --runs 3 --python ~/.cache/safetensors-engine/vllm-lane-venv/bin/python",
+    GPU: "scripts/gpu_check.py --wheels .whl --out OUT",  # on a GPU host: its gpu_check-warm.json
+}
 PATHS = [
-    Path("local file -> CPU, owned", "host", "scripts/bench_reader.py --only fresh --runs 5",
-         "owned|engine", ("owned|reference",), "read|limit"),
+    Path("local file -> CPU, owned (`load_file`, pread)", "core", "owned load|^engine$", ("owned load|reference",),
+         r"remote:\[fault limit|"),
+    Path("local file -> CPU, mapped, every byte read", "core", "lazy load|^engine$", ("lazy load|reference",)),
+    *(Path(f"local file -> existing CPU tensors (`load_into`), page cache in {folios}", "host",
+           rf"^load_into \[{folios}\], repeated|^engine$", (rf"^load_into \[{folios}\], repeated|^reference$",),
+           r"^warm file -> CPU memory$|^limit: native memcpy$") for folios in ("large folios", "4 KiB pages")),
+    Path("per-key loop, 100,000 tensors (`get_slice` shape + dtype)", "core", "open 100,000|^engine$",
+         ("open 100,000|reference",), unit="ms"),
+    Path("first `safe_open` + 291 shapes, torch imported", "core", "torch imported|^engine$",
+         ("torch imported|reference",), unit="ms"),
+    Path("`save_file`, 2 GB", "core", "save_file|^engine$", ("save_file|reference",)),
+    Path("tensor parallel: 4 ranks' shards of one file", "tp", "ranks|^engine$", ("ranks|reference",),
+         "ranks|limit", label="reference: views, bytes not read", limit_label="bare preadv of each shard"),
+    Path("URL -> CPU, owned (`load_file(url)`)", "remote", r"\[engine http\]|^engine$",
+         (r"\[GETs \+ reference\]|", r"\[safetensors-streaming\]|"), r"\[line rate\]|"),
+    Path("URL -> device (emulated CUDA runtime, the ring)", "remote", r"\[engine http device\]|^engine$",
+         (), r"\[line rate\]|"),
+    Path("4 ranks, one URL, `process_group`", "group", "4 ranks|process_group", ("4 ranks|^engine$",),
+         "one rank alone|^engine$", label="4 independent loads", limit_label="one rank alone"),
+    Path("checksums verified in an owned load", "checksums", "owned load|engine, verify",
+         ("owned load|engine, skip",), "owned load|plain file", label="the same load, unchecked",
+         limit_label="a file without checksums"),
+    Path("statistics of a BF16 tensor (Numba)", "kernels", "stats_bf16|^engine$", ("stats_bf16|numpy$",)),
+    Path("int8 per-row quantization (Numba)", "kernels", "quant_row|^engine$", ("quant_row|torch$",)),
+    Path("vLLM weight loading (CPU build)", "vllm", "vLLM|^engine$", ("vLLM|reference|runai",),
+         label="vLLM's own safetensors loader"),
+    Path("file -> GPU, last GPU run (old design; H100)", GPU, r"^engine load_file\(directory\)$|",
+         ("InstantTensor|", "fastsafetensors|", "reference load_file|"), "pinned host-to-device|"),
 ]
 
 
@@ -60,7 +102,8 @@ def rows_of(doc: dict) -> list[dict]:
 def pick(rows: list[dict], pattern: str, unit: str) -> dict | None:
     """The best row whose ``case | impl`` matches ``pattern`` (fastest; highest GB/s)."""
     case_p, _, impl_p = pattern.partition("|")
-    found = [r for r in rows if re.search(case_p, r["case"]) and re.search(impl_p or ".", r["impl"])]
+    found = [r for r in rows if (re.search(case_p, r["case"]) or re.search(case_p, f"[{r.get('row', '')}]"))
+             and re.search(impl_p, r["impl"])]
     key = (lambda r: r["gbps"] or 0.0) if unit == "GB/s" else (lambda r: -(r["median_s"] or 1e9))
     return max(found, key=key, default=None)
 
@@ -78,21 +121,30 @@ def ratio(a: float | None, b: float | None, unit: str) -> str:
     return f"{(a / b if unit == 'GB/s' else b / a):.2f}x"
 
 
-def measured(p: Path) -> dict | None:
-    path = os.path.join(DATA, p.stem + ".json")
+def load(stem: str) -> dict | None:
+    path = os.path.join(DATA, stem + ".json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        doc = json.load(f)
+        return json.load(f)
+
+
+def measured(p: Path) -> dict | None:
+    doc = load(p.stem)
+    if doc is None:
+        return None
     rows = rows_of(doc)
     eng = pick(rows, p.engine, p.unit)
     peers = [r for r in (pick(rows, q, p.unit) for q in p.peers) if r is not None]
     peer = max(peers, key=lambda r: value(r, p.unit) * (1 if p.unit == "GB/s" else -1), default=None)
-    lim = pick(rows, p.limit, "GB/s") if p.limit else None
+    lim = None
+    if p.limit:
+        stem, sep, pattern = p.limit.partition(":") if re.match(r"^\w+:", p.limit) else ("", "", p.limit)
+        other = load(stem) if sep else doc
+        lim = pick(rows_of(other), pattern, "GB/s") if other else None
     meta = doc.get("meta") or doc
     machine = meta.get("machine") or {}
-    where = (machine.get("name") or meta.get("device_name")
-             or (f"{machine.get('cores')}-core VM" if machine.get("cores") else ""))
+    where = meta.get("device_name") or (f"{machine.get('cores')}-core VM" if machine.get("cores") else "")
     date = str(meta.get("date", ""))[:10]
     return dict(engine=eng, peer=peer, limit=lim, where=where, date=date, commit=meta.get("commit", ""))
 
@@ -108,13 +160,15 @@ def table(found: dict[str, dict | None]) -> str:
              "|---|---:|---|---:|---:|---:|---|---|"]
     for p in PATHS:
         m = found[p.name]
-        cmd = f"`python {p.command}`" if p.command else "(see below)"
+        cmd = f"`python {COMMANDS[p.stem]}`"
         if m is None or m["engine"] is None:
             lines.append(f"| {p.name} | not measured | | | | | | {cmd} |")
             continue
         e, peer, lim = (value(m[k], p.unit) for k in ("engine", "peer", "limit"))
-        peer_txt = f"{fmt(peer, p.unit)} ({m['peer']['impl']})" if m["peer"] else "-"
+        peer_txt = f"{fmt(peer, p.unit)} ({p.label or m['peer']['impl']})" if m["peer"] else "-"
         lim_txt = fmt(value(m["limit"], "GB/s"), "GB/s") if m["limit"] else "-"
+        if m["limit"] and p.limit_label:
+            lim_txt += f" ({p.limit_label})"
         x_lim = ratio(e, value(m["limit"], "GB/s"), "GB/s") if m["limit"] and p.unit == "GB/s" else ""
         run = f"{m['date']}, {m['where']}" + (f", {m['commit']}" if m["commit"] else "")
         lines.append(f"| {p.name} | {fmt(e, p.unit)} | {peer_txt} | {lim_txt} | {ratio(e, peer, p.unit)} "
@@ -136,12 +190,13 @@ def picture(found: dict[str, dict | None]) -> str:
     for p, m in groups:
         bars = [(k, m[k]) for k in ("engine", "peer", "limit") if m[k] is not None]
         top = max(value(r, "GB/s") or 0.0 for _, r in bars) or 1.0
-        out.append(f'<text x="4" y="{y + 11}" font-weight="bold">{html.escape(p.name)}</text>')
+        title = p.name.replace("`", "") + f" ({m['date']}, {m['where']})"
+        out.append(f'<text x="4" y="{y + 11}" font-weight="bold">{html.escape(title)}</text>')
         y += 16
         for k, r in bars:
             v = value(r, "GB/s") or 0.0
             w = max(1, round(bar_w * v / top))
-            who = "engine" if k == "engine" else r["impl"]
+            who = {"engine": "engine", "peer": p.label, "limit": p.limit_label}[k] or r["impl"]
             out.append(f'<text x="{label_w - 6}" y="{y + 11}" text-anchor="end">{html.escape(who)}</text>')
             out.append(f'<rect x="{label_w}" y="{y}" width="{w}" height="{bar_h - 2}" fill="{colours[k]}"/>')
             out.append(f'<text x="{label_w + w + 4}" y="{y + 11}">{v:.2f}</text>')
@@ -152,13 +207,14 @@ def picture(found: dict[str, dict | None]) -> str:
 
 
 def run_all() -> int:
+    """Each script of ``COMMANDS`` once, in this process's Python, writing its JSON into ``DATA``."""
     os.makedirs(DATA, exist_ok=True)
     failed = 0
-    for p in PATHS:
-        if not p.command.startswith("scripts/"):
+    for stem, command in COMMANDS.items():
+        if stem == GPU:
             continue
-        out = os.path.join(DATA, p.stem + ".json")
-        argv = [sys.executable, *p.command.split(), "--json", out]
+        argv = [sys.executable, *(os.path.expanduser(w) for w in shlex.split(command)),
+                "--json", os.path.join(DATA, stem + ".json")]
         print("$", " ".join(argv[1:]), flush=True)
         failed += subprocess.call(argv, cwd=ROOT) != 0
     return failed

@@ -304,7 +304,8 @@ def run_sources(
         Bytes per chunk of the ring (default :func:`engine.gpu.geometry.default_geometry`).
     gpu_path : {"auto", "copy"}, default "auto"
         Device destinations: both are the chunk ring.  ``"register"`` (page-locking the file's
-        own mapping) was removed: it measured slower than the copy path (BENCHMARKS.md).
+        own mapping) was removed: it measured slower than the copy path on an H100 host
+        (``scripts/gpu_check.py``, 2026-11-26).
     on_complete : callable, optional
         ``on_complete(key)`` once per tensor, when its last byte has landed.
     cancel : threading.Event, optional

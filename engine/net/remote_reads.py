@@ -75,7 +75,7 @@ __all__ = ["RangeReads", "First", "DEFAULT_CONNECTIONS", "DEFAULT_TIMEOUT"]
 
 #: Connections (and worker threads) per load: two per core, between 4 and 16.  Each
 #: connection's receive takes CPU, so on a 2-core VM 4 beat 8 and 16 on loopback
-#: (``scripts/bench_remote.py --sweep``, BENCHMARKS.md); a far-away server (S3) needs many
+#: (``scripts/bench_remote.py --sweep``); a far-away server (S3) needs many
 #: streams in flight, which machines with more cores get.  ``connections=`` sets it.
 DEFAULT_CONNECTIONS = max(4, min(16, 2 * (os.cpu_count() or 2)))
 #: Seconds allowed for each request: connecting, the answer and the whole body.

@@ -140,7 +140,7 @@ def _host_converts_half() -> bool:
 
 
 #: F16 is widened by the CPU's own conversion (one ``vcvtph2ps`` per 8 values on x86)
-#: instead of integer bit arithmetic: F16 statistics 2.6x faster (BENCHMARKS.md).  Frozen
+#: instead of integer bit arithmetic: faster F16 statistics (``scripts/bench_kernels.py --only stats_f16``).  Frozen
 #: into compiled code; Numba's cache is keyed on the target CPU and its features, so the
 #: two paths never mix.
 _F16_NATIVE = _host_converts_half()

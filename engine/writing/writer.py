@@ -97,7 +97,7 @@ _BATCH = 8 << 20
 _SYNC_EVERY = 256 << 20
 #: Files smaller than this get no background flush: flushing while writing competes with
 #: the writes (journal commits on the same file), which a smaller file does not win back
-#: (548 MB saved about 3x slower with it: BENCHMARKS.md, "Saves", scripts/bench_save.py).
+#: (saves of a few hundred MB measured slower with it: ``scripts/bench_save.py``).
 _SYNC_FROM = 1 << 30
 
 
