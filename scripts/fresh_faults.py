@@ -2,11 +2,9 @@
 
 Each sample is a new process that maps ``--size`` of anonymous memory (with ``MADV_HUGEPAGE`` or
 without) and faults it in with ``MADV_POPULATE_WRITE``, 16 MiB at a time, on ``--threads`` threads;
-rows alternate.  It is what an owned load's destination costs before any byte lands, and it is
-what decides ``ENGINE_HUGE_PAGES``' default (``engine.sinks._host.huge_pages``): on a VM whose
-balloon reports free 2 MiB blocks to the hypervisor, a fresh huge page is one the host faults in too.
+rows alternate.  It is what an owned load's destination costs before any byte lands, and what decides
+``ENGINE_HUGE_PAGES``' default (``engine.sinks._host.huge_pages``).
 
-    python scripts/fresh_faults.py                 # 1 GiB, 1 and 2 threads, 4 samples per row
     python scripts/fresh_faults.py --size 2GiB --runs 6
 """
 
@@ -50,12 +48,10 @@ def sample(size: int, huge: bool, threads: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--size", default="1GiB")
-    ap.add_argument("--runs", type=int, default=4)
+    ap = harness.parser(__doc__, size="1GiB", runs=4)
     ap.add_argument("--threads", default="1,2")
     a = ap.parse_args(argv)
-    size = harness.parse_size(a.size)
+    size = a.size
     rows = [(huge, int(t)) for t in a.threads.split(",") for huge in (False, True)]
     got = harness.rounds(rows, a.runs, lambda r: harness.call(sample, size, *r))
     report = harness.Report()

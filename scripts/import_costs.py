@@ -3,12 +3,10 @@
 ``safe_open`` and first tensor, with what each costs itself, children excluded.
 
 Each sample is a bare fresh interpreter that imports torch first (untimed; ``--framework np``: not),
-hooks the import system and runs ``common.first_open_code`` (``import engine``, ``safe_open``, every
-dtype and shape, one ``get_tensor``).  Per module, the median of ``load`` (reading the compiled file
-or loading the shared object) and ``exec`` (running its body, less the modules it imports), and the
-total against the reference's (hooks off for it).
+hooks the import system and runs ``common.first_open_code``.  Per module, the median of ``load``
+(reading the compiled file or loading the shared object) and ``exec`` (running its body, less the
+modules it imports), and the total against the reference's (hooks off for it).
 
-    python scripts/import_costs.py                 # the demo-sized 291-tensor file, 15 runs
     python scripts/import_costs.py --runs 31 --framework np --json out.json
 """
 
@@ -62,10 +60,9 @@ t0 = time.perf_counter()
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--runs", type=int, default=15)
+    ap = harness.parser(__doc__, runs=15)
     ap.add_argument("--framework", default="pt", choices=["pt", "np"])
-    ap.add_argument("--path", default=None, help="the file to open (default: the 291-tensor demo-sized one)")
+    ap.add_argument("--path", help="the file to open (default: a 291-tensor demo-sized one)")
     a = ap.parse_args(argv)
     common.compile_engine()
     path = a.path or common.small_model_file(32)
