@@ -1,10 +1,8 @@
 """What verifying per-tensor checksums costs a load, and what adding them costs a file.
 
-One warm BF16 checkpoint (1 GiB) written plain and with a CRC-32C per tensor (``engine.add_checksums``);
-every sample a fresh process, the median of the calls after an untimed one.  Rows: the owned load
-(``engine.numpy.load_file(backend="pread")``) verifying, skipping, and of the plain file; the chunk
-ring over the emulated runtime (copies moving nothing, the CRC taken by the copy threads) verifying
-or not; ``add_checksums`` against a streamed copy of the same step size and ``shutil.copyfile``.
+One warm BF16 checkpoint written plain and with a CRC-32C per tensor: the owned load and the chunk
+ring (emulated runtime) verifying or not, and ``add_checksums`` against plain copies of the file.
+Every sample a fresh process, the median of ``--reps`` calls after an untimed one.
 
     python scripts/bench_checksums.py --size 64MiB --runs 1 --reps 1      # a dry run
 """

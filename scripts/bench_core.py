@@ -213,7 +213,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--repeat", type=int, help="samples per measurement (default 5, 3 with --quick)")
     ap.add_argument("--only", nargs="+", choices=list(CASES), help="run these targets only")
-    ap.add_argument("--keep", action="store_true", help="keep the generated files of a temp --dir")
     a = ap.parse_args(argv)
     common.compile_engine()  # no sample compiles the engine's modules
     repeat = a.repeat or (3 if a.quick else 5)
@@ -263,7 +262,7 @@ def main(argv=None) -> int:
             for impl in impls:
                 _summarize(report, case, title.format(**labels), impl, got[impl], ckpt_bytes if case in BYTES else None)
     finally:
-        if a.dir is None and not a.keep:
+        if a.dir is None:
             shutil.rmtree(bench_dir, ignore_errors=True)
     report.against("x_reference", "reference")
     for row in report.rows:

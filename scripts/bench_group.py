@@ -1,11 +1,9 @@
 """A process group loading one checkpoint from a throttled server: one rank, each rank alone, the group once.
 
-A checkpoint of ``--mb`` MB (4 shards and an index, with checksums) served by tests/rangeserver.py at
-most ``--rate-mb`` MB/s in all (one token bucket, as a storage service or a NIC); gloo ranks in fresh
-processes: one rank alone (``engine.torch.load_file(url)``), N ranks each alone (N times the bytes),
-and N ranks with ``process_group=WORLD`` (each byte read once and broadcast).  Per row: the slowest
-rank's seconds, the tensor bytes asked of the server as a multiple of the checkpoint's, a rank's peak
-RSS; every rank's bytes are checked.  ``--local``: from the local files instead (warm page cache).
+A checkpoint of ``--mb`` MB (4 shards, checksums) served by tests/rangeserver.py at ``--rate-mb`` MB/s
+in all; gloo ranks in fresh processes load it alone or with ``process_group=WORLD`` (each byte read
+once and broadcast).  Per row: the slowest rank's seconds, the bytes asked of the server as a multiple
+of the checkpoint's, a rank's peak RSS.  ``--local``: from the local files instead.
 
     python scripts/bench_group.py --ranks 2 4 --mb 96 --rate-mb 40
 """

@@ -1,9 +1,7 @@
-"""Hooked device loads (``stats=True``, ``quantize="int8"``) against the plain device load through the
-chunk ring: what launching each landed tensor's kernels costs the ring's chunk rate (the line: hooked
->= 0.9x plain).  The device is ``tests/emucudart`` with no-op copies; the kernels are Numba's under its
-simulator, each launch queued and not run, as a GPU queues it: the host side of a hooked load runs
-whole, the device's arithmetic not (``scripts/gpu_check.py`` times that).  Every load is
-``engine.stream(path, device=...)`` over a Llama-shaped BF16 file, rows interleaved after a warm-up.
+"""Hooked device loads (``stats=True``, ``quantize="int8"``) against the plain device load through
+the chunk ring: what launching each tensor's kernels costs the ring's chunk rate.  The device is
+``tests/emucudart`` with no-op copies, the kernels Numba's simulator with each launch queued and not
+run, as a GPU queues it (``scripts/gpu_check.py`` times the device side).
 
     python scripts/bench_hooked.py --mib 1024 --runs 5
     python scripts/bench_hooked.py --dry-run        # 32 MiB, one run: that the script works

@@ -1,18 +1,12 @@
 """The host copy engine against this machine's own limit, in one run.
 
-Every row moves the tensor bytes of one warm BF16 checkpoint (2 GiB) out of the page cache on every
-core, as GB/s and as a ratio to the limits measured in the same run (``benchmarks/host.py``): a native
-``memcpy`` from a populated read-only mapping into pre-faulted 4 KiB pages, a tensor's memory (into
-huge pages: faster by TLB misses no model gets), a native ``pread`` and a fresh mapping.  Engine rows:
-the device copy path (the native chunk ring over the emulated CUDA runtime, copies moving nothing or,
-``dma=memcpy``, a CPU ``memcpy``; staging and mappings kept or not; the ring alone with 4 KiB chunks)
-and ``load_into`` into pre-faulted torch tensors, against ``safetensors.torch.load_file`` + ``copy_``.
-``--cache``: the file read in by large reads (large folios) and/or page by page (4 KiB folios);
-``--aligned``: also a copy whose data starts on a 64-byte line; ``--source``: ``ENGINE_COPY_SOURCE``
-(``all``: each); ``--cold``: the file evicted first.  Every sample is a fresh process, rows interleaved.
+Every row moves the tensor bytes of one warm BF16 checkpoint out of the page cache on every core, as
+GB/s and as a ratio to limits measured in the same run (``benchmarks/host.py``): the device copy path
+(the chunk ring over the emulated CUDA runtime) and ``load_into`` against the reference, the file
+cached in large folios and/or page by page (``--cache``), with each copy source (``--source all``),
+cold (``--cold``) and with its data on a 64-byte line (``--aligned``).  A fresh process per sample.
 
-    python scripts/bench_host.py                       # 2 GiB, 7 samples per row, both cache states
-    python scripts/bench_host.py --size 256MB --runs 3 # quick
+    python scripts/bench_host.py --size 256MB --runs 3 # quick (default 2 GiB, 7 runs)
 """
 
 from __future__ import annotations
@@ -127,7 +121,8 @@ def main(argv=None) -> int:
             "floor-mapped", f, st)
         for s in sources:
             stag = f" [{s}]" * (len(sources) > 1)
-            tag, chunk = stag + ftag, f"page cache -> page-locked chunk, dma=none{stag + ftag}"
+            tag = stag + ftag
+            chunk = f"page cache -> page-locked chunk, dma=none{tag}"
             for label, case, impl, kind in (
                     ("engine copy path, dma=none", chunk, "engine", "device-none"),
                     ("engine ring alone, 4 KiB chunks, dma=none", f"ring alone, 4 KiB chunks, dma=none{tag}", "engine",

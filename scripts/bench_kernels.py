@@ -1,16 +1,10 @@
 """Full-size benchmarks of the Numba kernels against the issue's targets (``TARGETS``).
 
-``stats_*``: ``engine.stats`` of an F32 array of ``--size`` or a BF16 / F16 one of half of it, against
-torch's separate calls (F32) or NumPy on the ml_dtypes array; ``quant_tensor`` / ``quant_row``:
-per-tensor and per-row int8 quantization of F32 ``--size`` (``quant_row_f16``: F16, half), against
-torch array code (``asv_benchmarks/benchmarks/bench_kernels.py``'s baselines).  Each implementation's
-runs follow each other, engine first (interleaving would charge the fresh pages of the previous
-operation to the next).  Quantization rows check the output bit for bit against ``tests/naive.py``
-and report the extra peak RSS against the int8 output plus the scales.  ``x base``: baseline time /
-engine time; the issue's own figures at its sizes only.
+``engine.stats`` and per-tensor / per-row int8 quantization of an F32 array of ``--size`` (BF16 and
+F16: half) against torch or NumPy (``benchmarks/bench_kernels.py``'s baselines), engine runs first;
+quantization checked bit for bit against ``tests/naive.py``, with its extra peak RSS.
 
-    python scripts/bench_kernels.py                   # issue sizes: 1 GiB F32, 512 MiB BF16
-    python scripts/bench_kernels.py --size 64MiB      # smoke run
+    python scripts/bench_kernels.py --size 64MiB      # smoke run (default 1 GiB, the issue's size)
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Loads from a network-like mount: a file read through a real FUSE file system (bindfs over a tmpfs
-folder: the daemon, not a disk, is what each read crosses), cold in the mount's page cache for every
-sample; each row the median of fresh processes (torch imported, destination tensors touched first).
-
-Rows: the native ``pread`` floor (``host.Floor``: a thread per core, each reading its share), one
-stream of 8 MiB ``preadv`` calls front to back (a ``cat``), ``engine.load_into`` (the source it
-chooses, and ``ENGINE_COPY_SOURCE=mmap``), ``safe_open`` + ``get_tensor`` of every name copied into
-the destination (as sglang's and vLLM's weight iterators do) and the same loop with ``safetensors``.
+"""Loads from a network-like mount: a file read through bindfs (FUSE) over a tmpfs folder, cold in
+the mount's page cache for every sample, each row the median of fresh processes: native floors, the
+engine's ``load_into`` (and mapped), a ``get_tensor`` loop on the engine and on the reference.
 Needs bindfs and /dev/fuse.
 
     python scripts/bench_netfs.py --gib 2 --runs 7

@@ -1,10 +1,7 @@
-"""The per-key loop's cost: ``safe_open(f, device=...)`` then ``get_tensor(k)`` for every key, as
-accelerate's ``load_state_dict`` and many servers walk a checkpoint, in microseconds per key.
-
-The device is the emulated CUDA runtime (``tests/emucudart``) driven through the engine's own handle,
-loaders and chunk ring, beside CPU loops (the engine's and the reference's ``get_tensor``); ``ring
-alone``: the native run of a one-chunk load.  Each sample is a fresh process that walks every key
-twice: ``first`` (it sets the ring up and maps the file) and ``steady``.
+"""The per-key loop's cost: ``safe_open(f, device=...)`` then ``get_tensor(k)`` for every key, in
+microseconds per key: on the emulated CUDA runtime (``tests/emucudart``) through the engine's chunk
+ring, on the CPU (engine and reference), and the ring's native run alone.  Each sample is a fresh
+process walking every key twice: ``first`` (ring set up, file mapped) and ``steady``.
 
     python scripts/bench_per_key.py --tensors 512 --kib 64 --runs 5
 """
@@ -14,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 
 import harness
 from benchmarks import common
@@ -78,13 +74,12 @@ def sample(path: str, variant: str) -> list[float]:
 
         h = safetensors.safe_open(path, framework="np" if variant == "reference-np" else "pt")
     keys = list(h.keys())
-    out = []
-    for _ in range(2):
-        t0 = time.perf_counter()
+
+    def walk():
         for k in keys:
             h.get_tensor(k)
-        out.append((time.perf_counter() - t0) / len(keys))
-    return out
+
+    return [t / len(keys) for t in harness.times(walk, 2, warmup=0)]
 
 
 def main(argv=None) -> int:

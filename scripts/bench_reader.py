@@ -1,14 +1,11 @@
 """Streaming-reader benchmarks against the reference safetensors, in one run.
 
-Medians (and GB/s) of the owned CPU load (warm), load_into (warm and cold), the selective load, row
-and column slices, and with a GPU the CUDA load against the reference's ``load_file(device="cuda")``,
-``load_file`` + ``.to("cuda")`` and the pinned host-to-device bandwidth.  Cold runs evict the file
-(``POSIX_FADV_DONTNEED``).  ``--only fresh``: load_into and cold loads, a fresh process per sample;
-``--only stats``: statistics during a streaming load, and bare reads with and without the fold, with
-the CPU seconds (user + system) per GB of the load and of the fold.
+The owned CPU load, load_into (warm and cold: the file evicted), the selective load, row and column
+slices and, with a GPU, the CUDA load against the pinned host-to-device bandwidth.  ``--only fresh``:
+load_into and cold loads, a fresh process per sample; ``--only stats``: statistics during a streaming
+load, and bare reads with and without the fold, with their CPU seconds per GB.
 
-    python scripts/bench_reader.py                 # 2 GB BF16 checkpoint, 5 runs
-    python scripts/bench_reader.py --quick         # 128 MB, 3 runs (smoke)
+    python scripts/bench_reader.py --quick         # 128 MB, 3 runs (default 2 GB, 5 runs)
 """
 
 from __future__ import annotations
@@ -102,25 +99,27 @@ def _bare(path, mode: str, threads: int = 2, request: int = 16 << 20) -> None:
     the window-sized reads of ``"fold"`` without the fold; ``"buffered"`` / ``"direct"``, the whole
     file through the page cache or around it (``O_DIRECT``: the last request rounded up)."""
     import engine
-    from engine import statistics as est
     from engine.io.reader import pread_into, run_threads
-    from engine.loading.cpu_stats import StatsCollector
     from engine.sinks import host_block
 
     whole = mode in ("buffered", "direct")
+    if not whole:  # not imported in a cold sample's clock
+        from engine import statistics as est
+        from engine.loading.cpu_stats import StatsCollector
+
+        window = StatsCollector.WINDOW
     start = 0 if whole else engine.read_header(path).data_start
     size = os.path.getsize(path) - start
     end = -(-size // 4096) * 4096 if whole else size
     block = host_block(end)
     dest = np.frombuffer(block, np.uint8)
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if mode == "direct" else 0))
-    window = StatsCollector.WINDOW
 
     def worker(i: int) -> None:
-        acc = est.Accumulator("BF16")
+        acc = est.Accumulator("BF16") if mode == "fold" else None
         for lo in range(i * request, end, threads * request):
             hi = min(lo + request, end)
-            if mode == "fold":
+            if acc is not None:
                 if acc.read(fd, start + lo, dest[lo:hi], window) != hi - lo:
                     raise OSError(f"{path}: short read at {start + lo}")
             elif mode == "windows":

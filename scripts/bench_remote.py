@@ -1,12 +1,8 @@
 """Whole checkpoints over HTTP and S3 against the line rate, in one run.
 
-A BF16 Llama-shaped checkpoint (4 shards and an index) served by nginx on 127.0.0.1 from a warm page
-cache, over HTTP and as S3 (path-style anonymous GETs).  Rows (``--rows`` names them), interleaved,
-each sample a fresh process: the line rate (a ``curl`` per shard at once), the engine's loads
-(``engine.torch.load_file(url)``; repeated; ``ENGINE_HUGE_PAGES`` / ``ENGINE_FAULT_AHEAD`` forced;
-``load_into``; into an emulated device through the chunk ring; with a ``cache_dir``, against a disk
-write + fsync), page faults of fresh memory, the reference (GETs + ``safetensors.torch.load``, or a
-download + ``load_file``) and peers in ``--peers-python`` (s3fs, runai, safetensors-streaming).
+A BF16 Llama-shaped checkpoint in 4 shards, served by nginx on 127.0.0.1 from a warm page cache over
+HTTP and as S3.  Rows (``--rows`` names them), interleaved, a fresh process per sample: the line rate,
+the engine's loads and their variants, machine limits, the reference and peers in ``--peers-python``.
 Per row: GB/s, x line rate, x engine http, peak RSS and whether the bytes equal the files'.
 
     python scripts/bench_remote.py --size 512MB --runs 3 # quick
@@ -68,16 +64,14 @@ def engine_cached(url: str, cache: str, first: bool) -> dict:
 def disk_write(nbytes: int, directory: str) -> dict:
     """The bytes written from pre-faulted memory in 16 MiB writes, each one's write-back started at
     once (``sync_file_range``), then ``fsync``: the disk's own pace."""
-    import ctypes
+    from engine.io.reader import start_writeback
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     view, path = memoryview(host.prefaulted(nbytes)), os.path.join(directory, "disk-write.bin")
 
     def write():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         for i in range(0, len(view), 16 << 20):
-            libc.sync_file_range(fd, i, os.pwrite(fd, view[i : i + (16 << 20)], i), 2)  # SYNC_FILE_RANGE_WRITE
+            start_writeback(fd, i, os.pwrite(fd, view[i : i + (16 << 20)], i))
         os.fsync(fd)
         os.close(fd)
 
@@ -182,12 +176,6 @@ def peer(name: str, urls: list[str], endpoint: str) -> dict:
     return _measure(once)
 
 
-def local_checksum(directory: str) -> int:
-    import engine.torch
-
-    return common.touch_all(engine.torch.load_file(directory))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__, size="2GB", runs=5)
     ap.add_argument("--shards", type=int, default=4)
@@ -201,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     directory = harness.checkpoint(a.size, shards=a.shards)
     names = [os.path.basename(f) for f in common.checkpoint_files(directory)]
     nbytes = sum(engine.read_header(os.path.join(directory, n)).data_size for n in names)
-    expected = harness.call(local_checksum, directory)
+    expected = harness.call(engine_load, directory, {})["checksum"]
     scratch = tempfile.mkdtemp(prefix="engine-download-", dir=common.cache_dir())  # as large as the checkpoint
     rows: dict[str, tuple] = {}  # name: (case, impl, function, args, env, python), or (case, impl, why skipped)
     with harness.served(directory) as (ng, index, s3_index, s3_env):

@@ -1,11 +1,8 @@
 """save_file against the reference ``safetensors``, at three sizes and both durabilities.
 
-``gpt2``: a GPT-2 (124M) shaped F32 state dict with its attention-mask buffers (548 MB, 160 tensors);
-``2g``: a 2 GB BF16 Llama-shaped checkpoint; ``fixed``: GPT-2's 160 names with 16-byte tensors, the
-per-save and per-tensor costs (each sample the median of 50 saves).  ``fsync``: the engine's default
-(file synced before the rename, directory after) against the reference's ``save_file`` then ``fsync``
-of the file and its directory; ``nofsync``: ``fsync=False`` against the plain reference.  Every sample
-is a fresh process; the four variants rotate their order round by round.
+``gpt2``: a GPT-2 (124M) shaped F32 state dict (548 MB); ``2g``: a 2 GB BF16 checkpoint; ``fixed``:
+GPT-2's 160 names with 16-byte tensors (per-save costs).  ``fsync``: the engine's default against the
+reference's ``save_file`` then ``fsync`` of the file and its folder; ``nofsync``: neither syncs.
 
     python scripts/bench_save.py --only gpt2 --repeat 11 --dir /data/tmp
 """

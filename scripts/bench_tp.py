@@ -1,20 +1,16 @@
 """Tensor-parallel loading: what a server waits for, engine against the reference.
 
-Every sample starts WORLD fresh gloo processes that load their shards of a LLaMA-shaped BF16
-checkpoint together (after a barrier); its time is the slowest rank's, from the common start to the
-last rank done.  Implementations (``--impls``, ``IMPLS``), alternated: the engine's
-``load_tensor_parallel(path, llama_plan(config, world))`` and its variants, the reference
-(``safe_open`` + ``get_slice(name)[index]``; ``engine-slices``: that code on ``engine.safe_open``) and
-a floor (each rank reads its shard's size from its own part of the file with two threads).  "warm":
-the file read into the page cache before each sample; "cold": evicted.  Per rank: CPU ms, MB asked of
-read calls (``rchar``; a mapping reads without them) and, cold, MB from storage.
+WORLD fresh gloo processes load their shards of a LLaMA-shaped BF16 checkpoint together; a sample's
+time is the slowest rank's from the common start.  Rows: ``IMPLS`` (``--impls``), alternated, the
+file warm or evicted before each sample.  Per rank: CPU ms, MB asked of read calls and, cold, MB from
+storage.
 
-    python scripts/bench_tp.py                      # ~1 GB checkpoint, world 4, 5 samples each
-    python scripts/bench_tp.py --quick              # small, world 2, 3 samples (smoke)
+    python scripts/bench_tp.py --quick              # small, world 2, 3 samples (default world 4)
 """
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -59,10 +55,7 @@ def _floor(path: str, plan, rank: int, world: int) -> dict:
         info = header[name]
         item = info.nbytes // max(1, info.numel) if info.numel else 0
         for index, _ in shard_index(name, info.shape, plan.action(name), rank, world):
-            n = 1
-            for s, d in zip(index, info.shape, strict=True):
-                n *= len(range(*s.indices(d)))
-            want += n * item
+            want += math.prod(len(range(*s.indices(d))) for s, d in zip(index, info.shape, strict=True)) * item
     block = host_block(want)
     view = memoryview(block)
     fd = os.open(path, os.O_RDONLY)

@@ -1,15 +1,11 @@
 """vLLM's weight-loading time with its own loader and with the engine's load format.
 
-A Llama-shaped sharded checkpoint of ``--gb`` GB (weight-like values, a ``config.json``), warm in the
-page cache (``--cold``: evicted before each sample); vLLM started in a fresh process per sample and
-format, interleaved, and the time it logs read ("Loading weights took X seconds"; the engine's format
-logs the same span).  Run it with the Python of a venv with vLLM and the engine (``.ci/vllm_lane.sh
-install`` makes one) or name it with ``--python``; without vLLM the rows say so.
+vLLM started in a fresh process per sample and format, interleaved, on a generated Llama-shaped
+sharded checkpoint (warm, or ``--cold``); the time it logs ("Loading weights took X seconds") is the
+figure.  Run it with the Python of a venv with vLLM (``.ci/vllm_lane.sh install``) or name it with
+``--python``; without vLLM the rows say so.
 
-    python scripts/bench_vllm.py                         # 1.05 GB float32, 5 samples, CPU
-    python scripts/bench_vllm.py --gb 0.05 --runs 1      # a dry run
-    python scripts/bench_vllm.py --load-formats safetensors,safetensors_engine,instanttensor,fastsafetensors \\
-        --dtype bfloat16 --gb 8                          # a GPU host with those packages
+    python scripts/bench_vllm.py --gb 0.05 --runs 1      # a dry run (default 1.05 GB float32, 5 runs)
 """
 
 from __future__ import annotations

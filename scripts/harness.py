@@ -195,26 +195,23 @@ def fmt_time(s: float | None) -> str:
 # -- data and servers ------------------------------------------------------------------------------------
 
 
-def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", values: str = "bytes",
-               entries: list | None = None, shards: int = 1, checksums: bool = False) -> str:
+def checkpoint(nbytes: int, folder: str | None = None, *, values: str = "bytes", entries: list | None = None,
+               shards: int = 1, checksums: bool = False) -> str:
     """A checkpoint in ``folder`` (default ``common.cache_dir()``), made once: ``entries``
-    (``[(name, dtype, shape)]``), or Llama-shaped of about ``nbytes`` tensor bytes of ``dtype``
-    (``common.checkpoint_entries``).  ``values``: ``"bytes"`` (random, NaNs included: I/O does not
-    care), ``"finite"`` (random finite bit patterns, all positive, many zeros and subnormals) or
-    ``"weights"`` (normal, std 0.02), for statistics and models.  ``shards > 1`` or ``checksums``:
-    a directory of shard files and an index."""
+    (``[(name, dtype, shape)]``), or Llama-shaped BF16 of about ``nbytes`` tensor bytes.  ``values``:
+    ``"bytes"`` (random, NaNs included: I/O does not care), ``"finite"`` (random finite bit patterns)
+    or ``"weights"`` (normal, std 0.02).  ``shards > 1`` or ``checksums``: shard files and an index."""
     import hashlib
 
     from benchmarks import common
 
     folder = common.cache_dir(folder)
-    if entries is None and dtype == "BF16" and values == "bytes":
+    if entries is None and values == "bytes":
         path = common.checkpoint_file(nbytes, base=folder)
     else:
-        entries = entries or [(n, dtype, s) for n, _, s in common.checkpoint_entries(nbytes * _ITEM["BF16"] //
-                                                                                     _ITEM[dtype])]
-        path = os.path.join(folder, f"v{common.GEN_VERSION}-{hashlib.sha1(repr(entries).encode()).hexdigest()[:10]}"
-                                    f"-{values}.safetensors")
+        entries = entries or common.checkpoint_entries(nbytes)
+        digest = hashlib.sha1(repr(entries).encode()).hexdigest()[:10]
+        path = os.path.join(folder, f"v{common.GEN_VERSION}-{digest}-{values}.safetensors")
         if not os.path.exists(path):
             if values == "bytes":
                 common.write_file(path, entries, metadata={"format": "pt"})
@@ -235,9 +232,6 @@ def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", v
     return directory
 
 
-_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
-
-
 def _write_values(path: str, entries: list, values: str) -> None:
     import ml_dtypes
     import numpy as np
@@ -248,7 +242,7 @@ def _write_values(path: str, entries: list, values: str) -> None:
     rng = np.random.default_rng(0)
     arrays = {}
     for name, dtype, shape in entries:
-        bits = 8 * _ITEM[dtype]
+        bits = 8 * np.dtype(kind[dtype]).itemsize
         if values == "finite":  # below the top two bits: the exponent never reaches inf/NaN
             arrays[name] = rng.integers(0, 1 << (bits - 2), shape, dtype=f"int{bits}").view(kind[dtype])
         else:
@@ -272,9 +266,8 @@ def destination(headers) -> dict:
 @contextlib.contextmanager
 def served(directory: str) -> Iterator[tuple]:
     """nginx (tests/servers.py) on 127.0.0.1 serving the checkpoint ``directory`` from a warm page
-    cache over HTTP and as S3 (path-style anonymous GETs of the same files): ``(nginx, http index URL,
-    s3 index URL, the environment an S3 client needs)``; shard ``f`` is ``nginx.url("ckpt/" + f)``
-    and ``s3://bucket/ckpt/`` + ``f``."""
+    cache over HTTP (``nginx.url("ckpt/" + shard)``) and as S3 (``s3://bucket/ckpt/`` + shard):
+    ``(nginx, http index URL, s3 index URL, the environment an S3 client needs)``."""
     from benchmarks import common
     from servers import Nginx, nginx_binary
 

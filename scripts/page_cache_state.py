@@ -1,13 +1,9 @@
 #!/usr/bin/env python
-"""How the page cache holds a file, and what mapping it costs: the figure the engine's ``auto`` copy
-source decides by (``_Choice`` in ``engine/io/_io.pyx``).
+"""How the page cache holds a file, and what mapping it costs (``auto`` copy source's figure).
 
-Maps the warm file read-only, populates it 2 MiB at a time (``MADV_POPULATE_READ``, Linux 5.14+),
-timing each step, reads how much of it the kernel mapped with one entry per 2 MiB (``FilePmdMapped``)
-and times the unmapping: prints the steps by cost, that share, and the time to map and to unmap.
-``--after-cold LOAD`` first evicts the file and reads it in with one load in a fresh process
-(``load_into`` into torch tensors; ``mapped``: ``engine.torch.load_file``, or ``reference``:
-``safetensors.torch.load_file``, every page touched), then measures the state that load left.
+Maps the warm file, populates it 2 MiB at a time (``MADV_POPULATE_READ``, Linux 5.14+), and prints the
+steps by cost, the share mapped with one entry per 2 MiB (``FilePmdMapped``) and the time to map and
+to unmap.  ``--after-cold LOAD``: the file first evicted and read in by one load in a fresh process.
 
     python scripts/page_cache_state.py --runs 3 model.safetensors
 """

@@ -1,11 +1,9 @@
 #!/usr/bin/env python
 """Run the reference's own Python test suite against the engine, and against the reference.
 
-Copies ``bindings/python/tests`` of a checkout of huggingface/safetensors (the 0.8 line) twice, leaves
-one as it is and rewrites only the imports of the other (``safetensors`` -> ``engine``, and its
-``torch`` and ``numpy`` modules), runs pytest on both and prints each run's outcomes, then the tests
-that pass on the reference but not on the engine.  The flax, tensorflow, paddle and mlx modules are
-left out: those frameworks are not the engine's.
+Copies ``bindings/python/tests`` of a huggingface/safetensors checkout (the 0.8 line) twice, rewrites
+the imports of one to the engine's, runs pytest on both and prints the tests that pass on the
+reference but not on the engine (flax, tensorflow, paddle and mlx modules left out).
 
     python scripts/reference_suite.py /path/to/safetensors [--keep] [-- extra pytest args]
 """
