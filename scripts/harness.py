@@ -46,8 +46,9 @@ def parse_size(text: str | int) -> int:
 
 
 #: the flags scripts share: (type, help)
-FLAGS = {"runs": (int, "samples per row"), "reps": (int, "timed calls per sample"),
-         "size": (parse_size, "bytes: 2GB, 1.5GB, 256MiB, or a number"), "dir": (str, "where the data files go")}
+FLAGS: dict[str, tuple[Callable[[str], object], str]] = {
+    "runs": (int, "samples per row"), "reps": (int, "timed calls per sample"),
+    "size": (parse_size, "bytes: 2GB, 1.5GB, 256MiB, or a number"), "dir": (str, "where the data files go")}
 
 
 def parser(doc: str | None, **flags) -> argparse.ArgumentParser:
