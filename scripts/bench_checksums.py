@@ -1,13 +1,9 @@
 """What verifying per-tensor checksums costs a load, and what adding them costs a file.
 
-One warm BF16 checkpoint (1 GiB) written plain and with a CRC-32C per tensor (``engine.add_checksums``);
-every sample a fresh process, the median of the calls after an untimed one.  Rows: ``owned load``
-(``engine.numpy.load_file(backend="pread")`` verifying, with ``verify_checksums=False``, and of the
-plain file); ``page cache -> page-locked chunk`` (the chunk ring over the emulated runtime whose
-copies move nothing, the CRC taken by the copy threads, verifying or not); ``rewrite a file``
-(``add_checksums`` against a streamed copy of the same step size and ``shutil.copyfile``).
+One warm BF16 checkpoint written plain and with a CRC-32C per tensor: the owned load and the chunk
+ring (emulated runtime) verifying or not, and ``add_checksums`` against plain copies of the file.
+Every sample a fresh process, the median of ``--reps`` calls after an untimed one.
 
-    python scripts/bench_checksums.py [--size 1GiB] [--runs 7] [--reps 5] [--dir DIR]
     python scripts/bench_checksums.py --size 64MiB --runs 1 --reps 1      # a dry run
 """
 
@@ -69,16 +65,12 @@ def sample(case: str, impl: str, path: str, plain: str, reps: int) -> list[float
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--size", default="1GiB")
-    ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dir", default=None)
-    ap.add_argument("--rows", default=None, help="only the rows whose case or impl contains this text")
+    ap = harness.parser(__doc__, size="1GiB", runs=7, reps=5, dir=None)
+    ap.add_argument("--rows", help="only the rows whose case or impl contains this text")
     a = ap.parse_args(argv)
     from engine.format import checksums
 
-    size = harness.parse_size(a.size)
+    size = a.size
     folder = common.cache_dir(a.dir)
     plain = os.path.join(folder, f"crc-plain-{size}.safetensors")
     path = os.path.join(folder, f"crc-checked-{size}.safetensors")

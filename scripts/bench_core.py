@@ -12,19 +12,15 @@ rep (``impl``: ``reference`` is the safetensors package, every other the engine)
   first_tensor_pt the same, then one get_tensor (a BF16 torch tensor)
   lazy2g          lazy (mmap) load of a 2 GB BF16 checkpoint, then read every byte
   many_load       load_file of 100,000 tiny tensors
-  save2g          save_file of a 2 GB BF16 checkpoint (``engine``: temp + fsync + rename;
-                  ``engine-nofsync``: fsync=False), time and extra peak RSS
+  save2g          save_file of a 2 GB BF16 checkpoint (``engine-nofsync``: fsync=False), extra peak RSS
   pread2g         owned load (backend="pread") of the 2 GB checkpoint
 
-Every sample runs in a fresh process after an untimed warm-up on a one-tensor file that pays
-imports and first-use costs alike for both libraries (torch with one intra-op thread), so peak
-memory is the operation's own; data files are warm in the page cache; saves start after an
-``os.sync()``.  ``header_small`` repeats its open in one process, the median per call.  "goal"
-is the issue's target: ref/x at least a ratio ("no slower" passes at 0.95), or a time.
+Every sample is a fresh process after an untimed warm-up on a one-tensor file (imports and first-use
+costs paid alike), data files warm in the page cache, saves after an ``os.sync()``.  "goal" is the
+issue's target: ref/x at least a ratio ("no slower" passes at 0.95), or a time.
 
     python scripts/bench_core.py --quick              # smoke run, small sizes
     python scripts/bench_core.py --json bench.json    # the full run: ~4.1 GB of disk, ~9 min
-    python scripts/bench_core.py --only header100k many_load --repeat 9
 """
 
 from __future__ import annotations
@@ -213,17 +209,15 @@ def _goal(report, row: dict, goal: tuple) -> None:
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, dir=None)
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
-    ap.add_argument("--repeat", type=int, default=None, help="samples per measurement (default 5, 3 with --quick)")
-    ap.add_argument("--dir", default=None, help="where the data files go (default: a temp dir under /tmp, removed)")
-    ap.add_argument("--only", nargs="+", choices=list(CASES), default=None, help="run these targets only")
-    ap.add_argument("--keep", action="store_true", help="keep the generated files of a temp --dir")
+    ap.add_argument("--repeat", type=int, help="samples per measurement (default 5, 3 with --quick)")
+    ap.add_argument("--only", nargs="+", choices=list(CASES), help="run these targets only")
     a = ap.parse_args(argv)
     common.compile_engine()  # no sample compiles the engine's modules
     repeat = a.repeat or (3 if a.quick else 5)
-    sz = {"many": 10_000, "ckpt": 64 << 20, "small_layers": 32, "small_loops": 200} if a.quick else \
-        {"many": 100_000, "ckpt": 2_000_000_000, "small_layers": 32, "small_loops": 2000}
+    sz = {"many": 10_000, "ckpt": 64 << 20, "loops": 200} if a.quick else \
+        {"many": 100_000, "ckpt": 2_000_000_000, "loops": 2000}
     cases = a.only or list(CASES)
     bench_dir = a.dir or tempfile.mkdtemp(prefix="engine-bench-")
     os.makedirs(bench_dir, exist_ok=True)
@@ -234,24 +228,23 @@ def main(argv=None) -> int:
         harness.cannot(f"not enough free disk space in {bench_dir}: need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB "
                        "free; use --dir elsewhere, --quick or --only")
     make = {"many": lambda: common.many_tensors_file(sz["many"], base=bench_dir),
-            "small": lambda: common.small_model_file(sz["small_layers"], base=bench_dir),
-            "small_f32": lambda: common.small_model_file(sz["small_layers"], base=bench_dir, dtype="F32"),  # numpy
+            "small": lambda: common.small_model_file(32, base=bench_dir),
+            "small_f32": lambda: common.small_model_file(32, base=bench_dir, dtype="F32"),  # numpy
             "ckpt": lambda: common.checkpoint_file(sz["ckpt"], base=bench_dir)}  # has no BF16 for the reference
     files = {f: make[f]() for f in {CASES[c][1] for c in cases} - {None}}
     ckpt_bytes = common.entries_bytes(common.checkpoint_entries(sz["ckpt"]))
-    labels = {"many": sz["many"], "small_n": len(common.model_entries(sz["small_layers"], 1, 1, 1, 1)),
+    labels = {"many": sz["many"], "small_n": len(common.model_entries(32, 1, 1, 1, 1)),
               "ckpt_gb": f"{ckpt_bytes / 1e9:.2f} GB"}
+    spec = {"dir": bench_dir, "loops": sz["loops"], "repeat": repeat, "ckpt": sz["ckpt"],
+            "out": os.path.join(bench_dir, "save-out.safetensors")}
     report = harness.Report()
     try:
         for case in cases:
             title, file, impls, goal = CASES[case]
             path = files.get(file) if file else None
-            spec = {"dir": bench_dir, "loops": sz["small_loops"], "repeat": repeat, "ckpt": sz["ckpt"],
-                    "out": os.path.join(bench_dir, "save-out.safetensors")}
-
             failed: dict = {}
 
-            def one(impl, case=case, path=path, spec=spec, failed=failed):
+            def one(impl, case=case, path=path, failed=failed):
                 if impl in failed:
                     return failed[impl]  # failed once: do not pay for the other samples
                 if case == "save2g":
@@ -269,7 +262,7 @@ def main(argv=None) -> int:
             for impl in impls:
                 _summarize(report, case, title.format(**labels), impl, got[impl], ckpt_bytes if case in BYTES else None)
     finally:
-        if a.dir is None and not a.keep:
+        if a.dir is None:
             shutil.rmtree(bench_dir, ignore_errors=True)
     report.against("x_reference", "reference")
     for row in report.rows:

@@ -1,13 +1,11 @@
 """A process group loading one checkpoint from a throttled server: one rank, each rank alone, the group once.
 
-``python scripts/bench_group.py --ranks 2 4 --mb 96 --rate-mb 40`` serves a checkpoint of ``--mb`` MB
-(4 shards and an index, with checksums) from tests/rangeserver.py sending at most ``--rate-mb`` MB/s
-in all (one token bucket, as a storage service or a NIC), and times gloo ranks in fresh processes:
-``one rank alone`` (``engine.torch.load_file(url)``), ``N ranks, each alone`` (N times the bytes) and
-``N ranks, process_group`` (``load_file(url, process_group=WORLD)``: each byte read once and
-broadcast).  Per row: the slowest rank's seconds, the tensor bytes asked of the server as a multiple
-of the checkpoint's, a rank's peak RSS; every rank's bytes are checked.  ``--local``: from the local
-files instead (warm page cache; owned tensors, as a group load's are).
+A checkpoint of ``--mb`` MB (4 shards, checksums) served by tests/rangeserver.py at ``--rate-mb`` MB/s
+in all; gloo ranks in fresh processes load it alone or with ``process_group=WORLD`` (each byte read
+once and broadcast).  Per row: the slowest rank's seconds, the bytes asked of the server as a multiple
+of the checkpoint's, a rank's peak RSS.  ``--local``: from the local files instead.
+
+    python scripts/bench_group.py --ranks 2 4 --mb 96 --rate-mb 40
 """
 
 from __future__ import annotations
@@ -57,12 +55,11 @@ def rank(rank: int, world: int, port: int, source: str, group: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, runs=3)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--mb", type=float, default=96)
     ap.add_argument("--rate-mb", type=float, default=40)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--local", action="store_true", help="load from the local files (warm page cache), no server")
+    ap.add_argument("--local", action="store_true")
     a = ap.parse_args(argv)
     from benchmarks import common
     from rangeserver import serving
@@ -98,8 +95,7 @@ def main(argv=None) -> int:
         report.add(f"{name}, {where}", "engine, process_group" if group else "engine", [x["seconds"] for x in s],
                    nbytes, ranks=world, bytes_asked_x=harness.median(x["asked"] for x in s),
                    peak_rank_bytes=harness.median(x["peak"] for x in s))
-    one = report.rows[0]["median_s"]
-    report.ratio("x_one_rank", lambda r: one)
+    report.ratio("x_one_rank", report.rows[0]["median_s"])
     for world in a.ranks:
         g, alone = (report.rows[k]["median_s"] for k in (2 * a.ranks.index(world) + 2, 2 * a.ranks.index(world) + 1))
         report.note(f"{world} ranks: process_group takes {g / alone:.2f}x the time of {world} independent loads")

@@ -1,11 +1,7 @@
-"""Hooked device loads (``stats=True``, ``quantize="int8"``) against the plain device load through the
-chunk ring: what launching each landed tensor's kernels costs the ring's chunk rate (the line:
-hooked >= 0.9x plain).  The device is ``tests/emucudart`` with no-op copies; the kernels are Numba's
-under its simulator (``NUMBA_ENABLE_CUDASIM=1``) with each launch queued and not run, as a GPU
-queues it: the host side of a hooked load runs whole, the device's arithmetic not
-(``scripts/gpu_check.py`` times that).  Every load is ``engine.stream(path, device=...)`` over a
-Llama-shaped BF16 file, rows interleaved after a warm-up round.  On a host with few cores the hooked
-rows' Python takes cores from the copy threads: ``ENGINE_RING=4,32,1`` leaves one free.
+"""Hooked device loads (``stats=True``, ``quantize="int8"``) against the plain device load through
+the chunk ring: what launching each tensor's kernels costs the ring's chunk rate.  The device is
+``tests/emucudart`` with no-op copies, the kernels Numba's simulator with each launch queued and not
+run, as a GPU queues it (``scripts/gpu_check.py`` times the device side).
 
     python scripts/bench_hooked.py --mib 1024 --runs 5
     python scripts/bench_hooked.py --dry-run        # 32 MiB, one run: that the script works
@@ -65,11 +61,9 @@ class Sink(EmulatedSink):
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, runs=5, dir=None)
     ap.add_argument("--mib", type=int, default=1024, help="file size, MiB")
-    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true", help="32 MiB, one run")
-    ap.add_argument("--dir", default=None, help="where to make the file (default a temporary folder)")
     a = ap.parse_args(argv)
     if a.dry_run:
         a.mib, a.runs = 32, 1
@@ -119,8 +113,7 @@ def main(argv=None) -> int:
                    [s["seconds"] for s in samples], nbytes,
                    chunks_per_second=harness.median(s["chunks"] / s["seconds"] for s in samples), ring_runs=last["runs"],
                    reported=last["reported"], report_s=last["report_s"], launches=last["launches"])
-    plain = report.rows[0]["median_s"]
-    report.ratio("x_plain", lambda r: plain)
+    report.ratio("x_plain", report.rows[0]["median_s"])
     report.note("emulated runtime with no-op copies, kernels queued not run (Numba's simulator)")
     return report.finish(a.json, "impl", "median_s", "gbps", "chunks_per_second", "x_plain", "ring_runs", "reported",
                          "report_s", "launches")

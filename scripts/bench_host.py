@@ -1,25 +1,12 @@
 """The host copy engine against this machine's own limit, in one run.
 
-Every row moves the tensor bytes of one warm BF16 checkpoint (2 GiB) out of the page cache on every
-core, as GB/s and as a ratio to the limits measured in the same run (``asv_benchmarks/benchmarks/host.py``):
-``limit: native memcpy`` (from a populated read-only mapping into pre-faulted 4 KiB pages, a tensor's
-memory; ``... into huge pages``: faster by the TLB misses no model gets), ``limit: native pread`` and
-``native fresh mapping`` (what a load holding no populated mapping pays at least).  Engine rows:
-``page cache -> page-locked chunk`` (the device copy path, the native chunk ring, over the emulated
-CUDA runtime whose copies move nothing: the host side of a GPU load; ``staging kept``, ``staging and
-mappings kept``: ``engine.keep_staging`` / ``keep_mappings``; ``dma=memcpy``: each copy a CPU
-``memcpy``; ``ring alone, 4 KiB chunks``: the ring's own cost per chunk); ``load_into`` into
-pre-faulted torch tensors (first call in a fresh process, and repeated; ``mappings kept``) against
-``safetensors.torch.load_file`` + ``copy_``; ``--cold``: the file evicted first.
+Every row moves the tensor bytes of one warm BF16 checkpoint out of the page cache on every core, as
+GB/s and as a ratio to limits measured in the same run (``benchmarks/host.py``): the device copy path
+(the chunk ring over the emulated CUDA runtime) and ``load_into`` against the reference, the file
+cached in large folios and/or page by page (``--cache``), with each copy source (``--source all``),
+cold (``--cold``) and with its data on a 64-byte line (``--aligned``).  A fresh process per sample.
 
-``--cache both`` measures the file read in by large reads (large folios: a mapping costs little)
-and a copy read page by page (4 KiB folios: an entry per page to map and unmap); ``--aligned`` adds
-a copy whose data starts on a 64-byte line; ``--source`` pins ``ENGINE_COPY_SOURCE`` (``all``: each).
-Every sample is a fresh process, rows interleaved.
-
-    python scripts/bench_host.py                       # 2 GiB, 7 samples per row, both cache states
-    python scripts/bench_host.py --size 256MB --runs 3 # quick
-    python scripts/bench_host.py --cache large --source all --cold --json out.json
+    python scripts/bench_host.py --size 256MB --runs 3 # quick (default 2 GiB, 7 runs)
 """
 
 from __future__ import annotations
@@ -105,20 +92,15 @@ def sample(kind: str, path: str, reps: int, cold: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--size", default="2GiB")
-    ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--reps", type=int, default=5, help="repeated calls per sample")
-    ap.add_argument("--cold", action="store_true", help="also the cold rows")
+    ap = harness.parser(__doc__, size="2GiB", runs=7, reps=5, dir=None)
+    ap.add_argument("--cold", action="store_true")
     ap.add_argument("--source", default="auto", choices=["auto", "pread", "mmap", "all"])
-    ap.add_argument("--cache", default="both", choices=["large", "small", "both"],
-                    help="the page cache state of the file: large folios, 4 KiB pages, or a file in each")
-    ap.add_argument("--aligned", action="store_true", help="also a copy of the file with its data on a 64-byte line")
-    ap.add_argument("--rows", default=None, help="only the rows whose name contains this text (and the limit)")
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--cache", default="both", choices=["large", "small", "both"])
+    ap.add_argument("--aligned", action="store_true")
+    ap.add_argument("--rows", help="only the rows whose name contains this text (and the limit)")
     a = ap.parse_args(argv)
     common.compile_engine()
-    path = common.checkpoint_file(harness.parse_size(a.size), base=a.dir)
+    path = common.checkpoint_file(a.size, base=a.dir)
     nbytes = host.data_range(path)[1]
     states = ["large", "small"] if a.cache == "both" else [a.cache]
     bases = {"": path, **({" [data on a 64-byte line]": host.aligned_copy(path)} if a.aligned else {})}
@@ -138,20 +120,21 @@ def main(argv=None) -> int:
         add(f"floor: native fresh mapping{ftag}", f"warm file -> CPU memory{ftag}", "limit: native fresh mapping",
             "floor-mapped", f, st)
         for s in sources:
-            tag, stag = f" [{s}]" * (len(sources) > 1) + ftag, f" [{s}]" * (len(sources) > 1)
+            stag = f" [{s}]" * (len(sources) > 1)
+            tag = stag + ftag
             chunk = f"page cache -> page-locked chunk, dma=none{tag}"
-            add(f"engine copy path, dma=none{tag}", chunk, "engine", "device-none", f, st, s)
-            add(f"engine ring alone, 4 KiB chunks, dma=none{tag}", f"ring alone, 4 KiB chunks, dma=none{tag}", "engine",
-                "ringrate-none", f, st, s)
-            add(f"engine copy path, dma=none, staging kept{tag}", chunk, "engine, staging kept", "device-none-keep", f,
-                st, s)
-            add(f"engine copy path, dma=none, staging and mappings kept{tag}", chunk, "engine, staging and mappings kept",
-                "device-none-kept", f, st, s)
-            add(f"engine copy path, dma=memcpy{tag}", f"page cache -> page-locked chunk, dma=memcpy{tag}", "engine",
-                "device-memcpy", f, st, s)
-            add(f"load_into{tag}", f"load_into{ftag}", "engine" + stag, "engine", f, st, s)
-            add(f"load_into, mappings kept{tag}", f"load_into{ftag}", "engine, mappings kept" + stag, "engine-kept", f,
-                st, s)
+            for label, case, impl, kind in (
+                    ("engine copy path, dma=none", chunk, "engine", "device-none"),
+                    ("engine ring alone, 4 KiB chunks, dma=none", f"ring alone, 4 KiB chunks, dma=none{tag}", "engine",
+                     "ringrate-none"),
+                    ("engine copy path, dma=none, staging kept", chunk, "engine, staging kept", "device-none-keep"),
+                    ("engine copy path, dma=none, staging and mappings kept", chunk, "engine, staging and mappings kept",
+                     "device-none-kept"),
+                    ("engine copy path, dma=memcpy", f"page cache -> page-locked chunk, dma=memcpy{tag}", "engine",
+                     "device-memcpy"),
+                    ("load_into", f"load_into{ftag}", "engine" + stag, "engine"),
+                    ("load_into, mappings kept", f"load_into{ftag}", "engine, mappings kept" + stag, "engine-kept")):
+                add(label + tag, case, impl, kind, f, st, s)
         add(f"reference load_file + copy_{ftag}", f"load_into{ftag}", "reference", "reference", f, st)
     if a.cold:
         add("floor: native pread, cold", "cold file -> CPU memory", "limit: native pread", "floor-pread", cold=True)
@@ -187,8 +170,7 @@ def main(argv=None) -> int:
                        [harness.median(s["huge"]) for s in samples], nbytes)
         if kind.startswith("ringrate"):
             report.note(f"{case}: {nbytes / 4096 / report.rows[-1]['median_s']:,.0f} chunks/s")
-    limit = report.seconds(impl="limit: native memcpy")
-    report.ratio("x_limit", lambda r: limit)
+    report.ratio("x_limit", report.seconds(impl="limit: native memcpy"))
     report.against("x_reference", "reference")
     bad = [f"{r['case']} / {r['impl']}" for r in report.rows if r.get("ok") is False]
     report.note("bytes checked: " + (f"MISMATCH in {bad}" if bad else "every row equals the file"))

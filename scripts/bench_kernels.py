@@ -1,21 +1,10 @@
-"""Full-size benchmarks of the Numba kernels against the issue's targets.
+"""Full-size benchmarks of the Numba kernels against the issue's targets (``TARGETS``).
 
-  stats_f32     engine.stats of an F32 array of --size       vs torch's separate calls
-  stats_bf16    engine.stats of a BF16 array of --size / 2   vs NumPy on the ml_dtypes array
-  quant_tensor  per-tensor int8 quantization of F32 --size   vs torch array code
-  quant_row     per-row (axis=0) int8 quantization, same     vs torch array code
-  stats_f16     engine.stats of an F16 array of --size / 2   vs NumPy (no issue target)
-  quant_row_f16 per-row int8 quantization of F16 --size / 2  vs torch (no issue target)
+``engine.stats`` and per-tensor / per-row int8 quantization of an F32 array of ``--size`` (BF16 and
+F16: half) against torch or NumPy (``benchmarks/bench_kernels.py``'s baselines), engine runs first;
+quantization checked bit for bit against ``tests/naive.py``, with its extra peak RSS.
 
-The baselines are ``asv_benchmarks/benchmarks/bench_kernels.py``'s.  Each implementation's runs
-follow each other, engine first (right after torch churned through gigabytes, this VM is slow to hand
-out fresh pages: interleaving would charge that to the next operation).  Quantization rows check the
-output bit for bit against ``tests/naive.py`` and report the extra peak RSS against the int8 output
-plus the scales.  ``x base``: baseline time / engine time; the issue's own figures at its sizes only.
-
-    python scripts/bench_kernels.py                   # issue sizes: 1 GiB F32, 512 MiB BF16
-    python scripts/bench_kernels.py --size 64MiB      # smoke run
-    python scripts/bench_kernels.py --only stats_bf16 --repeat 7 --json out.json
+    python scripts/bench_kernels.py --size 64MiB      # smoke run (default 1 GiB, the issue's size)
 """
 
 from __future__ import annotations
@@ -79,13 +68,10 @@ def check_quantize(x: np.ndarray, axis, q: np.ndarray, scale: np.ndarray, rows: 
 
 
 def main(argv=None) -> int:
-    p = harness.parser(__doc__)
-    p.add_argument("--size", type=harness.parse_size, default=GIB, help="F32 array size (default 1GiB; BF16 half)")
-    p.add_argument("--repeat", type=int, default=5, help="engine runs per row (median; default 5)")
-    p.add_argument("--baseline-repeat", type=int, default=3, help="baseline runs per row (default 3)")
-    p.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
-    p.add_argument("--only", nargs="+", choices=list(TARGETS), help="rows to run")
-    p.add_argument("--no-check", action="store_true", help="skip the bit-identity check against the oracle")
+    p = harness.parser(__doc__, size=GIB)
+    p.add_argument("--repeat", type=int, default=5, help="engine runs per row")
+    p.add_argument("--baseline-repeat", type=int, default=3, help="baseline runs per row")
+    p.add_argument("--only", nargs="+", choices=list(TARGETS))
     a = p.parse_args(argv)
     if a.repeat < 3 or a.baseline_repeat < 1:
         p.error("--repeat must be >= 3 and --baseline-repeat >= 1")
@@ -93,8 +79,6 @@ def main(argv=None) -> int:
 
     import engine
 
-    if a.threads:
-        numba.set_num_threads(a.threads)
     have_torch = B._have_torch()
     n32 = a.size // 4
     report = harness.Report()
@@ -103,8 +87,7 @@ def main(argv=None) -> int:
         print(f"[{name}] preparing data...", file=sys.stderr, flush=True)
         extra: dict = {}
         if name.startswith("stats"):
-            dtype = {"stats_f32": "F32", "stats_bf16": "BF16", "stats_f16": "F16"}[name]
-            arr = B.make_data(dtype, n32 if dtype == "F32" else a.size // 4)
+            arr = B.make_data(name[len("stats_"):].upper(), n32)  # BF16 and F16: half the bytes
             ops = {"engine": B.stats_op("engine", arr)}
             if base != "torch" or have_torch:
                 ops[base] = B.stats_op(base, arr)
@@ -117,7 +100,7 @@ def main(argv=None) -> int:
                 ops["torch"] = B.quantize_op("torch", arr, axis)
             peak = extra_peak(ops["engine"])
             q, s = engine.quantize_int8(arr, axis)
-            ok = None if a.no_check else check_quantize(arr, axis, q, s, rows=max(1, (64 * MIB) // (4 * arr.shape[1])))
+            ok = check_quantize(arr, axis, q, s, rows=max(1, (64 * MIB) // (4 * arr.shape[1])))
             extra = dict(extra_peak_bytes=peak, budget_bytes=q.nbytes + s.nbytes, bit_identical=ok)
             del q, s
         if base not in ops:

@@ -1,15 +1,8 @@
-"""Loads from a network-like mount: a file read through a real FUSE file system (bindfs over a tmpfs
-folder: the daemon, not a disk, is what each read crosses), cold in the mount's page cache for every
-sample; each row the median of fresh processes (torch imported, destination tensors touched first).
+"""Loads from a network-like mount: a file read through bindfs (FUSE) over a tmpfs folder, cold in
+the mount's page cache for every sample, each row the median of fresh processes: native floors, the
+engine's ``load_into`` (and mapped), a ``get_tensor`` loop on the engine and on the reference.
+Needs bindfs and /dev/fuse.
 
-Rows: ``limit: native pread`` (``host.Floor``: one thread per core, each ``pread``-ing its share:
-far-apart streams FUSE's read-ahead takes for random reads), ``limit: one stream`` (8 MiB ``preadv``
-calls front to back: a ``cat``), ``engine`` (``engine.load_into``, the source it chooses: ``pread``
-on FUSE), ``engine, mapped`` (``ENGINE_COPY_SOURCE=mmap``), ``engine, get_tensor loop`` (``safe_open``
-and ``get_tensor`` of every name copied into the destination, as sglang's and vLLM's weight
-iterators do) and ``reference`` (the same loop with ``safetensors``).  Needs bindfs and /dev/fuse.
-
-    python scripts/bench_netfs.py                 # 1 GiB, 5 runs
     python scripts/bench_netfs.py --gib 2 --runs 7
 """
 
@@ -29,7 +22,6 @@ ROWS = {"floor": "limit: native pread", "one stream": "limit: one stream of 8 Mi
 
 def sample(path: str, row: str) -> float:
     """One cold load through the mount in this fresh process: its seconds."""
-
     import engine
 
     floor = host.Floor(path, "pread") if row == "floor" else None  # its destination allocated here, untimed
@@ -57,9 +49,8 @@ def sample(path: str, row: str) -> float:
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, runs=5)
     ap.add_argument("--gib", type=float, default=1.0, help="file size in GiB of F32 tensors of 32 MiB")
-    ap.add_argument("--runs", type=int, default=5)
     a = ap.parse_args(argv)
     from servers import FuseMount
 
@@ -85,9 +76,8 @@ def main(argv=None) -> int:
     report = harness.Report()
     for row, secs in got.items():
         report.add("file on a FUSE mount (bindfs over tmpfs), cold -> CPU tensors", ROWS[row], secs, size)
-    floor, ref = report.seconds(impl=ROWS["floor"]), report.seconds(impl="reference")
-    report.ratio("x_floor", lambda r: floor)
-    report.ratio("x_reference", lambda r: ref)
+    report.ratio("x_floor", report.seconds(impl=ROWS["floor"]))
+    report.ratio("x_reference", report.seconds(impl="reference"))
     return report.finish(a.json, "impl", "median_s", "gbps", "x_floor", "x_reference")
 
 

@@ -1,12 +1,7 @@
-"""The per-key loop's cost: ``safe_open(f, device=...)`` then ``get_tensor(k)`` for every key, as
-accelerate's ``load_state_dict`` and many servers walk a checkpoint, in microseconds per key.
-
-The device is the emulated CUDA runtime (``tests/emucudart``: ``libcudart``'s entry points, copies
-on a stream thread) driven through the engine's own handle, loaders and chunk ring, beside CPU
-loops that need no device (the engine's and the reference's ``get_tensor``); ``ring alone``: the
-native run of a one-chunk load, no Python around it.  On a GPU host ``scripts/gpu_check.py`` times
-the same loop on the device.  Each sample is a fresh process that walks every key twice: ``first``
-(it sets the ring up and maps the file) and ``steady``.
+"""The per-key loop's cost: ``safe_open(f, device=...)`` then ``get_tensor(k)`` for every key, in
+microseconds per key: on the emulated CUDA runtime (``tests/emucudart``) through the engine's chunk
+ring, on the CPU (engine and reference), and the ring's native run alone.  Each sample is a fresh
+process walking every key twice: ``first`` (ring set up, file mapped) and ``steady``.
 
     python scripts/bench_per_key.py --tensors 512 --kib 64 --runs 5
 """
@@ -16,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 
 import harness
 from benchmarks import common
@@ -80,21 +74,18 @@ def sample(path: str, variant: str) -> list[float]:
 
         h = safetensors.safe_open(path, framework="np" if variant == "reference-np" else "pt")
     keys = list(h.keys())
-    out = []
-    for _ in range(2):
-        t0 = time.perf_counter()
+
+    def walk():
         for k in keys:
             h.get_tensor(k)
-        out.append((time.perf_counter() - t0) / len(keys))
-    return out
+
+    return [t / len(keys) for t in harness.times(walk, 2, warmup=0)]
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--tensors", type=int, default=512, help="tensors in the generated file")
+    ap = harness.parser(__doc__, runs=5, dir=None)
+    ap.add_argument("--tensors", type=int, default=512)
     ap.add_argument("--kib", type=int, default=64, help="KiB per tensor")
-    ap.add_argument("--runs", type=int, default=5, help="fresh-process samples per variant")
-    ap.add_argument("--dir", default=None, help="where to write the file (default a temporary folder)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=a.dir) as folder:
         path = harness.checkpoint(0, folder, entries=[(f"layer.{i}.weight", "F32", (a.kib * 256,))
@@ -105,8 +96,7 @@ def main(argv=None) -> int:
     for variant, samples in got.items():
         case, impl = VARIANTS[variant]
         report.add(case, impl, [s[1] for s in samples], a.kib << 10, first_walk_s=harness.median(s[0] for s in samples))
-    ref = report.seconds("CPU torch, get_tensor per key", "reference")
-    report.ratio("x_reference_torch", lambda r: ref)
+    report.ratio("x_reference_torch", report.seconds("CPU torch, get_tensor per key", "reference"))
     report.note(f"{a.tensors} tensors of {a.kib} KiB; median seconds per key of the steady (second) walk")
     return report.finish(a.json, "case", "impl", "median_s", "first_walk_s", "x_reference_torch")
 

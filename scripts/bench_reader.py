@@ -1,18 +1,11 @@
 """Streaming-reader benchmarks against the reference safetensors, in one run.
 
-Medians (and GB/s) of: the owned CPU load (warm), load_into (warm and cold), the selective load,
-row and column slices, and on a machine with a GPU the CUDA load against the reference's
-``load_file(device="cuda")``, ``load_file`` + ``.to("cuda")`` and the pinned host-to-device
-bandwidth.  Cold runs evict the file with ``posix_fadvise(POSIX_FADV_DONTNEED)``.
+The owned CPU load, load_into (warm and cold: the file evicted), the selective load, row and column
+slices and, with a GPU, the CUDA load against the pinned host-to-device bandwidth.  ``--only fresh``:
+load_into and cold loads, a fresh process per sample; ``--only stats``: statistics during a streaming
+load, and bare reads with and without the fold, with their CPU seconds per GB.
 
-    python scripts/bench_reader.py                 # 2 GB BF16 checkpoint, 5 runs
-    python scripts/bench_reader.py --quick         # 128 MB, 3 runs (smoke)
-    python scripts/bench_reader.py --only fresh    # load_into warm and cold, cold load_file (both
-                                                   # backends): one fresh process per sample
-    python scripts/bench_reader.py --only stats    # statistics during a streaming load, and the
-                                                   # same reads bare (no engine) with and without the fold;
-                                                   # CPU seconds (user + system, getrusage) per GB of the
-                                                   # load and of the fold
+    python scripts/bench_reader.py --quick         # 128 MB, 3 runs (default 2 GB, 5 runs)
 """
 
 from __future__ import annotations
@@ -21,7 +14,6 @@ import os
 import resource
 import sys
 import tempfile
-import time
 
 import harness
 import numpy as np
@@ -47,35 +39,26 @@ def _touch(d) -> None:  # read a byte of every page of every tensor: the same wo
         t.view(-1).view(torch.uint8)[::4096].sum()
 
 
-def _median_time(fn, runs: int, before=None) -> float:
-    def run():
-        if before:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    return harness.median(run() for _ in range(runs))
-
-
 def paired_medians(fn_a, fn_b, runs: int):
     """Medians of ``fn_a`` and ``fn_b`` run alternately, the median of the per-pair ratios b/a, and
     each side's median CPU seconds ``(user, sys, user + sys, user + sys minus the other side's)``:
     the statistics kernels are user time, an owned load's page faults and copies system time."""
-    ta, tb, ca, cb = [], [], [], []
+    t: tuple = ([], [])
+    cpu: tuple = ([], [])
     for _ in range(runs):
-        for fn, out, cpu in ((fn_a, ta, ca), (fn_b, tb, cb)):
+        for i, fn in enumerate((fn_a, fn_b)):
             r0 = resource.getrusage(resource.RUSAGE_SELF)
-            out.append(harness.times(fn, 1, warmup=0)[0])
+            t[i].append(harness.times(fn, 1, warmup=0)[0])
             r1 = resource.getrusage(resource.RUSAGE_SELF)
-            cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
+            cpu[i].append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
     med = harness.median
 
     def med_cpu(c, other):
         return (med(u for u, _ in c), med(s for _, s in c), med(u + s for u, s in c),
                 med((u + s) - (ou + os_) for (u, s), (ou, os_) in zip(c, other, strict=True)))
 
-    return med(ta), med(tb), med(b / a for a, b in zip(ta, tb, strict=True)), med_cpu(ca, cb), med_cpu(cb, ca)
+    ratio = med(b / a for a, b in zip(*t, strict=True))
+    return med(t[0]), med(t[1]), ratio, med_cpu(*cpu), med_cpu(cpu[1], cpu[0])
 
 
 def _loads(path: str, dst: dict) -> dict:
@@ -97,8 +80,8 @@ def _loads(path: str, dst: dict) -> dict:
                                                lambda: _touch(ref.load_file(path))),
             "load_file pread, cold": (lambda: engine.torch.load_file(path, backend="pread"),
                                       lambda: ref.load_file(path, backend="pread")),
-            "bare reads, cold: buffered vs O_DIRECT": (lambda: _bare_cold(path, direct=False),
-                                                       lambda: _bare_cold(path, direct=True))}
+            "bare reads, cold: buffered vs O_DIRECT": (lambda: _bare(path, "buffered"),
+                                                       lambda: _bare(path, "direct"))}
 
 
 def fresh_sample(case: str, impl: str, path: str) -> float:
@@ -108,65 +91,46 @@ def fresh_sample(case: str, impl: str, path: str) -> float:
     return harness.times(fn, 1, warmup=0)[0]
 
 
-def _bare_cold(path: str, *, direct: bool, threads: int = 2, request: int = 16 << 20) -> None:
-    """The whole file read by ``threads`` threads in ``request``-byte ``preadv`` calls into one
-    anonymous block, through the page cache or around it (``O_DIRECT``: aligned offsets, sizes and
-    memory; the block is page-aligned and the last request rounded up)."""
-    from engine.io.reader import run_threads
-    from engine.sinks import host_block
-
-    size = os.path.getsize(path)
-    padded = -(-size // 4096) * 4096
-    block = host_block(padded)
-    view = memoryview(block)
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-
-    def worker(i: int) -> None:
-        for lo in range(i * request, padded, threads * request):
-            hi = min(lo + request, padded)
-            while lo < hi and lo < size:
-                n = os.preadv(fd, [view[lo:hi]], lo)
-                if n <= 0:
-                    raise OSError(f"{path}: short read at {lo}")
-                lo += n
-
-    try:
-        run_threads([lambda i=i: worker(i) for i in range(threads)], name="bench-cold")
-    finally:
-        os.close(fd)
-        view.release()
-        block.close()
-
-
-def _bare_load(path, mode: str, threads: int = 2, request: int = 16 << 20) -> None:
-    """The least work a 2-thread owned load of ``path`` can do: one anonymous block, ``threads``
-    threads taking ``request``-byte reads in turn; ``mode`` ``"requests"``: one ``preadv`` per
-    request; ``"fold"``: the same reads made and folded window by window by
-    :meth:`engine.statistics.Accumulator.read` (the floor the statistics kernel sets on
-    ``stream(stats=True)``); ``"windows"``: the window-sized reads of ``"fold"`` without the fold."""
+def _bare(path, mode: str, threads: int = 2, request: int = 16 << 20) -> None:
+    """The least work a 2-thread owned load of ``path`` can do: ``threads`` threads taking
+    ``request``-byte reads in turn into one anonymous block.  ``mode``: ``"requests"``, one ``preadv``
+    per request of the tensor bytes; ``"fold"``, the same reads made and folded window by window by
+    :meth:`engine.statistics.Accumulator.read` (the floor of ``stream(stats=True)``); ``"windows"``,
+    the window-sized reads of ``"fold"`` without the fold; ``"buffered"`` / ``"direct"``, the whole
+    file through the page cache or around it (``O_DIRECT``: the last request rounded up)."""
     import engine
-    from engine import statistics as est
     from engine.io.reader import pread_into, run_threads
-    from engine.loading.cpu_stats import StatsCollector
     from engine.sinks import host_block
 
-    start = engine.read_header(path).data_start
+    whole = mode in ("buffered", "direct")
+    if not whole:  # not imported in a cold sample's clock
+        from engine import statistics as est
+        from engine.loading.cpu_stats import StatsCollector
+
+        window = StatsCollector.WINDOW
+    start = 0 if whole else engine.read_header(path).data_start
     size = os.path.getsize(path) - start
-    block = host_block(size)
+    end = -(-size // 4096) * 4096 if whole else size
+    block = host_block(end)
     dest = np.frombuffer(block, np.uint8)
-    fd = os.open(path, os.O_RDONLY)
-    window = StatsCollector.WINDOW
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if mode == "direct" else 0))
 
     def worker(i: int) -> None:
-        acc = est.Accumulator("BF16")
-        for lo in range(i * request, size, threads * request):
-            hi = min(lo + request, size)
-            if mode == "fold":
+        acc = est.Accumulator("BF16") if mode == "fold" else None
+        for lo in range(i * request, end, threads * request):
+            hi = min(lo + request, end)
+            if acc is not None:
                 if acc.read(fd, start + lo, dest[lo:hi], window) != hi - lo:
                     raise OSError(f"{path}: short read at {start + lo}")
             elif mode == "windows":
                 for w in range(lo, hi, window):
                     pread_into(fd, start + w, [memoryview(dest[w : min(w + window, hi)])], path=path)
+            elif whole:  # the last request may pass the file's end
+                while lo < min(hi, size):
+                    n = os.preadv(fd, [memoryview(dest[lo:hi])], lo)
+                    if n <= 0:
+                        raise OSError(f"{path}: short read at {lo}")
+                    lo += n
             else:
                 pread_into(fd, start + lo, [memoryview(dest[lo:hi])], path=path)
 
@@ -184,10 +148,8 @@ def _cpu_note(plain: tuple, added: tuple, gb: float, what: str = "fold") -> str:
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, runs=None, dir=tempfile.gettempdir())
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--runs", type=int)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--only", choices=["load", "stats", "slice", "fresh"], help="run one group of cases")
     a = ap.parse_args(argv)
     compile_engine()
@@ -209,6 +171,9 @@ def main(argv=None) -> int:
     header = engine.read_header(path)
     report = harness.Report()
 
+    def med(fn, before=None) -> float:
+        return harness.median(harness.times(fn, runs, warmup=0, before=before))
+
     def pair(case, ours, theirs, note="", other="reference", impl="engine"):
         report.add(case, impl, ours, nbytes, note=note, x_other=theirs / ours if theirs else None)
         if theirs:
@@ -217,8 +182,8 @@ def main(argv=None) -> int:
     warm(path)
     if a.only == "fresh":  # not part of the default run: a process per sample
         for case, note in FRESH_CASES.items():
-            got = harness.rounds(["engine", "reference"], runs, lambda impl, c=case: harness.call(fresh_sample, c, impl,
-                                                                                                   path))
+            got = harness.rounds(["engine", "reference"], runs,
+                                 lambda impl, c=case: harness.call(fresh_sample, c, impl, path))
             ratio = harness.median(r / e for e, r in zip(got["engine"], got["reference"], strict=True))
             report.add(case + " [fresh]", "engine", got["engine"], nbytes, note=note, x_other=ratio)
             report.add(case + " [fresh]", "reference", got["reference"], nbytes)
@@ -229,7 +194,7 @@ def main(argv=None) -> int:
                 ("load_into, warm", loads["load_into, warm"], None, "reference load_file + copy_"),
                 ("load_into, cold", (loads["load_into, cold"][0], loads["load_file default (mmap), cold"][1]),
                  lambda: evict(path), "reference load_file, every page touched")):
-            pair(case, _median_time(ours, runs, before), _median_time(theirs, runs, before), note)
+            pair(case, med(ours, before), med(theirs, before), note)
         warm(path)
     if a.only in (None, "stats"):
         weights = harness.checkpoint(size, a.dir, values="weights", entries=layout)
@@ -248,7 +213,7 @@ def main(argv=None) -> int:
             if label.startswith("weight"):
                 for mode, name in (("fold", "bare reads + fold"), ("windows", "bare window reads")):
                     t_plain, t_mode, ratio, cpu_plain, cpu_mode = paired_medians(
-                        lambda p=p: _bare_load(p, "requests"), lambda m=mode, p=p: _bare_load(p, m), 3 * runs)
+                        lambda p=p: _bare(p, "requests"), lambda m=mode, p=p: _bare(p, m), 3 * runs)
                     pair(f"{name}, {label}", t_mode, t_plain, f"adds {100 * (ratio - 1):+.0f}%; "
                          + _cpu_note(cpu_plain, cpu_mode, gb, mode), other="limit: bare reads")
         warm(path)
@@ -259,9 +224,10 @@ def main(argv=None) -> int:
             with safetensors.safe_open(path, framework="pt") as f:
                 return {k: f.get_tensor(k).clone() for k in eighth}
 
-        pair("selective load 1/8 (names)",
-             _median_time(lambda: dict(engine.stream(path, framework="pt", device="cpu", names=eighth)), runs),
-             _median_time(ref_names, runs), "reference safe_open + get_tensor")
+        def names():
+            return dict(engine.stream(path, framework="pt", device="cpu", names=eighth))
+
+        pair("selective load 1/8 (names)", med(names), med(ref_names), "reference safe_open + get_tensor")
         big = next(k for k in header.offset_keys() if len(header[k].shape) == 2)
         n0 = header[big].shape[0]
 
@@ -271,22 +237,21 @@ def main(argv=None) -> int:
 
         for label, index in (("rows [:n/4]", (slice(0, n0 // 4),)), ("columns [:, :n/4]", (slice(None), slice(0, n0 // 4)))):
             for backend in ("mmap", "pread"):
-                pair(f"get_slice {label}, {backend}", _median_time(lambda b=backend, i=index: sliced(engine, i, backend=b),
-                                                                  runs),
-                     _median_time(lambda i=index: sliced(safetensors, i), runs), "then .sum()")
+                pair(f"get_slice {label}, {backend}", med(lambda b=backend, i=index: sliced(engine, i, backend=b)),
+                     med(lambda i=index: sliced(safetensors, i)), "then .sum()")
     if a.only in (None, "load") and torch.cuda.is_available():
-        _cuda_rows(path, runs, pair, ref, engine, torch)
+        _cuda_rows(path, med, pair, ref, engine, torch)
     return report.finish(a.json, "case", "impl", "median_s", "gbps", "x_other", "note")
 
 
-def _cuda_rows(path, runs, pair, ref, engine, torch) -> None:
+def _cuda_rows(path, med, pair, ref, engine, torch) -> None:
     sync = torch.cuda.synchronize
     n = os.path.getsize(path)
     pinned = torch.empty(min(n, 1 << 30), dtype=torch.uint8, pin_memory=True)
     dev = torch.empty_like(pinned, device="cuda")
 
     def timed(fn):
-        return _median_time(lambda: (fn(), sync()), runs)
+        return med(lambda: (fn(), sync()))
 
     h2d = pinned.numel() / timed(lambda: dev.copy_(pinned, non_blocking=True)) / 1e9
     engine.torch.load_file(path, device="cuda:0")

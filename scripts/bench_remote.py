@@ -1,27 +1,17 @@
 """Whole checkpoints over HTTP and S3 against the line rate, in one run.
 
-A BF16 Llama-shaped checkpoint (2 GB, 4 shards and an index) served by nginx on 127.0.0.1 from a
-warm page cache, over HTTP and as S3 (path-style anonymous GETs of the same files).  Rows (``--rows``
-names them), interleaved, each sample a fresh process: ``line rate`` (one ``curl`` per shard at
-once); ``fault limit (no network)`` (fresh memory faulted in as an owned load's is); ``engine http``
-/ ``s3`` (``engine.torch.load_file(url)``; ``repeated``: 3 loads after a warm-up in one process;
-``huge pages``, ``4k pages``, ``fault-ahead 1`` / ``0``: ``ENGINE_HUGE_PAGES`` or
-``ENGINE_FAULT_AHEAD`` forced; ``load_into``: into pre-faulted tensors; ``device``: into an emulated
-device through the chunk ring, copies moving nothing, ``memcpy`` moving the bytes, ``repeated`` the
-ring kept); ``engine http cache_dir 1st`` / ``2nd`` against ``disk write+fsync`` (the 1st load's
-allowance: ``(engine http + disk write+fsync) / 0.9``) and ``local owned load``; ``GETs + reference``
-(``urllib`` then ``safetensors.torch.load``), ``download + reference`` (to files, then
-``load_file``); peers in ``--peers-python``: ``s3fs``, ``runai`` (S3), ``safetensors-streaming``.
+A BF16 Llama-shaped checkpoint in 4 shards, served by nginx on 127.0.0.1 from a warm page cache over
+HTTP and as S3.  Rows (``--rows`` names them), interleaved, a fresh process per sample: the line rate,
+the engine's loads and their variants, machine limits, the reference and peers in ``--peers-python``.
 Per row: GB/s, x line rate, x engine http, peak RSS and whether the bytes equal the files'.
 
-    python scripts/bench_remote.py                       # 2 GB, 5 samples per row
     python scripts/bench_remote.py --size 512MB --runs 3 # quick
     python scripts/bench_remote.py --sweep               # connections x request size, http and s3
-    python scripts/bench_remote.py --peers-python /path/to/venv/bin/python --json out.json
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sys
@@ -53,7 +43,6 @@ def engine_load(url: str, options: dict, repeat: int = 0) -> dict:
 
 
 def engine_load_into(url: str) -> dict:
-
     import engine
     import engine.urls.remote
 
@@ -75,16 +64,14 @@ def engine_cached(url: str, cache: str, first: bool) -> dict:
 def disk_write(nbytes: int, directory: str) -> dict:
     """The bytes written from pre-faulted memory in 16 MiB writes, each one's write-back started at
     once (``sync_file_range``), then ``fsync``: the disk's own pace."""
-    import ctypes
+    from engine.io.reader import start_writeback
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     view, path = memoryview(host.prefaulted(nbytes)), os.path.join(directory, "disk-write.bin")
 
     def write():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         for i in range(0, len(view), 16 << 20):
-            libc.sync_file_range(fd, i, os.pwrite(fd, view[i : i + (16 << 20)], i), 2)  # SYNC_FILE_RANGE_WRITE
+            start_writeback(fd, i, os.pwrite(fd, view[i : i + (16 << 20)], i))
         os.fsync(fd)
         os.close(fd)
 
@@ -189,28 +176,20 @@ def peer(name: str, urls: list[str], endpoint: str) -> dict:
     return _measure(once)
 
 
-def local_checksum(directory: str) -> int:
-    import engine.torch
-
-    return common.touch_all(engine.torch.load_file(directory))
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--size", default="2GB")
+    ap = harness.parser(__doc__, size="2GB", runs=5)
     ap.add_argument("--shards", type=int, default=4)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--peers-python", default=None, help="python of an environment with the peer loaders")
-    ap.add_argument("--rows", default=None, help="comma-separated row names to run (default all)")
-    ap.add_argument("--sweep", action="store_true", help="engine http only: connections x request size")
+    ap.add_argument("--peers-python", help="python of an environment with the peer loaders")
+    ap.add_argument("--rows", help="comma-separated row names to run (default all)")
+    ap.add_argument("--sweep", action="store_true", help="engine loads only: connections x request size")
     a = ap.parse_args(argv)
     import engine
 
     common.compile_engine()
-    directory = harness.checkpoint(harness.parse_size(a.size), shards=a.shards)
+    directory = harness.checkpoint(a.size, shards=a.shards)
     names = [os.path.basename(f) for f in common.checkpoint_files(directory)]
     nbytes = sum(engine.read_header(os.path.join(directory, n)).data_size for n in names)
-    expected = harness.call(local_checksum, directory)
+    expected = harness.call(engine_load, directory, {})["checksum"]
     scratch = tempfile.mkdtemp(prefix="engine-download-", dir=common.cache_dir())  # as large as the checkpoint
     rows: dict[str, tuple] = {}  # name: (case, impl, function, args, env, python), or (case, impl, why skipped)
     with harness.served(directory) as (ng, index, s3_index, s3_env):
@@ -221,14 +200,12 @@ def main(argv: list[str] | None = None) -> int:
 
         row("line rate", http, "limit: curl line rate", None)
         for scheme, url, e in (("http", index, env), ("s3", s3_index, s3_env)):
-            for conns, chunk in [(c, m) for c in (4, 8, 16) for m in (16, 64)] if a.sweep else [(0, 0)]:
-                opts, tag = ({"connections": conns, "chunk_bytes": chunk << 20}, f" c={conns} {chunk}MiB") if conns \
-                    else ({}, "")
-                impl = f"engine, {conns} connections, {chunk} MiB" if conns else "engine"
-                row(f"{'engine ' * (not conns)}{scheme}{tag}", f"{scheme} -> CPU, owned", impl, engine_load, url, opts,
-                    env=e)
-                row(f"{'engine ' * (not conns)}{scheme}{tag} repeated", f"{scheme} -> CPU, owned, repeated", impl,
-                    engine_load, url, opts, 3, env=e)
+            for c, m in itertools.product((4, 8, 16), (16, 64)) if a.sweep else [(0, 0)]:
+                opts = {"connections": c, "chunk_bytes": m << 20} if c else {}
+                name, impl = (f"{scheme} c={c} {m}MiB", f"engine, {c} connections, {m} MiB") if c else \
+                    (f"engine {scheme}", "engine")
+                row(name, f"{scheme} -> CPU, owned", impl, engine_load, url, opts, env=e)
+                row(name + " repeated", f"{scheme} -> CPU, owned, repeated", impl, engine_load, url, opts, 3, env=e)
             if not a.sweep:
                 row(f"engine {scheme} load_into", f"{scheme} -> CPU tensors (load_into)", "engine", engine_load_into,
                     url, env=e)
@@ -279,15 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, v in rows.items():
         ok = [s for s in got.get(name, []) if "seconds" in s]
         moved = not (name.startswith(("fault", "line", "disk")) or name.endswith(("device", "device repeated")))
-        report.add(v[0], v[1], [s["seconds"] for s in ok], nbytes, row=name, skipped=None if len(v) > 3 else v[2],
-                   peak_bytes=harness.median([s["hwm"] for s in ok if "hwm" in s] or [0]) or None,
-                   equal=all(s.get("checksum") == expected for s in ok) if moved and ok else None,
-                   errors=[s["error"] for s in got.get(name, []) if "error" in s])
-        if report.rows[-1]["skipped"] or report.rows[-1]["errors"]:
-            report.note(f"{name}: {report.rows[-1]['skipped'] or report.rows[-1]['errors'][0]}")
+        r = report.add(v[0], v[1], [s["seconds"] for s in ok], nbytes, row=name, skipped=None if len(v) > 3 else v[2],
+                       peak_bytes=harness.median([s["hwm"] for s in ok if "hwm" in s] or [0]) or None,
+                       equal=all(s.get("checksum") == expected for s in ok) if moved and ok else None,
+                       errors=[s["error"] for s in got.get(name, []) if "error" in s])
+        if r["skipped"] or r["errors"]:
+            report.note(f"{name}: {r['skipped'] or r['errors'][0]}")
     line, engine_s = report.seconds(impl="limit: curl line rate"), report.seconds(http, "engine")
-    report.ratio("x_line", lambda r: line)
-    report.ratio("x_engine", lambda r: engine_s)
+    report.ratio("x_line", line)
+    report.ratio("x_engine", engine_s)
     s = {r["row"]: r["median_s"] for r in report.rows}
     if line and s.get("fault limit (no network)"):
         report.note(f"owned-load bound (line rate and page faults one after the other): "

@@ -1,16 +1,9 @@
 """save_file against the reference ``safetensors``, at three sizes and both durabilities.
 
-  gpt2   a GPT-2 (124M) shaped F32 state dict with its attention-mask buffers: 548 MB, 160 tensors
-  2g     a 2 GB BF16 Llama-shaped checkpoint (``common.checkpoint_tensors``)
-  fixed  GPT-2's 160 names with 16-byte tensors: the per-save and per-tensor costs (each sample the
-         median of 50 saves in its process)
+``gpt2``: a GPT-2 (124M) shaped F32 state dict (548 MB); ``2g``: a 2 GB BF16 checkpoint; ``fixed``:
+GPT-2's 160 names with 16-byte tensors (per-save costs).  ``fsync``: the engine's default against the
+reference's ``save_file`` then ``fsync`` of the file and its folder; ``nofsync``: neither syncs.
 
-``fsync``: the engine's default (file synced before the rename, directory after) against the
-reference's ``save_file`` then ``fsync`` of the file and its directory; ``nofsync``: ``fsync=False``
-against the plain reference.  Every sample is a fresh process (tensors built, ``os.sync()``, an
-untimed one-tensor save, the timed save); the four variants rotate their order round by round.
-
-    python scripts/bench_save.py                      # all sizes, 7 rounds
     python scripts/bench_save.py --only gpt2 --repeat 11 --dir /data/tmp
 """
 
@@ -85,10 +78,9 @@ def sample(impl: str, durability: str, size: str, out: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, dir=None)
     ap.add_argument("--only", nargs="+", choices=["fixed", "gpt2", "2g"], default=["fixed", "gpt2", "2g"])
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--dir", default=None, help="where the files are written (default: a temporary directory)")
     a = ap.parse_args(argv)
     from benchmarks import common
 

@@ -1,25 +1,16 @@
 """Tensor-parallel loading: what a server waits for, engine against the reference.
 
-Every sample starts WORLD fresh gloo processes that load their shards of a LLaMA-shaped BF16
-checkpoint together (after a barrier); its time is the slowest rank's, from the common start to
-the last rank done.  Implementations (``--impls``), alternated: ``engine``
-(``load_tensor_parallel(path, llama_plan(config, world))``), ``engine-runs`` (``strided="runs"``),
-``engine-1t`` (one reader thread per rank), ``engine-mmap`` (``backend="mmap"``), ``engine-view``
-(``copy=False``: one-range shards are views of a mapping, as the reference hands out),
-``engine-slices`` (the reference row's code on ``engine.safe_open``), ``reference``
-(``safe_open`` + ``get_slice(name)[index]``, contiguous slices stay views of its mapping), ``floor``
-(each rank reads its shard's size from its own quarter of the file with two threads: a lower bound).
-"warm": the file read into the page cache before each sample; "cold": evicted.  Per rank: CPU ms,
-MB asked of read calls (``rchar``; a mapping reads without them) and, cold, MB from storage.
+WORLD fresh gloo processes load their shards of a LLaMA-shaped BF16 checkpoint together; a sample's
+time is the slowest rank's from the common start.  Rows: ``IMPLS`` (``--impls``), alternated, the
+file warm or evicted before each sample.  Per rank: CPU ms, MB asked of read calls and, cold, MB from
+storage.
 
-    python scripts/bench_tp.py                      # ~1 GB checkpoint, world 4, 5 samples each
-    python scripts/bench_tp.py --quick              # small, world 2, 3 samples (smoke)
-    python scripts/bench_tp.py --only cold --runs 7
-    python scripts/bench_tp.py --shards 4 --impls engine engine-view engine-slices
+    python scripts/bench_tp.py --quick              # small, world 2, 3 samples (default world 4)
 """
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -37,12 +28,11 @@ IMPLS = {"engine": "engine", "engine-runs": "engine, strided=runs", "engine-1t":
          "floor": "limit: bare preadv of the shard's size"}
 
 
-def config_for(quick: bool) -> dict:
-    if quick:
-        return dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
-                    num_key_value_heads=4, vocab_size=4096)
-    return dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=32000)
+#: the checkpoint's Llama config, with --quick and without
+CONFIGS = {True: dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=4096),
+           False: dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=32000)}
 
 
 def _io() -> dict:
@@ -65,10 +55,7 @@ def _floor(path: str, plan, rank: int, world: int) -> dict:
         info = header[name]
         item = info.nbytes // max(1, info.numel) if info.numel else 0
         for index, _ in shard_index(name, info.shape, plan.action(name), rank, world):
-            n = 1
-            for s, d in zip(index, info.shape, strict=True):
-                n *= len(range(*s.indices(d)))
-            want += n * item
+            want += math.prod(len(range(*s.indices(d))) for s, d in zip(index, info.shape, strict=True)) * item
     block = host_block(want)
     view = memoryview(block)
     fd = os.open(path, os.O_RDONLY)
@@ -124,17 +111,15 @@ def worker(rank: int, world: int, port: int, path: str, cfg: dict, impl: str) ->
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, runs=None, dir=tempfile.gettempdir())
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--world", type=int)
-    ap.add_argument("--runs", type=int, help="samples per implementation and state (default 5, quick 3)")
     ap.add_argument("--only", choices=["warm", "cold"])
     ap.add_argument("--impls", nargs="+", choices=list(IMPLS), help="rows to run (the reference always runs)")
-    ap.add_argument("--shards", type=int, default=1, help="write the checkpoint as this many files and an index")
-    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--shards", type=int, default=1, help="the checkpoint as this many files and an index")
     a = ap.parse_args(argv)
     compile_engine()
-    cfg = config_for(a.quick)
+    cfg = CONFIGS[a.quick]
     world = a.world or (2 if a.quick else 4)
     runs = a.runs or (3 if a.quick else 5)
     path = llama_file(cfg, base=a.dir)

@@ -1,17 +1,11 @@
 """vLLM's weight-loading time with its own loader and with the engine's load format.
 
-Writes a Llama-shaped sharded checkpoint of ``--gb`` GB (weight-like values, a ``config.json``; vLLM
-starts with ``skip_tokenizer_init``), warm in the page cache (``--cold``: evicted before each
-sample), starts vLLM in a fresh process per sample and format, interleaved, and reads the time it
-logs ("Loading weights took X seconds"; the engine's format logs the same span).  Run it with the
-Python of a venv with vLLM and the engine (``.ci/vllm_lane.sh install`` makes one) or name it with
-``--python``; without vLLM the rows say so.  ``--engine-config``: the engine format's
-``--model-loader-extra-config`` (e.g. ``'{"cpu": "owned"}'``).
+vLLM started in a fresh process per sample and format, interleaved, on a generated Llama-shaped
+sharded checkpoint (warm, or ``--cold``); the time it logs ("Loading weights took X seconds") is the
+figure.  Run it with the Python of a venv with vLLM (``.ci/vllm_lane.sh install``) or name it with
+``--python``; without vLLM the rows say so.
 
-    python scripts/bench_vllm.py                         # 1.05 GB float32, 5 samples, CPU
-    python scripts/bench_vllm.py --gb 0.05 --runs 1      # a dry run
-    python scripts/bench_vllm.py --load-formats safetensors,safetensors_engine,instanttensor,fastsafetensors \\
-        --dtype bfloat16 --gb 8                          # a GPU host with those packages
+    python scripts/bench_vllm.py --gb 0.05 --runs 1      # a dry run (default 1.05 GB float32, 5 runs)
 """
 
 from __future__ import annotations
@@ -75,7 +69,7 @@ def write_checkpoint(directory: str, gb: float, dtype: str) -> int:
     return nbytes
 
 
-def sample(python: str, model: str, fmt: str, dtype: str, extra, memory, timeout: float) -> float:
+def sample(python: str, model: str, fmt: str, dtype: str, extra, memory, timeout: float = 600) -> float:
     """One vLLM start in a fresh process: the load time it logs."""
     args = {"model": model, "format": fmt, "dtype": dtype, "extra": extra, "memory": memory}
     proc = subprocess.run([python, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, timeout=timeout)
@@ -87,30 +81,20 @@ def sample(python: str, model: str, fmt: str, dtype: str, extra, memory, timeout
 
 
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--gb", type=float, default=1.05, help="checkpoint size in GB (default 1.05)")
+    ap = harness.parser(__doc__, runs=5, dir=None)
+    ap.add_argument("--gb", type=float, default=1.05, help="checkpoint size in GB")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--runs", type=int, default=5, help="samples per load format (default 5)")
     ap.add_argument("--load-formats", default="safetensors,safetensors_engine",
                     help="comma-separated; the first is the baseline of the ratios")
-    ap.add_argument("--engine-config", default=None, help="JSON for the engine's --model-loader-extra-config")
-    ap.add_argument("--memory", type=float, default=None,
-                    help="gpu_memory_utilization (on the CPU backend: the share of RAM vLLM reserves; "
-                         "default 0.25 on a host without CUDA)")
-    ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary folder)")
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
-    ap.add_argument("--cold", action="store_true",
-                    help="evict the checkpoint from the page cache before every sample (default: warm)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per sample")
-    ap.add_argument("--python", default=sys.executable, help="the Python that runs vLLM (default: this one)")
+    ap.add_argument("--engine-config", help="JSON for the engine's --model-loader-extra-config")
+    ap.add_argument("--cold", action="store_true", help="evict the checkpoint before every sample")
+    ap.add_argument("--python", default=sys.executable, help="the Python that runs vLLM")
     a = ap.parse_args(argv)
     formats = [f.strip() for f in a.load_formats.split(",") if f.strip()]
     extra = json.loads(a.engine_config) if a.engine_config else None
-    memory = a.memory
-    if memory is None:
-        import torch
+    import torch
 
-        memory = None if torch.cuda.is_available() else 0.25
+    memory = None if torch.cuda.is_available() else 0.25  # on the CPU backend: the share of RAM vLLM reserves
     directory = a.dir or tempfile.mkdtemp(prefix="bench_vllm-")
     os.makedirs(directory, exist_ok=True)
     report = harness.Report()
@@ -124,20 +108,18 @@ def main(argv=None) -> int:
             if a.cold:
                 common.evict_cache(directory)
             t0 = time.perf_counter()
-            s = sample(a.python, directory, fmt, a.dtype, extra if fmt == "safetensors_engine" else None, memory,
-                       a.timeout)
+            s = sample(a.python, directory, fmt, a.dtype, extra if fmt == "safetensors_engine" else None, memory)
             return {"seconds": s, "process_s": time.perf_counter() - t0}
 
         got = {f: [] for f in formats} if why else harness.rounds(formats, a.runs, one)
         for fmt, samples in got.items():
             report.add(case, IMPLS.get(fmt, fmt), [s["seconds"] for s in samples], nbytes, format=fmt,
                        process_s=harness.median([s["process_s"] for s in samples] or [0]) or None, skipped=why)
-        base = report.rows[0]["median_s"]
-        report.ratio("x_" + formats[0], lambda r: base)
+        report.ratio("x_" + formats[0], report.rows[0]["median_s"])
         if why:
             report.note(f"skipped: {why}")
     finally:
-        if not a.keep and a.dir is None:
+        if a.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
     return report.finish(a.json, "format", "impl", "median_s", "gbps", "x_" + formats[0], "process_s")
 

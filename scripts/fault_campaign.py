@@ -1,12 +1,11 @@
 """The seeded fault campaign against the engine's one HTTP client, as long as you like.
 
-``python scripts/fault_campaign.py --runs 160 --seed 1`` serves a small checkpoint with
-checksums from tests/rangeserver.py on 127.0.0.1, misbehaving at random (tests/fault_campaign.py
-says how), and loads it through every entry point in turn, fault rates rising from 5% to 30%.
-It prints one line per run, then the outcomes by entry point as JSON; the exit status is 1
-when any run gave up on a transient fault, hung, returned wrong bytes or raised outside the
-engine's errors, or a file descriptor was left open.  CI runs 32 of these runs
-(tests/test_remote_faults.py).
+Loads a small checkpoint through every entry point from tests/rangeserver.py misbehaving at random
+(tests/fault_campaign.py), fault rates rising from ``--low`` to ``--high``.  Exit status 1 when a run
+gave up on a transient fault, hung, returned wrong bytes, raised outside the engine's errors, or left
+a file descriptor open.  CI runs 32 runs (tests/test_remote_faults.py).
+
+    python scripts/fault_campaign.py --runs 160 --seed 1
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""How fast a fresh process faults fresh memory in: 4 KiB pages against transparent huge pages.
+"""How fast a fresh process faults fresh memory in (``MADV_POPULATE_WRITE``, 16 MiB at a time on
+``--threads`` threads): 4 KiB pages against transparent huge pages, rows alternating, a new process
+per sample.  What an owned load's destination costs before any byte lands, and what decides
+``ENGINE_HUGE_PAGES``' default.
 
-Each sample is a new process that maps ``--size`` of anonymous memory (with ``MADV_HUGEPAGE`` or
-without) and faults it in with ``MADV_POPULATE_WRITE``, 16 MiB at a time, on ``--threads`` threads;
-rows alternate.  It is what an owned load's destination costs before any byte lands, and it is
-what decides ``ENGINE_HUGE_PAGES``' default (``engine.sinks._host.huge_pages``): on a VM whose
-balloon reports free 2 MiB blocks to the hypervisor, a fresh huge page is one the host faults in too.
-
-    python scripts/fresh_faults.py                 # 1 GiB, 1 and 2 threads, 4 samples per row
     python scripts/fresh_faults.py --size 2GiB --runs 6
 """
 
@@ -19,49 +15,36 @@ import harness
 
 def sample(size: int, huge: bool, threads: int) -> dict:
     """One fresh process's faults: seconds, and the huge pages it was granted (KiB)."""
-    import ctypes
     import mmap
-    import threading
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    from engine.io.reader import populate_write, run_threads
+
     block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge:
         block.madvise(mmap.MADV_HUGEPAGE)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(block))
-    step = 16 << 20
+    view, step = memoryview(block), 16 << 20
 
     def work(i):
         for off in range(i * step, size, threads * step):
-            if libc.madvise(base + off, min(step, size - off), 23) != 0:  # MADV_POPULATE_WRITE
-                raise OSError(ctypes.get_errno(), "madvise")
+            if populate_write(view[off : off + step]):
+                raise OSError("MADV_POPULATE_WRITE failed")
 
-    def run() -> None:
-        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-
-    seconds = harness.times(run, 1, warmup=0)[0]
+    seconds = harness.times(lambda: run_threads([lambda i=i: work(i) for i in range(threads)]), 1, warmup=0)[0]
     with open("/proc/self/smaps_rollup") as f:
         huge_kib = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
     return {"seconds": seconds, "huge_kib": huge_kib}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--size", default="1GiB")
-    ap.add_argument("--runs", type=int, default=4)
+    ap = harness.parser(__doc__, size="1GiB", runs=4)
     ap.add_argument("--threads", default="1,2")
     a = ap.parse_args(argv)
-    size = harness.parse_size(a.size)
     rows = [(huge, int(t)) for t in a.threads.split(",") for huge in (False, True)]
-    got = harness.rounds(rows, a.runs, lambda r: harness.call(sample, size, *r))
+    got = harness.rounds(rows, a.runs, lambda r: harness.call(sample, a.size, *r))
     report = harness.Report()
     for (huge, threads), samples in got.items():
         report.add(f"fault in fresh memory, {threads} thread(s)", f"limit: {'huge' if huge else '4 KiB'} pages",
-                   [s["seconds"] for s in samples], size, threads=threads,
+                   [s["seconds"] for s in samples], a.size, threads=threads,
                    huge_granted_bytes=harness.median(s["huge_kib"] for s in samples) * 1024)
     return report.finish(a.json, "case", "impl", "median_s", "gbps", "huge_granted_bytes")
 

@@ -1,22 +1,12 @@
 """What the benchmark scripts share: fresh-process samples, rounds, data, servers, the table and the JSON.
 
-A script imports it first (scripts/ is ``sys.path[0]``; this checkout, asv_benchmarks/ and tests/
-then come first on ``sys.path``) and holds only what it measures::
-
-    def sample(path, impl):                       # in a fresh interpreter, through harness.call
-        return harness.times(LOADS[impl](path), reps=3)
-
-    got = harness.rounds(["engine", "reference"], a.runs, lambda impl: harness.call(sample, path, impl))
-    report = harness.Report()
-    for impl, samples in got.items():
-        report.add("local file -> CPU, owned", impl, [harness.median(s) for s in samples], nbytes)
-    report.against("x_reference", "reference")
-    return report.finish(a.json, "case", "impl", "median_s", "gbps", "x_reference")
-
-Every ``--json`` (:func:`parser`) has one shape (:meth:`Report.save`): ``{"script", "argv", "commit",
-"date", "machine": {"cores", "memory_gib", "cpu"}, "rows": [{"case", "impl", "median_s", "gbps",
-"bytes", "runs", "samples", ...}]}``; ``impl`` is ``engine`` (``engine, <variant>``), ``reference``,
-a peer's name, or ``limit: <what>`` for a machine limit measured in the same run.
+A script imports it first (it puts this checkout, asv_benchmarks/ and tests/ first on ``sys.path``)
+and holds only what it measures: :func:`call` runs a sample in a fresh interpreter, :func:`rounds`
+interleaves the rows, :class:`Report` prints the table and writes ``--json`` in one shape:
+``{"script", "argv", "commit", "date", "machine": {"cores", "memory_gib", "cpu"}, "rows": [{"case",
+"impl", "median_s", "gbps", "bytes", "runs", "samples", ...}]}``; ``impl`` is ``engine`` (``engine,
+<variant>``), ``reference``, a peer's name, or ``limit: <what>`` for a machine limit measured in the
+same run.
 """
 
 from __future__ import annotations
@@ -45,13 +35,6 @@ RESULT = "RESULT "
 median = statistics.median
 
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
-    """An argument parser with the script's docstring as its help, and ``--json PATH``."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", metavar="PATH", default=None, help="write the rows here (the common shape)")
-    return ap
-
-
 def parse_size(text: str | int) -> int:
     """Bytes of ``2GB``, ``1.5GB``, ``256MiB``, ``4G`` (decimal) or a plain number of bytes."""
     t = str(text).strip()
@@ -60,6 +43,22 @@ def parse_size(text: str | int) -> int:
     from engine.checkpoints.shards import parse_size as engine_size
 
     return engine_size(t + "B" if t[-1:].upper() in "KMGT" else t)
+
+
+#: the flags scripts share: (type, help)
+FLAGS: dict[str, tuple[Callable[[str], object], str]] = {
+    "runs": (int, "samples per row"), "reps": (int, "timed calls per sample"),
+    "size": (parse_size, "bytes: 2GB, 1.5GB, 256MiB, or a number"), "dir": (str, "where the data files go")}
+
+
+def parser(doc: str | None, **flags) -> argparse.ArgumentParser:
+    """An argument parser with the script's docstring as its help, ``--json PATH``, and the
+    :data:`FLAGS` named in ``flags`` with their defaults (``--size`` parsed by :func:`parse_size`)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", metavar="PATH", default=None, help="write the rows here (the common shape)")
+    for name, default in flags.items():
+        ap.add_argument("--" + name, type=FLAGS[name][0], default=default, help=FLAGS[name][1])
+    return ap
 
 
 def cannot(reason: str) -> None:
@@ -156,12 +155,15 @@ def child_env(**extra: str | None) -> dict:
 # -- timing ----------------------------------------------------------------------------------------
 
 
-def times(fn: Callable, reps: int, warmup: int = 1) -> list[float]:
-    """Seconds of ``reps`` calls of ``fn`` after ``warmup`` untimed ones."""
+def times(fn: Callable, reps: int, warmup: int = 1, before: Callable | None = None) -> list[float]:
+    """Seconds of ``reps`` calls of ``fn`` after ``warmup`` untimed ones; ``before()``, untimed,
+    before each timed call."""
     for _ in range(warmup):
         fn()
     out = []
     for _ in range(reps):
+        if before:
+            before()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
@@ -194,26 +196,23 @@ def fmt_time(s: float | None) -> str:
 # -- data and servers ------------------------------------------------------------------------------------
 
 
-def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", values: str = "bytes",
-               entries: list | None = None, shards: int = 1, checksums: bool = False) -> str:
+def checkpoint(nbytes: int, folder: str | None = None, *, values: str = "bytes", entries: list | None = None,
+               shards: int = 1, checksums: bool = False) -> str:
     """A checkpoint in ``folder`` (default ``common.cache_dir()``), made once: ``entries``
-    (``[(name, dtype, shape)]``), or Llama-shaped of about ``nbytes`` tensor bytes of ``dtype``
-    (``common.checkpoint_entries``).  ``values``: ``"bytes"`` (random, NaNs included: I/O does not
-    care), ``"finite"`` (random finite bit patterns, all positive, many zeros and subnormals) or
-    ``"weights"`` (normal, std 0.02), for statistics and models.  ``shards > 1`` or ``checksums``:
-    a directory of shard files and an index."""
+    (``[(name, dtype, shape)]``), or Llama-shaped BF16 of about ``nbytes`` tensor bytes.  ``values``:
+    ``"bytes"`` (random, NaNs included: I/O does not care), ``"finite"`` (random finite bit patterns)
+    or ``"weights"`` (normal, std 0.02).  ``shards > 1`` or ``checksums``: shard files and an index."""
     import hashlib
 
     from benchmarks import common
 
     folder = common.cache_dir(folder)
-    if entries is None and dtype == "BF16" and values == "bytes":
+    if entries is None and values == "bytes":
         path = common.checkpoint_file(nbytes, base=folder)
     else:
-        entries = entries or [(n, dtype, s) for n, _, s in common.checkpoint_entries(nbytes * _ITEM["BF16"] //
-                                                                                     _ITEM[dtype])]
-        path = os.path.join(folder, f"v{common.GEN_VERSION}-{hashlib.sha1(repr(entries).encode()).hexdigest()[:10]}"
-                                    f"-{values}.safetensors")
+        entries = entries or common.checkpoint_entries(nbytes)
+        digest = hashlib.sha1(repr(entries).encode()).hexdigest()[:10]
+        path = os.path.join(folder, f"v{common.GEN_VERSION}-{digest}-{values}.safetensors")
         if not os.path.exists(path):
             if values == "bytes":
                 common.write_file(path, entries, metadata={"format": "pt"})
@@ -234,9 +233,6 @@ def checkpoint(nbytes: int, folder: str | None = None, *, dtype: str = "BF16", v
     return directory
 
 
-_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
-
-
 def _write_values(path: str, entries: list, values: str) -> None:
     import ml_dtypes
     import numpy as np
@@ -247,7 +243,7 @@ def _write_values(path: str, entries: list, values: str) -> None:
     rng = np.random.default_rng(0)
     arrays = {}
     for name, dtype, shape in entries:
-        bits = 8 * _ITEM[dtype]
+        bits = 8 * np.dtype(kind[dtype]).itemsize
         if values == "finite":  # below the top two bits: the exponent never reaches inf/NaN
             arrays[name] = rng.integers(0, 1 << (bits - 2), shape, dtype=f"int{bits}").view(kind[dtype])
         else:
@@ -271,9 +267,8 @@ def destination(headers) -> dict:
 @contextlib.contextmanager
 def served(directory: str) -> Iterator[tuple]:
     """nginx (tests/servers.py) on 127.0.0.1 serving the checkpoint ``directory`` from a warm page
-    cache over HTTP and as S3 (path-style anonymous GETs of the same files): ``(nginx, http index URL,
-    s3 index URL, the environment an S3 client needs)``; shard ``f`` is ``nginx.url("ckpt/" + f)``
-    and ``s3://bucket/ckpt/`` + ``f``."""
+    cache over HTTP (``nginx.url("ckpt/" + shard)``) and as S3 (``s3://bucket/ckpt/`` + shard):
+    ``(nginx, http index URL, s3 index URL, the environment an S3 client needs)``."""
     from benchmarks import common
     from servers import Nginx, nginx_binary
 
@@ -378,10 +373,11 @@ class Report:
         """The median of the first row of ``case`` and ``impl`` (either may be left out)."""
         return next((r["median_s"] for r in self.rows if case in (None, r["case"]) and impl in (None, r["impl"])), None)
 
-    def ratio(self, key: str, base: Callable[[dict], float | None]) -> None:
-        """``row[key] = base(row) / row's median`` for every row (above 1: faster than the base)."""
+    def ratio(self, key: str, base: Callable[[dict], float | None] | float | None) -> None:
+        """``row[key] = base(row) / row's median`` for every row (above 1: faster than the base);
+        ``base`` a number: the same for every row."""
         for r in self.rows:
-            b = base(r)
+            b = base(r) if callable(base) else base
             r[key] = b / r["median_s"] if b and r["median_s"] else None
 
     def against(self, key: str, impl: str) -> None:

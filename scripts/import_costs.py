@@ -1,14 +1,9 @@
 #!/usr/bin/env python
 """Where the first open's time goes: every module the engine imports on the way to its first
-``safe_open`` and first tensor, with what each costs itself, children excluded.
+``safe_open`` and first tensor, with what each costs itself (``load`` and ``exec``, children excluded),
+and the total against the reference's; a bare fresh interpreter per sample, torch imported first
+(untimed; ``--framework np``: not).
 
-Each sample is a bare fresh interpreter that imports torch first (untimed; ``--framework np``: not),
-hooks the import system and runs ``common.first_open_code`` (``import engine``, ``safe_open``, every
-dtype and shape, one ``get_tensor``).  Per module, the median of ``load`` (reading the compiled file
-or loading the shared object) and ``exec`` (running its body, less the modules it imports), and the
-total against the reference's (hooks off for it).
-
-    python scripts/import_costs.py                 # the demo-sized 291-tensor file, 15 runs
     python scripts/import_costs.py --runs 31 --framework np --json out.json
 """
 
@@ -16,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import bench_core
 import harness
 from benchmarks import common
 
@@ -38,7 +34,6 @@ def timed(kind, name, call):
         if stack:
             stack[-1] += total
 
-src_exec = be._LoaderBasics.exec_module
 get_code = be.SourceLoader.get_code
 
 def exec_source(self, module):
@@ -55,22 +50,15 @@ t0 = time.perf_counter()
 print("RESULT " + json.dumps({{"seconds": seconds, "modules": rec}}))
 '''
 
-PLAIN = """{setup}import time, json
-t0 = time.perf_counter()
-{body}print("RESULT " + json.dumps({{"seconds": time.perf_counter() - t0}}))
-"""
-
-
 def main(argv=None) -> int:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--runs", type=int, default=15)
+    ap = harness.parser(__doc__, runs=15)
     ap.add_argument("--framework", default="pt", choices=["pt", "np"])
-    ap.add_argument("--path", default=None, help="the file to open (default: the 291-tensor demo-sized one)")
+    ap.add_argument("--path", help="the file to open (default: a 291-tensor demo-sized one)")
     a = ap.parse_args(argv)
     common.compile_engine()
     path = a.path or common.small_model_file(32)
     setup = common.TORCH_SETUP if a.framework == "pt" else ""
-    code = {impl: (CHILD if impl == "engine" else PLAIN).format(setup=setup, body=common.first_open_code(
+    code = {impl: (CHILD if impl == "engine" else bench_core.FIRST_OPEN).format(setup=setup, body=common.first_open_code(
         impl, path, first_tensor=True, framework=a.framework)) for impl in ("engine", "reference")}
     # interleaved, so that drift hits both alike; hooks off for the reference, on for the engine (a little slower)
     got = harness.rounds(code, a.runs, lambda impl: harness.run_code(code[impl]))

@@ -1,26 +1,11 @@
 #!/usr/bin/env python
-"""How the page cache holds a file, and what mapping it costs: the figure the engine's
-``auto`` copy source decides by (see ``_Choice`` in ``engine/io/_io.pyx``).
+"""How the page cache holds a file, and what mapping it costs (``auto`` copy source's figure).
 
-Maps the file read-only and populates it 2 MiB at a time (``MADV_POPULATE_READ``), timing
-each step, then reads how much of the mapping the kernel mapped with one entry per 2 MiB
-(``FilePmdMapped`` in ``/proc/self/smaps``), and times the unmapping (``MADV_DONTNEED``).
-A 2 MiB folio maps whole in a microsecond or two; 4 KiB pages and smaller folios take an
-entry per page.  Prints the steps by cost, the share mapped with one entry, and the total
-time to map and to unmap the file: what every load from a fresh mapping pays, and what a
-load through ``pread`` does not.  Run it on a warm file (it reads an evicted one from disk
-and then measures the disk).
+Maps the warm file, populates it 2 MiB at a time (``MADV_POPULATE_READ``, Linux 5.14+), and prints the
+steps by cost, the share mapped with one entry per 2 MiB (``FilePmdMapped``) and the time to map and
+to unmap.  ``--after-cold LOAD``: the file first evicted and read in by one load in a fresh process.
 
-    python scripts/page_cache_state.py model.safetensors
-    python scripts/page_cache_state.py --runs 3 /tmp/engine-bench-cache/v1-ckpt-2147483648.safetensors
-
-``--after-cold LOAD`` first evicts the file and reads it in with one load in a fresh process
-(timed), then measures the state that load left: ``load_into`` (``engine.load_into`` into
-torch tensors), ``mapped`` (``engine.torch.load_file``, mapped, every page touched),
-``reference`` (``safetensors.torch.load_file``, every page touched).  The engine is the one
-Python imports (``PYTHONPATH`` chooses a tree).
-
-Linux 5.14+ only (``MADV_POPULATE_READ``).
+    python scripts/page_cache_state.py --runs 3 model.safetensors
 """
 
 from __future__ import annotations
@@ -31,6 +16,8 @@ import os
 import re
 import sys
 import time
+
+import harness
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # the number is Linux's ABI
 STEP = 2 << 20
@@ -52,33 +39,24 @@ def pmd_mapped_kib(path: str) -> int | None:
     return None
 
 
-COLD_LOADS = {
-    "load_into": "import engine, torch\n"
-                 "h = engine.read_header(P)\n"
-                 "dst = {k: torch.empty(h[k].shape, dtype=torch.bfloat16) for k in h.keys()}\n"
-                 "[t.fill_(1) for t in dst.values()]\n"
-                 "t0 = time.perf_counter(); engine.load_into(P, dst)\n",
-    "mapped": "import engine.torch, torch\n"
-              "t0 = time.perf_counter(); d = engine.torch.load_file(P)\n"
-              "[t.view(-1).view(torch.uint8)[::4096].sum() for t in d.values()]\n",
-    "reference": "import safetensors.torch, torch\n"
-                 "t0 = time.perf_counter(); d = safetensors.torch.load_file(P)\n"
-                 "[t.view(-1).view(torch.uint8)[::4096].sum() for t in d.values()]\n",
-}
-
-
 def cold_load(path: str, load: str) -> float:
-    """Evict ``path``, then run ``load`` (see :data:`COLD_LOADS`) in a fresh process; its seconds."""
-    import subprocess
-
-    sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "asv_benchmarks")]
+    """``path`` evicted, then read in by one ``load`` (in a fresh process): its seconds."""
+    import safetensors.torch
+    import torch
     from benchmarks import common
 
+    import engine.torch
+
     common.evict_cache(path)
-    code = f"import time\nP = {path!r}\n" + COLD_LOADS[load] + "print(time.perf_counter() - t0)\n"
-    # run from the root: the engine imported is the one PYTHONPATH or the installed package gives
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
-    return float(done.stdout.strip().splitlines()[-1])
+    if load == "load_into":
+        dst = harness.destination(path)
+        return harness.times(lambda: engine.load_into(path, dst), 1, warmup=0)[0]
+
+    def touched():
+        for t in (engine.torch if load == "mapped" else safetensors.torch).load_file(path).values():
+            t.view(-1).view(torch.uint8)[::4096].sum()
+
+    return harness.times(touched, 1, warmup=0)[0]
 
 
 def one_run(path: str) -> dict:
@@ -104,16 +82,15 @@ def one_run(path: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
     ap.add_argument("--runs", type=int, default=1, help="map, populate and unmap the file this many times")
-    ap.add_argument("--after-cold", choices=sorted(COLD_LOADS), help="evict the file and read it in with this load first")
+    ap.add_argument("--after-cold", choices=["load_into", "mapped", "reference"])
     a = ap.parse_args()
     if not sys.platform.startswith("linux"):
-        print("Linux only (MADV_POPULATE_READ)", file=sys.stderr)
-        return 2
+        harness.cannot("Linux only (MADV_POPULATE_READ)")
     if a.after_cold:
-        print(f"cold {a.after_cold}: {cold_load(a.path, a.after_cold):.2f} s")
+        print(f"cold {a.after_cold}: {harness.call(cold_load, os.path.abspath(a.path), a.after_cold):.2f} s")
     for run in range(a.runs):
         r = one_run(a.path)
         steps, mapped = r["steps"], len(r["steps"]) * STEP
@@ -123,8 +100,8 @@ def main() -> int:
             sel = [s for s in steps if low <= s < high]
             print(f"  {label:>16}: {len(sel):6d} steps, {1e3 * sum(sel):8.2f} ms")
             low = high
-        slow, runs, longest, length = [s >= 5e-6 for s in steps], 0, 0, 0
-        for dear in slow + [False]:  # runs of steps mapped page by page
+        runs, longest, length = 0, 0, 0
+        for dear in [s >= 5e-6 for s in steps] + [False]:  # runs of steps mapped page by page
             if dear:
                 length += 1
             elif length:

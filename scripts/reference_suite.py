@@ -1,19 +1,11 @@
 #!/usr/bin/env python
 """Run the reference's own Python test suite against the engine, and against the reference.
 
-The suite is not part of this repository: point this script at a checkout of
-huggingface/safetensors (the 0.8 line).  It copies ``bindings/python/tests`` into two
-temporary directories, leaves one as it is (the reference, as installed), rewrites only the
-imports of the other (``safetensors`` -> ``engine``, ``safetensors.torch`` ->
-``engine.torch``, ``safetensors.numpy`` -> ``engine.numpy``), runs pytest on both and prints
-each run's outcome per test, then the tests that pass on the reference but not on the engine.
-
-Usage::
+Copies ``bindings/python/tests`` of a huggingface/safetensors checkout (the 0.8 line) twice, rewrites
+the imports of one to the engine's, runs pytest on both and prints the tests that pass on the
+reference but not on the engine (flax, tensorflow, paddle and mlx modules left out).
 
     python scripts/reference_suite.py /path/to/safetensors [--keep] [-- extra pytest args]
-
-The flax, tensorflow, paddle and mlx modules are left out: those frameworks are not the
-engine's.
 """
 
 from __future__ import annotations
@@ -43,21 +35,14 @@ REWRITES = [
 def prepare(src_tests: str, dest: str, engine: bool) -> None:
     # the suite writes to ./tests/data relative to the directory it runs in
     tests = os.path.join(dest, "tests")
-    shutil.copytree(src_tests, tests)
-    for name in SKIPPED_MODULES:
-        path = os.path.join(tests, name)
-        if os.path.exists(path):
-            os.unlink(path)
-    if not engine:
-        return
-    for name in os.listdir(tests):
+    shutil.copytree(src_tests, tests, ignore=shutil.ignore_patterns(*SKIPPED_MODULES))
+    for name in os.listdir(tests) if engine else []:
         if name.endswith(".py"):
-            path = os.path.join(tests, name)
-            with open(path) as f:
+            with open(os.path.join(tests, name)) as f:
                 text = f.read()
             for pattern, repl in REWRITES:
                 text = pattern.sub(repl, text)
-            with open(path, "w") as f:
+            with open(os.path.join(tests, name), "w") as f:
                 f.write(text)
 
 
@@ -89,7 +74,6 @@ def main(argv=None) -> int:
     try:
         for label, engine in (("reference", False), ("engine", True)):
             dest = os.path.join(root, label)
-            os.makedirs(dest)
             prepare(src, dest, engine)
             results[label] = run(dest, args.pytest_args)
     finally:
