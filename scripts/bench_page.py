@@ -51,7 +51,7 @@ COMMANDS = {
     "group": "scripts/bench_group.py --ranks 4 --mb 96 --rate-mb 40 --runs 3",
     "checksums": "scripts/bench_checksums.py --size 512MiB --runs 5 --reps 3",
     "kernels": "scripts/bench_kernels.py --size 256MiB --only stats_bf16 quant_row",
-    "vllm": "scripts/bench_vllm.py --gb 1 --runs 3 --python ~/.cache/safetensors-engine/vllm-lane-venv/bin/python",
+    "vllm": "scripts/bench_vllm.py --gb 1 --runs 5 --python ~/.cache/safetensors-engine/vllm-lane-venv/bin/python",
     GPU: "scripts/gpu_check.py --wheels .whl --out OUT",  # on a GPU host: its gpu_check-warm.json
 }
 PATHS = [
