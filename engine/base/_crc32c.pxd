@@ -1,4 +1,4 @@
-# CRC-32C for the copy threads of engine/io/_io.pyx and engine/gpu/_ring.pyx: cimport these and
+# CRC-32C for the copies of engine/io/_io.pyx and _split.pyx: cimport these and
 # call them without the GIL (the tables and the hardware choice live in this one module).
 from libc.stdint cimport uint32_t, uint8_t, uint64_t
 

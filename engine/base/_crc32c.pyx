@@ -7,8 +7,8 @@
 
 Private: the public face is :mod:`engine.format.checksums`.  The arithmetic is in
 ``_crc32c_impl.h`` (SSE4.2 ``crc32`` on three interleaved streams where the CPU has it, a
-slicing-by-8 table elsewhere, chosen once at import); the copy threads of ``_io.pyx`` and
-``_ring.pyx`` cimport :func:`crc32c_update` and :func:`crc32c_combine` (``_crc32c.pxd``).
+slicing-by-8 table elsewhere, chosen once at import); ``engine/io/_io.pyx`` and ``_split.pyx``
+cimport :func:`crc32c_update` and :func:`crc32c_combine` (``_crc32c.pxd``).
 """
 
 from libc.stdint cimport int64_t, uint32_t, uint8_t, uint64_t

@@ -1,5 +1,5 @@
 # The copy engine (engine/io/_io.pyx), cimported by the split copies (_split.pyx), the pread
-# gathers (_spans.pyx) and the chunk ring (engine/gpu/_ring.pyx): pthreads, and a copy of file
+# gathers (_spans.pyx) and the chunk ring's copy threads (engine/gpu/_copy_loop.pyx): pthreads, and a copy of file
 # bytes into memory, from pread or a populated mapping, learning per thread which is faster.
 from libc.stdint cimport int64_t, uint8_t, uint32_t
 from posix.time cimport timespec

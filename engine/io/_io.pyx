@@ -8,7 +8,7 @@
 
 Private and native only (no Python names): ``_io.pxd`` declares what the split copies
 (``_split.pyx``, a batch dealt to a pool of threads), the chunk ring
-(``engine/gpu/_ring.pyx``) and the ``pread`` gathers (``_spans.pyx``) cimport: a piece's
+(``engine/gpu/_copy_loop.pyx``) and the ``pread`` gathers (``_spans.pyx``) cimport: a piece's
 copy (``_copy_piece``), the CRC of the bytes it landed (``_crc_landed``), the unmap of a
 run, and the one ``pread`` loop (``_pread_full``).  Mapped copies run under the SIGBUS
 guard of ``_guard.pyx``, so a file truncated underneath is an error code, never a SIGBUS.
@@ -26,7 +26,7 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.unistd cimport pread
 
 # _Part, _Choice and the pthread declarations are in _io.pxd (the split copies and the
-# chunk ring, engine/gpu/_ring.pyx, share them)
+# chunk ring's copy threads, engine/gpu/_copy_loop.pyx, share them)
 
 # one pread asks for at most this much (Linux caps a single read at 2 GiB - 4 KiB anyway)
 cdef int64_t _MAX_PREAD = 1 << 30

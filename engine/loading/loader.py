@@ -46,7 +46,8 @@ from engine.loading.load_hooks import plan as onload_plan
 from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads
 from engine.sinks import get_sink
 
-__all__ = ["stream", "stream_parts", "load_file", "load_parts", "Part"]
+__all__ = ["stream", "stream_parts", "load_file", "load_parts", "Part", "open_file", "key_bases", "run_parts", "sink_for",
+           "prepare_ring", "prepare_device", "load_finite"]
 
 
 def open_file(path) -> tuple[int, str]:
@@ -161,7 +162,7 @@ def load_parts(
         prepare_ring(sink, slot_bytes, threads)
     tensors, destination = _destination(sink, parts, bases, per_tensor)
     run_parts(parts, bases, destination, threads=threads, chunk_bytes=chunk_bytes, gpu_path=gpu_path,
-         slot_bytes=slot_bytes)
+              slot_bytes=slot_bytes)
     if len(parts) == 1:
         return [tensors]
     return [{r: tensors[b + r] for r in p.rows if b + r in tensors} for p, b in zip(parts, bases, strict=True)]

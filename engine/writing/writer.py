@@ -84,7 +84,6 @@ def tensor_sizes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None 
     return {name: raw.nbytes for name, raw in items}
 
 
-# --------------------------------------------------------------------------- files
 # (the positioned writes and the background flush themselves: engine.writing._file_writes)
 
 #: Tensors smaller than this are gathered into one ``pwritev`` of up to ``_BATCH`` bytes;
