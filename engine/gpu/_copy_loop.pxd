@@ -124,7 +124,6 @@ cdef inline int _block_hi(int b, int nslots) noexcept nogil:
     return hi if hi < nslots else nslots
 
 
-cdef double _now() noexcept nogil
 cdef int _block_of(int s) noexcept nogil
 cdef void _lock_block(_State* st, int b) noexcept nogil
 cdef void _fail(_State* st, int kind, int code, int64_t chunk, int64_t at, int64_t missing) noexcept nogil

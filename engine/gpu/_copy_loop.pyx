@@ -16,23 +16,17 @@ to report progress and see a cancel.
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uintptr_t
 from libc.string cimport memset
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
+from posix.time cimport nanosleep, timespec
 
 from engine.gpu._cudart cimport _cudaErrorNotReady, _cudaHostRegisterPortable, _cudaMemcpyHostToDevice
 from engine.io._io cimport (
-    _Choice, _Part, _copy_piece, _crc_landed, _unmap_run, pthread_cond_broadcast, pthread_cond_signal,
+    _DIGEST_BLOCK, _Choice, _Part, _copy_piece, _crc_landed, _seconds, _unmap_run, pthread_cond_broadcast, pthread_cond_signal,
     pthread_cond_timedwait, pthread_cond_wait, pthread_mutex_lock, pthread_mutex_unlock,
 )
 
 
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
-
-
-cdef double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef int _block_of(int s) noexcept nogil:
@@ -62,7 +56,7 @@ cdef void _lock_block(_State* st, int b) noexcept nogil:
     pthread_mutex_unlock(&st.lock)
     lo = _block_lo(b)
     hi = _block_hi(b, st.nslots)
-    t0 = _now()
+    t0 = _seconds()
     rc = st.rt.host_register(st.base + lo * st.chunk_bytes, <size_t>((hi - lo) * st.chunk_bytes),
                              _cudaHostRegisterPortable)
     pthread_mutex_lock(&st.lock)
@@ -72,7 +66,7 @@ cdef void _lock_block(_State* st, int b) noexcept nogil:
         st.rt.get_last_error()
         st.blocks[b] = 3
         st.locked_refused = 1
-    st.lock_s += _now() - t0
+    st.lock_s += _seconds() - t0
     st.lock_calls += 1
     pthread_cond_broadcast(&st.lock_cond)
     pthread_mutex_unlock(&st.lock)
@@ -135,9 +129,6 @@ cdef int _wait_event(_State* st, void* event) noexcept nogil:
             nanosleep(&pause, NULL)
 
 
-# a checksummed chunk is filled this many bytes at a time, each block's CRC taken right after
-# its copy while it is in the core's cache (the copy then stores through the caches)
-cdef int64_t _DIGEST_BLOCK = 512 << 10
 
 
 cdef void _digest_run(_State* st, _Part* part, int f, const uint8_t* out, int64_t off, int64_t n) noexcept nogil:
@@ -253,7 +244,7 @@ cdef int _claim(_State* st, int64_t k) noexcept nogil:
     cdef double t0
     if k >= st.nslots:
         # the slot's previous chunk must be issued, and its copy complete, before it is refilled
-        t0 = _now()
+        t0 = _seconds()
         pthread_mutex_lock(&st.lock)
         while st.issued <= k - st.nslots and not _stopped(&st.cancel):
             pthread_cond_wait(&st.issued_cond, &st.lock)
@@ -267,7 +258,7 @@ cdef int _claim(_State* st, int64_t k) noexcept nogil:
             _fail(st, _ERR_CUDA, rc, k - st.nslots, 0, 0)
             return -1
         pthread_mutex_lock(&st.lock)
-        st.wait_slot += _now() - t0
+        st.wait_slot += _seconds() - t0
         pthread_mutex_unlock(&st.lock)
     elif st.blocks[_block_of(<int>s)] != 2 and not st.locked_refused:
         # first use of the slot: its block is page-locked here, beside the other threads' fills
@@ -289,9 +280,9 @@ cdef void _run_worker(_State* st, int index) noexcept nogil:
         s = k % st.nslots
         if _claim(st, k):
             break
-        t0 = _now()
+        t0 = _seconds()
         rc = _fill(st, &part, k, st.base + s * st.chunk_bytes, &st.choices[index])
-        st.fill_s[index] += _now() - t0
+        st.fill_s[index] += _seconds() - t0
         if rc:
             _fail(st, _ERR_READ, rc, k, part.at, part.missing)
             break
@@ -337,21 +328,21 @@ cdef void _issue(_State* st, int64_t n, object poll, double poll_seconds, list r
     cdef int64_t j = 0, s, seg, last, done = 0
     cdef int rc = 0
     cdef bint ready, halt = False
-    cdef double t0, next_poll = _now() + poll_seconds
+    cdef double t0, next_poll = _seconds() + poll_seconds
     cdef timespec ts
     while j < n and not _stopped(&st.cancel):
         s = j % st.nslots
-        t0 = _now()
+        t0 = _seconds()
         pthread_mutex_lock(&st.lock)
         while st.filled[s] != j and not _stopped(&st.cancel):
             _deadline(&ts, 10000000)
             pthread_cond_timedwait(&st.filled_cond, &st.lock, &ts)
-            if _now() >= next_poll:
+            if _seconds() >= next_poll:
                 break
         ready = st.filled[s] == j
         pthread_mutex_unlock(&st.lock)
-        st.wait_fill += _now() - t0
-        if _now() >= next_poll:
+        st.wait_fill += _seconds() - t0
+        if _seconds() >= next_poll:
             with gil:
                 try:
                     PyErr_CheckSignals()
@@ -364,7 +355,7 @@ cdef void _issue(_State* st, int64_t n, object poll, double poll_seconds, list r
             if halt:
                 _fail(st, 4, 0, j, 0, 0)
                 break
-            next_poll = _now() + poll_seconds
+            next_poll = _seconds() + poll_seconds
         if not ready:
             continue  # woken to poll, or stopped: the loop's test decides
         last = st.plan.c_seg[j + 1]
@@ -408,7 +399,7 @@ cdef void _issue(_State* st, int64_t n, object poll, double poll_seconds, list r
                 st.rt.get_last_error()
                 break  # a failed copy: the stream's synchronisation below reports it
             done += 1
-            if done < n and _now() >= next_poll:
+            if done < n and _seconds() >= next_poll:
                 with gil:
                     try:
                         PyErr_CheckSignals()
@@ -420,7 +411,7 @@ cdef void _issue(_State* st, int64_t n, object poll, double poll_seconds, list r
                 if halt:
                     _fail(st, 4, 0, n - 1, 0, 0)
                     break
-                next_poll = _now() + poll_seconds
+                next_poll = _seconds() + poll_seconds
     # every issued copy completes (or fails) before the chunks may be reused or freed:
     # the whole stream (the load's own), whatever event a failure left unrecorded
     if j > 0:

@@ -43,11 +43,11 @@ from libc.stdlib cimport calloc, free
 
 from engine.gpu._copy_loop cimport (
     _ERR_CUDA, _ERR_FILL, _ERR_NONE, _ERR_READ, _State, _Worker, _block_hi, _block_lo, _block_of, _claim,
-    _digest_filled, _fail, _fill, _issue, _lock_block, _now, _part_for, _stopped, _take_n, _worker_main,
+    _digest_filled, _fail, _fill, _issue, _lock_block, _part_for, _stopped, _take_n, _worker_main,
 )
 from engine.gpu._cudart cimport Runtime, _Saved, _cudaEventDisableTiming, _cudaMemcpyHostToDevice, _enter, _leave
 from engine.io._io cimport (
-    _Choice, _Part, _guard_ready, pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
+    _Choice, _Part, _guard_ready, _seconds, pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
     pthread_cond_signal, pthread_create, pthread_join, pthread_mutex_destroy, pthread_mutex_init,
     pthread_mutex_lock, pthread_mutex_unlock, pthread_t,
 )
@@ -212,7 +212,7 @@ cdef class ChunkRing:
         if self.busy:
             raise RuntimeError("the ring is loading")
         calls = st.lock_calls
-        t0 = _now()
+        t0 = _seconds()
         self.busy = True
         try:
             with nogil:
@@ -225,7 +225,7 @@ cdef class ChunkRing:
             self.busy = False
         if rc != 0:
             raise RuntimeError(f"cannot make device {st.device} current to page-lock the ring (CUDA driver error {rc})")
-        return (_now() - t0, st.lock_calls - calls)
+        return (_seconds() - t0, st.lock_calls - calls)
 
     @property
     def last_run(self) -> dict:
@@ -437,9 +437,9 @@ cdef class ChunkRing:
                     if st.blocks[0] != 2 and not st.locked_refused:
                         _lock_block(st, 0)
                     _part_for(st, &part, self.nthreads)
-                    t0 = _now()
+                    t0 = _seconds()
                     rc = _fill(st, &part, 0, st.base, &st.choices[self.nthreads])
-                    st.fill_s[self.nthreads] += _now() - t0
+                    st.fill_s[self.nthreads] += _seconds() - t0
                     if rc:
                         _fail(st, _ERR_READ, rc, 0, part.at, part.missing)
                     else:

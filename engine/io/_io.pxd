@@ -2,7 +2,20 @@
 # gathers (_spans.pyx) and the chunk ring's copy threads (engine/gpu/_copy_loop.pyx): pthreads, and a copy of file
 # bytes into memory, from pread or a populated mapping, learning per thread which is faster.
 from libc.stdint cimport int64_t, uint8_t, uint32_t
-from posix.time cimport timespec
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+# bytes a checksummed copy takes at a time, each block's CRC read right after its copy while the
+# core still holds it: small enough for an L2 beside the source, large enough that a mapped
+# block's populate call costs nothing (_split's copies and the ring's copy threads alike)
+cdef enum:
+    _DIGEST_BLOCK = 512 << 10
+
+
+cdef inline double _seconds() noexcept nogil:
+    """Monotonic seconds, for the copies' own timings."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef extern from "<pthread.h>" nogil:

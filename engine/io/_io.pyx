@@ -22,7 +22,6 @@ from engine.base._crc32c cimport crc32c_update
 from engine.io._guard cimport _bus_guard_ready, _guarded_copy, _guarded_crc
 from engine.io._mman cimport _MADV_DONTNEED, _MADV_POPULATE_READ, _SC_PAGESIZE, madvise, sysconf
 from posix.types cimport off_t
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.unistd cimport pread
 
 # _Part, _Choice and the pthread declarations are in _io.pxd (the split copies and the
@@ -78,12 +77,6 @@ cdef int64_t _RETRY_LAST = 32
 cdef int _guard_ready() noexcept nogil:
     """Install the SIGBUS guard of mapped copies (0, or -1 where ``sigaction`` failed)."""
     return _bus_guard_ready()
-
-
-cdef inline double _seconds() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 # one populate-and-copy step of a mapped share: small enough that the pages it maps are

@@ -23,7 +23,7 @@ from libc.string cimport memset
 
 from engine.base._crc32c cimport crc32c_combine
 from engine.io._io cimport (
-    _Choice, _Part, _copy_piece, _crc_landed, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
+    _DIGEST_BLOCK, _Choice, _Part, _copy_piece, _crc_landed, _guard_ready, _unmap_run, pthread_cond_broadcast, pthread_cond_destroy,
     pthread_cond_init, pthread_cond_signal, pthread_cond_t, pthread_cond_wait, pthread_create, pthread_join,
     pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_t, pthread_mutex_unlock, pthread_t,
 )
@@ -52,9 +52,6 @@ cdef inline void _release_run(_Part* p, int64_t lo, int64_t hi) noexcept nogil:
 
 # a checksummed copy goes this many bytes at a time, each block's CRC taken right after its
 # copy while the block is still in the core's cache (one pass over the bytes from memory):
-# small enough for a core's L2 with the source beside it, large enough that the populate
-# call a mapped block makes costs nothing beside the block
-cdef int64_t _DIGEST_BLOCK = 512 << 10
 
 
 cdef int _copy_digest(_Part* p, uint8_t* out, int64_t nbytes, int64_t offset, uint32_t* crc) noexcept nogil:
