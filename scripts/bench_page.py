@@ -94,6 +94,8 @@ def rows_of(doc: dict) -> list[dict]:
             name = r["row"]
             impl = "limit" if name.startswith("limit") else name.split(" ")[0]
             r = dict(r, case=name, impl=impl)
+        if r.get("equal") is False or r.get("error"):  # bytes that differ from the file's are no figure
+            continue
         if r.get("gbps") is not None or r.get("median_s") is not None:
             out.append(r)
     return out
@@ -121,6 +123,18 @@ def ratio(a: float | None, b: float | None, unit: str) -> str:
     return f"{(a / b if unit == 'GB/s' else b / a):.2f}x"
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def write(path: str, text: str) -> None:
+    """Whole or not at all: a reader never sees half a page."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def load(stem: str) -> dict | None:
     path = os.path.join(DATA, stem + ".json")
     if not os.path.exists(path):
@@ -136,7 +150,7 @@ def measured(p: Path) -> dict | None:
     rows = rows_of(doc)
     eng = pick(rows, p.engine, p.unit)
     peers = [r for r in (pick(rows, q, p.unit) for q in p.peers) if r is not None]
-    peer = max(peers, key=lambda r: value(r, p.unit) * (1 if p.unit == "GB/s" else -1), default=None)
+    peer = max(peers, key=lambda r: (value(r, p.unit) or 0.0) * (1 if p.unit == "GB/s" else -1), default=None)
     lim = None
     if p.limit:
         stem, sep, pattern = p.limit.partition(":") if re.match(r"^\w+:", p.limit) else ("", "", p.limit)
@@ -236,15 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PAGE} has no {START} ... {END} block", file=sys.stderr)
         return 2
     new = head + START + "\n" + tab + "\n" + END + rest.split(END, 1)[1]
-    old_svg = open(PICTURE).read() if os.path.exists(PICTURE) else ""
+    old_svg = read(PICTURE) if os.path.exists(PICTURE) else ""
     if a.check:
         stale = [n for n, old, now in (("BENCHMARKS.md", page, new), ("paths.svg", old_svg, svg)) if old != now]
         print("stale: " + ", ".join(stale) if stale else "page and picture match the JSON")
         return 1 if stale else 0
-    with open(PAGE, "w") as f:
-        f.write(new)
-    with open(PICTURE, "w") as f:
-        f.write(svg)
+    write(PAGE, new)
+    write(PICTURE, svg)
     print(f"wrote {os.path.relpath(PAGE, ROOT)} and {os.path.relpath(PICTURE, ROOT)}")
     return 0
 

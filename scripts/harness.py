@@ -72,7 +72,10 @@ def missing(module: str, python: str | None = None) -> str | None:
     if python in (None, sys.executable):
         found = importlib.util.find_spec(module) is not None
     else:
-        found = subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+        try:
+            found = subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+        except OSError:
+            return f"{python} cannot run"
     return None if found else f"{module} is not installed" + (f" in {python}" if python else "")
 
 
