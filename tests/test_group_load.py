@@ -70,14 +70,11 @@ try:
             got[name] = np.concatenate([t.q.reshape(-1).view(np.uint8), t.scale.reshape(-1).view(np.uint8)]) if q else t
             hooks[name] = [q, repr(st)]
         order = hooks
-    elif mode == "release":  # the engine's own use: each tensor's pages given back once consumed
+    elif mode == "release":  # the engine's own use: each tensor copied before the next step
         from engine.apps.group_load import stream
-        got, kept = {}, []
+        got = {}
         for k, v in stream(source, group, framework="numpy", _release=True, **kw):
-            got[k] = v.copy(); kept.append(v)
-        big = [v for v in kept if v.nbytes >= 3 * 4096]
-        middle = [v.reshape(-1).view(np.uint8)[v.nbytes // 2 - 2048 : v.nbytes // 2 + 2048] for v in big]
-        order = [sum(int(not m.any()) for m in middle), len(big)]  # (a middle page read as zeros, tensors of 3+ pages)
+            got[k] = v.copy()
     elif framework == "numpy":
         got = engine.numpy.load_file(source, process_group=group, **kw)
     else:
@@ -171,7 +168,7 @@ def test_the_group_reads_each_byte_of_a_url_once(checkpoint, tmp_path):
     assert tensor_bytes <= asked <= 1.02 * tensor_bytes, (asked, tensor_bytes)
 
 
-def _same_error_everywhere(results: list[dict], rank: int, cause: str, all_failed: bool = False) -> None:
+def _same_error_everywhere(results: list[dict], rank: int | None, cause: str, all_failed: bool = False) -> None:
     """Every rank raised DistributedLoadError naming ``rank`` and a cause mentioning ``cause``;
     the failing rank's own error (every rank's, where ``all_failed``) is chained to it."""
     for k, got in enumerate(results):
@@ -206,9 +203,10 @@ def test_a_read_that_fails_on_one_ranks_share_reaches_every_rank(checkpoint, tmp
 
 @pytest.mark.parametrize("bucket", [None, 4096])
 def test_a_damaged_tensor_in_one_ranks_share_fails_every_rank(checkpoint, tmp_path, bucket):
-    """A byte in the middle of the last large tensor flipped on disk: rank 1 reads it.  In one
-    bucket, its checksum fails on rank 1 before anything is sent, and rank 0 hears why; in many
-    buckets (4 KiB), it fails on every rank once it came, naming rank 1."""
+    """A byte in the middle of the last large tensor flipped on disk.  In one round of the whole
+    file, rank 1 reads all of it: its checksum fails on rank 1 before anything is sent, and rank
+    0 hears why.  In rounds of 4 KiB the tensor is a round alone, shared by both ranks: it fails
+    on every rank once it came."""
     root, sd = checkpoint
     data = bytearray((root / "one.safetensors").read_bytes())
     header = engine.read_header(str(root / "one.safetensors"))
@@ -217,7 +215,7 @@ def test_a_damaged_tensor_in_one_ranks_share_fails_every_rank(checkpoint, tmp_pa
     (tmp_path / "bad.safetensors").write_bytes(bytes(data))
     opts = {r: {"bucket_bytes": bucket} for r in range(2)} if bucket else None
     results = _ranks(str(tmp_path / "bad.safetensors"), tmp_path, opts=opts)
-    _same_error_everywhere(results, 1, "ChecksumError", all_failed=bucket is not None)
+    _same_error_everywhere(results, None if bucket else 1, "ChecksumError", all_failed=bucket is not None)
 
 
 @pytest.mark.parametrize("other", ["missing.safetensors", "other.safetensors"])
@@ -279,9 +277,9 @@ def test_an_empty_tensor_whose_recorded_checksum_is_wrong_fails_as_the_plain_loa
 
 
 def test_ranks_given_different_options_fail_at_once(checkpoint, tmp_path):
-    """Another bucket size on one rank would pair different collectives: both ranks refuse."""
+    """Checksums checked on one rank only would pair different collectives: both ranks refuse."""
     root, sd = checkpoint
-    results = _ranks(str(root / "one.safetensors"), tmp_path, opts={1: {"bucket_bytes": 4096}})
+    results = _ranks(str(root / "one.safetensors"), tmp_path, opts={1: {"verify_checksums": False}})
     assert [r["reason"] for r in results] == ["GroupMismatch", "GroupMismatch"], results
 
 
@@ -442,14 +440,166 @@ def test_options_a_group_load_does_not_take_are_a_type_error_on_every_rank(check
         assert got["error"] == "TypeError" and "names" in got["message"], got
 
 
-def test_released_tensors_give_their_pages_back(checkpoint, tmp_path):
-    """With ``_release`` (tensor-parallel broadcast mode keeps its shards, not the block) each
-    tensor's bytes were whole when handed out, and its pages were given back afterwards."""
+MEMORY_CHILD = r"""
+import hashlib, json, os, resource, sys
+import torch, torch.distributed as dist
+import engine
+rank, world, port, warm, source, out, mode = sys.argv[1:8]
+rank, world, opts = int(rank), int(world), json.loads(sys.argv[8])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+
+def load(path):
+    h = hashlib.sha256()
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # (the warm-up's)
+    if mode == "into":  # pre-faulted destinations: the memory a GPU would hold is not counted
+        header = engine.read_header(path)
+        dest = {k: torch.ones(header[k].shape, dtype=torch.float32) for k in header.keys()}
+        base = status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS starts again from here
+        if "as_limit" in opts:  # the address space a full-size block would need is refused, as overcommit=2 does
+            resource.setrlimit(resource.RLIMIT_AS, (status("VmSize") + opts["as_limit"], resource.RLIM_INFINITY))
+        kw = {k: v for k, v in opts.items() if k != "as_limit"}
+        names = engine.load_into(path, dest, process_group=dist.group.WORLD, **kw)
+        for k in names:
+            h.update(dest[k].view(torch.uint8).numpy())
+    else:  # a consumer that keeps nothing it is handed
+        base = status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        if mode == "stream":
+            tensors = engine.stream(path, framework="pt", process_group=dist.group.WORLD, **opts)
+        else:
+            from engine.serving.weights import Weights, parse_options
+            tensors = Weights(path, options=parse_options({"distributed": True, **opts}), group=dist.group.WORLD)
+        for _, t in tensors:
+            h.update(t.view(torch.uint8).numpy())
+            del t
+    return status("VmHWM") - base, h.hexdigest()
+
+
+try:
+    load(warm)  # the first use's imports and allocations, not the load's
+    extra, digest = load(source)
+    result = {"extra": extra, "digest": digest}
+except Exception as exc:
+    result = {"error": type(exc).__name__, "message": str(exc), "reason": getattr(exc, "reason", None)}
+with open(out, "w") as f:
+    json.dump(result, f)
+dist.barrier()
+os._exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """A 64 MiB and a 256 MiB file of 2 MiB tensors (F32), the digest of each one's tensor bytes,
+    and a small file for the warm-up."""
+    root = tmp_path_factory.mktemp("big")
+    rng = np.random.default_rng(9)
+    out = {}
+    for mib in (64, 256):
+        sd = {f"w{i}": rng.standard_normal((512, 1024), dtype=np.float32) for i in range(mib // 2)}
+        path = str(root / f"{mib}.safetensors")
+        engine.save_file(sd, path)
+        header = engine.read_header(path)
+        order = sorted(sd, key=lambda k: header[k].data_offsets[0])  # the file's order, as the ranks hash
+        out[mib] = (path, hashlib.sha256(b"".join(sd[k].tobytes() for k in order)).hexdigest())
+    engine.save_file({"a": np.ones((64, 64), np.float32), "b": np.zeros(100, np.float32)}, str(root / "warm.safetensors"))
+    return out, str(root / "warm.safetensors")
+
+
+def _memory(source: str, warm: str, mode: str, world: int, opts: dict, tmp_path, env: dict | None = None) -> list[dict]:
+    """Each rank's host memory beyond its outputs at the peak of a group load of ``source``
+    (its peak RSS, reset when the load starts, less its RSS then) and its digest."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    outs = [str(tmp_path / f"mem{r}.json") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, "-c", MEMORY_CHILD, str(r), str(world), str(port), warm, source, outs[r],
+                               mode, json.dumps(opts)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(world)]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [json.load(open(o)) for o in outs]
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("mode", ["into", "stream", "weights"])
+def test_a_memory_limit_bounds_a_group_load_on_every_rank(big, tmp_path, mode):
+    """4 ranks, a 64 MiB file, ``memory_limit`` of 8 MiB: the node's host memory beyond the
+    outputs stays within 0.6x the model (a block of the checkpoint's size on every rank would be
+    4x), and every rank has the file's bytes."""
+    files, warm = big
+    path, digest = files[64]
+    results = _memory(path, warm, mode, 4, {"memory_limit": 8 * MIB}, tmp_path)
+    for got in results:
+        assert got.get("digest") == digest, got
+    extra = [got["extra"] for got in results]
+    assert sum(extra) <= 0.6 * 64 * MIB, [e / MIB for e in extra]  # the node: 0.6x the model, not 4x
+
+
+@pytest.mark.parametrize("mode", ["into", "stream", "weights"])
+def test_the_default_plan_holds_a_window_of_rounds_not_the_checkpoint(big, tmp_path, mode):
+    """Without a limit: two rounds of 32 MiB in flight, so a 256 MiB file costs each of 2 ranks
+    well under half the model beyond its outputs (a block of the checkpoint's size: 1x)."""
+    files, warm = big
+    path, digest = files[256]
+    results = _memory(path, warm, mode, 2, {}, tmp_path)
+    for got in results:
+        assert got.get("digest") == digest, got
+    assert all(got["extra"] <= 0.5 * 256 * MIB for got in results), [got["extra"] / MIB for got in results]
+
+
+def test_a_group_load_into_fits_where_a_checkpoint_sized_block_would_be_refused(big, tmp_path):
+    """The address space beyond what each rank has mapped limited to half the model (as
+    ``vm.overcommit_memory=2`` refuses a mapping it cannot back): a block of the checkpoint's
+    size cannot be made, the rounds can."""
+    files, warm = big
+    path, digest = files[256]
+    results = _memory(path, warm, "into", 2, {"as_limit": 128 * MIB, "memory_limit": 16 * MIB}, tmp_path,
+                      env={"MALLOC_ARENA_MAX": "2"})
+    for got in results:
+        assert got.get("digest") == digest, got
+
+
+def test_a_memory_limit_below_the_largest_tensor_fails_every_rank_naming_both(big, tmp_path):
+    files, warm = big
+    results = _memory(files[64][0], warm, "stream", 2, {"memory_limit": MIB}, tmp_path)
+    for got in results:
+        assert got.get("error") == "DistributedLoadError" and got["reason"] == "GroupReadFailed", got
+        assert "memory_limit=1048576" in got["message"] and "2097152" in got["message"], got
+
+
+def test_ranks_with_different_round_sizes_and_limits_agree_on_the_smallest(checkpoint, tmp_path):
+    """A round size and a memory limit given on one rank only: the ranks use the smallest
+    round any asked for, and both load every tensor."""
     root, sd = checkpoint
-    for got in _ranks(str(root / "sharded"), tmp_path, mode="release"):
+    for got in _ranks(str(root / "sharded"), tmp_path, mode="stream", framework="numpy",
+                      opts={0: {"bucket_bytes": 4096}, 1: {"memory_limit": 150_000}}):
         assert got.get("tensors") == _digests(sd), got
-        zeroed, big = got["order"]
-        assert big >= 5 and zeroed == big, got["order"]
+
+
+def test_released_tensors_are_whole_when_handed_out(checkpoint, tmp_path):
+    """With ``_release`` (tensor-parallel broadcast mode keeps its shards, not the block) the
+    rounds' blocks are reused: each tensor's bytes were whole when handed out."""
+    root, sd = checkpoint
+    for got in _ranks(str(root / "sharded"), tmp_path, mode="release", opts={r: {"bucket_bytes": 8192} for r in (0, 1)}):
+        assert got.get("tensors") == _digests(sd), got
 
 
 @pytest.mark.parametrize("world", [2, 4])

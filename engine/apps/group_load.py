@@ -2,31 +2,39 @@
 
 Every rank of a ``torch.distributed`` process group calls :func:`load` (or :func:`stream`,
 :func:`load_into`) with the same source: a local file, index or folder, or an
-``http(s)://``/``s3://`` URL with the remote options.  Each rank reads the headers, lays every
-tensor out in one owned host block in the same order (file order, shard after shard), and
-cuts the block into ``world_size`` spans of equal bytes (a tensor may be split between two
-ranks).  Each rank reads only its span, from the files or the server, straight into its block.
+``http(s)://``/``s3://`` URL with the remote options.  Each rank reads the headers and lays
+every tensor out in the same order (file order, shard after shard).  The layout is cut into
+rounds of whole tensors (at most ``bucket_bytes`` each, or one larger tensor alone), and each
+round into ``world_size`` shares of equal bytes (a tensor may lie in two shares).  Each rank
+reads only its share of each round, from the files or the server, and round ``j`` is sent
+with one ``broadcast`` per share while the readers go on with the next rounds.
 
-The exchange is pipelined in rounds: each span is cut into buckets of :data:`BUCKET_BYTES`,
-and round ``j`` sends bucket ``j`` of every span with ``broadcast`` (one collective per bucket,
-not per tensor) while the readers go on with the next buckets.  Before each round the ranks
-agree (one small ``all_reduce``) that every bucket of the round landed and the tensors that lie
-in one bucket passed their checksums on the rank that read them; a tensor in several buckets
-(or split between ranks) is checked on every rank once its last bucket came, and read again by
-its owners and sent again on a mismatch of bytes from a server.  Every rank ends with every tensor, byte-equal to the
-file: the group reads each byte of the checkpoint once, not once per rank.
+The rounds land in host memory bounded by the caller's need, not by the checkpoint: an owned
+load (:func:`load`) reads into its output, one block of the checkpoint's size; a stream gives
+each round a block of its own that lives as long as a tensor handed out of it; ``load_into``
+(and tensor parallelism) reuse as many blocks as rounds are in flight.  Two rounds are in
+flight by default; ``memory_limit=`` (:mod:`engine.planning.memory`) sizes the rounds and the
+window from a budget of bytes (``0``: the largest tensor, one round at a time).  The ranks
+agree on the smallest round any of them asked for.
+
+Before each round the ranks agree (one small ``all_reduce``) that every share of the round
+landed and the tensors that lie in one share passed their checksums on the rank that read
+them; a tensor in two shares is checked on every rank once the round came, and read again by
+its owners and sent again on a mismatch of bytes from a server.  Every rank ends with every
+tensor, byte-equal to the file: the group reads each byte of the checkpoint once, not once
+per rank.
 
 The ranks also agree before anything is read: a flag for a rank that failed to open its
 source, and a fingerprint of each rank's layout and options (ranks given different
-checkpoints, or a different bucket size, all fail at once).  A failure on any rank fails the
-load on every rank with :class:`~engine.errors.DistributedLoadError` naming the rank and the
-cause; no rank waits in a collective for bytes that will never come, and none returns a mix
-of two files.  Every rank must go on calling until the load ends (a stream consumed to its
-end), as with any collective.
+checkpoints, or options that would pair different collectives, all fail at once).  A failure
+on any rank fails the load on every rank with :class:`~engine.errors.DistributedLoadError`
+naming the rank and the cause; no rank waits in a collective for bytes that will never come,
+and none returns a mix of two files.  Every rank must go on calling until the load ends (a
+stream consumed to its end), as with any collective.
 
-Copies of tensor bytes: 1 on the rank that reads a byte (page cache or socket -> its block), 1
-on every other rank (the collective's receive into its block); :func:`load_into` adds one
-(block -> the destination, host or CUDA).  Host blocks over ``gloo``.
+Copies of tensor bytes: 1 on the rank that reads a byte (page cache or socket -> its round's
+block), 1 on every other rank (the collective's receive into its block); :func:`load_into`
+adds one (block -> the destination, host or CUDA).  Host blocks over ``gloo``.
 """
 
 from __future__ import annotations
@@ -36,18 +44,20 @@ import contextlib
 import hashlib
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from engine.base._files import is_url
 from engine.errors import DistributedLoadError, SafetensorError, TensorNotFoundError
 from engine.format.checksums import Checks, verification, verifying
+from engine.planning import memory
 
 __all__ = ["load", "stream", "load_into", "BUCKET_BYTES", "spans"]
 
-#: bytes per broadcast: large enough that a collective's fixed cost is paid per tens of MiB
-BUCKET_BYTES = 64 << 20
+#: bytes of a round (each rank sends its share): large enough that a collective's fixed cost is
+#: paid per MiBs, small enough that two rounds in flight stay a small part of a model
+BUCKET_BYTES = 32 << 20
 #: each tensor's offset in the block (as an owned load's: any dtype's alignment)
 _ALIGN = 64
 #: the most bytes of one read of a rank's span (a request within its deadline; the reads of a
@@ -116,7 +126,14 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
         that read it, before it is sent; a tensor in several buckets on every rank once it
         came.  A remote tensor that fails is read again from the server (and sent again).
     bucket_bytes : int, optional
-        Bytes per broadcast (default :data:`BUCKET_BYTES`); the same on every rank.
+        The most bytes of a round (default :data:`BUCKET_BYTES`; a larger tensor is a round
+        of its own); the ranks use the smallest any of them gives.
+    memory_limit : int, optional
+        Host bytes the load may hold beyond its outputs (:mod:`engine.planning.memory`): an
+        owned load reads into its output and holds nothing more; :func:`stream` and
+        :func:`load_into` size their rounds and the rounds in flight from it (``0``: the
+        largest tensor, one round at a time).  Below the largest tensor, an
+        :class:`~engine.errors.OptionError` naming both on every rank.
     chunk_bytes : int, optional
         The most bytes of one read (default 16 MiB).
     max_header_size : int, optional
@@ -137,17 +154,18 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
     SafetensorError
         For tensor names that two files both hold (on every rank).
     """
-    return dict(stream(source, process_group, framework=framework, **options))
+    return dict(stream(source, process_group, framework=framework, _staging="whole", **options))
 
 
 def stream(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
            max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
-           stats: bool = False, quantize=None, _wanted=None, _select=None, _release: bool = False, _meta=None,
-           **remote) -> Iterator[tuple]:
-    """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's last bucket
-    lands (a round of the exchange); options, errors and copies as :func:`load`.  Every rank
-    must consume the stream to its end.  The tensors are views of one host block of the
-    checkpoint's size, held while any of them is.
+           stats: bool = False, quantize=None, memory_limit: int | None = None, _wanted=None, _select=None,
+           _release: bool = False, _meta=None, _staging: str = "fresh", **remote) -> Iterator[tuple]:
+    """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's round of
+    the exchange lands; options, errors and copies as :func:`load`.  Every rank must consume
+    the stream to its end.  The tensors are views of one host block per round (of at most
+    ``bucket_bytes``, or one larger tensor), held while any of them is: a consumer that keeps
+    none holds at most the rounds in flight (two by default, see ``memory_limit``).
 
     ``stats=True`` yields ``(name, tensor, Stats)`` (``None`` for dtypes the kernels do not
     summarise) and ``quantize`` (``"int8"`` or :class:`engine.quantize.Int8`) yields the tensors
@@ -156,13 +174,15 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
 
     For the engine's own callers: ``_select`` (a predicate of names) loads only those tensors
     (the same on every rank); with ``_release`` the caller keeps nothing it was handed past the
-    next step of the stream, and each tensor's pages go back to the system once it is
-    consumed (a tensor-parallel rank keeps its shards, not the block); ``_meta``, a dict, gets
-    ``name -> (format dtype, shape)`` of every tensor before the first is yielded."""
+    next step of the stream, so the rounds' blocks are reused (a tensor-parallel rank keeps its
+    shards, not the block); ``_meta``, a dict, gets ``name -> (format dtype, shape)`` of every
+    tensor before the first is yielded; ``_staging`` (:class:`_Group`) where the rounds land."""
     _check_options(source, remote)
+    staging = "ring" if _release or _wanted is not None else _staging
     with verification(verify_checksums):
-        group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote)
-        group.select, group.release, group.quantize, group.meta = _select, _release, quantize, _meta
+        group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote,
+                       staging, memory_limit)
+        group.select, group.quantize, group.meta = _select, quantize, _meta
         for name, tensor in group:
             yield _hooked(name, tensor, group.meta[name][0], stats, group.spec, group.source) \
                 if stats or group.spec is not None else (name, tensor)
@@ -191,8 +211,9 @@ def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool
     destinations whose bytes all landed).
 
     Returns the names filled, in file order.  Copies of tensor bytes: 2 on every rank (the read
-    or the collective's receive into a host block, then block -> destination as each tensor's
-    last bucket lands); the block is freed when the load returns.
+    or the collective's receive into a round's host block, then block -> destination as each
+    tensor's round lands).  The rounds' blocks are reused: host memory beyond the
+    destinations is the rounds in flight (``memory_limit``), whatever the checkpoint's size.
     """
     filled: list[str] = []
     meta: dict[str, Any] = {}
@@ -220,22 +241,60 @@ def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool
     return sorted(filled, key=order.__getitem__)
 
 
-class _Group:
-    """One group load: open, agree, read in buckets, exchange round by round, yield."""
+class _Round(NamedTuple):
+    """One round of the exchange: the block's bytes ``[lo, hi)``, tensors ``[first, end)`` of
+    the layout, each rank's share of them, and this rank's part in it."""
 
-    def __init__(self, source, group, framework, max_header_size, bucket_bytes, chunk_bytes, wanted, remote) -> None:
+    lo: int
+    hi: int
+    first: int
+    end: int
+    cuts: list[tuple[int, int]]  # each rank's share [a, b) of [lo, hi), in block offsets
+    pieces: list[tuple[int, int, int, int]]  # this rank's reads: (part, file offset, block offset, bytes)
+    whole: list[tuple[int, int, int, int, list[int]]]  # tensors all in this rank's share: checked before sending
+    split: list[tuple[int, int, int, int, list]]  # tensors shared by ranks: checked on every rank after it
+    theirs: list[tuple[int, int, int, int]]  # the bytes other ranks read, for this rank's cache_dir copy
+
+
+def _cut(layout, round_bytes: int) -> list[tuple[int, int, int, int]]:
+    """``(lo, hi, first, end)`` of each round: consecutive whole tensors of at most
+    ``round_bytes`` from the first one's offset, or one larger tensor alone."""
+    out = []
+    t = 0
+    while t < len(layout):
+        lo = layout[t][3]
+        u = t + 1
+        while u < len(layout) and layout[u][3] + layout[u][4] - lo <= round_bytes:
+            u += 1
+        out.append((lo, layout[u - 1][3] + layout[u - 1][4], t, u))
+        t = u
+    return out
+
+
+class _Group:
+    """One group load: open, agree, cut the rounds, read and exchange them in a window, yield.
+
+    ``staging`` says where the rounds land: ``"whole"`` one block of the checkpoint's size
+    (an owned load's output), ``"fresh"`` a block per round that lives as long as a tensor
+    handed out of it (a stream), ``"ring"`` as many reused blocks as rounds in flight (a caller
+    that keeps nothing it was handed past the next step: ``load_into``, tensor parallelism)."""
+
+    def __init__(self, source, group, framework, max_header_size, bucket_bytes, chunk_bytes, wanted, remote,
+                 staging: str = "fresh", memory_limit: int | None = None) -> None:
         import torch.distributed as dist
 
         self.wanted = wanted  # load_into's (destinations, strict, targets filled here)
         self.source, self.group, self.framework, self.remote = os.fspath(source), group, framework, remote
         self.max_header_size, self.bucket = max_header_size, max(1, int(bucket_bytes))
         self.step = max(1, chunk_bytes or _CHUNK)
+        self.staging, self.limit = staging, memory.checked(memory_limit)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.select, self.release, self.quantize = None, False, None
+        self.select, self.quantize = None, None
         self.spec = None  # the quantize spec, checked with the rest before any exchange
         self.verify = True  # whether this load checks checksums (read once, when it starts)
         self.checks_of: list = []  # each file's Checks, or None
         self.meta: dict[str, tuple[str, tuple]] = {}  # name -> (format dtype, shape), file order
+        self.peak = 0  # the most bytes of round blocks this rank held at once (whole: the block)
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         from engine.format.header import MAX_HEADER_SIZE
@@ -273,23 +332,29 @@ class _Group:
                         if checks is not None and not n:
                             checks.verify_bytes(r, b"")
                 total = layout[-1][3] + -(-layout[-1][4] // _ALIGN) * _ALIGN if layout else 0
+                largest = max((n for *_, n in layout), default=0)
+                # the round size this rank can hold; the group agrees on the smallest asked
+                asked = self.bucket if self.staging == "whole" else \
+                    memory.rounds(self.limit, largest, self.bucket, self.source)[0]
                 fingerprint = self._fingerprint(parts, layout, total)
                 from engine.sinks._host import host_block
 
-                block = host_block(total)
+                block = host_block(total) if self.staging == "whole" else None
             except Exception as exc:  # every rank hears of it before any exchange
                 self._agree(exc)
                 raise  # (not reached: _agree raised)
-            self._agree(None, fingerprint)
+            round_bytes = self._agree(None, fingerprint, asked)
+            rounds = self._plan(parts, layout, round_bytes)
+            window = len(rounds) if self.staging == "whole" else memory.in_flight(self.limit, round_bytes, largest)
             pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(
                 max(1, min(self.remote.get("connections") or 8, 64)), thread_name_prefix="engine-group"))
             stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # a failed round stops the reads
-            yield from self._rounds(parts, layout, total, block, pool)
+            yield from self._rounds(parts, layout, rounds, block, window, pool)
             commit()
 
     def _fingerprint(self, parts, layout, total: int) -> int:
         """63 bits of the layout (names, dtypes, shapes, offsets) and of the options every rank
-        must share (a different bucket size would pair different collectives)."""
+        must share (ranks that check different things would run different collectives)."""
         from engine.format.checksums import canonical_digest
 
         digest = canonical_digest([n for _, _, n, _, _ in layout],
@@ -300,16 +365,17 @@ class _Group:
 
         # the checksum entries too: ranks that check different things would run different collectives
         entries = hashlib.blake2b("|".join(str((p.header.metadata or {}).get(KEY)) for p in parts).encode()).hexdigest()
-        text = f"{digest}:{total}:{self.bucket}:{self.verify}:{self.wanted is not None}:{self.release}:{entries}"
+        text = f"{digest}:{total}:{self.verify}:{self.wanted is not None}:{entries}"
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
-    def _agree(self, failed: BaseException | None, fingerprint: int = 0) -> None:
+    def _agree(self, failed: BaseException | None, fingerprint: int = 0, round_bytes: int = 0) -> int:
         """Every rank learns whether any failed (and then which, and why), and whether all saw
-        the same checkpoint: no rank goes on to a collective that another will never reach."""
+        the same checkpoint: no rank goes on to a collective that another will never reach.
+        Returns the smallest ``round_bytes`` any rank gave (each rank's memory limit holds it)."""
         import torch
         import torch.distributed as dist
 
-        status = torch.tensor([int(failed is not None), fingerprint, -fingerprint], dtype=torch.int64)
+        status = torch.tensor([int(failed is not None), fingerprint, -fingerprint, -round_bytes], dtype=torch.int64)
         with _peers(self.source):
             dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
         if int(status[0]):
@@ -322,8 +388,9 @@ class _Group:
                                        cause=causes[who], reason="GroupReadFailed", path=self.source) from failed
         if int(status[1]) != -int(status[2]):
             raise DistributedLoadError("the ranks of the process group were given different checkpoints or options "
-                                       "(names, dtypes, shapes, offsets, bucket_bytes, verify_checksums or load_into "
-                                       "differ): give every rank the same", reason="GroupMismatch", path=self.source)
+                                       "(names, dtypes, shapes, offsets, verify_checksums or load_into differ): give "
+                                       "every rank the same", reason="GroupMismatch", path=self.source)
+        return -int(status[3])
 
     def _src(self, k: int) -> int:
         """The global rank of the group's rank ``k`` (what ``broadcast`` takes)."""
@@ -331,117 +398,129 @@ class _Group:
 
         return dist.get_global_rank(self.group, k) if self.group is not None else k
 
-    def _rounds(self, parts, layout, total: int, block, pool) -> Iterator[tuple[str, Any]]:
+    def _plan(self, parts, layout, round_bytes: int) -> list[_Round]:
+        """The rounds, each cut into ``world`` shares of equal bytes (a tensor may lie in two
+        shares), and this rank's reads (pieces of at most ``step`` bytes within one tensor)."""
+        keeps = [getattr(p.ranges, "keep", None) for p in parts]  # a URL's cache_dir copy
+        out = []
+        for lo, hi, first, end in _cut(layout, round_bytes):
+            cuts = [(lo + a, lo + b) for a, b in spans(hi - lo, self.world)]
+            rd = _Round(lo, hi, first, end, cuts, [], [], [], [])
+            for i, r, _, off, n in layout[first:end]:
+                owners = [(k, max(a, off), min(b, off + n)) for k, (a, b) in enumerate(cuts)
+                          if max(a, off) < min(b, off + n)]
+                if len(owners) > 1:
+                    rd.split.append((i, r, off, n, owners))
+                begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
+                for k, a, b in owners:
+                    if k != self.rank:
+                        if keeps[i]:  # the bytes other ranks read, for this rank's local copy
+                            rd.theirs.append((i, begin + (a - off), a, b - a))
+                        continue
+                    mine = []
+                    for c in range(a, b, self.step):
+                        mine.append(len(rd.pieces))
+                        rd.pieces.append((i, begin + (c - off), c, min(self.step, b - c)))
+                    if len(owners) == 1:
+                        rd.whole.append((i, r, off, n, mine))
+            out.append(rd)
+        return out
+
+    def _rounds(self, parts, layout, rounds: list[_Round], block, window: int, pool) -> Iterator[tuple[str, Any]]:
+        """Read and exchange ``rounds``, ``window`` of them in flight, and yield each round's
+        tensors once its bytes are on every rank."""
         import torch
         import torch.distributed as dist
 
-        flat = np.frombuffer(block, np.uint8) if total else np.zeros(1, np.uint8)
-        view = memoryview(flat)
-        cuts = spans(total, self.world)
-        lo, hi = cuts[self.rank]
-        bucket = self.bucket
-        rounds = max((-(-(b - a) // bucket) for a, b in cuts), default=0)
-        pieces: list[tuple[int, int, int, int]] = []  # my reads: (part, file offset, block offset, bytes)
-        by_round: list[list[int]] = [[] for _ in range(rounds)]  # my pieces, by the round that sends them
-        # tensors in one bucket of mine, checked (and read again) before that bucket is sent
-        whole: list[list[tuple[int, int, int, int, list[int]]]] = [[] for _ in range(rounds)]
-        # tensors in several buckets or split between ranks, checked on every rank once their last
-        # bucket came (checking them before their first bucket is sent would hold the rounds back)
-        split: list[list[tuple[int, int, int, int, list]]] = [[] for _ in range(rounds)]
-        ready: list[list[int]] = [[] for _ in range(max(rounds, 1))]  # tensors complete after each round
-        theirs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rounds)]  # received, for cache_dir
-        keeps: list[Any] = [getattr(p.ranges, "keep", None) for p in parts]  # a URL's cache_dir copy
-        for t, (i, r, _, off, n) in enumerate(layout):
-            owners = [(k, max(a, off), min(b, off + n)) for k, (a, b) in enumerate(cuts) if max(a, off) < min(b, off + n)]
-            last = max(((b - 1 - cuts[k][0]) // bucket for k, _, b in owners), default=0)
-            ready[last].append(t)
-            spread = len(owners) > 1 or any((a - cuts[k][0]) // bucket != (b - 1 - cuts[k][0]) // bucket
-                                            for k, a, b in owners)
-            if spread:
-                split[last].append((i, r, off, n, owners))
-            begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
-            for k, a, b in owners:
-                if k != self.rank:
-                    while keeps[i] and a < b:  # the bytes other ranks read, for this rank's local copy
-                        j = (a - cuts[k][0]) // bucket
-                        e = min(b, cuts[k][0] + (j + 1) * bucket)
-                        theirs[j].append((i, begin + (a - off), a, e - a))
-                        a = e
-                    continue
-                first, mine = (a - lo) // bucket, []
-                whole_tensor = (a, b) == (off, off + n)
-                while a < b:  # pieces of at most ``step`` bytes, none across a bucket's end
-                    j = (a - lo) // bucket
-                    e = min(b, a + self.step, lo + (j + 1) * bucket)
-                    by_round[j].append(len(pieces))
-                    mine.append(len(pieces))
-                    pieces.append((i, begin + (a - off), a, e - a))
-                    a = e
-                if whole_tensor and not spread:
-                    whole[first].append((i, r, off, n, mine))
+        from engine.format.checksums import verify_received
+        from engine.sinks import get_sink
+        from engine.sinks._host import host_block
 
-        def read(piece, fresh: bool = False) -> None:
-            i, offset, a, n = piece
+        sink = get_sink(self.framework) if self.framework != "raw" else None
+        keeps: list[Any] = [getattr(p.ranges, "keep", None) for p in parts]
+        cap = max((rd.hi - rd.lo for rd in rounds), default=0)
+        ring: list[Any] = []  # "ring": the reused blocks, made as the first rounds need them
+        staged: dict[int, tuple[Any, int, Any, list]] = {}  # round -> (block, its offset, bytes, reads)
+
+        def read(i: int, offset: int, dst, fresh: bool = False) -> None:
             p = parts[i]
             if p.ranges is not None:
-                (getattr(p.ranges, "fresh", p.ranges) if fresh else p.ranges)(offset, [view[a : a + n]])
+                (getattr(p.ranges, "fresh", p.ranges) if fresh else p.ranges)(offset, [dst])
             else:
                 from engine.io.reader import pread_into
 
-                pread_into(p.fd, offset, [view[a : a + n]], path=p.path)
+                pread_into(p.fd, offset, [dst], path=p.path)
 
-        futures = [pool.submit(read, piece) for piece in pieces]  # in order: the buckets land in order
-        from engine.format.checksums import verify_received
-        from engine.sinks import get_sink
+        def stage(j: int) -> None:  # a block for round j, and its reads submitted
+            rd = rounds[j]
+            if self.staging == "whole":
+                blk, base = block, 0
+            elif self.staging == "ring":
+                if len(ring) < window:
+                    ring.append(host_block(cap))
+                blk, base = ring[j % window], rd.lo
+            else:
+                blk, base = host_block(rd.hi - rd.lo), rd.lo
+            flat = np.frombuffer(blk, np.uint8)
+            view = memoryview(flat)
+            staged[j] = (blk, base, flat, [pool.submit(read, i, offset, view[a - base : a - base + n])
+                                           for i, offset, a, n in rd.pieces])
+            held = len(block) if block is not None else sum(len(s[0]) for s in staged.values()) if \
+                self.staging == "fresh" else len(ring) * max(cap, 1)
+            self.peak = max(self.peak, held)
 
-        sink = get_sink(self.framework) if self.framework != "raw" else None
-        for j in range(max(rounds, 1)):
-            if rounds:
-                failed = None
-                try:
-                    for x in by_round[j]:
-                        futures[x].result()
-                    if self.verify:  # read again from a server on a mismatch, before anything of it is sent
-                        for i, r, off, n, mine in whole[j]:
-                            checks = self.checks_of[i]
-                            if parts[i].ranges is None:  # a local file: its bytes are what they are
-                                if checks is not None:
-                                    checks.verify_bytes(r, view[off : off + n])
-                                continue
-                            def again(mine: list[int] = mine) -> None:  # from the server, not a kept stream
-                                for x in mine:
-                                    read(pieces[x], fresh=True)
+        ahead = 0
+        for j, rd in enumerate(rounds):
+            while ahead < min(len(rounds), j + window):  # the window: rounds j .. j + window - 1
+                stage(ahead)
+                ahead += 1
+            blk, base, flat, reads = staged.pop(j)
+            view = memoryview(flat)
+            failed = None
+            try:
+                for f in reads:
+                    f.result()
+                if self.verify:  # read again from a server on a mismatch, before anything of it is sent
+                    for i, r, off, n, mine in rd.whole:
+                        checks = self.checks_of[i]
+                        got = view[off - base : off - base + n]
+                        if parts[i].ranges is None:  # a local file: its bytes are what they are
+                            if checks is not None:
+                                checks.verify_bytes(r, got)
+                            continue
 
-                            verify_received(checks, r, view[off : off + n], again)
-                except Exception as exc:  # every rank hears of it before the round's collectives
-                    failed = exc
-                self._agree(failed)
-                with _peers(self.source):
-                    for k, (a, b) in enumerate(cuts):
-                        a += j * bucket
-                        if a < b:
-                            dist.broadcast(torch.from_numpy(flat[a : min(b, a + bucket)]), src=self._src(k),
-                                           group=self.group)
-                for i, offset, a, n in theirs[j]:
-                    keeps[i](offset, [view[a : a + n]])
-                if self.verify:
-                    for item in split[j]:
-                        self._verify_split(item, parts, flat, read, keeps)
-            for t in ready[j]:
+                        def again(mine: list[int] = mine, rd: _Round = rd, view=view, base: int = base) -> None:
+                            for x in mine:  # from the server, not a kept stream
+                                i, offset, a, n = rd.pieces[x]
+                                read(i, offset, view[a - base : a - base + n], fresh=True)
+
+                        verify_received(checks, r, got, again)
+            except Exception as exc:  # every rank hears of it before the round's collectives
+                failed = exc
+            self._agree(failed)
+            with _peers(self.source):
+                for k, (a, b) in enumerate(rd.cuts):
+                    if a < b:
+                        dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k), group=self.group)
+            for i, offset, a, n in rd.theirs:
+                keeps[i](offset, [view[a - base : a - base + n]])
+            if self.verify:
+                for item in rd.split:
+                    self._verify_split(item, parts, flat, base, read, keeps)
+            for t in range(rd.first, rd.end):
                 i, r, name, off, n = layout[t]
                 if sink is None:
-                    yield name, flat[off : off + n]
+                    yield name, flat[off - base : off - base + n]
                 else:
                     table = parts[i].header.table
-                    yield name, sink.view(block, int(table.codes[r]), table.shapes[r], off, n)
-                if self.release:
-                    _release(block, off, n)
+                    yield name, sink.view(blk, int(table.codes[r]), table.shapes[r], off - base, n)
+            del blk, flat, view  # a fresh block lives on only in the tensors handed out of it
 
-    def _verify_split(self, item, parts, flat, read, keeps) -> None:
-        """Check a tensor sent in several buckets (by one rank or several), on every rank (the
-        same bytes everywhere, so the same verdict).  A mismatch of bytes from a server: each
-        owner reads its part again and sends it again, until the checksum passes or two reads
-        agree; then every rank raises."""
+    def _verify_split(self, item, parts, flat, base: int, read, keeps) -> None:
+        """Check a tensor that several ranks read, on every rank (the same bytes everywhere,
+        so the same verdict).  A mismatch of bytes from a server: each owner reads its part
+        again and sends it again, until the checksum passes or two reads agree; then every
+        rank raises."""
         import torch
         import torch.distributed as dist
 
@@ -452,29 +531,31 @@ class _Group:
         checks = self.checks_of[i]
         if checks is None:
             return
-        first = crc32c(flat[off : off + n])
+        first = crc32c(flat[off - base : off - base + n])
         try:
             checks.verify(r, first)
             return
         except ChecksumError as exc:
             err = exc
         begin = parts[i].header.data_start + int(parts[i].header.table.begins[r])
+        view = memoryview(flat)
 
         def again() -> int:
             failed = None
             try:
                 for k, a, b in owners:
                     for c in range(a, b, self.step) if k == self.rank else ():
-                        read((i, begin + (c - off), c, min(self.step, b - c)), fresh=True)
+                        m = min(self.step, b - c)
+                        read(i, begin + (c - off), view[c - base : c - base + m], fresh=True)
             except Exception as exc:
                 failed = exc
             self._agree(failed)
             with _peers(self.source):
                 for k, a, b in owners:
-                    dist.broadcast(torch.from_numpy(flat[a:b]), src=self._src(k), group=self.group)
+                    dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k), group=self.group)
                     if k != self.rank and keeps[i]:
-                        keeps[i](begin + (a - off), [memoryview(flat[a:b])], again=True)
-            return crc32c(flat[off : off + n])
+                        keeps[i](begin + (a - off), [view[a - base : b - base]], again=True)
+            return crc32c(flat[off - base : off - base + n])
 
         if parts[i].ranges is not None:
             crc, agreed = read_until_agreed(first, int(checks.expected[r]), again)
@@ -503,17 +584,6 @@ def _hooked(name: str, tensor, kind: str, stats: bool, spec, where: str) -> tupl
     from engine.numerics.statistics import stats as summarise
 
     return name, out, summarise(tensor) if kind in SUPPORTED_NAMES else None
-
-
-def _release(block, off: int, n: int) -> None:
-    """Give the whole pages of ``[off, off + n)`` of the block back to the system (they read as
-    zeros afterwards); the pages it shares with its neighbours stay."""
-    import mmap
-
-    page = mmap.PAGESIZE
-    a, b = -(-off // page) * page, (off + n) // page * page
-    if b > a and hasattr(mmap, "MADV_DONTNEED"):
-        block.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
 def _check_destinations(parts, layout, targets: Mapping[str, Any], strict: bool, where: str) -> None:

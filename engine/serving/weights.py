@@ -82,6 +82,8 @@ OPTION_DOCS: dict[str, str] = {
     "s3": "URL weights: endpoint_url, region, profile, anonymous",
     "max_header_size": "largest header (and index) accepted, in bytes",
     "stats": "log one line of what the load did: tensors, bytes, seconds, GB/s (default false)",
+    "memory_limit": "host bytes the load may hold beyond the tensors it hands out (an int or a size such as "
+                    "\"256MiB\"; 0: the largest tensor); default: the load's own plan",
     "distributed": "the server's tensor-parallel workers read the checkpoint once between them and send each "
                    "other the bytes (engine.apps.group_load, over the group's gloo side); default: on for URL "
                    "weights on the CPU when there is more than one worker and no cache_dir (with one, each "
@@ -110,6 +112,7 @@ class Options:
     max_header_size: int = MAX_HEADER_SIZE
     stats: bool = False
     distributed: bool | None = None
+    memory_limit: int | None = None
 
     def remote(self) -> dict[str, Any]:
         """The options of :func:`engine.urls.remote_load.stream` that were given."""
@@ -195,6 +198,8 @@ def parse_options(extra: Mapping[str, Any] | None, *, where: str = "--model-load
             kw[key] = _positive_int(key, value)
         elif key in ("chunk_bytes", "slot_bytes"):
             kw[key] = _size(key, value)
+        elif key == "memory_limit":
+            kw[key] = 0 if value == 0 and not isinstance(value, bool) else _size(key, value)
         elif key in ("per_tensor", "stats", "distributed"):
             kw[key] = _flag(key, value)
         elif key == "timeout":
@@ -328,8 +333,10 @@ class Weights:
         ``distributed`` option (default: on for URL weights on the CPU, when the group has more
         than one rank and there is no ``cache_dir``) the workers read the checkpoint once between
         them (:func:`engine.apps.group_load.stream`): host tensors, 1 copy (the read, or the
-        collective's receive) before the server's own; every worker must iterate to the end, and
-        holds the checkpoint's bytes in one host block until then (views the model may keep).
+        collective's receive) before the server's own; every worker must iterate to the end.
+        The tensors are views of one block per round of the exchange, which lives as long as
+        a tensor of it does: a server that copies what it is handed holds the rounds in flight
+        (``memory_limit``), not the checkpoint.
         With ``"distributed": true`` and ``cache_dir`` each worker writes a whole copy.
 
     Raises
@@ -397,7 +404,7 @@ class Weights:
 
             remote = {k: v for k, v in o.remote().items() if k != "max_header_size"} if self.remote else {}
             yield from group_stream(self.source, self.group, framework="pt", max_header_size=o.max_header_size,
-                                    chunk_bytes=o.chunk_bytes, **remote)
+                                    chunk_bytes=o.chunk_bytes, memory_limit=o.memory_limit, **remote)
             return
         if self.remote:
             from engine.urls.remote_load import stream as remote_stream
