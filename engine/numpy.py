@@ -31,7 +31,7 @@ __all__ = ["load_file", "load", "save_file", "save"]
 
 def load_file(
     filename, *, backend: str = "mmap", verify_checksums: bool | None = None, check_finite: bool = False,
-    process_group=None, **remote
+    process_group=None, memory_limit: int | None = None, **remote
 ) -> dict[str, np.ndarray]:
     """Load every tensor of a file, or of a checkpoint, as numpy arrays.
 
@@ -56,6 +56,9 @@ def load_file(
         A ``gloo`` group whose every rank loads the same checkpoint: the group reads it once,
         each rank a share, and every rank returns every array (owned; see
         :func:`engine.torch.load_file` and :mod:`engine.apps.group_load`).
+    memory_limit : int, optional
+        Host bytes the load may hold beyond the arrays it returns (:mod:`engine.planning.memory`):
+        a load reads into its arrays and holds nothing more, so any limit holds.
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -77,7 +80,11 @@ def load_file(
     if process_group is not None:
         from engine.apps.group_load import load as group_load
 
-        return group_load(filename, process_group, framework="numpy", verify_checksums=verify_checksums, **remote)
+        return group_load(filename, process_group, framework="numpy", verify_checksums=verify_checksums,
+                          memory_limit=memory_limit, **remote)
+    from engine.planning.memory import checked
+
+    checked(memory_limit)  # host arrays: a load reads into them and holds nothing more
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the arrays
             from engine.urls.remote_load import load

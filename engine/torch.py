@@ -50,7 +50,7 @@ __all__ = [
 
 def load_file(
     filename, device: str | int | torch.device = "cpu", *, backend: str = "mmap",
-    verify_checksums: bool | None = None, check_finite: bool = False, process_group=None, **remote
+    verify_checksums: bool | None = None, check_finite: bool = False, process_group=None, memory_limit: int | None = None, **remote
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a file, or of a checkpoint, as torch tensors.
 
@@ -83,6 +83,12 @@ def load_file(
         when a floating tensor holds NaN or Inf, counted as the bytes land by the statistics
         kernels (needs Numba; one local file; owned tensors, as :func:`engine.stream` makes
         them, whatever ``backend``).
+    memory_limit : int, optional
+        Host bytes the load may hold beyond the tensors it returns (:mod:`engine.planning.memory`):
+        a host load reads into its tensors and holds nothing more; a CUDA load stages through
+        the ring's page-locked chunks, sized from the limit for a URL (a local file's ring is the
+        default one: a limit below it is an :class:`~engine.errors.OptionError`); a group load's
+        output is its only block.
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -108,7 +114,14 @@ def load_file(
             raise DeviceError(f"process_group= loads to the CPU so far, not {device!r}", reason="UnsupportedDevice")
         from engine.apps.group_load import load as group_load
 
-        return group_load(filename, process_group, verify_checksums=verify_checksums, **remote)
+        return group_load(filename, process_group, verify_checksums=verify_checksums, memory_limit=memory_limit,
+                          **remote)
+    from engine.apps.opener import memory_limit as within
+
+    limited = {"memory_limit": memory_limit}
+    within(limited, torch.device(device if not isinstance(device, int) else f"cuda:{device}").type == "cuda",
+           sizes_ring=is_url(filename))
+    remote.update(limited)  # a URL's device ring sized from the limit
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the tensors
             from engine.urls.remote_load import load

@@ -225,6 +225,7 @@ def load_into(path, tensors: Mapping[str, Any], **options) -> list[str]:
 
         return group_load_into(path, tensors, options.pop("process_group"), **options)
     options.pop("process_group", None)
+    memory_limit(options, _on_device(tensors.values()), sizes_ring=False)
     if is_url(path):
         from engine.urls import remote_load
 
@@ -257,6 +258,8 @@ def stream(path, **options):
     if options.get("process_group") is not None:
         return _group_stream(path, **options)
     options.pop("process_group", None)
+    memory_limit(options, str(options.get("device", "cpu")).partition(":")[0] not in ("cpu", "") and
+                 options.get("framework", "pt") not in ("np", "numpy"))
     if is_url(path):
         from engine.urls import remote_load
 
@@ -282,3 +285,40 @@ def _group_stream(path, *, process_group, framework: str = "pt", device: Any = "
     from engine.apps.group_load import stream as group_stream
 
     return group_stream(path, process_group, framework=framework, **options)
+
+
+def memory_limit(options: dict, on_device: bool, *, sizes_ring: bool = True) -> None:
+    """``memory_limit=`` of a load in one process (:mod:`engine.planning.memory`), checked and
+    taken out of ``options``.  A host load reads into its outputs and stages nothing beyond
+    them, so any limit holds.  A device load stages through the ring's page-locked chunks:
+    where the path takes ``slot_bytes`` (``sizes_ring``) the chunks are sized so that the ring
+    fits the limit; elsewhere a limit below the default ring is an
+    :class:`~engine.errors.OptionError` naming both."""
+    from engine.planning import memory
+
+    limit = memory.checked(options.pop("memory_limit", None))
+    if limit is None or not on_device:
+        return
+    from engine.errors import OptionError
+    from engine.gpu.geometry import default_geometry
+
+    ring = default_geometry()
+    if ring.pinned_bytes <= limit:
+        return
+    least = 4096 * ring.chunks
+    if sizes_ring and limit >= least and not options.get("slot_bytes"):
+        options["slot_bytes"] = limit // ring.chunks // 4096 * 4096
+        return
+    floor = least if sizes_ring else ring.pinned_bytes
+    raise OptionError(f"memory_limit={limit} bytes is below the {floor} bytes of page-locked chunks this device load "
+                      f"stages through{'' if sizes_ring else ' (engine.stream sizes its ring from the limit)'}",
+                      option="memory_limit", reason="MemoryLimitTooLow")
+
+
+def _on_device(tensors) -> bool:
+    """Whether any of ``tensors`` (numpy, torch or CuPy) lives off the host."""
+    for t in tensors:
+        device = getattr(t, "device", None)
+        if device is not None and str(getattr(device, "type", device)) not in ("cpu",):
+            return True
+    return False

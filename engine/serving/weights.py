@@ -427,6 +427,11 @@ class Weights:
         out: dict[str, Any] = {"threads": o.threads}
         if self.on_cuda:
             out.update(per_tensor=o.per_tensor, slot_bytes=o.slot_bytes)
+            if o.memory_limit is not None:  # the ring's chunks sized within the limit
+                from engine.apps.opener import memory_limit
+
+                memory_limit(limited := {"memory_limit": o.memory_limit, "slot_bytes": o.slot_bytes}, True)
+                out["slot_bytes"] = limited.get("slot_bytes")
         return out
 
     def _views(self, files: list[str]) -> Iterator[tuple[str, Any]]:
