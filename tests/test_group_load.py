@@ -276,6 +276,20 @@ def test_an_empty_tensor_whose_recorded_checksum_is_wrong_fails_as_the_plain_loa
     _same_error_everywhere(_ranks(str(path), tmp_path), 0, "ChecksumError", all_failed=True)
 
 
+def test_copies_of_two_revisions_with_one_header_are_refused_on_every_rank(checkpoint, tmp_path):
+    """Rank 1's copy has the same header (names, dtypes, shapes, offsets; no checksums, as most
+    checkpoints) and other bytes in every tensor: every rank refuses, none returns a mix."""
+    root, sd = checkpoint
+    rng = np.random.default_rng(11)
+    engine.save_file(sd, str(tmp_path / "a.safetensors"))
+    engine.save_file({k: rng.standard_normal(v.shape).astype(v.dtype) if v.size else v for k, v in sd.items()},
+                     str(tmp_path / "b.safetensors"))
+    a, b = (tmp_path / "a.safetensors").read_bytes(), (tmp_path / "b.safetensors").read_bytes()
+    assert a[: 8 + int.from_bytes(a[:8], "little")] == b[: 8 + int.from_bytes(b[:8], "little")] and a != b
+    results = _ranks(f"{tmp_path / 'a.safetensors'}|{tmp_path / 'b.safetensors'}", tmp_path)
+    assert [r.get("reason") for r in results] == ["GroupMismatch", "GroupMismatch"], results
+
+
 def test_ranks_given_different_options_fail_at_once(checkpoint, tmp_path):
     """Checksums checked on one rank only would pair different collectives: both ranks refuse."""
     root, sd = checkpoint

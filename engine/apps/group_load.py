@@ -71,9 +71,11 @@ def spans(total: int, world: int) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[tuple[list, Any]]:
-    """The source's files as :class:`engine.loading.loader.Part` (all rows, in file order), and
-    what to call once the load succeeded (a URL's ``cache_dir`` copies are linked into place)."""
+def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[tuple[list, Any, str]]:
+    """The source's files as :class:`engine.loading.loader.Part` (all rows, in file order), what
+    to call once the load succeeded (a URL's ``cache_dir`` copies are linked into place), and
+    what tells this rank's copy of the bytes from another revision with the same header (a
+    URL's ETags; a local file's sampled bytes, :func:`_sampled`)."""
     from engine.loading.loader import Part
 
     spath = os.fspath(source)
@@ -82,7 +84,9 @@ def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[
 
         with open_parts(spath, max_header_size=max_header_size, **remote) as opened:
             ranged = opened.ranged()
-            yield [p._replace(rows=p.header.table.file_order()) for p in ranged.parts], ranged.commit
+            # which version of each file this rank was served: a push between two ranks' opens differs here
+            etags = sorted(str(v) for v in getattr(opened.source, "etags", {}).values())
+            yield [p._replace(rows=p.header.table.file_order()) for p in ranged.parts], ranged.commit, "|".join(etags)
         return
     from engine.base._files import open_regular
     from engine.checkpoints.checkpoint_info import missing_shard, open_layout
@@ -103,7 +107,7 @@ def _parts(source, remote: Mapping[str, Any], max_header_size: int) -> Iterator[
             fds.append(fd)
             header = read_header_fd(fd, path=path, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
             parts.append(Part(fd, header, header.table.file_order(), path))
-        yield parts, lambda: None
+        yield parts, lambda: None, _sampled(parts)
     finally:
         for fd in fds:
             os.close(fd)
@@ -302,7 +306,7 @@ class _Group:
         self.verify = verifying()  # read once: every round of every rank checks the same way
         with contextlib.ExitStack() as stack:
             try:  # everything that can fail on one rank alone, before the first collective
-                parts, commit = stack.enter_context(
+                parts, commit, content = stack.enter_context(
                     _parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
                 if self.select is not None:
                     parts = [p._replace(rows=[r for r in p.rows if self.select(p.header.table.names[r])]) for p in parts]
@@ -336,7 +340,7 @@ class _Group:
                 # the round size this rank can hold; the group agrees on the smallest asked
                 asked = self.bucket if self.staging == "whole" else \
                     memory.rounds(self.limit, largest, self.bucket, self.source)[0]
-                fingerprint = self._fingerprint(parts, layout, total)
+                fingerprint = self._fingerprint(parts, layout, total, content)
                 from engine.sinks._host import host_block
 
                 block = host_block(total) if self.staging == "whole" else None
@@ -352,9 +356,11 @@ class _Group:
             yield from self._rounds(parts, layout, rounds, block, window, pool)
             commit()
 
-    def _fingerprint(self, parts, layout, total: int) -> int:
-        """63 bits of the layout (names, dtypes, shapes, offsets) and of the options every rank
-        must share (ranks that check different things would run different collectives)."""
+    def _fingerprint(self, parts, layout, total: int, content: str = "") -> int:
+        """63 bits of the layout (names, dtypes, shapes, offsets), of what the rank's copy of the
+        bytes is (``content``: two revisions with one header differ there) and of the options
+        every rank must share (ranks that check different things would run different
+        collectives)."""
         from engine.format.checksums import canonical_digest
 
         digest = canonical_digest([n for _, _, n, _, _ in layout],
@@ -365,7 +371,7 @@ class _Group:
 
         # the checksum entries too: ranks that check different things would run different collectives
         entries = hashlib.blake2b("|".join(str((p.header.metadata or {}).get(KEY)) for p in parts).encode()).hexdigest()
-        text = f"{digest}:{total}:{self.verify}:{self.wanted is not None}:{entries}"
+        text = f"{digest}:{total}:{self.verify}:{self.wanted is not None}:{entries}:{content}"
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
     def _agree(self, failed: BaseException | None, fingerprint: int = 0, round_bytes: int = 0) -> int:
@@ -388,8 +394,9 @@ class _Group:
                                        cause=causes[who], reason="GroupReadFailed", path=self.source) from failed
         if int(status[1]) != -int(status[2]):
             raise DistributedLoadError("the ranks of the process group were given different checkpoints or options "
-                                       "(names, dtypes, shapes, offsets, verify_checksums or load_into differ): give "
-                                       "every rank the same", reason="GroupMismatch", path=self.source)
+                                       "(names, dtypes, shapes, offsets, the bytes sampled from each file or its ETag, "
+                                       "verify_checksums or load_into differ): give every rank the same",
+                                       reason="GroupMismatch", path=self.source)
         return -int(status[3])
 
     def _src(self, k: int) -> int:
@@ -619,6 +626,30 @@ def _peers(source) -> Iterator[None]:
     except RuntimeError as exc:  # torch's DistBackendError and gloo's errors are RuntimeErrors
         raise DistributedLoadError(f"a rank of the process group failed or left during the load: {exc}",
                                    cause=str(exc), reason="GroupFailed", path=os.fspath(source)) from exc
+
+
+#: spans of each local file's data region that every rank hashes before a group load: copies of
+#: two revisions of a checkpoint with one header (most record no checksums) differ there
+SAMPLES, SAMPLE_BYTES = 16, 4096
+
+
+def _sampled(parts) -> str:
+    """A digest of :data:`SAMPLES` spans of :data:`SAMPLE_BYTES` spread over each file's data
+    region, and of its size (64 KiB read per file, whatever its size)."""
+    from engine.io.reader import pread_into
+
+    h = hashlib.blake2b(digest_size=16)
+    buf = memoryview(bytearray(SAMPLE_BYTES))
+    for p in parts:
+        size = int(p.header.data_size)
+        h.update(size.to_bytes(8, "little"))
+        for k in range(SAMPLES):
+            at = size * k // SAMPLES
+            n = min(SAMPLE_BYTES, size - at)
+            if n > 0:
+                pread_into(p.fd, p.header.data_start + at, [buf[:n]], path=p.path)
+                h.update(buf[:n])
+    return h.hexdigest()
 
 
 def _layout(parts) -> list[tuple[int, int, str, int, int]]:
