@@ -57,6 +57,25 @@ try:
         got = {}
         for k, v in engine.stream(source, framework=framework, process_group=group, **kw):
             got[k] = v; order.append(k)
+    elif mode.startswith("stop"):  # rank 1's consumer raises (or breaks) after 2 tensors and lives on
+        got = {}
+        for k, v in engine.stream(source, framework=framework, process_group=group, **kw):
+            got[k] = v; order.append(k)
+            if rank == 1 and len(got) == 2:
+                if mode == "stop-break":
+                    break
+                try:
+                    raise ValueError("the consumer's own error")
+                except ValueError:
+                    break
+        if rank == 1:  # alive until the others are done: they must not need this process to exit
+            import glob, time
+            others = [os.path.join(os.path.dirname(out), f"rank{r}.json") for r in range(world) if r != 1]
+            for _ in range(1200):
+                if all(os.path.exists(o) for o in others):
+                    break
+                time.sleep(0.1)
+            order = {"others_done_first": all(os.path.exists(o) for o in others), "got": len(got)}
     elif mode == "into":
         shapes = json.loads(os.environ["GROUP_TEST_SHAPES"])
         devices = os.environ.get("GROUP_TEST_DEVICE", "cpu").split(",")  # one for all, or one per rank
@@ -324,6 +343,29 @@ def test_a_stream_yields_every_tensor_once_on_every_rank(checkpoint, tmp_path):
         assert sorted(got["order"]) == sorted(sd), got
 
 
+@pytest.mark.parametrize("how", ["stop", "stop-break"])
+def test_a_consumer_that_stops_on_one_rank_fails_the_others_while_it_lives_on(checkpoint, tmp_path, how):
+    """3 ranks; rank 1's consumer raises (or breaks out) after its second tensor and its process
+    lives on, as a server's worker does: ranks 0 and 2 raise DistributedLoadError naming rank
+    1 at their next agreement, and finish while rank 1 is still alive."""
+    root, sd = checkpoint
+    opts = {r: {"bucket_bytes": 8192} for r in range(3)}
+    results = _ranks(str(root / "sharded"), tmp_path, world=3, mode=how, framework="numpy", opts=opts)
+    assert results[1]["order"] == {"others_done_first": True, "got": 2}, results[1]
+    for got in (results[0], results[2]):
+        assert got.get("error") == "DistributedLoadError" and got["reason"] == "GroupReadFailed", got
+        assert got["rank"] == 1 and "stopped the load" in got["cause"], got
+
+
+def test_an_option_on_one_rank_only_fails_every_rank(checkpoint, tmp_path):
+    """An option a group load does not take, on rank 1 only: rank 0 is not left in a collective."""
+    root, sd = checkpoint
+    results = _ranks(str(root / "one.safetensors"), tmp_path, opts={1: {"names": ["norm"]}})
+    for got in results:
+        assert got.get("error") == "DistributedLoadError" and got["rank"] == 1 and "TypeError" in got["cause"], got
+    assert results[1]["chained"] == "TypeError"
+
+
 def test_load_into_fills_every_ranks_tensors(checkpoint, tmp_path):
     root, sd = checkpoint
     shapes = {k: [list(v.shape), str(v.dtype)] for k, v in sd.items()}
@@ -447,11 +489,11 @@ def test_a_bad_destination_on_one_rank_fails_every_rank_at_once(checkpoint, tmp_
     _same_error_everywhere(results, 1, "DeviceError")
 
 
-def test_options_a_group_load_does_not_take_are_a_type_error_on_every_rank(checkpoint, tmp_path):
+def test_options_a_group_load_does_not_take_fail_every_rank_naming_the_type_error(checkpoint, tmp_path):
     root, sd = checkpoint
     results = _ranks(str(root / "one.safetensors"), tmp_path, opts={r: {"names": ["norm"]} for r in range(2)})
     for got in results:
-        assert got["error"] == "TypeError" and "names" in got["message"], got
+        assert got["error"] == "DistributedLoadError" and "TypeError" in got["cause"] and "names" in got["cause"], got
 
 
 MEMORY_CHILD = r"""

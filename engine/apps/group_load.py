@@ -43,7 +43,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -181,7 +181,6 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
     next step of the stream, so the rounds' blocks are reused (a tensor-parallel rank keeps its
     shards, not the block); ``_meta``, a dict, gets ``name -> (format dtype, shape)`` of every
     tensor before the first is yielded; ``_staging`` (:class:`_Group`) where the rounds land."""
-    _check_options(source, remote)
     staging = "ring" if _release or _wanted is not None else _staging
     with verification(verify_checksums):
         group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote,
@@ -291,7 +290,7 @@ class _Group:
         self.source, self.group, self.framework, self.remote = os.fspath(source), group, framework, remote
         self.max_header_size, self.bucket = max_header_size, max(1, int(bucket_bytes))
         self.step = max(1, chunk_bytes or _CHUNK)
-        self.staging, self.limit = staging, memory.checked(memory_limit)
+        self.staging, self.limit = staging, memory_limit
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.select, self.quantize = None, None
         self.spec = None  # the quantize spec, checked with the rest before any exchange
@@ -306,6 +305,8 @@ class _Group:
         self.verify = verifying()  # read once: every round of every rank checks the same way
         with contextlib.ExitStack() as stack:
             try:  # everything that can fail on one rank alone, before the first collective
+                _check_options(self.source, self.remote)
+                self.limit = memory.checked(self.limit)
                 parts, commit, content = stack.enter_context(
                     _parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
                 if self.select is not None:
@@ -344,7 +345,7 @@ class _Group:
                 from engine.sinks._host import host_block
 
                 block = host_block(total) if self.staging == "whole" else None
-            except Exception as exc:  # every rank hears of it before any exchange
+            except BaseException as exc:  # every rank hears of it before any exchange
                 self._agree(exc)
                 raise  # (not reached: _agree raised)
             round_bytes = self._agree(None, fingerprint, asked)
@@ -353,8 +354,13 @@ class _Group:
             pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(
                 max(1, min(self.remote.get("connections") or 8, 64)), thread_name_prefix="engine-group"))
             stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # a failed round stops the reads
-            yield from self._rounds(parts, layout, rounds, block, window, pool)
-            commit()
+            failed = yield from self._rounds(parts, layout, rounds, block, window, pool)
+            try:  # a rank's last step (its cache_dir copy linked into place) fails every rank
+                if failed is None:
+                    commit()
+            except BaseException as exc:
+                failed = exc
+            self._agree(failed)  # the last agreement: no rank leaves while another may still fail
 
     def _fingerprint(self, parts, layout, total: int, content: str = "") -> int:
         """63 bits of the layout (names, dtypes, shapes, offsets), of what the rank's copy of the
@@ -390,6 +396,8 @@ class _Group:
             with _peers(self.source):
                 dist.all_gather_object(causes, mine, group=self.group)
             who = next(k for k, c in enumerate(causes) if c is not None)
+            if isinstance(failed, KeyboardInterrupt):  # every other rank hears of it; this one is interrupted
+                raise failed
             raise DistributedLoadError(f"rank {who} of the process group failed: {causes[who]}", rank=who,
                                        cause=causes[who], reason="GroupReadFailed", path=self.source) from failed
         if int(status[1]) != -int(status[2]):
@@ -433,9 +441,11 @@ class _Group:
             out.append(rd)
         return out
 
-    def _rounds(self, parts, layout, rounds: list[_Round], block, window: int, pool) -> Iterator[tuple[str, Any]]:
+    def _rounds(self, parts, layout, rounds: list[_Round], block, window: int,
+                pool) -> Generator[tuple[str, Any], None, BaseException | None]:
         """Read and exchange ``rounds``, ``window`` of them in flight, and yield each round's
-        tensors once its bytes are on every rank."""
+        tensors once its bytes are on every rank; returns a failure of this rank's after the
+        last exchange, for the last agreement."""
         import torch
         import torch.distributed as dist
 
@@ -477,17 +487,18 @@ class _Group:
             self.peak = max(self.peak, held)
 
         ahead = 0
+        pending: BaseException | None = None  # a failure after a round's exchange, agreed at the next
         for j, rd in enumerate(rounds):
             while ahead < min(len(rounds), j + window):  # the window: rounds j .. j + window - 1
                 stage(ahead)
                 ahead += 1
             blk, base, flat, reads = staged.pop(j)
             view = memoryview(flat)
-            failed = None
+            failed, pending = pending, None
             try:
                 for f in reads:
                     f.result()
-                if self.verify:  # read again from a server on a mismatch, before anything of it is sent
+                if self.verify and failed is None:  # read again from a server on a mismatch, before it is sent
                     for i, r, off, n, mine in rd.whole:
                         checks = self.checks_of[i]
                         got = view[off - base : off - base + n]
@@ -502,26 +513,46 @@ class _Group:
                                 read(i, offset, view[a - base : a - base + n], fresh=True)
 
                         verify_received(checks, r, got, again)
-            except Exception as exc:  # every rank hears of it before the round's collectives
-                failed = exc
+            except BaseException as exc:  # every rank hears of it before the round's collectives
+                failed = failed or exc
             self._agree(failed)
             with _peers(self.source):
                 for k, (a, b) in enumerate(rd.cuts):
                     if a < b:
                         dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k), group=self.group)
-            for i, offset, a, n in rd.theirs:
-                keeps[i](offset, [view[a - base : a - base + n]])
+            try:
+                for i, offset, a, n in rd.theirs:
+                    keeps[i](offset, [view[a - base : a - base + n]])
+            except BaseException as exc:  # this rank's cache_dir copy: the others hear of it at the next agreement
+                pending = exc
             if self.verify:
                 for item in rd.split:
                     self._verify_split(item, parts, flat, base, read, keeps)
             for t in range(rd.first, rd.end):
                 i, r, name, off, n = layout[t]
                 if sink is None:
-                    yield name, flat[off - base : off - base + n]
+                    out = flat[off - base : off - base + n]
                 else:
                     table = parts[i].header.table
-                    yield name, sink.view(blk, int(table.codes[r]), table.shapes[r], off - base, n)
+                    out = sink.view(blk, int(table.codes[r]), table.shapes[r], off - base, n)
+                try:
+                    yield name, out
+                except GeneratorExit:  # the consumer raised or left the loop: the others must not wait for it
+                    self._leave()
+                    raise
+                del out
             del blk, flat, view  # a fresh block lives on only in the tensors handed out of it
+        return pending
+
+    def _leave(self) -> None:
+        """This rank stops before the load ended (its consumer raised, broke out of the loop or
+        closed the stream): the others hear of it at their next agreement, which is this one's
+        last collective, and raise; this rank only closes."""
+        try:
+            self._agree(_Stopped(f"rank {self.rank}'s consumer stopped the load (it raised, or left the loop) "
+                                 "before its end"))
+        except DistributedLoadError:
+            pass
 
     def _verify_split(self, item, parts, flat, base: int, read, keeps) -> None:
         """Check a tensor that several ranks read, on every rank (the same bytes everywhere,
@@ -573,6 +604,10 @@ class _Group:
         raise DistributedLoadError(f"a tensor read by rank(s) {who} failed its checksum on every rank: {err}",
                                    rank=owners[0][0] if len(owners) == 1 else None, cause=f"ChecksumError: {err}",
                                    reason="GroupReadFailed", path=self.source, tensors=err.tensors) from err
+
+
+class _Stopped(Exception):
+    """Why a rank left a group load before its end (what the other ranks are told)."""
 
 
 def _hooked(name: str, tensor, kind: str, stats: bool, spec, where: str) -> tuple:
