@@ -43,6 +43,9 @@ framework, members, mode = sys.argv[6], [int(x) for x in sys.argv[7].split(",")]
 opts = json.loads(os.environ.get("GROUP_TEST_OPTS", "{}")).get(str(rank), {})  # options of this rank
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 group = dist.group.WORLD if len(members) == world else dist.new_group(members)  # every rank makes it
+if os.environ.get("GROUP_TEST_BACKEND"):  # the group as another backend makes it (its collectives are not gloo's)
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    group = dist.new_group(members, backend=os.environ["GROUP_TEST_BACKEND"])
 if rank not in members:  # not in the group: loads nothing
     with open(out, "w") as f:
         json.dump({"outside": True}, f)
@@ -161,6 +164,15 @@ def _ranks(source: str, tmp_path, world: int = 2, framework: str = "pt", members
 def test_every_rank_returns_every_tensor_of_a_local_checkpoint(checkpoint, tmp_path, where, framework):
     root, sd = checkpoint
     for got in _ranks(str(root / where), tmp_path, framework=framework):
+        assert got.get("tensors") == _digests(sd), got
+
+
+def test_a_group_of_another_backend_loads_over_a_gloo_group_of_its_ranks(checkpoint, tmp_path):
+    """The group given is not gloo's (torch's "fake" backend, whose collectives do nothing: the
+    stand-in on a CPU host for an NCCL group, whose collectives need CUDA tensors): the ranks
+    agree and exchange over a gloo group of the same ranks, and every rank has every tensor."""
+    root, sd = checkpoint
+    for got in _ranks(str(root / "sharded"), tmp_path, env={"GROUP_TEST_BACKEND": "fake"}):
         assert got.get("tensors") == _digests(sd), got
 
 

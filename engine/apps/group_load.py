@@ -34,7 +34,9 @@ stream consumed to its end), as with any collective.
 
 Copies of tensor bytes: 1 on the rank that reads a byte (page cache or socket -> its round's
 block), 1 on every other rank (the collective's receive into its block); :func:`load_into`
-adds one (block -> the destination, host or CUDA).  Host blocks over ``gloo``.
+adds one (block -> the destination, host or CUDA).  Host blocks over ``gloo``: a group of
+another backend (NCCL, whose collectives take CUDA tensors only) is served by a gloo group of
+the same ranks, made once by its members.
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
     source : str or os.PathLike
         The same on every rank: a file, an index, a folder or a URL.
     process_group : torch.distributed.ProcessGroup
-        ``gloo`` (host tensors); ``torch.distributed.group.WORLD`` or a sub-group.
+        ``torch.distributed.group.WORLD`` or a sub-group, of any backend: the load's
+        collectives run on a gloo group of its ranks where it is not gloo's (host tensors).
     framework : {"pt", "numpy"}
     verify_checksums : bool, optional
         Check the CRC-32C the files record (default True): a tensor in one bucket on the rank
@@ -287,6 +290,7 @@ class _Group:
         import torch.distributed as dist
 
         self.wanted = wanted  # load_into's (destinations, strict, targets filled here)
+        group = _gloo_of(group)
         self.source, self.group, self.framework, self.remote = os.fspath(source), group, framework, remote
         self.max_header_size, self.bucket = max_header_size, max(1, int(bucket_bytes))
         self.step = max(1, chunk_bytes or _CHUNK)
@@ -604,6 +608,26 @@ class _Group:
         raise DistributedLoadError(f"a tensor read by rank(s) {who} failed its checksum on every rank: {err}",
                                    rank=owners[0][0] if len(owners) == 1 else None, cause=f"ChecksumError: {err}",
                                    reason="GroupReadFailed", path=self.source, tensors=err.tensors) from err
+
+
+#: the gloo group of each non-gloo group's ranks (by the group's name), made once
+_GLOO: dict[str, Any] = {}
+
+
+def _gloo_of(group):
+    """``group`` where it is gloo's (or the default group is and ``group`` is None), else a
+    gloo group of the same ranks, made once per group by its members alone
+    (``use_local_synchronization``): the agreements and the host bytes of a group load go over
+    it, since an NCCL group's collectives take CUDA tensors only."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "gloo":
+        return group
+    name = dist._get_process_group_name(group) if group is not None else "default"
+    if name not in _GLOO:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        _GLOO[name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _GLOO[name]
 
 
 class _Stopped(Exception):
