@@ -183,6 +183,34 @@ def _broadcast_url_worker(rank, world, port, url, path, out_dir):
         dist.destroy_process_group()
 
 
+def _subgroup_worker(rank, world, port, path, out_dir):
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # a launcher's word that says nothing of this group's nodes
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        group = dist.new_group([2, 3])  # every rank makes it; only 2 and 3 load
+        if rank in (2, 3):
+            plan = llama_plan(CONFIG, world_size=2)
+            got = load_tensor_parallel(path, plan, mode="broadcast", process_group=group)
+            want = load_tensor_parallel(path, plan, rank=rank - 2, world_size=2)
+            same = sorted(got) == sorted(want) and all(
+                torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+            with open(os.path.join(out_dir, f"sub-rank{rank}.json"), "w") as f:
+                json.dump({"same": same}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_broadcast_mode_in_a_tensor_parallel_group_of_ranks_2_and_3(llama_file, tmp_path):
+    """A TP group {2, 3} in a world of 4 (one host, LOCAL_WORLD_SIZE=1): the node is found by host
+    name, no group is made that ranks 0 and 1 would have to enter, and both ranks get the shards
+    of the direct load."""
+    path, sd = llama_file
+    mp.spawn(_subgroup_worker, args=(4, _free_port(), path, str(tmp_path)), nprocs=4, join=True, start_method="spawn")
+    for rank in (2, 3):
+        assert json.loads((tmp_path / f"sub-rank{rank}.json").read_text()) == {"same": True}
+
+
 def test_broadcast_mode_reads_a_urls_bytes_once_per_node(llama_file, tmp_path):
     """Two ranks in broadcast mode over HTTP: each ends with the shards of the direct load, and
     the server is asked for every tensor byte once in all."""

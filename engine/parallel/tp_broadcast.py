@@ -1,7 +1,7 @@
 """Tensor-parallel loading, broadcast mode: the ranks of each node read the checkpoint once
 between them, as a group load does (:func:`engine.apps.group_load.stream`: each rank an equal
-span, sent to the others in 64 MiB buckets round by round), and each rank keeps only its shard
-of every tensor, the block's pages given back as each tensor is cut.  Over NCCL (device
+share of each round of whole tensors, sent to the others round by round), and each rank keeps
+only its shard of every tensor, the rounds' two blocks reused as each round is cut.  Over NCCL (device
 tensors) the node's first rank reads every tensor and hands the shards out with ``scatter``
 and ``broadcast``, one collective per tensor, moving raw bytes so that every dtype works.
 
@@ -26,21 +26,36 @@ from engine.planning.sharding_plan import Replicate, shard_index, shard_shape
 __all__ = ["load_broadcast"]
 
 
+#: node-local groups made so far: (the group's name, the node's global ranks) -> group
+_NODES: dict[tuple[str, tuple[int, ...]], object] = {}
+
+
 def _node_group(world_size: int, process_group):
-    """(group of this node, global rank of its reader) from LOCAL_WORLD_SIZE."""
+    """(the group of this rank's node within ``process_group``, the global rank of its reader).
+
+    Nodes are found by host name (one ``all_gather_object`` over a gloo group of the ranks),
+    not by ``LOCAL_WORLD_SIZE`` or contiguous ranks, which SLURM's ``srun`` and ``mpirun`` do
+    not give; a node's group is made once, by its members alone; the reader is the node's first
+    rank, as a global rank."""
+    import socket
+
     import torch.distributed as dist
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if local >= world_size or world_size % local:
-        return process_group, 0
-    me = dist.get_rank(process_group)
-    mine = None
-    for node in range(world_size // local):
-        ranks = list(range(node * local, (node + 1) * local))
-        group = dist.new_group(ranks)  # every rank must create every group, in the same order
-        if me in ranks:
-            mine = (group, ranks[0])
-    return mine
+    from engine.apps.group_load import _gloo_of
+
+    control = _gloo_of(process_group)
+    hosts: list[str | None] = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=control)
+    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else list(range(world_size))
+    me = ranks[dist.get_rank(process_group)]
+    node = tuple(r for r, h in zip(ranks, hosts, strict=True) if h == hosts[ranks.index(me)])
+    if len(node) == len(ranks):
+        return process_group, ranks[0]
+    name = dist._get_process_group_name(process_group) if process_group is not None else "default"
+    if (name, node) not in _NODES:
+        _NODES[name, node] = dist.new_group(list(node), backend=dist.get_backend(process_group),
+                                            use_local_synchronization=True)
+    return _NODES[name, node], node[0]
 
 
 def load_broadcast(path, plan, rank, world_size, process_group, device, names, remote=None):
@@ -48,7 +63,7 @@ def load_broadcast(path, plan, rank, world_size, process_group, device, names, r
 
     if not dist.is_initialized():
         raise ShardingError("mode='broadcast' needs an initialised torch.distributed", reason="NoProcessGroup")
-    group, reader = _node_group(world_size, process_group)
+    group, reader = _node_group(dist.get_world_size(process_group), process_group)
     local_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
     local_rank = local_ranks.index(dist.get_rank())
     if dist.get_backend(group) == "nccl":
