@@ -39,6 +39,15 @@ source = source.split("|")[rank] if "|" in source else source  # a source per ra
 if os.environ.get("GROUP_TEST_DIE") == str(rank):  # this rank dies in its reads, as a killed process does
     import engine.io.reader
     engine.io.reader.pread_into = lambda *a, **k: os._exit(3)
+if os.environ.get("GROUP_TEST_STALL") == str(rank):  # this rank's reads hang, as on a stalled mount
+    import threading, time
+    import engine.io.reader
+    _pread = engine.io.reader.pread_into
+    def _stalled(*a, **k):
+        if threading.current_thread().name.startswith("engine-group"):
+            time.sleep(30)
+        return _pread(*a, **k)
+    engine.io.reader.pread_into = _stalled
 framework, members, mode = sys.argv[6], [int(x) for x in sys.argv[7].split(",")], sys.argv[8]
 opts = json.loads(os.environ.get("GROUP_TEST_OPTS", "{}")).get(str(rank), {})  # options of this rank
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -326,6 +335,19 @@ def test_ranks_given_different_options_fail_at_once(checkpoint, tmp_path):
     root, sd = checkpoint
     results = _ranks(str(root / "one.safetensors"), tmp_path, opts={1: {"verify_checksums": False}})
     assert [r["reason"] for r in results] == ["GroupMismatch", "GroupMismatch"], results
+
+
+def test_a_read_stalled_past_the_deadline_fails_every_rank(checkpoint, tmp_path):
+    """Rank 1's reads hang (30 s, as on a stalled network mount) and ``read_deadline`` is 1 s:
+    both ranks raise naming rank 1 and the deadline, and rank 1 does not wait for its stuck
+    reader to end first."""
+    root, sd = checkpoint
+    results = _ranks(str(root / "one.safetensors"), tmp_path, opts={r: {"read_deadline": 1.0} for r in (0, 1)},
+                     env={"GROUP_TEST_STALL": "1"})
+    for got in results:
+        assert got.get("error") == "DistributedLoadError" and got["rank"] == 1, got
+        assert "read_deadline=1 s" in got["cause"], got
+    assert results[1]["threads_left"] != [], results[1]  # its reader is still stuck, left behind
 
 
 def test_a_rank_that_dies_mid_load_makes_the_others_raise(checkpoint, tmp_path):

@@ -45,6 +45,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import os
+import time
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -60,6 +61,9 @@ __all__ = ["load", "stream", "load_into", "BUCKET_BYTES", "spans"]
 #: bytes of a round (each rank sends its share): large enough that a collective's fixed cost is
 #: paid per MiBs, small enough that two rounds in flight stay a small part of a model
 BUCKET_BYTES = 32 << 20
+#: seconds one rank's reads of one round may take before every rank gives up on the load: a
+#: read stuck on a hung network mount fails the group instead of leaving it waiting
+READ_DEADLINE = 600.0
 #: each tensor's offset in the block (as an owned load's: any dtype's alignment)
 _ALIGN = 64
 #: the most bytes of one read of a rank's span (a request within its deadline; the reads of a
@@ -135,6 +139,10 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
     bucket_bytes : int, optional
         The most bytes of a round (default :data:`BUCKET_BYTES`; a larger tensor is a round
         of its own); the ranks use the smallest any of them gives.
+    read_deadline : float or None, optional
+        Seconds one rank's reads of one round may take (default :data:`READ_DEADLINE`; None:
+        no deadline): past it every rank raises, naming that rank, instead of waiting on a
+        stalled file system or server.
     memory_limit : int, optional
         Host bytes the load may hold beyond its outputs (:mod:`engine.planning.memory`): an
         owned load reads into its output and holds nothing more; :func:`stream` and
@@ -166,7 +174,8 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
 
 def stream(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
            max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
-           stats: bool = False, quantize=None, memory_limit: int | None = None, _wanted=None, _select=None,
+           stats: bool = False, quantize=None, memory_limit: int | None = None,
+           read_deadline: float | None = READ_DEADLINE, _wanted=None, _select=None,
            _release: bool = False, _meta=None, _staging: str = "fresh", **remote) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's round of
     the exchange lands; options, errors and copies as :func:`load`.  Every rank must consume
@@ -188,7 +197,7 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
     with verification(verify_checksums):
         group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote,
                        staging, memory_limit)
-        group.select, group.quantize, group.meta = _select, quantize, _meta
+        group.select, group.quantize, group.meta, group.deadline = _select, quantize, _meta, read_deadline
         for name, tensor in group:
             yield _hooked(name, tensor, group.meta[name][0], stats, group.spec, group.source) \
                 if stats or group.spec is not None else (name, tensor)
@@ -302,6 +311,8 @@ class _Group:
         self.checks_of: list = []  # each file's Checks, or None
         self.meta: dict[str, tuple[str, tuple]] = {}  # name -> (format dtype, shape), file order
         self.peak = 0  # the most bytes of round blocks this rank held at once (whole: the block)
+        self.deadline: float | None = READ_DEADLINE  # seconds a round's reads may take on this rank
+        self.stalled = False  # a read passed the deadline: its thread is left, not joined
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         from engine.format.header import MAX_HEADER_SIZE
@@ -355,9 +366,10 @@ class _Group:
             round_bytes = self._agree(None, fingerprint, asked)
             rounds = self._plan(parts, layout, round_bytes)
             window = len(rounds) if self.staging == "whole" else memory.in_flight(self.limit, round_bytes, largest)
-            pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(
-                max(1, min(self.remote.get("connections") or 8, 64)), thread_name_prefix="engine-group"))
-            stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # a failed round stops the reads
+            pool = concurrent.futures.ThreadPoolExecutor(max(1, min(self.remote.get("connections") or 8, 64)),
+                                                         thread_name_prefix="engine-group")
+            # a failed round stops the reads; a read stuck past the deadline (a hung mount) is left behind
+            stack.callback(lambda: pool.shutdown(wait=not self.stalled, cancel_futures=True))
             failed = yield from self._rounds(parts, layout, rounds, block, window, pool)
             try:  # a rank's last step (its cache_dir copy linked into place) fails every rank
                 if failed is None:
@@ -500,8 +512,14 @@ class _Group:
             view = memoryview(flat)
             failed, pending = pending, None
             try:
+                due = None if self.deadline is None else time.monotonic() + self.deadline
                 for f in reads:
-                    f.result()
+                    try:
+                        f.result(None if due is None else max(0.0, due - time.monotonic()))
+                    except concurrent.futures.TimeoutError:
+                        self.stalled = True
+                        raise TimeoutError(f"rank {self.rank}'s reads of a round took more than read_deadline="
+                                           f"{self.deadline:g} s (a stalled file system or server)") from None
                 if self.verify and failed is None:  # read again from a server on a mismatch, before it is sent
                     for i, r, off, n, mine in rd.whole:
                         checks = self.checks_of[i]
