@@ -538,10 +538,11 @@ class _Group:
             except BaseException as exc:  # every rank hears of it before the round's collectives
                 failed = failed or exc
             self._agree(failed)
-            with _peers(self.source):
-                for k, (a, b) in enumerate(rd.cuts):
-                    if a < b:
-                        dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k), group=self.group)
+            with _peers(self.source):  # every share's broadcast in flight at once: the links work together
+                works = [dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k), group=self.group,
+                                        async_op=True) for k, (a, b) in enumerate(rd.cuts) if a < b]
+                for work in works:
+                    work.wait()
             try:
                 for i, offset, a, n in rd.theirs:
                     keeps[i](offset, [view[a - base : a - base + n]])
