@@ -211,6 +211,60 @@ def test_broadcast_mode_in_a_tensor_parallel_group_of_ranks_2_and_3(llama_file, 
         assert json.loads((tmp_path / f"sub-rank{rank}.json").read_text()) == {"same": True}
 
 
+def _per_tensor_worker(rank, world, port, path, out_dir, fail):
+    import engine.parallel.tp_broadcast as tb
+    from engine.errors import DistributedLoadError
+
+    tb.PER_TENSOR_BACKENDS = frozenset({"gloo"})  # NCCL's path, whose collectives gloo runs on the CPU
+    if fail and rank == 0:  # the reader fails on its third tensor
+        real = tb.open_torch
+
+        def failing(*a, **k):
+            handle = real(*a, **k)
+            got, calls = handle.get_tensor, []
+
+            def get_tensor(name):
+                calls.append(name)
+                if len(calls) == 3:
+                    raise OSError("the reader's disk went away")
+                return got(name)
+
+            handle.get_tensor = get_tensor
+            return handle
+
+        tb.open_torch = failing
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        plan = llama_plan(CONFIG, world_size=world)
+        try:
+            got = load_tensor_parallel(path, plan, mode="broadcast")
+            want = load_tensor_parallel(path, plan, rank=rank, world_size=world)
+            result = {"same": sorted(got) == sorted(want) and all(
+                torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)}
+        except DistributedLoadError as exc:
+            result = {"error": exc.reason, "rank": exc.rank, "cause": exc.cause}
+        with open(os.path.join(out_dir, f"pt-rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_per_tensor_path_agrees_before_each_collective(llama_file, tmp_path, fail):
+    """Broadcast mode's per-tensor path (NCCL's, run here on gloo): both ranks get the direct
+    load's shards; a reader that fails on its third tensor fails both ranks, naming it, instead of
+    leaving rank 1 in a scatter that never comes."""
+    path, sd = llama_file
+    mp.spawn(_per_tensor_worker, args=(2, _free_port(), path, str(tmp_path), fail), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"pt-rank{r}.json").read_text()) for r in range(2)]
+    if not fail:
+        assert got == [{"same": True}] * 2, got
+    else:
+        for g in got:
+            assert g["error"] == "GroupReadFailed" and g["rank"] == 0 and "disk went away" in g["cause"], g
+
+
 def test_broadcast_mode_reads_a_urls_bytes_once_per_node(llama_file, tmp_path):
     """Two ranks in broadcast mode over HTTP: each ends with the shards of the direct load, and
     the server is asked for every tensor byte once in all."""

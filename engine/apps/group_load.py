@@ -397,31 +397,9 @@ class _Group:
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
     def _agree(self, failed: BaseException | None, fingerprint: int = 0, round_bytes: int = 0) -> int:
-        """Every rank learns whether any failed (and then which, and why), and whether all saw
-        the same checkpoint: no rank goes on to a collective that another will never reach.
-        Returns the smallest ``round_bytes`` any rank gave (each rank's memory limit holds it)."""
-        import torch
-        import torch.distributed as dist
-
-        status = torch.tensor([int(failed is not None), fingerprint, -fingerprint, -round_bytes], dtype=torch.int64)
-        with _peers(self.source):
-            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
-        if int(status[0]):
-            causes: list[str | None] = [None] * self.world
-            mine = None if failed is None else f"{type(failed).__name__}: {failed}"
-            with _peers(self.source):
-                dist.all_gather_object(causes, mine, group=self.group)
-            who = next(k for k, c in enumerate(causes) if c is not None)
-            if isinstance(failed, KeyboardInterrupt):  # every other rank hears of it; this one is interrupted
-                raise failed
-            raise DistributedLoadError(f"rank {who} of the process group failed: {causes[who]}", rank=who,
-                                       cause=causes[who], reason="GroupReadFailed", path=self.source) from failed
-        if int(status[1]) != -int(status[2]):
-            raise DistributedLoadError("the ranks of the process group were given different checkpoints or options "
-                                       "(names, dtypes, shapes, offsets, the bytes sampled from each file or its ETag, "
-                                       "verify_checksums or load_into differ): give every rank the same",
-                                       reason="GroupMismatch", path=self.source)
-        return -int(status[3])
+        """:func:`agree` on this load's group; returns the smallest ``round_bytes`` any rank
+        gave (each rank's memory limit holds it)."""
+        return agree(self.group, self.source, failed, fingerprint, round_bytes)
 
     def _src(self, k: int) -> int:
         """The global rank of the group's rank ``k`` (what ``broadcast`` takes)."""
@@ -627,6 +605,41 @@ class _Group:
         raise DistributedLoadError(f"a tensor read by rank(s) {who} failed its checksum on every rank: {err}",
                                    rank=owners[0][0] if len(owners) == 1 else None, cause=f"ChecksumError: {err}",
                                    reason="GroupReadFailed", path=self.source, tensors=err.tensors) from err
+
+
+def agree(group, source, failed: BaseException | None, fingerprint: int = 0, least: int = 0) -> int:
+    """Every rank of ``group`` (gloo's) learns whether any failed (and then which, and why), and
+    whether all saw the same checkpoint (``fingerprint``): no rank goes on to a collective that
+    another will never reach.  Returns the smallest ``least`` any rank gave.
+
+    Raises
+    ------
+    DistributedLoadError
+        On every rank: ``"GroupReadFailed"`` naming the first rank that failed and its cause,
+        ``"GroupMismatch"`` where the fingerprints differ, ``"GroupFailed"`` where a rank left.
+    """
+    import torch
+    import torch.distributed as dist
+
+    status = torch.tensor([int(failed is not None), fingerprint, -fingerprint, -least], dtype=torch.int64)
+    with _peers(source):
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
+    if int(status[0]):
+        causes: list[str | None] = [None] * dist.get_world_size(group)
+        mine = None if failed is None else f"{type(failed).__name__}: {failed}"
+        with _peers(source):
+            dist.all_gather_object(causes, mine, group=group)
+        who = next(k for k, c in enumerate(causes) if c is not None)
+        if isinstance(failed, KeyboardInterrupt):  # every other rank hears of it; this one is interrupted
+            raise failed
+        raise DistributedLoadError(f"rank {who} of the process group failed: {causes[who]}", rank=who,
+                                   cause=causes[who], reason="GroupReadFailed", path=os.fspath(source)) from failed
+    if int(status[1]) != -int(status[2]):
+        raise DistributedLoadError("the ranks of the process group were given different checkpoints or options "
+                                   "(names, dtypes, shapes, offsets, the bytes sampled from each file or its ETag, "
+                                   "verify_checksums or load_into differ): give every rank the same",
+                                   reason="GroupMismatch", path=os.fspath(source))
+    return -int(status[3])
 
 
 #: the gloo group of each non-gloo group's ranks (by the group's name), made once

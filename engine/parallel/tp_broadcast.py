@@ -26,6 +26,9 @@ from engine.planning.sharding_plan import Replicate, shard_index, shard_shape
 __all__ = ["load_broadcast"]
 
 
+#: backends whose collectives take device tensors: the reader hands each tensor's shards out
+PER_TENSOR_BACKENDS = frozenset({"nccl"})
+
 #: node-local groups made so far: (the group's name, the node's global ranks) -> group
 _NODES: dict[tuple[str, tuple[int, ...]], object] = {}
 
@@ -66,7 +69,7 @@ def load_broadcast(path, plan, rank, world_size, process_group, device, names, r
     group, reader = _node_group(dist.get_world_size(process_group), process_group)
     local_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
     local_rank = local_ranks.index(dist.get_rank())
-    if dist.get_backend(group) == "nccl":
+    if dist.get_backend(group) in PER_TENSOR_BACKENDS:
         return _per_tensor(path, plan, group, reader, local_ranks, local_rank, device, names, remote)
     from engine.apps.group_load import stream
 
@@ -93,31 +96,50 @@ def _shard(whole: torch.Tensor, name: str, shape, action, rank: int, world: int)
 def _per_tensor(path, plan, group, reader, local_ranks, local_rank, device, names, remote):
     """Broadcast mode over NCCL: the node's first rank reads each tensor and scatters its
     shards from the device, one collective per tensor (the group load is host-side for now)."""
+    import hashlib
+
     import torch.distributed as dist
 
+    from engine.apps.group_load import _gloo_of, agree
+
+    control = _gloo_of(group)  # the agreements, on host tensors
     out: dict[str, torch.Tensor] = {}
-    handle = open_torch(path, "pread", remote) if dist.get_rank() == reader else None
+    handle = None
     try:
-        # every rank walks the same tensors in the same order; the reader reuses its open handle
-        keys, shapes, dtype_of = _catalogue(handle if handle is not None else path, remote)
+        try:  # every rank walks the same tensors in the same order; the reader reuses its open handle
+            handle = open_torch(path, "pread", remote) if dist.get_rank() == reader else None
+            keys, shapes, dtype_of = _catalogue(handle if handle is not None else path, remote)
+            text = "|".join(f"{k}:{tuple(shapes[k])}:{dtype_of[k]}" for k in keys)
+            fingerprint = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+        except BaseException as exc:
+            agree(control, path, exc)
+            raise
+        agree(control, path, None, fingerprint)
         for name in keys:
             if names is not None and not names(name):
                 continue
             action = plan.action(name)
             shape, dt = shapes[name], dtype_of[name]
             pieces_of = [shard_index(name, shape, action, r, len(local_ranks)) for r in range(len(local_ranks))]
-            whole = handle.get_tensor(name).to(device) if handle is not None else None
+            failed = whole = None
+            try:  # each rank's part of the step; the collective only once every rank's is done
+                whole = handle.get_tensor(name).to(device) if handle is not None else None
+                if isinstance(action, Replicate):
+                    buf = _bytes_of(whole) if whole is not None else torch.empty(
+                        _nbytes(shape, dt), dtype=torch.uint8, device=device)
+                else:
+                    mine_shape = shard_shape(shape, action, pieces_of[local_rank])
+                    recv = torch.empty(_nbytes(mine_shape, dt), dtype=torch.uint8, device=device)
+                    scatter_list = None
+                    if whole is not None:
+                        scatter_list = [_bytes_of(_assemble(whole, action, pieces)) for pieces in pieces_of]
+            except BaseException as exc:
+                failed = exc
+            agree(control, path, failed)
             if isinstance(action, Replicate):
-                buf = _bytes_of(whole) if whole is not None else torch.empty(
-                    _nbytes(shape, dt), dtype=torch.uint8, device=device)
                 dist.broadcast(buf, src=reader, group=group)
                 out[name] = buf.view(dt).view(shape)
                 continue
-            mine_shape = shard_shape(shape, action, pieces_of[local_rank])
-            recv = torch.empty(_nbytes(mine_shape, dt), dtype=torch.uint8, device=device)
-            scatter_list = None
-            if whole is not None:
-                scatter_list = [_bytes_of(_assemble(whole, action, pieces)) for pieces in pieces_of]
             dist.scatter(recv, scatter_list, src=reader, group=group)
             out[name] = recv.view(dt).view(mine_shape)
     finally:
