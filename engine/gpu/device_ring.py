@@ -81,6 +81,10 @@ class DeviceOps(Protocol):
     def address(self, target) -> int:
         """The device address of a byte target."""
 
+    # optional: ``fence_again()`` records the fence again, on the calling thread's current
+    # stream, between the ring runs of one load (engine.loading.load_hooks' windows): the next
+    # run's copies then also wait for the work queued there since
+
 
 UNMAPS = ("end", "chunk")
 

@@ -202,6 +202,7 @@ class LoadWork:
                     self._stats_kind[r] = kind
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
         self._targets: Staging | None = None
+        self._device_ops: Any = None  # the load's DeviceOps (destination()): its fence is recorded per window
         self._empty = _allocator(sink) if self.on_device else None
         self._gpu = gpu_of(sink)  # "cuda" without an index was resolved by the sink, on the caller's thread
         self._streams = threading.local()
@@ -232,6 +233,7 @@ class LoadWork:
         plain = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows
                  if r not in staged]
         tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
+        self._device_ops = ops
         sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
         self._targets = Staging(targets, sizes, self._empty)
         hooked = bool(self._stats_kind) or bool(sizes)
@@ -258,6 +260,17 @@ class LoadWork:
             self._stage(fresh)
             yield window
             self.gather()
+            self._fence_again()
+
+    def _fence_again(self) -> None:
+        """After a window's work is queued: the consumer's fence recorded again on this
+        thread's current stream, so that the next window's copies wait for it.  The fallback's
+        operations still read the window's scratch there when it is freed, and a caching
+        allocator hands its block to the next window's staging at once (its reuse is ordered
+        on that stream only, not on the ring's)."""
+        again = getattr(self._device_ops, "fence_again", None)
+        if again is not None:
+            again()
 
     def _stage(self, rows: list[int]) -> None:
         """Before a window's ring run: one scratch allocation for its tensors to quantize,

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,12 @@ class Emulator:
         self.lib.emu_contexts.restype = ctypes.c_int64
         self.lib.emu_launch_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t,
                                              ctypes.c_int64]
+        self.lib.emu_launch_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                             ctypes.c_int64]
+        self.lib.emu_alloc.argtypes = [ctypes.c_size_t, ctypes.c_void_p]
+        self.lib.emu_alloc.restype = ctypes.c_void_p
+        self.lib.emu_free.argtypes = [ctypes.c_void_p]
+        self.lib.emu_pool_reused.restype = ctypes.c_int64
         self.lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
         self.lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         self.lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
@@ -119,6 +126,31 @@ class Emulator:
         ``seconds``, every byte of ``target`` (a numpy array, "device memory") set to ``value``."""
         arr = np.frombuffer(target, np.uint8)
         assert self.lib.emu_launch_fill(stream or None, arr.ctypes.data, value, arr.nbytes, int(seconds * 1e9)) == 0
+
+    def launch_copy(self, stream: int, target, source: int, seconds: float) -> None:
+        """A kernel stand-in that reads, queued on ``stream``: after ``seconds``, the bytes at
+        device address ``source`` copied into ``target`` (a numpy array or CPU tensor), read
+        when the stream runs it, as a framework's queued operation reads its operands."""
+        arr = np.frombuffer(target, np.uint8) if not hasattr(target, "data_ptr") else None
+        dst = arr.ctypes.data if arr is not None else target.data_ptr()
+        n = arr.nbytes if arr is not None else target.numel() * target.element_size()
+        assert self.lib.emu_launch_copy(stream or None, dst, source, n, int(seconds * 1e9)) == 0
+
+    def pool_empty(self, nbytes: int, stream: int = 0) -> np.ndarray:
+        """``nbytes`` of "device memory" from the emulated caching allocator, for ``stream``
+        (0: the default stream), as a uint8 array: when the array and every view of it are
+        gone the block goes back to the stream's pool at once, and the next allocation of its
+        size for that stream gets it, whatever work queued elsewhere still uses it."""
+        p = self.lib.emu_alloc(nbytes, stream or None)
+        if not p:
+            raise MemoryError(f"the emulated allocator cannot give {nbytes} bytes")
+        memory = (ctypes.c_uint8 * max(nbytes, 1)).from_address(p)
+        weakref.finalize(memory, self.lib.emu_free, p)  # every view of the array keeps it alive
+        return np.frombuffer(memory, np.uint8)[:nbytes]
+
+    def pool_reused(self) -> int:
+        """Allocations the caching allocator served from a freed block since the last reset."""
+        return int(self.lib.emu_pool_reused())
 
     def synchronize(self, stream: int) -> int:
         return int(self.lib.cudaStreamSynchronize(stream or None))
@@ -205,6 +237,7 @@ class EmulatedRingOps:
         # the consumer's fence, on its stream (0: the device's default stream; 2: this
         # thread's own; None: none), recorded here on the thread that makes the ops, as the
         # framework's ops record theirs
+        self.consumer = consumer
         self.fence = emulator.fence(consumer, device) if consumer is not None else None
 
     def runtime_path(self) -> str:
@@ -217,6 +250,12 @@ class EmulatedRingOps:
 
     def consumer_fence(self) -> int | None:
         return self.fence
+
+    def fence_again(self) -> None:
+        """The fence recorded again on the consumer's stream, now, from the calling thread."""
+        if self.fence is not None:
+            with self.emulator.on_device(self.device_index):
+                assert self.emulator.lib.cudaEventRecord(self.fence, self.consumer or None) == 0
 
     def address(self, target) -> int:
         return int(np.frombuffer(target, np.uint8).ctypes.data) if len(target) else 0

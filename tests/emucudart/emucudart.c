@@ -19,7 +19,9 @@
  * (cudaStreamPerThread) the calling thread's own; cudaStreamWaitEvent orders a
  * stream after an event; a "kernel" (emu_launch_fill) writes device memory later, on a
  * consumer's stream; an asynchronous fault is sticky: every later call returns it;
- * cudaHostRegister takes page-aligned ranges only and may be given a cost per MiB.
+ * cudaHostRegister takes page-aligned ranges only and may be given a cost per MiB; a
+ * framework's caching allocator (emu_alloc / emu_free) hands a freed block to the next
+ * allocation for its stream at once, while work queued elsewhere may still use it.
  *
  * Controls for the tests (emu_*): delays, copies that do nothing (to time the ring alone),
  * a copy or a registration that fails (at issue or, like a fault on the device, when it
@@ -50,7 +52,7 @@ enum {
 
 typedef struct op {
     struct op *next;
-    int kind; /* 0 copy, 1 event record, 2 wait for an event, 3 a kernel that fills memory */
+    int kind; /* 0 copy, 1 event record, 2 wait for an event, 3 a kernel that fills (or copies) memory */
     int value;
     int64_t delay_ns;
     void *dst;
@@ -120,6 +122,7 @@ static cudaError_t g_sticky;         /* an asynchronous failure: later calls ret
  * live, copies queued at most, events recorded */
 static int64_t g_copies, g_bytes, g_pageable, g_wrong_device, g_streams, g_events, g_max_queued,
     g_queued, g_records, g_registers;
+static int64_t g_pool_reused; /* allocations served from a freed block of the caching allocator */
 
 static void sleep_ns(int64_t ns) {
     struct timespec ts = {ns / 1000000000, ns % 1000000000};
@@ -240,7 +243,11 @@ static void *stream_main(void *arg) {
         } else {
             if (o->delay_ns)
                 sleep_ns(o->delay_ns);
-            if (!g_sticky)
+            /* a kernel reads its source only when it runs: memory freed meanwhile may have
+               been handed out and written again (see the caching allocator below) */
+            if (!g_sticky && o->src)
+                memcpy(o->dst, o->src, o->n);
+            else if (!g_sticky)
                 memset(o->dst, o->value, o->n);
         }
         free(o);
@@ -684,6 +691,7 @@ void emu_reset(void) {
         g_ctx_made[d] = 0;
     }
     g_copies = g_bytes = g_pageable = g_wrong_device = g_max_queued = g_records = g_registers = 0;
+    g_pool_reused = 0;
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -717,6 +725,80 @@ cudaError_t emu_launch_fill(stream_t *s, void *dst, int value, size_t n, int64_t
     return queue_op(s, 3, dst, NULL, n, 0, value, delay_ns);
 }
 void emu_fail_event_record_after(int64_t n) { g_fail_event_after = n; }
+
+/* a kernel stand-in that reads: on stream s, after delay_ns, copies n bytes from src to dst
+ * (src is read then, not now: as a framework's queued operation reads its operands) */
+cudaError_t emu_launch_copy(stream_t *s, void *dst, const void *src, size_t n, int64_t delay_ns) {
+    need_ctx();
+    s = resolve(s);
+    if (g_sticky)
+        return sticky();
+    return queue_op(s, 3, dst, src, n, 0, 0, delay_ns);
+}
+
+/* ---- a framework's caching allocator (torch's, CuPy's pool), stream-ordered ---------------
+ * A block freed goes back at once to the pool of the stream it was allocated for, whatever
+ * is still queued on other streams that reads or writes it, and the next allocation of the
+ * same rounded size for that stream gets it back: safe for work on that stream (it runs in
+ * order), not for another stream's (a ring's copies) unless that stream waits for an event
+ * recorded after the last work on the block. */
+#define POOL_ROUND 512
+typedef struct block {
+    struct block *next;
+    void *p;
+    size_t n;
+    stream_t *stream;
+} block_t;
+static block_t *g_pool_free, *g_pool_used;
+
+void *emu_alloc(size_t n, stream_t *s) {
+    size_t r = (n + POOL_ROUND - 1) / POOL_ROUND * POOL_ROUND;
+    if (!r)
+        r = POOL_ROUND;
+    pthread_mutex_lock(&g_lock);
+    block_t **at = &g_pool_free, *b = NULL;
+    for (; *at; at = &(*at)->next)
+        if ((*at)->n == r && (*at)->stream == s) {
+            b = *at;
+            *at = b->next;
+            g_pool_reused++;
+            break;
+        }
+    pthread_mutex_unlock(&g_lock);
+    if (!b) {
+        b = calloc(1, sizeof *b);
+        if (!b || posix_memalign(&b->p, 256, r)) {
+            free(b);
+            return NULL;
+        }
+        b->n = r;
+        b->stream = s;
+    }
+    pthread_mutex_lock(&g_lock);
+    b->next = g_pool_used;
+    g_pool_used = b;
+    pthread_mutex_unlock(&g_lock);
+    return b->p;
+}
+
+/* back to its stream's pool, at once (0: not a block of the pool) */
+int emu_free(void *p) {
+    pthread_mutex_lock(&g_lock);
+    for (block_t **at = &g_pool_used; *at; at = &(*at)->next)
+        if ((*at)->p == p) {
+            block_t *b = *at;
+            *at = b->next;
+            b->next = g_pool_free;
+            g_pool_free = b;
+            pthread_mutex_unlock(&g_lock);
+            return 1;
+        }
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+/* allocations served from a freed block since the last reset */
+int64_t emu_pool_reused(void) { return g_pool_reused; }
 
 /* out[0..9]: copies, bytes, pageable copies, copies from a thread on another device, regions
  * registered now, streams live, events live, most copies queued at once, event records,

@@ -1,0 +1,53 @@
+"""The emulated CUDA runtime's own behaviour where the tests of the device path rely on it
+being as strict as a driver and a framework's allocator (tests/emucudart)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from emucudart import Emulator
+
+
+@pytest.fixture(scope="module")
+def emu():
+    e = Emulator()
+    e.reset()
+    return e
+
+
+def test_a_freed_block_goes_to_the_next_allocation_for_its_stream_at_once(emu):
+    emu.reset()
+    stream = emu.new_stream()
+    try:
+        a = emu.pool_empty(5000)
+        view = a[100:200]
+        where = a.ctypes.data
+        del a
+        b = emu.pool_empty(5000)  # a view still holds the first block
+        assert b.ctypes.data != where and emu.pool_reused() == 0
+        del view
+        c = emu.pool_empty(4700)  # the same rounded size, the same stream: the freed block
+        assert c.ctypes.data == where and emu.pool_reused() == 1
+        del c
+        d = emu.pool_empty(4700, stream)  # another stream's pool: a block of its own
+        assert d.ctypes.data != where and emu.pool_reused() == 1
+        del b, d
+    finally:
+        emu.destroy_stream(stream)
+
+
+def test_a_queued_read_reads_when_its_stream_runs_it(emu):
+    """A block handed out again while a slow operation queued before still reads it: the
+    operation reads the new owner's bytes (as on a device, where nothing orders the two)."""
+    emu.reset()
+    src = emu.pool_empty(4096)
+    src[:] = 1
+    out = np.zeros(4096, np.uint8)
+    emu.launch_copy(0, out, src.ctypes.data, 0.5)
+    where = src.ctypes.data
+    del src  # freed now (reference counting): back to the pool
+    again = emu.pool_empty(4096)
+    assert again.ctypes.data == where
+    again[:] = 2  # the next owner writes before the queued read has run
+    assert emu.synchronize(0) == 0
+    assert (out == 2).all()
