@@ -324,6 +324,14 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             lock_calls=int(run["lock_calls"]), cold=cold, setup_s=setup_s, source=source, unmap=unmap,
             pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable,
             network_bytes=int(run["net_bytes"]), reported=landing.reported, report_s=landing.seconds, hooked=hooked)
+        if kind == 0 and (fillers is None or fillers.error() is None):
+            # the last tensors (their kernels too) before the record is published, while the
+            # load still holds the ring: a tensor read again after a failed checksum is put on
+            # the device through it, which a ring given back may be closed under
+            t0 = time.perf_counter()
+            landing.upto(len(c_file))
+            record = dataclasses.replace(record, reported=landing.reported,
+                                         report_s=landing.seconds + time.perf_counter() - t0)
     finally:
         arrays.clear()
         later = []
@@ -351,8 +359,5 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         publish(record)
         cancel.set()
         return record.as_dict()
-    t0 = time.perf_counter()
-    landing.upto(len(c_file))  # the last tensors (their kernels too) before the record is published
-    record = dataclasses.replace(record, reported=landing.reported, report_s=landing.seconds + time.perf_counter() - t0)
     publish(record)
     return record.as_dict()
