@@ -812,3 +812,58 @@ def test_registration_takes_page_aligned_ranges_and_costs_time(layout, ops, emu)
     _check(layout, dst)
     assert records[-1].lock_calls == 0 and not records[-1].pageable
     assert emu.stats()["registrations"] == 4  # slot 0, then blocks of 1, 2 and 4 chunks
+
+
+@pytest.mark.parametrize("busy", ["copying", "page-locking"])
+def test_an_exit_with_device_work_in_flight_ends_it_before_the_runtime_is_torn_down(tmp_path, busy):
+    """The interpreter exits while a daemon thread's load is copying (slow copies, its issuing
+    thread never taking the GIL to poll) or a ring is being page-locked ahead of a load (slow
+    registrations): the engine's exit hook cancels the run natively, waits for it and for the
+    set-up, and closes the rings, so that no thread calls the runtime during its teardown (the
+    emulator ends the process with status 86 when one does)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import engine.numpy
+
+    path = tmp_path / "big.safetensors"
+    engine.numpy.save_file({f"w{i}": np.full(1 << 20, i, np.uint8) for i in range(16)}, path)
+    work = {
+        "copying": f"""
+emu.delay(0.004)
+device_ring.POLL_SECONDS = 1000.0
+def work():
+    started.set()
+    for _ in engine.stream({str(path)!r}, framework="np", device="cuda"):
+        pass
+""",
+        "page-locking": """
+emu.register_cost(0.1)
+def work():
+    started.set()
+    device_ring.prepare(sink.ops)
+""",
+    }[busy]
+    code = f"""
+import sys, threading, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import engine, engine.loading.loader
+from engine.gpu import device_ring
+from emucudart import EmulatedRingOps, EmulatedSink, Emulator
+emu = Emulator()
+emu.reset()
+sink = EmulatedSink(EmulatedRingOps(emu))
+engine.loading.loader.get_sink = lambda framework, device: sink
+started = threading.Event()
+{work}
+threading.Thread(target=work, daemon=True).start()
+started.wait(30)
+time.sleep(0.3)
+print("exiting", flush=True)
+"""
+    ring = "0.0625,4,2" if busy == "copying" else "1,16,2"
+    env = dict(os.environ, ENGINE_RING=ring, EMUCUDART_TEARDOWN_MS="1000")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["exiting"], out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -51,3 +51,30 @@ def test_a_queued_read_reads_when_its_stream_runs_it(emu):
     again[:] = 2  # the next owner writes before the queued read has run
     assert emu.synchronize(0) == 0
     assert (out == 2).all()
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_call_during_the_runtimes_teardown_ends_the_process(late):
+    """The runtime's library destructor at exit takes ``EMUCUDART_TEARDOWN_MS``; a thread that
+    calls an entry point meanwhile ends the process with status 86, as such a call crashes a
+    real one; a process whose threads are quiet by then exits as it would."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import ctypes, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from emucudart import Emulator
+emu = Emulator()
+if {late}:  # a native thread: an interpreter's thread ends at its next try to take the GIL
+    emu.lib.emu_call_every(ctypes.c_int64(10_000_000))
+    time.sleep(0.05)
+"""
+    env = dict(os.environ, EMUCUDART_TEARDOWN_MS="300")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    if late:
+        assert out.returncode == 86 and "during the runtime's teardown" in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr

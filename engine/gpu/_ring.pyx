@@ -536,6 +536,16 @@ cdef class ChunkRing:
             pthread_cond_broadcast(&st.run_cond)
             pthread_mutex_unlock(&st.lock)
 
+    def stop(self) -> None:
+        """Stop the run in progress from another thread, natively (no GIL needed by the run
+        to see it): it returns as cancelled once its issued copies have completed.  The exit
+        hook of :mod:`engine.gpu.device_ring` calls it; nothing happens between runs."""
+        cdef _State* st = self.st
+        if st == NULL or not self.busy:
+            return
+        with nogil:
+            _fail(st, 4, 0, 0, 0, 0)
+
     def memory(self) -> memoryview:
         """The chunks' host memory, writable (``chunks * chunk_bytes`` bytes; slot ``s`` at
         ``s * chunk_bytes``), for external fillers.  Valid until :meth:`close`: drop every

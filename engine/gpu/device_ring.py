@@ -34,6 +34,7 @@ Rings are set up, kept between loads and closed by :mod:`engine.gpu.rings`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -157,6 +158,82 @@ def flush_unmaps() -> None:
     CLOSER.flush()
 
 
+class _Runs:
+    """The device loads and ring set-ups in flight, for the exit hook (:func:`_at_exit`)."""
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """None in flight (also a forked child's start: the runs are the parent's threads')."""
+        self.cond = threading.Condition()
+        self.live: dict[int, dict] = {}
+        self.exiting = False
+
+    def enter(self, cancel: threading.Event | None) -> dict:
+        """A run starts (its ``ring`` set once it has one); DeviceError once the
+        interpreter is exiting."""
+        entry: dict = {"cancel": cancel, "ring": None}
+        with self.cond:
+            if self.exiting:
+                raise DeviceError("the interpreter is exiting: no device load starts now")
+            self.live[id(entry)] = entry
+        return entry
+
+    def given_back(self, entry: dict) -> None:
+        """The run's ring is about to be given back (the reaper may close it then): it is
+        never stopped from here on (under the lock :meth:`stop` holds while it stops rings)."""
+        with self.cond:
+            entry["ring"] = None
+
+    def leave(self, entry: dict) -> None:
+        with self.cond:
+            self.live.pop(id(entry), None)
+            self.cond.notify_all()
+
+    def stop(self, timeout: float) -> bool:
+        """No run starts from now on; each one in flight is cancelled (natively: a run
+        whose issuing thread waits for no GIL stops too) and waited for, at most ``timeout``
+        seconds.  True when none is left."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            self.exiting = True
+            while self.live:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                for entry in self.live.values():
+                    if entry["cancel"] is not None:
+                        entry["cancel"].set()
+                    if entry["ring"] is not None:
+                        entry["ring"].stop()  # again each time: a run that was starting resets it
+                self.cond.wait(min(left, 0.05))
+        return True
+
+
+RUNS = _Runs()
+
+#: seconds the exit hook waits for the runs in flight (a cancelled run waits for its issued
+#: copies; a ring's page-locking ahead of a load is not cancelled, only waited for)
+EXIT_WAIT_SECONDS = 10.0
+
+
+def _at_exit() -> None:
+    """At interpreter exit, before the CUDA runtime's own teardown (its library's exit
+    handlers run after the interpreter's): every device load in flight on a daemon thread is
+    cancelled and waited for, a ring being set up too, and every ring closed, so that no
+    thread of the engine calls the runtime while it is torn down.  Runs before
+    :mod:`engine.gpu.rings`' own hook (registered after it)."""
+    RUNS.stop(EXIT_WAIT_SECONDS)
+    KEPT.release()
+    KEPT.settle(EXIT_WAIT_SECONDS)
+
+
+atexit.register(_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=RUNS.forget)
+
+
 def supports(ops) -> bool:
     """Whether a device framework's operations can drive the ring."""
     return all(hasattr(ops, m) for m in ("runtime_path", "ring_stream", "address")) and hasattr(ops, "device_index")
@@ -186,15 +263,20 @@ def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, 
         return None if background else (0.0, 0)
 
     def setup():
-        ring = None
+        ring = entry = None
         try:
+            entry = RUNS.enter(None)
             ring = new_ring(ops, g)
             return ring.lock_all()
         finally:
-            if ring is None:
-                KEPT.drop(key)
-            elif not KEPT.give(key, ring, linger=linger):
-                ring.close()
+            try:
+                if ring is None:
+                    KEPT.drop(key)
+                elif not KEPT.give(key, ring, linger=linger):
+                    ring.close()
+            finally:
+                if entry is not None:
+                    RUNS.leave(entry)
 
     if not background:
         return setup()
@@ -266,12 +348,15 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     lens = np.zeros(len(sources), np.int64)
     keeps = np.zeros(len(sources), np.uint8)
     key = _ring_key(ops, g)
+    entry = RUNS.enter(cancel)  # left in the finally below, once the ring is given back
     t_ring = time.perf_counter()
     ring, cold = KEPT.take(key)
     fillers = None
     try:
         if ring is None:
             ring, cold = new_ring(ops, g), True
+        with RUNS.cond:
+            entry["ring"] = ring
         setup_s = time.perf_counter() - t_ring
         for i in used:
             fds[i] = sources[i].fd
@@ -341,8 +426,12 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             else:
                 close_mapping(m)  # None, a kept mapping given back, or one "chunk" emptied as it went
         CLOSER.close(later)
-        if ring is not None and not KEPT.give(key, ring):
-            ring.close()
+        RUNS.given_back(entry)
+        try:
+            if ring is not None and not KEPT.give(key, ring):
+                ring.close()
+        finally:
+            RUNS.leave(entry)
     if kind == 1:
         src = sources[int(c_file[chunk])]
         check_read((code, at, missing), "the load", src.path, src.fd)  # raises: code is an errno or -1

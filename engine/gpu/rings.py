@@ -46,6 +46,7 @@ class _Kept:
         self.cond = threading.Condition()
         self.rings: dict = {}  # key -> [ring or None while pending, expiry (monotonic) or None]
         self.reaper: threading.Thread | None = None
+        self.closing = 0  # rings the reaper is closing now
 
     def take(self, key):
         """``(ring or None, waited)``: the ring kept for ``key``, and whether it was still
@@ -107,8 +108,19 @@ class _Kept:
                     times = [t for r, t in self.rings.values() if r is not None and t is not None]
                     self.cond.wait(max(0.01, min(times) - now) if times else None)
                     continue
+                self.closing += len(expired)
             for ring in expired:
-                ring.close()
+                try:
+                    ring.close()
+                finally:
+                    with self.cond:
+                        self.closing -= 1
+                        self.cond.notify_all()
+
+    def settle(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until the reaper closes no ring."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.closing, timeout)
 
     def release(self) -> None:
         with self.cond:

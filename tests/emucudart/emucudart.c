@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int cudaError_t;
 enum {
@@ -152,9 +153,35 @@ static void make_primary(int d) {
 
 static int current_ctx(void) { return t_ctx && t_ctx_gen == g_ctx_gen ? t_ctx : 0; }
 
+/* the runtime's teardown at process exit (its library destructor, after the interpreter's
+ * atexit hooks): a thread that calls it meanwhile or after crashes a real process; here it
+ * ends the process with status 86, naming the entry point */
+static volatile int g_down;
+
+static void check_up(const char *what) {
+    if (g_down) {
+        static const char msg[] = "emucudart: a CUDA call during the runtime's teardown at exit: ";
+        ssize_t w = write(2, msg, sizeof msg - 1);
+        w += write(2, what, strlen(what));
+        w += write(2, "\n", 1);
+        (void)w;
+        _exit(86);
+    }
+}
+
+/* EMUCUDART_TEARDOWN_MS: how long the teardown takes (a real one destroys contexts): the
+ * window in which another thread's call is caught */
+__attribute__((destructor)) static void teardown(void) {
+    g_down = 1;
+    const char *ms = getenv("EMUCUDART_TEARDOWN_MS");
+    if (ms && atoi(ms) > 0)
+        sleep_ns((int64_t)atoi(ms) * 1000000);
+}
+
 /* the device of the context current to this thread; a call that needs one on a thread with
  * none binds (and, the first time, makes) the primary context of the thread's device */
 static int need_ctx(void) {
+    check_up("a call that needs a context");
     int c = current_ctx();
     if (c)
         return c - 1;
@@ -355,6 +382,7 @@ int cuCtxGetCurrent(context_t **out) {
 }
 
 int cuCtxSetCurrent(context_t *ctx) {
+    check_up("cuCtxSetCurrent");
     if (ctx && (ctx < g_contexts || ctx >= g_contexts + MAX_DEVICES || !g_primary[ctx->device]))
         return 201; /* CUDA_ERROR_INVALID_CONTEXT */
     t_ctx = ctx ? ctx->device + 1 : 0;
@@ -384,6 +412,7 @@ int cuDevicePrimaryCtxRelease(int dev) { return dev < 0 || dev >= g_devices ? 10
 
 /* ``ctx`` current, the one before kept below it; the thread's runtime device is untouched */
 int cuCtxPushCurrent(context_t *ctx) {
+    check_up("cuCtxPushCurrent");
     if (!ctx || ctx < g_contexts || ctx >= g_contexts + MAX_DEVICES || !g_primary[ctx->device])
         return 201;
     if (t_depth == MAX_STACK)
@@ -397,6 +426,7 @@ int cuCtxPushCurrent(context_t *ctx) {
 }
 
 int cuCtxPopCurrent(context_t **out) {
+    check_up("cuCtxPopCurrent");
     if (t_depth == 0)
         return 201;
     int was = current_ctx();
@@ -484,6 +514,7 @@ cudaError_t cudaStreamCreateWithFlags(stream_t **out, unsigned int flags) {
 cudaError_t cudaStreamCreate(stream_t **out) { return cudaStreamCreateWithFlags(out, 0); }
 
 cudaError_t cudaStreamSynchronize(stream_t *s) {
+    check_up("cudaStreamSynchronize");
     s = resolve(s);
     /* the idle check and the wait under g_lock, so the stream's wake cannot fall between them
        (it cost a lost millisecond per synchronisation, which a real stream does not) */
@@ -795,6 +826,23 @@ int emu_free(void *p) {
         }
     pthread_mutex_unlock(&g_lock);
     return 0;
+}
+
+/* a thread of the process's own (no interpreter) that calls the runtime every ns until the
+ * process ends: a call during the teardown at exit, for the emulator's own test of it */
+static void *calling(void *arg) {
+    for (;;) {
+        sleep_ns((int64_t)(intptr_t)arg);
+        event_t *e = NULL;
+        cudaEventQuery(e);
+    }
+    return NULL;
+}
+
+void emu_call_every(int64_t ns) {
+    pthread_t t;
+    if (pthread_create(&t, NULL, calling, (void *)(intptr_t)ns) == 0)
+        pthread_detach(t);
 }
 
 /* allocations served from a freed block since the last reset */
