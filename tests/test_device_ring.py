@@ -867,3 +867,46 @@ print("exiting", flush=True)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.split() == ["exiting"], out.stderr[-2000:]
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _mapping_of(address: int, maps: str = "/proc/self/smaps") -> dict | None:
+    """The mapping of this process holding ``address``: its range and VmFlags, or None."""
+    found = None
+    with open(maps) as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found = {"range": (lo, hi)} if lo <= address < hi else None
+                if found is not None and maps.endswith("/maps"):
+                    return found
+            elif found is not None and line.startswith("VmFlags:"):
+                found["flags"] = line.split()[1:]
+                return found
+    return None
+
+
+def test_the_rings_chunks_are_not_inherited_by_a_forked_child(ops, emu):
+    """The chunks are page-locked and read by the device's DMA: a forked child gets none of
+    them (``MADV_DONTFORK``), so that the parent's writes after a fork land in the pages the
+    DMA reads, not in copies made for the child, on any kernel or driver."""
+    ring = rings.new_ring(ops, _SMALL)
+    try:
+        view = np.frombuffer(ring.memory(), np.uint8)
+        address = view.ctypes.data
+        mapping = _mapping_of(address)
+        assert mapping is not None and "dc" in mapping["flags"], mapping  # "do not copy on fork"
+        assert mapping["range"][1] - address >= ring.chunks * ring.chunk_bytes
+        del view
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                code = 0 if _mapping_of(address, "/proc/self/maps") is None else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the child inherited the chunks"
+    finally:
+        ring.close()
+    _clean(emu)

@@ -64,6 +64,7 @@ cdef extern from "<sys/mman.h>" nogil:
     void* MAP_FAILED
 
 cdef enum:
+    _MADV_DONTFORK = 10
     _MADV_HUGEPAGE = 14
 
 cdef size_t _HUGE = 2 << 20
@@ -73,11 +74,11 @@ cdef class ChunkRing:
     """``chunks`` page-locked chunks of ``chunk_bytes`` and ``threads`` native copy threads on
     one device and stream of a :class:`Runtime`; :meth:`run` moves one load through them.
 
-    The chunks are one anonymous mapping (huge pages where the kernel offers them),
-    page-locked in blocks (slot 0, then blocks twice the size of the one before: 6 calls for
-    32 chunks) by the copy thread that first fills a slot of the block, or all at once ahead
-    of the first load by :meth:`lock_all`, and unlocked by :meth:`close`, which also joins the
-    threads and destroys the events.  One run at a time.
+    The chunks are one anonymous mapping (huge pages where the kernel offers them; a forked
+    child inherits none of it), page-locked in blocks (slot 0, then blocks twice the size of
+    the one before: 6 calls for 32 chunks) by the copy thread that first fills a slot of the
+    block, or all at once ahead of the first load by :meth:`lock_all`, and unlocked by
+    :meth:`close`, which also joins the threads and destroys the events.  One run at a time.
     """
 
     cdef Runtime runtime
@@ -145,6 +146,12 @@ cdef class ChunkRing:
         self.mem = mem
         self.st.base = <uint8_t*>((<uintptr_t>mem + _HUGE - 1) & ~(<uintptr_t>_HUGE - 1))
         madvise(self.st.base, self.nbytes, _MADV_HUGEPAGE)
+        # a forked child gets none of the chunks: where a kernel or driver does not copy
+        # page-locked pages at fork, the parent's next writes would land in copies made for the
+        # child while the DMA reads the originals (the child cannot use the ring anyway)
+        if madvise(mem, self.mapped, _MADV_DONTFORK) != 0:
+            self.close()
+            raise RuntimeError("cannot keep the ring's chunks out of forked children (madvise MADV_DONTFORK)")
         try:
             self.st.ctx = <void*><uintptr_t>runtime.primary_context(device)
         except RuntimeError:
