@@ -40,16 +40,12 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
 
     emu = Emulator()
     emu.reset()
-    stream = emu.new_stream()
 
     class Ops(torch_sink.TorchCudaOps):
         device_index = 0  # a CPU device has no CUDA index
 
         def runtime_path(self):
             return emu.path
-
-        def ring_stream(self):
-            return stream, None
 
     ops = Ops(torch.device("cpu"))
     rng = np.random.default_rng(5)
@@ -70,9 +66,9 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
     finally:
         os.close(fd)
         rings.release_rings()
-        emu.destroy_stream(stream)
     st = emu.stats()
     assert st["copies"] > 0 and st["pageable"] == 0 and st["registered"] == 0 and st["events"] == 0
+    assert st["streams"] == 0  # the ring's own, destroyed with it
 
 
 # -- which libcudart: the framework's CUDA major --------------------------------------------------

@@ -62,6 +62,7 @@ def _clean(emu) -> None:
     assert st["events"] == 0, st      # every event destroyed
     assert st["pageable"] == 0, st    # every copy from page-locked chunks
     assert st["wrong_device"] == 0, st
+    assert st["streams"] == 0, st     # every ring's own stream destroyed with it
 
 
 _SMALL = Geometry(64 * 1024, 4, 2)
@@ -909,4 +910,38 @@ def test_the_rings_chunks_are_not_inherited_by_a_forked_child(ops, emu):
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the child inherited the chunks"
     finally:
         ring.close()
+    _clean(emu)
+
+
+def test_the_rings_copies_never_wait_behind_other_work_on_a_frameworks_pool_stream(layout, emu):
+    """A framework's stream for the ring may be one of its pool's, handed out round-robin to
+    others too (torch's ``torch.cuda.Stream()``: ProcessGroupNCCL draws from the same pool): a
+    collective queued there whose peer waits for this load must not hold back the load's
+    copies or its end.  The ring copies on a stream of its own."""
+    emu.reset()
+    rings.release_rings()  # no ring kept from another test: this load sets one up
+    pool = emu.new_stream(0)
+
+    class PoolOps(EmulatedRingOps):
+        def ring_stream(self):  # what the framework hands out: the stream the collective is on
+            return pool, None
+
+    ops = PoolOps(emu)
+    flag = np.zeros(1, np.int32)
+    emu.wait_flag(pool, flag)  # the collective: runs until its peer answers, after this load
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(_load(layout, ops)[0]), daemon=True)
+    try:
+        worker.start()
+        worker.join(20)
+        finished = not worker.is_alive()
+    finally:
+        flag[0] = 1  # the peer answers
+        worker.join(30)
+        assert emu.synchronize(pool) == 0
+        rings.release_rings()
+        ops.close()
+        emu.destroy_stream(pool, 0)
+    assert finished, "the load waited behind the collective on a shared stream"
+    _check(layout, done[0])
     _clean(emu)

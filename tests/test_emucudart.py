@@ -3,6 +3,8 @@ being as strict as a driver and a framework's allocator (tests/emucudart)."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from emucudart import Emulator
@@ -78,3 +80,26 @@ if {late}:  # a native thread: an interpreter's thread ends at its next try to t
         assert out.returncode == 86 and "during the runtime's teardown" in out.stderr
     else:
         assert out.returncode == 0, out.stderr
+
+
+def test_work_behind_a_spinning_kernel_waits_for_its_flag(emu):
+    emu.reset()
+    stream = emu.new_stream()
+    try:
+        flag = np.zeros(1, np.int32)
+        src = np.full(64, 7, np.uint8)
+        out = np.zeros(64, np.uint8)
+        emu.wait_flag(stream, flag)
+        emu.launch_copy(stream, out, src.ctypes.data, 0.0)
+        fence = emu.fence(stream, 0)
+        try:
+            assert emu.lib.cudaEventQuery(ctypes.c_void_p(fence)) == 600  # not ready: held behind the flag
+            emu.last_error()
+            assert not out.any()
+            flag[0] = 1
+            assert emu.synchronize(stream) == 0
+            assert (out == 7).all()
+        finally:
+            emu.destroy_event(fence)
+    finally:
+        emu.destroy_stream(stream)

@@ -37,7 +37,8 @@ cdef extern from "<dlfcn.h>" nogil:
 ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
                 "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
                 "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
-                "cudaGetErrorString", "cudaStreamWaitEvent", "cudaMemcpy")
+                "cudaGetErrorString", "cudaStreamWaitEvent", "cudaMemcpy", "cudaStreamCreateWithFlags",
+                "cudaStreamDestroy")
 #: the driver's entry points a ring calls (after ENTRY_POINTS in _Rt): looked up in the runtime's
 #: library first (the emulated one has them), else in the driver's, which every CUDA process maps
 DRIVER_ENTRY_POINTS = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",

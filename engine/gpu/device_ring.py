@@ -24,10 +24,10 @@ of the interpreter anyway; nothing else runs in Python per chunk.
 
 What a device framework provides (its :class:`DeviceOps`, :mod:`engine.sinks`): the path of the
 CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``, resolved on the
-caller's thread), a stream (``ring_stream()`` -> ``(handle, owner)``), the consumer's fence
-(``consumer_fence()``: an event recorded on the caller's current stream when the operations
-were made, which the copies wait for) and the device address of a target (``address(target)``).  The ring is the one device path: nothing else moves bytes to a
-device.
+caller's thread), the consumer's fence (``consumer_fence()``: an event recorded on the caller's
+current stream when the operations were made, which the copies wait for) and the device address
+of a target (``address(target)``).  The ring copies on a stream of its own.  The ring is the one
+device path: nothing else moves bytes to a device.
 
 Rings are set up, kept between loads and closed by :mod:`engine.gpu.rings`.
 """
@@ -69,9 +69,6 @@ class DeviceOps(Protocol):
 
     def runtime_path(self) -> str | None:
         """The path of the ``libcudart`` the framework loaded (None: none found)."""
-
-    def ring_stream(self):
-        """A stream of the load's own: ``(cudaStream_t, the framework's object owning it)``."""
 
     def consumer_fence(self) -> int | None:
         """An event (``cudaEvent_t``) recorded on the caller's current stream on the device
@@ -236,7 +233,7 @@ if hasattr(os, "register_at_fork"):
 
 def supports(ops) -> bool:
     """Whether a device framework's operations can drive the ring."""
-    return all(hasattr(ops, m) for m in ("runtime_path", "ring_stream", "address")) and hasattr(ops, "device_index")
+    return all(hasattr(ops, m) for m in ("runtime_path", "address")) and hasattr(ops, "device_index")
 
 
 def consumer_fence(ops) -> int | None:

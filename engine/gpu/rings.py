@@ -15,7 +15,7 @@ import time
 import weakref
 
 from engine.errors import DeviceError
-from engine.gpu.cudart import on_device, runtime
+from engine.gpu.cudart import runtime
 from engine.gpu.geometry import Geometry
 
 __all__ = ["LINGER_SECONDS", "keep_rings", "keep_staging", "locked_bytes", "release_rings"]
@@ -188,8 +188,8 @@ if hasattr(os, "register_at_fork"):
 
 def new_ring(ops, g: Geometry):
     """A ring of geometry ``g`` on ``ops``'s device (:class:`engine.gpu._ring.ChunkRing`: its
-    threads started and events made; its chunks page-locked on first use), on a stream of the
-    framework's; :class:`~engine.errors.DeviceError` where the runtime is missing or refuses."""
+    threads started, its stream and events made; its chunks page-locked on first use);
+    :class:`~engine.errors.DeviceError` where the runtime is missing or refuses."""
     from engine.gpu import _ring
 
     path = ops.runtime_path()
@@ -200,11 +200,11 @@ def new_ring(ops, g: Geometry):
     except OSError as exc:
         raise DeviceError(str(exc)) from exc
     try:
-        # on the ring's device, the thread left as it was: a framework's stream made on one of
-        # the engine's threads (the prepare thread, a stream's worker) makes no context on GPU 0
-        with on_device(rt, ops.device_index):
-            stream, owner = ops.ring_stream()
-        ring = _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
+        # a stream of the ring's own (stream 0), made and destroyed by the ring in its device's
+        # context: a framework's pool stream may be shared with other work (torch hands out 32
+        # per device round-robin, NCCL's among them), which the ring's copies and its final
+        # synchronisation would then wait behind
+        ring = _ring.ChunkRing(rt, ops.device_index, 0, g.chunk_bytes, g.chunks, g.threads)
     except RuntimeError as exc:
         raise DeviceError(f"cannot set up the copy ring: {exc}") from exc
     _LIVE.add(ring)

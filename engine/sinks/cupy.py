@@ -79,12 +79,6 @@ class CupyOps:
     def device_index(self) -> int:
         return int(self.device.id)
 
-    def ring_stream(self):
-        """A stream of the load's own on the device: ``(cudaStream_t, the CuPy object)``."""
-        with self.device:
-            stream = cupy.cuda.Stream(non_blocking=True)
-        return stream.ptr, stream
-
     def address(self, target) -> int:
         return int(target.data.ptr)
 

@@ -279,11 +279,6 @@ class TorchCudaOps:
         if self._fence is not None:
             self._fence.record(torch.cuda.current_stream(self.device))
 
-    def ring_stream(self):
-        """A stream of the load's own on the device: ``(cudaStream_t, the torch object)``."""
-        stream = torch.cuda.Stream(device=self.device)
-        return stream.cuda_stream, stream
-
     def address(self, target: torch.Tensor) -> int:
         return target.data_ptr()
 

@@ -64,6 +64,7 @@ class Emulator:
                                              ctypes.c_int64]
         self.lib.emu_launch_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                              ctypes.c_int64]
+        self.lib.emu_launch_wait_flag.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self.lib.emu_alloc.argtypes = [ctypes.c_size_t, ctypes.c_void_p]
         self.lib.emu_alloc.restype = ctypes.c_void_p
         self.lib.emu_free.argtypes = [ctypes.c_void_p]
@@ -135,6 +136,12 @@ class Emulator:
         dst = arr.ctypes.data if arr is not None else target.data_ptr()
         n = arr.nbytes if arr is not None else target.numel() * target.element_size()
         assert self.lib.emu_launch_copy(stream or None, dst, source, n, int(seconds * 1e9)) == 0
+
+    def wait_flag(self, stream: int, flag: np.ndarray) -> None:
+        """A kernel stand-in queued on ``stream`` that spins until ``flag[0]`` (an int32 array)
+        is set by the host: whatever is queued after it on that stream waits as long."""
+        assert flag.dtype == np.int32
+        assert self.lib.emu_launch_wait_flag(stream or None, flag.ctypes.data) == 0
 
     def pool_empty(self, nbytes: int, stream: int = 0) -> np.ndarray:
         """``nbytes`` of "device memory" from the emulated caching allocator, for ``stream``

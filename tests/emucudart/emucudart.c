@@ -53,7 +53,8 @@ enum {
 
 typedef struct op {
     struct op *next;
-    int kind; /* 0 copy, 1 event record, 2 wait for an event, 3 a kernel that fills (or copies) memory */
+    int kind; /* 0 copy, 1 event record, 2 wait for an event, 3 a kernel that fills (or copies) memory,
+                 4 a kernel that spins until a flag in memory is set (a collective waiting for its peer) */
     int value;
     int64_t delay_ns;
     void *dst;
@@ -267,6 +268,9 @@ static void *stream_main(void *arg) {
                 pthread_cond_wait(&g_done, &g_lock);
             event_done(o->event);
             pthread_mutex_unlock(&g_lock);
+        } else if (o->kind == 4) {
+            while (!g_sticky && !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
+                sleep_ns(100000);
         } else {
             if (o->delay_ns)
                 sleep_ns(o->delay_ns);
@@ -765,6 +769,16 @@ cudaError_t emu_launch_copy(stream_t *s, void *dst, const void *src, size_t n, i
     if (g_sticky)
         return sticky();
     return queue_op(s, 3, dst, src, n, 0, 0, delay_ns);
+}
+
+/* a kernel stand-in that spins on stream s until the int at flag is set (by the host): work
+ * queued after it on s waits as long, as behind a collective whose peer has not answered */
+cudaError_t emu_launch_wait_flag(stream_t *s, int *flag) {
+    need_ctx();
+    s = resolve(s);
+    if (g_sticky)
+        return sticky();
+    return queue_op(s, 4, flag, NULL, sizeof(int), 0, 0, 0);
 }
 
 /* ---- a framework's caching allocator (torch's, CuPy's pool), stream-ordered ---------------
