@@ -399,3 +399,50 @@ def test_the_probe_makes_its_device_current(monkeypatch):
     monkeypatch.setattr(device, "on_gpu", on_gpu)
     device.probe(1)
     assert entered == [1]
+
+
+def test_the_side_stream_waits_for_the_consumers_fence(monkeypatch):
+    """The kernels' side stream (a Numba stream) waits for the consumer's fence before anything
+    is queued on it: the kernels write memory the framework's allocator handed out on the
+    consumer's stream (here not the legacy default stream), which work queued there before the
+    load may still write.  The emulated runtime stands for the device; Numba's stream for one
+    of its streams."""
+    import ctypes
+
+    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
+    from numba import cuda
+
+    from engine.loading import load_hooks
+    from engine.numerics import device
+
+    emu = Emulator()
+    emu.reset()
+    consumer, side = emu.new_stream(0), emu.new_stream(0)
+    ops = None
+    try:
+        memory = np.zeros(4096, np.uint8)  # a block the allocator hands out again
+        emu.launch_fill(consumer, memory, 0xAA, 0.3)  # its last user, queued on the consumer's stream
+        ops = EmulatedRingOps(emu, consumer=consumer)  # the load's: its fence recorded now
+
+        class NumbaStream:
+            handle = ctypes.c_void_p(side)
+
+        monkeypatch.setattr(device, "SIMULATOR", False)
+        monkeypatch.setattr(cuda, "stream", NumbaStream)
+        hdr = parse_buffer(engine.numpy.save({"w": np.ones(4, np.float32)}))
+        class Sink(EmulatedSink):
+            empty_device = staticmethod(np.empty)
+
+        work = load_hooks.LoadWork(hdr, [0], Sink(ops), None, True, None, None)
+        work.destination(hdr, [0], False)
+        stream = work._side_stream()
+        assert isinstance(stream, NumbaStream)
+        emu.launch_fill(side, memory, 0x11, 0.0)  # a kernel writing its output there
+        assert emu.synchronize(side) == 0 and emu.synchronize(consumer) == 0
+        assert (memory == 0x11).all(), "the kernel wrote before the consumer's queued work, which overwrote it"
+    finally:
+        if ops is not None:
+            ops.close()
+        emu.destroy_stream(side, 0)
+        emu.destroy_stream(consumer, 0)
+

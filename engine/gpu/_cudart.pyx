@@ -109,6 +109,18 @@ cdef class Runtime:
             dlclose(self.driver)
             self.driver = NULL
 
+    def wait_event(self, uintptr_t stream, uintptr_t event) -> None:
+        """``cudaStreamWaitEvent``: work queued on ``stream`` after this waits for ``event``'s
+        last record, on the calling thread's current context (:class:`OnDevice`).  Raises
+        RuntimeError naming the runtime's error."""
+        cdef int rc
+        with nogil:
+            rc = self.rt.stream_wait_event(<void*>stream, <void*>event, 0)
+            if rc != 0:
+                self.rt.get_last_error()
+        if rc != 0:
+            raise RuntimeError(f"cudaStreamWaitEvent failed: {self.error_string(rc)} ({rc})")
+
     def error_string(self, int code) -> str:
         """The runtime's description of an error code."""
         cdef const char* s = self.rt.error_string(code)

@@ -271,6 +271,8 @@ class LoadWork:
         again = getattr(self._device_ops, "fence_again", None)
         if again is not None:
             again()
+            with self._lock:
+                self._fence_side()  # the next window's kernels follow it too
 
     def _stage(self, rows: list[int]) -> None:
         """Before a window's ring run: one scratch allocation for its tensors to quantize,
@@ -373,7 +375,9 @@ class LoadWork:
 
     def _side_stream(self):
         """The load's one stream for the kernels launched as tensors land (their bytes are
-        complete when reported: no ordering with the ring's stream is needed)."""
+        complete when reported: no ordering with the ring's stream is needed).  It waits for
+        the consumer's fence first: the kernels write memory the framework's allocator handed
+        out on the consumer's stream, which work queued there may still use."""
         with self._lock:  # one stream, whichever thread (issuing, handing out) asks first
             if self._side is None:
                 from engine.numerics.device import SIMULATOR
@@ -384,7 +388,26 @@ class LoadWork:
                     from numba import cuda
 
                     self._side = cuda.stream()
+                    self._fence_side()
             return self._side
+
+    def _fence_side(self) -> None:
+        """Work queued on the side stream from now on waits for the consumer's fence (its
+        last record: :meth:`_fence_again` records it again per window).  Nothing to do under
+        the simulator, or without a fence."""
+        from engine.gpu.device_ring import consumer_fence
+
+        ops, side = self._device_ops, self._side
+        fence = consumer_fence(ops) if ops is not None else None
+        if fence is None or side is None or side == 0:
+            return
+        from engine.gpu.cudart import on_device, runtime
+
+        handle = getattr(side, "handle", side)  # a Numba stream's CUstream (ctypes, or the bindings' object)
+        handle = int(getattr(handle, "value", handle) or 0)
+        rt = runtime(ops.runtime_path())
+        with on_device(rt, ops.device_index):
+            rt.wait_event(handle, fence)
 
     def _landed_ring(self, row: int) -> None:
         stats = row in self._stats_kind
