@@ -446,3 +446,70 @@ def test_the_side_stream_waits_for_the_consumers_fence(monkeypatch):
         emu.destroy_stream(side, 0)
         emu.destroy_stream(consumer, 0)
 
+
+def test_scratch_for_a_load_to_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
+    """A CuPy load to GPU 1 stages its tensors to quantize on one of the engine's threads (no
+    context current there): CuPy's ``Device`` guard reads the current device on entry and sets
+    it back on exit, which makes device 0's primary context where none was current.  The
+    engine pushes the load's device's context around the allocations first.  CuPy's guard is
+    played by its logic over the emulated runtime, on two devices."""
+    import ctypes
+    import sys
+    import types
+
+    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
+
+    from engine.loading import load_hooks
+    from engine.quantize import Int8
+
+    emu = Emulator()
+    emu.reset()
+    emu.devices(2)
+
+    class Device:  # cupy.cuda.Device's guard: the current device kept on entry, set back on exit
+        stack: list = []
+
+        def __init__(self, index):
+            self.id = index
+
+        def __enter__(self):
+            current = ctypes.c_int(-1)
+            assert emu.lib.cudaGetDevice(ctypes.byref(current)) == 0
+            Device.stack.append(current.value)
+            if current.value != self.id:
+                assert emu.lib.cudaSetDevice(self.id) == 0
+            return self
+
+        def __exit__(self, *exc):
+            assert emu.lib.cudaSetDevice(Device.stack.pop()) == 0
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(Device=Device)  # type: ignore[attr-defined]
+    fake.empty = np.empty  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+    class Sink(EmulatedSink):
+        name = "cupy"
+        device_id = 1
+
+    ops = EmulatedRingOps(emu, device=1)
+    try:
+        sd = {"a.weight": np.ones((4, 8), np.float32), "b.weight": np.ones((3, 8), np.float32)}
+        hdr = parse_buffer(engine.numpy.save(sd))
+        work = load_hooks.LoadWork(hdr, [0, 1], Sink(ops), Int8(include=["*"]), False, None, None)
+        work.destination(hdr, [0, 1], False)
+        made: list = []
+
+        def stage():  # on a thread of the engine's own: a window's staging, a buffer made at first use
+            work._targets.stage([0])
+            made.append(work._targets[1])
+
+        worker = threading.Thread(target=stage)
+        worker.start()
+        worker.join()
+        assert made and made[0].nbytes == sd["b.weight"].nbytes
+        assert emu.contexts(0) == 0, "a context was made on GPU 0"
+    finally:
+        ops.close()
+        emu.reset()
+        emu.devices(1)

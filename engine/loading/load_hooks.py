@@ -153,6 +153,16 @@ def _allocator(sink) -> Callable[[tuple, Any], Any]:
     return sink.empty_device  # another device framework (or a test double) brings its own
 
 
+def _in_context(empty, context):
+    """``empty`` called inside ``context()`` (:meth:`LoadWork._on_device`)."""
+
+    def pushed(shape, dt):
+        with context():
+            return empty(shape, dt)
+
+    return pushed
+
+
 def _widen(spans: dict[int, list], of, lo: int, hi: int) -> None:
     """``spans[id(of)]`` (``[of, lo, hi]``) widened to cover ``lo:hi``."""
     span = spans.setdefault(id(of), [of, lo, hi])
@@ -234,6 +244,8 @@ class LoadWork:
                  if r not in staged]
         tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
         self._device_ops = ops
+        if self._empty is not None:
+            self._empty = _in_context(self._empty, self._on_device)
         sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
         self._targets = Staging(targets, sizes, self._empty)
         hooked = bool(self._stats_kind) or bool(sizes)
@@ -305,11 +317,28 @@ class LoadWork:
         quantization kernels (:meth:`gather` collects them), or the framework's operations of
         the fallback.  A failure of the kernels raises :class:`~engine.errors.DeviceError`
         naming the tensor."""
-        with self._failing_as_device_error([row]):  # a launch refused, a kernel that failed to compile
+        with self._failing_as_device_error([row]), self._on_device():  # a launch refused, a kernel that failed to compile
             if self._fallback is not None:
                 self._landed_fallback(row)
             else:
                 self._landed_ring(row)
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """The load's device's primary context pushed on this thread for the block, and popped
+        after (:func:`engine.gpu.cudart.on_device`): a framework's device guard entered on one of
+        the engine's threads (CuPy's ``Device``) then finds that device current, and does not
+        set device 0, whose context it would make, on its way out.  Nothing where the device
+        operations name no runtime."""
+        ops = self._device_ops
+        path = ops.runtime_path() if ops is not None and hasattr(ops, "runtime_path") else None
+        if not path:
+            yield
+            return
+        from engine.gpu.cudart import on_device, runtime
+
+        with on_device(runtime(path), ops.device_index):
+            yield
 
     @contextlib.contextmanager
     def _failing_as_device_error(self, rows: list[int], what: str = "the device kernels of", batch: bool = False):
