@@ -100,6 +100,29 @@ def test_the_runtime_of_the_frameworks_cuda_major_is_chosen(tmp_path):
     assert run_python(code, timeout=120, env=env).split() == ["libcudart.so.12"]  # nothing mapped: its soname first
 
 
+def test_the_runtime_of_an_nvidia_wheel_is_found_where_pip_put_it(tmp_path):
+    """A pip-only install (CuPy, whose runtime is linked in statically, beside the
+    ``nvidia-cuda-runtime-cu12`` wheel) maps no ``libcudart`` and has none on the loader's path:
+    the wheel's, in ``nvidia/cuda_runtime/lib`` of the packages' folder, is the one opened.
+    The ring then loads and lands its bytes through it."""
+    import shutil
+
+    from emucudart import Emulator
+
+    lib = tmp_path / "site" / "nvidia" / "cuda_runtime" / "lib"
+    lib.mkdir(parents=True)
+    shutil.copy(Emulator().path, lib / "libcudart.so.12")
+    code = (
+        f"import sys\nsys.path.insert(0, {str(tmp_path / 'site')!r})\n"
+        "from engine.gpu import cudart\n"
+        "print(cudart.cuda_runtime_path(12))\n"
+        "rt = cudart.runtime(cudart.cuda_runtime_path(12))\n"
+        "print(rt.error_string(2))\n"
+    )
+    out = run_python(code, timeout=120).splitlines()
+    assert out == [str(lib / "libcudart.so.12"), "out of memory"]
+
+
 # -- "cuda" without an index: the caller's device, resolved on the caller's thread -----------------
 
 
