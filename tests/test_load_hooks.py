@@ -448,9 +448,10 @@ def test_the_side_stream_waits_for_the_consumers_fence(monkeypatch):
 
 
 def test_scratch_for_a_load_to_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
-    """A CuPy load to GPU 1 stages its tensors to quantize on one of the engine's threads (no
-    context current there): CuPy's ``Device`` guard reads the current device on entry and sets
-    it back on exit, which makes device 0's primary context where none was current.  The
+    """A CuPy load to GPU 1 stages its tensors to quantize, and records its fence again after
+    each window, on one of the engine's threads (no context current there): CuPy's ``Device``
+    guard reads the current device on entry and sets it back on exit, which makes device 0's
+    primary context where none was current.  The
     engine pushes the load's device's context around the allocations first.  CuPy's guard is
     played by its logic over the emulated runtime, on two devices."""
     import ctypes
@@ -492,7 +493,12 @@ def test_scratch_for_a_load_to_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
         name = "cupy"
         device_id = 1
 
-    ops = EmulatedRingOps(emu, device=1)
+    class Ops(EmulatedRingOps):
+        def fence_again(self):  # as CupyOps records it: inside CuPy's guard
+            with Device(1):
+                super().fence_again()
+
+    ops = Ops(emu, device=1)
     try:
         sd = {"a.weight": np.ones((4, 8), np.float32), "b.weight": np.ones((3, 8), np.float32)}
         hdr = parse_buffer(engine.numpy.save(sd))
@@ -504,9 +510,10 @@ def test_scratch_for_a_load_to_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
             work._targets.stage([0])
             made.append(work._targets[1])
 
-        worker = threading.Thread(target=stage)
-        worker.start()
-        worker.join()
+        for job in (stage, work._fence_again):  # and the fence recorded again after a window, on another
+            worker = threading.Thread(target=job)
+            worker.start()
+            worker.join()
         assert made and made[0].nbytes == sd["b.weight"].nbytes
         assert emu.contexts(0) == 0, "a context was made on GPU 0"
     finally:

@@ -282,7 +282,8 @@ class LoadWork:
         on that stream only, not on the ring's)."""
         again = getattr(self._device_ops, "fence_again", None)
         if again is not None:
-            again()
+            with self._on_device():  # a framework's device guard on this thread: see _on_device
+                again()
             with self._lock:
                 self._fence_side()  # the next window's kernels follow it too
 
