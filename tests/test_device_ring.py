@@ -63,6 +63,9 @@ def _clean(emu) -> None:
     assert st["pageable"] == 0, st    # every copy from page-locked chunks
     assert st["wrong_device"] == 0, st
     assert st["streams"] == 0, st     # every ring's own stream destroyed with it
+    # every retain of a primary context released, none released twice (a release too many
+    # would take the framework's own reference away)
+    assert emu.bad_releases() == 0 and emu.primary_refs(0) == emu.primary_refs(1) == 0
 
 
 _SMALL = Geometry(64 * 1024, 4, 2)

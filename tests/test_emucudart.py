@@ -103,3 +103,16 @@ def test_work_behind_a_spinning_kernel_waits_for_its_flag(emu):
             emu.destroy_event(fence)
     finally:
         emu.destroy_stream(stream)
+
+
+def test_a_primary_context_release_needs_a_retain(emu):
+    emu.reset()
+    ctx = ctypes.c_void_p()
+    assert emu.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+    assert emu.primary_refs(0) == 1
+    assert emu.lib.cuDevicePrimaryCtxRelease_v2(0) == 0
+    assert emu.lib.cuDevicePrimaryCtxRelease_v2(0) == 201  # CUDA_ERROR_INVALID_CONTEXT: none left
+    assert emu.primary_refs(0) == 0 and emu.bad_releases() == 1
+    with emu.on_device(0):  # a framework's guard: retained and released
+        assert emu.primary_refs(0) == 1
+    assert emu.primary_refs(0) == 0 and emu.bad_releases() == 1

@@ -60,6 +60,8 @@ class Emulator:
         self.lib.emu_fail_event_record_after.argtypes = [ctypes.c_int64]
         self.lib.emu_set_register_cost.argtypes = [ctypes.c_int64]
         self.lib.emu_contexts.restype = ctypes.c_int64
+        self.lib.emu_primary_refs.restype = ctypes.c_int64
+        self.lib.emu_bad_releases.restype = ctypes.c_int64
         self.lib.emu_launch_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t,
                                              ctypes.c_int64]
         self.lib.emu_launch_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
@@ -101,6 +103,14 @@ class Emulator:
     def contexts(self, device: int) -> int:
         """Primary contexts made on ``device`` since the last reset (by any thread)."""
         return int(self.lib.emu_contexts(device))
+
+    def primary_refs(self, device: int) -> int:
+        """References to ``device``'s primary context retained and not released (since the last reset)."""
+        return int(self.lib.emu_primary_refs(device))
+
+    def bad_releases(self) -> int:
+        """Releases of a primary context with no reference left (refused, as a driver refuses them)."""
+        return int(self.lib.emu_bad_releases())
 
     def set_device(self, device: int) -> None:
         """``cudaSetDevice`` on the calling thread (its context made current, as CUDA 12 does)."""
@@ -217,6 +227,7 @@ class Emulator:
             yield
         finally:
             self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+            self.lib.cuDevicePrimaryCtxRelease_v2(device)
 
     def fence(self, stream: int, device: int) -> int:
         """An event of ``device`` recorded now on ``stream`` (0: the default stream; 2: the

@@ -93,6 +93,8 @@ static int g_devices = 1;
 static context_t g_contexts[MAX_DEVICES];
 static int g_primary[MAX_DEVICES];      /* the device's primary context exists */
 static int64_t g_ctx_made[MAX_DEVICES]; /* primary contexts made per device since the last reset */
+static int64_t g_retained[MAX_DEVICES]; /* cuDevicePrimaryCtxRetain's references not released yet */
+static int64_t g_bad_releases;          /* releases with no reference left (since the last reset) */
 static int g_ctx_gen = 1;               /* bumped by emu_reset: every thread's binding is forgotten */
 static stream_t *g_default[MAX_DEVICES];
 static int64_t g_register_ns_per_mib;   /* cudaHostRegister sleeps this long per MiB */
@@ -403,16 +405,37 @@ int cuDeviceGet(int *dev, int ordinal) {
     return 0;
 }
 
-/* the device's primary context, made if need be (not made current) */
+/* the device's primary context, made if need be (not made current), and retained: each
+ * retain needs its release, as the driver counts them (the runtime holds a reference of its own
+ * that a release too many would take away, destroying the context under the framework) */
 int cuDevicePrimaryCtxRetain(context_t **out, int dev) {
+    check_up("cuDevicePrimaryCtxRetain");
     if (dev < 0 || dev >= g_devices)
         return 101;
     make_primary(dev);
+    pthread_mutex_lock(&g_lock);
+    g_retained[dev]++;
+    pthread_mutex_unlock(&g_lock);
     *out = &g_contexts[dev];
     return 0;
 }
 
-int cuDevicePrimaryCtxRelease(int dev) { return dev < 0 || dev >= g_devices ? 101 : 0; }
+/* a release with no retain left fails (CUDA_ERROR_INVALID_CONTEXT) and is counted */
+int cuDevicePrimaryCtxRelease(int dev) {
+    check_up("cuDevicePrimaryCtxRelease");
+    if (dev < 0 || dev >= g_devices)
+        return 101;
+    pthread_mutex_lock(&g_lock);
+    int rc = 0;
+    if (g_retained[dev] > 0) {
+        g_retained[dev]--;
+    } else {
+        g_bad_releases++;
+        rc = 201;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
 
 /* ``ctx`` current, the one before kept below it; the thread's runtime device is untouched */
 int cuCtxPushCurrent(context_t *ctx) {
@@ -724,7 +747,9 @@ void emu_reset(void) {
     for (int d = 0; d < MAX_DEVICES; d++) {
         g_primary[d] = 0;
         g_ctx_made[d] = 0;
+        g_retained[d] = 0;
     }
+    g_bad_releases = 0;
     g_copies = g_bytes = g_pageable = g_wrong_device = g_max_queued = g_records = g_registers = 0;
     g_pool_reused = 0;
     pthread_mutex_unlock(&g_lock);
@@ -746,6 +771,10 @@ void emu_fail_copy(int64_t n, int code, int async) {
 
 void emu_fail_register(int code) { g_fail_register = code; }
 void emu_set_register_cost(int64_t ns_per_mib) { g_register_ns_per_mib = ns_per_mib; }
+
+/* references to device d's primary context retained and not released; releases refused */
+int64_t emu_primary_refs(int d) { return d >= 0 && d < MAX_DEVICES ? g_retained[d] : -1; }
+int64_t emu_bad_releases(void) { return g_bad_releases; }
 
 /* primary contexts made on device d since the last reset */
 int64_t emu_contexts(int d) { return d >= 0 && d < MAX_DEVICES ? g_ctx_made[d] : -1; }
