@@ -116,3 +116,21 @@ def test_a_primary_context_release_needs_a_retain(emu):
     with emu.on_device(0):  # a framework's guard: retained and released
         assert emu.primary_refs(0) == 1
     assert emu.primary_refs(0) == 0 and emu.bad_releases() == 1
+
+
+def test_a_synchronous_copy_may_return_before_its_bytes_land(emu):
+    """``cudaMemcpy`` from pageable memory returns once the source is staged; the bytes land
+    when the legacy default stream gets there (the caller's source may change meanwhile)."""
+    emu.reset()
+    emu.delay(0.2)
+    try:
+        src = np.full(4096, 3, np.uint8)
+        dst = np.zeros(4096, np.uint8)
+        assert emu.lib.cudaMemcpy(ctypes.c_void_p(dst.ctypes.data), ctypes.c_void_p(src.ctypes.data),
+                                  ctypes.c_size_t(4096), 1) == 0
+        src[:] = 9  # staged already: the copy lands the 3s
+        assert not dst.any()
+        assert emu.synchronize(0) == 0
+        assert (dst == 3).all()
+    finally:
+        emu.delay(0)

@@ -54,7 +54,8 @@ enum {
 typedef struct op {
     struct op *next;
     int kind; /* 0 copy, 1 event record, 2 wait for an event, 3 a kernel that fills (or copies) memory,
-                 4 a kernel that spins until a flag in memory is set (a collective waiting for its peer) */
+                 4 a kernel that spins until a flag in memory is set (a collective waiting for its peer),
+                 5 cudaMemcpy's staged copy (its source freed after) */
     int value;
     int64_t delay_ns;
     void *dst;
@@ -270,6 +271,13 @@ static void *stream_main(void *arg) {
                 pthread_cond_wait(&g_done, &g_lock);
             event_done(o->event);
             pthread_mutex_unlock(&g_lock);
+        } else if (o->kind == 5) {
+            /* cudaMemcpy's staged bytes, landed late */
+            if (g_copy_delay_ns)
+                sleep_ns(g_copy_delay_ns);
+            if (!g_sticky)
+                memcpy(o->dst, o->src, o->n);
+            free((void *)o->src);
         } else if (o->kind == 4) {
             while (!g_sticky && !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
                 sleep_ns(100000);
@@ -609,15 +617,32 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stre
     return queue_op(s, 0, dst, src, n, seq, 0, 0);
 }
 
-/* synchronous, from any host memory (the real runtime stages pageable memory itself) */
+/* "synchronous", from any host memory: as the real runtime does from pageable memory, the
+ * source is staged (copied to memory of the runtime's own) and the call returns, while the copy
+ * to the device runs later on the legacy default stream of the current device: a caller that
+ * needs the bytes there synchronises that stream */
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, int kind) {
     need_ctx();
     if (kind != 1 /* cudaMemcpyHostToDevice */)
         return fail(cudaErrorInvalidValue);
     if (g_sticky)
         return sticky();
-    if (!g_noop)
-        memcpy(dst, src, n);
+    if (g_noop || !n)
+        return cudaSuccess;
+    void *staged = malloc(n);
+    if (!staged)
+        return fail(cudaErrorMemoryAllocation);
+    memcpy(staged, src, n);
+    op_t *o = calloc(1, sizeof *o);
+    if (!o) {
+        free(staged);
+        return fail(cudaErrorMemoryAllocation);
+    }
+    o->kind = 5;
+    o->dst = dst;
+    o->src = staged;
+    o->n = n;
+    push(resolve(NULL), o);
     return cudaSuccess;
 }
 
