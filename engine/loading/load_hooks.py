@@ -213,6 +213,7 @@ class LoadWork:
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
         self._targets: Staging | None = None
         self._device_ops: Any = None  # the load's DeviceOps (destination()): its fence is recorded per window
+        self._runtime: Any = None  # the CUDA runtime its device operations name (_on_device)
         self._empty = _allocator(sink) if self.on_device else None
         self._gpu = gpu_of(sink)  # "cuda" without an index was resolved by the sink, on the caller's thread
         self._streams = threading.local()
@@ -332,13 +333,18 @@ class LoadWork:
         set device 0, whose context it would make, on its way out.  Nothing where the device
         operations name no runtime."""
         ops = self._device_ops
-        path = ops.runtime_path() if ops is not None and hasattr(ops, "runtime_path") else None
-        if not path:
+        if self._runtime is None and ops is not None:  # looked up once per load
+            path = ops.runtime_path() if hasattr(ops, "runtime_path") else None
+            if path:
+                from engine.gpu.cudart import runtime
+
+                self._runtime = runtime(path)
+        if self._runtime is None:
             yield
             return
-        from engine.gpu.cudart import on_device, runtime
+        from engine.gpu.cudart import on_device
 
-        with on_device(runtime(path), ops.device_index):
+        with on_device(self._runtime, ops.device_index):
             yield
 
     @contextlib.contextmanager
@@ -431,13 +437,11 @@ class LoadWork:
         fence = consumer_fence(ops) if ops is not None else None
         if fence is None or side is None or side == 0:
             return
-        from engine.gpu.cudart import on_device, runtime
-
         handle = getattr(side, "handle", side)  # a Numba stream's CUstream (ctypes, or the bindings' object)
         handle = int(getattr(handle, "value", handle) or 0)
-        rt = runtime(ops.runtime_path())
-        with on_device(rt, ops.device_index):
-            rt.wait_event(handle, fence)
+        with self._on_device():
+            if self._runtime is not None:  # None: the operations name no runtime to call
+                self._runtime.wait_event(handle, fence)
 
     def _landed_ring(self, row: int) -> None:
         stats = row in self._stats_kind
