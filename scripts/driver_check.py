@@ -6,10 +6,15 @@
 3. ``load_into`` of tensors whose ``zero_()`` is queued behind a slow kernel gives the file's bytes;
 4. a process on the last GPU that loads (from its thread and ``engine.stream``'s worker) has a context on
    no other GPU (``nvidia-smi``);
-5. a child forked while a ring is kept releases what it inherited and loads without hanging.
+5. a child forked while a ring is kept releases what it inherited and loads without hanging;
+6. int8 through the torch fallback (numba's kernels set aside) in windows, inside a stream whose queue
+   lags behind a slow kernel, equals the CPU kernels' output;
+7. a CuPy load to the last GPU (with int8 staging) leaves a context on no other GPU (``nvidia-smi``);
+8. a process with CuPy and no torch loads to its GPU, byte for byte;
+9. a load inside ``torch.cuda.stream(s)`` between NCCL collectives (a group of one) lands the file's bytes.
 
-``--device cpu``: rows 1, 2 and 5 on the emulated CUDA runtime (tests/emucudart); 3 and 4 name the tests
-that check them.  ``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints the rows as JSON.
+``--device cpu``: rows 1, 2 and 5 on the emulated CUDA runtime (tests/emucudart); the others name the
+tests that check them.  ``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints the rows as JSON.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import harness
 
 ROWS = ("driver: no stale error after a load", "driver: current device unchanged by a load",
         "driver: load_into after a queued zero_()", "driver: no context on another GPU",
-        "driver: a load in a forked child")
+        "driver: a load in a forked child", "driver: windowed int8 on the torch fallback",
+        "driver: no context on another GPU after a CuPy load", "driver: a CuPy-only process",
+        "driver: a load in torch.cuda.stream(s) beside NCCL")
 #: torch.cuda._sleep's cycles ahead of the queued zero_() (about half a second on an H100)
 SLEEP_CYCLES = 1_000_000_000
 
@@ -191,7 +198,113 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
     def fork():
         return _fork_row(lambda: engine.torch.load_file(path, device=str(target)), path, cpu)
 
-    return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, ordered, contexts, fork), strict=True)]
+    def windowed():
+        import numpy as np
+
+        from engine.loading import kernel_probe, load_hooks
+        from engine.quantize import Int8
+
+        saved = kernel_probe._KERNELS[:], kernel_probe._WARNED[:], load_hooks.STAGING_BYTES
+        kernel_probe._KERNELS[:] = ["set aside by driver_check: the torch fallback"]
+        kernel_probe._WARNED[:] = [True]
+        load_hooks.STAGING_BYTES = 8 << 20  # a window per tensor: each window's scratch freed for the next
+        names = ("f32", "bf16", "f16")
+        try:
+            s = torch.cuda.Stream(device=target)
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(SLEEP_CYCLES // 2)  # the fallback's reads queue behind it
+                got = dict(engine.stream(path, framework="pt", device=str(target),
+                                         quantize=Int8(include=list(names), on_nonfinite="clamp")))
+            torch.cuda.synchronize()
+        finally:
+            kernel_probe._KERNELS[:], kernel_probe._WARNED[:], load_hooks.STAGING_BYTES = saved
+        wrong = []
+        for name in names:
+            q, scale = engine.quantize_int8(tensors[name], 0, on_nonfinite="clamp")
+            q, scale = (np.asarray(x.cpu() if hasattr(x, "cpu") else x) for x in (q, scale))
+            if not (np.array_equal(got[name].q.cpu().numpy(), q)
+                    and np.array_equal(got[name].scale.float().cpu().numpy().view(np.uint32),
+                                       scale.astype(np.float32).view(np.uint32))):
+                wrong.append(name)
+        return ("ok" if not wrong else "failed"), (f"{len(names)} tensors in windows of 8 MiB, the stream behind a "
+                                                   f"slow kernel: {'all equal the CPU kernels' if not wrong else 'WRONG: ' + ', '.join(wrong)}")
+
+    def cupy_code(body: str, no_torch: bool = False) -> str:
+        return (("import sys; sys.modules['torch'] = None\n" if no_torch else "")
+                + "import json, os, subprocess, numpy as np, cupy, engine, engine.numpy\n"
+                "from engine.gpu import rings\n" + body)
+
+    def cupy_contexts():
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            return "skipped", "CuPy is not installed here (tests/test_load_hooks.py checks it on the emulated runtime)"
+        if n < 2:
+            return "skipped", "one GPU: no other GPU to find a context on"
+        last = n - 1
+        code = cupy_code(
+            "from engine.quantize import Int8\n"
+            f"got = dict(engine.stream({path!r}, framework='cupy', device='cuda:{last}', quantize=Int8(include=['f32'])))\n"
+            f"del got; rings.release_rings(); cupy.cuda.Device({last}).synchronize()\n"
+            "def smi(q): return subprocess.run(['nvidia-smi', q, '--format=csv,noheader'], capture_output=True,"
+            " text=True, check=True).stdout\n"
+            "gpus = dict(l.split(', ') for l in smi('--query-gpu=uuid,index').split('\\n') if l)\n"
+            "apps = smi('--query-compute-apps=pid,gpu_uuid')\n"
+            "print('RESULT', json.dumps(sorted(int(gpus[u]) for p, u in (l.split(', ') for l in"
+            " apps.split('\\n') if l) if int(p) == os.getpid())))\n")
+        seen = harness.run_code(code, env=harness.child_env(), timeout=120)
+        if not seen:
+            return "skipped", "nvidia-smi lists no process of the child's (another PID namespace)"
+        ok = seen == [n - 1]
+        return ("ok" if ok else "failed"), f"a CuPy load to GPU {n - 1} left contexts on GPU(s) {seen}"
+
+    def cupy_only():
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            return "skipped", "CuPy is not installed here (tests/test_cudart.py checks the runtime's lookup)"
+        code = cupy_code(
+            f"want = engine.numpy.load_file({path!r})\n"
+            f"got = dict(engine.stream({path!r}, framework='cupy', device='cuda:0'))\n"
+            "same = all(cupy.asnumpy(got[k]).tobytes() == np.ascontiguousarray(v).tobytes() for k, v in want.items())\n"
+            "rings.release_rings()\n"
+            "print('RESULT', json.dumps({'same': same, 'torch': 'torch' in sys.modules and sys.modules['torch'] is not None}))\n",
+            no_torch=True)
+        got = harness.run_code(code, env=harness.child_env(), timeout=120)
+        ok = got["same"] and not got["torch"]
+        return ("ok" if ok else "failed"), f"a process without torch loaded with CuPy: bytes {'equal' if got['same'] else 'DIFFER'}"
+
+    def nccl():
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_nccl_available():
+            return "skipped", "this torch has no NCCL (tests/test_device_ring.py checks a shared stream on the emulated runtime)"
+        import socket
+
+        with socket.socket() as sock:  # a free port for the group's store
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        code = ("import json, os, torch, torch.distributed as dist, engine, engine.torch\n"
+                f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{port}')\n"
+                f"dev = torch.device({str(target)!r}); torch.cuda.set_device(dev)\n"
+                "dist.init_process_group('nccl', rank=0, world_size=1, device_id=dev)\n"
+                "x = torch.ones(1 << 20, device=dev); s = torch.cuda.Stream(device=dev)\n"
+                "with torch.cuda.stream(s):\n"
+                "    for _ in range(4): dist.all_reduce(x)\n"
+                f"    got = engine.torch.load_file({path!r}, device=str(dev))\n"
+                "    dist.all_reduce(x)\n"
+                "torch.cuda.synchronize()\n"
+                f"want = engine.torch.load_file({path!r})\n"
+                "same = all(torch.equal(got[k].cpu().view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())\n"
+                "dist.destroy_process_group()\n"
+                "print('RESULT', json.dumps({'same': same, 'sum': float(x[0])}))\n")
+        got = harness.run_code(code, env=harness.child_env(), timeout=150)
+        ok = got["same"] and got["sum"] == 1.0
+        return ("ok" if ok else "failed"), (f"a load between all_reduces on a side stream: bytes "
+                                            f"{'equal' if got['same'] else 'DIFFER'}; the collectives finished")
+
+    return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, ordered, contexts, fork, windowed, cupy_contexts,
+                                                      cupy_only, nccl), strict=True)]
 
 
 def emulated_rows(folder: str) -> list[dict]:
@@ -234,12 +347,16 @@ def emulated_rows(folder: str) -> list[dict]:
         after = emu.current_device()
         return ("ok" if ok and after == 0 else "failed"), f"current device 0 before, {after} after a load to device 1 (emulated runtime)"
 
-    def elsewhere():
-        return "skipped", "no CUDA device: tests/test_device_ring.py checks it on the emulated runtime"
+    def elsewhere(test: str = "tests/test_device_ring.py"):
+        return lambda: ("skipped", f"no CUDA device: {test} checks it on the emulated runtime")
 
     try:
-        return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, elsewhere, elsewhere,
-                                                          lambda: _fork_row(load, path, arrays)), strict=True)]
+        return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, elsewhere(), elsewhere(),
+                                                          lambda: _fork_row(load, path, arrays),
+                                                          elsewhere("tests/test_hooked_ring.py"),
+                                                          elsewhere("tests/test_load_hooks.py"),
+                                                          elsewhere("tests/test_cudart.py"),
+                                                          elsewhere()), strict=True)]
     finally:
         rings.release_rings()
         ops.close()

@@ -40,16 +40,12 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
 
     emu = Emulator()
     emu.reset()
-    stream = emu.new_stream()
 
     class Ops(torch_sink.TorchCudaOps):
         device_index = 0  # a CPU device has no CUDA index
 
         def runtime_path(self):
             return emu.path
-
-        def ring_stream(self):
-            return stream, None
 
     ops = Ops(torch.device("cpu"))
     rng = np.random.default_rng(5)
@@ -70,9 +66,9 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
     finally:
         os.close(fd)
         rings.release_rings()
-        emu.destroy_stream(stream)
     st = emu.stats()
     assert st["copies"] > 0 and st["pageable"] == 0 and st["registered"] == 0 and st["events"] == 0
+    assert st["streams"] == 0  # the ring's own, destroyed with it
 
 
 # -- which libcudart: the framework's CUDA major --------------------------------------------------
@@ -102,6 +98,29 @@ def test_the_runtime_of_the_frameworks_cuda_major_is_chosen(tmp_path):
     code = "from engine.gpu import cudart\nprint(cudart.cuda_runtime_path(12))\n"
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
     assert run_python(code, timeout=120, env=env).split() == ["libcudart.so.12"]  # nothing mapped: its soname first
+
+
+def test_the_runtime_of_an_nvidia_wheel_is_found_where_pip_put_it(tmp_path):
+    """A pip-only install (CuPy, whose runtime is linked in statically, beside the
+    ``nvidia-cuda-runtime-cu12`` wheel) maps no ``libcudart`` and has none on the loader's path:
+    the wheel's, in ``nvidia/cuda_runtime/lib`` of the packages' folder, is the one opened.
+    The ring then loads and lands its bytes through it."""
+    import shutil
+
+    from emucudart import Emulator
+
+    lib = tmp_path / "site" / "nvidia" / "cuda_runtime" / "lib"
+    lib.mkdir(parents=True)
+    shutil.copy(Emulator().path, lib / "libcudart.so.12")
+    code = (
+        f"import sys\nsys.path.insert(0, {str(tmp_path / 'site')!r})\n"
+        "from engine.gpu import cudart\n"
+        "print(cudart.cuda_runtime_path(12))\n"
+        "rt = cudart.runtime(cudart.cuda_runtime_path(12))\n"
+        "print(rt.error_string(2))\n"
+    )
+    out = run_python(code, timeout=120).splitlines()
+    assert out == [str(lib / "libcudart.so.12"), "out of memory"]
 
 
 # -- "cuda" without an index: the caller's device, resolved on the caller's thread -----------------

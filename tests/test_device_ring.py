@@ -62,6 +62,10 @@ def _clean(emu) -> None:
     assert st["events"] == 0, st      # every event destroyed
     assert st["pageable"] == 0, st    # every copy from page-locked chunks
     assert st["wrong_device"] == 0, st
+    assert st["streams"] == 0, st     # every ring's own stream destroyed with it
+    # every retain of a primary context released, none released twice (a release too many
+    # would take the framework's own reference away)
+    assert emu.bad_releases() == 0 and emu.primary_refs(0) == emu.primary_refs(1) == 0
 
 
 _SMALL = Geometry(64 * 1024, 4, 2)
@@ -812,3 +816,135 @@ def test_registration_takes_page_aligned_ranges_and_costs_time(layout, ops, emu)
     _check(layout, dst)
     assert records[-1].lock_calls == 0 and not records[-1].pageable
     assert emu.stats()["registrations"] == 4  # slot 0, then blocks of 1, 2 and 4 chunks
+
+
+@pytest.mark.parametrize("busy", ["copying", "page-locking"])
+def test_an_exit_with_device_work_in_flight_ends_it_before_the_runtime_is_torn_down(tmp_path, busy):
+    """The interpreter exits while a daemon thread's load is copying (slow copies, its issuing
+    thread never taking the GIL to poll) or a ring is being page-locked ahead of a load (slow
+    registrations): the engine's exit hook cancels the run natively, waits for it and for the
+    set-up, and closes the rings, so that no thread calls the runtime during its teardown (the
+    emulator ends the process with status 86 when one does)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import engine.numpy
+
+    path = tmp_path / "big.safetensors"
+    engine.numpy.save_file({f"w{i}": np.full(1 << 20, i, np.uint8) for i in range(16)}, path)
+    work = {
+        "copying": f"""
+emu.delay(0.004)
+device_ring.POLL_SECONDS = 1000.0
+def work():
+    started.set()
+    for _ in engine.stream({str(path)!r}, framework="np", device="cuda"):
+        pass
+""",
+        "page-locking": """
+emu.register_cost(0.1)
+def work():
+    started.set()
+    device_ring.prepare(sink.ops)
+""",
+    }[busy]
+    code = f"""
+import sys, threading, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import engine, engine.loading.loader
+from engine.gpu import device_ring
+from emucudart import EmulatedRingOps, EmulatedSink, Emulator
+emu = Emulator()
+emu.reset()
+sink = EmulatedSink(EmulatedRingOps(emu))
+engine.loading.loader.get_sink = lambda framework, device: sink
+started = threading.Event()
+{work}
+threading.Thread(target=work, daemon=True).start()
+started.wait(30)
+time.sleep(0.3)
+print("exiting", flush=True)
+"""
+    ring = "0.0625,4,2" if busy == "copying" else "1,16,2"
+    env = dict(os.environ, ENGINE_RING=ring, EMUCUDART_TEARDOWN_MS="1000")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["exiting"], out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _mapping_of(address: int, maps: str = "/proc/self/smaps") -> dict | None:
+    """The mapping of this process holding ``address``: its range and VmFlags, or None."""
+    found = None
+    with open(maps) as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found = {"range": (lo, hi)} if lo <= address < hi else None
+                if found is not None and maps.endswith("/maps"):
+                    return found
+            elif found is not None and line.startswith("VmFlags:"):
+                found["flags"] = line.split()[1:]
+                return found
+    return None
+
+
+def test_the_rings_chunks_are_not_inherited_by_a_forked_child(ops, emu):
+    """The chunks are page-locked and read by the device's DMA: a forked child gets none of
+    them (``MADV_DONTFORK``), so that the parent's writes after a fork land in the pages the
+    DMA reads, not in copies made for the child, on any kernel or driver."""
+    ring = rings.new_ring(ops, _SMALL)
+    try:
+        view = np.frombuffer(ring.memory(), np.uint8)
+        address = view.ctypes.data
+        mapping = _mapping_of(address)
+        assert mapping is not None and "dc" in mapping["flags"], mapping  # "do not copy on fork"
+        assert mapping["range"][1] - address >= ring.chunks * ring.chunk_bytes
+        del view
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                code = 0 if _mapping_of(address, "/proc/self/maps") is None else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the child inherited the chunks"
+    finally:
+        ring.close()
+    _clean(emu)
+
+
+def test_the_rings_copies_never_wait_behind_other_work_on_a_frameworks_pool_stream(layout, emu):
+    """A framework's stream for the ring may be one of its pool's, handed out round-robin to
+    others too (torch's ``torch.cuda.Stream()``: ProcessGroupNCCL draws from the same pool): a
+    collective queued there whose peer waits for this load must not hold back the load's
+    copies or its end.  The ring copies on a stream of its own."""
+    emu.reset()
+    rings.release_rings()  # no ring kept from another test: this load sets one up
+    pool = emu.new_stream(0)
+
+    class PoolOps(EmulatedRingOps):
+        def ring_stream(self):  # what the framework hands out: the stream the collective is on
+            return pool, None
+
+    ops = PoolOps(emu)
+    flag = np.zeros(1, np.int32)
+    emu.wait_flag(pool, flag)  # the collective: runs until its peer answers, after this load
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(_load(layout, ops)[0]), daemon=True)
+    try:
+        worker.start()
+        worker.join(20)
+        finished = not worker.is_alive()
+    finally:
+        flag[0] = 1  # the peer answers
+        worker.join(30)
+        assert emu.synchronize(pool) == 0
+        rings.release_rings()
+        ops.close()
+        emu.destroy_stream(pool, 0)
+    assert finished, "the load waited behind the collective on a shared stream"
+    _check(layout, done[0])
+    _clean(emu)

@@ -62,6 +62,10 @@ REQUIRED = [
     "driver: load_into after a queued zero_()",
     "driver: no context on another GPU",
     "driver: a load in a forked child",
+    "driver: windowed int8 on the torch fallback",
+    "driver: no context on another GPU after a CuPy load",
+    "driver: a CuPy-only process",
+    "driver: a load in torch.cuda.stream(s) beside NCCL",
 ]
 #: the dry run's budget here: enough for every row on a 16 MB checkpoint (the stats and int8
 #: rows compile their kernels in a fresh checkout), well under it otherwise
@@ -146,8 +150,13 @@ def test_the_driver_rows_run_on_the_emulated_runtime_or_say_where_they_are_check
                  "driver: a load in a forked child"):
         assert rows[name]["status"] == "ok", rows[name]
     assert "cudaGetLastError 0" in rows["driver: no stale error after a load"]["reason"]
-    for name in ("driver: load_into after a queued zero_()", "driver: no context on another GPU"):
-        assert rows[name]["status"] == "skipped" and "tests/test_device_ring.py" in rows[name]["reason"]
+    for name, test in (("driver: load_into after a queued zero_()", "test_device_ring"),
+                       ("driver: no context on another GPU", "test_device_ring"),
+                       ("driver: windowed int8 on the torch fallback", "test_hooked_ring"),
+                       ("driver: no context on another GPU after a CuPy load", "test_load_hooks"),
+                       ("driver: a CuPy-only process", "test_cudart"),
+                       ("driver: a load in torch.cuda.stream(s) beside NCCL", "test_device_ring")):
+        assert rows[name]["status"] == "skipped" and f"tests/{test}.py" in rows[name]["reason"], rows[name]
 
 
 def test_the_second_load_and_the_ring_records(dry_run):

@@ -330,3 +330,93 @@ def test_a_kernel_failing_on_the_device_raises_at_the_gather(model_file, sink, m
     assert err.value.path == str(path) and err.value.tensors
     del err
     _leaks(sink)
+
+
+# --------------------------------------------------------------------------- the torch fallback, stream-ordered
+
+
+def test_windowed_fallback_quantize_never_overwrites_scratch_still_being_read(tmp_path, emu, monkeypatch):
+    """The torch fallback queues its operations on the consumer's stream, where they read a
+    window's scratch when the stream gets to them; the scratch is freed as soon as they are
+    queued, and a caching allocator hands its block to the next window's staging at once.  The
+    next window's copies must wait for those reads (a fence recorded after each window's work),
+    or they overwrite the bytes still to be read: wrong int8 values and scales."""
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    from engine.base import dtypes
+
+    emu.reset()
+    monkeypatch.setattr(kernel_probe, "_KERNELS", ["NvvmSupportError: libNVVM cannot be found"])
+    monkeypatch.setattr(kernel_probe, "_WARNED", [True])
+    rng = np.random.default_rng(9)
+    sd = {f"layers.{i}.proj.weight": (rng.standard_normal((32, 64)) * (i + 1)).astype(np.float32) for i in range(6)}
+    path = tmp_path / "w.safetensors"
+    engine.numpy.save_file(sd, path)
+    monkeypatch.setattr(load_hooks, "STAGING_BYTES", 2 * sd["layers.0.proj.weight"].nbytes)  # two a window
+
+    class Ops(EmulatedRingOps):
+        def address(self, target) -> int:
+            return target.data_ptr() if target.numel() else 0
+
+    def pool_tensor(shape, dt):
+        n = int(np.prod(shape)) * np.dtype(dt).itemsize
+        return torch.from_numpy(emu.pool_empty(n)).view(getattr(torch, np.dtype(dt).name)).reshape(shape)
+
+    class Sink:
+        """torch "device" tensors from the emulated caching allocator, for the default stream."""
+
+        name = "emutorch"
+        on_device = True
+
+        def __init__(self) -> None:
+            self.ops = Ops(emu, consumer=0)
+
+        def allocate_device(self, specs, per_tensor=False):
+            tensors = {r: pool_tensor(dtypes.packed_shape(c, s, n), dtypes.numpy_dtype(c)) for r, c, s, n in specs}
+            return tensors, {r: t.reshape(-1).view(torch.uint8) for r, t in tensors.items()}, self.ops
+
+        empty_device = staticmethod(pool_tensor)
+
+    later: list = []
+
+    class QueuedTorchOps(_device_fallback.TorchOps):
+        def host(self, x):  # the one wait: the stream's work queued so far done first
+            ready = len(later)  # the loading thread may queue more meanwhile
+            assert emu.synchronize(0) == 0
+            for _ in range(ready):
+                later.pop(0)()
+            return super().host(x)
+
+    real_quantize = _device_fallback.quantize
+
+    def queued(ops, src, kind, shape, axis, q, scale, chunk=_device_fallback.CHUNK):
+        """The operations queued on the default stream: they read ``src`` when it runs them
+        (a slow first one holds the rest back), not now."""
+        if src is None:
+            return real_quantize(ops, src, kind, shape, axis, q, scale, chunk)
+        read = torch.empty(src.numel() * src.element_size(), dtype=torch.uint8)
+        emu.launch_copy(0, read, src.data_ptr(), 0.05)
+        bad = torch.zeros(3, dtype=torch.int64)
+        later.append(lambda: bad.copy_(real_quantize(ops, read, kind, shape, axis, q, scale, chunk)))
+        return bad
+
+    real_ops_for = _device_fallback.ops_for
+    monkeypatch.setattr(_device_fallback, "ops_for",
+                        lambda name: QueuedTorchOps() if name == "emutorch" else real_ops_for(name))
+    monkeypatch.setattr(_device_fallback, "quantize", queued)
+    sink = Sink()
+    monkeypatch.setattr(engine.loading.loader, "get_sink", lambda framework, device: sink)
+    try:
+        with load_records() as records:
+            got = dict(engine.stream(path, framework="pt", device="cuda", quantize=Int8(axis=0, on_nonfinite="clamp"),
+                                     chunk_bytes=4096, slot_bytes=CHUNK))
+        assert len(records) == 3 and emu.pool_reused() > 0  # windows, whose scratch blocks came back
+        for name, x in sd.items():
+            qt = got[name]
+            q, scale = engine.quantize_int8(x, 0)
+            assert np.array_equal(qt.q.numpy(), q), f"{name}: int8 values quantized from another tensor's bytes"
+            assert np.array_equal(qt.scale.numpy().view(np.uint32), np.asarray(scale).view(np.uint32)), name
+    finally:
+        rings.release_rings()
+        sink.ops.close()
+    st = emu.stats()
+    assert st["registered"] == 0 and st["events"] == 0, st

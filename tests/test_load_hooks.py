@@ -399,3 +399,124 @@ def test_the_probe_makes_its_device_current(monkeypatch):
     monkeypatch.setattr(device, "on_gpu", on_gpu)
     device.probe(1)
     assert entered == [1]
+
+
+def test_the_side_stream_waits_for_the_consumers_fence(monkeypatch):
+    """The kernels' side stream (a Numba stream) waits for the consumer's fence before anything
+    is queued on it: the kernels write memory the framework's allocator handed out on the
+    consumer's stream (here not the legacy default stream), which work queued there before the
+    load may still write.  The emulated runtime stands for the device; Numba's stream for one
+    of its streams."""
+    import ctypes
+
+    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
+    from numba import cuda
+
+    from engine.loading import load_hooks
+    from engine.numerics import device
+
+    emu = Emulator()
+    emu.reset()
+    consumer, side = emu.new_stream(0), emu.new_stream(0)
+    ops = None
+    try:
+        memory = np.zeros(4096, np.uint8)  # a block the allocator hands out again
+        emu.launch_fill(consumer, memory, 0xAA, 0.3)  # its last user, queued on the consumer's stream
+        ops = EmulatedRingOps(emu, consumer=consumer)  # the load's: its fence recorded now
+
+        class NumbaStream:
+            handle = ctypes.c_void_p(side)
+
+        monkeypatch.setattr(device, "SIMULATOR", False)
+        monkeypatch.setattr(cuda, "stream", NumbaStream)
+        hdr = parse_buffer(engine.numpy.save({"w": np.ones(4, np.float32)}))
+        class Sink(EmulatedSink):
+            empty_device = staticmethod(np.empty)
+
+        work = load_hooks.LoadWork(hdr, [0], Sink(ops), None, True, None, None)
+        work.destination(hdr, [0], False)
+        stream = work._side_stream()
+        assert isinstance(stream, NumbaStream)
+        emu.launch_fill(side, memory, 0x11, 0.0)  # a kernel writing its output there
+        assert emu.synchronize(side) == 0 and emu.synchronize(consumer) == 0
+        assert (memory == 0x11).all(), "the kernel wrote before the consumer's queued work, which overwrote it"
+    finally:
+        if ops is not None:
+            ops.close()
+        emu.destroy_stream(side, 0)
+        emu.destroy_stream(consumer, 0)
+
+
+def test_scratch_for_a_load_to_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
+    """A CuPy load to GPU 1 stages its tensors to quantize, and records its fence again after
+    each window, on one of the engine's threads (no context current there): CuPy's ``Device``
+    guard reads the current device on entry and sets it back on exit, which makes device 0's
+    primary context where none was current.  The
+    engine pushes the load's device's context around the allocations first.  CuPy's guard is
+    played by its logic over the emulated runtime, on two devices."""
+    import ctypes
+    import sys
+    import types
+
+    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
+
+    from engine.loading import load_hooks
+    from engine.quantize import Int8
+
+    emu = Emulator()
+    emu.reset()
+    emu.devices(2)
+
+    class Device:  # cupy.cuda.Device's guard: the current device kept on entry, set back on exit
+        stack: list = []
+
+        def __init__(self, index):
+            self.id = index
+
+        def __enter__(self):
+            current = ctypes.c_int(-1)
+            assert emu.lib.cudaGetDevice(ctypes.byref(current)) == 0
+            Device.stack.append(current.value)
+            if current.value != self.id:
+                assert emu.lib.cudaSetDevice(self.id) == 0
+            return self
+
+        def __exit__(self, *exc):
+            assert emu.lib.cudaSetDevice(Device.stack.pop()) == 0
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(Device=Device)  # type: ignore[attr-defined]
+    fake.empty = np.empty  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+    class Sink(EmulatedSink):
+        name = "cupy"
+        device_id = 1
+
+    class Ops(EmulatedRingOps):
+        def fence_again(self):  # as CupyOps records it: inside CuPy's guard
+            with Device(1):
+                super().fence_again()
+
+    ops = Ops(emu, device=1)
+    try:
+        sd = {"a.weight": np.ones((4, 8), np.float32), "b.weight": np.ones((3, 8), np.float32)}
+        hdr = parse_buffer(engine.numpy.save(sd))
+        work = load_hooks.LoadWork(hdr, [0, 1], Sink(ops), Int8(include=["*"]), False, None, None)
+        work.destination(hdr, [0, 1], False)
+        made: list = []
+
+        def stage():  # on a thread of the engine's own: a window's staging, a buffer made at first use
+            work._targets.stage([0])
+            made.append(work._targets[1])
+
+        for job in (stage, work._fence_again):  # and the fence recorded again after a window, on another
+            worker = threading.Thread(target=job)
+            worker.start()
+            worker.join()
+        assert made and made[0].nbytes == sd["b.weight"].nbytes
+        assert emu.contexts(0) == 0, "a context was made on GPU 0"
+    finally:
+        ops.close()
+        emu.reset()
+        emu.devices(1)

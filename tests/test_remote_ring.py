@@ -447,3 +447,22 @@ def test_a_tensor_damaged_on_the_way_to_a_device_is_read_again(checkpoint, range
     assert sorted(got) == sorted(sd) and early == []
     assert rangeserver.flips == 1
     _released(emu)
+
+
+def test_a_tensor_read_again_after_the_last_copies_goes_through_a_ring_the_load_still_holds(
+        checkpoint, rangeserver, device, emu, monkeypatch):
+    """Every tensor reported once the ring's run is over (no report while it runs), and a ring
+    given back closed at once: a tensor whose checksum fails is still read again and put on
+    the device through the ring, which the load holds until its last report."""
+    monkeypatch.setattr(device_ring, "POLL_SECONDS", 1000.0)
+    monkeypatch.setattr(rings, "LINGER_SECONDS", 0.0)
+    root, sd = checkpoint
+    good = root / "summed"
+    if not good.exists():
+        engine.save_sharded(sd, good, max_shard_size=1_500_000, fsync=False, checksums=True)
+    rangeserver.faults = {2: "flip"}
+    flips = rangeserver.flips  # the server's count, kept across tests
+    got, early = _stream_checked(rangeserver.url(f"summed/{INDEX}"), sd)
+    assert sorted(got) == sorted(sd) and early == []
+    assert rangeserver.flips == flips + 1
+    _released(emu)

@@ -34,6 +34,8 @@ cdef struct _Rt:
     _f_errstr error_string
     _f_wait stream_wait_event
     _f_memcpy_sync memcpy_sync
+    _f_event_create stream_create
+    _f_ptr stream_destroy
     # the driver's (libcuda's): a device's primary context, pushed on a thread and popped
     _f_init driver_init
     _f_device_get device_get
@@ -48,6 +50,7 @@ cdef enum:
     _cudaMemcpyHostToDevice = 1
     _cudaHostRegisterPortable = 1
     _cudaEventDisableTiming = 2
+    _cudaStreamNonBlocking = 1
 
 
 cdef class Runtime:

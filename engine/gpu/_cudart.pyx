@@ -37,7 +37,8 @@ cdef extern from "<dlfcn.h>" nogil:
 ENTRY_POINTS = ("cudaSetDevice", "cudaGetDevice", "cudaHostRegister", "cudaHostUnregister",
                 "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
                 "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize", "cudaGetLastError",
-                "cudaGetErrorString", "cudaStreamWaitEvent", "cudaMemcpy")
+                "cudaGetErrorString", "cudaStreamWaitEvent", "cudaMemcpy", "cudaStreamCreateWithFlags",
+                "cudaStreamDestroy")
 #: the driver's entry points a ring calls (after ENTRY_POINTS in _Rt): looked up in the runtime's
 #: library first (the emulated one has them), else in the driver's, which every CUDA process maps
 DRIVER_ENTRY_POINTS = ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",
@@ -107,6 +108,18 @@ cdef class Runtime:
         if self.driver != NULL:
             dlclose(self.driver)
             self.driver = NULL
+
+    def wait_event(self, uintptr_t stream, uintptr_t event) -> None:
+        """``cudaStreamWaitEvent``: work queued on ``stream`` after this waits for ``event``'s
+        last record, on the calling thread's current context (:class:`OnDevice`).  Raises
+        RuntimeError naming the runtime's error."""
+        cdef int rc
+        with nogil:
+            rc = self.rt.stream_wait_event(<void*>stream, <void*>event, 0)
+            if rc != 0:
+                self.rt.get_last_error()
+        if rc != 0:
+            raise RuntimeError(f"cudaStreamWaitEvent failed: {self.error_string(rc)} ({rc})")
 
     def error_string(self, int code) -> str:
         """The runtime's description of an error code."""

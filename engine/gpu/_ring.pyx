@@ -45,7 +45,9 @@ from engine.gpu._copy_loop cimport (
     _ERR_CUDA, _ERR_FILL, _ERR_NONE, _ERR_READ, _State, _Worker, _block_hi, _block_lo, _block_of, _claim,
     _digest_filled, _fail, _fill, _issue, _lock_block, _part_for, _stopped, _take_n, _worker_main,
 )
-from engine.gpu._cudart cimport Runtime, _Saved, _cudaEventDisableTiming, _cudaMemcpyHostToDevice, _enter, _leave
+from engine.gpu._cudart cimport (
+    Runtime, _Saved, _cudaEventDisableTiming, _cudaMemcpyHostToDevice, _cudaStreamNonBlocking, _enter, _leave,
+)
 from engine.io._io cimport (
     _Choice, _Part, _guard_ready, _seconds, pthread_cond_broadcast, pthread_cond_destroy, pthread_cond_init,
     pthread_cond_signal, pthread_create, pthread_join, pthread_mutex_destroy, pthread_mutex_init,
@@ -64,6 +66,7 @@ cdef extern from "<sys/mman.h>" nogil:
     void* MAP_FAILED
 
 cdef enum:
+    _MADV_DONTFORK = 10
     _MADV_HUGEPAGE = 14
 
 cdef size_t _HUGE = 2 << 20
@@ -73,11 +76,11 @@ cdef class ChunkRing:
     """``chunks`` page-locked chunks of ``chunk_bytes`` and ``threads`` native copy threads on
     one device and stream of a :class:`Runtime`; :meth:`run` moves one load through them.
 
-    The chunks are one anonymous mapping (huge pages where the kernel offers them),
-    page-locked in blocks (slot 0, then blocks twice the size of the one before: 6 calls for
-    32 chunks) by the copy thread that first fills a slot of the block, or all at once ahead
-    of the first load by :meth:`lock_all`, and unlocked by :meth:`close`, which also joins the
-    threads and destroys the events.  One run at a time.
+    The chunks are one anonymous mapping (huge pages where the kernel offers them; a forked
+    child inherits none of it), page-locked in blocks (slot 0, then blocks twice the size of
+    the one before: 6 calls for 32 chunks) by the copy thread that first fills a slot of the
+    block, or all at once ahead of the first load by :meth:`lock_all`, and unlocked by
+    :meth:`close`, which also joins the threads and destroys the events.  One run at a time.
     """
 
     cdef Runtime runtime
@@ -94,10 +97,13 @@ cdef class ChunkRing:
     cdef int64_t net0
     cdef int last_threads
     cdef object stream_owner
+    cdef bint own_stream
     cdef object __weakref__
 
     def __cinit__(self, Runtime runtime, int device, uintptr_t stream, int64_t chunk_bytes, int chunks,
                   int threads, object stream_owner=None):
+        # ``stream`` 0: a stream of the ring's own, made here (non-blocking) and destroyed by
+        # close(); else a caller's stream (``stream_owner`` keeps its owner alive)
         cdef int i, rc = 0
         cdef void* mem
         cdef _Saved saved
@@ -145,6 +151,12 @@ cdef class ChunkRing:
         self.mem = mem
         self.st.base = <uint8_t*>((<uintptr_t>mem + _HUGE - 1) & ~(<uintptr_t>_HUGE - 1))
         madvise(self.st.base, self.nbytes, _MADV_HUGEPAGE)
+        # a forked child gets none of the chunks: where a kernel or driver does not copy
+        # page-locked pages at fork, the parent's next writes would land in copies made for the
+        # child while the DMA reads the originals (the child cannot use the ring anyway)
+        if madvise(mem, self.mapped, _MADV_DONTFORK) != 0:
+            self.close()
+            raise RuntimeError("cannot keep the ring's chunks out of forked children (madvise MADV_DONTFORK)")
         try:
             self.st.ctx = <void*><uintptr_t>runtime.primary_context(device)
         except RuntimeError:
@@ -152,6 +164,12 @@ cdef class ChunkRing:
             raise
         with nogil:
             rc = _enter(&runtime.rt, self.st.ctx, &saved)
+            if rc == 0 and stream == 0:
+                rc = runtime.rt.stream_create(&self.st.stream, _cudaStreamNonBlocking)
+                if rc == 0:
+                    self.own_stream = True
+                else:
+                    self.st.stream = NULL
             if rc == 0:
                 for i in range(chunks):
                     rc = runtime.rt.event_create(&self.st.events[i], _cudaEventDisableTiming)
@@ -163,7 +181,7 @@ cdef class ChunkRing:
             _leave(&runtime.rt, &saved)
         if rc != 0:
             self.close()
-            raise RuntimeError(f"setting up the ring's events on device {device} failed: "
+            raise RuntimeError(f"setting up the ring's stream and events on device {device} failed: "
                                f"{runtime.error_string(rc)} ({rc})")
         for i in range(threads):
             self.workers[i].st = self.st
@@ -536,6 +554,16 @@ cdef class ChunkRing:
             pthread_cond_broadcast(&st.run_cond)
             pthread_mutex_unlock(&st.lock)
 
+    def stop(self) -> None:
+        """Stop the run in progress from another thread, natively (no GIL needed by the run
+        to see it): it returns as cancelled once its issued copies have completed.  The exit
+        hook of :mod:`engine.gpu.device_ring` calls it; nothing happens between runs."""
+        cdef _State* st = self.st
+        if st == NULL or not self.busy:
+            return
+        with nogil:
+            _fail(st, 4, 0, 0, 0, 0)
+
     def memory(self) -> memoryview:
         """The chunks' host memory, writable (``chunks * chunk_bytes`` bytes; slot ``s`` at
         ``s * chunk_bytes``), for external fillers.  Valid until :meth:`close`: drop every
@@ -560,8 +588,12 @@ cdef class ChunkRing:
                 pthread_join(self.tids[i], NULL)
             # on the ring's device whatever thread closes it (a reaper, a finaliser, exit): a
             # call on a thread with no context would make one on GPU 0
-            if st.ctx != NULL and (st.events != NULL or (st.base != NULL and st.blocks != NULL)):
+            if st.ctx != NULL and (st.events != NULL or self.own_stream or (st.base != NULL and st.blocks != NULL)):
                 _enter(st.rt, st.ctx, &saved)
+                if self.own_stream:
+                    # every copy of the last run completed before it returned: nothing is queued
+                    st.rt.stream_destroy(st.stream)
+                    self.own_stream = False
                 if st.events != NULL:
                     for i in range(st.nslots):
                         if st.events[i] != NULL:

@@ -49,14 +49,43 @@ def _loaded_cudart_path(major: int | None = None) -> str | None:
 _SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
 
 
+def _wheel_cudart_path(major: int | None) -> str | None:
+    """The ``libcudart`` of the NVIDIA runtime wheel (``nvidia-cuda-runtime-cu12`` and the
+    like: ``nvidia/cuda_runtime/lib``) where pip put it beside the framework, or None.  Such a
+    folder is not on the dynamic loader's path: a framework that links its runtime statically
+    (CuPy) maps no ``libcudart`` the process could find otherwise."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    names = ([f"libcudart.so.{major}"] if major is not None else []) + list(_SONAMES)
+    for root in spec.submodule_search_locations or ():
+        lib = os.path.join(root, "cuda_runtime", "lib")
+        for name in names:
+            path = os.path.join(lib, name)
+            if os.path.exists(path):
+                return path
+    return None
+
+
 def cuda_runtime_path(major: int | None = None) -> str | None:
-    """Path of the ``libcudart`` this process has loaded (torch's or CuPy's: opening it again
-    gives that same instance), else the first soname the dynamic loader finds, else None.
+    """Path of the ``libcudart`` this process has loaded (torch's: opening it again gives that
+    same instance), else the NVIDIA runtime wheel's (:func:`_wheel_cudart_path`), else the first
+    soname the dynamic loader finds, else None.  The ring needs the runtime's entry points
+    only: a second instance of the runtime (beside CuPy's static one) works on the same
+    primary contexts, whose streams and events it shares.
 
     ``major``: the CUDA major the framework was built with (``torch.version.cuda``, CuPy's
     runtime version): a mapped runtime of that major is preferred, and with none mapped its
     soname is tried first (a newer one may need a newer driver than the machine has)."""
     path = _loaded_cudart_path(major)
+    if path is not None:
+        return path
+    path = _wheel_cudart_path(major)
     if path is not None:
         return path
     import ctypes

@@ -24,16 +24,17 @@ of the interpreter anyway; nothing else runs in Python per chunk.
 
 What a device framework provides (its :class:`DeviceOps`, :mod:`engine.sinks`): the path of the
 CUDA runtime it loaded (``runtime_path()``), its device index (``device_index``, resolved on the
-caller's thread), a stream (``ring_stream()`` -> ``(handle, owner)``), the consumer's fence
-(``consumer_fence()``: an event recorded on the caller's current stream when the operations
-were made, which the copies wait for) and the device address of a target (``address(target)``).  The ring is the one device path: nothing else moves bytes to a
-device.
+caller's thread), the consumer's fence (``consumer_fence()``: an event recorded on the caller's
+current stream when the operations were made, which the copies wait for) and the device address
+of a target (``address(target)``).  The ring copies on a stream of its own.  The ring is the one
+device path: nothing else moves bytes to a device.
 
 Rings are set up, kept between loads and closed by :mod:`engine.gpu.rings`.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -69,9 +70,6 @@ class DeviceOps(Protocol):
     def runtime_path(self) -> str | None:
         """The path of the ``libcudart`` the framework loaded (None: none found)."""
 
-    def ring_stream(self):
-        """A stream of the load's own: ``(cudaStream_t, the framework's object owning it)``."""
-
     def consumer_fence(self) -> int | None:
         """An event (``cudaEvent_t``) recorded on the caller's current stream on the device
         when these operations were made, on the caller's thread (where its allocations were
@@ -80,6 +78,10 @@ class DeviceOps(Protocol):
 
     def address(self, target) -> int:
         """The device address of a byte target."""
+
+    # optional: ``fence_again()`` records the fence again, on the calling thread's current
+    # stream, between the ring runs of one load (engine.loading.load_hooks' windows): the next
+    # run's copies then also wait for the work queued there since
 
 
 UNMAPS = ("end", "chunk")
@@ -153,9 +155,85 @@ def flush_unmaps() -> None:
     CLOSER.flush()
 
 
+class _Runs:
+    """The device loads and ring set-ups in flight, for the exit hook (:func:`_at_exit`)."""
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """None in flight (also a forked child's start: the runs are the parent's threads')."""
+        self.cond = threading.Condition()
+        self.live: dict[int, dict] = {}
+        self.exiting = False
+
+    def enter(self, cancel: threading.Event | None) -> dict:
+        """A run starts (its ``ring`` set once it has one); DeviceError once the
+        interpreter is exiting."""
+        entry: dict = {"cancel": cancel, "ring": None}
+        with self.cond:
+            if self.exiting:
+                raise DeviceError("the interpreter is exiting: no device load starts now")
+            self.live[id(entry)] = entry
+        return entry
+
+    def given_back(self, entry: dict) -> None:
+        """The run's ring is about to be given back (the reaper may close it then): it is
+        never stopped from here on (under the lock :meth:`stop` holds while it stops rings)."""
+        with self.cond:
+            entry["ring"] = None
+
+    def leave(self, entry: dict) -> None:
+        with self.cond:
+            self.live.pop(id(entry), None)
+            self.cond.notify_all()
+
+    def stop(self, timeout: float) -> bool:
+        """No run starts from now on; each one in flight is cancelled (natively: a run
+        whose issuing thread waits for no GIL stops too) and waited for, at most ``timeout``
+        seconds.  True when none is left."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            self.exiting = True
+            while self.live:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                for entry in self.live.values():
+                    if entry["cancel"] is not None:
+                        entry["cancel"].set()
+                    if entry["ring"] is not None:
+                        entry["ring"].stop()  # again each time: a run that was starting resets it
+                self.cond.wait(min(left, 0.05))
+        return True
+
+
+RUNS = _Runs()
+
+#: seconds the exit hook waits for the runs in flight (a cancelled run waits for its issued
+#: copies; a ring's page-locking ahead of a load is not cancelled, only waited for)
+EXIT_WAIT_SECONDS = 10.0
+
+
+def _at_exit() -> None:
+    """At interpreter exit, before the CUDA runtime's own teardown (its library's exit
+    handlers run after the interpreter's): every device load in flight on a daemon thread is
+    cancelled and waited for, a ring being set up too, and every ring closed, so that no
+    thread of the engine calls the runtime while it is torn down.  Runs before
+    :mod:`engine.gpu.rings`' own hook (registered after it)."""
+    RUNS.stop(EXIT_WAIT_SECONDS)
+    KEPT.release()
+    KEPT.settle(EXIT_WAIT_SECONDS)
+
+
+atexit.register(_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=RUNS.forget)
+
+
 def supports(ops) -> bool:
     """Whether a device framework's operations can drive the ring."""
-    return all(hasattr(ops, m) for m in ("runtime_path", "ring_stream", "address")) and hasattr(ops, "device_index")
+    return all(hasattr(ops, m) for m in ("runtime_path", "address")) and hasattr(ops, "device_index")
 
 
 def consumer_fence(ops) -> int | None:
@@ -182,15 +260,20 @@ def prepare(ops, geometry: Geometry | None = None, *, background: bool = False, 
         return None if background else (0.0, 0)
 
     def setup():
-        ring = None
+        ring = entry = None
         try:
+            entry = RUNS.enter(None)
             ring = new_ring(ops, g)
             return ring.lock_all()
         finally:
-            if ring is None:
-                KEPT.drop(key)
-            elif not KEPT.give(key, ring, linger=linger):
-                ring.close()
+            try:
+                if ring is None:
+                    KEPT.drop(key)
+                elif not KEPT.give(key, ring, linger=linger):
+                    ring.close()
+            finally:
+                if entry is not None:
+                    RUNS.leave(entry)
 
     if not background:
         return setup()
@@ -262,12 +345,15 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
     lens = np.zeros(len(sources), np.int64)
     keeps = np.zeros(len(sources), np.uint8)
     key = _ring_key(ops, g)
+    entry = RUNS.enter(cancel)  # left in the finally below, once the ring is given back
     t_ring = time.perf_counter()
     ring, cold = KEPT.take(key)
     fillers = None
     try:
         if ring is None:
             ring, cold = new_ring(ops, g), True
+        with RUNS.cond:
+            entry["ring"] = ring
         setup_s = time.perf_counter() - t_ring
         for i in used:
             fds[i] = sources[i].fd
@@ -320,6 +406,14 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             lock_calls=int(run["lock_calls"]), cold=cold, setup_s=setup_s, source=source, unmap=unmap,
             pread_bytes=int(run["pread_bytes"]), mmap_bytes=int(run["mmap_bytes"]), pageable=ring.pageable,
             network_bytes=int(run["net_bytes"]), reported=landing.reported, report_s=landing.seconds, hooked=hooked)
+        if kind == 0 and (fillers is None or fillers.error() is None):
+            # the last tensors (their kernels too) before the record is published, while the
+            # load still holds the ring: a tensor read again after a failed checksum is put on
+            # the device through it, which a ring given back may be closed under
+            t0 = time.perf_counter()
+            landing.upto(len(c_file))
+            record = dataclasses.replace(record, reported=landing.reported,
+                                         report_s=landing.seconds + time.perf_counter() - t0)
     finally:
         arrays.clear()
         later = []
@@ -329,8 +423,12 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
             else:
                 close_mapping(m)  # None, a kept mapping given back, or one "chunk" emptied as it went
         CLOSER.close(later)
-        if ring is not None and not KEPT.give(key, ring):
-            ring.close()
+        RUNS.given_back(entry)
+        try:
+            if ring is not None and not KEPT.give(key, ring):
+                ring.close()
+        finally:
+            RUNS.leave(entry)
     if kind == 1:
         src = sources[int(c_file[chunk])]
         check_read((code, at, missing), "the load", src.path, src.fd)  # raises: code is an errno or -1
@@ -347,8 +445,5 @@ def load(sources, dest, tracker, cancel: threading.Event, geometry: Geometry | N
         publish(record)
         cancel.set()
         return record.as_dict()
-    t0 = time.perf_counter()
-    landing.upto(len(c_file))  # the last tensors (their kernels too) before the record is published
-    record = dataclasses.replace(record, reported=landing.reported, report_s=landing.seconds + time.perf_counter() - t0)
     publish(record)
     return record.as_dict()

@@ -15,7 +15,7 @@ import time
 import weakref
 
 from engine.errors import DeviceError
-from engine.gpu.cudart import on_device, runtime
+from engine.gpu.cudart import runtime
 from engine.gpu.geometry import Geometry
 
 __all__ = ["LINGER_SECONDS", "keep_rings", "keep_staging", "locked_bytes", "release_rings"]
@@ -46,6 +46,7 @@ class _Kept:
         self.cond = threading.Condition()
         self.rings: dict = {}  # key -> [ring or None while pending, expiry (monotonic) or None]
         self.reaper: threading.Thread | None = None
+        self.closing = 0  # rings the reaper is closing now
 
     def take(self, key):
         """``(ring or None, waited)``: the ring kept for ``key``, and whether it was still
@@ -107,8 +108,19 @@ class _Kept:
                     times = [t for r, t in self.rings.values() if r is not None and t is not None]
                     self.cond.wait(max(0.01, min(times) - now) if times else None)
                     continue
+                self.closing += len(expired)
             for ring in expired:
-                ring.close()
+                try:
+                    ring.close()
+                finally:
+                    with self.cond:
+                        self.closing -= 1
+                        self.cond.notify_all()
+
+    def settle(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until the reaper closes no ring."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.closing, timeout)
 
     def release(self) -> None:
         with self.cond:
@@ -176,8 +188,8 @@ if hasattr(os, "register_at_fork"):
 
 def new_ring(ops, g: Geometry):
     """A ring of geometry ``g`` on ``ops``'s device (:class:`engine.gpu._ring.ChunkRing`: its
-    threads started and events made; its chunks page-locked on first use), on a stream of the
-    framework's; :class:`~engine.errors.DeviceError` where the runtime is missing or refuses."""
+    threads started, its stream and events made; its chunks page-locked on first use);
+    :class:`~engine.errors.DeviceError` where the runtime is missing or refuses."""
     from engine.gpu import _ring
 
     path = ops.runtime_path()
@@ -188,11 +200,11 @@ def new_ring(ops, g: Geometry):
     except OSError as exc:
         raise DeviceError(str(exc)) from exc
     try:
-        # on the ring's device, the thread left as it was: a framework's stream made on one of
-        # the engine's threads (the prepare thread, a stream's worker) makes no context on GPU 0
-        with on_device(rt, ops.device_index):
-            stream, owner = ops.ring_stream()
-        ring = _ring.ChunkRing(rt, ops.device_index, stream, g.chunk_bytes, g.chunks, g.threads, owner)
+        # a stream of the ring's own (stream 0), made and destroyed by the ring in its device's
+        # context: a framework's pool stream may be shared with other work (torch hands out 32
+        # per device round-robin, NCCL's among them), which the ring's copies and its final
+        # synchronisation would then wait behind
+        ring = _ring.ChunkRing(rt, ops.device_index, 0, g.chunk_bytes, g.chunks, g.threads)
     except RuntimeError as exc:
         raise DeviceError(f"cannot set up the copy ring: {exc}") from exc
     _LIVE.add(ring)

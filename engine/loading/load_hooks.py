@@ -153,6 +153,16 @@ def _allocator(sink) -> Callable[[tuple, Any], Any]:
     return sink.empty_device  # another device framework (or a test double) brings its own
 
 
+def _in_context(empty, context):
+    """``empty`` called inside ``context()`` (:meth:`LoadWork._on_device`)."""
+
+    def pushed(shape, dt):
+        with context():
+            return empty(shape, dt)
+
+    return pushed
+
+
 def _widen(spans: dict[int, list], of, lo: int, hi: int) -> None:
     """``spans[id(of)]`` (``[of, lo, hi]``) widened to cover ``lo:hi``."""
     span = spans.setdefault(id(of), [of, lo, hi])
@@ -202,6 +212,8 @@ class LoadWork:
                     self._stats_kind[r] = kind
         self._done: dict[int, Any] = {}  # row -> QuantizedTensor
         self._targets: Staging | None = None
+        self._device_ops: Any = None  # the load's DeviceOps (destination()): its fence is recorded per window
+        self._runtime: Any = None  # the CUDA runtime its device operations name (_on_device)
         self._empty = _allocator(sink) if self.on_device else None
         self._gpu = gpu_of(sink)  # "cuda" without an index was resolved by the sink, on the caller's thread
         self._streams = threading.local()
@@ -232,6 +244,9 @@ class LoadWork:
         plain = [(r, int(t.codes[r]), t.shapes[r], int(t.ends[r]) - int(t.begins[r])) for r in rows
                  if r not in staged]
         tensors, targets, ops = self.sink.allocate_device(plain, per_tensor)
+        self._device_ops = ops
+        if self._empty is not None:
+            self._empty = _in_context(self._empty, self._on_device)
         sizes = {r: int(t.ends[r]) - int(t.begins[r]) for r in staged}
         self._targets = Staging(targets, sizes, self._empty)
         hooked = bool(self._stats_kind) or bool(sizes)
@@ -258,6 +273,20 @@ class LoadWork:
             self._stage(fresh)
             yield window
             self.gather()
+            self._fence_again()
+
+    def _fence_again(self) -> None:
+        """After a window's work is queued: the consumer's fence recorded again on this
+        thread's current stream, so that the next window's copies wait for it.  The fallback's
+        operations still read the window's scratch there when it is freed, and a caching
+        allocator hands its block to the next window's staging at once (its reuse is ordered
+        on that stream only, not on the ring's)."""
+        again = getattr(self._device_ops, "fence_again", None)
+        if again is not None:
+            with self._on_device():  # a framework's device guard on this thread: see _on_device
+                again()
+            with self._lock:
+                self._fence_side()  # the next window's kernels follow it too
 
     def _stage(self, rows: list[int]) -> None:
         """Before a window's ring run: one scratch allocation for its tensors to quantize,
@@ -290,11 +319,33 @@ class LoadWork:
         quantization kernels (:meth:`gather` collects them), or the framework's operations of
         the fallback.  A failure of the kernels raises :class:`~engine.errors.DeviceError`
         naming the tensor."""
-        with self._failing_as_device_error([row]):  # a launch refused, a kernel that failed to compile
+        with self._failing_as_device_error([row]), self._on_device():  # a launch refused, a kernel that failed to compile
             if self._fallback is not None:
                 self._landed_fallback(row)
             else:
                 self._landed_ring(row)
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """The load's device's primary context pushed on this thread for the block, and popped
+        after (:func:`engine.gpu.cudart.on_device`): a framework's device guard entered on one of
+        the engine's threads (CuPy's ``Device``) then finds that device current, and does not
+        set device 0, whose context it would make, on its way out.  Nothing where the device
+        operations name no runtime."""
+        ops = self._device_ops
+        if self._runtime is None and ops is not None:  # looked up once per load
+            path = ops.runtime_path() if hasattr(ops, "runtime_path") else None
+            if path:
+                from engine.gpu.cudart import runtime
+
+                self._runtime = runtime(path)
+        if self._runtime is None:
+            yield
+            return
+        from engine.gpu.cudart import on_device
+
+        with on_device(self._runtime, ops.device_index):
+            yield
 
     @contextlib.contextmanager
     def _failing_as_device_error(self, rows: list[int], what: str = "the device kernels of", batch: bool = False):
@@ -360,7 +411,9 @@ class LoadWork:
 
     def _side_stream(self):
         """The load's one stream for the kernels launched as tensors land (their bytes are
-        complete when reported: no ordering with the ring's stream is needed)."""
+        complete when reported: no ordering with the ring's stream is needed).  It waits for
+        the consumer's fence first: the kernels write memory the framework's allocator handed
+        out on the consumer's stream, which work queued there may still use."""
         with self._lock:  # one stream, whichever thread (issuing, handing out) asks first
             if self._side is None:
                 from engine.numerics.device import SIMULATOR
@@ -371,7 +424,24 @@ class LoadWork:
                     from numba import cuda
 
                     self._side = cuda.stream()
+                    self._fence_side()
             return self._side
+
+    def _fence_side(self) -> None:
+        """Work queued on the side stream from now on waits for the consumer's fence (its
+        last record: :meth:`_fence_again` records it again per window).  Nothing to do under
+        the simulator, or without a fence."""
+        from engine.gpu.device_ring import consumer_fence
+
+        ops, side = self._device_ops, self._side
+        fence = consumer_fence(ops) if ops is not None else None
+        if fence is None or side is None or side == 0:
+            return
+        handle = getattr(side, "handle", side)  # a Numba stream's CUstream (ctypes, or the bindings' object)
+        handle = int(getattr(handle, "value", handle) or 0)
+        with self._on_device():
+            if self._runtime is not None:  # None: the operations name no runtime to call
+                self._runtime.wait_event(handle, fence)
 
     def _landed_ring(self, row: int) -> None:
         stats = row in self._stats_kind

@@ -356,7 +356,7 @@ def run_sources(
         if not device_ring.supports(dest.device_ops):
             path = sources[0].path if sources else None
             raise DeviceError(f"the device operations {type(dest.device_ops).__name__} cannot drive the chunk ring: "
-                              "they lack runtime_path, device_index, ring_stream or address", path=path)
+                              "they lack runtime_path, device_index or address", path=path)
     cancel = cancel or threading.Event()
     tracker = _Tracker.of(sources, on_complete)
     total = sum(r.nbytes for s in sources for r in s.requests)

@@ -69,15 +69,15 @@ class CupyOps:
         """The event recorded on the caller's current stream when these ops were made."""
         return int(self._fence.ptr)
 
+    def fence_again(self) -> None:
+        """Record the fence again, now, on the calling thread's current stream (see
+        :meth:`engine.sinks.torch.TorchCudaOps.fence_again`)."""
+        with self.device:
+            self._fence.record(cupy.cuda.get_current_stream())
+
     @property
     def device_index(self) -> int:
         return int(self.device.id)
-
-    def ring_stream(self):
-        """A stream of the load's own on the device: ``(cudaStream_t, the CuPy object)``."""
-        with self.device:
-            stream = cupy.cuda.Stream(non_blocking=True)
-        return stream.ptr, stream
 
     def address(self, target) -> int:
         return int(target.data.ptr)

@@ -272,10 +272,12 @@ class TorchCudaOps:
         on that stream."""
         return self._fence.cuda_event if self._fence is not None else None
 
-    def ring_stream(self):
-        """A stream of the load's own on the device: ``(cudaStream_t, the torch object)``."""
-        stream = torch.cuda.Stream(device=self.device)
-        return stream.cuda_stream, stream
+    def fence_again(self) -> None:
+        """Record the fence again, now, on the calling thread's current stream: the next ring
+        run's copies then wait for the work queued there since (the last reads of scratch
+        that the caching allocator may hand to them)."""
+        if self._fence is not None:
+            self._fence.record(torch.cuda.current_stream(self.device))
 
     def address(self, target: torch.Tensor) -> int:
         return target.data_ptr()

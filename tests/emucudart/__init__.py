@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +60,17 @@ class Emulator:
         self.lib.emu_fail_event_record_after.argtypes = [ctypes.c_int64]
         self.lib.emu_set_register_cost.argtypes = [ctypes.c_int64]
         self.lib.emu_contexts.restype = ctypes.c_int64
+        self.lib.emu_primary_refs.restype = ctypes.c_int64
+        self.lib.emu_bad_releases.restype = ctypes.c_int64
         self.lib.emu_launch_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t,
                                              ctypes.c_int64]
+        self.lib.emu_launch_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                             ctypes.c_int64]
+        self.lib.emu_launch_wait_flag.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.emu_alloc.argtypes = [ctypes.c_size_t, ctypes.c_void_p]
+        self.lib.emu_alloc.restype = ctypes.c_void_p
+        self.lib.emu_free.argtypes = [ctypes.c_void_p]
+        self.lib.emu_pool_reused.restype = ctypes.c_int64
         self.lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
         self.lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         self.lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
@@ -94,6 +104,14 @@ class Emulator:
         """Primary contexts made on ``device`` since the last reset (by any thread)."""
         return int(self.lib.emu_contexts(device))
 
+    def primary_refs(self, device: int) -> int:
+        """References to ``device``'s primary context retained and not released (since the last reset)."""
+        return int(self.lib.emu_primary_refs(device))
+
+    def bad_releases(self) -> int:
+        """Releases of a primary context with no reference left (refused, as a driver refuses them)."""
+        return int(self.lib.emu_bad_releases())
+
     def set_device(self, device: int) -> None:
         """``cudaSetDevice`` on the calling thread (its context made current, as CUDA 12 does)."""
         assert self.lib.cudaSetDevice(device) == 0
@@ -119,6 +137,37 @@ class Emulator:
         ``seconds``, every byte of ``target`` (a numpy array, "device memory") set to ``value``."""
         arr = np.frombuffer(target, np.uint8)
         assert self.lib.emu_launch_fill(stream or None, arr.ctypes.data, value, arr.nbytes, int(seconds * 1e9)) == 0
+
+    def launch_copy(self, stream: int, target, source: int, seconds: float) -> None:
+        """A kernel stand-in that reads, queued on ``stream``: after ``seconds``, the bytes at
+        device address ``source`` copied into ``target`` (a numpy array or CPU tensor), read
+        when the stream runs it, as a framework's queued operation reads its operands."""
+        arr = np.frombuffer(target, np.uint8) if not hasattr(target, "data_ptr") else None
+        dst = arr.ctypes.data if arr is not None else target.data_ptr()
+        n = arr.nbytes if arr is not None else target.numel() * target.element_size()
+        assert self.lib.emu_launch_copy(stream or None, dst, source, n, int(seconds * 1e9)) == 0
+
+    def wait_flag(self, stream: int, flag: np.ndarray) -> None:
+        """A kernel stand-in queued on ``stream`` that spins until ``flag[0]`` (an int32 array)
+        is set by the host: whatever is queued after it on that stream waits as long."""
+        assert flag.dtype == np.int32
+        assert self.lib.emu_launch_wait_flag(stream or None, flag.ctypes.data) == 0
+
+    def pool_empty(self, nbytes: int, stream: int = 0) -> np.ndarray:
+        """``nbytes`` of "device memory" from the emulated caching allocator, for ``stream``
+        (0: the default stream), as a uint8 array: when the array and every view of it are
+        gone the block goes back to the stream's pool at once, and the next allocation of its
+        size for that stream gets it, whatever work queued elsewhere still uses it."""
+        p = self.lib.emu_alloc(nbytes, stream or None)
+        if not p:
+            raise MemoryError(f"the emulated allocator cannot give {nbytes} bytes")
+        memory = (ctypes.c_uint8 * max(nbytes, 1)).from_address(p)
+        weakref.finalize(memory, self.lib.emu_free, p)  # every view of the array keeps it alive
+        return np.frombuffer(memory, np.uint8)[:nbytes]
+
+    def pool_reused(self) -> int:
+        """Allocations the caching allocator served from a freed block since the last reset."""
+        return int(self.lib.emu_pool_reused())
 
     def synchronize(self, stream: int) -> int:
         return int(self.lib.cudaStreamSynchronize(stream or None))
@@ -178,6 +227,7 @@ class Emulator:
             yield
         finally:
             self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+            self.lib.cuDevicePrimaryCtxRelease_v2(device)
 
     def fence(self, stream: int, device: int) -> int:
         """An event of ``device`` recorded now on ``stream`` (0: the default stream; 2: the
@@ -205,6 +255,7 @@ class EmulatedRingOps:
         # the consumer's fence, on its stream (0: the device's default stream; 2: this
         # thread's own; None: none), recorded here on the thread that makes the ops, as the
         # framework's ops record theirs
+        self.consumer = consumer
         self.fence = emulator.fence(consumer, device) if consumer is not None else None
 
     def runtime_path(self) -> str:
@@ -217,6 +268,12 @@ class EmulatedRingOps:
 
     def consumer_fence(self) -> int | None:
         return self.fence
+
+    def fence_again(self) -> None:
+        """The fence recorded again on the consumer's stream, now, from the calling thread."""
+        if self.fence is not None:
+            with self.emulator.on_device(self.device_index):
+                assert self.emulator.lib.cudaEventRecord(self.fence, self.consumer or None) == 0
 
     def address(self, target) -> int:
         return int(np.frombuffer(target, np.uint8).ctypes.data) if len(target) else 0

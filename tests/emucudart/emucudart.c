@@ -19,7 +19,9 @@
  * (cudaStreamPerThread) the calling thread's own; cudaStreamWaitEvent orders a
  * stream after an event; a "kernel" (emu_launch_fill) writes device memory later, on a
  * consumer's stream; an asynchronous fault is sticky: every later call returns it;
- * cudaHostRegister takes page-aligned ranges only and may be given a cost per MiB.
+ * cudaHostRegister takes page-aligned ranges only and may be given a cost per MiB; a
+ * framework's caching allocator (emu_alloc / emu_free) hands a freed block to the next
+ * allocation for its stream at once, while work queued elsewhere may still use it.
  *
  * Controls for the tests (emu_*): delays, copies that do nothing (to time the ring alone),
  * a copy or a registration that fails (at issue or, like a fault on the device, when it
@@ -31,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int cudaError_t;
 enum {
@@ -50,7 +53,9 @@ enum {
 
 typedef struct op {
     struct op *next;
-    int kind; /* 0 copy, 1 event record, 2 wait for an event, 3 a kernel that fills memory */
+    int kind; /* 0 copy, 1 event record, 2 wait for an event, 3 a kernel that fills (or copies) memory,
+                 4 a kernel that spins until a flag in memory is set (a collective waiting for its peer),
+                 5 cudaMemcpy's staged copy (its source freed after) */
     int value;
     int64_t delay_ns;
     void *dst;
@@ -89,6 +94,8 @@ static int g_devices = 1;
 static context_t g_contexts[MAX_DEVICES];
 static int g_primary[MAX_DEVICES];      /* the device's primary context exists */
 static int64_t g_ctx_made[MAX_DEVICES]; /* primary contexts made per device since the last reset */
+static int64_t g_retained[MAX_DEVICES]; /* cuDevicePrimaryCtxRetain's references not released yet */
+static int64_t g_bad_releases;          /* releases with no reference left (since the last reset) */
 static int g_ctx_gen = 1;               /* bumped by emu_reset: every thread's binding is forgotten */
 static stream_t *g_default[MAX_DEVICES];
 static int64_t g_register_ns_per_mib;   /* cudaHostRegister sleeps this long per MiB */
@@ -120,6 +127,7 @@ static cudaError_t g_sticky;         /* an asynchronous failure: later calls ret
  * live, copies queued at most, events recorded */
 static int64_t g_copies, g_bytes, g_pageable, g_wrong_device, g_streams, g_events, g_max_queued,
     g_queued, g_records, g_registers;
+static int64_t g_pool_reused; /* allocations served from a freed block of the caching allocator */
 
 static void sleep_ns(int64_t ns) {
     struct timespec ts = {ns / 1000000000, ns % 1000000000};
@@ -149,9 +157,35 @@ static void make_primary(int d) {
 
 static int current_ctx(void) { return t_ctx && t_ctx_gen == g_ctx_gen ? t_ctx : 0; }
 
+/* the runtime's teardown at process exit (its library destructor, after the interpreter's
+ * atexit hooks): a thread that calls it meanwhile or after crashes a real process; here it
+ * ends the process with status 86, naming the entry point */
+static volatile int g_down;
+
+static void check_up(const char *what) {
+    if (g_down) {
+        static const char msg[] = "emucudart: a CUDA call during the runtime's teardown at exit: ";
+        ssize_t w = write(2, msg, sizeof msg - 1);
+        w += write(2, what, strlen(what));
+        w += write(2, "\n", 1);
+        (void)w;
+        _exit(86);
+    }
+}
+
+/* EMUCUDART_TEARDOWN_MS: how long the teardown takes (a real one destroys contexts): the
+ * window in which another thread's call is caught */
+__attribute__((destructor)) static void teardown(void) {
+    g_down = 1;
+    const char *ms = getenv("EMUCUDART_TEARDOWN_MS");
+    if (ms && atoi(ms) > 0)
+        sleep_ns((int64_t)atoi(ms) * 1000000);
+}
+
 /* the device of the context current to this thread; a call that needs one on a thread with
  * none binds (and, the first time, makes) the primary context of the thread's device */
 static int need_ctx(void) {
+    check_up("a call that needs a context");
     int c = current_ctx();
     if (c)
         return c - 1;
@@ -237,10 +271,24 @@ static void *stream_main(void *arg) {
                 pthread_cond_wait(&g_done, &g_lock);
             event_done(o->event);
             pthread_mutex_unlock(&g_lock);
+        } else if (o->kind == 5) {
+            /* cudaMemcpy's staged bytes, landed late */
+            if (g_copy_delay_ns)
+                sleep_ns(g_copy_delay_ns);
+            if (!g_sticky)
+                memcpy(o->dst, o->src, o->n);
+            free((void *)o->src);
+        } else if (o->kind == 4) {
+            while (!g_sticky && !__atomic_load_n((int *)o->dst, __ATOMIC_ACQUIRE))
+                sleep_ns(100000);
         } else {
             if (o->delay_ns)
                 sleep_ns(o->delay_ns);
-            if (!g_sticky)
+            /* a kernel reads its source only when it runs: memory freed meanwhile may have
+               been handed out and written again (see the caching allocator below) */
+            if (!g_sticky && o->src)
+                memcpy(o->dst, o->src, o->n);
+            else if (!g_sticky)
                 memset(o->dst, o->value, o->n);
         }
         free(o);
@@ -348,6 +396,7 @@ int cuCtxGetCurrent(context_t **out) {
 }
 
 int cuCtxSetCurrent(context_t *ctx) {
+    check_up("cuCtxSetCurrent");
     if (ctx && (ctx < g_contexts || ctx >= g_contexts + MAX_DEVICES || !g_primary[ctx->device]))
         return 201; /* CUDA_ERROR_INVALID_CONTEXT */
     t_ctx = ctx ? ctx->device + 1 : 0;
@@ -364,19 +413,41 @@ int cuDeviceGet(int *dev, int ordinal) {
     return 0;
 }
 
-/* the device's primary context, made if need be (not made current) */
+/* the device's primary context, made if need be (not made current), and retained: each
+ * retain needs its release, as the driver counts them (the runtime holds a reference of its own
+ * that a release too many would take away, destroying the context under the framework) */
 int cuDevicePrimaryCtxRetain(context_t **out, int dev) {
+    check_up("cuDevicePrimaryCtxRetain");
     if (dev < 0 || dev >= g_devices)
         return 101;
     make_primary(dev);
+    pthread_mutex_lock(&g_lock);
+    g_retained[dev]++;
+    pthread_mutex_unlock(&g_lock);
     *out = &g_contexts[dev];
     return 0;
 }
 
-int cuDevicePrimaryCtxRelease(int dev) { return dev < 0 || dev >= g_devices ? 101 : 0; }
+/* a release with no retain left fails (CUDA_ERROR_INVALID_CONTEXT) and is counted */
+int cuDevicePrimaryCtxRelease(int dev) {
+    check_up("cuDevicePrimaryCtxRelease");
+    if (dev < 0 || dev >= g_devices)
+        return 101;
+    pthread_mutex_lock(&g_lock);
+    int rc = 0;
+    if (g_retained[dev] > 0) {
+        g_retained[dev]--;
+    } else {
+        g_bad_releases++;
+        rc = 201;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
 
 /* ``ctx`` current, the one before kept below it; the thread's runtime device is untouched */
 int cuCtxPushCurrent(context_t *ctx) {
+    check_up("cuCtxPushCurrent");
     if (!ctx || ctx < g_contexts || ctx >= g_contexts + MAX_DEVICES || !g_primary[ctx->device])
         return 201;
     if (t_depth == MAX_STACK)
@@ -390,6 +461,7 @@ int cuCtxPushCurrent(context_t *ctx) {
 }
 
 int cuCtxPopCurrent(context_t **out) {
+    check_up("cuCtxPopCurrent");
     if (t_depth == 0)
         return 201;
     int was = current_ctx();
@@ -477,6 +549,7 @@ cudaError_t cudaStreamCreateWithFlags(stream_t **out, unsigned int flags) {
 cudaError_t cudaStreamCreate(stream_t **out) { return cudaStreamCreateWithFlags(out, 0); }
 
 cudaError_t cudaStreamSynchronize(stream_t *s) {
+    check_up("cudaStreamSynchronize");
     s = resolve(s);
     /* the idle check and the wait under g_lock, so the stream's wake cannot fall between them
        (it cost a lost millisecond per synchronisation, which a real stream does not) */
@@ -544,15 +617,32 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stre
     return queue_op(s, 0, dst, src, n, seq, 0, 0);
 }
 
-/* synchronous, from any host memory (the real runtime stages pageable memory itself) */
+/* "synchronous", from any host memory: as the real runtime does from pageable memory, the
+ * source is staged (copied to memory of the runtime's own) and the call returns, while the copy
+ * to the device runs later on the legacy default stream of the current device: a caller that
+ * needs the bytes there synchronises that stream */
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, int kind) {
     need_ctx();
     if (kind != 1 /* cudaMemcpyHostToDevice */)
         return fail(cudaErrorInvalidValue);
     if (g_sticky)
         return sticky();
-    if (!g_noop)
-        memcpy(dst, src, n);
+    if (g_noop || !n)
+        return cudaSuccess;
+    void *staged = malloc(n);
+    if (!staged)
+        return fail(cudaErrorMemoryAllocation);
+    memcpy(staged, src, n);
+    op_t *o = calloc(1, sizeof *o);
+    if (!o) {
+        free(staged);
+        return fail(cudaErrorMemoryAllocation);
+    }
+    o->kind = 5;
+    o->dst = dst;
+    o->src = staged;
+    o->n = n;
+    push(resolve(NULL), o);
     return cudaSuccess;
 }
 
@@ -682,8 +772,11 @@ void emu_reset(void) {
     for (int d = 0; d < MAX_DEVICES; d++) {
         g_primary[d] = 0;
         g_ctx_made[d] = 0;
+        g_retained[d] = 0;
     }
+    g_bad_releases = 0;
     g_copies = g_bytes = g_pageable = g_wrong_device = g_max_queued = g_records = g_registers = 0;
+    g_pool_reused = 0;
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -704,6 +797,10 @@ void emu_fail_copy(int64_t n, int code, int async) {
 void emu_fail_register(int code) { g_fail_register = code; }
 void emu_set_register_cost(int64_t ns_per_mib) { g_register_ns_per_mib = ns_per_mib; }
 
+/* references to device d's primary context retained and not released; releases refused */
+int64_t emu_primary_refs(int d) { return d >= 0 && d < MAX_DEVICES ? g_retained[d] : -1; }
+int64_t emu_bad_releases(void) { return g_bad_releases; }
+
 /* primary contexts made on device d since the last reset */
 int64_t emu_contexts(int d) { return d >= 0 && d < MAX_DEVICES ? g_ctx_made[d] : -1; }
 
@@ -717,6 +814,107 @@ cudaError_t emu_launch_fill(stream_t *s, void *dst, int value, size_t n, int64_t
     return queue_op(s, 3, dst, NULL, n, 0, value, delay_ns);
 }
 void emu_fail_event_record_after(int64_t n) { g_fail_event_after = n; }
+
+/* a kernel stand-in that reads: on stream s, after delay_ns, copies n bytes from src to dst
+ * (src is read then, not now: as a framework's queued operation reads its operands) */
+cudaError_t emu_launch_copy(stream_t *s, void *dst, const void *src, size_t n, int64_t delay_ns) {
+    need_ctx();
+    s = resolve(s);
+    if (g_sticky)
+        return sticky();
+    return queue_op(s, 3, dst, src, n, 0, 0, delay_ns);
+}
+
+/* a kernel stand-in that spins on stream s until the int at flag is set (by the host): work
+ * queued after it on s waits as long, as behind a collective whose peer has not answered */
+cudaError_t emu_launch_wait_flag(stream_t *s, int *flag) {
+    need_ctx();
+    s = resolve(s);
+    if (g_sticky)
+        return sticky();
+    return queue_op(s, 4, flag, NULL, sizeof(int), 0, 0, 0);
+}
+
+/* ---- a framework's caching allocator (torch's, CuPy's pool), stream-ordered ---------------
+ * A block freed goes back at once to the pool of the stream it was allocated for, whatever
+ * is still queued on other streams that reads or writes it, and the next allocation of the
+ * same rounded size for that stream gets it back: safe for work on that stream (it runs in
+ * order), not for another stream's (a ring's copies) unless that stream waits for an event
+ * recorded after the last work on the block. */
+#define POOL_ROUND 512
+typedef struct block {
+    struct block *next;
+    void *p;
+    size_t n;
+    stream_t *stream;
+} block_t;
+static block_t *g_pool_free, *g_pool_used;
+
+void *emu_alloc(size_t n, stream_t *s) {
+    size_t r = (n + POOL_ROUND - 1) / POOL_ROUND * POOL_ROUND;
+    if (!r)
+        r = POOL_ROUND;
+    pthread_mutex_lock(&g_lock);
+    block_t **at = &g_pool_free, *b = NULL;
+    for (; *at; at = &(*at)->next)
+        if ((*at)->n == r && (*at)->stream == s) {
+            b = *at;
+            *at = b->next;
+            g_pool_reused++;
+            break;
+        }
+    pthread_mutex_unlock(&g_lock);
+    if (!b) {
+        b = calloc(1, sizeof *b);
+        if (!b || posix_memalign(&b->p, 256, r)) {
+            free(b);
+            return NULL;
+        }
+        b->n = r;
+        b->stream = s;
+    }
+    pthread_mutex_lock(&g_lock);
+    b->next = g_pool_used;
+    g_pool_used = b;
+    pthread_mutex_unlock(&g_lock);
+    return b->p;
+}
+
+/* back to its stream's pool, at once (0: not a block of the pool) */
+int emu_free(void *p) {
+    pthread_mutex_lock(&g_lock);
+    for (block_t **at = &g_pool_used; *at; at = &(*at)->next)
+        if ((*at)->p == p) {
+            block_t *b = *at;
+            *at = b->next;
+            b->next = g_pool_free;
+            g_pool_free = b;
+            pthread_mutex_unlock(&g_lock);
+            return 1;
+        }
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+/* a thread of the process's own (no interpreter) that calls the runtime every ns until the
+ * process ends: a call during the teardown at exit, for the emulator's own test of it */
+static void *calling(void *arg) {
+    for (;;) {
+        sleep_ns((int64_t)(intptr_t)arg);
+        event_t *e = NULL;
+        cudaEventQuery(e);
+    }
+    return NULL;
+}
+
+void emu_call_every(int64_t ns) {
+    pthread_t t;
+    if (pthread_create(&t, NULL, calling, (void *)(intptr_t)ns) == 0)
+        pthread_detach(t);
+}
+
+/* allocations served from a freed block since the last reset */
+int64_t emu_pool_reused(void) { return g_pool_reused; }
 
 /* out[0..9]: copies, bytes, pageable copies, copies from a thread on another device, regions
  * registered now, streams live, events live, most copies queued at once, event records,
