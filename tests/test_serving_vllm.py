@@ -549,3 +549,21 @@ def test_the_entry_point_registers_the_format_once_and_checks_options():
     first, bad = out.strip().splitlines()[-2:]
     assert first == "True 2 owned 0"
     assert bad.startswith("OptionError|") and "'treads'" in bad and "did you mean 'threads'" in bad
+
+
+def test_a_server_with_no_tensor_parallel_group_is_warned_of(caplog):
+    """A server whose distributed state is set up but names no TP group: the workers would each
+    read the whole checkpoint, and the log says so (silently before)."""
+    import types
+
+    from engine.serving.weights import tp_group_of
+
+    with caplog.at_level("WARNING", logger="engine.serving"):
+        assert tp_group_of(types.SimpleNamespace(__name__="parallel_state", _WORLD=object())) is None
+    assert "no tensor-parallel group" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine.serving"):
+        assert tp_group_of(types.SimpleNamespace(_WORLD=None)) is None  # one process: nothing to say
+        group = types.SimpleNamespace(world_size=2, cpu_group="gloo side")
+        assert tp_group_of(types.SimpleNamespace(_TP=group, _WORLD=object())) == "gloo side"
+    assert caplog.text == ""

@@ -505,6 +505,9 @@ def tp_group_of(parallel_state: Any) -> Any:
     ``parallel_state`` module (vLLM's, or SGLang's fork of it), or None where its distributed
     state is not set up or the group has one worker."""
     group = getattr(parallel_state, "_TP", None)
+    if group is None and getattr(parallel_state, "_WORLD", None) is not None:  # distributed, but no TP group
+        logger.warning("no tensor-parallel group in %s: each worker reads the whole checkpoint on its own",
+                       getattr(parallel_state, "__name__", "the server's parallel state"))
     if group is None or getattr(group, "world_size", 1) < 2:
         return None
     return group.cpu_group
