@@ -14,6 +14,8 @@
 * :class:`MotoS3`: moto's S3 server (``moto.server.ThreadedMotoServer``) for S3 semantics:
   SigV4, errors, listing.  With ``auth=True`` it checks signatures against the access keys
   it issued (IAM), so a wrong secret is refused as by AWS.
+* :class:`HubServer`: the Hugging Face Hub's API and ``resolve`` answers (302 to a CDN on
+  another port that serves Range), gated repos checking the token.
 
 Each is started by the test or benchmark that needs it and stopped when it ends; every
 wait here is bounded.
@@ -371,3 +373,193 @@ class FuseMount:
                                                         timeout=30).returncode == 0:
                 return
         subprocess.run(["umount", "-l", self.mountpoint], capture_output=True, timeout=30)
+
+
+class HubServer:
+    """A Hugging Face Hub on 127.0.0.1, answering as the Hub does what a client of its files asks:
+
+    * ``GET /api/{models,datasets}/{repo}/revision/{rev}``: ``{"id", "sha", "siblings": [{"rfilename"}],
+      "gated", "private"}`` (``rev`` a branch, a tag or a commit, percent-encoded);
+    * ``GET /{repo}/resolve/{rev}/{file}``: a ``.json`` answered by the Hub itself (200, ``ETag``,
+      ``X-Repo-Commit``), a ``.safetensors`` (an LFS file) by a 302 to the CDN with ``X-Linked-Size``,
+      ``X-Linked-Etag`` and ``X-Repo-Commit``, as the Hub answers whatever the ``Range``;
+    * a gated or private repo: 401 with ``X-Error-Code: GatedRepo`` (``RepoNotFound`` for a private
+      one) unless ``Authorization: Bearer <token>`` carries one of ``tokens``; an unknown repo 401
+      (``RepoNotFound``) without a valid token and 404 with one, an unknown revision 404
+      (``RevisionNotFound``), an unknown file 404 (``EntryNotFound``).
+
+    The CDN (:attr:`cdn`) is a :class:`rangeserver.RangeServer` on another port (another host as far
+    as credentials go: ``Authorization`` must never reach it) serving each commit's files at
+    ``/{sha}/{file}``; its requests, faults and records are the range server's.  :attr:`requests`
+    records the Hub's own: ``(path, Authorization)``.
+    """
+
+    def __init__(self, root: str) -> None:
+        import hashlib
+        import http.server
+        import json
+        import threading
+        import urllib.parse
+
+        from rangeserver import RangeServer
+
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+        self.cdn = RangeServer(root).start().bulk()
+        self.repos: dict[str, dict] = {}
+        self.tokens: set[str] = set()
+        self.requests: list[tuple[str, str | None]] = []
+        self.answers: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, code: int, body: bytes = b"", headers: dict | None = None) -> None:
+                with hub.lock:
+                    hub.answers.append((self.path, code))
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(body)
+
+            def _error(self, code: int, error_code: str, message: str) -> None:
+                self._send(code, json.dumps({"error": message}).encode(),
+                           {"Content-Type": "application/json", "X-Error-Code": error_code, "X-Error-Message": message})
+
+            def _repo(self, kind: str, repo_id: str) -> dict | None:
+                """The repo, or ``None`` after answering the refusal a client without access gets."""
+                auth = self.headers.get("Authorization") or ""
+                valid = auth.startswith("Bearer ") and auth[7:] in hub.tokens
+                repo = hub.repos.get(f"{kind}/{repo_id}")
+                if repo is None:
+                    if valid:
+                        self._error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}.")
+                    else:
+                        self._error(401, "RepoNotFound", "Repository Not Found. Invalid username or password.")
+                    return None
+                if repo["gated"] and not valid:
+                    self._error(401, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access "
+                                "to it and be authenticated to access it. Please log in.")
+                    return None
+                return repo
+
+            def do_GET(self) -> None:
+                with hub.lock:
+                    hub.requests.append((self.path, self.headers.get("Authorization")))
+                path = urllib.parse.urlsplit(self.path).path
+                parts = path.lstrip("/").split("/")
+                if parts[0] == "api" and len(parts) == 6 and parts[4] == "revision":
+                    kind = parts[1][:-1]
+                    repo = self._repo(kind, f"{parts[2]}/{parts[3]}")
+                    if repo is None:
+                        return
+                    sha = repo["refs"].get(urllib.parse.unquote(parts[5]))
+                    if sha is None:
+                        return self._error(404, "RevisionNotFound", f"Invalid rev id: {parts[5]}")
+                    body = json.dumps({"id": f"{parts[2]}/{parts[3]}", "sha": sha, "private": False,
+                                       "gated": "manual" if repo["gated"] else False,
+                                       "siblings": [{"rfilename": f} for f in sorted(repo["files"][sha])]})
+                    return self._send(200, body.encode(), {"Content-Type": "application/json"})
+                kind = "model"
+                if parts[0] in ("datasets", "spaces"):
+                    kind, parts = parts[0][:-1], parts[1:]
+                if len(parts) < 5 or parts[2] != "resolve":
+                    return self._error(404, "EntryNotFound", "not a route of this Hub")
+                repo = self._repo(kind, f"{parts[0]}/{parts[1]}")
+                if repo is None:
+                    return
+                sha = repo["refs"].get(urllib.parse.unquote(parts[3]))
+                file = urllib.parse.unquote("/".join(parts[4:]))
+                if sha is None:
+                    return self._error(404, "RevisionNotFound", f"Invalid rev id: {parts[3]}")
+                if file not in repo["files"][sha]:
+                    return self._error(404, "EntryNotFound", f"{file} does not exist on {parts[3]}")
+                local = os.path.join(hub.root, sha, file)
+                etag = '"' + hashlib.sha256(open(local, "rb").read()).hexdigest() + '"'
+                common = {"X-Repo-Commit": sha, "ETag": etag}
+                if file.endswith(".safetensors"):  # an LFS file: its bytes are the CDN's
+                    where = f"{hub.cdn.base}/{sha}/{urllib.parse.quote(file)}?Expires=9999999999&Signature=abc"
+                    return self._send(302, b"", {**common, "Location": where, "X-Linked-Etag": etag,
+                                                 "X-Linked-Size": str(os.path.getsize(local))})
+                with open(local, "rb") as f:
+                    body = f.read()
+                self._send(200, body, {**common, "Content-Type": "application/json"})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def add(self, repo_id: str, folder: str, *, gated: bool = False, kind: str = "model",
+            refs: tuple[str, ...] = ("main",)) -> str:
+        """Publish every file under ``folder`` as a commit of ``repo_id``, which ``refs`` (branches,
+        tags) then point at; returns the commit's sha."""
+        import hashlib
+
+        files = {}
+        for dirpath, _, names in os.walk(folder):
+            for n in names:
+                full = os.path.join(dirpath, n)
+                files[os.path.relpath(full, folder).replace(os.sep, "/")] = full
+        digest = hashlib.sha1(repo_id.encode())
+        for rel in sorted(files):
+            with open(files[rel], "rb") as f:
+                digest.update(rel.encode() + hashlib.sha1(f.read()).digest())
+        sha = digest.hexdigest()
+        for rel, full in files.items():
+            dest = os.path.join(self.root, sha, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(full, dest)
+        repo = self.repos.setdefault(f"{kind}/{repo_id}", {"gated": gated, "refs": {}, "files": {}})
+        repo["gated"] = gated
+        repo["files"][sha] = set(files)
+        repo["refs"][sha] = sha
+        for ref in refs:
+            repo["refs"][ref] = sha
+        return sha
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.answers.clear()
+        self.cdn.bulk()
+
+    def cdn_bytes(self) -> int:
+        """Bytes of file bodies the CDN was asked for (every answer of a Range server in bulk mode
+        sends what was asked)."""
+        total = 0
+        for r in self.cdn.requests:
+            rng = r["range"] or ""
+            a, _, b = rng[6:].partition("-")
+            if a.isdigit() and b.isdigit():
+                total += int(b) - int(a) + 1
+            else:  # no range, or to the end: the whole file from there
+                size = os.path.getsize(os.path.join(self.root, r["path"].lstrip("/")))
+                total += size - (int(a) if a.isdigit() else 0)
+        return total
+
+    def start(self) -> HubServer:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.cdn.stop()
+
+    def __enter__(self) -> HubServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -33,7 +33,7 @@ from engine import __version__
 from engine.errors import HeaderError, ReadError, RemoteFileNotFoundError, SafetensorError
 
 __all__ = ["RemoteFileNotFoundError", "read_error", "content_range", "connection", "status_error",
-           "error_code", "error_body", "connect_error", "unreachable", "redirect", "REDIRECTS", "Watchdog",
+           "error_code", "header_code", "error_body", "connect_error", "unreachable", "redirect", "REDIRECTS", "Watchdog",
            "USER_AGENT"]
 
 REDIRECTS = (301, 302, 303, 307, 308)
@@ -244,6 +244,17 @@ def error_code(body: bytes) -> str:
     echoes the string that was signed and the access key id."""
     m = re.search(rb"<Code>([A-Za-z0-9.]{1,64})</Code>", body[:65536])
     return m.group(1).decode("ascii") if m else ""
+
+
+def header_code(resp: http.client.HTTPResponse) -> str:
+    """The error code an answer names in a header: Azure's ``x-ms-error-code``
+    (``ServerBusy``, ``AuthenticationFailed`` ...) or the Hub's ``X-Error-Code``
+    (``GatedRepo``, ``RepoNotFound`` ...), or ``""``."""
+    for name in ("x-ms-error-code", "X-Error-Code"):
+        value = (resp.getheader(name) or "").strip()
+        if re.fullmatch(r"[A-Za-z0-9.]{1,64}", value):
+            return value
+    return ""
 
 
 def error_body(resp: http.client.HTTPResponse, limit: int = 65536) -> bytes:

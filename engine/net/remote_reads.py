@@ -165,13 +165,16 @@ class RangeReads:
             idle = self._idle.get(key)
             if idle:
                 return idle.pop(), target, extra, True
+        conn.engine_pool_key = key  # type: ignore[attr-defined]
         return conn, target, extra, False
 
     def _release(self, url: str, conn: http.client.HTTPConnection) -> None:
-        """Give a connection whose last answer was read to its end back to the pool."""
+        """Give a connection whose last answer was read to its end back to the pool of the
+        host it is connected to (after a redirect to another host, not ``url``'s)."""
         parts = urllib.parse.urlsplit(url)
+        key = getattr(conn, "engine_pool_key", (parts.scheme.lower(), parts.netloc))
         with self._lock:
-            self._idle.setdefault((parts.scheme.lower(), parts.netloc), []).append(conn)
+            self._idle.setdefault(key, []).append(conn)
 
     def __enter__(self) -> RangeReads:
         return self

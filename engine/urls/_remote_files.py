@@ -21,13 +21,14 @@ so), other bytes were damaged on the way.
 from __future__ import annotations
 
 import email.utils
+import os
 import posixpath
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.base._files import is_url
+from engine.base._files import is_url, open_regular
 from engine.base._threads import map_threads
 from engine.checkpoints.checkpoint_info import CheckpointInfo
 from engine.errors import (
@@ -41,7 +42,8 @@ from engine.errors import (
 )
 from engine.format.checkpoint_index import index_problems, parse_index
 from engine.format.checksums import REREADS, Checks
-from engine.format.header import Header, checked_length, parse_header
+from engine.format.header import Header, checked_length, parse_header, read_header_fd
+from engine.io.reader import pread_into
 from engine.net._http import read_error
 from engine.net._s3 import S3Config, parse_listing, split_s3_url
 from engine.net.remote_file import public_url
@@ -251,15 +253,30 @@ class RemoteSource:
         self.dates: dict[str, str] = {}  # location -> Date of its header's answer (HTTP and S3)
         self.files: dict[str, Any] = {}  # location -> its RemoteFile (HTTP and S3)
         self.s3: S3Config | None = None
+        self.hub: Any = None  # engine.net._hub.Hub of an hf:// URL
         self.fs: _Fs | None = None
         self.reads: RangeReads | None = None
+        self._local: dict[str, int] = {}  # a local file's path -> its descriptor (read_into, ranges)
         scheme = urllib.parse.urlsplit(url).scheme.lower()
 
-        def client(sign=None) -> RangeReads:
+        def client(sign=None, send=headers) -> RangeReads:
             return RangeReads(connections=connections or DEFAULT_CONNECTIONS, timeout=timeout, retry=retry,
-                              headers=headers, sign=sign, max_redirects=max_redirects)
+                              headers=send, sign=sign, max_redirects=max_redirects)
 
-        if scheme in ("http", "https"):
+        if scheme == "hf":
+            from engine.net._hub import Hub
+
+            self.hub = Hub(url, headers)
+            self.reads = client(send=self.hub.headers)
+            try:
+                # the revision's commit, once: every file is then read at it
+                self.hub.resolve(self._hub_call(lambda: self.reads.document(  # type: ignore[union-attr]
+                    self.hub.api_url(), 64 << 20, "the repo's description", name=url), api=True))
+            except BaseException:
+                self.reads.close()
+                raise
+            self.root = self.hub.file_url(self.hub.path) if self.hub.path else self.hub.file_url("")
+        elif scheme in ("http", "https"):
             self.reads = client()
             self.root = url
         elif scheme == "s3" and not storage_options:
@@ -274,8 +291,35 @@ class RemoteSource:
             raise ReadError(f"{url!r} is not a URL (expected http(s)://, s3:// or an fsspec protocol)",
                             reason="InvalidURL")
 
+    def _hub_call(self, fn: Callable[[], Any], api: bool = False) -> Any:
+        """``fn()``, a request of an hf:// source: access refused is an error that names the
+        repo and says how to give a token (:meth:`engine.net._hub.Hub.explain`)."""
+        try:
+            return fn()
+        except ReadError as err:
+            raise (self.hub.not_found(err) if api else self.hub.explain(err)) from None
+
+    def local_path(self, where: str) -> str | None:
+        """The local file that holds the same bytes as the location (an hf:// file already in
+        the local Hub cache at the commit read), or ``None``."""
+        if self.hub is None:
+            return None
+        file = self.hub.file_of(where)
+        return self.hub.cached(file) if file is not None else None
+
+    def local_fd(self, path: str) -> int:
+        """A descriptor of the local file ``path`` (see :meth:`local_path`), open until :meth:`close`."""
+        fd = self._local.get(path)
+        if fd is None:
+            fd = self._local[path] = open_regular(path)
+        return fd
+
     def display(self, where: str) -> str:
         """The URL a user would write for a location."""
+        if self.hub is not None:
+            file = self.hub.file_of(where)
+            if file is not None:
+                return self.hub.display(file)
         if self.s3 is not None:
             prefix = self.s3.http_url(self.bucket, "")
             if where.startswith(prefix):
@@ -289,6 +333,10 @@ class RemoteSource:
         if self.s3 is not None:
             key = posixpath.join(posixpath.dirname(self.key), name)
             return self.s3.http_url(self.bucket, key)
+        if self.hub is not None:
+            path = self.hub.path
+            folder = posixpath.dirname(path) if path.endswith(".json") else path
+            return self.hub.file_url(posixpath.join(folder, name))
         if self.reads is not None:
             return urllib.parse.urljoin(self.url, urllib.parse.quote(name, safe="/"))
         assert self.fs is not None
@@ -298,6 +346,14 @@ class RemoteSource:
         if where in self._probed:
             return self._probed.pop(where)
         not_found = MissingShardError if shard else None
+        local = self.local_path(where)
+        if local is not None:  # already in the local Hub cache
+            return read_header_fd(self.local_fd(local), path=local, max_header_size=max_header_size)
+        if self.hub is not None:
+            return self._hub_call(lambda: self._remote_header(where, max_header_size, not_found))
+        return self._remote_header(where, max_header_size, not_found)
+
+    def _remote_header(self, where: str, max_header_size: int, not_found) -> Header:
         if self.reads is not None:
             header, first, raw = _http_header(self.reads, where, self.display(where), max_header_size, not_found)
             self.files[where] = first.file
@@ -313,8 +369,18 @@ class RemoteSource:
         where = where or self.root
         if where in self._probed:
             return self._probed.pop(where)
-        if self.reads is not None:
-            data = self.reads.document(where, max_size, "the index", name=self.display(where))
+        local = self.local_path(where)
+        if local is not None:
+            fd = self.local_fd(local)
+            size = os.fstat(fd).st_size
+            if size > max_size:
+                raise CheckpointIndexError(f"the index is {size} bytes, more than the limit of {max_size}",
+                                           reason="TooLarge", path=local)
+            data = os.pread(fd, size, 0)
+        elif self.reads is not None:
+            reads = self.reads
+            data = self._hub_call(lambda: reads.document(where, max_size, "the index", name=self.display(where))) \
+                if self.hub is not None else reads.document(where, max_size, "the index", name=self.display(where))
         else:
             assert self.fs is not None
             data = self.fs.read_all(where, max_size, "the index")
@@ -325,7 +391,10 @@ class RemoteSource:
         from what a whole-file stream kept (a read again after a failed checksum)."""
         if not len(view):
             return
-        if self.reads is not None:
+        local = self.local_path(where)
+        if local is not None:
+            pread_into(self.local_fd(local), offset, [view], path=local)
+        elif self.reads is not None:
             self.reads.read(self.files[where], offset, [view], fresh=fresh)
         else:
             assert self.fs is not None
@@ -338,9 +407,12 @@ class RemoteSource:
             self.reads.forget(where)
 
     def close(self) -> None:
-        """Close the client: its idle connections and whole-file answers."""
+        """Close the client (its idle connections and whole-file answers) and the local files."""
         if self.reads is not None:
             self.reads.close()
+        fds, self._local = list(self._local.values()), {}
+        for fd in fds:
+            os.close(fd)
 
     def __enter__(self) -> RemoteSource:
         return self
@@ -360,6 +432,13 @@ class RemoteSource:
             if self.key.endswith(".safetensors"):
                 return "file", [self.root]
             return self._s3_prefix(max_size)
+        if self.hub is not None:
+            if self.hub.path.endswith(".json"):
+                return "index", [self.root]
+            if self.hub.path.endswith(".safetensors"):
+                return "file", [self.root]
+            kind, files = self.hub.folder()  # the repo's file list, from the revision's answer
+            return kind, [self.hub.file_url(f) for f in files]
         path = urllib.parse.urlsplit(self.url).path if self.reads is not None else self.root
         if is_index(self.url):
             return "index", [self.root]
@@ -449,6 +528,14 @@ class RemoteSource:
     def ranges(self, where: str) -> Callable[[int, Sequence[memoryview]], None]:
         """``read(offset, views)`` for the bulk reads of one file of a load (its header read:
         the same client, where its first requests were redirected, and its version)."""
+        local = self.local_path(where)
+        if local is not None:
+            fd, path = self.local_fd(local), local
+
+            def pread(offset: int, views: Sequence[memoryview]) -> None:
+                pread_into(fd, offset, views, path=path)
+
+            return pread
         if self.reads is not None:
             return self.reads.reader(self.files[where])
         fs = self.fs

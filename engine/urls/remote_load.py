@@ -59,7 +59,8 @@ class RemoteParts:
     :class:`~engine.net.remote_reads.RangeReads` (close it after the load)."""
 
     def __init__(self, parts: list[Part], reads: RangeReads, source: str, many: bool,
-                 info: CheckpointInfo | None = None, copies: Copies | None = None) -> None:
+                 info: CheckpointInfo | None = None, copies: Copies | None = None,
+                 src: RemoteSource | None = None) -> None:
         self.parts = parts
         self.reads = reads
         self.source = source
@@ -68,6 +69,8 @@ class RemoteParts:
         self.info = info
         #: the local copies of a load with ``cache_dir`` (:mod:`engine.urls.remote_cache`)
         self.copies = copies
+        #: the source the headers were read through (it holds the local Hub cache's files)
+        self.src = src
 
     def local(self) -> bool:
         """Whether every file is read from its local copy (``cache_dir``)."""
@@ -87,6 +90,8 @@ class RemoteParts:
 
     def close(self) -> None:
         self.reads.close()
+        if self.src is not None:
+            self.src.close()
         if self.copies is not None:
             self.copies.close()
 
@@ -154,6 +159,10 @@ def open_parts(
         dates: dict[str, str | None] = {}  # when the server answered each file's header
         for w, h in zip(wheres, found, strict=True):
             shown_w = src.display(w)
+            hub_copy = src.local_path(w)
+            if hub_copy is not None:  # already in the local Hub cache at the commit read: from there
+                parts.append(Part(src.local_fd(hub_copy), h, [], hub_copy))
+                continue
             if copies is None:
                 parts.append(Part(-1, h, [], shown_w, src.ranges(w)))
                 continue
@@ -181,10 +190,12 @@ def open_parts(
                     parts[i] = Part(local[0], parts[i].header, [], local[1])
     except BaseException:
         reads.close()
+        src.close()
         if copies is not None:
             copies.close()
         raise
-    return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies)
+    return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies,
+                       src=src)
 
 
 def remote_options(kw: dict) -> dict:
