@@ -16,6 +16,8 @@
   it issued (IAM), so a wrong secret is refused as by AWS.
 * :class:`HubServer`: the Hugging Face Hub's API and ``resolve`` answers (302 to a CDN on
   another port that serves Range), gated repos checking the token.
+* :func:`gcs_server`: GCS's XML API (bearer token checked, listing) on the range server of
+  tests/rangeserver.py, with its faults.
 
 Each is started by the test or benchmark that needs it and stopped when it ends; every
 wait here is bounded.
@@ -563,3 +565,142 @@ class HubServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _object_keys(folder: str) -> list[str]:
+    """Every file under ``folder`` as an object key (``/``-separated), sorted."""
+    keys = []
+    for dirpath, _, names in os.walk(folder):
+        for n in names:
+            keys.append(os.path.relpath(os.path.join(dirpath, n), folder).replace(os.sep, "/"))
+    return sorted(keys)
+
+
+def _jwt_valid(assertion: str, public_key, audience: str) -> bool:
+    """Whether ``assertion`` is a service account's RS256 JWT for read access to storage,
+    signed by the key of ``public_key``, for ``audience``, not expired."""
+    import base64
+    import json
+
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import padding
+
+    def unb64(text: str) -> bytes:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+    try:
+        head, claims, signature = assertion.split(".")
+        public_key.verify(unb64(signature), f"{head}.{claims}".encode(), padding.PKCS1v15(), hashes.SHA256())
+        doc = json.loads(unb64(claims))
+    except (ValueError, InvalidSignature):
+        return False
+    return (json.loads(unb64(head)).get("alg") == "RS256" and doc.get("aud") == audience
+            and "devstorage" in doc.get("scope", "") and doc.get("exp", 0) > time.time())
+
+
+def _gcs_handler():
+    import html
+    import json
+    import urllib.parse
+    from typing import Any
+
+    from rangeserver import _Handler
+
+    class Handler(_Handler):
+        """GCS's XML API: the bearer token checked, ``GET /bucket?prefix=&marker=`` listed,
+        every object GET the range server's (its faults included)."""
+
+        def _xml_error(self, code: int, name: str, message: str) -> None:
+            body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{name}</Code>"
+                    f"<Message>{message}</Message></Error>").encode()
+            self._record("GET")
+            self._status(code, body=body)
+
+        def _json(self, code: int, doc: dict) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            """Google's token endpoint (``/token``): a refresh token or a service account's
+            RS256 assertion, checked, exchanged for the server's access token."""
+            server: Any = self.server
+            self._record("POST")
+            form = urllib.parse.parse_qs(self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode())
+            grant = form.get("grant_type", [""])[0]
+            ok = False
+            if grant == "refresh_token":
+                ok = server.refresh_token is not None and form.get("refresh_token", [""])[0] == server.refresh_token
+            elif grant == "urn:ietf:params:oauth:grant-type:jwt-bearer" and server.public_key is not None:
+                ok = _jwt_valid(form.get("assertion", [""])[0], server.public_key, server.url("token"))
+            if not ok:
+                return self._json(400, {"error": "invalid_grant"})
+            self._json(200, {"access_token": server.token, "expires_in": 3599, "token_type": "Bearer"})
+
+        def do_GET(self) -> None:
+            server = self.server
+            if self.path == "/computeMetadata/v1/instance/service-accounts/default/token":
+                self._record("GET")
+                if self.headers.get("Metadata-Flavor") != "Google":
+                    return self._json(403, {"error": "Missing Metadata-Flavor:Google header"})
+                return self._json(200, {"access_token": server.token, "expires_in": 3599,  # type: ignore[attr-defined]
+                                        "token_type": "Bearer"})
+            auth = self.headers.get("Authorization")
+            if server.token is not None and auth != f"Bearer {server.token}":  # type: ignore[attr-defined]
+                if auth is None:
+                    return self._xml_error(401, "AuthenticationRequired", "Authentication required.")
+                return self._xml_error(403, "AccessDenied", "Access denied. Invalid credentials.")
+            parts = urllib.parse.urlsplit(self.path)
+            segments = parts.path.strip("/").split("/")
+            if len(segments) == 1 and (parts.path.count("/") == 1 or parts.path.endswith("/")):
+                return self._list(segments[0], urllib.parse.parse_qs(parts.query))
+            super().do_GET()
+
+        def _list(self, bucket: str, query: dict) -> None:
+            folder = os.path.join(self.server.root, bucket)
+            if not os.path.isdir(folder):
+                return self._xml_error(404, "NoSuchBucket", "The specified bucket does not exist.")
+            prefix = query.get("prefix", [""])[0]
+            marker = query.get("marker", [""])[0]
+            keys = [k for k in _object_keys(folder) if k.startswith(prefix) and k > marker]
+            page = keys[: self.server.max_keys]  # type: ignore[attr-defined]
+            truncated = len(keys) > len(page)
+            items = "".join(f"<Contents><Key>{html.escape(k)}</Key><Generation>1</Generation>"
+                            f"<Size>{os.path.getsize(os.path.join(folder, k))}</Size></Contents>" for k in page)
+            nxt = f"<NextMarker>{html.escape(page[-1])}</NextMarker>" if truncated else ""
+            body = ("<?xml version='1.0' encoding='UTF-8'?><ListBucketResult xmlns='http://doc.s3.amazonaws.com/"
+                    f"2006-03-01'><Name>{bucket}</Name><Prefix>{html.escape(prefix)}</Prefix><Marker>"
+                    f"{html.escape(marker)}</Marker>{nxt}<IsTruncated>{str(truncated).lower()}</IsTruncated>{items}"
+                    "</ListBucketResult>").encode()
+            self._record("GET")
+            self.send_response(200)
+            self.send_header("Content-Type", "application/xml; charset=UTF-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
+def gcs_server(root: str, token: str | None = None):
+    """GCS's XML API on 127.0.0.1 (for ``STORAGE_EMULATOR_HOST``): a
+    :class:`rangeserver.RangeServer` (its modes, faults and records) serving the files under
+    ``root/{bucket}/`` as ``/{bucket}/{key}``, that refuses a request without ``Authorization:
+    Bearer {token}`` (401 ``AuthenticationRequired``, a wrong one 403 ``AccessDenied``, as GCS
+    does) and lists ``GET /{bucket}?prefix=&marker=`` (``max_keys`` a page).  It is also
+    Google's token endpoint (``POST /token``: ``refresh_token`` or a service account's assertion
+    checked against ``public_key``) and the metadata server's token (``GCE_METADATA_HOST``).
+    Started; call ``stop()``."""
+    from rangeserver import RangeServer
+
+    server = RangeServer(root)
+    server.RequestHandlerClass = _gcs_handler()
+    server.token = token  # type: ignore[attr-defined]
+    server.max_keys = 1000  # type: ignore[attr-defined]
+    server.refresh_token = None  # type: ignore[attr-defined]  # what /token exchanges for the token
+    server.public_key = None  # type: ignore[attr-defined]  # a service account's, checking its assertions
+    return server.start().bulk()

@@ -265,6 +265,18 @@ def error_body(resp: http.client.HTTPResponse, limit: int = 65536) -> bytes:
         return b""
 
 
+_HTTP_HINT = ("a private or gated file needs credentials, e.g. headers={'Authorization': 'Bearer <token>'} over "
+              "HTTP, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://")
+#: what gives each object store the credentials of a private file (the README's table)
+_CREDENTIALS = {
+    "s3": "a private bucket needs credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role",
+    "gs": "a private bucket needs credentials: GOOGLE_OAUTH_ACCESS_TOKEN (e.g. `gcloud auth print-access-token`), "
+          "GOOGLE_APPLICATION_CREDENTIALS, or `gcloud auth application-default login`",
+    "az": "a private container needs credentials: AZURE_STORAGE_SAS_TOKEN, AZURE_STORAGE_ACCOUNT and "
+          "AZURE_STORAGE_KEY, AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_TOKEN",
+}
+
+
 def status_error(url: str, resp: http.client.HTTPResponse, first=None, not_found=None, detail: str = "") -> SafetensorError:
     """The engine's error for an answer that is neither 200/206 nor a redirect; ``.status``
     holds the code.  ``detail`` (an S3 error code, say) is added to the message; no request
@@ -277,13 +289,8 @@ def status_error(url: str, resp: http.client.HTTPResponse, first=None, not_found
         cls = not_found or RemoteFileNotFoundError
         err = cls(f"not found (HTTP {code} {text})", path=url)
     elif code in (401, 403):
-        err = read_error(
-            f"access denied (HTTP {code} {text}); a private or gated file needs credentials, e.g. "
-            "headers={'Authorization': 'Bearer <token>'} over HTTP, or AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY for s3://",
-            url,
-            "AccessDenied",
-        )
+        err = read_error(f"access denied (HTTP {code} {text}); {_CREDENTIALS.get(url.partition('://')[0], _HTTP_HINT)}",
+                         url, "AccessDenied")
     elif code == 412:
         err = read_error(
             f"the file changed since the load began (HTTP 412 {text}: its ETag no longer matches)", url, "FileChanged"

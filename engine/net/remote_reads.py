@@ -113,7 +113,9 @@ class RangeReads:
     headers : mapping, optional
         Sent with every request (``Authorization`` is dropped on a redirect to another host).
     sign : callable, optional
-        ``sign(url) -> headers`` for each request (S3's SigV4, see :mod:`engine.net._s3`).
+        ``sign(url, request_headers) -> headers`` for each request, added last (S3's SigV4,
+        :mod:`engine.net._s3`; a bearer token for GCS, :mod:`engine.net._gcs`; Azure's
+        SharedKey, which signs ``Range`` and ``If-Match`` too, :mod:`engine.net._azure`).
     cancel : threading.Event, optional
         Stops waiting between tries.
     max_redirects : int
@@ -121,7 +123,7 @@ class RangeReads:
 
     def __init__(self, *, connections: int = DEFAULT_CONNECTIONS, timeout: float = DEFAULT_TIMEOUT,
                  retry: Retry | None = None, headers: Mapping[str, str] | None = None,
-                 sign: Callable[[str], Mapping[str, str]] | None = None, cancel: threading.Event | None = None,
+                 sign: Callable[[str, Mapping[str, str]], Mapping[str, str]] | None = None, cancel: threading.Event | None = None,
                  max_redirects: int = 5) -> None:
         self.connections = max(1, int(connections))
         self.timeout = float(timeout)
@@ -454,12 +456,12 @@ class RangeReads:
             req = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers}
             if offset is not None:
                 req["Range"] = f"bytes={offset}-{'' if last is None else last}"
-            if self.sign is not None:
-                req.update(self.sign(url))
             if file.etag and not file.etag.startswith("W/"):
                 # If-Match compares strongly: a weak ETag (a CDN's, say) would never match;
                 # the answer's ETag is still compared below
                 req["If-Match"] = file.etag
+            if self.sign is not None:  # last: a signature may cover Range and If-Match (Azure's)
+                req.update(self.sign(url, req))
             conn, sock, resp, watchdog = self._send(url, req, deadline, name, offset or 0, want)
             if resp.status not in REDIRECTS:
                 return conn, sock, resp, watchdog

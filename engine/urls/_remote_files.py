@@ -45,7 +45,7 @@ from engine.format.checksums import REREADS, Checks
 from engine.format.header import Header, checked_length, parse_header, read_header_fd
 from engine.io.reader import pread_into
 from engine.net._http import read_error
-from engine.net._s3 import S3Config, parse_listing, split_s3_url
+from engine.net._s3 import S3Config, split_s3_url
 from engine.net.remote_file import public_url
 from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads
 from engine.net.retry import Retry
@@ -252,7 +252,8 @@ class RemoteSource:
         self.last_modified: dict[str, str | None] = {}  # location -> Last-Modified (HTTP and S3)
         self.dates: dict[str, str] = {}  # location -> Date of its header's answer (HTTP and S3)
         self.files: dict[str, Any] = {}  # location -> its RemoteFile (HTTP and S3)
-        self.s3: S3Config | None = None
+        #: the object store of an s3:// or gs:// URL (engine.net._s3.S3Config, engine.net._gcs.GcsConfig)
+        self.store: Any = None
         self.hub: Any = None  # engine.net._hub.Hub of an hf:// URL
         self.fs: _Fs | None = None
         self.reads: RangeReads | None = None
@@ -281,9 +282,16 @@ class RemoteSource:
             self.root = url
         elif scheme == "s3" and not storage_options:
             self.bucket, self.key = split_s3_url(url)
-            self.s3 = S3Config(**dict(s3 or {}))
-            self.reads = client(self.s3.headers)
-            self.root = self.s3.http_url(self.bucket, self.key)
+            self.store = S3Config(**dict(s3 or {}))
+            self.reads = client(self.store.headers)
+            self.root = self.store.http_url(self.bucket, self.key)
+        elif scheme in ("gs", "gcs") and not storage_options:
+            from engine.net._gcs import GcsConfig, split_gs_url
+
+            self.bucket, self.key = split_gs_url(url)
+            self.store = GcsConfig()
+            self.reads = client(self.store.headers)
+            self.root = self.store.http_url(self.bucket, self.key)
         elif len(scheme) > 1:
             self.fs = _Fs(url, storage_options)
             self.root = self.fs.root
@@ -320,19 +328,20 @@ class RemoteSource:
             file = self.hub.file_of(where)
             if file is not None:
                 return self.hub.display(file)
-        if self.s3 is not None:
-            prefix = self.s3.http_url(self.bucket, "")
-            if where.startswith(prefix):
-                return f"s3://{self.bucket}/{urllib.parse.unquote(where[len(prefix):])}"
+        if self.store is not None:
+            # an object's URL without its query (an Azure SAS is a secret)
+            prefix, bare = self.store.http_url(self.bucket, "").split("?")[0], where.split("?")[0]
+            if bare.startswith(prefix):
+                return f"{self.store.scheme}://{self.bucket}/{urllib.parse.unquote(bare[len(prefix):])}"
         if self.fs is not None:
             return self.fs.url(where)
         return public_url(where)  # a user:password part is for the server, never for messages
 
     def shard(self, name: str) -> str:
         """Location of a shard named by the index (the name is already checked as safe)."""
-        if self.s3 is not None:
+        if self.store is not None:
             key = posixpath.join(posixpath.dirname(self.key), name)
-            return self.s3.http_url(self.bucket, key)
+            return self.store.http_url(self.bucket, key)
         if self.hub is not None:
             path = self.hub.path
             folder = posixpath.dirname(path) if path.endswith(".json") else path
@@ -426,12 +435,12 @@ class RemoteSource:
         """What the URL names: ``("file", [location])``, ``("index", [location])`` or, for
         a prefix, whichever of :data:`INDEX_NAME` / :data:`SINGLE_NAME` it holds (an S3
         prefix also: every ``.safetensors`` right under it, as one checkpoint)."""
-        if self.s3 is not None:
+        if self.store is not None:
             if self.key.endswith(".json"):
                 return "index", [self.root]
             if self.key.endswith(".safetensors"):
                 return "file", [self.root]
-            return self._s3_prefix(max_size)
+            return self._store_prefix(max_size)
         if self.hub is not None:
             if self.hub.path.endswith(".json"):
                 return "index", [self.root]
@@ -500,28 +509,30 @@ class RemoteSource:
         assert self.fs is not None
         return posixpath.join(self.root, name)
 
-    def _s3_prefix(self, max_size: int) -> tuple[str, list[str]]:
-        assert self.s3 is not None and self.reads is not None
+    def _store_prefix(self, max_size: int) -> tuple[str, list[str]]:
+        """What an object store's prefix holds: its index, else every ``.safetensors`` right under it."""
+        assert self.store is not None and self.reads is not None
         prefix = self.key if not self.key or self.key.endswith("/") else self.key + "/"
+        self.key = prefix  # an index's shards are named from its folder (a prefix without its slash too)
         keys: list[str] = []
         token: str | None = None
         for _ in range(1000):  # 1000 pages of 1000 keys
-            where = self.s3.list_url(self.bucket, prefix, token)
+            where = self.store.list_url(self.bucket, prefix, token)
             body = self.reads.document(where, 64 << 20, "the listing", name=self.url)
             try:
-                found, token = parse_listing(body)
-            except Exception as exc:  # an S3-compatible server that answers something else
-                raise read_error(f"the listing is not S3 XML: {exc}", self.url, "HTTPError") from None
+                found, token = self.store.parse_listing(body)
+            except Exception as exc:  # a server that answers something else
+                raise read_error(f"the listing is not the XML of a listing: {exc}", self.url, "HTTPError") from None
             keys += [k for k, _ in found if "/" not in k[len(prefix):]]
             if not token:
                 break
         if prefix + INDEX_NAME in keys:
-            return "index", [self.s3.http_url(self.bucket, prefix + INDEX_NAME)]
+            return "index", [self.store.http_url(self.bucket, prefix + INDEX_NAME)]
         files = sorted(k for k in keys if k.endswith(".safetensors"))
         if not files:
             raise RemoteFileNotFoundError(f"no .safetensors file and no {INDEX_NAME} under this prefix",
                                           path=self.url)
-        return ("file" if len(files) == 1 else "files"), [self.s3.http_url(self.bucket, k) for k in files]
+        return ("file" if len(files) == 1 else "files"), [self.store.http_url(self.bucket, k) for k in files]
 
     # -- bulk reads ----------------------------------------------------------------------
 
