@@ -18,6 +18,8 @@
   another port that serves Range), gated repos checking the token.
 * :func:`gcs_server`: GCS's XML API (bearer token checked, listing) on the range server of
   tests/rangeserver.py, with its faults.
+* :func:`azure_server`: Azure's Blob API, Azurite-style, checking SharedKey signatures as the
+  service computes them (or a SAS, or a bearer token), with the range server's faults.
 
 Each is started by the test or benchmark that needs it and stopped when it ends; every
 wait here is bounded.
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Any
 
 
 def free_port() -> int:
@@ -603,7 +606,6 @@ def _gcs_handler():
     import html
     import json
     import urllib.parse
-    from typing import Any
 
     from rangeserver import _Handler
 
@@ -703,4 +705,138 @@ def gcs_server(root: str, token: str | None = None):
     server.max_keys = 1000  # type: ignore[attr-defined]
     server.refresh_token = None  # type: ignore[attr-defined]  # what /token exchanges for the token
     server.public_key = None  # type: ignore[attr-defined]  # a service account's, checking its assertions
+    return server.start().bulk()
+
+
+def azure_shared_key(method: str, target: str, headers, account: str, key: bytes) -> str:
+    """The SharedKey signature of a request as the Blob service computes it (version
+    2015-02-21 and later): HMAC-SHA256 with the account key over the method, the eleven
+    standard headers by position (``Content-Length`` empty when 0), the ``x-ms-`` headers
+    (lowercased, sorted, ``name:value``), then ``/{account}{path}`` and the query's parameters
+    (lowercased names, sorted, decoded values, repeated ones comma-joined)."""
+    import base64
+    import hashlib
+    import hmac
+    import urllib.parse
+
+    h = {k.lower(): v.strip() for k, v in headers.items()}
+    names = ("content-encoding", "content-language", "content-length", "content-md5", "content-type", "date",
+             "if-modified-since", "if-match", "if-none-match", "if-unmodified-since", "range")
+    fields = [method] + ["" if n == "content-length" and h.get(n) == "0" else h.get(n, "") for n in names]
+    canonical_headers = "".join(f"{k}:{h[k]}\n" for k in sorted(k for k in h if k.startswith("x-ms-")))
+    path, _, query = target.partition("?")
+    resource = f"/{account}{path}"
+    params: dict[str, list[str]] = {}
+    for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        params.setdefault(k.lower(), []).append(v)
+    for k in sorted(params):
+        resource += f"\n{k}:{','.join(sorted(params[k]))}"
+    text = "\n".join(fields) + "\n" + canonical_headers + resource
+    return base64.b64encode(hmac.new(key, text.encode(), hashlib.sha256).digest()).decode()
+
+
+def _azure_handler():
+    import email.utils
+    import html
+    import urllib.parse
+
+    from rangeserver import _Handler
+
+    class Handler(_Handler):
+        """Azure's Blob API, Azurite-style (``/{account}/{container}/{blob}``): each request's
+        credentials checked (SharedKey's signature and date, a SAS's signature, a bearer
+        token), ``?restype=container&comp=list`` listed, every blob GET the range server's."""
+
+        def _refuse(self, code: int, name: str, detail: str) -> None:
+            body = (f'<?xml version="1.0" encoding="utf-8"?><Error><Code>{name}</Code><Message>Server failed '
+                    f"to authenticate the request.</Message><AuthenticationErrorDetail>{html.escape(detail)}"
+                    "</AuthenticationErrorDetail></Error>").encode()
+            self._record("GET")
+            self._status(code, {"x-ms-error-code": name}, body=body)
+
+        def _authorized(self) -> bool:
+            server: Any = self.server
+            auth = self.headers.get("Authorization") or ""
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+            if not self.headers.get("x-ms-version"):
+                self._refuse(400, "MissingRequiredHeader", "x-ms-version is required")
+                return False
+            if auth.startswith("SharedKey ") and server.key is not None:
+                account, _, mac = auth[len("SharedKey "):].partition(":")
+                sent = self.headers.get("x-ms-date") or self.headers.get("Date") or ""
+                try:
+                    age = abs(time.time() - email.utils.parsedate_to_datetime(sent).timestamp())
+                except (TypeError, ValueError):
+                    age = 1e9
+                want = azure_shared_key("GET", self.path, dict(self.headers.items()), account, server.key)
+                if account == server.account and mac == want and age < 900:
+                    return True
+                self._refuse(403, "AuthenticationFailed", f"The MAC signature found in the HTTP request '{mac}' "
+                             "is not the same as any computed signature.")
+                return False
+            if auth.startswith("Bearer ") and server.bearer is not None:
+                if auth[7:] == server.bearer:
+                    return True
+                self._refuse(401, "InvalidAuthenticationInfo", "the bearer token is not valid")
+                return False
+            if "sig" in query and server.sas is not None:
+                if query["sig"] == urllib.parse.parse_qs(server.sas)["sig"]:
+                    return True
+                self._refuse(403, "AuthenticationFailed", "Signature did not match.")
+                return False
+            if server.public:
+                return True
+            self._refuse(404 if not auth else 403, "ResourceNotFound" if not auth else "AuthenticationFailed",
+                         "no credentials")  # Azure hides a private blob from anonymous clients
+            return False
+
+        def do_GET(self) -> None:
+            if not self._authorized():
+                return
+            parts = urllib.parse.urlsplit(self.path)
+            query = urllib.parse.parse_qs(parts.query)
+            if query.get("comp") == ["list"] and query.get("restype") == ["container"]:
+                return self._list(parts.path.strip("/"), query)
+            super().do_GET()
+
+        def _list(self, where: str, query: dict) -> None:
+            folder = os.path.join(self.server.root, where)
+            if not os.path.isdir(folder):
+                return self._refuse(404, "ContainerNotFound", "The specified container does not exist.")
+            prefix = query.get("prefix", [""])[0]
+            marker = query.get("marker", [""])[0]
+            keys = [k for k in _object_keys(folder) if k.startswith(prefix) and (not marker or k >= marker)]
+            page, rest = keys[: self.server.max_keys], keys[self.server.max_keys:]  # type: ignore[attr-defined]
+            items = "".join(f"<Blob><Name>{html.escape(k)}</Name><Properties><Content-Length>"
+                            f"{os.path.getsize(os.path.join(folder, k))}</Content-Length><BlobType>BlockBlob"
+                            "</BlobType></Properties></Blob>" for k in page)
+            body = (f'<?xml version="1.0" encoding="utf-8"?><EnumerationResults ServiceEndpoint="{self.server.base}/"'
+                    f' ContainerName="{html.escape(where)}"><Prefix>{html.escape(prefix)}</Prefix><Blobs>{items}'
+                    f"</Blobs><NextMarker>{html.escape(rest[0]) if rest else ''}</NextMarker></EnumerationResults>"
+                    ).encode()
+            self._record("GET")
+            self.send_response(200)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
+def azure_server(root: str, account: str = "devstoreaccount1", key: bytes | None = None):
+    """Azure's Blob API on 127.0.0.1 as Azurite serves it (``/{account}/{container}/{blob}``, the
+    files under ``root/{account}/``): a :class:`rangeserver.RangeServer` (its modes, faults and
+    records) that checks every request's SharedKey signature with ``key`` (as the service
+    computes it, :func:`azure_shared_key`), or a SAS whose ``sig`` is ``sas``'s, or the bearer
+    token ``bearer``; anonymous requests only where ``public``.  Lists with ``max_keys`` a page.
+    Started; call ``stop()``."""
+    from rangeserver import RangeServer
+
+    server = RangeServer(root)
+    server.RequestHandlerClass = _azure_handler()
+    server.account, server.key = account, key  # type: ignore[attr-defined]
+    server.sas = server.bearer = None  # type: ignore[attr-defined]
+    server.public = False  # type: ignore[attr-defined]
+    server.max_keys = 5000  # type: ignore[attr-defined]
     return server.start().bulk()

@@ -57,6 +57,14 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+def _azure_blob(url: str) -> bool:
+    """Whether ``url`` is a blob of Azure's (``https://{account}.blob.core.windows.net/container/...``)
+    without a SAS of its own in its query: read with the environment's Azure credentials."""
+    parts = urllib.parse.urlsplit(url)
+    return (parts.hostname or "").endswith(".blob.core.windows.net") and not parts.query and \
+        parts.username is None and parts.path.strip("/") != ""
+
+
 def is_index(url: str) -> bool:
     return urllib.parse.urlsplit(url).path.endswith(".json")
 
@@ -254,6 +262,7 @@ class RemoteSource:
         self.files: dict[str, Any] = {}  # location -> its RemoteFile (HTTP and S3)
         #: the object store of an s3:// or gs:// URL (engine.net._s3.S3Config, engine.net._gcs.GcsConfig)
         self.store: Any = None
+        self._shown: str | None = None  # how a store's object URLs are shown, when not as scheme://bucket/
         self.hub: Any = None  # engine.net._hub.Hub of an hf:// URL
         self.fs: _Fs | None = None
         self.reads: RangeReads | None = None
@@ -277,6 +286,21 @@ class RemoteSource:
                 self.reads.close()
                 raise
             self.root = self.hub.file_url(self.hub.path) if self.hub.path else self.hub.file_url("")
+        elif scheme in ("az", "azure") and not storage_options:
+            from engine.net._azure import AzureConfig, split_az_url
+
+            self.bucket, self.key = split_az_url(url)
+            self.store = AzureConfig(url=url)
+            self.reads = client(self.store.headers)
+            self.root = self.store.http_url(self.bucket, self.key)
+        elif scheme == "https" and _azure_blob(url):
+            from engine.net._azure import AzureConfig, split_blob_url
+
+            endpoint, self.bucket, self.key = split_blob_url(url)
+            self.store = AzureConfig(endpoint=endpoint, url=url)
+            self._shown = f"{endpoint}/{self.bucket}/"
+            self.reads = client(self.store.headers)
+            self.root = self.store.http_url(self.bucket, self.key)
         elif scheme in ("http", "https"):
             self.reads = client()
             self.root = url
@@ -332,7 +356,8 @@ class RemoteSource:
             # an object's URL without its query (an Azure SAS is a secret)
             prefix, bare = self.store.http_url(self.bucket, "").split("?")[0], where.split("?")[0]
             if bare.startswith(prefix):
-                return f"{self.store.scheme}://{self.bucket}/{urllib.parse.unquote(bare[len(prefix):])}"
+                return f"{self._shown or f'{self.store.scheme}://{self.bucket}/'}" \
+                    f"{urllib.parse.unquote(bare[len(prefix):])}"
         if self.fs is not None:
             return self.fs.url(where)
         return public_url(where)  # a user:password part is for the server, never for messages
