@@ -20,6 +20,8 @@
   tests/rangeserver.py, with its faults.
 * :func:`azure_server`: Azure's Blob API, Azurite-style, checking SharedKey signatures as the
   service computes them (or a SAS, or a bearer token), with the range server's faults.
+* :class:`Azurite`: Microsoft's Azure Storage emulator (npm's ``azurite``), the real check of
+  SharedKey signing.
 
 Each is started by the test or benchmark that needs it and stopped when it ends; every
 wait here is bounded.
@@ -393,14 +395,13 @@ class HubServer:
       (``RepoNotFound``) without a valid token and 404 with one, an unknown revision 404
       (``RevisionNotFound``), an unknown file 404 (``EntryNotFound``).
 
-    The CDN (:attr:`cdn`) is a :class:`rangeserver.RangeServer` on another port (another host as far
+    The CDN (:attr:`cdn`) is a :class:`rangeserver.RangeServer` (or ``cdn``: nginx serving ``root``) on another port (another host as far
     as credentials go: ``Authorization`` must never reach it) serving each commit's files at
     ``/{sha}/{file}``; its requests, faults and records are the range server's.  :attr:`requests`
     records the Hub's own: ``(path, Authorization)``.
     """
 
-    def __init__(self, root: str) -> None:
-        import hashlib
+    def __init__(self, root: str, cdn: Any = None) -> None:
         import http.server
         import json
         import threading
@@ -410,7 +411,9 @@ class HubServer:
 
         self.root = root
         os.makedirs(root, exist_ok=True)
-        self.cdn = RangeServer(root).start().bulk()
+        # the CDN: a range server of its own, or a server of ``root`` the caller runs (nginx)
+        self.own_cdn = cdn is None
+        self.cdn = RangeServer(root).start().bulk() if cdn is None else cdn
         self.repos: dict[str, dict] = {}
         self.tokens: set[str] = set()
         self.requests: list[tuple[str, str | None]] = []
@@ -420,6 +423,9 @@ class HubServer:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # the head and the body are two writes: without TCP_NODELAY the body of an answer on a
+            # reused connection waits for the client's delayed ACK (40 ms), which no Hub makes anyone wait
+            disable_nagle_algorithm = True
 
             def log_message(self, *args) -> None:
                 pass
@@ -488,7 +494,8 @@ class HubServer:
                 if file not in repo["files"][sha]:
                     return self._error(404, "EntryNotFound", f"{file} does not exist on {parts[3]}")
                 local = os.path.join(hub.root, sha, file)
-                etag = '"' + hashlib.sha256(open(local, "rb").read()).hexdigest() + '"'
+                st = os.stat(local)
+                etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
                 common = {"X-Repo-Commit": sha, "ETag": etag}
                 if file.endswith(".safetensors"):  # an LFS file: its bytes are the CDN's
                     where = f"{hub.cdn.base}/{sha}/{urllib.parse.quote(file)}?Expires=9999999999&Signature=abc"
@@ -522,10 +529,11 @@ class HubServer:
             with open(files[rel], "rb") as f:
                 digest.update(rel.encode() + hashlib.sha1(f.read()).digest())
         sha = digest.hexdigest()
-        for rel, full in files.items():
+        for rel, full in files.items():  # the CDN's copy: a link to the file
             dest = os.path.join(self.root, sha, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copyfile(full, dest)
+            if not os.path.lexists(dest):
+                os.symlink(os.path.abspath(full), dest)
         repo = self.repos.setdefault(f"{kind}/{repo_id}", {"gated": gated, "refs": {}, "files": {}})
         repo["gated"] = gated
         repo["files"][sha] = set(files)
@@ -538,7 +546,8 @@ class HubServer:
         with self.lock:
             self.requests.clear()
             self.answers.clear()
-        self.cdn.bulk()
+        if self.own_cdn:
+            self.cdn.bulk()
 
     def cdn_bytes(self) -> int:
         """Bytes of file bodies the CDN was asked for (every answer of a Range server in bulk mode
@@ -561,7 +570,8 @@ class HubServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-        self.cdn.stop()
+        if self.own_cdn:
+            self.cdn.stop()
 
     def __enter__(self) -> HubServer:
         return self.start()
@@ -840,3 +850,80 @@ def azure_server(root: str, account: str = "devstoreaccount1", key: bytes | None
     server.public = False  # type: ignore[attr-defined]
     server.max_keys = 5000  # type: ignore[attr-defined]
     return server.start().bulk()
+
+
+def azurite_or_skip() -> str:
+    """``azurite-blob``'s path (Microsoft's Azure Storage emulator, from npm), or skip the test
+    saying why; with ``ENGINE_TESTS_REQUIRE_AZURITE=1`` a missing Azurite fails it instead."""
+    import pytest
+
+    binary = shutil.which("azurite-blob")
+    if binary is None:
+        why = "Azurite is not installed (npm install -g azurite)"
+        if os.environ.get("ENGINE_TESTS_REQUIRE_AZURITE") == "1":
+            pytest.fail(why + ", and ENGINE_TESTS_REQUIRE_AZURITE=1 says these tests must run")
+        pytest.skip(why)
+    return binary
+
+
+class Azurite:
+    """Azurite's blob service on 127.0.0.1 (an ephemeral port), its data in a temporary folder:
+    the account ``devstoreaccount1`` with its well-known key, SharedKey checked as Azure does.
+    :meth:`put` uploads a blob with a request signed by :func:`azure_shared_key`."""
+
+    ACCOUNT = "devstoreaccount1"
+    KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.dir = tempfile.mkdtemp(prefix="engine-azurite-")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/{self.ACCOUNT}"
+
+    def start(self) -> Azurite:
+        binary = azurite_or_skip()
+        self.port = free_port()
+        self.proc = subprocess.Popen([binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
+                                      "--location", self.dir, "--silent"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(self.port, self.proc, "Azurite", 60)
+        return self
+
+    def put(self, path: str, body: bytes = b"", query: str = "", headers: dict | None = None) -> int:
+        """``PUT {endpoint}/{path}?{query}`` signed with the account key: the answer's status."""
+        import base64
+        import email.utils
+        import http.client
+
+        target = f"/{self.ACCOUNT}/{path}" + (f"?{query}" if query else "")
+        h = {"x-ms-version": "2021-08-06", "x-ms-date": email.utils.formatdate(time.time(), usegmt=True),
+             "Content-Length": str(len(body)), **(headers or {})}
+        h["Authorization"] = f"SharedKey {self.ACCOUNT}:" + azure_shared_key(
+            "PUT", target, h, self.ACCOUNT, base64.b64decode(self.KEY))
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("PUT", target, body=body, headers=h)
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Azurite:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -241,3 +241,28 @@ def test_every_retryable_fault_of_the_campaign_is_retried(served, azure):
             injected[k] = injected.get(k, 0) + v
     azure.faults = {}
     assert set(fault_campaign.TRANSIENT) - {"flip"} <= set(injected), injected
+
+
+def test_azurite_accepts_the_engines_signed_requests(tmp_path, monkeypatch):
+    """Against Microsoft's own emulator: blobs uploaded with requests signed as the service
+    computes SharedKey, then loaded through az:// with ``UseDevelopmentStorage=true``."""
+    from servers import Azurite
+
+    sd = tensors()
+    engine.save_sharded(sd, tmp_path / "ckpt", max_shard_size=9_000, fsync=False)
+    with Azurite() as azurite:
+        assert azurite.put("models", query="restype=container") == 201
+        for p in sorted((tmp_path / "ckpt").iterdir()):
+            assert azurite.put(f"models/llama/{p.name}", p.read_bytes(), headers={"x-ms-blob-type": "BlockBlob"}) == 201
+        for k in _ENV:
+            monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "UseDevelopmentStorage=true;"
+                           f"DevelopmentStorageProxyUri=http://127.0.0.1:{azurite.port}")
+        _equal(engine.numpy.load_file("az://models/llama/"), sd)
+        with engine.safe_open("az://models/llama/model.safetensors.index.json", framework="np") as f:
+            np.testing.assert_array_equal(f.get_slice("ids")[3:9], sd["ids"][3:9])
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"AccountName={ACCOUNT};AccountKey={KEY};"
+                           f"BlobEndpoint={azurite.endpoint}")
+        with pytest.raises(ReadError) as e:  # another key: Azurite refuses the signature
+            engine.numpy.load_file("az://models/llama/")
+        assert e.value.status == 403 and e.value.reason == "AccessDenied"

@@ -294,3 +294,14 @@ def test_the_load_of_a_repo_is_printed_by_the_cli_error_path(hub, env, monkeypat
     finally:
         sys.stderr = old
     assert code != 0 and "huggingface-cli login" in err.getvalue()
+
+
+def test_tensor_parallel_loads_only_its_rows_from_the_repo(hub, env):
+    from engine.distributed import ShardingPlan, Split, load_tensor_parallel
+
+    server, sd = hub
+    got = load_tensor_parallel("hf://org/tiny", ShardingPlan([("model.layers.*", Split(0))]), rank=1, world_size=2)
+    for name, want in sd.items():
+        part = want[want.shape[0] // 2:] if name.startswith("model.layers.") else want
+        np.testing.assert_array_equal(got[name].numpy(), part)
+    _no_token_at_the_cdn(server)

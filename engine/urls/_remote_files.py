@@ -1,4 +1,4 @@
-"""Where a remote checkpoint's files are and how their headers are read: HTTP, S3, fsspec.
+"""Where a remote checkpoint's files are and how their headers are read: HTTP, S3, GCS, Azure, the Hub, fsspec.
 
 Shared by :mod:`engine.urls.remote` (headers, single tensors) and :mod:`engine.urls.remote_load`
 (whole loads).  A :class:`RemoteSource` is made from one URL and knows its transport:
@@ -9,13 +9,22 @@ Shared by :mod:`engine.urls.remote` (headers, single tensors) and :mod:`engine.u
 ``s3://bucket/key``
     The same client, each request signed by :class:`engine.net._s3.S3Config` (botocore's
     credentials, region and endpoint; anonymous when there are none).
-any other fsspec protocol
+``gs://bucket/key``, ``az://container/blob`` (and ``https://{account}.blob.core.windows.net/...``)
+    The same client, GCS's XML API (:class:`engine.net._gcs.GcsConfig`: a bearer token) and
+    Azure's Blob API (:class:`engine.net._azure.AzureConfig`: SharedKey signing, a SAS or a
+    bearer token); a prefix is listed as an S3 prefix is.
+``hf://org/name[@revision][/path]``
+    The same client (:class:`engine.net._hub.Hub`): the revision resolved once to its commit
+    (one API request, which also lists the repo's files), every file read at it through its
+    resolve URL (redirected to the CDN, the token dropped there); a file of that commit in
+    the local Hub cache is read from disk instead (:meth:`RemoteSource.local_path`).
+any other fsspec protocol (and the object stores' URLs with ``storage_options``)
     Through :mod:`fsspec` (the ``remote`` extra).
 
 The header of a file costs two ranged GETs (its length, then the header); an index one GET;
-an S3 prefix one ``ListObjectsV2`` per 1000 keys.  A header that fails to parse or check is
-read once more from the server: the same bytes again are the file's fault (the error says
-so), other bytes were damaged on the way.
+an object store's prefix one listing request per page of keys; an hf:// URL one API request.
+A header that fails to parse or check is read once more from the server: the same bytes
+again are the file's fault (the error says so), other bytes were damaged on the way.
 """
 
 from __future__ import annotations

@@ -20,7 +20,12 @@ Transports:
     The same client, each request signed with SigV4 by :mod:`engine.net._s3` (botocore's
     credentials, region and endpoint; the ``s3`` extra; anonymous when there are no
     credentials or with ``AWS_NO_SIGN_REQUEST``).  With ``storage_options``, through s3fs.
-any other fsspec protocol (``gs://``, ``hf://``, ``memory://``, ``file://`` ...)
+``gs://bucket/key``, ``az://container/blob``, ``hf://org/name[@revision][/path]``
+    The same client: GCS's XML API with a bearer token from the environment
+    (:mod:`engine.net._gcs`), Azure's Blob API signed with SharedKey, a SAS or a bearer token
+    (:mod:`engine.net._azure`), the Hugging Face Hub's API and resolve URLs, the token from
+    ``HF_TOKEN`` or ``huggingface-cli login`` (:mod:`engine.net._hub`).
+any other fsspec protocol (``memory://``, ``file://`` ...)
     Through :mod:`fsspec` (the ``remote`` extra), imported on first use: the file size from
     ``fs.size``, then ``fs.cat_file`` of each range.  Request counts and timeouts are the
     implementation's (pass ``storage_options``).
@@ -87,7 +92,8 @@ def read_header(
     Parameters
     ----------
     url : str
-        ``http(s)://`` or any fsspec URL of a ``.safetensors`` file.
+        ``http(s)://``, ``s3://``, ``gs://``, ``az://``, ``hf://`` or any fsspec URL of a
+        ``.safetensors`` file.
     max_header_size, timeout, headers, max_redirects, storage_options, retry
         As for :func:`read_metadata`.
 
@@ -133,8 +139,9 @@ def read_metadata(
     Parameters
     ----------
     url : str
-        ``http(s)://`` or any fsspec URL of a ``.safetensors`` file or of a
-        ``*.safetensors.index.json``; a local path is read with
+        ``http(s)://``, ``s3://``, ``gs://``, ``az://`` or any fsspec URL of a ``.safetensors``
+        file, of a ``*.safetensors.index.json`` or of a prefix; ``hf://org/name[@revision]``
+        of a Hub repo (or a file in it); a local path is read with
         :func:`engine.checkpoints.checkpoint.read_checkpoint_info`.
     max_header_size : int, optional
         Largest header accepted per file, and largest index, in bytes.

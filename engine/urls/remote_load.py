@@ -1,10 +1,11 @@
-"""Whole loads from HTTP(S), S3 and fsspec URLs: parallel ranged reads into the destination.
+"""Whole loads from HTTP(S), S3, GCS, Azure, Hugging Face Hub and fsspec URLs: parallel ranged reads into the destination.
 
 ``engine.stream(url)``, ``engine.torch.load_file(url)``, ``engine.load_into(url, tensors)``
 and ``engine.load_tensor_parallel(url, ...)`` come here.  A URL names one
 ``.safetensors`` file, a ``*.safetensors.index.json``, or a prefix ending in ``/`` (which
-holds ``model.safetensors.index.json`` or ``model.safetensors``; an S3 prefix may also hold
-several ``.safetensors`` files and no index).
+holds ``model.safetensors.index.json`` or ``model.safetensors``; an object store's prefix
+may also hold several ``.safetensors`` files and no index), or a Hub repo (``hf://org/name``:
+its index, or every ``.safetensors`` file at its top).
 
 How the bytes move: the headers come from two ranged GETs per file
 (:mod:`engine.urls._remote_files`); the selected tensors are planned as for local files
