@@ -17,7 +17,7 @@ import pytest
 import engine
 import engine.numpy
 from engine.errors import ReadError, RemoteFileNotFoundError
-from engine.net._hub import HubPath, hub_token, split_hf_url
+from engine.net._hub import HubPath, from_hub_url, hub_token, split_hf_url
 
 sys.path.insert(0, os.path.dirname(__file__))
 from servers import HubServer  # noqa: E402
@@ -116,6 +116,25 @@ def test_a_malformed_hf_url_is_an_invalid_url(url):
     with pytest.raises(ReadError) as e:
         split_hf_url(url)
     assert e.value.reason == "InvalidURL"
+
+
+@pytest.mark.parametrize("url, want", [
+    ("https://huggingface.co/org/name", "hf://org/name"),
+    ("https://huggingface.co/org/name/tree/main", "hf://org/name@main"),
+    ("https://huggingface.co/org/name/tree/v1.0/sub", "hf://org/name@v1.0/sub"),
+    ("https://huggingface.co/org/name/resolve/main/model.safetensors.index.json",
+     "hf://org/name@main/model.safetensors.index.json"),
+    ("https://hf.co/org/name/blob/refs/pr/2/model.safetensors", "hf://org/name@refs%2Fpr%2F2/model.safetensors"),
+    ("https://huggingface.co/datasets/org/data/tree/main", "hf://datasets/org/data@main"),
+    ("https://huggingface.co/org/name/discussions/3", None),
+    ("https://huggingface.co/org", None),
+    ("https://mirror.example/org/name", None),
+    ("https://huggingface.co/org/name/resolve/main/x.safetensors?download=true", None),
+])
+def test_the_hub_sites_own_urls_are_hf_urls(url, want):
+    assert from_hub_url(url) == want
+    if want is not None:
+        assert split_hf_url(want).repo_id in ("org/name", "org/data")
 
 
 def test_the_token_comes_from_the_environment_then_the_token_file(tmp_path, monkeypatch):

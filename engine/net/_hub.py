@@ -5,7 +5,9 @@ engine's one client (:class:`engine.net.remote_reads.RangeReads`); huggingface_h
 conventions are the contract, its code is not needed:
 
 * ``hf://org/name[@revision][/path]`` (``hf://datasets/...``, ``hf://spaces/...`` for those
-  repo types; a revision with slashes, ``refs/pr/1``, as it stands or percent-encoded);
+  repo types; a revision with slashes, ``refs/pr/1``, as it stands or percent-encoded), and
+  the Hub site's own URLs of a repo, a folder or a file (``https://huggingface.co/org/name``,
+  ``.../tree/{rev}/...``, ``.../resolve/{rev}/...``: :func:`from_hub_url`);
 * the endpoint: ``HF_ENDPOINT`` (a mirror, a test server), else ``https://huggingface.co``;
 * the token: an ``Authorization`` header the caller passes (``headers=``), else ``HF_TOKEN``
   (or the older ``HUGGING_FACE_HUB_TOKEN``), else the token file that ``huggingface-cli
@@ -34,7 +36,7 @@ from typing import Any, NamedTuple
 
 from engine.errors import ReadError, RemoteFileNotFoundError
 
-__all__ = ["HubPath", "Hub", "split_hf_url", "hub_home", "hub_cache", "hub_token"]
+__all__ = ["HubPath", "Hub", "split_hf_url", "from_hub_url", "hub_home", "hub_cache", "hub_token"]
 
 _TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 _REPO_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
@@ -96,6 +98,31 @@ def split_hf_url(url: str) -> HubPath:
     return HubPath(repo_type, "/".join(repo_parts), revision, path)
 
 
+def from_hub_url(url: str) -> str | None:
+    """The ``hf://`` URL of a page or file URL of the Hub's own site (``https://huggingface.co/org/name``,
+    ``.../tree/{rev}[/path]``, ``.../blob/{rev}/path``, ``.../resolve/{rev}/path``, ``datasets/``
+    and ``spaces/`` likewise), or ``None`` for any other URL."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() != "https" or (parts.hostname or "").lower() not in ("huggingface.co", "hf.co") or \
+            parts.query or parts.username is not None:
+        return None
+    segments = [urllib.parse.unquote(p) for p in parts.path.strip("/").split("/") if p]
+    prefix = ""
+    if segments and segments[0] in ("datasets", "spaces"):
+        prefix, segments = f"{segments[0]}/", segments[1:]
+    if len(segments) < 2 or (len(segments) > 2 and (segments[2] not in ("tree", "blob", "resolve") or len(segments) < 4)):
+        return None
+    repo, rest = "/".join(segments[:2]), segments[3:]
+    rev = ""
+    if len(segments) > 2:
+        rev, rest = segments[3], segments[4:]
+        if rev == "refs" and len(rest) >= 2 and rest[0] in ("pr", "convert"):
+            rev, rest = "/".join([rev, *rest[:2]]), rest[2:]
+    at = f"@{urllib.parse.quote(rev, safe='')}" if rev else ""
+    path = "/".join(urllib.parse.quote(p) for p in rest)
+    return f"hf://{prefix}{repo}{at}" + (f"/{path}" if path else "")
+
+
 def safe_path(path: str) -> bool:
     """Whether ``path`` names a file inside a repo (relative, no ``..``, no empty part)."""
     return bool(path) and not path.startswith("/") and "\\" not in path and "\0" not in path and \
@@ -145,12 +172,14 @@ class Hub:
     url : str
     headers : mapping, optional
         The caller's headers; an ``Authorization`` among them is the token.
+    endpoint : str, optional
+        The Hub's address; default ``HF_ENDPOINT``, else ``https://huggingface.co``.
     """
 
-    def __init__(self, url: str, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, url: str, headers: Mapping[str, str] | None = None, endpoint: str | None = None) -> None:
         self.url = url
         self.repo_type, self.repo_id, self.revision, self.path = split_hf_url(url)
-        self.endpoint = (os.environ.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/")
+        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/")
         self.headers = dict(headers or {})
         if not any(k.lower() == "authorization" for k in self.headers):
             token = hub_token()

@@ -66,6 +66,19 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+_HUB_SITE = "https://huggingface.co"
+
+
+def _hub_site(url: str) -> str | None:
+    """The ``hf://`` URL of a URL of the Hub's own site (``https://huggingface.co/org/name/...``)."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in ("huggingface.co", "hf.co"):
+        return None
+    from engine.net._hub import from_hub_url
+
+    return from_hub_url(url)
+
+
 def _azure_blob(url: str) -> bool:
     """Whether ``url`` is a blob of Azure's (``https://{account}.blob.core.windows.net/container/...``)
     without a SAS of its own in its query: read with the environment's Azure credentials."""
@@ -282,10 +295,12 @@ class RemoteSource:
             return RangeReads(connections=connections or DEFAULT_CONNECTIONS, timeout=timeout, retry=retry,
                               headers=send, sign=sign, max_redirects=max_redirects)
 
-        if scheme == "hf":
+        hub_url = _hub_site(url) if scheme == "https" else None
+        if scheme == "hf" or hub_url:
             from engine.net._hub import Hub
 
-            self.hub = Hub(url, headers)
+            # the Hub site's own URL of a repo, a folder or a file: read as that hf:// URL, at the site
+            self.hub = Hub(hub_url, headers, endpoint=_HUB_SITE) if hub_url else Hub(url, headers)
             self.reads = client(send=self.hub.headers)
             try:
                 # the revision's commit, once: every file is then read at it
