@@ -72,7 +72,7 @@ def env(hub, monkeypatch, tmp_path):
     server, _ = hub
     server.reset()
     for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN_PATH",
-              "HF_HUB_DISABLE_IMPLICIT_TOKEN"):
+              "HF_HUB_DISABLE_IMPLICIT_TOKEN", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
@@ -324,3 +324,29 @@ def test_tensor_parallel_loads_only_its_rows_from_the_repo(hub, env):
         part = want[want.shape[0] // 2:] if name.startswith("model.layers.") else want
         np.testing.assert_array_equal(got[name].numpy(), part)
     _no_token_at_the_cdn(server)
+
+
+def test_hf_hub_offline_reads_the_local_cache_alone(hub, env, monkeypatch, tmp_path):
+    """With ``HF_HUB_OFFLINE`` the revision comes from the cache's ``refs/``, the files from its
+    snapshot, and no request reaches the Hub or the CDN; a file the cache lacks is not found."""
+    server, sd = hub
+    sha = server.shas["tiny"]
+    repo = tmp_path / "cache" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    snap = repo / "snapshots" / sha
+    snap.mkdir(parents=True)
+    for f in os.listdir(server.folders / "tiny"):
+        (snap / f).write_bytes((server.folders / "tiny" / f).read_bytes())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _equal(engine.numpy.load_file("hf://org/tiny"), sd)
+    _equal(engine.numpy.load_file(f"hf://org/tiny@{sha}/model.safetensors.index.json"), sd)
+    assert server.requests == [] and server.cdn.requests == []
+    shard = sorted(f for f in os.listdir(snap) if f.endswith(".safetensors"))[1]
+    (snap / shard).unlink()
+    with pytest.raises(RemoteFileNotFoundError, match="HF_HUB_OFFLINE"):
+        engine.numpy.load_file("hf://org/tiny")
+    with pytest.raises(RemoteFileNotFoundError, match="HF_HUB_OFFLINE"):
+        engine.numpy.load_file("hf://org/open")
+    assert server.requests == [] and server.cdn.requests == []

@@ -20,7 +20,8 @@ conventions are the contract, its code is not needed:
 * the local cache: a file of that commit already under ``HF_HUB_CACHE`` (else
   ``$HF_HOME/hub``; ``HF_HOME`` defaults to ``$XDG_CACHE_HOME/huggingface``, else
   ``~/.cache/huggingface``), ``models--org--name/snapshots/{sha}/{file}``, is read from disk.
-  Nothing is ever written there.
+  Nothing is ever written there.  With ``HF_HUB_OFFLINE`` the cache alone is read: the
+  revision from its ``refs/``, the files from its snapshot, no request at all.
 
 The token never leaves this module except inside the ``Authorization`` header of a request.
 """
@@ -229,6 +230,37 @@ class Hub:
         self.files = [s["rfilename"] for s in siblings
                       if isinstance(s, dict) and isinstance(s.get("rfilename"), str) and safe_path(s["rfilename"])]
 
+    @property
+    def offline(self) -> bool:
+        """``HF_HUB_OFFLINE``: the local Hub cache alone, no request at all."""
+        return _truthy("HF_HUB_OFFLINE")
+
+    def _folder(self) -> str:
+        return os.path.join(hub_cache(), f"{self.repo_type}s--{self.repo_id.replace('/', '--')}")
+
+    def resolve_offline(self) -> None:
+        """The commit and the file list from the local Hub cache (``refs/{revision}``, else a
+        revision that is a commit; the files of its snapshot), as huggingface_hub does offline."""
+        rev = self.revision or "main"
+        sha: str | None = rev if _SHA.fullmatch(rev) else None
+        if sha is None:
+            try:
+                with open(os.path.join(self._folder(), "refs", *rev.split("/")), "rb") as f:
+                    sha = f.read(64).decode("ascii", "replace").strip()
+            except OSError:
+                sha = None
+        snapshot = os.path.join(self._folder(), "snapshots", sha or "")
+        if not sha or not _SHA.fullmatch(sha) or not os.path.isdir(snapshot):
+            raise RemoteFileNotFoundError(
+                f"HF_HUB_OFFLINE is set and the local Hub cache ({hub_cache()}) holds no snapshot of {self.name}",
+                path=self.url)
+        self.sha = sha
+        files = []
+        for dirpath, _, names in os.walk(snapshot):
+            rel = os.path.relpath(dirpath, snapshot)
+            files += [n if rel == "." else f"{rel.replace(os.sep, '/')}/{n}" for n in names]
+        self.files = sorted(f for f in files if safe_path(f))
+
     def file_url(self, file: str) -> str:
         """Where ``file`` of the resolved commit is read (the Hub redirects it to its CDN)."""
         assert self.sha is not None
@@ -248,8 +280,7 @@ class Hub:
         """The local Hub cache's copy of ``file`` at the resolved commit, if there is one."""
         if self.sha is None or not safe_path(file):
             return None
-        folder = f"{self.repo_type}s--{self.repo_id.replace('/', '--')}"
-        path = os.path.join(hub_cache(), folder, "snapshots", self.sha, *file.split("/"))
+        path = os.path.join(self._folder(), "snapshots", self.sha, *file.split("/"))
         return path if os.path.isfile(path) else None
 
     def folder(self) -> tuple[str, list[str]]:

@@ -303,9 +303,11 @@ class RemoteSource:
             self.hub = Hub(hub_url, headers, endpoint=_HUB_SITE) if hub_url else Hub(url, headers)
             self.reads = client(send=self.hub.headers)
             try:
-                # the revision's commit, once: every file is then read at it
-                self.hub.resolve(self._hub_call(lambda: self.reads.document(  # type: ignore[union-attr]
-                    self.hub.api_url(), 64 << 20, "the repo's description", name=url), api=True))
+                if self.hub.offline:  # HF_HUB_OFFLINE: the local Hub cache alone
+                    self.hub.resolve_offline()
+                else:  # the revision's commit, once: every file is then read at it
+                    self.hub.resolve(self._hub_call(lambda: self.reads.document(  # type: ignore[union-attr]
+                        self.hub.api_url(), 64 << 20, "the repo's description", name=url), api=True))
             except BaseException:
                 self.reads.close()
                 raise
@@ -363,6 +365,13 @@ class RemoteSource:
         file = self.hub.file_of(where)
         return self.hub.cached(file) if file is not None else None
 
+    def _online(self, where: str) -> None:
+        """With ``HF_HUB_OFFLINE``, a file the local Hub cache does not hold is not found."""
+        if self.hub is not None and self.hub.offline:
+            raise RemoteFileNotFoundError(
+                f"HF_HUB_OFFLINE is set and the local Hub cache holds no {self.hub.file_of(where)} of "
+                f"{self.hub.name} (commit {self.hub.sha})", path=self.display(where))
+
     def local_fd(self, path: str) -> int:
         """A descriptor of the local file ``path`` (see :meth:`local_path`), open until :meth:`close`."""
         fd = self._local.get(path)
@@ -408,6 +417,7 @@ class RemoteSource:
         if local is not None:  # already in the local Hub cache
             return read_header_fd(self.local_fd(local), path=local, max_header_size=max_header_size)
         if self.hub is not None:
+            self._online(where)
             return self._hub_call(lambda: self._remote_header(where, max_header_size, not_found))
         return self._remote_header(where, max_header_size, not_found)
 
@@ -437,6 +447,8 @@ class RemoteSource:
             data = os.pread(fd, size, 0)
         elif self.reads is not None:
             reads = self.reads
+            if self.hub is not None:
+                self._online(where)
             data = self._hub_call(lambda: reads.document(where, max_size, "the index", name=self.display(where))) \
                 if self.hub is not None else reads.document(where, max_size, "the index", name=self.display(where))
         else:
