@@ -282,7 +282,7 @@ class RemoteSource:
         self.last_modified: dict[str, str | None] = {}  # location -> Last-Modified (HTTP and S3)
         self.dates: dict[str, str] = {}  # location -> Date of its header's answer (HTTP and S3)
         self.files: dict[str, Any] = {}  # location -> its RemoteFile (HTTP and S3)
-        #: the object store of an s3:// or gs:// URL (engine.net._s3.S3Config, engine.net._gcs.GcsConfig)
+        #: the object store of an s3://, gs:// or az:// URL (engine.net._s3.S3Config, _gcs.GcsConfig, _azure.AzureConfig)
         self.store: Any = None
         self._shown: str | None = None  # how a store's object URLs are shown, when not as scheme://bucket/
         self.hub: Any = None  # engine.net._hub.Hub of an hf:// URL
