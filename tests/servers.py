@@ -390,13 +390,15 @@ class HubServer:
     * ``GET /{repo}/resolve/{rev}/{file}``: a ``.json`` answered by the Hub itself (200, ``ETag``,
       ``X-Repo-Commit``), a ``.safetensors`` (an LFS file) by a 302 to the CDN with ``X-Linked-Size``,
       ``X-Linked-Etag`` and ``X-Repo-Commit``, as the Hub answers whatever the ``Range``;
-    * a gated or private repo: 401 with ``X-Error-Code: GatedRepo`` (``RepoNotFound`` for a private
-      one) unless ``Authorization: Bearer <token>`` carries one of ``tokens``; an unknown repo 401
+    * a gated repo's files, and everything of a private repo: 401 with ``X-Error-Code: GatedRepo``
+      (``RepoNotFound`` for a private one) unless ``Authorization: Bearer <token>`` carries one of
+      ``tokens`` (a gated repo's description is public, as on the Hub); an unknown repo 401
       (``RepoNotFound``) without a valid token and 404 with one, an unknown revision 404
       (``RevisionNotFound``), an unknown file 404 (``EntryNotFound``).
 
-    The CDN (:attr:`cdn`) is a :class:`rangeserver.RangeServer` (or ``cdn``: nginx serving ``root``) on another port (another host as far
-    as credentials go: ``Authorization`` must never reach it) serving each commit's files at
+    The CDN (:attr:`cdn`) is a :class:`rangeserver.RangeServer` (or ``cdn``: nginx serving ``root``)
+    on another port (another host as far as credentials go: ``Authorization`` must never reach it)
+    serving each commit's files at
     ``/{sha}/{file}``; its requests, faults and records are the range server's.  :attr:`requests`
     records the Hub's own: ``(path, Authorization)``.
     """
@@ -445,8 +447,9 @@ class HubServer:
                 self._send(code, json.dumps({"error": message}).encode(),
                            {"Content-Type": "application/json", "X-Error-Code": error_code, "X-Error-Message": message})
 
-            def _repo(self, kind: str, repo_id: str) -> dict | None:
-                """The repo, or ``None`` after answering the refusal a client without access gets."""
+            def _repo(self, kind: str, repo_id: str, files: bool = True) -> dict | None:
+                """The repo, or ``None`` after answering the refusal a client without access gets
+                (a gated repo's description is public, its ``files`` are not)."""
                 auth = self.headers.get("Authorization") or ""
                 valid = auth.startswith("Bearer ") and auth[7:] in hub.tokens
                 repo = hub.repos.get(f"{kind}/{repo_id}")
@@ -456,7 +459,10 @@ class HubServer:
                     else:
                         self._error(401, "RepoNotFound", "Repository Not Found. Invalid username or password.")
                     return None
-                if repo["gated"] and not valid:
+                if repo["private"] and not valid:
+                    self._error(401, "RepoNotFound", "Repository Not Found. Invalid username or password.")
+                    return None
+                if repo["gated"] and files and not valid:
                     self._error(401, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access "
                                 "to it and be authenticated to access it. Please log in.")
                     return None
@@ -469,13 +475,13 @@ class HubServer:
                 parts = path.lstrip("/").split("/")
                 if parts[0] == "api" and len(parts) == 6 and parts[4] == "revision":
                     kind = parts[1][:-1]
-                    repo = self._repo(kind, f"{parts[2]}/{parts[3]}")
+                    repo = self._repo(kind, f"{parts[2]}/{parts[3]}", files=False)
                     if repo is None:
                         return
                     sha = repo["refs"].get(urllib.parse.unquote(parts[5]))
                     if sha is None:
                         return self._error(404, "RevisionNotFound", f"Invalid rev id: {parts[5]}")
-                    body = json.dumps({"id": f"{parts[2]}/{parts[3]}", "sha": sha, "private": False,
+                    body = json.dumps({"id": f"{parts[2]}/{parts[3]}", "sha": sha, "private": repo["private"],
                                        "gated": "manual" if repo["gated"] else False,
                                        "siblings": [{"rfilename": f} for f in sorted(repo["files"][sha])]})
                     return self._send(200, body.encode(), {"Content-Type": "application/json"})
@@ -513,7 +519,7 @@ class HubServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def add(self, repo_id: str, folder: str, *, gated: bool = False, kind: str = "model",
+    def add(self, repo_id: str, folder: str, *, gated: bool = False, private: bool = False, kind: str = "model",
             refs: tuple[str, ...] = ("main",)) -> str:
         """Publish every file under ``folder`` as a commit of ``repo_id``, which ``refs`` (branches,
         tags) then point at; returns the commit's sha."""
@@ -534,8 +540,8 @@ class HubServer:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             if not os.path.lexists(dest):
                 os.symlink(os.path.abspath(full), dest)
-        repo = self.repos.setdefault(f"{kind}/{repo_id}", {"gated": gated, "refs": {}, "files": {}})
-        repo["gated"] = gated
+        repo = self.repos.setdefault(f"{kind}/{repo_id}", {"refs": {}, "files": {}})
+        repo["gated"], repo["private"] = gated, private
         repo["files"][sha] = set(files)
         repo["refs"][sha] = sha
         for ref in refs:

@@ -61,7 +61,8 @@ def hub(tmp_path_factory):
         server.shas = {"old": server.add("org/tiny", str(root / "old"), gated=True, refs=("old",)),
                        "tiny": server.add("org/tiny", str(root / "tiny"), gated=True, refs=("main", "v1")),
                        "open": server.add("org/open", str(root / "open")),
-                       "multi": server.add("org/multi", str(root / "multi"))}
+                       "multi": server.add("org/multi", str(root / "multi")),
+                       "private": server.add("org/private", str(root / "open"), private=True)}
         server.folders = root
         yield server, sd
 
@@ -224,6 +225,18 @@ def test_a_gated_repo_without_a_token_is_an_error_naming_the_repo(hub, env, monk
     msg = str(e.value)
     assert e.value.reason == "AccessDenied" and e.value.status == 401
     assert "org/tiny" in msg and "HF_TOKEN" in msg and "huggingface-cli login" in msg and "GatedRepo" in msg
+
+
+def test_a_private_repo_without_a_token_is_an_error_naming_the_repo(hub, env, monkeypatch):
+    """The Hub's API hides a private repo (401 ``RepoNotFound``) from a client without a token."""
+    server, sd = hub
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(ReadError) as e:
+        engine.numpy.load_file("hf://org/private")
+    assert e.value.reason == "AccessDenied" and "org/private" in str(e.value) and "RepoNotFound" in str(e.value)
+    assert "HF_TOKEN" in str(e.value)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    _equal(engine.numpy.load_file("hf://org/private"), sd)
 
 
 def test_a_wrong_token_is_an_error_naming_the_repo_and_never_the_token(hub, env, monkeypatch):
