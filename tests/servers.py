@@ -382,6 +382,25 @@ class FuseMount:
         subprocess.run(["umount", "-l", self.mountpoint], capture_output=True, timeout=30)
 
 
+def _expiring_handler():
+    from rangeserver import _Handler
+
+    class Handler(_Handler):
+        """A CDN's presigned URLs: past its ``Expires`` a URL is refused (403), as a CDN does."""
+
+        def do_GET(self) -> None:
+            import urllib.parse
+
+            expires = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("Expires")
+            if expires and float(expires[0]) < time.time():
+                self._record("GET")
+                body = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
+                return self._status(403, body=body)
+            super().do_GET()
+
+    return Handler
+
+
 class HubServer:
     """A Hugging Face Hub on 127.0.0.1, answering as the Hub does what a client of its files asks:
 
@@ -399,7 +418,8 @@ class HubServer:
     The CDN (:attr:`cdn`) is a :class:`rangeserver.RangeServer` (or ``cdn``: nginx serving ``root``)
     on another port (another host as far as credentials go: ``Authorization`` must never reach it)
     serving each commit's files at
-    ``/{sha}/{file}``; its requests, faults and records are the range server's.  :attr:`requests`
+    ``/{sha}/{file}``; its requests, faults and records are the range server's, and it refuses a
+    redirect's URL once its ``Expires`` (``ttl`` seconds after the redirect) has passed.  :attr:`requests`
     records the Hub's own: ``(path, Authorization)``.
     """
 
@@ -415,7 +435,12 @@ class HubServer:
         os.makedirs(root, exist_ok=True)
         # the CDN: a range server of its own, or a server of ``root`` the caller runs (nginx)
         self.own_cdn = cdn is None
-        self.cdn = RangeServer(root).start().bulk() if cdn is None else cdn
+        self.cdn = RangeServer(root) if cdn is None else cdn
+        if cdn is None:
+            self.cdn.RequestHandlerClass = _expiring_handler()
+            self.cdn.start().bulk()
+        #: seconds a redirect to the CDN is good for (its presigned ``Expires``)
+        self.ttl = 3600.0
         self.repos: dict[str, dict] = {}
         self.tokens: set[str] = set()
         self.requests: list[tuple[str, str | None]] = []
@@ -504,7 +529,8 @@ class HubServer:
                 etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
                 common = {"X-Repo-Commit": sha, "ETag": etag}
                 if file.endswith(".safetensors"):  # an LFS file: its bytes are the CDN's
-                    where = f"{hub.cdn.base}/{sha}/{urllib.parse.quote(file)}?Expires=9999999999&Signature=abc"
+                    expires = time.time() + hub.ttl
+                    where = f"{hub.cdn.base}/{sha}/{urllib.parse.quote(file)}?Expires={expires:.3f}&Signature=abc"
                     return self._send(302, b"", {**common, "Location": where, "X-Linked-Etag": etag,
                                                  "X-Linked-Size": str(os.path.getsize(local))})
                 with open(local, "rb") as f:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -363,3 +364,38 @@ def test_hf_hub_offline_reads_the_local_cache_alone(hub, env, monkeypatch, tmp_p
     with pytest.raises(RemoteFileNotFoundError, match="HF_HUB_OFFLINE"):
         engine.numpy.load_file("hf://org/open")
     assert server.requests == [] and server.cdn.requests == []
+
+
+def test_an_expired_redirect_to_the_cdn_is_asked_for_again(hub, env):
+    """The CDN's presigned URLs expire: a handle whose redirects have expired asks the Hub for
+    them again and reads on; a CDN that still refuses is an AccessDenied after a bounded number
+    of tries."""
+    from engine.net.retry import Retry
+
+    server, sd = hub
+    fast = Retry(attempts=3, base=0.001, cap=0.01)
+
+    def shard_resolves() -> int:
+        return sum(1 for p, _ in server.requests if "/resolve/" in p and p.endswith(".safetensors"))
+
+    server.ttl = 0.3
+    try:
+        with engine.safe_open("hf://org/tiny", framework="np", retry=fast) as f:
+            first = shard_resolves()
+            time.sleep(0.5)  # every redirect the headers followed has expired
+            server.ttl = 3600.0
+            for name in ("model.layers.0.w", "model.layers.5.w", "model.embed"):
+                np.testing.assert_array_equal(f.get_tensor(name), sd[name])
+            assert shard_resolves() > first  # asked for again
+        server.reset()
+        server.ttl = 0.3
+        with engine.safe_open("hf://org/tiny", framework="np", retry=fast) as f:
+            first = shard_resolves()
+            time.sleep(0.5)
+            server.ttl = 0.0  # every new redirect has expired too: the refusal stands
+            with pytest.raises(ReadError) as e:
+                f.get_tensor("model.layers.0.w")
+            assert e.value.status == 403 and e.value.reason == "AccessDenied"
+            assert shard_resolves() - first == 1  # one new redirect (a minute must pass for another)
+    finally:
+        server.ttl = 3600.0

@@ -24,7 +24,9 @@ connection, GIL released): no growing ``bytes``, no staging buffer on the host.
   answer the request) is retried with capped exponential backoff and full jitter, for the
   bytes of the request not yet landed, up to ``Retry.attempts`` tries; anything else (403,
   404, a file whose size or ETag changed, a 416, a body compressed although ``identity`` was
-  asked for) fails at once.  A file's first request is the call's first contact with the
+  asked for) fails at once, except a refusal (401, 403, 410) of a file that was redirected:
+  a presigned URL (the Hub's CDN, S3's) expires, so the file's own URL is asked again where
+  it leads (:meth:`RangeReads._renew`).  A file's first request is the call's first contact with the
   server: a refused connection or a name that does not resolve fails it at once (no server
   answered; the bulk reads retry a refusal, a server restarting).  Every request after the header carries ``If-Match`` with the ETag
   seen when the header was read, so a file replaced during the load is a ``FileChanged``
@@ -135,6 +137,7 @@ class RangeReads:
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
         self._moved: dict[str, tuple[str, Mapping[str, str]]] = {}  # file URL -> (where it ended, headers)
+        self._renewed: dict[str, float] = {}  # file URL -> when its redirect was last asked for again
         #: the whole-file answers of servers that ignore Range, by file URL (see WholeFileStream)
         self._streams: dict[str, WholeFileStream] = {}
         #: keep every byte a whole-file stream passes, not only those passed before they are
@@ -413,10 +416,28 @@ class RangeReads:
                 # server that sends a little and then fails every time still runs out of tries
                 progressed = failed.landed >= min(PROGRESS, (want - done) // 2 or 1)
                 done += failed.landed
-                if not failed.transient:
+                if not failed.transient and not self._renew(file, failed):
                     raise failed.error from None
                 tries = 0 if progressed else tries + 1
                 self._wait_to_retry(failed, tries)
+
+    def _renew(self, file: RemoteFile, failed: Failed) -> bool:
+        """Whether a refusal (401, 403, 410) of a file that was redirected is tried again from
+        the file's own URL: a redirect to a presigned URL (the Hub's CDN, S3's) expires, and the
+        file's URL redirects anew.  The redirect is forgotten at most once a minute per file (the
+        requests of other threads that fail meanwhile go to the new one); the tries are counted
+        as a transient failure's."""
+        if getattr(failed.error, "status", None) not in (401, 403, 410):
+            return False
+        now = time.monotonic()
+        with self._lock:
+            moved = self._moved.get(file.url)
+            if moved is not None and moved[0] != file.url and now - self._renewed.get(file.url, -1e9) >= 60.0:
+                del self._moved[file.url]
+                self._renewed[file.url] = now
+            elif now - self._renewed.get(file.url, -1e9) >= 60.0:
+                return False  # not redirected, or asked again over a minute ago: the refusal stands
+        return True
 
     def _get(self, file: RemoteFile, offset: int, views: list[memoryview]) -> int:
         """One try: a ranged GET of ``views``' bytes at ``offset``; returns the bytes landed
