@@ -272,6 +272,7 @@ _CREDENTIALS = {
     "s3": "a private bucket needs credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role",
     "gs": "a private bucket needs credentials: GOOGLE_OAUTH_ACCESS_TOKEN (e.g. `gcloud auth print-access-token`), "
           "GOOGLE_APPLICATION_CREDENTIALS, or `gcloud auth application-default login`",
+    "hf": "a gated or private repo needs a token with access to it: set HF_TOKEN, or run `huggingface-cli login`",
     "az": "a private container needs credentials: AZURE_STORAGE_SAS_TOKEN, AZURE_STORAGE_ACCOUNT and "
           "AZURE_STORAGE_KEY, AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_TOKEN",
 }
