@@ -399,3 +399,14 @@ def test_an_expired_redirect_to_the_cdn_is_asked_for_again(hub, env):
             assert shard_resolves() - first == 1  # one new redirect (a minute must pass for another)
     finally:
         server.ttl = 3600.0
+
+
+def test_urls_get_tensor_of_a_repo(hub, env):
+    """``engine.urls.remote.get_tensor`` of a repo: its index's shard, or the one of several files
+    that holds the tensor."""
+    from engine.urls import remote
+
+    server, sd = hub
+    for url in ("hf://org/tiny", "hf://org/multi", "hf://org/open/model.safetensors"):
+        for name in ("model.layers.1.w", "model.layers.4.w"):
+            np.testing.assert_array_equal(remote.get_tensor(url, name), sd[name])

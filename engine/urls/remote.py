@@ -49,7 +49,7 @@ from engine.format.checksums import Checks, verify_received, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header
 from engine.net.remote_file import public_url
 from engine.net.retry import Retry
-from engine.urls._remote_files import RemoteSource, checkpoint_info, is_index, is_url
+from engine.urls._remote_files import RemoteSource, checkpoint_info, is_url
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -229,7 +229,7 @@ def get_tensor(
     Parameters
     ----------
     url : str
-        A remote ``.safetensors`` file or ``*.safetensors.index.json`` (see
+        A remote ``.safetensors`` file, ``*.safetensors.index.json``, prefix or Hub repo (see
         :func:`read_metadata`).
     name : str
         The tensor.
@@ -256,7 +256,9 @@ def get_tensor(
     -----
     HTTP requests: 3 for a file (length, header, the tensor's byte range), 4 for an index
     (index, then the length, header and range of the one shard that holds ``name``); a
-    0-byte tensor needs no data request; a server that ignores Range is asked once per
+    0-byte tensor needs no data request; a prefix or a Hub repo costs its listing (or the
+    Hub's API request) more, and, holding several files and no index, the headers of those
+    before the one that holds ``name``; a server that ignores Range is asked once per
     file (the header's whole-file answer is read on to the tensor).  Copies of tensor bytes: 1 (from the socket into
     the tensor's memory; a CUDA device adds the host-to-device copy).
     """
@@ -267,13 +269,23 @@ def get_tensor(
     # a server that ignores Range: the tensor is read on from the header's answer
     src = _source(spath, headers, timeout, max_redirects, storage_options, retry)
     try:
-        where, shard = src.root, False
-        if is_index(spath):
-            _, weight_map = src.index(max_header_size)
+        # a file, an index, or a prefix or repo holding either (or several files: the first
+        # whose header names the tensor)
+        kind, wheres = src.layout(max_header_size)
+        where, shard = wheres[0], False
+        if kind == "index":
+            _, weight_map = src.index(max_header_size, where)
             if name not in weight_map:
                 raise TensorNotFoundError.for_name(name, list(weight_map), where="checkpoint", path=spath)
             where, shard = src.shard(weight_map[name]), True
-        header = src.header(where, max_header_size, shard=shard)
+        header = None
+        if kind == "files":
+            for where in wheres:
+                header = src.header(where, max_header_size)
+                if name in header.names:
+                    break
+        if header is None:
+            header = src.header(where, max_header_size, shard=shard)
         info = header[name]  # TensorNotFoundError names the file
         begin, end = info.data_offsets
         arr = sink.empty(info.code, info.shape, end - begin)
