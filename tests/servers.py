@@ -442,6 +442,7 @@ class HubServer:
         #: seconds a redirect to the CDN is good for (its presigned ``Expires``)
         self.ttl = 3600.0
         self.repos: dict[str, dict] = {}
+        self.blob_ids: dict[tuple[str, str], dict] = {}  # (commit, file) -> what the API's blobs=true adds
         self.tokens: set[str] = set()
         self.requests: list[tuple[str, str | None]] = []
         self.answers: list[tuple[str, int]] = []
@@ -493,6 +494,14 @@ class HubServer:
                     return None
                 return repo
 
+            def _sibling(self, sha: str, file: str) -> dict:
+                """A file as the API lists it with ``blobs=true``: an LFS file (``.safetensors``) with
+                its sha256, another with its git blob id."""
+                out: dict = {"rfilename": file}
+                if "blobs=true" in self.path:
+                    out.update(hub.blob_ids[(sha, file)])
+                return out
+
             def do_GET(self) -> None:
                 with hub.lock:
                     hub.requests.append((self.path, self.headers.get("Authorization")))
@@ -508,7 +517,7 @@ class HubServer:
                         return self._error(404, "RevisionNotFound", f"Invalid rev id: {parts[5]}")
                     body = json.dumps({"id": f"{parts[2]}/{parts[3]}", "sha": sha, "private": repo["private"],
                                        "gated": "manual" if repo["gated"] else False,
-                                       "siblings": [{"rfilename": f} for f in sorted(repo["files"][sha])]})
+                                       "siblings": [self._sibling(sha, f) for f in sorted(repo["files"][sha])]})
                     return self._send(200, body.encode(), {"Content-Type": "application/json"})
                 kind = "model"
                 if parts[0] in ("datasets", "spaces"):
@@ -561,6 +570,16 @@ class HubServer:
             with open(files[rel], "rb") as f:
                 digest.update(rel.encode() + hashlib.sha1(f.read()).digest())
         sha = digest.hexdigest()
+        for rel, full in files.items():
+            digest1, digest256, size = hashlib.sha1(), hashlib.sha256(), os.path.getsize(full)
+            digest1.update(b"blob %d\0" % size)
+            with open(full, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    digest1.update(block)
+                    digest256.update(block)
+            self.blob_ids[(sha, rel)] = {"blobId": digest1.hexdigest()}
+            if rel.endswith(".safetensors"):  # an LFS file: named by its sha256
+                self.blob_ids[(sha, rel)]["lfs"] = {"sha256": digest256.hexdigest(), "size": size}
         for rel, full in files.items():  # the CDN's copy: a link to the file
             dest = os.path.join(self.root, sha, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)

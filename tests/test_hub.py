@@ -5,6 +5,7 @@ cache, every entry point."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -38,12 +39,11 @@ def _size(folder) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
+@contextlib.contextmanager
+def published(root):
     """The Hub with ``org/tiny`` (gated, sharded with its index; also tagged ``v1``), ``org/open``
-    (public, one file and a README), ``org/multi`` (public, two files and no index) and an older
-    commit of ``org/tiny`` on the branch ``old``."""
-    root = tmp_path_factory.mktemp("hub")
+    (public, one file and a README), ``org/multi`` (public, two files and no index), ``org/private``
+    and an older commit of ``org/tiny`` on the branch ``old``: ``(server, tensors)``."""
     sd = tensors()
     engine.save_sharded(sd, root / "tiny", max_shard_size=12_000, fsync=False)
     (root / "open").mkdir()
@@ -68,18 +68,28 @@ def hub(tmp_path_factory):
         yield server, sd
 
 
-@pytest.fixture
-def env(hub, monkeypatch, tmp_path):
-    """The Hub's endpoint, a token in ``HF_TOKEN``, an empty ``HF_HOME`` (checked empty after)."""
-    server, _ = hub
+def hub_environment(server, monkeypatch, home) -> None:
+    """The Hub's endpoint, a token in ``HF_TOKEN``, ``HF_HOME`` at ``home``, nothing else of the Hub's."""
     server.reset()
     for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN_PATH",
               "HF_HUB_DISABLE_IMPLICIT_TOKEN", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_TOKEN", TOKEN)
-    yield server
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    with published(tmp_path_factory.mktemp("hub")) as got:
+        yield got
+
+
+@pytest.fixture
+def env(hub, monkeypatch, tmp_path):
+    """:func:`hub_environment` with an empty ``HF_HOME``, checked empty after the test."""
+    hub_environment(hub[0], monkeypatch, tmp_path / "hf_home")
+    yield hub[0]
     assert not (tmp_path / "hf_home").exists() or not os.listdir(tmp_path / "hf_home"), "wrote under HF_HOME"
 
 
@@ -165,7 +175,7 @@ def test_load_file_of_a_gated_sharded_repo_equals_the_files(hub, env):
     _equal({k: v.numpy() for k, v in got.items()}, sd)
     sha = server.shas["tiny"]
     api = [p for p, _ in server.requests if p.startswith("/api/")]
-    assert api == ["/api/models/org/tiny/revision/main"]
+    assert api == ["/api/models/org/tiny/revision/main?blobs=true"]
     resolves = [p for p, _ in server.requests if "/resolve/" in p]
     assert resolves and all(p.startswith(f"/org/tiny/resolve/{sha}/") for p in resolves)
     assert all(auth == f"Bearer {TOKEN}" for _, auth in server.requests)
@@ -378,20 +388,20 @@ def test_an_expired_redirect_to_the_cdn_is_asked_for_again(hub, env):
     def shard_resolves() -> int:
         return sum(1 for p, _ in server.requests if "/resolve/" in p and p.endswith(".safetensors"))
 
-    server.ttl = 0.3
+    server.ttl = 2.0
     try:
         with engine.safe_open("hf://org/tiny", framework="np", retry=fast) as f:
             first = shard_resolves()
-            time.sleep(0.5)  # every redirect the headers followed has expired
+            time.sleep(2.2)  # every redirect the headers followed has expired
             server.ttl = 3600.0
             for name in ("model.layers.0.w", "model.layers.5.w", "model.embed"):
                 np.testing.assert_array_equal(f.get_tensor(name), sd[name])
             assert shard_resolves() > first  # asked for again
         server.reset()
-        server.ttl = 0.3
+        server.ttl = 2.0
         with engine.safe_open("hf://org/tiny", framework="np", retry=fast) as f:
             first = shard_resolves()
-            time.sleep(0.5)
+            time.sleep(2.2)
             server.ttl = 0.0  # every new redirect has expired too: the refusal stands
             with pytest.raises(ReadError) as e:
                 f.get_tensor("model.layers.0.w")

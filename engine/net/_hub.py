@@ -42,6 +42,7 @@ __all__ = ["HubPath", "Hub", "split_hf_url", "from_hub_url", "hub_home", "hub_ca
 _TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 _REPO_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 _SHA = re.compile(r"[0-9a-f]{40}")
+_BLOB = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _MAX_FILES = 1 << 20  # names in a repo's listing beyond which the answer is not believed
 _DEFAULT_ENDPOINT = "https://huggingface.co"
 
@@ -188,6 +189,8 @@ class Hub:
                 self.headers["Authorization"] = f"Bearer {token}"
         self.sha: str | None = None
         self.files: list[str] = []
+        #: file -> its blob id (an LFS file's sha256, else its git blob id), where the API gave one
+        self.blobs: dict[str, str] = {}
         prefix = "" if self.repo_type == "model" else f"{self.repo_type}s/"
         self._files_url = f"{self.endpoint}/{prefix}{self.repo_id}/resolve/"
 
@@ -209,7 +212,8 @@ class Hub:
     def api_url(self) -> str:
         """The API call that resolves the revision: its commit and the repo's files."""
         rev = urllib.parse.quote(self.revision or "main", safe="")
-        return f"{self.endpoint}/api/{self.repo_type}s/{self.repo_id}/revision/{rev}"
+        # blobs=true: each file's blob id (an LFS file's sha256), the names of the Hub cache's blobs
+        return f"{self.endpoint}/api/{self.repo_type}s/{self.repo_id}/revision/{rev}?blobs=true"
 
     def resolve(self, body: bytes) -> None:
         """Take the API's answer: the commit (:attr:`sha`) and the file list (:attr:`files`)."""
@@ -229,14 +233,31 @@ class Hub:
         self.sha = sha
         self.files = [s["rfilename"] for s in siblings
                       if isinstance(s, dict) and isinstance(s.get("rfilename"), str) and safe_path(s["rfilename"])]
+        for s in siblings:
+            if not isinstance(s, dict) or s.get("rfilename") not in self.files:
+                continue
+            lfs = s.get("lfs")
+            blob = lfs.get("sha256") if isinstance(lfs, dict) else s.get("blobId")
+            if isinstance(blob, str) and _BLOB.fullmatch(blob):
+                self.blobs[s["rfilename"]] = blob
 
     @property
     def offline(self) -> bool:
         """``HF_HUB_OFFLINE``: the local Hub cache alone, no request at all."""
         return _truthy("HF_HUB_OFFLINE")
 
-    def _folder(self) -> str:
+    def repo_cache(self) -> str:
+        """The repo's folder of the local Hub cache (``models--org--name``)."""
         return os.path.join(hub_cache(), f"{self.repo_type}s--{self.repo_id.replace('/', '--')}")
+
+    _folder = repo_cache
+
+    @property
+    def ref(self) -> str | None:
+        """The ref the Hub cache records for this load: the branch or tag named (``main`` by
+        default), none for a commit."""
+        rev = self.revision or "main"
+        return None if _SHA.fullmatch(rev) or not safe_path(rev) else rev
 
     def resolve_offline(self) -> None:
         """The commit and the file list from the local Hub cache (``refs/{revision}``, else a
@@ -271,6 +292,11 @@ class Hub:
         if self.sha is None or not location.startswith(f"{self._files_url}{self.sha}/"):
             return None
         return urllib.parse.unquote(location[len(self._files_url) + len(self.sha) + 1:])
+
+    def file_of_display(self, url: str) -> str | None:
+        """The file a :meth:`display` URL names (``None`` for another URL)."""
+        prefix = f"hf://{self.name}/"
+        return url[len(prefix):] if url.startswith(prefix) and safe_path(url[len(prefix):]) else None
 
     def display(self, file: str) -> str:
         """``hf://`` URL of ``file``, as the user wrote the repo."""

@@ -289,6 +289,7 @@ class RemoteSource:
         self.fs: _Fs | None = None
         self.reads: RangeReads | None = None
         self._local: dict[str, int] = {}  # a local file's path -> its descriptor (read_into, ranges)
+        self.documents: dict[str, bytes] = {}  # an hf:// index's location -> its bytes as received
         scheme = urllib.parse.urlsplit(url).scheme.lower()
 
         def client(sign=None, send=headers) -> RangeReads:
@@ -449,8 +450,10 @@ class RemoteSource:
             reads = self.reads
             if self.hub is not None:
                 self._online(where)
-            data = self._hub_call(lambda: reads.document(where, max_size, "the index", name=self.display(where))) \
-                if self.hub is not None else reads.document(where, max_size, "the index", name=self.display(where))
+                data = self._hub_call(lambda: reads.document(where, max_size, "the index", name=self.display(where)))
+                self.documents[where] = data  # for the local Hub cache (cache_dir="hf")
+            else:
+                data = reads.document(where, max_size, "the index", name=self.display(where))
         else:
             assert self.fs is not None
             data = self.fs.read_all(where, max_size, "the index")

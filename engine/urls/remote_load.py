@@ -151,10 +151,16 @@ def open_parts(
     # fsspec source's reads are fsspec's, this one only carries the workers and the cancel
     reads = src.reads or RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                                     max_redirects=max_redirects)
-    copies = None
+    copies: Copies | None = None
     parts: list[Part] = []
     try:
-        if cache_dir is not None:
+        if cache_dir is not None and src.hub is not None and os.fspath(cache_dir) == "hf":
+            from engine.urls.hub_cache import HubCopies  # the local Hub cache's own layout
+
+            copies = HubCopies(src.hub)
+            for where, data in src.documents.items():  # the index, which transformers looks for too
+                copies.keep_document(src.hub.file_of(where), data)
+        elif cache_dir is not None:
             copies = Copies(cache_dir)
         wanted = []  # files to download: (their part's index, what Copies.fetch takes)
         dates: dict[str, str | None] = {}  # when the server answered each file's header
@@ -237,7 +243,9 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
         Keep a local copy there of every file whose every data byte this load receives,
         written in the same pass, and read the copies of a later load while the server has
         the same versions (ETag, or ``Last-Modified``, and size); a selection that skips
-        any tensor of a file writes no copy of it (:mod:`engine.urls.remote_cache`).
+        any tensor of a file writes no copy of it (:mod:`engine.urls.remote_cache`).  For an
+        ``hf://`` URL, ``"hf"`` is the local Hub cache, in its own layout, where
+        transformers and vLLM find the files too (:mod:`engine.urls.hub_cache`).
 
     Raises
     ------
