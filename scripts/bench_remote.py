@@ -1,7 +1,9 @@
-"""Whole checkpoints over HTTP and S3 against the line rate, in one run.
+"""Whole checkpoints over HTTP, S3, GCS, Azure and the Hugging Face Hub against the line rate, in one run.
 
 A BF16 Llama-shaped checkpoint in 4 shards, served by nginx on 127.0.0.1 from a warm page cache over
-HTTP and as S3.  Rows (``--rows`` names them), interleaved, a fresh process per sample: the line rate,
+HTTP and as S3, GCS and Azure Blob (path-style, anonymous: the engine's token and SharedKey signing are
+still sent), and as a gated Hub repo (a Hub on 127.0.0.1 answering the API and redirecting each file to
+nginx, as the Hub redirects to its CDN).  Rows (``--rows`` names them), interleaved, a fresh process per sample: the line rate,
 the engine's loads and their variants, machine limits, the reference and peers in ``--peers-python``.
 Per row: GB/s, x line rate, x engine http, peak RSS and whether the bytes equal the files'.
 
@@ -11,6 +13,8 @@ Per row: GB/s, x line rate, x engine http, peak RSS and whether the bytes equal 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import itertools
 import os
 import shutil
@@ -19,6 +23,7 @@ import tempfile
 
 import harness
 from benchmarks import common, host
+from servers import HubServer
 
 
 def _measure(load, repeat: int = 0) -> dict:
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     expected = harness.call(engine_load, directory, {})["checksum"]
     scratch = tempfile.mkdtemp(prefix="engine-download-", dir=common.cache_dir())  # as large as the checkpoint
     rows: dict[str, tuple] = {}  # name: (case, impl, function, args, env, python), or (case, impl, why skipped)
-    with harness.served(directory) as (ng, index, s3_index, s3_env):
+    with harness.served(directory) as (ng, index, s3_index, s3_env), contextlib.ExitStack() as stack:
         urls, env, http = [ng.url("ckpt/" + n) for n in names], harness.child_env(), "http -> CPU, owned"
 
         def row(name, case, impl, fn, *args, env=env, python=None):
@@ -212,6 +217,27 @@ def main(argv: list[str] | None = None) -> int:
                 row(f"engine {scheme} device", f"{scheme} -> page-locked chunk (emulated device)", "engine",
                     engine_device, url, "none", env=e)
         if not a.sweep:
+            # the same files as gs://, az:// (nginx answers as an anonymous store: the engine still sends
+            # its token, or signs every request with SharedKey) and an hf:// repo (a Hub on 127.0.0.1
+            # resolving the revision and redirecting each file to nginx, the CDN)
+            key = base64.b64encode(b"bench account key, 32 bytes long").decode()
+            stores = {
+                "gs": ("gs://bucket/ckpt/model.safetensors.index.json",
+                       harness.child_env(STORAGE_EMULATOR_HOST=ng.base, GOOGLE_OAUTH_ACCESS_TOKEN="bench-token")),
+                "az": ("az://bucket/ckpt/model.safetensors.index.json", harness.child_env(
+                    AZURE_STORAGE_CONNECTION_STRING=f"AccountName=bench;AccountKey={key};BlobEndpoint={ng.base}")),
+            }
+            hub = stack.enter_context(HubServer(ng.root, cdn=ng))
+            hub.tokens.add("hf_bench")
+            sha = hub.add("org/ckpt", directory, gated=True)
+            hf_env = harness.child_env(HF_ENDPOINT=hub.endpoint, HF_TOKEN="hf_bench",
+                                       HF_HOME=os.path.join(scratch, "hf_home"))
+            stores["hf"] = ("hf://org/ckpt", hf_env)
+            for scheme, (url, e) in stores.items():
+                row(f"engine {scheme}", f"{scheme} -> CPU, owned", "engine", engine_load, url, {}, env=e)
+            row("engine hf resolve URLs", "hf -> CPU, owned", "engine, the resolve URL of the index over http",
+                engine_load, f"{hub.endpoint}/org/ckpt/resolve/{sha}/model.safetensors.index.json",
+                {"headers": {"Authorization": "Bearer hf_bench"}}, env=hf_env)
             for var, val, what in (("HUGE_PAGES", "1", "huge pages"), ("HUGE_PAGES", "0", "4k pages"),
                                    ("FAULT_AHEAD", "1", "fault-ahead 1"), ("FAULT_AHEAD", "0", "fault-ahead 0")):
                 e = harness.child_env(**{"ENGINE_" + var: val})

@@ -22,7 +22,7 @@ from engine.net.retry import Retry
 from engine.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rangeserver import serve  # noqa: E402
+from rangeserver import serve, serving  # noqa: E402
 from servers import StdlibHTTP  # noqa: E402
 
 FAST = Retry(attempts=3, base=0.001, cap=0.01)
@@ -518,3 +518,22 @@ def test_a_whole_file_stream_limits_each_receive_on_a_closing_connection(tmp_pat
         finally:
             reads.close()
     assert got == data[1 << 20 : (1 << 20) + 1000]
+
+
+def test_a_connection_to_the_host_a_redirect_led_to_is_pooled_under_that_host(served, server, tmp_path):
+    """A file redirected to another host (a CDN) leaves its connection to that host idle: the
+    next request to the first host must not be sent on it (it was, and the other host answered
+    404 for a path it does not have)."""
+    _, data, _ = served
+    (tmp_path / "other.safetensors").write_bytes(data)
+    with serving(str(tmp_path)) as cdn:
+        cdn.keepalive = True
+        server.modes["/moved.safetensors"] = f"redirect:{cdn.url('other.safetensors')}"
+        with RangeReads(connections=1, timeout=5.0, retry=FAST) as reads:
+            first = reads.first(server.url("moved.safetensors"))
+            got = bytearray(100)
+            reads.read(first.file, 1000, [memoryview(got)])
+            assert bytes(got) == data[1000:1100]
+            again = reads.first(server.url("model.safetensors"))  # the first host again
+            assert again.prefix == data[:8] and again.file.size == len(data)
+        assert all(p == "/other.safetensors" for p in cdn.paths())

@@ -105,7 +105,7 @@ def text(err: BaseException) -> str:
 
 
 # -- credentials from the environment ----------------------------------------------------------------
-@pytest.mark.parametrize("where", ["llama/", f"llama/{INDEX}", "one/model.safetensors", "one/", "noindex/"])
+@pytest.mark.parametrize("where", ["llama/", "llama", f"llama/{INDEX}", "one/model.safetensors", "one/", "noindex/"])
 def test_a_load_with_credentials_from_the_environment_is_byte_exact(files, moto, monkeypatch, where):
     aws_env(monkeypatch, moto.endpoint, "testing", "testing")
     assert_same(engine.torch.load_file(f"s3://{BUCKET}/{where}"), files[1])

@@ -33,7 +33,7 @@ from engine import __version__
 from engine.errors import HeaderError, ReadError, RemoteFileNotFoundError, SafetensorError
 
 __all__ = ["RemoteFileNotFoundError", "read_error", "content_range", "connection", "status_error",
-           "error_code", "error_body", "connect_error", "unreachable", "redirect", "REDIRECTS", "Watchdog",
+           "error_code", "header_code", "error_body", "connect_error", "unreachable", "redirect", "REDIRECTS", "Watchdog",
            "USER_AGENT"]
 
 REDIRECTS = (301, 302, 303, 307, 308)
@@ -246,12 +246,36 @@ def error_code(body: bytes) -> str:
     return m.group(1).decode("ascii") if m else ""
 
 
+def header_code(resp: http.client.HTTPResponse) -> str:
+    """The error code an answer names in a header: Azure's ``x-ms-error-code``
+    (``ServerBusy``, ``AuthenticationFailed`` ...) or the Hub's ``X-Error-Code``
+    (``GatedRepo``, ``RepoNotFound`` ...), or ``""``."""
+    for name in ("x-ms-error-code", "X-Error-Code"):
+        value = (resp.getheader(name) or "").strip()
+        if re.fullmatch(r"[A-Za-z0-9.]{1,64}", value):
+            return value
+    return ""
+
+
 def error_body(resp: http.client.HTTPResponse, limit: int = 65536) -> bytes:
     """A short error body (nothing when it is long or unreadable)."""
     try:
         return resp.read(limit) if resp.length is not None and resp.length <= limit else b""
     except (OSError, http.client.HTTPException):
         return b""
+
+
+_HTTP_HINT = ("a private or gated file needs credentials, e.g. headers={'Authorization': 'Bearer <token>'} over "
+              "HTTP, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://")
+#: what gives each object store the credentials of a private file (the README's table)
+_CREDENTIALS = {
+    "s3": "a private bucket needs credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role",
+    "gs": "a private bucket needs credentials: GOOGLE_OAUTH_ACCESS_TOKEN (e.g. `gcloud auth print-access-token`), "
+          "GOOGLE_APPLICATION_CREDENTIALS, or `gcloud auth application-default login`",
+    "hf": "a gated or private repo needs a token with access to it: set HF_TOKEN, or run `huggingface-cli login`",
+    "az": "a private container needs credentials: AZURE_STORAGE_SAS_TOKEN, AZURE_STORAGE_ACCOUNT and "
+          "AZURE_STORAGE_KEY, AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_TOKEN",
+}
 
 
 def status_error(url: str, resp: http.client.HTTPResponse, first=None, not_found=None, detail: str = "") -> SafetensorError:
@@ -266,13 +290,8 @@ def status_error(url: str, resp: http.client.HTTPResponse, first=None, not_found
         cls = not_found or RemoteFileNotFoundError
         err = cls(f"not found (HTTP {code} {text})", path=url)
     elif code in (401, 403):
-        err = read_error(
-            f"access denied (HTTP {code} {text}); a private or gated file needs credentials, e.g. "
-            "headers={'Authorization': 'Bearer <token>'} over HTTP, or AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY for s3://",
-            url,
-            "AccessDenied",
-        )
+        err = read_error(f"access denied (HTTP {code} {text}); {_CREDENTIALS.get(url.partition('://')[0], _HTTP_HINT)}",
+                         url, "AccessDenied")
     elif code == 412:
         err = read_error(
             f"the file changed since the load began (HTTP 412 {text}: its ETag no longer matches)", url, "FileChanged"

@@ -15,7 +15,7 @@ import http.client
 import socket
 import time
 
-from engine.net._http import content_range, error_body, error_code, status_error
+from engine.net._http import content_range, error_body, error_code, header_code, status_error
 from engine.net.remote_file import RemoteFile
 from engine.net.retry import Failed, fail, retry_after, transient_answer
 
@@ -87,7 +87,8 @@ def status_failure(resp: http.client.HTTPResponse, name: str, offset: int, want:
                    not_found: type | None = None) -> Failed:
     """The failure of an error answer (its body read when short, for S3's code): transient
     for a busy or failing server, after its ``Retry-After`` (at most ``cap``)."""
-    detail = error_code(error_body(resp))
+    # S3 and GCS name the error in an XML body; Azure also in a header, the Hub only there
+    detail = error_code(error_body(resp)) or header_code(resp)
     err = status_error(name, resp, offset, not_found, detail=detail)
     if want:
         err.message = f"bytes {offset}-{offset + want - 1}: {err.message}"

@@ -111,9 +111,11 @@ class S3Config:
             netloc = f"{bucket}.{parts.netloc}"
         return urllib.parse.urlunsplit((parts.scheme, netloc, path, query, ""))
 
-    def headers(self, url: str) -> dict[str, str]:
+    scheme = "s3"
+
+    def headers(self, url: str, request: Mapping[str, str] | None = None) -> dict[str, str]:
         """Headers that sign a ``GET`` of ``url`` (empty when anonymous).  ``Range`` and
-        ``If-Match`` are added after signing and stay outside the signature, so one
+        ``If-Match`` (among the ``request``'s headers) stay outside the signature, so one
         signature serves every range of a file for a few minutes."""
         if self._credentials is None:
             return {}
@@ -123,10 +125,10 @@ class S3Config:
             if hit is not None and now - hit[0] < _SIGNATURE_REUSE_S:
                 return hit[1]
         botocore = self._botocore
-        request = botocore.awsrequest.AWSRequest(method="GET", url=url, headers={})
+        aws = botocore.awsrequest.AWSRequest(method="GET", url=url, headers={})
         creds = self._credentials.get_frozen_credentials()  # refreshes temporary credentials
-        botocore.auth.S3SigV4Auth(creds, "s3", self.region).add_auth(request)
-        signed = {k: v for k, v in request.headers.items()}
+        botocore.auth.S3SigV4Auth(creds, "s3", self.region).add_auth(aws)
+        signed = {k: v for k, v in aws.headers.items()}
         with self._lock:
             if len(self._signed) > 4096:
                 self._signed.clear()
@@ -138,6 +140,10 @@ class S3Config:
         if token:
             query["continuation-token"] = token
         return self.http_url(bucket, "", urllib.parse.urlencode(sorted(query.items()), quote_via=urllib.parse.quote))
+
+    @staticmethod
+    def parse_listing(body: bytes) -> tuple[list[tuple[str, int]], str | None]:
+        return parse_listing(body)
 
 
 def parse_listing(body: bytes) -> tuple[list[tuple[str, int]], str | None]:

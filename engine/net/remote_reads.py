@@ -24,7 +24,9 @@ connection, GIL released): no growing ``bytes``, no staging buffer on the host.
   answer the request) is retried with capped exponential backoff and full jitter, for the
   bytes of the request not yet landed, up to ``Retry.attempts`` tries; anything else (403,
   404, a file whose size or ETag changed, a 416, a body compressed although ``identity`` was
-  asked for) fails at once.  A file's first request is the call's first contact with the
+  asked for) fails at once, except a refusal (401, 403, 410) of a file that was redirected:
+  a presigned URL (the Hub's CDN, S3's) expires, so the file's own URL is asked again where
+  it leads (:meth:`RangeReads._renew`).  A file's first request is the call's first contact with the
   server: a refused connection or a name that does not resolve fails it at once (no server
   answered; the bulk reads retry a refusal, a server restarting).  Every request after the header carries ``If-Match`` with the ETag
   seen when the header was read, so a file replaced during the load is a ``FileChanged``
@@ -113,7 +115,9 @@ class RangeReads:
     headers : mapping, optional
         Sent with every request (``Authorization`` is dropped on a redirect to another host).
     sign : callable, optional
-        ``sign(url) -> headers`` for each request (S3's SigV4, see :mod:`engine.net._s3`).
+        ``sign(url, request_headers) -> headers`` for each request, added last (S3's SigV4,
+        :mod:`engine.net._s3`; a bearer token for GCS, :mod:`engine.net._gcs`; Azure's
+        SharedKey, which signs ``Range`` and ``If-Match`` too, :mod:`engine.net._azure`).
     cancel : threading.Event, optional
         Stops waiting between tries.
     max_redirects : int
@@ -121,7 +125,7 @@ class RangeReads:
 
     def __init__(self, *, connections: int = DEFAULT_CONNECTIONS, timeout: float = DEFAULT_TIMEOUT,
                  retry: Retry | None = None, headers: Mapping[str, str] | None = None,
-                 sign: Callable[[str], Mapping[str, str]] | None = None, cancel: threading.Event | None = None,
+                 sign: Callable[[str, Mapping[str, str]], Mapping[str, str]] | None = None, cancel: threading.Event | None = None,
                  max_redirects: int = 5) -> None:
         self.connections = max(1, int(connections))
         self.timeout = float(timeout)
@@ -133,6 +137,7 @@ class RangeReads:
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
         self._moved: dict[str, tuple[str, Mapping[str, str]]] = {}  # file URL -> (where it ended, headers)
+        self._renewed: dict[str, float] = {}  # file URL -> when its redirect was last asked for again
         #: the whole-file answers of servers that ignore Range, by file URL (see WholeFileStream)
         self._streams: dict[str, WholeFileStream] = {}
         #: keep every byte a whole-file stream passes, not only those passed before they are
@@ -165,13 +170,16 @@ class RangeReads:
             idle = self._idle.get(key)
             if idle:
                 return idle.pop(), target, extra, True
+        conn.engine_pool_key = key  # type: ignore[attr-defined]
         return conn, target, extra, False
 
     def _release(self, url: str, conn: http.client.HTTPConnection) -> None:
-        """Give a connection whose last answer was read to its end back to the pool."""
+        """Give a connection whose last answer was read to its end back to the pool of the
+        host it is connected to (after a redirect to another host, not ``url``'s)."""
         parts = urllib.parse.urlsplit(url)
+        key = getattr(conn, "engine_pool_key", (parts.scheme.lower(), parts.netloc))
         with self._lock:
-            self._idle.setdefault((parts.scheme.lower(), parts.netloc), []).append(conn)
+            self._idle.setdefault(key, []).append(conn)
 
     def __enter__(self) -> RangeReads:
         return self
@@ -408,10 +416,28 @@ class RangeReads:
                 # server that sends a little and then fails every time still runs out of tries
                 progressed = failed.landed >= min(PROGRESS, (want - done) // 2 or 1)
                 done += failed.landed
-                if not failed.transient:
+                if not failed.transient and not self._renew(file, failed):
                     raise failed.error from None
                 tries = 0 if progressed else tries + 1
                 self._wait_to_retry(failed, tries)
+
+    def _renew(self, file: RemoteFile, failed: Failed) -> bool:
+        """Whether a refusal (401, 403, 410) of a file that was redirected is tried again from
+        the file's own URL: a redirect to a presigned URL (the Hub's CDN, S3's) expires, and the
+        file's URL redirects anew.  The redirect is forgotten at most once a minute per file (the
+        requests of other threads that fail meanwhile go to the new one); the tries are counted
+        as a transient failure's."""
+        if getattr(failed.error, "status", None) not in (401, 403, 410):
+            return False
+        now = time.monotonic()
+        with self._lock:
+            moved = self._moved.get(file.url)
+            if moved is not None and moved[0] != file.url and now - self._renewed.get(file.url, -1e9) >= 60.0:
+                del self._moved[file.url]
+                self._renewed[file.url] = now
+            elif now - self._renewed.get(file.url, -1e9) >= 60.0:
+                return False  # not redirected, or asked again over a minute ago: the refusal stands
+        return True
 
     def _get(self, file: RemoteFile, offset: int, views: list[memoryview]) -> int:
         """One try: a ranged GET of ``views``' bytes at ``offset``; returns the bytes landed
@@ -451,12 +477,12 @@ class RangeReads:
             req = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers}
             if offset is not None:
                 req["Range"] = f"bytes={offset}-{'' if last is None else last}"
-            if self.sign is not None:
-                req.update(self.sign(url))
             if file.etag and not file.etag.startswith("W/"):
                 # If-Match compares strongly: a weak ETag (a CDN's, say) would never match;
                 # the answer's ETag is still compared below
                 req["If-Match"] = file.etag
+            if self.sign is not None:  # last: a signature may cover Range and If-Match (Azure's)
+                req.update(self.sign(url, req))
             conn, sock, resp, watchdog = self._send(url, req, deadline, name, offset or 0, want)
             if resp.status not in REDIRECTS:
                 return conn, sock, resp, watchdog

@@ -1,4 +1,4 @@
-"""Where a remote checkpoint's files are and how their headers are read: HTTP, S3, fsspec.
+"""Where a remote checkpoint's files are and how their headers are read: HTTP, S3, GCS, Azure, the Hub, fsspec.
 
 Shared by :mod:`engine.urls.remote` (headers, single tensors) and :mod:`engine.urls.remote_load`
 (whole loads).  A :class:`RemoteSource` is made from one URL and knows its transport:
@@ -9,25 +9,35 @@ Shared by :mod:`engine.urls.remote` (headers, single tensors) and :mod:`engine.u
 ``s3://bucket/key``
     The same client, each request signed by :class:`engine.net._s3.S3Config` (botocore's
     credentials, region and endpoint; anonymous when there are none).
-any other fsspec protocol
+``gs://bucket/key``, ``az://container/blob`` (and ``https://{account}.blob.core.windows.net/...``)
+    The same client, GCS's XML API (:class:`engine.net._gcs.GcsConfig`: a bearer token) and
+    Azure's Blob API (:class:`engine.net._azure.AzureConfig`: SharedKey signing, a SAS or a
+    bearer token); a prefix is listed as an S3 prefix is.
+``hf://org/name[@revision][/path]``
+    The same client (:class:`engine.net._hub.Hub`): the revision resolved once to its commit
+    (one API request, which also lists the repo's files), every file read at it through its
+    resolve URL (redirected to the CDN, the token dropped there); a file of that commit in
+    the local Hub cache is read from disk instead (:meth:`RemoteSource.local_path`).
+any other fsspec protocol (and the object stores' URLs with ``storage_options``)
     Through :mod:`fsspec` (the ``remote`` extra).
 
 The header of a file costs two ranged GETs (its length, then the header); an index one GET;
-an S3 prefix one ``ListObjectsV2`` per 1000 keys.  A header that fails to parse or check is
-read once more from the server: the same bytes again are the file's fault (the error says
-so), other bytes were damaged on the way.
+an object store's prefix one listing request per page of keys; an hf:// URL one API request.
+A header that fails to parse or check is read once more from the server: the same bytes
+again are the file's fault (the error says so), other bytes were damaged on the way.
 """
 
 from __future__ import annotations
 
 import email.utils
+import os
 import posixpath
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.base._files import is_url
+from engine.base._files import is_url, open_regular
 from engine.base._threads import map_threads
 from engine.checkpoints.checkpoint_info import CheckpointInfo
 from engine.errors import (
@@ -41,9 +51,10 @@ from engine.errors import (
 )
 from engine.format.checkpoint_index import index_problems, parse_index
 from engine.format.checksums import REREADS, Checks
-from engine.format.header import Header, checked_length, parse_header
+from engine.format.header import Header, checked_length, parse_header, read_header_fd
+from engine.io.reader import pread_into
 from engine.net._http import read_error
-from engine.net._s3 import S3Config, parse_listing, split_s3_url
+from engine.net._s3 import S3Config, split_s3_url
 from engine.net.remote_file import public_url
 from engine.net.remote_reads import DEFAULT_CONNECTIONS, RangeReads
 from engine.net.retry import Retry
@@ -53,6 +64,27 @@ __all__ = ["RemoteSource", "is_index", "is_url", "checkpoint_info", "INDEX_NAME"
 #: What a prefix (``.../``) is looked up as, in this order: the index, then one file.
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+
+_HUB_SITE = "https://huggingface.co"
+
+
+def _hub_site(url: str) -> str | None:
+    """The ``hf://`` URL of a URL of the Hub's own site (``https://huggingface.co/org/name/...``)."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in ("huggingface.co", "hf.co"):
+        return None
+    from engine.net._hub import from_hub_url
+
+    return from_hub_url(url)
+
+
+def _azure_blob(url: str) -> bool:
+    """Whether ``url`` is a blob of Azure's (``https://{account}.blob.core.windows.net/container/...``)
+    without a SAS of its own in its query: read with the environment's Azure credentials."""
+    parts = urllib.parse.urlsplit(url)
+    return (parts.hostname or "").endswith(".blob.core.windows.net") and not parts.query and \
+        parts.username is None and parts.path.strip("/") != ""
 
 
 def is_index(url: str) -> bool:
@@ -250,23 +282,67 @@ class RemoteSource:
         self.last_modified: dict[str, str | None] = {}  # location -> Last-Modified (HTTP and S3)
         self.dates: dict[str, str] = {}  # location -> Date of its header's answer (HTTP and S3)
         self.files: dict[str, Any] = {}  # location -> its RemoteFile (HTTP and S3)
-        self.s3: S3Config | None = None
+        #: the object store of an s3://, gs:// or az:// URL (engine.net._s3.S3Config, _gcs.GcsConfig, _azure.AzureConfig)
+        self.store: Any = None
+        self._shown: str | None = None  # how a store's object URLs are shown, when not as scheme://bucket/
+        self.hub: Any = None  # engine.net._hub.Hub of an hf:// URL
         self.fs: _Fs | None = None
         self.reads: RangeReads | None = None
+        self._local: dict[str, int] = {}  # a local file's path -> its descriptor (read_into, ranges)
+        self.documents: dict[str, bytes] = {}  # an hf:// index's location -> its bytes as received
         scheme = urllib.parse.urlsplit(url).scheme.lower()
 
-        def client(sign=None) -> RangeReads:
+        def client(sign=None, send=headers) -> RangeReads:
             return RangeReads(connections=connections or DEFAULT_CONNECTIONS, timeout=timeout, retry=retry,
-                              headers=headers, sign=sign, max_redirects=max_redirects)
+                              headers=send, sign=sign, max_redirects=max_redirects)
 
-        if scheme in ("http", "https"):
+        hub_url = _hub_site(url) if scheme == "https" else None
+        if scheme == "hf" or hub_url:
+            from engine.net._hub import Hub
+
+            # the Hub site's own URL of a repo, a folder or a file: read as that hf:// URL, at the site
+            self.hub = Hub(hub_url, headers, endpoint=_HUB_SITE) if hub_url else Hub(url, headers)
+            self.reads = client(send=self.hub.headers)
+            try:
+                if self.hub.offline:  # HF_HUB_OFFLINE: the local Hub cache alone
+                    self.hub.resolve_offline()
+                else:  # the revision's commit, once: every file is then read at it
+                    self.hub.resolve(self._hub_call(lambda: self.reads.document(  # type: ignore[union-attr]
+                        self.hub.api_url(), 64 << 20, "the repo's description", name=url), api=True))
+            except BaseException:
+                self.reads.close()
+                raise
+            self.root = self.hub.file_url(self.hub.path) if self.hub.path else self.hub.file_url("")
+        elif scheme in ("az", "azure") and not storage_options:
+            from engine.net._azure import AzureConfig, split_az_url
+
+            self.bucket, self.key = split_az_url(url)
+            self.store = AzureConfig(url=url)
+            self.reads = client(self.store.headers)
+            self.root = self.store.http_url(self.bucket, self.key)
+        elif scheme == "https" and _azure_blob(url):
+            from engine.net._azure import AzureConfig, split_blob_url
+
+            endpoint, self.bucket, self.key = split_blob_url(url)
+            self.store = AzureConfig(endpoint=endpoint, url=url)
+            self._shown = f"{endpoint}/{self.bucket}/"
+            self.reads = client(self.store.headers)
+            self.root = self.store.http_url(self.bucket, self.key)
+        elif scheme in ("http", "https"):
             self.reads = client()
             self.root = url
         elif scheme == "s3" and not storage_options:
             self.bucket, self.key = split_s3_url(url)
-            self.s3 = S3Config(**dict(s3 or {}))
-            self.reads = client(self.s3.headers)
-            self.root = self.s3.http_url(self.bucket, self.key)
+            self.store = S3Config(**dict(s3 or {}))
+            self.reads = client(self.store.headers)
+            self.root = self.store.http_url(self.bucket, self.key)
+        elif scheme in ("gs", "gcs") and not storage_options:
+            from engine.net._gcs import GcsConfig, split_gs_url
+
+            self.bucket, self.key = split_gs_url(url)
+            self.store = GcsConfig()
+            self.reads = client(self.store.headers)
+            self.root = self.store.http_url(self.bucket, self.key)
         elif len(scheme) > 1:
             self.fs = _Fs(url, storage_options)
             self.root = self.fs.root
@@ -274,21 +350,61 @@ class RemoteSource:
             raise ReadError(f"{url!r} is not a URL (expected http(s)://, s3:// or an fsspec protocol)",
                             reason="InvalidURL")
 
+    def _hub_call(self, fn: Callable[[], Any], api: bool = False) -> Any:
+        """``fn()``, a request of an hf:// source: access refused is an error that names the
+        repo and says how to give a token (:meth:`engine.net._hub.Hub.explain`)."""
+        try:
+            return fn()
+        except ReadError as err:
+            raise (self.hub.not_found(err) if api else self.hub.explain(err)) from None
+
+    def local_path(self, where: str) -> str | None:
+        """The local file that holds the same bytes as the location (an hf:// file already in
+        the local Hub cache at the commit read), or ``None``."""
+        if self.hub is None:
+            return None
+        file = self.hub.file_of(where)
+        return self.hub.cached(file) if file is not None else None
+
+    def _online(self, where: str) -> None:
+        """With ``HF_HUB_OFFLINE``, a file the local Hub cache does not hold is not found."""
+        if self.hub is not None and self.hub.offline:
+            raise RemoteFileNotFoundError(
+                f"HF_HUB_OFFLINE is set and the local Hub cache holds no {self.hub.file_of(where)} of "
+                f"{self.hub.name} (commit {self.hub.sha})", path=self.display(where))
+
+    def local_fd(self, path: str) -> int:
+        """A descriptor of the local file ``path`` (see :meth:`local_path`), open until :meth:`close`."""
+        fd = self._local.get(path)
+        if fd is None:
+            fd = self._local[path] = open_regular(path)
+        return fd
+
     def display(self, where: str) -> str:
         """The URL a user would write for a location."""
-        if self.s3 is not None:
-            prefix = self.s3.http_url(self.bucket, "")
-            if where.startswith(prefix):
-                return f"s3://{self.bucket}/{urllib.parse.unquote(where[len(prefix):])}"
+        if self.hub is not None:
+            file = self.hub.file_of(where)
+            if file is not None:
+                return self.hub.display(file)
+        if self.store is not None:
+            # an object's URL without its query (an Azure SAS is a secret)
+            prefix, bare = self.store.http_url(self.bucket, "").split("?")[0], where.split("?")[0]
+            if bare.startswith(prefix):
+                return f"{self._shown or f'{self.store.scheme}://{self.bucket}/'}" \
+                    f"{urllib.parse.unquote(bare[len(prefix):])}"
         if self.fs is not None:
             return self.fs.url(where)
         return public_url(where)  # a user:password part is for the server, never for messages
 
     def shard(self, name: str) -> str:
         """Location of a shard named by the index (the name is already checked as safe)."""
-        if self.s3 is not None:
+        if self.store is not None:
             key = posixpath.join(posixpath.dirname(self.key), name)
-            return self.s3.http_url(self.bucket, key)
+            return self.store.http_url(self.bucket, key)
+        if self.hub is not None:
+            path = self.hub.path
+            folder = posixpath.dirname(path) if path.endswith(".json") else path
+            return self.hub.file_url(posixpath.join(folder, name))
         if self.reads is not None:
             return urllib.parse.urljoin(self.url, urllib.parse.quote(name, safe="/"))
         assert self.fs is not None
@@ -298,6 +414,15 @@ class RemoteSource:
         if where in self._probed:
             return self._probed.pop(where)
         not_found = MissingShardError if shard else None
+        local = self.local_path(where)
+        if local is not None:  # already in the local Hub cache
+            return read_header_fd(self.local_fd(local), path=local, max_header_size=max_header_size)
+        if self.hub is not None:
+            self._online(where)
+            return self._hub_call(lambda: self._remote_header(where, max_header_size, not_found))
+        return self._remote_header(where, max_header_size, not_found)
+
+    def _remote_header(self, where: str, max_header_size: int, not_found) -> Header:
         if self.reads is not None:
             header, first, raw = _http_header(self.reads, where, self.display(where), max_header_size, not_found)
             self.files[where] = first.file
@@ -313,8 +438,22 @@ class RemoteSource:
         where = where or self.root
         if where in self._probed:
             return self._probed.pop(where)
-        if self.reads is not None:
-            data = self.reads.document(where, max_size, "the index", name=self.display(where))
+        local = self.local_path(where)
+        if local is not None:
+            fd = self.local_fd(local)
+            size = os.fstat(fd).st_size
+            if size > max_size:
+                raise CheckpointIndexError(f"the index is {size} bytes, more than the limit of {max_size}",
+                                           reason="TooLarge", path=local)
+            data = os.pread(fd, size, 0)
+        elif self.reads is not None:
+            reads = self.reads
+            if self.hub is not None:
+                self._online(where)
+                data = self._hub_call(lambda: reads.document(where, max_size, "the index", name=self.display(where)))
+                self.documents[where] = data  # for the local Hub cache (cache_dir="hf")
+            else:
+                data = reads.document(where, max_size, "the index", name=self.display(where))
         else:
             assert self.fs is not None
             data = self.fs.read_all(where, max_size, "the index")
@@ -325,7 +464,10 @@ class RemoteSource:
         from what a whole-file stream kept (a read again after a failed checksum)."""
         if not len(view):
             return
-        if self.reads is not None:
+        local = self.local_path(where)
+        if local is not None:
+            pread_into(self.local_fd(local), offset, [view], path=local)
+        elif self.reads is not None:
             self.reads.read(self.files[where], offset, [view], fresh=fresh)
         else:
             assert self.fs is not None
@@ -338,9 +480,12 @@ class RemoteSource:
             self.reads.forget(where)
 
     def close(self) -> None:
-        """Close the client: its idle connections and whole-file answers."""
+        """Close the client (its idle connections and whole-file answers) and the local files."""
         if self.reads is not None:
             self.reads.close()
+        fds, self._local = list(self._local.values()), {}
+        for fd in fds:
+            os.close(fd)
 
     def __enter__(self) -> RemoteSource:
         return self
@@ -354,12 +499,19 @@ class RemoteSource:
         """What the URL names: ``("file", [location])``, ``("index", [location])`` or, for
         a prefix, whichever of :data:`INDEX_NAME` / :data:`SINGLE_NAME` it holds (an S3
         prefix also: every ``.safetensors`` right under it, as one checkpoint)."""
-        if self.s3 is not None:
+        if self.store is not None:
             if self.key.endswith(".json"):
                 return "index", [self.root]
             if self.key.endswith(".safetensors"):
                 return "file", [self.root]
-            return self._s3_prefix(max_size)
+            return self._store_prefix(max_size)
+        if self.hub is not None:
+            if self.hub.path.endswith(".json"):
+                return "index", [self.root]
+            if self.hub.path.endswith(".safetensors"):
+                return "file", [self.root]
+            kind, files = self.hub.folder()  # the repo's file list, from the revision's answer
+            return kind, [self.hub.file_url(f) for f in files]
         path = urllib.parse.urlsplit(self.url).path if self.reads is not None else self.root
         if is_index(self.url):
             return "index", [self.root]
@@ -421,34 +573,44 @@ class RemoteSource:
         assert self.fs is not None
         return posixpath.join(self.root, name)
 
-    def _s3_prefix(self, max_size: int) -> tuple[str, list[str]]:
-        assert self.s3 is not None and self.reads is not None
+    def _store_prefix(self, max_size: int) -> tuple[str, list[str]]:
+        """What an object store's prefix holds: its index, else every ``.safetensors`` right under it."""
+        assert self.store is not None and self.reads is not None
         prefix = self.key if not self.key or self.key.endswith("/") else self.key + "/"
+        self.key = prefix  # an index's shards are named from its folder (a prefix without its slash too)
         keys: list[str] = []
         token: str | None = None
         for _ in range(1000):  # 1000 pages of 1000 keys
-            where = self.s3.list_url(self.bucket, prefix, token)
+            where = self.store.list_url(self.bucket, prefix, token)
             body = self.reads.document(where, 64 << 20, "the listing", name=self.url)
             try:
-                found, token = parse_listing(body)
-            except Exception as exc:  # an S3-compatible server that answers something else
-                raise read_error(f"the listing is not S3 XML: {exc}", self.url, "HTTPError") from None
+                found, token = self.store.parse_listing(body)
+            except Exception as exc:  # a server that answers something else
+                raise read_error(f"the listing is not the XML of a listing: {exc}", self.url, "HTTPError") from None
             keys += [k for k, _ in found if "/" not in k[len(prefix):]]
             if not token:
                 break
         if prefix + INDEX_NAME in keys:
-            return "index", [self.s3.http_url(self.bucket, prefix + INDEX_NAME)]
+            return "index", [self.store.http_url(self.bucket, prefix + INDEX_NAME)]
         files = sorted(k for k in keys if k.endswith(".safetensors"))
         if not files:
             raise RemoteFileNotFoundError(f"no .safetensors file and no {INDEX_NAME} under this prefix",
                                           path=self.url)
-        return ("file" if len(files) == 1 else "files"), [self.s3.http_url(self.bucket, k) for k in files]
+        return ("file" if len(files) == 1 else "files"), [self.store.http_url(self.bucket, k) for k in files]
 
     # -- bulk reads ----------------------------------------------------------------------
 
     def ranges(self, where: str) -> Callable[[int, Sequence[memoryview]], None]:
         """``read(offset, views)`` for the bulk reads of one file of a load (its header read:
         the same client, where its first requests were redirected, and its version)."""
+        local = self.local_path(where)
+        if local is not None:
+            fd, path = self.local_fd(local), local
+
+            def pread(offset: int, views: Sequence[memoryview]) -> None:
+                pread_into(fd, offset, views, path=path)
+
+            return pread
         if self.reads is not None:
             return self.reads.reader(self.files[where])
         fs = self.fs

@@ -20,7 +20,12 @@ Transports:
     The same client, each request signed with SigV4 by :mod:`engine.net._s3` (botocore's
     credentials, region and endpoint; the ``s3`` extra; anonymous when there are no
     credentials or with ``AWS_NO_SIGN_REQUEST``).  With ``storage_options``, through s3fs.
-any other fsspec protocol (``gs://``, ``hf://``, ``memory://``, ``file://`` ...)
+``gs://bucket/key``, ``az://container/blob``, ``hf://org/name[@revision][/path]``
+    The same client: GCS's XML API with a bearer token from the environment
+    (:mod:`engine.net._gcs`), Azure's Blob API signed with SharedKey, a SAS or a bearer token
+    (:mod:`engine.net._azure`), the Hugging Face Hub's API and resolve URLs, the token from
+    ``HF_TOKEN`` or ``huggingface-cli login`` (:mod:`engine.net._hub`).
+any other fsspec protocol (``memory://``, ``file://`` ...)
     Through :mod:`fsspec` (the ``remote`` extra), imported on first use: the file size from
     ``fs.size``, then ``fs.cat_file`` of each range.  Request counts and timeouts are the
     implementation's (pass ``storage_options``).
@@ -44,7 +49,7 @@ from engine.format.checksums import Checks, verify_received, verifying
 from engine.format.header import MAX_HEADER_SIZE, Header
 from engine.net.remote_file import public_url
 from engine.net.retry import Retry
-from engine.urls._remote_files import RemoteSource, checkpoint_info, is_index, is_url
+from engine.urls._remote_files import RemoteSource, checkpoint_info, is_url
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -87,7 +92,8 @@ def read_header(
     Parameters
     ----------
     url : str
-        ``http(s)://`` or any fsspec URL of a ``.safetensors`` file.
+        ``http(s)://``, ``s3://``, ``gs://``, ``az://``, ``hf://`` or any fsspec URL of a
+        ``.safetensors`` file.
     max_header_size, timeout, headers, max_redirects, storage_options, retry
         As for :func:`read_metadata`.
 
@@ -133,8 +139,9 @@ def read_metadata(
     Parameters
     ----------
     url : str
-        ``http(s)://`` or any fsspec URL of a ``.safetensors`` file or of a
-        ``*.safetensors.index.json``; a local path is read with
+        ``http(s)://``, ``s3://``, ``gs://``, ``az://`` or any fsspec URL of a ``.safetensors``
+        file, of a ``*.safetensors.index.json`` or of a prefix; ``hf://org/name[@revision]``
+        of a Hub repo (or a file in it); a local path is read with
         :func:`engine.checkpoints.checkpoint.read_checkpoint_info`.
     max_header_size : int, optional
         Largest header accepted per file, and largest index, in bytes.
@@ -222,7 +229,7 @@ def get_tensor(
     Parameters
     ----------
     url : str
-        A remote ``.safetensors`` file or ``*.safetensors.index.json`` (see
+        A remote ``.safetensors`` file, ``*.safetensors.index.json``, prefix or Hub repo (see
         :func:`read_metadata`).
     name : str
         The tensor.
@@ -249,7 +256,9 @@ def get_tensor(
     -----
     HTTP requests: 3 for a file (length, header, the tensor's byte range), 4 for an index
     (index, then the length, header and range of the one shard that holds ``name``); a
-    0-byte tensor needs no data request; a server that ignores Range is asked once per
+    0-byte tensor needs no data request; a prefix or a Hub repo costs its listing (or the
+    Hub's API request) more, and, holding several files and no index, the headers of those
+    before the one that holds ``name``; a server that ignores Range is asked once per
     file (the header's whole-file answer is read on to the tensor).  Copies of tensor bytes: 1 (from the socket into
     the tensor's memory; a CUDA device adds the host-to-device copy).
     """
@@ -260,13 +269,23 @@ def get_tensor(
     # a server that ignores Range: the tensor is read on from the header's answer
     src = _source(spath, headers, timeout, max_redirects, storage_options, retry)
     try:
-        where, shard = src.root, False
-        if is_index(spath):
-            _, weight_map = src.index(max_header_size)
+        # a file, an index, or a prefix or repo holding either (or several files: the first
+        # whose header names the tensor)
+        kind, wheres = src.layout(max_header_size)
+        where, shard = wheres[0], False
+        if kind == "index":
+            _, weight_map = src.index(max_header_size, where)
             if name not in weight_map:
                 raise TensorNotFoundError.for_name(name, list(weight_map), where="checkpoint", path=spath)
             where, shard = src.shard(weight_map[name]), True
-        header = src.header(where, max_header_size, shard=shard)
+        header = None
+        if kind == "files":
+            for where in wheres:
+                header = src.header(where, max_header_size)
+                if name in header.names:
+                    break
+        if header is None:
+            header = src.header(where, max_header_size, shard=shard)
         info = header[name]  # TensorNotFoundError names the file
         begin, end = info.data_offsets
         arr = sink.empty(info.code, info.shape, end - begin)

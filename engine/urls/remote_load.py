@@ -1,10 +1,11 @@
-"""Whole loads from HTTP(S), S3 and fsspec URLs: parallel ranged reads into the destination.
+"""Whole loads from HTTP(S), S3, GCS, Azure, Hugging Face Hub and fsspec URLs: parallel ranged reads into the destination.
 
 ``engine.stream(url)``, ``engine.torch.load_file(url)``, ``engine.load_into(url, tensors)``
 and ``engine.load_tensor_parallel(url, ...)`` come here.  A URL names one
 ``.safetensors`` file, a ``*.safetensors.index.json``, or a prefix ending in ``/`` (which
-holds ``model.safetensors.index.json`` or ``model.safetensors``; an S3 prefix may also hold
-several ``.safetensors`` files and no index).
+holds ``model.safetensors.index.json`` or ``model.safetensors``; an object store's prefix
+may also hold several ``.safetensors`` files and no index), or a Hub repo (``hf://org/name``:
+its index, or every ``.safetensors`` file at its top).
 
 How the bytes move: the headers come from two ranged GETs per file
 (:mod:`engine.urls._remote_files`); the selected tensors are planned as for local files
@@ -59,7 +60,8 @@ class RemoteParts:
     :class:`~engine.net.remote_reads.RangeReads` (close it after the load)."""
 
     def __init__(self, parts: list[Part], reads: RangeReads, source: str, many: bool,
-                 info: CheckpointInfo | None = None, copies: Copies | None = None) -> None:
+                 info: CheckpointInfo | None = None, copies: Copies | None = None,
+                 src: RemoteSource | None = None) -> None:
         self.parts = parts
         self.reads = reads
         self.source = source
@@ -68,6 +70,8 @@ class RemoteParts:
         self.info = info
         #: the local copies of a load with ``cache_dir`` (:mod:`engine.urls.remote_cache`)
         self.copies = copies
+        #: the source the headers were read through (it holds the local Hub cache's files)
+        self.src = src
 
     def local(self) -> bool:
         """Whether every file is read from its local copy (``cache_dir``)."""
@@ -87,6 +91,8 @@ class RemoteParts:
 
     def close(self) -> None:
         self.reads.close()
+        if self.src is not None:
+            self.src.close()
         if self.copies is not None:
             self.copies.close()
 
@@ -145,15 +151,25 @@ def open_parts(
     # fsspec source's reads are fsspec's, this one only carries the workers and the cancel
     reads = src.reads or RangeReads(connections=workers, timeout=timeout, retry=retry, headers=headers,
                                     max_redirects=max_redirects)
-    copies = None
+    copies: Copies | None = None
     parts: list[Part] = []
     try:
-        if cache_dir is not None:
+        if cache_dir is not None and src.hub is not None and os.fspath(cache_dir) == "hf":
+            from engine.urls.hub_cache import HubCopies  # the local Hub cache's own layout
+
+            copies = HubCopies(src.hub)
+            for where, data in src.documents.items():  # the index, which transformers looks for too
+                copies.keep_document(src.hub.file_of(where), data)
+        elif cache_dir is not None:
             copies = Copies(cache_dir)
         wanted = []  # files to download: (their part's index, what Copies.fetch takes)
         dates: dict[str, str | None] = {}  # when the server answered each file's header
         for w, h in zip(wheres, found, strict=True):
             shown_w = src.display(w)
+            hub_copy = src.local_path(w)
+            if hub_copy is not None:  # already in the local Hub cache at the commit read: from there
+                parts.append(Part(src.local_fd(hub_copy), h, [], hub_copy))
+                continue
             if copies is None:
                 parts.append(Part(-1, h, [], shown_w, src.ranges(w)))
                 continue
@@ -181,10 +197,12 @@ def open_parts(
                     parts[i] = Part(local[0], parts[i].header, [], local[1])
     except BaseException:
         reads.close()
+        src.close()
         if copies is not None:
             copies.close()
         raise
-    return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies)
+    return RemoteParts(parts, reads, shown, many=len(parts) > 1 or info.is_sharded, info=info, copies=copies,
+                       src=src)
 
 
 def remote_options(kw: dict) -> dict:
@@ -225,7 +243,9 @@ def stream(url: str, *, framework: str = "pt", device: Any = "cpu", chunk_bytes:
         Keep a local copy there of every file whose every data byte this load receives,
         written in the same pass, and read the copies of a later load while the server has
         the same versions (ETag, or ``Last-Modified``, and size); a selection that skips
-        any tensor of a file writes no copy of it (:mod:`engine.urls.remote_cache`).
+        any tensor of a file writes no copy of it (:mod:`engine.urls.remote_cache`).  For an
+        ``hf://`` URL, ``"hf"`` is the local Hub cache, in its own layout, where
+        transformers and vLLM find the files too (:mod:`engine.urls.hub_cache`).
 
     Raises
     ------
