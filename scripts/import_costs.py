@@ -2,9 +2,10 @@
 """Where the first open's time goes: every module the engine imports on the way to its first
 ``safe_open`` and first tensor, with what each costs itself (``load`` and ``exec``, children excluded),
 and the total against the reference's; a bare fresh interpreter per sample, torch imported first
-(untimed; ``--framework np``: not).
+(untimed; ``--framework np``: not); ``--open-only``: the first open and every dtype and shape, no tensor.
 
     python scripts/import_costs.py --runs 31 --framework np --json out.json
+    python scripts/import_costs.py --runs 31 --open-only
 """
 
 from __future__ import annotations
@@ -54,17 +55,18 @@ def main(argv=None) -> int:
     ap = harness.parser(__doc__, runs=15)
     ap.add_argument("--framework", default="pt", choices=["pt", "np"])
     ap.add_argument("--path", help="the file to open (default: a 291-tensor demo-sized one)")
+    ap.add_argument("--open-only", action="store_true", help="no first tensor: the open, every dtype and shape")
     a = ap.parse_args(argv)
     common.compile_engine()
     path = a.path or common.small_model_file(32)
     setup = common.TORCH_SETUP if a.framework == "pt" else ""
     code = {impl: (CHILD if impl == "engine" else bench_core.FIRST_OPEN).format(setup=setup, body=common.first_open_code(
-        impl, path, first_tensor=True, framework=a.framework)) for impl in ("engine", "reference")}
+        impl, path, first_tensor=not a.open_only, framework=a.framework)) for impl in ("engine", "reference")}
     # interleaved, so that drift hits both alike; hooks off for the reference, on for the engine (a little slower)
     got = harness.rounds(code, a.runs, lambda impl: harness.run_code(code[impl]))
     samples = got["engine"]
     report = harness.Report()
-    case = f"import + first open + first tensor, framework={a.framework!r}"
+    case = f"import + first open{'' if a.open_only else ' + first tensor'}, framework={a.framework!r}"
     for impl, runs in got.items():
         report.add(case, impl, [s["seconds"] for s in runs])
     names = list(dict.fromkeys(n for s in samples for n in s["modules"] if n.startswith("engine")))

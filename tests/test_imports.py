@@ -133,3 +133,48 @@ def test_the_table_can_fail(small_file):
     bad = Case("import json\n", ("json",), then="import numpy\n", present=("numpy",))
     absent, present = run_python(_script(bad, small_file)).strip().splitlines()[-2:]
     assert absent == "['json']" and present == "['numpy']"
+
+
+#: the standard library a first open may use (each imported by the child before it starts
+#: counting, with what it imports in turn): anything else it imports is a failure
+_STDLIB_ALLOWED = ("__future__", "collections", "contextlib", "contextvars", "errno", "math", "os", "stat",
+                   "threading", "typing", "weakref")
+#: what ``import engine`` may import, then a first local safe_open with every name, dtype,
+#: shape and the metadata, then (numpy imported) its first array; the Cython runtime's own
+#: modules aside
+ALLOWED = {
+    "import engine": ("engine", "engine.errors"),
+    "first safe_open": ("engine.apps", "engine.apps.opener", "engine.base", "engine.base._files",
+                        "engine.base.dtypes", "engine.format", "engine.format._header", "engine.format.header",
+                        "engine.format.verification", "engine.loading", "engine.loading.file_handle",
+                        "engine.sinks"),
+    "first array": ("engine.sinks.numpy", "mmap"),
+}
+_STEPS = {
+    "import engine": "import engine\n",
+    "first safe_open": "f = engine.safe_open(P, framework='np')\n"
+                       "rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n"
+                       "assert rows == [('a', 'F32', [2, 3]), ('b', 'I8', [4])] and f.metadata() == {'k': 'v'}\n",
+    "first array": "import numpy\nstep = set(sys.modules)\nassert f.get_tensor('a').sum() == 15.0\n",
+}
+
+
+def _new_modules(path: str) -> dict[str, list[str]]:
+    lines = ["import sys", f"import {', '.join(_STDLIB_ALLOWED)}", f"P = {path!r}"]
+    for code in _STEPS.values():
+        if "step = " not in code:
+            lines.append("step = set(sys.modules)")
+        lines += [code, "print(' '.join(sorted(m for m in set(sys.modules) - step "
+                        "if not m.startswith('_cython_') and m != 'cython_runtime')))"]
+    out = run_python("\n".join(lines)).splitlines()[-len(_STEPS):]
+    return {name: line.split() for name, line in zip(_STEPS, out, strict=True)}
+
+
+def test_a_first_open_imports_only_the_allowed_modules(small_file):
+    """``import engine``, a first local ``safe_open`` (names, dtypes, shapes, metadata) and its
+    first numpy array import nothing beyond the list kept here: no checksum, reader, planner,
+    remote, kernel, writer or CLI module, and no standard-library module past the few listed."""
+    got = _new_modules(small_file)
+    for step, allowed in ALLOWED.items():
+        assert set(got[step]) <= set(allowed), f"{step} imported {sorted(set(got[step]) - set(allowed))}"
+    assert set(got["import engine"]) == {"engine", "engine.errors"}, got
