@@ -184,3 +184,19 @@ def test_a_first_open_imports_only_the_allowed_modules(small_file):
     for step, allowed in ALLOWED.items():
         assert set(got[step]) <= set(allowed), f"{step} imported {sorted(set(got[step]) - set(allowed))}"
     assert set(got["import engine"]) == {"engine", "engine.errors"}, got
+
+
+def test_every_root_name_is_listed_and_resolves():
+    """What loads on first use is still there: every name of ``engine.__all__`` is in
+    ``dir(engine)`` and resolves (the kernels' names where the kernels extra is installed), and
+    nothing lazily resolved is missing from ``__all__``."""
+    code = ("import engine, importlib.util\n"
+            "kernels = importlib.util.find_spec('numba') is not None\n"
+            "names = [n for n in engine.__all__ if kernels or engine._LAZY.get(n) not in "
+            "('engine.statistics', 'engine.quantize', 'engine.apps.checkpoint_stats', 'engine.apps.quantized_format', "
+            "'engine.apps.validator')]\n"
+            "assert set(engine.__all__) <= set(dir(engine)) and set(engine._LAZY) <= set(engine.__all__)\n"
+            "bad = [n for n in names if getattr(engine, n) is None]\n"
+            "print(len(names), bad)\n")
+    count, bad = run_python(code).split(maxsplit=1)
+    assert int(count) >= 40 and bad.strip() == "[]", (count, bad)
