@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
+from engine.errors import MissingDependencyError as _Missing
+
+try:
+    import torch
+except ModuleNotFoundError as _exc:  # the ``torch`` extra
+    raise _Missing.of(_exc, "engine.distributed (tensor-parallel loading on torch.distributed)") from None
 
 from engine.base._files import is_url
 from engine.errors import ShardingError

@@ -227,6 +227,9 @@ class DeviceError(SafetensorError, RuntimeError):
 #: the optional extra that brings each package the engine imports on demand (numba's
 #: kernels also need llvmlite, which numba installs)
 EXTRA_OF = {
+    # the core's own dependencies: no extra, the install itself brings them
+    "numpy": "",
+    "ml_dtypes": "",
     "numba": "kernels",
     "llvmlite": "kernels",
     "torch": "torch",
@@ -238,7 +241,8 @@ EXTRA_OF = {
 
 
 def install_line(extra: str) -> str:
-    """The command that installs ``extra``, in the form that works for this installation.
+    """The command that installs ``extra`` (``""``: the engine itself, with the dependencies of
+    its core), in the form that works for this installation.
 
     A checkout (an editable install, or the source tree on ``sys.path``: the folder above the
     package holds this project's ``pyproject.toml``) gets ``pip install -e ".[extra]"``, with
@@ -252,17 +256,19 @@ def install_line(extra: str) -> str:
             checkout = 'name = "safetensors-engine"' in f.read()
     except OSError:
         checkout = False
+    extras = f"[{extra}]" if extra else ""
     if not checkout:
-        return f'pip install "safetensors-engine[{extra}]"'
+        return f'pip install "safetensors-engine{extras}"'
     try:
         here = os.path.samefile(os.getcwd(), root)
     except OSError:
         here = False
-    return f'pip install -e "{"." if here else root}[{extra}]"'
+    return f'pip install -e "{"." if here else root}{extras}"'
 
 
 class MissingDependencyError(SafetensorError, ModuleNotFoundError):
-    """An optional dependency is needed and not installed.
+    """A dependency is needed and not installed: an optional one (an extra's), or one of
+    the core's that a broken environment lacks.
 
     Raised at the moment the feature that needs it is used (never by ``import engine``);
     the message names the feature, the package and the command that installs the extra
@@ -275,15 +281,16 @@ class MissingDependencyError(SafetensorError, ModuleNotFoundError):
     package : str
         The module that is missing (``"numba"``).
     extra : str
-        The extra of this project that installs it (``"kernels"``).
+        The extra of this project that installs it (``"kernels"``; ``""`` for the core's own
+        dependencies, numpy and ml_dtypes).
     feature : str
         What needs it, in words a user recognises (``"engine.stats"``, ``"engine stats"``).
     """
 
     def __init__(self, package: str, extra: str, feature: str) -> None:
+        what = f"install the {extra!r} extra" if extra else "it comes with the engine's own install"
         super().__init__(
-            f"{feature} needs {package}, which is not installed; install the {extra!r} extra: "
-            f"{install_line(extra)}",
+            f"{feature} needs {package}, which is not installed; {what}: {install_line(extra)}",
             reason="MissingDependency",
         )
         self.name = package

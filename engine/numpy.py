@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
+from engine.errors import MissingDependencyError as _Missing
+
+try:
+    import numpy as np
+except ModuleNotFoundError as _exc:  # a core dependency: a broken environment
+    raise _Missing.of(_exc, "engine.numpy (numpy arrays)") from None
 
 from engine.apps.opener import safe_open
 from engine.base._files import is_url

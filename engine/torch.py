@@ -17,7 +17,12 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-import torch
+from engine.errors import MissingDependencyError as _Missing
+
+try:
+    import torch
+except ModuleNotFoundError as _exc:  # the ``torch`` extra
+    raise _Missing.of(_exc, "engine.torch (torch tensors; engine.numpy gives numpy arrays without torch)") from None
 
 from engine.apps.opener import is_checkpoint_path, safe_open
 from engine.base import dtypes

@@ -27,6 +27,32 @@ def test_demo_small(tmp_path):
     assert "demo: all checks passed" in out.stdout
     assert "identical" in out.stdout and "MISMATCH" not in out.stdout
     assert (tmp_path / "gpt2.safetensors").exists()
+    assert out.stdout.splitlines()[-1] == f"kept {tmp_path / 'gpt2.safetensors'}"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_demos_last_line_names_a_file_that_exists_or_says_it_was_removed(keep):
+    """Without --dir the demo removed its temporary directory and the last path it printed was
+    gone, with no word of it; now the last line names the kept file or the removed directory."""
+    out = run("demo", "--small", *(["--keep"] if keep else []), check=True)
+    last = out.stdout.splitlines()[-1]
+    if keep:
+        kept = last.removeprefix("kept ")
+        assert kept != last and os.path.isfile(kept), last
+        import shutil
+
+        shutil.rmtree(os.path.dirname(kept))
+    else:
+        removed = last.removeprefix("removed ").split(";")[0]
+        assert removed != last and not os.path.exists(removed) and "--keep" in last, last
+        assert removed in out.stdout.split("save_file", 1)[1], out.stdout  # the directory the file was in
+
+
+def test_the_readme_says_how_to_keep_the_demos_checkpoint():
+    """The README named neither --keep nor --dir, so a new user had no file to try its examples on."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert "--keep" in text and "--dir" in text and "--small" in text
 
 
 @pytest.fixture

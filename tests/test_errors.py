@@ -127,6 +127,13 @@ NEEDS = {
     "stream(stats=True)": ("numba", "list(engine.stream(P, framework='np', stats=True))", "kernels"),
     "stream's default framework": ("torch", "list(engine.stream(P))", "torch"),
     "safe_open(framework='pt')": ("torch", "engine.safe_open(P, 'pt')", "torch"),
+    # each framework module raises it at its own import, as the README promises
+    "import engine.torch": ("torch", "import engine.torch", "torch"),
+    "import engine.distributed": ("torch", "import engine.distributed", "torch"),
+    "import engine.device": ("numba", "import engine.device", "kernels"),
+    "import engine.statistics": ("numba", "import engine.statistics", "kernels"),
+    "import engine.quantize": ("numba", "import engine.quantize", "kernels"),
+    "import engine.numpy": ("numpy", "import engine.numpy", ""),
 }
 
 
@@ -161,7 +168,9 @@ def test_a_missing_extra_is_one_error_naming_feature_package_and_install_line(tm
     shown = "numba" if blocked == "llvmlite" else blocked  # (numba brings llvmlite)
     assert (name, got_extra, is_mnfe) == (shown, extra, True)
     assert f"needs {shown}" in message and errors.install_line(extra) in message
-    if extra == "torch":
+    if what == "import engine.torch":
+        assert "engine.numpy" in message
+    elif extra == "torch" and not what.startswith("import"):
         assert "framework='np'" in message
 
 

@@ -25,6 +25,7 @@ class Case(NamedTuple):
     setup: str = ""
     then: str = ""
     present: tuple[str, ...] = ()
+    needs: str = ""  # an optional extra's package: the case is skipped without it
 
 
 #: what a first safe_open of a local file must not import: no HTTP, asyncio, test modules,
@@ -78,12 +79,14 @@ CASES = {
     "statistics and quantize": Case(
         "import engine.statistics, engine.quantize\n",
         ("engine.checkpoints.checkpoint", "engine.loading.file_handle", "engine.loading.loader", "torch"),
+        needs="numba",
     ),
     "engine.stats on numpy": Case(
         "import numpy as np\n"
         "engine.stats(np.ones(3, np.float32))\n",
         ("torch",),
         setup="import engine\n",
+        needs="numba",
     ),
     "a plain load, then a quantizing one": Case(
         "n = sum(1 for _ in engine.stream(P, framework='np', device='cpu'))\n"
@@ -92,6 +95,7 @@ CASES = {
         setup="import engine\n",
         then="list(engine.stream(P, framework='np', device='cpu', quantize='int8', names=['a']))\n",
         present=("numba",),
+        needs="numba",
     ),
     "saving numpy arrays": Case(
         "import numpy as np, engine.writing.writer as w\n"
@@ -123,6 +127,8 @@ def _script(case: Case, path: str) -> str:
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_each_entry_point_imports_only_what_it_needs(case, small_file):
+    if case.needs:
+        pytest.importorskip(case.needs, reason=f"{case.needs} is an optional extra")
     absent, present = run_python(_script(case, small_file)).strip().splitlines()[-2:]
     assert absent == "[]", f"imported: {absent}"
     assert present == str(sorted(case.present)), f"not imported: {case.present} ({present})"
@@ -133,3 +139,64 @@ def test_the_table_can_fail(small_file):
     bad = Case("import json\n", ("json",), then="import numpy\n", present=("numpy",))
     absent, present = run_python(_script(bad, small_file)).strip().splitlines()[-2:]
     assert absent == "['json']" and present == "['numpy']"
+
+
+#: the standard library a first open may use (each imported by the child before it starts
+#: counting, with what it imports in turn): anything else it imports is a failure
+_STDLIB_ALLOWED = ("__future__", "collections", "contextlib", "contextvars", "errno", "importlib", "math", "os", "stat",
+                   "threading", "typing", "weakref")
+#: what ``import engine`` may import, then a first local safe_open with every name, dtype,
+#: shape and the metadata, then (numpy imported) its first array; the Cython runtime's own
+#: modules aside
+ALLOWED = {
+    "import engine": ("engine", "engine.errors"),
+    "first safe_open": ("engine.apps", "engine.apps.opener", "engine.base", "engine.base._files",
+                        "engine.base.dtypes", "engine.format", "engine.format._header", "engine.format.header",
+                        "engine.format.verification", "engine.loading", "engine.loading.file_handle",
+                        "engine.sinks"),
+    "first array": ("engine.sinks.numpy", "mmap"),
+}
+_STEPS = {
+    "import engine": "import engine\n",
+    "first safe_open": "f = engine.safe_open(P, framework='np')\n"
+                       "rows = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]\n"
+                       "assert rows == [('a', 'F32', [2, 3]), ('b', 'I8', [4])] and f.metadata() == {'k': 'v'}\n",
+    "first array": "import numpy\nstep = set(sys.modules)\nassert f.get_tensor('a').sum() == 15.0\n",
+}
+
+
+def _new_modules(path: str) -> dict[str, list[str]]:
+    lines = ["import sys", f"import {', '.join(_STDLIB_ALLOWED)}", f"P = {path!r}"]
+    for code in _STEPS.values():
+        if "step = " not in code:
+            lines.append("step = set(sys.modules)")
+        lines += [code, "print(' '.join(sorted(m for m in set(sys.modules) - step "
+                        "if not m.startswith('_cython_') and m != 'cython_runtime')))"]
+    out = run_python("\n".join(lines)).splitlines()[-len(_STEPS):]
+    return {name: line.split() for name, line in zip(_STEPS, out, strict=True)}
+
+
+def test_a_first_open_imports_only_the_allowed_modules(small_file):
+    """``import engine``, a first local ``safe_open`` (names, dtypes, shapes, metadata) and its
+    first numpy array import nothing beyond the list kept here: no checksum, reader, planner,
+    remote, kernel, writer or CLI module, and no standard-library module past the few listed."""
+    got = _new_modules(small_file)
+    for step, allowed in ALLOWED.items():
+        assert set(got[step]) <= set(allowed), f"{step} imported {sorted(set(got[step]) - set(allowed))}"
+    assert set(got["import engine"]) == {"engine", "engine.errors"}, got
+
+
+def test_every_root_name_is_listed_and_resolves():
+    """What loads on first use is still there: every name of ``engine.__all__`` is in
+    ``dir(engine)`` and resolves (the kernels' names where the kernels extra is installed), and
+    nothing lazily resolved is missing from ``__all__``."""
+    code = ("import engine, importlib.util\n"
+            "kernels = importlib.util.find_spec('numba') is not None\n"
+            "names = [n for n in engine.__all__ if kernels or engine._LAZY.get(n) not in "
+            "('engine.statistics', 'engine.quantize', 'engine.apps.checkpoint_stats', 'engine.apps.quantized_format', "
+            "'engine.apps.validator')]\n"
+            "assert set(engine.__all__) <= set(dir(engine)) and set(engine._LAZY) <= set(engine.__all__)\n"
+            "bad = [n for n in names if getattr(engine, n) is None]\n"
+            "print(len(names), bad)\n")
+    count, bad = run_python(code).split(maxsplit=1)
+    assert int(count) >= 40 and bad.strip() == "[]", (count, bad)

@@ -537,3 +537,26 @@ def test_a_connection_to_the_host_a_redirect_led_to_is_pooled_under_that_host(se
             again = reads.first(server.url("model.safetensors"))  # the first host again
             assert again.prefix == data[:8] and again.file.size == len(data)
         assert all(p == "/other.safetensors" for p in cdn.paths())
+
+
+def test_a_client_that_hangs_up_prints_no_traceback(server, capfd):
+    """A client that resets its idle keep-alive connection (as the loads do when they give a
+    connection up) printed the server thread's ``ConnectionResetError`` traceback among the dots
+    of a passing run; the test servers take it quietly, as a hang-up the tests expect."""
+    import socket as _socket
+
+    host, port = server.server_address[:2]
+    with _socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(b"GET /model.safetensors HTTP/1.1\r\nHost: x\r\nRange: bytes=0-7\r\n\r\n")
+        answer = b""
+        while not (b"\r\n\r\n" in answer and len(answer.split(b"\r\n\r\n", 1)[1]) == 8):
+            answer += sock.recv(65536)  # the whole answer: the server is back to reading requests
+        assert answer.startswith(b"HTTP/1.1 206")
+        # close with SO_LINGER 0: a TCP reset while the server waits for the next request
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_LINGER, struct.pack("ii", 1, 0))
+    deadline = time.monotonic() + 2
+    err = ""
+    while time.monotonic() < deadline and "ConnectionResetError" not in err:
+        time.sleep(0.1)
+        err += capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err

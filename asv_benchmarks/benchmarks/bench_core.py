@@ -170,6 +170,42 @@ class FirstOpen:
         return common.first_open_code(impl, self.bf16, first_tensor=True, framework="pt"), common.TORCH_SETUP
 
 
+class Starts:
+    """What a short-lived process pays before its work: ``import engine`` beside ``import
+    safetensors``, and the command line's ``engine inspect`` of a 291-tensor file beside the
+    reference's nearest (a script printing every name, dtype and shape: it has no command
+    line), each in a fresh interpreter (asv's ``timeraw``).  ``scripts/import_costs.py --starts``
+    times the same as whole processes, beside ``python -c pass`` and ``engine --help``.
+    """
+
+    params = [IMPLS]
+    param_names = ["impl"]
+    number = 1
+    repeat = (5, 15, 30.0)
+    warmup_time = 0
+    timeout = 300
+
+    def setup(self, impl):
+        self.path = common.small_model_file(32)
+        common.warm_cache(self.path)
+
+    def timeraw_import(self, impl):
+        return "import engine\n" if impl == "engine" else "import safetensors\n"
+
+    def timeraw_inspect(self, impl):
+        if impl == "engine":
+            return ("import contextlib, io\n"
+                    "from engine.commands.cli import main\n"
+                    "with contextlib.redirect_stdout(io.StringIO()):\n"
+                    f"    assert main(['inspect', {self.path!r}]) == 0\n")
+        return ("import contextlib, io, safetensors\n"
+                "with contextlib.redirect_stdout(io.StringIO()):\n"
+                f"    with safetensors.safe_open({self.path!r}, framework='np') as f:\n"
+                "        for k in f.keys():\n"
+                "            s = f.get_slice(k)\n"
+                "            print(k, s.get_dtype(), s.get_shape())\n")
+
+
 class LoadManyTensors(_IO):
     """``load_file`` of 100,000 tiny tensors as torch tensors (per-tensor overhead)."""
 

@@ -428,8 +428,9 @@ def build_parser() -> _Parser:
     parser.commands = sub.choices
 
     p = sub.add_parser("demo", help="write, inspect, load and verify a generated GPT-2-sized checkpoint")
-    p.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory, removed after)")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    p.add_argument("--dir", help="where to write gpt2.safetensors, which stays there (default: a temporary "
+                                 "directory, removed after unless --keep)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory and its checkpoint")
     p.add_argument("--small", action="store_true", help="a tiny model instead of GPT-2 small (for smoke tests)")
     p.set_defaults(func=_cmd_demo)
 

@@ -57,7 +57,12 @@ def _timed(fn):
 
 
 def run(directory: str | None = None, *, keep: bool = False, small: bool = False, echo=print) -> int:
-    """Run the demo; returns a process exit code (0 when every check passed)."""
+    """Run the demo; returns a process exit code (0 when every check passed).
+
+    The checkpoint, ``gpt2.safetensors``, is written into ``directory`` and stays there; without
+    one, into a temporary directory that is removed at the end unless ``keep``.  The last line
+    printed names the kept file, or the directory removed.
+    """
     import engine
     import engine.numpy
 
@@ -110,7 +115,10 @@ def run(directory: str | None = None, *, keep: bool = False, small: bool = False
         echo("demo: all checks passed" if ok else "demo: CHECKS FAILED")
         return 0 if ok else 1
     finally:
+        # the last line says where the checkpoint is, or that it is gone: the README's examples
+        # run on it (``engine demo --dir demo``)
         if not keep and directory is None:
             shutil.rmtree(workdir, ignore_errors=True)
-        elif keep:
+            echo(f"removed {workdir}; keep the checkpoint with --dir DIR or --keep")
+        elif os.path.exists(path):
             echo(f"kept {path}")

@@ -38,7 +38,7 @@ from engine.base._atomic import umask as _umask
 from engine.base._atomic import write_error as _write_error
 from engine.errors import ChecksumError, ReadError
 from engine.format.header import Header, read_header_fd
-from engine.format.verification import verification, verifying  # noqa: F401  (the names every load reaches here)
+from engine.format.verification import KEY, records_checksums, verification, verifying  # noqa: F401  (the names every load reaches here)
 
 __all__ = [
     "KEY",
@@ -59,8 +59,6 @@ __all__ = [
     "canonical_digest",
 ]
 
-#: the ``__metadata__`` key of the checksums
-KEY = "engine.crc32c"
 #: the format of the entry's value that writers write (its prefix, ``"2:"``: the header's
 #: CRC first); ``"1:"`` (the tensors' alone) is still read
 VERSION = "2"
@@ -164,8 +162,7 @@ def canonical_digest(names: Sequence[str], codes: Sequence[int], shapes: Sequenc
 
 def has_checksums(header: Header) -> bool:
     """Whether ``header`` carries the checksum entry (well formed or not)."""
-    md = header.metadata
-    return md is not None and KEY in md
+    return records_checksums(header.metadata)
 
 
 def expected(header: Header, path: str | None = None) -> Any:

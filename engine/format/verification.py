@@ -11,7 +11,11 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-__all__ = ["verifying", "verification"]
+__all__ = ["verifying", "verification", "KEY", "records_checksums"]
+
+#: The metadata key under which a file records its checksums (:mod:`engine.format.checksums`
+#: parses it); here so that a load can ask whether a file records any without importing that.
+KEY = "engine.crc32c"
 
 _VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("engine_verify_checksums", default=True)
 
@@ -19,6 +23,11 @@ _VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("engine_verify_ch
 def verifying() -> bool:
     """Whether loads started now verify the checksums their files carry (default True)."""
     return _VERIFY.get()
+
+
+def records_checksums(metadata) -> bool:
+    """Whether a header's ``metadata`` (a dict or None) carries the checksum entry."""
+    return metadata is not None and KEY in metadata
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from engine.errors import (
     UnrepresentableTensorError,
 )
 from engine.format.header import MAX_HEADER_SIZE, Header, Slicer, TensorSlice, read_header_fd
-from engine.format.verification import verification, verifying
+from engine.format.verification import records_checksums, verification, verifying
 from engine.sinks import get_sink, map_file, sink_kind
 
 __all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
@@ -564,7 +564,10 @@ def _handle_fd(f) -> int:
 
 def _checks_of(header, path):
     """:meth:`engine.format.checksums.Checks.of`, imported when first needed: a handle's first
-    open of a file (with or without checksums) imports none of the checksum code."""
+    open of a file (with or without checksums) imports none of the checksum code, and nor does
+    a load from a file that records none."""
+    if not records_checksums(header.metadata):
+        return None
     from engine.format.checksums import Checks
 
     return Checks.of(header, path)
