@@ -48,6 +48,16 @@ if os.environ.get("GROUP_TEST_STALL") == str(rank):  # this rank's reads hang, a
             time.sleep(30)
         return _pread(*a, **k)
     engine.io.reader.pread_into = _stalled
+if os.environ.get("GROUP_TEST_INTERRUPT") == str(rank):  # Ctrl-C on this rank while its reads run
+    import signal, threading
+    import engine.io.reader
+    _pread_i, _sent = engine.io.reader.pread_into, []
+    def _interrupting(*a, **k):
+        if threading.current_thread().name.startswith("engine-group") and not _sent:
+            _sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return _pread_i(*a, **k)
+    engine.io.reader.pread_into = _interrupting
 framework, members, mode = sys.argv[6], [int(x) for x in sys.argv[7].split(",")], sys.argv[8]
 opts = json.loads(os.environ.get("GROUP_TEST_OPTS", "{}")).get(str(rank), {})  # options of this rank
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -113,7 +123,7 @@ try:
     raw = {k: (np.ascontiguousarray(v).tobytes() if isinstance(v, np.ndarray)
                else v.contiguous().view(torch.uint8).numpy().tobytes()) for k, v in got.items()}
     result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}, "order": order}
-except Exception as exc:
+except BaseException as exc:  # (KeyboardInterrupt too)
     import threading  # the group's reader threads are joined before the error comes out
     alive = [t.name for t in threading.enumerate() if t.name.startswith("engine-group")]
     result = {"error": type(exc).__name__, "threads_left": alive, "reason": getattr(exc, "reason", None), "message": str(exc),
@@ -348,6 +358,17 @@ def test_a_read_stalled_past_the_deadline_fails_every_rank(checkpoint, tmp_path)
         assert got.get("error") == "DistributedLoadError" and got["rank"] == 1, got
         assert "read_deadline=1 s" in got["cause"], got
     assert results[1]["threads_left"] != [], results[1]  # its reader is still stuck, left behind
+
+
+def test_ctrl_c_on_one_rank_reaches_the_others(checkpoint, tmp_path):
+    """SIGINT on rank 1 while it waits for its reads: rank 1 gets its KeyboardInterrupt, and rank 0
+    raises DistributedLoadError naming rank 1 instead of waiting in a collective."""
+    root, sd = checkpoint
+    results = _ranks(str(root / "one.safetensors"), tmp_path, env={"GROUP_TEST_INTERRUPT": "1"},
+                     opts={r: {"bucket_bytes": 8192} for r in (0, 1)})
+    assert results[1].get("error") == "KeyboardInterrupt", results[1]
+    assert results[0].get("error") == "DistributedLoadError" and results[0]["rank"] == 1, results[0]
+    assert "KeyboardInterrupt" in results[0]["cause"], results[0]
 
 
 def test_a_rank_that_dies_mid_load_makes_the_others_raise(checkpoint, tmp_path):

@@ -64,6 +64,8 @@ BUCKET_BYTES = 32 << 20
 #: seconds one rank's reads of one round may take before every rank gives up on the load: a
 #: read stuck on a hung network mount fails the group instead of leaving it waiting
 READ_DEADLINE = 600.0
+#: seconds between two looks, while a rank waits for its reads, at a Ctrl-C taken meanwhile
+_POLL = 0.25
 #: each tensor's offset in the block (as an owned load's: any dtype's alignment)
 _ALIGN = 64
 #: the most bytes of one read of a rank's span (a request within its deadline; the reads of a
@@ -313,12 +315,16 @@ class _Group:
         self.peak = 0  # the most bytes of round blocks this rank held at once (whole: the block)
         self.deadline: float | None = READ_DEADLINE  # seconds a round's reads may take on this rank
         self.stalled = False  # a read passed the deadline: its thread is left, not joined
+        self.interrupted = False  # a Ctrl-C taken while the engine's steps ran, for the next agreement
+        self._taken: Any = None  # the SIGINT handler that takes it, while installed
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         from engine.format.header import MAX_HEADER_SIZE
 
         self.verify = verifying()  # read once: every round of every rank checks the same way
         with contextlib.ExitStack() as stack:
+            self._defer()
+            stack.callback(self._allow)
             try:  # everything that can fail on one rank alone, before the first collective
                 _check_options(self.source, self.remote)
                 self.limit = memory.checked(self.limit)
@@ -397,9 +403,54 @@ class _Group:
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
     def _agree(self, failed: BaseException | None, fingerprint: int = 0, round_bytes: int = 0) -> int:
-        """:func:`agree` on this load's group; returns the smallest ``round_bytes`` any rank
-        gave (each rank's memory limit holds it)."""
+        """:func:`agree` on this load's group (a Ctrl-C taken since the last one is this rank's
+        failure); returns the smallest ``round_bytes`` any rank gave (each rank's memory limit
+        holds it)."""
+        if failed is None and self.interrupted:
+            failed = KeyboardInterrupt()
         return agree(self.group, self.source, failed, fingerprint, round_bytes)
+
+    def _defer(self) -> None:
+        """While the engine's own steps run on the main thread, a Ctrl-C is taken at the next
+        agreement, where every rank hears of it, instead of between two collectives, where the
+        others would wait for this rank forever; a second Ctrl-C interrupts at once."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return
+
+        def taken(signum, frame) -> None:
+            if self.interrupted:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            self.interrupted = True
+
+        self._taken = taken
+        signal.signal(signal.SIGINT, taken)
+
+    def _allow(self) -> None:
+        """Ctrl-C as Python takes it, while the consumer's code runs (and once the load ends)."""
+        import signal
+
+        if self._taken is not None and signal.getsignal(signal.SIGINT) is self._taken:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        self._taken = None
+
+    def _wait(self, f, due: float | None) -> None:
+        """``f``'s result, a deferred Ctrl-C or the deadline, whichever comes first."""
+        while True:
+            try:
+                f.result(_POLL if due is None else max(0.0, min(_POLL, due - time.monotonic())))
+                return
+            except concurrent.futures.TimeoutError:
+                if self.interrupted:
+                    raise KeyboardInterrupt from None
+                if due is not None and time.monotonic() >= due:
+                    self.stalled = True
+                    raise TimeoutError(f"rank {self.rank}'s reads of a round took more than read_deadline="
+                                       f"{self.deadline:g} s (a stalled file system or server)") from None
 
     def _src(self, k: int) -> int:
         """The global rank of the group's rank ``k`` (what ``broadcast`` takes)."""
@@ -492,12 +543,7 @@ class _Group:
             try:
                 due = None if self.deadline is None else time.monotonic() + self.deadline
                 for f in reads:
-                    try:
-                        f.result(None if due is None else max(0.0, due - time.monotonic()))
-                    except concurrent.futures.TimeoutError:
-                        self.stalled = True
-                        raise TimeoutError(f"rank {self.rank}'s reads of a round took more than read_deadline="
-                                           f"{self.deadline:g} s (a stalled file system or server)") from None
+                    self._wait(f, due)
                 if self.verify and failed is None:  # read again from a server on a mismatch, before it is sent
                     for i, r, off, n, mine in rd.whole:
                         checks = self.checks_of[i]
@@ -536,11 +582,13 @@ class _Group:
                 else:
                     table = parts[i].header.table
                     out = sink.view(blk, int(table.codes[r]), table.shapes[r], off - base, n)
+                self._allow()
                 try:
                     yield name, out
                 except GeneratorExit:  # the consumer raised or left the loop: the others must not wait for it
                     self._leave()
                     raise
+                self._defer()
                 del out
             del blk, flat, view  # a fresh block lives on only in the tensors handed out of it
         return pending
