@@ -89,8 +89,38 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, seconds: float = 15
     raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {seconds} s")
 
 
-class Nginx:
+class _ServerProcess:
+    """A server run as a child process with a folder of its own: :meth:`stop` ends it (with
+    ``STOP_SIGNAL``, then a kill) and removes the folder; a context manager around start/stop."""
+
+    STOP_SIGNAL = signal.SIGTERM
+    proc: subprocess.Popen | None
+    dir: str
+
+    def start(self):  # pragma: no cover - each server's own
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(self.STOP_SIGNAL)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Nginx(_ServerProcess):
     """nginx serving ``root`` on 127.0.0.1 (an ephemeral port), started by :meth:`start`."""
+
+    STOP_SIGNAL = signal.SIGQUIT  # a graceful shutdown
 
     def __init__(self, root: str, *, workers: int = 2, tls: tuple[str, str] | None = None) -> None:
         self.root = os.path.abspath(root)
@@ -138,21 +168,6 @@ class Nginx:
         _wait_port(self.port, self.proc, "nginx")
         return self
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGQUIT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Nginx:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def self_signed(folder: str) -> tuple[str, str]:
@@ -917,7 +932,7 @@ def azurite_or_skip() -> str:
     return binary
 
 
-class Azurite:
+class Azurite(_ServerProcess):
     """Azurite's blob service on 127.0.0.1 (an ephemeral port), its data in a temporary folder:
     the account ``devstoreaccount1`` with its well-known key, SharedKey checked as Azure does.
     :meth:`put` uploads a blob with a request signed by :func:`azure_shared_key`."""
@@ -963,18 +978,3 @@ class Azurite:
         finally:
             conn.close()
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Azurite:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
