@@ -11,7 +11,9 @@
    lags behind a slow kernel, equals the CPU kernels' output;
 7. a CuPy load to the last GPU (with int8 staging) leaves a context on no other GPU (``nvidia-smi``);
 8. a process with CuPy and no torch loads to its GPU, byte for byte;
-9. a load inside ``torch.cuda.stream(s)`` between NCCL collectives (a group of one) lands the file's bytes.
+9. a load inside ``torch.cuda.stream(s)`` between NCCL collectives (a group of one) lands the file's bytes;
+10. a group load (``process_group=``) on an NCCL group of one, its agreements and bytes over the gloo
+    group the engine derives from it, fills CUDA tensors and returns CPU tensors byte for byte.
 
 ``--device cpu``: rows 1, 2 and 5 on the emulated CUDA runtime (tests/emucudart); the others name the
 tests that check them.  ``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints the rows as JSON.
@@ -32,7 +34,7 @@ ROWS = ("driver: no stale error after a load", "driver: current device unchanged
         "driver: load_into after a queued zero_()", "driver: no context on another GPU",
         "driver: a load in a forked child", "driver: windowed int8 on the torch fallback",
         "driver: no context on another GPU after a CuPy load", "driver: a CuPy-only process",
-        "driver: a load in torch.cuda.stream(s) beside NCCL")
+        "driver: a load in torch.cuda.stream(s) beside NCCL", "driver: a group load on an NCCL group")
 #: torch.cuda._sleep's cycles ahead of the queued zero_() (about half a second on an H100)
 SLEEP_CYCLES = 1_000_000_000
 
@@ -303,8 +305,36 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
         return ("ok" if ok else "failed"), (f"a load between all_reduces on a side stream: bytes "
                                             f"{'equal' if got['same'] else 'DIFFER'}; the collectives finished")
 
+    def nccl_group():
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_nccl_available():
+            return "skipped", "this torch has no NCCL (tests/test_group_load.py checks a group of another backend)"
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        code = ("import json, os, torch, torch.distributed as dist, engine, engine.torch\n"
+                f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{port}')\n"
+                f"dev = torch.device({str(target)!r}); torch.cuda.set_device(dev)\n"
+                "dist.init_process_group('nccl', rank=0, world_size=1, device_id=dev)\n"
+                f"want = engine.torch.load_file({path!r})\n"
+                "dest = {k: torch.empty_like(v, device=dev) for k, v in want.items()}\n"
+                f"names = engine.load_into({path!r}, dest, process_group=dist.group.WORLD)\n"
+                f"owned = engine.torch.load_file({path!r}, process_group=dist.group.WORLD)\n"
+                "torch.cuda.synchronize()\n"
+                "same = sorted(names) == sorted(want) and all(torch.equal(dest[k].cpu().view(torch.uint8), "
+                "v.view(torch.uint8)) and torch.equal(owned[k].view(torch.uint8), v.view(torch.uint8)) "
+                "for k, v in want.items())\n"
+                "dist.destroy_process_group()\n"
+                "print('RESULT', json.dumps({'same': same}))\n")
+        got = harness.run_code(code, env=harness.child_env(), timeout=150)
+        return ("ok" if got["same"] else "failed"), (f"load_into CUDA tensors and load_file over an NCCL group of one: "
+                                                     f"bytes {'equal' if got['same'] else 'DIFFER'}")
+
     return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, ordered, contexts, fork, windowed, cupy_contexts,
-                                                      cupy_only, nccl), strict=True)]
+                                                      cupy_only, nccl, nccl_group), strict=True)]
 
 
 def emulated_rows(folder: str) -> list[dict]:
@@ -356,7 +386,8 @@ def emulated_rows(folder: str) -> list[dict]:
                                                           elsewhere("tests/test_hooked_ring.py"),
                                                           elsewhere("tests/test_load_hooks.py"),
                                                           elsewhere("tests/test_cudart.py"),
-                                                          elsewhere()), strict=True)]
+                                                          elsewhere(),
+                                                          elsewhere("tests/test_group_load.py")), strict=True)]
     finally:
         rings.release_rings()
         ops.close()

@@ -85,7 +85,7 @@ PYTEST_RUNS = {"pytest -m cuda": ["-m", "cuda", "tests"],
 PRIORS = {
     "cuda": {"wheels": 15, "build": 75, "build-fresh": 10, "engine": 20, "checkpoint": 5, "checkpoint-read": 2,
              "sample": 10, "limit": 8, "per-key": 12, "onload": 15, "sweep": 45, "compare": 20,
-             "pytest -m cuda": 40, "pytest device-kernel modules": 100, "emulated": 15, "driver": 70},
+             "pytest -m cuda": 40, "pytest device-kernel modules": 100, "emulated": 15, "driver": 80},
     "cpu": {"wheels": 15, "build": 120, "build-fresh": 10, "engine": 10, "checkpoint": 60, "checkpoint-read": 5,
             "sample": 6, "limit": 6, "per-key": 6, "onload": 25, "sweep": 20, "compare": 12,
             "pytest -m cuda": 90, "pytest device-kernel modules": 90, "emulated": 10, "driver": 15},
