@@ -58,6 +58,17 @@ if os.environ.get("GROUP_TEST_INTERRUPT") == str(rank):  # Ctrl-C on this rank w
             os.kill(os.getpid(), signal.SIGINT)
         return _pread_i(*a, **k)
     engine.io.reader.pread_into = _interrupting
+if os.environ.get("GROUP_TEST_COMMIT_FAILS") == str(rank):  # linking this rank's cache_dir copy fails
+    import contextlib
+    import engine.apps.group_load as gl
+    _real_parts = gl._parts
+    @contextlib.contextmanager
+    def _failing_commit(*a, **k):
+        with _real_parts(*a, **k) as got:
+            def fail():
+                raise OSError(28, "No space left on device (the test's)")
+            yield (got[0], fail, *got[2:])
+    gl._parts = _failing_commit
 framework, members, mode = sys.argv[6], [int(x) for x in sys.argv[7].split(",")], sys.argv[8]
 opts = json.loads(os.environ.get("GROUP_TEST_OPTS", "{}")).get(str(rank), {})  # options of this rank
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -369,6 +380,19 @@ def test_ctrl_c_on_one_rank_reaches_the_others(checkpoint, tmp_path):
     assert results[1].get("error") == "KeyboardInterrupt", results[1]
     assert results[0].get("error") == "DistributedLoadError" and results[0]["rank"] == 1, results[0]
     assert "KeyboardInterrupt" in results[0]["cause"], results[0]
+
+
+def test_a_cache_dir_copy_failing_on_one_rank_after_the_last_round_fails_every_rank(checkpoint, tmp_path):
+    """Rank 1 keeps a local copy and its last step (the copy linked into place) fails after the
+    last exchange: rank 0 does not return as if the group's load had succeeded."""
+    root, sd = checkpoint
+    with serving(str(root)) as server:
+        server.bulk()
+        results = _ranks(server.url("one.safetensors"), tmp_path, env={"GROUP_TEST_COMMIT_FAILS": "1"},
+                         opts={1: {"cache_dir": str(tmp_path / "cache")}})
+    for got in results:
+        assert got.get("error") == "DistributedLoadError" and got["rank"] == 1, got
+        assert "No space left" in got["cause"], got
 
 
 def test_a_rank_that_dies_mid_load_makes_the_others_raise(checkpoint, tmp_path):
