@@ -420,3 +420,18 @@ def test_windowed_fallback_quantize_never_overwrites_scratch_still_being_read(tm
         sink.ops.close()
     st = emu.stats()
     assert st["registered"] == 0 and st["events"] == 0, st
+
+
+def test_a_device_streams_ring_fits_its_memory_limit(model_file, sink):
+    """``memory_limit`` on a device stream sizes the ring's page-locked chunks within it (the
+    ring's default is 128 MiB), and the tensors still land whole."""
+    from engine.gpu.geometry import default_geometry
+
+    path, sd = model_file
+    limit = default_geometry().chunks * 16384
+    with load_records() as records:
+        got = dict(engine.stream(path, framework="np", device="cuda", memory_limit=limit))
+    assert got.keys() == sd.keys()
+    for name, x in sd.items():
+        assert np.array_equal(np.asarray(got[name]).reshape(-1).view(np.uint8), x.reshape(-1).view(np.uint8))
+    assert records and all(r.chunk_bytes * r.slots <= limit for r in records), [(r.chunk_bytes, r.slots) for r in records]

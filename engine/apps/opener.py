@@ -258,8 +258,7 @@ def stream(path, **options):
     if options.get("process_group") is not None:
         return _group_stream(path, **options)
     options.pop("process_group", None)
-    memory_limit(options, str(options.get("device", "cpu")).partition(":")[0] not in ("cpu", "") and
-                 options.get("framework", "pt") not in ("np", "numpy"))
+    memory_limit(options, str(options.get("device", "cpu")).partition(":")[0] not in ("cpu", ""))
     if is_url(path):
         from engine.urls import remote_load
 
