@@ -90,10 +90,10 @@ def load_file(
         them, whatever ``backend``).
     memory_limit : int, optional
         Host bytes the load may hold beyond the tensors it returns (:mod:`engine.planning.memory`):
-        a host load reads into its tensors and holds nothing more; a CUDA load stages through
-        the ring's page-locked chunks, sized from the limit for a URL (a local file's ring is the
-        default one: a limit below it is an :class:`~engine.errors.OptionError`); a group load's
-        output is its only block.
+        a host load reads into its tensors and holds nothing more; a CUDA load of one file or a
+        URL stages through the ring's page-locked chunks, sized from the limit (a checkpoint's
+        folder or index through ``safe_open`` keeps the default ring: a limit below it is an
+        :class:`~engine.errors.OptionError`); a group load's output is its only block.
     **remote
         For a URL only: ``headers``, ``timeout``, ``connections``, ``chunk_bytes``, ``retry``,
         ``s3``, ``storage_options``, ``cache_dir`` (a local copy written in the same pass,
@@ -124,9 +124,12 @@ def load_file(
     from engine.apps.opener import memory_limit as within
 
     limited = {"memory_limit": memory_limit}
+    one_file = backend in ("mmap", "pread") and not is_url(filename) and not is_checkpoint_path(filename)
     within(limited, torch.device(device if not isinstance(device, int) else f"cuda:{device}").type == "cuda",
-           sizes_ring=is_url(filename))
-    remote.update(limited)  # a URL's device ring sized from the limit
+           sizes_ring=is_url(filename) or one_file)
+    slot_bytes = limited.pop("slot_bytes", None)  # the device ring's chunks, sized from the limit
+    if slot_bytes and is_url(filename):
+        remote["slot_bytes"] = slot_bytes
     with verification(verify_checksums):
         if is_url(filename):  # parallel ranged reads straight into the tensors
             from engine.urls.remote_load import load
@@ -135,11 +138,11 @@ def load_file(
         if remote:
             raise TypeError(f"load_file() got options for a URL with a local path: {sorted(remote)}")
         sink = TorchSink(device)
-        if backend in ("mmap", "pread") and (sink.on_device or backend == "pread") and not is_checkpoint_path(filename):
+        if one_file and (sink.on_device or backend == "pread"):
             # one file into owned or device memory: straight to the loader, no handle between
             from engine.loading.loader import load_file as load_one
 
-            return load_one(filename, sink)
+            return load_one(filename, sink, slot_bytes=slot_bytes)
         with safe_open(filename, framework="pt", device=device, backend=backend) as f:
             return f.get_tensors()
 

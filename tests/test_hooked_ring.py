@@ -435,3 +435,15 @@ def test_a_device_streams_ring_fits_its_memory_limit(model_file, sink):
     for name, x in sd.items():
         assert np.array_equal(np.asarray(got[name]).reshape(-1).view(np.uint8), x.reshape(-1).view(np.uint8))
     assert records and all(r.chunk_bytes * r.slots <= limit for r in records), [(r.chunk_bytes, r.slots) for r in records]
+
+
+def test_one_files_device_load_takes_the_rings_chunk_size(model_file, sink):
+    """``engine.loading.loader.load_file`` (the path of ``engine.torch.load_file(f, device=...)``,
+    which sizes the chunks from ``memory_limit``) builds its ring from ``slot_bytes``."""
+    path, sd = model_file
+    with load_records() as records:
+        got = engine.loading.loader.load_file(path, sink, slot_bytes=16384)
+    assert got.keys() == sd.keys()
+    for name, x in sd.items():
+        assert np.array_equal(np.asarray(got[name]).reshape(-1).view(np.uint8), x.reshape(-1).view(np.uint8))
+    assert records and all(r.chunk_bytes == 16384 for r in records), [(r.chunk_bytes, r.slots) for r in records]

@@ -461,7 +461,7 @@ _STREAM_OPTIONS = frozenset({"names", "patterns", "predicate", "layers", "thread
                               "gpu_path", "slot_bytes", "verify_checksums", "check_finite"})
 
 
-def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str, Any]:
+def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE, slot_bytes: int | None = None) -> dict[str, Any]:
     """Every tensor of one file as new tensors of ``sink`` (owned host memory or a device),
     by name in file order: the short path of ``engine.torch.load_file(f, device="cuda")``
     and of owned loads, with no handle in between.
@@ -473,7 +473,7 @@ def load_file(path, sink, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str
     try:
         header = read_header_fd(fd, path=spath, file_size=os.fstat(fd).st_size, max_header_size=max_header_size)
         rows = list(header.table.file_order())
-        got = load_parts([Part(fd, header, rows, spath)], sink)[0]
+        got = load_parts([Part(fd, header, rows, spath)], sink, slot_bytes=slot_bytes)[0]
     finally:
         os.close(fd)
     names = header.table.names
