@@ -276,60 +276,59 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
         ok = got["same"] and not got["torch"]
         return ("ok" if ok else "failed"), f"a process without torch loaded with CuPy: bytes {'equal' if got['same'] else 'DIFFER'}"
 
-    def nccl():
+    def in_nccl_group(body: str, test: str):
+        """``body`` run in a fresh process that is the one rank of an NCCL group on the target
+        device (``dev``; ``path``, the checkpoint): its RESULT, or why the row is skipped."""
+        import socket
+
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_nccl_available():
-            return "skipped", "this torch has no NCCL (tests/test_device_ring.py checks a shared stream on the emulated runtime)"
-        import socket
-
+            return None, f"this torch has no NCCL ({test})"
         with socket.socket() as sock:  # a free port for the group's store
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         code = ("import json, os, torch, torch.distributed as dist, engine, engine.torch\n"
                 f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{port}')\n"
+                f"path = {path!r}\n"
                 f"dev = torch.device({str(target)!r}); torch.cuda.set_device(dev)\n"
                 "dist.init_process_group('nccl', rank=0, world_size=1, device_id=dev)\n"
-                "x = torch.ones(1 << 20, device=dev); s = torch.cuda.Stream(device=dev)\n"
-                "with torch.cuda.stream(s):\n"
-                "    for _ in range(4): dist.all_reduce(x)\n"
-                f"    got = engine.torch.load_file({path!r}, device=str(dev))\n"
-                "    dist.all_reduce(x)\n"
-                "torch.cuda.synchronize()\n"
-                f"want = engine.torch.load_file({path!r})\n"
-                "same = all(torch.equal(got[k].cpu().view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())\n"
+                + body +
                 "dist.destroy_process_group()\n"
-                "print('RESULT', json.dumps({'same': same, 'sum': float(x[0])}))\n")
-        got = harness.run_code(code, env=harness.child_env(), timeout=150)
+                "print('RESULT', json.dumps(out))\n")
+        return harness.run_code(code, env=harness.child_env(), timeout=150), None
+
+    def nccl():
+        got, skip = in_nccl_group(
+            "x = torch.ones(1 << 20, device=dev); s = torch.cuda.Stream(device=dev)\n"
+            "with torch.cuda.stream(s):\n"
+            "    for _ in range(4): dist.all_reduce(x)\n"
+            "    got = engine.torch.load_file(path, device=str(dev))\n"
+            "    dist.all_reduce(x)\n"
+            "torch.cuda.synchronize()\n"
+            "want = engine.torch.load_file(path)\n"
+            "same = all(torch.equal(got[k].cpu().view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())\n"
+            "out = {'same': same, 'sum': float(x[0])}\n",
+            "tests/test_device_ring.py checks a shared stream on the emulated runtime")
+        if got is None:
+            return "skipped", skip
         ok = got["same"] and got["sum"] == 1.0
         return ("ok" if ok else "failed"), (f"a load between all_reduces on a side stream: bytes "
                                             f"{'equal' if got['same'] else 'DIFFER'}; the collectives finished")
 
     def nccl_group():
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_nccl_available():
-            return "skipped", "this torch has no NCCL (tests/test_group_load.py checks a group of another backend)"
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        code = ("import json, os, torch, torch.distributed as dist, engine, engine.torch\n"
-                f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{port}')\n"
-                f"dev = torch.device({str(target)!r}); torch.cuda.set_device(dev)\n"
-                "dist.init_process_group('nccl', rank=0, world_size=1, device_id=dev)\n"
-                f"want = engine.torch.load_file({path!r})\n"
-                "dest = {k: torch.empty_like(v, device=dev) for k, v in want.items()}\n"
-                f"names = engine.load_into({path!r}, dest, process_group=dist.group.WORLD)\n"
-                f"owned = engine.torch.load_file({path!r}, process_group=dist.group.WORLD)\n"
-                "torch.cuda.synchronize()\n"
-                "same = sorted(names) == sorted(want) and all(torch.equal(dest[k].cpu().view(torch.uint8), "
-                "v.view(torch.uint8)) and torch.equal(owned[k].view(torch.uint8), v.view(torch.uint8)) "
-                "for k, v in want.items())\n"
-                "dist.destroy_process_group()\n"
-                "print('RESULT', json.dumps({'same': same}))\n")
-        got = harness.run_code(code, env=harness.child_env(), timeout=150)
+        got, skip = in_nccl_group(
+            "want = engine.torch.load_file(path)\n"
+            "dest = {k: torch.empty_like(v, device=dev) for k, v in want.items()}\n"
+            "names = engine.load_into(path, dest, process_group=dist.group.WORLD)\n"
+            "owned = engine.torch.load_file(path, process_group=dist.group.WORLD)\n"
+            "torch.cuda.synchronize()\n"
+            "out = {'same': sorted(names) == sorted(want) and all(torch.equal(dest[k].cpu().view(torch.uint8), "
+            "v.view(torch.uint8)) and torch.equal(owned[k].view(torch.uint8), v.view(torch.uint8)) "
+            "for k, v in want.items())}\n",
+            "tests/test_group_load.py checks a group of another backend")
+        if got is None:
+            return "skipped", skip
         return ("ok" if got["same"] else "failed"), (f"load_into CUDA tensors and load_file over an NCCL group of one: "
                                                      f"bytes {'equal' if got['same'] else 'DIFFER'}")
 

@@ -312,7 +312,6 @@ class _Group:
         self.verify = True  # whether this load checks checksums (read once, when it starts)
         self.checks_of: list = []  # each file's Checks, or None
         self.meta: dict[str, tuple[str, tuple]] = {}  # name -> (format dtype, shape), file order
-        self.peak = 0  # the most bytes of round blocks this rank held at once (whole: the block)
         self.deadline: float | None = READ_DEADLINE  # seconds a round's reads may take on this rank
         self.stalled = False  # a read passed the deadline: its thread is left, not joined
         self.interrupted = False  # a Ctrl-C taken while the engine's steps ran, for the next agreement
@@ -527,9 +526,6 @@ class _Group:
             view = memoryview(flat)
             staged[j] = (blk, base, flat, [pool.submit(read, i, offset, view[a - base : a - base + n])
                                            for i, offset, a, n in rd.pieces])
-            held = len(block) if block is not None else sum(len(s[0]) for s in staged.values()) if \
-                self.staging == "fresh" else len(ring) * max(cap, 1)
-            self.peak = max(self.peak, held)
 
         ahead = 0
         pending: BaseException | None = None  # a failure after a round's exchange, agreed at the next

@@ -304,11 +304,11 @@ def memory_limit(options: dict, on_device: bool, *, sizes_ring: bool = True) -> 
     ring = default_geometry()
     if ring.pinned_bytes <= limit:
         return
-    least = 4096 * ring.chunks
-    if sizes_ring and limit >= least and not options.get("slot_bytes"):
-        options["slot_bytes"] = limit // ring.chunks // 4096 * 4096
+    chunk = memory.ring_chunk(limit, ring.chunks)
+    if sizes_ring and chunk and not options.get("slot_bytes"):
+        options["slot_bytes"] = chunk
         return
-    floor = least if sizes_ring else ring.pinned_bytes
+    floor = 4096 * ring.chunks if sizes_ring else ring.pinned_bytes
     raise OptionError(f"memory_limit={limit} bytes is below the {floor} bytes of page-locked chunks this device load "
                       f"stages through{'' if sizes_ring else ' (engine.stream sizes its ring from the limit)'}",
                       option="memory_limit", reason="MemoryLimitTooLow")

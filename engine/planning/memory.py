@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from engine.errors import OptionError
 
-__all__ = ["checked", "whole_tensors", "rounds", "in_flight", "chunks"]
+__all__ = ["checked", "whole_tensors", "rounds", "in_flight", "ring_chunk"]
 
 
 def checked(limit) -> int | None:
@@ -58,11 +58,8 @@ def in_flight(limit: int | None, round_bytes: int, largest: int) -> int:
     return 2 if limit >= 2 * max(round_bytes, largest) else 1
 
 
-def chunks(limit: int | None, chunk_bytes: int, count: int) -> tuple[int, int]:
-    """``(chunk bytes, chunks in flight)`` of a load that stages chunks of a tensor (a remote
-    read's buffers, a device load's ring): ``count`` chunks of ``chunk_bytes`` by default, and
-    within ``limit`` fewer, then smaller ones (at least two chunks of 64 KiB)."""
-    if limit is None or chunk_bytes * count <= limit:
-        return chunk_bytes, count
-    count = max(2, min(count, limit // max(1, chunk_bytes)))
-    return max(64 << 10, min(chunk_bytes, limit // count)), count
+def ring_chunk(limit: int, chunks: int) -> int | None:
+    """Bytes per chunk (a multiple of 4096) of a ring of ``chunks`` chunks that fits ``limit``,
+    or None below the least such ring (``chunks`` chunks of 4096 bytes)."""
+    size = limit // max(1, chunks) // 4096 * 4096
+    return size or None
