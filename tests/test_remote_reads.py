@@ -560,3 +560,12 @@ def test_a_client_that_hangs_up_prints_no_traceback(server, capfd):
         time.sleep(0.1)
         err += capfd.readouterr().err
     assert "Traceback" not in err and "Exception occurred" not in err, err
+
+
+def test_a_failed_request_for_a_whole_answer_names_no_byte_range():
+    """A request that asks for no range (an API's answer, a listing) that fails is not reported as
+    'bytes 0--1'; a ranged one names its bytes."""
+    from engine.net.retry import fail
+
+    assert "bytes" not in fail("https://hub/api/models/org/none", 0, 0, "ConnectionError", "refused", 0).error.message
+    assert "bytes 8-107: refused" in fail("https://host/m.safetensors", 8, 100, "ConnectionError", "refused", 0).error.message

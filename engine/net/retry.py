@@ -70,7 +70,8 @@ def fail(name: str, offset: int, want: int, reason: str, what: str, landed: int,
          transient: bool | None = None) -> Failed:
     """The failure of a try at ``want`` bytes from ``offset`` of ``name`` that landed
     ``landed``: transient by its ``reason`` unless ``transient`` says."""
-    err = read_error(f"bytes {offset}-{offset + want - 1}: {what}", name, reason, offset=offset, size=want)
+    where = f"bytes {offset}-{offset + want - 1}: " if want > 0 else ""  # a whole answer (an API's) has no range
+    err = read_error(f"{where}{what}", name, reason, offset=offset, size=want)
     return Failed(err, landed, reason in _TRANSIENT_REASONS if transient is None else transient)
 
 
