@@ -430,7 +430,7 @@ class _Group:
         signal.signal(signal.SIGINT, taken)
 
     def _allow(self) -> None:
-        """Ctrl-C as Python takes it, while the consumer's code runs (and once the load ends)."""
+        """Ctrl-C as Python takes it, while a stream's consumer runs (and once the load ends)."""
         import signal
 
         if self._taken is not None and signal.getsignal(signal.SIGINT) is self._taken:
@@ -527,6 +527,9 @@ class _Group:
             staged[j] = (blk, base, flat, [pool.submit(read, i, offset, view[a - base : a - base + n])
                                            for i, offset, a, n in rd.pieces])
 
+        # a stream hands its tensors to the caller's code; the other loads to the engine's own (a dict,
+        # the copies of load_into, tensor parallelism's cuts), where a Ctrl-C waits for the next agreement
+        yours = self.staging == "fresh"
         ahead = 0
         pending: BaseException | None = None  # a failure after a round's exchange, agreed at the next
         for j, rd in enumerate(rounds):
@@ -578,13 +581,15 @@ class _Group:
                 else:
                     table = parts[i].header.table
                     out = sink.view(blk, int(table.codes[r]), table.shapes[r], off - base, n)
-                self._allow()
+                if yours:  # the caller's code runs until the next step: Ctrl-C as Python takes it there
+                    self._allow()
                 try:
                     yield name, out
                 except GeneratorExit:  # the consumer raised or left the loop: the others must not wait for it
                     self._leave()
                     raise
-                self._defer()
+                if yours:
+                    self._defer()
                 del out
             del blk, flat, view  # a fresh block lives on only in the tensors handed out of it
         return pending
