@@ -72,6 +72,20 @@ if os.environ.get("GROUP_TEST_COMMIT_FAILS") == str(rank):  # linking this rank'
 framework, members, mode = sys.argv[6], [int(x) for x in sys.argv[7].split(",")], sys.argv[8]
 opts = json.loads(os.environ.get("GROUP_TEST_OPTS", "{}")).get(str(rank), {})  # options of this rank
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+if os.environ.get("GROUP_TEST_HOSTS"):  # the machine each rank runs on, as ranks on several would name theirs
+    import socket
+    socket.gethostname = (lambda h: lambda: h)(os.environ["GROUP_TEST_HOSTS"].split(",")[rank])
+counted, counted_lock = [0], __import__("threading").Lock()
+if os.environ.get("GROUP_TEST_COUNT"):  # the bytes this rank's rounds read from its files
+    import threading
+    import engine.io.reader
+    _pread_c = engine.io.reader.pread_into
+    def _counting(fd, offset, dsts, **k):
+        if threading.current_thread().name.startswith("engine-group"):
+            with counted_lock:
+                counted[0] += sum(memoryview(d).nbytes for d in dsts)
+        return _pread_c(fd, offset, dsts, **k)
+    engine.io.reader.pread_into = _counting
 group = dist.group.WORLD if len(members) == world else dist.new_group(members)  # every rank makes it
 if os.environ.get("GROUP_TEST_BACKEND"):  # the group as another backend makes it (its collectives are not gloo's)
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
@@ -133,7 +147,8 @@ try:
         got = engine.torch.load_file(source, process_group=group, **kw)
     raw = {k: (np.ascontiguousarray(v).tobytes() if isinstance(v, np.ndarray)
                else v.contiguous().view(torch.uint8).numpy().tobytes()) for k, v in got.items()}
-    result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}, "order": order}
+    result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}, "order": order,
+              "read": counted[0]}
 except BaseException as exc:  # (KeyboardInterrupt too)
     import threading  # the group's reader threads are joined before the error comes out
     alive = [t.name for t in threading.enumerate() if t.name.startswith("engine-group")]
@@ -279,17 +294,81 @@ def test_a_damaged_tensor_in_one_ranks_share_fails_every_rank(checkpoint, tmp_pa
     _same_error_everywhere(results, None if bucket else 1, "ChecksumError", all_failed=bucket is not None)
 
 
-@pytest.mark.parametrize("other", ["missing.safetensors", "other.safetensors"])
-def test_ranks_given_different_checkpoints_fail_together(checkpoint, tmp_path, other):
-    """A rank that cannot open its source, or that sees another checkpoint than the others: every
-    rank fails, none waits forever or returns a mix of two files."""
+def test_ranks_given_different_checkpoints_fail_together(checkpoint, tmp_path):
+    """A rank that sees another checkpoint than the others: every rank fails, none waits
+    forever or returns a mix of two files."""
     root, sd = checkpoint
     engine.save_file({"x": np.ones(3, np.float32)}, str(root / "other.safetensors"))
-    results = _ranks(f"{root / 'one.safetensors'}|{root / other}", tmp_path)
-    if other.startswith("missing"):
-        _same_error_everywhere(results, 1, "FileNotFoundError")
+    results = _ranks(f"{root / 'one.safetensors'}|{root / 'other.safetensors'}", tmp_path)
+    assert [(r["error"], r["reason"]) for r in results] == [("DistributedLoadError", "GroupMismatch")] * 2, results
+
+
+def _data_bytes(*files) -> int:
+    return sum(engine.read_header(str(f)).data_size for f in files)
+
+
+@pytest.mark.parametrize("where", ["one.safetensors", "sharded", "sharded/model.safetensors.index.json"])
+def test_a_rank_without_a_copy_is_served_by_the_ranks_that_have_one(checkpoint, tmp_path, where):
+    """Rank 1's source does not exist (a machine without the files): it takes the headers from
+    rank 0 and reads nothing; ranks 0 and 2 read every byte once between them, and every rank
+    returns every tensor."""
+    root, sd = checkpoint
+    size = _data_bytes(root / "one.safetensors") if where.startswith("one") else \
+        _data_bytes(*(root / "sharded").glob("*.safetensors"))
+    sources = [str(root / where), str(tmp_path / "nowhere" / where), str(root / where)]
+    results = _ranks("|".join(sources), tmp_path, world=3, env={"GROUP_TEST_COUNT": "1"})
+    for got in results:
+        assert got.get("tensors") == _digests(sd), got
+    assert results[1]["read"] == 0 and results[0]["read"] > 0 and results[2]["read"] > 0, results
+    assert results[0]["read"] + results[2]["read"] == size, results
+
+
+def test_no_rank_with_a_copy_fails_every_rank_naming_the_first(checkpoint, tmp_path):
+    results = _ranks(str(tmp_path / "nowhere.safetensors"), tmp_path)
+    _same_error_everywhere(results, 0, "FileNotFoundError", all_failed=True)
+
+
+def test_a_copy_that_lacks_a_shard_fails_every_rank(checkpoint, tmp_path):
+    """A folder that is there but incomplete is a broken copy, not a missing one: every rank fails."""
+    import shutil
+
+    root, sd = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "sharded", broken)
+    next(broken.glob("*-of-*.safetensors")).unlink()
+    results = _ranks(f"{root / 'sharded'}|{broken}", tmp_path)
+    for got in results:
+        assert got.get("error") == "DistributedLoadError" and got["rank"] == 1, got
+
+
+@pytest.mark.parametrize(("reads", "copies"), [("node", "all"), ("group", "all"), ("node", "node a")])
+def test_each_machine_reads_the_checkpoint_once_or_the_group_does(checkpoint, tmp_path, reads, copies):
+    """Four ranks on two machines (a, a, b, b; the host name each rank sees is the test's).  With
+    ``reads="node"`` (the default) each machine's ranks read every byte once between them and no
+    byte crosses between machines; with ``"group"`` the four read every byte once.  Where machine
+    b has no copy, its ranks are served by a's, as with ``"group"``."""
+    root, sd = checkpoint
+    size = _data_bytes(*(root / "sharded").glob("*.safetensors"))
+    here, gone = str(root / "sharded"), str(tmp_path / "nowhere")
+    sources = [here, here, here, here] if copies == "all" else [here, here, gone, gone]
+    opts = {r: {"reads": reads} for r in range(4)} if reads != "node" else None
+    results = _ranks("|".join(sources), tmp_path, world=4, mode="stream", opts=opts,
+                     env={"GROUP_TEST_COUNT": "1", "GROUP_TEST_HOSTS": "a,a,b,b"})
+    for got in results:
+        assert got.get("tensors") == _digests(sd), got
+    read = [got["read"] for got in results]
+    if reads == "node" and copies == "all":
+        assert read[0] + read[1] == size and read[2] + read[3] == size and min(read) > 0, read
+    elif copies == "all":
+        assert sum(read) == size and min(read) > 0, read
     else:
-        assert [(r["error"], r["reason"]) for r in results] == [("DistributedLoadError", "GroupMismatch")] * 2, results
+        assert read[0] + read[1] == size and read[2] == read[3] == 0, read
+
+
+def test_ranks_that_ask_for_different_reads_fail_together(checkpoint, tmp_path):
+    root, sd = checkpoint
+    results = _ranks(str(root / "one.safetensors"), tmp_path, opts={1: {"reads": "group"}})
+    assert [(r["error"], r["reason"]) for r in results] == [("DistributedLoadError", "GroupMismatch")] * 2, results
 
 
 def _rewrite_header(path, change) -> None:

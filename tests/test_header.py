@@ -26,6 +26,7 @@ from engine.format.header import (
     Header,
     TensorInfo,
     parse_buffer,
+    parse_prefix,
     read_header,
     read_header_fd,
 )
@@ -746,6 +747,21 @@ def test_parse_buffer_kinds(valid_file):
     for buf in kinds:
         h = parse_buffer(buf, path="mem")
         assert h.to_dict() == ref and h.path == "mem" and h.file_size == len(data)
+
+
+def test_parse_prefix_reads_the_header_another_process_read(valid_file):
+    """A group load's rank without a copy parses the ``8 + N`` bytes a rank with one sent: the
+    same header, checked the same way; fewer bytes than the length says is a HeaderError."""
+    data = valid_file.read_bytes()
+    ref = read_header(valid_file)
+    h = parse_prefix(data[: ref.data_start], file_size=len(data), path="elsewhere")
+    assert h.to_dict() == ref.to_dict() and h.path == "elsewhere" and h.data_start == ref.data_start
+    with pytest.raises(HeaderError) as err:
+        parse_prefix(data[: ref.data_start - 1], file_size=len(data), path="elsewhere")
+    assert err.value.reason == "InvalidHeaderLength" and "elsewhere" in str(err.value)
+    with pytest.raises(HeaderError) as err:
+        parse_prefix(data[: ref.data_start], file_size=ref.data_start + 1, path="elsewhere")
+    assert err.value.reason in HEADER_REASONS
 
 
 def test_parse_buffer_mmap_can_close(valid_file, tmp_path):

@@ -5,9 +5,16 @@ Every rank of a ``torch.distributed`` process group calls :func:`load` (or :func
 ``http(s)://``/``s3://`` URL with the remote options.  Each rank reads the headers and lays
 every tensor out in the same order (file order, shard after shard).  The layout is cut into
 rounds of whole tensors (at most ``bucket_bytes`` each, or one larger tensor alone), and each
-round into ``world_size`` shares of equal bytes (a tensor may lie in two shares).  Each rank
+round into a share of equal bytes per reader (a tensor may lie in two shares).  Each reader
 reads only its share of each round, from the files or the server, and round ``j`` is sent
 with one ``broadcast`` per share while the readers go on with the next rounds.
+
+Who reads for whom (``reads=``): by default each machine's ranks (found by host name) read the
+checkpoint once between them and send it over a gloo group of their own, so no tensor byte
+crosses between machines; ``reads="group"`` has the whole group read it once.  A rank whose
+source does not exist (a machine without the files) is no reader: it takes the headers from the
+first rank that has a copy and receives every byte; where no rank of a machine has one, the
+whole group's readers serve it.  A copy that is there but lacks a shard fails every rank.
 
 The rounds land in host memory bounded by the caller's need, not by the checkpoint: an owned
 load (:func:`load`) reads into its output, one block of the checkpoint's size; a stream gives
@@ -64,6 +71,10 @@ BUCKET_BYTES = 32 << 20
 #: seconds one rank's reads of one round may take before every rank gives up on the load: a
 #: read stuck on a hung network mount fails the group instead of leaving it waiting
 READ_DEADLINE = 600.0
+#: who reads for whom: ``"node"``, the ranks of each machine read the checkpoint once between
+#: them and send it to each other (no bytes between machines); ``"group"``, the whole group
+#: reads it once and every byte crosses to every machine
+READS = ("node", "group")
 #: seconds between two looks, while a rank waits for its reads, at a Ctrl-C taken meanwhile
 _POLL = 0.25
 #: each tensor's offset in the block (as an owned load's: any dtype's alignment)
@@ -138,6 +149,10 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
         Check the CRC-32C the files record (default True): a tensor in one bucket on the rank
         that read it, before it is sent; a tensor in several buckets on every rank once it
         came.  A remote tensor that fails is read again from the server (and sent again).
+    reads : {"node", "group"}, optional
+        ``"node"`` (default): the ranks of each machine read the checkpoint once between them
+        and no tensor byte crosses between machines; ``"group"``: the whole group reads it
+        once (storage slower than the links between machines).  The same on every rank.
     bucket_bytes : int, optional
         The most bytes of a round (default :data:`BUCKET_BYTES`; a larger tensor is a round
         of its own); the ranks use the smallest any of them gives.
@@ -177,7 +192,7 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
 def stream(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
            max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
            stats: bool = False, quantize=None, memory_limit: int | None = None,
-           read_deadline: float | None = READ_DEADLINE, _wanted=None, _select=None,
+           read_deadline: float | None = READ_DEADLINE, reads: str = "node", _wanted=None, _select=None,
            _release: bool = False, _meta=None, _staging: str = "fresh", **remote) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's round of
     the exchange lands; options, errors and copies as :func:`load`.  Every rank must consume
@@ -200,6 +215,7 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
         group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote,
                        staging, memory_limit)
         group.select, group.quantize, group.meta, group.deadline = _select, quantize, _meta, read_deadline
+        group.reads = reads
         for name, tensor in group:
             yield _hooked(name, tensor, group.meta[name][0], stats, group.spec, group.source) \
                 if stats or group.spec is not None else (name, tensor)
@@ -266,7 +282,7 @@ class _Round(NamedTuple):
     hi: int
     first: int
     end: int
-    cuts: list[tuple[int, int]]  # each rank's share [a, b) of [lo, hi), in block offsets
+    cuts: list[tuple[int, int]]  # each reader's share [a, b) of [lo, hi), in block offsets
     pieces: list[tuple[int, int, int, int]]  # this rank's reads: (part, file offset, block offset, bytes)
     whole: list[tuple[int, int, int, int, list[int]]]  # tensors all in this rank's share: checked before sending
     split: list[tuple[int, int, int, int, list]]  # tensors shared by ranks: checked on every rank after it
@@ -315,6 +331,9 @@ class _Group:
         self.deadline: float | None = READ_DEADLINE  # seconds a round's reads may take on this rank
         self.stalled = False  # a read passed the deadline: its thread is left, not joined
         self.interrupted = False  # a Ctrl-C taken while the engine's steps ran, for the next agreement
+        self.reads = "node"  # who reads for whom (READS)
+        self.readers: list[int] = list(range(self.world))  # the ranks that read the bytes this rank gets
+        self.xgroup = group  # the group its rounds' bytes are sent over: the node's or the whole group
         self._taken: Any = None  # the SIGINT handler that takes it, while installed
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -324,11 +343,35 @@ class _Group:
         with contextlib.ExitStack() as stack:
             self._defer()
             stack.callback(self._allow)
-            try:  # everything that can fail on one rank alone, before the first collective
+            parts: list = []
+            commit, content = (lambda: None), ""
+            failed: BaseException | None = None
+            missing: BaseException | None = None  # this rank has no copy of the source
+            try:  # what can fail on one rank alone, before the first collective
+                if self.reads not in READS:
+                    from engine.errors import OptionError
+
+                    raise OptionError(f"reads={self.reads!r}: a group load reads {' or '.join(map(repr, READS))}",
+                                      option="reads")
                 _check_options(self.source, self.remote)
                 self.limit = memory.checked(self.limit)
-                parts, commit, content = stack.enter_context(
-                    _parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
+                try:
+                    parts, commit, content = stack.enter_context(
+                        _parts(self.source, self.remote, self.max_header_size or MAX_HEADER_SIZE))
+                except FileNotFoundError as exc:
+                    if is_url(self.source) or os.path.lexists(self.source):
+                        raise  # a copy that lacks a shard is a broken copy, not none
+                    missing = exc
+            except BaseException as exc:
+                failed = exc
+            hosts, holds = self._meet(failed, missing)
+            heads = None
+            if not all(holds):  # the ranks without a copy take the headers of the first that has one
+                heads, content = self._headers(parts, content, holds)
+            self._readers(hosts, holds)
+            try:  # everything else that can fail on one rank alone, before the first exchange
+                if not holds[self.rank]:
+                    parts = self._parsed(heads)
                 if self.select is not None:
                     parts = [p._replace(rows=[r for r in p.rows if self.select(p.header.table.names[r])]) for p in parts]
                 layout = _layout(parts)
@@ -409,6 +452,99 @@ class _Group:
             failed = KeyboardInterrupt()
         return agree(self.group, self.source, failed, fingerprint, round_bytes)
 
+    def _meet(self, failed: BaseException | None, missing: BaseException | None) -> tuple[list[str], list[bool]]:
+        """The first collective: every rank hears whether any failed before it (and then raises
+        as :func:`agree` does), which ranks hold a copy of the source, the machine each runs on,
+        and whether all asked to read the same way.  Returns ``(hosts, holds)`` by group rank."""
+        import socket
+
+        import torch.distributed as dist
+
+        if failed is None and self.interrupted:
+            failed = KeyboardInterrupt()
+        mine = (None if failed is None else f"{type(failed).__name__}: {failed}", socket.gethostname(),
+                missing is None, self.reads, None if missing is None else f"{type(missing).__name__}: {missing}")
+        got: list[Any] = [None] * self.world
+        with _peers(self.source):
+            dist.all_gather_object(got, mine, group=self.group)
+        causes = [g[0] for g in got]
+        if not any(g[2] for g in got):  # no rank has a copy: each fails as it would alone
+            causes = [g[4] for g in got]
+            failed = failed or missing
+        if any(c is not None for c in causes):
+            if isinstance(failed, KeyboardInterrupt):
+                raise failed
+            who = next(k for k, c in enumerate(causes) if c is not None)
+            raise DistributedLoadError(f"rank {who} of the process group failed: {causes[who]}", rank=who,
+                                       cause=causes[who], reason="GroupReadFailed", path=self.source) from failed
+        if len({g[3] for g in got}) > 1:
+            raise DistributedLoadError("the ranks of the process group asked for different reads= "
+                                       f"({sorted({g[3] for g in got})}): give every rank the same",
+                                       reason="GroupMismatch", path=self.source)
+        return [g[1] for g in got], [g[2] for g in got]
+
+    def _headers(self, parts, content: str, holds: list[bool]) -> tuple[list | None, str]:
+        """Each file's ``8 + N`` header bytes, from the first rank that holds a copy to every
+        rank (``broadcast_object_list``), and its content digest: what a rank without a copy
+        parses (:meth:`_parsed`).  A read that fails there fails every rank."""
+        import torch.distributed as dist
+
+        from engine.io.reader import pread_into
+
+        sender = holds.index(True)
+        box: list[Any] = [None]
+        if self.rank == sender:
+            try:
+                heads = []
+                for p in parts:
+                    prefix = bytearray(p.header.data_start)
+                    pread_into(p.fd, 0, [memoryview(prefix)], path=p.path)
+                    heads.append((os.path.basename(p.path), bytes(prefix), int(p.header.file_size)))
+                box[0] = (heads, content, None)
+            except Exception as exc:
+                box[0] = (None, "", f"{type(exc).__name__}: {exc}")
+        with _peers(self.source):
+            dist.broadcast_object_list(box, src=self._src(sender), group=self.group)
+        heads, content, cause = box[0]
+        if cause is not None:
+            raise DistributedLoadError(f"rank {sender} of the process group failed: {cause}", rank=sender,
+                                       cause=cause, reason="GroupReadFailed", path=self.source)
+        return heads, content
+
+    def _parsed(self, heads) -> list:
+        """The parts of a rank without a copy: each header parsed and checked as a file's, no
+        descriptor (it reads nothing: its shares of the rounds are empty)."""
+        from engine.format.header import MAX_HEADER_SIZE, parse_prefix
+        from engine.loading.loader import Part
+
+        out = []
+        for name, prefix, size in heads:
+            if self.source.endswith(".json"):  # an index: the shards beside it
+                path = os.path.join(os.path.dirname(self.source), name)
+            elif os.path.basename(self.source) == name:  # the file itself
+                path = self.source
+            else:  # a folder
+                path = os.path.join(self.source, name)
+            header = parse_prefix(prefix, file_size=size, path=path,
+                                  max_header_size=self.max_header_size or MAX_HEADER_SIZE)
+            out.append(Part(-1, header, header.table.file_order(), path))
+        return out
+
+    def _readers(self, hosts: list[str], holds: list[bool]) -> None:
+        """Who reads the bytes this rank gets, and over which group they come: with ``reads="node"``
+        the ranks of this machine that hold a copy, over a group of the machine's ranks (made
+        once, by them alone); with ``"group"``, or where a machine has no copy at all, every rank
+        that holds one, over the whole group."""
+        everyone = list(range(self.world))
+        if self.reads == "node" and len(set(hosts)) > 1 and \
+                all(any(holds[k] for k in everyone if hosts[k] == h) for h in set(hosts)):
+            node = [k for k in everyone if hosts[k] == hosts[self.rank]]
+            self.readers = [k for k in node if holds[k]]
+            self.xgroup = _subgroup(self.group, [self._src(k) for k in node])
+            return
+        self.readers = [k for k in everyone if holds[k]]
+        self.xgroup = self.group
+
     def _defer(self) -> None:
         """While the engine's own steps run on the main thread, a Ctrl-C is taken at the next
         agreement, where every rank hears of it, instead of between two collectives, where the
@@ -458,15 +594,15 @@ class _Group:
         return dist.get_global_rank(self.group, k) if self.group is not None else k
 
     def _plan(self, parts, layout, round_bytes: int) -> list[_Round]:
-        """The rounds, each cut into ``world`` shares of equal bytes (a tensor may lie in two
+        """The rounds, each cut into a share of equal bytes per reader (a tensor may lie in two
         shares), and this rank's reads (pieces of at most ``step`` bytes within one tensor)."""
         keeps = [getattr(p.ranges, "keep", None) for p in parts]  # a URL's cache_dir copy
         out = []
         for lo, hi, first, end in _cut(layout, round_bytes):
-            cuts = [(lo + a, lo + b) for a, b in spans(hi - lo, self.world)]
+            cuts = [(lo + a, lo + b) for a, b in spans(hi - lo, len(self.readers))]
             rd = _Round(lo, hi, first, end, cuts, [], [], [], [])
             for i, r, _, off, n in layout[first:end]:
-                owners = [(k, max(a, off), min(b, off + n)) for k, (a, b) in enumerate(cuts)
+                owners = [(k, max(a, off), min(b, off + n)) for k, (a, b) in zip(self.readers, cuts, strict=True)
                           if max(a, off) < min(b, off + n)]
                 if len(owners) > 1:
                     rd.split.append((i, r, off, n, owners))
@@ -562,8 +698,9 @@ class _Group:
                 failed = failed or exc
             self._agree(failed)
             with _peers(self.source):  # every share's broadcast in flight at once: the links work together
-                works = [dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k), group=self.group,
-                                        async_op=True) for k, (a, b) in enumerate(rd.cuts) if a < b]
+                works = [dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k),
+                                        group=self.xgroup, async_op=True)
+                         for k, (a, b) in zip(self.readers, rd.cuts, strict=True) if a < b]
                 for work in works:
                     work.wait()
             try:
@@ -573,7 +710,13 @@ class _Group:
                 pending = exc
             if self.verify:
                 for item in rd.split:
-                    self._verify_split(item, parts, flat, base, read, keeps)
+                    try:
+                        self._verify_split(item, parts, flat, base, read, keeps)
+                    except BaseException as exc:
+                        if self.xgroup is self.group:
+                            raise  # every rank of the group checked the same bytes: the same verdict
+                        self._agree(exc)  # the other nodes hear of it at their next agreement
+                        raise
             for t in range(rd.first, rd.end):
                 i, r, name, off, n = layout[t]
                 if sink is None:
@@ -629,7 +772,7 @@ class _Group:
         view = memoryview(flat)
 
         def again() -> int:
-            failed = None
+            failed: BaseException | None = None
             try:
                 for k, a, b in owners:
                     for c in range(a, b, self.step) if k == self.rank else ():
@@ -637,10 +780,12 @@ class _Group:
                         read(i, begin + (c - off), view[c - base : c - base + m], fresh=True)
             except Exception as exc:
                 failed = exc
-            self._agree(failed)
+            if failed is None and self.interrupted:
+                failed = KeyboardInterrupt()
+            agree(self.xgroup, self.source, failed)  # the readers of this node (or of the group)
             with _peers(self.source):
                 for k, a, b in owners:
-                    dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k), group=self.group)
+                    dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k), group=self.xgroup)
                     if k != self.rank and keeps[i]:
                         keeps[i](begin + (a - off), [view[a - base : b - base]], again=True)
             return crc32c(flat[off - base : off - base + n])
@@ -709,6 +854,24 @@ def _gloo_of(group):
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         _GLOO[name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
     return _GLOO[name]
+
+
+#: the gloo groups of a machine's ranks within a group (by the group's name and their global ranks)
+_SUBGROUPS: dict[tuple[str, tuple[int, ...]], Any] = {}
+
+
+def _subgroup(group, ranks: list[int]):
+    """A gloo group of ``ranks`` (global ranks, all within ``group``), made once, by its members
+    alone (``use_local_synchronization``): other machines' ranks make theirs meanwhile."""
+    import torch.distributed as dist
+
+    name = dist._get_process_group_name(group) if group is not None else "default"
+    if len(ranks) == (dist.get_world_size(group)):
+        return group
+    key = (name, tuple(ranks))
+    if key not in _SUBGROUPS:
+        _SUBGROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _SUBGROUPS[key]
 
 
 class _Stopped(Exception):

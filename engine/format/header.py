@@ -33,6 +33,7 @@ __all__ = [
     "read_header",
     "read_header_fd",
     "parse_buffer",
+    "parse_prefix",
     "parse_header",
     "header_length",
     "checked_length",
@@ -468,6 +469,45 @@ def read_header(
         return read_header_fd(fd, path=spath, max_header_size=max_header_size, strict=strict)
     finally:
         os.close(fd)
+
+
+def parse_prefix(
+    prefix: bytes, *, file_size: int, path: str | os.PathLike[str] | None = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> Header:
+    """The header of a file whose first ``8 + N`` bytes, ``prefix``, were read elsewhere (a
+    rank of a group load that holds the file hands them to one that does not).
+
+    Parameters
+    ----------
+    prefix : bytes
+        The file's first ``8 + N`` bytes: the length and the JSON header.
+    file_size : int
+        Bytes in the whole file.
+    path : str or os.PathLike, optional
+        Name of the file, for messages and ``Header.path``.
+    max_header_size : int, optional
+
+    Returns
+    -------
+    Header
+
+    Raises
+    ------
+    HeaderError
+        The header breaks a rule of the format, or ``prefix`` holds fewer than ``8 + N`` bytes.
+    """
+    spath = os.fspath(path) if path is not None else None
+    try:
+        n = checked_length(prefix[:8], file_size, max_header_size)
+        if len(prefix) < 8 + n:
+            raise HeaderError(f"the header's {n} bytes were not all given ({len(prefix) - 8} came)",
+                              reason="InvalidHeaderLength")
+        table = parse_header(prefix[8 : 8 + n], file_size - 8 - n, False)
+    except HeaderError as err:
+        _set_path(err, spath)
+        raise
+    return Header(table, file_size=file_size, path=spath)
 
 
 def parse_buffer(
