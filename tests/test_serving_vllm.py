@@ -28,6 +28,7 @@ from engine.serving.weights import (  # noqa: E402
     checkpoint_files,
     missing_parameters,
     parse_options,
+    stage_select,
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -549,6 +550,60 @@ def test_the_entry_point_registers_the_format_once_and_checks_options():
     first, bad = out.strip().splitlines()[-2:]
     assert first == "True 2 owned 0"
     assert bad.startswith("OptionError|") and "'treads'" in bad and "did you mean 'threads'" in bad
+
+
+def test_a_pipeline_stage_reads_its_own_layers_and_what_every_stage_shares():
+    """Stage 2 of 2 of a four-layer model holds layers 2 and 3 (vLLM gives the others no
+    parameters) and all of its vision tower's."""
+    held = ["model.layers.2.self_attn.qkv_proj.weight", "model.layers.3.mlp.gate_up_proj.weight",
+            "model.norm.weight", "lm_head.weight", "vision.encoder.layers.0.w", "vision.encoder.layers.1.w"]
+    select = stage_select(held)
+    assert select("model.layers.2.self_attn.q_proj.weight") and select("model.layers.3.mlp.up_proj.weight")
+    assert not select("model.layers.0.self_attn.q_proj.weight") and not select("model.layers.1.mlp.up_proj.weight")
+    assert select("model.embed_tokens.weight") and select("model.norm.weight") and select("lm_head.weight")
+    assert select("vision.encoder.layers.0.w") and select("vision.encoder.layers.1.w")
+    # a checkpoint whose prefix the model maps (one match by suffix), and one the model does not name
+    assert not select("language_model.model.layers.0.w") and select("language_model.model.layers.3.w")
+    assert select("mtp.layers.0.w")
+
+
+@pytest.mark.parametrize("how", ["view", "owned", "url"])
+def test_weights_read_only_the_tensors_select_takes(tmp_path, how):
+    write_sharded(tmp_path / "model", tensors(4), shards=3)
+    want = {k: v for k, v in reference(tmp_path / "model").items() if k.startswith("block.")}
+    server = serve(str(tmp_path)) if how == "url" else None
+    try:
+        source = server.url(f"model/{INDEX}") if server is not None else tmp_path / "model"
+        options = Options(cpu=how) if server is None else None
+        with Weights(source, options=options, select=lambda name: name.startswith("block.")) as w:
+            got = collect(w)
+    finally:
+        if server is not None:
+            server.stop()
+    assert_same(got, want)
+    assert w.nbytes == sum(t.numel() * t.element_size() for t in want.values())
+
+
+def test_vllm_pipeline_stages_read_their_own_layers(monkeypatch):
+    pytest.importorskip("vllm", reason="vLLM is an optional extra (CI's vLLM lane installs it)")
+    import types
+
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from engine.serving.vllm import pipeline_stage
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([PPMissingLayer(), PPMissingLayer(), torch.nn.Linear(2, 2),
+                                              torch.nn.Linear(2, 2)])
+    model.model.norm = torch.nn.LayerNorm(2)
+    monkeypatch.setattr(parallel_state, "_PP", None, raising=False)
+    assert pipeline_stage(model) is None
+    monkeypatch.setattr(parallel_state, "_PP", types.SimpleNamespace(world_size=2), raising=False)
+    select = pipeline_stage(model)
+    assert select("model.layers.3.weight") and select("model.norm.weight") and select("model.embed_tokens.weight")
+    assert not select("model.layers.0.weight") and not select("model.layers.1.bias")
 
 
 def test_a_server_with_no_tensor_parallel_group_is_warned_of(caplog):

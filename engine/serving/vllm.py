@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from engine.base._files import is_url
-from engine.serving.weights import Weights, check_loaded, parse_options, tp_group_of
+from engine.serving.weights import Weights, check_loaded, parse_options, stage_select, tp_group_of
 
 __all__ = ["LOAD_FORMAT", "register", "loader_class", "load_device", "exempt_parameters", "tp_group"]
 
@@ -100,6 +100,19 @@ def tp_group() -> Any:
     return tp_group_of(parallel_state)
 
 
+def pipeline_stage(model) -> Any:
+    """With pipeline parallelism, which tensors this worker's stage reads
+    (:func:`engine.serving.weights.stage_select` over the model's names): each stage's
+    workers read their own layers, not the whole checkpoint.  None with one stage."""
+    from vllm.distributed import parallel_state
+
+    pp = getattr(parallel_state, "_PP", None)
+    if pp is None or getattr(pp, "world_size", 1) < 2:
+        return None
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    return stage_select(names)
+
+
 @functools.cache
 def loader_class() -> type:
     """The ``BaseModelLoader`` subclass of the load format (vLLM imported here)."""
@@ -146,7 +159,8 @@ def loader_class() -> type:
         def load_weights(self, model, model_config) -> None:
             source = self.weights_source(model_config)
             started = time.perf_counter()
-            with Weights(source, device=load_device(model), options=self.options, group=tp_group()) as weights:
+            with Weights(source, device=load_device(model), options=self.options, group=tp_group(),
+                         select=pipeline_stage(model)) as weights:
                 loaded = model.load_weights(iter(weights))
             # the same line as vLLM's default loader, over the same span (iterator to the end
             # of the model's load_weights), so that the two can be compared from the logs

@@ -50,9 +50,10 @@ import gc
 import logging
 import mmap
 import os
+import re
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from engine.base._files import PREFETCH_MIN_BYTES, is_url, on_network_mount, open_regular
@@ -62,7 +63,7 @@ from engine.format.checkpoint_index import index_problems
 from engine.format.header import MAX_HEADER_SIZE, read_header, read_header_fd
 
 __all__ = ["Options", "parse_options", "checkpoint_files", "Weights", "missing_parameters", "check_loaded",
-           "OPTION_DOCS", "tp_group_of"]
+           "OPTION_DOCS", "tp_group_of", "stage_select"]
 
 logger = logging.getLogger("engine.serving")
 
@@ -338,6 +339,9 @@ class Weights:
         a tensor of it does: a server that copies what it is handed holds the rounds in flight
         (``memory_limit``), not the checkpoint.
         With ``"distributed": true`` and ``cache_dir`` each worker writes a whole copy.
+    select : callable, optional
+        ``select(name)``: whether to read a tensor at all (the others are never read); the
+        same on every worker of ``group``.  A pipeline stage's (:func:`stage_select`).
 
     Raises
     ------
@@ -352,8 +356,9 @@ class Weights:
     """
 
     def __init__(self, source: str | os.PathLike[str], *, device: Any = "cpu", options: Options | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, select: Callable[[str], bool] | None = None) -> None:
         self.source = os.fspath(source)
+        self.select = select
         self.options = options or Options()
         self.device = str(device)
         self.remote = is_url(self.source)
@@ -404,13 +409,14 @@ class Weights:
 
             remote = {k: v for k, v in o.remote().items() if k != "max_header_size"} if self.remote else {}
             yield from group_stream(self.source, self.group, framework="pt", max_header_size=o.max_header_size,
-                                    chunk_bytes=o.chunk_bytes, memory_limit=o.memory_limit, **remote)
+                                    chunk_bytes=o.chunk_bytes, memory_limit=o.memory_limit, _select=self.select,
+                                    **remote)
             return
         if self.remote:
             from engine.urls.remote_load import stream as remote_stream
 
             yield from remote_stream(self.source, framework="pt", device=self.device, chunk_bytes=o.chunk_bytes,
-                                     **self._device_options(), **o.remote())
+                                     **self._selected(), **self._device_options(), **o.remote())
             return
         files = checkpoint_files(self.source, max_header_size=o.max_header_size)
         self.files = len(files)
@@ -420,7 +426,10 @@ class Weights:
         from engine.loading.loader import stream
 
         yield from stream(files, framework="pt", device=self.device, max_header_size=o.max_header_size,
-                          chunk_bytes=o.chunk_bytes, **self._device_options())
+                          chunk_bytes=o.chunk_bytes, **self._selected(), **self._device_options())
+
+    def _selected(self) -> dict[str, Any]:
+        return {} if self.select is None else {"predicate": self.select}
 
     def _device_options(self) -> dict[str, Any]:
         o = self.options
@@ -451,7 +460,7 @@ class Weights:
                 os.close(fd)
             self._mappings.append((path, weakref.ref(mapping)))
             table, start = header.table, header.data_start
-            rows = list(table.file_order())
+            rows = [r for r in table.file_order() if self.select is None or self.select(table.names[r])]
             spans = [(start + int(table.begins[r]), start + int(table.ends[r])) for r in rows]
             if not network and sum(hi - lo for lo, hi in spans) >= PREFETCH_MIN_BYTES:
                 # a cold shard is read on several threads in large pieces rather than one fault
@@ -511,6 +520,38 @@ def tp_group_of(parallel_state: Any) -> Any:
     if group is None or getattr(group, "world_size", 1) < 2:
         return None
     return group.cpu_group
+
+
+#: where a name holds a layer's index: ``...layers.{i}.``
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def stage_select(parameters: Iterable[str]) -> Callable[[str], bool]:
+    """Which checkpoint tensors a pipeline stage reads, from the names of its model's
+    parameters and buffers: a stage holds its own layers only (the others have no
+    parameters), so a tensor of ``layers.{i}`` is read where the model holds some parameter of
+    ``layers.{i}`` under the same prefix; every other tensor (embeddings, norms, heads, and
+    layers under a prefix the model does not name or names twice) is read by every stage."""
+    held: dict[str, set[int]] = {}
+    for name in parameters:
+        m = _LAYER.search(name)
+        if m is not None:
+            held.setdefault(name[: m.start(1)], set()).add(int(m.group(1)))
+
+    def select(name: str) -> bool:
+        m = _LAYER.search(name)
+        if m is None:
+            return True
+        prefix = name[: m.start(1)]
+        layers = held.get(prefix)
+        if layers is None:  # the checkpoint's prefix and the model's differ: one match by suffix, or read it
+            near = [p for p in held if p.endswith("." + prefix) or prefix.endswith("." + p)]
+            if len(near) != 1:
+                return True
+            layers = held[near[0]]
+        return int(m.group(1)) in layers
+
+    return select
 
 
 def missing_parameters(parameters: Iterable[str], loaded: Iterable[str], exempt: Iterable[str] = ()) -> list[str]:
