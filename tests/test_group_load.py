@@ -352,7 +352,8 @@ def test_each_machine_reads_the_checkpoint_once_or_the_group_does(checkpoint, tm
     here, gone = str(root / "sharded"), str(tmp_path / "nowhere")
     sources = [here, here, here, here] if copies == "all" else [here, here, gone, gone]
     opts = {r: {"reads": reads} for r in range(4)} if reads != "node" else None
-    results = _ranks("|".join(sources), tmp_path, world=4, mode="stream", opts=opts,
+    mode = "load" if reads == "group" else "stream"  # an owned load's one block, and a stream's rounds
+    results = _ranks("|".join(sources), tmp_path, world=4, mode=mode, opts=opts,
                      env={"GROUP_TEST_COUNT": "1", "GROUP_TEST_HOSTS": "a,a,b,b"})
     for got in results:
         assert got.get("tensors") == _digests(sd), got
