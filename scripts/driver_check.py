@@ -12,8 +12,9 @@
 7. a CuPy load to the last GPU (with int8 staging) leaves a context on no other GPU (``nvidia-smi``);
 8. a process with CuPy and no torch loads to its GPU, byte for byte;
 9. a load inside ``torch.cuda.stream(s)`` between NCCL collectives (a group of one) lands the file's bytes;
-10. a group load (``process_group=``) on an NCCL group of one, its agreements and bytes over the gloo
-    group the engine derives from it, fills CUDA tensors and returns CPU tensors byte for byte.
+10. a group load (``process_group=``) on an NCCL group of one, its agreements over the gloo group the
+    engine derives from it, fills CUDA tensors (its rounds through device blocks, sent over NCCL) and
+    returns CPU tensors (over gloo) byte for byte.
 
 ``--device cpu``: rows 1, 2 and 5 on the emulated CUDA runtime (tests/emucudart); the others name the
 tests that check them.  ``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints the rows as JSON.
@@ -318,6 +319,9 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
 
     def nccl_group():
         got, skip = in_nccl_group(
+            "import engine.apps.group_load as gl\n"
+            "blocks, made = [], gl._device_block\n"
+            "gl._device_block = lambda n, d: (blocks.append(str(d)), made(n, d))[1]\n"
             "want = engine.torch.load_file(path)\n"
             "dest = {k: torch.empty_like(v, device=dev) for k, v in want.items()}\n"
             "names = engine.load_into(path, dest, process_group=dist.group.WORLD)\n"
@@ -325,12 +329,14 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
             "torch.cuda.synchronize()\n"
             "out = {'same': sorted(names) == sorted(want) and all(torch.equal(dest[k].cpu().view(torch.uint8), "
             "v.view(torch.uint8)) and torch.equal(owned[k].view(torch.uint8), v.view(torch.uint8)) "
-            "for k, v in want.items())}\n",
+            "for k, v in want.items()), 'device': bool(blocks) and all(b == str(dev) for b in blocks)}\n",
             "tests/test_group_load.py checks a group of another backend")
         if got is None:
             return "skipped", skip
-        return ("ok" if got["same"] else "failed"), (f"load_into CUDA tensors and load_file over an NCCL group of one: "
-                                                     f"bytes {'equal' if got['same'] else 'DIFFER'}")
+        ok = got["same"] and got["device"]
+        return ("ok" if ok else "failed"), (f"load_into CUDA tensors and load_file over an NCCL group of one: "
+                                            f"bytes {'equal' if got['same'] else 'DIFFER'}; load_into's rounds "
+                                            f"{'through device blocks over NCCL' if got['device'] else 'NOT on the device'}")
 
     return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, ordered, contexts, fork, windowed, cupy_contexts,
                                                       cupy_only, nccl, nccl_group), strict=True)]

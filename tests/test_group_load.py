@@ -86,6 +86,12 @@ if os.environ.get("GROUP_TEST_COUNT"):  # the bytes this rank's rounds read from
                 counted[0] += sum(memoryview(d).nbytes for d in dsts)
         return _pread_c(fd, offset, dsts, **k)
     engine.io.reader.pread_into = _counting
+device_blocks = []
+if os.environ.get("GROUP_TEST_DEVICE_PAYLOADS") in ("all", str(rank)):  # the stand-in for NCCL and CUDA
+    import engine.apps.group_load as gl
+    gl.DEVICE_PAYLOADS, gl.PAYLOAD_DEVICES = frozenset({"gloo"}), frozenset({"cpu"})
+    _device_block = gl._device_block
+    gl._device_block = lambda n, d: (device_blocks.append(n), _device_block(n, d))[1]
 group = dist.group.WORLD if len(members) == world else dist.new_group(members)  # every rank makes it
 if os.environ.get("GROUP_TEST_BACKEND"):  # the group as another backend makes it (its collectives are not gloo's)
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
@@ -148,7 +154,7 @@ try:
     raw = {k: (np.ascontiguousarray(v).tobytes() if isinstance(v, np.ndarray)
                else v.contiguous().view(torch.uint8).numpy().tobytes()) for k, v in got.items()}
     result = {"tensors": {k: hashlib.sha256(b).hexdigest() for k, b in raw.items()}, "order": order,
-              "read": counted[0]}
+              "read": counted[0], "device_blocks": len(device_blocks)}
 except BaseException as exc:  # (KeyboardInterrupt too)
     import threading  # the group's reader threads are joined before the error comes out
     alive = [t.name for t in threading.enumerate() if t.name.startswith("engine-group")]
@@ -531,6 +537,46 @@ def test_load_into_fills_every_ranks_tensors(checkpoint, tmp_path):
     for got in _ranks(str(root / "sharded"), tmp_path, mode="into", env={"GROUP_TEST_SHAPES": json.dumps(shapes)}):
         assert got.get("tensors") == _digests(sd), got
         assert sorted(got["order"]) == sorted(sd), got
+
+
+@pytest.mark.parametrize(("where", "bucket"), [("sharded", None), ("one.safetensors", 4096)])
+def test_load_into_sends_the_rounds_through_device_memory_where_the_backend_moves_it(checkpoint, tmp_path, where,
+                                                                                    bucket):
+    """The stand-in for an NCCL group filling CUDA tensors: gloo plays the backend whose
+    collectives move device memory and the CPU the device, so the rounds go through the
+    device path (each share copied up, broadcast between device blocks, copied into the
+    destinations; split tensors, 4 KiB rounds, come back to the host for their checksums)."""
+    root, sd = checkpoint
+    shapes = {k: [list(v.shape), str(v.dtype)] for k, v in sd.items()}
+    opts = {r: {"bucket_bytes": bucket} for r in range(3)} if bucket else None
+    results = _ranks(str(root / where), tmp_path, world=3, mode="into", opts=opts,
+                     env={"GROUP_TEST_SHAPES": json.dumps(shapes), "GROUP_TEST_DEVICE_PAYLOADS": "all"})
+    for got in results:
+        assert got.get("tensors") == _digests(sd), got
+        assert got["device_blocks"] == (1 if bucket is None else 2), got  # one round; or the window's two, reused
+
+
+def test_a_damaged_tensor_sent_through_device_memory_fails_every_rank(checkpoint, tmp_path):
+    root, sd = checkpoint
+    data = bytearray((root / "one.safetensors").read_bytes())
+    header = engine.read_header(str(root / "one.safetensors"))
+    begin, end = header["layers.6.w"].data_offsets
+    data[header.data_start + (begin + end) // 2] ^= 0x10
+    (tmp_path / "bad.safetensors").write_bytes(bytes(data))
+    shapes = {k: [list(v.shape), str(v.dtype)] for k, v in sd.items()}
+    results = _ranks(str(tmp_path / "bad.safetensors"), tmp_path, mode="into", opts={r: {"bucket_bytes": 4096} for r in range(2)},
+                     env={"GROUP_TEST_SHAPES": json.dumps(shapes), "GROUP_TEST_DEVICE_PAYLOADS": "all"})
+    _same_error_everywhere(results, None, "ChecksumError", all_failed=True)
+
+
+def test_ranks_whose_payloads_would_travel_differently_fail_together(checkpoint, tmp_path):
+    """Rank 0 would send through device memory, rank 1 through the host: a GroupMismatch, not
+    two ranks waiting in different collectives."""
+    root, sd = checkpoint
+    shapes = {k: [list(v.shape), str(v.dtype)] for k, v in sd.items()}
+    results = _ranks(str(root / "one.safetensors"), tmp_path, mode="into",
+                     env={"GROUP_TEST_SHAPES": json.dumps(shapes), "GROUP_TEST_DEVICE_PAYLOADS": "0"})
+    assert [(r["error"], r["reason"]) for r in results] == [("DistributedLoadError", "GroupMismatch")] * 2, results
 
 
 def test_load_into_a_wrong_destination_fails_every_rank_before_reading(checkpoint, tmp_path):

@@ -43,7 +43,12 @@ Copies of tensor bytes: 1 on the rank that reads a byte (page cache or socket ->
 block), 1 on every other rank (the collective's receive into its block); :func:`load_into`
 adds one (block -> the destination, host or CUDA).  Host blocks over ``gloo``: a group of
 another backend (NCCL, whose collectives take CUDA tensors only) is served by a gloo group of
-the same ranks, made once by its members.
+the same ranks, made once by its members, for the agreements and host payloads.  A
+:func:`load_into` of CUDA tensors on an NCCL group (:data:`DEVICE_PAYLOADS`) sends its rounds
+through device blocks instead (two per rank by default, of a round each): each reader copies
+its share up and the shares are broadcast over NCCL (NVLink between a machine's GPUs), then
+copied into the destinations on the device; tensors with checksums that lie in two shares come
+back to the host to be checked.
 """
 
 from __future__ import annotations
@@ -245,7 +250,9 @@ def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool
 
     Returns the names filled, in file order.  Copies of tensor bytes: 2 on every rank (the read
     or the collective's receive into a round's host block, then block -> destination as each
-    tensor's round lands).  The rounds' blocks are reused: host memory beyond the
+    tensor's round lands); CUDA destinations on an NCCL group: 3 on a byte's reader (the read,
+    its share up to a device block, the block -> destination), 2 on the others (NCCL's receive
+    into the device block, the block -> destination).  The rounds' blocks are reused: host memory beyond the
     destinations is the rounds in flight (``memory_limit``), whatever the checkpoint's size.
     """
     filled: list[str] = []
@@ -263,7 +270,7 @@ def load_into(source, tensors: Mapping[str, Any], process_group, *, strict: bool
             elif hasattr(dst := target.device_bytes(), "copy_"):  # torch CUDA
                 import torch
 
-                dst.copy_(torch.from_numpy(data))
+                dst.copy_(data if isinstance(data, torch.Tensor) else torch.from_numpy(data))
             else:  # CuPy
                 dst.set(data)
             filled.append(name)
@@ -317,6 +324,8 @@ class _Group:
         import torch.distributed as dist
 
         self.wanted = wanted  # load_into's (destinations, strict, targets filled here)
+        self.given = group  # the caller's group: its backend may move device tensors (DEVICE_PAYLOADS)
+        self.backend = dist.get_backend(group)
         group = _gloo_of(group)
         self.source, self.group, self.framework, self.remote = os.fspath(source), group, framework, remote
         self.max_header_size, self.bucket = max_header_size, max(1, int(bucket_bytes))
@@ -334,6 +343,7 @@ class _Group:
         self.reads = "node"  # who reads for whom (READS)
         self.readers: list[int] = list(range(self.world))  # the ranks that read the bytes this rank gets
         self.xgroup = group  # the group its rounds' bytes are sent over: the node's or the whole group
+        self.device: Any = None  # where the rounds' bytes travel, where not in host memory (load_into's device)
         self._taken: Any = None  # the SIGINT handler that takes it, while installed
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -387,6 +397,7 @@ class _Group:
 
                     self.wanted[2].update({name: fill_target(dst) for name, dst in self.wanted[0].items()})
                     _check_destinations(parts, layout, self.wanted[2], self.wanted[1], self.source)
+                    self.device = _payload_device(self.backend, self.wanted[2].values())
                 if self.quantize is not None:
                     from engine.numerics.quantize import Int8
 
@@ -441,7 +452,8 @@ class _Group:
 
         # the checksum entries too: ranks that check different things would run different collectives
         entries = hashlib.blake2b("|".join(str((p.header.metadata or {}).get(KEY)) for p in parts).encode()).hexdigest()
-        text = f"{digest}:{total}:{self.verify}:{self.wanted is not None}:{entries}:{content}"
+        # where the payloads travel too: ranks that send over different groups would wait on each other
+        text = f"{digest}:{total}:{self.verify}:{self.wanted is not None}:{entries}:{content}:{self.device is None}"
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
     def _agree(self, failed: BaseException | None, fingerprint: int = 0, round_bytes: int = 0) -> int:
@@ -637,6 +649,12 @@ class _Group:
         keeps: list[Any] = [getattr(p.ranges, "keep", None) for p in parts]
         cap = max((rd.hi - rd.lo for rd in rounds), default=0)
         ring: list[Any] = []  # "ring": the reused blocks, made as the first rounds need them
+        dring: list[Any] = []  # with payloads on a device: a device block per round in flight
+        payload = self.xgroup
+        if self.device is not None and self.xgroup is not self.group:  # a machine's ranks, in the caller's backend
+            payload = _subgroup(self.given, dist.get_process_group_ranks(self.xgroup), self.backend)
+        elif self.device is not None:
+            payload = self.given
         staged: dict[int, tuple[Any, int, Any, list]] = {}  # round -> (block, its offset, bytes, reads)
 
         def read(i: int, offset: int, dst, fresh: bool = False) -> None:
@@ -697,12 +715,27 @@ class _Group:
             except BaseException as exc:  # every rank hears of it before the round's collectives
                 failed = failed or exc
             self._agree(failed)
+            dev = None
+            if self.device is not None:  # this rank's share up to the device; the others' come there
+                if len(dring) < window:
+                    dring.append(_device_block(cap, self.device))
+                dev = dring[j % window]
+                for k, (a, b) in zip(self.readers, rd.cuts, strict=True):
+                    if k == self.rank and a < b:
+                        dev[a - rd.lo : b - rd.lo].copy_(torch.from_numpy(flat[a - base : b - base]))
             with _peers(self.source):  # every share's broadcast in flight at once: the links work together
-                works = [dist.broadcast(torch.from_numpy(flat[a - base : b - base]), src=self._src(k),
-                                        group=self.xgroup, async_op=True)
+                works = [dist.broadcast(torch.from_numpy(flat[a - base : b - base]) if dev is None else
+                                        dev[a - rd.lo : b - rd.lo], src=self._src(k),
+                                        group=self.xgroup if dev is None else payload, async_op=True)
                          for k, (a, b) in zip(self.readers, rd.cuts, strict=True) if a < b]
                 for work in works:
                     work.wait()
+            if dev is not None:  # what is checked or kept on the host comes back from the device
+                back = [(a, n) for _, _, a, n in rd.theirs]
+                if self.verify:
+                    back += [(off, n) for i, _, off, n, _ in rd.split if self.checks_of[i] is not None]
+                for a, n in back:
+                    torch.from_numpy(flat[a - base : a - base + n]).copy_(dev[a - rd.lo : a - rd.lo + n])
             try:
                 for i, offset, a, n in rd.theirs:
                     keeps[i](offset, [view[a - base : a - base + n]])
@@ -717,9 +750,14 @@ class _Group:
                             raise  # every rank of the group checked the same bytes: the same verdict
                         self._agree(exc)  # the other nodes hear of it at their next agreement
                         raise
+                    if dev is not None and self.checks_of[item[0]] is not None:  # bytes read again reach the device
+                        _, _, off, n, _ = item
+                        dev[off - rd.lo : off - rd.lo + n].copy_(torch.from_numpy(flat[off - base : off - base + n]))
             for t in range(rd.first, rd.end):
                 i, r, name, off, n = layout[t]
-                if sink is None:
+                if dev is not None:
+                    out = dev[off - rd.lo : off - rd.lo + n]
+                elif sink is None:
                     out = flat[off - base : off - base + n]
                 else:
                     table = parts[i].header.table
@@ -857,21 +895,50 @@ def _gloo_of(group):
 
 
 #: the gloo groups of a machine's ranks within a group (by the group's name and their global ranks)
-_SUBGROUPS: dict[tuple[str, tuple[int, ...]], Any] = {}
+_SUBGROUPS: dict[tuple[str, tuple[int, ...], str], Any] = {}
 
 
-def _subgroup(group, ranks: list[int]):
-    """A gloo group of ``ranks`` (global ranks, all within ``group``), made once, by its members
-    alone (``use_local_synchronization``): other machines' ranks make theirs meanwhile."""
+def _subgroup(group, ranks: list[int], backend: str = "gloo"):
+    """A group of ``ranks`` (global ranks, all within ``group``) on ``backend``, made once, by
+    its members alone (``use_local_synchronization``): other machines' ranks make theirs meanwhile."""
     import torch.distributed as dist
 
     name = dist._get_process_group_name(group) if group is not None else "default"
     if len(ranks) == (dist.get_world_size(group)):
         return group
-    key = (name, tuple(ranks))
+    key = (name, tuple(ranks), backend)
     if key not in _SUBGROUPS:
-        _SUBGROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        _SUBGROUPS[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
     return _SUBGROUPS[key]
+
+
+#: backends whose collectives move device memory: a group load into that device's tensors sends its
+#: rounds there (NVLink between a machine's GPUs) instead of through host memory and gloo
+DEVICE_PAYLOADS = frozenset({"nccl"})
+#: the device types whose tensors those payloads fill
+PAYLOAD_DEVICES = frozenset({"cuda"})
+
+
+def _payload_device(backend: str, targets) -> Any:
+    """The device of ``load_into``'s destinations where the group's backend moves its memory
+    and every destination is a torch tensor on that one device; else None (host payloads)."""
+    if backend not in DEVICE_PAYLOADS:
+        return None
+    devices = {getattr(getattr(t, "tensor", None), "device", None) for t in targets}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    if getattr(device, "type", None) not in PAYLOAD_DEVICES or not all(
+            hasattr(t.tensor, "untyped_storage") for t in targets):
+        return None
+    return device
+
+
+def _device_block(nbytes: int, device):
+    """A round's block on ``device`` (torch's allocator: stream-ordered reuse)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 class _Stopped(Exception):
