@@ -5,8 +5,8 @@ a dimension into ``world_size`` equal parts (fused tensors such as ``qkv_proj`` 
 by part).  :func:`load_tensor_parallel` then reads, on each rank, only the bytes of that
 rank's shard of each tensor: a block of rows is one contiguous range, a block of columns is a
 set of strided ranges, both read by the threaded reader.  For shared storage that is slow
-under many parallel readers, ``mode="broadcast"`` reads each tensor once per node and hands
-the shards out with ``scatter`` / ``broadcast``.
+under many parallel readers, ``mode="broadcast"`` reads the checkpoint once per node, the
+node's ranks each reading a share of every round and exchanging them as a group load does.
 
 The plans are in :mod:`engine.planning.sharding_plan`, the direct reads in :mod:`engine.parallel.tp_direct`,
 broadcast mode in :mod:`engine.parallel.tp_broadcast` and reads through ``safe_open``'s slices in
@@ -97,10 +97,10 @@ def load_tensor_parallel(
         Where the shards go ("cuda:N" on GPU servers; one host-to-device copy per shard).
     mode : {"direct", "broadcast"}
         ``"direct"``: each rank reads only its own bytes (see ``backend``).
-        ``"broadcast"``: the first rank of each node reads every tensor once and hands out
-        shards with ``scatter`` (split tensors) and ``broadcast`` (replicated ones); needs an
-        initialised process group.  Node membership comes from ``LOCAL_WORLD_SIZE`` as set by
-        torchrun (default: one node).
+        ``"broadcast"``: the ranks of each node read the checkpoint once between them and
+        exchange it round by round (:mod:`engine.apps.group_load`; on an NCCL group between
+        device blocks, the tensors on ``device``), each keeping its shard; needs an initialised
+        process group.  Nodes are found by host name.
     names : callable, optional
         ``names(name) -> bool`` keeps only some tensors.
     strided : {"auto", "runs", "spans"}, default "auto"

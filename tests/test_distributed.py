@@ -47,19 +47,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rchar() -> int:
-    """Bytes this process has read with read-family system calls (the kernel's count)."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+def _rchar() -> tuple[int, int]:
+    """(bytes this process has read with read-family system calls, the kernel's count; the
+    bytes this look at /proc/self/io read, which the next look counts)."""
+    with open("/proc/self/io", "rb") as f:
+        data = f.read()
+    return next(int(line.split()[1]) for line in data.splitlines() if line.startswith(b"rchar:")), len(data)
 
 
 def _counted(fn):
-    """(result, bytes read by fn) net of the reads of /proc/self/io itself."""
-    first = _rchar()
-    probe = _rchar() - first  # what one look at /proc/self/io reads
-    before = _rchar()
+    """(result, bytes read by fn) net of the reads of /proc/self/io itself: its text is read
+    before the count is taken, so the second look counts exactly the first one's bytes (a
+    fixed probe missed the text growing by a digit here and there)."""
+    before, look = _rchar()
     result = fn()
-    return result, _rchar() - before - probe
+    return result, _rchar()[0] - before - look
 
 
 def _worker(rank, world, port, path, modes, out_dir):
@@ -211,28 +213,32 @@ def test_broadcast_mode_in_a_tensor_parallel_group_of_ranks_2_and_3(llama_file, 
         assert json.loads((tmp_path / f"sub-rank{rank}.json").read_text()) == {"same": True}
 
 
-def _per_tensor_worker(rank, world, port, path, out_dir, fail):
-    import engine.parallel.tp_broadcast as tb
+def _device_path_worker(rank, world, port, path, out_dir, fail):
+    import engine.apps.group_load as gl
     from engine.errors import DistributedLoadError
 
-    tb.PER_TENSOR_BACKENDS = frozenset({"gloo"})  # NCCL's path, whose collectives gloo runs on the CPU
-    if fail and rank == 0:  # the reader fails on its third tensor
-        real = tb.open_torch
+    # the stand-in for an NCCL group and CUDA tensors: gloo plays the backend that moves device
+    # memory, the CPU the device, so broadcast mode takes the device path (rounds in device blocks)
+    gl.DEVICE_PAYLOADS, gl.PAYLOAD_DEVICES = frozenset({"gloo"}), frozenset({"cpu"})
+    if fail == "host":  # the backend moves device memory only, and the tensors go to the CPU
+        gl.PAYLOAD_DEVICES = frozenset({"cuda"})
+    blocks, made = [], gl._device_block
+    gl._device_block = lambda n, d: (blocks.append(n), made(n, d))[1]
+    if fail == "read" and rank == 0:  # rank 0's reads fail on its third call
+        import engine.io.reader
+
+        real, calls = engine.io.reader.pread_into, []
 
         def failing(*a, **k):
-            handle = real(*a, **k)
-            got, calls = handle.get_tensor, []
+            import threading
 
-            def get_tensor(name):
-                calls.append(name)
+            if threading.current_thread().name.startswith("engine-group"):
+                calls.append(1)
                 if len(calls) == 3:
                     raise OSError("the reader's disk went away")
-                return got(name)
+            return real(*a, **k)
 
-            handle.get_tensor = get_tensor
-            return handle
-
-        tb.open_torch = failing
+        engine.io.reader.pread_into = failing
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         plan = llama_plan(CONFIG, world_size=world)
@@ -240,7 +246,8 @@ def _per_tensor_worker(rank, world, port, path, out_dir, fail):
             got = load_tensor_parallel(path, plan, mode="broadcast")
             want = load_tensor_parallel(path, plan, rank=rank, world_size=world)
             result = {"same": sorted(got) == sorted(want) and all(
-                torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)}
+                torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want),
+                "device": bool(blocks)}
         except DistributedLoadError as exc:
             result = {"error": exc.reason, "rank": exc.rank, "cause": exc.cause}
         with open(os.path.join(out_dir, f"pt-rank{rank}.json"), "w") as f:
@@ -250,19 +257,24 @@ def _per_tensor_worker(rank, world, port, path, out_dir, fail):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fail", [False, True])
-def test_the_per_tensor_path_agrees_before_each_collective(llama_file, tmp_path, fail):
-    """Broadcast mode's per-tensor path (NCCL's, run here on gloo): both ranks get the direct
-    load's shards; a reader that fails on its third tensor fails both ranks, naming it, instead of
-    leaving rank 1 in a scatter that never comes."""
+@pytest.mark.parametrize("fail", ["", "read", "host"])
+def test_broadcast_mode_on_a_device_backend_sends_the_rounds_through_device_blocks(llama_file, tmp_path, fail):
+    """Broadcast mode on a group whose backend moves device memory (NCCL's path, played here by
+    gloo and the CPU): the ranks read shares of the rounds and exchange them between device
+    blocks; both get the direct load's shards.  A read that fails on rank 0 fails both ranks,
+    naming it, instead of leaving rank 1 in a collective that never comes; tensors for a device
+    the backend cannot move (an NCCL group and the CPU) are an OptionError on every rank."""
     path, sd = llama_file
-    mp.spawn(_per_tensor_worker, args=(2, _free_port(), path, str(tmp_path), fail), nprocs=2, join=True)
+    mp.spawn(_device_path_worker, args=(2, _free_port(), path, str(tmp_path), fail), nprocs=2, join=True)
     got = [json.loads((tmp_path / f"pt-rank{r}.json").read_text()) for r in range(2)]
     if not fail:
-        assert got == [{"same": True}] * 2, got
-    else:
+        assert got == [{"same": True, "device": True}] * 2, got
+    elif fail == "read":
         for g in got:
             assert g["error"] == "GroupReadFailed" and g["rank"] == 0 and "disk went away" in g["cause"], g
+    else:
+        for g in got:
+            assert g["error"] == "GroupReadFailed" and g["cause"].startswith("OptionError") and "'cpu'" in g["cause"], g
 
 
 def test_broadcast_mode_reads_a_urls_bytes_once_per_node(llama_file, tmp_path):

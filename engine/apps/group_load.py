@@ -198,7 +198,7 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
            max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
            stats: bool = False, quantize=None, memory_limit: int | None = None,
            read_deadline: float | None = READ_DEADLINE, reads: str = "node", _wanted=None, _select=None,
-           _release: bool = False, _meta=None, _staging: str = "fresh", **remote) -> Iterator[tuple]:
+           _release: bool = False, _meta=None, _staging: str = "fresh", _device=None, **remote) -> Iterator[tuple]:
     """Yield ``(name, tensor)`` on every rank of ``process_group`` as each tensor's round of
     the exchange lands; options, errors and copies as :func:`load`.  Every rank must consume
     the stream to its end.  The tensors are views of one host block per round (of at most
@@ -214,13 +214,16 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
     (the same on every rank); with ``_release`` the caller keeps nothing it was handed past the
     next step of the stream, so the rounds' blocks are reused (a tensor-parallel rank keeps its
     shards, not the block); ``_meta``, a dict, gets ``name -> (format dtype, shape)`` of every
-    tensor before the first is yielded; ``_staging`` (:class:`_Group`) where the rounds land."""
+    tensor before the first is yielded; ``_staging`` (:class:`_Group`) where the rounds land;
+    ``_device`` (a ``torch.device``), where the caller puts the tensors: on a group whose backend
+    moves that device's memory (:data:`DEVICE_PAYLOADS`) the rounds travel there and the tensors
+    handed out are views of a device block (with ``_release``)."""
     staging = "ring" if _release or _wanted is not None else _staging
     with verification(verify_checksums):
         group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote,
                        staging, memory_limit)
         group.select, group.quantize, group.meta, group.deadline = _select, quantize, _meta, read_deadline
-        group.reads = reads
+        group.reads, group.on = reads, _device
         for name, tensor in group:
             yield _hooked(name, tensor, group.meta[name][0], stats, group.spec, group.source) \
                 if stats or group.spec is not None else (name, tensor)
@@ -344,6 +347,7 @@ class _Group:
         self.readers: list[int] = list(range(self.world))  # the ranks that read the bytes this rank gets
         self.xgroup = group  # the group its rounds' bytes are sent over: the node's or the whole group
         self.device: Any = None  # where the rounds' bytes travel, where not in host memory (load_into's device)
+        self.on: Any = None  # the device a caller puts the tensors on (tensor parallelism)
         self._taken: Any = None  # the SIGINT handler that takes it, while installed
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -398,6 +402,13 @@ class _Group:
                     self.wanted[2].update({name: fill_target(dst) for name, dst in self.wanted[0].items()})
                     _check_destinations(parts, layout, self.wanted[2], self.wanted[1], self.source)
                     self.device = _payload_device(self.backend, self.wanted[2].values())
+                if self.on is not None and self.backend in DEVICE_PAYLOADS:
+                    if self.on.type not in PAYLOAD_DEVICES:
+                        from engine.errors import OptionError
+
+                        raise OptionError(f"a {self.backend} group moves {' or '.join(sorted(PAYLOAD_DEVICES))} "
+                                          f"tensors, and the tensors go to {str(self.on)!r}", option="device")
+                    self.device = self.on
                 if self.quantize is not None:
                     from engine.numerics.quantize import Int8
 
@@ -757,6 +768,9 @@ class _Group:
                 i, r, name, off, n = layout[t]
                 if dev is not None:
                     out = dev[off - rd.lo : off - rd.lo + n]
+                    if sink is not None:  # the tensor's dtype and shape over its device bytes
+                        table = parts[i].header.table
+                        out = _device_view(out, int(table.codes[r]), tuple(table.shapes[r]))
                 elif sink is None:
                     out = flat[off - base : off - base + n]
                 else:
@@ -932,6 +946,16 @@ def _payload_device(backend: str, targets) -> Any:
             hasattr(t.tensor, "untyped_storage") for t in targets):
         return None
     return device
+
+
+def _device_view(raw, code: int, shape: tuple):
+    """A torch tensor of dtype ``code`` and ``shape`` over ``raw``, a uint8 device tensor at a
+    64-byte offset of its block (a packed sub-byte dtype's shape is its bytes')."""
+    from engine.base import dtypes
+
+    if code in dtypes.SUB_BYTE_CODES:
+        shape = dtypes.packed_shape(code, shape, raw.numel())
+    return raw.view(dtypes.torch_dtype(code)).view(shape)
 
 
 def _device_block(nbytes: int, device):
