@@ -227,6 +227,38 @@ def test_a_group_of_another_backend_loads_over_a_gloo_group_of_its_ranks(checkpo
         assert got.get("tensors") == _digests(sd), got
 
 
+REINIT = r"""
+import json, socket, sys
+import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+import engine.torch
+out = []
+for _ in range(2):  # a process that sets its group up, loads, tears it down and starts again
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    group = dist.new_group([0], backend="fake")  # the same name both times: the gloo group derived from it must be new
+    try:
+        out.append(len(engine.torch.load_file(sys.argv[1], process_group=group)))
+    except Exception as exc:
+        out.append(f"{type(exc).__name__}: {exc}")
+    dist.destroy_process_group()
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_a_process_that_starts_its_group_again_loads_again(checkpoint):
+    """The gloo group made for a group of another backend is made again once torch has dropped
+    it (``destroy_process_group``), not taken from the cache by a new group's equal name."""
+    root, sd = checkpoint
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", REINIT, str(root / "one.safetensors")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    assert json.loads(line[len("RESULT "):]) == [len(sd), len(sd)], done.stdout + done.stderr[-2000:]
+
+
 def test_a_sub_group_loads_as_the_world_does(checkpoint, tmp_path):
     """Ranks 1 and 2 of three form a group (``new_group``): its ranks broadcast from their
     global ranks; rank 0, outside it, loads nothing."""

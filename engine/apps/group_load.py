@@ -902,10 +902,18 @@ def _gloo_of(group):
     if dist.get_backend(group) == "gloo":
         return group
     name = dist._get_process_group_name(group) if group is not None else "default"
-    if name not in _GLOO:
+    if name not in _GLOO or not _alive(_GLOO[name]):
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         _GLOO[name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
     return _GLOO[name]
+
+
+def _alive(group) -> bool:
+    """Whether a group made here is still registered: ``destroy_process_group`` drops every
+    group, and a group made after a new ``init_process_group`` may take a dropped one's name."""
+    from torch.distributed import distributed_c10d
+
+    return group in distributed_c10d._world.pg_map
 
 
 #: the gloo groups of a machine's ranks within a group (by the group's name and their global ranks)
@@ -921,7 +929,7 @@ def _subgroup(group, ranks: list[int], backend: str = "gloo"):
     if len(ranks) == (dist.get_world_size(group)):
         return group
     key = (name, tuple(ranks), backend)
-    if key not in _SUBGROUPS:
+    if key not in _SUBGROUPS or not _alive(_SUBGROUPS[key]):
         _SUBGROUPS[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
     return _SUBGROUPS[key]
 

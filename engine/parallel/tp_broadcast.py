@@ -37,7 +37,7 @@ def _node_group(world_size: int, process_group):
 
     import torch.distributed as dist
 
-    from engine.apps.group_load import _gloo_of
+    from engine.apps.group_load import _alive, _gloo_of
 
     control = _gloo_of(process_group)
     hosts: list[str | None] = [None] * world_size
@@ -48,7 +48,7 @@ def _node_group(world_size: int, process_group):
     if len(node) == len(ranks):
         return process_group
     name = dist._get_process_group_name(process_group) if process_group is not None else "default"
-    if (name, node) not in _NODES:
+    if (name, node) not in _NODES or not _alive(_NODES[name, node]):
         _NODES[name, node] = dist.new_group(list(node), backend=dist.get_backend(process_group),
                                             use_local_synchronization=True)
     return _NODES[name, node]
