@@ -27,7 +27,7 @@ except ModuleNotFoundError as _exc:  # the ``torch`` extra
 from engine.apps.opener import is_checkpoint_path, safe_open
 from engine.base import dtypes
 from engine.base._files import is_url
-from engine.errors import DeviceError, SerializationError
+from engine.errors import SerializationError
 from engine.format.header import parse_buffer
 from engine.format.verification import verification
 from engine.loading.file_handle import views
@@ -77,8 +77,9 @@ def load_file(
     process_group : torch.distributed.ProcessGroup, optional
         Every rank of the group calls this with the same ``filename``: each reads a share of
         the bytes and sends it to the others, so that the group reads the checkpoint once
-        (:mod:`engine.apps.group_load`; owned CPU tensors, ``gloo``; a file, an index, a
-        folder or a URL with its options).  ``torch.distributed.group.WORLD`` for every rank.
+        (:mod:`engine.apps.group_load`; a file, an index, a folder or a URL with its options;
+        CPU tensors, or each its own allocation on a CUDA ``device``, the rounds sent between
+        the GPUs over NCCL on an NCCL group).  ``torch.distributed.group.WORLD`` for every rank.
     verify_checksums : bool, optional
         Check every tensor against the CRC-32C its file records, where it records them
         (:mod:`engine.format.checksums`), before returning; default True.  A mismatch raises
@@ -115,12 +116,10 @@ def load_file(
 
         return load_finite(filename, "pt", device, verify_checksums)
     if process_group is not None:
-        if torch.device(device if not isinstance(device, int) else f"cuda:{device}").type != "cpu":
-            raise DeviceError(f"process_group= loads to the CPU so far, not {device!r}", reason="UnsupportedDevice")
         from engine.apps.group_load import load as group_load
 
-        return group_load(filename, process_group, verify_checksums=verify_checksums, memory_limit=memory_limit,
-                          **remote)
+        return group_load(filename, process_group, device=device, verify_checksums=verify_checksums,
+                          memory_limit=memory_limit, **remote)
     from engine.apps.opener import memory_limit as within
 
     limited = {"memory_limit": memory_limit}

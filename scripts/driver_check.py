@@ -327,18 +327,22 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
             "names = engine.load_into(path, dest, process_group=dist.group.WORLD)\n"
             "from engine.apps.group_load import stream\n"  # tensor parallelism's broadcast mode: typed device views
             "tp = {k: v.clone() for k, v in stream(path, dist.group.WORLD, _release=True, _device=dev)}\n"
+            "on_dev = dict(engine.stream(path, process_group=dist.group.WORLD, device=dev))\n"
+            "on_dev_owned = engine.torch.load_file(path, process_group=dist.group.WORLD, device=str(dev))\n"
             "owned = engine.torch.load_file(path, process_group=dist.group.WORLD)\n"
             "torch.cuda.synchronize()\n"
             "out = {'same': sorted(names) == sorted(want) and all(torch.equal(dest[k].cpu().view(torch.uint8), "
             "v.view(torch.uint8)) and torch.equal(owned[k].view(torch.uint8), v.view(torch.uint8)) "
             "and tp[k].device == dev and torch.equal(tp[k].cpu().view(torch.uint8), v.view(torch.uint8)) "
+            "and all(d[k].device == dev and torch.equal(d[k].cpu().view(torch.uint8), v.view(torch.uint8)) "
+            "for d in (on_dev, on_dev_owned)) "
             "for k, v in want.items()), 'device': bool(blocks) and all(b == str(dev) for b in blocks)}\n",
             "tests/test_group_load.py checks a group of another backend")
         if got is None:
             return "skipped", skip
         ok = got["same"] and got["device"]
-        return ("ok" if ok else "failed"), (f"load_into CUDA tensors, a device stream and load_file over an NCCL "
-                                            f"group of one: "
+        return ("ok" if ok else "failed"), (f"load_into CUDA tensors, stream and load_file to the GPU and to the "
+                                            f"CPU over an NCCL group of one: "
                                             f"bytes {'equal' if got['same'] else 'DIFFER'}; load_into's rounds "
                                             f"{'through device blocks over NCCL' if got['device'] else 'NOT on the device'}")
 

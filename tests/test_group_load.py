@@ -92,6 +92,9 @@ if os.environ.get("GROUP_TEST_DEVICE_PAYLOADS") in ("all", str(rank)):  # the st
     gl.DEVICE_PAYLOADS, gl.PAYLOAD_DEVICES = frozenset({"gloo"}), frozenset({"cpu"})
     _device_block = gl._device_block
     gl._device_block = lambda n, d: (device_blocks.append(n), _device_block(n, d))[1]
+if os.environ.get("GROUP_TEST_HOST_DEVICES") is not None:  # "cpu" plays a device the tensors are copied to
+    import engine.apps.group_load as gl
+    gl.HOST_DEVICES = frozenset(filter(None, os.environ["GROUP_TEST_HOST_DEVICES"].split(",")))
 group = dist.group.WORLD if len(members) == world else dist.new_group(members)  # every rank makes it
 if os.environ.get("GROUP_TEST_BACKEND"):  # the group as another backend makes it (its collectives are not gloo's)
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
@@ -599,6 +602,31 @@ def test_a_damaged_tensor_sent_through_device_memory_fails_every_rank(checkpoint
     results = _ranks(str(tmp_path / "bad.safetensors"), tmp_path, mode="into", opts={r: {"bucket_bytes": 4096} for r in range(2)},
                      env={"GROUP_TEST_SHAPES": json.dumps(shapes), "GROUP_TEST_DEVICE_PAYLOADS": "all"})
     _same_error_everywhere(results, None, "ChecksumError", all_failed=True)
+
+
+@pytest.mark.parametrize(("mode", "payloads"), [("load", "device"), ("stream", "device"), ("stream", "host")])
+def test_a_group_load_to_a_device_hands_out_tensors_of_their_own_there(checkpoint, tmp_path, mode, payloads):
+    """``load_file``/``stream`` with ``process_group`` and a device: the stand-in plays the CPU as
+    that device (and, for ``"device"`` payloads, gloo as NCCL): rounds in the window's two
+    blocks (device blocks, or host blocks copied up tensor by tensor), every rank every tensor."""
+    root, sd = checkpoint
+    env = {"GROUP_TEST_HOST_DEVICES": ""}
+    if payloads == "device":
+        env["GROUP_TEST_DEVICE_PAYLOADS"] = "all"
+    results = _ranks(str(root / "one.safetensors"), tmp_path, world=3, mode=mode, env=env,
+                     opts={r: {"device": "cpu", "bucket_bytes": 4096} for r in range(3)})
+    for got in results:
+        assert got.get("tensors") == _digests(sd), got
+        assert got["device_blocks"] == (2 if payloads == "device" else 0), got
+
+
+def test_a_group_load_to_a_device_refuses_what_it_cannot_hand_out_there(checkpoint, tmp_path):
+    """numpy arrays (or stats, or int8) for a device: a DeviceError on every rank, at the agreement."""
+    root, sd = checkpoint
+    results = _ranks(str(root / "one.safetensors"), tmp_path, framework="numpy", mode="stream",
+                     env={"GROUP_TEST_HOST_DEVICES": ""}, opts={r: {"device": "cpu"} for r in range(2)})
+    for got in results:
+        assert got.get("error") == "DistributedLoadError" and got["cause"].startswith("DeviceError"), got
 
 
 def test_ranks_whose_payloads_would_travel_differently_fail_together(checkpoint, tmp_path):

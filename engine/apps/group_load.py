@@ -150,6 +150,11 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
         ``torch.distributed.group.WORLD`` or a sub-group, of any backend: the load's
         collectives run on a gloo group of its ranks where it is not gloo's (host tensors).
     framework : {"pt", "numpy"}
+    device : str, int or torch.device, default "cpu"
+        Where the tensors go: the CPU (views of the rounds' host blocks, or an owned load's one
+        block), or a CUDA device (``"pt"`` only, without ``stats`` or ``quantize``): each
+        tensor its own allocation there, copied as its round lands; on an NCCL group the rounds
+        travel between the GPUs over NCCL (device blocks), on gloo through host memory.
     verify_checksums : bool, optional
         Check the CRC-32C the files record (default True): a tensor in one bucket on the rank
         that read it, before it is sent; a tensor in several buckets on every rank once it
@@ -194,7 +199,7 @@ def load(source, process_group, *, framework: str = "pt", **options) -> dict:
     return dict(stream(source, process_group, framework=framework, _staging="whole", **options))
 
 
-def stream(source, process_group, *, framework: str = "pt", verify_checksums: bool | None = None,
+def stream(source, process_group, *, framework: str = "pt", device: Any = "cpu", verify_checksums: bool | None = None,
            max_header_size: int | None = None, bucket_bytes: int = BUCKET_BYTES, chunk_bytes: int | None = None,
            stats: bool = False, quantize=None, memory_limit: int | None = None,
            read_deadline: float | None = READ_DEADLINE, reads: str = "node", _wanted=None, _select=None,
@@ -218,13 +223,17 @@ def stream(source, process_group, *, framework: str = "pt", verify_checksums: bo
     ``_device`` (a ``torch.device``), where the caller puts the tensors: on a group whose backend
     moves that device's memory (:data:`DEVICE_PAYLOADS`) the rounds travel there and the tensors
     handed out are views of a device block (with ``_release``)."""
-    staging = "ring" if _release or _wanted is not None else _staging
+    to = _device_of(device)
+    staging = "ring" if _release or _wanted is not None or to is not None else _staging
     with verification(verify_checksums):
         group = _Group(source, process_group, framework, max_header_size, bucket_bytes, chunk_bytes, _wanted, remote,
                        staging, memory_limit)
         group.select, group.quantize, group.meta, group.deadline = _select, quantize, _meta, read_deadline
-        group.reads, group.on = reads, _device
+        group.reads, group.on = reads, _device if to is None else to
+        group.to, group.stats = to, stats
         for name, tensor in group:
+            if to is not None:  # the tensor's own memory on the device, before the round's block is reused
+                tensor = tensor.to(to) if tensor.device != to else tensor.clone()
             yield _hooked(name, tensor, group.meta[name][0], stats, group.spec, group.source) \
                 if stats or group.spec is not None else (name, tensor)
 
@@ -348,6 +357,8 @@ class _Group:
         self.xgroup = group  # the group its rounds' bytes are sent over: the node's or the whole group
         self.device: Any = None  # where the rounds' bytes travel, where not in host memory (load_into's device)
         self.on: Any = None  # the device a caller puts the tensors on (tensor parallelism)
+        self.to: Any = None  # the device the tensors handed out are copied to (stream's ``device``)
+        self.stats = False
         self._taken: Any = None  # the SIGINT handler that takes it, while installed
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -413,6 +424,11 @@ class _Group:
                     from engine.numerics.quantize import Int8
 
                     self.spec = Int8.of(self.quantize)
+                if self.to is not None and (self.framework != "pt" or self.spec is not None or self.stats):
+                    from engine.errors import DeviceError
+
+                    raise DeviceError(f"a group load to {str(self.to)!r} hands out torch tensors, without stats or "
+                                      "quantize (those run on the CPU)", reason="UnsupportedDevice")
                 # each file's checks, looked up once (None: no checksums, or not checking); a header
                 # that fails its own checksum, and an empty tensor's wrong one, fail here
                 self.checks_of = [Checks.of(p.header, p.path) if self.verify else None for p in parts]
@@ -954,6 +970,21 @@ def _payload_device(backend: str, targets) -> Any:
             hasattr(t.tensor, "untyped_storage") for t in targets):
         return None
     return device
+
+
+#: devices whose tensors a group stream hands out as views of its rounds' host blocks
+HOST_DEVICES = frozenset({"cpu"})
+
+
+def _device_of(device) -> Any:
+    """``device`` as a ``torch.device`` where a group load copies its tensors there; None for
+    the host (the rounds' own views)."""
+    if device is None or (isinstance(device, str) and device.partition(":")[0] in HOST_DEVICES):
+        return None
+    import torch
+
+    out = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return None if out.type in HOST_DEVICES else out
 
 
 def _device_view(raw, code: int, shape: tuple):

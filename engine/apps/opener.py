@@ -253,8 +253,9 @@ def stream(path, **options):
     :mod:`engine.urls.remote_cache`), with the same options.  ``process_group=`` (a
     ``torch.distributed`` group; every rank calls this with the same source and consumes the
     stream to its end) reads each byte once in the group and yields each tensor on every rank
-    as its last bucket is exchanged (:func:`engine.apps.group_load.stream`; CPU; ``stats`` and
-    ``quantize`` as here, ``cache_dir`` for URLs)."""
+    as its last bucket is exchanged (:func:`engine.apps.group_load.stream`; the CPU, or a CUDA
+    ``device`` for torch tensors; ``stats`` and ``quantize`` as here on the CPU, ``cache_dir``
+    for URLs)."""
     if options.get("process_group") is not None:
         return _group_stream(path, **options)
     options.pop("process_group", None)
@@ -277,13 +278,9 @@ def stream(path, **options):
 
 def _group_stream(path, *, process_group, framework: str = "pt", device: Any = "cpu", **options):
     """:func:`stream` shared by a process group (:func:`engine.apps.group_load.stream`)."""
-    if str(device).partition(":")[0] != "cpu":
-        from engine.errors import DeviceError
-
-        raise DeviceError(f"process_group= streams to the CPU so far, not {device!r}", reason="UnsupportedDevice")
     from engine.apps.group_load import stream as group_stream
 
-    return group_stream(path, process_group, framework=framework, **options)
+    return group_stream(path, process_group, framework=framework, device=device, **options)
 
 
 def memory_limit(options: dict, on_device: bool, *, sizes_ring: bool = True) -> None:
