@@ -318,6 +318,16 @@ def test_a_read_that_fails_on_one_ranks_share_reaches_every_rank(checkpoint, tmp
     _same_error_everywhere(results, 1, "NotFound" if fault == "404" else "Error")
 
 
+def _damaged(root, tmp_path) -> None:
+    """``bad.safetensors`` in ``tmp_path``: ``one.safetensors`` with a byte in the middle of its
+    last large tensor flipped."""
+    data = bytearray((root / "one.safetensors").read_bytes())
+    header = engine.read_header(str(root / "one.safetensors"))
+    begin, end = header["layers.6.w"].data_offsets
+    data[header.data_start + (begin + end) // 2] ^= 0x10
+    (tmp_path / "bad.safetensors").write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("bucket", [None, 4096])
 def test_a_damaged_tensor_in_one_ranks_share_fails_every_rank(checkpoint, tmp_path, bucket):
     """A byte in the middle of the last large tensor flipped on disk.  In one round of the whole
@@ -325,11 +335,7 @@ def test_a_damaged_tensor_in_one_ranks_share_fails_every_rank(checkpoint, tmp_pa
     0 hears why.  In rounds of 4 KiB the tensor is a round alone, shared by both ranks: it fails
     on every rank once it came."""
     root, sd = checkpoint
-    data = bytearray((root / "one.safetensors").read_bytes())
-    header = engine.read_header(str(root / "one.safetensors"))
-    begin, end = header["layers.6.w"].data_offsets
-    data[header.data_start + (begin + end) // 2] ^= 0x10
-    (tmp_path / "bad.safetensors").write_bytes(bytes(data))
+    _damaged(root, tmp_path)
     opts = {r: {"bucket_bytes": bucket} for r in range(2)} if bucket else None
     results = _ranks(str(tmp_path / "bad.safetensors"), tmp_path, opts=opts)
     _same_error_everywhere(results, None if bucket else 1, "ChecksumError", all_failed=bucket is not None)
@@ -593,11 +599,7 @@ def test_load_into_sends_the_rounds_through_device_memory_where_the_backend_move
 
 def test_a_damaged_tensor_sent_through_device_memory_fails_every_rank(checkpoint, tmp_path):
     root, sd = checkpoint
-    data = bytearray((root / "one.safetensors").read_bytes())
-    header = engine.read_header(str(root / "one.safetensors"))
-    begin, end = header["layers.6.w"].data_offsets
-    data[header.data_start + (begin + end) // 2] ^= 0x10
-    (tmp_path / "bad.safetensors").write_bytes(bytes(data))
+    _damaged(root, tmp_path)
     shapes = {k: [list(v.shape), str(v.dtype)] for k, v in sd.items()}
     results = _ranks(str(tmp_path / "bad.safetensors"), tmp_path, mode="into", opts={r: {"bucket_bytes": 4096} for r in range(2)},
                      env={"GROUP_TEST_SHAPES": json.dumps(shapes), "GROUP_TEST_DEVICE_PAYLOADS": "all"})
