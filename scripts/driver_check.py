@@ -14,7 +14,11 @@
 9. a load inside ``torch.cuda.stream(s)`` between NCCL collectives (a group of one) lands the file's bytes;
 10. a group load (``process_group=``) on an NCCL group of one, its agreements over the gloo group the
     engine derives from it, fills CUDA tensors (its rounds through device blocks, sent over NCCL) and
-    returns CPU tensors (over gloo) byte for byte.
+    returns CPU tensors (over gloo) byte for byte;
+11. a loaded tensor copied on a side stream behind a slow kernel, ``record_stream``-ed and dropped with the
+    rest of the load before the copy runs, then its memory asked for again and overwritten: the copy has
+    the file's bytes (with ``per_tensor=False``'s one block, which the caching allocator does not own,
+    the detail says whether it did not).
 
 ``--device cpu``: rows 1, 2 and 5 on the emulated CUDA runtime (tests/emucudart); the others name the
 tests that check them.  ``python scripts/driver_check.py --device cuda:0 --dir DIR`` prints the rows as JSON.
@@ -35,7 +39,8 @@ ROWS = ("driver: no stale error after a load", "driver: current device unchanged
         "driver: load_into after a queued zero_()", "driver: no context on another GPU",
         "driver: a load in a forked child", "driver: windowed int8 on the torch fallback",
         "driver: no context on another GPU after a CuPy load", "driver: a CuPy-only process",
-        "driver: a load in torch.cuda.stream(s) beside NCCL", "driver: a group load on an NCCL group")
+        "driver: a load in torch.cuda.stream(s) beside NCCL", "driver: a group load on an NCCL group",
+        "driver: record_stream on a loaded tensor")
 #: torch.cuda._sleep's cycles ahead of the queued zero_() (about half a second on an H100)
 SLEEP_CYCLES = 1_000_000_000
 
@@ -346,8 +351,32 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
                                             f"bytes {'equal' if got['same'] else 'DIFFER'}; load_into's rounds "
                                             f"{'through device blocks over NCCL' if got['device'] else 'NOT on the device'}")
 
+    def side_copy(per_tensor: bool) -> bool:
+        """The largest tensor copied on a side stream that runs after the load is dropped and its
+        memory handed out again; whether the copy has the file's bytes."""
+        name = max(tensors, key=lambda k: tensors[k].nbytes)
+        got = dict(engine.stream(path, framework="pt", device=str(target), per_tensor=per_tensor))
+        side = torch.cuda.Stream(device=target)
+        side.wait_stream(torch.cuda.current_stream(target))
+        with torch.cuda.stream(side):
+            out = torch.empty(tensors[name].nbytes, dtype=torch.uint8, device=target)
+            torch.cuda._sleep(SLEEP_CYCLES // 2)  # the copy runs after what follows is queued
+            out.copy_(got[name].view(-1).view(torch.uint8))
+        got[name].record_stream(side)
+        del got
+        total = sum(v.nbytes for v in tensors.values())
+        again = [torch.full((total // 4,), 0xFF, dtype=torch.uint8, device=target) for _ in range(4)]
+        torch.cuda.synchronize()
+        del again
+        return torch.equal(out.cpu(), tensors[name].reshape(-1).view(torch.uint8))
+
+    def recorded():
+        held, shared = side_copy(True), side_copy(False)
+        return ("ok" if held else "failed"), (f"the side stream's copy {'has' if held else 'LOST'} the file's bytes; "
+                                              f"with per_tensor=False it {'has them' if shared else 'lost them'}")
+
     return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, ordered, contexts, fork, windowed, cupy_contexts,
-                                                      cupy_only, nccl, nccl_group), strict=True)]
+                                                      cupy_only, nccl, nccl_group, recorded), strict=True)]
 
 
 def emulated_rows(folder: str) -> list[dict]:
@@ -390,8 +419,8 @@ def emulated_rows(folder: str) -> list[dict]:
         after = emu.current_device()
         return ("ok" if ok and after == 0 else "failed"), f"current device 0 before, {after} after a load to device 1 (emulated runtime)"
 
-    def elsewhere(test: str = "tests/test_device_ring.py"):
-        return lambda: ("skipped", f"no CUDA device: {test} checks it on the emulated runtime")
+    def elsewhere(test: str = "tests/test_device_ring.py", on: str = "the emulated runtime"):
+        return lambda: ("skipped", f"no CUDA device: {test} checks it on {on}")
 
     try:
         return [_row(name, fn) for name, fn in zip(ROWS, (stale, current, elsewhere(), elsewhere(),
@@ -400,7 +429,8 @@ def emulated_rows(folder: str) -> list[dict]:
                                                           elsewhere("tests/test_load_hooks.py"),
                                                           elsewhere("tests/test_cudart.py"),
                                                           elsewhere(),
-                                                          elsewhere("tests/test_group_load.py")), strict=True)]
+                                                          elsewhere("tests/test_group_load.py"),
+                                                          elsewhere("tests/test_torch.py", "the CPU as the device")), strict=True)]
     finally:
         rings.release_rings()
         ops.close()

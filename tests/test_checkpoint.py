@@ -606,7 +606,7 @@ def test_owned_load_of_a_checkpoint_is_one_pipeline(sharded, monkeypatch, framew
 
 
 @pytest.mark.parametrize("gpu_path", ["copy", "auto"])
-def test_device_load_of_a_checkpoint_is_one_pipeline_into_one_allocation(sharded, monkeypatch, gpu_path):
+def test_device_load_of_a_checkpoint_is_one_pipeline(sharded, monkeypatch, gpu_path):
     from engine.loading import pipeline
 
     path, sd, split = sharded
@@ -626,7 +626,7 @@ def test_device_load_of_a_checkpoint_is_one_pipeline_into_one_allocation(sharded
             with_bytes = [s for s in c.shards if c.info.headers[s].data_size]
             assert runs == [with_bytes] and sink.allocations == [len(sd)]
             sub = c.get_tensors(["lm_head.weight", "model.layers.0.bias"])
-            assert sink.allocations == [len(sd), 2]
+            assert sink.allocations == [len(sd), 2] and sink.per_tensor == [True, True]
     finally:
         emulator.assert_clean()
         sink.ops.close()

@@ -532,6 +532,27 @@ def test_load_file_into_a_device_is_one_pipeline_in_file_order(model_file, monke
     for name, a in sd.items():
         assert bytes(out[name]) == a.tobytes(), name
     assert emulator.stats()["copies"] > 0 and sink.allocations == [len(sd)]
+    assert sink.per_tensor == [True]  # each tensor the framework allocator's own (record_stream holds)
+
+
+def test_a_device_stream_asks_one_allocation_per_tensor_unless_told(model_file, monkeypatch):
+    """torch's record_stream holds only on storages its caching allocator made: a device
+    load gives every tensor its own by default, one shared block only when asked."""
+    path, sd = model_file
+    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
+
+    emulator = Emulator()
+    emulator.reset()
+    sink = EmulatedSink(EmulatedRingOps(emulator))
+    monkeypatch.setattr(engine.loading.loader, "sink_for", lambda framework, device: sink)
+    try:
+        for options in ({}, {"per_tensor": False}):
+            got = dict(engine.stream(path, framework="np", device="emulated", **options))
+            assert {k: bytes(v) for k, v in got.items()} == {k: a.tobytes() for k, a in sd.items()}
+    finally:
+        emulator.assert_clean()
+        sink.ops.close()
+    assert sink.per_tensor == [True, False]
 
 
 def test_torch_load_file_pread_takes_the_short_path_and_equals_the_reference(model_file, monkeypatch):

@@ -124,6 +124,29 @@ def test_own_storage_over_one_allocation():
     assert t.tolist() == [(256 + i) % 256 for i in range(256)]
 
 
+def test_device_destinations_are_the_caching_allocators_own_unless_shared():
+    """record_stream records only on storages torch's allocator made (on a CUDA device, its
+    caching allocator): the default destinations are such storages, each over its tensor's
+    bytes; the one block of per_tensor=False hands out storages it did not make (not
+    resizable), which is why that layout is opt-in.  The device played by the CPU."""
+    from engine.base import dtypes
+    from engine.sinks.torch import allocate_device
+
+    specs = [(0, dtypes.BY_NAME["F32"].code, [4, 4], 64), (1, dtypes.BY_NAME["I8"].code, [3], 3),
+             (2, dtypes.BY_NAME["BF16"].code, [0], 0)]
+    cpu = torch.device("cpu")
+    tensors, targets = allocate_device(specs, cpu)
+    assert [tuple(tensors[r].shape) for r in range(3)] == [(4, 4), (3,), (0,)]
+    assert tensors[2].dtype == torch.bfloat16
+    for row in (0, 1):
+        storage = tensors[row].untyped_storage()
+        assert storage.resizable() and storage.nbytes() == tensors[row].nbytes, row
+        assert targets[row].data_ptr() == tensors[row].data_ptr() and targets[row].dtype == torch.uint8
+    assert tensors[0].data_ptr() != tensors[1].data_ptr()
+    shared, _ = allocate_device(specs, cpu, per_tensor=False)
+    assert not any(shared[r].untyped_storage().resizable() for r in (0, 1))
+
+
 def test_load_to_other_torch_devices(model_file):
     """Devices other than cpu and cuda get the tensors through .to(), as the reference does."""
     path, state = model_file

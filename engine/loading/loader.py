@@ -79,8 +79,8 @@ def key_bases(parts: Sequence[Part]) -> list[int]:
 
 
 def _destination(sink, parts: Sequence[Part], bases: list[int], per_tensor: bool):
-    """Tensors for every row of every part, keyed ``bases[i] + row``, in one allocation
-    (unless ``per_tensor``); returns (key -> tensor, Destination)."""
+    """Tensors for every row of every part, keyed ``bases[i] + row`` (on a device, one
+    allocation each, or one for all unless ``per_tensor``); returns (key -> tensor, Destination)."""
     specs = []
     for p, b in zip(parts, bases, strict=True):
         t = p.header.table
@@ -139,15 +139,16 @@ def load_parts(
     *,
     threads: int | None = None,
     chunk_bytes: int | None = None,
-    per_tensor: bool = False,
+    per_tensor: bool = True,
     gpu_path: str = "auto",
     slot_bytes: int | None = None,
 ) -> list[dict[int, Any]]:
     """Read the rows of one or more open files into new tensors of ``sink``, as one load.
 
     Every file's reads go into one queue served by one set of reader threads (host
-    destinations) or one chunk ring (devices), into one allocation: the shards of
-    a checkpoint share them instead of each starting its own.  Returns, per part,
+    destinations) or one chunk ring (devices): the shards of a checkpoint share them
+    instead of each starting its own.  Host destinations are one allocation; device
+    destinations one per tensor unless ``per_tensor=False``.  Returns, per part,
     row -> tensor.  Device loads: ``threads`` copy threads of the ring (default its
     geometry's), ``gpu_path`` and ``slot_bytes`` as in
     :func:`engine.loading.pipeline.run_sources`.
@@ -221,8 +222,11 @@ def stream(
         threads that read and fold (default one per core, 2 to 8).
     chunk_bytes : int, optional
         Bytes per read request (default 16 MiB).
-    per_tensor : bool, default False
-        On a GPU: one allocation per tensor instead of one per load.
+    per_tensor : bool, default True
+        On a GPU: one allocation per tensor from the framework's allocator, as the reference
+        makes them.  ``False`` puts every tensor of the load in one allocation, each with a
+        storage of its own over its range; torch's ``record_stream`` records nothing on such
+        storages, so a consumer that reads them on a side stream keeps them until that work is done.
     stats : bool, default False
         Also compute each tensor's :class:`~engine.statistics.Stats` (needs Numba; one file
         only).  The reader threads read each piece in 256 KiB windows and summarise every
@@ -325,7 +329,7 @@ def stream_parts(
     layers=None,
     threads: int | None = None,
     chunk_bytes: int | None = None,
-    per_tensor: bool = False,
+    per_tensor: bool = True,
     stats: bool = False,
     quantize=None,
     gpu_path: str = "auto",

@@ -103,7 +103,7 @@ class CupySink(NumpySink):
         """The device operations the copy ring needs."""
         return CupyOps(self.device_id)
 
-    def allocate_device(self, specs, per_tensor: bool = False):
+    def allocate_device(self, specs, per_tensor: bool = True):
         """(row -> cupy array, row -> uint8 target array, CupyOps) for a device load."""
         tensors, targets = {}, {}
         with cupy.cuda.Device(self.device_id):

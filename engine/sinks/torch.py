@@ -91,7 +91,7 @@ class TorchSink:
             return None
         return TorchCudaOps(self.device)
 
-    def allocate_device(self, specs, per_tensor: bool = False):
+    def allocate_device(self, specs, per_tensor: bool = True):
         """(row -> device tensor, row -> uint8 target, DeviceOps) for a device load."""
         tensors, targets = allocate_device(specs, self.device, per_tensor)
         return tensors, targets, TorchCudaOps(self.device)
@@ -186,12 +186,15 @@ def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> to
 DEVICE_ALIGNMENT = 256
 
 
-def allocate_device(specs, device: torch.device, per_tensor: bool = False):
+def allocate_device(specs, device: torch.device, per_tensor: bool = True):
     """Device tensors for ``specs`` = [(row, code, shape, nbytes)] and their byte targets.
 
-    By default one allocation holds every tensor, each at an offset aligned to
-    :data:`DEVICE_ALIGNMENT`, and each tensor still has a storage of its own over exactly
-    its bytes (see :func:`own_storage`); ``per_tensor=True`` makes one allocation per tensor.
+    By default each tensor is an allocation of torch's caching allocator, so that
+    ``record_stream`` on it holds (a consumer copying on a side stream and dropping the
+    tensors frees nothing that stream still reads).  ``per_tensor=False`` puts every tensor
+    in one allocation, each at an offset aligned to :data:`DEVICE_ALIGNMENT` with a storage
+    of its own over exactly its bytes (see :func:`own_storage`); torch's caching allocator
+    does not own such storages, so ``record_stream`` on them records nothing.
 
     Returns
     -------

@@ -291,8 +291,8 @@ class EmulatedRingOps:
 class EmulatedSink:
     """A device sink over the emulated runtime, for driving the engine's public loaders (a
     ``safe_open`` handle's ``get_tensor`` loop) down to the ring: "device" tensors are numpy
-    arrays, allocated as a CUDA sink allocates them (one block per load); ``allocations``
-    records each allocation's number of tensors."""
+    arrays, allocated in one block per load whatever ``per_tensor`` asks; ``allocations``
+    records each load's number of tensors and ``per_tensor`` what each asked."""
 
     name = "numpy"
     on_device = True
@@ -304,12 +304,14 @@ class EmulatedSink:
         self.ops = ops
         self.host = NumpySink()
         self.allocations: list[int] = []
+        self.per_tensor: list[bool] = []
 
     def ring_ops(self) -> EmulatedRingOps:
         return self.ops
 
-    def allocate_device(self, specs, per_tensor: bool = False):
+    def allocate_device(self, specs, per_tensor: bool = True):
         self.allocations.append(len(specs))
+        self.per_tensor.append(per_tensor)
         total = sum(n for _, _, _, n in specs)
         block = np.empty(max(total, 1), np.uint8)
         tensors, targets, off = {}, {}, 0
