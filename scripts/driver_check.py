@@ -10,7 +10,8 @@
 6. int8 through the torch fallback (numba's kernels set aside) in windows, inside a stream whose queue
    lags behind a slow kernel, equals the CPU kernels' output;
 7. a CuPy load to the last GPU (with int8 staging) leaves a context on no other GPU (``nvidia-smi``);
-8. a process with CuPy and no torch loads to its GPU, byte for byte;
+8. a process with CuPy and no torch (no ``libcudart`` mapped: the driver's entry points) loads to its GPU,
+   byte for byte;
 9. a load inside ``torch.cuda.stream(s)`` between NCCL collectives (a group of one) lands the file's bytes;
 10. a group load (``process_group=``) on an NCCL group of one, its agreements over the gloo group the
     engine derives from it, fills CUDA tensors (its rounds through device blocks, sent over NCCL) and
@@ -276,11 +277,14 @@ def cuda_rows(device: str, folder: str) -> list[dict]:
             f"got = dict(engine.stream({path!r}, framework='cupy', device='cuda:0'))\n"
             "same = all(cupy.asnumpy(got[k]).tobytes() == np.ascontiguousarray(v).tobytes() for k, v in want.items())\n"
             "rings.release_rings()\n"
-            "print('RESULT', json.dumps({'same': same, 'torch': 'torch' in sys.modules and sys.modules['torch'] is not None}))\n",
+            "from engine.gpu import cudart\n"
+            "print('RESULT', json.dumps({'same': same, 'torch': 'torch' in sys.modules and sys.modules['torch'] is not None,"
+            " 'route': cudart.cuda_runtime_path()}))\n",
             no_torch=True)
         got = harness.run_code(code, env=harness.child_env(), timeout=120)
         ok = got["same"] and not got["torch"]
-        return ("ok" if ok else "failed"), f"a process without torch loaded with CuPy: bytes {'equal' if got['same'] else 'DIFFER'}"
+        return ("ok" if ok else "failed"), (f"a process without torch loaded with CuPy through {got['route']}: "
+                                            f"bytes {'equal' if got['same'] else 'DIFFER'}")
 
     def in_nccl_group(body: str, test: str):
         """``body`` run in a fresh process that is the one rank of an NCCL group on the target

@@ -26,9 +26,13 @@ def test_no_runtime_without_cuda():
 # -- the torch ops over the runtime, with the CUDA calls stubbed ------------------------------------
 
 
-def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path, monkeypatch):
+@pytest.mark.parametrize("route", ["runtime", "driver"])
+def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path, monkeypatch, route):
     """TorchCudaOps on CPU tensors through the native ring, the CUDA runtime emulated: the
-    torch side (device addresses from ``data_ptr``, the ring's entry points) lands every byte."""
+    torch side (device addresses from ``data_ptr``, the ring's entry points) lands every byte.
+    ``driver``: the ring calls the driver's entry points in the runtime's place, as in a
+    process that maps no runtime; they fail on a thread with no current context, which the
+    runtime's would have bound."""
     torch = pytest.importorskip("torch", reason="torch is an optional extra")
     import numpy as np
     from emucudart import Emulator
@@ -45,7 +49,7 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
         device_index = 0  # a CPU device has no CUDA index
 
         def runtime_path(self):
-            return emu.path
+            return ("driver:" if route == "driver" else "") + emu.path
 
     ops = Ops(torch.device("cpu"))
     rng = np.random.default_rng(5)
@@ -69,6 +73,10 @@ def test_torch_cuda_ops_drive_the_chunk_ring_over_the_emulated_runtime(tmp_path,
     st = emu.stats()
     assert st["copies"] > 0 and st["pageable"] == 0 and st["registered"] == 0 and st["events"] == 0
     assert st["streams"] == 0  # the ring's own, destroyed with it
+    emu.assert_clean()
+    from engine.gpu import cudart
+
+    assert cudart.runtime(ops.runtime_path()).driver_route == (route == "driver")
 
 
 # -- which libcudart: the framework's CUDA major --------------------------------------------------
@@ -95,32 +103,44 @@ def test_the_runtime_of_the_frameworks_cuda_major_is_chosen(tmp_path):
     twelve, thirteen, first = run_python(code, timeout=120).split()
     assert twelve == str(tmp_path / "libcudart.so.12") and thirteen == str(tmp_path / "libcudart.so.13")
     assert first in (twelve, thirteen)  # no major known: the first mapped, as before
-    code = "from engine.gpu import cudart\nprint(cudart.cuda_runtime_path(12))\n"
-    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
-    assert run_python(code, timeout=120, env=env).split() == ["libcudart.so.12"]  # nothing mapped: its soname first
 
 
-def test_the_runtime_of_an_nvidia_wheel_is_found_where_pip_put_it(tmp_path):
-    """A pip-only install (CuPy, whose runtime is linked in statically, beside the
-    ``nvidia-cuda-runtime-cu12`` wheel) maps no ``libcudart`` and has none on the loader's path:
-    the wheel's, in ``nvidia/cuda_runtime/lib`` of the packages' folder, is the one opened.
-    The ring then loads and lands its bytes through it."""
+def _loads(name: str) -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(name)
+    except OSError:
+        return False
+    return True
+
+
+def test_a_process_that_maps_no_runtime_is_served_by_the_driver(tmp_path):
+    """CuPy links its runtime in statically: its process maps no ``libcudart``.  The driver
+    (``libcuda.so.1``, which every CUDA process maps) stands for the runtime then, not some
+    ``libcudart`` the loader happens to find (a second instance, of some major; here a
+    ``libcudart.so.12`` is on the loader's path beside it, and the machine's own may be too).
+    Without a driver there is nothing to copy through: None."""
     import shutil
 
     from emucudart import Emulator
 
-    lib = tmp_path / "site" / "nvidia" / "cuda_runtime" / "lib"
-    lib.mkdir(parents=True)
-    shutil.copy(Emulator().path, lib / "libcudart.so.12")
+    shutil.copy(Emulator().path, tmp_path / "libcudart.so.12")
     code = (
-        f"import sys\nsys.path.insert(0, {str(tmp_path / 'site')!r})\n"
         "from engine.gpu import cudart\n"
-        "print(cudart.cuda_runtime_path(12))\n"
-        "rt = cudart.runtime(cudart.cuda_runtime_path(12))\n"
-        "print(rt.error_string(2))\n"
+        "path = cudart.cuda_runtime_path(12)\n"
+        "print(path)\n"
+        "if path:\n"
+        "    rt = cudart.runtime(path)\n"
+        "    print(rt.driver_route, rt.path, rt.error_string(2))\n"
     )
-    out = run_python(code, timeout=120).splitlines()
-    assert out == [str(lib / "libcudart.so.12"), "out of memory"]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    expected = [["driver:libcuda.so.1"], ["True libcuda.so.1 out of memory"]] if _loads("libcuda.so.1") else [["None"]]
+    if not _loads("libcuda.so.1"):
+        assert [line.split(" ", 2) for line in run_python(code, timeout=120, env=env).splitlines()] == expected
+    shutil.copy(Emulator().path, tmp_path / "libcuda.so.1")  # a driver on the loader's path
+    out = run_python(code, timeout=120, env=env).splitlines()
+    assert out == ["driver:libcuda.so.1", "True libcuda.so.1 out of memory"]
 
 
 # -- "cuda" without an index: the caller's device, resolved on the caller's thread -----------------

@@ -134,3 +134,33 @@ def test_a_synchronous_copy_may_return_before_its_bytes_land(emu):
         assert (dst == 3).all()
     finally:
         emu.delay(0)
+
+
+def test_the_drivers_calls_need_a_current_context(emu):
+    """The driver route's entry points fail on a thread with no current context
+    (CUDA_ERROR_INVALID_CONTEXT), where the runtime's bind the device's primary context."""
+    import threading
+
+    emu.reset()
+    got: dict = {}
+
+    def fresh() -> None:  # a thread that never made a context current
+        ev = ctypes.c_void_p()
+        got["driver"] = emu.lib.cuEventCreate(ctypes.byref(ev), 2)
+        ctx = ctypes.c_void_p()
+        emu.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0)
+        emu.lib.cuCtxSetCurrent(ctx)
+        got["with a context"] = emu.lib.cuEventCreate(ctypes.byref(ev), 2)
+        got["destroyed"] = emu.lib.cuEventDestroy_v2(ev)
+        emu.lib.cuCtxSetCurrent(None)
+        emu.lib.cuDevicePrimaryCtxRelease_v2(0)
+        got["runtime"] = emu.lib.cudaEventCreateWithFlags(ctypes.byref(ev), 2)  # binds one
+        emu.lib.cudaEventDestroy(ev)
+
+    t = threading.Thread(target=fresh)
+    t.start()
+    t.join()
+    assert got == {"driver": 201, "with a context": 0, "destroyed": 0, "runtime": 0}
+    text = ctypes.c_char_p()
+    assert emu.lib.cuGetErrorString(2, ctypes.byref(text)) == 0 and text.value == b"out of memory"
+    assert emu.lib.cuGetErrorString(12345, ctypes.byref(text)) == 1

@@ -58,6 +58,7 @@ cdef class Runtime:
     cdef void* driver
     cdef _Rt rt
     cdef readonly str path
+    cdef readonly bint driver_route
 
     cdef void _close(self)
 

@@ -1,6 +1,6 @@
-"""The CUDA runtime the chunk ring calls: which ``libcudart`` (the one torch or CuPy loaded,
-so the same instance, contexts and streams) and that library opened, once per path, with its
-entry points looked up by name (:mod:`engine.gpu._cudart`)."""
+"""The CUDA runtime the chunk ring calls: which ``libcudart`` (the one torch loaded, so the
+same instance, contexts and streams; else the driver standing for it) and that library opened,
+once per path, with its entry points looked up by name (:mod:`engine.gpu._cudart`)."""
 
 from __future__ import annotations
 
@@ -45,67 +45,52 @@ def _loaded_cudart_path(major: int | None = None) -> str | None:
     return pick
 
 
-#: sonames tried when no runtime is mapped yet: the framework's major first, then newest first
-_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+#: the prefix of a "runtime path" that names the CUDA driver standing for the runtime
+DRIVER_ROUTE = "driver:"
 
 
-def _wheel_cudart_path(major: int | None) -> str | None:
-    """The ``libcudart`` of the NVIDIA runtime wheel (``nvidia-cuda-runtime-cu12`` and the
-    like: ``nvidia/cuda_runtime/lib``) where pip put it beside the framework, or None.  Such a
-    folder is not on the dynamic loader's path: a framework that links its runtime statically
-    (CuPy) maps no ``libcudart`` the process could find otherwise."""
-    import importlib.util
+def _driver_path() -> str | None:
+    """The CUDA driver's library where the dynamic loader finds it (every process that uses
+    CUDA maps it), else None."""
+    import ctypes
+
+    from engine.gpu._cudart import DRIVER
 
     try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
+        ctypes.CDLL(DRIVER)
+    except OSError:
         return None
-    if spec is None:
-        return None
-    names = ([f"libcudart.so.{major}"] if major is not None else []) + list(_SONAMES)
-    for root in spec.submodule_search_locations or ():
-        lib = os.path.join(root, "cuda_runtime", "lib")
-        for name in names:
-            path = os.path.join(lib, name)
-            if os.path.exists(path):
-                return path
-    return None
+    return DRIVER
 
 
 def cuda_runtime_path(major: int | None = None) -> str | None:
     """Path of the ``libcudart`` this process has loaded (torch's: opening it again gives that
-    same instance), else the NVIDIA runtime wheel's (:func:`_wheel_cudart_path`), else the first
-    soname the dynamic loader finds, else None.  The ring needs the runtime's entry points
-    only: a second instance of the runtime (beside CuPy's static one) works on the same
-    primary contexts, whose streams and events it shares.
+    same instance), else ``"driver:"`` and the CUDA driver's library, else None.
+
+    A process that maps no runtime (CuPy links its own in statically) is served by the driver
+    (:class:`engine.gpu._cudart.Runtime` with ``driver=True``): one library per process, whose
+    contexts, streams and events the framework's runtime shares, where opening some
+    ``libcudart`` by soname would be a guess (a second instance, of some major, if one is on
+    the loader's path at all).
 
     ``major``: the CUDA major the framework was built with (``torch.version.cuda``, CuPy's
-    runtime version): a mapped runtime of that major is preferred, and with none mapped its
-    soname is tried first (a newer one may need a newer driver than the machine has)."""
+    runtime version): a mapped runtime of that major is preferred."""
     path = _loaded_cudart_path(major)
     if path is not None:
         return path
-    path = _wheel_cudart_path(major)
-    if path is not None:
-        return path
-    import ctypes
-
-    names = ((f"libcudart.so.{major}",) if major is not None else ()) + _SONAMES
-    for name in dict.fromkeys(names):
-        try:
-            ctypes.CDLL(name)
-        except OSError:
-            continue
-        return name
-    return None
+    driver = _driver_path()
+    return DRIVER_ROUTE + driver if driver is not None else None
 
 
 @functools.cache
 def runtime(path: str):
-    """The CUDA runtime at ``path``, opened once per path (:class:`engine.gpu._cudart.Runtime`;
-    OSError where it cannot be opened or lacks an entry point)."""
+    """The CUDA runtime at ``path`` (``"driver:"`` and a path: the driver standing for it),
+    opened once per path (:class:`engine.gpu._cudart.Runtime`; OSError where it cannot be
+    opened or lacks an entry point)."""
     from engine.gpu import _cudart
 
+    if path.startswith(DRIVER_ROUTE):
+        return _cudart.Runtime(path[len(DRIVER_ROUTE) :], driver=True)
     return _cudart.Runtime(path)
 
 

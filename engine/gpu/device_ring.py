@@ -68,7 +68,8 @@ class DeviceOps(Protocol):
         """The CUDA device the load's targets live on."""
 
     def runtime_path(self) -> str | None:
-        """The path of the ``libcudart`` the framework loaded (None: none found)."""
+        """The path of the ``libcudart`` the framework loaded, ``"driver:"`` and the CUDA
+        driver's where it loaded none (:func:`engine.gpu.cudart.cuda_runtime_path`), or None."""
 
     def consumer_fence(self) -> int | None:
         """An event (``cudaEvent_t``) recorded on the caller's current stream on the device

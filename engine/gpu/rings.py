@@ -194,7 +194,8 @@ def new_ring(ops, g: Geometry):
 
     path = ops.runtime_path()
     if not path:
-        raise DeviceError("no CUDA runtime is loaded in this process to copy through")
+        raise DeviceError("no CUDA runtime is loaded in this process and the CUDA driver (libcuda.so.1) cannot be "
+                          "opened: nothing to copy through")
     try:
         rt = runtime(path)
     except OSError as exc:

@@ -754,6 +754,69 @@ int cuDevicePrimaryCtxRelease_v2(int dev) { return cuDevicePrimaryCtxRelease(dev
 int cuCtxPushCurrent_v2(context_t *ctx) { return cuCtxPushCurrent(ctx); }
 int cuCtxPopCurrent_v2(context_t **out) { return cuCtxPopCurrent(out); }
 
+/* ---- the driver's entry points for what the runtime's above do ------------------------------
+ * The driver route (a process that maps no runtime): the same operations, but as the driver
+ * has them: a call on a thread with no current context fails (CUDA_ERROR_INVALID_CONTEXT)
+ * where the runtime binds its device's primary context, and no error is kept for a later
+ * call.  The error codes the engine meets are the runtime's numbers. */
+
+static int drv_ctx(const char *what) {
+    check_up(what);
+    return current_ctx() ? 0 : 201;
+}
+
+#define DRIVER_CALL(what, call)                                                                 \
+    do {                                                                                         \
+        int rc_ = drv_ctx(what);                                                                 \
+        if (rc_)                                                                                 \
+            return rc_;                                                                          \
+        rc_ = (call);                                                                            \
+        t_last = 0;                                                                              \
+        return rc_;                                                                              \
+    } while (0)
+
+int cuCtxGetDevice(int *d) {
+    int c = current_ctx();
+    if (!c)
+        return 201;
+    *d = c - 1;
+    return 0;
+}
+int cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) {
+    DRIVER_CALL("cuMemHostRegister", cudaHostRegister(p, n, flags));
+}
+int cuMemHostUnregister(void *p) { DRIVER_CALL("cuMemHostUnregister", cudaHostUnregister(p)); }
+int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, stream_t *s) {
+    DRIVER_CALL("cuMemcpyHtoDAsync", cudaMemcpyAsync((void *)(uintptr_t)dst, src, n, 1, s));
+}
+int cuMemcpyHtoD_v2(unsigned long long dst, const void *src, size_t n) {
+    DRIVER_CALL("cuMemcpyHtoD", cudaMemcpy((void *)(uintptr_t)dst, src, n, 1));
+}
+int cuEventCreate(event_t **out, unsigned int flags) {
+    DRIVER_CALL("cuEventCreate", cudaEventCreateWithFlags(out, flags));
+}
+int cuEventRecord(event_t *e, stream_t *s) { DRIVER_CALL("cuEventRecord", cudaEventRecord(e, s)); }
+int cuEventQuery(event_t *e) { DRIVER_CALL("cuEventQuery", cudaEventQuery(e)); }
+int cuEventSynchronize(event_t *e) { DRIVER_CALL("cuEventSynchronize", cudaEventSynchronize(e)); }
+int cuEventDestroy_v2(event_t *e) { DRIVER_CALL("cuEventDestroy", cudaEventDestroy(e)); }
+int cuStreamCreate(stream_t **out, unsigned int flags) {
+    DRIVER_CALL("cuStreamCreate", cudaStreamCreateWithFlags(out, flags));
+}
+int cuStreamSynchronize(stream_t *s) { DRIVER_CALL("cuStreamSynchronize", cudaStreamSynchronize(s)); }
+int cuStreamWaitEvent(stream_t *s, event_t *e, unsigned int flags) {
+    DRIVER_CALL("cuStreamWaitEvent", cudaStreamWaitEvent(s, e, flags));
+}
+int cuStreamDestroy_v2(stream_t *s) { DRIVER_CALL("cuStreamDestroy", cudaStreamDestroy(s)); }
+int cuGetErrorString(int e, const char **out) {
+    const char *s = cudaGetErrorString(e);
+    if (e != 0 && strcmp(s, "unknown error") == 0) {
+        *out = NULL;
+        return 1; /* CUDA_ERROR_INVALID_VALUE: a code the driver does not know */
+    }
+    *out = s;
+    return 0;
+}
+
 /* ---- controls for the tests -------------------------------------------------------------- */
 
 void emu_reset(void) {
