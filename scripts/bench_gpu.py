@@ -313,9 +313,9 @@ IMPLEMENTATIONS: dict = {
     "engine safe_open(directory).get_tensors()": _safe_open(False),
     "engine safe_open(index).get_tensors()": _safe_open(True),
     "engine stream(shards) auto": lambda files, dev: dict(_m("engine").stream(files, framework="pt", device=dev)),
-    # one allocation per tensor: what tensors that honour record_stream would cost (the default's share one)
-    "engine stream(shards) per_tensor=True": lambda files, dev: dict(
-        _m("engine").stream(files, framework="pt", device=dev, per_tensor=True)),
+    # one allocation for the load: what the default's allocation per tensor (record_stream holds) costs
+    "engine stream(shards) per_tensor=False": lambda files, dev: dict(
+        _m("engine").stream(files, framework="pt", device=dev, per_tensor=False)),
     "engine stream(f) per shard": _stream_each(),
     "engine load_into(f) per shard": (_dst, _into_each),
     "engine load_into(directory)": (_dst, _into_dir),

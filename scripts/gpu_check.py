@@ -57,7 +57,7 @@ PEERS = ("instanttensor", "fastsafetensors", "runai_model_streamer")
 DECISIVE = ["limit: pinned host-to-device 1 GiB", "limit: page cache to pinned, split read, 16 threads",
             "InstantTensor Backend.MMAP", "engine load_file(f) per shard", "engine load_file(directory)",
             "engine safe_open(directory).get_tensors()", "engine stream(shards) auto",
-            "engine stream(shards) per_tensor=True", "engine load_into(directory)",
+            "engine stream(shards) per_tensor=False", "engine load_into(directory)",
             "fastsafetensors (nogds, buffered)"]
 PER_KEY = ["engine safe_open(f, device) get_tensor per key", "reference safe_open(f, device) get_tensor per key"]
 #: the second loads of FIRST_ROW's samples are a row of their own
