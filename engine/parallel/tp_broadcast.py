@@ -23,21 +23,17 @@ from engine.planning.sharding_plan import Replicate, shard_index
 __all__ = ["load_broadcast"]
 
 
-#: node-local groups made so far: (the group's name, the node's global ranks) -> group
-_NODES: dict[tuple[str, tuple[int, ...]], object] = {}
-
-
 def _node_group(world_size: int, process_group):
     """The group of this rank's node within ``process_group``, in its backend.
 
     Nodes are found by host name (one ``all_gather_object`` over a gloo group of the ranks),
     not by ``LOCAL_WORLD_SIZE`` or contiguous ranks, which SLURM's ``srun`` and ``mpirun`` do
-    not give; a node's group is made once, by its members alone."""
+    not give; a node's group is made once, by its members alone (``group_load._subgroup``)."""
     import socket
 
     import torch.distributed as dist
 
-    from engine.apps.group_load import _alive, _gloo_of
+    from engine.apps.group_load import _gloo_of, _subgroup
 
     control = _gloo_of(process_group)
     hosts: list[str | None] = [None] * world_size
@@ -45,13 +41,7 @@ def _node_group(world_size: int, process_group):
     ranks = dist.get_process_group_ranks(process_group) if process_group is not None else list(range(world_size))
     me = ranks[dist.get_rank(process_group)]
     node = tuple(r for r, h in zip(ranks, hosts, strict=True) if h == hosts[ranks.index(me)])
-    if len(node) == len(ranks):
-        return process_group
-    name = dist._get_process_group_name(process_group) if process_group is not None else "default"
-    if (name, node) not in _NODES or not _alive(_NODES[name, node]):
-        _NODES[name, node] = dist.new_group(list(node), backend=dist.get_backend(process_group),
-                                            use_local_synchronization=True)
-    return _NODES[name, node]
+    return _subgroup(process_group, list(node), dist.get_backend(process_group))
 
 
 def load_broadcast(path, plan, rank, world_size, process_group, device, names, remote=None):
