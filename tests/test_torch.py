@@ -147,6 +147,48 @@ def test_device_destinations_are_the_caching_allocators_own_unless_shared():
     assert not any(shared[r].untyped_storage().resizable() for r in (0, 1))
 
 
+def test_the_fence_recorded_again_on_another_thread_still_follows_the_consumers_stream(monkeypatch):
+    """``stream``'s windows run on a worker thread whose current stream is not the consumer's:
+    the fence recorded again there must first wait for its record on the consumer's stream,
+    or the next window's copies stop waiting for the work queued there before the load (a
+    freed block's last readers).  torch's CUDA streams and events are stood in for by ones
+    that log what is asked of them, each thread with a current stream of its own."""
+    import threading
+
+    from engine.sinks.torch import TorchCudaOps
+
+    log: list[tuple] = []
+    current = threading.local()
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_event(self, event) -> None:
+            log.append(("wait", self.name, event.where))
+
+    class Event:
+        where = None
+
+        def record(self, stream) -> None:
+            self.where = stream.name
+            log.append(("record", stream.name))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(current, "stream", Stream("S")))
+    ops = TorchCudaOps(torch.device("cuda", 0))  # made on the consumer's thread: its stream S
+
+    def worker() -> None:
+        current.stream = Stream("C")
+        ops.fence_again()  # after window 1
+        ops.fence_again()  # after window 2
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert log == [("record", "S"), ("wait", "C", "S"), ("record", "C"), ("wait", "C", "C"), ("record", "C")], log
+
+
 def test_load_to_other_torch_devices(model_file):
     """Devices other than cpu and cuda get the tensors through .to(), as the reference does."""
     path, state = model_file

@@ -73,7 +73,9 @@ class CupyOps:
         """Record the fence again, now, on the calling thread's current stream (see
         :meth:`engine.sinks.torch.TorchCudaOps.fence_again`)."""
         with self.device:
-            self._fence.record(cupy.cuda.get_current_stream())
+            current = cupy.cuda.get_current_stream()
+            current.wait_event(self._fence)
+            self._fence.record(current)
 
     @property
     def device_index(self) -> int:

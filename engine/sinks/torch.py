@@ -278,9 +278,13 @@ class TorchCudaOps:
     def fence_again(self) -> None:
         """Record the fence again, now, on the calling thread's current stream: the next ring
         run's copies then wait for the work queued there since (the last reads of scratch
-        that the caching allocator may hand to them)."""
+        that the caching allocator may hand to them).  That stream first waits for the fence's
+        last record, so that the new one still follows the consumer's stream where the fence
+        began (``stream``'s windows run on a worker thread, whose current stream is another)."""
         if self._fence is not None:
-            self._fence.record(torch.cuda.current_stream(self.device))
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self._fence)
+            self._fence.record(current)
 
     def address(self, target: torch.Tensor) -> int:
         return target.data_ptr()
