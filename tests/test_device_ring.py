@@ -184,6 +184,18 @@ def test_a_failed_copy_is_a_device_error_and_everything_is_released(layout, ops,
     _clean(emu)
 
 
+def test_a_copy_thread_that_cannot_set_its_device_fails_the_load_with_that_error(layout, ops, emu):
+    """The ring's copy threads set its device before their first call; a refusal is the load's
+    DeviceError with the runtime's own code, not a later call's complaint about no context."""
+    emu.fail_set_device(101)  # cudaErrorInvalidDevice
+    try:
+        with pytest.raises(DeviceError, match="101"):
+            _load(layout, ops)
+    finally:
+        emu.fail_set_device(0)
+    _clean(emu)
+
+
 def test_a_failed_event_record_is_a_device_error(layout, ops, emu):
     emu.fail_event_record_after(3)
     with pytest.raises(DeviceError, match="CUDA error 700"):

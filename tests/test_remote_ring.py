@@ -306,6 +306,20 @@ def test_a_failed_copy_stops_the_connections_and_is_a_device_error(checkpoint, n
     _released(emu)
 
 
+def test_a_filler_that_cannot_set_the_rings_device_fails_the_load_with_that_error(checkpoint, nginx, device, emu):
+    """Each connection's filler sets the ring's device before it asks a slot's event; a
+    refusal is the load's DeviceError with the runtime's code, and no connection is left."""
+    from engine.errors import DeviceError
+
+    emu.fail_set_device(101)  # cudaErrorInvalidDevice
+    try:
+        with pytest.raises(DeviceError, match="101"):
+            dict(engine.stream(nginx.url(f"sharded/{INDEX}"), device="emulated", framework="np", connections=3))
+    finally:
+        emu.fail_set_device(0)
+    _released(emu)
+
+
 def test_the_rings_external_fill_api_checks_its_use(emu):
     """take() outside a run has nothing to give, filled() names a chunk of the run; a start()
     that starts no filler, or raises, stops the run rather than leaving it waiting."""

@@ -272,7 +272,11 @@ cdef void _run_worker(_State* st, int index) noexcept nogil:
     cdef double t0
     cdef _Part part
     _part_for(st, &part, index)
-    st.rt.set_device(st.device)
+    rc = st.rt.set_device(st.device)
+    if rc != 0:  # reported here, not as the next call's "no context"
+        st.rt.get_last_error()
+        _fail(st, _ERR_CUDA, rc, 0, 0, 0)
+        return
     while not _stopped(&st.cancel):
         k = _take(&st.next_chunk)
         if k >= st.plan.nchunks:

@@ -487,6 +487,7 @@ cdef class ChunkRing:
         Waits with the GIL released."""
         cdef _State* st = self.st
         cdef int64_t k = -1, n = 0, i
+        cdef int rc
         if st == NULL or not self.busy:
             return (-1, 0)
         if most < 1:
@@ -498,8 +499,13 @@ cdef class ChunkRing:
             if st.external and not _stopped(&st.cancel):
                 # the slots' events are asked, and their blocks page-locked, on the ring's device
                 # (a filler is a thread of the engine's own, remote_fill.Fillers'; cheap when set)
-                st.rt.set_device(st.device)
-                k = _take_n(&st.next_chunk, most)
+                rc = st.rt.set_device(st.device)
+                if rc != 0:  # the run's error, not a later call's "no context"
+                    st.rt.get_last_error()
+                    _fail(st, _ERR_CUDA, rc, 0, 0, 0)
+                    k = st.plan.nchunks
+                else:
+                    k = _take_n(&st.next_chunk, most)
                 if k >= st.plan.nchunks:
                     k = -1
                 else:

@@ -96,6 +96,10 @@ class Emulator:
     def fail_register(self, code: int) -> None:
         self.lib.emu_fail_register(code)
 
+    def fail_set_device(self, code: int) -> None:
+        """``cudaSetDevice`` returns ``code`` (0: succeeds again)."""
+        self.lib.emu_fail_set_device(code)
+
     def register_cost(self, seconds_per_mib: float) -> None:
         """Each ``cudaHostRegister`` takes this long per MiB it page-locks."""
         self.lib.emu_set_register_cost(int(seconds_per_mib * 1e9))

@@ -119,6 +119,7 @@ static int g_noop;                   /* copies move no bytes */
 static int64_t g_fail_copy = -1;     /* the copy with this number fails */
 static int g_fail_code, g_fail_async;
 static int g_fail_register;          /* cudaHostRegister returns this */
+static int g_fail_set_device;        /* cudaSetDevice returns this */
 static int64_t g_fail_event_after = -1; /* event records past this many fail */
 static cudaError_t g_sticky;         /* an asynchronous failure: later calls return it */
 
@@ -373,6 +374,8 @@ cudaError_t cudaGetDeviceCount(int *n) {
 cudaError_t cudaSetDevice(int d) {
     if (d < 0 || d >= g_devices)
         return fail(cudaErrorInvalidDevice);
+    if (g_fail_set_device)
+        return fail(g_fail_set_device);
     t_device = d;
     make_primary(d);
     t_ctx = d + 1;
@@ -827,6 +830,7 @@ void emu_reset(void) {
     g_fail_code = 0;
     g_fail_async = 0;
     g_fail_register = 0;
+    g_fail_set_device = 0;
     g_fail_event_after = -1;
     g_sticky = cudaSuccess;
     g_register_ns_per_mib = 0;
@@ -858,6 +862,7 @@ void emu_fail_copy(int64_t n, int code, int async) {
 }
 
 void emu_fail_register(int code) { g_fail_register = code; }
+void emu_fail_set_device(int code) { g_fail_set_device = code; }
 void emu_set_register_cost(int64_t ns_per_mib) { g_register_ns_per_mib = ns_per_mib; }
 
 /* references to device d's primary context retained and not released; releases refused */
