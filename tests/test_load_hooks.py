@@ -447,27 +447,12 @@ def test_the_side_stream_waits_for_the_consumers_fence(monkeypatch):
         emu.destroy_stream(consumer, 0)
 
 
-def test_scratch_for_a_load_to_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
-    """A CuPy load to GPU 1 stages its tensors to quantize, and records its fence again after
-    each window, on one of the engine's threads (no context current there): CuPy's ``Device``
-    guard reads the current device on entry and sets it back on exit, which makes device 0's
-    primary context where none was current.  The
-    engine pushes the load's device's context around the allocations first.  CuPy's guard is
-    played by its logic over the emulated runtime, on two devices."""
+def _cupy_device_guard(emu):
+    """cupy.cuda.Device's guard over the emulated runtime: the current device kept on entry,
+    set back on exit."""
     import ctypes
-    import sys
-    import types
 
-    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
-
-    from engine.loading import load_hooks
-    from engine.quantize import Int8
-
-    emu = Emulator()
-    emu.reset()
-    emu.devices(2)
-
-    class Device:  # cupy.cuda.Device's guard: the current device kept on entry, set back on exit
+    class Device:
         stack: list = []
 
         def __init__(self, index):
@@ -484,6 +469,103 @@ def test_scratch_for_a_load_to_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
         def __exit__(self, *exc):
             assert emu.lib.cudaSetDevice(Device.stack.pop()) == 0
 
+    return Device
+
+
+def test_a_cupy_load_to_gpu_1_from_a_fresh_thread_makes_no_context_on_gpu_0(monkeypatch):
+    """The CuPy sink's own calls on the caller's thread (the ring's operations and their fence,
+    the destinations, a tensor moved up) enter CuPy's ``Device`` guard; on a thread that never
+    used CUDA the guard would come out setting device 0, making its context.  The sink pushes
+    the load's device's context first.  CuPy is played by its guard's logic and a few names
+    over the emulated runtime, on two devices."""
+    import ctypes
+    import sys
+    import types
+
+    from emucudart import Emulator
+
+    emu = Emulator()
+    emu.reset()
+    emu.devices(2)
+    Device = _cupy_device_guard(emu)
+
+    events: list = []
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            handle = ctypes.c_void_p()
+            assert emu.lib.cudaEventCreateWithFlags(ctypes.byref(handle), 2) == 0
+            self.ptr = handle.value
+            events.append(self.ptr)
+
+        def record(self, stream):
+            assert emu.lib.cudaEventRecord(ctypes.c_void_p(self.ptr), None) == 0
+
+    class Stream:
+        ptr = 0
+
+        def wait_event(self, event):
+            assert emu.lib.cudaStreamWaitEvent(None, ctypes.c_void_p(event.ptr), 0) == 0
+
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 2, runtimeGetVersion=lambda: 12080,
+                                    getDevice=lambda: 0)
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(Device=Device, Event=Event, get_current_stream=Stream,  # type: ignore[attr-defined]
+                                      runtime=runtime)
+    fake.empty, fake.asarray, fake.uint8, fake.dtype = np.empty, np.asarray, np.uint8, np.dtype  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.delitem(sys.modules, "engine.sinks.cupy", raising=False)
+    import engine.sinks
+
+    # the package's attribute as it was, after the module made here over the stand-in
+    monkeypatch.setattr(engine.sinks, "cupy", getattr(engine.sinks, "cupy", None), raising=False)
+    import engine.sinks.cupy as cupy_sink
+
+    monkeypatch.setattr(cupy_sink, "_runtime_path", lambda: emu.path)
+    done: list = []
+
+    def load() -> None:  # a thread with no context current
+        sink = cupy_sink.CupySink("cuda:1")
+        tensors, targets, ops = sink.allocate_device([(0, engine.base.dtypes.BY_NAME["F32"].code, [2, 3], 24)])
+        ops.fence_again()
+        sink.to_device(np.ones(4, np.float32))
+        done.append(tensors[0].shape)
+
+    try:
+        worker = threading.Thread(target=load)
+        worker.start()
+        worker.join()
+        assert done == [(2, 3)]
+        assert emu.contexts(0) == 0, "a context was made on GPU 0"
+    finally:
+        with emu.on_device(1):
+            for handle in events:
+                assert emu.lib.cudaEventDestroy(ctypes.c_void_p(handle)) == 0
+        monkeypatch.delitem(sys.modules, "engine.sinks.cupy", raising=False)
+        emu.reset()
+        emu.devices(1)
+
+
+def test_scratch_for_a_load_to_gpu_1_makes_no_context_on_gpu_0(monkeypatch):
+    """A CuPy load to GPU 1 stages its tensors to quantize, and records its fence again after
+    each window, on one of the engine's threads (no context current there): CuPy's ``Device``
+    guard reads the current device on entry and sets it back on exit, which makes device 0's
+    primary context where none was current.  The
+    engine pushes the load's device's context around the allocations first.  CuPy's guard is
+    played by its logic over the emulated runtime, on two devices."""
+    import sys
+    import types
+
+    from emucudart import EmulatedRingOps, EmulatedSink, Emulator
+
+    from engine.loading import load_hooks
+    from engine.quantize import Int8
+
+    emu = Emulator()
+    emu.reset()
+    emu.devices(2)
+
+    Device = _cupy_device_guard(emu)
     fake = types.ModuleType("cupy")
     fake.cuda = types.SimpleNamespace(Device=Device)  # type: ignore[attr-defined]
     fake.empty = np.empty  # type: ignore[attr-defined]

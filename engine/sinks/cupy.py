@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from engine.base import dtypes
@@ -32,6 +34,34 @@ def _device_id(device) -> int:
 _RAW_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def _runtime_path() -> str | None:
+    """The CUDA runtime the ring calls in this process (:func:`engine.gpu.cudart.cuda_runtime_path`
+    for CuPy's CUDA major; the driver where no runtime is mapped, as with CuPy's static one)."""
+    from engine.gpu.cudart import cuda_runtime_path
+
+    try:
+        major = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    except Exception:  # noqa: BLE001 - a CuPy without a runtime: no preference
+        major = None
+    return cuda_runtime_path(major)
+
+
+@contextlib.contextmanager
+def _on(device_id: int):
+    """CuPy's ``Device`` guard for ``device_id``, entered with that device's primary context
+    pushed on this thread first (and popped after): the guard keeps the current device on entry
+    and sets it back on exit, and on a thread with no context current (one that never used
+    CUDA) that is device 0, whose context setting it makes."""
+    from engine.gpu.cudart import on_device, runtime
+
+    path = _runtime_path()
+    with contextlib.ExitStack() as stack:
+        if path:
+            stack.enter_context(on_device(runtime(path), device_id))
+        stack.enter_context(cupy.cuda.Device(device_id))
+        yield
+
+
 def cupy_dtype(code: int) -> np.dtype:
     """The dtype CuPy arrays get: CuPy has no BF16 or FP8, so those come back as their raw
     bits in an unsigned integer of the same width (documented in the README)."""
@@ -52,18 +82,12 @@ class CupyOps:
         # a fence on the caller's current stream, recorded on the caller's thread (CuPy's
         # current stream is per thread and per device, and with per-thread default streams
         # its handle means "the calling thread's"): the load's copies wait for it
-        with self.device:
+        with _on(device_id):
             self._fence = cupy.cuda.Event(disable_timing=True)
             self._fence.record(cupy.cuda.get_current_stream())
 
     def runtime_path(self) -> str | None:
-        from engine.gpu.cudart import cuda_runtime_path
-
-        try:
-            major = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
-        except Exception:  # noqa: BLE001 - a CuPy without a runtime: no preference
-            major = None
-        return cuda_runtime_path(major)
+        return _runtime_path()
 
     def consumer_fence(self) -> int | None:
         """The event recorded on the caller's current stream when these ops were made."""
@@ -72,7 +96,7 @@ class CupyOps:
     def fence_again(self) -> None:
         """Record the fence again, now, on the calling thread's current stream (see
         :meth:`engine.sinks.torch.TorchCudaOps.fence_again`)."""
-        with self.device:
+        with _on(self.device.id):
             current = cupy.cuda.get_current_stream()
             current.wait_event(self._fence)
             self._fence.record(current)
@@ -98,7 +122,7 @@ class CupySink(NumpySink):
 
     def to_device(self, arr):
         code = dtypes.from_numpy(arr.dtype) if arr.dtype != np.uint8 else dtypes.BY_NAME["U8"].code
-        with cupy.cuda.Device(self.device_id):
+        with _on(self.device_id):
             return cupy.asarray(arr.view(cupy_dtype(code)))
 
     def ring_ops(self) -> CupyOps:
@@ -108,7 +132,7 @@ class CupySink(NumpySink):
     def allocate_device(self, specs, per_tensor: bool = True):
         """(row -> cupy array, row -> uint8 target array, CupyOps) for a device load."""
         tensors, targets = {}, {}
-        with cupy.cuda.Device(self.device_id):
+        with _on(self.device_id):
             if per_tensor:
                 for row, code, shape, nbytes in specs:
                     arr = cupy.empty(dtypes.packed_shape(code, shape, nbytes), cupy_dtype(code))
