@@ -521,7 +521,7 @@ def test_a_cupy_load_to_gpu_1_from_a_fresh_thread_makes_no_context_on_gpu_0(monk
     monkeypatch.setattr(engine.sinks, "cupy", getattr(engine.sinks, "cupy", None), raising=False)
     import engine.sinks.cupy as cupy_sink
 
-    monkeypatch.setattr(cupy_sink, "_runtime_path", lambda: emu.path)
+    monkeypatch.setattr(cupy_sink, "_runtime_path", lambda: emu.path)  # before the first _pusher()
     done: list = []
 
     def load() -> None:  # a thread with no context current

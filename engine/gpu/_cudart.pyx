@@ -188,12 +188,13 @@ cdef class Runtime:
             self.rt.memcpy_sync = _d_copy_rt
             self.rt.stream_create = _drv.stream_create
             self.rt.stream_destroy = _drv.stream_destroy
-        for i, name in enumerate(() if driver else ENTRY_POINTS):
-            fn = dlsym(self.handle, (<str>name).encode())
-            if fn == NULL:
-                self._close()
-                raise OSError(f"the CUDA runtime {path} has no {name}")
-            slots[i] = fn
+        else:
+            for i, name in enumerate(ENTRY_POINTS):
+                fn = dlsym(self.handle, (<str>name).encode())
+                if fn == NULL:
+                    self._close()
+                    raise OSError(f"the CUDA runtime {path} has no {name}")
+                slots[i] = fn
         lib = self.handle
         if dlsym(lib, b"cuCtxPushCurrent_v2") == NULL:
             self.driver = dlopen((<str>DRIVER).encode(), RTLD_NOW | RTLD_LOCAL)

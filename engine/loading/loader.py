@@ -79,8 +79,8 @@ def key_bases(parts: Sequence[Part]) -> list[int]:
 
 
 def _destination(sink, parts: Sequence[Part], bases: list[int], per_tensor: bool):
-    """Tensors for every row of every part, keyed ``bases[i] + row`` (on a device, one
-    allocation each, or one for all unless ``per_tensor``); returns (key -> tensor, Destination)."""
+    """Tensors for every row of every part, keyed ``bases[i] + row`` (on a device, an
+    allocation each, or one for all with ``per_tensor=False``); returns (key -> tensor, Destination)."""
     specs = []
     for p, b in zip(parts, bases, strict=True):
         t = p.header.table

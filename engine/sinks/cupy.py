@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -46,18 +47,28 @@ def _runtime_path() -> str | None:
     return cuda_runtime_path(major)
 
 
+@functools.cache
+def _pusher():
+    """The runtime whose driver calls push a device's primary context (looked up once: with
+    no runtime mapped, each lookup reads ``/proc/self/maps``), or None where there is none."""
+    from engine.gpu.cudart import runtime
+
+    path = _runtime_path()
+    return runtime(path) if path else None
+
+
 @contextlib.contextmanager
 def _on(device_id: int):
     """CuPy's ``Device`` guard for ``device_id``, entered with that device's primary context
     pushed on this thread first (and popped after): the guard keeps the current device on entry
     and sets it back on exit, and on a thread with no context current (one that never used
     CUDA) that is device 0, whose context setting it makes."""
-    from engine.gpu.cudart import on_device, runtime
+    from engine.gpu.cudart import on_device
 
-    path = _runtime_path()
+    rt = _pusher()
     with contextlib.ExitStack() as stack:
-        if path:
-            stack.enter_context(on_device(runtime(path), device_id))
+        if rt is not None:
+            stack.enter_context(on_device(rt, device_id))
         stack.enter_context(cupy.cuda.Device(device_id))
         yield
 
