@@ -8,44 +8,41 @@ shapes, metadata) imports no numpy either, and the first array does.
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING
-
-from engine.errors import (
-    CacheWriteWarning,
-    Cancelled,
-    CheckpointIndexError,
-    ChecksumError,
-    ConfigError,
-    DeviceError,
-    DeviceFallbackWarning,
-    DistributedLoadError,
-    HeaderError,
-    InvalidSliceError,
-    MissingDependencyError,
-    MissingShardError,
-    NonFiniteError,
-    OptionError,
-    RangeIgnoredWarning,
-    ReadError,
-    RemoteFileNotFoundError,
-    SafetensorError,
-    SerializationError,
-    SerializationTypeError,
-    ShardingError,
-    SharedTensorsError,
-    TensorMismatchError,
-    TensorNotFoundError,
-    UnrepresentableTensorError,
-    UnsupportedFrameworkError,
-    WriteError,
-)
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it; imported on first attribute access
 _LAZY = {
-    "read_header": "engine.apps.opener",  # a path or a URL
+    # the error hierarchy: a first open that succeeds creates none of its classes
+    "CacheWriteWarning": "engine.errors",
+    "Cancelled": "engine.errors",
+    "CheckpointIndexError": "engine.errors",
+    "ChecksumError": "engine.errors",
+    "ConfigError": "engine.errors",
+    "DeviceError": "engine.errors",
+    "DeviceFallbackWarning": "engine.errors",
+    "DistributedLoadError": "engine.errors",
+    "HeaderError": "engine.errors",
+    "InvalidSliceError": "engine.errors",
+    "MissingDependencyError": "engine.errors",
+    "MissingShardError": "engine.errors",
+    "NonFiniteError": "engine.errors",
+    "OptionError": "engine.errors",
+    "RangeIgnoredWarning": "engine.errors",
+    "ReadError": "engine.errors",
+    "RemoteFileNotFoundError": "engine.errors",
+    "SafetensorError": "engine.errors",
+    "SerializationError": "engine.errors",
+    "SerializationTypeError": "engine.errors",
+    "ShardingError": "engine.errors",
+    "SharedTensorsError": "engine.errors",
+    "TensorMismatchError": "engine.errors",
+    "TensorNotFoundError": "engine.errors",
+    "UnrepresentableTensorError": "engine.errors",
+    "UnsupportedFrameworkError": "engine.errors",
+    "WriteError": "engine.errors",
+    "read_header": "engine.apps.entry_points",  # a path or a URL
     "Header": "engine.format.header",
     "TensorInfo": "engine.format.header",
     "MAX_HEADER_SIZE": "engine.format.header",
@@ -55,8 +52,8 @@ _LAZY = {
     "serialize": "engine.writing.tensorspec",
     "serialize_file": "engine.writing.tensorspec",
     "deserialize": "engine.writing.tensorspec",
-    "stream": "engine.apps.opener",
-    "load_into": "engine.apps.opener",
+    "stream": "engine.apps.entry_points",
+    "load_into": "engine.apps.entry_points",
     "keep_staging": "engine.gpu.rings",
     "keep_mappings": "engine.io.kept_mappings",
     "prepare_device": "engine.loading.loader",
@@ -68,10 +65,10 @@ _LAZY = {
     "save": "engine.writing.writer",
     "add_checksums": "engine.format.checksums",
     # sharded checkpoints (index + shards, or one file, as one checkpoint)
-    "open_checkpoint": "engine.apps.opener",  # a path or a URL
+    "open_checkpoint": "engine.apps.entry_points",  # a path or a URL
     "save_sharded": "engine.checkpoints.shards",
     "Checkpoint": "engine.checkpoints.checkpoint",
-    "read_checkpoint_info": "engine.apps.opener",  # a path or a URL
+    "read_checkpoint_info": "engine.apps.entry_points",  # a path or a URL
     # kernels (Numba is imported only when one of these is used)
     "stats": "engine.statistics",
     "Stats": "engine.statistics",
@@ -88,41 +85,14 @@ _LAZY = {
 
 
 
-__all__ = [
-    "CacheWriteWarning",
-    "Cancelled",
-    "ChecksumError",
-    "CheckpointIndexError",
-    "ConfigError",
-    "DeviceError",
-    "DeviceFallbackWarning",
-    "HeaderError",
-    "InvalidSliceError",
-    "MissingDependencyError",
-    "MissingShardError",
-    "NonFiniteError",
-    "OptionError",
-    "RangeIgnoredWarning",
-    "ReadError",
-    "DistributedLoadError",
-    "RemoteFileNotFoundError",
-    "SafetensorError",
-    "SerializationError",
-    "SerializationTypeError",
-    "ShardingError",
-    "SharedTensorsError",
-    "TensorMismatchError",
-    "TensorNotFoundError",
-    "UnrepresentableTensorError",
-    "UnsupportedFrameworkError",
-    "WriteError",
-    *_LAZY,
-]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
+        if name == "errors":  # ``import engine; engine.errors.X`` keeps working
+            return importlib.import_module("engine.errors")
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
@@ -134,16 +104,39 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.apps.opener import (
-        load_into,
-        open_checkpoint,
-        read_checkpoint_info,
-        read_header,
-        safe_open,
-        stream,
-    )
+    from engine.apps.entry_points import load_into, open_checkpoint, read_checkpoint_info, read_header, stream
+    from engine.apps.opener import safe_open
     from engine.checkpoints.checkpoint import Checkpoint
     from engine.checkpoints.shards import save_sharded
+    from engine.errors import (
+        CacheWriteWarning,
+        Cancelled,
+        CheckpointIndexError,
+        ChecksumError,
+        ConfigError,
+        DeviceError,
+        DeviceFallbackWarning,
+        DistributedLoadError,
+        HeaderError,
+        InvalidSliceError,
+        MissingDependencyError,
+        MissingShardError,
+        NonFiniteError,
+        OptionError,
+        RangeIgnoredWarning,
+        ReadError,
+        RemoteFileNotFoundError,
+        SafetensorError,
+        SerializationError,
+        SerializationTypeError,
+        ShardingError,
+        SharedTensorsError,
+        TensorMismatchError,
+        TensorNotFoundError,
+        UnrepresentableTensorError,
+        UnsupportedFrameworkError,
+        WriteError,
+    )
     from engine.format.checksums import add_checksums
     from engine.format.header import MAX_HEADER_SIZE, Header, TensorInfo
     from engine.gpu.records import LoadRecord, load_records

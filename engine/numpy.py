@@ -20,7 +20,7 @@ from engine.base._files import is_url
 from engine.errors import SerializationError
 from engine.format.header import parse_buffer
 from engine.format.verification import verification
-from engine.loading.file_handle import views
+from engine.loading.handle_reads import views
 from engine.sinks import host_block
 from engine.sinks.numpy import NumpySink
 from engine.writing import writer

@@ -30,7 +30,7 @@ from engine.base._files import is_url
 from engine.errors import SerializationError
 from engine.format.header import parse_buffer
 from engine.format.verification import verification
-from engine.loading.file_handle import views
+from engine.loading.handle_reads import views
 from engine.sinks.torch import TorchSink
 from engine.writing import writer
 
@@ -120,7 +120,7 @@ def load_file(
 
         return group_load(filename, process_group, device=device, verify_checksums=verify_checksums,
                           memory_limit=memory_limit, **remote)
-    from engine.apps.opener import memory_limit as within
+    from engine.apps.entry_points import memory_limit as within
 
     limited = {"memory_limit": memory_limit}
     one_file = backend in ("mmap", "pread") and not is_url(filename) and not is_checkpoint_path(filename)

@@ -698,12 +698,12 @@ def test_a_second_get_of_a_tensor_written_to_gives_the_files_bytes(tmp_path, fra
 
 def test_a_handle_on_a_network_mount_advises_sequential_reads_and_leaves_the_faults_to_the_copy(
         fuse_file, monkeypatch):
-    import engine.loading.file_handle
+    import engine.loading.handle_reads
     from engine.io import reader
 
     via_fuse, direct, tensors = fuse_file
     # every tensor counts as large: a local handle prefetches them, a network one must not
-    monkeypatch.setattr(engine.loading.file_handle, "PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr(engine.loading.handle_reads, "PREFETCH_MIN_BYTES", 1)
     prefetched, advised = [], []
     real_prefetch, real_fadvise = reader.prefetch_mapping, os.posix_fadvise
     monkeypatch.setattr(reader, "prefetch_mapping", lambda *a, **k: prefetched.append(a[1]) or real_prefetch(*a, **k))

@@ -538,10 +538,10 @@ def test_numpy_load_file_of_a_checkpoint(sharded, backend):
 
 
 def test_public_names():
-    from engine.apps import opener
+    from engine.apps import entry_points
 
     # the root's name also takes a URL, and opens a local path with this module's function
-    assert engine.open_checkpoint is opener.open_checkpoint
+    assert engine.open_checkpoint is entry_points.open_checkpoint
     assert engine.save_sharded is save_sharded
 
 

@@ -1262,10 +1262,10 @@ def test_scanner_releases_the_gil():
 
 def test_header_class_is_exported():
     import engine
-    from engine.apps import opener
+    from engine.apps import entry_points
 
     # the root's read_header also takes a URL, and reads a local file with this module's function
-    assert engine.read_header is opener.read_header and engine.Header is Header and engine.TensorInfo is TensorInfo
+    assert engine.read_header is entry_points.read_header and engine.Header is Header and engine.TensorInfo is TensorInfo
     assert engine.MAX_HEADER_SIZE == MAX_HEADER_SIZE == 100_000_000
 
 
@@ -1473,3 +1473,88 @@ def test_binary_garbage_keeps_the_length_errors():
         parse_buffer(data)
     assert info.value.reason == "InvalidHeaderLength"
 
+
+
+# --------------------------------------------------------------------------- a handle's open in C
+
+
+def test_the_extension_has_the_dtype_rows_of_engine_base():
+    """setup.py writes the parser's dtype names and bits from engine.base._dtype_rows: the
+    extension and the dtype module agree (a stale build fails here)."""
+    assert _header._NAMES == NAMES and _header._BITS == BITS
+
+
+def test_read_table_reads_what_parse_header_parses(tmp_path):
+    import engine.numpy
+
+    path = str(tmp_path / "a.safetensors")
+    engine.numpy.save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.int8)}, path,
+                           metadata={"k": "v"})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        table = _header.read_table(fd, size, MAX_HEADER_SIZE, path)
+        assert table.items() == read_header(path).table.items() and table.metadata == {"k": "v"}
+        # what the full reader must name instead: a length past the file or the limit, a
+        # file shorter than the size given (it shrank), a file of fewer than 8 bytes
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        assert _header.read_table(fd, size, n - 1, path) is None
+        assert _header.read_table(fd, 7, MAX_HEADER_SIZE, path) is None
+        assert _header.read_table(fd, 8 + n - 1, MAX_HEADER_SIZE, path) is None
+    finally:
+        os.close(fd)
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(open(path, "rb").read()[:20])
+    fd = os.open(short, os.O_RDONLY)
+    try:
+        assert _header.read_table(fd, size, MAX_HEADER_SIZE, str(short)) is None  # the reads come back short
+    finally:
+        os.close(fd)
+
+
+def test_read_table_names_the_file_in_a_parse_error(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    body = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 5]}}'
+    path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0" * 5)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(HeaderError) as info:
+            _header.read_table(fd, os.fstat(fd).st_size, MAX_HEADER_SIZE, str(path))
+    finally:
+        os.close(fd)
+    assert info.value.path == str(path) and info.value.reason == "TensorInvalidInfo"
+
+
+def test_open_regular_in_c_opens_files_and_leaves_the_rest_to_the_checked_open(tmp_path):
+    from engine.base import _files
+
+    path = tmp_path / "a.bin"
+    path.write_bytes(b"12345678")
+    for name in (str(path), os.fsencode(path)):
+        fd = _header.open_regular(name)
+        try:
+            assert os.pread(fd, 8, 0) == b"12345678" and os.get_blocking(fd) and not os.get_inheritable(fd)
+        finally:
+            os.close(fd)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    for bad in (str(tmp_path / "missing"), str(fifo), str(loop), "a\0b"):
+        with pytest.raises((OSError, ValueError)) as ours:
+            _header.open_regular(bad)
+        with pytest.raises((OSError, ValueError)) as checked:
+            _files.open_regular(bad)
+        assert type(ours.value) is type(checked.value) and str(ours.value) == str(checked.value), bad
+        assert getattr(ours.value, "reason", None) == getattr(checked.value, "reason", None)
+
+
+def test_the_verify_flag_is_the_one_verification_sets():
+    from engine.format.verification import verification, verifying
+
+    assert verifying is _header.verifying and _header.verifying() is True
+    with verification(False):
+        assert _header.verifying() is False
+        with verification(None):
+            assert _header.verifying() is False
+    assert _header.verifying() is True

@@ -143,18 +143,19 @@ def test_the_table_can_fail(small_file):
 
 #: the standard library a first open may use (each imported by the child before it starts
 #: counting, with what it imports in turn): anything else it imports is a failure
-_STDLIB_ALLOWED = ("__future__", "collections", "contextlib", "contextvars", "errno", "importlib", "math", "os", "stat",
-                   "threading", "typing", "weakref")
+_STDLIB_ALLOWED = ("__future__", "importlib", "os", "typing", "weakref")
 #: what ``import engine`` may import, then a first local safe_open with every name, dtype,
 #: shape and the metadata, then (numpy imported) its first array; the Cython runtime's own
-#: modules aside
+#: modules aside.  Each module costs a short-lived process its finding, loading and running
+#: (docs/first_open.md): the first open goes through these four packages and their three
+#: modules, and creates none of the error hierarchy's classes.
 ALLOWED = {
-    "import engine": ("engine", "engine.errors"),
-    "first safe_open": ("engine.apps", "engine.apps.opener", "engine.base", "engine.base._files",
-                        "engine.base.dtypes", "engine.format", "engine.format._header", "engine.format.header",
-                        "engine.format.verification", "engine.loading", "engine.loading.file_handle",
-                        "engine.sinks"),
-    "first array": ("engine.sinks.numpy", "mmap"),
+    "import engine": ("engine",),
+    "first safe_open": ("engine.apps", "engine.apps.opener", "engine.format", "engine.format._header",
+                        "engine.loading", "engine.loading.file_handle", "engine.sinks"),
+    "first array": ("engine.base", "engine.base._dtype_rows", "engine.base._files", "engine.base.dtypes",
+                    "engine.errors", "engine.format.header", "engine.format.verification", "engine.loading.handle_reads",
+                    "engine.sinks.numpy", "mmap"),
 }
 _STEPS = {
     "import engine": "import engine\n",
@@ -183,7 +184,7 @@ def test_a_first_open_imports_only_the_allowed_modules(small_file):
     got = _new_modules(small_file)
     for step, allowed in ALLOWED.items():
         assert set(got[step]) <= set(allowed), f"{step} imported {sorted(set(got[step]) - set(allowed))}"
-    assert set(got["import engine"]) == {"engine", "engine.errors"}, got
+    assert set(got["import engine"]) == {"engine"}, got
 
 
 def test_every_root_name_is_listed_and_resolves():

@@ -272,10 +272,21 @@ NATIVE_OWNERS = {"base._crc32c": "format.checksums", "format._header": "format.h
                  "gpu._copy_loop": "gpu._ring", "gpu._ring": "gpu.rings"}
 
 
+#: the imports of a private native module past its public one, each with its reason
+NATIVE_DIRECT = {
+    # a first open: the handle's open, header read and per-name lookups are the extension's, so
+    # that a short-lived process loads no format.header (docs/first_open.md)
+    ("loading.file_handle", "format._header"),
+    # the verify flag lives in the extension, where that first open reads it
+    ("format.verification", "format._header"),
+}
+
+
 def test_private_native_modules_are_reached_through_their_public_module():
     reached = sorted((name, t) for name, targets in GRAPH.items() for t in targets
                      if t in NATIVE_OWNERS and name not in (t, NATIVE_OWNERS[t]))
-    assert reached == [], f"import the public module instead (header, reader, rings, cudart, chunk_plan): {reached}"
+    assert reached == sorted(NATIVE_DIRECT), \
+        f"import the public module instead (header, reader, rings, cudart, chunk_plan): {reached}"
 
 
 def test_no_import_cycle():
@@ -316,10 +327,10 @@ def test_modules_import_alone_in_floor_order():
 
 def test_checker_sees_function_level_imports():
     """The checker is able to fail: a function-level import of a higher floor is found."""
-    src = PACKAGE / "loading" / "file_handle.py"
+    src = PACKAGE / "loading" / "handle_reads.py"
     # both imported inside functions
-    assert "planning.plan" in GRAPH["loading.file_handle"] and "io.reader" in GRAPH["loading.file_handle"]
-    assert "loading.loader" in _imports("loading.file_handle", src)
+    assert "planning.plan" in GRAPH["loading.handle_reads"] and "io.reader" in GRAPH["loading.handle_reads"]
+    assert "loading.loader" in _imports("loading.handle_reads", src)
 
 
 #: planted violations in a floor-1 module (``format.header``): each source climbs to a floor above
@@ -369,6 +380,6 @@ def test_checker_catches_a_planted_same_floor_import():
 
 
 def test_the_package_root_resolves_to_the_defining_module():
-    assert imports_of("planning.plan", "from engine import stream, SafetensorError, io\n") == {"apps.opener", "errors", "io"}
+    assert imports_of("planning.plan", "from engine import stream, SafetensorError, io\n") == {"apps.entry_points", "errors", "io"}
     assert imports_of("planning.plan", "from engine.io import reader\n") == {"io.reader"}
     assert imports_of("planning.plan", "from engine import no_such_name\n") == {ROOT}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.apps.opener import memory_limit
+from engine.apps.entry_points import memory_limit
 from engine.errors import OptionError
 from engine.gpu.geometry import default_geometry
 from engine.planning import memory

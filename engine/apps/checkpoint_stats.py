@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from engine.apps.opener import open_checkpoint
+from engine.apps.entry_points import open_checkpoint
 from engine.base.dtypes import BY_NAME
 from engine.errors import MissingDependencyError
 

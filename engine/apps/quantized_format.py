@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.apps.opener import open_checkpoint
+from engine.apps.entry_points import open_checkpoint
 from engine.base import dtypes as _dt
 from engine.base._files import is_url
 from engine.errors import MissingDependencyError, NonFiniteError, SerializationError, WriteError

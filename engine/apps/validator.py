@@ -274,7 +274,7 @@ class WeightValidator:
         Copies of tensor bytes: 0 (each tensor is a view of a mapping that the statistics
         kernel reads once).  Memory: one tensor's pages at a time, through the page cache.
         """
-        from engine.apps.opener import open_checkpoint
+        from engine.apps.entry_points import open_checkpoint
 
         report = ValidationReport(path=os.fspath(path))
         report.expected_parameters = sum(math.prod(s) for s in self.expected.values())

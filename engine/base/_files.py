@@ -15,8 +15,6 @@ import errno
 import os
 import stat
 
-from engine.errors import ReadError
-
 __all__ = ["open_regular", "file_size", "IOV_MAX", "NETWORK_FILE_SYSTEMS", "mount_type", "on_network_mount",
            "parse_mount_types", "advise_sequential"]
 
@@ -68,6 +66,8 @@ def open_regular(path: str) -> int:
         fd = os.open(path, _FLAGS | _NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
+            from engine.errors import ReadError
+
             err = ReadError(
                 "too many levels of symbolic links (a symlink loop?)", reason="SymlinkLoop", path=path
             )
@@ -77,6 +77,8 @@ def open_regular(path: str) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            from engine.errors import ReadError
+
             what = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             err = ReadError(
                 f"the path is {what}, not a regular file; refusing to read it", reason="NotRegularFile", path=path

@@ -14,6 +14,9 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, NamedTuple
 
+from engine.base._dtype_rows import BITS as _BITS
+from engine.base._dtype_rows import NAMES as _NAMES
+from engine.base._dtype_rows import ROWS
 from engine.errors import MissingDependencyError, SerializationError
 
 if TYPE_CHECKING:
@@ -66,41 +69,13 @@ class DType(_DTypeFields):
 
 
 # Order matters: it is the reference's enum order (see module docstring).
-DTYPES: tuple[DType, ...] = tuple(
-    DType(code, *row)
-    for code, row in enumerate(
-        [
-            ("BOOL", 8, "bool", "bool"),
-            ("F4", 4, "uint8", None),
-            ("F6_E2M3", 6, "uint8", None),
-            ("F6_E3M2", 6, "uint8", None),
-            ("U8", 8, "uint8", "uint8"),
-            ("I8", 8, "int8", "int8"),
-            ("F8_E5M2", 8, "float8_e5m2", "float8_e5m2"),
-            ("F8_E4M3", 8, "float8_e4m3fn", "float8_e4m3fn"),
-            ("F8_E8M0", 8, "float8_e8m0fnu", "float8_e8m0fnu"),
-            ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz", "float8_e4m3fnuz"),
-            ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz", "float8_e5m2fnuz"),
-            ("I16", 16, "int16", "int16"),
-            ("U16", 16, "uint16", "uint16"),
-            ("F16", 16, "float16", "float16"),
-            ("BF16", 16, "bfloat16", "bfloat16"),
-            ("I32", 32, "int32", "int32"),
-            ("U32", 32, "uint32", "uint32"),
-            ("F32", 32, "float32", "float32"),
-            ("C64", 64, "complex64", "complex64"),
-            ("F64", 64, "float64", "float64"),
-            ("I64", 64, "int64", "int64"),
-            ("U64", 64, "uint64", "uint64"),
-        ]
-    )
-)
+DTYPES: tuple[DType, ...] = tuple(DType(code, *row) for code, row in enumerate(ROWS))
 
 BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 #: Format names indexed by code; the Cython parser hands out codes.
-NAMES: tuple[str, ...] = tuple(d.name for d in DTYPES)
+NAMES: tuple[str, ...] = _NAMES
 #: Bits per element indexed by code.
-BITS: tuple[int, ...] = tuple(d.bits for d in DTYPES)
+BITS: tuple[int, ...] = _BITS
 #: codes of the dtypes narrower than a byte, handed out packed (see :func:`packed_shape`)
 SUB_BYTE_CODES: frozenset[int] = frozenset(d.code for d in DTYPES if d.sub_byte)
 

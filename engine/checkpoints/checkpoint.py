@@ -35,7 +35,7 @@ from engine.checkpoints.checkpoint_info import (
 from engine.errors import CheckpointIndexError, MissingShardError
 from engine.format.checkpoint_index import check_shard_name, index_problems, parse_index
 from engine.format.header import MAX_HEADER_SIZE
-from engine.loading import file_handle
+from engine.loading import file_handle, handle_reads
 
 # the writing half lives in engine.checkpoints.shards; its names stay importable from here, imported on
 # first use so that opening a checkpoint loads no writer
@@ -220,7 +220,7 @@ class Checkpoint:
                 by_shard.setdefault(shard, {})[self.info.headers[shard].table.index[name]] = None
             parts = [(self._handles[s], list(rows)) for s, rows in by_shard.items()]
         loaded: dict = {}
-        for part in file_handle.get_rows_many(parts):
+        for part in handle_reads.get_rows_many(parts):
             loaded.update(part)
         return loaded if wanted is None else {n: loaded[n] for n in wanted}
 
@@ -241,7 +241,7 @@ class Checkpoint:
         list of str
             The names filled, shard by shard (sorted shards), in file order within each.
         """
-        return file_handle.load_into_many(
+        return handle_reads.load_into_many(
             [self._handles[s] for s in self.shards], tensors, strict=strict, threads=threads,
             chunk_bytes=chunk_bytes, gpu_path=gpu_path, source=self.info.source,
         )

@@ -66,7 +66,7 @@ KINDS = {
 
 def cmd_bench(args) -> int:
     """``engine bench PATH``: the engine's loads (mmap, pread, CUDA) beside the reference's, median of ``--runs``."""
-    from engine.apps.opener import read_checkpoint_info
+    from engine.apps.entry_points import read_checkpoint_info
     from engine.base._files import is_url
     from engine.checkpoints.checkpoint import open_checkpoint
 

@@ -57,7 +57,7 @@ def _remote(args, path: str) -> dict[str, Any]:
 
 def _checkpoint_info(args):
     """:class:`~engine.checkpoints.checkpoint.CheckpointInfo` of a file, directory, index or URL."""
-    from engine.apps.opener import read_checkpoint_info
+    from engine.apps.entry_points import read_checkpoint_info
 
     return read_checkpoint_info(args.path, max_header_size=args.max_header_size, **_remote(args, args.path))
 

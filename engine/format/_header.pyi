@@ -1,6 +1,7 @@
 """Typed stub of the Cython module engine.format._header (hand-written; keep in step with the .pyx)."""
 
 from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
 from typing import Any, TypeVar, overload
 
 import numpy as np
@@ -15,6 +16,10 @@ __all__ = [
     "HeaderTable",
     "header_length",
     "parse_header",
+    "read_table",
+    "open_regular",
+    "verifying",
+    "VERIFY",
     "check_regions",
     "tensor_nbytes",
 ]
@@ -72,6 +77,11 @@ class HeaderTable:
 
 def header_length(prefix: Buffer, file_size: int, max_header_size: int = ...) -> int: ...
 def parse_header(buf: Buffer, data_size: int, strict: bool = ...) -> HeaderTable: ...
+VERIFY: ContextVar[bool]
+
+def verifying() -> bool: ...
+def open_regular(path: str | bytes) -> int: ...
+def read_table(fd: int, file_size: int, max_header_size: int = ..., path: str | None = ...) -> HeaderTable | None: ...
 def check_regions(
     begins: npt.ArrayLike,
     ends: npt.ArrayLike,
@@ -92,5 +102,5 @@ class TensorSlice:
 
 class Slicer:
     closed: bool
-    def __init__(self, handle: Any, header: Any) -> None: ...
+    def __init__(self, handle: Any, table: HeaderTable) -> None: ...
     def __call__(self, name: str) -> TensorSlice: ...

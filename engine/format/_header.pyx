@@ -1,4 +1,4 @@
-# cython: language_level=3, embedsignature=True
+# cython: language_level=3, embedsignature=True, binding=False
 # distutils: language = c
 #
 # Bounds/wraparound checks and cdivision are set once in setup.py (ENGINE_CYTHON_CHECKS=1
@@ -29,6 +29,7 @@ here so that a first open loads one native module).
 import weakref
 
 cimport cython
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM
 from cpython.object cimport PyObject
@@ -42,10 +43,14 @@ from libc.stdint cimport INT32_MAX, INT64_MAX, UINT64_MAX, int64_t, uint8_t, uin
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcmp, memcpy, memset
+from libc.errno cimport EINTR, errno
+from posix.fcntl cimport F_GETFL, F_SETFL, O_CLOEXEC, O_NONBLOCK, O_RDONLY, fcntl, open as c_open
+from posix.stat cimport S_ISREG, fstat, struct_stat
+from posix.types cimport off_t
+from posix.unistd cimport close as c_close, pread
 
-from engine.base.dtypes import BITS as _BITS
-from engine.base.dtypes import NAMES as _NAMES
-from engine.errors import HeaderError, SafetensorError
+# _NAMES and _BITS: the format's dtypes, written by setup.py from engine/base/_dtype_rows.py
+include "_dtype_rows.pxi"
 
 cdef extern from *:
     """
@@ -65,6 +70,19 @@ cdef extern from "Python.h":
 cdef extern from "assert.h":
     # compiled out under NDEBUG (the default build); live in the ENGINE_CYTHON_CHECKS build
     void c_assert "assert" (bint) noexcept nogil
+
+
+cdef object _errors_module = None
+
+
+cdef object _errors():
+    """:mod:`engine.errors`, imported by the first error raised here: a first open that
+    succeeds creates none of the hierarchy's classes."""
+    global _errors_module
+    if _errors_module is None:
+        from engine import errors
+        _errors_module = errors
+    return _errors_module
 
 
 cdef object _numpy = None
@@ -114,12 +132,12 @@ cdef enum:
     POW10_MAX = 308
 
 # ---------------------------------------------------------------------------------------
-# dtype table, filled from engine.base.dtypes at import so there is one source of truth
+# dtype table, filled from _NAMES and _BITS (engine.base._dtype_rows) at import so there is one source of truth
 # ---------------------------------------------------------------------------------------
 
 cdef int n_dtypes = len(_NAMES)
 if n_dtypes > NDTYPES_MAX:
-    raise ImportError("engine.base.dtypes declares more dtypes than engine.format._header can hold")
+    raise ImportError("engine.base._dtype_rows declares more dtypes than engine.format._header can hold")
 cdef char dtype_names[NDTYPES_MAX][16]
 cdef size_t dtype_lens[NDTYPES_MAX]
 cdef uint64_t dtype_bits[NDTYPES_MAX]
@@ -190,15 +208,20 @@ include "_table.pxi"
 include "_slices.pxi"
 
 
-cdef const uint8_t[::1] as_byte_view(buf) except *:
+cdef int get_bytes(object buf, Py_buffer* view) except -1:
+    """Fill ``view`` with the bytes of ``buf``, any C-contiguous bytes-like object (release it
+    with ``PyBuffer_Release``).  The buffer protocol itself, not a typed memoryview: those
+    bring Cython's memoryview types, whose set-up would be most of this module's import."""
     try:
-        return buf
-    except (ValueError, TypeError):
+        PyObject_GetBuffer(buf, view, PyBUF_SIMPLE)
+        return 0
+    except (ValueError, TypeError, BufferError):
         pass
     mv = memoryview(buf)
     if not mv.c_contiguous:
         raise ValueError("the header buffer must be C-contiguous")
-    return mv.cast("B")
+    PyObject_GetBuffer(mv.cast("B"), view, PyBUF_SIMPLE)
+    return 0
 
 
 def parse_header(buf, data_size, strict=False):
@@ -210,7 +233,7 @@ def parse_header(buf, data_size, strict=False):
     JSON and ignored, as the reference does; ``strict=True`` rejects them.
     Raises ``HeaderError`` for every rule of the format (see ``engine.format.header``).
     """
-    cdef const uint8_t[::1] view = as_byte_view(buf)
+    cdef Py_buffer view
     cdef int64_t dsize
     cdef Scanner s
     cdef int rc
@@ -218,9 +241,10 @@ def parse_header(buf, data_size, strict=False):
     if data_size < 0:
         raise ValueError(f"data_size must be non-negative, got {data_size}")
     dsize = data_size
+    get_bytes(buf, &view)
     memset(&s, 0, sizeof(Scanner))
-    s.n = view.shape[0]
-    s.buf = &view[0] if s.n else empty
+    s.n = view.len
+    s.buf = <const uint8_t*>view.buf if s.n else empty
     s.err_row = -1
     s.strict = bool(strict)
     try:
@@ -230,9 +254,103 @@ def parse_header(buf, data_size, strict=False):
             raise scan_error(&s)
         return build_table(&s, dsize)
     finally:
+        PyBuffer_Release(&view)
         free(s.tensors)
         free(s.dims)
         free(s.meta)
+
+
+cdef extern from "Python.h":
+    object PyContextVar_New(const char* name, object default)
+    bytes PyUnicode_EncodeFSDefault(object unicode)
+
+#: Whether loads started in this context verify the checksums their files record (see
+#: engine.format.verification, which sets it); here so that a first open asks it without
+#: importing that module.
+VERIFY = PyContextVar_New("engine_verify_checksums", True)
+
+
+def verifying():
+    """Whether loads started now verify the checksums their files carry (default True)."""
+    return VERIFY.get()
+
+
+def open_regular(path):
+    """``engine.base._files.open_regular(path)``, with its common case in C: a regular file
+    opened read-only (close-on-exec; ``O_NONBLOCK`` while it is checked, so that a FIFO never
+    blocks the open).  Anything else (an error, a FIFO, a directory, a NUL in the name) goes
+    to that function, which raises what it raises.  A handle's open, without importing it."""
+    cdef bytes name
+    cdef const char* c_name
+    cdef int fd
+    cdef struct_stat st
+    cdef bint done = False
+    if type(path) is str:
+        name = PyUnicode_EncodeFSDefault(path)
+    elif type(path) is bytes:
+        name = path
+    else:
+        name = None
+    if name is not None and b"\0" not in name:
+        c_name = name
+        with nogil:
+            fd = c_open(c_name, O_RDONLY | O_CLOEXEC | O_NONBLOCK)
+            if fd >= 0:
+                if fstat(fd, &st) == 0 and S_ISREG(st.st_mode) and fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) == 0:
+                    done = True
+                else:
+                    c_close(fd)
+        if done:
+            return fd
+    from engine.base._files import open_regular as checked_open
+
+    return checked_open(path)
+
+
+cdef object pread_full(int fd, Py_ssize_t size, int64_t offset):
+    """``size`` bytes at ``offset`` (the GIL released), or None where the file ends first or a
+    read fails."""
+    out = PyBytes_FromStringAndSize(NULL, size)
+    cdef char* p = PyBytes_AS_STRING(out)
+    cdef Py_ssize_t got = 0
+    cdef ssize_t r
+    with nogil:
+        while got < size:
+            r = pread(fd, p + got, <size_t>(size - got), <off_t>(offset + got))
+            if r < 0 and errno == EINTR:
+                continue
+            if r <= 0:
+                break
+            got += r
+    return out if got == size else None
+
+
+def read_table(int fd, file_size, max_header_size=MAX_HEADER_SIZE, path=None):
+    """The :class:`HeaderTable` of the open file ``fd`` of ``file_size`` bytes: its ``8 + N``
+    header bytes read with two ``pread`` calls, then parsed (``strict=False``).
+
+    None where the 8-byte length fails :func:`header_length`'s checks or a read comes back
+    short (a read error, or a file shorter than ``file_size``): the caller reads the file again
+    with ``engine.format.header.read_header_fd``, which names the failure.  A ``HeaderError``
+    of the parse names ``path``.  A handle's open, in one native call.
+    """
+    if file_size < 8 or max_header_size < 0:
+        return None
+    prefix = pread_full(fd, 8, 0)
+    if prefix is None:
+        return None
+    n = int.from_bytes(prefix, "little")
+    if n > max_header_size or n > file_size - 8:
+        return None
+    buf = pread_full(fd, n, 8)
+    if buf is None:
+        return None
+    try:
+        return parse_header(buf, file_size - 8 - n, False)
+    except BaseException as err:
+        if path is not None and isinstance(err, _errors().HeaderError) and err.path is None:
+            err.path = path
+        raise
 
 
 def header_length(prefix, file_size, max_header_size=MAX_HEADER_SIZE):
@@ -248,7 +366,7 @@ def header_length(prefix, file_size, max_header_size=MAX_HEADER_SIZE):
     if max_header_size < 0:
         raise ValueError(f"max_header_size must be non-negative, got {max_header_size}")
     if file_size < 8:
-        raise HeaderError(
+        raise _errors().HeaderError(
             f"the file holds {file_size} bytes, fewer than the 8-byte header length",
             reason="HeaderTooSmall")
     prefix = bytes(prefix[:8])
@@ -258,12 +376,12 @@ def header_length(prefix, file_size, max_header_size=MAX_HEADER_SIZE):
     fsize = file_size
     cap = min(max_header_size, UINT64_MAX)
     if n > cap:
-        raise HeaderError(
+        raise _errors().HeaderError(
             f"the header declares a length of {n} bytes, more than the limit of {max_header_size} "
             f"(raise max_header_size to accept it)",
             reason="HeaderTooLarge")
     if n > fsize - 8:  # 8 + n > fsize, without wrapping
-        raise HeaderError(
+        raise _errors().HeaderError(
             f"the header declares a length of {n} bytes but the file holds only {fsize - 8} bytes "
             f"after the 8-byte length",
             reason="InvalidHeaderLength")
@@ -285,16 +403,16 @@ def tensor_nbytes(code, shape):
         if dim < 0:
             raise ValueError(f"negative dimension in shape {tuple(shape)}")
         if dim > UINT64_MAX:
-            raise HeaderError(f"dimension {dim} does not fit in 64 bits", reason="ValidationOverflow")
+            raise _errors().HeaderError(f"dimension {dim} does not fit in 64 bits", reason="ValidationOverflow")
         d = dim
         if d != 0 and numel > UINT64_MAX // d:
-            raise HeaderError(f"the product of shape {tuple(shape)} overflows 64 bits",
+            raise _errors().HeaderError(f"the product of shape {tuple(shape)} overflows 64 bits",
                               reason="ValidationOverflow")
         numel *= d
     if numel != 0 and bits > UINT64_MAX // numel:
-        raise HeaderError(f"{numel} elements of {bits} bits overflow 64 bits", reason="ValidationOverflow")
+        raise _errors().HeaderError(f"{numel} elements of {bits} bits overflow 64 bits", reason="ValidationOverflow")
     if (numel * bits) % 8:
-        raise HeaderError(
+        raise _errors().HeaderError(
             f"{numel} elements of {_NAMES[c]} take {numel * bits} bits, not a whole number of bytes",
             reason="MisalignedSlice")
     return numel * bits // 8

@@ -156,7 +156,7 @@ cdef object region_error(const RegionError* e, object names):
         tensors = (row_name(names, e.row),)
         msg = (f"tensor {tensors[0]!r} ends at byte {e.a} of the data region but the data region holds "
                f"only {e.b} bytes (file truncated?)")
-    return HeaderError(msg, reason=_REASONS[e.reason], tensors=tensors)
+    return _errors().HeaderError(msg, reason=_REASONS[e.reason], tensors=tensors)
 
 
 cdef bytes order_bytes(const Rec* recs, size_t n):
@@ -193,13 +193,22 @@ def check_regions(begins, ends, data_size, names=None):
         raise TypeError("begins and ends must be integer arrays")
     b = np.ascontiguousarray(b, dtype=np.uint64 if not signed_b else np.int64).view(np.uint64)
     e = np.ascontiguousarray(e, dtype=np.uint64 if not signed_e else np.int64).view(np.uint64)
-    cdef const uint64_t[::1] bv = b
-    cdef const uint64_t[::1] ev = e
-    cdef size_t n = bv.shape[0], i, bad = <size_t>-1
+    cdef Py_buffer bbuf, ebuf
+    get_bytes(b, &bbuf)
+    try:
+        get_bytes(e, &ebuf)
+    except BaseException:
+        PyBuffer_Release(&bbuf)
+        raise
+    cdef const uint64_t* bv = <const uint64_t*>bbuf.buf
+    cdef const uint64_t* ev = <const uint64_t*>ebuf.buf
+    cdef size_t n = <size_t>bbuf.len // 8, i, bad = <size_t>-1
     cdef Rec* recs = <Rec*>malloc((n if n else 1) * sizeof(Rec))
     cdef RegionError err
     cdef int rc = 0
     if recs == NULL:
+        PyBuffer_Release(&bbuf)
+        PyBuffer_Release(&ebuf)
         raise MemoryError()
     try:
         with nogil:
@@ -214,12 +223,14 @@ def check_regions(begins, ends, data_size, names=None):
                 rc = region_check(recs, n, dsize, &err)
         if bad != <size_t>-1:
             nm = names[bad] if names is not None else f"#{bad}"
-            raise HeaderError(f"tensor {nm!r}: negative data offset", reason="TensorInvalidInfo",
+            raise _errors().HeaderError(f"tensor {nm!r}: negative data offset", reason="TensorInvalidInfo",
                               tensors=(nm,))
         if rc < 0:
             raise region_error(&err, names)
         return np.frombuffer(order_bytes(recs, n), dtype=np.intp)
     finally:
+        PyBuffer_Release(&bbuf)
+        PyBuffer_Release(&ebuf)
         free(recs)
 
 

@@ -53,7 +53,7 @@ cdef class TensorSlice:
 cdef class Slicer:
     """``get_slice`` of one open handle: name -> :class:`TensorSlice`.
 
-    Holds the header's per-row lists and a weak reference to the handle (which holds
+    Holds the header table's per-row lists and a weak reference to the handle (which holds
     this object), so the handle is freed, and its file closed, as soon as the caller
     drops it.  ``closed`` is set by the handle's ``close()``.
     """
@@ -61,16 +61,15 @@ cdef class Slicer:
     cdef dict index
     cdef list shapes
     cdef list dtypes
-    cdef object header
+    cdef object table
     cdef object handle_ref
     cdef public bint closed
 
-    def __init__(self, handle, header):
-        table = header.table
+    def __init__(self, handle, table):
         self.index = table.index
         self.shapes = table.shapes
         self.dtypes = None  # this handle's list of dtype names, built on the first lookup
-        self.header = header
+        self.table = table
         self.handle_ref = weakref.ref(handle)
         self.closed = False
 
@@ -80,13 +79,13 @@ cdef class Slicer:
         cdef TensorSlice out
         handle = self.handle_ref()
         if handle is None:  # the handle was dropped: its file is closed
-            raise SafetensorError("the file is closed", reason="FileClosed")
+            raise _errors().SafetensorError("the file is closed", reason="FileClosed")
         # any key a dict takes (a str subclass such as numpy.str_); NULL for the rest
         row = PyDict_GetItem(self.index, name)
         if row == NULL or self.closed:
             return handle._missing(name)  # raises
         if self.dtypes is None:
-            self.dtypes = self.header.table.dtype_names()  # a list of its own: read by index below
+            self.dtypes = self.table.dtype_names()  # a list of its own: read by index below
         r = <object>row
         out = TensorSlice.__new__(TensorSlice)
         out._handle = handle

@@ -294,7 +294,7 @@ cdef object scan_error(Scanner* s):
     pos = s.err_pos if s.err_has_pos else None
     if pos is not None:
         msg = f"{msg} (at byte {pos} of the header)"
-    return HeaderError(msg, reason=_REASONS[s.reason], position=pos, tensors=tensors)
+    return _errors().HeaderError(msg, reason=_REASONS[s.reason], position=pos, tensors=tensors)
 
 
 cdef inline uint64_t hash_dims(const uint64_t* dims, size_t nd) noexcept nogil:
@@ -379,7 +379,7 @@ cdef HeaderTable build_table(Scanner* s, int64_t data_size):
             before = len(index)
             index[name] = i
             if len(index) == before:
-                raise HeaderError(
+                raise _errors().HeaderError(
                     f"tensor {short_repr(name)} appears twice in the header (at byte {t.key_pos} of the header)",
                     reason="DuplicateKey", position=t.key_pos, tensors=(name,))
             names.append(name)
@@ -390,7 +390,7 @@ cdef HeaderTable build_table(Scanner* s, int64_t data_size):
             for i in range(0, s.nmeta, 2):
                 key = decode_span(s.buf, s.meta[i], scratch)
                 if key in meta:
-                    raise HeaderError(
+                    raise _errors().HeaderError(
                         f"__metadata__: key {short_repr(key)} appears twice "
                         f"(at byte {s.meta[i].pos} of the header)",
                         reason="DuplicateKey", position=s.meta[i].pos)

@@ -16,29 +16,20 @@ tensors through one of two backends:
 
 from __future__ import annotations
 
-import contextlib
+import _thread
 import io
 import os
-import threading
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from engine.base import dtypes
-from engine.base._files import PREFETCH_MIN_BYTES, advise_sequential, on_network_mount, open_regular
-from engine.errors import (
-    MissingDependencyError,
-    SafetensorError,
-    TensorNotFoundError,
-    UnrepresentableTensorError,
-)
-from engine.format.header import MAX_HEADER_SIZE, Header, Slicer, TensorSlice, read_header_fd
-from engine.format.verification import records_checksums, verification, verifying
+from engine.format._header import MAX_HEADER_SIZE, Slicer, TensorSlice, open_regular, read_table, verifying
 from engine.sinks import get_sink, map_file, sink_kind
+
+if TYPE_CHECKING:
+    from engine.format.header import Header
 
 __all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
 
 _BACKENDS = ("mmap", "pread")
-# below this a slice is read on the calling thread: threads cost more than they save
-_PARALLEL_SLICE_BYTES = 32 * 1024 * 1024
 
 
 def _sink_for(framework: str, device: Any):
@@ -46,6 +37,8 @@ def _sink_for(framework: str, device: Any):
     try:
         return get_sink(framework, device)
     except ModuleNotFoundError as exc:
+        from engine.errors import MissingDependencyError
+
         raise MissingDependencyError.for_framework(exc, framework) from None
 
 
@@ -119,7 +112,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         # Reads borrow the descriptor (see _borrow): close() never frees the number while a
         # read on another thread still uses it, so a reused number cannot feed another file's
         # bytes into that read.
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
         self._users = 0
         self._closing = False
         self._fd: int | None = fd
@@ -129,8 +122,12 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         self._held: object = None  # device loads' read-only mapping (False: they pread)
         self._handed: set[int] = set()  # rows viewed out of the current mapping
         self._network: bool | None = None  # on a network or FUSE mount; asked at the first mapping
+        self._header: Header | None = None  # made from the table on first use (see ``header``)
+        self._keys: list[str] | None = None  # the names sorted, on the first keys()
         try:
             if backend not in _BACKENDS:
+                from engine.errors import SafetensorError
+
                 raise SafetensorError(
                     f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend"
                 )
@@ -146,19 +143,40 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
                 try:
                     import torch  # noqa: F401 - the check; free where torch is loaded already
                 except ModuleNotFoundError as exc:
+                    from engine.errors import MissingDependencyError
+
                     raise MissingDependencyError.for_framework(exc, framework) from None
             elif self._kind != "numpy":
                 self._sink_obj = _sink_for(framework, device)
             self._backend = backend
-            size = os.fstat(fd).st_size
-            self.header: Header = read_header_fd(fd, path=path, file_size=size, max_header_size=max_header_size)
+            self._size = size = os.fstat(fd).st_size
+            table = read_table(fd, size, max_header_size, path)
+            if table is None:
+                # a length that fails its checks, or a short read: the full reader names
+                # which (a Git LFS pointer, an HTML page, a truncated file ...)
+                from engine.format.header import read_header_fd
+
+                self._header = read_header_fd(fd, path=path, file_size=size, max_header_size=max_header_size)
+                table = self._header.table
         except BaseException:
             self.close()
             raise
+        self._table = table
         # per-name lookups are the hot path of callers that walk every key: get_slice is a
         # C callable bound to this handle (see engine.format._slices.pxi)
-        self._index = self.header.table.index
-        self.get_slice = Slicer(self, self.header)  # type: ignore[method-assign]
+        self._index = table.index
+        self.get_slice = Slicer(self, table)  # type: ignore[method-assign]
+
+    @property
+    def header(self) -> Header:
+        """The file's validated :class:`~engine.format.header.Header`, made on first use: an
+        open that only lists names, dtypes, shapes and metadata reads them from the table."""
+        header = self._header
+        if header is None:
+            from engine.format.header import Header
+
+            header = self._header = Header(self._table, file_size=self._size, path=self._path)
+        return header
 
     # -- context manager -------------------------------------------------------------
     def __enter__(self) -> safe_open:
@@ -200,12 +218,16 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     def _check_open(self) -> None:
         if self._closing:
+            from engine.errors import SafetensorError
+
             raise SafetensorError("the file is closed", reason="FileClosed", path=self._path)
 
     def _borrow(self) -> int:
         """The descriptor, kept open until the matching :meth:`_give_back`."""
         with self._lock:
             if self._closing:
+                from engine.errors import SafetensorError
+
                 raise SafetensorError("the file is closed", reason="FileClosed", path=self._path)
             self._users += 1
             return self._fd  # type: ignore[return-value]  # not None while not closing
@@ -227,6 +249,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         once, not once per key.  Call with the descriptor borrowed."""
         held = self._held
         if held is None:
+            from engine.base._files import advise_sequential
             from engine.io.reader import copy_mapping
 
             advise_sequential(fd)  # once for the handle, not per load
@@ -242,7 +265,11 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
         self._check_open()
-        return self.header.keys()
+        if self._header is not None:
+            return self._header.keys()
+        if self._keys is None:
+            self._keys = sorted(self._table.names)
+        return list(self._keys)
 
     def offset_keys(self) -> list[str]:
         """Tensor names in the order of their bytes in the file."""
@@ -252,7 +279,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def metadata(self) -> dict[str, str] | None:
         """The ``__metadata__`` mapping, or None when the file has none."""
         self._check_open()
-        md = self.header.metadata
+        md = self._table.metadata
         return dict(md) if md is not None else None
 
     def _row(self, name: str) -> int:
@@ -264,7 +291,9 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def _missing(self, name) -> NoReturn:
         """Raise what a lookup of ``name`` that found no open tensor must raise."""
         self._check_open()
-        raise TensorNotFoundError.for_name(name, self.header.table.names, where="file", path=self._path)
+        from engine.errors import TensorNotFoundError
+
+        raise TensorNotFoundError.for_name(name, self._table.names, where="file", path=self._path)
 
     @property
     def _sink(self):
@@ -280,6 +309,8 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             fd = self._borrow()
             try:
                 if self._network is None:
+                    from engine.base._files import advise_sequential, on_network_mount
+
                     self._network = on_network_mount(fd)
                     if self._network:
                         # there each fault of the mapping is a round trip for the read-ahead
@@ -320,53 +351,17 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     # -- internals ---------------------------------------------------------------------
     def _get_rows(self, rows: list[int]) -> dict:
+        from engine.loading.handle_reads import get_rows_many
+
         return get_rows_many([(self, rows)])[0]
 
     def _read_slice(self, row: int, index):
-        from engine.io.reader import default_threads, pread_runs
-        from engine.planning.plan import InvalidSliceError, plan_slice
+        from engine.loading.handle_reads import read_slice
 
-        t = self.header.table
-        code = int(t.codes[row])
-        d = dtypes.DTYPES[code]
-        name = t.names[row]
-        if d.sub_byte:
-            raise SafetensorError(
-                f"tensor {name!r} has the packed sub-byte dtype {d.name}; slice it after get_tensor()",
-                reason="InvalidSlice",
-                path=self._path,
-                tensors=(name,),
-            )
-        try:
-            # as the reference: numpy slices refuse bounds past an axis, torch slices clamp them
-            plan = plan_slice(t.shapes[row], d.itemsize, index, strict_bounds=self._kind != "torch")
-        except InvalidSliceError as err:
-            raise InvalidSliceError(
-                f"tensor {name!r} {list(t.shapes[row])}: {err.message}",
-                reason="InvalidSlice",
-                path=self._path,
-                tensors=(name,),
-            ) from None
-        begin, end = int(t.begins[row]), int(t.ends[row])
-        offset = self.header.data_start + begin
-        sink = self._sink
-        if self._backend == "mmap":
-            # basic indexing of the mapped view selects without copying; only the pages the
-            # selection touches are ever read
-            whole = sink.view(self._mapping_for((row,)), code, t.shapes[row], offset, end - begin)
-            return sink.to_device(sink.finish(whole[plan.forward_index], plan.flip_squeezed, plan.result_shape))
-        block = sink.empty(code, plan.out_shape, plan.nbytes)
-        if plan.nbytes:
-            threads = 1 if plan.nbytes < _PARALLEL_SLICE_BYTES else default_threads()
-            fd = self._borrow()
-            try:
-                pread_runs(fd, sink.raw(block), plan.src, plan.run_bytes, offset, path=self._path, threads=threads)
-            finally:
-                self._give_back()
-        return sink.to_device(sink.finish(block, plan.flip, plan.result_shape))
+        return read_slice(self, row, index)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closing else f"{len(self.header)} tensors"
+        state = "closed" if self._closing else f"{len(self._table.names)} tensors"
         return f"<engine.safe_open {self._path!r} {self._kind} {self._backend} ({state})>"
 
 
@@ -375,124 +370,6 @@ def _close_held(held) -> None:
         from engine.io.reader import close_mapping
 
         close_mapping(held)
-
-
-@contextlib.contextmanager
-def _borrowed(parts: list[tuple[safe_open, list[int]]], held: bool = False):
-    """:class:`engine.loading.loader.Part` of each (handle, rows), their descriptors kept open
-    against a concurrent ``close()`` until the block ends; with ``held``, each with its
-    handle's held mapping (device loads)."""
-    from engine.loading.loader import Part
-
-    taken: list[safe_open] = []
-    try:
-        files = []
-        for h, rows in parts:
-            fd = h._borrow()
-            taken.append(h)
-            files.append(Part(fd, h.header, rows, h._path, mapping=h._held_mapping(fd) if held else None))
-        yield files
-    finally:
-        for h in taken:
-            h._give_back()
-
-
-def load_into_many(handles: list[safe_open], tensors, *, source: str | None = None, **options) -> list[str]:
-    """:func:`engine.load_into` from several open handles (a checkpoint's shards) as one
-    load; ``options`` as :func:`engine.loading.fill.fill_parts` takes them."""
-    from engine.loading.fill import fill_parts
-
-    with _borrowed([(h, []) for h in handles]) as files, verification(handles[0]._verify if handles else None):
-        return fill_parts(files, tensors, source=source, **options)
-
-
-def get_rows_many(parts: list[tuple[safe_open, list[int]]]) -> list[dict]:
-    """The tensors of ``rows`` (name -> tensor) of each of several open handles, which share
-    one framework, device and backend (a checkpoint's shards).
-
-    ``"mmap"`` on the CPU makes views of each file's mapping (read ahead on several threads
-    when cold).  Everything else (owned ``"pread"`` loads, CUDA) is one load across every
-    file: one queue of reads, one set of threads or one chunk ring, one allocation
-    (:func:`engine.loading.loader.load_parts`).
-
-    Copies of tensor bytes: ``"mmap"`` 0; ``"pread"`` 1 (page cache to owned memory); a
-    CUDA device 2 (see :mod:`engine.loading.pipeline`).
-    """
-    if not parts:
-        return []
-    for h, _ in parts:
-        h._check_open()
-    sink = parts[0][0]._sink
-    if parts[0][0]._backend == "mmap" and not sink.on_device:
-        outs = []
-        for h, rows in parts:
-            t = h.header.table
-            base = h._mapping_for(rows)
-            start = h.header.data_start
-            columns = _columns(t, rows)
-            _, begins, ends = columns
-            spans = [(start + int(begins[r]), start + int(ends[r])) for r in rows]
-            if sum(hi - lo for lo, hi in spans) >= PREFETCH_MIN_BYTES and not h._network:
-                # a cold file is read on several threads in large pieces, not page by page as
-                # the caller touches it (a warm one costs a mincore call per 32 MiB); a small
-                # load (a tool's first tensor) needs none of the reader.  Not on a network or
-                # FUSE mount: there a populate runs one read-ahead window at a time through
-                # the mount, and the caller's own copy, faulting on all its threads with the
-                # doubled window, is faster (scripts/bench_netfs.py)
-                from engine.io.reader import prefetch_mapping
-
-                prefetch_mapping(h._mm, spans)
-            checks = _checks_of(h.header, h._path) if h._verify else None
-            if checks is not None:
-                # zero copies here: the check is one read of the mapped bytes, before any view
-                # is handed out (it also reads a cold file in)
-                checks.verify_views(h._mm, start, rows, begins, ends)
-            outs.append(views(sink, base, h.header, rows, start, path=h._path, columns=columns))
-    else:
-        # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
-        # opening a file and reading its header need none of it)
-        from engine.loading.loader import load_parts
-
-        with _borrowed(parts, held=sink.on_device) as files, verification(parts[0][0]._verify):
-            got = load_parts(files, sink)
-        outs = [{h.header.table.names[r]: g[r] for r in rows} for (h, rows), g in zip(parts, got, strict=True)]
-    if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
-        outs = [{name: sink.to_device(x) for name, x in out.items()} for out in outs]
-    return outs
-
-
-def _columns(table, rows) -> tuple:
-    """(codes, begins, ends) to index by row: Python lists when ``rows`` is much of the
-    table (indexing the arrays would build a numpy scalar per field; one ``tolist`` per
-    column is cheaper), else the arrays themselves (a few rows of a large file must not
-    pay for converting every row)."""
-    if len(rows) * 8 >= len(table.names):
-        return table.codes.tolist(), table.begins.tolist(), table.ends.tolist()
-    return table.codes, table.begins, table.ends
-
-
-def views(sink, base, header: Header, rows, data_start: int, path=None, columns=None) -> dict:
-    """Tensors of ``rows`` as zero-copy views of ``base``, whose byte ``data_start`` is the
-    first byte of the data region (a mapped file, the bytes of a whole file, or a copy of its
-    data region); keyed by name, in the order of ``rows``.
-
-    ``columns``: the table's (codes, begins, ends) as :func:`_columns` gave them, when the
-    caller has them already.  Raises ``UnrepresentableTensorError`` naming the tensor (and
-    ``path``) for a valid entry the framework cannot build."""
-    t = header.table
-    names, shapes = t.names, t.shapes
-    codes, begins, ends = columns if columns is not None else _columns(t, rows)
-    view = sink.view
-    out = {}
-    for r in rows:
-        b = int(begins[r])
-        try:
-            out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
-        except UnrepresentableTensorError as err:
-            raise UnrepresentableTensorError(
-                f"tensor {names[r]!r}: {err.message}", reason=err.reason, path=path, tensors=(names[r],)
-            ) from None
-    return out
 
 
 class _safe_open_handle(safe_open):  # noqa: N801 - the reference's spelling
@@ -541,6 +418,8 @@ def _handle_fd(f) -> int:
         pass
     data = f.read()
     if isinstance(data, str):
+        from engine.errors import SafetensorError
+
         raise SafetensorError("the file object was opened in text mode and has no descriptor; open it with 'rb'",
                               reason="InvalidFile")
     if hasattr(os, "memfd_create"):
@@ -560,14 +439,3 @@ def _handle_fd(f) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def _checks_of(header, path):
-    """:meth:`engine.format.checksums.Checks.of`, imported when first needed: a handle's first
-    open of a file (with or without checksums) imports none of the checksum code, and nor does
-    a load from a file that records none."""
-    if not records_checksums(header.metadata):
-        return None
-    from engine.format.checksums import Checks
-
-    return Checks.of(header, path)

@@ -437,7 +437,7 @@ class Weights:
         if self.on_cuda:
             out.update(per_tensor=o.per_tensor, slot_bytes=o.slot_bytes)
             if o.memory_limit is not None:  # the ring's chunks sized within the limit
-                from engine.apps.opener import memory_limit
+                from engine.apps.entry_points import memory_limit
 
                 memory_limit(limited := {"memory_limit": o.memory_limit, "slot_bytes": o.slot_bytes}, True)
                 out["slot_bytes"] = limited.get("slot_bytes")
@@ -445,7 +445,7 @@ class Weights:
 
     def _views(self, files: list[str]) -> Iterator[tuple[str, Any]]:
         from engine.io.reader import prefetch_mapping
-        from engine.loading.file_handle import views
+        from engine.loading.handle_reads import views
         from engine.sinks import get_sink, map_file
 
         sink = get_sink("pt", "cpu")

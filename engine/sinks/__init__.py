@@ -8,8 +8,10 @@ own module, which imports its framework at the top: importing it is the opt-in.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from engine.errors import DeviceError, SafetensorError, TensorMismatchError, UnsupportedFrameworkError
+if TYPE_CHECKING:
+    from engine.sinks._host import HOST_ALIGNMENT, host_block, pack_offsets
 
 __all__ = ["get_sink", "sink_kind", "map_file", "fill_target", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
 
@@ -34,7 +36,8 @@ _FRAMEWORKS = {
 
 #: Frameworks the reference accepts at open and imports at the first tensor (``"paddle"``
 #: at open): name -> the module it needs.  The engine opens such a file, lists its names,
-#: dtypes, shapes and metadata, and refuses the tensors (see :class:`_Unsupported`).
+#: dtypes, shapes and metadata, and refuses the tensors (see
+#: :class:`engine.sinks.unsupported.UnsupportedSink`).
 _UNSUPPORTED = {
     "tf": "tensorflow",
     "tensorflow": "tensorflow",
@@ -58,11 +61,15 @@ def sink_kind(framework: str, device="cpu") -> str:
     try:
         kind = _FRAMEWORKS[framework]
     except (KeyError, TypeError):
+        from engine.errors import SafetensorError
+
         raise SafetensorError(
             f"unsupported framework {framework!r}; expected one of {sorted(_FRAMEWORKS)}",
             reason="InvalidFramework",
         ) from None
     if kind == "numpy" and str(device) != "cpu":
+        from engine.errors import DeviceError
+
         raise DeviceError(f"numpy arrays live on the CPU; device {device!r} needs framework='pt'")
     return kind
 
@@ -89,45 +96,12 @@ def get_sink(framework: str, device="cpu"):
 
         return CupySink(device)
     if kind == "unsupported":
-        return _Unsupported(framework)
+        from engine.sinks.unsupported import UnsupportedSink
+
+        return UnsupportedSink(framework, _UNSUPPORTED[framework], imported_at_open=framework in _IMPORTED_AT_OPEN)
     from engine.sinks.torch import TorchSink
 
     return TorchSink(device)
-
-
-class _Unsupported:
-    """The sink of a framework the engine does not serve: every use raises.
-
-    Its error comes where the reference's would, at the first tensor (for ``"paddle"`` when
-    the sink is made, at open, if paddle is not installed), and is a ``ModuleNotFoundError``
-    as the reference's is when the framework is missing.
-    """
-
-    def __init__(self, framework: str) -> None:
-        self._framework = framework
-        self._module = _UNSUPPORTED[framework]
-        if framework in _IMPORTED_AT_OPEN and not _installed(self._module):
-            raise self._error()
-
-    def _error(self) -> UnsupportedFrameworkError:
-        found = "is installed" if _installed(self._module) else "is not installed"
-        return UnsupportedFrameworkError(
-            f"framework {self._framework!r} needs {self._module} ({self._module} {found}); the engine hands out "
-            "numpy, torch and CuPy tensors only: open with framework='np' and convert the arrays",
-            name=self._module,
-        )
-
-    def __getattr__(self, name: str):
-        raise self._error()
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def fill_target(x):
@@ -158,6 +132,8 @@ def fill_target(x):
         from engine.sinks.cupy import fill_target as cupy_target
 
         return cupy_target(x)
+    from engine.errors import TensorMismatchError
+
     raise TensorMismatchError(
         f"cannot load into a {type(x).__name__}; expected a numpy array, a torch tensor or a CuPy array"
     )
