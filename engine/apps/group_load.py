@@ -669,10 +669,10 @@ class _Group:
         import torch.distributed as dist
 
         from engine.format.checksums import verify_received
-        from engine.sinks import get_sink
+        from engine.loading.frameworks import sink_for
         from engine.sinks._host import host_block
 
-        sink = get_sink(self.framework) if self.framework != "raw" else None
+        sink = sink_for(self.framework) if self.framework != "raw" else None
         keeps: list[Any] = [getattr(p.ranges, "keep", None) for p in parts]
         cap = max((rd.hi - rd.lo for rd in rounds), default=0)
         ring: list[Any] = []  # "ring": the reused blocks, made as the first rounds need them

@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from engine.format._header import MAX_HEADER_SIZE, Slicer, TensorSlice, open_regular, read_table, verifying
-from engine.sinks import get_sink, map_file, sink_kind
+from engine.loading import frameworks
 
 if TYPE_CHECKING:
     from engine.format.header import Header
@@ -30,16 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
 
 _BACKENDS = ("mmap", "pread")
-
-
-def _sink_for(framework: str, device: Any):
-    """The sink of ``framework``; a framework that is not installed is a MissingDependencyError."""
-    try:
-        return get_sink(framework, device)
-    except ModuleNotFoundError as exc:
-        from engine.errors import MissingDependencyError
-
-        raise MissingDependencyError.for_framework(exc, framework) from None
 
 
 class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replacement
@@ -131,7 +121,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
                 raise SafetensorError(
                     f"unknown backend {backend!r}; expected one of {_BACKENDS}", reason="InvalidBackend"
                 )
-            self._kind = sink_kind(framework, device)
+            self._kind = frameworks.sink_kind(framework, device)
             self._device = device
             # The sink (and numpy, and the torch sink's module) comes with the first tensor,
             # not at open: a tool that reads only names, dtypes, shapes and metadata never
@@ -147,7 +137,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
                     raise MissingDependencyError.for_framework(exc, framework) from None
             elif self._kind != "numpy":
-                self._sink_obj = _sink_for(framework, device)
+                self._sink_obj = frameworks.sink_for(framework, device)
             self._backend = backend
             self._size = size = os.fstat(fd).st_size
             table = read_table(fd, size, max_header_size, path)
@@ -300,7 +290,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
         """This handle's sink, made on first use for numpy and CPU torch (see ``_setup``)."""
         sink = self._sink_obj
         if sink is None:  # CPU sinks hold no state: a second one made by a racing thread is as good
-            sink = self._sink_obj = _sink_for(self._kind, self._device)
+            sink = self._sink_obj = frameworks.sink_for(self._kind, self._device)
         return sink
 
     def _mapping(self):
@@ -317,6 +307,8 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
                         # window around it: a doubled window halves them (as the reference
                         # advises its mapping; scripts/bench_netfs.py)
                         advise_sequential(fd)
+                from engine.sinks import map_file
+
                 mm = map_file(self._sink, fd)
             finally:
                 self._give_back()

@@ -42,9 +42,9 @@ from engine.io.reader import IOV_MAX
 from engine.loading import pipeline
 from engine.loading._selection import select_file, select_files
 from engine.loading.cpu_stats import StatsCollector
+from engine.loading.frameworks import sink_for as get_sink
 from engine.loading.load_hooks import plan as onload_plan
 from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads
-from engine.sinks import get_sink
 
 __all__ = ["stream", "stream_parts", "load_file", "load_parts", "Part", "open_file", "key_bases", "run_parts", "sink_for",
            "prepare_ring", "prepare_device", "load_finite"]
@@ -173,12 +173,10 @@ _DONE = object()
 
 
 def sink_for(framework: str, device: Any = "cpu"):
-    """:func:`engine.sinks.get_sink`, with a framework that is not installed named as a
-    :class:`~engine.errors.MissingDependencyError` (the feature, the extra, the install line)."""
-    try:
-        return get_sink(framework, device)
-    except ModuleNotFoundError as exc:
-        raise MissingDependencyError.for_framework(exc, framework) from None
+    """:func:`engine.loading.frameworks.sink_for`: the sink of a framework name, one not
+    installed named as a :class:`~engine.errors.MissingDependencyError`.  Through this
+    module's ``get_sink``, where a test puts an emulated device's sink."""
+    return get_sink(framework, device)
 
 
 def _need_kernels(stats: bool, quantize) -> None:

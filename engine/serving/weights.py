@@ -448,7 +448,7 @@ class Weights:
         from engine.loading.handle_reads import views
         from engine.sinks import get_sink, map_file
 
-        sink = get_sink("pt", "cpu")
+        sink = get_sink("torch", "cpu")
         for path in files:
             fd = open_regular(path)
             try:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from engine.sinks._host import HOST_ALIGNMENT, host_block, pack_offsets
 
-__all__ = ["get_sink", "sink_kind", "map_file", "fill_target", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
+__all__ = ["get_sink", "map_file", "fill_target", "host_block", "pack_offsets", "HOST_ALIGNMENT"]
 
 
 def __getattr__(name: str):
@@ -25,55 +25,6 @@ def __getattr__(name: str):
         return getattr(_host, name)
     raise AttributeError(f"module 'engine.sinks' has no attribute {name!r}")
 
-_FRAMEWORKS = {
-    "np": "numpy",
-    "numpy": "numpy",
-    "pt": "torch",
-    "torch": "torch",
-    "cp": "cupy",
-    "cupy": "cupy",
-}
-
-#: Frameworks the reference accepts at open and imports at the first tensor (``"paddle"``
-#: at open): name -> the module it needs.  The engine opens such a file, lists its names,
-#: dtypes, shapes and metadata, and refuses the tensors (see
-#: :class:`engine.sinks.unsupported.UnsupportedSink`).
-_UNSUPPORTED = {
-    "tf": "tensorflow",
-    "tensorflow": "tensorflow",
-    "flax": "jax",
-    "jax": "jax",
-    "mlx": "mlx",
-    "paddle": "paddle",
-}
-_IMPORTED_AT_OPEN = ("paddle",)
-
-
-def sink_kind(framework: str, device="cpu") -> str:
-    """``"numpy"``, ``"torch"`` or ``"cupy"`` for a framework name as the reference spells it
-    (``"np"``, ``"pt"``, ...), checked without importing the framework.
-
-    Raises ``SafetensorError`` for an unknown name and ``DeviceError`` for numpy on a device
-    other than the CPU.
-    """
-    if isinstance(framework, str) and framework in _UNSUPPORTED:
-        return "unsupported"
-    try:
-        kind = _FRAMEWORKS[framework]
-    except (KeyError, TypeError):
-        from engine.errors import SafetensorError
-
-        raise SafetensorError(
-            f"unsupported framework {framework!r}; expected one of {sorted(_FRAMEWORKS)}",
-            reason="InvalidFramework",
-        ) from None
-    if kind == "numpy" and str(device) != "cpu":
-        from engine.errors import DeviceError
-
-        raise DeviceError(f"numpy arrays live on the CPU; device {device!r} needs framework='pt'")
-    return kind
-
-
 def map_file(sink, fd: int):
     """A mapping of the whole file ``fd`` as ``sink`` hands out views of it
     (``sink.mmap_access``): private copy-on-write for numpy and torch, whose arrays and
@@ -84,9 +35,9 @@ def map_file(sink, fd: int):
     return mmap.mmap(fd, 0, access=getattr(mmap, sink.mmap_access))
 
 
-def get_sink(framework: str, device="cpu"):
-    """The sink for a framework name as the reference spells it (``"np"``, ``"pt"``, ...)."""
-    kind = sink_kind(framework, device)
+def get_sink(kind: str, device="cpu"):
+    """The sink of ``kind``: ``"numpy"``, ``"torch"`` or ``"cupy"`` (a load's framework name, as the
+    reference spells it, is resolved to one by :func:`engine.loading.frameworks.sink_kind`)."""
     if kind == "numpy":
         from engine.sinks.numpy import NumpySink
 
@@ -95,10 +46,8 @@ def get_sink(framework: str, device="cpu"):
         from engine.sinks.cupy import CupySink
 
         return CupySink(device)
-    if kind == "unsupported":
-        from engine.sinks.unsupported import UnsupportedSink
-
-        return UnsupportedSink(framework, _UNSUPPORTED[framework], imported_at_open=framework in _IMPORTED_AT_OPEN)
+    if kind != "torch":
+        raise ValueError(f"no sink of kind {kind!r}")
     from engine.sinks.torch import TorchSink
 
     return TorchSink(device)
