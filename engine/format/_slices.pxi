@@ -7,6 +7,7 @@
 
 @cython.freelist(64)
 @cython.final
+@cython.auto_pickle(False)
 cdef class TensorSlice:
     """Lazy handle on one tensor, as returned by ``safe_open.get_slice``.
 
@@ -50,6 +51,7 @@ cdef class TensorSlice:
 
 
 @cython.final
+@cython.auto_pickle(False)
 cdef class Slicer:
     """``get_slice`` of one open handle: name -> :class:`TensorSlice`.
 
