@@ -47,7 +47,7 @@ _LAZY = {
     "TensorInfo": "engine.format.header",
     "MAX_HEADER_SIZE": "engine.format.header",
     "safe_open": "engine.apps.opener",
-    "_safe_open_handle": "engine.loading.file_handle",
+    "_safe_open_handle": "engine.loading.file_object",
     "TensorSpec": "engine.writing.tensorspec",
     "serialize": "engine.writing.tensorspec",
     "serialize_file": "engine.writing.tensorspec",
@@ -142,7 +142,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.gpu.records import LoadRecord, load_records
     from engine.gpu.rings import keep_staging
     from engine.io.kept_mappings import keep_mappings
-    from engine.loading.file_handle import _safe_open_handle
+    from engine.loading.file_object import _safe_open_handle
     from engine.loading.loader import prepare_device
     from engine.numpy import load, load_file
     from engine.writing.tensorspec import TensorSpec, deserialize, serialize, serialize_file

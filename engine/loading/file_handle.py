@@ -17,7 +17,6 @@ tensors through one of two backends:
 from __future__ import annotations
 
 import _thread
-import io
 import os
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -27,7 +26,7 @@ from engine.loading import frameworks
 if TYPE_CHECKING:
     from engine.format.header import Header
 
-__all__ = ["safe_open", "_safe_open_handle", "TensorSlice"]
+__all__ = ["safe_open", "TensorSlice"]
 
 _BACKENDS = ("mmap", "pread")
 
@@ -233,24 +232,6 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             _close_held(held)
             os.close(fd)
 
-    def _held_mapping(self, fd: int):
-        """The read-only mapping device loads copy out of (None: they ``pread``), made by the
-        first and kept until the handle closes: a loop of ``get_tensor`` calls maps the file
-        once, not once per key.  Call with the descriptor borrowed."""
-        held = self._held
-        if held is None:
-            from engine.base._files import advise_sequential
-            from engine.io.reader import copy_mapping
-
-            advise_sequential(fd)  # once for the handle, not per load
-            made = copy_mapping(fd)
-            with self._lock:
-                if self._held is None:
-                    self._held, made = (made if made is not None else False), None
-                held = self._held
-            _close_held(made)  # another thread made one first
-        return held or None
-
     # -- the reference's API -----------------------------------------------------------
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
@@ -293,42 +274,6 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
             sink = self._sink_obj = frameworks.sink_for(self._kind, self._device)
         return sink
 
-    def _mapping(self):
-        base = self._base
-        if base is None:
-            fd = self._borrow()
-            try:
-                if self._network is None:
-                    from engine.base._files import advise_sequential, on_network_mount
-
-                    self._network = on_network_mount(fd)
-                    if self._network:
-                        # there each fault of the mapping is a round trip for the read-ahead
-                        # window around it: a doubled window halves them (as the reference
-                        # advises its mapping; scripts/bench_netfs.py)
-                        advise_sequential(fd)
-                from engine.sinks import map_file
-
-                mm = map_file(self._sink, fd)
-            finally:
-                self._give_back()
-            self._mm = mm
-            base = self._base = self._sink.map(mm)
-        return base
-
-    def _mapping_for(self, rows) -> object:
-        """The mapping to view ``rows`` out of: this handle's, or a new private one where one
-        of them was viewed before.  Views of one copy-on-write mapping share their writes,
-        and the reference hands out independent arrays each time, so a second ``get_tensor``
-        of a tensor whose first array was written to must still see the file's bytes.  The
-        views handed out before keep their mapping alive."""
-        with self._lock:
-            if not self._handed.isdisjoint(rows):
-                self._base = self._mm = None
-                self._handed = set()
-            self._handed.update(rows)
-        return self._mapping()
-
     def get_tensor(self, name: str):
         """The whole tensor ``name`` (a view for "mmap", owned memory for "pread")."""
         return self._get_rows([self._row(name)])[name]
@@ -362,72 +307,3 @@ def _close_held(held) -> None:
         from engine.io.reader import close_mapping
 
         close_mapping(held)
-
-
-class _safe_open_handle(safe_open):  # noqa: N801 - the reference's spelling
-    """:class:`safe_open` over an open file object instead of a path (the reference's API).
-
-    Parameters
-    ----------
-    f : file object
-        A file opened by the caller: a real file (anything with a working ``fileno()``) is
-        read through a duplicate of its descriptor; any other readable object (an fsspec
-        file, ``io.BytesIO``) is read once, from its start, into anonymous memory.
-    framework, device, backend, max_header_size
-        As for :class:`safe_open`.
-
-    Notes
-    -----
-    The caller's file object is neither moved nor closed when it has a descriptor.  Copies
-    of tensor bytes: as :class:`safe_open` for real files; two more for other objects (their
-    bytes read into memory, then written to an anonymous in-memory file), with a peak of
-    twice the file's size.
-    """
-
-    def __init__(
-        self,
-        f,
-        framework: str,  # required, as by the reference
-        device: Any = "cpu",
-        *,
-        backend: str = "mmap",
-        max_header_size: int = MAX_HEADER_SIZE,
-    ) -> None:
-        name = getattr(f, "name", None)
-        path = os.fspath(name) if isinstance(name, (str, os.PathLike)) else repr(f)
-        self._setup(path, _handle_fd(f), framework, device, backend, max_header_size)
-
-
-def _handle_fd(f) -> int:
-    """A descriptor of our own for the file object ``f`` (see :class:`_safe_open_handle`)."""
-    try:
-        return os.dup(f.fileno())
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        pass
-    try:
-        f.seek(0)
-    except (AttributeError, OSError, ValueError):
-        pass
-    data = f.read()
-    if isinstance(data, str):
-        from engine.errors import SafetensorError
-
-        raise SafetensorError("the file object was opened in text mode and has no descriptor; open it with 'rb'",
-                              reason="InvalidFile")
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("safetensors", getattr(os, "MFD_CLOEXEC", 0))
-    else:  # pragma: no cover - not Linux
-        import tempfile  # here, not at the top: a first open would pay for its import
-
-        tmp = tempfile.TemporaryFile()
-        fd = os.dup(tmp.fileno())
-        tmp.close()
-    try:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # this one does not import it, not even for its annotations)
 Handle = Any
 
-__all__ = ["get_rows_many", "load_into_many", "read_slice", "views"]
+__all__ = ["get_rows_many", "load_into_many", "read_slice", "views", "held_mapping", "mapping", "mapping_for"]
 
 # below this a slice is read on the calling thread: threads cost more than they save
 _PARALLEL_SLICE_BYTES = 32 * 1024 * 1024
@@ -62,7 +62,7 @@ def read_slice(self: Handle, row: int, index):
     if self._backend == "mmap":
         # basic indexing of the mapped view selects without copying; only the pages the
         # selection touches are ever read
-        whole = sink.view(self._mapping_for((row,)), code, t.shapes[row], offset, end - begin)
+        whole = sink.view(mapping_for(self, (row,)), code, t.shapes[row], offset, end - begin)
         return sink.to_device(sink.finish(whole[plan.forward_index], plan.flip_squeezed, plan.result_shape))
     block = sink.empty(code, plan.out_shape, plan.nbytes)
     if plan.nbytes:
@@ -73,6 +73,66 @@ def read_slice(self: Handle, row: int, index):
         finally:
             self._give_back()
     return sink.to_device(sink.finish(block, plan.flip, plan.result_shape))
+
+
+def held_mapping(self: Handle, fd: int):
+    """The read-only mapping device loads copy out of (None: they ``pread``), made by the
+    first and kept until the handle closes: a loop of ``get_tensor`` calls maps the file
+    once, not once per key.  Call with the descriptor borrowed."""
+    held = self._held
+    if held is None:
+        from engine.base._files import advise_sequential
+        from engine.io.reader import close_mapping, copy_mapping
+
+        advise_sequential(fd)  # once for the handle, not per load
+        made = copy_mapping(fd)
+        with self._lock:
+            if self._held is None:
+                self._held, made = (made if made is not None else False), None
+            held = self._held
+        if made:  # another thread made one first
+            close_mapping(made)
+    return held or None
+
+
+def mapping(self: Handle):
+    """The base that tensors of this handle view: its mapping (made by the first), as its sink
+    hands views out of it."""
+    base = self._base
+    if base is None:
+        fd = self._borrow()
+        try:
+            if self._network is None:
+                from engine.base._files import advise_sequential, on_network_mount
+
+                self._network = on_network_mount(fd)
+                if self._network:
+                    # there each fault of the mapping is a round trip for the read-ahead
+                    # window around it: a doubled window halves them (as the reference
+                    # advises its mapping; scripts/bench_netfs.py)
+                    advise_sequential(fd)
+            from engine.sinks import map_file
+
+            mm = map_file(self._sink, fd)
+        finally:
+            self._give_back()
+        self._mm = mm
+        base = self._base = self._sink.map(mm)
+    return base
+
+
+def mapping_for(self: Handle, rows) -> object:
+    """The mapping to view ``rows`` out of: this handle's, or a new private one where one
+    of them was viewed before.  Views of one copy-on-write mapping share their writes,
+    and the reference hands out independent arrays each time, so a second ``get_tensor``
+    of a tensor whose first array was written to must still see the file's bytes.  The
+    views handed out before keep their mapping alive."""
+    with self._lock:
+        if not self._handed.isdisjoint(rows):
+            self._base = self._mm = None
+            self._handed = set()
+        self._handed.update(rows)
+    return mapping(self)
 
 
 @contextlib.contextmanager
@@ -88,7 +148,7 @@ def _borrowed(parts: list[tuple[Handle, list[int]]], held: bool = False):
         for h, rows in parts:
             fd = h._borrow()
             taken.append(h)
-            files.append(Part(fd, h.header, rows, h._path, mapping=h._held_mapping(fd) if held else None))
+            files.append(Part(fd, h.header, rows, h._path, mapping=held_mapping(h, fd) if held else None))
         yield files
     finally:
         for h in taken:
@@ -125,7 +185,7 @@ def get_rows_many(parts: list[tuple[Handle, list[int]]]) -> list[dict]:
         outs = []
         for h, rows in parts:
             t = h.header.table
-            base = h._mapping_for(rows)
+            base = mapping_for(h, rows)
             start = h.header.data_start
             columns = _columns(t, rows)
             _, begins, ends = columns
