@@ -615,8 +615,8 @@ def test_device_load_of_a_checkpoint_is_one_pipeline(sharded, monkeypatch, gpu_p
     emulator = Emulator()
     emulator.reset()
     sink = EmulatedSink(EmulatedRingOps(emulator))
-    monkeypatch.setattr(engine.loading.frameworks, "get_sink", lambda kind, device: sink)
-    monkeypatch.setattr(engine.loading.frameworks, "sink_kind", lambda framework, device: sink.name)
+    monkeypatch.setattr(engine.loading, "get_sink", lambda kind, device: sink)
+    monkeypatch.setattr(engine.loading, "sink_kind", lambda framework, device: sink.name)
     real = pipeline.run_sources
     monkeypatch.setattr(pipeline, "run_sources", lambda *a, **k: real(*a, **{**k, "gpu_path": gpu_path}))
     runs = count_pipelines(monkeypatch)

@@ -147,12 +147,12 @@ _STDLIB_ALLOWED = ("__future__", "importlib", "os", "typing", "weakref")
 #: what ``import engine`` may import, then a first local safe_open with every name, dtype,
 #: shape and the metadata, then (numpy imported) its first array; the Cython runtime's own
 #: modules aside.  Each module costs a short-lived process its finding, loading and running
-#: (docs/first_open.md): the first open goes through four packages, three Python modules and the
+#: (docs/first_open.md): the first open goes through four packages, two Python modules and the
 #: header extension, and creates none of the error hierarchy's classes.
 ALLOWED = {
     "import engine": ("engine",),
     "first safe_open": ("engine.apps", "engine.apps.opener", "engine.format", "engine.format._header",
-                        "engine.loading", "engine.loading.file_handle", "engine.loading.frameworks"),
+                        "engine.loading", "engine.loading.file_handle"),
     "first array": ("engine.base", "engine.base._dtype_rows", "engine.base._files", "engine.base.dtypes",
                     "engine.errors", "engine.format.header", "engine.format.verification", "engine.loading.handle_reads",
                     "engine.sinks", "engine.sinks.numpy", "mmap"),

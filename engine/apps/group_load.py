@@ -669,7 +669,7 @@ class _Group:
         import torch.distributed as dist
 
         from engine.format.checksums import verify_received
-        from engine.loading.frameworks import sink_for
+        from engine.loading import sink_for
         from engine.sinks._host import host_block
 
         sink = sink_for(self.framework) if self.framework != "raw" else None

@@ -20,8 +20,8 @@ import _thread
 import os
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import engine.loading as frameworks  # the package: a load's framework names
 from engine.format._header import MAX_HEADER_SIZE, Slicer, TensorSlice, open_regular, read_table, verifying
-from engine.loading import frameworks
 
 if TYPE_CHECKING:
     from engine.format.header import Header

@@ -40,9 +40,9 @@ from engine.gpu import device_ring
 from engine.gpu.geometry import geometry_for
 from engine.io.reader import IOV_MAX
 from engine.loading import pipeline
+from engine.loading import sink_for as get_sink
 from engine.loading._selection import select_file, select_files
 from engine.loading.cpu_stats import StatsCollector
-from engine.loading.frameworks import sink_for as get_sink
 from engine.loading.load_hooks import plan as onload_plan
 from engine.planning.plan import DEFAULT_CHUNK_BYTES, plan_reads
 
@@ -173,7 +173,7 @@ _DONE = object()
 
 
 def sink_for(framework: str, device: Any = "cpu"):
-    """:func:`engine.loading.frameworks.sink_for`: the sink of a framework name, one not
+    """:func:`engine.loading.sink_for`: the sink of a framework name, one not
     installed named as a :class:`~engine.errors.MissingDependencyError`.  Through this
     module's ``get_sink``, where a test puts an emulated device's sink."""
     return get_sink(framework, device)

@@ -37,7 +37,7 @@ def map_file(sink, fd: int):
 
 def get_sink(kind: str, device="cpu"):
     """The sink of ``kind``: ``"numpy"``, ``"torch"`` or ``"cupy"`` (a load's framework name, as the
-    reference spells it, is resolved to one by :func:`engine.loading.frameworks.sink_kind`)."""
+    reference spells it, is resolved to one by :func:`engine.loading.sink_kind`)."""
     if kind == "numpy":
         from engine.sinks.numpy import NumpySink
 
