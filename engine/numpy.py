@@ -118,7 +118,7 @@ def load(data: bytes) -> dict[str, np.ndarray]:
     region = memoryview(data).cast("B")[header.data_start :]
     block = host_block(len(region))
     memoryview(block)[: len(region)] = region
-    return views(NumpySink(), block, header, header.table.file_order(), 0)
+    return views(NumpySink(), block, header.table, header.table.file_order(), 0)
 
 
 def _check(tensor_dict) -> None:

@@ -159,7 +159,7 @@ def load(data: bytes) -> dict[str, torch.Tensor]:
     # one owned copy of the data region (at least one byte: torch cannot wrap an empty buffer)
     owned = bytearray(memoryview(data)[header.data_start :]) or bytearray(1)
     sink = TorchSink()
-    return views(sink, sink.map(owned), header, header.table.file_order(), 0)
+    return views(sink, sink.map(owned), header.table, header.table.file_order(), 0)
 
 
 def _check(tensors) -> None:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, NamedTuple
 from engine.base._dtype_rows import BITS as _BITS
 from engine.base._dtype_rows import NAMES as _NAMES
 from engine.base._dtype_rows import ROWS
-from engine.errors import MissingDependencyError, SerializationError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -85,6 +84,8 @@ def code_of(name: str) -> int:
     try:
         return BY_NAME[name].code
     except KeyError:
+        from engine.errors import SerializationError
+
         raise SerializationError(f"unknown safetensors dtype {name!r}", reason="InvalidDtype") from None
 
 
@@ -142,6 +143,8 @@ def from_numpy(dtype: np.dtype) -> int:
     try:
         return _FROM_NUMPY[key]
     except KeyError:
+        from engine.errors import SerializationError
+
         raise SerializationError(f"numpy dtype {dtype} has no safetensors equivalent", reason="InvalidDtype") from None
 
 
@@ -149,6 +152,8 @@ def _torch():
     try:
         import torch
     except ImportError:  # pragma: no cover - exercised only without the extra
+        from engine.errors import MissingDependencyError
+
         raise MissingDependencyError("torch", "torch", "torch tensors") from None
     return torch
 
@@ -180,6 +185,8 @@ def torch_dtype(code: int):
         attr = d.torch
     tdt = getattr(torch, attr, None) if attr else None
     if tdt is None:
+        from engine.errors import SerializationError
+
         raise SerializationError(f"this torch build has no dtype for {d.name}", reason="InvalidDtype")
     _TORCH_CACHE[code] = tdt
     return tdt
@@ -199,6 +206,8 @@ def from_torch(dtype) -> int:
     try:
         return _TORCH_REVERSE[dtype]
     except KeyError:
+        from engine.errors import SerializationError
+
         raise SerializationError(f"torch dtype {dtype} has no safetensors equivalent", reason="InvalidDtype") from None
 
 

@@ -280,7 +280,7 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
 
     def get_tensors(self) -> dict:
         """Every tensor, keyed by name, in file order."""
-        return self._get_rows(self.header.table.file_order())
+        return self._get_rows(self._table.file_order())
 
     def get_slice(self, name: str) -> TensorSlice:  # replaced per handle by a C callable
         """A lazy slice handle: ``f.get_slice(name)[0:8, ::2]`` reads only those bytes."""

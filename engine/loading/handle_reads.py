@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from engine.base import dtypes
 from engine.base._files import PREFETCH_MIN_BYTES
-from engine.errors import SafetensorError, UnrepresentableTensorError
 from engine.format.verification import records_checksums, verification
 
 if TYPE_CHECKING:
-    from engine.format.header import Header
+    from engine.format.header import HeaderTable
 
 # a handle: engine.loading.file_handle.safe_open, which imports this module on first use (so
 # this one does not import it, not even for its annotations)
@@ -35,11 +34,13 @@ def read_slice(self: Handle, row: int, index):
     from engine.io.reader import default_threads, pread_runs
     from engine.planning.plan import InvalidSliceError, plan_slice
 
-    t = self.header.table
+    t = self._table
     code = int(t.codes[row])
     d = dtypes.DTYPES[code]
     name = t.names[row]
     if d.sub_byte:
+        from engine.errors import SafetensorError
+
         raise SafetensorError(
             f"tensor {name!r} has the packed sub-byte dtype {d.name}; slice it after get_tensor()",
             reason="InvalidSlice",
@@ -57,7 +58,7 @@ def read_slice(self: Handle, row: int, index):
             tensors=(name,),
         ) from None
     begin, end = int(t.begins[row]), int(t.ends[row])
-    offset = self.header.data_start + begin
+    offset = 8 + t.header_size + begin
     sink = self._sink
     if self._backend == "mmap":
         # basic indexing of the mapped view selects without copying; only the pages the
@@ -184,9 +185,9 @@ def get_rows_many(parts: list[tuple[Handle, list[int]]]) -> list[dict]:
     if parts[0][0]._backend == "mmap" and not sink.on_device:
         outs = []
         for h, rows in parts:
-            t = h.header.table
+            t = h._table  # not h.header: a first tensor makes no Header
             base = mapping_for(h, rows)
-            start = h.header.data_start
+            start = 8 + t.header_size
             columns = _columns(t, rows)
             _, begins, ends = columns
             spans = [(start + int(begins[r]), start + int(ends[r])) for r in rows]
@@ -200,12 +201,12 @@ def get_rows_many(parts: list[tuple[Handle, list[int]]]) -> list[dict]:
                 from engine.io.reader import prefetch_mapping
 
                 prefetch_mapping(h._mm, spans)
-            checks = _checks_of(h.header, h._path) if h._verify else None
+            checks = _checks_of(h) if h._verify else None
             if checks is not None:
                 # zero copies here: the check is one read of the mapped bytes, before any view
                 # is handed out (it also reads a cold file in)
                 checks.verify_views(h._mm, start, rows, begins, ends)
-            outs.append(views(sink, base, h.header, rows, start, path=h._path, columns=columns))
+            outs.append(views(sink, base, t, rows, start, path=h._path, columns=columns))
     else:
         # owned memory and CUDA: the threaded pipeline, never a mapping (imported here:
         # opening a file and reading its header need none of it)
@@ -229,7 +230,7 @@ def _columns(table, rows) -> tuple:
     return table.codes, table.begins, table.ends
 
 
-def views(sink, base, header: Header, rows, data_start: int, path=None, columns=None) -> dict:
+def views(sink, base, table: HeaderTable, rows, data_start: int, path=None, columns=None) -> dict:
     """Tensors of ``rows`` as zero-copy views of ``base``, whose byte ``data_start`` is the
     first byte of the data region (a mapped file, the bytes of a whole file, or a copy of its
     data region); keyed by name, in the order of ``rows``.
@@ -237,7 +238,7 @@ def views(sink, base, header: Header, rows, data_start: int, path=None, columns=
     ``columns``: the table's (codes, begins, ends) as :func:`_columns` gave them, when the
     caller has them already.  Raises ``UnrepresentableTensorError`` naming the tensor (and
     ``path``) for a valid entry the framework cannot build."""
-    t = header.table
+    t = table
     names, shapes = t.names, t.shapes
     codes, begins, ends = columns if columns is not None else _columns(t, rows)
     view = sink.view
@@ -246,19 +247,23 @@ def views(sink, base, header: Header, rows, data_start: int, path=None, columns=
         b = int(begins[r])
         try:
             out[names[r]] = view(base, int(codes[r]), shapes[r], data_start + b, int(ends[r]) - b)
-        except UnrepresentableTensorError as err:
+        except Exception as err:  # noqa: BLE001 - the engine's error is imported by the first one
+            from engine.errors import UnrepresentableTensorError
+
+            if not isinstance(err, UnrepresentableTensorError):
+                raise
             raise UnrepresentableTensorError(
                 f"tensor {names[r]!r}: {err.message}", reason=err.reason, path=path, tensors=(names[r],)
             ) from None
     return out
 
 
-def _checks_of(header, path):
+def _checks_of(h: Handle):
     """:meth:`engine.format.checksums.Checks.of`, imported when first needed: a handle's first
     open of a file (with or without checksums) imports none of the checksum code, and nor does
     a load from a file that records none."""
-    if not records_checksums(header.metadata):
+    if not records_checksums(h._table.metadata):
         return None
     from engine.format.checksums import Checks
 
-    return Checks.of(header, path)
+    return Checks.of(h.header, h._path)

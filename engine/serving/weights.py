@@ -466,7 +466,7 @@ class Weights:
                 # a cold shard is read on several threads in large pieces rather than one fault
                 # at a time as the server's copies touch it; a warm one costs a few mincore calls
                 prefetch_mapping(mapping, spans, threads=self.options.threads)
-            tensors = views(sink, sink.map(mapping), header, rows, start, path=path)
+            tensors = views(sink, sink.map(mapping), header.table, rows, start, path=path)
             del mapping
             for name in list(tensors):
                 # popped: once handed out, only the server holds the view (and so the mapping)

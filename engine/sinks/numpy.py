@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.base import dtypes
-from engine.errors import UnrepresentableTensorError
 
 if TYPE_CHECKING:
     import mmap
@@ -33,6 +32,8 @@ class NumpySink:
             return np.ndarray(shape, dtypes.numpy_dtype(code), buffer=base, offset=offset)
         except (ValueError, OverflowError) as exc:
             # rank above numpy's limit, dimensions past 63 bits, or more bytes than it can index
+            from engine.errors import UnrepresentableTensorError
+
             raise UnrepresentableTensorError(
                 f"numpy cannot build an array of shape {dtypes.shape_text(shape)}: {exc}", reason="UnrepresentableShape"
             ) from None

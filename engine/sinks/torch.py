@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 from engine.base import dtypes
-from engine.errors import DeviceError, SafetensorError, UnrepresentableTensorError
 from engine.sinks._targets import FillTarget
 
 
@@ -22,8 +21,12 @@ class TorchSink:
         try:
             self.device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
         except (RuntimeError, TypeError) as exc:
+            from engine.errors import DeviceError
+
             raise DeviceError(f"invalid torch device {device!r}: {exc}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
+            from engine.errors import DeviceError
+
             raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" is the caller's current device, asked here on the caller's thread: the
@@ -83,6 +86,8 @@ class TorchSink:
         try:
             return t.to(self.device)
         except (RuntimeError, TypeError) as exc:
+            from engine.errors import DeviceError
+
             raise DeviceError(f"cannot move a tensor to {self.device}: {exc}") from None
 
     def ring_ops(self):
@@ -112,8 +117,12 @@ def _from_numpy_dtypes() -> dict[int, tuple[np.dtype, torch.dtype | None]]:
             continue
         try:
             tdt = dtypes.torch_dtype(d.code)
-        except SafetensorError:  # this torch build has no such dtype
-            continue
+        except Exception as exc:  # noqa: BLE001 - the engine's error is imported by the first one
+            from engine.errors import SafetensorError
+
+            if isinstance(exc, SafetensorError):  # this torch build has no such dtype
+                continue
+            raise
         own = dtypes.own_numpy_dtype(d.code)  # numpy's own dtype, never an ml_dtypes one
         try:
             if own is not None and torch.from_numpy(np.zeros(1, own)).dtype == tdt:
@@ -145,6 +154,8 @@ def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> to
     """
     tdt = dtypes.torch_dtype(code)
     if shape and max(shape) > _INT64_MAX:
+        from engine.errors import UnrepresentableTensorError
+
         raise UnrepresentableTensorError(
             f"shape {dtypes.shape_text(shape)} has a dimension of 2**63 or more, which torch cannot index",
             reason="UnrepresentableShape",
@@ -155,6 +166,8 @@ def host_tensor(buffer, code: int, shape: tuple, offset: int, nbytes: int) -> to
         try:
             return torch.empty(0, dtype=tdt).reshape(shape)
         except RuntimeError as exc:
+            from engine.errors import UnrepresentableTensorError
+
             raise UnrepresentableTensorError(
                 f"torch cannot build an empty tensor of shape {dtypes.shape_text(shape)}: {exc}", reason="UnrepresentableShape"
             ) from None
