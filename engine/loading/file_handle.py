@@ -236,8 +236,6 @@ class safe_open:  # noqa: N801 - the reference's spelling, for a drop-in replace
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
         self._check_open()
-        if self._header is not None:
-            return self._header.keys()
         if self._keys is None:
             self._keys = sorted(self._table.names)
         return list(self._keys)

@@ -214,7 +214,7 @@ def get_rows_many(parts: list[tuple[Handle, list[int]]]) -> list[dict]:
 
         with _borrowed(parts, held=sink.on_device) as files, verification(parts[0][0]._verify):
             got = load_parts(files, sink)
-        outs = [{h.header.table.names[r]: g[r] for r in rows} for (h, rows), g in zip(parts, got, strict=True)]
+        outs = [{h._table.names[r]: g[r] for r in rows} for (h, rows), g in zip(parts, got, strict=True)]
     if getattr(sink, "moves", False):  # a torch device reached with .to() (mps, xpu, ...)
         outs = [{name: sink.to_device(x) for name, x in out.items()} for out in outs]
     return outs
